@@ -1,0 +1,1 @@
+//! weightsync-schedules: the pure planner. (Being built: see issue 3.)

@@ -1,0 +1,1 @@
+//! weightsync-tests: shared harness code for the suites under `tests/tests/`.
