@@ -4,3 +4,8 @@
 //! stream, a memcpy, a serialised pipeline, a broadcast), because this machine is shared and
 //! noisy: only ratios measured side by side mean anything. Criterion benches for the kernels and
 //! the planner live under `benches/benches/`.
+
+pub mod fabric;
+pub mod e2e;
+pub mod prepare;
+pub mod pipeline;

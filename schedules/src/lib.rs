@@ -1,1 +1,48 @@
-//! weightsync-schedules: the pure planner. (Being built: see issue 3.)
+//! weightsync-schedules: the pure planner.
+//!
+//! `(model, training layout, inference layout, cost model) -> RoutingTable`, with no I/O, no
+//! clock and no threads, so the same inputs always give the same (byte-identical) table and every
+//! rule the table obeys can be checked by tests.
+//!
+//! # Layout
+//! - [`table`]: the output ([`RoutingTable`]) and the memory/execution contract with workers.
+//! - [`model`]: logical parameters from a Hugging Face config.json; [`presets`] of public ones.
+//! - [`layout_train`]: training layouts (`pp=2,ep=8,fsdp=16`) as shard lists.
+//! - [`layout_infer`]: inference layouts (`tp=8,ep=32,dp=4`, bf16 or fp8) as engine tensors.
+//! - [`planner`]: [`plan`] itself; [`balance`] spreads replicated data; [`runs`] merges writes.
+//! - [`cost`]: the cost model; [`summary`]: the figures `weightsync plan` prints.
+//! - [`error`]: [`PlanError`].
+//!
+//! # Example
+//! ```
+//! use weightsync_schedules::*;
+//! let model = Model::preset("qwen3-0.6b", ExpertForm::PerExpert).unwrap();
+//! let train = TrainingLayout::build(&model, &"fsdp=4".parse().unwrap()).unwrap();
+//! let infer = InferenceLayout::build(&model, &"tp=2,dp=2".parse().unwrap()).unwrap();
+//! let table = plan(&model, &train, &infer, &CostModel::default()).unwrap();
+//! let mine = table.slice(0).unwrap();
+//! assert!(!mine.tasks.is_empty());
+//! ```
+
+pub mod balance;
+pub mod baseline;
+pub mod cost;
+pub mod error;
+pub mod layout_infer;
+pub mod layout_train;
+pub mod model;
+pub mod planner;
+pub mod presets;
+pub mod runs;
+pub mod simulate;
+pub mod summary;
+pub mod table;
+
+pub use cost::CostModel;
+pub use error::PlanError;
+pub use layout_infer::{InferDType, InferSpec, InferenceLayout};
+pub use layout_train::{TrainSpec, TrainingLayout};
+pub use model::{ExpertForm, Model};
+pub use planner::{plan, plan_with_progress};
+pub use summary::Summary;
+pub use table::RoutingTable;

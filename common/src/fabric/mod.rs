@@ -1,1 +1,174 @@
-//! The fabric: one-sided WRITE with immediates. (Being built: see issue 2.)
+//! The fabric: one-sided WRITE with 32-bit immediates, over TCP or ibverbs.
+//!
+//! Everything weightsync moves goes through this API, modelled on fabric-lib's TransferEngine:
+//!
+//! 1. **Register once.** Each process registers its memory at start-up
+//!    ([`FabricBackend::register`]): an owned page-aligned buffer or a raw range it keeps alive
+//!    ([`Memory`]). It gets a [`Region`] handle and a serde [`RegionDescriptor`] (endpoint, base,
+//!    length, rkey) that it publishes to the controller. Registration is expensive on real NICs
+//!    (pinning, page tables), so it never happens on the data path.
+//! 2. **Write one-sided.** A writer posts [`WriteOp`]s: local bytes into a peer's region at an
+//!    offset, optionally with an immediate. The receiver's CPU does nothing per write: no receive
+//!    call, no copy into place. [`FabricBackend::write_batch`] merges runs contiguous on both sides
+//!    and spreads large writes over several *lanes* (queue pairs / TCP connections) per peer,
+//!    because one lane rarely fills a link. The returned future resolves when the peer has
+//!    acknowledged that every byte landed (or with the error that stopped it).
+//! 3. **Count immediates.** The receiver learns of arrivals only through the immediates it counts
+//!    in its [`ImmCounter`]; `expect(imm, n)` resolves once `n` such writes have fully landed, in
+//!    any order across lanes.
+//!
+//! Failures are typed ([`FabricError`]): a peer refusing a write (wrong rkey, out of bounds, no
+//! permission, deregistered), an unreachable peer, a lane that disconnects (reported to the writes
+//! on it and re-established on next use, like a queue pair reset), and timeouts.
+//!
+//! # Backends
+//! - [`tcp`] (default): a user-space emulation of an RDMA NIC. Frames carry op, rkey, remote
+//!   address, length, immediate and payload; the receiver validates against its registration table
+//!   before touching memory and reads the payload straight into the region. Lanes authenticate
+//!   with a challenge on the job token.
+//! - `verbs` (feature `rdma`): ibverbs RC queue pairs, bootstrapped through the same endpoint.
+//!
+//! [`Fabric`] picks one at run time from a [`FabricConfig`]; code that wants to be generic (the
+//! conformance suite, the pipeline) takes `B: FabricBackend`.
+//!
+//! # Layout
+//! - `descriptor`: [`Endpoint`], [`Access`], [`RegionDescriptor`].
+//! - `memory`: [`Memory`], [`PageAlignedBuffer`], [`RawMemory`].
+//! - `region`: [`Region`], [`RegisteredMemory`] (revocable access for backends).
+//! - `op`: [`WriteOp`], [`merge_contiguous`], [`stripe`].
+//! - `imm_counter`: [`ImmCounter`].
+//! - `config`: [`FabricConfig`]. `error`: [`FabricError`].
+
+use std::future::Future;
+
+mod config;
+mod descriptor;
+mod error;
+mod imm_counter;
+mod memory;
+mod op;
+mod region;
+pub mod tcp;
+#[cfg(feature = "rdma")]
+pub mod verbs;
+
+pub use config::{BackendKind, FabricConfig, JobToken, VerbsConfig};
+pub use descriptor::{Access, Endpoint, RegionDescriptor};
+pub use error::{FabricError, RemoteAccessKind, Result};
+pub use imm_counter::{ImmCounter, ImmStats, ImmWait};
+pub use memory::{Memory, MemoryLocation, PageAlignedBuffer, RawMemory, PAGE_SIZE};
+pub use op::{merge_contiguous, stripe, WriteOp};
+pub use region::{DeregisterHook, LiveMemory, Region, RegisteredMemory};
+pub use tcp::TcpFabric;
+
+/// What every backend offers. Small on purpose: register, write, count.
+///
+/// Implementations are cheap handles (`Clone`, shared state behind an `Arc`), and their futures
+/// are `'static` so callers can spawn them.
+///
+/// Contract every backend keeps (and the conformance suite in `weightsync-tests` checks):
+/// - a write resolves `Ok` only after every byte is in the peer's memory;
+/// - the peer counts a write's immediate exactly once, only after all its bytes landed (also when
+///   the backend split it over lanes), and never for a write that failed part-way;
+/// - a refused write touches no byte outside the region it was checked against, and none inside
+///   it either when refused before landing (wrong rkey, bounds, permission, deregistered);
+/// - a lane that fails makes the writes on it fail, and the next write reconnects.
+pub trait FabricBackend: Clone + Send + Sync + std::fmt::Debug + 'static {
+    /// This process's bootstrap address, the `endpoint` of its descriptors.
+    fn endpoint(&self) -> &Endpoint;
+
+    /// Lanes (connections / queue pairs) used per peer.
+    fn lanes_per_peer(&self) -> usize;
+
+    /// Registers memory. The returned region deregisters when its last clone drops.
+    fn register(&self, memory: Memory, access: Access) -> Result<Region>;
+
+    /// Allocates and registers a zeroed page-aligned buffer of `len` bytes.
+    fn alloc(&self, len: usize, access: Access) -> Result<Region> {
+        self.register(Memory::alloc(len)?, access)
+    }
+
+    /// Writes one op; resolves once it landed (acknowledged by the peer).
+    fn write(&self, op: WriteOp) -> impl Future<Output = Result<()>> + Send + 'static;
+
+    /// Writes many ops (merged and striped over lanes); resolves once all landed, or with the
+    /// first error (the others may or may not have landed).
+    fn write_batch(&self, ops: Vec<WriteOp>) -> impl Future<Output = Result<()>> + Send + 'static;
+
+    /// Establishes the lanes to `peer` ahead of the first write (optional; writes connect lazily).
+    fn connect(&self, peer: &Endpoint) -> impl Future<Output = Result<()>> + Send + 'static;
+
+    /// The counter of immediates received by this process.
+    fn imm_counter(&self) -> &ImmCounter;
+}
+
+/// The backend chosen at run time.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub enum Fabric {
+    /// User-space RDMA emulation over TCP.
+    Tcp(TcpFabric),
+    /// ibverbs.
+    #[cfg(feature = "rdma")]
+    Verbs(verbs::VerbsFabric),
+}
+
+impl Fabric {
+    /// Starts the backend named by `config` (binds its listener, opens devices).
+    pub async fn start(config: &FabricConfig) -> Result<Fabric> {
+        config.validate()?;
+        match config.backend {
+            BackendKind::Tcp => Ok(Fabric::Tcp(TcpFabric::start(config).await?)),
+            #[cfg(feature = "rdma")]
+            BackendKind::Verbs => Ok(Fabric::Verbs(verbs::VerbsFabric::start(config).await?)),
+            #[cfg(not(feature = "rdma"))]
+            BackendKind::Verbs => Err(FabricError::Unsupported(
+                "the verbs backend needs weightsync built with the `rdma` feature".into(),
+            )),
+        }
+    }
+}
+
+macro_rules! dispatch {
+    ($self:ident, $f:ident => $e:expr) => {
+        match $self {
+            Fabric::Tcp($f) => $e,
+            #[cfg(feature = "rdma")]
+            Fabric::Verbs($f) => $e,
+        }
+    };
+}
+
+impl FabricBackend for Fabric {
+    fn endpoint(&self) -> &Endpoint {
+        dispatch!(self, f => f.endpoint())
+    }
+
+    fn lanes_per_peer(&self) -> usize {
+        dispatch!(self, f => f.lanes_per_peer())
+    }
+
+    fn register(&self, memory: Memory, access: Access) -> Result<Region> {
+        dispatch!(self, f => f.register(memory, access))
+    }
+
+    fn write(&self, op: WriteOp) -> impl Future<Output = Result<()>> + Send + 'static {
+        let this = self.clone();
+        async move { dispatch!(this, f => f.write(op).await) }
+    }
+
+    fn write_batch(&self, ops: Vec<WriteOp>) -> impl Future<Output = Result<()>> + Send + 'static {
+        let this = self.clone();
+        async move { dispatch!(this, f => f.write_batch(ops).await) }
+    }
+
+    fn connect(&self, peer: &Endpoint) -> impl Future<Output = Result<()>> + Send + 'static {
+        let this = self.clone();
+        let peer = peer.clone();
+        async move { dispatch!(this, f => f.connect(&peer).await) }
+    }
+
+    fn imm_counter(&self) -> &ImmCounter {
+        dispatch!(self, f => f.imm_counter())
+    }
+}

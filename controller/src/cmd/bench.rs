@@ -9,9 +9,193 @@ pub struct Args {
 
 /// Which benchmark to run.
 #[derive(Debug, clap::Subcommand)]
-pub enum Which {}
+pub enum Which {
+    /// Fabric: one-sided writes between two processes on loopback, beside one TCP stream and
+    /// memcpy (4 KiB to 64 MiB blocks, 1, 2 and 4 lanes).
+    Fabric {
+        /// Print one JSON object instead of a table.
+        #[arg(long)]
+        json: bool,
+        /// A short smoke run (fewer bytes, one repetition).
+        #[arg(long)]
+        quick: bool,
+        /// Block sizes in bytes (comma-separated; default 4 KiB, 64 KiB, 1 MiB, 64 MiB).
+        #[arg(long, value_delimiter = ',')]
+        blocks: Vec<usize>,
+        /// Internal: run as the receiving peer process.
+        #[arg(long, hide = true)]
+        peer: bool,
+    },
+    /// Trainer pipeline: stages overlapped vs serialised, same tasks, loopback TCP fabric.
+    Pipeline {
+        /// Print one JSON object instead of text.
+        #[arg(long)]
+        json: bool,
+        /// Number of weight matrices (tasks), each f32 quantised to fp8.
+        #[arg(long, default_value_t = 16)]
+        tasks: u32,
+        /// Rows of each matrix.
+        #[arg(long, default_value_t = 1024)]
+        rows: u32,
+        /// Columns of each matrix.
+        #[arg(long, default_value_t = 2048)]
+        cols: u32,
+        /// Staging watermark, MiB.
+        #[arg(long, default_value_t = 64)]
+        watermark_mib: u64,
+        /// Staging per piece, MiB.
+        #[arg(long, default_value_t = 4)]
+        piece_mib: u64,
+        /// Fabric lanes per peer.
+        #[arg(long, default_value_t = 2)]
+        lanes: usize,
+        /// Timed repetitions per mode (median reported).
+        #[arg(long, default_value_t = 5)]
+        reps: usize,
+        /// Run the prepare kernel on every rayon thread.
+        #[arg(long)]
+        prepare_all_threads: bool,
+    },
+    /// End to end on loopback: N trainers to M rollouts with a real model's shapes, beside the
+    /// plain-TCP limit and the broadcast baseline run through the same fabric.
+    E2e {
+        /// Print one JSON object instead of text.
+        #[arg(long)]
+        json: bool,
+        /// Model preset.
+        #[arg(long, default_value = "qwen3-0.6b")]
+        model: String,
+        /// Training layout.
+        #[arg(long, default_value = "fsdp=4")]
+        train: String,
+        /// Inference layout.
+        #[arg(long, default_value = "tp=2,dp=2")]
+        infer: String,
+        /// Inference weight format.
+        #[arg(long, default_value = "fp8")]
+        dtype: String,
+        /// Timed syncs per method (median reported).
+        #[arg(long, default_value_t = 3)]
+        syncs: usize,
+        /// Staging watermark per trainer, MiB.
+        #[arg(long, default_value_t = 256)]
+        watermark_mib: u64,
+        /// Fabric lanes per peer.
+        #[arg(long, default_value_t = 2)]
+        lanes: usize,
+        /// Bucket size of the broadcast baseline, MiB.
+        #[arg(long, default_value_t = 64)]
+        bucket_mib: u64,
+        /// Trainers compute checksums of what they write.
+        #[arg(long)]
+        verify: bool,
+    },
+    /// Preparation kernels (gather, casts, fp8 block quantisation) beside memcpy.
+    Prepare {
+        /// Print one JSON object instead of a table.
+        #[arg(long)]
+        json: bool,
+        /// Input size of each kernel, in MiB.
+        #[arg(long, default_value_t = 64)]
+        mib: usize,
+        /// Timed repetitions per figure (the best is kept).
+        #[arg(long, default_value_t = 5)]
+        reps: usize,
+    },
+}
 
 /// Runs `weightsync bench ...`.
 pub fn run(args: Args) -> anyhow::Result<()> {
-    match args.which {}
+    match args.which {
+        Which::Fabric { peer: true, .. } => weightsync_benches::fabric::run_peer(),
+        Which::Fabric {
+            json,
+            quick,
+            blocks,
+            ..
+        } => {
+            let cfg = weightsync_benches::fabric::Config { quick, blocks };
+            let report = weightsync_benches::fabric::run(&cfg)?;
+            if json {
+                println!("{}", serde_json::to_string(&report)?);
+            } else {
+                print!("{}", report.human());
+            }
+            Ok(())
+        }
+        Which::Pipeline {
+            json,
+            tasks,
+            rows,
+            cols,
+            watermark_mib,
+            piece_mib,
+            lanes,
+            reps,
+            prepare_all_threads,
+        } => {
+            let cfg = weightsync_benches::pipeline::Config {
+                tasks,
+                rows,
+                cols,
+                watermark_mib,
+                piece_mib,
+                lanes,
+                reps,
+                prepare_all_threads,
+            };
+            let report = weightsync_benches::pipeline::run(&cfg)?;
+            if json {
+                println!("{}", serde_json::to_string(&report)?);
+            } else {
+                print!("{}", report.human());
+            }
+            Ok(())
+        }
+        Which::E2e {
+            json,
+            model,
+            train,
+            infer,
+            dtype,
+            syncs,
+            watermark_mib,
+            lanes,
+            bucket_mib,
+            verify,
+        } => {
+            use weightsync_benches::e2e;
+            let cfg = e2e::Config {
+                setup: e2e::Setup::new(&model, &train, &infer, &dtype),
+                syncs,
+                workers: e2e::WorkerOptions {
+                    watermark_bytes: watermark_mib << 20,
+                    lanes_per_peer: lanes,
+                    verify,
+                    ..Default::default()
+                },
+                bucket_bytes: bucket_mib << 20,
+            };
+            let report = e2e::run(&cfg)?;
+            if json {
+                println!("{}", serde_json::to_string(&report)?);
+            } else {
+                print!("{}", report.human());
+            }
+            Ok(())
+        }
+        Which::Prepare { json, mib, reps } => {
+            let cfg = weightsync_benches::prepare::Config {
+                input_mib: mib,
+                reps,
+            };
+            let report = weightsync_benches::prepare::run(&cfg)?;
+            if json {
+                println!("{}", serde_json::to_string(&report)?);
+            } else {
+                print!("{}", report.human());
+            }
+            Ok(())
+        }
+    }
 }

@@ -1,10 +1,173 @@
-//! `weightsync controller`. (Being built.)
+//! `weightsync controller`: the controller of one job, for real deployments.
+//!
+//! It serves the HTTP API and dashboard on `--http` and the workers' control channel on
+//! `--control`, expects the workers the job's layouts imply, plans once they are all registered,
+//! and runs a sync whenever the training loop posts to `/v1/syncs`. Tokens come from
+//! `WEIGHTSYNC_JOB_TOKEN` (workers) and `WEIGHTSYNC_API_TOKEN` (mutating HTTP calls).
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+use serde::Deserialize;
+use weightsync_common::protocol::WorldSpec;
+use weightsync_common::DType;
+
+use crate::coordinator::CoordinatorConfig;
+use crate::routing::{world_size, SchedulesPlanner};
+use crate::service::{AppState, ControllerConfig};
+
+/// Arguments of `weightsync controller` (the TOML file takes the same keys).
+#[derive(Debug, Clone, Default, Deserialize, clap::Args)]
+#[serde(deny_unknown_fields)]
+pub struct Settings {
+    /// HTTP API and dashboard address [default: 127.0.0.1:8080].
+    #[arg(long, env = "WEIGHTSYNC_HTTP")]
+    pub http: Option<String>,
+    /// Control-channel address workers connect to [default: 127.0.0.1:7070].
+    #[arg(long, env = "WEIGHTSYNC_CONTROL")]
+    pub control: Option<String>,
+    /// Model preset or config.json path.
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Training layout, e.g. fsdp=4.
+    #[arg(long)]
+    pub train: Option<String>,
+    /// Inference layout, e.g. tp=2,dp=2.
+    #[arg(long)]
+    pub infer: Option<String>,
+    /// Inference dtype: bf16 or fp8 [default: bf16].
+    #[arg(long)]
+    pub dtype: Option<String>,
+    /// Verify checksums of what landed [default: true].
+    #[arg(long)]
+    pub verify: Option<bool>,
+    /// A worker silent this long fails the running sync [default: 5000].
+    #[arg(long)]
+    pub heartbeat_timeout_ms: Option<u64>,
+    /// A sync not committed within this fails [default: 300].
+    #[arg(long)]
+    pub sync_timeout_s: Option<u64>,
+    /// Syncs kept in history [default: 200].
+    #[arg(long)]
+    pub history: Option<usize>,
+}
 
 /// Arguments of `weightsync controller`.
 #[derive(Debug, clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// TOML file with any of the settings (flags win).
+    #[arg(long, env = "WEIGHTSYNC_CONTROLLER_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Settings.
+    #[command(flatten)]
+    pub settings: Settings,
+}
+
+/// Builds the controller configuration for a job.
+pub fn controller_config(
+    world: WorldSpec,
+    job_token: String,
+    api_token: String,
+    heartbeat_timeout: Duration,
+    sync_timeout: Duration,
+    history: usize,
+) -> anyhow::Result<ControllerConfig> {
+    let (trainers, rollouts) = world_size(&world)?;
+    Ok(ControllerConfig::new(
+        CoordinatorConfig {
+            world,
+            trainers,
+            rollouts,
+            heartbeat_interval: (heartbeat_timeout / 5).max(Duration::from_millis(50)),
+            heartbeat_timeout,
+            sync_timeout,
+            failure_grace: Duration::from_millis(300),
+            history,
+        },
+        job_token,
+        api_token,
+    ))
+}
+
+fn env_token(name: &str) -> anyhow::Result<String> {
+    std::env::var(name)
+        .ok()
+        .filter(|t| !t.is_empty())
+        .with_context(|| {
+            format!("set {name} (a secret shared with the workers / the training loop)")
+        })
+}
 
 /// Runs `weightsync controller`.
-pub fn run(_args: Args) -> anyhow::Result<()> {
-    anyhow::bail!("`weightsync controller` is not built yet")
+pub fn run(args: Args) -> anyhow::Result<()> {
+    crate::logging::init("info");
+    let file: Settings = match &args.config {
+        Some(p) => toml::from_str(
+            &std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?,
+        )
+        .with_context(|| format!("parsing {}", p.display()))?,
+        None => Settings::default(),
+    };
+    let s = args.settings;
+    let need = |a: Option<String>, b: Option<String>, what: &str| {
+        a.or(b).with_context(|| format!("{what} is required"))
+    };
+    let world = WorldSpec {
+        model: need(s.model, file.model, "--model")?,
+        train: need(s.train, file.train, "--train")?,
+        infer: need(s.infer, file.infer, "--infer")?,
+        dtype: s
+            .dtype
+            .or(file.dtype)
+            .as_deref()
+            .unwrap_or("bf16")
+            .parse::<DType>()
+            .map_err(anyhow::Error::msg)?,
+        verify: s.verify.or(file.verify).unwrap_or(true),
+    };
+    let cfg = controller_config(
+        world,
+        env_token("WEIGHTSYNC_JOB_TOKEN")?,
+        env_token("WEIGHTSYNC_API_TOKEN")?,
+        Duration::from_millis(
+            s.heartbeat_timeout_ms
+                .or(file.heartbeat_timeout_ms)
+                .unwrap_or(5000),
+        ),
+        Duration::from_secs(s.sync_timeout_s.or(file.sync_timeout_s).unwrap_or(300)),
+        s.history.or(file.history).unwrap_or(200),
+    )?;
+    let http = s
+        .http
+        .or(file.http)
+        .unwrap_or_else(|| "127.0.0.1:8080".into());
+    let control = s
+        .control
+        .or(file.control)
+        .unwrap_or_else(|| "127.0.0.1:7070".into());
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async move {
+        let h = tokio::net::TcpListener::bind(&http)
+            .await
+            .with_context(|| format!("binding the HTTP address {http}"))?;
+        let c = tokio::net::TcpListener::bind(&control)
+            .await
+            .with_context(|| format!("binding the control address {control}"))?;
+        tracing::info!(
+            "controller for {} trainers and {} rollouts: dashboard http://{}/ , workers connect to {}",
+            cfg.coordinator.trainers,
+            cfg.coordinator.rollouts,
+            h.local_addr()?,
+            c.local_addr()?
+        );
+        let state = AppState::new(cfg, Box::new(SchedulesPlanner));
+        crate::service::run(h, c, state, async {
+            let _ = tokio::signal::ctrl_c().await;
+        })
+        .await?;
+        anyhow::Ok(())
+    })
 }

@@ -1,0 +1,263 @@
+//! `weightsync bench e2e`: whole syncs on loopback with a real model's shapes, beside the
+//! plain-TCP limit and the broadcast baseline executed for real, in the same run.
+//!
+//! Why these two baselines: the plain-TCP limit (the same bytes between the same pairs over bare
+//! sockets, nothing else to do) is the most any transport could land on this machine, so
+//! `ratio_vs_tcp_limit` says how close weightsync gets to the wire. The broadcast baseline
+//! (gather to rank 0, broadcast to every inference rank, each reloads its part: what verl and
+//! OpenRLHF do with NCCL) runs through the *same* fabric, so `speedup_vs_broadcast` isolates
+//! the method, not the transport. The three are interleaved sync by sync and the median of each
+//! is reported, because this machine is shared and noisy: only ratios measured side by side mean
+//! anything.
+//!
+//! # Layout
+//! - this file: [`Config`], [`Report`], [`run`], [`E2eError`], and planning a configuration;
+//! - `loopback`: a whole deployment (fabrics, trainers, rollouts) in one process;
+//! - `tcp_limit`: the plain-TCP limit; `broadcast`: the broadcast baseline;
+//! - [`calibrate`]: the simulator's calibration against these real syncs.
+
+pub mod calibrate;
+mod broadcast;
+mod loopback;
+mod tcp_limit;
+
+use serde::Serialize;
+use weightsync_schedules::{
+    plan, ExpertForm, InferDType, InferSpec, InferenceLayout, Model, RoutingTable, TrainSpec,
+    TrainingLayout,
+};
+
+pub use broadcast::BroadcastBaseline;
+pub use loopback::{LoopbackCluster, SyncTime, WorkerOptions};
+
+/// Why an end-to-end run failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum E2eError {
+    /// The model, layouts or plan were refused.
+    #[error("planning {what}: {reason}")]
+    Plan {
+        /// Which configuration.
+        what: String,
+        /// The planner's error.
+        reason: String,
+    },
+    /// Setting up fabrics or workers failed.
+    #[error("setting up: {0}")]
+    Setup(String),
+    /// A sync failed.
+    #[error("sync failed: {0}")]
+    Sync(String),
+    /// Bad bench options.
+    #[error("bad option: {0}")]
+    Options(String),
+}
+
+/// One configuration: a model and two layouts.
+#[derive(Debug, Clone, Serialize)]
+pub struct Setup {
+    /// Preset name.
+    pub model: String,
+    /// Training layout.
+    pub train: String,
+    /// Inference layout.
+    pub infer: String,
+    /// `bf16` or `fp8`.
+    pub dtype: String,
+}
+
+impl Setup {
+    /// A configuration from its four strings.
+    pub fn new(model: &str, train: &str, infer: &str, dtype: &str) -> Setup {
+        Setup {
+            model: model.into(),
+            train: train.into(),
+            infer: infer.into(),
+            dtype: dtype.into(),
+        }
+    }
+
+    /// `model train -> infer dtype`.
+    pub fn label(&self) -> String {
+        format!(
+            "{} {} -> {} {}",
+            self.model, self.train, self.infer, self.dtype
+        )
+    }
+
+    /// Plans the routing table.
+    pub fn plan(&self, cost: &weightsync_schedules::CostModel) -> Result<RoutingTable, E2eError> {
+        let err = |e: weightsync_schedules::PlanError| E2eError::Plan {
+            what: self.label(),
+            reason: e.to_string(),
+        };
+        let train: TrainSpec = self.train.parse().map_err(err)?;
+        let mut infer: InferSpec = self.infer.parse().map_err(err)?;
+        infer.dtype = self.dtype.parse::<InferDType>().map_err(err)?;
+        let model = Model::preset(&self.model, ExpertForm::PerExpert).map_err(err)?;
+        let tl = TrainingLayout::build(&model, &train).map_err(err)?;
+        let il = InferenceLayout::build(&model, &infer).map_err(err)?;
+        plan(&model, &tl, &il, cost).map_err(err)
+    }
+}
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// The configuration (default: Qwen3-0.6B, 4 FSDP trainers to 2 engines of tp=2, fp8).
+    pub setup: Setup,
+    /// Timed syncs of each method (the median is reported), after one untimed warm-up each.
+    pub syncs: usize,
+    /// Workers.
+    pub workers: WorkerOptions,
+    /// Bucket size of the broadcast baseline, bytes.
+    pub bucket_bytes: u64,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            setup: Setup::new("qwen3-0.6b", "fsdp=4", "tp=2,dp=2", "fp8"),
+            syncs: 3,
+            workers: WorkerOptions::default(),
+            bucket_bytes: 64 << 20,
+        }
+    }
+}
+
+/// One method's figures.
+#[derive(Debug, Clone, Serialize)]
+pub struct Method {
+    /// Median seconds per sync.
+    pub seconds_per_sync: f64,
+    /// Landed bytes (what the rollouts must hold) per second, GB/s.
+    pub gbps: f64,
+    /// Every timed sync, seconds.
+    pub all_seconds: Vec<f64>,
+}
+
+impl Method {
+    fn of(mut secs: Vec<f64>, landed: u64) -> Method {
+        let all = secs.clone();
+        secs.sort_by(f64::total_cmp);
+        let med = secs[secs.len() / 2];
+        Method {
+            seconds_per_sync: med,
+            gbps: landed as f64 / med / 1e9,
+            all_seconds: all,
+        }
+    }
+}
+
+/// The whole report (the `--json` object).
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    /// Always "e2e".
+    pub bench: &'static str,
+    /// The configuration.
+    pub setup: Setup,
+    /// Training ranks.
+    pub trainers: u32,
+    /// Inference ranks.
+    pub rollouts: u32,
+    /// Bytes landed in rollouts per sync.
+    pub landed_bytes: u64,
+    /// Timed syncs per method.
+    pub syncs: usize,
+    /// weightsync.
+    pub weightsync: Method,
+    /// The same pair bytes over bare TCP.
+    pub tcp_limit: Method,
+    /// Gather + broadcast + reload through the same fabric.
+    pub broadcast: Method,
+    /// Bytes the broadcast baseline moves over the fabric per sync.
+    pub broadcast_fabric_bytes: u64,
+    /// weightsync GB/s over the plain-TCP GB/s (same landed bytes).
+    pub ratio_vs_tcp_limit: f64,
+    /// Broadcast seconds over weightsync seconds.
+    pub speedup_vs_broadcast: f64,
+}
+
+impl Report {
+    /// Human-readable summary.
+    pub fn human(&self) -> String {
+        let mut s = format!(
+            "e2e: {} ({} trainers -> {} rollouts), {:.1} MB landed per sync, median of {}\n",
+            self.setup.label(),
+            self.trainers,
+            self.rollouts,
+            self.landed_bytes as f64 / 1e6,
+            self.syncs
+        );
+        for (name, m) in [
+            ("weightsync", &self.weightsync),
+            ("plain TCP limit", &self.tcp_limit),
+            ("broadcast", &self.broadcast),
+        ] {
+            s += &format!(
+                "  {:<16} {:>8.3} s/sync  {:>6.2} GB/s landed\n",
+                name, m.seconds_per_sync, m.gbps
+            );
+        }
+        s += &format!(
+            "  ratio_vs_tcp_limit {:.2}   speedup_vs_broadcast {:.2}\n",
+            self.ratio_vs_tcp_limit, self.speedup_vs_broadcast
+        );
+        s
+    }
+}
+
+/// A multi-threaded runtime for the driver (the fabrics run their own threads).
+pub(crate) fn runtime() -> Result<tokio::runtime::Runtime, E2eError> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| E2eError::Setup(format!("starting the runtime: {e}")))
+}
+
+/// Runs the bench.
+pub fn run(cfg: &Config) -> Result<Report, E2eError> {
+    if cfg.syncs == 0 {
+        return Err(E2eError::Options("syncs must be at least 1".into()));
+    }
+    let table = cfg.setup.plan(&weightsync_schedules::CostModel::default())?;
+    let landed = loopback::landed_bytes(&table);
+    let pairs = tcp_limit::pair_bytes(&table);
+    let rt = runtime()?;
+    rt.block_on(async {
+        let mut ws = LoopbackCluster::start(&table, &cfg.workers).await?;
+        let bc =
+            BroadcastBaseline::start(&table, cfg.bucket_bytes, cfg.workers.lanes_per_peer).await?;
+        // Warm-up: lanes connect lazily, pages fault in.
+        ws.sync().await?;
+        bc.sync().await?;
+        let (mut a, mut b, mut c) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..cfg.syncs {
+            a.push(ws.sync().await?.seconds);
+            let p = pairs.clone();
+            b.push(
+                tokio::task::spawn_blocking(move || tcp_limit::run(&p))
+                    .await
+                    .map_err(|e| E2eError::Sync(format!("plain TCP panicked: {e}")))??,
+            );
+            c.push(bc.sync().await?);
+        }
+        let weightsync = Method::of(a, landed);
+        let tcp_limit = Method::of(b, landed);
+        let broadcast = Method::of(c, landed);
+        Ok(Report {
+            bench: "e2e",
+            setup: cfg.setup.clone(),
+            trainers: table.trainers.len() as u32,
+            rollouts: table.rollouts.len() as u32,
+            landed_bytes: landed,
+            syncs: cfg.syncs,
+            ratio_vs_tcp_limit: weightsync.gbps / tcp_limit.gbps,
+            speedup_vs_broadcast: broadcast.seconds_per_sync / weightsync.seconds_per_sync,
+            broadcast_fabric_bytes: bc.fabric_bytes(),
+            weightsync,
+            tcp_limit,
+            broadcast,
+        })
+    })
+}

@@ -1,0 +1,312 @@
+//! The broadcast baseline executed for real through the same fabric: gather to training rank 0,
+//! broadcast to every inference rank, each rank reloads its part (verl / OpenRLHF with NCCL).
+//!
+//! Per bucket of whole tensors (in model order, up to `bucket_bytes`):
+//! 1. **gather**: every trainer one-sided-writes its shards of the bucket's tensors into rank 0's
+//!    bucket buffer (rank 0 copies its own locally), so rank 0 holds the full bf16 tensors;
+//! 2. **broadcast**: rank 0 writes the whole bucket into every inference rank's receive buffer
+//!    (a star from rank 0; on loopback every hop shares the same host anyway, so a ring would
+//!    carry the same bytes);
+//! 3. **reload**: every inference rank copies its share of each tensor out of the buffer and
+//!    quantises it to fp8 (the worker's own kernel) when the engine holds it in fp8, while the
+//!    next bucket is gathered (two buffers per rank).
+//!
+//! What is simplified, always in the baseline's favour: a rank's share is taken as contiguous
+//! rows (`rank bytes / engine bytes` of each tensor), so the strided column slices a real engine
+//! cuts for row-parallel tensors are not paid; and the quantised output goes to a scratch buffer.
+//! Only dim-0 sharded training layouts (FSDP, HSDP) are supported: their shards are contiguous
+//! rows of the full tensors.
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use weightsync_common::fabric::{Access, FabricBackend, FabricConfig, Region, TcpFabric, WriteOp};
+use weightsync_common::DType;
+use weightsync_schedules::table::Transform;
+use weightsync_schedules::RoutingTable;
+use weightsync_worker::prepare::{quantise_fp8, Fp8Shape, Threads};
+
+use super::loopback::{weights, TOKEN};
+use super::E2eError;
+
+/// Buffers per inference rank (and at rank 0).
+const SLOTS: usize = 2;
+
+/// One full tensor of the model as the baseline moves it.
+#[derive(Debug, Clone)]
+struct FullTensor {
+    /// Rows, columns (1-D tensors: one row).
+    rows: u64,
+    cols: u64,
+    /// Element size in the training dtype.
+    elem: u64,
+    /// Quantised to fp8 on the inference side.
+    quantised: bool,
+    /// (trainer, arena offset, bytes, byte offset in the full tensor) of each distinct shard.
+    parts: Vec<(u32, u64, u64, u64)>,
+}
+
+impl FullTensor {
+    fn bytes(&self) -> u64 {
+        self.rows * self.cols * self.elem
+    }
+}
+
+/// The baseline's moving parts, set up once.
+pub struct BroadcastBaseline {
+    trainers: Vec<(TcpFabric, Region)>,
+    /// Rank 0's bucket buffers.
+    root_slots: Vec<Region>,
+    /// Per inference rank: fabric, receive buffers, share of an engine.
+    rollouts: Vec<(TcpFabric, Vec<Region>, f64)>,
+    buckets: Vec<Vec<(FullTensor, u64)>>,
+    bucket_bytes: u64,
+}
+
+fn fab_err(what: &str) -> impl Fn(weightsync_common::fabric::FabricError) -> E2eError + '_ {
+    move |e| E2eError::Setup(format!("broadcast baseline, {what}: {e}"))
+}
+
+/// The model's full tensors, with the shards that make them, from the table.
+fn full_tensors(table: &RoutingTable) -> Result<Vec<FullTensor>, E2eError> {
+    let mut by_id: BTreeMap<u32, FullTensor> = BTreeMap::new();
+    for plan in &table.trainers {
+        for s in &plan.shards {
+            let p = &plan.params[s.param as usize];
+            let dims = p.shape.dims();
+            let cols: u64 = dims.iter().skip(1).map(|&d| d as u64).product();
+            let rows = dims.first().map_or(1, |&d| d as u64);
+            let (rows, cols) = if dims.len() <= 1 { (1, rows) } else { (rows, cols) };
+            let elem = s.dtype.size() as u64;
+            let t = by_id.entry(p.id).or_insert_with(|| FullTensor {
+                rows,
+                cols,
+                elem,
+                quantised: false,
+                parts: Vec::new(),
+            });
+            let g = &s.global;
+            let trailing_whole = (1..g.ndim as usize).all(|d| g.start[d] == 0 && g.len[d] == p.shape.dims[d]);
+            if !trailing_whole {
+                return Err(E2eError::Setup(format!(
+                    "broadcast baseline: shard {} of {} is not a dim-0 slice (only FSDP/HSDP layouts)",
+                    g, p.name
+                )));
+            }
+            let row_bytes = if dims.len() <= 1 { elem } else { cols * elem };
+            let at = g.start[0] as u64 * row_bytes;
+            if !t.parts.iter().any(|&(_, _, _, o)| o == at) {
+                t.parts.push((plan.rank, s.offset, s.bytes(), at));
+            }
+        }
+        for task in &plan.tasks {
+            if matches!(task.transform, Transform::Fp8Block { .. }) {
+                let id = plan.params[task.param as usize].id;
+                if let Some(t) = by_id.get_mut(&id) {
+                    t.quantised = true;
+                }
+            }
+        }
+    }
+    Ok(by_id.into_values().collect())
+}
+
+impl BroadcastBaseline {
+    /// Starts the fabrics, registers every trainer's source (random weights) and the buffers.
+    pub async fn start(
+        table: &RoutingTable,
+        bucket_bytes: u64,
+        lanes_per_peer: usize,
+    ) -> Result<Self, E2eError> {
+        let cfg = FabricConfig::loopback(TOKEN, lanes_per_peer);
+        let tensors = full_tensors(table)?;
+        let bucket_bytes = bucket_bytes.max(tensors.iter().map(FullTensor::bytes).max().unwrap_or(1));
+        let mut buckets: Vec<Vec<(FullTensor, u64)>> = vec![Vec::new()];
+        let mut fill = 0;
+        for t in tensors {
+            if fill + t.bytes() > bucket_bytes && fill > 0 {
+                buckets.push(Vec::new());
+                fill = 0;
+            }
+            let at = fill;
+            fill += t.bytes();
+            buckets.last_mut().expect("at least one bucket").push((t, at));
+        }
+        let mut trainers = Vec::new();
+        for plan in &table.trainers {
+            let f = TcpFabric::start(&cfg).await.map_err(fab_err("fabric"))?;
+            let len = plan.source_arena_bytes.max(1);
+            let src = f.alloc(len as usize, Access::SOURCE).map_err(fab_err("source"))?;
+            src.write_at(0, &weights(len, plan.rank as u64 + 101))
+                .map_err(fab_err("filling the source"))?;
+            trainers.push((f, src));
+        }
+        let root = &trainers
+            .first()
+            .ok_or_else(|| E2eError::Setup("the table has no training ranks".into()))?
+            .0;
+        let root_slots = (0..SLOTS)
+            .map(|_| root.alloc(bucket_bytes as usize, Access::RECEIVE | Access::SOURCE))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(fab_err("rank 0 buffers"))?;
+        let mut engine_total: BTreeMap<u32, u64> = BTreeMap::new();
+        for r in &table.rollouts {
+            *engine_total.entry(r.engine).or_default() += r.tensors.iter().map(|t| t.len).sum::<u64>();
+        }
+        let mut rollouts = Vec::new();
+        for r in &table.rollouts {
+            let f = TcpFabric::start(&cfg).await.map_err(fab_err("fabric"))?;
+            let slots = (0..SLOTS)
+                .map(|_| f.alloc(bucket_bytes as usize, Access::RECEIVE))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(fab_err("receive buffers"))?;
+            let mine: u64 = r.tensors.iter().map(|t| t.len).sum();
+            let share = mine as f64 / engine_total[&r.engine].max(1) as f64;
+            rollouts.push((f, slots, share.min(1.0)));
+        }
+        Ok(BroadcastBaseline {
+            trainers,
+            root_slots,
+            rollouts,
+            buckets,
+            bucket_bytes,
+        })
+    }
+
+    /// Bytes one sync moves over the fabric (gather plus broadcast).
+    pub fn fabric_bytes(&self) -> u64 {
+        let mut b = 0;
+        for bucket in &self.buckets {
+            for (t, _) in bucket {
+                b += t.parts.iter().filter(|p| p.0 != 0).map(|p| p.2).sum::<u64>();
+                b += t.bytes() * self.rollouts.len() as u64;
+            }
+        }
+        b
+    }
+
+    /// Bucket size used.
+    pub fn bucket_bytes(&self) -> u64 {
+        self.bucket_bytes
+    }
+
+    /// One sync: every bucket gathered, broadcast and reloaded; seconds.
+    pub async fn sync(&self) -> Result<f64, E2eError> {
+        let t0 = Instant::now();
+        let mut reloads: Vec<Vec<tokio::task::JoinHandle<Result<(), E2eError>>>> =
+            (0..SLOTS).map(|_| Vec::new()).collect();
+        for (k, bucket) in self.buckets.iter().enumerate() {
+            let slot = k % SLOTS;
+            // The slot is free once the ranks reloaded what was in it.
+            for h in reloads[slot].drain(..) {
+                h.await
+                    .map_err(|e| E2eError::Sync(format!("reload panicked: {e}")))??;
+            }
+            // 1. Gather onto rank 0.
+            let root_buf = &self.root_slots[slot];
+            let root_desc = root_buf.descriptor().clone();
+            let mut per_trainer: BTreeMap<u32, Vec<WriteOp>> = BTreeMap::new();
+            for (t, at) in bucket {
+                for &(rank, src_off, len, dst_off) in &t.parts {
+                    if rank == 0 {
+                        let src = &self.trainers[0].1;
+                        let bytes = src
+                            .copy_to_vec(src_off, len as usize)
+                            .map_err(fab_err("local gather"))?;
+                        root_buf
+                            .write_at(at + dst_off, &bytes)
+                            .map_err(fab_err("local gather"))?;
+                    } else {
+                        let src = &self.trainers[rank as usize].1;
+                        per_trainer.entry(rank).or_default().push(WriteOp::new(
+                            src,
+                            src_off,
+                            &root_desc,
+                            at + dst_off,
+                            len,
+                        ));
+                    }
+                }
+            }
+            let gathers: Vec<_> = per_trainer
+                .into_iter()
+                .map(|(rank, ops)| self.trainers[rank as usize].0.write_batch(ops))
+                .collect();
+            all_landed("gather", gathers).await?;
+            // 2. Broadcast from rank 0 to every inference rank.
+            let used: u64 = bucket.iter().map(|(t, _)| t.bytes()).sum();
+            let root = &self.trainers[0].0;
+            let sends: Vec<_> = self
+                .rollouts
+                .iter()
+                .map(|(_, slots, _)| {
+                    root.write_batch(vec![WriteOp::new(
+                        root_buf,
+                        0,
+                        slots[slot].descriptor(),
+                        0,
+                        used,
+                    )])
+                })
+                .collect();
+            all_landed("broadcast", sends).await?;
+            // 3. Every rank reloads its share, in the background.
+            for (_, slots, share) in &self.rollouts {
+                let buf = slots[slot].clone();
+                let share = *share;
+                let tensors: Vec<(FullTensor, u64)> = bucket.clone();
+                reloads[slot].push(tokio::task::spawn_blocking(move || {
+                    reload(&buf, &tensors, share)
+                }));
+            }
+        }
+        for hs in reloads {
+            for h in hs {
+                h.await
+                    .map_err(|e| E2eError::Sync(format!("reload panicked: {e}")))??;
+            }
+        }
+        Ok(t0.elapsed().as_secs_f64())
+    }
+}
+
+/// Runs every write batch at once (spawned, so they are all in flight) and waits for all.
+async fn all_landed<F>(what: &str, fs: Vec<F>) -> Result<(), E2eError>
+where
+    F: std::future::Future<Output = weightsync_common::fabric::Result<()>> + Send + 'static,
+{
+    let mut jobs = tokio::task::JoinSet::new();
+    for f in fs {
+        jobs.spawn(f);
+    }
+    while let Some(j) = jobs.join_next().await {
+        j.map_err(|e| E2eError::Sync(format!("{what} panicked: {e}")))?
+            .map_err(|e| E2eError::Sync(format!("{what}: {e}")))?;
+    }
+    Ok(())
+}
+
+/// One rank's reload of one bucket: copy its rows of every tensor out, quantise when fp8.
+fn reload(buf: &Region, tensors: &[(FullTensor, u64)], share: f64) -> Result<(), E2eError> {
+    let mut input = Vec::new();
+    let mut values = Vec::new();
+    let mut scales = Vec::new();
+    for (t, at) in tensors {
+        let rows = ((t.rows as f64 * share).ceil() as u64).clamp(1, t.rows);
+        let len = (rows * t.cols * t.elem) as usize;
+        input.resize(len, 0);
+        buf.read_at(*at, &mut input)
+            .map_err(|e| E2eError::Sync(format!("reload read: {e}")))?;
+        if t.quantised && t.elem == 2 {
+            let shape = Fp8Shape {
+                rows: rows as usize,
+                cols: t.cols as usize,
+            };
+            values.resize(shape.rows * shape.cols, 0);
+            scales.resize(shape.row_blocks() * shape.col_blocks() * 4, 0);
+            quantise_fp8(&input, DType::BF16, shape, &mut values, &mut scales, Threads::One)
+                .map_err(|e| E2eError::Sync(format!("reload quantise: {e}")))?;
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,180 @@
+//! A whole weightsync deployment inside one process on loopback: one TCP fabric (its own
+//! listener, lanes and threads, as a separate process would have) per trainer and per rollout,
+//! the real `TrainerWorker`s and `RolloutWorker`s, and a driver that does what the controller
+//! does per sync: arm every rollout, start every trainer, wait until every rollout landed.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rayon::prelude::*;
+use weightsync_common::fabric::{FabricConfig, TcpFabric};
+use weightsync_schedules::table::Endpoint;
+use weightsync_schedules::RoutingTable;
+use weightsync_worker::rollout::RolloutWorker;
+use weightsync_worker::trainer::{
+    Destinations, PipelineMode, SourceView, SyncId, TrainerConfig, TrainerWorker,
+};
+
+use super::E2eError;
+
+/// How the workers run.
+#[derive(Debug, Clone)]
+pub struct WorkerOptions {
+    /// Staging watermark per trainer, bytes.
+    pub watermark_bytes: u64,
+    /// Lanes per peer of every fabric.
+    pub lanes_per_peer: usize,
+    /// Checksums on (trainers hash what they write; costs host CPU).
+    pub verify: bool,
+    /// Prepare on every rayon thread.
+    pub prepare_all_threads: bool,
+    /// Pipelined or serialised stages.
+    pub mode: PipelineMode,
+}
+
+impl Default for WorkerOptions {
+    fn default() -> Self {
+        WorkerOptions {
+            watermark_bytes: 256 << 20,
+            lanes_per_peer: 2,
+            verify: false,
+            prepare_all_threads: true,
+            mode: PipelineMode::Pipelined,
+        }
+    }
+}
+
+/// Job token shared by every fabric of a bench run.
+pub(crate) const TOKEN: &str = "weightsync-bench-e2e";
+
+/// Bytes of plausible bf16 weights (values in about [-2, 2]), deterministic in `seed`.
+pub(crate) fn weights(len: u64, seed: u64) -> Vec<u8> {
+    let mut out = vec![0u8; len as usize];
+    out.par_chunks_mut(1 << 16).enumerate().for_each(|(c, chunk)| {
+        let mut x = seed ^ (c as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xD1B5_4A32_D192_ED03;
+        for pair in chunk.chunks_mut(2) {
+            // xorshift64*
+            x ^= x >> 12;
+            x ^= x << 25;
+            x ^= x >> 27;
+            let r = x.wrapping_mul(0x2545_F491_4F6C_DD1D);
+            let v = ((r >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0;
+            let b = (v.to_bits() >> 16) as u16;
+            let bytes = b.to_le_bytes();
+            pair.copy_from_slice(&bytes[..pair.len()]);
+        }
+    });
+    out
+}
+
+/// Trainers and rollouts of one table, wired together.
+pub struct LoopbackCluster {
+    trainers: Vec<Arc<TrainerWorker<TcpFabric>>>,
+    rollouts: Vec<Arc<RolloutWorker<TcpFabric>>>,
+    landed_bytes: u64,
+    epoch: u64,
+}
+
+/// One measured sync.
+#[derive(Debug, Clone, Copy)]
+pub struct SyncTime {
+    /// From starting the trainers to the last rollout landed, seconds.
+    pub seconds: f64,
+    /// Bytes that landed in rollouts.
+    pub landed_bytes: u64,
+}
+
+/// Bytes every sync lands in rollouts.
+pub(crate) fn landed_bytes(table: &RoutingTable) -> u64 {
+    table
+        .trainers
+        .iter()
+        .flat_map(|t| &t.writes)
+        .filter(|w| matches!(w.dst, Endpoint::Rollout(_)))
+        .map(|w| w.len as u64)
+        .sum()
+}
+
+impl LoopbackCluster {
+    /// Starts a fabric per worker, builds every worker from its slice of `table` with random
+    /// weights, and exchanges descriptors.
+    pub async fn start(table: &RoutingTable, opts: &WorkerOptions) -> Result<Self, E2eError> {
+        let fabric = || async {
+            TcpFabric::start(&FabricConfig::loopback(TOKEN, opts.lanes_per_peer))
+                .await
+                .map_err(|e| E2eError::Setup(format!("starting a loopback fabric: {e}")))
+        };
+        let mut rollouts = Vec::new();
+        let mut dsts = Destinations::default();
+        for r in &table.rollouts {
+            let w = RolloutWorker::new(fabric().await?, format!("rollout-{}", r.rank), r.clone())
+                .map_err(|e| E2eError::Setup(format!("rollout {}: {e}", r.rank)))?;
+            dsts.rollouts.insert(r.rank, w.descriptors());
+            rollouts.push(Arc::new(w));
+        }
+        let mut trainers = Vec::new();
+        for plan in &table.trainers {
+            let source: Arc<dyn SourceView> = Arc::new(weights(
+                plan.source_arena_bytes,
+                plan.rank as u64 + 1,
+            ));
+            let mut cfg = TrainerConfig::new(format!("trainer-{}", plan.rank), opts.watermark_bytes);
+            cfg.verify = opts.verify;
+            cfg.prepare_all_threads = opts.prepare_all_threads;
+            cfg.mode = opts.mode;
+            let w = TrainerWorker::new(fabric().await?, source, plan.clone(), cfg)
+                .map_err(|e| E2eError::Setup(format!("trainer {}: {e}", plan.rank)))?;
+            if let Some(d) = w.gather_descriptor() {
+                dsts.trainers.insert(plan.rank, d);
+            }
+            trainers.push(w);
+        }
+        let trainers = trainers
+            .into_iter()
+            .map(|mut w| {
+                w.set_destinations(&dsts)
+                    .map_err(|e| E2eError::Setup(format!("destinations: {e}")))?;
+                Ok(Arc::new(w))
+            })
+            .collect::<Result<Vec<_>, E2eError>>()?;
+        Ok(LoopbackCluster {
+            trainers,
+            rollouts,
+            landed_bytes: landed_bytes(table),
+            epoch: 0,
+        })
+    }
+
+    /// Runs one sync end to end (arm, write, land) and times it.
+    pub async fn sync(&mut self) -> Result<SyncTime, E2eError> {
+        self.epoch += 1;
+        let sync = SyncId {
+            version: self.epoch,
+            epoch: self.epoch,
+        };
+        for r in &self.rollouts {
+            r.arm(sync)
+                .map_err(|e| E2eError::Sync(format!("arming: {e}")))?;
+        }
+        let t0 = Instant::now();
+        let mut jobs = tokio::task::JoinSet::new();
+        for t in &self.trainers {
+            let t = t.clone();
+            jobs.spawn(async move { t.run_sync(sync).await.map(|_| ()) });
+        }
+        for r in &self.rollouts {
+            let r = r.clone();
+            jobs.spawn(async move {
+                r.await_landed(Duration::from_secs(300)).await.map(|_| ())
+            });
+        }
+        while let Some(j) = jobs.join_next().await {
+            j.map_err(|e| E2eError::Sync(format!("a worker task panicked: {e}")))?
+                .map_err(|e| E2eError::Sync(e.to_string()))?;
+        }
+        Ok(SyncTime {
+            seconds: t0.elapsed().as_secs_f64(),
+            landed_bytes: self.landed_bytes,
+        })
+    }
+}

@@ -1,0 +1,434 @@
+//! `weightsync bench fabric`: one-sided writes between two processes on loopback, beside one
+//! plain TCP stream moving the same bytes and a memcpy, all in the same run.
+//!
+//! The driver spawns itself (`weightsync bench fabric --peer`) as the receiving process: the peer
+//! starts a TCP fabric, registers a 128 MiB receive region, opens a plain TCP sink, prints both
+//! addresses as one JSON line and serves until its stdin closes. The driver then measures, for
+//! each block size (4 KiB, 64 KiB, 1 MiB, 64 MiB) and lane count (1, 2, 4):
+//! - throughput: writes of one block each, a window of them in flight, into cycling offsets of
+//!   the peer's region; the plain TCP stream sends the same bytes in blocks of the same size into
+//!   a buffer of the same size and acknowledges the end;
+//! - latency: one write at a time (p50/p99 of the round trip), against a TCP ping-pong of the
+//!   same block.
+//!
+//! Throughput is best-of-N, with the fabric and TCP measurements interleaved so that machine
+//! noise hits both alike; only the ratios mean anything on a shared machine. `gbps` is GB/s
+//! (10^9 bytes per second).
+
+use std::collections::VecDeque;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context};
+use serde::{Deserialize, Serialize};
+use weightsync_common::fabric::{
+    Access, FabricBackend, FabricConfig, RegionDescriptor, TcpFabric, WriteOp,
+};
+
+/// Command-line words that make `weightsync` run the peer side (see [`run_peer`]).
+pub const PEER_ARGS: &[&str] = &["bench", "fabric", "--peer"];
+/// Environment variable carrying the job token to the peer process.
+pub const TOKEN_ENV: &str = "WEIGHTSYNC_BENCH_FABRIC_TOKEN";
+
+const REGION_BYTES: usize = 128 << 20;
+const BLOCKS: [usize; 4] = [4 << 10, 64 << 10, 1 << 20, 64 << 20];
+const LANES: [usize; 3] = [1, 2, 4];
+
+/// Settings of one run.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Fewer bytes and repetitions (a smoke run of a few seconds).
+    pub quick: bool,
+    /// Block sizes to measure (bytes); empty means 4 KiB, 64 KiB, 1 MiB and 64 MiB.
+    pub blocks: Vec<usize>,
+}
+
+/// One block size and lane count.
+#[derive(Debug, Clone, Serialize)]
+pub struct Row {
+    pub block_bytes: usize,
+    pub lanes: usize,
+    /// Fabric throughput, GB/s.
+    pub gbps: f64,
+    /// One plain TCP stream moving the same bytes, GB/s.
+    pub tcp_gbps: f64,
+    pub ratio_vs_tcp: f64,
+    /// memcpy of the same bytes, GB/s.
+    pub memcpy_gbps: f64,
+    /// Fabric write round trip, microseconds.
+    pub p50_us: f64,
+    pub p99_us: f64,
+    /// TCP ping-pong of one block, microseconds.
+    pub tcp_p50_us: f64,
+    pub tcp_p99_us: f64,
+}
+
+/// The whole report.
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    pub bench: &'static str,
+    pub units: &'static str,
+    pub rows: Vec<Row>,
+    pub elapsed_s: f64,
+}
+
+impl Report {
+    /// A human-readable table.
+    pub fn human(&self) -> String {
+        let mut s = String::from(
+            "fabric (TCP backend) vs one TCP stream and memcpy, two processes on loopback\n\
+             block      lanes  fabric GB/s  tcp GB/s  ratio  memcpy GB/s  p50 us  p99 us  tcp p50  tcp p99\n",
+        );
+        for r in &self.rows {
+            s.push_str(&format!(
+                "{:>9}  {:>5}  {:>11.2}  {:>8.2}  {:>5.2}  {:>11.2}  {:>6.0}  {:>6.0}  {:>7.0}  {:>7.0}\n",
+                human_bytes(r.block_bytes),
+                r.lanes,
+                r.gbps,
+                r.tcp_gbps,
+                r.ratio_vs_tcp,
+                r.memcpy_gbps,
+                r.p50_us,
+                r.p99_us,
+                r.tcp_p50_us,
+                r.tcp_p99_us
+            ));
+        }
+        s.push_str(&format!("total {:.1} s\n", self.elapsed_s));
+        s
+    }
+}
+
+fn human_bytes(n: usize) -> String {
+    if n >= 1 << 20 {
+        format!("{} MiB", n >> 20)
+    } else {
+        format!("{} KiB", n >> 10)
+    }
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct PeerHello {
+    region: RegionDescriptor,
+    tcp_sink: String,
+}
+
+/// The peer side: receive region + TCP sink; prints one JSON line, serves until stdin closes.
+pub fn run_peer() -> anyhow::Result<()> {
+    let token = std::env::var(TOKEN_ENV).context("the peer needs its job token")?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let fabric = rt.block_on(TcpFabric::start(&FabricConfig::loopback(&token, 1)))?;
+    let region = fabric.alloc(REGION_BYTES, Access::RECEIVE)?;
+    let sink = TcpListener::bind("127.0.0.1:0")?;
+    let hello = PeerHello {
+        region: region.descriptor().clone(),
+        tcp_sink: sink.local_addr()?.to_string(),
+    };
+    println!("{}", serde_json::to_string(&hello)?);
+    std::io::stdout().flush()?;
+    std::thread::spawn(move || {
+        for stream in sink.incoming().flatten() {
+            std::thread::spawn(move || {
+                if let Err(e) = serve_sink(stream) {
+                    tracing::debug!(error = %e, "tcp sink connection ended");
+                }
+            });
+        }
+    });
+    // Serve until the driver closes our stdin (or dies).
+    let mut buf = [0u8; 64];
+    while std::io::stdin()
+        .read(&mut buf)
+        .map(|n| n > 0)
+        .unwrap_or(false)
+    {}
+    drop(region);
+    drop(fabric);
+    Ok(())
+}
+
+/// Plain TCP sink: request = (mode u8, block u64, count u64); mode 0 streams `count` blocks then
+/// answers one byte; mode 1 answers one byte after every block (ping-pong).
+fn serve_sink(mut s: TcpStream) -> std::io::Result<()> {
+    s.set_nodelay(true)?;
+    let mut buf = vec![0u8; REGION_BYTES];
+    loop {
+        let mut req = [0u8; 17];
+        s.read_exact(&mut req)?;
+        let block = u64::from_le_bytes(req[1..9].try_into().unwrap_or_default()) as usize;
+        let count = u64::from_le_bytes(req[9..17].try_into().unwrap_or_default());
+        if block == 0 || block > REGION_BYTES {
+            return Ok(());
+        }
+        let slots = (REGION_BYTES / block) as u64;
+        for i in 0..count {
+            let off = ((i % slots) as usize) * block;
+            s.read_exact(&mut buf[off..off + block])?;
+            if req[0] == 1 {
+                s.write_all(&[1])?;
+            }
+        }
+        if req[0] == 0 {
+            s.write_all(&[1])?;
+        }
+    }
+}
+
+struct Peer {
+    child: Child,
+    hello: PeerHello,
+}
+
+impl Peer {
+    fn spawn(token: &str) -> anyhow::Result<Peer> {
+        let exe = std::env::current_exe().context("finding the weightsync binary")?;
+        let mut child = Command::new(exe)
+            .args(PEER_ARGS)
+            .env(TOKEN_ENV, token)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .context("spawning the peer process")?;
+        let stdout = child.stdout.take().ok_or_else(|| anyhow!("peer stdout"))?;
+        let mut line = String::new();
+        BufReader::new(stdout).read_line(&mut line)?;
+        let hello: PeerHello = serde_json::from_str(line.trim())
+            .with_context(|| format!("peer said {line:?}, expected its addresses as JSON"))?;
+        Ok(Peer { child, hello })
+    }
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        drop(self.child.stdin.take());
+        let _ = self.child.wait();
+    }
+}
+
+fn gbps(bytes: u64, d: Duration) -> f64 {
+    bytes as f64 / d.as_secs_f64().max(1e-9) / 1e9
+}
+
+fn percentile(samples: &mut [f64], p: f64) -> f64 {
+    if samples.is_empty() {
+        return 0.0;
+    }
+    samples.sort_by(|a, b| a.total_cmp(b));
+    let i = ((samples.len() - 1) as f64 * p).round() as usize;
+    samples[i]
+}
+
+/// Bytes moved per throughput measurement and latency samples for one block size.
+fn plan(block: usize, quick: bool) -> (u64, usize) {
+    let (bytes, samples) = match block {
+        b if b <= 4 << 10 => (48u64 << 20, 400),
+        b if b <= 64 << 10 => (256 << 20, 300),
+        b if b <= 1 << 20 => (512 << 20, 100),
+        _ => (512 << 20, 6),
+    };
+    if quick {
+        ((bytes / 8).max(block as u64 * 2), (samples / 10).max(3))
+    } else {
+        (bytes, samples)
+    }
+}
+
+async fn fabric_throughput(
+    fabric: &TcpFabric,
+    src: &weightsync_common::fabric::Region,
+    dst: &RegionDescriptor,
+    block: usize,
+    total: u64,
+) -> anyhow::Result<Duration> {
+    let count = (total / block as u64).max(1);
+    let window = ((16usize << 20) / block).clamp(2, 256);
+    let slots = (REGION_BYTES / block) as u64;
+    let mut in_flight = VecDeque::with_capacity(window);
+    let start = Instant::now();
+    for i in 0..count {
+        let off = (i % slots) * block as u64;
+        if in_flight.len() == window {
+            let f: std::pin::Pin<Box<dyn std::future::Future<Output = _> + Send>> =
+                in_flight.pop_front().expect("window is full");
+            f.await?;
+        }
+        in_flight.push_back(Box::pin(fabric.write(WriteOp::new(
+            src,
+            off,
+            dst,
+            off,
+            block as u64,
+        ))));
+    }
+    for f in in_flight {
+        f.await?;
+    }
+    Ok(start.elapsed())
+}
+
+async fn fabric_latency(
+    fabric: &TcpFabric,
+    src: &weightsync_common::fabric::Region,
+    dst: &RegionDescriptor,
+    block: usize,
+    samples: usize,
+) -> anyhow::Result<Vec<f64>> {
+    let slots = (REGION_BYTES / block) as u64;
+    let mut out = Vec::with_capacity(samples);
+    for i in 0..samples as u64 {
+        let off = (i % slots) * block as u64;
+        let t = Instant::now();
+        fabric
+            .write(WriteOp::new(src, off, dst, off, block as u64))
+            .await?;
+        out.push(t.elapsed().as_secs_f64() * 1e6);
+    }
+    Ok(out)
+}
+
+fn tcp_throughput(
+    s: &mut TcpStream,
+    data: &[u8],
+    block: usize,
+    total: u64,
+) -> anyhow::Result<Duration> {
+    let count = (total / block as u64).max(1);
+    let slots = (data.len() / block) as u64;
+    let start = Instant::now();
+    let mut req = [0u8; 17];
+    req[1..9].copy_from_slice(&(block as u64).to_le_bytes());
+    req[9..17].copy_from_slice(&count.to_le_bytes());
+    s.write_all(&req)?;
+    for i in 0..count {
+        let off = ((i % slots) as usize) * block;
+        s.write_all(&data[off..off + block])?;
+    }
+    let mut ack = [0u8; 1];
+    s.read_exact(&mut ack)?;
+    Ok(start.elapsed())
+}
+
+fn tcp_latency(
+    s: &mut TcpStream,
+    data: &[u8],
+    block: usize,
+    samples: usize,
+) -> anyhow::Result<Vec<f64>> {
+    let mut req = [0u8; 17];
+    req[0] = 1;
+    req[1..9].copy_from_slice(&(block as u64).to_le_bytes());
+    req[9..17].copy_from_slice(&(samples as u64).to_le_bytes());
+    s.write_all(&req)?;
+    let slots = data.len() / block;
+    let mut out = Vec::with_capacity(samples);
+    let mut ack = [0u8; 1];
+    for i in 0..samples {
+        let off = (i % slots) * block;
+        let t = Instant::now();
+        s.write_all(&data[off..off + block])?;
+        s.read_exact(&mut ack)?;
+        out.push(t.elapsed().as_secs_f64() * 1e6);
+    }
+    Ok(out)
+}
+
+fn memcpy_gbps(src: &[u8], dst: &mut [u8], block: usize, total: u64) -> f64 {
+    let count = (total / block as u64).max(1);
+    let slots = (src.len() / block) as u64;
+    let start = Instant::now();
+    for i in 0..count {
+        let off = ((i % slots) as usize) * block;
+        dst[off..off + block].copy_from_slice(&src[off..off + block]);
+    }
+    std::hint::black_box(&dst[..]);
+    gbps(count * block as u64, start.elapsed())
+}
+
+/// Runs the benchmark (spawns the peer process).
+pub fn run(cfg: &Config) -> anyhow::Result<Report> {
+    let started = Instant::now();
+    let token = format!("bench-fabric-{:016x}", rand::random::<u64>());
+    let peer = Peer::spawn(&token)?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()?;
+    let reps = if cfg.quick { 1 } else { 3 };
+    let mut data = vec![0u8; REGION_BYTES];
+    for (i, b) in data.iter_mut().enumerate() {
+        *b = (i as u32).wrapping_mul(2_654_435_761).to_le_bytes()[3];
+    }
+    let mut scratch = vec![0u8; REGION_BYTES];
+    let mut tcp = TcpStream::connect(&peer.hello.tcp_sink).context("connecting the TCP sink")?;
+    tcp.set_nodelay(true)?;
+    let rows = rt.block_on(async {
+        let mut fabrics = Vec::new();
+        for lanes in LANES {
+            let f = TcpFabric::start(&FabricConfig::loopback(&token, lanes)).await?;
+            f.connect(&peer.hello.region.endpoint).await?;
+            let src = f.alloc(REGION_BYTES, Access::SOURCE)?;
+            src.write_at(0, &data)?;
+            fabrics.push((lanes, f, src));
+        }
+        let dst = &peer.hello.region;
+        let mut rows = Vec::new();
+        let blocks = if cfg.blocks.is_empty() {
+            BLOCKS.to_vec()
+        } else {
+            cfg.blocks.clone()
+        };
+        for block in blocks {
+            if block == 0 || block > REGION_BYTES {
+                bail!("block size {block} must be 1..={REGION_BYTES} bytes");
+            }
+            let (total, samples) = plan(block, cfg.quick);
+            let mut best_tcp = Duration::MAX;
+            let mut best = vec![Duration::MAX; fabrics.len()];
+            let mut best_memcpy: f64 = 0.0;
+            for _ in 0..reps {
+                best_tcp = best_tcp.min(tcp_throughput(&mut tcp, &data, block, total)?);
+                for (k, (_, f, src)) in fabrics.iter().enumerate() {
+                    best[k] = best[k].min(fabric_throughput(f, src, dst, block, total).await?);
+                }
+                best_memcpy = best_memcpy.max(memcpy_gbps(&data, &mut scratch, block, total));
+            }
+            let tcp_gbps = gbps(total / block as u64 * block as u64, best_tcp);
+            let mut tcp_lat = tcp_latency(&mut tcp, &data, block, samples)?;
+            for (k, (lanes, f, src)) in fabrics.iter().enumerate() {
+                let mut lat = fabric_latency(f, src, dst, block, samples).await?;
+                let g = gbps(total / block as u64 * block as u64, best[k]);
+                rows.push(Row {
+                    block_bytes: block,
+                    lanes: *lanes,
+                    gbps: g,
+                    tcp_gbps,
+                    ratio_vs_tcp: g / tcp_gbps,
+                    memcpy_gbps: best_memcpy,
+                    p50_us: percentile(&mut lat, 0.5),
+                    p99_us: percentile(&mut lat, 0.99),
+                    tcp_p50_us: percentile(&mut tcp_lat, 0.5),
+                    tcp_p99_us: percentile(&mut tcp_lat, 0.99),
+                });
+            }
+        }
+        anyhow::Ok(rows)
+    })?;
+    let mut req = [0u8; 17];
+    req[0] = 0;
+    tcp.write_all(&req)?; // block 0 ends the sink connection
+    drop(peer);
+    if rows.is_empty() {
+        bail!("no measurements");
+    }
+    Ok(Report {
+        bench: "fabric",
+        units: "gbps = GB/s (1e9 bytes/s); latencies in microseconds",
+        rows,
+        elapsed_s: started.elapsed().as_secs_f64(),
+    })
+}

@@ -1,0 +1,290 @@
+//! `weightsync bench prepare`: throughput of the preparation kernels beside memcpy, same run.
+//!
+//! Why: the prepare stage sits between H2D and WRITE in the trainer pipeline; if it is much
+//! slower than a copy it becomes the pipeline's bottleneck. On a shared, noisy machine only the
+//! ratio to a memcpy of the same bytes measured in the same run means anything, so every kernel
+//! is reported as GB/s of *input* bytes and as `ratio_vs_memcpy` (memcpy of the same number of
+//! input bytes), single-threaded and over the whole rayon pool. Each figure is the best of
+//! `reps` timed runs after one untimed warm-up run (which also faults the output pages in).
+
+use std::time::Instant;
+
+use rayon::prelude::*;
+use serde::Serialize;
+use weightsync_common::DType;
+use weightsync_worker::prepare::{self, Fp8Shape, PrepareError, Threads};
+
+/// What to measure.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Input size of each kernel, in MiB (bf16 unless the kernel says otherwise).
+    pub input_mib: usize,
+    /// Timed repetitions per figure (the best is kept).
+    pub reps: usize,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            input_mib: 64,
+            reps: 5,
+        }
+    }
+}
+
+/// One thread setting of one kernel.
+#[derive(Debug, Clone, Serialize)]
+pub struct Figure {
+    /// GB/s (1e9 bytes) of input bytes.
+    pub gbps: f64,
+    /// `gbps` divided by memcpy's GB/s at the same thread setting, same run.
+    pub ratio_vs_memcpy: f64,
+}
+
+/// One kernel's result.
+#[derive(Debug, Clone, Serialize)]
+pub struct KernelResult {
+    /// Kernel name.
+    pub kernel: &'static str,
+    /// dtype of the input whose bytes are counted.
+    pub input_dtype: &'static str,
+    /// What the kernel does.
+    pub what: &'static str,
+    /// On the calling thread.
+    pub single_thread: Figure,
+    /// Over the rayon pool.
+    pub all_threads: Figure,
+}
+
+/// The whole report (the `--json` object).
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    /// Always "prepare".
+    pub bench: &'static str,
+    /// Input bytes per kernel run.
+    pub input_bytes: usize,
+    /// Threads in the rayon pool.
+    pub threads: usize,
+    /// Timed repetitions per figure.
+    pub reps: usize,
+    /// memcpy first, then every kernel.
+    pub kernels: Vec<KernelResult>,
+}
+
+impl Report {
+    /// Human-readable table.
+    pub fn human(&self) -> String {
+        let mut s = format!(
+            "prepare kernels: {} MiB input each, best of {}, {} threads in the pool\n\
+             {:<22} {:>6} {:>10} {:>8} {:>10} {:>8}\n",
+            self.input_bytes >> 20,
+            self.reps,
+            self.threads,
+            "kernel",
+            "input",
+            "1T GB/s",
+            "ratio",
+            "all GB/s",
+            "ratio"
+        );
+        for k in &self.kernels {
+            s += &format!(
+                "{:<22} {:>6} {:>10.2} {:>8.2} {:>10.2} {:>8.2}\n",
+                k.kernel,
+                k.input_dtype,
+                k.single_thread.gbps,
+                k.single_thread.ratio_vs_memcpy,
+                k.all_threads.gbps,
+                k.all_threads.ratio_vs_memcpy
+            );
+        }
+        s
+    }
+}
+
+/// Best-of-`reps` seconds of `f`, after one warm-up call.
+fn best_secs(
+    reps: usize,
+    mut f: impl FnMut() -> Result<(), PrepareError>,
+) -> Result<f64, PrepareError> {
+    f()?;
+    let mut best = f64::INFINITY;
+    for _ in 0..reps.max(1) {
+        let t = Instant::now();
+        f()?;
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    Ok(best)
+}
+
+fn memcpy(src: &[u8], dst: &mut [u8], threads: Threads) {
+    match threads {
+        Threads::One => dst.copy_from_slice(src),
+        Threads::All => dst
+            .par_chunks_mut(1 << 18)
+            .zip(src.par_chunks(1 << 18))
+            .for_each(|(d, s)| d.copy_from_slice(s)),
+    }
+}
+
+/// Deterministic weight-like bf16 values (a cheap LCG; the distribution only matters so that
+/// blocks have ordinary, varied magnitudes).
+fn weights_bf16(n: usize) -> Vec<u8> {
+    let mut state: u64 = 0x9E37_79B9_7F4A_7C15;
+    let mut out = Vec::with_capacity(n * 2);
+    for _ in 0..n {
+        state = state
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        let u = ((state >> 40) as f32) / (1u64 << 24) as f32 - 0.5;
+        let bits = (u * 0.05).to_bits();
+        out.extend_from_slice(&((bits >> 16) as u16).to_le_bytes());
+    }
+    out
+}
+
+/// Runs the benchmark.
+pub fn run(cfg: &Config) -> Result<Report, PrepareError> {
+    let bytes = (cfg.input_mib.max(1) << 20) & !(256 * 2 - 1);
+    let n = bytes / 2;
+    let cols = 4096;
+    let rows = n / cols;
+    let src = weights_bf16(rows * cols);
+    let bytes = src.len();
+    let mut f32_buf = vec![0u8; rows * cols * 4];
+    prepare::cast(&src, DType::BF16, &mut f32_buf, DType::F32, Threads::All)?;
+    let mut out16 = vec![0u8; bytes];
+    let mut values = vec![0u8; rows * cols];
+    let shape = Fp8Shape { rows, cols };
+    let mut scales = vec![0u8; shape.row_blocks() * shape.col_blocks() * 4];
+    let gbps = |b: usize, s: f64| b as f64 / s / 1e9;
+
+    let mut memcpy_gbps = [0.0; 2];
+    let settings = [Threads::One, Threads::All];
+    for (i, &t) in settings.iter().enumerate() {
+        memcpy_gbps[i] = gbps(
+            bytes,
+            best_secs(cfg.reps, || {
+                memcpy(&src, &mut out16, t);
+                Ok(())
+            })?,
+        );
+    }
+    let mut kernels = Vec::new();
+    let mut measure = |kernel: &'static str,
+                       input_dtype: &'static str,
+                       what: &'static str,
+                       input_bytes: usize,
+                       f: &mut dyn FnMut(Threads) -> Result<(), PrepareError>|
+     -> Result<(), PrepareError> {
+        let mut fig = Vec::new();
+        for (i, &t) in settings.iter().enumerate() {
+            let g = gbps(input_bytes, best_secs(cfg.reps, || f(t))?);
+            fig.push(Figure {
+                gbps: g,
+                ratio_vs_memcpy: g / memcpy_gbps[i],
+            });
+        }
+        let all_threads = fig.pop().expect("two settings");
+        let single_thread = fig.pop().expect("two settings");
+        kernels.push(KernelResult {
+            kernel,
+            input_dtype,
+            what,
+            single_thread,
+            all_threads,
+        });
+        Ok(())
+    };
+    measure(
+        "memcpy",
+        "bf16",
+        "copy_from_slice baseline",
+        bytes,
+        &mut |t| {
+            memcpy(&src, &mut out16, t);
+            Ok(())
+        },
+    )?;
+    // The columns cols/4 .. 3cols/4 of the [rows, cols] tensor: one strided run per row.
+    let half = &mut out16[..bytes / 2];
+    measure(
+        "gather_dim1_half",
+        "bf16",
+        "sub-box gather of half the columns (bytes counted: the box)",
+        bytes / 2,
+        &mut |t| {
+            prepare::gather_box(
+                &src,
+                2,
+                &[rows, cols],
+                &[0, cols / 4],
+                &[rows, cols / 2],
+                half,
+                t,
+            )
+        },
+    )?;
+    measure(
+        "cast_bf16_to_f32",
+        "bf16",
+        "widening cast",
+        bytes,
+        &mut |t| prepare::cast(&src, DType::BF16, &mut f32_buf, DType::F32, t),
+    )?;
+    let f32_src = f32_buf.clone();
+    measure(
+        "cast_f32_to_bf16",
+        "f32",
+        "narrowing cast, round to nearest even (bytes counted: f32 input)",
+        f32_src.len(),
+        &mut |t| prepare::cast(&f32_src, DType::F32, &mut out16, DType::BF16, t),
+    )?;
+    measure(
+        "fp8_block_quant",
+        "bf16",
+        "e4m3fn 128x128 block quantisation, values + weight_scale_inv",
+        bytes,
+        &mut |t| prepare::quantise_fp8(&src, DType::BF16, shape, &mut values, &mut scales, t),
+    )?;
+    Ok(Report {
+        bench: "prepare",
+        input_bytes: bytes,
+        threads: rayon::current_num_threads(),
+        reps: cfg.reps,
+        kernels,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn small_run_reports_every_kernel_with_positive_ratios() {
+        let report = run(&Config {
+            input_mib: 1,
+            reps: 1,
+        })
+        .unwrap();
+        let names: Vec<_> = report.kernels.iter().map(|k| k.kernel).collect();
+        assert_eq!(
+            names,
+            [
+                "memcpy",
+                "gather_dim1_half",
+                "cast_bf16_to_f32",
+                "cast_f32_to_bf16",
+                "fp8_block_quant"
+            ]
+        );
+        for k in &report.kernels {
+            assert!(
+                k.single_thread.gbps > 0.0 && k.all_threads.ratio_vs_memcpy > 0.0,
+                "{k:?}"
+            );
+        }
+        let json = serde_json::to_value(&report).unwrap();
+        assert!(json["kernels"][4]["single_thread"]["ratio_vs_memcpy"].is_number());
+    }
+}

@@ -1,0 +1,178 @@
+//! Fabric configuration: which backend, how many lanes, how long to wait, which job.
+//!
+//! One serde struct so that the controller can hand the same settings to every worker (TOML or
+//! JSON). The job token is the shared secret that lanes prove knowledge of during the handshake;
+//! its `Debug` output is redacted so it never reaches a log.
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use super::error::{FabricError, Result};
+
+/// Which backend carries the writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendKind {
+    /// User-space RDMA emulation over TCP (works everywhere).
+    #[default]
+    Tcp,
+    /// ibverbs (needs the `rdma` feature and an RDMA device).
+    Verbs,
+}
+
+/// The job's shared secret. Never sent on the wire; `Debug` prints `JobToken(<redacted>)`.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct JobToken(pub String);
+
+impl std::fmt::Debug for JobToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("JobToken(<redacted>)")
+    }
+}
+
+impl JobToken {
+    /// The 32-byte key both sides derive from the token for the handshake's keyed hashes.
+    pub fn handshake_key(&self) -> [u8; 32] {
+        blake3::derive_key("weightsync fabric job token v1", self.0.as_bytes())
+    }
+}
+
+/// Settings of the ibverbs backend (ignored by TCP).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct VerbsConfig {
+    /// Device name (e.g. `mlx5_0`, `rxe0`); `None` picks the first device.
+    pub device: Option<String>,
+    /// Port number (1-based).
+    pub port: u8,
+    /// GID index for RoCE v2 (addressing through the GRH); `None` means InfiniBand (LID).
+    pub gid_index: Option<u8>,
+    /// Receive buffers pre-posted per queue pair for WRITE_WITH_IMM completions.
+    pub recv_depth: u32,
+    /// Send queue depth per queue pair.
+    pub send_depth: u32,
+    /// RNR retry count (7 means infinite in verbs; keep it finite).
+    pub rnr_retry: u8,
+}
+
+impl Default for VerbsConfig {
+    fn default() -> Self {
+        VerbsConfig {
+            device: None,
+            port: 1,
+            gid_index: None,
+            recv_depth: 512,
+            send_depth: 512,
+            rnr_retry: 6,
+        }
+    }
+}
+
+/// Everything needed to start a fabric.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct FabricConfig {
+    /// Backend.
+    pub backend: BackendKind,
+    /// Address to listen on (`"127.0.0.1:0"` picks a free port); it becomes the endpoint.
+    pub listen: String,
+    /// Lanes (TCP connections or queue pairs) per peer.
+    pub lanes_per_peer: usize,
+    /// Writes longer than this are split over the lanes to their peer.
+    pub stripe_min_bytes: u64,
+    /// Time allowed to connect and authenticate a lane.
+    pub connect_timeout_ms: u64,
+    /// A lane whose peer makes no progress mid-frame for this long fails with `Timeout`.
+    pub io_timeout_ms: u64,
+    /// Socket send and receive buffer sizes (bytes; 0 keeps the OS default).
+    pub socket_buffer_bytes: usize,
+    /// Shared secret of the job.
+    pub job_token: JobToken,
+    /// ibverbs settings.
+    pub verbs: VerbsConfig,
+}
+
+impl Default for FabricConfig {
+    fn default() -> Self {
+        FabricConfig {
+            backend: BackendKind::Tcp,
+            listen: "127.0.0.1:0".into(),
+            lanes_per_peer: 2,
+            stripe_min_bytes: 256 << 10,
+            connect_timeout_ms: 5_000,
+            io_timeout_ms: 10_000,
+            socket_buffer_bytes: 4 << 20,
+            job_token: JobToken(String::new()),
+            verbs: VerbsConfig::default(),
+        }
+    }
+}
+
+impl FabricConfig {
+    /// A loopback TCP configuration with the given token and lane count (tests, benches).
+    pub fn loopback(job_token: &str, lanes_per_peer: usize) -> Self {
+        FabricConfig {
+            lanes_per_peer,
+            job_token: JobToken(job_token.to_owned()),
+            ..Default::default()
+        }
+    }
+
+    /// Checks the settings, naming the first bad field.
+    pub fn validate(&self) -> Result<()> {
+        if self.lanes_per_peer == 0 || self.lanes_per_peer > 64 {
+            return Err(FabricError::Config(format!(
+                "lanes_per_peer must be 1..=64, got {}",
+                self.lanes_per_peer
+            )));
+        }
+        if self.job_token.0.is_empty() {
+            return Err(FabricError::Config(
+                "job_token is empty: every process of a job must share a secret token".into(),
+            ));
+        }
+        if self.connect_timeout_ms == 0 || self.io_timeout_ms == 0 {
+            return Err(FabricError::Config(
+                "connect_timeout_ms and io_timeout_ms must be positive".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// `connect_timeout_ms` as a duration.
+    pub fn connect_timeout(&self) -> Duration {
+        Duration::from_millis(self.connect_timeout_ms)
+    }
+
+    /// `io_timeout_ms` as a duration.
+    pub fn io_timeout(&self) -> Duration {
+        Duration::from_millis(self.io_timeout_ms)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn token_is_redacted_and_config_validates() {
+        let c = FabricConfig::loopback("s3cret", 2);
+        assert!(!format!("{c:?}").contains("s3cret"));
+        c.validate().unwrap();
+        let bad = FabricConfig {
+            lanes_per_peer: 0,
+            ..c.clone()
+        };
+        assert!(bad
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("lanes_per_peer"));
+        let json = serde_json::to_string(&c).unwrap();
+        assert_eq!(serde_json::from_str::<FabricConfig>(&json).unwrap(), c);
+        let partial: FabricConfig = serde_json::from_str(r#"{"lanes_per_peer":4}"#).unwrap();
+        assert_eq!(partial.lanes_per_peer, 4);
+    }
+}

@@ -1,0 +1,143 @@
+//! The fabric's one error type.
+//!
+//! Errors on the data path are values, never panics: a refused remote write, a lane that died or a
+//! peer that stopped reading all come back to the caller that awaited the write, with enough
+//! context (peer, rkey, offset, length) to say which transfer failed and why. The type is `Clone`
+//! because one failure (a lane going down) completes many waiting writes at once.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::descriptor::Endpoint;
+
+/// Why a remote peer refused a write (the remote side of an RDMA "remote access error").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum RemoteAccessKind {
+    /// No registration with this rkey exists on the peer (never registered, or a forged key).
+    WrongRkey,
+    /// The write's remote address range is not inside the registered region.
+    OutOfBounds,
+    /// The region exists but was registered without [`Access::REMOTE_WRITE`](super::Access::REMOTE_WRITE).
+    NoWritePermission,
+    /// The region was deregistered before (or while) the write landed; nothing more landed.
+    Deregistered,
+}
+
+impl std::fmt::Display for RemoteAccessKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            RemoteAccessKind::WrongRkey => "unknown rkey",
+            RemoteAccessKind::OutOfBounds => "range outside the registered region",
+            RemoteAccessKind::NoWritePermission => "region not registered for remote write",
+            RemoteAccessKind::Deregistered => "region deregistered",
+        })
+    }
+}
+
+/// Every way a fabric operation can fail.
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum FabricError {
+    /// The peer refused the write; no byte outside its registered region was touched.
+    #[error(
+        "peer {peer} refused write (rkey {rkey:#018x}, remote offset {offset}, len {len}): {kind}"
+    )]
+    RemoteAccess {
+        kind: RemoteAccessKind,
+        peer: Endpoint,
+        rkey: u64,
+        /// Offset of the refused write inside the remote region (as the writer computed it).
+        offset: u64,
+        len: u64,
+    },
+    /// A local argument is outside a local region (a source range, a read or fill range).
+    #[error("{what}: range [{offset}, {offset}+{len}) is outside a region of {region_len} bytes")]
+    LocalOutOfBounds {
+        what: &'static str,
+        offset: u64,
+        len: u64,
+        region_len: u64,
+    },
+    /// A local region was used after it was deregistered.
+    #[error("{what}: local region (rkey {rkey:#018x}) is deregistered")]
+    LocalDeregistered { what: &'static str, rkey: u64 },
+    /// The peer could not be reached (connect refused, no route, connect timeout).
+    #[error("peer {peer} unreachable: {source}")]
+    PeerUnreachable {
+        peer: Endpoint,
+        #[source]
+        source: Arc<std::io::Error>,
+    },
+    /// An established lane to the peer broke; writes in flight on it failed (and were not counted
+    /// by the peer unless their payload had fully landed). The lane is re-established on next use.
+    #[error("lane {lane} to peer {peer} disconnected: {detail}")]
+    Disconnected {
+        peer: Endpoint,
+        lane: usize,
+        detail: String,
+    },
+    /// Something did not happen in time: a peer that stopped reading, a connect, an expectation.
+    #[error("timed out after {after:?}: {what}")]
+    Timeout { what: String, after: Duration },
+    /// The connection handshake failed: one side does not know the job token.
+    #[error("authentication with peer {peer} failed: {detail}")]
+    Auth { peer: Endpoint, detail: String },
+    /// Registering memory failed. `hint` says what to change (e.g. `ulimit -l` for memlock).
+    #[error("registering {len} bytes failed: {detail}{}", hint.as_deref().map(|h| format!(" (hint: {h})")).unwrap_or_default())]
+    Registration {
+        len: u64,
+        detail: String,
+        hint: Option<String>,
+    },
+    /// The peer sent bytes that are not a valid frame; the lane is dropped.
+    #[error("protocol violation on a lane with {peer}: {detail}")]
+    Protocol { peer: Endpoint, detail: String },
+    /// An operating-system I/O error with what we were doing.
+    #[error("{context}: {source}")]
+    Io {
+        context: String,
+        #[source]
+        source: Arc<std::io::Error>,
+    },
+    /// `ImmCounter::expect` on an immediate whose earlier expectation was cancelled. Cancelled
+    /// immediates are retired so that late writes can never satisfy a new expectation.
+    #[error("immediate {imm:#010x} was cancelled earlier and is retired")]
+    ImmRetired { imm: u32 },
+    /// `ImmCounter::expect` on an immediate that already has a pending expectation.
+    #[error("immediate {imm:#010x} already has a pending expectation")]
+    ImmBusy { imm: u32 },
+    /// The expectation was cancelled with [`ImmCounter::cancel`](super::ImmCounter::cancel).
+    #[error("expectation for immediate {imm:#010x} was cancelled")]
+    Cancelled { imm: u32 },
+    /// The configuration is invalid (names the field).
+    #[error("invalid fabric configuration: {0}")]
+    Config(String),
+    /// The backend cannot do this (e.g. TCP cannot register device memory).
+    #[error("unsupported: {0}")]
+    Unsupported(String),
+    /// The fabric was shut down.
+    #[error("fabric is shut down")]
+    Shutdown,
+}
+
+impl FabricError {
+    /// Wraps an I/O error with what we were doing.
+    pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+        FabricError::Io {
+            context: context.into(),
+            source: Arc::new(source),
+        }
+    }
+
+    /// The kind of remote access error, if this is one.
+    pub fn remote_access_kind(&self) -> Option<RemoteAccessKind> {
+        match self {
+            FabricError::RemoteAccess { kind, .. } => Some(*kind),
+            _ => None,
+        }
+    }
+}
+
+/// Result alias for the fabric.
+pub type Result<T, E = FabricError> = std::result::Result<T, E>;

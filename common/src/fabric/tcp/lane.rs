@@ -1,0 +1,523 @@
+//! The writing half of the emulated NIC: one lane = one TCP connection = one "queue pair".
+//!
+//! Each lane has a sender thread that takes jobs (a list of frames; the last is signalled) from
+//! an unbounded channel and streams header and payload with `sendmsg` straight from the source
+//! region, and a completion thread that reads the receiver's completions and resolves the jobs in
+//! order. Many jobs are in flight per lane (pipelining); only the last frame of each job asks for
+//! a completion, and since a lane is one ordered byte stream that one completion covers every
+//! frame before it (selective signalling).
+//!
+//! Failure is per lane, as with a queue pair going to the error state: a send error, a peer that
+//! stops reading for `io_timeout`, a closed connection or a malformed completion fails every job
+//! in flight on the lane (with that error), marks the lane broken, and the pool opens a fresh
+//! lane (new connection, new handshake) on next use.
+
+use std::collections::VecDeque;
+use std::net::{TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::Instant;
+
+use parking_lot::Mutex;
+use tokio::sync::{oneshot, watch};
+
+use super::frame::{Completion, FrameHeader, COMPLETION_LEN};
+use super::handshake::client_handshake;
+use super::socket::{IoFail, LaneSocket, Readiness};
+use super::Shared;
+use crate::fabric::descriptor::Endpoint;
+use crate::fabric::error::{FabricError, Result};
+use crate::fabric::region::Region;
+
+/// Frames sent per `sendmsg` at most (two segments each).
+const FRAMES_PER_SEND: usize = 32;
+
+/// One frame to send: header plus a payload range of a local region.
+#[derive(Debug)]
+pub(super) struct OutFrame {
+    pub header: FrameHeader,
+    pub src: Region,
+    pub src_offset: u64,
+    /// The destination region's base, to turn a refused address back into an offset.
+    pub dst_base: u64,
+}
+
+/// Frames that complete together (the last one is sent signalled).
+#[derive(Debug)]
+pub(super) struct LaneJob {
+    pub frames: Vec<OutFrame>,
+    pub done: oneshot::Sender<Result<()>>,
+}
+
+/// What a pending job needs to report its completion.
+struct Pending {
+    done: oneshot::Sender<Result<()>>,
+    frames: u32,
+    /// (rkey, addr, dst_base, len) per frame, to name a refused frame.
+    ctx: Vec<(u64, u64, u64, u64)>,
+}
+
+#[derive(Default)]
+struct PendingQueue {
+    items: VecDeque<Pending>,
+    closed: Option<FabricError>,
+}
+
+impl PendingQueue {
+    fn close(&mut self, err: FabricError) {
+        if self.closed.is_none() {
+            self.closed = Some(err.clone());
+        }
+        for p in self.items.drain(..) {
+            let _ = p.done.send(Err(err.clone()));
+        }
+    }
+}
+
+#[derive(Debug)]
+struct LaneState {
+    index: usize,
+    broken: AtomicBool,
+    socket: Mutex<Option<Arc<LaneSocket>>>,
+    ready: watch::Sender<Option<Result<()>>>,
+    born: Instant,
+    /// Milliseconds since `born` of the last byte sent or completion received.
+    last_progress_ms: AtomicU64,
+}
+
+impl LaneState {
+    fn touch(&self) {
+        self.last_progress_ms
+            .store(self.born.elapsed().as_millis() as u64, Ordering::Relaxed);
+    }
+}
+
+/// A handle to one lane (cheap to clone).
+#[derive(Debug, Clone)]
+pub(super) struct Lane {
+    tx: mpsc::Sender<LaneJob>,
+    state: Arc<LaneState>,
+}
+
+impl Lane {
+    /// Starts a lane to `peer`; it connects in the background and takes jobs at once.
+    pub fn open(peer: Endpoint, index: usize, shared: Arc<Shared>) -> Lane {
+        let (tx, rx) = mpsc::channel();
+        let (ready, _) = watch::channel(None);
+        let state = Arc::new(LaneState {
+            index,
+            broken: AtomicBool::new(false),
+            socket: Mutex::new(None),
+            ready,
+            born: Instant::now(),
+            last_progress_ms: AtomicU64::new(0),
+        });
+        let thread_state = state.clone();
+        let spawned = std::thread::Builder::new()
+            .name("ws-fabric-tx".into())
+            .spawn(move || run_sender(peer, rx, thread_state, shared));
+        if let Err(e) = spawned {
+            state.broken.store(true, Ordering::SeqCst);
+            state
+                .ready
+                .send_replace(Some(Err(FabricError::io("spawning a lane thread", e))));
+        }
+        Lane { tx, state }
+    }
+
+    /// Queues a job; gives it back if the lane's thread has exited.
+    pub fn submit(&self, job: LaneJob) -> std::result::Result<(), LaneJob> {
+        self.tx.send(job).map_err(|e| e.0)
+    }
+
+    /// Whether the lane failed (the pool replaces it on next use).
+    pub fn is_broken(&self) -> bool {
+        self.state.broken.load(Ordering::SeqCst)
+    }
+
+    /// Resolves once the lane is connected and authenticated (or failed to be).
+    pub fn ready(&self) -> impl std::future::Future<Output = Result<()>> + Send + 'static {
+        let mut rx = self.state.ready.subscribe();
+        async move {
+            loop {
+                if let Some(r) = rx.borrow_and_update().clone() {
+                    return r;
+                }
+                if rx.changed().await.is_err() {
+                    return Err(FabricError::Shutdown);
+                }
+            }
+        }
+    }
+
+    /// Fault injection: shuts the connection down as if the cable were pulled.
+    pub fn cut(&self) {
+        if let Some(s) = self.state.socket.lock().as_ref() {
+            s.shutdown();
+        }
+    }
+}
+
+fn connect(peer: &Endpoint, shared: &Shared) -> Result<LaneSocket> {
+    let unreachable = |e: std::io::Error| FabricError::PeerUnreachable {
+        peer: peer.clone(),
+        source: Arc::new(e),
+    };
+    let addr = peer
+        .as_str()
+        .to_socket_addrs()
+        .map_err(unreachable)?
+        .next()
+        .ok_or_else(|| {
+            unreachable(std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                "endpoint resolves to no address",
+            ))
+        })?;
+    let timeout = shared.config.connect_timeout();
+    let mut stream = TcpStream::connect_timeout(&addr, timeout).map_err(unreachable)?;
+    let setup = (|| {
+        stream.set_nodelay(true)?;
+        super::socket::set_buffer_sizes(&stream, shared.config.socket_buffer_bytes)?;
+        stream.set_read_timeout(Some(timeout))?;
+        stream.set_write_timeout(Some(timeout))
+    })();
+    setup.map_err(|e| FabricError::io(format!("setting up a lane to {peer}"), e))?;
+    client_handshake(&mut stream, &shared.key, shared.instance, peer)?;
+    LaneSocket::new(stream).map_err(|e| FabricError::io(format!("setting up a lane to {peer}"), e))
+}
+
+fn run_sender(
+    peer: Endpoint,
+    rx: mpsc::Receiver<LaneJob>,
+    state: Arc<LaneState>,
+    shared: Arc<Shared>,
+) {
+    let sock = match connect(&peer, &shared) {
+        Ok(s) => Arc::new(s),
+        Err(e) => {
+            tracing::warn!(%peer, lane = state.index, error = %e, "lane connect failed");
+            state.broken.store(true, Ordering::SeqCst);
+            state.ready.send_replace(Some(Err(e.clone())));
+            while let Ok(job) = rx.try_recv() {
+                let _ = job.done.send(Err(e.clone()));
+            }
+            return;
+        }
+    };
+    shared.stats.lanes_opened.fetch_add(1, Ordering::Relaxed);
+    *state.socket.lock() = Some(sock.clone());
+    state.touch();
+    let pending: Arc<Mutex<PendingQueue>> = Arc::default();
+    let cq = {
+        let (s, p, st, sh, pe) = (
+            sock.clone(),
+            pending.clone(),
+            state.clone(),
+            shared.clone(),
+            peer.clone(),
+        );
+        std::thread::Builder::new()
+            .name("ws-fabric-cq".into())
+            .spawn(move || run_completions(&pe, &s, &p, &st, &sh))
+    };
+    if let Err(e) = cq {
+        let e = FabricError::io("spawning a lane completion thread", e);
+        state.broken.store(true, Ordering::SeqCst);
+        state.ready.send_replace(Some(Err(e.clone())));
+        state_fail(&sock, &pending, &e);
+        while let Ok(job) = rx.try_recv() {
+            let _ = job.done.send(Err(e.clone()));
+        }
+        return;
+    }
+    state.ready.send_replace(Some(Ok(())));
+    tracing::debug!(%peer, lane = state.index, "lane up");
+    let mut failure = None;
+    while let Ok(job) = rx.recv() {
+        // Take whatever else is queued (up to one sendmsg's worth of frames) along.
+        let mut frames = job.frames.len();
+        let mut jobs = vec![job];
+        while frames < FRAMES_PER_SEND {
+            match rx.try_recv() {
+                Ok(j) => {
+                    frames += j.frames.len();
+                    jobs.push(j);
+                }
+                Err(_) => break,
+            }
+        }
+        if let Err(e) = send_jobs(&peer, &sock, jobs, &pending, &state, &shared) {
+            failure = Some(e);
+            break;
+        }
+    }
+    let err = match failure {
+        Some(e) => {
+            shared.stats.lane_failures.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(%peer, lane = state.index, error = %e, "lane failed");
+            e
+        }
+        None => FabricError::Shutdown,
+    };
+    state.broken.store(true, Ordering::SeqCst);
+    state_fail(&sock, &pending, &err);
+    while let Ok(job) = rx.try_recv() {
+        let _ = job.done.send(Err(err.clone()));
+    }
+}
+
+fn state_fail(sock: &LaneSocket, pending: &Mutex<PendingQueue>, err: &FabricError) {
+    pending.lock().close(err.clone());
+    sock.shutdown();
+}
+
+/// Registers the jobs' completions, then streams all their frames (several jobs per `sendmsg`
+/// when they are small: the doorbell batching of a real NIC).
+fn send_jobs(
+    peer: &Endpoint,
+    sock: &LaneSocket,
+    jobs: Vec<LaneJob>,
+    pending: &Mutex<PendingQueue>,
+    state: &LaneState,
+    shared: &Shared,
+) -> Result<()> {
+    let mut all: Vec<OutFrame> = Vec::new();
+    {
+        let mut q = pending.lock();
+        for LaneJob { mut frames, done } in jobs {
+            let Some(last) = frames.last_mut() else {
+                let _ = done.send(Ok(()));
+                continue;
+            };
+            if let Some(err) = &q.closed {
+                let _ = done.send(Err(err.clone()));
+                continue;
+            }
+            last.header.signalled = true;
+            let ctx = frames
+                .iter()
+                .map(|f| (f.header.rkey, f.header.addr, f.dst_base, f.header.len))
+                .collect();
+            q.items.push_back(Pending {
+                done,
+                frames: frames.len() as u32,
+                ctx,
+            });
+            all.append(&mut frames);
+        }
+        if let Some(err) = &q.closed {
+            return Err(err.clone());
+        }
+    }
+    for window in all.chunk_by(|a, b| a.src.same_registration(&b.src)) {
+        for chunk in window.chunks(FRAMES_PER_SEND) {
+            send_window(peer, sock, chunk, state, shared)?;
+        }
+    }
+    shared
+        .stats
+        .frames_sent
+        .fetch_add(all.len() as u64, Ordering::Relaxed);
+    Ok(())
+}
+
+/// Sends frames that share one source registration, in as few `sendmsg` calls as the socket allows.
+fn send_window(
+    peer: &Endpoint,
+    sock: &LaneSocket,
+    frames: &[OutFrame],
+    state: &LaneState,
+    shared: &Shared,
+) -> Result<()> {
+    let src = &frames[0].src;
+    let headers: Vec<[u8; super::frame::HEADER_LEN]> =
+        frames.iter().map(|f| f.header.encode()).collect();
+    let base = src.memory().as_ptr() as *const u8;
+    let mut segs: Vec<(*const u8, usize)> = Vec::with_capacity(frames.len() * 2);
+    for (f, h) in frames.iter().zip(&headers) {
+        segs.push((h.as_ptr(), h.len()));
+        if f.header.len > 0 {
+            // wrapping_add: the pointer is only dereferenced by sendmsg, under the live guard,
+            // and the range was validated against the source region before queueing.
+            segs.push((
+                base.wrapping_add(f.src_offset as usize),
+                f.header.len as usize,
+            ));
+        }
+    }
+    let mut cursor = 0;
+    let timeout = shared.config.io_timeout();
+    while cursor < segs.len() {
+        let rc = {
+            let Some(_live) = src.memory().live() else {
+                return Err(FabricError::LocalDeregistered {
+                    what: "write source (deregistered while sending)",
+                    rkey: src.rkey(),
+                });
+            };
+            // SAFETY: header segments point into `headers`, alive for this function; payload
+            // segments lie inside the source region (src_offset + len <= region length was
+            // checked by WriteOp::validate and the region's length never changes), and the live
+            // guard keeps the registration from being revoked during the call.
+            unsafe { sock.send_raw(&segs[cursor..]) }
+        };
+        match rc {
+            Ok(mut n) => {
+                shared
+                    .stats
+                    .bytes_sent
+                    .fetch_add(n as u64, Ordering::Relaxed);
+                state.touch();
+                while n > 0 {
+                    let (ptr, len) = segs[cursor];
+                    if n >= len {
+                        n -= len;
+                        cursor += 1;
+                    } else {
+                        segs[cursor] = (ptr.wrapping_add(n), len - n);
+                        n = 0;
+                    }
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                match sock.wait(Readiness::Write, Some(timeout), &shared.stop) {
+                    Ok(()) => {}
+                    Err(IoFail::TimedOut) => {
+                        return Err(FabricError::Timeout {
+                            what: format!("peer {peer} stopped reading lane {}", state.index),
+                            after: timeout,
+                        })
+                    }
+                    Err(IoFail::Shutdown) => return Err(FabricError::Shutdown),
+                    Err(e) => return Err(disconnected(peer, state.index, &e.to_string())),
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(disconnected(peer, state.index, &e.to_string())),
+        }
+        // Skip zero-length segments left at the cursor.
+        while cursor < segs.len() && segs[cursor].1 == 0 {
+            cursor += 1;
+        }
+    }
+    Ok(())
+}
+
+fn disconnected(peer: &Endpoint, lane: usize, detail: &str) -> FabricError {
+    FabricError::Disconnected {
+        peer: peer.clone(),
+        lane,
+        detail: detail.to_owned(),
+    }
+}
+
+/// Resolves the oldest pending job with one completion; an error means the lane is unusable.
+fn complete_one(
+    peer: &Endpoint,
+    b: &[u8; COMPLETION_LEN],
+    pending: &Mutex<PendingQueue>,
+    state: &LaneState,
+) -> Result<()> {
+    let completion = Completion::decode(b).map_err(|e| FabricError::Protocol {
+        peer: peer.clone(),
+        detail: format!("bad completion: {e}"),
+    })?;
+    state.touch();
+    let Some(p) = pending.lock().items.pop_front() else {
+        return Err(FabricError::Protocol {
+            peer: peer.clone(),
+            detail: "completion without a pending write".into(),
+        });
+    };
+    if p.frames != completion.frames {
+        let e = FabricError::Protocol {
+            peer: peer.clone(),
+            detail: format!(
+                "completion covers {} frames, expected {}",
+                completion.frames, p.frames
+            ),
+        };
+        let _ = p.done.send(Err(e.clone()));
+        return Err(e);
+    }
+    let result = match completion.error {
+        None => Ok(()),
+        Some((kind, rkey, addr)) => {
+            let (base, len) = p
+                .ctx
+                .iter()
+                .find(|c| c.0 == rkey && c.1 == addr)
+                .map_or((0, 0), |c| (c.2, c.3));
+            Err(FabricError::RemoteAccess {
+                kind,
+                peer: peer.clone(),
+                rkey,
+                offset: addr.wrapping_sub(base),
+                len,
+            })
+        }
+    };
+    let _ = p.done.send(result);
+    Ok(())
+}
+
+fn run_completions(
+    peer: &Endpoint,
+    sock: &LaneSocket,
+    pending: &Mutex<PendingQueue>,
+    state: &LaneState,
+    shared: &Shared,
+) {
+    let timeout = shared.config.io_timeout();
+    // Completions are read in bulk: one recv often carries several.
+    let mut buf = [0u8; COMPLETION_LEN * 64];
+    let mut filled = 0;
+    let err = 'lane: loop {
+        let mut start = 0;
+        while filled - start >= COMPLETION_LEN {
+            let mut b = [0u8; COMPLETION_LEN];
+            b.copy_from_slice(&buf[start..start + COMPLETION_LEN]);
+            start += COMPLETION_LEN;
+            if let Err(e) = complete_one(peer, &b, pending, state) {
+                break 'lane e;
+            }
+        }
+        buf.copy_within(start..filled, 0);
+        filled -= start;
+        // SAFETY: buf[filled..] is a valid, exclusively borrowed byte range.
+        let rc = unsafe { sock.recv_raw(buf[filled..].as_mut_ptr(), buf.len() - filled) };
+        match rc {
+            Ok(0) => break disconnected(peer, state.index, "connection closed by peer"),
+            Ok(n) => filled += n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                match sock.wait(Readiness::Read, Some(timeout), &shared.stop) {
+                    Ok(()) => {}
+                    Err(IoFail::TimedOut) => {
+                        let idle_ms = (state.born.elapsed().as_millis() as u64)
+                            .saturating_sub(state.last_progress_ms.load(Ordering::Relaxed));
+                        if idle_ms >= timeout.as_millis() as u64 && !pending.lock().items.is_empty()
+                        {
+                            break FabricError::Timeout {
+                                what: format!(
+                                    "no completion from peer {peer} on lane {}",
+                                    state.index
+                                ),
+                                after: timeout,
+                            };
+                        }
+                    }
+                    Err(IoFail::Shutdown) => break FabricError::Shutdown,
+                    Err(e) => break disconnected(peer, state.index, &e.to_string()),
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => break disconnected(peer, state.index, &e.to_string()),
+        }
+    };
+    if !matches!(err, FabricError::Shutdown) && !pending.lock().items.is_empty() {
+        tracing::warn!(%peer, lane = state.index, error = %err, "lane failed with writes in flight");
+    }
+    state.broken.store(true, Ordering::SeqCst);
+    state_fail(sock, pending, &err);
+}

@@ -1,0 +1,249 @@
+//! The few raw socket calls the data path needs, and the only `unsafe` of the TCP backend's I/O.
+//!
+//! Why raw calls: the receiver must read a payload *straight into registered memory* (a raw
+//! pointer, not a Rust slice, since peers may be changing other parts of the region), and the
+//! writer sends header and payload in one `sendmsg` from a raw source pointer. Every call is
+//! non-blocking; waiting happens in [`LaneSocket::wait`] (`poll(2)`) *without* holding the
+//! region's revocation guard, so deregistration is never delayed by a slow peer.
+
+use std::io;
+use std::net::TcpStream;
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+/// How a wait or read ended without success.
+#[derive(Debug)]
+pub enum IoFail {
+    /// The peer closed the connection cleanly, before the first byte of a message.
+    Closed,
+    /// The peer closed the connection in the middle of a message.
+    Eof,
+    /// No progress within the limit.
+    TimedOut,
+    /// The fabric is shutting down.
+    Shutdown,
+    /// An OS error.
+    Os(io::Error),
+}
+
+impl std::fmt::Display for IoFail {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            IoFail::Closed => f.write_str("connection closed by peer"),
+            IoFail::Eof => f.write_str("connection closed by peer mid-message"),
+            IoFail::TimedOut => f.write_str("no progress within the I/O timeout"),
+            IoFail::Shutdown => f.write_str("fabric shutting down"),
+            IoFail::Os(e) => write!(f, "{e}"),
+        }
+    }
+}
+
+/// What to wait for.
+#[derive(Debug, Clone, Copy)]
+pub enum Readiness {
+    /// Readable (or closed).
+    Read,
+    /// Writable.
+    Write,
+}
+
+/// How often a waiting thread checks the shutdown flag.
+const TICK: Duration = Duration::from_millis(100);
+
+/// Waits until `fd` is ready, checking `stop` every tick; `limit` of `None` waits forever.
+pub fn wait_fd(
+    fd: RawFd,
+    what: Readiness,
+    limit: Option<Duration>,
+    stop: &AtomicBool,
+) -> Result<(), IoFail> {
+    let start = Instant::now();
+    let events = match what {
+        Readiness::Read => libc::POLLIN,
+        Readiness::Write => libc::POLLOUT,
+    };
+    loop {
+        if stop.load(Ordering::Relaxed) {
+            return Err(IoFail::Shutdown);
+        }
+        let tick = match limit {
+            Some(l) => {
+                let elapsed = start.elapsed();
+                if elapsed >= l {
+                    return Err(IoFail::TimedOut);
+                }
+                (l - elapsed).min(TICK)
+            }
+            None => TICK,
+        };
+        let mut pfd = libc::pollfd {
+            fd,
+            events,
+            revents: 0,
+        };
+        // SAFETY: pfd is a valid pollfd for the duration of the call and nfds is 1.
+        let rc = unsafe { libc::poll(&mut pfd, 1, tick.as_millis().max(1) as libc::c_int) };
+        if rc > 0 {
+            return Ok(());
+        }
+        if rc < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() != io::ErrorKind::Interrupted {
+                return Err(IoFail::Os(e));
+            }
+        }
+    }
+}
+
+/// A connected, non-blocking lane socket.
+#[derive(Debug)]
+pub struct LaneSocket {
+    stream: TcpStream,
+}
+
+impl LaneSocket {
+    /// Switches the stream to non-blocking mode and wraps it.
+    pub fn new(stream: TcpStream) -> io::Result<LaneSocket> {
+        stream.set_nonblocking(true)?;
+        Ok(LaneSocket { stream })
+    }
+
+    /// The raw descriptor.
+    pub fn fd(&self) -> RawFd {
+        self.stream.as_raw_fd()
+    }
+
+    /// Shuts both directions down (wakes every thread waiting on it).
+    pub fn shutdown(&self) {
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+    }
+
+    /// Waits until the socket is ready.
+    pub fn wait(
+        &self,
+        what: Readiness,
+        limit: Option<Duration>,
+        stop: &AtomicBool,
+    ) -> Result<(), IoFail> {
+        wait_fd(self.fd(), what, limit, stop)
+    }
+
+    /// Receives up to `len` bytes into `ptr` without blocking.
+    ///
+    /// # Safety
+    /// `ptr` must be valid for writes of `len` bytes for the duration of the call.
+    pub unsafe fn recv_raw(&self, ptr: *mut u8, len: usize) -> io::Result<usize> {
+        // SAFETY: the caller guarantees ptr is writable for len bytes; fd is an open socket.
+        let rc = unsafe { libc::recv(self.fd(), ptr.cast(), len, libc::MSG_DONTWAIT) };
+        if rc < 0 {
+            Err(io::Error::last_os_error())
+        } else {
+            Ok(rc as usize)
+        }
+    }
+
+    /// Sends from up to 64 `(pointer, length)` segments without blocking; returns bytes sent.
+    ///
+    /// # Safety
+    /// Every segment must be valid for reads of its length for the duration of the call.
+    pub unsafe fn send_raw(&self, segments: &[(*const u8, usize)]) -> io::Result<usize> {
+        let mut iov = [libc::iovec {
+            iov_base: std::ptr::null_mut(),
+            iov_len: 0,
+        }; 64];
+        let n = segments.len().min(iov.len());
+        for (slot, &(ptr, len)) in iov.iter_mut().zip(&segments[..n]) {
+            slot.iov_base = ptr as *mut libc::c_void;
+            slot.iov_len = len;
+        }
+        // SAFETY: msghdr is plain data; zeroed is a valid "no name, no control" header.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = iov.as_mut_ptr();
+        msg.msg_iovlen = n as _;
+        // SAFETY: msg points at n initialised iovecs whose buffers the caller guarantees readable;
+        // MSG_NOSIGNAL turns a closed peer into EPIPE instead of SIGPIPE.
+        let rc = unsafe { libc::sendmsg(self.fd(), &msg, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
+        if rc < 0 {
+            Err(io::Error::last_os_error())
+        } else {
+            Ok(rc as usize)
+        }
+    }
+
+    /// Reads exactly `buf.len()` bytes. While nothing has been read yet, waits up to `idle`
+    /// (`None`: forever); once a byte arrived, the rest must come within `timeout`.
+    pub fn read_exact(
+        &self,
+        buf: &mut [u8],
+        idle: Option<Duration>,
+        timeout: Duration,
+        stop: &AtomicBool,
+    ) -> Result<(), IoFail> {
+        let mut done = 0;
+        while done < buf.len() {
+            // SAFETY: buf[done..] is a valid, exclusively borrowed byte range.
+            let rc = unsafe { self.recv_raw(buf[done..].as_mut_ptr(), buf.len() - done) };
+            match rc {
+                Ok(0) if done == 0 => return Err(IoFail::Closed),
+                Ok(0) => return Err(IoFail::Eof),
+                Ok(n) => done += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    let limit = if done == 0 { idle } else { Some(timeout) };
+                    self.wait(Readiness::Read, limit, stop)?;
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(IoFail::Os(e)),
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes all of `buf`, failing if the peer stops reading for `timeout`.
+    pub fn write_all(
+        &self,
+        buf: &[u8],
+        timeout: Duration,
+        stop: &AtomicBool,
+    ) -> Result<(), IoFail> {
+        let mut done = 0;
+        while done < buf.len() {
+            // SAFETY: buf[done..] is a valid borrowed byte range.
+            let rc = unsafe { self.send_raw(&[(buf[done..].as_ptr(), buf.len() - done)]) };
+            match rc {
+                Ok(n) => done += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    self.wait(Readiness::Write, Some(timeout), stop)?;
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(IoFail::Os(e)),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Sets `SO_SNDBUF` and `SO_RCVBUF` (the kernel caps them at `net.core.*mem_max`); 0 keeps the
+/// defaults, which on Linux also keeps receive-buffer autotuning.
+pub fn set_buffer_sizes(stream: &TcpStream, bytes: usize) -> io::Result<()> {
+    if bytes == 0 {
+        return Ok(());
+    }
+    let value = bytes.min(i32::MAX as usize) as libc::c_int;
+    for opt in [libc::SO_SNDBUF, libc::SO_RCVBUF] {
+        // SAFETY: value is a live c_int and its size is passed; fd is an open socket.
+        let rc = unsafe {
+            libc::setsockopt(
+                stream.as_raw_fd(),
+                libc::SOL_SOCKET,
+                opt,
+                (&value as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        if rc != 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}

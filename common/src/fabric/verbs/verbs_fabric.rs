@@ -1,0 +1,665 @@
+//! [`VerbsFabric`]: the [`FabricBackend`] over ibverbs RC queue pairs.
+
+use std::collections::{BTreeMap, HashMap};
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Notify;
+
+use super::super::{
+    merge_contiguous, Access, Endpoint, FabricBackend, FabricConfig, FabricError, ImmCounter,
+    Memory, Region, RegionDescriptor, RegisteredMemory, RemoteAccessKind, Result, WriteOp,
+};
+use super::verbs_batch::{plan_repost, BatchTable, LaneFailure};
+use super::verbs_bootstrap::{writer_exchange, BootstrapError, HandshakeKey, Reply, Request};
+use super::verbs_completion::{PieceTarget, MAX_PIECES_PER_TOKEN};
+use super::verbs_device::{PortInfo, VerbsContext, VerbsPd};
+use super::verbs_endpoint::{random_psn, QpEndpoint};
+use super::verbs_lane::{Lane, Polled, PolledSet, Role};
+use super::verbs_listener::Listener;
+use super::verbs_mr::VerbsMr;
+use super::verbs_progress::Progress;
+use super::verbs_qp::VerbsQp;
+use super::verbs_qp_attr::{to_error, to_init, to_rtr, to_rts};
+use super::verbs_registry::Registry;
+use super::verbs_send_queue::SendQueue;
+use super::verbs_settings::VerbsSettings;
+use super::verbs_wr::{plan_pieces, ResolvedOp, WritePiece};
+
+/// The verbs fabric of one process (cheap to clone).
+#[derive(Debug, Clone)]
+pub struct VerbsFabric {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct PeerLanes {
+    lanes: Vec<tokio::sync::Mutex<Option<Arc<Lane>>>>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    endpoint: Endpoint,
+    config: FabricConfig,
+    settings: VerbsSettings,
+    key: HandshakeKey,
+    pd: Arc<VerbsPd>,
+    port: PortInfo,
+    imm: ImmCounter,
+    registry: Arc<Mutex<Registry>>,
+    peers: Mutex<HashMap<Endpoint, Arc<PeerLanes>>>,
+    polled: Arc<PolledSet>,
+    batches: Arc<BatchTable>,
+    next_token: AtomicU64,
+    next_lane: AtomicUsize,
+    shutdown: Arc<AtomicBool>,
+    listener_task: tokio::task::AbortHandle,
+    /// Dropped with the fabric: tells the receiving queue pairs' tasks to tear them down.
+    _closed: tokio::sync::watch::Sender<()>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        self.shutdown.store(true, Ordering::Release);
+        self.listener_task.abort();
+    }
+}
+
+/// How many times pieces flushed by a failing queue pair are re-posted on a fresh one.
+const REPOST_ROUNDS: usize = 2;
+
+/// Forgets a token if its write future is dropped before it resolved.
+struct TokenGuard<'a> {
+    batches: &'a BatchTable,
+    token: u64,
+}
+
+impl Drop for TokenGuard<'_> {
+    fn drop(&mut self) {
+        self.batches.forget(self.token);
+    }
+}
+
+fn config_error(e: impl std::fmt::Display) -> FabricError {
+    FabricError::Config(e.to_string())
+}
+
+impl VerbsFabric {
+    /// Opens the device, binds the bootstrap listener on `config.listen` and starts the progress
+    /// thread.
+    pub async fn start(config: &FabricConfig) -> Result<VerbsFabric> {
+        config.validate()?;
+        let settings = VerbsSettings::from_config_and_env(&config.verbs).map_err(config_error)?;
+        let ctx = VerbsContext::open(&settings)?;
+        let pd = VerbsPd::new(&ctx)?;
+        let port = ctx.port().clone();
+        let listener = TcpListener::bind(&config.listen)
+            .await
+            .map_err(|e| FabricError::io(format!("binding {}", config.listen), e))?;
+        let addr = listener
+            .local_addr()
+            .map_err(|e| FabricError::io("reading the listener address", e))?;
+        let key = HandshakeKey(config.job_token.handshake_key());
+        let polled = Arc::new(PolledSet::default());
+        let batches = Arc::new(BatchTable::default());
+        let imm = ImmCounter::new();
+        let shutdown = Arc::new(AtomicBool::new(false));
+        let registry: Arc<Mutex<Registry>> = Arc::default();
+        let (closed_tx, closed_rx) = tokio::sync::watch::channel(());
+        Progress {
+            polled: polled.clone(),
+            batches: batches.clone(),
+            imm: imm.clone(),
+            shutdown: shutdown.clone(),
+        }
+        .spawn()
+        .map_err(|e| FabricError::io("spawning the verbs progress thread", e))?;
+        let accept = Listener {
+            pd: pd.clone(),
+            port: port.clone(),
+            settings: settings.clone(),
+            key,
+            polled: polled.clone(),
+            registry: registry.clone(),
+            closed: closed_rx,
+        };
+        let listener_task = tokio::spawn(accept.run(listener)).abort_handle();
+        Ok(VerbsFabric {
+            inner: Arc::new(Inner {
+                endpoint: addr.into(),
+                config: config.clone(),
+                settings,
+                key,
+                pd,
+                port,
+                imm,
+                registry,
+                _closed: closed_tx,
+                peers: Mutex::default(),
+                polled,
+                batches,
+                next_token: AtomicU64::new(1),
+                next_lane: AtomicUsize::new(0),
+                shutdown,
+                listener_task,
+            }),
+        })
+    }
+
+    /// The device port in use.
+    pub fn port(&self) -> &PortInfo {
+        &self.inner.port
+    }
+
+    /// The resolved settings.
+    pub fn settings(&self) -> &VerbsSettings {
+        &self.inner.settings
+    }
+
+    /// Moves every queue pair of our lanes to `peer` into the error state, as a pulled cable or
+    /// a NIC reset would: writes in flight on them fail (or are re-posted), and the next write
+    /// re-establishes the lanes. For fault tests.
+    pub fn cut_lanes(&self, peer: &Endpoint) {
+        let Some(lanes) = self.inner.peers.lock().get(peer).cloned() else {
+            return;
+        };
+        for slot in &lanes.lanes {
+            if let Ok(slot) = slot.try_lock() {
+                if let Some(lane) = slot.as_ref() {
+                    if let Err(e) = lane.qp.modify(&to_error(), "->ERR") {
+                        tracing::warn!(%peer, lane = lane.index, error = %e, "cutting a lane failed");
+                    }
+                    lane.mark_broken(FabricError::Disconnected {
+                        peer: peer.clone(),
+                        lane: lane.index,
+                        detail: "lane cut (queue pair moved to the error state)".into(),
+                    });
+                }
+            }
+        }
+    }
+
+    /// Bytes of host memory this fabric has pinned.
+    pub fn pinned_bytes(&self) -> u64 {
+        self.inner.registry.lock().pinned()
+    }
+}
+
+impl Inner {
+    fn resolve(&self, op: &WriteOp) -> Result<ResolvedOp> {
+        let src_rkey = op.src.rkey();
+        let (base, region_len, lkey) = u32::try_from(src_rkey)
+            .ok()
+            .and_then(|k| self.registry.lock().lookup(k))
+            .ok_or(FabricError::LocalDeregistered {
+                what: "write source (not registered with this verbs fabric)",
+                rkey: src_rkey,
+            })?;
+        if base != op.src.as_ptr() as u64 {
+            return Err(FabricError::Unsupported(
+                "write source region belongs to another fabric".into(),
+            ));
+        }
+        let in_bounds = op
+            .src_offset
+            .checked_add(op.len)
+            .is_some_and(|end| end <= region_len);
+        if !in_bounds {
+            return Err(FabricError::LocalOutOfBounds {
+                what: "write source",
+                offset: op.src_offset,
+                len: op.len,
+                region_len,
+            });
+        }
+        let local_addr = base + op.src_offset;
+        let refused = |kind| FabricError::RemoteAccess {
+            kind,
+            peer: op.dst.endpoint.clone(),
+            rkey: op.dst.rkey,
+            offset: op.dst_offset,
+            len: op.len,
+        };
+        let rkey = u32::try_from(op.dst.rkey).map_err(|_| refused(RemoteAccessKind::WrongRkey))?;
+        let remote_addr = op
+            .dst
+            .base
+            .checked_add(op.dst_offset)
+            .ok_or_else(|| refused(RemoteAccessKind::OutOfBounds))?;
+        Ok(ResolvedOp {
+            local_addr,
+            lkey,
+            remote_addr,
+            rkey,
+            len: op.len,
+            imm: op.imm,
+        })
+    }
+
+    fn peer_lanes(&self, peer: &Endpoint) -> Arc<PeerLanes> {
+        self.peers
+            .lock()
+            .entry(peer.clone())
+            .or_insert_with(|| {
+                Arc::new(PeerLanes {
+                    lanes: (0..self.config.lanes_per_peer)
+                        .map(|_| tokio::sync::Mutex::new(None))
+                        .collect(),
+                })
+            })
+            .clone()
+    }
+
+    /// The lane `index` to `peer`, connecting (or replacing a broken one) first.
+    async fn lane(&self, peer: &Endpoint, index: usize) -> Result<Arc<Lane>> {
+        let lanes = self.peer_lanes(peer);
+        let slot = lanes
+            .lanes
+            .get(index)
+            .ok_or_else(|| FabricError::Config(format!("lane {index} does not exist")))?;
+        let mut slot = slot.lock().await;
+        if let Some(lane) = slot.as_ref() {
+            if lane.broken().is_none() {
+                return Ok(lane.clone());
+            }
+            tracing::info!(%peer, lane = index, "re-establishing a failed lane");
+            if lane.drained() {
+                // Otherwise the progress thread removes it once its last waiter is answered.
+                self.polled.remove(lane.qp.qp_num());
+            }
+            *slot = None;
+        }
+        let lane = self.connect_lane(peer, index).await?;
+        *slot = Some(lane.clone());
+        Ok(lane)
+    }
+
+    async fn connect_lane(&self, peer: &Endpoint, index: usize) -> Result<Arc<Lane>> {
+        let s = &self.settings;
+        let qp = VerbsQp::new(&self.pd, s.send_depth, 1)?;
+        qp.modify(&to_init(self.port.port), "RESET->INIT")?;
+        let psn = random_psn();
+        let ours = QpEndpoint {
+            qp_num: qp.qp_num(),
+            psn,
+            lid: self.port.lid,
+            gid: self.port.gid,
+            mtu: self.port.active_mtu,
+        };
+        let timeout = self.config.connect_timeout();
+        let unreachable = |source: std::io::Error| FabricError::PeerUnreachable {
+            peer: peer.clone(),
+            source: Arc::new(source),
+        };
+        let mut stream =
+            match tokio::time::timeout(timeout, TcpStream::connect(peer.as_str())).await {
+                Ok(Ok(s)) => s,
+                Ok(Err(e)) => return Err(unreachable(e)),
+                Err(_) => {
+                    return Err(unreachable(std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        format!("connect timed out after {timeout:?}"),
+                    )))
+                }
+            };
+        let _ = stream.set_nodelay(true);
+        let request = Request::Lane {
+            lane: index as u32,
+            endpoint: ours,
+        };
+        let exchange = writer_exchange(&mut stream, &self.key.0, request);
+        let theirs = match tokio::time::timeout(timeout, exchange).await {
+            Ok(Ok(Reply::Lane { endpoint })) => endpoint,
+            Ok(Ok(other)) => {
+                return Err(FabricError::Protocol {
+                    peer: peer.clone(),
+                    detail: format!("expected a queue-pair endpoint, got {other:?}"),
+                })
+            }
+            Ok(Err(e)) => return Err(bootstrap_error(peer, index, e)),
+            Err(_) => {
+                return Err(FabricError::Timeout {
+                    what: format!("queue-pair bootstrap with {peer} (lane {index})"),
+                    after: timeout,
+                })
+            }
+        };
+        let rtr = to_rtr(
+            &theirs,
+            self.port.addressing,
+            self.port.port,
+            self.port.active_mtu,
+            s,
+        )
+        .map_err(|detail| FabricError::Protocol {
+            peer: peer.clone(),
+            detail,
+        })?;
+        qp.modify(&rtr, "INIT->RTR")?;
+        qp.modify(&to_rts(psn, s), "RTR->RTS")?;
+        let lane = Arc::new(Lane {
+            peer: peer.clone(),
+            index,
+            qp: qp.clone(),
+            sq: Mutex::new(SendQueue::new(s.send_depth, s.signal_interval)),
+            broken: Mutex::new(None),
+            slots: Notify::new(),
+            bootstrap: Mutex::new(Some(stream)),
+        });
+        self.polled.add(Polled {
+            qp,
+            role: Role::Writer(lane.clone()),
+        });
+        tracing::debug!(%peer, lane = index, qp = ours.qp_num, peer_qp = theirs.qp_num, "lane up");
+        Ok(lane)
+    }
+
+    /// Posts `pieces` and waits until each lane's share ended; flushed pieces (a queue pair
+    /// failed under them) are re-posted on fresh queue pairs up to [`REPOST_ROUNDS`] times.
+    /// Returns the first refusal, or the lane error if re-posting did not get through.
+    async fn deliver(
+        &self,
+        peer: &Endpoint,
+        ops: &[WriteOp],
+        resolved: &[ResolvedOp],
+        pieces: Vec<WritePiece>,
+    ) -> Result<()> {
+        let targets = |pieces: &[WritePiece]| -> Vec<PieceTarget> {
+            pieces
+                .iter()
+                .map(|p| PieceTarget {
+                    peer: peer.clone(),
+                    lane: p.lane,
+                    rkey: ops[p.op].dst.rkey,
+                    offset: ops[p.op].dst_offset + (p.remote_addr - resolved[p.op].remote_addr),
+                    len: u64::from(p.len),
+                })
+                .collect()
+        };
+        let mut refused: Option<(FabricError, Option<WritePiece>)> = None;
+        for chunk in pieces.chunks(MAX_PIECES_PER_TOKEN) {
+            let mut pending = chunk.to_vec();
+            let mut round = 0;
+            while !pending.is_empty() {
+                let failures = self
+                    .post_and_wait(peer, &pending, targets(&pending))
+                    .await?;
+                let repost = plan_repost(&pending, &failures);
+                if refused.is_none() {
+                    refused = repost.refused.map(|e| (e, repost.refused_piece));
+                }
+                if !repost.pieces.is_empty() && round == REPOST_ROUNDS {
+                    let refused = refused.map(|(e, _)| e);
+                    return Err(refused.or(repost.first_error).unwrap_or(
+                        FabricError::Disconnected {
+                            peer: peer.clone(),
+                            lane: 0,
+                            detail: "writes kept being flushed".into(),
+                        },
+                    ));
+                }
+                if !repost.pieces.is_empty() {
+                    tracing::debug!(%peer, pieces = repost.pieces.len(), "re-posting flushed pieces");
+                }
+                pending = repost.pieces;
+                round += 1;
+            }
+        }
+        match refused {
+            Some((e, piece)) => Err(self.diagnose(peer, e, piece).await),
+            None => Ok(()),
+        }
+    }
+
+    /// Asks the peer why it refused `piece` and puts the answer into `error` (the NIC reports
+    /// all remote protection failures alike). On any trouble asking, `error` stays as it is.
+    async fn diagnose(
+        &self,
+        peer: &Endpoint,
+        error: FabricError,
+        piece: Option<WritePiece>,
+    ) -> FabricError {
+        let (
+            FabricError::RemoteAccess {
+                kind,
+                peer: p,
+                rkey,
+                offset,
+                len,
+            },
+            Some(piece),
+        ) = (error.clone(), piece)
+        else {
+            return error;
+        };
+        let request = Request::Diagnose {
+            rkey: piece.rkey,
+            addr: piece.remote_addr,
+            len: u64::from(piece.len),
+        };
+        let ask = async {
+            let mut stream = TcpStream::connect(peer.as_str()).await.ok()?;
+            let _ = stream.set_nodelay(true);
+            writer_exchange(&mut stream, &self.key.0, request)
+                .await
+                .ok()
+        };
+        let kind = match tokio::time::timeout(self.config.connect_timeout(), ask).await {
+            Ok(Some(Reply::Diagnosis { kind: Some(k) })) => k.into(),
+            _ => kind,
+        };
+        FabricError::RemoteAccess {
+            kind,
+            peer: p,
+            rkey,
+            offset,
+            len,
+        }
+    }
+
+    /// Posts one call's `pieces` (any lanes) and waits until every lane's share ended.
+    async fn post_and_wait(
+        &self,
+        peer: &Endpoint,
+        pieces: &[WritePiece],
+        targets: Vec<PieceTarget>,
+    ) -> Result<Vec<LaneFailure>> {
+        if pieces.is_empty() {
+            return Ok(Vec::new());
+        }
+        let token = self.next_token.fetch_add(1, Ordering::Relaxed);
+        let mut per_lane: BTreeMap<usize, Vec<(u32, WritePiece)>> = BTreeMap::new();
+        for (i, p) in pieces.iter().enumerate() {
+            per_lane.entry(p.lane).or_default().push((i as u32, *p));
+        }
+        let done = self.batches.register(token, per_lane.len(), targets);
+        let _guard = TokenGuard {
+            batches: &self.batches,
+            token,
+        };
+        let bytes: u64 = pieces.iter().map(|p| u64::from(p.len)).sum();
+        let wait = ack_wait(self.config.io_timeout(), bytes);
+        for (index, list) in per_lane {
+            let lane = self.lane(peer, index).await?;
+            let mut posted = 0;
+            while posted < list.len() {
+                let notified = lane.slots.notified();
+                tokio::pin!(notified);
+                notified.as_mut().enable();
+                let n =
+                    lane.post_some(token, &list[posted..], true, self.settings.wrs_per_doorbell)?;
+                if n == 0 {
+                    if let Some(e) = lane.broken() {
+                        return Err(e);
+                    }
+                    if tokio::time::timeout(wait, notified).await.is_err() {
+                        return Err(FabricError::Timeout {
+                            what: format!("send-queue slots on lane {index} to {peer}"),
+                            after: wait,
+                        });
+                    }
+                }
+                posted += n;
+            }
+        }
+        match tokio::time::timeout(wait, done).await {
+            Ok(Ok(failures)) => Ok(failures),
+            Ok(Err(_)) => Err(FabricError::Shutdown),
+            Err(_) => Err(FabricError::Timeout {
+                what: format!(
+                    "acknowledgement of {} write pieces ({bytes} bytes) by {peer}",
+                    pieces.len()
+                ),
+                after: wait,
+            }),
+        }
+    }
+
+    async fn write_to_peer(&self, peer: Endpoint, ops: Vec<WriteOp>) -> Result<()> {
+        let resolved = ops
+            .iter()
+            .map(|op| self.resolve(op))
+            .collect::<Result<Vec<_>>>()?;
+        let first = self.next_lane.fetch_add(1, Ordering::Relaxed);
+        let plan = plan_pieces(
+            &resolved,
+            self.config.lanes_per_peer,
+            self.config.stripe_min_bytes,
+            self.port.max_msg_size,
+            first,
+        );
+        self.deliver(&peer, &ops, &resolved, plan.now).await?;
+        // A striped write's immediate goes only after its body landed on every lane.
+        self.deliver(&peer, &ops, &resolved, plan.deferred).await?;
+        // `ops` (and with it the source regions) stayed alive until every piece was acknowledged.
+        drop(ops);
+        Ok(())
+    }
+
+    async fn write_batch(self: Arc<Self>, ops: Vec<WriteOp>) -> Result<()> {
+        for op in &ops {
+            op.validate()?;
+        }
+        let mut by_peer: BTreeMap<Endpoint, Vec<WriteOp>> = BTreeMap::new();
+        for op in merge_contiguous(ops) {
+            by_peer.entry(op.dst.endpoint.clone()).or_default().push(op);
+        }
+        let writes = by_peer
+            .into_iter()
+            .map(|(peer, ops)| self.write_to_peer(peer, ops));
+        futures::future::try_join_all(writes).await?;
+        Ok(())
+    }
+}
+
+fn bootstrap_error(peer: &Endpoint, lane: usize, e: BootstrapError) -> FabricError {
+    match e {
+        BootstrapError::Auth(detail) => FabricError::Auth {
+            peer: peer.clone(),
+            detail,
+        },
+        BootstrapError::Refused(reason) if reason.contains("authentication") => FabricError::Auth {
+            peer: peer.clone(),
+            detail: reason,
+        },
+        BootstrapError::Protocol(detail) => FabricError::Protocol {
+            peer: peer.clone(),
+            detail,
+        },
+        other => FabricError::Disconnected {
+            peer: peer.clone(),
+            lane,
+            detail: format!("queue-pair bootstrap failed: {other}"),
+        },
+    }
+}
+
+impl FabricBackend for VerbsFabric {
+    fn endpoint(&self) -> &Endpoint {
+        &self.inner.endpoint
+    }
+
+    fn lanes_per_peer(&self) -> usize {
+        self.inner.config.lanes_per_peer
+    }
+
+    fn register(&self, memory: Memory, access: Access) -> Result<Region> {
+        let memory = RegisteredMemory::new(memory);
+        let pinned = self.inner.registry.lock().pinned();
+        let mr = Arc::new(VerbsMr::register(
+            &self.inner.pd,
+            memory.clone(),
+            access,
+            pinned,
+        )?);
+        let rkey = mr.rkey();
+        let descriptor = RegionDescriptor {
+            endpoint: self.inner.endpoint.clone(),
+            base: mr.addr(),
+            len: mr.len(),
+            rkey: u64::from(rkey),
+        };
+        self.inner.registry.lock().insert(mr, access);
+        let registry = self.inner.registry.clone();
+        let deregister = move || {
+            let mr = registry.lock().remove(rkey);
+            // Dropping the last Arc calls ibv_dereg_mr: from here the NIC refuses the rkey.
+            drop(mr);
+        };
+        Ok(Region::new(
+            memory,
+            access,
+            descriptor,
+            Box::new(deregister),
+        ))
+    }
+
+    fn write(&self, op: WriteOp) -> impl Future<Output = Result<()>> + Send + 'static {
+        self.write_batch(vec![op])
+    }
+
+    fn write_batch(&self, ops: Vec<WriteOp>) -> impl Future<Output = Result<()>> + Send + 'static {
+        // Posted at once, like work handed to a NIC: the write makes progress whether or not the
+        // returned future is polled, and dropping the future does not cancel it.
+        let work = self.inner.clone().write_batch(ops);
+        let spawned = tokio::runtime::Handle::try_current().map(|rt| rt.spawn(work));
+        async move {
+            match spawned {
+                Ok(handle) => handle.await.unwrap_or_else(|e| {
+                    Err(FabricError::io(
+                        "verbs write task",
+                        std::io::Error::other(e),
+                    ))
+                }),
+                Err(_) => Err(FabricError::Unsupported(
+                    "verbs writes must be started inside a tokio runtime".into(),
+                )),
+            }
+        }
+    }
+
+    fn connect(&self, peer: &Endpoint) -> impl Future<Output = Result<()>> + Send + 'static {
+        let inner = self.inner.clone();
+        let peer = peer.clone();
+        async move {
+            for index in 0..inner.config.lanes_per_peer {
+                inner.lane(&peer, index).await?;
+            }
+            Ok(())
+        }
+    }
+
+    fn imm_counter(&self) -> &ImmCounter {
+        &self.inner.imm
+    }
+}
+
+/// How long a writer waits at most for acknowledgements of `bytes`: the I/O timeout, once more
+/// per GiB (RC retries detect a dead peer long before; this only bounds a wedged device).
+fn ack_wait(io_timeout: Duration, bytes: u64) -> Duration {
+    io_timeout * (1 + (bytes >> 30) as u32)
+}

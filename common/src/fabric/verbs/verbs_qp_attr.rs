@@ -1,0 +1,294 @@
+//! The three `ibv_modify_qp` transitions of an RC queue pair, as plain data.
+//!
+//! A queue pair goes RESET → INIT → RTR (ready to receive) → RTS (ready to send). Each transition
+//! has a fixed set of attributes the driver requires for RC (IBA spec, table "QP state transition
+//! properties"); passing a wrong mask is either rejected with `EINVAL` or, worse, accepted without
+//! the attribute taking effect. So the attributes and masks are built here by pure functions that
+//! the unit tests pin to the required sets, and `verbs_qp` only applies them.
+//!
+//! | transition | required for RC |
+//! |---|---|
+//! | RESET → INIT | STATE, PKEY_INDEX, PORT, ACCESS_FLAGS |
+//! | INIT → RTR | STATE, AV, PATH_MTU, DEST_QPN, RQ_PSN, MAX_DEST_RD_ATOMIC, MIN_RNR_TIMER |
+//! | RTR → RTS | STATE, SQ_PSN, TIMEOUT, RETRY_CNT, RNR_RETRY, MAX_QP_RD_ATOMIC |
+
+use ffi::ibv_qp_attr_mask as mask;
+use ibverbs_sys as ffi;
+
+use super::verbs_endpoint::{agreed_mtu, QpEndpoint, PSN_MASK};
+use super::verbs_gid::Addressing;
+use super::verbs_settings::VerbsSettings;
+
+/// Attributes and mask for one `ibv_modify_qp` call.
+#[derive(Clone, Copy)]
+pub struct QpTransition {
+    /// The attributes (only those in `mask` are read by the driver).
+    pub attr: ffi::ibv_qp_attr,
+    /// Which attributes are set.
+    pub mask: ffi::ibv_qp_attr_mask,
+}
+
+impl std::fmt::Debug for QpTransition {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("QpTransition")
+            .field("qp_state", &self.attr.qp_state)
+            .field("mask", &format_args!("{:#x}", self.mask.0))
+            .finish()
+    }
+}
+
+/// Access our queue pairs grant to incoming requests: peers may RDMA WRITE (with immediate) into
+/// memory registered for remote write. No remote read or atomics: weightsync only pushes.
+pub fn qp_access_flags() -> ffi::ibv_access_flags {
+    ffi::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE | ffi::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE
+}
+
+/// RESET → INIT on `port`.
+pub fn to_init(port: u8) -> QpTransition {
+    let attr = ffi::ibv_qp_attr {
+        qp_state: ffi::ibv_qp_state::IBV_QPS_INIT,
+        pkey_index: 0,
+        port_num: port,
+        qp_access_flags: qp_access_flags().0,
+        ..Default::default()
+    };
+    QpTransition {
+        attr,
+        mask: mask::IBV_QP_STATE
+            | mask::IBV_QP_PKEY_INDEX
+            | mask::IBV_QP_PORT
+            | mask::IBV_QP_ACCESS_FLAGS,
+    }
+}
+
+/// INIT → RTR towards `remote`. With [`Addressing::Global`] the address vector carries a GRH
+/// (`is_global = 1`, the peer's GID as `dgid`, our `sgid_index`); with [`Addressing::Lid`] it uses
+/// the peer's LID.
+pub fn to_rtr(
+    remote: &QpEndpoint,
+    addressing: Addressing,
+    port: u8,
+    local_mtu: u32,
+    settings: &VerbsSettings,
+) -> Result<QpTransition, String> {
+    let mut attr = ffi::ibv_qp_attr {
+        qp_state: ffi::ibv_qp_state::IBV_QPS_RTR,
+        path_mtu: agreed_mtu(local_mtu, remote.mtu),
+        dest_qp_num: remote.qp_num,
+        rq_psn: remote.psn & PSN_MASK,
+        max_dest_rd_atomic: 1,
+        min_rnr_timer: settings.min_rnr_timer,
+        ..Default::default()
+    };
+    attr.ah_attr.port_num = port;
+    attr.ah_attr.sl = 0;
+    attr.ah_attr.src_path_bits = 0;
+    match addressing {
+        Addressing::Global { sgid_index } => {
+            let gid = remote.gid.ok_or_else(|| {
+                "this side routes by GID (RoCE or a GID index is set) but the peer sent no GID: \
+                 set WEIGHTSYNC_RDMA_GID_INDEX on the peer too"
+                    .to_owned()
+            })?;
+            attr.ah_attr.is_global = 1;
+            attr.ah_attr.grh.dgid = ffi::ibv_gid { raw: gid.0 };
+            attr.ah_attr.grh.sgid_index = sgid_index;
+            attr.ah_attr.grh.hop_limit = 64;
+            attr.ah_attr.grh.traffic_class = 0;
+            attr.ah_attr.grh.flow_label = 0;
+            attr.ah_attr.dlid = remote.lid;
+        }
+        Addressing::Lid => {
+            if remote.lid == 0 {
+                return Err(
+                    "this side routes by LID (InfiniBand without GID index) but the peer has \
+                     LID 0; is the peer on RoCE? set WEIGHTSYNC_RDMA_GID_INDEX on both sides"
+                        .to_owned(),
+                );
+            }
+            attr.ah_attr.is_global = 0;
+            attr.ah_attr.dlid = remote.lid;
+        }
+    }
+    Ok(QpTransition {
+        attr,
+        mask: mask::IBV_QP_STATE
+            | mask::IBV_QP_AV
+            | mask::IBV_QP_PATH_MTU
+            | mask::IBV_QP_DEST_QPN
+            | mask::IBV_QP_RQ_PSN
+            | mask::IBV_QP_MAX_DEST_RD_ATOMIC
+            | mask::IBV_QP_MIN_RNR_TIMER,
+    })
+}
+
+/// RTR → RTS, sending from `local_psn`, with finite transport and RNR retries.
+pub fn to_rts(local_psn: u32, settings: &VerbsSettings) -> QpTransition {
+    let attr = ffi::ibv_qp_attr {
+        qp_state: ffi::ibv_qp_state::IBV_QPS_RTS,
+        sq_psn: local_psn & PSN_MASK,
+        timeout: settings.timeout,
+        retry_cnt: settings.retry_cnt,
+        rnr_retry: settings.rnr_retry.min(6),
+        max_rd_atomic: 1,
+        ..Default::default()
+    };
+    QpTransition {
+        attr,
+        mask: mask::IBV_QP_STATE
+            | mask::IBV_QP_SQ_PSN
+            | mask::IBV_QP_TIMEOUT
+            | mask::IBV_QP_RETRY_CNT
+            | mask::IBV_QP_RNR_RETRY
+            | mask::IBV_QP_MAX_QP_RD_ATOMIC,
+    }
+}
+
+/// Any state → ERR: flushes every outstanding WR with `IBV_WC_WR_FLUSH_ERR` (a queue-pair
+/// reset as a pulled cable or a NIC error would cause; used by fault tests).
+pub fn to_error() -> QpTransition {
+    let attr = ffi::ibv_qp_attr {
+        qp_state: ffi::ibv_qp_state::IBV_QPS_ERR,
+        ..Default::default()
+    };
+    QpTransition {
+        attr,
+        mask: mask::IBV_QP_STATE,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fabric::verbs::verbs_gid::Gid;
+    use crate::fabric::VerbsConfig;
+
+    fn settings() -> VerbsSettings {
+        VerbsSettings::resolve(&VerbsConfig::default(), |_| None).unwrap()
+    }
+
+    fn bits(names: &[ffi::ibv_qp_attr_mask]) -> u32 {
+        names.iter().fold(0, |acc, m| acc | m.0)
+    }
+
+    fn remote(gid: Option<Gid>, lid: u16) -> QpEndpoint {
+        QpEndpoint {
+            qp_num: 0x123,
+            psn: 0x1abcdef, // more than 24 bits: must be masked
+            lid,
+            gid,
+            mtu: 3,
+        }
+    }
+
+    #[test]
+    fn init_sets_exactly_the_required_attributes() {
+        let t = to_init(2);
+        assert_eq!(
+            t.mask.0,
+            bits(&[
+                mask::IBV_QP_STATE,
+                mask::IBV_QP_PKEY_INDEX,
+                mask::IBV_QP_PORT,
+                mask::IBV_QP_ACCESS_FLAGS
+            ])
+        );
+        assert_eq!(t.attr.qp_state, ffi::ibv_qp_state::IBV_QPS_INIT);
+        assert_eq!(t.attr.port_num, 2);
+        let access = ffi::ibv_access_flags(t.attr.qp_access_flags);
+        assert_ne!(
+            (access & ffi::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE).0,
+            0
+        );
+        assert_eq!(
+            (access & ffi::ibv_access_flags::IBV_ACCESS_REMOTE_READ).0,
+            0
+        );
+    }
+
+    #[test]
+    fn rtr_on_roce_carries_the_remote_gid_in_the_grh() {
+        let gid: Gid = "::ffff:192.168.7.9".parse().unwrap();
+        let t = to_rtr(
+            &remote(Some(gid), 0),
+            Addressing::Global { sgid_index: 1 },
+            1,
+            5,
+            &settings(),
+        )
+        .unwrap();
+        assert_eq!(
+            t.mask.0,
+            bits(&[
+                mask::IBV_QP_STATE,
+                mask::IBV_QP_AV,
+                mask::IBV_QP_PATH_MTU,
+                mask::IBV_QP_DEST_QPN,
+                mask::IBV_QP_RQ_PSN,
+                mask::IBV_QP_MAX_DEST_RD_ATOMIC,
+                mask::IBV_QP_MIN_RNR_TIMER
+            ])
+        );
+        let a = t.attr;
+        assert_eq!(a.qp_state, ffi::ibv_qp_state::IBV_QPS_RTR);
+        assert_eq!(a.ah_attr.is_global, 1);
+        // SAFETY: reading the raw bytes of a plain-old-data union we just wrote.
+        let dgid = unsafe { a.ah_attr.grh.dgid.raw };
+        assert_eq!(dgid, gid.0);
+        assert_eq!(a.ah_attr.grh.sgid_index, 1);
+        assert!(a.ah_attr.grh.hop_limit > 1);
+        assert_eq!(a.ah_attr.port_num, 1);
+        assert_eq!(a.dest_qp_num, 0x123);
+        assert_eq!(a.rq_psn, 0xabcdef);
+        assert_eq!(a.path_mtu, 3, "the smaller of local 5 and remote 3");
+        assert_eq!(a.min_rnr_timer, settings().min_rnr_timer);
+    }
+
+    #[test]
+    fn rtr_on_infiniband_uses_the_lid() {
+        let t = to_rtr(&remote(None, 17), Addressing::Lid, 1, 4, &settings()).unwrap();
+        assert_eq!(t.attr.ah_attr.is_global, 0);
+        assert_eq!(t.attr.ah_attr.dlid, 17);
+        let err = to_rtr(&remote(None, 0), Addressing::Lid, 1, 4, &settings()).unwrap_err();
+        assert!(err.contains("LID 0"), "{err}");
+        let err = to_rtr(
+            &remote(None, 5),
+            Addressing::Global { sgid_index: 0 },
+            1,
+            4,
+            &settings(),
+        )
+        .unwrap_err();
+        assert!(err.contains("no GID"), "{err}");
+    }
+
+    #[test]
+    fn error_transition_sets_only_the_state() {
+        let t = to_error();
+        assert_eq!(t.mask.0, mask::IBV_QP_STATE.0);
+        assert_eq!(t.attr.qp_state, ffi::ibv_qp_state::IBV_QPS_ERR);
+    }
+
+    #[test]
+    fn rts_has_finite_retries_and_the_required_mask() {
+        let s = settings();
+        let t = to_rts(0x1000001, &s);
+        assert_eq!(
+            t.mask.0,
+            bits(&[
+                mask::IBV_QP_STATE,
+                mask::IBV_QP_SQ_PSN,
+                mask::IBV_QP_TIMEOUT,
+                mask::IBV_QP_RETRY_CNT,
+                mask::IBV_QP_RNR_RETRY,
+                mask::IBV_QP_MAX_QP_RD_ATOMIC
+            ])
+        );
+        assert_eq!(t.attr.qp_state, ffi::ibv_qp_state::IBV_QPS_RTS);
+        assert_eq!(t.attr.sq_psn, 1);
+        assert!(t.attr.rnr_retry < 7, "7 would retry forever");
+        assert_eq!(t.attr.rnr_retry, s.rnr_retry);
+        assert_eq!(t.attr.timeout, s.timeout);
+        assert!(format!("{t:?}").contains("mask"));
+    }
+}

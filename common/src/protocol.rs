@@ -1,1 +1,0 @@
-//! Control-channel messages between workers and the controller. (Being built: see issue 5.)

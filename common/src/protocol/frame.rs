@@ -1,0 +1,319 @@
+//! Length-prefixed frames for the control channel.
+//!
+//! ```text
+//! +--------+----------+---------+-----------+------------------+
+//! | "WSYC" | ver: u16 | 0: u16  | len: u32  | bincode body     |
+//! +--------+----------+---------+-----------+------------------+
+//!   4 B      2 B LE     2 B       4 B LE      len bytes
+//! ```
+//!
+//! Every check happens before any allocation that depends on the peer: the magic and version are
+//! verified first, the length is compared with the reader's maximum before the body buffer is
+//! sized, and the body is decoded with a bincode byte limit equal to its length, so a hostile or
+//! corrupted frame yields a [`FrameError`], never a panic or an outsized allocation.
+
+use bincode::Options;
+use serde::{de::DeserializeOwned, Serialize};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+/// First four bytes of every frame.
+pub const MAGIC: [u8; 4] = *b"WSYC";
+/// Version of the control-channel protocol; both ends must agree.
+pub const PROTOCOL_VERSION: u16 = 1;
+/// Bytes in a frame header.
+pub const FRAME_HEADER_LEN: usize = 12;
+/// Default maximum body size: 256 MiB (a trainer's plan slice for a 1T-parameter model fits).
+pub const DEFAULT_MAX_FRAME: u32 = 256 << 20;
+
+/// Why a frame could not be read or written.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum FrameError {
+    /// The stream failed.
+    #[error("control channel I/O: {0}")]
+    Io(#[from] std::io::Error),
+    /// The peer closed the stream in the middle of a frame.
+    #[error("control channel closed mid-frame")]
+    Truncated,
+    /// The first bytes are not a weightsync control frame.
+    #[error("not a weightsync control frame (bad magic {0:02x?})")]
+    BadMagic([u8; 4]),
+    /// The peer speaks another protocol version.
+    #[error("control protocol version {got} but this build speaks {want}")]
+    Version {
+        /// Version in the frame.
+        got: u16,
+        /// Ours.
+        want: u16,
+    },
+    /// The frame is larger than allowed.
+    #[error("control frame of {len} bytes exceeds the maximum of {max}")]
+    TooLarge {
+        /// Announced length.
+        len: u64,
+        /// Allowed maximum.
+        max: u32,
+    },
+    /// The body is not a valid message.
+    #[error("malformed control message: {0}")]
+    Decode(String),
+}
+
+/// A parsed frame header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FrameHeader {
+    /// Protocol version.
+    pub version: u16,
+    /// Body length.
+    pub len: u32,
+}
+
+impl FrameHeader {
+    /// Parses and checks a header against the maximum body size.
+    pub fn parse(bytes: &[u8; FRAME_HEADER_LEN], max: u32) -> Result<Self, FrameError> {
+        let magic = [bytes[0], bytes[1], bytes[2], bytes[3]];
+        if magic != MAGIC {
+            return Err(FrameError::BadMagic(magic));
+        }
+        let version = u16::from_le_bytes([bytes[4], bytes[5]]);
+        if version != PROTOCOL_VERSION {
+            return Err(FrameError::Version {
+                got: version,
+                want: PROTOCOL_VERSION,
+            });
+        }
+        let len = u32::from_le_bytes([bytes[8], bytes[9], bytes[10], bytes[11]]);
+        if len > max {
+            return Err(FrameError::TooLarge {
+                len: len.into(),
+                max,
+            });
+        }
+        Ok(FrameHeader { version, len })
+    }
+}
+
+fn options(limit: u64) -> impl Options {
+    bincode::DefaultOptions::new()
+        .with_fixint_encoding()
+        .with_limit(limit)
+        .reject_trailing_bytes()
+}
+
+/// Encodes one message as a whole frame (header + body).
+pub fn encode_frame<T: Serialize>(msg: &T, max: u32) -> Result<Vec<u8>, FrameError> {
+    let body = options(max.into()).serialize(msg).map_err(|e| match *e {
+        bincode::ErrorKind::SizeLimit => FrameError::TooLarge {
+            len: u64::from(max) + 1,
+            max,
+        },
+        other => FrameError::Decode(other.to_string()),
+    })?;
+    let len = u32::try_from(body.len()).map_err(|_| FrameError::TooLarge {
+        len: body.len() as u64,
+        max,
+    })?;
+    let mut out = Vec::with_capacity(FRAME_HEADER_LEN + body.len());
+    out.extend_from_slice(&MAGIC);
+    out.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+    out.extend_from_slice(&0u16.to_le_bytes());
+    out.extend_from_slice(&len.to_le_bytes());
+    out.extend_from_slice(&body);
+    Ok(out)
+}
+
+/// Decodes a frame body (without header). Never reads past `body`, never panics.
+pub fn decode_body<T: DeserializeOwned>(body: &[u8]) -> Result<T, FrameError> {
+    options(body.len() as u64)
+        .deserialize(body)
+        .map_err(|e| FrameError::Decode(e.to_string()))
+}
+
+/// Decodes one whole frame from a byte slice (header + body); for fuzzing and tests.
+pub fn decode_frame<T: DeserializeOwned>(bytes: &[u8], max: u32) -> Result<T, FrameError> {
+    let header: &[u8; FRAME_HEADER_LEN] = bytes
+        .get(..FRAME_HEADER_LEN)
+        .and_then(|h| h.try_into().ok())
+        .ok_or(FrameError::Truncated)?;
+    let h = FrameHeader::parse(header, max)?;
+    let body = bytes.get(FRAME_HEADER_LEN..).ok_or(FrameError::Truncated)?;
+    if body.len() != h.len as usize {
+        return Err(FrameError::Truncated);
+    }
+    decode_body(body)
+}
+
+/// Writes one message as a frame and flushes.
+pub async fn write_frame<W, T>(w: &mut W, msg: &T, max: u32) -> Result<(), FrameError>
+where
+    W: AsyncWrite + Unpin,
+    T: Serialize,
+{
+    let bytes = encode_frame(msg, max)?;
+    w.write_all(&bytes).await?;
+    w.flush().await?;
+    Ok(())
+}
+
+/// Reads one frame. `Ok(None)` on a clean end of stream at a frame boundary.
+pub async fn read_frame<R, T>(r: &mut R, max: u32) -> Result<Option<T>, FrameError>
+where
+    R: AsyncRead + Unpin,
+    T: DeserializeOwned,
+{
+    let mut header = [0u8; FRAME_HEADER_LEN];
+    let mut got = 0;
+    while got < FRAME_HEADER_LEN {
+        let n = r.read(&mut header[got..]).await?;
+        if n == 0 {
+            return if got == 0 {
+                Ok(None)
+            } else {
+                Err(FrameError::Truncated)
+            };
+        }
+        got += n;
+    }
+    let h = FrameHeader::parse(&header, max)?;
+    let mut body = vec![0u8; h.len as usize];
+    r.read_exact(&mut body).await.map_err(|e| {
+        if e.kind() == std::io::ErrorKind::UnexpectedEof {
+            FrameError::Truncated
+        } else {
+            FrameError::Io(e)
+        }
+    })?;
+    decode_body(&body).map(Some)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::messages::*;
+    use crate::DType;
+
+    fn registration() -> FromWorker {
+        FromWorker::Register(Box::new(Registration {
+            id: WorkerId::rollout(3),
+            host: "h".into(),
+            pid: 7,
+            world: WorldSpec {
+                model: "qwen3-0.6b".into(),
+                train: "fsdp=4".into(),
+                infer: "tp=2,dp=2".into(),
+                dtype: DType::F8E4M3,
+                verify: true,
+            },
+            fabric_endpoint: Blob(vec![1, 2, 3]),
+            regions: vec![Blob(vec![9; 40])],
+            tensors: vec![TensorMeta {
+                name: "w".into(),
+                shape: vec![4, 4],
+                dtype: DType::BF16,
+                bytes: 32,
+            }],
+        }))
+    }
+
+    #[test]
+    fn round_trips() {
+        let msg = registration();
+        let bytes = encode_frame(&msg, DEFAULT_MAX_FRAME).unwrap();
+        let back: FromWorker = decode_frame(&bytes, DEFAULT_MAX_FRAME).unwrap();
+        assert_eq!(back, msg);
+    }
+
+    #[tokio::test]
+    async fn round_trips_over_a_stream() {
+        let (mut a, mut b) = tokio::io::duplex(1024);
+        let msg = ToWorker::Abort {
+            sync_id: 1,
+            version: 2,
+            reason: "x".into(),
+        };
+        write_frame(&mut a, &msg, DEFAULT_MAX_FRAME).await.unwrap();
+        drop(a);
+        let got: Option<ToWorker> = read_frame(&mut b, DEFAULT_MAX_FRAME).await.unwrap();
+        assert_eq!(got, Some(msg));
+        let end: Option<ToWorker> = read_frame(&mut b, DEFAULT_MAX_FRAME).await.unwrap();
+        assert_eq!(end, None);
+    }
+
+    #[test]
+    fn rejects_bad_magic_version_and_size() {
+        let mut bytes = encode_frame(&FromWorker::Heartbeat { seq: 1 }, 1024).unwrap();
+        let mut wrong = bytes.clone();
+        wrong[0] = b'X';
+        assert!(matches!(
+            decode_frame::<FromWorker>(&wrong, 1024),
+            Err(FrameError::BadMagic(_))
+        ));
+        let mut wrong = bytes.clone();
+        wrong[4] = 9;
+        let err = decode_frame::<FromWorker>(&wrong, 1024).unwrap_err();
+        assert!(err.to_string().contains("version 9"), "{err}");
+        bytes[8..12].copy_from_slice(&u32::MAX.to_le_bytes());
+        let err = decode_frame::<FromWorker>(&bytes, 1024).unwrap_err();
+        assert!(matches!(err, FrameError::TooLarge { .. }), "{err}");
+    }
+
+    #[test]
+    fn oversized_message_is_refused_on_encode() {
+        let msg = FromWorker::Register(Box::new(Registration {
+            regions: vec![Blob(vec![0; 4096])],
+            ..match registration() {
+                FromWorker::Register(r) => *r,
+                _ => unreachable!(),
+            }
+        }));
+        assert!(matches!(
+            encode_frame(&msg, 1024),
+            Err(FrameError::TooLarge { .. })
+        ));
+    }
+
+    #[test]
+    fn huge_length_prefix_inside_body_is_an_error_not_an_allocation() {
+        // A Register whose string length claims 2^60 bytes.
+        let mut body = vec![1u8, 0, 0, 0]; // enum variant 1 = Register
+        body.extend_from_slice(&[0, 0, 0, 0]); // role Trainer
+        body.extend_from_slice(&[0, 0, 0, 0]); // rank
+        body.extend_from_slice(&(1u64 << 60).to_le_bytes()); // host length
+        assert!(decode_body::<FromWorker>(&body).is_err());
+        // A Vec<Blob> claiming 2^60 elements.
+        assert!(decode_body::<Vec<Blob>>(&(1u64 << 60).to_le_bytes()).is_err());
+    }
+
+    #[test]
+    fn truncated_frames_are_errors() {
+        let bytes = encode_frame(&registration(), DEFAULT_MAX_FRAME).unwrap();
+        for cut in [0, 5, FRAME_HEADER_LEN, bytes.len() - 1] {
+            assert!(decode_frame::<FromWorker>(&bytes[..cut], DEFAULT_MAX_FRAME).is_err());
+        }
+    }
+
+    mod prop {
+        use super::*;
+        use proptest::prelude::*;
+
+        proptest! {
+            #[test]
+            fn garbage_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+                let _ = decode_body::<FromWorker>(&bytes);
+                let _ = decode_body::<ToWorker>(&bytes);
+                let _ = decode_frame::<FromWorker>(&bytes, 1 << 20);
+            }
+
+            #[test]
+            fn garbage_with_valid_header_never_panics(body in proptest::collection::vec(any::<u8>(), 0..512)) {
+                let mut bytes = MAGIC.to_vec();
+                bytes.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+                bytes.extend_from_slice(&[0, 0]);
+                bytes.extend_from_slice(&(body.len() as u32).to_le_bytes());
+                bytes.extend_from_slice(&body);
+                let _ = decode_frame::<FromWorker>(&bytes, 1 << 20);
+                let _ = decode_frame::<ToWorker>(&bytes, 1 << 20);
+            }
+        }
+    }
+}

@@ -1,0 +1,444 @@
+//! Control-channel messages, both directions.
+//!
+//! Backend-specific things (a fabric endpoint, a memory-region descriptor carrying an rkey, a
+//! planner's slice of the routing table) travel as opaque bincode blobs ([`Blob`]): the protocol
+//! stays the same whether the fabric is TCP or ibverbs and whatever the planner's types become,
+//! and the controller can never print an rkey because it never decodes one.
+
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+use crate::dtype::DType;
+
+/// Bytes encoded by another layer (fabric descriptor, plan slice). Its `Debug` prints only the
+/// length, so secrets inside (rkeys) never reach a log.
+#[derive(Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct Blob(pub Vec<u8>);
+
+impl fmt::Debug for Blob {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Blob({} bytes)", self.0.len())
+    }
+}
+
+impl Blob {
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+    /// Whether it is empty.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+/// Which side of a sync a worker serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// Beside a training rank: holds source shards, writes.
+    Trainer,
+    /// Beside an inference rank: holds the engine's tensors, receives.
+    Rollout,
+}
+
+impl fmt::Display for Role {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Role::Trainer => "trainer",
+            Role::Rollout => "rollout",
+        })
+    }
+}
+
+impl std::str::FromStr for Role {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "trainer" => Ok(Role::Trainer),
+            "rollout" => Ok(Role::Rollout),
+            other => Err(format!(
+                "unknown role {other:?} (expected trainer or rollout)"
+            )),
+        }
+    }
+}
+
+/// A worker's identity in the world: its role and its rank within that role.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct WorkerId {
+    /// Trainer or rollout.
+    pub role: Role,
+    /// Rank among workers of that role (training rank, or global inference rank).
+    pub rank: u32,
+}
+
+impl WorkerId {
+    /// A trainer's id.
+    pub const fn trainer(rank: u32) -> Self {
+        WorkerId {
+            role: Role::Trainer,
+            rank,
+        }
+    }
+    /// A rollout's id.
+    pub const fn rollout(rank: u32) -> Self {
+        WorkerId {
+            role: Role::Rollout,
+            rank,
+        }
+    }
+}
+
+impl fmt::Display for WorkerId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}-{}", self.role, self.rank)
+    }
+}
+
+impl std::str::FromStr for WorkerId {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let (role, rank) = s
+            .rsplit_once('-')
+            .ok_or_else(|| format!("bad worker id {s:?} (expected e.g. trainer-0)"))?;
+        let rank = rank
+            .parse()
+            .map_err(|_| format!("bad rank in worker id {s:?}"))?;
+        Ok(WorkerId {
+            role: role.parse()?,
+            rank,
+        })
+    }
+}
+
+/// What the whole job is: every worker states it, and the controller refuses a worker whose
+/// statement contradicts the controller's own, so a mis-launched rank cannot join.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorldSpec {
+    /// Model preset name or config path, as given to the planner.
+    pub model: String,
+    /// Training layout string, e.g. `fsdp=4`.
+    pub train: String,
+    /// Inference layout string, e.g. `tp=2,dp=2`.
+    pub infer: String,
+    /// Inference dtype (bf16 or fp8).
+    pub dtype: DType,
+    /// Whether rollouts verify checksums of what landed.
+    pub verify: bool,
+}
+
+/// Shape and size of one tensor a worker holds (a training shard or an inference tensor).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TensorMeta {
+    /// Parameter or engine tensor name.
+    pub name: String,
+    /// Local shape.
+    pub shape: Vec<u64>,
+    /// Element type.
+    pub dtype: DType,
+    /// Byte length in the worker's memory.
+    pub bytes: u64,
+}
+
+/// A worker's registration: the first message after authentication.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Registration {
+    /// Who it is.
+    pub id: WorkerId,
+    /// Host name (for the dashboard and error messages).
+    pub host: String,
+    /// Process id on that host.
+    pub pid: u32,
+    /// What it believes the job is.
+    pub world: WorldSpec,
+    /// Its fabric endpoint (backend-encoded, opaque to the controller).
+    pub fabric_endpoint: Blob,
+    /// Rollouts: the descriptors of the regions registered once at start (backend-encoded;
+    /// they contain rkeys and are forwarded only to trainers, over this channel).
+    pub regions: Vec<Blob>,
+    /// Tensors it holds, for consistency checks and the dashboard.
+    pub tensors: Vec<TensorMeta>,
+}
+
+/// A peer a trainer will write to: its endpoint and registered regions.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PeerInfo {
+    /// The rollout.
+    pub id: WorkerId,
+    /// Its fabric endpoint.
+    pub fabric_endpoint: Blob,
+    /// Its region descriptors, in the order it registered them.
+    pub regions: Vec<Blob>,
+}
+
+/// What a worker must do each sync, sent once per plan (and again after a re-plan).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Assignment {
+    /// A trainer's slice of the routing table and the peers it writes to.
+    Trainer {
+        /// Identifies the plan; changes on every re-plan.
+        plan_id: u64,
+        /// The planner's slice for this trainer (bincode).
+        slice: Blob,
+        /// Every rollout it may write to (also trainers it gathers from/to, with role Trainer).
+        peers: Vec<PeerInfo>,
+    },
+    /// A rollout's expected immediates per sync.
+    Rollout {
+        /// Identifies the plan.
+        plan_id: u64,
+        /// The planner's expectations for this rollout (bincode).
+        expected: Blob,
+        /// Number of writes expected per sync, summed (for progress and the dashboard).
+        expected_writes: u64,
+        /// Bytes expected per sync.
+        expected_bytes: u64,
+    },
+}
+
+/// A stage of a sync on one worker, drawn as a span on the dashboard's timeline.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Stage {
+    /// Source to staging copy.
+    H2d,
+    /// Gather / cast / fp8 quantisation into registered staging.
+    Prepare,
+    /// One-sided writes to rollouts.
+    Write,
+    /// Waiting until every destination confirmed its count.
+    Barrier,
+    /// Rollout: arming counters for the version.
+    Arm,
+    /// Rollout: waiting until every expected write landed.
+    Land,
+    /// Rollout: checksumming what landed.
+    Verify,
+    /// Trainer: refreshing its source for the version (demo: regenerating weights).
+    Source,
+    /// Trainer: sending rows of a straddling fp8 block to the trainer that owns the block.
+    GatherSend,
+    /// Trainer: waiting for rows of a straddling fp8 block from other trainers.
+    GatherWait,
+}
+
+impl Stage {
+    /// Lower-case name used in JSON and traces.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Stage::H2d => "h2d",
+            Stage::Prepare => "prepare",
+            Stage::Write => "write",
+            Stage::Barrier => "barrier",
+            Stage::Arm => "arm",
+            Stage::Land => "land",
+            Stage::Verify => "verify",
+            Stage::Source => "source",
+            Stage::GatherSend => "gather_send",
+            Stage::GatherWait => "gather_wait",
+        }
+    }
+}
+
+/// One span of work on one worker during a sync. Times are nanoseconds since the worker received
+/// `Start` (trainers) or `Prepare` (rollouts); the controller places them on its own clock.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TimelineEvent {
+    /// Task index within the worker's slice (0 for whole-worker stages).
+    pub task: u32,
+    /// Which stage.
+    pub stage: Stage,
+    /// Start, ns since the worker's reference instant.
+    pub start_ns: u64,
+    /// End, ns since the worker's reference instant.
+    pub end_ns: u64,
+    /// Bytes the span moved or produced.
+    pub bytes: u64,
+}
+
+/// A checksum of one destination unit (a contiguous range of a rollout's region).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UnitChecksum {
+    /// Destination rollout rank.
+    pub rollout: u32,
+    /// Region index on the rollout.
+    pub region: u32,
+    /// Byte offset in the region.
+    pub offset: u64,
+    /// Byte length.
+    pub len: u64,
+    /// xxh3-64 of the bytes.
+    pub xxh3: u64,
+}
+
+/// What a worker did during one sync.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct WorkerReport {
+    /// Bytes written (trainer) or landed (rollout).
+    pub bytes: u64,
+    /// Writes posted (trainer) or counted (rollout).
+    pub writes: u64,
+    /// Peak staging bytes held at once (trainers).
+    pub peak_staging_bytes: u64,
+    /// Spans, in any order.
+    pub events: Vec<TimelineEvent>,
+    /// Checksums of prepared (trainer) or landed (rollout) units, when verification is on.
+    pub checksums: Vec<UnitChecksum>,
+}
+
+/// Why a worker failed a sync: the cause, and the tensor when one is to blame.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Failure {
+    /// The worker that failed (or that was found silent / disconnected).
+    pub worker: WorkerId,
+    /// The tensor involved, when known.
+    pub tensor: Option<String>,
+    /// Human-readable cause.
+    pub cause: String,
+}
+
+impl fmt::Display for Failure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.worker, self.cause)?;
+        if let Some(t) = &self.tensor {
+            write!(f, " (tensor {t})")?;
+        }
+        Ok(())
+    }
+}
+
+/// Controller to worker.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum ToWorker {
+    /// First message on a connection: a nonce the worker must answer with [`FromWorker::Hello`].
+    Challenge {
+        /// Random bytes.
+        nonce: [u8; 32],
+    },
+    /// Registration accepted; the assignment follows when the world is complete.
+    Welcome {
+        /// Heartbeat interval the worker should keep, ms.
+        heartbeat_ms: u64,
+    },
+    /// Registration refused; the connection closes.
+    Rejected {
+        /// Why.
+        reason: String,
+    },
+    /// The worker's part of the (re-)planned world.
+    Assign(Assignment),
+    /// Get ready for version N: rollouts arm counters (an engine pauses or switches buffers),
+    /// trainers make sure their source holds version N. Answered by [`FromWorker::Prepared`].
+    Prepare {
+        /// Sync id (controller-assigned).
+        sync_id: u64,
+        /// Weight version.
+        version: u64,
+    },
+    /// Trainers: write version N now. Answered by [`FromWorker::Written`].
+    Start {
+        /// Sync id.
+        sync_id: u64,
+        /// Weight version.
+        version: u64,
+    },
+    /// Version N fully landed (and verified) everywhere: rollouts may use it.
+    Commit {
+        /// Sync id.
+        sync_id: u64,
+        /// Weight version.
+        version: u64,
+    },
+    /// Version N is not valid: rollouts must not use it; everybody drops the sync.
+    Abort {
+        /// Sync id.
+        sync_id: u64,
+        /// Weight version.
+        version: u64,
+        /// Why.
+        reason: String,
+    },
+    /// Rollouts: every trainer wrote and every rollout landed version N; check what landed
+    /// against the trainers' checksums of what they prepared. Answered by
+    /// [`FromWorker::Verified`] (or [`FromWorker::Failed`] naming the tensor).
+    Verify {
+        /// Sync id.
+        sync_id: u64,
+        /// Version.
+        version: u64,
+        /// The trainers' checksums of the units written to this rollout.
+        checksums: Vec<UnitChecksum>,
+    },
+    /// Liveness reply.
+    Heartbeat {
+        /// Echoed sequence number.
+        seq: u64,
+    },
+    /// Stop the worker process.
+    Shutdown,
+}
+
+/// Worker to controller.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum FromWorker {
+    /// Answer to the challenge: keyed hash of the nonce with the job token.
+    Hello {
+        /// blake3 keyed MAC, see [`crate::protocol::auth`].
+        proof: [u8; 32],
+    },
+    /// Who the worker is and what it holds.
+    Register(Box<Registration>),
+    /// Ready for version N (armed, source refreshed).
+    Prepared {
+        /// Sync id.
+        sync_id: u64,
+        /// Version.
+        version: u64,
+        /// Work done while preparing (arming, source refresh).
+        report: WorkerReport,
+    },
+    /// Trainer: every write of version N was posted and confirmed.
+    Written {
+        /// Sync id.
+        sync_id: u64,
+        /// Version.
+        version: u64,
+        /// Timeline and counts.
+        report: WorkerReport,
+    },
+    /// Rollout: every expected write of version N landed (and was verified when on).
+    Landed {
+        /// Sync id.
+        sync_id: u64,
+        /// Version.
+        version: u64,
+        /// `Some(true)` when verification ran and passed locally; `None` when off.
+        verified: Option<bool>,
+        /// Timeline, counts and checksums.
+        report: WorkerReport,
+    },
+    /// Rollout: what landed matches the trainers' checksums.
+    Verified {
+        /// Sync id.
+        sync_id: u64,
+        /// Version.
+        version: u64,
+        /// The verification span and the bytes checked.
+        report: WorkerReport,
+    },
+    /// The worker could not do its part.
+    Failed {
+        /// Sync id.
+        sync_id: u64,
+        /// Version.
+        version: u64,
+        /// Cause, naming the tensor when one is to blame.
+        failure: Failure,
+    },
+    /// Liveness.
+    Heartbeat {
+        /// Increasing sequence number.
+        seq: u64,
+    },
+}

@@ -1,0 +1,327 @@
+//! Worker configuration from flags, environment variables and a TOML file.
+//!
+//! Precedence: a flag (or its `WEIGHTSYNC_*` env var, through clap) beats the TOML file, which
+//! beats the launcher's variables, which beat defaults. Launchers already say who a process is:
+//! torchrun sets `RANK`, `WORLD_SIZE`, `LOCAL_RANK`; Slurm sets `SLURM_PROCID`, `SLURM_NTASKS`.
+//! A trainer launched beside a training rank takes its rank from them, and a world size that
+//! contradicts the job's training layout is refused at start rather than at the first sync.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::Deserialize;
+use weightsync_common::fabric::{FabricConfig, JobToken};
+use weightsync_common::protocol::{Role, WorkerId, WorldSpec};
+use weightsync_common::DType;
+
+use super::rollout::RolloutDriverConfig;
+use super::trainer::{SourceSpec, TrainerDriverConfig};
+use super::AgentConfig;
+
+/// Everything a worker can be told, each optional (the TOML file has the same keys).
+#[derive(Debug, Clone, Default, Deserialize, clap::Args)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerSettings {
+    /// Controller's control-channel address, host:port.
+    #[arg(long, env = "WEIGHTSYNC_CONTROLLER")]
+    pub controller: Option<String>,
+    /// Rank (training rank, or global inference rank). Default: RANK / SLURM_PROCID.
+    #[arg(long, env = "WEIGHTSYNC_RANK")]
+    pub rank: Option<u32>,
+    /// Model preset or config.json path.
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Training layout, e.g. fsdp=4.
+    #[arg(long)]
+    pub train: Option<String>,
+    /// Inference layout, e.g. tp=2,dp=2.
+    #[arg(long)]
+    pub infer: Option<String>,
+    /// Inference dtype: bf16 or fp8.
+    #[arg(long)]
+    pub dtype: Option<String>,
+    /// Verify checksums of what landed (true/false).
+    #[arg(long)]
+    pub verify: Option<bool>,
+    /// Fabric listen address (the address peers write to), e.g. 10.0.0.5:0.
+    #[arg(long)]
+    pub fabric_listen: Option<String>,
+    /// Fabric lanes (connections / QPs) per peer.
+    #[arg(long)]
+    pub lanes: Option<usize>,
+    /// Trainer: staging watermark in MiB.
+    #[arg(long)]
+    pub watermark_mib: Option<u64>,
+    /// Trainer: where the weights are: `demo:SEED`, `shm:/dev/shm/FILE`, `safetensors:PATH`.
+    #[arg(long)]
+    pub source: Option<String>,
+    /// Rollout: recompute every tensor from this demo seed after each sync and compare.
+    #[arg(long)]
+    pub demo_check_seed: Option<u64>,
+    /// Rollout: seconds to wait for a version to land once armed.
+    #[arg(long)]
+    pub land_timeout_s: Option<u64>,
+    /// Keep trying to reach the controller for this many seconds.
+    #[arg(long)]
+    pub reconnect_s: Option<u64>,
+    /// Host name to report (default: $HOSTNAME).
+    #[arg(long)]
+    pub host: Option<String>,
+}
+
+impl WorkerSettings {
+    /// Fills unset fields from `other`.
+    pub fn or(self, other: WorkerSettings) -> WorkerSettings {
+        WorkerSettings {
+            controller: self.controller.or(other.controller),
+            rank: self.rank.or(other.rank),
+            model: self.model.or(other.model),
+            train: self.train.or(other.train),
+            infer: self.infer.or(other.infer),
+            dtype: self.dtype.or(other.dtype),
+            verify: self.verify.or(other.verify),
+            fabric_listen: self.fabric_listen.or(other.fabric_listen),
+            lanes: self.lanes.or(other.lanes),
+            watermark_mib: self.watermark_mib.or(other.watermark_mib),
+            source: self.source.or(other.source),
+            demo_check_seed: self.demo_check_seed.or(other.demo_check_seed),
+            land_timeout_s: self.land_timeout_s.or(other.land_timeout_s),
+            reconnect_s: self.reconnect_s.or(other.reconnect_s),
+            host: self.host.or(other.host),
+        }
+    }
+
+    /// Reads a TOML file of the same keys.
+    pub fn from_toml_file(path: &std::path::Path) -> Result<WorkerSettings, ConfigError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| ConfigError(format!("{}: {e}", path.display())))?;
+        toml::from_str(&text).map_err(|e| ConfigError(format!("{}: {e}", path.display())))
+    }
+}
+
+/// A configuration that cannot be used.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("worker configuration: {0}")]
+pub struct ConfigError(pub String);
+
+/// Reads a launcher's rank and world size from an environment lookup.
+pub fn launcher_rank(
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<(Option<u32>, Option<u32>), ConfigError> {
+    let num = |k: &str| -> Result<Option<u32>, ConfigError> {
+        env(k)
+            .map(|v| {
+                v.trim()
+                    .parse::<u32>()
+                    .map_err(|_| ConfigError(format!("{k}={v:?} is not a number")))
+            })
+            .transpose()
+    };
+    let rank = match num("RANK")? {
+        Some(r) => Some(r),
+        None => num("SLURM_PROCID")?,
+    };
+    let world = match num("WORLD_SIZE")? {
+        Some(w) => Some(w),
+        None => num("SLURM_NTASKS")?,
+    };
+    Ok((rank, world))
+}
+
+/// A fully resolved worker.
+#[derive(Debug, Clone)]
+pub enum ResolvedWorker {
+    /// A trainer.
+    Trainer(AgentConfig, TrainerDriverConfig),
+    /// A rollout.
+    Rollout(AgentConfig, RolloutDriverConfig),
+}
+
+/// Resolves settings for `role`: flags first, then the TOML file, then launcher variables.
+pub fn resolve(
+    role: Role,
+    flags: WorkerSettings,
+    file: Option<WorkerSettings>,
+    env: &dyn Fn(&str) -> Option<String>,
+    job_token: Option<String>,
+) -> Result<ResolvedWorker, ConfigError> {
+    let s = flags.or(file.unwrap_or_default());
+    let need =
+        |v: Option<String>, what: &str| v.ok_or_else(|| ConfigError(format!("{what} is required")));
+    let (env_rank, env_world) = launcher_rank(env)?;
+    let rank = s.rank.or(env_rank).ok_or_else(|| {
+        ConfigError("no rank: pass --rank, set WEIGHTSYNC_RANK, or launch with torchrun (RANK) or Slurm (SLURM_PROCID)".into())
+    })?;
+    let job_token = job_token
+        .filter(|t| !t.is_empty())
+        .ok_or_else(|| ConfigError("no job token: set WEIGHTSYNC_JOB_TOKEN".into()))?;
+    let dtype: DType = s
+        .dtype
+        .as_deref()
+        .unwrap_or("bf16")
+        .parse()
+        .map_err(ConfigError)?;
+    let world = WorldSpec {
+        model: need(s.model, "--model")?,
+        train: need(s.train, "--train")?,
+        infer: need(s.infer, "--infer")?,
+        dtype,
+        verify: s.verify.unwrap_or(true),
+    };
+    let (trainers, rollouts) =
+        crate::routing::world_size(&world).map_err(|e| ConfigError(e.to_string()))?;
+    let expected = match role {
+        Role::Trainer => trainers,
+        Role::Rollout => rollouts,
+    };
+    if rank >= expected {
+        return Err(ConfigError(format!(
+            "{role} rank {rank} is outside the job's {expected} {role}s"
+        )));
+    }
+    if role == Role::Trainer {
+        if let Some(w) = env_world.filter(|_| s.rank.is_none()) {
+            if w != trainers {
+                return Err(ConfigError(format!(
+                    "the launcher's world size is {w} but the training layout {} has {trainers} ranks",
+                    world.train
+                )));
+            }
+        }
+    }
+    let mut fabric = FabricConfig::loopback(&job_token, s.lanes.unwrap_or(2));
+    if let Some(l) = s.fabric_listen {
+        fabric.listen = l;
+    }
+    let host = s
+        .host
+        .or_else(|| env("HOSTNAME"))
+        .unwrap_or_else(|| "localhost".into());
+    let host = match env("LOCAL_RANK") {
+        Some(l) => format!("{host}/local{l}"),
+        None => host,
+    };
+    let agent = AgentConfig {
+        controller: need(s.controller, "--controller")?,
+        job_token: job_token.clone(),
+        id: WorkerId { role, rank },
+        host,
+        world: world.clone(),
+        reconnect_for: Duration::from_secs(s.reconnect_s.unwrap_or(60)),
+        max_frame: super::AGENT_MAX_FRAME,
+    };
+    fabric.job_token = JobToken(job_token);
+    Ok(match role {
+        Role::Trainer => {
+            let source = parse_source(s.source.as_deref().unwrap_or("demo:1"))?;
+            ResolvedWorker::Trainer(
+                agent,
+                TrainerDriverConfig {
+                    world,
+                    rank,
+                    fabric,
+                    watermark_bytes: s.watermark_mib.unwrap_or(256) << 20,
+                    source,
+                },
+            )
+        }
+        Role::Rollout => ResolvedWorker::Rollout(
+            agent,
+            RolloutDriverConfig {
+                world,
+                rank,
+                fabric,
+                land_timeout: Duration::from_secs(s.land_timeout_s.unwrap_or(120)),
+                demo_check_seed: s.demo_check_seed,
+            },
+        ),
+    })
+}
+
+/// Parses `demo:SEED`, `shm:PATH` or `safetensors:PATH`.
+pub fn parse_source(s: &str) -> Result<SourceSpec, ConfigError> {
+    let (kind, rest) = s.split_once(':').unwrap_or((s, ""));
+    match kind {
+        "demo" => Ok(SourceSpec::Demo {
+            seed: if rest.is_empty() {
+                1
+            } else {
+                rest.parse()
+                    .map_err(|_| ConfigError(format!("bad demo seed in {s:?}")))?
+            },
+        }),
+        "shm" if !rest.is_empty() => Ok(SourceSpec::Shm(PathBuf::from(rest))),
+        "safetensors" if !rest.is_empty() => Ok(SourceSpec::Safetensors(PathBuf::from(rest))),
+        _ => Err(ConfigError(format!(
+            "bad --source {s:?}: expected demo:SEED, shm:PATH or safetensors:PATH"
+        ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn flags() -> WorkerSettings {
+        WorkerSettings {
+            controller: Some("127.0.0.1:7000".into()),
+            model: Some("qwen3-0.6b".into()),
+            train: Some("fsdp=4".into()),
+            infer: Some("tp=2,dp=2".into()),
+            dtype: Some("fp8".into()),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn rank_comes_from_torchrun_or_slurm_and_world_size_is_checked() {
+        let torchrun = |k: &str| match k {
+            "RANK" => Some("3".to_string()),
+            "WORLD_SIZE" => Some("4".to_string()),
+            "LOCAL_RANK" => Some("1".to_string()),
+            _ => None,
+        };
+        let r = resolve(Role::Trainer, flags(), None, &torchrun, Some("t".into())).unwrap();
+        let ResolvedWorker::Trainer(a, _) = r else {
+            panic!()
+        };
+        assert_eq!(a.id, WorkerId::trainer(3));
+        assert!(a.host.ends_with("/local1"));
+        let slurm = |k: &str| match k {
+            "SLURM_PROCID" => Some("2".to_string()),
+            "SLURM_NTASKS" => Some("8".to_string()),
+            _ => None,
+        };
+        let e = resolve(Role::Trainer, flags(), None, &slurm, Some("t".into())).unwrap_err();
+        assert!(e.0.contains("world size is 8"), "{e}");
+    }
+
+    #[test]
+    fn flags_beat_the_file_and_missing_things_are_named() {
+        let file: WorkerSettings = toml::from_str(
+            "controller = \"10.0.0.1:7000\"\nrank = 1\nmodel = \"qwen3-0.6b\"\ntrain = \"fsdp=4\"\ninfer = \"tp=2,dp=2\"\nsource = \"demo:5\"\n",
+        )
+        .unwrap();
+        let mut f = WorkerSettings::default();
+        f.rank = Some(2);
+        let r = resolve(Role::Rollout, f, Some(file), &|_| None, Some("t".into())).unwrap();
+        let ResolvedWorker::Rollout(a, _) = r else {
+            panic!()
+        };
+        assert_eq!(a.id, WorkerId::rollout(2));
+        assert_eq!(a.controller, "10.0.0.1:7000");
+        let e = resolve(
+            Role::Trainer,
+            WorkerSettings::default(),
+            None,
+            &|_| None,
+            Some("t".into()),
+        )
+        .unwrap_err();
+        assert!(e.0.contains("rank"), "{e}");
+        let e = resolve(Role::Trainer, flags(), None, &|_| None, None).unwrap_err();
+        assert!(e.0.contains("rank") || e.0.contains("token"), "{e}");
+        assert!(toml::from_str::<WorkerSettings>("bogus = 1").is_err());
+        assert!(parse_source("nfs:/x").is_err());
+    }
+}

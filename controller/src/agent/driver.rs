@@ -1,0 +1,100 @@
+//! The seam between the agent's control loop and the worker library.
+//!
+//! The agent speaks the control protocol (connect, authenticate, register, heartbeat, forward
+//! the version protocol); a [`SyncDriver`] does the work each step asks for. The production
+//! drivers wrap `weightsync_worker`'s `TrainerWorker` and `RolloutWorker`
+//! ([`super::trainer`], [`super::rollout`]); tests plug in scripted drivers to exercise the
+//! protocol without moving bytes.
+
+use std::future::Future;
+use std::time::Instant;
+
+use weightsync_common::protocol::{Assignment, Blob, TensorMeta, UnitChecksum, WorkerReport};
+
+/// One sync as the driver sees it.
+#[derive(Debug, Clone, Copy)]
+pub struct SyncRef {
+    /// Controller's sync id (also the epoch that tags immediates).
+    pub sync_id: u64,
+    /// Weight version.
+    pub version: u64,
+    /// When this worker received `Prepare`: every reported span is relative to it.
+    pub reference: Instant,
+    /// The same instant on the wall clock, ns since the Unix epoch.
+    pub reference_unix_ns: u64,
+}
+
+/// Why a driver could not do its part: the cause, and the tensor when one is to blame.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{cause}")]
+pub struct DriverError {
+    /// The tensor involved, when known.
+    pub tensor: Option<String>,
+    /// What went wrong.
+    pub cause: String,
+}
+
+impl DriverError {
+    /// An error with no tensor to blame.
+    pub fn new(cause: impl Into<String>) -> Self {
+        DriverError {
+            tensor: None,
+            cause: cause.into(),
+        }
+    }
+}
+
+/// What a worker tells the controller about itself when it registers.
+#[derive(Debug, Clone, Default)]
+pub struct DriverInfo {
+    /// Fabric endpoint (backend-encoded).
+    pub fabric_endpoint: Blob,
+    /// Registered regions' descriptors (backend-encoded).
+    pub regions: Vec<Blob>,
+    /// Tensors held.
+    pub tensors: Vec<TensorMeta>,
+}
+
+/// How a sync ended, as the controller announced it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// `Commit N`: the version may be used.
+    Committed,
+    /// `Abort N`: the version is not valid.
+    Aborted,
+}
+
+/// Does a worker's part of each step of the version protocol.
+///
+/// Calls come one at a time, in protocol order. A future may be dropped part-way when the
+/// controller aborts the sync; [`SyncDriver::finish`] with [`Outcome::Aborted`] follows.
+pub trait SyncDriver: Send + 'static {
+    /// Endpoint, regions and tensors to register with.
+    fn info(&self) -> DriverInfo;
+
+    /// The worker's part of the (re-)planned world.
+    fn assign(&mut self, a: Assignment) -> impl Future<Output = Result<(), DriverError>> + Send;
+
+    /// `Prepare N`: rollouts arm, trainers make their source hold N.
+    fn prepare(
+        &mut self,
+        sync: SyncRef,
+    ) -> impl Future<Output = Result<WorkerReport, DriverError>> + Send;
+
+    /// Trainers: write N (after `Start`). Rollouts: wait until N landed (right after
+    /// preparing). Returns whether it verified locally (`None`: not done here) and the report.
+    fn run(
+        &mut self,
+        sync: SyncRef,
+    ) -> impl Future<Output = Result<(Option<bool>, WorkerReport), DriverError>> + Send;
+
+    /// Rollouts: check what landed against the trainers' checksums.
+    fn verify(
+        &mut self,
+        sync: SyncRef,
+        checksums: Vec<UnitChecksum>,
+    ) -> impl Future<Output = Result<WorkerReport, DriverError>> + Send;
+
+    /// The sync ended (commit or abort).
+    fn finish(&mut self, sync: SyncRef, outcome: Outcome) -> impl Future<Output = ()> + Send;
+}

@@ -1,0 +1,268 @@
+//! The rollout driver: `weightsync_worker::rollout::RolloutWorker` behind the agent.
+//!
+//! It computes its own inference layout from the job at start-up, allocates and registers its
+//! tensors once, and registers with their descriptors. Per sync: `Prepare N` arms the immediate
+//! counters (before any trainer writes), then it waits until every expected write landed, then
+//! `Verify` checks the trainers' checksums against what landed. In the demo it also recomputes
+//! every tensor independently from the seed and compares every byte
+//! ([`super::demo_weights`]).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use weightsync_common::fabric::{Fabric, FabricBackend, FabricConfig};
+use weightsync_common::protocol::{
+    Assignment, Stage, TensorMeta, TimelineEvent, UnitChecksum, WorkerId, WorkerReport, WorldSpec,
+};
+use weightsync_schedules::table::RolloutPlan;
+use weightsync_worker::checksum::RunChecksum;
+use weightsync_worker::rollout::RolloutWorker;
+use weightsync_worker::trainer::SyncId;
+
+use super::demo_weights::expected_rollout;
+use super::driver::{DriverError, DriverInfo, Outcome, SyncDriver, SyncRef};
+use super::trainer::{blob, events};
+use crate::routing::{self, Job};
+
+/// Settings of a rollout driver.
+#[derive(Debug, Clone)]
+pub struct RolloutDriverConfig {
+    /// The job.
+    pub world: WorldSpec,
+    /// Global inference rank.
+    pub rank: u32,
+    /// Fabric settings.
+    pub fabric: FabricConfig,
+    /// How long to wait for a version to land once armed.
+    pub land_timeout: Duration,
+    /// Demo: recompute every tensor from this seed after verifying, and compare every byte.
+    pub demo_check_seed: Option<u64>,
+}
+
+/// Drives a [`RolloutWorker`].
+#[derive(Debug)]
+pub struct RolloutDriver {
+    cfg: RolloutDriverConfig,
+    fabric: Fabric,
+    worker: Arc<RolloutWorker<Fabric>>,
+    job: Arc<Job>,
+    bytes: u64,
+}
+
+fn err(e: impl std::fmt::Display) -> DriverError {
+    DriverError::new(e.to_string())
+}
+
+fn ns_since(t: Instant, since: Instant) -> u64 {
+    t.saturating_duration_since(since).as_nanos() as u64
+}
+
+impl RolloutDriver {
+    /// Plans its layout, allocates and registers its tensors.
+    pub async fn new(cfg: RolloutDriverConfig) -> Result<RolloutDriver, DriverError> {
+        let fabric = Fabric::start(&cfg.fabric).await.map_err(err)?;
+        let job = routing::job(&cfg.world).map_err(err)?;
+        let plan = job
+            .table
+            .rollouts
+            .get(cfg.rank as usize)
+            .cloned()
+            .ok_or_else(|| {
+                DriverError::new(format!(
+                    "inference rank {} does not exist (the job has {})",
+                    cfg.rank,
+                    job.table.rollouts.len()
+                ))
+            })?;
+        let bytes = plan.tensors.iter().map(|t| t.len).sum();
+        let worker = RolloutWorker::new(
+            fabric.clone(),
+            WorkerId::rollout(cfg.rank).to_string(),
+            plan,
+        )
+        .map_err(err)?;
+        Ok(RolloutDriver {
+            cfg,
+            fabric,
+            worker: Arc::new(worker),
+            job: Arc::new(job),
+            bytes,
+        })
+    }
+
+    /// The rollout's tensors as they are now (for checks).
+    pub fn worker(&self) -> &RolloutWorker<Fabric> {
+        &self.worker
+    }
+}
+
+impl SyncDriver for RolloutDriver {
+    fn info(&self) -> DriverInfo {
+        DriverInfo {
+            fabric_endpoint: blob(self.fabric.endpoint()),
+            regions: self.worker.descriptors().iter().map(blob).collect(),
+            tensors: self
+                .worker
+                .layout()
+                .iter()
+                .map(|t| TensorMeta {
+                    name: t.name.clone(),
+                    shape: t.shape.dims().iter().map(|&d| u64::from(d)).collect(),
+                    dtype: t.dtype,
+                    bytes: t.len,
+                })
+                .collect(),
+        }
+    }
+
+    async fn assign(&mut self, a: Assignment) -> Result<(), DriverError> {
+        let Assignment::Rollout { expected, .. } = a else {
+            return Err(DriverError::new("a rollout got a trainer's assignment"));
+        };
+        let plan: RolloutPlan = bincode::deserialize(&expected.0)
+            .map_err(|e| DriverError::new(format!("undecodable expectations: {e}")))?;
+        if &plan != self.worker.plan() {
+            return Err(DriverError::new(
+                "the controller's expectations differ from the layout this worker registered \
+                 (different weightsync builds or job settings?)",
+            ));
+        }
+        Ok(())
+    }
+
+    async fn prepare(&mut self, sync: SyncRef) -> Result<WorkerReport, DriverError> {
+        let start = Instant::now();
+        // A previous sync that was never finished (controller lost) must not stay armed.
+        let _ = self.worker.abort();
+        self.worker
+            .arm(SyncId {
+                version: sync.version,
+                epoch: sync.sync_id,
+            })
+            .map_err(err)?;
+        Ok(WorkerReport {
+            events: vec![TimelineEvent {
+                task: u32::MAX,
+                stage: Stage::Arm,
+                start_ns: ns_since(start, sync.reference),
+                end_ns: ns_since(Instant::now(), sync.reference),
+                bytes: 0,
+            }],
+            ..Default::default()
+        })
+    }
+
+    async fn run(&mut self, sync: SyncRef) -> Result<(Option<bool>, WorkerReport), DriverError> {
+        let landed = self
+            .worker
+            .await_landed(self.cfg.land_timeout)
+            .await
+            .map_err(err)?;
+        let mut evs = events(&landed.timeline, &sync);
+        for e in &mut evs {
+            if e.stage == Stage::Barrier {
+                e.stage = Stage::Land;
+                e.bytes = self.bytes;
+            }
+        }
+        Ok((
+            None,
+            WorkerReport {
+                bytes: self.bytes,
+                writes: landed.writes,
+                peak_staging_bytes: 0,
+                events: evs,
+                checksums: Vec::new(),
+            },
+        ))
+    }
+
+    async fn verify(
+        &mut self,
+        sync: SyncRef,
+        checksums: Vec<UnitChecksum>,
+    ) -> Result<WorkerReport, DriverError> {
+        let start = Instant::now();
+        let sums: Vec<RunChecksum> = checksums
+            .iter()
+            .map(|c| RunChecksum {
+                rank: c.rollout,
+                mr: c.region as u16,
+                offset: c.offset,
+                len: c.len,
+                xxh3: c.xxh3,
+            })
+            .collect();
+        let worker = self.worker.clone();
+        let job = self.job.clone();
+        let (rank, seed) = (self.cfg.rank, self.cfg.demo_check_seed);
+        let version = sync.version;
+        let checked = tokio::task::spawn_blocking(move || -> Result<u64, DriverError> {
+            let v = worker.verify(&sums).map_err(|e| {
+                let tensor = match &e {
+                    weightsync_worker::error::WorkerError::ChecksumMismatch { tensors, .. } => {
+                        Some(tensors.clone())
+                    }
+                    _ => None,
+                };
+                DriverError {
+                    tensor,
+                    cause: e.to_string(),
+                }
+            })?;
+            if let Some(seed) = seed {
+                independent_check(&worker, &job, rank, seed, version)?;
+            }
+            Ok(v.bytes)
+        })
+        .await
+        .map_err(err)??;
+        Ok(WorkerReport {
+            events: vec![TimelineEvent {
+                task: u32::MAX,
+                stage: Stage::Verify,
+                start_ns: ns_since(start, sync.reference),
+                end_ns: ns_since(Instant::now(), sync.reference),
+                bytes: checked,
+            }],
+            ..Default::default()
+        })
+    }
+
+    async fn finish(&mut self, _sync: SyncRef, outcome: Outcome) {
+        if outcome == Outcome::Aborted {
+            let _ = self.worker.abort();
+        }
+    }
+}
+
+/// Compares every tensor with an independent recomputation from the demo seed.
+fn independent_check(
+    worker: &RolloutWorker<Fabric>,
+    job: &Job,
+    rank: u32,
+    seed: u64,
+    version: u64,
+) -> Result<(), DriverError> {
+    let expected = expected_rollout(&job.model, &job.infer, rank, seed, version);
+    for t in worker.layout() {
+        let got = worker.read_tensor(&t.name).map_err(err)?;
+        let want = expected
+            .get(t.mr as usize)
+            .and_then(|m| m.get(t.offset as usize..(t.offset + t.len) as usize))
+            .ok_or_else(|| DriverError::new(format!("no expected bytes for {}", t.name)))?;
+        if got != want {
+            let at = got.iter().zip(want).position(|(a, b)| a != b).unwrap_or(0);
+            return Err(DriverError {
+                tensor: Some(t.name.clone()),
+                cause: format!(
+                    "independent recomputation differs at byte {at} of {} (landed {:#04x}, expected {:#04x})",
+                    t.name,
+                    got.get(at).copied().unwrap_or(0),
+                    want.get(at).copied().unwrap_or(0)
+                ),
+            });
+        }
+    }
+    Ok(())
+}

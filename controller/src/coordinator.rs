@@ -1,0 +1,1109 @@
+//! The controller's core: membership, planning and the version protocol, as a state machine
+//! without I/O.
+//!
+//! Like raft-rs's core, it takes inputs (a registration, a message from a connection, a
+//! disconnect, a trigger, a clock tick) and returns [`Effects`]: which messages to send to which
+//! connection, which connections to close, which syncs ended. The service ([`crate::service`])
+//! does the I/O. This keeps every rule of the protocol testable deterministically:
+//!
+//! 1. `POST /v1/syncs` creates a sync (pending) and sends `Prepare N` to every worker: rollouts
+//!    arm their counters for N (an engine pauses or switches buffers), trainers make their source
+//!    hold N.
+//! 2. When every worker answered `Prepared`, the sync is running and trainers get `Start N`.
+//! 3. The sync commits only when every trainer reported `Written` and every rollout `Landed`
+//!    (verified, when on, and with checksums matching the trainers'); then everybody gets
+//!    `Commit N` and rollouts may use N.
+//! 4. A failure report, a disconnect, a silent worker (heartbeat timeout) or the sync timeout
+//!    fails the sync with a cause naming the worker (and tensor); everybody gets `Abort N`, and
+//!    the next trigger proceeds.
+//!
+//! Membership: the world is complete when every expected (role, rank) is registered; the
+//! coordinator then plans once. It re-plans only when membership changes (a worker left and
+//! registered again) and logs why.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use serde::Serialize;
+use weightsync_common::protocol::{
+    Failure, FromWorker, Registration, Role, ToWorker, UnitChecksum, WorkerId, WorldSpec,
+};
+
+use crate::planning::Planner;
+use crate::sync_record::{SyncRecord, SyncState, SyncView};
+
+/// Identifies one control connection (a worker that reconnects gets a new one).
+pub type ConnId = u64;
+
+/// Coordinator settings.
+#[derive(Debug, Clone)]
+pub struct CoordinatorConfig {
+    /// What the job is; registrations must state the same.
+    pub world: WorldSpec,
+    /// Expected trainers (ranks 0..trainers).
+    pub trainers: u32,
+    /// Expected rollouts (ranks 0..rollouts).
+    pub rollouts: u32,
+    /// Heartbeat interval workers are asked to keep.
+    pub heartbeat_interval: Duration,
+    /// A worker silent for this long is dropped, failing the running sync.
+    pub heartbeat_timeout: Duration,
+    /// A sync not committed within this is failed.
+    pub sync_timeout: Duration,
+    /// How long a worker's failure report waits for a peer's disconnect (the likelier root
+    /// cause) before it fails the sync; zero fails at once.
+    pub failure_grace: Duration,
+    /// Syncs kept in history.
+    pub history: usize,
+}
+
+/// What the service must do after an input.
+#[derive(Debug, Default)]
+pub struct Effects {
+    /// Messages to send.
+    pub send: Vec<(ConnId, ToWorker)>,
+    /// Connections to close (after sending what is queued for them).
+    pub close: Vec<ConnId>,
+    /// Syncs that ended (committed or failed) during this input.
+    pub finished: Vec<u64>,
+}
+
+impl Effects {
+    fn merge(&mut self, other: Effects) {
+        self.send.extend(other.send);
+        self.close.extend(other.close);
+        self.finished.extend(other.finished);
+    }
+}
+
+/// A registration the coordinator refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct Refused(pub String);
+
+/// Result of a trigger.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Triggered {
+    /// A new sync was created.
+    Created(u64),
+    /// A sync for this version already exists (idempotent trigger).
+    Existing(u64),
+}
+
+/// Why a trigger was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TriggerError {
+    /// Another sync is running.
+    #[error("sync {running} (version {version}) is still running")]
+    Busy {
+        /// Its id.
+        running: u64,
+        /// Its version.
+        version: u64,
+    },
+    /// Not every worker has registered, or planning failed.
+    #[error("the world is not ready: {0}")]
+    NotReady(String),
+    /// The version is not newer than the last committed one.
+    #[error("version {version} is not newer than the last committed version {latest}")]
+    Stale {
+        /// Requested.
+        version: u64,
+        /// Last committed.
+        latest: u64,
+    },
+}
+
+#[derive(Debug, Clone)]
+struct Member {
+    reg: Registration,
+    conn: ConnId,
+    last_seen: Instant,
+    joined_unix_ms: u64,
+}
+
+/// The current plan.
+#[derive(Debug, Clone, Serialize)]
+pub struct PlanRecord {
+    /// Plan id (increments on every re-plan).
+    pub id: u64,
+    /// When it was made, ms since the Unix epoch.
+    pub created_unix_ms: u64,
+    /// Why it was made (first plan, or which membership change).
+    pub reason: String,
+    /// Planner's summary.
+    pub summary: serde_json::Value,
+    /// Workers it covers.
+    pub members: Vec<String>,
+    #[serde(skip)]
+    conns: BTreeMap<WorkerId, ConnId>,
+}
+
+/// A worker, for JSON (no endpoint, no rkeys).
+#[derive(Debug, Clone, Serialize)]
+pub struct WorkerView {
+    /// e.g. `trainer-0`.
+    pub id: String,
+    /// Role.
+    pub role: Role,
+    /// Rank.
+    pub rank: u32,
+    /// Host name.
+    pub host: String,
+    /// Process id.
+    pub pid: u32,
+    /// Registration time, ms since the Unix epoch.
+    pub joined_unix_ms: u64,
+    /// Milliseconds since its last message.
+    pub last_seen_ms_ago: u64,
+    /// Tensors it holds.
+    pub tensors: usize,
+    /// Bytes it holds.
+    pub bytes: u64,
+    /// Its rate in the last sync it took part in, GB/s.
+    pub last_gbps: Option<f64>,
+}
+
+/// A line in the membership log (`GET /v1/plan` shows the recent ones).
+#[derive(Debug, Clone, Serialize)]
+pub struct LogLine {
+    /// ms since the Unix epoch.
+    pub unix_ms: u64,
+    /// What happened.
+    pub message: String,
+}
+
+/// The state machine.
+#[derive(Debug)]
+pub struct Coordinator {
+    cfg: CoordinatorConfig,
+    planner: Box<dyn Planner>,
+    members: BTreeMap<WorkerId, Member>,
+    plan: Option<PlanRecord>,
+    plan_error: Option<String>,
+    next_plan_id: u64,
+    syncs: BTreeMap<u64, SyncRecord>,
+    by_version: BTreeMap<u64, u64>,
+    active: Option<u64>,
+    next_sync_id: u64,
+    latest_committed: Option<u64>,
+    log: VecDeque<LogLine>,
+    departed: BTreeSet<WorkerId>,
+}
+
+fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+fn describe_world(w: &WorldSpec) -> String {
+    format!(
+        "model={} train={} infer={} dtype={} verify={}",
+        w.model, w.train, w.infer, w.dtype, w.verify
+    )
+}
+
+impl Coordinator {
+    /// A coordinator with no members.
+    pub fn new(cfg: CoordinatorConfig, planner: Box<dyn Planner>) -> Self {
+        Coordinator {
+            cfg,
+            planner,
+            members: BTreeMap::new(),
+            plan: None,
+            plan_error: None,
+            next_plan_id: 1,
+            syncs: BTreeMap::new(),
+            by_version: BTreeMap::new(),
+            active: None,
+            next_sync_id: 1,
+            latest_committed: None,
+            log: VecDeque::new(),
+            departed: BTreeSet::new(),
+        }
+    }
+
+    /// Settings.
+    pub fn config(&self) -> &CoordinatorConfig {
+        &self.cfg
+    }
+
+    fn note(&mut self, message: String) {
+        tracing::info!("{message}");
+        self.log.push_back(LogLine {
+            unix_ms: unix_ms(),
+            message,
+        });
+        while self.log.len() > 64 {
+            self.log.pop_front();
+        }
+    }
+
+    fn expected(&self, role: Role) -> u32 {
+        match role {
+            Role::Trainer => self.cfg.trainers,
+            Role::Rollout => self.cfg.rollouts,
+        }
+    }
+
+    /// Whether every expected worker is registered.
+    pub fn world_complete(&self) -> bool {
+        let count = |role| self.members.keys().filter(|w| w.role == role).count() as u32;
+        count(Role::Trainer) == self.cfg.trainers && count(Role::Rollout) == self.cfg.rollouts
+    }
+
+    fn missing(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        for (role, n) in [
+            (Role::Trainer, self.cfg.trainers),
+            (Role::Rollout, self.cfg.rollouts),
+        ] {
+            for rank in 0..n {
+                let id = WorkerId { role, rank };
+                if !self.members.contains_key(&id) {
+                    out.push(id.to_string());
+                }
+            }
+        }
+        out
+    }
+
+    /// A worker registers on connection `conn`.
+    pub fn register(
+        &mut self,
+        conn: ConnId,
+        reg: Registration,
+        now: Instant,
+    ) -> Result<Effects, Refused> {
+        let id = reg.id;
+        if reg.world != self.cfg.world {
+            return Err(Refused(format!(
+                "{id} states a different job ({}) than the controller ({})",
+                describe_world(&reg.world),
+                describe_world(&self.cfg.world)
+            )));
+        }
+        let expected = self.expected(id.role);
+        if id.rank >= expected {
+            return Err(Refused(format!(
+                "{id}: rank {} is outside the expected {} {}s (ranks 0..{})",
+                id.rank, expected, id.role, expected
+            )));
+        }
+        if let Some((other, _)) = self.members.iter().find(|(_, m)| m.conn == conn) {
+            return Err(Refused(format!(
+                "this connection already registered as {other}"
+            )));
+        }
+        if let Some(m) = self.members.get(&id) {
+            return Err(Refused(format!(
+                "{id} is already registered (host {}, pid {}); a second registration is refused \
+                 until that one disconnects or goes silent",
+                m.reg.host, m.reg.pid
+            )));
+        }
+        let mut fx = Effects::default();
+        fx.send.push((
+            conn,
+            ToWorker::Welcome {
+                heartbeat_ms: self.cfg.heartbeat_interval.as_millis() as u64,
+            },
+        ));
+        let rejoined = self.departed.remove(&id);
+        self.note(format!(
+            "{id} registered from {} (pid {}){}",
+            reg.host,
+            reg.pid,
+            if rejoined { ", rejoining" } else { "" }
+        ));
+        self.members.insert(
+            id,
+            Member {
+                reg,
+                conn,
+                last_seen: now,
+                joined_unix_ms: unix_ms(),
+            },
+        );
+        if self.world_complete() {
+            let reason = match &self.plan {
+                None => "first plan: every expected worker registered".to_string(),
+                Some(p) => {
+                    let changed: Vec<String> = self
+                        .members
+                        .iter()
+                        .filter(|(w, m)| p.conns.get(w) != Some(&m.conn))
+                        .map(|(w, _)| w.to_string())
+                        .collect();
+                    format!(
+                        "re-plan: membership changed ({} re-registered)",
+                        changed.join(", ")
+                    )
+                }
+            };
+            fx.merge(self.replan(reason));
+        }
+        Ok(fx)
+    }
+
+    fn replan(&mut self, reason: String) -> Effects {
+        let mut fx = Effects::default();
+        let plan_id = self.next_plan_id;
+        self.next_plan_id += 1;
+        let regs: BTreeMap<WorkerId, Registration> = self
+            .members
+            .iter()
+            .map(|(w, m)| (*w, m.reg.clone()))
+            .collect();
+        match self.planner.plan(plan_id, &self.cfg.world, &regs) {
+            Ok(out) => {
+                for (w, m) in &self.members {
+                    match out.assignments.get(w) {
+                        Some(a) => fx.send.push((m.conn, ToWorker::Assign(a.clone()))),
+                        None => {
+                            let msg = format!("planner produced no assignment for {w}");
+                            self.plan = None;
+                            self.plan_error = Some(msg.clone());
+                            self.note(msg);
+                            return Effects::default();
+                        }
+                    }
+                }
+                self.note(format!("plan {plan_id}: {reason}"));
+                self.plan_error = None;
+                self.plan = Some(PlanRecord {
+                    id: plan_id,
+                    created_unix_ms: unix_ms(),
+                    reason,
+                    summary: out.summary,
+                    members: self.members.keys().map(ToString::to_string).collect(),
+                    conns: self.members.iter().map(|(w, m)| (*w, m.conn)).collect(),
+                });
+            }
+            Err(e) => {
+                self.plan = None;
+                self.plan_error = Some(e.to_string());
+                self.note(format!("plan {plan_id} failed: {e}"));
+            }
+        }
+        fx
+    }
+
+    /// Whether a plan is in force for the current membership.
+    fn plan_valid(&self) -> bool {
+        match &self.plan {
+            Some(p) => {
+                self.world_complete()
+                    && self
+                        .members
+                        .iter()
+                        .all(|(w, m)| p.conns.get(w) == Some(&m.conn))
+            }
+            None => false,
+        }
+    }
+
+    /// A connection closed or was found silent. Drops its worker and fails the sync it was in.
+    pub fn disconnect(&mut self, conn: ConnId, reason: &str, now: Instant) -> Effects {
+        let mut fx = Effects::default();
+        let Some(id) = self
+            .members
+            .iter()
+            .find(|(_, m)| m.conn == conn)
+            .map(|(w, _)| *w)
+        else {
+            return fx;
+        };
+        self.members.remove(&id);
+        self.departed.insert(id);
+        self.note(format!("{id} left: {reason}"));
+        if let Some(sid) = self.active {
+            let stage = self.syncs.get(&sid).map(|s| s.state);
+            if self
+                .syncs
+                .get(&sid)
+                .is_some_and(|s| s.members.contains(&id))
+            {
+                let stage = match stage {
+                    Some(SyncState::Pending) => "while preparing",
+                    _ => "while the sync was running",
+                };
+                let also = self
+                    .syncs
+                    .get(&sid)
+                    .and_then(|s| s.reported.as_ref())
+                    .map(|(f, _)| format!("; before that {} reported: {}", f.worker, f.cause))
+                    .unwrap_or_default();
+                fx.merge(self.fail(
+                    sid,
+                    Failure {
+                        worker: id,
+                        tensor: None,
+                        cause: format!("{reason} {stage}{also}"),
+                    },
+                    now,
+                ));
+            }
+        }
+        fx
+    }
+
+    /// A message from a registered connection.
+    pub fn message(&mut self, conn: ConnId, msg: FromWorker, now: Instant) -> Effects {
+        let mut fx = Effects::default();
+        let Some(id) = self
+            .members
+            .iter()
+            .find(|(_, m)| m.conn == conn)
+            .map(|(w, _)| *w)
+        else {
+            return fx;
+        };
+        if let Some(m) = self.members.get_mut(&id) {
+            m.last_seen = now;
+        }
+        match msg {
+            FromWorker::Heartbeat { seq } => fx.send.push((conn, ToWorker::Heartbeat { seq })),
+            FromWorker::Hello { .. } | FromWorker::Register(_) => {
+                fx.merge(self.disconnect(conn, "protocol error: registered twice", now));
+                fx.close.push(conn);
+            }
+            FromWorker::Prepared {
+                sync_id, report, ..
+            } => {
+                let Some(s) = self.active_sync(sync_id) else {
+                    return fx;
+                };
+                if s.state != SyncState::Pending || !s.awaiting_prepared.remove(&id) {
+                    return fx;
+                }
+                let t = s.since(now);
+                let origin = s.prepare_sent_ns;
+                if !report.events.is_empty() {
+                    s.add_report(id, origin, &report, t);
+                    // Preparation is not the worker's whole part: clear its done mark.
+                    if let Some(l) = s.lanes.get_mut(&id) {
+                        l.done_ns = None;
+                    }
+                }
+                if s.awaiting_prepared.is_empty() {
+                    s.state = SyncState::Running;
+                    s.start_sent_ns = Some(t);
+                    let (sid, version) = (s.id, s.version);
+                    for w in s.members.clone() {
+                        if w.role == Role::Trainer {
+                            if let Some(m) = self.members.get(&w) {
+                                fx.send.push((
+                                    m.conn,
+                                    ToWorker::Start {
+                                        sync_id: sid,
+                                        version,
+                                    },
+                                ));
+                            }
+                        }
+                    }
+                }
+            }
+            FromWorker::Written {
+                sync_id, report, ..
+            } => {
+                let Some(s) = self.active_sync(sync_id) else {
+                    return fx;
+                };
+                if s.state != SyncState::Running || !s.awaiting_written.remove(&id) {
+                    return fx;
+                }
+                let t = s.since(now);
+                let origin = s.prepare_sent_ns;
+                s.add_report(id, origin, &report, t);
+                if let Some(l) = s.lanes.get_mut(&id) {
+                    l.part_done_ns = Some(t);
+                }
+                s.sent_checksums.extend(report.checksums);
+                fx.merge(self.maybe_commit(sync_id, now));
+            }
+            FromWorker::Landed {
+                sync_id,
+                verified,
+                report,
+                ..
+            } => {
+                let Some(s) = self.active_sync(sync_id) else {
+                    return fx;
+                };
+                if s.state != SyncState::Running || !s.awaiting_landed.remove(&id) {
+                    return fx;
+                }
+                let t = s.since(now);
+                let origin = s.prepare_sent_ns;
+                s.add_report(id, origin, &report, t);
+                if let Some(l) = s.lanes.get_mut(&id) {
+                    l.part_done_ns = Some(t);
+                }
+                if verified == Some(false) {
+                    fx.merge(self.fail(
+                        sync_id,
+                        Failure {
+                            worker: id,
+                            tensor: None,
+                            cause: "verification of what landed failed".into(),
+                        },
+                        now,
+                    ));
+                } else {
+                    fx.merge(self.maybe_commit(sync_id, now));
+                }
+            }
+            FromWorker::Verified {
+                sync_id, report, ..
+            } => {
+                let Some(s) = self.active_sync(sync_id) else {
+                    return fx;
+                };
+                if s.verify_sent_ns.is_none() || !s.awaiting_verified.remove(&id) {
+                    return fx;
+                }
+                let t = s.since(now);
+                let origin = s.prepare_sent_ns;
+                let bytes = s.lanes.get(&id).map_or(0, |l| l.bytes);
+                s.add_report(id, origin, &report, t);
+                if let Some(l) = s.lanes.get_mut(&id) {
+                    l.bytes = bytes;
+                }
+                fx.merge(self.maybe_commit(sync_id, now));
+            }
+            FromWorker::Failed {
+                sync_id,
+                mut failure,
+                ..
+            } => {
+                if failure.worker.rank == u32::MAX {
+                    failure.worker = id;
+                }
+                let grace = self.cfg.failure_grace;
+                let Some(s) = self.active_sync(sync_id) else {
+                    if sync_id == 0 {
+                        self.note(format!("{id} reported: {}", failure.cause));
+                    }
+                    return fx;
+                };
+                if grace.is_zero() {
+                    fx.merge(self.fail(sync_id, failure, now));
+                } else if s.reported.is_none() {
+                    // A writer's error is often the symptom of a peer that just died; give the
+                    // peer's disconnect a moment to arrive so the sync names the root cause.
+                    s.reported = Some((failure, now));
+                }
+            }
+        }
+        fx
+    }
+
+    fn active_sync(&mut self, sync_id: u64) -> Option<&mut SyncRecord> {
+        if self.active != Some(sync_id) {
+            return None;
+        }
+        self.syncs.get_mut(&sync_id)
+    }
+
+    fn maybe_commit(&mut self, sync_id: u64, now: Instant) -> Effects {
+        let verify = self.cfg.world.verify;
+        let mut fx = Effects::default();
+        let Some(s) = self.syncs.get_mut(&sync_id) else {
+            return fx;
+        };
+        if !(s.awaiting_written.is_empty() && s.awaiting_landed.is_empty()) {
+            return fx;
+        }
+        if verify && s.verify_sent_ns.is_none() {
+            // Every byte is in place: hand each rollout the trainers' checksums of its units.
+            s.verify_sent_ns = Some(s.since(now));
+            s.awaiting_verified = s
+                .members
+                .iter()
+                .copied()
+                .filter(|w| w.role == Role::Rollout)
+                .collect();
+            let mut per_rollout: BTreeMap<u32, Vec<UnitChecksum>> = BTreeMap::new();
+            for c in &s.sent_checksums {
+                per_rollout.entry(c.rollout).or_default().push(c.clone());
+            }
+            let (version, targets) = (s.version, s.awaiting_verified.clone());
+            for w in targets {
+                if let Some(m) = self.members.get(&w) {
+                    fx.send.push((
+                        m.conn,
+                        ToWorker::Verify {
+                            sync_id,
+                            version,
+                            checksums: per_rollout.remove(&w.rank).unwrap_or_default(),
+                        },
+                    ));
+                }
+            }
+            return fx;
+        }
+        if !s.awaiting_verified.is_empty() {
+            return fx;
+        }
+        if verify {
+            s.verified = Some(true);
+        }
+        s.state = SyncState::Committed;
+        s.ended_ns = Some(s.since(now));
+        s.mark_critical();
+        let (version, members) = (s.version, s.members.clone());
+        self.latest_committed = Some(self.latest_committed.map_or(version, |v| v.max(version)));
+        self.active = None;
+        for w in members {
+            if let Some(m) = self.members.get(&w) {
+                fx.send
+                    .push((m.conn, ToWorker::Commit { sync_id, version }));
+            }
+        }
+        fx.finished.push(sync_id);
+        tracing::info!(sync_id, version, "sync committed");
+        fx
+    }
+
+    fn fail(&mut self, sync_id: u64, failure: Failure, now: Instant) -> Effects {
+        let mut fx = Effects::default();
+        let Some(s) = self.syncs.get_mut(&sync_id) else {
+            return fx;
+        };
+        if s.state.is_terminal() {
+            return fx;
+        }
+        tracing::warn!(sync_id, version = s.version, "sync failed: {failure}");
+        s.state = SyncState::Failed;
+        s.ended_ns = Some(s.since(now));
+        s.mark_critical();
+        let reason = failure.to_string();
+        s.failure = Some(failure);
+        let (version, members) = (s.version, s.members.clone());
+        self.active = None;
+        for w in members {
+            if let Some(m) = self.members.get(&w) {
+                fx.send.push((
+                    m.conn,
+                    ToWorker::Abort {
+                        sync_id,
+                        version,
+                        reason: reason.clone(),
+                    },
+                ));
+            }
+        }
+        fx.finished.push(sync_id);
+        fx
+    }
+
+    /// `POST /v1/syncs`: start a sync for `version` (idempotent per version, except that a
+    /// failed version can be retried).
+    pub fn trigger(
+        &mut self,
+        version: u64,
+        now: Instant,
+    ) -> Result<(Triggered, Effects), TriggerError> {
+        if let Some(&id) = self.by_version.get(&version) {
+            // Idempotent while that sync is pending, running or committed; a failed version may
+            // be retried with a new attempt.
+            if self
+                .syncs
+                .get(&id)
+                .is_some_and(|s| s.state != SyncState::Failed)
+            {
+                return Ok((Triggered::Existing(id), Effects::default()));
+            }
+        }
+        if let Some(running) = self.active {
+            let v = self.syncs.get(&running).map_or(0, |s| s.version);
+            return Err(TriggerError::Busy {
+                running,
+                version: v,
+            });
+        }
+        if !self.plan_valid() {
+            let why = if !self.world_complete() {
+                format!(
+                    "{} of {} workers registered; missing {}",
+                    self.members.len(),
+                    self.cfg.trainers + self.cfg.rollouts,
+                    self.missing().join(", ")
+                )
+            } else {
+                self.plan_error
+                    .clone()
+                    .unwrap_or_else(|| "no plan for the current membership".into())
+            };
+            return Err(TriggerError::NotReady(why));
+        }
+        if let Some(latest) = self.latest_committed {
+            if version <= latest {
+                return Err(TriggerError::Stale { version, latest });
+            }
+        }
+        let id = self.next_sync_id;
+        self.next_sync_id += 1;
+        let members: BTreeSet<WorkerId> = self.members.keys().copied().collect();
+        let plan_id = self.plan.as_ref().map_or(0, |p| p.id);
+        let rec = SyncRecord {
+            id,
+            version,
+            plan_id,
+            state: SyncState::Pending,
+            created_unix_ms: unix_ms(),
+            created: now,
+            awaiting_prepared: members.clone(),
+            awaiting_written: members
+                .iter()
+                .copied()
+                .filter(|w| w.role == Role::Trainer)
+                .collect(),
+            awaiting_landed: members
+                .iter()
+                .copied()
+                .filter(|w| w.role == Role::Rollout)
+                .collect(),
+            members,
+            awaiting_verified: BTreeSet::new(),
+            verify_sent_ns: None,
+            prepare_sent_ns: 0,
+            start_sent_ns: None,
+            ended_ns: None,
+            lanes: BTreeMap::new(),
+            sent_checksums: Vec::new(),
+            verified: None,
+            failure: None,
+            reported: None,
+        };
+        let mut fx = Effects::default();
+        for m in self.members.values() {
+            fx.send.push((
+                m.conn,
+                ToWorker::Prepare {
+                    sync_id: id,
+                    version,
+                },
+            ));
+        }
+        self.syncs.insert(id, rec);
+        self.by_version.insert(version, id);
+        self.active = Some(id);
+        while self.syncs.len() > self.cfg.history.max(1) {
+            if let Some((&old, _)) = self.syncs.iter().next() {
+                if let Some(s) = self.syncs.remove(&old) {
+                    if self.by_version.get(&s.version) == Some(&old) {
+                        self.by_version.remove(&s.version);
+                    }
+                }
+            }
+        }
+        tracing::info!(sync_id = id, version, "sync triggered");
+        Ok((Triggered::Created(id), fx))
+    }
+
+    /// Clock tick: drops silent workers and fails a sync past its timeout.
+    pub fn tick(&mut self, now: Instant) -> Effects {
+        let mut fx = Effects::default();
+        let silent: Vec<(ConnId, u64)> = self
+            .members
+            .values()
+            .filter(|m| now.saturating_duration_since(m.last_seen) > self.cfg.heartbeat_timeout)
+            .map(|m| {
+                (
+                    m.conn,
+                    now.saturating_duration_since(m.last_seen).as_millis() as u64,
+                )
+            })
+            .collect();
+        for (conn, ms) in silent {
+            fx.merge(self.disconnect(
+                conn,
+                &format!(
+                    "silent for {ms} ms (heartbeat timeout {} ms)",
+                    self.cfg.heartbeat_timeout.as_millis()
+                ),
+                now,
+            ));
+            fx.close.push(conn);
+        }
+        if let Some(sid) = self.active {
+            let reported = self.syncs.get(&sid).and_then(|s| s.reported.clone());
+            if let Some((failure, at)) = reported {
+                if now.saturating_duration_since(at) >= self.cfg.failure_grace {
+                    fx.merge(self.fail(sid, failure, now));
+                }
+            }
+        }
+        if let Some(sid) = self.active {
+            if let Some(s) = self.syncs.get(&sid) {
+                if now.saturating_duration_since(s.created) > self.cfg.sync_timeout {
+                    let waiting = s.waiting_on();
+                    let stage = match s.state {
+                        SyncState::Pending => "prepared",
+                        _ => "written/landed",
+                    };
+                    let failure = Failure {
+                        worker: waiting.first().copied().unwrap_or(WorkerId::trainer(0)),
+                        tensor: None,
+                        cause: format!(
+                            "sync timed out after {} ms waiting for {stage} from {}",
+                            self.cfg.sync_timeout.as_millis(),
+                            waiting
+                                .iter()
+                                .map(ToString::to_string)
+                                .collect::<Vec<_>>()
+                                .join(", ")
+                        ),
+                    };
+                    fx.merge(self.fail(sid, failure, now));
+                }
+            }
+        }
+        fx
+    }
+
+    /// A sync by id.
+    pub fn sync(&self, id: u64) -> Option<&SyncRecord> {
+        self.syncs.get(&id)
+    }
+
+    /// Syncs, newest first.
+    pub fn history(&self) -> Vec<SyncView> {
+        self.syncs.values().rev().map(|s| s.view(false)).collect()
+    }
+
+    /// Id of the running sync.
+    pub fn active(&self) -> Option<u64> {
+        self.active
+    }
+
+    /// The plan in force (or the last one).
+    pub fn plan(&self) -> Option<&PlanRecord> {
+        self.plan.as_ref()
+    }
+
+    /// Why the last planning attempt failed.
+    pub fn plan_error(&self) -> Option<&str> {
+        self.plan_error.as_deref()
+    }
+
+    /// Recent membership and planning events.
+    pub fn log(&self) -> Vec<LogLine> {
+        self.log.iter().cloned().collect()
+    }
+
+    /// Workers still missing for the world to be complete.
+    pub fn missing_workers(&self) -> Vec<String> {
+        self.missing()
+    }
+
+    /// Registered workers, for JSON.
+    pub fn workers(&self, now: Instant) -> Vec<WorkerView> {
+        let last_sync = self.syncs.values().rev().find(|s| s.state.is_terminal());
+        self.members
+            .iter()
+            .map(|(w, m)| WorkerView {
+                id: w.to_string(),
+                role: w.role,
+                rank: w.rank,
+                host: m.reg.host.clone(),
+                pid: m.reg.pid,
+                joined_unix_ms: m.joined_unix_ms,
+                last_seen_ms_ago: now.saturating_duration_since(m.last_seen).as_millis() as u64,
+                tensors: m.reg.tensors.len(),
+                bytes: m.reg.tensors.iter().map(|t| t.bytes).sum(),
+                last_gbps: last_sync.and_then(|s| lane_gbps(s, w)),
+            })
+            .collect()
+    }
+}
+
+/// A lane's rate: its bytes over its transfer window (first transfer-side span to its
+/// written / landed report), leaving out source refresh, arming and verification.
+pub fn lane_gbps(s: &SyncRecord, w: &WorkerId) -> Option<f64> {
+    use weightsync_common::protocol::Stage;
+    let l = s.lanes.get(w)?;
+    let start = l
+        .spans
+        .iter()
+        .filter(|x| !matches!(x.stage, Stage::Source | Stage::Verify | Stage::Arm))
+        .map(|x| x.start_ns)
+        .min()?;
+    let end = l.part_done_ns.or(l.done_ns)?;
+    (end > start && l.bytes > 0).then(|| l.bytes as f64 / ((end - start) as f64 / 1e9) / 1e9)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::planning::NullPlanner;
+    use weightsync_common::protocol::{Blob, WorkerReport};
+    use weightsync_common::DType;
+
+    fn world() -> WorldSpec {
+        WorldSpec {
+            model: "m".into(),
+            train: "fsdp=1".into(),
+            infer: "tp=1".into(),
+            dtype: DType::BF16,
+            verify: false,
+        }
+    }
+
+    fn coordinator(grace_ms: u64) -> Coordinator {
+        let cfg = CoordinatorConfig {
+            world: world(),
+            trainers: 1,
+            rollouts: 1,
+            heartbeat_interval: Duration::from_millis(100),
+            heartbeat_timeout: Duration::from_secs(1),
+            sync_timeout: Duration::from_secs(5),
+            failure_grace: Duration::from_millis(grace_ms),
+            history: 3,
+        };
+        let mut c = Coordinator::new(cfg, Box::new(NullPlanner));
+        let now = Instant::now();
+        for (conn, id) in [(1, WorkerId::trainer(0)), (2, WorkerId::rollout(0))] {
+            let reg = Registration {
+                id,
+                host: "h".into(),
+                pid: 1,
+                world: world(),
+                fabric_endpoint: Blob::default(),
+                regions: Vec::new(),
+                tensors: Vec::new(),
+            };
+            c.register(conn, reg, now).unwrap();
+        }
+        c
+    }
+
+    fn failed_by_trainer(c: &mut Coordinator, id: u64, now: Instant) {
+        c.message(
+            1,
+            FromWorker::Failed {
+                sync_id: id,
+                version: 1,
+                failure: Failure {
+                    worker: WorkerId::trainer(u32::MAX),
+                    tensor: None,
+                    cause: "write to rollout-0 failed: disconnected".into(),
+                },
+            },
+            now,
+        );
+    }
+
+    #[test]
+    fn a_peer_disconnect_within_the_grace_period_is_named_as_the_cause() {
+        let mut c = coordinator(300);
+        let t0 = Instant::now();
+        let (Triggered::Created(id), _) = c.trigger(1, t0).unwrap() else {
+            panic!()
+        };
+        failed_by_trainer(&mut c, id, t0);
+        assert_eq!(
+            c.sync(id).unwrap().state,
+            SyncState::Pending,
+            "held for the grace period"
+        );
+        c.disconnect(2, "connection closed", t0 + Duration::from_millis(50));
+        let f = c.sync(id).unwrap().failure.clone().unwrap();
+        assert_eq!(f.worker, WorkerId::rollout(0));
+        assert!(f.cause.contains("trainer-0 reported"), "{f}");
+    }
+
+    #[test]
+    fn a_failure_report_stands_after_the_grace_period_and_a_failed_version_can_be_retried() {
+        let mut c = coordinator(300);
+        let t0 = Instant::now();
+        let (Triggered::Created(id), _) = c.trigger(1, t0).unwrap() else {
+            panic!()
+        };
+        failed_by_trainer(&mut c, id, t0);
+        c.tick(t0 + Duration::from_millis(400));
+        let s = c.sync(id).unwrap();
+        assert_eq!(s.state, SyncState::Failed);
+        assert_eq!(s.failure.as_ref().unwrap().worker, WorkerId::trainer(0));
+        let (again, fx) = c.trigger(1, t0 + Duration::from_millis(500)).unwrap();
+        assert!(matches!(again, Triggered::Created(n) if n != id));
+        assert_eq!(fx.send.len(), 2, "prepare to both workers");
+    }
+
+    #[test]
+    fn committed_versions_are_idempotent_and_history_is_bounded() {
+        let mut c = coordinator(0);
+        let mut t = Instant::now();
+        for v in 1..=5u64 {
+            let (Triggered::Created(id), _) = c.trigger(v, t).unwrap() else {
+                panic!()
+            };
+            for conn in [1, 2] {
+                c.message(
+                    conn,
+                    FromWorker::Prepared {
+                        sync_id: id,
+                        version: v,
+                        report: WorkerReport::default(),
+                    },
+                    t,
+                );
+            }
+            c.message(
+                1,
+                FromWorker::Written {
+                    sync_id: id,
+                    version: v,
+                    report: WorkerReport::default(),
+                },
+                t,
+            );
+            let fx = c.message(
+                2,
+                FromWorker::Landed {
+                    sync_id: id,
+                    version: v,
+                    verified: None,
+                    report: WorkerReport::default(),
+                },
+                t,
+            );
+            assert!(fx.finished.contains(&id));
+            assert_eq!(c.sync(id).unwrap().state, SyncState::Committed);
+            assert!(matches!(c.trigger(v, t), Ok((Triggered::Existing(x), _)) if x == id));
+            t += Duration::from_millis(10);
+        }
+        assert_eq!(c.history().len(), 3);
+        assert!(matches!(c.trigger(2, t), Err(TriggerError::Stale { .. })));
+    }
+
+    #[test]
+    fn the_sync_timeout_names_who_it_waited_for() {
+        let mut c = coordinator(0);
+        let t0 = Instant::now();
+        let (Triggered::Created(id), _) = c.trigger(1, t0).unwrap() else {
+            panic!()
+        };
+        c.message(
+            1,
+            FromWorker::Heartbeat { seq: 1 },
+            t0 + Duration::from_secs(5),
+        );
+        c.message(
+            2,
+            FromWorker::Heartbeat { seq: 1 },
+            t0 + Duration::from_secs(5),
+        );
+        c.tick(t0 + Duration::from_millis(5100));
+        let f = c.sync(id).unwrap().failure.clone().unwrap();
+        assert!(
+            f.cause.contains("timed out") && f.cause.contains("trainer-0, rollout-0"),
+            "{f}"
+        );
+    }
+}

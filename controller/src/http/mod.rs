@@ -1,0 +1,309 @@
+//! The HTTP API and the dashboard.
+//!
+//! [`app`] builds the whole router from the shared state, so tests drive it with tower's
+//! `oneshot` and no socket. Mutating endpoints take `Authorization: Bearer <api token>`; reads are
+//! open, and no response carries an rkey, a fabric endpoint or a token.
+//!
+//! | method | path | what |
+//! |---|---|---|
+//! | POST | `/v1/syncs` `{"version": N}` (`?wait=true`) | trigger a sync (idempotent per version; 409 while another runs) |
+//! | GET | `/v1/syncs` | history, newest first |
+//! | GET | `/v1/syncs/{id}` | state, stage durations, bytes, GB/s, failure, lanes |
+//! | GET | `/v1/syncs/{id}/trace` | Chrome trace / Perfetto JSON |
+//! | GET | `/v1/plan` | plan summary and membership log |
+//! | GET | `/v1/workers` | registered workers |
+//! | GET | `/healthz` | liveness and readiness |
+//! | GET | `/metrics` | Prometheus / OpenMetrics |
+//! | GET | `/` | the dashboard |
+
+pub mod dashboard;
+pub mod error;
+pub mod metrics;
+pub mod trace;
+
+use std::time::{Duration, Instant};
+
+use axum::extract::rejection::{JsonRejection, PathRejection, QueryRejection};
+use axum::extract::{DefaultBodyLimit, Path, Query, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::Deserialize;
+use tower_http::timeout::TimeoutLayer;
+
+use crate::coordinator::{TriggerError, Triggered};
+use crate::service::AppState;
+use crate::sync_record::SyncState;
+pub use error::ApiError;
+
+/// Largest request body accepted (a trigger is a few bytes).
+pub const MAX_BODY: usize = 16 * 1024;
+
+/// Builds the router.
+pub fn app(state: AppState) -> Router {
+    let wait_budget = state.config().coordinator.sync_timeout + Duration::from_secs(30);
+    Router::new()
+        .route("/", get(dashboard::index))
+        .route("/assets/{file}", get(dashboard::asset))
+        .route("/healthz", get(healthz))
+        .route("/metrics", get(metrics))
+        .route("/v1/syncs", post(trigger).get(list_syncs))
+        .route("/v1/syncs/{id}", get(get_sync))
+        .route("/v1/syncs/{id}/trace", get(get_trace))
+        .route("/v1/plan", get(get_plan))
+        .route("/v1/workers", get(get_workers))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(DefaultBodyLimit::max(MAX_BODY))
+        .layer(TimeoutLayer::with_status_code(
+            StatusCode::REQUEST_TIMEOUT,
+            wait_budget,
+        ))
+        .with_state(state)
+}
+
+async fn not_found() -> ApiError {
+    ApiError::NotFound("no such endpoint; see GET / for the dashboard and /v1/syncs".into())
+}
+
+async fn method_not_allowed() -> Response {
+    (
+        StatusCode::METHOD_NOT_ALLOWED,
+        Json(serde_json::json!({
+            "error": {"code": "method_not_allowed", "message": "method not allowed on this endpoint"}
+        })),
+    )
+        .into_response()
+}
+
+fn require_token(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
+    let Some(value) = headers.get(header::AUTHORIZATION) else {
+        return Err(ApiError::Unauthorized(
+            "missing Authorization: Bearer <token> header".into(),
+        ));
+    };
+    let presented = value
+        .to_str()
+        .ok()
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .ok_or_else(|| ApiError::Unauthorized("Authorization must be `Bearer <token>`".into()))?;
+    // Compare hashes: constant time, and lengths do not leak.
+    if blake3::hash(presented.trim().as_bytes())
+        != blake3::hash(state.config().api_token.as_bytes())
+    {
+        return Err(ApiError::Unauthorized("wrong bearer token".into()));
+    }
+    Ok(())
+}
+
+/// Body of `POST /v1/syncs`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TriggerBody {
+    /// Weight version (the training step), a non-negative integer.
+    pub version: u64,
+}
+
+/// Query of `POST /v1/syncs`.
+#[derive(Debug, Deserialize)]
+pub struct TriggerQuery {
+    /// Return only when the sync has ended.
+    #[serde(default)]
+    pub wait: bool,
+}
+
+fn json_rejection(r: JsonRejection) -> ApiError {
+    let msg = r.body_text();
+    match r.status() {
+        StatusCode::UNPROCESSABLE_ENTITY => {
+            ApiError::Unprocessable(format!("{msg} (expected a body like {{\"version\": 42}})"))
+        }
+        StatusCode::PAYLOAD_TOO_LARGE => {
+            ApiError::BadRequest(format!("request body too large (at most {MAX_BODY} bytes)"))
+        }
+        StatusCode::UNSUPPORTED_MEDIA_TYPE => ApiError::BadRequest(
+            "expected Content-Type: application/json with a body like {\"version\": 42}".into(),
+        ),
+        _ => ApiError::BadRequest(format!("{msg} (expected a body like {{\"version\": 42}})")),
+    }
+}
+
+async fn trigger(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    query: Result<Query<TriggerQuery>, QueryRejection>,
+    body: Result<Json<TriggerBody>, JsonRejection>,
+) -> Result<Response, ApiError> {
+    require_token(&state, &headers)?;
+    let Query(query) = query.map_err(|e| {
+        ApiError::BadRequest(format!(
+            "{} (the only query parameter is wait=true|false)",
+            e.body_text()
+        ))
+    })?;
+    let Json(body) = body.map_err(json_rejection)?;
+    let triggered = state.step(|c| match c.trigger(body.version, Instant::now()) {
+        Ok((t, fx)) => (Ok(t), fx),
+        Err(e) => (Err(e), Default::default()),
+    });
+    let (id, created) = match triggered {
+        Ok(Triggered::Created(id)) => (id, true),
+        Ok(Triggered::Existing(id)) => (id, false),
+        Err(TriggerError::Busy { running, version }) => {
+            return Err(ApiError::SyncRunning { running, version })
+        }
+        Err(e @ TriggerError::Stale { .. }) => return Err(ApiError::Conflict(e.to_string())),
+        Err(e @ TriggerError::NotReady(_)) => return Err(ApiError::NotReady(e.to_string())),
+    };
+    if query.wait {
+        wait_for_end(&state, id).await?;
+    }
+    let view = state
+        .read(|c| c.sync(id).map(|s| s.view(false)))
+        .ok_or_else(|| ApiError::NotFound(format!("sync {id} left the history")))?;
+    let status = if query.wait || !created {
+        StatusCode::OK
+    } else {
+        StatusCode::ACCEPTED
+    };
+    let mut body = serde_json::to_value(&view).unwrap_or_default();
+    body["sync_id"] = id.into();
+    body["created"] = created.into();
+    Ok((status, Json(body)).into_response())
+}
+
+async fn wait_for_end(state: &AppState, id: u64) -> Result<(), ApiError> {
+    let mut rx = state.subscribe();
+    let budget = state.config().coordinator.sync_timeout + Duration::from_secs(10);
+    let deadline = tokio::time::Instant::now() + budget;
+    loop {
+        let state_now = state.read(|c| c.sync(id).map(|s| s.state));
+        match state_now {
+            None => return Err(ApiError::NotFound(format!("sync {id} left the history"))),
+            Some(s) if s.is_terminal() => return Ok(()),
+            Some(_) => {}
+        }
+        match tokio::time::timeout_at(deadline, rx.changed()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(_)) => return Err(ApiError::Timeout("controller shutting down".into())),
+            Err(_) => {
+                return Err(ApiError::Timeout(format!(
+                    "sync {id} did not end within {} s",
+                    budget.as_secs()
+                )))
+            }
+        }
+    }
+}
+
+fn parse_id(id: Result<Path<u64>, PathRejection>) -> Result<u64, ApiError> {
+    id.map(|Path(id)| id).map_err(|_| {
+        ApiError::BadRequest("sync id must be a non-negative integer, e.g. /v1/syncs/3".into())
+    })
+}
+
+async fn get_sync(
+    State(state): State<AppState>,
+    id: Result<Path<u64>, PathRejection>,
+) -> Result<Response, ApiError> {
+    let id = parse_id(id)?;
+    let view = state
+        .read(|c| c.sync(id).map(|s| s.view(true)))
+        .ok_or_else(|| ApiError::NotFound(format!("no sync with id {id}")))?;
+    Ok(Json(view).into_response())
+}
+
+async fn get_trace(
+    State(state): State<AppState>,
+    id: Result<Path<u64>, PathRejection>,
+) -> Result<Response, ApiError> {
+    let id = parse_id(id)?;
+    let trace = state
+        .read(|c| c.sync(id).map(trace::chrome_trace))
+        .ok_or_else(|| ApiError::NotFound(format!("no sync with id {id}")))?;
+    Ok(Json(trace).into_response())
+}
+
+async fn list_syncs(State(state): State<AppState>) -> Response {
+    let (syncs, running) = state.read(|c| (c.history(), c.active()));
+    Json(serde_json::json!({ "running": running, "syncs": syncs })).into_response()
+}
+
+async fn get_plan(State(state): State<AppState>) -> Result<Response, ApiError> {
+    let (plan, error, log, missing) = state.read(|c| {
+        (
+            c.plan().cloned(),
+            c.plan_error().map(str::to_string),
+            c.log(),
+            c.missing_workers(),
+        )
+    });
+    match plan {
+        Some(p) => Ok(Json(serde_json::json!({
+            "plan": p, "missing": missing, "log": log,
+        }))
+        .into_response()),
+        None => Err(ApiError::NotFound(match error {
+            Some(e) => format!("no plan: {e}"),
+            None => format!(
+                "no plan yet: waiting for {} to register",
+                if missing.is_empty() {
+                    "nobody".to_string()
+                } else {
+                    missing.join(", ")
+                }
+            ),
+        })),
+    }
+}
+
+async fn get_workers(State(state): State<AppState>) -> Response {
+    let now = Instant::now();
+    let (workers, trainers, rollouts, missing) = state.read(|c| {
+        (
+            c.workers(now),
+            c.config().trainers,
+            c.config().rollouts,
+            c.missing_workers(),
+        )
+    });
+    Json(serde_json::json!({
+        "expected": {"trainers": trainers, "rollouts": rollouts},
+        "missing": missing,
+        "workers": workers,
+    }))
+    .into_response()
+}
+
+async fn healthz(State(state): State<AppState>) -> Response {
+    let (complete, planned, running, last) = state.read(|c| {
+        (
+            c.world_complete(),
+            c.plan().is_some(),
+            c.active(),
+            c.history().first().map(|s| (s.id, s.state)),
+        )
+    });
+    Json(serde_json::json!({
+        "status": "ok",
+        "uptime_s": state.uptime().as_secs_f64(),
+        "world_complete": complete,
+        "planned": planned,
+        "running_sync": running,
+        "last_sync": last.map(|(id, st)| serde_json::json!({"id": id, "state": st})),
+        "ready": complete && planned && !matches!(last, Some((_, SyncState::Running | SyncState::Pending))),
+    }))
+    .into_response()
+}
+
+async fn metrics(State(state): State<AppState>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        state.metrics().encode(),
+    )
+        .into_response()
+}

@@ -1,0 +1,332 @@
+//! One sync's record: its state, who it still waits for, the reports it collected, and the
+//! views the HTTP API and the dashboard draw from it.
+//!
+//! Times are kept as nanoseconds since the sync was created, on the controller's monotonic clock.
+//! Workers report spans relative to the instant they received `Prepare` / `Start`; the record
+//! places them on its own axis at the instant the controller sent that message, which on a LAN is
+//! within the one-way control latency (tens of microseconds), far below a span's length.
+
+use serde::Serialize;
+use std::collections::{BTreeMap, BTreeSet};
+
+use weightsync_common::protocol::{Failure, Stage, UnitChecksum, WorkerId, WorkerReport};
+
+/// Where a sync is in the version protocol.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SyncState {
+    /// Rollouts are arming / trainers refreshing their source; nothing written yet.
+    Pending,
+    /// Trainers are writing; waiting for every rollout's "landed".
+    Running,
+    /// Every rollout reported the version landed (and verified); rollouts were told to use it.
+    Committed,
+    /// Failed with a cause; rollouts were told the version is not valid.
+    Failed,
+}
+
+impl SyncState {
+    /// Whether the sync has ended.
+    pub fn is_terminal(self) -> bool {
+        matches!(self, SyncState::Committed | SyncState::Failed)
+    }
+}
+
+/// A span on a worker's lane, on the sync's time axis.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Span {
+    /// Stage name.
+    pub stage: Stage,
+    /// Task index on the worker.
+    pub task: u32,
+    /// Start, ns since the sync was created.
+    pub start_ns: u64,
+    /// End, ns since the sync was created.
+    pub end_ns: u64,
+    /// Bytes.
+    pub bytes: u64,
+}
+
+/// One worker's lane in a sync.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Lane {
+    /// Spans in start order.
+    pub spans: Vec<Span>,
+    /// Bytes written or landed.
+    pub bytes: u64,
+    /// Writes posted or counted.
+    pub writes: u64,
+    /// Peak staging bytes (trainers).
+    pub peak_staging_bytes: u64,
+    /// When this worker's last report arrived, ns since creation.
+    pub done_ns: Option<u64>,
+    /// When it reported its main part done (trainer: written; rollout: landed).
+    pub part_done_ns: Option<u64>,
+    /// Whether this lane is on the critical path (it finished last in its role).
+    pub critical: bool,
+}
+
+/// Per-stage durations of a sync, as the controller saw them.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct StageDurations {
+    /// Creation to every worker prepared (rollouts armed, trainers' sources ready).
+    pub prepare_ms: Option<f64>,
+    /// Start to the last trainer's "written".
+    pub write_ms: Option<f64>,
+    /// Start to the last rollout's "landed".
+    pub land_ms: Option<f64>,
+    /// Verification (trainers' checksums against what landed), when on.
+    pub verify_ms: Option<f64>,
+    /// Creation to the end (commit or failure).
+    pub total_ms: Option<f64>,
+}
+
+/// Everything about one sync.
+#[derive(Debug, Clone)]
+pub struct SyncRecord {
+    /// Controller-assigned id.
+    pub id: u64,
+    /// Weight version.
+    pub version: u64,
+    /// Plan it ran under.
+    pub plan_id: u64,
+    /// State.
+    pub state: SyncState,
+    /// Wall-clock creation time, ms since the Unix epoch.
+    pub created_unix_ms: u64,
+    /// Monotonic creation instant.
+    pub created: std::time::Instant,
+    /// Workers taking part.
+    pub members: BTreeSet<WorkerId>,
+    /// Workers whose `Prepared` is still missing.
+    pub awaiting_prepared: BTreeSet<WorkerId>,
+    /// Trainers whose `Written` is still missing (only meaningful once running).
+    pub awaiting_written: BTreeSet<WorkerId>,
+    /// Rollouts whose `Landed` is still missing.
+    pub awaiting_landed: BTreeSet<WorkerId>,
+    /// Rollouts whose `Verified` is still missing (after `Verify` went out).
+    pub awaiting_verified: BTreeSet<WorkerId>,
+    /// When `Verify` went out, ns since creation.
+    pub verify_sent_ns: Option<u64>,
+    /// When `Prepare` went out to each worker, ns since creation (always 0 today).
+    pub prepare_sent_ns: u64,
+    /// When `Start` went out, ns since creation.
+    pub start_sent_ns: Option<u64>,
+    /// When it ended, ns since creation.
+    pub ended_ns: Option<u64>,
+    /// Lanes.
+    pub lanes: BTreeMap<WorkerId, Lane>,
+    /// Trainers' checksums of what they prepared, when verification is on.
+    pub sent_checksums: Vec<UnitChecksum>,
+    /// Whether verification ran and passed (`None`: off or not yet).
+    pub verified: Option<bool>,
+    /// Why it failed.
+    pub failure: Option<Failure>,
+    /// A worker's failure report held for the grace period, and when it came.
+    pub reported: Option<(Failure, std::time::Instant)>,
+}
+
+impl SyncRecord {
+    /// Nanoseconds from creation to `now`.
+    pub fn since(&self, now: std::time::Instant) -> u64 {
+        u64::try_from(now.saturating_duration_since(self.created).as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    /// Adds a worker's report to its lane, shifting its spans by `origin_ns`.
+    pub fn add_report(
+        &mut self,
+        worker: WorkerId,
+        origin_ns: u64,
+        report: &WorkerReport,
+        done_ns: u64,
+    ) {
+        let lane = self.lanes.entry(worker).or_default();
+        for e in &report.events {
+            lane.spans.push(Span {
+                stage: e.stage,
+                task: e.task,
+                start_ns: origin_ns.saturating_add(e.start_ns),
+                end_ns: origin_ns.saturating_add(e.end_ns.max(e.start_ns)),
+                bytes: e.bytes,
+            });
+        }
+        lane.spans.sort_by_key(|s| (s.start_ns, s.end_ns));
+        lane.bytes = lane.bytes.max(report.bytes);
+        lane.writes = lane.writes.max(report.writes);
+        lane.peak_staging_bytes = lane.peak_staging_bytes.max(report.peak_staging_bytes);
+        lane.done_ns = Some(done_ns);
+    }
+
+    /// Bytes the trainers wrote.
+    pub fn bytes_written(&self) -> u64 {
+        self.lanes
+            .iter()
+            .filter(|(w, _)| w.role == weightsync_common::protocol::Role::Trainer)
+            .map(|(_, l)| l.bytes)
+            .sum()
+    }
+
+    /// Per-stage durations.
+    pub fn durations(&self) -> StageDurations {
+        let ms = |ns: u64| ns as f64 / 1e6;
+        let last = |role| {
+            self.lanes
+                .iter()
+                .filter(|(w, _)| w.role == role)
+                .filter_map(|(_, l)| l.part_done_ns)
+                .max()
+        };
+        let prepared = self.start_sent_ns;
+        let start = self.start_sent_ns.unwrap_or(0);
+        let all_written = self.awaiting_written.is_empty() && self.start_sent_ns.is_some();
+        let all_landed = self.awaiting_landed.is_empty() && self.start_sent_ns.is_some();
+        StageDurations {
+            prepare_ms: prepared.map(ms),
+            write_ms: if all_written {
+                last(weightsync_common::protocol::Role::Trainer)
+                    .map(|e| ms(e.saturating_sub(start)))
+            } else {
+                None
+            },
+            land_ms: if all_landed {
+                last(weightsync_common::protocol::Role::Rollout)
+                    .map(|e| ms(e.saturating_sub(start)))
+            } else {
+                None
+            },
+            verify_ms: match (self.verify_sent_ns, self.ended_ns) {
+                (Some(a), Some(b)) if self.awaiting_verified.is_empty() => {
+                    Some(ms(b.saturating_sub(a)))
+                }
+                _ => None,
+            },
+            total_ms: self.ended_ns.map(ms),
+        }
+    }
+
+    /// Bytes per second from `Start` to the last rollout landing (the transfer window).
+    pub fn gbps(&self) -> Option<f64> {
+        let d = self.durations();
+        let window_ms = d.land_ms.or(d.write_ms)?;
+        if window_ms <= 0.0 {
+            return None;
+        }
+        Some(self.bytes_written() as f64 / (window_ms / 1e3) / 1e9)
+    }
+
+    /// Marks the lanes that finished last in each role as the critical path.
+    pub fn mark_critical(&mut self) {
+        for role in [
+            weightsync_common::protocol::Role::Trainer,
+            weightsync_common::protocol::Role::Rollout,
+        ] {
+            let last = self
+                .lanes
+                .iter()
+                .filter(|(w, l)| w.role == role && l.part_done_ns.is_some())
+                .max_by_key(|(_, l)| l.part_done_ns)
+                .map(|(w, _)| *w);
+            for (w, l) in self.lanes.iter_mut() {
+                if w.role == role {
+                    l.critical = Some(*w) == last;
+                }
+            }
+        }
+    }
+
+    /// Workers the sync is still waiting for, in the current stage.
+    pub fn waiting_on(&self) -> Vec<WorkerId> {
+        match self.state {
+            SyncState::Pending => self.awaiting_prepared.iter().copied().collect(),
+            SyncState::Running => self
+                .awaiting_written
+                .iter()
+                .chain(self.awaiting_landed.iter())
+                .chain(self.awaiting_verified.iter())
+                .copied()
+                .collect(),
+            _ => Vec::new(),
+        }
+    }
+
+    /// The JSON view for `GET /v1/syncs/{id}` (and, without lanes, the history list).
+    pub fn view(&self, with_lanes: bool) -> SyncView {
+        SyncView {
+            id: self.id,
+            version: self.version,
+            plan_id: self.plan_id,
+            state: self.state,
+            created_unix_ms: self.created_unix_ms,
+            stages: self.durations(),
+            bytes: self.bytes_written(),
+            gbps: self.gbps(),
+            verified: self.verified,
+            failure: self.failure.as_ref().map(|f| FailureView {
+                worker: f.worker.to_string(),
+                tensor: f.tensor.clone(),
+                cause: f.cause.clone(),
+            }),
+            waiting_on: self.waiting_on().iter().map(ToString::to_string).collect(),
+            lanes: with_lanes.then(|| {
+                self.lanes
+                    .iter()
+                    .map(|(w, l)| LaneView {
+                        worker: w.to_string(),
+                        lane: l.clone(),
+                    })
+                    .collect()
+            }),
+        }
+    }
+}
+
+/// A failure, for JSON.
+#[derive(Debug, Clone, Serialize)]
+pub struct FailureView {
+    /// The worker to blame, e.g. `trainer-2`.
+    pub worker: String,
+    /// The tensor, when known.
+    pub tensor: Option<String>,
+    /// Why.
+    pub cause: String,
+}
+
+/// A lane, for JSON.
+#[derive(Debug, Clone, Serialize)]
+pub struct LaneView {
+    /// Worker id, e.g. `rollout-1`.
+    pub worker: String,
+    /// Its spans and counts.
+    #[serde(flatten)]
+    pub lane: Lane,
+}
+
+/// A sync, for JSON.
+#[derive(Debug, Clone, Serialize)]
+pub struct SyncView {
+    /// Id.
+    pub id: u64,
+    /// Weight version.
+    pub version: u64,
+    /// Plan id.
+    pub plan_id: u64,
+    /// pending / running / committed / failed.
+    pub state: SyncState,
+    /// Creation time, ms since the Unix epoch.
+    pub created_unix_ms: u64,
+    /// Per-stage durations.
+    pub stages: StageDurations,
+    /// Bytes written by trainers.
+    pub bytes: u64,
+    /// Transfer rate, GB/s (1e9 bytes per second).
+    pub gbps: Option<f64>,
+    /// Verification result.
+    pub verified: Option<bool>,
+    /// Cause of failure.
+    pub failure: Option<FailureView>,
+    /// Workers still awaited.
+    pub waiting_on: Vec<String>,
+    /// Timeline lanes (only on the single-sync view).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lanes: Option<Vec<LaneView>>,
+}

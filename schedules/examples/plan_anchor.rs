@@ -1,0 +1,88 @@
+//! Plans the anchor case (Kimi-K2, `pp=2,ep=8,fsdp=16` -> `tp=8,ep=32,dp=4` fp8) once and
+//! prints how long each step took and the summary, for `/usr/bin/time -v` (peak memory) and a
+//! quick look without the whole `weightsync` binary. Arguments override the case:
+//! `cargo run --release -p weightsync-schedules --example plan_anchor -- MODEL TRAIN INFER DTYPE`.
+
+use std::time::Instant;
+
+use weightsync_schedules::*;
+
+/// CPU seconds (user + system) this process has used so far, from /proc (Linux); wall time is
+/// meaningless on a shared, loaded machine.
+fn cpu_s() -> f64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    let after = stat.rsplit_once(')').map_or("", |x| x.1);
+    let f: Vec<f64> = after
+        .split_whitespace()
+        .map(|x| x.parse().unwrap_or(0.0))
+        .collect();
+    // Fields 14 and 15 (utime, stime) are at 11 and 12 after the command name; 100 ticks/s.
+    (f.get(11).unwrap_or(&0.0) + f.get(12).unwrap_or(&0.0)) / 100.0
+}
+
+fn main() -> Result<(), PlanError> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let arg = |i: usize, d: &str| args.get(i).cloned().unwrap_or_else(|| d.to_string());
+    let (model, train, infer, dtype) = (
+        arg(0, "kimi-k2"),
+        arg(1, "pp=2,ep=8,fsdp=16"),
+        arg(2, "tp=8,ep=32,dp=4"),
+        arg(3, "fp8"),
+    );
+    let c0 = cpu_s();
+    let t0 = Instant::now();
+    let tspec: TrainSpec = train.parse()?;
+    let m = Model::preset(&model, tspec.experts)?;
+    let t = TrainingLayout::build(&m, &tspec)?;
+    let mut ispec: InferSpec = infer.parse()?;
+    ispec.dtype = dtype.parse()?;
+    let i = InferenceLayout::build(&m, &ispec)?;
+    let t1 = Instant::now();
+    let c1 = cpu_s();
+    let cost = CostModel::default();
+    let table = plan(&m, &t, &i, &cost)?;
+    let t2 = Instant::now();
+    let c2 = cpu_s();
+    let s = Summary::of(&table, &cost);
+    let t3 = Instant::now();
+    if std::env::var_os("BY_KIND").is_some() {
+        writes_by_kind(&table);
+    }
+    let bytes = if std::env::var_os("NO_BINCODE").is_some() {
+        0
+    } else {
+        table.to_bincode().len()
+    };
+    println!(
+        "cpu: inputs {:.2} s, plan {:.2} s; wall: inputs {:.3} s, plan {:.3} s, summary {:.3} s, bincode {:.1} MB",
+        c1 - c0,
+        c2 - c1,
+        (t1 - t0).as_secs_f64(),
+        (t2 - t1).as_secs_f64(),
+        (t3 - t2).as_secs_f64(),
+        bytes as f64 / 1e6
+    );
+    println!("{}", serde_json::to_string_pretty(&s).expect("summary serialises"));
+    Ok(())
+}
+
+/// Writes landing on inference rank 0, by tensor kind (debugging aid).
+#[allow(dead_code)]
+fn writes_by_kind(table: &RoutingTable) {
+    use std::collections::BTreeMap;
+    let r0 = &table.rollouts[0];
+    let mut by: BTreeMap<String, u64> = BTreeMap::new();
+    for t in &table.trainers {
+        for w in &t.writes {
+            if w.dst == weightsync_schedules::table::Endpoint::Rollout(0) {
+                let i = r0.tensors.partition_point(|x| x.offset <= w.dst_offset) - 1;
+                let name = &r0.tensors[i].name;
+                let kind = name.split('.').skip(3).collect::<Vec<_>>().join(".");
+                *by.entry(kind).or_default() += 1;
+            }
+        }
+    }
+    for (k, v) in by {
+        println!("{v:>8} {k}");
+    }
+}

@@ -1,0 +1,473 @@
+//! The training layout: for every training rank, which box of each parameter it holds and at
+//! which byte offset of its source arena.
+//!
+//! A layout is plain data ([`TrainingLayout`]: a list of [`ShardSpec`]), so any trainer's real
+//! layout can be described and checked. [`TrainSpec`] builds the common ones from a string such
+//! as `pp=2,ep=8,fsdp=16`.
+//!
+//! # Exact semantics of a [`TrainSpec`]
+//! Keys (all default 1): `pp` pipeline stages, `dp` HSDP replica groups, `ep` expert
+//! parallelism, `fsdp` FSDP shard degree, `tp` tensor parallelism; plus `experts=stacked` or
+//! `experts=per-expert` (default) for how routed experts are parameters. World size
+//! `pp*dp*ep*fsdp*tp`; a rank's coordinates are, innermost last,
+//! `rank = (((pp_i*dp + dp_i)*ep + ep_i)*fsdp + fsdp_i)*tp + tp_i`.
+//!
+//! 1. **Pipeline.** Decoder layer `l` of `L` lives on stage `s` where
+//!    `s*L/pp <= l < (s+1)*L/pp` (integer division); the embedding is on stage 0, the final
+//!    norm and lm_head on stage `pp-1`. Only the ranks of a stage hold its parameters.
+//! 2. **Tensor parallelism** (Megatron): column-parallel tensors (q/k/v and their biases,
+//!    q_b/kv_b, gate/up of MLPs, shared and routed experts, vocab-parallel embedding and
+//!    lm_head) split dim 0 into `tp` equal parts (a stacked expert tensor: dim 1);
+//!    row-parallel ones (o_proj, down projections) split dim 1 (stacked: dim 2); everything
+//!    else (norms, q_a/kv_a, router) is replicated over tp. `tp` must divide what it splits
+//!    (for q/k/v: the head counts), else an error names the tensor.
+//! 3. **Expert parallelism.** Routed expert `e` of `E` belongs to ep group `e / (E/ep)`
+//!    (`ep` must divide `E`); a stacked tensor's dim 0 is split into `ep` equal parts.
+//! 4. **FSDP** (FSDP2 `Shard(0)`, torch.chunk semantics): the tp-local tensor is cut along
+//!    dim 0 into chunks of `ceil(n/k)` rows; chunk `i` is rows `[i*c, min(n,(i+1)*c))`, so
+//!    tails are short and trailing chunks may be empty. Routed experts are chunked over the
+//!    `fsdp` ranks of their ep group (`k = fsdp`, coordinate `fsdp_i`); every other tensor is
+//!    chunked over all `ep*fsdp` ranks of the stage (`k = ep*fsdp`, coordinate
+//!    `ep_i*fsdp + fsdp_i`), as torchtitan does for non-expert parameters.
+//! 5. **HSDP.** The `dp` replica groups hold identical shards: replicas the planner may choose
+//!    from (as are tp ranks of replicated tensors).
+//! 6. **Arena.** Each rank's shards are placed in parameter order, each at the next 256-byte
+//!    aligned offset; empty shards take no space and are not listed.
+
+use serde::{Deserialize, Serialize};
+use weightsync_common::DType;
+
+use crate::error::PlanError;
+use crate::model::{ExpertForm, LayerKind, Model, Proj, Role};
+use crate::table::TensorBox;
+
+/// Alignment of tensors in arenas.
+pub const ARENA_ALIGN: u64 = 256;
+
+/// Rounds `x` up to a multiple of [`ARENA_ALIGN`].
+pub fn align_up(x: u64) -> u64 {
+    x.div_ceil(ARENA_ALIGN) * ARENA_ALIGN
+}
+
+/// One shard held by one training rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct ShardSpec {
+    /// Training rank.
+    pub rank: u32,
+    /// Parameter index in the model.
+    pub param: u32,
+    /// Box of the global tensor held (dense, row-major in the arena).
+    pub global: TensorBox,
+    /// Element type as stored.
+    pub dtype: DType,
+    /// Byte offset in the rank's source arena.
+    pub offset: u64,
+}
+
+/// Every shard of every training rank.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TrainingLayout {
+    /// Number of training ranks.
+    pub ranks: u32,
+    /// All shards, sorted by (rank, offset).
+    pub shards: Vec<ShardSpec>,
+}
+
+/// A structured training layout (see the module docs for exact semantics).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct TrainSpec {
+    /// Pipeline stages.
+    pub pp: u32,
+    /// HSDP replica groups.
+    pub dp: u32,
+    /// Expert parallelism.
+    pub ep: u32,
+    /// FSDP shard degree.
+    pub fsdp: u32,
+    /// Tensor parallelism.
+    pub tp: u32,
+    /// How routed experts are parameters.
+    pub experts: ExpertForm,
+}
+
+impl Default for TrainSpec {
+    fn default() -> Self {
+        TrainSpec {
+            pp: 1,
+            dp: 1,
+            ep: 1,
+            fsdp: 1,
+            tp: 1,
+            experts: ExpertForm::PerExpert,
+        }
+    }
+}
+
+/// Parses `key=value,key=value` with positive integer values into `(key, value)` pairs;
+/// `words` are keys whose values are kept as text.
+pub(crate) fn parse_kv(spec: &str) -> Result<Vec<(String, String)>, PlanError> {
+    let bad = |reason: String| PlanError::BadSpec {
+        spec: spec.to_string(),
+        reason,
+    };
+    let mut out: Vec<(String, String)> = Vec::new();
+    for part in spec.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let (k, v) = part
+            .split_once('=')
+            .ok_or_else(|| bad(format!("{part:?} is not key=value")))?;
+        let k = k.trim().to_ascii_lowercase();
+        if out.iter().any(|(x, _)| *x == k) {
+            return Err(bad(format!("{k} given twice")));
+        }
+        out.push((k, v.trim().to_string()));
+    }
+    Ok(out)
+}
+
+pub(crate) fn parse_degree(spec: &str, k: &str, v: &str) -> Result<u32, PlanError> {
+    match v.parse::<u32>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err(PlanError::BadSpec {
+            spec: spec.to_string(),
+            reason: format!("{k}={v:?} is not a positive integer"),
+        }),
+    }
+}
+
+impl std::str::FromStr for TrainSpec {
+    type Err = PlanError;
+    fn from_str(spec: &str) -> Result<TrainSpec, PlanError> {
+        let mut t = TrainSpec::default();
+        for (k, v) in parse_kv(spec)? {
+            match k.as_str() {
+                "pp" => t.pp = parse_degree(spec, &k, &v)?,
+                "dp" | "hsdp" | "replicate" => t.dp = parse_degree(spec, &k, &v)?,
+                "ep" => t.ep = parse_degree(spec, &k, &v)?,
+                "fsdp" | "shard" => t.fsdp = parse_degree(spec, &k, &v)?,
+                "tp" => t.tp = parse_degree(spec, &k, &v)?,
+                "experts" => {
+                    t.experts = match v.as_str() {
+                        "stacked" => ExpertForm::Stacked,
+                        "per-expert" | "per_expert" => ExpertForm::PerExpert,
+                        _ => {
+                            return Err(PlanError::BadSpec {
+                                spec: spec.to_string(),
+                                reason: format!("experts={v:?}: expected stacked or per-expert"),
+                            })
+                        }
+                    }
+                }
+                _ => {
+                    return Err(PlanError::BadSpec {
+                        spec: spec.to_string(),
+                        reason: format!("unknown key {k:?} (known: pp, dp, ep, fsdp, tp, experts)"),
+                    })
+                }
+            }
+        }
+        t.world()?;
+        Ok(t)
+    }
+}
+
+impl std::fmt::Display for TrainSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "pp={},dp={},ep={},fsdp={},tp={}",
+            self.pp, self.dp, self.ep, self.fsdp, self.tp
+        )?;
+        if self.experts == ExpertForm::Stacked {
+            write!(f, ",experts=stacked")?;
+        }
+        Ok(())
+    }
+}
+
+/// torch.chunk along one dimension: the `i`-th of `k` chunks of `n` as `(start, len)`.
+pub fn torch_chunk(n: u32, k: u32, i: u32) -> (u32, u32) {
+    let c = n.div_ceil(k);
+    let s = (i as u64 * c as u64).min(n as u64) as u32;
+    let e = ((i as u64 + 1) * c as u64).min(n as u64) as u32;
+    (s, e - s)
+}
+
+/// How tensor parallelism splits a tensor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum TpSplit {
+    /// Replicated.
+    None,
+    /// Split along this dimension.
+    Dim(usize),
+}
+
+/// The tp split of a role on the training side, and the divisor check (what unit must
+/// divide evenly: heads for q/k/v).
+pub(crate) fn train_tp_split(role: Role) -> TpSplit {
+    use LayerKind as K;
+    match role {
+        Role::Embed | Role::LmHead => TpSplit::Dim(0),
+        Role::FinalNorm => TpSplit::None,
+        Role::Layer { kind, .. } => match kind {
+            K::Q | K::K | K::V | K::QBias | K::KBias | K::VBias | K::QB | K::KVB => TpSplit::Dim(0),
+            K::O => TpSplit::Dim(1),
+            K::Mlp(Proj::Down) | K::Shared(Proj::Down) => TpSplit::Dim(1),
+            K::Mlp(_) | K::Shared(_) => TpSplit::Dim(0),
+            K::Expert {
+                proj: Proj::Down, ..
+            } => TpSplit::Dim(1),
+            K::Expert { .. } => TpSplit::Dim(0),
+            K::Experts(Proj::Down) => TpSplit::Dim(2),
+            K::Experts(_) => TpSplit::Dim(1),
+            _ => TpSplit::None,
+        },
+    }
+}
+
+impl TrainSpec {
+    /// Number of training ranks.
+    pub fn world(&self) -> Result<u32, PlanError> {
+        [self.pp, self.dp, self.ep, self.fsdp, self.tp]
+            .iter()
+            .try_fold(1u32, |a, &b| a.checked_mul(b))
+            .ok_or_else(|| PlanError::TooLarge(format!("training world size of {self}")))
+    }
+
+    /// The stage of a parameter.
+    pub fn stage_of(&self, model: &Model, role: Role) -> u32 {
+        let l = model.config.layers;
+        match role {
+            Role::Embed => 0,
+            Role::FinalNorm | Role::LmHead => self.pp - 1,
+            Role::Layer { layer, .. } => {
+                // Largest s with s*L/pp <= layer.
+                (0..self.pp)
+                    .rev()
+                    .find(|&s| (s as u64 * l as u64 / self.pp as u64) <= layer as u64)
+                    .unwrap_or(0)
+            }
+        }
+    }
+}
+
+impl TrainingLayout {
+    /// Builds the layout a [`TrainSpec`] describes (see the module docs).
+    pub fn build(model: &Model, spec: &TrainSpec) -> Result<TrainingLayout, PlanError> {
+        let world = spec.world()?;
+        if spec.experts != model.experts {
+            return Err(PlanError::BadSpec {
+                spec: spec.to_string(),
+                reason: format!(
+                    "experts={:?} but the model was built with {:?}",
+                    spec.experts, model.experts
+                ),
+            });
+        }
+        if spec.pp > model.config.layers {
+            return Err(PlanError::NotDivisible {
+                what: format!("training pipeline of {}", model.name),
+                degree_name: "pp",
+                degree: spec.pp,
+                dividend_name: "num_hidden_layers",
+                dividend: model.config.layers as u64,
+            });
+        }
+        if let Some(m) = &model.config.moe {
+            if m.experts % spec.ep != 0 {
+                return Err(PlanError::NotDivisible {
+                    what: format!("training routed experts of {}", model.name),
+                    degree_name: "ep",
+                    degree: spec.ep,
+                    dividend_name: "num_experts",
+                    dividend: m.experts as u64,
+                });
+            }
+        }
+        check_train_heads(model, spec.tp)?;
+        let per_stage = spec.dp * spec.ep * spec.fsdp * spec.tp;
+        let mut shards: Vec<ShardSpec> = Vec::new();
+        let mut next = vec![0u64; world as usize];
+        for (pid, p) in model.params.iter().enumerate() {
+            let stage = spec.stage_of(model, p.role);
+            let full = TensorBox::full(p.shape);
+            let (expert_group, stacked) = match p.role {
+                Role::Layer {
+                    kind: LayerKind::Expert { expert, .. },
+                    ..
+                } => {
+                    let per = model.config.moe.as_ref().map_or(1, |m| m.experts / spec.ep);
+                    (Some(expert / per), false)
+                }
+                Role::Layer {
+                    kind: LayerKind::Experts(_),
+                    ..
+                } => (None, true),
+                _ => (None, false),
+            };
+            let split = train_tp_split(p.role);
+            if let TpSplit::Dim(d) = split {
+                if p.shape.dims[d] % spec.tp != 0 {
+                    return Err(PlanError::NotDivisible {
+                        what: format!("training tensor {}", p.name),
+                        degree_name: "tp",
+                        degree: spec.tp,
+                        dividend_name: "its split dimension",
+                        dividend: p.shape.dims[d] as u64,
+                    });
+                }
+            }
+            for dp_i in 0..spec.dp {
+                for ep_i in 0..spec.ep {
+                    if expert_group.is_some_and(|g| g != ep_i) {
+                        continue;
+                    }
+                    for fsdp_i in 0..spec.fsdp {
+                        for tp_i in 0..spec.tp {
+                            let rank = stage * per_stage
+                                + ((dp_i * spec.ep + ep_i) * spec.fsdp + fsdp_i) * spec.tp
+                                + tp_i;
+                            let mut b = full;
+                            if stacked {
+                                let n = b.len[0] / spec.ep;
+                                b.start[0] = ep_i * n;
+                                b.len[0] = n;
+                            }
+                            if let TpSplit::Dim(d) = split {
+                                let n = b.len[d] / spec.tp;
+                                b.start[d] += tp_i * n;
+                                b.len[d] = n;
+                            }
+                            let (k, i) = if expert_group.is_some() || stacked {
+                                (spec.fsdp, fsdp_i)
+                            } else {
+                                (spec.ep * spec.fsdp, ep_i * spec.fsdp + fsdp_i)
+                            };
+                            let (s, n) = torch_chunk(b.len[0], k, i);
+                            b.start[0] += s;
+                            b.len[0] = n;
+                            if b.is_empty() {
+                                continue;
+                            }
+                            let off = next[rank as usize];
+                            next[rank as usize] =
+                                align_up(off + b.numel() * p.dtype.size() as u64);
+                            shards.push(ShardSpec {
+                                rank,
+                                param: pid as u32,
+                                global: b,
+                                dtype: p.dtype,
+                                offset: off,
+                            });
+                        }
+                    }
+                }
+            }
+        }
+        shards.sort_by_key(|s| (s.rank, s.offset));
+        Ok(TrainingLayout {
+            ranks: world,
+            shards,
+        })
+    }
+
+    /// Checks a layout against a model: every shard names a parameter, lies inside its tensor,
+    /// shards on one rank do not overlap in the arena. (Coverage is checked by the planner,
+    /// which builds the grid of every tensor anyway.)
+    pub fn validate(&self, model: &Model) -> Result<(), PlanError> {
+        let mut order: Vec<&ShardSpec> = self.shards.iter().collect();
+        order.sort_by_key(|s| (s.rank, s.offset));
+        let mut prev: Option<&ShardSpec> = None;
+        for s in order {
+            if s.rank >= self.ranks {
+                return Err(PlanError::NoSuchRank {
+                    side: "training",
+                    rank: s.rank,
+                    ranks: self.ranks,
+                });
+            }
+            let p = model
+                .params
+                .get(s.param as usize)
+                .ok_or(PlanError::NoSuchParam {
+                    rank: s.rank,
+                    param: s.param,
+                    params: model.params.len() as u32,
+                })?;
+            if !s.global.fits_in(p.shape) {
+                return Err(PlanError::BoxOutsideTensor {
+                    param: p.name.clone(),
+                    rank: s.rank,
+                    region: s.global.to_string(),
+                    shape: p.shape.to_string(),
+                });
+            }
+            if let Some(q) = prev {
+                if q.rank == s.rank
+                    && q.offset + q.global.numel() * q.dtype.size() as u64 > s.offset
+                {
+                    return Err(PlanError::ArenaOverlap {
+                        rank: s.rank,
+                        a: model.params[q.param as usize].name.clone(),
+                        b: p.name.clone(),
+                    });
+                }
+            }
+            prev = Some(s);
+        }
+        Ok(())
+    }
+}
+
+/// tp must divide the head counts for q/k/v on the training side.
+fn check_train_heads(model: &Model, tp: u32) -> Result<(), PlanError> {
+    let c = &model.config;
+    let mut checks = vec![(c.heads, "num_attention_heads")];
+    if c.mla.is_none() {
+        checks.push((c.kv_heads, "num_key_value_heads"));
+    }
+    for (n, name) in checks {
+        if n % tp != 0 {
+            return Err(PlanError::NotDivisible {
+                what: format!("training attention of {}", model.name),
+                degree_name: "tp",
+                degree: tp,
+                dividend_name: name,
+                dividend: n as u64,
+            });
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn torch_chunk_has_short_tails_and_empty_shards() {
+        assert_eq!(torch_chunk(10, 4, 0), (0, 3));
+        assert_eq!(torch_chunk(10, 4, 3), (9, 1));
+        assert_eq!(torch_chunk(5, 4, 3), (5, 0)); // c=2: 0..2, 2..4, 4..5, empty
+        assert_eq!(torch_chunk(5, 4, 2), (4, 1));
+    }
+
+    #[test]
+    fn spec_parses_and_rejects() {
+        let s: TrainSpec = "pp=2,ep=8,fsdp=16".parse().unwrap();
+        assert_eq!(s.world().unwrap(), 256);
+        assert!("pp=0".parse::<TrainSpec>().is_err());
+        let e = "xx=2".parse::<TrainSpec>().unwrap_err();
+        assert!(e.to_string().contains("xx"), "{e}");
+    }
+
+    #[test]
+    fn kimi_layout_has_256_ranks_and_bounded_shards() {
+        let m = Model::preset("kimi-k2", ExpertForm::PerExpert).unwrap();
+        let spec: TrainSpec = "pp=2,ep=8,fsdp=16".parse().unwrap();
+        let l = TrainingLayout::build(&m, &spec).unwrap();
+        assert_eq!(l.ranks, 256);
+        l.validate(&m).unwrap();
+        let total: u64 = l.shards.iter().map(|s| s.global.numel()).sum();
+        assert_eq!(total, m.num_elements());
+    }
+}

@@ -1,0 +1,734 @@
+//! The logical model: every parameter tensor (Hugging Face name, global shape, dtype) and what
+//! it *is* ([`Role`]), built from a Hugging Face `config.json`.
+//!
+//! Why roles: both layouts are derived from what a tensor is (a column-parallel projection, a
+//! routed expert's down projection, a norm), not from its name, so the training and inference
+//! sides agree by construction and names are only for people and checkpoints.
+//!
+//! Families: dense Llama / Qwen2 (q/k/v bias) / Qwen3 (q/k norms), Qwen3-MoE (router and routed
+//! experts, `decoder_sparse_step`, `mlp_only_layers`), DeepSeek-V3 / Kimi-K2 (MLA attention with
+//! optional q LoRA, first `first_k_dense_replace` layers dense, shared and routed experts, router
+//! `e_score_correction_bias` in f32 when `topk_method` is `noaux_tc`). The DeepSeek MTP layer
+//! (`num_nextn_predict_layers`) is not part of the synced model.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use weightsync_common::DType;
+
+use crate::error::PlanError;
+use crate::table::Shape;
+
+/// Which projection of an MLP or expert.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum Proj {
+    /// gate_proj (w1), `[I, H]`.
+    Gate,
+    /// up_proj (w3), `[I, H]`.
+    Up,
+    /// down_proj (w2), `[H, I]`.
+    Down,
+}
+
+/// What a tensor inside a decoder layer is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum LayerKind {
+    /// input_layernorm `[H]`.
+    InputNorm,
+    /// post_attention_layernorm `[H]`.
+    PostAttnNorm,
+    /// q_proj `[heads*D, H]` (dense families, or MLA without q LoRA: `[heads*qk_head_dim, H]`).
+    Q,
+    /// k_proj `[kv_heads*D, H]`.
+    K,
+    /// v_proj `[kv_heads*D, H]`.
+    V,
+    /// q_proj bias (Qwen2).
+    QBias,
+    /// k_proj bias (Qwen2).
+    KBias,
+    /// v_proj bias (Qwen2).
+    VBias,
+    /// o_proj `[H, heads*D]` (MLA: `[H, heads*v_head_dim]`).
+    O,
+    /// q_norm `[D]` (Qwen3).
+    QNorm,
+    /// k_norm `[D]` (Qwen3).
+    KNorm,
+    /// MLA q_a_proj `[q_lora_rank, H]`.
+    QA,
+    /// MLA q_a_layernorm `[q_lora_rank]`.
+    QANorm,
+    /// MLA q_b_proj `[heads*qk_head_dim, q_lora_rank]`.
+    QB,
+    /// MLA kv_a_proj_with_mqa `[kv_lora_rank + rope_dim, H]`.
+    KVA,
+    /// MLA kv_a_layernorm `[kv_lora_rank]`.
+    KVANorm,
+    /// MLA kv_b_proj `[heads*(nope+v), kv_lora_rank]`.
+    KVB,
+    /// Dense MLP projection.
+    Mlp(Proj),
+    /// Shared-expert projection (DeepSeek), `n_shared * moe_intermediate` wide.
+    Shared(Proj),
+    /// Router weight `mlp.gate.weight` `[E, H]`.
+    Router,
+    /// Router `e_score_correction_bias` `[E]` (f32).
+    RouterBias,
+    /// One routed expert's projection (`mlp.experts.{e}.gate_proj.weight`, 2-D).
+    Expert {
+        /// Expert index.
+        expert: u32,
+        /// Which projection.
+        proj: Proj,
+    },
+    /// All routed experts' projection stacked (`mlp.experts.gate_proj.weight`, `[E, I, H]` or
+    /// `[E, H, I]`).
+    Experts(Proj),
+}
+
+/// What a model tensor is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum Role {
+    /// embed_tokens `[V, H]`.
+    Embed,
+    /// lm_head `[V, H]`.
+    LmHead,
+    /// final norm `[H]`.
+    FinalNorm,
+    /// A tensor of decoder layer `layer`.
+    Layer {
+        /// Layer index.
+        layer: u32,
+        /// Which tensor.
+        kind: LayerKind,
+    },
+}
+
+/// One logical parameter.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Param {
+    /// Hugging Face style name.
+    pub name: String,
+    /// Global shape.
+    pub shape: Shape,
+    /// Element type of the training copy.
+    pub dtype: DType,
+    /// What it is.
+    pub role: Role,
+}
+
+/// How routed experts appear as logical parameters on the training side.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+pub enum ExpertForm {
+    /// One 2-D tensor per expert and projection (Hugging Face checkpoints, FSDP of HF modules).
+    #[default]
+    PerExpert,
+    /// One 3-D tensor per projection, experts stacked on dim 0 (grouped-GEMM trainers:
+    /// `[E, I, H]` for gate/up, `[E, H, I]` for down).
+    Stacked,
+}
+
+/// Model family.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Family {
+    /// Llama and Llama-like (Mistral).
+    Llama,
+    /// Qwen2 (q/k/v bias).
+    Qwen2,
+    /// Qwen3 (q/k norm).
+    Qwen3,
+    /// Qwen3-MoE.
+    Qwen3Moe,
+    /// DeepSeek-V3 (and V2-style MLA).
+    DeepseekV3,
+    /// Kimi-K2 (DeepSeek-V3 architecture).
+    KimiK2,
+}
+
+/// Mixture-of-experts settings.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MoeConfig {
+    /// Routed experts per MoE layer.
+    pub experts: u32,
+    /// Intermediate size of one expert.
+    pub intermediate: u32,
+    /// Shared experts (DeepSeek), fused into one MLP `shared * intermediate` wide.
+    pub shared: u32,
+    /// Which layers are MoE (the rest are dense).
+    pub moe_layers: Vec<bool>,
+    /// Router has an f32 `e_score_correction_bias`.
+    pub score_bias: bool,
+}
+
+/// Multi-head latent attention settings.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MlaConfig {
+    /// q LoRA rank (None: plain q_proj).
+    pub q_lora_rank: Option<u32>,
+    /// kv LoRA rank.
+    pub kv_lora_rank: u32,
+    /// Non-rotary part of a q/k head.
+    pub nope: u32,
+    /// Rotary part.
+    pub rope: u32,
+    /// v head dim.
+    pub v: u32,
+}
+
+/// The fields of config.json the planner reads.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModelConfig {
+    /// Family.
+    pub family: Family,
+    /// hidden_size.
+    pub hidden: u32,
+    /// intermediate_size (dense MLPs).
+    pub intermediate: u32,
+    /// num_hidden_layers.
+    pub layers: u32,
+    /// num_attention_heads.
+    pub heads: u32,
+    /// num_key_value_heads.
+    pub kv_heads: u32,
+    /// head_dim.
+    pub head_dim: u32,
+    /// vocab_size.
+    pub vocab: u32,
+    /// tie_word_embeddings.
+    pub tie_embeddings: bool,
+    /// q/k/v biases (Qwen2, or `attention_bias`).
+    pub attention_bias: bool,
+    /// q/k norms (Qwen3).
+    pub qk_norm: bool,
+    /// MoE settings.
+    pub moe: Option<MoeConfig>,
+    /// MLA settings.
+    pub mla: Option<MlaConfig>,
+    /// Parameter dtype (torch_dtype).
+    pub dtype: DType,
+}
+
+fn field_u32(v: &Value, key: &str) -> Result<u32, PlanError> {
+    let x = v
+        .get(key)
+        .ok_or_else(|| PlanError::BadConfig(format!("missing field {key:?}")))?;
+    let n = x
+        .as_u64()
+        .ok_or_else(|| PlanError::BadConfig(format!("field {key:?} is not a whole number: {x}")))?;
+    if n == 0 || n > u32::MAX as u64 {
+        return Err(PlanError::BadConfig(format!(
+            "field {key:?} = {n} is out of range"
+        )));
+    }
+    Ok(n as u32)
+}
+
+fn opt_u32(v: &Value, key: &str) -> Result<Option<u32>, PlanError> {
+    match v.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(_) => field_u32(v, key).map(Some),
+    }
+}
+
+fn opt_bool(v: &Value, key: &str, default: bool) -> bool {
+    v.get(key).and_then(Value::as_bool).unwrap_or(default)
+}
+
+impl ModelConfig {
+    /// Parses the text of a Hugging Face config.json.
+    pub fn from_json(text: &str) -> Result<ModelConfig, PlanError> {
+        let v: Value = serde_json::from_str(text)
+            .map_err(|e| PlanError::BadConfig(format!("not JSON: {e}")))?;
+        let model_type = v.get("model_type").and_then(Value::as_str).unwrap_or("");
+        let arch = v
+            .get("architectures")
+            .and_then(|a| a.get(0))
+            .and_then(Value::as_str)
+            .unwrap_or("");
+        let family = match model_type {
+            "llama" | "mistral" => Family::Llama,
+            "qwen2" => Family::Qwen2,
+            "qwen3" => Family::Qwen3,
+            "qwen3_moe" => Family::Qwen3Moe,
+            "deepseek_v3" | "deepseek_v2" => Family::DeepseekV3,
+            "kimi_k2" => Family::KimiK2,
+            "" if arch == "DeepseekV3ForCausalLM" => Family::DeepseekV3,
+            other => {
+                return Err(PlanError::UnknownFamily {
+                    family: if other.is_empty() {
+                        arch.to_string()
+                    } else {
+                        other.to_string()
+                    },
+                })
+            }
+        };
+        let hidden = field_u32(&v, "hidden_size")?;
+        let heads = field_u32(&v, "num_attention_heads")?;
+        let kv_heads = opt_u32(&v, "num_key_value_heads")?.unwrap_or(heads);
+        let layers = field_u32(&v, "num_hidden_layers")?;
+        let head_dim = match opt_u32(&v, "head_dim")? {
+            Some(d) => d,
+            None => {
+                if hidden % heads != 0 {
+                    return Err(PlanError::BadConfig(format!(
+                        "no head_dim and hidden_size {hidden} is not a multiple of num_attention_heads {heads}"
+                    )));
+                }
+                hidden / heads
+            }
+        };
+        let dtype = match v.get("torch_dtype").and_then(Value::as_str) {
+            None => DType::BF16,
+            Some(s) => s
+                .parse::<DType>()
+                .map_err(|e| PlanError::BadConfig(format!("torch_dtype: {e}")))?,
+        };
+        let is_ds = matches!(family, Family::DeepseekV3 | Family::KimiK2);
+        let moe = match family {
+            Family::Qwen3Moe => {
+                let experts = field_u32(&v, "num_experts")?;
+                let step = opt_u32(&v, "decoder_sparse_step")?.unwrap_or(1);
+                let only: Vec<u64> = v
+                    .get("mlp_only_layers")
+                    .and_then(Value::as_array)
+                    .map(|a| a.iter().filter_map(Value::as_u64).collect())
+                    .unwrap_or_default();
+                let moe_layers = (0..layers)
+                    .map(|l| !only.contains(&(l as u64)) && (l + 1) % step == 0)
+                    .collect();
+                Some(MoeConfig {
+                    experts,
+                    intermediate: field_u32(&v, "moe_intermediate_size")?,
+                    shared: 0,
+                    moe_layers,
+                    score_bias: false,
+                })
+            }
+            _ if is_ds => match opt_u32(&v, "n_routed_experts")? {
+                None => None,
+                Some(experts) => {
+                    let first = v
+                        .get("first_k_dense_replace")
+                        .and_then(Value::as_u64)
+                        .unwrap_or(0);
+                    let freq = opt_u32(&v, "moe_layer_freq")?.unwrap_or(1) as u64;
+                    let moe_layers = (0..layers as u64)
+                        .map(|l| l >= first && l % freq == 0)
+                        .collect();
+                    Some(MoeConfig {
+                        experts,
+                        intermediate: field_u32(&v, "moe_intermediate_size")?,
+                        shared: v
+                            .get("n_shared_experts")
+                            .and_then(Value::as_u64)
+                            .unwrap_or(0) as u32,
+                        moe_layers,
+                        score_bias: v.get("topk_method").and_then(Value::as_str)
+                            == Some("noaux_tc"),
+                    })
+                }
+            },
+            _ => None,
+        };
+        let mla = if is_ds {
+            Some(MlaConfig {
+                q_lora_rank: opt_u32(&v, "q_lora_rank")?,
+                kv_lora_rank: field_u32(&v, "kv_lora_rank")?,
+                nope: field_u32(&v, "qk_nope_head_dim")?,
+                rope: field_u32(&v, "qk_rope_head_dim")?,
+                v: field_u32(&v, "v_head_dim")?,
+            })
+        } else {
+            None
+        };
+        let needs_intermediate = moe
+            .as_ref()
+            .is_none_or(|m| m.moe_layers.iter().any(|&x| !x));
+        let intermediate = if needs_intermediate {
+            field_u32(&v, "intermediate_size")?
+        } else {
+            opt_u32(&v, "intermediate_size")?.unwrap_or(0)
+        };
+        Ok(ModelConfig {
+            family,
+            hidden,
+            intermediate,
+            layers,
+            heads,
+            kv_heads,
+            head_dim,
+            vocab: field_u32(&v, "vocab_size")?,
+            tie_embeddings: opt_bool(&v, "tie_word_embeddings", false),
+            attention_bias: opt_bool(&v, "attention_bias", family == Family::Qwen2),
+            qk_norm: family == Family::Qwen3 || family == Family::Qwen3Moe,
+            moe,
+            mla,
+            dtype,
+        })
+    }
+}
+
+/// The logical model.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Model {
+    /// Name (preset name or file stem).
+    pub name: String,
+    /// The config it was built from.
+    pub config: ModelConfig,
+    /// How routed experts are laid out as parameters.
+    pub experts: ExpertForm,
+    /// Parameters, in a fixed order: embed, layers in order, final norm, lm_head.
+    pub params: Vec<Param>,
+}
+
+impl Model {
+    /// Builds a model from the text of a config.json.
+    pub fn from_config_json(
+        name: &str,
+        json: &str,
+        experts: ExpertForm,
+    ) -> Result<Model, PlanError> {
+        Ok(Model::from_config(
+            name,
+            ModelConfig::from_json(json)?,
+            experts,
+        ))
+    }
+
+    /// Builds a preset (`kimi-k2`, `qwen3-8b`, ...; see [`crate::presets::PRESETS`]).
+    pub fn preset(name: &str, experts: ExpertForm) -> Result<Model, PlanError> {
+        let json = crate::presets::preset_config(name).ok_or_else(|| PlanError::UnknownPreset {
+            name: name.to_string(),
+            known: crate::presets::PRESETS
+                .iter()
+                .map(|(n, _)| *n)
+                .collect::<Vec<_>>()
+                .join(", "),
+        })?;
+        Model::from_config_json(&name.to_ascii_lowercase(), json, experts)
+    }
+
+    /// Builds the parameter list of a config.
+    pub fn from_config(name: &str, c: ModelConfig, experts: ExpertForm) -> Model {
+        let mut params = Vec::new();
+        let dt = c.dtype;
+        let h = c.hidden;
+        let mut push = |name: String, dims: &[u32], dtype: DType, role: Role| {
+            params.push(Param {
+                name,
+                shape: Shape::new(dims),
+                dtype,
+                role,
+            })
+        };
+        push(
+            "model.embed_tokens.weight".into(),
+            &[c.vocab, h],
+            dt,
+            Role::Embed,
+        );
+        for l in 0..c.layers {
+            let p = format!("model.layers.{l}.");
+            let lay = |kind| Role::Layer { layer: l, kind };
+            push(
+                format!("{p}input_layernorm.weight"),
+                &[h],
+                dt,
+                lay(LayerKind::InputNorm),
+            );
+            match &c.mla {
+                Some(m) => {
+                    let qk = m.nope + m.rope;
+                    match m.q_lora_rank {
+                        Some(r) => {
+                            push(
+                                format!("{p}self_attn.q_a_proj.weight"),
+                                &[r, h],
+                                dt,
+                                lay(LayerKind::QA),
+                            );
+                            push(
+                                format!("{p}self_attn.q_a_layernorm.weight"),
+                                &[r],
+                                dt,
+                                lay(LayerKind::QANorm),
+                            );
+                            push(
+                                format!("{p}self_attn.q_b_proj.weight"),
+                                &[c.heads * qk, r],
+                                dt,
+                                lay(LayerKind::QB),
+                            );
+                        }
+                        None => push(
+                            format!("{p}self_attn.q_proj.weight"),
+                            &[c.heads * qk, h],
+                            dt,
+                            lay(LayerKind::Q),
+                        ),
+                    }
+                    push(
+                        format!("{p}self_attn.kv_a_proj_with_mqa.weight"),
+                        &[m.kv_lora_rank + m.rope, h],
+                        dt,
+                        lay(LayerKind::KVA),
+                    );
+                    push(
+                        format!("{p}self_attn.kv_a_layernorm.weight"),
+                        &[m.kv_lora_rank],
+                        dt,
+                        lay(LayerKind::KVANorm),
+                    );
+                    push(
+                        format!("{p}self_attn.kv_b_proj.weight"),
+                        &[c.heads * (m.nope + m.v), m.kv_lora_rank],
+                        dt,
+                        lay(LayerKind::KVB),
+                    );
+                    push(
+                        format!("{p}self_attn.o_proj.weight"),
+                        &[h, c.heads * m.v],
+                        dt,
+                        lay(LayerKind::O),
+                    );
+                }
+                None => {
+                    let (q, kv) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
+                    push(
+                        format!("{p}self_attn.q_proj.weight"),
+                        &[q, h],
+                        dt,
+                        lay(LayerKind::Q),
+                    );
+                    push(
+                        format!("{p}self_attn.k_proj.weight"),
+                        &[kv, h],
+                        dt,
+                        lay(LayerKind::K),
+                    );
+                    push(
+                        format!("{p}self_attn.v_proj.weight"),
+                        &[kv, h],
+                        dt,
+                        lay(LayerKind::V),
+                    );
+                    if c.attention_bias {
+                        push(
+                            format!("{p}self_attn.q_proj.bias"),
+                            &[q],
+                            dt,
+                            lay(LayerKind::QBias),
+                        );
+                        push(
+                            format!("{p}self_attn.k_proj.bias"),
+                            &[kv],
+                            dt,
+                            lay(LayerKind::KBias),
+                        );
+                        push(
+                            format!("{p}self_attn.v_proj.bias"),
+                            &[kv],
+                            dt,
+                            lay(LayerKind::VBias),
+                        );
+                    }
+                    if c.qk_norm {
+                        push(
+                            format!("{p}self_attn.q_norm.weight"),
+                            &[c.head_dim],
+                            dt,
+                            lay(LayerKind::QNorm),
+                        );
+                        push(
+                            format!("{p}self_attn.k_norm.weight"),
+                            &[c.head_dim],
+                            dt,
+                            lay(LayerKind::KNorm),
+                        );
+                    }
+                    push(
+                        format!("{p}self_attn.o_proj.weight"),
+                        &[h, q],
+                        dt,
+                        lay(LayerKind::O),
+                    );
+                }
+            }
+            push(
+                format!("{p}post_attention_layernorm.weight"),
+                &[h],
+                dt,
+                lay(LayerKind::PostAttnNorm),
+            );
+            let is_moe = c
+                .moe
+                .as_ref()
+                .is_some_and(|m| m.moe_layers[l as usize]);
+            if !is_moe {
+                let i = c.intermediate;
+                for (proj, nm, dims) in [
+                    (Proj::Gate, "gate_proj", [i, h]),
+                    (Proj::Up, "up_proj", [i, h]),
+                    (Proj::Down, "down_proj", [h, i]),
+                ] {
+                    push(
+                        format!("{p}mlp.{nm}.weight"),
+                        &dims,
+                        dt,
+                        lay(LayerKind::Mlp(proj)),
+                    );
+                }
+                continue;
+            }
+            let m = c.moe.as_ref().expect("is_moe implies moe");
+            push(
+                format!("{p}mlp.gate.weight"),
+                &[m.experts, h],
+                dt,
+                lay(LayerKind::Router),
+            );
+            if m.score_bias {
+                push(
+                    format!("{p}mlp.gate.e_score_correction_bias"),
+                    &[m.experts],
+                    DType::F32,
+                    lay(LayerKind::RouterBias),
+                );
+            }
+            if m.shared > 0 {
+                let i = m.intermediate * m.shared;
+                for (proj, nm, dims) in [
+                    (Proj::Gate, "gate_proj", [i, h]),
+                    (Proj::Up, "up_proj", [i, h]),
+                    (Proj::Down, "down_proj", [h, i]),
+                ] {
+                    push(
+                        format!("{p}mlp.shared_experts.{nm}.weight"),
+                        &dims,
+                        dt,
+                        lay(LayerKind::Shared(proj)),
+                    );
+                }
+            }
+            let i = m.intermediate;
+            match experts {
+                ExpertForm::PerExpert => {
+                    for e in 0..m.experts {
+                        for (proj, nm, dims) in [
+                            (Proj::Gate, "gate_proj", [i, h]),
+                            (Proj::Up, "up_proj", [i, h]),
+                            (Proj::Down, "down_proj", [h, i]),
+                        ] {
+                            push(
+                                format!("{p}mlp.experts.{e}.{nm}.weight"),
+                                &dims,
+                                dt,
+                                lay(LayerKind::Expert { expert: e, proj }),
+                            );
+                        }
+                    }
+                }
+                ExpertForm::Stacked => {
+                    for (proj, nm, dims) in [
+                        (Proj::Gate, "gate_proj", [m.experts, i, h]),
+                        (Proj::Up, "up_proj", [m.experts, i, h]),
+                        (Proj::Down, "down_proj", [m.experts, h, i]),
+                    ] {
+                        push(
+                            format!("{p}mlp.experts.{nm}.weight"),
+                            &dims,
+                            dt,
+                            lay(LayerKind::Experts(proj)),
+                        );
+                    }
+                }
+            }
+        }
+        push("model.norm.weight".into(), &[h], dt, Role::FinalNorm);
+        if !c.tie_embeddings {
+            push("lm_head.weight".into(), &[c.vocab, h], dt, Role::LmHead);
+        }
+        Model {
+            name: name.to_string(),
+            config: c,
+            experts,
+            params,
+        }
+    }
+
+    /// Total parameter elements.
+    pub fn num_elements(&self) -> u64 {
+        self.params.iter().map(|p| p.shape.numel()).sum()
+    }
+
+    /// Total bytes in the training dtype.
+    pub fn bytes(&self) -> u64 {
+        self.params
+            .iter()
+            .map(|p| p.shape.numel() * p.dtype.size() as u64)
+            .sum()
+    }
+
+    /// The mesh group of a parameter: 0 for the embedding, `1 + layer` for decoder layers,
+    /// `1 + layers` for the final norm and lm_head.
+    pub fn mesh_group(&self, role: Role) -> u16 {
+        match role {
+            Role::Embed => 0,
+            Role::Layer { layer, .. } => (1 + layer) as u16,
+            Role::FinalNorm | Role::LmHead => (1 + self.config.layers) as u16,
+        }
+    }
+
+    /// Number of mesh groups.
+    pub fn num_mesh_groups(&self) -> u16 {
+        (2 + self.config.layers) as u16
+    }
+
+    /// Human name of a mesh group.
+    pub fn mesh_group_name(&self, id: u16) -> String {
+        if id == 0 {
+            "embed".into()
+        } else if id as u32 == 1 + self.config.layers {
+            "head".into()
+        } else {
+            format!("layer {}", id - 1)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn presets_have_their_published_sizes() {
+        let cases = [
+            ("qwen3-0.6b", 0.55e9, 0.65e9),
+            ("qwen3-8b", 8.0e9, 8.4e9),
+            ("qwen3-30b-a3b", 30.0e9, 31.0e9),
+            ("qwen3-235b-a22b", 234.0e9, 236.0e9),
+            ("deepseek-v3", 669.0e9, 673.0e9),
+            ("kimi-k2", 1.02e12, 1.04e12),
+        ];
+        for (name, lo, hi) in cases {
+            let m = Model::preset(name, ExpertForm::PerExpert).unwrap();
+            let n = m.num_elements() as f64;
+            assert!(n > lo && n < hi, "{name}: {n:e}");
+            let s = Model::preset(name, ExpertForm::Stacked).unwrap();
+            assert_eq!(s.num_elements(), m.num_elements());
+        }
+    }
+
+    #[test]
+    fn unknown_family_is_named() {
+        let e = Model::from_config_json("x", r#"{"model_type":"gpt9"}"#, ExpertForm::PerExpert)
+            .unwrap_err();
+        assert!(e.to_string().contains("gpt9"), "{e}");
+        let e = Model::preset("nope", ExpertForm::PerExpert).unwrap_err();
+        assert!(e.to_string().contains("kimi-k2"), "{e}");
+        let e = Model::from_config_json("x", r#"{"model_type":"qwen3"}"#, ExpertForm::PerExpert)
+            .unwrap_err();
+        assert!(e.to_string().contains("hidden_size"), "{e}");
+    }
+}

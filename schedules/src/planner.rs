@@ -1,0 +1,1302 @@
+//! The planner: `(model, training layout, inference layout, cost model) -> RoutingTable`.
+//!
+//! # How
+//! 1. **Destination groups.** Inference pieces with the same parameter box (the same bytes for
+//!    several ranks: dp engines, attention replicated across ep groups, kv heads replicated) are
+//!    grouped, so each box is read and prepared once and written to every rank that needs it.
+//! 2. **Source grid.** Each parameter's training shards cut it into a grid of cells; every cell
+//!    must be held by at least one rank (else an error names the region), and the ranks holding
+//!    a cell are its replicas.
+//! 3. **Regions.** A destination box is cut along the grid into regions, each inside one cell.
+//!    For fp8 destinations a cut that is not on a 128 boundary would split a quantisation block,
+//!    so the block row (or column) around it becomes a *gather region*: one owner quantises it
+//!    after every holder has written its part into the owner's gather arena.
+//! 4. **Sources.** Single-replica regions are fixed. Gather owners go to the least loaded holder
+//!    of the largest part. Small replicated regions go whole to the least loaded replica; the
+//!    rest are spread exactly by the min-max flow of [`crate::balance`], cutting regions along
+//!    dimension 0 (in whole blocks for fp8). Load = bytes sent plus work requests times
+//!    [`CostModel::wr_equiv_bytes`].
+//! 5. **Emission.** Tasks per trainer in mesh-group order (gather sends, local tasks,
+//!    gather-sourced tasks), each with its writes as maximal contiguous runs.
+//!
+//! Pure and deterministic: no hash-map iteration, no clock, no threads.
+
+use std::collections::BTreeMap;
+
+use weightsync_common::DType;
+
+use crate::balance::balance;
+use crate::cost::CostModel;
+use crate::error::PlanError;
+use crate::layout_infer::{InferenceLayout, Piece};
+use crate::layout_train::{align_up, ShardSpec, TrainingLayout};
+use crate::model::Model;
+use crate::runs::{count_runs, for_each_run};
+use crate::table::{
+    Endpoint, LocalShard, MeshGroup, ParamRef, RolloutPlan, RoutingTable, Shape, Source, Task,
+    TensorBox, TrainerPlan, Transform, UnitExpect, Write, FP8_BLOCK, MAX_DIMS, MAX_WRITE_BYTES,
+    TRAINER_GATHER_MR,
+};
+
+/// Plans without progress reports.
+pub fn plan(
+    model: &Model,
+    train: &TrainingLayout,
+    infer: &InferenceLayout,
+    cost: &CostModel,
+) -> Result<RoutingTable, PlanError> {
+    plan_with_progress(model, train, infer, cost, &mut |_, _| {})
+}
+
+/// Plans, calling `progress(done, total)` now and then (work units are parameters, visited
+/// twice: analysis then emission).
+pub fn plan_with_progress(
+    model: &Model,
+    train: &TrainingLayout,
+    infer: &InferenceLayout,
+    cost: &CostModel,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<RoutingTable, PlanError> {
+    train.validate(model)?;
+    validate_infer(model, infer)?;
+    let sorted;
+    let train = if train
+        .shards
+        .windows(2)
+        .all(|w| (w[0].rank, w[0].offset) <= (w[1].rank, w[1].offset))
+    {
+        train
+    } else {
+        let mut t = train.clone();
+        t.shards.sort_by_key(|s| (s.rank, s.offset));
+        sorted = t;
+        &sorted
+    };
+    let mut p = Planner::new(model, train, infer, cost)?;
+    p.analyse(progress)?;
+    p.assign();
+    p.emit(progress)
+}
+
+/// Marker for "gather region" in `Region::cell`.
+const GATHER: u32 = u32::MAX;
+
+/// A group of destination pieces sharing one parameter box.
+struct DGroup {
+    bx: TensorBox,
+    first: u32,
+    n: u32,
+    fp8: bool,
+    /// Destination element type (of the weight tensor).
+    dtype: DType,
+}
+
+/// The source grid of one parameter.
+#[derive(Default)]
+struct Grid {
+    ndim: usize,
+    cut_first: [u32; MAX_DIMS + 1],
+    cuts: Vec<u32>,
+    strides: [u32; MAX_DIMS],
+    holder_first: Vec<u32>,
+    holders: Vec<u32>,
+}
+
+impl Grid {
+    fn cuts(&self, d: usize) -> &[u32] {
+        &self.cuts[self.cut_first[d] as usize..self.cut_first[d + 1] as usize]
+    }
+
+    fn holders(&self, cell: u32) -> &[u32] {
+        &self.holders
+            [self.holder_first[cell as usize] as usize..self.holder_first[cell as usize + 1] as usize]
+    }
+
+    /// The box of a cell.
+    fn cell_box(&self, cell: u32) -> TensorBox {
+        let mut b = TensorBox::new(&[0; MAX_DIMS][..self.ndim], &[0; MAX_DIMS][..self.ndim]);
+        let mut rest = cell;
+        for d in 0..self.ndim {
+            let i = rest / self.strides[d];
+            rest %= self.strides[d];
+            let c = self.cuts(d);
+            b.start[d] = c[i as usize];
+            b.len[d] = c[i as usize + 1] - c[i as usize];
+        }
+        b
+    }
+
+    /// Index along `d` of the interval containing `x`.
+    fn interval(&self, d: usize, x: u32) -> u32 {
+        let c = self.cuts(d);
+        (c.partition_point(|&v| v <= x) - 1) as u32
+    }
+}
+
+/// One region: a box inside one destination group, inside one cell (or a gather region).
+#[derive(Clone, Copy)]
+struct Region {
+    dgroup: u32,
+    bx: TensorBox,
+    cell: u32,
+    weight: u64,
+}
+
+/// How a region is sourced.
+#[derive(Clone, Copy)]
+enum Assign {
+    /// Whole from one shard (global shard index).
+    Shard(u32),
+    /// Split: `splits[first..first+n]`.
+    Split { first: u32, n: u32 },
+    /// Gathered to `owner_shard`'s rank from `gather_parts[first..first+n]`.
+    Gather { owner_shard: u32, first: u32, n: u32 },
+}
+
+struct Planner<'a> {
+    model: &'a Model,
+    train: &'a TrainingLayout,
+    infer: &'a InferenceLayout,
+    cost: &'a CostModel,
+    /// Pieces sorted by (param, box, rank, tensor).
+    order: Vec<u32>,
+    dgroups: Vec<DGroup>,
+    /// Per param, its dgroups range.
+    dgroup_first: Vec<u32>,
+    /// Shard indices sorted by (param, index).
+    shard_order: Vec<u32>,
+    shard_first: Vec<u32>,
+    grids: Vec<Grid>,
+    regions: Vec<Region>,
+    region_first: Vec<u32>,
+    assign: Vec<Assign>,
+    splits: Vec<(TensorBox, u32)>,
+    gather_parts: Vec<(TensorBox, u32)>,
+    loads: Vec<u64>,
+    /// Expected tasks and writes per trainer (capacity hints).
+    est_tasks: Vec<u64>,
+    est_writes: Vec<u64>,
+}
+
+fn validate_infer(model: &Model, infer: &InferenceLayout) -> Result<(), PlanError> {
+    let nranks = infer.ranks.len() as u32;
+    for (i, r) in infer.ranks.iter().enumerate() {
+        if r.rank != i as u32 {
+            return Err(PlanError::BadInferenceLayout {
+                rank: i as u32,
+                reason: format!("listed at index {i} but says rank {}", r.rank),
+            });
+        }
+        for t in &r.tensors {
+            if t.len != t.shape.numel() * t.dtype.size() as u64
+                || r.mr_bytes.get(t.mr as usize).is_none_or(|&m| t.offset + t.len > m)
+            {
+                return Err(PlanError::BadInferenceLayout {
+                    rank: r.rank,
+                    reason: format!("tensor {} does not fit its MR {} or its shape", t.name, t.mr),
+                });
+            }
+        }
+    }
+    // Per destination tensor: pieces inside it, volumes adding up, no overlaps.
+    let mut per_tensor: BTreeMap<(u32, u32), Vec<(TensorBox, u32)>> = BTreeMap::new();
+    for pc in &infer.pieces {
+        let bad = |reason: String| PlanError::BadInferenceLayout {
+            rank: pc.rank,
+            reason,
+        };
+        if pc.rank >= nranks {
+            return Err(PlanError::NoSuchRank {
+                side: "inference",
+                rank: pc.rank,
+                ranks: nranks,
+            });
+        }
+        let p = model
+            .params
+            .get(pc.param as usize)
+            .ok_or_else(|| bad(format!("piece names parameter id {}", pc.param)))?;
+        if !pc.src.fits_in(p.shape) || pc.src.is_empty() {
+            return Err(bad(format!(
+                "piece {} of {} is outside its shape {}",
+                pc.src, p.name, p.shape
+            )));
+        }
+        let r = &infer.ranks[pc.rank as usize];
+        let t = r
+            .tensors
+            .get(pc.tensor as usize)
+            .ok_or_else(|| bad(format!("piece of {} names tensor {}", p.name, pc.tensor)))?;
+        if t.shape.ndim < p.shape.ndim {
+            return Err(bad(format!("tensor {} has fewer dims than {}", t.name, p.name)));
+        }
+        let db = dst_box(pc, &pc.src, t.shape.ndim as usize);
+        if !db.fits_in(t.shape) {
+            return Err(bad(format!(
+                "piece {} of {} lands at {} outside tensor {} {}",
+                pc.src, p.name, db, t.name, t.shape
+            )));
+        }
+        let fp8 = t.dtype == DType::F8E4M3;
+        if fp8 && p.shape.ndim >= 2 {
+            let n = p.shape.ndim as usize;
+            for d in n - 2..n {
+                let (s, e) = (pc.src.start[d], pc.src.end(d));
+                if s % FP8_BLOCK != 0 || (e % FP8_BLOCK != 0 && e != p.shape.dims[d]) {
+                    return Err(PlanError::Fp8Misaligned {
+                        param: p.name.clone(),
+                        rank: pc.rank,
+                        region: pc.src.to_string(),
+                        block: FP8_BLOCK,
+                    });
+                }
+            }
+        }
+        if fp8 != pc.scale.is_some() || (fp8 && p.shape.ndim < 2) {
+            return Err(bad(format!(
+                "tensor {} is {} but piece of {} has {} scales",
+                t.name,
+                t.dtype,
+                p.name,
+                if pc.scale.is_some() { "" } else { "no" }
+            )));
+        }
+        per_tensor
+            .entry((pc.rank, pc.tensor))
+            .or_default()
+            .push((db, pc.param));
+        if let Some(sc) = pc.scale {
+            let st = r
+                .tensors
+                .get(sc.tensor as usize)
+                .ok_or_else(|| bad(format!("scales of {} name tensor {}", p.name, sc.tensor)))?;
+            let sb = scale_box(pc, &pc.src, st.shape.ndim as usize, p.shape.ndim as usize);
+            if !sb.fits_in(st.shape) || st.dtype != DType::F32 {
+                return Err(bad(format!(
+                    "scales of {} land at {} outside f32 tensor {} {}",
+                    p.name, sb, st.name, st.shape
+                )));
+            }
+            per_tensor
+                .entry((pc.rank, sc.tensor))
+                .or_default()
+                .push((sb, pc.param));
+        }
+    }
+    for ((rank, tensor), mut boxes) in per_tensor {
+        let t = &infer.ranks[rank as usize].tensors[tensor as usize];
+        boxes.sort_by_key(|(b, _)| (b.start, b.len));
+        let cover = |reason: String, param: u32| PlanError::DestinationCoverage {
+            param: model.params[param as usize].name.clone(),
+            rank,
+            tensor: t.name.clone(),
+            reason,
+        };
+        for i in 0..boxes.len() {
+            for j in i + 1..boxes.len() {
+                if boxes[j].0.start[0] >= boxes[i].0.end(0) {
+                    break;
+                }
+                if boxes[i].0.intersect(&boxes[j].0).is_some() {
+                    return Err(cover(
+                        format!("{} and {} overlap", boxes[i].0, boxes[j].0),
+                        boxes[j].1,
+                    ));
+                }
+            }
+        }
+        let vol: u64 = boxes.iter().map(|(b, _)| b.numel()).sum();
+        if vol != t.shape.numel() {
+            return Err(cover(
+                format!(
+                    "pieces cover {vol} of its {} elements (every byte must be written once)",
+                    t.shape.numel()
+                ),
+                boxes[0].1,
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// A parameter box inside a piece, in destination-tensor coordinates.
+fn dst_box(pc: &Piece, r: &TensorBox, dst_ndim: usize) -> TensorBox {
+    let pn = r.ndim as usize;
+    let lead = dst_ndim - pn;
+    let mut b = TensorBox {
+        ndim: dst_ndim as u8,
+        start: pc.dst_start,
+        len: [1; MAX_DIMS],
+    };
+    for i in 0..pn {
+        b.start[lead + i] = pc.dst_start[lead + i] + r.start[i] - pc.src.start[i];
+        b.len[lead + i] = r.len[i];
+    }
+    for d in dst_ndim..MAX_DIMS {
+        b.start[d] = 0;
+        b.len[d] = 0;
+    }
+    b
+}
+
+/// The scales of a block-aligned parameter box inside a piece, in scale-tensor coordinates.
+fn scale_box(pc: &Piece, r: &TensorBox, dst_ndim: usize, pn: usize) -> TensorBox {
+    let place = pc.scale.expect("scale_box of a quantised piece");
+    let lead = dst_ndim - pn;
+    let mut b = TensorBox::new(&place.start[..dst_ndim], &[1; MAX_DIMS][..dst_ndim]);
+    for i in 0..pn {
+        let rel = r.start[i] - pc.src.start[i];
+        if i + 2 >= pn {
+            b.start[lead + i] = place.start[lead + i] + rel / FP8_BLOCK;
+            b.len[lead + i] = r.len[i].div_ceil(FP8_BLOCK);
+        } else {
+            b.start[lead + i] = place.start[lead + i] + rel;
+            b.len[lead + i] = r.len[i];
+        }
+    }
+    b
+}
+
+/// Shape of a block-aligned box's scales.
+fn scale_shape(r: &TensorBox) -> Shape {
+    let n = r.ndim as usize;
+    let mut s = r.shape();
+    for d in n - 2..n {
+        s.dims[d] = r.len[d].div_ceil(FP8_BLOCK);
+    }
+    s
+}
+
+/// Bytes of prepared output and the transform for a region.
+fn transform_for(fp8: bool, from: DType, to: DType, r: &TensorBox) -> (Transform, u64) {
+    let n = r.numel();
+    if fp8 {
+        let scale_offset = n.div_ceil(16) * 16;
+        let ss = scale_shape(r);
+        (
+            Transform::Fp8Block {
+                from,
+                block: FP8_BLOCK,
+                scale_offset,
+                scale_shape: ss,
+            },
+            scale_offset + ss.numel() * 4,
+        )
+    } else if from == to {
+        (Transform::Copy { dtype: from }, n * from.size() as u64)
+    } else {
+        (Transform::Cast { from, to }, n * to.size() as u64)
+    }
+}
+
+/// One segment of a destination box along one dimension.
+#[derive(Clone, Copy)]
+struct Seg {
+    start: u32,
+    end: u32,
+    /// Interval index in the grid along this dim, or GATHER for a band.
+    cell: u32,
+}
+
+/// Cuts `[a, b)` along dim `d` at the grid's cuts; with `block`, a cut off the 128 grid turns
+/// the block around it into a band.
+fn segments(grid: &Grid, d: usize, a: u32, b: u32, block: bool, out: &mut Vec<Seg>) {
+    out.clear();
+    let cuts = grid.cuts(d);
+    let lo = cuts.partition_point(|&c| c <= a);
+    let hi = cuts.partition_point(|&c| c < b);
+    let inner = &cuts[lo..hi];
+    let push_normal = |s: u32, e: u32, out: &mut Vec<Seg>| {
+        if s < e {
+            out.push(Seg {
+                start: s,
+                end: e,
+                cell: grid.interval(d, s),
+            });
+        }
+    };
+    if !block {
+        let mut s = a;
+        for &c in inner {
+            push_normal(s, c, out);
+            s = c;
+        }
+        push_normal(s, b, out);
+        return;
+    }
+    let mut pos = a;
+    let mut i = 0;
+    while i < inner.len() {
+        let c = inner[i];
+        if c % FP8_BLOCK == 0 {
+            push_normal(pos, c, out);
+            pos = c;
+            i += 1;
+            continue;
+        }
+        let bs = c / FP8_BLOCK * FP8_BLOCK;
+        let be = (bs + FP8_BLOCK).min(b);
+        push_normal(pos, bs, out);
+        out.push(Seg {
+            start: bs,
+            end: be,
+            cell: GATHER,
+        });
+        pos = be;
+        while i < inner.len() && inner[i] < be {
+            i += 1;
+        }
+        // A cut exactly at `be` is a boundary already.
+        while i < inner.len() && inner[i] == be {
+            i += 1;
+        }
+    }
+    push_normal(pos, b, out);
+}
+
+impl<'a> Planner<'a> {
+    fn new(
+        model: &'a Model,
+        train: &'a TrainingLayout,
+        infer: &'a InferenceLayout,
+        cost: &'a CostModel,
+    ) -> Result<Planner<'a>, PlanError> {
+        let np = model.params.len();
+        let mut order: Vec<u32> = (0..infer.pieces.len() as u32).collect();
+        order.sort_by_key(|&i| {
+            let p = &infer.pieces[i as usize];
+            (p.param, p.src, p.rank, p.tensor)
+        });
+        let mut dgroups = Vec::new();
+        let mut dgroup_first = vec![0u32; np + 1];
+        let mut i = 0;
+        while i < order.len() {
+            let p = &infer.pieces[order[i] as usize];
+            let mut j = i + 1;
+            while j < order.len() {
+                let q = &infer.pieces[order[j] as usize];
+                if q.param != p.param || q.src != p.src {
+                    break;
+                }
+                j += 1;
+            }
+            dgroup_first[p.param as usize + 1] += 1;
+            dgroups.push(DGroup {
+                bx: p.src,
+                first: i as u32,
+                n: (j - i) as u32,
+                fp8: p.scale.is_some(),
+                dtype: infer.ranks[p.rank as usize].tensors[p.tensor as usize].dtype,
+            });
+            i = j;
+        }
+        for k in 0..np {
+            dgroup_first[k + 1] += dgroup_first[k];
+        }
+        let mut shard_order: Vec<u32> = (0..train.shards.len() as u32).collect();
+        shard_order.sort_by_key(|&i| (train.shards[i as usize].param, i));
+        let mut shard_first = vec![0u32; np + 1];
+        for s in &train.shards {
+            shard_first[s.param as usize + 1] += 1;
+        }
+        for k in 0..np {
+            shard_first[k + 1] += shard_first[k];
+        }
+        if train.shards.len() > u32::MAX as usize || infer.pieces.len() > u32::MAX as usize {
+            return Err(PlanError::TooLarge("more than 2^32 shards or pieces".into()));
+        }
+        Ok(Planner {
+            model,
+            train,
+            infer,
+            cost,
+            order,
+            dgroups,
+            dgroup_first,
+            shard_order,
+            shard_first,
+            grids: Vec::with_capacity(np),
+            regions: Vec::new(),
+            region_first: vec![0; np + 1],
+            assign: Vec::new(),
+            splits: Vec::new(),
+            gather_parts: Vec::new(),
+            loads: vec![0; train.ranks as usize],
+            est_tasks: vec![0; train.ranks as usize],
+            est_writes: vec![0; train.ranks as usize],
+        })
+    }
+
+    fn param_shards(&self, pid: usize) -> &[u32] {
+        &self.shard_order[self.shard_first[pid] as usize..self.shard_first[pid + 1] as usize]
+    }
+
+    fn shard(&self, s: u32) -> &ShardSpec {
+        &self.train.shards[s as usize]
+    }
+
+    fn build_grid(&self, pid: usize) -> Result<Grid, PlanError> {
+        let p = &self.model.params[pid];
+        let nd = p.shape.ndim as usize;
+        let idx = self.param_shards(pid);
+        let mut g = Grid {
+            ndim: nd,
+            ..Grid::default()
+        };
+        let mut tmp = Vec::new();
+        for d in 0..nd {
+            tmp.clear();
+            tmp.push(0);
+            tmp.push(p.shape.dims[d]);
+            for &s in idx {
+                let b = &self.shard(s).global;
+                tmp.push(b.start[d]);
+                tmp.push(b.end(d));
+            }
+            tmp.sort_unstable();
+            tmp.dedup();
+            g.cuts.extend_from_slice(&tmp);
+            g.cut_first[d + 1] = g.cuts.len() as u32;
+        }
+        let mut ncells: u64 = 1;
+        for d in (0..nd).rev() {
+            g.strides[d] = ncells as u32;
+            ncells *= (g.cuts(d).len() - 1) as u64;
+            if ncells > u32::MAX as u64 / 2 {
+                return Err(PlanError::TooLarge(format!("{}: too many grid cells", p.name)));
+            }
+        }
+        let mut pairs: Vec<(u32, u32)> = Vec::new();
+        for &s in idx {
+            let sh = self.shard(s);
+            if sh.dtype != self.shard(idx[0]).dtype {
+                return Err(PlanError::DtypeMismatch {
+                    param: p.name.clone(),
+                    a: self.shard(idx[0]).rank,
+                    b: sh.rank,
+                });
+            }
+            let mut lo = [0u32; MAX_DIMS];
+            let mut hi = [0u32; MAX_DIMS];
+            for d in 0..nd {
+                let c = g.cuts(d);
+                lo[d] = c.partition_point(|&v| v < sh.global.start[d]) as u32;
+                hi[d] = c.partition_point(|&v| v < sh.global.end(d)) as u32;
+            }
+            let mut i = lo;
+            'cells: loop {
+                let cell: u32 = (0..nd).map(|d| i[d] * g.strides[d]).sum();
+                pairs.push((cell, s));
+                let mut d = nd;
+                loop {
+                    if d == 0 {
+                        break 'cells;
+                    }
+                    d -= 1;
+                    i[d] += 1;
+                    if i[d] < hi[d] {
+                        break;
+                    }
+                    i[d] = lo[d];
+                }
+            }
+        }
+        pairs.sort_unstable();
+        g.holder_first = vec![0; ncells as usize + 1];
+        for &(c, _) in &pairs {
+            g.holder_first[c as usize + 1] += 1;
+        }
+        for c in 0..ncells as usize {
+            if g.holder_first[c + 1] == 0 {
+                let mut holders: Vec<u32> = idx.iter().map(|&s| self.shard(s).rank).collect();
+                holders.sort_unstable();
+                holders.dedup();
+                let shown: Vec<String> = holders.iter().take(16).map(|r| r.to_string()).collect();
+                return Err(PlanError::Uncovered {
+                    param: p.name.clone(),
+                    region: g.cell_box(c as u32).to_string(),
+                    holders: if shown.is_empty() {
+                        "none".into()
+                    } else if holders.len() > 16 {
+                        format!("{}, ... ({} ranks)", shown.join(", "), holders.len())
+                    } else {
+                        shown.join(", ")
+                    },
+                });
+            }
+            g.holder_first[c + 1] += g.holder_first[c];
+        }
+        g.holders = pairs.into_iter().map(|(_, s)| s).collect();
+        Ok(g)
+    }
+
+    fn target_piece(&self, dg: &DGroup, k: u32) -> &Piece {
+        &self.infer.pieces[self.order[(dg.first + k) as usize] as usize]
+    }
+
+    /// Load weight of sending region `r` of dgroup `dg` to all its targets.
+    /// Also returns the number of writes.
+    fn weight(&self, dg: &DGroup, r: &TensorBox, pid: usize) -> (u64, u64) {
+        let pc = self.target_piece(dg, 0);
+        let rank = &self.infer.ranks[pc.rank as usize];
+        let t = &rank.tensors[pc.tensor as usize];
+        let db = dst_box(pc, r, t.shape.ndim as usize);
+        let mut wrs = count_runs(&db, &t.shape);
+        let mut bytes = r.numel() * t.dtype.size() as u64;
+        if dg.fp8 {
+            let st = &rank.tensors[pc.scale.expect("fp8 piece").tensor as usize];
+            let sb = scale_box(pc, r, st.shape.ndim as usize, self.model.params[pid].shape.ndim as usize);
+            wrs += count_runs(&sb, &st.shape);
+            bytes += sb.numel() * 4;
+        }
+        let n = dg.n as u64;
+        ((bytes + wrs * self.cost.wr_equiv_bytes()) * n, wrs * n)
+    }
+
+    /// Pass 1: grids and regions; single-replica loads.
+    fn analyse(&mut self, progress: &mut dyn FnMut(u64, u64)) -> Result<(), PlanError> {
+        let np = self.model.params.len();
+        let mut segs: Vec<Vec<Seg>> = vec![Vec::new(); MAX_DIMS];
+        for pid in 0..np {
+            if pid % 4096 == 0 {
+                progress(pid as u64, 2 * np as u64);
+            }
+            let (d0, d1) = (self.dgroup_first[pid], self.dgroup_first[pid + 1]);
+            if d0 == d1 {
+                self.grids.push(Grid::default());
+                self.region_first[pid + 1] = self.regions.len() as u32;
+                continue;
+            }
+            let grid = self.build_grid(pid)?;
+            let nd = grid.ndim;
+            for dgi in d0..d1 {
+                let dg = &self.dgroups[dgi as usize];
+                let bx = dg.bx;
+                for (d, seg) in segs.iter_mut().enumerate().take(nd) {
+                    let block = dg.fp8 && d + 2 >= nd;
+                    segments(&grid, d, bx.start[d], bx.end(d), block, seg);
+                }
+                // Many tiny regions (a norm cut over 128 ranks): gather the box to one owner
+                // so each destination gets one write instead of one per source.
+                let nregions: usize = segs[..nd].iter().map(Vec::len).product();
+                let wr = self.cost.wr_equiv_bytes();
+                let dgr = &self.dgroups[dgi as usize];
+                let out_bytes = bx.numel() * dgr.dtype.size() as u64;
+                let src_bytes = bx.numel() * self.model.params[pid].dtype.size() as u64;
+                if nregions > 1 && out_bytes / (nregions as u64) < wr && src_bytes <= 64 * wr {
+                    let (w, _) = self.weight(dgr, &bx, pid);
+                    self.regions.push(Region {
+                        dgroup: dgi,
+                        bx,
+                        cell: GATHER,
+                        weight: w,
+                    });
+                    continue;
+                }
+                let mut i = [0usize; MAX_DIMS];
+                'regions: loop {
+                    let mut r = bx;
+                    let mut cell = 0u32;
+                    for d in 0..nd {
+                        let s = segs[d][i[d]];
+                        r.start[d] = s.start;
+                        r.len[d] = s.end - s.start;
+                        if s.cell == GATHER || cell == GATHER {
+                            cell = GATHER;
+                        } else {
+                            cell += s.cell * grid.strides[d];
+                        }
+                    }
+                    let (w, wrs) = self.weight(&self.dgroups[dgi as usize], &r, pid);
+                    if cell != GATHER {
+                        let h = grid.holders(cell);
+                        if h.len() == 1 {
+                            let rank = self.shard(h[0]).rank as usize;
+                            self.loads[rank] += w;
+                            self.est_tasks[rank] += 1;
+                            self.est_writes[rank] += wrs;
+                        }
+                    }
+                    self.regions.push(Region {
+                        dgroup: dgi,
+                        bx: r,
+                        cell,
+                        weight: w,
+                    });
+                    let mut d = nd;
+                    loop {
+                        if d == 0 {
+                            break 'regions;
+                        }
+                        d -= 1;
+                        i[d] += 1;
+                        if i[d] < segs[d].len() {
+                            break;
+                        }
+                        i[d] = 0;
+                    }
+                }
+            }
+            self.grids.push(grid);
+            self.region_first[pid + 1] = self.regions.len() as u32;
+        }
+        Ok(())
+    }
+
+    /// The least loaded of some shards' ranks (ties: first listed).
+    fn least_loaded(&self, shards: &[u32]) -> u32 {
+        let mut best = shards[0];
+        for &s in &shards[1..] {
+            if self.loads[self.shard(s).rank as usize] < self.loads[self.shard(best).rank as usize]
+            {
+                best = s;
+            }
+        }
+        best
+    }
+
+    /// Pass 2: choose sources.
+    fn assign(&mut self) {
+        let grids = std::mem::take(&mut self.grids);
+        self.assign_with(&grids);
+        self.grids = grids;
+    }
+
+    fn assign_with(&mut self, grids: &[Grid]) {
+        let np = self.model.params.len();
+        self.assign = vec![Assign::Shard(0); self.regions.len()];
+        let wr = self.cost.wr_equiv_bytes();
+        let mut small: Vec<u32> = Vec::new();
+        let mut big: Vec<u32> = Vec::new();
+        // Gathers and singles first.
+        for pid in 0..np {
+            let grid = &grids[pid];
+            for ri in self.region_first[pid]..self.region_first[pid + 1] {
+                let reg = self.regions[ri as usize];
+                if reg.cell != GATHER {
+                    let h = grid.holders(reg.cell);
+                    if h.len() == 1 {
+                        self.assign[ri as usize] = Assign::Shard(h[0]);
+                    } else if reg.weight < self.cost.min_split_bytes() {
+                        small.push(ri);
+                    } else {
+                        big.push(ri);
+                    }
+                    continue;
+                }
+                // Gather region: parts = cells it touches.
+                let nd = grid.ndim;
+                let mut lo = [0u32; MAX_DIMS];
+                let mut hi = [0u32; MAX_DIMS];
+                for d in 0..nd {
+                    lo[d] = grid.interval(d, reg.bx.start[d]);
+                    hi[d] = grid.interval(d, reg.bx.end(d) - 1) + 1;
+                }
+                let first = self.gather_parts.len() as u32;
+                let mut best: Option<(u64, u32)> = None;
+                let mut i = lo;
+                'cells: loop {
+                    let cell: u32 = (0..nd).map(|d| i[d] * grid.strides[d]).sum();
+                    let part = grid
+                        .cell_box(cell)
+                        .intersect(&reg.bx)
+                        .expect("cells in range intersect");
+                    if best.is_none_or(|(n, _)| part.numel() > n) {
+                        best = Some((part.numel(), cell));
+                    }
+                    self.gather_parts.push((part, cell));
+                    let mut d = nd;
+                    loop {
+                        if d == 0 {
+                            break 'cells;
+                        }
+                        d -= 1;
+                        i[d] += 1;
+                        if i[d] < hi[d] {
+                            break;
+                        }
+                        i[d] = lo[d];
+                    }
+                }
+                let owner_shard = self.least_loaded(grid.holders(best.expect("a part").1));
+                let owner = self.shard(owner_shard).rank;
+                self.loads[owner as usize] += reg.weight;
+                let n = self.gather_parts.len() as u32 - first;
+                let elem = self.shard(owner_shard).dtype.size() as u64;
+                for k in first..first + n {
+                    let (part, cell) = self.gather_parts[k as usize];
+                    let h = grid.holders(cell);
+                    let sender = h
+                        .iter()
+                        .copied()
+                        .find(|&s| self.shard(s).rank == owner)
+                        .unwrap_or_else(|| self.least_loaded(h));
+                    let srank = self.shard(sender).rank;
+                    if srank != owner {
+                        let runs = count_runs(&part.relative_to(&reg.bx), &reg.bx.shape());
+                        self.loads[srank as usize] += part.numel() * elem + runs * wr;
+                    }
+                    self.gather_parts[k as usize].1 = sender;
+                }
+                self.assign[ri as usize] = Assign::Gather {
+                    owner_shard,
+                    first,
+                    n,
+                };
+            }
+        }
+        // Small replicated regions: whole, to the least loaded replica, largest first.
+        small.sort_by_key(|&ri| (std::cmp::Reverse(self.regions[ri as usize].weight), ri));
+        for ri in small {
+            let reg = self.regions[ri as usize];
+            let pid = self.dgroup_param(reg.dgroup);
+            let s = self.least_loaded(grids[pid].holders(reg.cell));
+            let r = self.shard(s).rank as usize;
+            self.loads[r] += reg.weight;
+            self.assign[ri as usize] = Assign::Shard(s);
+        }
+        // Big replicated regions: exact min-max split by replica set.
+        let mut set_ids: BTreeMap<Vec<u32>, usize> = BTreeMap::new();
+        let mut sets: Vec<(Vec<u32>, u64)> = Vec::new();
+        let mut set_regions: Vec<Vec<u32>> = Vec::new();
+        for &ri in &big {
+            let reg = self.regions[ri as usize];
+            let pid = self.dgroup_param(reg.dgroup);
+            let h = grids[pid].holders(reg.cell);
+            let mut rs: Vec<(u32, u32)> = h.iter().map(|&s| (self.shard(s).rank, s)).collect();
+            rs.sort_unstable();
+            rs.dedup_by_key(|x| x.0);
+            let key: Vec<u32> = rs.iter().map(|x| x.0).collect();
+            let id = *set_ids.entry(key.clone()).or_insert_with(|| {
+                sets.push((key, 0));
+                set_regions.push(Vec::new());
+                sets.len() - 1
+            });
+            sets[id].1 += reg.weight;
+            set_regions[id].push(ri);
+        }
+        let (amounts, _) = balance(&self.loads, &sets);
+        for (j, (ranks, _)) in sets.iter().enumerate() {
+            for (k, &r) in ranks.iter().enumerate() {
+                self.loads[r as usize] += amounts[j][k];
+            }
+            let mut quota: Vec<i128> = amounts[j].iter().map(|&a| a as i128).collect();
+            let mut cur = 0usize;
+            for &ri in &set_regions[j] {
+                let reg = self.regions[ri as usize];
+                let dg = &self.dgroups[reg.dgroup as usize];
+                let pid = self.dgroup_param(reg.dgroup);
+                let h = grids[pid].holders(reg.cell);
+                let shard_of = |rank: u32| -> u32 {
+                    *h.iter()
+                        .find(|&&s| self.train.shards[s as usize].rank == rank)
+                        .expect("set member holds the cell")
+                };
+                // Split along the outermost dimension with enough units to level the members
+                // (outer cuts keep sub-boxes contiguous at the destination); whole blocks for
+                // fp8.
+                let nd = reg.bx.ndim as usize;
+                let unit_of = |d: usize| if dg.fp8 && d + 2 >= nd { FP8_BLOCK } else { 1 };
+                let units = |d: usize| reg.bx.len[d].div_ceil(unit_of(d));
+                let want_units = 8 * ranks.len() as u32;
+                let sd = (0..nd)
+                    .find(|&d| units(d) >= want_units)
+                    .unwrap_or_else(|| (0..nd).rev().max_by_key(|&d| units(d)).unwrap_or(0));
+                let unit = unit_of(sd);
+                let n_units = units(sd);
+                let per_unit = (reg.weight / n_units as u64).max(1) as i128;
+                let first = self.splits.len() as u32;
+                let mut done = 0u32;
+                while done < n_units {
+                    let last = cur + 1 >= ranks.len();
+                    let k = if last {
+                        n_units - done
+                    } else {
+                        let want = (quota[cur] + per_unit / 2) / per_unit;
+                        want.clamp(0, (n_units - done) as i128) as u32
+                    };
+                    if k == 0 {
+                        cur += 1;
+                        continue;
+                    }
+                    let mut sub = reg.bx;
+                    sub.start[sd] = reg.bx.start[sd] + done * unit;
+                    sub.len[sd] = ((done + k) * unit).min(reg.bx.len[sd]) - done * unit;
+                    self.splits.push((sub, shard_of(ranks[cur])));
+                    quota[cur] -= k as i128 * per_unit;
+                    done += k;
+                }
+                self.assign[ri as usize] = Assign::Split {
+                    first,
+                    n: self.splits.len() as u32 - first,
+                };
+            }
+        }
+    }
+
+    fn dgroup_param(&self, dgi: u32) -> usize {
+        let dg = &self.dgroups[dgi as usize];
+        self.target_piece(dg, 0).param as usize
+    }
+
+    /// Pass 3: tasks and writes, appended to each trainer's plan directly in execution order:
+    /// per mesh group, gather sends, then local tasks, then gather-sourced tasks.
+    fn emit(&self, progress: &mut dyn FnMut(u64, u64)) -> Result<RoutingTable, PlanError> {
+        let model = self.model;
+        let np = model.params.len();
+        let nt = self.train.ranks as usize;
+        let ngroups = model.num_mesh_groups();
+        // Per trainer: its shards (train.shards is sorted by rank, offset) and params.
+        let mut rank_first = vec![0usize; nt + 1];
+        for s in &self.train.shards {
+            rank_first[s.rank as usize + 1] += 1;
+        }
+        for r in 0..nt {
+            rank_first[r + 1] += rank_first[r];
+        }
+        let mut builders: Vec<TrainerBuilder> = (0..nt)
+            .map(|r| {
+                let shards = &self.train.shards[rank_first[r]..rank_first[r + 1]];
+                let mut pids: Vec<u32> = shards.iter().map(|s| s.param).collect();
+                pids.sort_unstable();
+                pids.dedup();
+                let local = |p: u32| pids.binary_search(&p).expect("own param") as u32;
+                let plan = TrainerPlan {
+                    rank: r as u32,
+                    params: pids
+                        .iter()
+                        .map(|&p| ParamRef {
+                            id: p,
+                            name: model.params[p as usize].name.clone(),
+                            shape: model.params[p as usize].shape,
+                        })
+                        .collect(),
+                    shards: shards
+                        .iter()
+                        .map(|s| LocalShard {
+                            param: local(s.param),
+                            global: s.global,
+                            dtype: s.dtype,
+                            offset: s.offset,
+                        })
+                        .collect(),
+                    source_arena_bytes: shards
+                        .last()
+                        .map_or(0, |s| s.offset + s.global.numel() * s.dtype.size() as u64),
+                    gather_arena_bytes: 0,
+                    groups: Vec::with_capacity(ngroups as usize),
+                    tasks: Vec::with_capacity(self.est_tasks[r] as usize),
+                    writes: Vec::with_capacity(self.est_writes[r] as usize),
+                };
+                TrainerBuilder {
+                    plan,
+                    pids,
+                    first_shard: rank_first[r],
+                    gather_expect: 0,
+                }
+            })
+            .collect();
+        let mut rollout_writes = vec![0u64; self.infer.ranks.len()];
+        // Params in (mesh group, id) order.
+        let mut by_group: Vec<u32> = (0..np as u32).collect();
+        by_group.sort_by_key(|&p| (model.mesh_group(model.params[p as usize].role), p));
+        let mut gather_offs: Vec<u64> = Vec::new();
+        let mut starts = vec![[0u32; 3]; nt];
+        let mut gi = 0usize;
+        for g in 0..ngroups {
+            let g0 = gi;
+            while gi < by_group.len()
+                && model.mesh_group(model.params[by_group[gi] as usize].role) == g
+            {
+                gi += 1;
+            }
+            let params = &by_group[g0..gi];
+            if gi / 4096 != g0 / 4096 {
+                progress((np + gi) as u64, 2 * np as u64);
+            }
+            for (r, b) in builders.iter().enumerate() {
+                starts[r][0] = b.plan.tasks.len() as u32;
+            }
+            // Class 0: gather sends (and the owners' arena space).
+            gather_offs.clear();
+            for &pid in params {
+                for ri in self.region_first[pid as usize]..self.region_first[pid as usize + 1] {
+                    if let Assign::Gather {
+                        owner_shard,
+                        first,
+                        n,
+                    } = self.assign[ri as usize]
+                    {
+                        let reg = &self.regions[ri as usize];
+                        gather_offs.push(self.emit_gather_sends(
+                            &mut builders,
+                            reg,
+                            owner_shard,
+                            &self.gather_parts[first as usize..(first + n) as usize],
+                            g,
+                        ));
+                    }
+                }
+            }
+            for (r, b) in builders.iter().enumerate() {
+                starts[r][1] = b.plan.tasks.len() as u32;
+            }
+            // Class 1: tasks reading local shards.
+            for &pid in params {
+                for ri in self.region_first[pid as usize]..self.region_first[pid as usize + 1] {
+                    let reg = &self.regions[ri as usize];
+                    match self.assign[ri as usize] {
+                        Assign::Shard(s) => {
+                            self.emit_task(&mut builders, &mut rollout_writes, reg, &reg.bx, s, None)
+                        }
+                        Assign::Split { first, n } => {
+                            for &(sub, s) in &self.splits[first as usize..(first + n) as usize] {
+                                self.emit_task(&mut builders, &mut rollout_writes, reg, &sub, s, None);
+                            }
+                        }
+                        Assign::Gather { .. } => {}
+                    }
+                }
+            }
+            for (r, b) in builders.iter().enumerate() {
+                starts[r][2] = b.plan.tasks.len() as u32;
+            }
+            // Class 2: tasks reading the gather arena.
+            let mut k = 0;
+            for &pid in params {
+                for ri in self.region_first[pid as usize]..self.region_first[pid as usize + 1] {
+                    if let Assign::Gather { owner_shard, .. } = self.assign[ri as usize] {
+                        let reg = &self.regions[ri as usize];
+                        let off = gather_offs[k];
+                        k += 1;
+                        self.emit_task(
+                            &mut builders,
+                            &mut rollout_writes,
+                            reg,
+                            &reg.bx,
+                            owner_shard,
+                            Some(off),
+                        );
+                    }
+                }
+            }
+            let name = model.mesh_group_name(g);
+            for (r, b) in builders.iter_mut().enumerate() {
+                let end = b.plan.tasks.len() as u32;
+                let [s0, s1, s2] = starts[r];
+                b.plan.groups.push(MeshGroup {
+                    id: g,
+                    name: name.clone(),
+                    first_task: s0,
+                    num_tasks: end - s0,
+                    gather_sends: s1 - s0,
+                    local_tasks: s2 - s1,
+                    gather_expect: b.gather_expect,
+                });
+                b.gather_expect = 0;
+            }
+        }
+        let mut trainers = Vec::with_capacity(nt);
+        for b in builders {
+            if b.plan.writes.len() > u32::MAX as usize || b.plan.tasks.len() > u32::MAX as usize {
+                return Err(PlanError::TooLarge(format!(
+                    "training rank {} would have more than 2^32 writes",
+                    b.plan.rank
+                )));
+            }
+            trainers.push(b.plan);
+        }
+        let rollouts = self
+            .infer
+            .ranks
+            .iter()
+            .map(|r| RolloutPlan {
+                rank: r.rank,
+                engine: r.engine,
+                local_rank: r.local_rank,
+                mr_bytes: r.mr_bytes.clone(),
+                tensors: r.tensors.clone(),
+                expect: vec![UnitExpect {
+                    unit: 0,
+                    writes: rollout_writes[r.rank as usize],
+                }],
+            })
+            .collect();
+        progress(2 * np as u64, 2 * np as u64);
+        Ok(RoutingTable {
+            model: model.name.clone(),
+            num_params: np as u64,
+            num_elements: model.num_elements(),
+            trainers,
+            rollouts,
+        })
+    }
+
+    /// Emits the Copy tasks that assemble gather region `reg` in its owner's gather arena;
+    /// returns the region's offset there.
+    fn emit_gather_sends(
+        &self,
+        builders: &mut [TrainerBuilder],
+        reg: &Region,
+        owner_shard: u32,
+        parts: &[(TensorBox, u32)],
+        g: u16,
+    ) -> u64 {
+        let owner = self.shard(owner_shard);
+        let elem = owner.dtype.size() as u64;
+        let ob = &mut builders[owner.rank as usize];
+        let goff = ob.plan.gather_arena_bytes;
+        ob.plan.gather_arena_bytes = align_up(goff + reg.bx.numel() * elem);
+        let shape = reg.bx.shape();
+        let mut received = 0;
+        for &(part, s) in parts {
+            let sh = self.shard(s);
+            let b = &mut builders[sh.rank as usize];
+            let first_write = b.plan.writes.len() as u32;
+            let rel = part.relative_to(&reg.bx);
+            let mut nw = 0u32;
+            let writes = &mut b.plan.writes;
+            for_each_run(&rel, &shape, elem, |so, d, len| {
+                push_split(
+                    writes,
+                    &mut nw,
+                    Endpoint::Trainer(owner.rank),
+                    TRAINER_GATHER_MR,
+                    g,
+                    so,
+                    goff + d,
+                    len,
+                );
+            });
+            let task = Task {
+                param: b.local_param(sh.param),
+                region: part,
+                source: Source::Shard {
+                    shard: (s as usize - b.first_shard) as u32,
+                    sub: part.relative_to(&sh.global),
+                },
+                transform: Transform::Copy { dtype: sh.dtype },
+                prepared_bytes: part.numel() * elem,
+                first_write,
+                num_writes: nw,
+            };
+            b.plan.tasks.push(task);
+            received += nw;
+        }
+        builders[owner.rank as usize].gather_expect += received;
+        goff
+    }
+
+    /// Emits the task that prepares box `bx` of region `reg` (from shard `s`, or from the
+    /// gather arena at `gather` on `s`'s rank) and writes it to every target of its group.
+    fn emit_task(
+        &self,
+        builders: &mut [TrainerBuilder],
+        rollout_writes: &mut [u64],
+        reg: &Region,
+        bx: &TensorBox,
+        s: u32,
+        gather: Option<u64>,
+    ) {
+        let sh = self.shard(s);
+        let dg = &self.dgroups[reg.dgroup as usize];
+        let pn = bx.ndim as usize;
+        let (transform, prepared) = transform_for(dg.fp8, sh.dtype, dg.dtype, bx);
+        let b = &mut builders[sh.rank as usize];
+        let first_write = b.plan.writes.len() as u32;
+        let writes = &mut b.plan.writes;
+        let mut nw = 0u32;
+        let scale_offset = match transform {
+            Transform::Fp8Block { scale_offset, .. } => scale_offset,
+            _ => 0,
+        };
+        for k in 0..dg.n {
+            let pc = self.target_piece(dg, k);
+            let rk = &self.infer.ranks[pc.rank as usize];
+            let t = &rk.tensors[pc.tensor as usize];
+            let db = dst_box(pc, bx, t.shape.ndim as usize);
+            let before = nw;
+            let dst = Endpoint::Rollout(pc.rank);
+            for_each_run(&db, &t.shape, t.dtype.size() as u64, |so, d, len| {
+                push_split(writes, &mut nw, dst, t.mr, 0, so, t.offset + d, len);
+            });
+            if let Some(place) = pc.scale {
+                let st = &rk.tensors[place.tensor as usize];
+                let sb = scale_box(pc, bx, st.shape.ndim as usize, pn);
+                for_each_run(&sb, &st.shape, 4, |so, d, len| {
+                    push_split(writes, &mut nw, dst, st.mr, 0, scale_offset + so, st.offset + d, len);
+                });
+            }
+            rollout_writes[pc.rank as usize] += (nw - before) as u64;
+        }
+        let source = match gather {
+            Some(offset) => Source::Gather {
+                offset,
+                shape: bx.shape(),
+                dtype: sh.dtype,
+            },
+            None => Source::Shard {
+                shard: (s as usize - b.first_shard) as u32,
+                sub: bx.relative_to(&sh.global),
+            },
+        };
+        let task = Task {
+            param: b.local_param(sh.param),
+            region: *bx,
+            source,
+            transform,
+            prepared_bytes: prepared,
+            first_write,
+            num_writes: nw,
+        };
+        b.plan.tasks.push(task);
+    }
+}
+
+/// Pushes one run as writes of at most [`MAX_WRITE_BYTES`].
+#[allow(clippy::too_many_arguments)]
+#[inline]
+fn push_split(
+    out: &mut Vec<Write>,
+    count: &mut u32,
+    dst: Endpoint,
+    mr: u16,
+    unit: u16,
+    src: u64,
+    dst_off: u64,
+    len: u64,
+) {
+    let mut done = 0;
+    while done < len {
+        let n = (len - done).min(MAX_WRITE_BYTES);
+        out.push(Write {
+            dst,
+            mr,
+            unit,
+            len: n as u32,
+            src_offset: src + done,
+            dst_offset: dst_off + done,
+        });
+        *count += 1;
+        done += n;
+    }
+}
+
+/// A trainer's plan under construction.
+struct TrainerBuilder {
+    plan: TrainerPlan,
+    /// Global ids of the params in `plan.params`, sorted.
+    pids: Vec<u32>,
+    /// Index in the layout's shard list of this rank's first shard.
+    first_shard: usize,
+    /// Gather writes into this trainer in the current group.
+    gather_expect: u32,
+}
+
+impl TrainerBuilder {
+    fn local_param(&self, pid: u32) -> u32 {
+        self.pids
+            .binary_search(&pid)
+            .expect("a rank's tasks read its own params") as u32
+    }
+}

@@ -1,0 +1,101 @@
+//! Contiguous runs: how a dense row-major box of prepared bytes lands in a row-major tensor with
+//! the fewest writes.
+//!
+//! A box whose trailing dimensions span the whole tensor is one run; otherwise one run per
+//! index of the leading dimensions that do not. Runs are maximal: two consecutive runs are
+//! never contiguous on both sides (they would have been one), which is what keeps the number of
+//! work requests, and so the NIC's message rate, out of the way.
+
+use crate::table::{Shape, TensorBox, MAX_DIMS};
+
+/// The first dimension `k` such that every dimension after it spans the whole tensor, and the
+/// run length in elements (product of the box's extents from `k` on).
+fn split_dim(bx: &TensorBox, shape: &Shape) -> (usize, u64) {
+    let nd = bx.ndim as usize;
+    let mut k = nd.saturating_sub(1);
+    while k > 0 && bx.len[k] == shape.dims[k] && bx.start[k] == 0 {
+        k -= 1;
+    }
+    let chunk = (k..nd).map(|j| bx.len[j] as u64).product();
+    (k, chunk)
+}
+
+/// Number of runs [`for_each_run`] produces.
+pub fn count_runs(bx: &TensorBox, shape: &Shape) -> u64 {
+    if bx.is_empty() {
+        return 0;
+    }
+    let (k, _) = split_dim(bx, shape);
+    (0..k).map(|j| bx.len[j] as u64).product()
+}
+
+/// Calls `f(src_offset, dst_offset, len)` (bytes) for each run of box `bx` (in `shape`'s
+/// coordinates, same number of dims) when the source is `bx` dense row-major and the
+/// destination is the whole tensor `shape` dense row-major; elements are `elem` bytes.
+pub fn for_each_run(
+    bx: &TensorBox,
+    shape: &Shape,
+    elem: u64,
+    mut f: impl FnMut(u64, u64, u64),
+) {
+    if bx.is_empty() {
+        return;
+    }
+    let nd = bx.ndim as usize;
+    let (k, chunk) = split_dim(bx, shape);
+    let strides = shape.strides();
+    let mut idx = [0u32; MAX_DIMS];
+    let mut src = 0u64;
+    let base: u64 = (0..nd).map(|j| bx.start[j] as u64 * strides[j]).sum();
+    loop {
+        let rel: u64 = (0..k).map(|j| idx[j] as u64 * strides[j]).sum();
+        f(src * elem, (base + rel) * elem, chunk * elem);
+        src += chunk;
+        // Advance the odometer over dims 0..k.
+        let mut j = k;
+        loop {
+            if j == 0 {
+                return;
+            }
+            j -= 1;
+            idx[j] += 1;
+            if idx[j] < bx.len[j] {
+                break;
+            }
+            idx[j] = 0;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn runs(bx: TensorBox, shape: Shape) -> Vec<(u64, u64, u64)> {
+        let mut v = vec![];
+        for_each_run(&bx, &shape, 2, |a, b, c| v.push((a, b, c)));
+        assert_eq!(v.len() as u64, count_runs(&bx, &shape));
+        v
+    }
+
+    #[test]
+    fn full_rows_are_one_run_partial_rows_are_many() {
+        let s = Shape::new(&[4, 8]);
+        assert_eq!(runs(TensorBox::new(&[1, 0], &[2, 8]), s), vec![(0, 16, 32)]);
+        assert_eq!(
+            runs(TensorBox::new(&[1, 2], &[2, 3]), s),
+            vec![(0, 20, 6), (6, 36, 6)]
+        );
+        let s3 = Shape::new(&[3, 4, 8]);
+        // One expert, rows 2..4 of it, whole rows: one run.
+        assert_eq!(
+            runs(TensorBox::new(&[1, 2, 0], &[1, 2, 8]), s3),
+            vec![(0, (32 + 16) * 2, 32)]
+        );
+        // Two experts, rows 0..2 each: two runs.
+        assert_eq!(runs(TensorBox::new(&[0, 0, 0], &[2, 2, 8]), s3).len(), 2);
+        // Whole experts: one run.
+        assert_eq!(runs(TensorBox::new(&[1, 0, 0], &[2, 4, 8]), s3).len(), 1);
+        assert_eq!(runs(TensorBox::new(&[3], &[5]), Shape::new(&[10])), vec![(0, 6, 10)]);
+    }
+}

@@ -1,0 +1,332 @@
+//! Simulator invariants on hand-built tables (exact answers) and on planned ones.
+
+use weightsync_common::protocol::Stage;
+use weightsync_common::DType;
+
+use super::*;
+use crate::cost::CostModel;
+use crate::table::{
+    Endpoint, LocalShard, MeshGroup, ParamRef, RolloutPlan, Shape, Source, Task, TensorBox,
+    TrainerPlan, Transform, UnitExpect, Write,
+};
+
+/// A table where each trainer copies `tasks` tasks of `task_bytes` bf16 bytes, task `k` of
+/// trainer `t` written whole to rollout `dst(t, k)`.
+fn copy_table(
+    trainers: u32,
+    rollouts: u32,
+    tasks: u32,
+    task_bytes: u64,
+    dst: impl Fn(u32, u32) -> u32,
+) -> RoutingTable {
+    let elems = (task_bytes / 2) as u32;
+    let mut rolls: Vec<RolloutPlan> = (0..rollouts)
+        .map(|r| RolloutPlan {
+            rank: r,
+            engine: 0,
+            local_rank: r,
+            mr_bytes: vec![0],
+            tensors: vec![],
+            expect: vec![UnitExpect { unit: 0, writes: 0 }],
+        })
+        .collect();
+    let trainers = (0..trainers)
+        .map(|t| {
+            let mut p = TrainerPlan {
+                rank: t,
+                params: vec![],
+                shards: vec![],
+                source_arena_bytes: 0,
+                gather_arena_bytes: 0,
+                groups: vec![MeshGroup {
+                    id: 0,
+                    name: "all".into(),
+                    first_task: 0,
+                    num_tasks: tasks,
+                    gather_sends: 0,
+                    local_tasks: tasks,
+                    gather_expect: 0,
+                }],
+                tasks: vec![],
+                writes: vec![],
+            };
+            for k in 0..tasks {
+                p.params.push(ParamRef {
+                    id: k,
+                    name: format!("p{k}"),
+                    shape: Shape::new(&[elems]),
+                });
+                p.shards.push(LocalShard {
+                    param: k,
+                    global: TensorBox::new(&[0], &[elems]),
+                    dtype: DType::BF16,
+                    offset: k as u64 * task_bytes,
+                });
+                let r = dst(t, k);
+                let roll = &mut rolls[r as usize];
+                p.writes.push(Write {
+                    dst: Endpoint::Rollout(r),
+                    mr: 0,
+                    unit: 0,
+                    len: task_bytes as u32,
+                    src_offset: 0,
+                    dst_offset: roll.mr_bytes[0],
+                });
+                roll.mr_bytes[0] += task_bytes;
+                roll.expect[0].writes += 1;
+                p.tasks.push(Task {
+                    param: k,
+                    region: TensorBox::new(&[0], &[elems]),
+                    source: Source::Shard {
+                        shard: k,
+                        sub: TensorBox::new(&[0], &[elems]),
+                    },
+                    transform: Transform::Copy { dtype: DType::BF16 },
+                    prepared_bytes: task_bytes,
+                    first_write: k,
+                    num_writes: 1,
+                });
+            }
+            p.source_arena_bytes = tasks as u64 * task_bytes;
+            p
+        })
+        .collect();
+    RoutingTable {
+        model: "synthetic".into(),
+        num_params: tasks as u64,
+        num_elements: 0,
+        trainers,
+        rollouts: rolls,
+    }
+}
+
+/// A cluster where one MB takes 1 ms on the NIC, in H2D and in preparation.
+fn balanced_cluster() -> ClusterModel {
+    let cost = CostModel {
+        nic_bytes_per_s: 1e9,
+        per_wr_s: 0.0,
+        h2d_bytes_per_s: 1e9,
+        prep_bytes_per_s: 1e9,
+        barrier_s: 0.0,
+    };
+    let mut c = ClusterModel::from_cost(cost);
+    c.task_overhead_s = 0.0;
+    c.watermark_bytes = 4_000_000;
+    c.piece_bytes = Some(1_000_000);
+    c
+}
+
+fn close(a: f64, b: f64, rel: f64) -> bool {
+    (a - b).abs() <= rel * b.abs().max(1e-12)
+}
+
+#[test]
+fn pipelined_stages_overlap_and_serialised_ones_add_up() {
+    // 30 tasks of 1 MB: each stage 1 ms per task.
+    let table = copy_table(1, 1, 30, 1_000_000, |_, _| 0);
+    let piped = simulate(&table, &balanced_cluster()).unwrap();
+    // Fill (h2d + prepare of the first piece) + 30 writes back to back.
+    assert!(close(piped.predicted_s, 0.032, 1e-6), "{}", piped.predicted_s);
+    let mut serial = balanced_cluster();
+    serial.watermark_bytes = 1_000_000; // one piece in flight: nothing overlaps
+    let ser = simulate(&table, &serial).unwrap();
+    assert!(close(ser.predicted_s, 0.090, 1e-6), "{}", ser.predicted_s);
+    assert!(ser.predicted_s / piped.predicted_s > 2.5);
+    for r in [&piped, &ser] {
+        assert!(r.predicted_s >= r.bound_s * (1.0 - 1e-9));
+        assert!(close(r.bound_s, 0.030, 1e-9), "{}", r.bound_s);
+    }
+}
+
+#[test]
+fn receivers_shared_by_many_senders_take_longer() {
+    // 4 trainers x 10 MB each. Into one rollout: its NIC takes 40 MB. Into four: 10 MB each.
+    let c = balanced_cluster();
+    let one = simulate(&copy_table(4, 4, 10, 1_000_000, |_, _| 0), &c).unwrap();
+    let spread = simulate(&copy_table(4, 4, 10, 1_000_000, |t, _| t), &c).unwrap();
+    assert!(close(one.bound_s, 0.040, 1e-9));
+    assert!(close(spread.bound_s, 0.010, 1e-9));
+    assert!(one.predicted_s >= 0.040 - 1e-9, "{}", one.predicted_s);
+    assert!(spread.predicted_s < one.predicted_s / 2.0);
+    assert_eq!(one.receive.nics, 1);
+    assert_eq!(spread.receive.nics, 4);
+    assert!(one.receive.max_util > 0.9, "{:?}", one.receive);
+    assert!(one.dominated_by.contains("receiving NIC"), "{}", one.dominated_by);
+}
+
+#[test]
+fn faster_nics_never_make_a_sync_slower() {
+    let table = copy_table(4, 2, 12, 700_000, |t, k| (t + k) % 2);
+    let mut last = f64::INFINITY;
+    for gbit in [8.0, 16.0, 40.0, 100.0, 400.0, 1600.0] {
+        let c = balanced_cluster().with_nic_gbit(gbit);
+        let r = simulate(&table, &c).unwrap();
+        assert!(r.predicted_s <= last * (1.0 + 1e-9), "{gbit}: {} > {last}", r.predicted_s);
+        assert!(r.predicted_s >= r.bound_s * (1.0 - 1e-9));
+        last = r.predicted_s;
+    }
+}
+
+#[test]
+fn message_rate_bounds_tiny_writes() {
+    // 1000 writes of 1 KB at 10 us each: 10 ms of message cost, 1 ms of bytes.
+    let table = copy_table(1, 1, 1000, 1000, |_, _| 0);
+    let mut c = balanced_cluster();
+    c.cost.per_wr_s = 10e-6;
+    let r = simulate(&table, &c).unwrap();
+    assert!(r.predicted_s >= 0.010 - 1e-9, "{}", r.predicted_s);
+    assert_eq!(r.writes, 1000);
+}
+
+#[test]
+fn timeline_has_every_stage_and_the_critical_path_spans_the_sync() {
+    let table = copy_table(2, 2, 8, 1_000_000, |t, _| t);
+    let mut c = balanced_cluster();
+    c.cost.barrier_s = 1e-3;
+    let r = simulate(&table, &c).unwrap();
+    for stage in [Stage::H2d, Stage::Prepare, Stage::Write, Stage::Barrier, Stage::Land] {
+        assert!(r.timeline.iter().any(|e| e.stage == stage), "no {stage:?}");
+    }
+    let first = r.critical_path.first().unwrap();
+    let last = r.critical_path.last().unwrap();
+    assert_eq!(first.start_s, 0.0);
+    assert!(close(last.end_s, r.predicted_s, 1e-12));
+    assert_eq!(last.stage, Stage::Barrier);
+    let total: f64 = r.critical_breakdown.iter().map(|c| c.seconds).sum();
+    assert!(close(total, r.predicted_s, 1e-9), "{total} vs {}", r.predicted_s);
+    let trace = r.chrome_trace();
+    let n = trace["traceEvents"].as_array().unwrap().len();
+    assert!(n > r.timeline.len(), "{n}");
+}
+
+#[test]
+fn a_shared_host_serialises_what_a_gpu_cluster_overlaps() {
+    let table = copy_table(1, 1, 20, 1_000_000, |_, _| 0);
+    let mut c = balanced_cluster();
+    c.host = Some(HostModel {
+        h2d_s_per_byte: 1e-9,
+        prep_s_per_byte: PrepRates::uniform(1e-9),
+        net_s_per_byte: 1e-9,
+    });
+    let r = simulate(&table, &c).unwrap();
+    // Every stage needs the whole host: 3 x 20 ms, no overlap possible.
+    assert!(close(r.predicted_s, 0.060, 1e-6), "{}", r.predicted_s);
+}
+
+#[test]
+fn planned_small_model_obeys_the_bound_and_is_deterministic() {
+    use crate::{plan, InferenceLayout, Model, TrainingLayout};
+    let model = Model::preset("qwen3-0.6b", crate::ExpertForm::PerExpert).unwrap();
+    let train = TrainingLayout::build(&model, &"fsdp=4".parse().unwrap()).unwrap();
+    let infer =
+        InferenceLayout::build(&model, &"tp=2,dp=2,dtype=fp8".parse().unwrap()).unwrap();
+    let table = plan(&model, &train, &infer, &CostModel::default()).unwrap();
+    let c = ClusterModel::default();
+    let a = simulate(&table, &c).unwrap();
+    let b = simulate(&table, &c).unwrap();
+    assert_eq!(a, b);
+    assert!(a.predicted_s >= a.bound_s);
+    assert!(a.predicted_s > 0.0 && a.bound_s > 0.0);
+    assert_eq!(a.trainers, 4);
+    assert_eq!(a.rollouts, 4);
+    let rolled: u64 = table
+        .rollouts
+        .iter()
+        .flat_map(|r| &r.tensors)
+        .map(|t| t.len)
+        .sum();
+    let received: u64 = a.nics.iter().map(|n| n.rx_bytes).sum();
+    // Everything a rollout holds crossed a NIC (gathers add trainer-side receives).
+    assert!(received >= rolled - rolled / 1000, "{received} < {rolled}");
+}
+
+#[test]
+fn empty_tables_and_bad_clusters_are_errors() {
+    let t = copy_table(1, 1, 1, 1000, |_, _| 0);
+    let mut c = balanced_cluster();
+    c.prep.fp8 = -1.0;
+    assert!(simulate(&t, &c).unwrap_err().to_string().contains("prep.fp8"));
+    let mut e = t.clone();
+    e.rollouts.clear();
+    assert!(matches!(
+        simulate(&e, &balanced_cluster()),
+        Err(SimError::Empty(_))
+    ));
+}
+
+/// The headline case at full size: too slow for a debug build, run with
+/// `cargo test --release -p weightsync-schedules kimi -- --ignored --nocapture`.
+#[test]
+#[ignore = "plans and simulates Kimi-K2 on 384 GPUs: seconds in release, minutes in debug"]
+fn kimi_k2_256_to_128() {
+    use crate::{plan, InferenceLayout, Model, TrainingLayout};
+    let t0 = std::time::Instant::now();
+    // WS_TABLE_CACHE=path keeps the planned table between runs (planning is not under test).
+    let cache = std::env::var("WS_TABLE_CACHE").ok();
+    let cached = cache
+        .as_ref()
+        .and_then(|p| std::fs::read(p).ok())
+        .and_then(|b| RoutingTable::from_bincode(&b).ok());
+    let table = match cached {
+        Some(t) => t,
+        None => {
+            let model = Model::preset("kimi-k2", crate::ExpertForm::PerExpert).unwrap();
+            let train =
+                TrainingLayout::build(&model, &"pp=2,ep=8,fsdp=16".parse().unwrap()).unwrap();
+            let infer =
+                InferenceLayout::build(&model, &"tp=8,ep=32,dp=4,dtype=fp8".parse().unwrap())
+                    .unwrap();
+            let t = plan(&model, &train, &infer, &CostModel::default()).unwrap();
+            if let Some(p) = &cache {
+                std::fs::write(p, t.to_bincode()).unwrap();
+            }
+            t
+        }
+    };
+    let planned = t0.elapsed();
+    for t in [0usize, 100, 128, 255] {
+        let p = &table.trainers[t];
+        let gs = p.groups.iter().filter(|g| g.gather_sends > 0).count();
+        let ge = p.groups.iter().filter(|g| g.gather_expect > 0).count();
+        eprintln!(
+            "trainer {t}: {} groups, {} tasks, {} writes, {} with gather sends, {} waiting",
+            p.groups.len(),
+            p.tasks.len(),
+            p.writes.len(),
+            gs,
+            ge
+        );
+    }
+    for wif in [0u32, 1, 2, 4] {
+        let mut c = ClusterModel::default();
+        c.writes_in_flight = wif;
+        let t1 = std::time::Instant::now();
+        let low = super::lower::lower(&table, &c);
+        let t2 = std::time::Instant::now();
+        let out = super::engine::run(&low.plan).unwrap();
+        eprintln!(
+            "writes_in_flight {wif}: lower {:?}, engine {:?}, predicted {:.4}",
+            t2 - t1,
+            t2.elapsed(),
+            out.makespan
+        );
+    }
+    let r = simulate(&table, &ClusterModel::default()).unwrap();
+    eprintln!(
+        "plan {:?}, simulate {:?}: predicted {:.3} s, bound {:.3} s ({}), pieces {}, ops {}, events {}",
+        planned,
+        t0.elapsed() - planned,
+        r.predicted_s,
+        r.bound_s,
+        r.bound_nic,
+        r.pieces,
+        r.ops,
+        r.events
+    );
+    eprintln!("send {:?}\nreceive {:?}", r.send, r.receive);
+    eprintln!("{:#?}", r.critical_breakdown);
+    for s in r.critical_path.iter().take(8) {
+        eprintln!("{s:?}");
+    }
+    assert!(r.predicted_s >= r.bound_s);
+}

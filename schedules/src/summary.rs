@@ -1,0 +1,197 @@
+//! The figures of a routing table: what it moves, how evenly, and how long the cost model says
+//! it takes. This is what `weightsync plan` prints (a table, or JSON with `--json`).
+//!
+//! Definitions:
+//! - `bytes_to_move`: bytes written into inference ranks per sync (weights and fp8 scales).
+//! - `routes`: (task, inference rank) pairs: one prepared box delivered to one rank.
+//! - `work_requests`: network writes (one WRITE each), gathers included, writes a trainer sends
+//!   to itself (local gather copies) excluded.
+//! - `gather_bytes`: bytes trainers send to *other* trainers so fp8 blocks straddling shards are
+//!   quantised by one owner.
+//! - per-NIC statistics: senders are training ranks' NICs (what they send), receivers are
+//!   inference ranks' NICs (what lands).
+//! - `bound_s`: the most loaded NIC's bytes (sent, received, or gathers received by a trainer)
+//!   over the NIC bandwidth. `predicted_s`: see [`crate::cost`].
+
+use serde::{Deserialize, Serialize};
+
+use crate::cost::CostModel;
+use crate::table::{Endpoint, RoutingTable, Source};
+
+/// Max and mean of one side's NICs.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+pub struct NicStats {
+    /// Number of NICs (ranks) on this side.
+    pub nics: u32,
+    /// Bytes on the most loaded NIC.
+    pub max_bytes: u64,
+    /// Mean bytes per NIC.
+    pub mean_bytes: f64,
+    /// Work requests on the busiest NIC (by work requests).
+    pub max_wrs: u64,
+    /// Mean work requests per NIC.
+    pub mean_wrs: f64,
+    /// Slowest NIC time under the cost model, seconds.
+    pub max_time_s: f64,
+}
+
+/// What a routing table does, in numbers.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Summary {
+    /// Model name.
+    pub model: String,
+    /// Training ranks.
+    pub train_ranks: u32,
+    /// Inference ranks.
+    pub infer_ranks: u32,
+    /// Logical parameter tensors.
+    pub params: u64,
+    /// Parameter elements.
+    pub elements: u64,
+    /// Bytes written into inference ranks per sync.
+    pub bytes_to_move: u64,
+    /// (task, inference rank) pairs.
+    pub routes: u64,
+    /// Tasks over all trainers.
+    pub tasks: u64,
+    /// Network writes (WRITEs) per sync.
+    pub work_requests: u64,
+    /// Bytes sent trainer-to-trainer for fp8 blocks straddling shards.
+    pub gather_bytes: u64,
+    /// Their writes.
+    pub gather_work_requests: u64,
+    /// Bytes of gather regions assembled locally (a trainer's own rows).
+    pub gather_local_bytes: u64,
+    /// Largest gather arena on one trainer.
+    pub max_gather_arena_bytes: u64,
+    /// Sending NICs (training ranks).
+    pub sender: NicStats,
+    /// Receiving NICs (inference ranks).
+    pub receiver: NicStats,
+    /// Most gather bytes received by one trainer.
+    pub max_gather_rx_bytes: u64,
+    /// Predicted sync time under the cost model, seconds.
+    pub predicted_s: f64,
+    /// Lower bound: most loaded NIC bytes / bandwidth, seconds.
+    pub bound_s: f64,
+    /// What dominates the prediction.
+    pub bottleneck: String,
+}
+
+fn stats(bytes: &[u64], wrs: &[u64], cost: &CostModel) -> NicStats {
+    let n = bytes.len().max(1) as f64;
+    NicStats {
+        nics: bytes.len() as u32,
+        max_bytes: bytes.iter().copied().max().unwrap_or(0),
+        mean_bytes: bytes.iter().sum::<u64>() as f64 / n,
+        max_wrs: wrs.iter().copied().max().unwrap_or(0),
+        mean_wrs: wrs.iter().sum::<u64>() as f64 / n,
+        max_time_s: bytes
+            .iter()
+            .zip(wrs)
+            .map(|(&b, &w)| cost.nic_time(b, w))
+            .fold(0.0, f64::max),
+    }
+}
+
+impl Summary {
+    /// Computes the summary of a table under a cost model.
+    pub fn of(table: &RoutingTable, cost: &CostModel) -> Summary {
+        let nt = table.trainers.len();
+        let nr = table.rollouts.len();
+        let mut tx = vec![0u64; nt];
+        let mut tx_wrs = vec![0u64; nt];
+        let mut grx = vec![0u64; nt];
+        let mut rx = vec![0u64; nr];
+        let mut rx_wrs = vec![0u64; nr];
+        let (mut routes, mut tasks, mut gather, mut gather_wrs, mut gather_local) = (0, 0, 0, 0, 0);
+        let mut worst_trainer = (0.0f64, "");
+        for t in &table.trainers {
+            let me = t.rank as usize;
+            let (mut h2d, mut prep, mut fill) = (0u64, 0u64, 0.0f64);
+            for task in &t.tasks {
+                tasks += 1;
+                let input = match task.source {
+                    Source::Shard { shard, sub } => {
+                        let b = sub.numel() * t.shards[shard as usize].dtype.size() as u64;
+                        h2d += b;
+                        b
+                    }
+                    Source::Gather { shape, dtype, .. } => shape.numel() * dtype.size() as u64,
+                };
+                prep += input;
+                fill = fill.max(
+                    input as f64 / cost.h2d_bytes_per_s + input as f64 / cost.prep_bytes_per_s,
+                );
+                let mut last: Option<u32> = None;
+                for w in t.task_writes(task) {
+                    match w.dst {
+                        Endpoint::Rollout(r) => {
+                            tx[me] += w.len as u64;
+                            tx_wrs[me] += 1;
+                            rx[r as usize] += w.len as u64;
+                            rx_wrs[r as usize] += 1;
+                            if last != Some(r) {
+                                routes += 1;
+                                last = Some(r);
+                            }
+                        }
+                        Endpoint::Trainer(o) if o as usize == me => gather_local += w.len as u64,
+                        Endpoint::Trainer(o) => {
+                            tx[me] += w.len as u64;
+                            tx_wrs[me] += 1;
+                            grx[o as usize] += w.len as u64;
+                            gather += w.len as u64;
+                            gather_wrs += 1;
+                        }
+                    }
+                }
+            }
+            let terms = [
+                (cost.nic_time(tx[me], tx_wrs[me]), "trainer NIC"),
+                (h2d as f64 / cost.h2d_bytes_per_s, "host-to-device copies"),
+                (prep as f64 / cost.prep_bytes_per_s, "preparation"),
+            ];
+            for (s, what) in terms {
+                if s + fill > worst_trainer.0 {
+                    worst_trainer = (s + fill, what);
+                }
+            }
+        }
+        let sender = stats(&tx, &tx_wrs, cost);
+        let receiver = stats(&rx, &rx_wrs, cost);
+        let (predicted, bottleneck) = if receiver.max_time_s > worst_trainer.0 {
+            (receiver.max_time_s, "inference NIC")
+        } else {
+            worst_trainer
+        };
+        let max_gx = grx.iter().copied().max().unwrap_or(0);
+        let most = sender.max_bytes.max(receiver.max_bytes).max(max_gx);
+        Summary {
+            model: table.model.clone(),
+            train_ranks: nt as u32,
+            infer_ranks: nr as u32,
+            params: table.num_params,
+            elements: table.num_elements,
+            bytes_to_move: rx.iter().sum(),
+            routes,
+            tasks,
+            work_requests: tx_wrs.iter().sum(),
+            gather_bytes: gather,
+            gather_work_requests: gather_wrs,
+            gather_local_bytes: gather_local,
+            max_gather_arena_bytes: table
+                .trainers
+                .iter()
+                .map(|t| t.gather_arena_bytes)
+                .max()
+                .unwrap_or(0),
+            sender,
+            receiver,
+            max_gather_rx_bytes: max_gx,
+            predicted_s: predicted + cost.barrier_s,
+            bound_s: most as f64 / cost.nic_bytes_per_s,
+            bottleneck: bottleneck.to_string(),
+        }
+    }
+}

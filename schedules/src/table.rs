@@ -1,0 +1,563 @@
+//! The routing table: the planner's whole output, and the only thing workers execute.
+//!
+//! Why a static table: every sync moves the same bytes between the same addresses, so all the
+//! thinking (which replica sends, where each byte lands, what to gather first) happens once, in
+//! the controller, and workers replay it with no coordination beyond immediate counters.
+//!
+//! # Memory model (the contract with the worker)
+//!
+//! **Trainer source arena.** Each training rank exposes its training shards as ONE flat byte
+//! arena. The training layout places every local shard (a box of one logical parameter, in one
+//! dtype, row-major, dense) at a byte offset in that arena: [`LocalShard`]. A task reads a sub-box
+//! of one shard ([`Source::Shard`]); the sub-box is given in the shard's *local* coordinates, so
+//! the element at local index `i` (row-major over `shard.global.len`) lives at
+//! `shard.offset + i * dtype.size()`.
+//!
+//! **Trainer gather arena.** When an fp8 block (128x128) straddles training shards, the rows of
+//! that block live on several ranks. One rank, the owner, quantises the block from its *gather
+//! arena*: a flat byte region (registered as MR [`TRAINER_GATHER_MR`] on the trainer, size
+//! [`TrainerPlan::gather_arena_bytes`]) into which every contributing rank (including the owner
+//! itself) first writes its part with an ordinary Copy task whose writes target
+//! [`Endpoint::Trainer`]. The gathered region is a dense row-major box in the source dtype at
+//! [`Source::Gather::offset`]. Gather bytes are never reused within a sync.
+//!
+//! **Rollout arena.** Each inference rank holds all of its destination tensors (weights and fp8
+//! `weight_scale_inv` tensors alike) in flat memory regions, in practice one: MR 0, of
+//! [`RolloutPlan::mr_bytes`]`[0]` bytes. [`RolloutPlan::tensors`] lists every tensor with its
+//! name, shape, dtype, MR and byte offset, so a rollout can allocate and register everything once
+//! and a test can read each tensor back.
+//!
+//! # Execution semantics of one sync, per trainer
+//!
+//! A trainer executes its [`MeshGroup`]s in order. Within group `g`:
+//! 1. the group's first `gather_sends` tasks are gather sends (Copy tasks whose writes go to
+//!    trainers' gather arenas); run them first, they are on other trainers' critical path;
+//! 2. then the tasks that read only local shards ([`Source::Shard`]);
+//! 3. then the tasks that read the gather arena ([`Source::Gather`]): before the first of them,
+//!    wait until this trainer's immediate counter for unit `g` (on [`Endpoint::Trainer`]) has
+//!    counted `gather_expect` writes. Writes a trainer sends to itself count too (a worker may
+//!    execute them as a local copy and bump its own counter).
+//!
+//! Groups need no barrier between them: gather sends of group `g` are issued before anything that
+//! can wait in group `g`, so by induction over groups no trainer waits forever.
+//!
+//! For every task: read the source box, apply the [`Transform`] producing exactly
+//! `prepared_bytes` contiguous bytes, then post the task's writes: write `w` copies prepared bytes
+//! `[w.src_offset, w.src_offset + w.len)` to `w.dst`'s MR `w.mr` at `w.dst_offset`, with an
+//! immediate counted on the destination's unit `w.unit`. Each rollout rank knows from
+//! [`RolloutPlan::expect`] how many writes land per unit per sync; every destination byte is
+//! written exactly once per sync.
+//!
+//! # Determinism
+//! The same inputs give a byte-identical table under bincode (no hash-map iteration anywhere).
+
+use serde::{Deserialize, Serialize};
+use weightsync_common::DType;
+
+use crate::error::PlanError;
+
+/// Most dimensions a tensor may have here (experts stacked over a 2-D weight need 3).
+pub const MAX_DIMS: usize = 4;
+
+/// Edge of a quantisation block, in elements, along each of the last two dimensions.
+pub const FP8_BLOCK: u32 = 128;
+
+/// MR id of a trainer's gather arena (the only trainer memory peers write into).
+pub const TRAINER_GATHER_MR: u16 = 0;
+
+/// A tensor shape: up to [`MAX_DIMS`] dimensions, row-major.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct Shape {
+    /// Number of dimensions in use (0 = scalar).
+    pub ndim: u8,
+    /// Sizes; entries at `ndim..` are 0 and ignored.
+    pub dims: [u32; MAX_DIMS],
+}
+
+impl Shape {
+    /// A shape from its dimensions. Panics only on more than [`MAX_DIMS`] dims, which the
+    /// model builders never produce (their input is checked first).
+    pub fn new(dims: &[u32]) -> Shape {
+        assert!(dims.len() <= MAX_DIMS, "at most {MAX_DIMS} dims");
+        let mut d = [0; MAX_DIMS];
+        d[..dims.len()].copy_from_slice(dims);
+        Shape {
+            ndim: dims.len() as u8,
+            dims: d,
+        }
+    }
+
+    /// The dimensions in use.
+    pub fn dims(&self) -> &[u32] {
+        &self.dims[..self.ndim as usize]
+    }
+
+    /// Number of elements.
+    pub fn numel(&self) -> u64 {
+        self.dims().iter().map(|&d| d as u64).product()
+    }
+
+    /// Row-major element strides.
+    pub fn strides(&self) -> [u64; MAX_DIMS] {
+        let mut s = [0u64; MAX_DIMS];
+        let mut acc = 1u64;
+        for d in (0..self.ndim as usize).rev() {
+            s[d] = acc;
+            acc *= self.dims[d] as u64;
+        }
+        s
+    }
+}
+
+impl std::fmt::Display for Shape {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "[")?;
+        for (i, d) in self.dims().iter().enumerate() {
+            if i > 0 {
+                write!(f, ", ")?;
+            }
+            write!(f, "{d}")?;
+        }
+        write!(f, "]")
+    }
+}
+
+/// A box (hyper-rectangle) of a tensor: `start[d] .. start[d] + len[d]` along each dimension.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct TensorBox {
+    /// Number of dimensions in use.
+    pub ndim: u8,
+    /// First index along each dimension.
+    pub start: [u32; MAX_DIMS],
+    /// Extent along each dimension.
+    pub len: [u32; MAX_DIMS],
+}
+
+impl TensorBox {
+    /// A box from its starts and lengths (same number of dims, at most [`MAX_DIMS`]).
+    pub fn new(start: &[u32], len: &[u32]) -> TensorBox {
+        assert_eq!(start.len(), len.len());
+        assert!(start.len() <= MAX_DIMS, "at most {MAX_DIMS} dims");
+        let mut s = [0; MAX_DIMS];
+        let mut l = [0; MAX_DIMS];
+        s[..start.len()].copy_from_slice(start);
+        l[..len.len()].copy_from_slice(len);
+        TensorBox {
+            ndim: start.len() as u8,
+            start: s,
+            len: l,
+        }
+    }
+
+    /// The whole of a tensor of this shape.
+    pub fn full(shape: Shape) -> TensorBox {
+        TensorBox {
+            ndim: shape.ndim,
+            start: [0; MAX_DIMS],
+            len: shape.dims,
+        }
+    }
+
+    /// The box's extents as a shape.
+    pub fn shape(&self) -> Shape {
+        Shape {
+            ndim: self.ndim,
+            dims: self.len,
+        }
+    }
+
+    /// One past the last index along `d`.
+    pub fn end(&self, d: usize) -> u32 {
+        self.start[d] + self.len[d]
+    }
+
+    /// Number of elements.
+    pub fn numel(&self) -> u64 {
+        self.shape().numel()
+    }
+
+    /// Whether the box has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.numel() == 0
+    }
+
+    /// The common part of two boxes of the same rank (`None` when empty).
+    pub fn intersect(&self, other: &TensorBox) -> Option<TensorBox> {
+        debug_assert_eq!(self.ndim, other.ndim);
+        let mut out = *self;
+        for d in 0..self.ndim as usize {
+            let s = self.start[d].max(other.start[d]);
+            let e = self.end(d).min(other.end(d));
+            if e <= s {
+                return None;
+            }
+            out.start[d] = s;
+            out.len[d] = e - s;
+        }
+        Some(out)
+    }
+
+    /// Whether `other` lies inside this box.
+    pub fn contains(&self, other: &TensorBox) -> bool {
+        self.ndim == other.ndim
+            && (0..self.ndim as usize)
+                .all(|d| other.start[d] >= self.start[d] && other.end(d) <= self.end(d))
+    }
+
+    /// Whether the box lies inside a tensor of `shape`.
+    pub fn fits_in(&self, shape: Shape) -> bool {
+        self.ndim == shape.ndim
+            && (0..self.ndim as usize).all(|d| self.end(d) as u64 <= shape.dims[d] as u64)
+    }
+
+    /// This box expressed relative to `origin` (which must contain it).
+    pub fn relative_to(&self, origin: &TensorBox) -> TensorBox {
+        let mut out = *self;
+        for d in 0..self.ndim as usize {
+            out.start[d] = self.start[d] - origin.start[d];
+        }
+        out
+    }
+}
+
+impl std::fmt::Display for TensorBox {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "[")?;
+        for d in 0..self.ndim as usize {
+            if d > 0 {
+                write!(f, ", ")?;
+            }
+            write!(f, "{}..{}", self.start[d], self.end(d))?;
+        }
+        write!(f, "]")
+    }
+}
+
+/// Who receives a write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum Endpoint {
+    /// An inference (rollout) rank, by its global index in [`RoutingTable::rollouts`].
+    Rollout(u32),
+    /// A training rank's gather arena, by training rank.
+    Trainer(u32),
+}
+
+/// One RDMA WRITE (with immediate): a contiguous run on both sides.
+///
+/// Runs contiguous on both sides are already merged: one `Write` is one work request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Write {
+    /// Destination endpoint.
+    pub dst: Endpoint,
+    /// Destination memory region (rollouts: see [`DstTensor::mr`]; trainers: [`TRAINER_GATHER_MR`]).
+    pub mr: u16,
+    /// Immediate-counter unit at the destination this write counts toward. Rollouts: always 0
+    /// (one counter per rank). Trainers: the mesh group id.
+    pub unit: u16,
+    /// Length in bytes (the planner splits runs so this fits; at most [`MAX_WRITE_BYTES`]).
+    pub len: u32,
+    /// Byte offset within the task's prepared output.
+    pub src_offset: u64,
+    /// Byte offset within the destination MR.
+    pub dst_offset: u64,
+}
+
+/// Longest single write the planner emits (longer runs are split).
+pub const MAX_WRITE_BYTES: u64 = 1 << 30;
+
+/// Where a task reads its input.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Source {
+    /// A sub-box of one of the trainer's own shards ([`TrainerPlan::shards`]`[shard]`), in the
+    /// shard's local coordinates.
+    Shard {
+        /// Index into [`TrainerPlan::shards`].
+        shard: u32,
+        /// Sub-box, relative to the shard's origin.
+        sub: TensorBox,
+    },
+    /// A gathered, dense, row-major region in this trainer's gather arena. Usable only after the
+    /// mesh group's `gather_expect` writes arrived (see the module docs).
+    Gather {
+        /// Byte offset in the gather arena.
+        offset: u64,
+        /// Shape of the gathered region (equals the task's `region` shape).
+        shape: Shape,
+        /// Element type of the gathered bytes (the training dtype).
+        dtype: DType,
+    },
+}
+
+/// How source elements become prepared bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Transform {
+    /// Bytes unchanged; prepared output = the source box, dense row-major.
+    Copy {
+        /// Element type (source and destination).
+        dtype: DType,
+    },
+    /// Element-wise conversion; prepared output = the source box in `to`, dense row-major.
+    Cast {
+        /// Source element type.
+        from: DType,
+        /// Destination element type.
+        to: DType,
+    },
+    /// fp8 e4m3 block quantisation (DeepSeek-V3 checkpoint convention).
+    ///
+    /// The source box is block-aligned in the parameter's coordinates: blocks of
+    /// [`FP8_BLOCK`] x [`FP8_BLOCK`] over the LAST TWO dimensions start at the box origin, one
+    /// 2-D matrix per index of the leading dimensions; a trailing block may be partial only where
+    /// the box ends at the tensor's end. Per block: `scale_inv = amax / 448` (f32) and values
+    /// `x / scale_inv` rounded to e4m3 (saturating), as the worker's kernel defines exactly.
+    ///
+    /// Prepared output: fp8 values of the box, dense row-major, at offset 0 (`numel` bytes);
+    /// then f32 `weight_scale_inv` values, dense row-major over `scale_shape`
+    /// (`[leading dims..., ceil(rows/128), ceil(cols/128)]`), at `scale_offset`.
+    Fp8Block {
+        /// Source element type.
+        from: DType,
+        /// Block edge (always [`FP8_BLOCK`]).
+        block: u32,
+        /// Byte offset of the scales in the prepared output (16-byte aligned).
+        scale_offset: u64,
+        /// Shape of the scales.
+        scale_shape: Shape,
+    },
+}
+
+/// One logical parameter a trainer's tasks refer to.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct ParamRef {
+    /// Index of the parameter in the model.
+    pub id: u32,
+    /// Its (Hugging Face style) name.
+    pub name: String,
+    /// Its global shape.
+    pub shape: Shape,
+}
+
+/// One shard of a parameter held by a trainer in its source arena.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct LocalShard {
+    /// Index into [`TrainerPlan::params`].
+    pub param: u32,
+    /// The box of the global tensor this shard holds.
+    pub global: TensorBox,
+    /// Element type as stored.
+    pub dtype: DType,
+    /// Byte offset in the source arena; the shard is dense row-major over `global.len`.
+    pub offset: u64,
+}
+
+impl LocalShard {
+    /// Size of the shard in bytes.
+    pub fn bytes(&self) -> u64 {
+        self.global.numel() * self.dtype.size() as u64
+    }
+}
+
+/// One unit of work on a trainer: read a box, transform it, write it to one or more places.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Task {
+    /// Index into [`TrainerPlan::params`].
+    pub param: u32,
+    /// The box of the parameter this task covers, in global coordinates.
+    pub region: TensorBox,
+    /// Where the input is read.
+    pub source: Source,
+    /// How it is prepared.
+    pub transform: Transform,
+    /// Bytes of prepared output the writes read from.
+    pub prepared_bytes: u64,
+    /// Index of the first write in [`TrainerPlan::writes`].
+    pub first_write: u32,
+    /// Number of writes.
+    pub num_writes: u32,
+}
+
+/// A mesh group: a contiguous run of a trainer's tasks, executed in group order.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct MeshGroup {
+    /// Group id (same on every trainer; also the immediate unit of gathers into this group).
+    pub id: u16,
+    /// Human name (`embed`, `layer 3`, `head`).
+    pub name: String,
+    /// Index of the group's first task in [`TrainerPlan::tasks`].
+    pub first_task: u32,
+    /// Number of tasks.
+    pub num_tasks: u32,
+    /// The first `gather_sends` tasks of the group are gather sends.
+    pub gather_sends: u32,
+    /// Number of local-source tasks that follow them; the rest of the group reads the gather arena.
+    pub local_tasks: u32,
+    /// Writes into this trainer's gather arena (unit = `id`) to wait for before gather-sourced tasks.
+    pub gather_expect: u32,
+}
+
+/// Everything one training rank needs for a sync: [`RoutingTable::slice`].
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct TrainerPlan {
+    /// Training rank.
+    pub rank: u32,
+    /// Parameters referred to by this plan's shards and tasks.
+    pub params: Vec<ParamRef>,
+    /// Shards in the source arena that tasks read (all of the rank's shards, sorted by offset).
+    pub shards: Vec<LocalShard>,
+    /// Size the source arena must have (end of the last shard).
+    pub source_arena_bytes: u64,
+    /// Size of the gather arena (MR [`TRAINER_GATHER_MR`]); 0 when no gathers land here.
+    pub gather_arena_bytes: u64,
+    /// Mesh groups in execution order.
+    pub groups: Vec<MeshGroup>,
+    /// Tasks, grouped as `groups` says.
+    pub tasks: Vec<Task>,
+    /// All writes of all tasks, in task order.
+    pub writes: Vec<Write>,
+}
+
+impl TrainerPlan {
+    /// The writes of one task.
+    pub fn task_writes(&self, task: &Task) -> &[Write] {
+        let a = task.first_write as usize;
+        &self.writes[a..a + task.num_writes as usize]
+    }
+
+    /// The tasks of one group.
+    pub fn group_tasks(&self, group: &MeshGroup) -> &[Task] {
+        let a = group.first_task as usize;
+        &self.tasks[a..a + group.num_tasks as usize]
+    }
+}
+
+/// One destination tensor on an inference rank.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct DstTensor {
+    /// Engine-format name, e.g. `model.layers.3.mlp.experts.w13_weight` or its
+    /// `..._scale_inv`.
+    pub name: String,
+    /// Shape.
+    pub shape: Shape,
+    /// Element type (fp8 weights, f32 scales, bf16 for unquantised tensors).
+    pub dtype: DType,
+    /// Memory region.
+    pub mr: u16,
+    /// Byte offset in the MR (256-byte aligned).
+    pub offset: u64,
+    /// Length in bytes (`shape.numel() * dtype.size()`).
+    pub len: u64,
+}
+
+/// How many writes an endpoint receives on one immediate unit per sync.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct UnitExpect {
+    /// Unit id.
+    pub unit: u16,
+    /// Writes per sync.
+    pub writes: u64,
+}
+
+/// Everything an inference rank needs: its tensors and what to expect.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct RolloutPlan {
+    /// Global inference rank (index in [`RoutingTable::rollouts`]).
+    pub rank: u32,
+    /// Engine (dp replica) index.
+    pub engine: u32,
+    /// Rank within the engine.
+    pub local_rank: u32,
+    /// Size in bytes of each MR (index = MR id).
+    pub mr_bytes: Vec<u64>,
+    /// Destination tensors, sorted by (mr, offset).
+    pub tensors: Vec<DstTensor>,
+    /// Writes to expect per unit per sync.
+    pub expect: Vec<UnitExpect>,
+}
+
+/// The planner's output: per trainer plans and per rollout layouts.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct RoutingTable {
+    /// Model name.
+    pub model: String,
+    /// Number of logical parameters (tensors) in the model.
+    pub num_params: u64,
+    /// Number of parameter elements in the model.
+    pub num_elements: u64,
+    /// Per training rank, indexed by rank.
+    pub trainers: Vec<TrainerPlan>,
+    /// Per inference rank, indexed by global inference rank.
+    pub rollouts: Vec<RolloutPlan>,
+}
+
+impl RoutingTable {
+    /// The plan of one trainer.
+    pub fn slice(&self, trainer_rank: u32) -> Result<TrainerPlan, PlanError> {
+        self.trainers
+            .get(trainer_rank as usize)
+            .cloned()
+            .ok_or(PlanError::NoSuchRank {
+                side: "training",
+                rank: trainer_rank,
+                ranks: self.trainers.len() as u32,
+            })
+    }
+
+    /// Serialise with bincode (deterministic: same table, same bytes).
+    pub fn to_bincode(&self) -> Vec<u8> {
+        bincode::serialize(self).expect("a RoutingTable always serialises")
+    }
+
+    /// Deserialise from bincode.
+    pub fn from_bincode(bytes: &[u8]) -> Result<RoutingTable, PlanError> {
+        bincode::deserialize(bytes).map_err(|e| PlanError::Decode(e.to_string()))
+    }
+
+    /// Writes expected by an endpoint on a unit per sync (0 if none).
+    pub fn expected_writes(&self, dst: Endpoint, unit: u16) -> u64 {
+        match dst {
+            Endpoint::Rollout(r) => self
+                .rollouts
+                .get(r as usize)
+                .and_then(|p| p.expect.iter().find(|e| e.unit == unit))
+                .map_or(0, |e| e.writes),
+            Endpoint::Trainer(t) => self
+                .trainers
+                .get(t as usize)
+                .and_then(|p| p.groups.iter().find(|g| g.id == unit))
+                .map_or(0, |g| g.gather_expect as u64),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn boxes_intersect_and_contain() {
+        let a = TensorBox::new(&[0, 0], &[10, 8]);
+        let b = TensorBox::new(&[5, 4], &[10, 10]);
+        let c = a.intersect(&b).unwrap();
+        assert_eq!(c, TensorBox::new(&[5, 4], &[5, 4]));
+        assert!(a.contains(&c) && b.contains(&c));
+        assert!(a.intersect(&TensorBox::new(&[10, 0], &[1, 1])).is_none());
+        assert_eq!(c.relative_to(&b), TensorBox::new(&[0, 0], &[5, 4]));
+        assert_eq!(Shape::new(&[2, 3, 4]).strides()[..3], [12, 4, 1]);
+        assert_eq!(format!("{c}"), "[5..10, 4..8]");
+    }
+
+    #[test]
+    fn slice_of_missing_rank_is_an_error() {
+        let t = RoutingTable {
+            model: "m".into(),
+            num_params: 0,
+            num_elements: 0,
+            trainers: vec![],
+            rollouts: vec![],
+        };
+        let e = t.slice(3).unwrap_err();
+        assert!(e.to_string().contains('3'), "{e}");
+        let bytes = t.to_bincode();
+        assert_eq!(RoutingTable::from_bincode(&bytes).unwrap(), t);
+    }
+}

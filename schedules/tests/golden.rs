@@ -1,0 +1,137 @@
+//! Golden files: the full routing table of a small model, printed readably, pinned in
+//! `tests/golden/`. A change in planning shows up as a reviewable diff. Regenerate with
+//! `UPDATE_GOLDEN=1 cargo test -p weightsync-schedules --test golden`.
+
+mod common;
+
+use std::fmt::Write as _;
+
+use common::*;
+use weightsync_schedules::table::{Endpoint, RoutingTable, Source, Transform};
+use weightsync_schedules::*;
+
+fn dump(table: &RoutingTable, summary: &Summary) -> String {
+    let mut s = String::new();
+    let _ = writeln!(s, "model {} ({} params)", table.model, table.num_params);
+    for t in &table.trainers {
+        let _ = writeln!(
+            s,
+            "trainer {}: source {} B, gather arena {} B, {} shards",
+            t.rank,
+            t.source_arena_bytes,
+            t.gather_arena_bytes,
+            t.shards.len()
+        );
+        for g in &t.groups {
+            if g.num_tasks == 0 && g.gather_expect == 0 {
+                continue;
+            }
+            let _ = writeln!(
+                s,
+                "  group {} {:?}: {} tasks ({} gather sends, {} local), expects {} gathers",
+                g.id, g.name, g.num_tasks, g.gather_sends, g.local_tasks, g.gather_expect
+            );
+            for task in t.group_tasks(g) {
+                let src = match task.source {
+                    Source::Shard { shard, sub } => format!("shard {shard} {sub}"),
+                    Source::Gather { offset, shape, .. } => format!("gather @{offset} {shape}"),
+                };
+                let tr = match task.transform {
+                    Transform::Copy { dtype } => format!("copy {dtype}"),
+                    Transform::Cast { from, to } => format!("cast {from}->{to}"),
+                    Transform::Fp8Block {
+                        from,
+                        scale_offset,
+                        scale_shape,
+                        ..
+                    } => format!("fp8({from}) scales {scale_shape} @{scale_offset}"),
+                };
+                let _ = writeln!(
+                    s,
+                    "    {} {} from {src}: {tr}, {} B",
+                    t.params[task.param as usize].name, task.region, task.prepared_bytes
+                );
+                for w in t.task_writes(task) {
+                    let dst = match w.dst {
+                        Endpoint::Rollout(r) => format!("R{r}"),
+                        Endpoint::Trainer(o) => format!("T{o}"),
+                    };
+                    let _ = writeln!(
+                        s,
+                        "      [{}+{}] -> {dst}.mr{}@{} unit {}",
+                        w.src_offset, w.len, w.mr, w.dst_offset, w.unit
+                    );
+                }
+            }
+        }
+    }
+    for r in &table.rollouts {
+        let _ = writeln!(
+            s,
+            "rollout {} (engine {} rank {}): {} B, expects {} writes",
+            r.rank, r.engine, r.local_rank, r.mr_bytes[0], r.expect[0].writes
+        );
+        for t in &r.tensors {
+            let _ = writeln!(s, "  {} {} {} @{}+{}", t.name, t.shape, t.dtype, t.offset, t.len);
+        }
+    }
+    let _ = writeln!(s, "{}", serde_json::to_string_pretty(summary).unwrap());
+    s
+}
+
+fn check(name: &str, json: &str, train: &str, infer: &str, dtype: InferDType) {
+    let m = Model::from_config_json("golden", json, ExpertForm::PerExpert).unwrap();
+    let t = TrainingLayout::build(&m, &train.parse().unwrap()).unwrap();
+    let mut spec: InferSpec = infer.parse().unwrap();
+    spec.dtype = dtype;
+    let i = InferenceLayout::build(&m, &spec).unwrap();
+    let cost = CostModel::default();
+    let table = plan(&m, &t, &i, &cost).unwrap();
+    let text = dump(&table, &Summary::of(&table, &cost));
+    let path = format!("{}/tests/golden/{name}.txt", env!("CARGO_MANIFEST_DIR"));
+    if std::env::var_os("UPDATE_GOLDEN").is_some() {
+        std::fs::write(&path, &text).unwrap();
+    }
+    let want = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("{path}: {e} (run with UPDATE_GOLDEN=1 to create it)"));
+    if want != text {
+        let line = want
+            .lines()
+            .zip(text.lines())
+            .position(|(a, b)| a != b)
+            .unwrap_or(want.lines().count().min(text.lines().count()));
+        panic!(
+            "{name}: table differs from {path} at line {}:\n  want: {:?}\n  got:  {:?}",
+            line + 1,
+            want.lines().nth(line),
+            text.lines().nth(line)
+        );
+    }
+}
+
+/// One decoder layer of the small dense model.
+fn one_layer() -> String {
+    DENSE.replace("\"num_hidden_layers\":2", "\"num_hidden_layers\":1")
+}
+
+#[test]
+fn dense_fsdp3_to_tp2_dp2_fp8_with_gathers() {
+    check(
+        "dense_fsdp3_tp2_dp2_fp8",
+        &one_layer(),
+        "fsdp=3",
+        "tp=2,dp=2",
+        InferDType::Fp8,
+    );
+}
+
+#[test]
+fn dense_hsdp_to_tp4_bf16() {
+    check(
+        "dense_dp2_fsdp2_tp4_bf16",
+        &one_layer(),
+        "dp=2,fsdp=2",
+        "tp=4",
+        InferDType::Bf16,
+    );
+}

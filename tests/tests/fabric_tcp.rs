@@ -1,0 +1,161 @@
+//! The fabric conformance suite against the TCP backend, with 1 and 4 lanes, plus the TCP-only
+//! fault hooks: cutting lanes, and a raw client that authenticates, sends half a frame and dies.
+
+use std::io::Write;
+use std::net::TcpStream;
+use std::time::Duration;
+
+use weightsync_common::fabric::tcp::frame::FrameHeader;
+use weightsync_common::fabric::tcp::handshake::client_handshake;
+use weightsync_common::fabric::{
+    Endpoint, FabricConfig, FabricError, JobToken, RegionDescriptor, TcpFabric,
+};
+use weightsync_tests::conformance::{self, BackendFactory};
+
+struct Tcp;
+
+impl BackendFactory for Tcp {
+    type Backend = TcpFabric;
+
+    async fn start(&self, job_token: &str, lanes: usize) -> Result<TcpFabric, FabricError> {
+        let config = FabricConfig {
+            io_timeout_ms: 3_000,
+            connect_timeout_ms: 3_000,
+            ..FabricConfig::loopback(job_token, lanes)
+        };
+        TcpFabric::start(&config).await
+    }
+
+    fn cut_lanes(&self, backend: &TcpFabric, peer: &Endpoint) -> bool {
+        backend.cut_lanes(peer);
+        true
+    }
+
+    async fn send_torn_write(
+        &self,
+        job_token: &str,
+        dst: &RegionDescriptor,
+        len: u64,
+        imm: u32,
+    ) -> bool {
+        let token = job_token.to_owned();
+        let dst = dst.clone();
+        tokio::task::spawn_blocking(move || {
+            let mut s = TcpStream::connect(dst.endpoint.as_str()).expect("connect");
+            s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            let key = JobToken(token).handshake_key();
+            client_handshake(&mut s, &key, 12345, &dst.endpoint).expect("handshake");
+            let header = FrameHeader {
+                signalled: true,
+                imm: Some(imm),
+                part: None,
+                rkey: dst.rkey,
+                addr: dst.base,
+                len,
+            };
+            s.write_all(&header.encode()).unwrap();
+            s.write_all(&vec![0xEE; (len / 2) as usize]).unwrap();
+            s.flush().unwrap();
+            // Dies here: the connection closes with half the payload sent.
+        })
+        .await
+        .expect("torn writer thread");
+        true
+    }
+}
+
+#[tokio::test]
+async fn bytes_land_exactly_one_lane() {
+    conformance::bytes_land_exactly(&Tcp, 1).await;
+}
+
+#[tokio::test]
+async fn bytes_land_exactly_four_lanes() {
+    conformance::bytes_land_exactly(&Tcp, 4).await;
+}
+
+#[tokio::test]
+async fn immediates_counted_exactly_one_lane() {
+    conformance::immediates_counted_exactly(&Tcp, 1).await;
+}
+
+#[tokio::test]
+async fn immediates_counted_exactly_four_lanes() {
+    conformance::immediates_counted_exactly(&Tcp, 4).await;
+}
+
+#[tokio::test]
+async fn refused_writes_touch_nothing() {
+    conformance::refused_writes_touch_nothing(&Tcp, 2).await;
+}
+
+#[tokio::test]
+async fn unauthenticated_writer_refused() {
+    conformance::unauthenticated_writer_refused(&Tcp).await;
+}
+
+#[tokio::test]
+async fn deregistration_takes_effect_at_once() {
+    conformance::deregistration_takes_effect_at_once(&Tcp, 2).await;
+}
+
+#[tokio::test]
+async fn torn_write_never_counted() {
+    conformance::torn_write_never_counted(&Tcp).await;
+}
+
+#[tokio::test]
+async fn receiver_death_fails_writes() {
+    conformance::receiver_death_fails_writes(&Tcp, 2).await;
+}
+
+#[tokio::test]
+async fn lanes_recover() {
+    conformance::lanes_recover(&Tcp, 2).await;
+}
+
+/// A peer that authenticates and then stops reading makes the writer fail with `Timeout` after
+/// `io_timeout` instead of hanging (TCP-specific: the stalled peer is a raw socket).
+#[tokio::test]
+async fn stalled_reader_times_out() {
+    use weightsync_common::fabric::tcp::handshake::server_handshake;
+    use weightsync_common::fabric::{Access, FabricBackend, WriteOp};
+
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (release, hold) = std::sync::mpsc::channel::<()>();
+    let stalled = std::thread::spawn(move || {
+        let (mut s, peer) = listener.accept().unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let key = JobToken(conformance::TOKEN.into()).handshake_key();
+        server_handshake(&mut s, &key, &peer.into()).unwrap();
+        // Never read a frame; keep the socket open until the test is done.
+        let _ = hold.recv();
+    });
+    let config = FabricConfig {
+        io_timeout_ms: 300,
+        ..FabricConfig::loopback(conformance::TOKEN, 1)
+    };
+    let writer = TcpFabric::start(&config).await.unwrap();
+    let len = 64 << 20;
+    let src = writer.alloc(len, Access::SOURCE).unwrap();
+    let dst = RegionDescriptor {
+        endpoint: addr.into(),
+        base: 1 << 20,
+        len: len as u64,
+        rkey: 1,
+    };
+    let r = tokio::time::timeout(
+        conformance::HANG_GUARD,
+        writer.write(WriteOp::new(&src, 0, &dst, 0, len as u64)),
+    )
+    .await
+    .expect("the write must fail, not hang");
+    assert!(
+        matches!(r, Err(FabricError::Timeout { .. })),
+        "expected a timeout, got {r:?}"
+    );
+    assert!(writer.stats().lane_failures >= 1);
+    drop(release);
+    stalled.join().unwrap();
+}

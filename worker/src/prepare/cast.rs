@@ -1,0 +1,222 @@
+//! dtype casts between bf16, fp16 and fp32 over byte slices.
+//!
+//! Each (from, to) pair is its own monomorphised loop over fixed-size chunks so the compiler
+//! vectorises the branch-free conversions of [`super::convert`]. Same-dtype "casts" are copies.
+
+use rayon::prelude::*;
+use weightsync_common::DType;
+
+use super::convert::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
+use super::isa::vectorised;
+use super::{expect_len, PrepareError, Threads};
+
+/// Elements per rayon task: large enough to amortise scheduling, small enough to balance.
+const PAR_CHUNK_ELEMS: usize = 1 << 16;
+
+/// Casts `src` (elements of `from`) into `dst` (elements of `to`), element for element.
+///
+/// Supports every pair among bf16, fp16 and fp32 (fp8 output goes through
+/// [`super::quantise_fp8`], which needs block scales). `dst` must hold exactly as many
+/// elements as `src`.
+pub fn cast(
+    src: &[u8],
+    from: DType,
+    dst: &mut [u8],
+    to: DType,
+    threads: Threads,
+) -> Result<(), PrepareError> {
+    let supported = |d: DType| matches!(d, DType::BF16 | DType::F16 | DType::F32);
+    if !supported(from) || !supported(to) {
+        return Err(PrepareError::UnsupportedDType { from, to });
+    }
+    if src.len() % from.size() != 0 {
+        return Err(PrepareError::Shape(format!(
+            "source of {} bytes is not a whole number of {from} elements",
+            src.len()
+        )));
+    }
+    let n = src.len() / from.size();
+    expect_len("cast output", n * to.size(), dst.len())?;
+    match (from, to) {
+        (a, b) if a == b => run(src, dst, from, to, threads, |s, d| d.copy_from_slice(s)),
+        (DType::BF16, DType::F32) => {
+            run(src, dst, from, to, threads, |s, d| widen(s, d, bf16_to_f32))
+        }
+        (DType::F16, DType::F32) => {
+            run(src, dst, from, to, threads, |s, d| widen(s, d, f16_to_f32))
+        }
+        (DType::F32, DType::BF16) => run(src, dst, from, to, threads, |s, d| {
+            narrow(s, d, f32_to_bf16)
+        }),
+        (DType::F32, DType::F16) => {
+            run(src, dst, from, to, threads, |s, d| narrow(s, d, f32_to_f16))
+        }
+        (DType::BF16, DType::F16) => run(src, dst, from, to, threads, |s, d| {
+            half_to_half(s, d, |h| f32_to_f16(bf16_to_f32(h)))
+        }),
+        (DType::F16, DType::BF16) => run(src, dst, from, to, threads, |s, d| {
+            half_to_half(s, d, |h| f32_to_bf16(f16_to_f32(h)))
+        }),
+        _ => return Err(PrepareError::UnsupportedDType { from, to }),
+    }
+    Ok(())
+}
+
+/// Splits the work (or not) and runs `kernel` on each piece, vectorised for this CPU.
+#[inline(always)]
+fn run(
+    src: &[u8],
+    dst: &mut [u8],
+    from: DType,
+    to: DType,
+    threads: Threads,
+    kernel: impl Fn(&[u8], &mut [u8]) + Sync,
+) {
+    match threads {
+        Threads::One => vectorised(|| kernel(src, dst)),
+        Threads::All => src
+            .par_chunks(PAR_CHUNK_ELEMS * from.size())
+            .zip(dst.par_chunks_mut(PAR_CHUNK_ELEMS * to.size()))
+            .for_each(|(s, d)| vectorised(|| kernel(s, d))),
+    }
+}
+
+/// Elements per inner chunk: a fixed trip count lets LLVM drop bounds checks and vectorise.
+const LANES: usize = 64;
+
+#[inline(always)]
+fn widen(src: &[u8], dst: &mut [u8], f: impl Fn(u16) -> f32) {
+    let mut s_chunks = src.chunks_exact(2 * LANES);
+    let mut d_chunks = dst.chunks_exact_mut(4 * LANES);
+    for (s, d) in (&mut s_chunks).zip(&mut d_chunks) {
+        let s: &[u8; 2 * LANES] = s.try_into().expect("exact chunk");
+        let d: &mut [u8; 4 * LANES] = d.try_into().expect("exact chunk");
+        for i in 0..LANES {
+            let x = f(u16::from_le_bytes([s[2 * i], s[2 * i + 1]]));
+            d[4 * i..4 * i + 4].copy_from_slice(&x.to_le_bytes());
+        }
+    }
+    for (s, d) in s_chunks
+        .remainder()
+        .chunks_exact(2)
+        .zip(d_chunks.into_remainder().chunks_exact_mut(4))
+    {
+        d.copy_from_slice(&f(u16::from_le_bytes([s[0], s[1]])).to_le_bytes());
+    }
+}
+
+#[inline(always)]
+fn narrow(src: &[u8], dst: &mut [u8], f: impl Fn(f32) -> u16) {
+    let mut s_chunks = src.chunks_exact(4 * LANES);
+    let mut d_chunks = dst.chunks_exact_mut(2 * LANES);
+    for (s, d) in (&mut s_chunks).zip(&mut d_chunks) {
+        let s: &[u8; 4 * LANES] = s.try_into().expect("exact chunk");
+        let d: &mut [u8; 2 * LANES] = d.try_into().expect("exact chunk");
+        for i in 0..LANES {
+            let x = f32::from_le_bytes([s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]]);
+            d[2 * i..2 * i + 2].copy_from_slice(&f(x).to_le_bytes());
+        }
+    }
+    for (s, d) in s_chunks
+        .remainder()
+        .chunks_exact(4)
+        .zip(d_chunks.into_remainder().chunks_exact_mut(2))
+    {
+        d.copy_from_slice(&f(f32::from_le_bytes([s[0], s[1], s[2], s[3]])).to_le_bytes());
+    }
+}
+
+#[inline(always)]
+fn half_to_half(src: &[u8], dst: &mut [u8], f: impl Fn(u16) -> u16) {
+    let mut s_chunks = src.chunks_exact(2 * LANES);
+    let mut d_chunks = dst.chunks_exact_mut(2 * LANES);
+    for (s, d) in (&mut s_chunks).zip(&mut d_chunks) {
+        let s: &[u8; 2 * LANES] = s.try_into().expect("exact chunk");
+        let d: &mut [u8; 2 * LANES] = d.try_into().expect("exact chunk");
+        for i in 0..LANES {
+            let h = f(u16::from_le_bytes([s[2 * i], s[2 * i + 1]]));
+            d[2 * i..2 * i + 2].copy_from_slice(&h.to_le_bytes());
+        }
+    }
+    for (s, d) in s_chunks
+        .remainder()
+        .chunks_exact(2)
+        .zip(d_chunks.into_remainder().chunks_exact_mut(2))
+    {
+        d.copy_from_slice(&f(u16::from_le_bytes([s[0], s[1]])).to_le_bytes());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use half::{bf16, f16};
+    use rand::{Rng, SeedableRng};
+
+    fn random_bytes(n: usize, seed: u64) -> Vec<u8> {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        (0..n).map(|_| rng.random()).collect()
+    }
+
+    #[test]
+    fn every_pair_matches_half_single_and_all_threads() {
+        let dtypes = [DType::BF16, DType::F16, DType::F32];
+        let n = 3 * PAR_CHUNK_ELEMS + 17; // several rayon chunks plus a ragged tail
+        for from in dtypes {
+            let src = random_bytes(n * from.size(), from.size() as u64);
+            let as_f32: Vec<f32> = src
+                .chunks_exact(from.size())
+                .map(|c| match from {
+                    DType::BF16 => bf16::from_le_bytes([c[0], c[1]]).to_f32(),
+                    DType::F16 => f16::from_le_bytes([c[0], c[1]]).to_f32(),
+                    _ => f32::from_le_bytes([c[0], c[1], c[2], c[3]]),
+                })
+                .collect();
+            for to in dtypes {
+                let want: Vec<u8> = if from == to {
+                    src.clone()
+                } else {
+                    as_f32
+                        .iter()
+                        .flat_map(|&x| match to {
+                            DType::BF16 => bf16::from_f32(x).to_le_bytes().to_vec(),
+                            DType::F16 => f16::from_f32(x).to_le_bytes().to_vec(),
+                            _ => x.to_le_bytes().to_vec(),
+                        })
+                        .collect()
+                };
+                for threads in [Threads::One, Threads::All] {
+                    let mut dst = vec![0u8; n * to.size()];
+                    cast(&src, from, &mut dst, to, threads).unwrap();
+                    // Compare bit patterns element by element for a readable failure.
+                    if let Some(i) = (0..n).find(|&i| {
+                        dst[i * to.size()..(i + 1) * to.size()]
+                            != want[i * to.size()..(i + 1) * to.size()]
+                    }) {
+                        panic!("{from}->{to} {threads:?}: element {i} differs");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn refuses_bad_lengths_and_fp8_without_writing() {
+        let src = vec![0u8; 10];
+        let mut dst = vec![0xAAu8; 8];
+        let err = cast(&src, DType::BF16, &mut dst, DType::F32, Threads::One).unwrap_err();
+        assert_eq!(
+            err,
+            PrepareError::Length {
+                what: "cast output",
+                expected: 20,
+                actual: 8
+            }
+        );
+        assert!(dst.iter().all(|&b| b == 0xAA));
+        let err = cast(&src[..9], DType::BF16, &mut dst, DType::F32, Threads::One).unwrap_err();
+        assert!(matches!(err, PrepareError::Shape(_)), "{err}");
+        let err = cast(&src, DType::BF16, &mut dst, DType::F8E4M3, Threads::One).unwrap_err();
+        assert!(err.to_string().contains("f8_e4m3"), "{err}");
+    }
+}

@@ -1,0 +1,517 @@
+//! float8 e4m3fn block quantisation of a 2-D `[rows, cols]` tensor, 128x128 blocks.
+//!
+//! Convention (DeepSeek-V3 checkpoints, as read by vLLM and SGLang): the tensor is cut into
+//! 128x128 blocks (the last row/column of blocks may be partial); each block gets one f32
+//! `weight_scale_inv` such that `dequant = fp8 * weight_scale_inv`; the scale tensor is
+//! `[ceil(rows/128), ceil(cols/128)]` f32, row-major. Per block, exactly as DeepGEMM's /
+//! vLLM's / SGLang's `per_block_cast_to_fp8` computes it in f32:
+//!
+//! ```text
+//! amax  = max(max |x| over the block, 1e-4)      // the floor keeps an all-zero block finite
+//! scale = amax / 448                              // stored as weight_scale_inv
+//! q     = e4m3(x * (448 / amax))                  // f32 multiply, round to nearest even
+//! ```
+//!
+//! So an all-zero block gets `scale = 1e-4 / 448` (about 2.2e-7) and all-zero values.
+//!
+//! Non-finite inputs (which a healthy training step never produces) are pinned down rather
+//! than left to propagate: `amax` is taken over the *finite* elements only, so one stray inf
+//! or NaN does not wipe out the precision of the other 16383 values of its block; then the
+//! element conversion saturates: `+inf -> 448 (0x7e)`, `-inf -> -448 (0xfe)`, NaN -> NaN
+//! (0x7f / 0xff, sign kept). Finite products can only exceed 448 by rounding of `448 / amax`,
+//! and those saturate to 448 too. (The torch reference would instead produce an inf/NaN scale
+//! for such a block; ml_dtypes and torch casts map overflow to NaN, hence the explicit clamp.)
+//!
+//! Speed: each block is read twice (amax, then quantise); the second pass hits L1 (a block is
+//! 32 KiB of bf16). The loops are branch-free over fixed-size elements so they vectorise.
+
+use std::ops::Range;
+
+use rayon::prelude::*;
+use weightsync_common::DType;
+
+use super::convert::{bf16_to_f32, f16_to_f32, f32_to_e4m3_saturating, E4M3_MAX};
+use super::isa::vectorised;
+use super::{expect_len, PrepareError, Threads};
+
+/// Block edge, in elements, along both dims.
+pub const FP8_BLOCK: usize = 128;
+
+/// Floor applied to a block's amax before computing its scale (the `clamp(1e-4)` of the
+/// reference quantisers), so an all-zero block has a finite, non-zero scale.
+pub const FP8_AMAX_FLOOR: f32 = 1e-4;
+
+/// Shape of the whole 2-D tensor being quantised (the block grid is anchored at its origin).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fp8Shape {
+    /// Rows (dim 0).
+    pub rows: usize,
+    /// Columns (dim 1, contiguous).
+    pub cols: usize,
+}
+
+impl Fp8Shape {
+    /// Number of block rows, `ceil(rows / 128)`.
+    pub fn row_blocks(&self) -> usize {
+        self.rows.div_ceil(FP8_BLOCK)
+    }
+    /// Number of block columns, `ceil(cols / 128)`.
+    pub fn col_blocks(&self) -> usize {
+        self.cols.div_ceil(FP8_BLOCK)
+    }
+    /// Shape of `weight_scale_inv`: `[row_blocks, col_blocks]`.
+    pub fn scale_shape(&self) -> [usize; 2] {
+        [self.row_blocks(), self.col_blocks()]
+    }
+    /// The tensor rows covered by a range of block rows.
+    pub fn rows_of(&self, row_blocks: Range<usize>) -> Range<usize> {
+        (row_blocks.start * FP8_BLOCK).min(self.rows)..(row_blocks.end * FP8_BLOCK).min(self.rows)
+    }
+}
+
+/// Quantises a whole `[rows, cols]` tensor: `values` gets `rows * cols` e4m3fn bytes,
+/// `scales` gets `ceil(rows/128) * ceil(cols/128)` little-endian f32 `weight_scale_inv`.
+pub fn quantise_fp8(
+    src: &[u8],
+    src_dtype: DType,
+    shape: Fp8Shape,
+    values: &mut [u8],
+    scales: &mut [u8],
+    threads: Threads,
+) -> Result<(), PrepareError> {
+    quantise_fp8_block_rows(
+        src,
+        src_dtype,
+        shape,
+        0..shape.row_blocks(),
+        values,
+        scales,
+        threads,
+    )
+}
+
+/// Quantises only the block rows `row_blocks` of a `[rows, cols]` tensor (a task that produces
+/// part of a destination tensor).
+///
+/// `src` holds just those rows (`shape.rows_of(row_blocks)`, all columns, in `src_dtype`),
+/// `values` receives the same rows as e4m3fn, and `scales` the matching rows of the scale
+/// grid (`row_blocks.len() * col_blocks` f32). The result equals the corresponding part of
+/// [`quantise_fp8`] on the whole tensor.
+pub fn quantise_fp8_block_rows(
+    src: &[u8],
+    src_dtype: DType,
+    shape: Fp8Shape,
+    row_blocks: Range<usize>,
+    values: &mut [u8],
+    scales: &mut [u8],
+    threads: Threads,
+) -> Result<(), PrepareError> {
+    if !matches!(src_dtype, DType::BF16 | DType::F16 | DType::F32) {
+        return Err(PrepareError::UnsupportedDType {
+            from: src_dtype,
+            to: DType::F8E4M3,
+        });
+    }
+    if row_blocks.start > row_blocks.end || row_blocks.end > shape.row_blocks() {
+        return Err(PrepareError::Shape(format!(
+            "block rows {row_blocks:?} outside 0..{} of a {}x{} tensor",
+            shape.row_blocks(),
+            shape.rows,
+            shape.cols
+        )));
+    }
+    let rows = shape.rows_of(row_blocks.clone()).len();
+    let cols = shape.cols;
+    expect_len("fp8 source", rows * cols * src_dtype.size(), src.len())?;
+    expect_len("fp8 values", rows * cols, values.len())?;
+    expect_len(
+        "fp8 scales",
+        row_blocks.len() * shape.col_blocks() * 4,
+        scales.len(),
+    )?;
+    if rows == 0 || cols == 0 {
+        return Ok(());
+    }
+    match src_dtype {
+        DType::BF16 => run::<Bf16>(src, cols, values, scales, threads),
+        DType::F16 => run::<F16>(src, cols, values, scales, threads),
+        _ => run::<F32>(src, cols, values, scales, threads),
+    }
+    Ok(())
+}
+
+/// Elements per inner chunk: a fixed trip count over a fixed-size array lets LLVM drop the
+/// bounds checks and vectorise.
+const LANES: usize = 32;
+
+/// One input element type: its finite-|x| ordering key and its f32 value, element-wise and
+/// over fixed chunks of [`LANES`] elements.
+trait Elem {
+    const SIZE: usize;
+    /// An integer whose order is the order of |x| for finite x, and 0 for inf / NaN.
+    type Key: Copy + Ord + Default + Send;
+    fn key(b: &[u8]) -> Self::Key;
+    fn key_to_f32(k: Self::Key) -> f32;
+    fn to_f32(b: &[u8]) -> f32;
+    /// Max key of exactly `LANES` elements.
+    fn chunk_key_max(c: &[u8]) -> Self::Key;
+    /// Quantises exactly `LANES` elements.
+    fn chunk_quantise(c: &[u8], inv: f32, out: &mut [u8]);
+}
+
+/// Implements the chunk methods with the element size as a literal, so the arrays are fixed.
+macro_rules! chunk_methods {
+    ($size:literal) => {
+        #[inline(always)]
+        fn chunk_key_max(c: &[u8]) -> Self::Key {
+            let c: &[u8; $size * LANES] = c.try_into().expect("exact chunk");
+            let mut m = Self::Key::default();
+            for i in 0..LANES {
+                m = m.max(Self::key(&c[$size * i..$size * i + $size]));
+            }
+            m
+        }
+        #[inline(always)]
+        fn chunk_quantise(c: &[u8], inv: f32, out: &mut [u8]) {
+            let c: &[u8; $size * LANES] = c.try_into().expect("exact chunk");
+            let out: &mut [u8; LANES] = out.try_into().expect("exact chunk");
+            for i in 0..LANES {
+                out[i] =
+                    f32_to_e4m3_saturating(Self::to_f32(&c[$size * i..$size * i + $size]) * inv);
+            }
+        }
+    };
+}
+
+struct Bf16;
+struct F16;
+struct F32;
+
+impl Elem for Bf16 {
+    const SIZE: usize = 2;
+    type Key = i16;
+    #[inline(always)]
+    fn key(b: &[u8]) -> i16 {
+        let a = u16::from_le_bytes([b[0], b[1]]) & 0x7fff;
+        (if a < 0x7f80 { a } else { 0 }) as i16
+    }
+    #[inline(always)]
+    fn key_to_f32(k: i16) -> f32 {
+        bf16_to_f32(k as u16)
+    }
+    #[inline(always)]
+    fn to_f32(b: &[u8]) -> f32 {
+        // A plain widening shift: it differs from `bf16_to_f32` only in the quiet bit of a
+        // NaN, and every NaN quantises to the same 0x7f / 0xff.
+        f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16)
+    }
+    chunk_methods!(2);
+}
+
+impl Elem for F16 {
+    const SIZE: usize = 2;
+    type Key = i16;
+    #[inline(always)]
+    fn key(b: &[u8]) -> i16 {
+        let a = u16::from_le_bytes([b[0], b[1]]) & 0x7fff;
+        (if a < 0x7c00 { a } else { 0 }) as i16
+    }
+    #[inline(always)]
+    fn key_to_f32(k: i16) -> f32 {
+        f16_to_f32(k as u16)
+    }
+    #[inline(always)]
+    fn to_f32(b: &[u8]) -> f32 {
+        f16_to_f32(u16::from_le_bytes([b[0], b[1]]))
+    }
+    chunk_methods!(2);
+}
+
+impl Elem for F32 {
+    const SIZE: usize = 4;
+    type Key = i32;
+    #[inline(always)]
+    fn key(b: &[u8]) -> i32 {
+        let a = (u32::from_le_bytes([b[0], b[1], b[2], b[3]]) & 0x7fff_ffff) as i32;
+        if a < 0x7f80_0000 {
+            a
+        } else {
+            0
+        }
+    }
+    #[inline(always)]
+    fn key_to_f32(k: i32) -> f32 {
+        f32::from_bits(k as u32)
+    }
+    #[inline(always)]
+    fn to_f32(b: &[u8]) -> f32 {
+        f32::from_le_bytes([b[0], b[1], b[2], b[3]])
+    }
+    chunk_methods!(4);
+}
+
+/// Quantises whole block rows: `src`/`values` hold `k` block rows of `cols` columns (the last
+/// possibly partial), `scales` their `k * col_blocks` f32.
+fn run<E: Elem>(src: &[u8], cols: usize, values: &mut [u8], scales: &mut [u8], threads: Threads) {
+    let ncb = cols.div_ceil(FP8_BLOCK);
+    let (src_step, val_step, scale_step) = (FP8_BLOCK * cols * E::SIZE, FP8_BLOCK * cols, ncb * 4);
+    match threads {
+        Threads::One => src
+            .chunks(src_step)
+            .zip(values.chunks_mut(val_step))
+            .zip(scales.chunks_mut(scale_step))
+            .for_each(|((s, v), sc)| block_row::<E>(s, cols, v, sc, false)),
+        Threads::All => src
+            .par_chunks(src_step)
+            .zip(values.par_chunks_mut(val_step))
+            .zip(scales.par_chunks_mut(scale_step))
+            .for_each(|((s, v), sc)| block_row::<E>(s, cols, v, sc, true)),
+    }
+}
+
+/// One block row (up to 128 rows): every column block, in parallel when `parallel`.
+fn block_row<E: Elem>(
+    src: &[u8],
+    cols: usize,
+    values: &mut [u8],
+    scales: &mut [u8],
+    parallel: bool,
+) {
+    let ncb = cols.div_ceil(FP8_BLOCK);
+    let rows = values.len() / cols;
+    // Transpose the output rows into per-column-block segments, so that column blocks can be
+    // filled independently (and in parallel) without aliasing.
+    let mut segments: Vec<Vec<&mut [u8]>> = (0..ncb).map(|_| Vec::with_capacity(rows)).collect();
+    for row in values.chunks_mut(cols) {
+        for (cb, seg) in row.chunks_mut(FP8_BLOCK).enumerate() {
+            segments[cb].push(seg);
+        }
+    }
+    let quantise = |(cb, segs): (usize, Vec<&mut [u8]>)| -> f32 {
+        let c0 = cb * FP8_BLOCK;
+        let width = (cols - c0).min(FP8_BLOCK);
+        vectorised(|| block::<E>(src, cols, c0, width, segs))
+    };
+    let block_scales: Vec<f32> = if parallel {
+        segments.into_par_iter().enumerate().map(quantise).collect()
+    } else {
+        segments.into_iter().enumerate().map(quantise).collect()
+    };
+    for (out, s) in scales.chunks_exact_mut(4).zip(block_scales) {
+        out.copy_from_slice(&s.to_le_bytes());
+    }
+}
+
+/// One block: columns `c0 .. c0 + width` of every row of `src`; writes `out_rows` (one
+/// segment per row) and returns the block's `weight_scale_inv`.
+#[inline(always)]
+fn block<E: Elem>(
+    src: &[u8],
+    cols: usize,
+    c0: usize,
+    width: usize,
+    mut out_rows: Vec<&mut [u8]>,
+) -> f32 {
+    let row_in = |r: usize| &src[(r * cols + c0) * E::SIZE..(r * cols + c0 + width) * E::SIZE];
+    let mut key = E::Key::default();
+    for r in 0..out_rows.len() {
+        key = key.max(row_key_max::<E>(row_in(r)));
+    }
+    let amax = E::key_to_f32(key).max(FP8_AMAX_FLOOR);
+    let inv = E4M3_MAX / amax;
+    for (r, out) in out_rows.iter_mut().enumerate() {
+        quantise_row::<E>(row_in(r), inv, out);
+    }
+    amax / E4M3_MAX
+}
+
+/// Max of the finite-|x| keys of one row segment.
+#[inline(always)]
+fn row_key_max<E: Elem>(seg: &[u8]) -> E::Key {
+    let mut m = E::Key::default();
+    let mut chunks = seg.chunks_exact(LANES * E::SIZE);
+    for chunk in &mut chunks {
+        m = m.max(E::chunk_key_max(chunk));
+    }
+    for e in chunks.remainder().chunks_exact(E::SIZE) {
+        m = m.max(E::key(e));
+    }
+    m
+}
+
+#[inline(always)]
+fn quantise_row<E: Elem>(seg: &[u8], inv: f32, out: &mut [u8]) {
+    let mut chunks = seg.chunks_exact(LANES * E::SIZE);
+    let mut outs = out.chunks_exact_mut(LANES);
+    for (c, o) in (&mut chunks).zip(&mut outs) {
+        E::chunk_quantise(c, inv, o);
+    }
+    for (e, o) in chunks
+        .remainder()
+        .chunks_exact(E::SIZE)
+        .zip(outs.into_remainder())
+    {
+        *o = f32_to_e4m3_saturating(E::to_f32(e) * inv);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::prepare::convert::e4m3_to_f32;
+    use rand::{Rng, SeedableRng};
+
+    fn random_bf16(n: usize, seed: u64) -> Vec<u8> {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        (0..n)
+            .flat_map(|_| {
+                let x: f32 = rng.random_range(-3.0..3.0);
+                half::bf16::from_f32(x).to_le_bytes()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn block_rows_equal_the_whole_tensor_result_and_threads_agree() {
+        let shape = Fp8Shape {
+            rows: 300,
+            cols: 200,
+        };
+        let src = random_bf16(300 * 200, 1);
+        let mut values = vec![0u8; 300 * 200];
+        let mut scales = vec![0u8; 3 * 2 * 4];
+        quantise_fp8(
+            &src,
+            DType::BF16,
+            shape,
+            &mut values,
+            &mut scales,
+            Threads::One,
+        )
+        .unwrap();
+        let mut v2 = vec![0u8; values.len()];
+        let mut s2 = vec![0u8; scales.len()];
+        quantise_fp8(&src, DType::BF16, shape, &mut v2, &mut s2, Threads::All).unwrap();
+        assert_eq!(values, v2);
+        assert_eq!(scales, s2);
+
+        // Block rows 1..3 (rows 128..300) alone.
+        let rows = shape.rows_of(1..3);
+        assert_eq!(rows, 128..300);
+        let mut v3 = vec![0u8; rows.len() * 200];
+        let mut s3 = vec![0u8; 2 * 2 * 4];
+        quantise_fp8_block_rows(
+            &src[rows.start * 200 * 2..],
+            DType::BF16,
+            shape,
+            1..3,
+            &mut v3,
+            &mut s3,
+            Threads::All,
+        )
+        .unwrap();
+        assert_eq!(v3, values[rows.start * 200..]);
+        assert_eq!(s3, scales[2 * 4..]);
+    }
+
+    #[test]
+    fn dequantised_values_are_close_and_block_max_hits_448() {
+        let shape = Fp8Shape {
+            rows: 128,
+            cols: 128,
+        };
+        let src = random_bf16(128 * 128, 2);
+        let mut values = vec![0u8; 128 * 128];
+        let mut scales = [0u8; 4];
+        quantise_fp8(
+            &src,
+            DType::BF16,
+            shape,
+            &mut values,
+            &mut scales,
+            Threads::One,
+        )
+        .unwrap();
+        let scale = f32::from_le_bytes(scales);
+        let xs: Vec<f32> = src
+            .chunks_exact(2)
+            .map(|c| bf16_to_f32(u16::from_le_bytes([c[0], c[1]])))
+            .collect();
+        let amax = xs.iter().fold(0f32, |m, x| m.max(x.abs()));
+        assert_eq!(scale, amax / 448.0);
+        assert!(
+            values.iter().any(|&v| v & 0x7f == 0x7e),
+            "the amax element maps to ±448"
+        );
+        for (x, &v) in xs.iter().zip(&values) {
+            let back = e4m3_to_f32(v) * scale;
+            // e4m3 has 3 mantissa bits: relative error <= 2^-4 for normals, plus subnormal slack.
+            assert!(
+                (back - x).abs() <= x.abs() / 16.0 + scale * 2f32.powi(-9),
+                "{x} -> {back}"
+            );
+        }
+    }
+
+    #[test]
+    fn zero_block_gets_the_floor_scale() {
+        let shape = Fp8Shape { rows: 3, cols: 5 };
+        let src = vec![0u8; 15 * 4];
+        let mut values = vec![0xAAu8; 15];
+        let mut scales = [0u8; 4];
+        quantise_fp8(
+            &src,
+            DType::F32,
+            shape,
+            &mut values,
+            &mut scales,
+            Threads::One,
+        )
+        .unwrap();
+        assert!(values.iter().all(|&v| v == 0));
+        assert_eq!(f32::from_le_bytes(scales), FP8_AMAX_FLOOR / 448.0);
+    }
+
+    #[test]
+    fn refuses_bad_input_without_writing() {
+        let shape = Fp8Shape {
+            rows: 256,
+            cols: 128,
+        };
+        let src = vec![0u8; 256 * 128 * 2];
+        let mut values = vec![0xAAu8; 256 * 128];
+        let mut scales = vec![0xAAu8; 8];
+        let err = quantise_fp8(
+            &src[..100],
+            DType::BF16,
+            shape,
+            &mut values,
+            &mut scales,
+            Threads::One,
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("fp8 source"), "{err}");
+        let err = quantise_fp8(
+            &src,
+            DType::F8E4M3,
+            shape,
+            &mut values,
+            &mut scales,
+            Threads::One,
+        )
+        .unwrap_err();
+        assert!(matches!(err, PrepareError::UnsupportedDType { .. }));
+        let err = quantise_fp8_block_rows(
+            &src,
+            DType::BF16,
+            shape,
+            1..3,
+            &mut values,
+            &mut scales,
+            Threads::One,
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("block rows"), "{err}");
+        assert!(values.iter().chain(&scales).all(|&b| b == 0xAA));
+    }
+}

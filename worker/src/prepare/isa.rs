@@ -1,0 +1,38 @@
+//! Run-time instruction-set selection for the kernels.
+//!
+//! Why: Rust's portable x86-64 target is SSE2, and the branch-free conversion loops run 2-3x
+//! faster when LLVM may use AVX2 or AVX-512 (wider lanes, signed 32-bit min/compare, one-step
+//! narrowing stores). The kernels are written once, as plain Rust; [`vectorised`] runs a
+//! closure inside a function compiled with the best feature set this CPU has, so LLVM inlines
+//! the closure there and vectorises it for that ISA. Call it at the leaf of the work (inside a
+//! rayon task, not around one): code on other threads is not inside the wrapper.
+
+/// Runs `f` compiled for the widest vector ISA the CPU supports.
+#[inline(always)]
+pub(crate) fn vectorised<R>(f: impl FnOnce() -> R) -> R {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::is_x86_feature_detected as has;
+        if has!("avx512f") && has!("avx512bw") && has!("avx512vl") && has!("avx2") {
+            // SAFETY: `avx512` only enables features that were detected on this CPU just above.
+            return unsafe { avx512(f) };
+        }
+        if has!("avx2") {
+            // SAFETY: `avx2` only enables a feature that was detected on this CPU just above.
+            return unsafe { avx2(f) };
+        }
+    }
+    f()
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+fn avx512<R>(f: impl FnOnce() -> R) -> R {
+    f()
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn avx2<R>(f: impl FnOnce() -> R) -> R {
+    f()
+}

@@ -1,0 +1,359 @@
+//! The rollout receiver: an inference rank's weights, and the certainty that a version landed.
+//!
+//! An inference rank allocates its destination tensors as the table's
+//! [`RolloutPlan`] lays them out (in practice one arena, MR 0) and registers them **once**, when
+//! the worker is built: registration is slow and must never sit on the sync path. It publishes
+//! the descriptors and its layout to the controller.
+//!
+//! Per sync, the controller tells it to [`arm`](RolloutWorker::arm) for `(version, epoch)`
+//! *before* any trainer writes: that registers one expectation per immediate unit with the
+//! fabric's [`ImmCounter`](weightsync_common::fabric::ImmCounter), counting the table's number
+//! of writes carrying `imm_for(epoch, unit)`. [`await_landed`](RolloutWorker::await_landed)
+//! returns only when every expected write has fully landed; it is the only way a version is
+//! reported landed, so a version is never reported while a write is still in flight, and a write
+//! of an earlier, aborted epoch can never count (different immediate, retired by
+//! [`abort`](RolloutWorker::abort)). Optional verification compares xxh3 checksums of every run
+//! against what landed and names the tensor on a mismatch (see [`crate::checksum`]).
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
+use weightsync_common::fabric::{Access, FabricBackend, ImmWait, Region, RegionDescriptor};
+use weightsync_schedules::table::{DstTensor, RolloutPlan};
+
+use crate::checksum::{xxh3, RunChecksum};
+use crate::error::{Result, WorkerError};
+use crate::imm_tag::imm_for;
+use crate::timeline::{Stage, Timeline, TimelineRecorder, WHOLE_SYNC};
+use crate::trainer::SyncId;
+
+/// A sync armed and not yet landed.
+struct Armed {
+    sync: SyncId,
+    rec: TimelineRecorder,
+    /// `(unit, writes expected, immediate, expectation)`.
+    waits: Vec<(u16, u64, u32, ImmWait)>,
+}
+
+impl std::fmt::Debug for Armed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Armed").field("sync", &self.sync).finish()
+    }
+}
+
+/// What `await_landed` reports.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Landed {
+    /// The sync that landed.
+    pub sync: SyncId,
+    /// Writes counted.
+    pub writes: u64,
+    /// The wait (and verification, if any, is appended by [`RolloutWorker::verify`]).
+    pub timeline: Timeline,
+}
+
+/// What `verify` checked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Verified {
+    /// Runs compared.
+    pub runs: u64,
+    /// Bytes hashed.
+    pub bytes: u64,
+}
+
+/// One inference rank's receiver (see the module docs).
+#[derive(Debug)]
+pub struct RolloutWorker<F: FabricBackend> {
+    fabric: F,
+    name: String,
+    plan: RolloutPlan,
+    regions: Vec<Region>,
+    armed: Mutex<Option<Armed>>,
+}
+
+impl<F: FabricBackend> RolloutWorker<F> {
+    /// Allocates and registers every MR of `plan` (zeroed host memory), once.
+    pub fn new(fabric: F, name: impl Into<String>, plan: RolloutPlan) -> Result<RolloutWorker<F>> {
+        for t in &plan.tensors {
+            let mr_len = plan.mr_bytes.get(t.mr as usize).copied().ok_or_else(|| {
+                WorkerError::InvalidPlan(format!(
+                    "tensor {} names MR {} that does not exist",
+                    t.name, t.mr
+                ))
+            })?;
+            if t.offset + t.len > mr_len || t.len != t.shape.numel() * t.dtype.size() as u64 {
+                return Err(WorkerError::InvalidPlan(format!(
+                    "tensor {} ({} {}, {} bytes at {}) does not fit MR {} of {mr_len} bytes",
+                    t.name, t.dtype, t.shape, t.len, t.offset, t.mr
+                )));
+            }
+        }
+        let regions = plan
+            .mr_bytes
+            .iter()
+            .enumerate()
+            .map(|(i, &len)| {
+                fabric.alloc(len as usize, Access::RECEIVE).map_err(|e| {
+                    WorkerError::fabric(format!("registering MR {i} ({len} bytes)"), e)
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(RolloutWorker {
+            fabric,
+            name: name.into(),
+            plan,
+            regions,
+            armed: Mutex::new(None),
+        })
+    }
+
+    /// Descriptors of the MRs, indexed by MR id (what trainers write into).
+    pub fn descriptors(&self) -> Vec<RegionDescriptor> {
+        self.regions
+            .iter()
+            .map(|r| r.descriptor().clone())
+            .collect()
+    }
+
+    /// The tensors and where they live.
+    pub fn layout(&self) -> &[DstTensor] {
+        &self.plan.tensors
+    }
+
+    /// The plan this receiver follows.
+    pub fn plan(&self) -> &RolloutPlan {
+        &self.plan
+    }
+
+    /// The registered region of MR `mr` (an engine reads its weights from here).
+    pub fn region(&self, mr: u16) -> Option<&Region> {
+        self.regions.get(mr as usize)
+    }
+
+    /// Copies one tensor out (by its engine-format name).
+    pub fn read_tensor(&self, name: &str) -> Result<Vec<u8>> {
+        let t = self
+            .plan
+            .tensors
+            .iter()
+            .find(|t| t.name == name)
+            .ok_or_else(|| {
+                WorkerError::Protocol(format!("no tensor named {name} on {}", self.name))
+            })?;
+        self.regions[t.mr as usize]
+            .copy_to_vec(t.offset, t.len as usize)
+            .map_err(|e| WorkerError::fabric(format!("reading {name}"), e))
+    }
+
+    /// Arms the counters for `sync`: must be called before any trainer writes for it.
+    pub fn arm(&self, sync: SyncId) -> Result<()> {
+        let mut armed = self.armed.lock();
+        if let Some(a) = armed.as_ref() {
+            return Err(WorkerError::Protocol(format!(
+                "{}: cannot arm version {} (epoch {}): version {} (epoch {}) is still armed",
+                self.name, sync.version, sync.epoch, a.sync.version, a.sync.epoch
+            )));
+        }
+        let counter = self.fabric.imm_counter();
+        let mut waits = Vec::new();
+        for e in &self.plan.expect {
+            if e.writes == 0 {
+                continue;
+            }
+            let imm = imm_for(sync.epoch, e.unit as u32)?;
+            waits.push((e.unit, e.writes, imm, counter.expect(imm, e.writes)));
+        }
+        *armed = Some(Armed {
+            sync,
+            rec: TimelineRecorder::start(&self.name),
+            waits,
+        });
+        Ok(())
+    }
+
+    /// The sync currently armed, if any.
+    pub fn armed(&self) -> Option<SyncId> {
+        self.armed.lock().as_ref().map(|a| a.sync)
+    }
+
+    /// Waits until every expected write of the armed sync has landed. On timeout the sync is
+    /// aborted (its immediates retired) and the error says which unit got how many writes.
+    pub async fn await_landed(&self, timeout: Duration) -> Result<Landed> {
+        let armed = self.armed.lock().take().ok_or_else(|| {
+            WorkerError::Protocol(format!("{}: await_landed without arm", self.name))
+        })?;
+        let Armed { sync, rec, waits } = armed;
+        let start = rec.now_ns();
+        let expected: u64 = waits.iter().map(|w| w.1).sum();
+        let meta: Vec<(u16, u64, u32)> = waits.iter().map(|w| (w.0, w.1, w.2)).collect();
+        let all = futures::future::try_join_all(waits.into_iter().map(|w| w.3));
+        let outcome = tokio::time::timeout(timeout, all).await;
+        let counter = self.fabric.imm_counter();
+        match outcome {
+            Ok(Ok(_)) => {
+                rec.record(WHOLE_SYNC, 0, Stage::Barrier, start, expected);
+                Ok(Landed {
+                    sync,
+                    writes: expected,
+                    timeline: rec.finish(),
+                })
+            }
+            Ok(Err(e)) => {
+                for &(_, _, imm) in &meta {
+                    counter.cancel(imm);
+                }
+                Err(WorkerError::fabric(
+                    format!(
+                        "{}: waiting for version {} (epoch {})",
+                        self.name, sync.version, sync.epoch
+                    ),
+                    e,
+                ))
+            }
+            Err(_) => {
+                let detail: Vec<String> = meta
+                    .iter()
+                    .map(|&(unit, n, imm)| {
+                        format!(
+                            "unit {unit}: {} of {n} writes",
+                            counter.unclaimed(imm).min(n)
+                        )
+                    })
+                    .collect();
+                for &(_, _, imm) in &meta {
+                    counter.cancel(imm);
+                }
+                Err(WorkerError::fabric(
+                    format!(
+                        "{}: version {} (epoch {}) did not land ({})",
+                        self.name,
+                        sync.version,
+                        sync.epoch,
+                        detail.join(", ")
+                    ),
+                    weightsync_common::fabric::FabricError::Timeout {
+                        what: "expected writes".into(),
+                        after: timeout,
+                    },
+                ))
+            }
+        }
+    }
+
+    /// Aborts the armed sync (if any): its immediates are retired, so writes of it that are
+    /// still in flight can never count toward a later sync.
+    pub fn abort(&self) -> Option<SyncId> {
+        let armed = self.armed.lock().take()?;
+        let counter = self.fabric.imm_counter();
+        for (_, _, imm, wait) in armed.waits {
+            drop(wait);
+            counter.cancel(imm);
+        }
+        Some(armed.sync)
+    }
+
+    /// Compares the trainers' checksums with what landed. Records for other ranks are ignored;
+    /// the records for this rank must tile its tensors exactly (so verification is never
+    /// vacuous). A mismatch names the tensor(s) of the run.
+    pub fn verify(&self, checksums: &[RunChecksum]) -> Result<Verified> {
+        let rank = self.plan.rank;
+        let mut mine: Vec<RunChecksum> = checksums
+            .iter()
+            .filter(|c| c.rank == rank)
+            .copied()
+            .collect();
+        mine.sort();
+        self.check_coverage(&mine)?;
+        let mismatch = mine.par_iter().find_map_first(|c| {
+            let region = self.regions.get(c.mr as usize)?;
+            let actual = match region.copy_to_vec(c.offset, c.len as usize) {
+                Ok(bytes) => xxh3(&bytes),
+                Err(_) => return Some((*c, 0)),
+            };
+            (actual != c.xxh3).then_some((*c, actual))
+        });
+        if let Some((c, actual)) = mismatch {
+            return Err(WorkerError::ChecksumMismatch {
+                tensors: self.tensors_in(c.mr, c.offset, c.len),
+                rank,
+                mr: c.mr,
+                offset: c.offset,
+                len: c.len,
+                expected: c.xxh3,
+                actual,
+            });
+        }
+        Ok(Verified {
+            runs: mine.len() as u64,
+            bytes: mine.iter().map(|c| c.len).sum(),
+        })
+    }
+
+    /// Names of the tensors overlapping `[offset, offset + len)` of `mr`.
+    fn tensors_in(&self, mr: u16, offset: u64, len: u64) -> String {
+        let names: Vec<&str> = self
+            .plan
+            .tensors
+            .iter()
+            .filter(|t| t.mr == mr && t.offset < offset + len && offset < t.offset + t.len)
+            .map(|t| t.name.as_str())
+            .collect();
+        if names.is_empty() {
+            "no tensor".into()
+        } else {
+            names.join(", ")
+        }
+    }
+
+    fn check_coverage(&self, sorted: &[RunChecksum]) -> Result<()> {
+        let rank = self.plan.rank;
+        let expected: u64 = self.plan.tensors.iter().map(|t| t.len).sum();
+        let covered: u64 = sorted.iter().map(|c| c.len).sum();
+        let fail = |detail: String| WorkerError::ChecksumCoverage {
+            rank,
+            covered,
+            expected,
+            detail,
+        };
+        // Tensor bytes per MR, adjacent tensors merged.
+        let mut spans: BTreeMap<u16, Vec<(u64, u64)>> = BTreeMap::new();
+        let mut tensors: Vec<&DstTensor> = self.plan.tensors.iter().collect();
+        tensors.sort_by_key(|t| (t.mr, t.offset));
+        for t in tensors {
+            let v = spans.entry(t.mr).or_default();
+            match v.last_mut() {
+                Some(last) if last.1 == t.offset => last.1 += t.len,
+                _ => v.push((t.offset, t.offset + t.len)),
+            }
+        }
+        for w in sorted.windows(2) {
+            if w[0].mr == w[1].mr && w[0].offset + w[0].len > w[1].offset {
+                return Err(fail(format!(
+                    "runs at {} and {} of MR {} overlap",
+                    w[0].offset, w[1].offset, w[0].mr
+                )));
+            }
+        }
+        for c in sorted {
+            let inside = spans.get(&c.mr).is_some_and(|v| {
+                v.iter()
+                    .any(|&(a, b)| c.offset >= a && c.offset + c.len <= b)
+            });
+            if !inside {
+                return Err(fail(format!(
+                    "run {}..{} of MR {} is not inside the tensors",
+                    c.offset,
+                    c.offset + c.len,
+                    c.mr
+                )));
+            }
+        }
+        if covered != expected {
+            return Err(fail("some tensor bytes have no checksum".into()));
+        }
+        Ok(())
+    }
+}

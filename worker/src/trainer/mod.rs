@@ -1,0 +1,370 @@
+//! The trainer worker: pushes one version of its weights per sync, every stage busy at once.
+//!
+//! A trainer worker is a sidecar of one training rank. It is built once with its slice of the
+//! routing table ([`TrainerPlan`]) and its source memory, registers its staging arena (exactly
+//! `watermark` bytes) and, when fp8 blocks straddle shards, its gather arena, and checks the
+//! whole plan against the source (lengths, dtypes, the watermark) so that bad input is refused
+//! before any byte is written. Then, per sync ([`TrainerWorker::run_sync`]), it runs its tasks'
+//! pieces through four overlapping stages (see [`pipeline`]): H2D, prepare, WRITE and the
+//! per-worker half of the barrier (every write acknowledged by its destination).
+//!
+//! # Layout
+//! - [`piece`]: cutting tasks into watermark-sized pieces, mapping writes onto them.
+//! - [`stages`]: the H2D and prepare work of one piece.
+//! - [`staging`]: the registered staging arena and its leases.
+//! - [`pipeline`]: the scheduler that overlaps the stages, immediates, the barrier.
+
+mod piece;
+mod pipeline;
+mod stages;
+mod staging;
+#[cfg(test)]
+mod tests;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use weightsync_common::fabric::{Access, FabricBackend, Region, RegionDescriptor};
+use weightsync_schedules::table::{Endpoint, TrainerPlan};
+
+use crate::checksum::RunChecksum;
+use crate::error::{Result, WorkerError};
+use crate::imm_tag::MAX_UNITS;
+use crate::prepare::Threads;
+use crate::timeline::Timeline;
+
+use piece::{plan_pieces, Piece, TaskShape};
+use staging::StagingArena;
+
+/// A host-visible view of the trainer's source arena (its training shards, laid out as the plan's
+/// [`LocalShard`](weightsync_schedules::table::LocalShard)s say).
+///
+/// The bytes must not change while a sync runs (the training loop triggers a sync after its
+/// optimizer step and before the next one writes the weights).
+pub trait SourceView: Send + Sync + std::fmt::Debug + 'static {
+    /// Length of the arena in bytes.
+    fn len(&self) -> u64;
+    /// Whether the arena is empty.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Calls `f` with the arena's bytes.
+    fn read(&self, f: &mut dyn FnMut(&[u8]));
+}
+
+impl SourceView for Vec<u8> {
+    fn len(&self) -> u64 {
+        self.len() as u64
+    }
+    fn read(&self, f: &mut dyn FnMut(&[u8])) {
+        f(self)
+    }
+}
+
+/// Host memory the owner may rewrite between syncs (tests, benches, an in-process trainer).
+impl SourceView for parking_lot::RwLock<Vec<u8>> {
+    fn len(&self) -> u64 {
+        self.read().len() as u64
+    }
+    fn read(&self, f: &mut dyn FnMut(&[u8])) {
+        f(&parking_lot::RwLock::read(self))
+    }
+}
+
+/// Host memory the owner may rewrite between syncs (std lock).
+impl SourceView for std::sync::RwLock<Vec<u8>> {
+    fn len(&self) -> u64 {
+        self.read().map_or(0, |v| v.len() as u64)
+    }
+    fn read(&self, f: &mut dyn FnMut(&[u8])) {
+        match std::sync::RwLock::read(self) {
+            Ok(v) => f(&v),
+            Err(poisoned) => f(&poisoned.into_inner()),
+        }
+    }
+}
+
+/// Whether the stages overlap.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub enum PipelineMode {
+    /// H2D, prepare and WRITE of different pieces run at the same time (the normal mode).
+    #[default]
+    Pipelined,
+    /// One piece at a time through every stage (the baseline the bench compares against).
+    Serialised,
+}
+
+/// How a trainer worker runs.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TrainerConfig {
+    /// Name used in timelines and errors, e.g. `trainer-3`.
+    pub name: String,
+    /// Bytes of staging in flight at most (the size of the registered staging arena).
+    pub watermark_bytes: u64,
+    /// Target staging bytes per piece; tasks larger than this are split. Defaults to a quarter
+    /// of the watermark, so that several pieces are in different stages at once.
+    pub piece_bytes: Option<u64>,
+    /// Compute xxh3 checksums of every run written to a rollout.
+    pub verify: bool,
+    /// Overlap the stages or not.
+    pub mode: PipelineMode,
+    /// Use every rayon thread in the prepare stage (`false`: the calling thread only).
+    pub prepare_all_threads: bool,
+    /// How long to wait for straddling fp8 rows from other trainers.
+    pub gather_timeout: Duration,
+}
+
+impl TrainerConfig {
+    /// Defaults for a worker called `name` with `watermark_bytes` of staging.
+    pub fn new(name: impl Into<String>, watermark_bytes: u64) -> TrainerConfig {
+        TrainerConfig {
+            name: name.into(),
+            watermark_bytes,
+            piece_bytes: None,
+            verify: true,
+            mode: PipelineMode::Pipelined,
+            prepare_all_threads: true,
+            gather_timeout: Duration::from_secs(60),
+        }
+    }
+
+    fn piece_budget(&self) -> u64 {
+        self.piece_bytes
+            .unwrap_or(self.watermark_bytes / 4)
+            .clamp(1, self.watermark_bytes.max(1))
+    }
+
+    fn threads(&self) -> Threads {
+        if self.prepare_all_threads {
+            Threads::All
+        } else {
+            Threads::One
+        }
+    }
+}
+
+/// Registered memory of every destination this trainer writes to.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct Destinations {
+    /// Per rollout rank, its MRs' descriptors indexed by MR id.
+    pub rollouts: BTreeMap<u32, Vec<RegionDescriptor>>,
+    /// Per training rank, its gather arena's descriptor.
+    pub trainers: BTreeMap<u32, RegionDescriptor>,
+}
+
+/// Identifies one sync: the weights' version and the attempt's epoch (distinct for every
+/// attempt, also when a failed version is retried; it goes into the immediates).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct SyncId {
+    /// Weights version (the training step).
+    pub version: u64,
+    /// Attempt number, strictly increasing over the job.
+    pub epoch: u64,
+}
+
+/// What one trainer did in one sync.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SyncReport {
+    /// The sync.
+    pub sync: SyncId,
+    /// Every stage of every piece.
+    pub timeline: Timeline,
+    /// Bytes written to destinations (rollouts and gather arenas).
+    pub bytes_written: u64,
+    /// Write operations posted (before the fabric merged contiguous runs).
+    pub writes_posted: u64,
+    /// Pieces executed.
+    pub pieces: u64,
+    /// The most staging bytes in flight at once during the sync.
+    pub peak_staging_bytes: u64,
+    /// The watermark.
+    pub watermark_bytes: u64,
+    /// Checksums of the runs written to rollouts (empty unless `verify`).
+    pub checksums: Vec<RunChecksum>,
+}
+
+/// Everything fixed at build time, shared by every sync.
+#[derive(Debug)]
+pub(crate) struct TrainerState {
+    pub config: TrainerConfig,
+    pub plan: TrainerPlan,
+    pub shapes: Vec<TaskShape>,
+    pub pieces: Vec<Vec<Piece>>,
+    pub staging: StagingArena,
+    pub gather: Option<Region>,
+    pub source: Arc<dyn SourceView>,
+    /// Per write of the plan, the destination's descriptor (set by `set_destinations`).
+    pub write_dst: Vec<RegionDescriptor>,
+}
+
+/// A trainer worker (see the module docs).
+#[derive(Debug)]
+pub struct TrainerWorker<F: FabricBackend> {
+    fabric: F,
+    state: Arc<TrainerState>,
+    running: tokio::sync::Mutex<()>,
+}
+
+impl<F: FabricBackend> TrainerWorker<F> {
+    /// Checks `plan` against `source` and `config`, and registers the staging arena (and the
+    /// gather arena if the plan has one). Nothing is written to anyone.
+    pub fn new(
+        fabric: F,
+        source: Arc<dyn SourceView>,
+        plan: TrainerPlan,
+        config: TrainerConfig,
+    ) -> Result<TrainerWorker<F>> {
+        let have = source.len();
+        if have < plan.source_arena_bytes {
+            return Err(WorkerError::SourceTooShort {
+                what: format!("the source arena of training rank {}", plan.rank),
+                need: plan.source_arena_bytes,
+                have,
+            });
+        }
+        for s in &plan.shards {
+            if s.offset + s.bytes() > have {
+                return Err(WorkerError::SourceTooShort {
+                    what: format!("shard of {}", piece::param_name(&plan, s.param)),
+                    need: s.offset + s.bytes(),
+                    have,
+                });
+            }
+        }
+        for w in &plan.writes {
+            if w.unit as u32 >= MAX_UNITS {
+                return Err(crate::imm_tag::UnitOutOfRange {
+                    unit: w.unit as u32,
+                }
+                .into());
+            }
+        }
+        let shapes = plan
+            .tasks
+            .iter()
+            .enumerate()
+            .map(|(i, t)| TaskShape::of(t, i as u32, &plan))
+            .collect::<Result<Vec<_>>>()?;
+        for (i, t) in plan.tasks.iter().enumerate() {
+            if let weightsync_schedules::table::Source::Gather {
+                offset,
+                shape,
+                dtype,
+            } = t.source
+            {
+                let end = offset + shape.numel() * dtype.size() as u64;
+                if end > plan.gather_arena_bytes {
+                    return Err(WorkerError::InvalidPlan(format!(
+                        "task {i} reads gather bytes up to {end}, the gather arena has {}",
+                        plan.gather_arena_bytes
+                    )));
+                }
+            }
+        }
+        let pieces = plan_pieces(
+            &plan,
+            &shapes,
+            config.piece_budget(),
+            config.watermark_bytes,
+        )?;
+        let staging = StagingArena::new(&fabric, config.watermark_bytes)?;
+        let gather = if plan.gather_arena_bytes > 0 {
+            Some(
+                fabric
+                    .alloc(plan.gather_arena_bytes as usize, Access::RECEIVE)
+                    .map_err(|e| WorkerError::fabric("registering the gather arena", e))?,
+            )
+        } else {
+            None
+        };
+        Ok(TrainerWorker {
+            fabric,
+            state: Arc::new(TrainerState {
+                config,
+                plan,
+                shapes,
+                pieces,
+                staging,
+                gather,
+                source,
+                write_dst: Vec::new(),
+            }),
+            running: tokio::sync::Mutex::new(()),
+        })
+    }
+
+    /// The descriptor of this trainer's gather arena, which other trainers write straddling fp8
+    /// rows into (`None` when the plan has no gathers landing here).
+    pub fn gather_descriptor(&self) -> Option<RegionDescriptor> {
+        self.state.gather.as_ref().map(|r| r.descriptor().clone())
+    }
+
+    /// The plan this worker executes.
+    pub fn plan(&self) -> &TrainerPlan {
+        &self.state.plan
+    }
+
+    /// Number of pieces one sync runs (after watermark splitting).
+    pub fn pieces(&self) -> usize {
+        self.state.pieces.iter().map(Vec::len).sum()
+    }
+
+    /// Sets where the writes go, checking that every destination is described and every write
+    /// lies inside its region. Must be called before the first sync (and again if peers change).
+    pub fn set_destinations(&mut self, dsts: &Destinations) -> Result<()> {
+        let plan = &self.state.plan;
+        let mut write_dst = Vec::with_capacity(plan.writes.len());
+        for (i, w) in plan.writes.iter().enumerate() {
+            let desc = match w.dst {
+                Endpoint::Rollout(r) => dsts
+                    .rollouts
+                    .get(&r)
+                    .and_then(|mrs| mrs.get(w.mr as usize))
+                    .ok_or_else(|| {
+                        WorkerError::MissingDestination(format!("rollout rank {r} MR {}", w.mr))
+                    })?,
+                Endpoint::Trainer(t) => dsts.trainers.get(&t).ok_or_else(|| {
+                    WorkerError::MissingDestination(format!(
+                        "the gather arena of training rank {t}"
+                    ))
+                })?,
+            };
+            if !desc.contains(w.dst_offset, w.len as u64) {
+                return Err(WorkerError::InvalidPlan(format!(
+                    "write {i} to {:?} MR {} bytes {}..{} lies outside the registered {} bytes",
+                    w.dst,
+                    w.mr,
+                    w.dst_offset,
+                    w.dst_offset + w.len as u64,
+                    desc.len
+                )));
+            }
+            write_dst.push(desc.clone());
+        }
+        let state = Arc::get_mut(&mut self.state).ok_or_else(|| {
+            WorkerError::Protocol("destinations cannot change while a sync runs".into())
+        })?;
+        state.write_dst = write_dst;
+        Ok(())
+    }
+
+    /// Runs one sync: every piece through H2D, prepare and WRITE, then waits until every write
+    /// was acknowledged. On failure, every write already posted is drained before returning,
+    /// and this trainer's gather immediates of the epoch are retired.
+    pub async fn run_sync(&self, sync: SyncId) -> Result<SyncReport> {
+        let _one_at_a_time = self.running.lock().await;
+        if self.state.write_dst.len() != self.state.plan.writes.len() {
+            return Err(WorkerError::Protocol(
+                "run_sync before set_destinations".into(),
+            ));
+        }
+        pipeline::run(self.fabric.clone(), self.state.clone(), sync).await
+    }
+
+    /// The staging budget.
+    pub fn watermark_bytes(&self) -> u64 {
+        self.state.config.watermark_bytes
+    }
+}

@@ -1,0 +1,378 @@
+//! The scheduler of one sync: pieces flow through H2D -> prepare -> WRITE, stages overlapping.
+//!
+//! Each piece is a small async job: it takes the H2D stage (one piece at a time: the copy
+//! engine), then the prepare stage (one piece at a time, the kernel itself using every rayon
+//! thread), then posts its writes, which run concurrently with everything else (the fabric's
+//! lanes). The stages are FIFO locks, so pieces pass through them in plan order, and while piece
+//! `k` is being written, `k+1` is prepared and `k+2` copied: the classic three-stage pipeline.
+//! What bounds it is the [`Watermark`](crate::watermark::Watermark): the scheduler leases a
+//! piece's staging *before* the piece starts and the lease is returned only when the piece's
+//! writes were acknowledged, so the staging in flight never exceeds the watermark.
+//!
+//! Mesh groups run in order. Within a group, gather sends come first, then local tasks; before the
+//! first task that reads the gather arena, the scheduler waits for this trainer's gather count of
+//! the epoch (earlier pieces keep flowing meanwhile).
+//!
+//! Immediates: every write carries `imm_for(epoch, unit)` (see [`crate::imm_tag`]). A write the
+//! watermark split into parts carries it on its last part only, and that part is posted only
+//! after every earlier part was acknowledged, so the destination counts it once, after all its
+//! bytes landed: the count per destination stays what the table says.
+//!
+//! The barrier: the sync's per-worker half ends when every posted write was acknowledged; the
+//! controller's global barrier waits for every rollout's `await_landed`. On failure the scheduler
+//! stops starting pieces, drains every write already posted (so nothing of this epoch is still in
+//! flight when it returns) and retires its own gather immediates of the epoch.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use tokio::sync::Semaphore;
+use tokio::task::JoinSet;
+use weightsync_common::fabric::{FabricBackend, WriteOp};
+use weightsync_schedules::table::Endpoint;
+
+use super::stages::{prepare_piece, stage_input};
+use super::{PipelineMode, SyncId, SyncReport, TrainerState};
+use crate::checksum::{xxh3, RunChecksum};
+use crate::error::{Result, WorkerError};
+use crate::imm_tag::imm_for;
+use crate::timeline::{Stage, TimelineRecorder, WHOLE_SYNC};
+use crate::watermark::Lease;
+
+/// State of one sync shared by its piece jobs.
+struct SyncRun<F: FabricBackend> {
+    fabric: F,
+    state: Arc<TrainerState>,
+    sync: SyncId,
+    rec: TimelineRecorder,
+    failed: AtomicBool,
+    first_error: Mutex<Option<WorkerError>>,
+    /// Per write of the plan split into several parts: permits released by its earlier parts.
+    gates: Vec<Option<Semaphore>>,
+    h2d: tokio::sync::Mutex<()>,
+    prepare: tokio::sync::Mutex<()>,
+    checksums: Mutex<Vec<RunChecksum>>,
+    bytes_written: AtomicU64,
+    writes_posted: AtomicU64,
+}
+
+impl<F: FabricBackend> SyncRun<F> {
+    fn failed(&self) -> bool {
+        self.failed.load(Ordering::Acquire)
+    }
+
+    /// Records the first error and stops the run: no new piece starts, waiting parts give up.
+    fn fail(&self, err: WorkerError) {
+        let mut first = self.first_error.lock();
+        if first.is_none() {
+            tracing::warn!(worker = %self.state.config.name, error = %err, "sync failed");
+            *first = Some(err);
+        }
+        self.failed.store(true, Ordering::Release);
+        for gate in self.gates.iter().flatten() {
+            gate.close();
+        }
+    }
+}
+
+/// Runs one sync (see the module docs).
+pub(crate) async fn run<F: FabricBackend>(
+    fabric: F,
+    state: Arc<TrainerState>,
+    sync: SyncId,
+) -> Result<SyncReport> {
+    let rec = TimelineRecorder::start(&state.config.name);
+    let watermark = state.staging.watermark().clone();
+    watermark.reset_peak();
+    let mut gates: Vec<Option<Semaphore>> = (0..state.plan.writes.len()).map(|_| None).collect();
+    for part in state.pieces.iter().flatten().flat_map(|p| &p.parts) {
+        if part.parts > 1 {
+            gates[part.write as usize] = Some(Semaphore::new(0));
+        }
+    }
+    let run = Arc::new(SyncRun {
+        fabric,
+        state: state.clone(),
+        sync,
+        rec: rec.clone(),
+        failed: AtomicBool::new(false),
+        first_error: Mutex::new(None),
+        gates,
+        h2d: tokio::sync::Mutex::new(()),
+        prepare: tokio::sync::Mutex::new(()),
+        checksums: Mutex::new(Vec::new()),
+        bytes_written: AtomicU64::new(0),
+        writes_posted: AtomicU64::new(0),
+    });
+    let serial = state.config.mode == PipelineMode::Serialised;
+    let mut jobs = JoinSet::new();
+    let mut pieces = 0u64;
+
+    'groups: for group in &state.plan.groups {
+        let gather_from = group.first_task + group.gather_sends + group.local_tasks;
+        for t in group.first_task..group.first_task + group.num_tasks {
+            if t == gather_from && group.gather_expect > 0 {
+                let start = rec.now_ns();
+                let imm = match imm_for(sync.epoch, group.id as u32) {
+                    Ok(imm) => imm,
+                    Err(e) => {
+                        run.fail(e.into());
+                        break 'groups;
+                    }
+                };
+                let wait = run.fabric.imm_counter().expect_within(
+                    imm,
+                    group.gather_expect as u64,
+                    state.config.gather_timeout,
+                );
+                if let Err(e) = wait.await {
+                    run.fail(WorkerError::fabric(
+                        format!(
+                            "waiting for {} straddling-row writes of mesh group {} ({})",
+                            group.gather_expect, group.id, group.name
+                        ),
+                        e,
+                    ));
+                    break 'groups;
+                }
+                rec.record(t, 0, Stage::GatherWait, start, 0);
+            }
+            for p in 0..state.pieces[t as usize].len() {
+                if run.failed() {
+                    break 'groups;
+                }
+                let need = state.pieces[t as usize][p].layout.total;
+                let lease = match watermark.acquire(need).await {
+                    Ok(lease) => lease,
+                    Err(e) => {
+                        run.fail(e.into());
+                        break 'groups;
+                    }
+                };
+                pieces += 1;
+                if serial {
+                    if let Err(e) = run_piece(run.clone(), t, p, lease).await {
+                        run.fail(e);
+                    }
+                } else {
+                    let job = run.clone();
+                    jobs.spawn(async move {
+                        if let Err(e) = run_piece(job.clone(), t, p, lease).await {
+                            job.fail(e);
+                        }
+                    });
+                    // Reap finished jobs so a panic surfaces early.
+                    while let Some(done) = jobs.try_join_next() {
+                        if let Err(e) = done {
+                            run.fail(stage_panic("piece", e));
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    // Barrier (this worker's half): every posted write acknowledged.
+    let barrier_start = rec.now_ns();
+    while let Some(done) = jobs.join_next().await {
+        if let Err(e) = done {
+            run.fail(stage_panic("piece", e));
+        }
+    }
+    rec.record(WHOLE_SYNC, 0, Stage::Barrier, barrier_start, 0);
+
+    if let Some(err) = run.first_error.lock().take() {
+        // Retire this epoch's gather immediates so late gather writes can never count later.
+        for group in &state.plan.groups {
+            if group.gather_expect > 0 {
+                if let Ok(imm) = imm_for(sync.epoch, group.id as u32) {
+                    run.fabric.imm_counter().cancel(imm);
+                }
+            }
+        }
+        return Err(err);
+    }
+    let mut checksums = std::mem::take(&mut *run.checksums.lock());
+    checksums.sort();
+    Ok(SyncReport {
+        sync,
+        timeline: rec.finish(),
+        bytes_written: run.bytes_written.load(Ordering::Relaxed),
+        writes_posted: run.writes_posted.load(Ordering::Relaxed),
+        pieces,
+        peak_staging_bytes: watermark.peak(),
+        watermark_bytes: watermark.capacity(),
+        checksums,
+    })
+}
+
+fn stage_panic(stage: &'static str, e: tokio::task::JoinError) -> WorkerError {
+    WorkerError::Stage {
+        stage,
+        detail: e.to_string(),
+    }
+}
+
+/// One piece through every stage. The lease is returned when this returns.
+async fn run_piece<F: FabricBackend>(
+    run: Arc<SyncRun<F>>,
+    t: u32,
+    p: usize,
+    lease: Lease,
+) -> Result<()> {
+    let piece_no = p as u32;
+    let rec = run.rec.clone();
+
+    // H2D.
+    let mut lease = {
+        let _stage = run.h2d.lock().await;
+        if run.failed() {
+            return Ok(());
+        }
+        let start = rec.now_ns();
+        let job = run.clone();
+        let (lease, res) = tokio::task::spawn_blocking(move || {
+            let mut lease = lease;
+            let st = &job.state;
+            let piece = &st.pieces[t as usize][p];
+            let res = st.staging.bytes_mut(&mut lease).and_then(|buf| {
+                stage_input(
+                    &st.plan,
+                    &st.shapes[t as usize],
+                    piece,
+                    st.source.as_ref(),
+                    st.gather.as_ref(),
+                    &mut buf[..piece.layout.input as usize],
+                )
+            });
+            (lease, res)
+        })
+        .await
+        .map_err(|e| stage_panic("h2d", e))?;
+        res?;
+        let bytes = run.state.pieces[t as usize][p].layout.input;
+        rec.record(t, piece_no, Stage::H2D, start, bytes);
+        lease
+    };
+
+    // Prepare (and checksums of the runs it produced).
+    {
+        let _stage = run.prepare.lock().await;
+        if run.failed() {
+            return Ok(());
+        }
+        let start = rec.now_ns();
+        let job = run.clone();
+        let (back, res) = tokio::task::spawn_blocking(move || {
+            let mut lease = lease;
+            let st = &job.state;
+            let piece = &st.pieces[t as usize][p];
+            let res = st.staging.bytes_mut(&mut lease).and_then(|buf| {
+                prepare_piece(
+                    &st.plan,
+                    &st.shapes[t as usize],
+                    piece,
+                    buf,
+                    st.config.threads(),
+                )?;
+                if st.config.verify {
+                    let mut sums = Vec::new();
+                    for part in &piece.parts {
+                        let w = st.plan.writes[part.write as usize];
+                        if let Endpoint::Rollout(rank) = w.dst {
+                            let a = part.staging_offset as usize;
+                            sums.push(RunChecksum {
+                                rank,
+                                mr: w.mr,
+                                offset: part.dst_offset,
+                                len: part.len,
+                                xxh3: xxh3(&buf[a..a + part.len as usize]),
+                            });
+                        }
+                    }
+                    job.checksums.lock().extend(sums);
+                }
+                Ok(())
+            });
+            (lease, res)
+        })
+        .await
+        .map_err(|e| stage_panic("prepare", e))?;
+        lease = back;
+        res?;
+        let lay = run.state.pieces[t as usize][p].layout;
+        rec.record(t, piece_no, Stage::Prepare, start, lay.values + lay.scales);
+    }
+
+    // WRITE.
+    if run.failed() {
+        return Ok(());
+    }
+    let start = rec.now_ns();
+    let st = &run.state;
+    let piece = &st.pieces[t as usize][p];
+    let region = st.staging.region();
+    let op_of = |part: &super::piece::Part, with_imm: bool| -> Result<WriteOp> {
+        let w = st.plan.writes[part.write as usize];
+        let op = WriteOp::new(
+            region,
+            lease.offset() + part.staging_offset,
+            &st.write_dst[part.write as usize],
+            part.dst_offset,
+            part.len,
+        );
+        Ok(if with_imm {
+            op.with_imm(imm_for(run.sync.epoch, w.unit as u32)?)
+        } else {
+            op
+        })
+    };
+    let mut now = Vec::new();
+    let mut later = Vec::new();
+    for part in &piece.parts {
+        if part.parts == 1 {
+            now.push(op_of(part, true)?);
+        } else if !part.last {
+            now.push(op_of(part, false)?);
+        } else {
+            later.push((part, op_of(part, true)?));
+        }
+    }
+    let mut bytes = 0;
+    if !now.is_empty() {
+        bytes += now.iter().map(|o| o.len).sum::<u64>();
+        run.writes_posted
+            .fetch_add(now.len() as u64, Ordering::Relaxed);
+        run.fabric
+            .write_batch(now)
+            .await
+            .map_err(|e| WorkerError::fabric(format!("task {t} piece {p}: writing"), e))?;
+        for part in &piece.parts {
+            if part.parts > 1 && !part.last {
+                if let Some(gate) = &run.gates[part.write as usize] {
+                    gate.add_permits(1);
+                }
+            }
+        }
+    }
+    for (part, op) in later {
+        // The last part of a split write: wait until every earlier part landed, then post it
+        // with the immediate.
+        if let Some(gate) = &run.gates[part.write as usize] {
+            match gate.acquire_many(part.parts - 1).await {
+                Ok(permits) => permits.forget(),
+                Err(_) => return Ok(()), // the sync failed elsewhere
+            }
+        }
+        bytes += op.len;
+        run.writes_posted.fetch_add(1, Ordering::Relaxed);
+        run.fabric.write(op).await.map_err(|e| {
+            WorkerError::fabric(format!("task {t} piece {p}: writing the last part"), e)
+        })?;
+    }
+    run.bytes_written.fetch_add(bytes, Ordering::Relaxed);
+    rec.record(t, piece_no, Stage::Write, start, bytes);
+    drop(lease);
+    Ok(())
+}

@@ -1,0 +1,237 @@
+//! The work of the H2D and prepare stages for one piece (run on blocking threads).
+//!
+//! H2D copies the piece's part of the source box into the lease's input range, dense and
+//! row-major (a strided gather out of the shard: in CPU builds this is the host-side stand-in for
+//! the pinned-memory-to-device copy). Prepare turns that input into the piece's exact prepared
+//! bytes with the kernels of [`crate::prepare`]: nothing for Copy (the staged input is already the
+//! output), a cast, or fp8 block quantisation per matrix and block strip.
+
+use weightsync_common::fabric::Region;
+use weightsync_schedules::table::{Source, Task, TrainerPlan, Transform, FP8_BLOCK};
+
+use super::piece::{param_name, Grain, Piece, TaskShape};
+use super::SourceView;
+use crate::error::{Result, WorkerError};
+use crate::prepare::{cast, gather_box, quantise_fp8_block_rows, Fp8Shape, Threads};
+
+/// Units of one matrix covered by a piece: `(matrix, first strip, end strip, first unit)`.
+fn matrices(grain: &Grain, u0: u64, u1: u64) -> Vec<(u64, u64, u64, u64)> {
+    let Grain::Strips { rows, .. } = *grain else {
+        return Vec::new();
+    };
+    let rb = rows.div_ceil(FP8_BLOCK as u64);
+    let mut out = Vec::new();
+    let mut u = u0;
+    while u < u1 {
+        let l = u / rb;
+        let end = ((l + 1) * rb).min(u1);
+        out.push((l, u % rb, end - l * rb, u));
+        u = end;
+    }
+    out
+}
+
+/// Unravels a flat index over `dims` (row-major).
+fn unravel(mut i: u64, dims: &[u32]) -> Vec<u32> {
+    let mut idx = vec![0u32; dims.len()];
+    for d in (0..dims.len()).rev() {
+        let n = dims[d].max(1) as u64;
+        idx[d] = (i % n) as u32;
+        i /= n;
+    }
+    idx
+}
+
+fn prepare_err(
+    plan: &TrainerPlan,
+    t: u32,
+    task: &Task,
+    e: crate::prepare::PrepareError,
+) -> WorkerError {
+    WorkerError::Prepare {
+        task: t,
+        param: param_name(plan, task.param),
+        source: e,
+    }
+}
+
+/// H2D: fills `input` (exactly `piece.layout.input` bytes) from the source or the gather arena.
+pub(crate) fn stage_input(
+    plan: &TrainerPlan,
+    shape: &TaskShape,
+    piece: &Piece,
+    source: &dyn SourceView,
+    gather: Option<&Region>,
+    input: &mut [u8],
+) -> Result<()> {
+    let t = piece.task;
+    let task = &plan.tasks[t as usize];
+    let in_size = shape.in_size;
+    match task.source {
+        Source::Gather { offset, .. } => {
+            // The gathered region is dense: the piece's units are one contiguous byte range.
+            let gather = gather.ok_or_else(|| {
+                WorkerError::InvalidPlan(format!(
+                    "task {t} reads a gather arena this trainer does not have"
+                ))
+            })?;
+            let at = offset + shape.grain.elems_before(piece.u0) * in_size;
+            gather
+                .read_at(at, input)
+                .map_err(|e| WorkerError::fabric(format!("task {t}: reading the gather arena"), e))
+        }
+        Source::Shard { shard, sub } => {
+            let s = plan.shards[shard as usize];
+            let dims: Vec<usize> = s
+                .global
+                .shape()
+                .dims()
+                .iter()
+                .map(|&d| d as usize)
+                .collect();
+            let n = sub.ndim as usize;
+            let mut result = Ok(());
+            source.read(&mut |bytes: &[u8]| {
+                let lo = s.offset as usize;
+                let Some(tensor) = bytes.get(lo..lo + s.bytes() as usize) else {
+                    result = Err(WorkerError::SourceTooShort {
+                        what: format!("shard of {}", param_name(plan, s.param)),
+                        need: s.offset + s.bytes(),
+                        have: bytes.len() as u64,
+                    });
+                    return;
+                };
+                let copy = |start: Vec<usize>, extent: Vec<usize>, out: &mut [u8]| {
+                    gather_box(
+                        tensor,
+                        in_size as usize,
+                        &dims,
+                        &start,
+                        &extent,
+                        out,
+                        Threads::One,
+                    )
+                    .map_err(|e| prepare_err(plan, t, task, e))
+                };
+                result = match shape.grain {
+                    Grain::Rows { .. } if n == 0 => copy(vec![], vec![], input),
+                    Grain::Rows { .. } => {
+                        let mut start: Vec<usize> =
+                            sub.start[..n].iter().map(|&x| x as usize).collect();
+                        let mut extent: Vec<usize> =
+                            sub.len[..n].iter().map(|&x| x as usize).collect();
+                        start[0] += piece.u0 as usize;
+                        extent[0] = (piece.u1 - piece.u0) as usize;
+                        copy(start, extent, input)
+                    }
+                    Grain::Strips { rows, .. } => {
+                        let base = shape.grain.elems_before(piece.u0);
+                        let mut r = Ok(());
+                        for (l, ja, jb, first) in matrices(&shape.grain, piece.u0, piece.u1) {
+                            let lead = unravel(l, &sub.len[..n - 2]);
+                            let mut start: Vec<usize> =
+                                sub.start[..n].iter().map(|&x| x as usize).collect();
+                            let mut extent: Vec<usize> =
+                                sub.len[..n].iter().map(|&x| x as usize).collect();
+                            for d in 0..n - 2 {
+                                start[d] += lead[d] as usize;
+                                extent[d] = 1;
+                            }
+                            let r0 = ja * FP8_BLOCK as u64;
+                            let r1 = (jb * FP8_BLOCK as u64).min(rows);
+                            start[n - 2] += r0 as usize;
+                            extent[n - 2] = (r1 - r0) as usize;
+                            let from =
+                                ((shape.grain.elems_before(first) - base) * in_size) as usize;
+                            let len = ((r1 - r0) * sub.len[n - 1] as u64 * in_size) as usize;
+                            r = copy(start, extent, &mut input[from..from + len]);
+                            if r.is_err() {
+                                break;
+                            }
+                        }
+                        r
+                    }
+                };
+            });
+            result
+        }
+    }
+}
+
+/// Prepare: turns the staged input into the piece's prepared values (and scales) in `buf`, the
+/// whole lease.
+pub(crate) fn prepare_piece(
+    plan: &TrainerPlan,
+    shape: &TaskShape,
+    piece: &Piece,
+    buf: &mut [u8],
+    threads: Threads,
+) -> Result<()> {
+    let t = piece.task;
+    let task = &plan.tasks[t as usize];
+    let lay = piece.layout;
+    let err = |e| prepare_err(plan, t, task, e);
+    match task.transform {
+        Transform::Copy { .. } => Ok(()),
+        Transform::Cast { from, to } => {
+            let (input, rest) = buf.split_at_mut(lay.values_at as usize);
+            let values = &mut rest[..lay.values as usize];
+            cast(&input[..lay.input as usize], from, values, to, threads).map_err(err)
+        }
+        Transform::Fp8Block { from, .. } => {
+            let Grain::Strips { rows, cols, .. } = shape.grain else {
+                return Err(WorkerError::InvalidPlan(format!(
+                    "task {t}: fp8 without block strips"
+                )));
+            };
+            let (input, rest) = buf.split_at_mut(lay.values_at as usize);
+            let (values, rest) = rest.split_at_mut((lay.scales_at - lay.values_at) as usize);
+            let scales = &mut rest[..lay.scales as usize];
+            let fshape = Fp8Shape {
+                rows: rows as usize,
+                cols: cols as usize,
+            };
+            let e0 = shape.grain.elems_before(piece.u0);
+            let s0 = shape.grain.scales_before(piece.u0);
+            for (_, ja, jb, first) in matrices(&shape.grain, piece.u0, piece.u1) {
+                let last = first + (jb - ja);
+                let ea = (shape.grain.elems_before(first) - e0) as usize;
+                let eb = (shape.grain.elems_before(last) - e0) as usize;
+                let sa = ((shape.grain.scales_before(first) - s0) * 4) as usize;
+                let sb = ((shape.grain.scales_before(last) - s0) * 4) as usize;
+                let in_size = shape.in_size as usize;
+                quantise_fp8_block_rows(
+                    &input[ea * in_size..eb * in_size],
+                    from,
+                    fshape,
+                    ja as usize..jb as usize,
+                    &mut values[ea..eb],
+                    &mut scales[sa..sb],
+                    threads,
+                )
+                .map_err(err)?;
+            }
+            Ok(())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn matrices_split_units_at_matrix_edges() {
+        let g = Grain::Strips {
+            lead: 3,
+            rows: 300,
+            cols: 8,
+        };
+        // 3 strips per matrix; units 2..7 = (m0: strip 2), (m1: 0..3), (m2: 0..1).
+        assert_eq!(
+            matrices(&g, 2, 7),
+            vec![(0, 2, 3, 2), (1, 0, 3, 3), (2, 0, 1, 6)]
+        );
+        assert_eq!(unravel(5, &[2, 3]), vec![1, 2]);
+    }
+}
