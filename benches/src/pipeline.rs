@@ -125,6 +125,14 @@ pub struct Report {
     pub peak_within_watermark: bool,
     /// Every sync verified byte-exact by checksum on the rollout.
     pub verified: bool,
+    /// CPU seconds (user + system, this process: trainer, rollout and both fabrics) of the median
+    /// serialised sync.
+    pub serialised_cpu_s: f64,
+    /// CPU seconds of the median pipelined sync.
+    pub pipelined_cpu_s: f64,
+    /// `serialised_s / (serialised_cpu_s / cores)`: the most any overlap can give on this
+    /// machine, since all three stages are CPU work here.
+    pub cpu_bound_speedup_limit: f64,
     /// CPU cores available to this process.
     pub cores: usize,
     /// Repetitions per mode.
@@ -138,7 +146,7 @@ impl Report {
             "pipeline bench: {} pieces, {:.1} MiB source -> {:.1} MiB written per sync, {} cores\n\
              serialised {:.3} s  (h2d {:.3} s, prepare {:.3} s, write {:.3} s; imbalance {:.2})\n\
              pipelined  {:.3} s  (h2d {:.3} s, prepare {:.3} s, write {:.3} s busy)\n\
-             overlap_speedup {:.2}  (ideal with this stage balance {:.2})\n\
+             overlap_speedup {:.2}  (ideal with this stage balance {:.2}; CPU-bound limit on {} cores {:.2})\n\
              peak staging {} of watermark {} bytes ({}), verified {}\n",
             self.pieces,
             self.source_bytes as f64 / (1 << 20) as f64,
@@ -155,6 +163,8 @@ impl Report {
             self.pipelined_stages.write,
             self.overlap_speedup,
             self.ideal_speedup,
+            self.cores,
+            self.cpu_bound_speedup_limit,
             self.peak_staging_bytes,
             self.watermark_bytes,
             if self.peak_within_watermark {
@@ -287,6 +297,20 @@ fn stage_seconds(r: &SyncReport) -> StageSeconds {
     }
 }
 
+/// CPU seconds (user + system) this process has used, from `/proc/self/stat` (clock ticks of
+/// 1/100 s, Linux's fixed USER_HZ); 0 where that file does not exist.
+fn process_cpu_s() -> f64 {
+    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
+        return 0.0;
+    };
+    // Fields after the command name (which is in parentheses and may contain spaces).
+    let after = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
+    let f: Vec<&str> = after.split_whitespace().collect();
+    // utime and stime are fields 14 and 15 of the whole line, 12 and 13 after the name.
+    let ticks = |i: usize| f.get(i).and_then(|x| x.parse::<f64>().ok()).unwrap_or(0.0);
+    (ticks(11) + ticks(12)) / 100.0
+}
+
 fn median_by<T: Clone>(mut v: Vec<(f64, T)>) -> (f64, T) {
     v.sort_by(|a, b| a.0.total_cmp(&b.0));
     v[v.len() / 2].clone()
@@ -337,7 +361,7 @@ async fn run_async(cfg: &Config) -> Result<Report, BenchError> {
     }
 
     let mut epoch = 0u64;
-    let mut results: [Vec<(f64, SyncReport)>; 2] = [Vec::new(), Vec::new()];
+    let mut results: [Vec<(f64, (SyncReport, f64))>; 2] = [Vec::new(), Vec::new()];
     let mut verified = true;
     // One untimed warm-up per mode (connects lanes, faults pages in), then alternate modes.
     for rep in 0..=cfg.reps {
@@ -348,24 +372,27 @@ async fn run_async(cfg: &Config) -> Result<Report, BenchError> {
                 epoch,
             };
             rollout.arm(sync)?;
+            let cpu0 = process_cpu_s();
             let t0 = Instant::now();
             let report = worker.run_sync(sync).await?;
             rollout.await_landed(Duration::from_secs(120)).await?;
             let secs = t0.elapsed().as_secs_f64();
+            let cpu = process_cpu_s() - cpu0;
             verified &= rollout.verify(&report.checksums).is_ok();
             if rep > 0 {
-                results[m].push((secs, report));
+                results[m].push((secs, (report, cpu)));
             }
         }
     }
     let peak = results[1]
         .iter()
-        .map(|r| r.1.peak_staging_bytes)
+        .map(|r| r.1 .0.peak_staging_bytes)
         .max()
         .unwrap_or(0);
     let [serial, piped] = results;
-    let (serialised_s, serial_report) = median_by(serial);
-    let (pipelined_s, piped_report) = median_by(piped);
+    let (serialised_s, (serial_report, serialised_cpu_s)) = median_by(serial);
+    let (pipelined_s, (piped_report, pipelined_cpu_s)) = median_by(piped);
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let ss = stage_seconds(&serial_report);
     let slowest = ss.h2d.max(ss.prepare).max(ss.write);
     let fastest = ss.h2d.min(ss.prepare).min(ss.write);
@@ -384,7 +411,10 @@ async fn run_async(cfg: &Config) -> Result<Report, BenchError> {
         watermark_bytes: watermark,
         peak_within_watermark: peak <= watermark,
         verified,
-        cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        serialised_cpu_s,
+        pipelined_cpu_s,
+        cpu_bound_speedup_limit: serialised_s / (serialised_cpu_s / cores as f64).max(1e-9),
+        cores,
         reps: cfg.reps,
     })
 }
@@ -418,8 +448,14 @@ mod tests {
     #[test]
     #[ignore = "a benchmark, not a test: run explicitly"]
     fn full() {
-        let r = run(&Config::default()).unwrap();
-        println!("{}", serde_json::to_string_pretty(&r).unwrap());
-        print!("{}", r.human());
+        for prepare_all_threads in [false, true] {
+            let r = run(&Config {
+                prepare_all_threads,
+                ..Config::default()
+            })
+            .unwrap();
+            println!("{}", serde_json::to_string(&r).unwrap());
+            print!("prepare_all_threads={prepare_all_threads}: {}", r.human());
+        }
     }
 }

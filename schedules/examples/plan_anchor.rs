@@ -62,7 +62,10 @@ fn main() -> Result<(), PlanError> {
         (t3 - t2).as_secs_f64(),
         bytes as f64 / 1e6
     );
-    println!("{}", serde_json::to_string_pretty(&s).expect("summary serialises"));
+    println!(
+        "{}",
+        serde_json::to_string_pretty(&s).expect("summary serialises")
+    );
     Ok(())
 }
 

@@ -82,7 +82,9 @@ pub enum PlanError {
         params: u32,
     },
     /// Part of a tensor is held by no training rank.
-    #[error("{param}: region {region} is held by no training rank (ranks holding parts: {holders})")]
+    #[error(
+        "{param}: region {region} is held by no training rank (ranks holding parts: {holders})"
+    )]
     Uncovered {
         /// Parameter name.
         param: String,

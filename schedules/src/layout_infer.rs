@@ -391,13 +391,28 @@ impl InferenceLayout {
             }
         }
         let dense_i = c.intermediate;
-        let has_dense = c.moe.as_ref().is_none_or(|m| m.moe_layers.iter().any(|&x| !x));
+        let has_dense = c
+            .moe
+            .as_ref()
+            .is_none_or(|m| m.moe_layers.iter().any(|&x| !x));
         if has_dense && dense_i % tp != 0 {
-            return Err(not_div(what("dense MLP"), "tp", tp, "intermediate_size", dense_i));
+            return Err(not_div(
+                what("dense MLP"),
+                "tp",
+                tp,
+                "intermediate_size",
+                dense_i,
+            ));
         }
         if let Some(m) = &c.moe {
             if ep > 1 && m.experts % ep != 0 {
-                return Err(not_div(what("routed experts"), "ep", ep, "num_experts", m.experts));
+                return Err(not_div(
+                    what("routed experts"),
+                    "ep",
+                    ep,
+                    "num_experts",
+                    m.experts,
+                ));
             }
             if ep == 1 && m.intermediate % tp != 0 {
                 return Err(not_div(
@@ -497,7 +512,11 @@ fn build_rank(
                 format!("{pre}{name}"),
                 s.dims(),
                 false,
-                vec![part(p, TensorBox::full(s), &[0; MAX_DIMS][..s.ndim as usize])],
+                vec![part(
+                    p,
+                    TensorBox::full(s),
+                    &[0; MAX_DIMS][..s.ndim as usize],
+                )],
             )
         };
         // Full, but quantised (replicated projections such as q_a_proj).
@@ -597,7 +616,11 @@ fn build_rank(
                 row_split(b, LayerKind::O, "self_attn.o_proj.weight")?;
             }
         }
-        full(b, LayerKind::PostAttnNorm, "post_attention_layernorm.weight")?;
+        full(
+            b,
+            LayerKind::PostAttnNorm,
+            "post_attention_layernorm.weight",
+        )?;
         let is_moe = c.moe.as_ref().is_some_and(|m| m.moe_layers[l as usize]);
         // gate_up + down of a dense MLP or the shared experts.
         let mlp = |b: &mut RankBuilder<'_>,
@@ -695,7 +718,12 @@ fn build_rank(
             true,
             w13,
         )?;
-        b.add(format!("{pre}mlp.experts.w2_weight"), &[el, h, il], true, w2)?;
+        b.add(
+            format!("{pre}mlp.experts.w2_weight"),
+            &[el, h, il],
+            true,
+            w2,
+        )?;
     }
     let norm = get(Role::FinalNorm);
     b.add(
@@ -707,7 +735,12 @@ fn build_rank(
     if let Some(&lm) = index.get(&Role::LmHead) {
         let (bx, n) = vocab_rows(lm);
         if n > 0 {
-            b.add("lm_head.weight".into(), &[n, h], false, vec![part(lm, bx, &[0, 0])])?;
+            b.add(
+                "lm_head.weight".into(),
+                &[n, h],
+                false,
+                vec![part(lm, bx, &[0, 0])],
+            )?;
         }
     }
     Ok(())

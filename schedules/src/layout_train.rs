@@ -349,8 +349,7 @@ impl TrainingLayout {
                                 continue;
                             }
                             let off = next[rank as usize];
-                            next[rank as usize] =
-                                align_up(off + b.numel() * p.dtype.size() as u64);
+                            next[rank as usize] = align_up(off + b.numel() * p.dtype.size() as u64);
                             shards.push(ShardSpec {
                                 rank,
                                 param: pid as u32,
@@ -375,7 +374,12 @@ impl TrainingLayout {
     /// which builds the grid of every tensor anyway.)
     pub fn validate(&self, model: &Model) -> Result<(), PlanError> {
         let mut order: Vec<&ShardSpec> = self.shards.iter().collect();
-        order.sort_by_key(|s| (s.rank, s.offset));
+        if !order
+            .windows(2)
+            .all(|w| (w[0].rank, w[0].offset) <= (w[1].rank, w[1].offset))
+        {
+            order.sort_by_key(|s| (s.rank, s.offset));
+        }
         let mut prev: Option<&ShardSpec> = None;
         for s in order {
             if s.rank >= self.ranks {

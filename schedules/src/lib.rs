@@ -11,7 +11,7 @@
 //! - [`layout_infer`]: inference layouts (`tp=8,ep=32,dp=4`, bf16 or fp8) as engine tensors.
 //! - [`planner`]: [`plan`] itself; [`balance`] spreads replicated data; [`runs`] merges writes.
 //! - [`cost`]: the cost model; [`summary`]: the figures `weightsync plan` prints.
-//! - [`error`]: [`PlanError`].
+//! - [`error`]: [`PlanError`], what can go wrong.
 //!
 //! # Example
 //! ```

@@ -561,10 +561,7 @@ impl Model {
                 dt,
                 lay(LayerKind::PostAttnNorm),
             );
-            let is_moe = c
-                .moe
-                .as_ref()
-                .is_some_and(|m| m.moe_layers[l as usize]);
+            let is_moe = c.moe.as_ref().is_some_and(|m| m.moe_layers[l as usize]);
             if !is_moe {
                 let i = c.intermediate;
                 for (proj, nm, dims) in [

@@ -10,7 +10,9 @@
 //! 3. **Regions.** A destination box is cut along the grid into regions, each inside one cell.
 //!    For fp8 destinations a cut that is not on a 128 boundary would split a quantisation block,
 //!    so the block row (or column) around it becomes a *gather region*: one owner quantises it
-//!    after every holder has written its part into the owner's gather arena.
+//!    after every holder has written its part into the owner's gather arena. A small box cut
+//!    into many regions smaller than a work request is worth (a norm over 128 ranks) is made
+//!    one gather region too, so each destination gets one write instead of one per source.
 //! 4. **Sources.** Single-replica regions are fixed. Gather owners go to the least loaded holder
 //!    of the largest part. Small replicated regions go whole to the least loaded replica; the
 //!    rest are spread exactly by the min-max flow of [`crate::balance`], cutting regions along
@@ -108,8 +110,8 @@ impl Grid {
     }
 
     fn holders(&self, cell: u32) -> &[u32] {
-        &self.holders
-            [self.holder_first[cell as usize] as usize..self.holder_first[cell as usize + 1] as usize]
+        &self.holders[self.holder_first[cell as usize] as usize
+            ..self.holder_first[cell as usize + 1] as usize]
     }
 
     /// The box of a cell.
@@ -139,6 +141,8 @@ struct Region {
     dgroup: u32,
     bx: TensorBox,
     cell: u32,
+    /// Writes to destinations (all targets).
+    writes: u32,
     weight: u64,
 }
 
@@ -150,7 +154,11 @@ enum Assign {
     /// Split: `splits[first..first+n]`.
     Split { first: u32, n: u32 },
     /// Gathered to `owner_shard`'s rank from `gather_parts[first..first+n]`.
-    Gather { owner_shard: u32, first: u32, n: u32 },
+    Gather {
+        owner_shard: u32,
+        first: u32,
+        n: u32,
+    },
 }
 
 struct Planner<'a> {
@@ -159,7 +167,7 @@ struct Planner<'a> {
     infer: &'a InferenceLayout,
     cost: &'a CostModel,
     /// Pieces sorted by (param, box, rank, tensor).
-    order: Vec<u32>,
+    sorted: Vec<Piece>,
     dgroups: Vec<DGroup>,
     /// Per param, its dgroups range.
     dgroup_first: Vec<u32>,
@@ -173,6 +181,8 @@ struct Planner<'a> {
     splits: Vec<(TensorBox, u32)>,
     gather_parts: Vec<(TensorBox, u32)>,
     loads: Vec<u64>,
+    /// Inference ranks with identical tensor layouts share a class (same id).
+    layout_class: Vec<u32>,
     /// Expected tasks and writes per trainer (capacity hints).
     est_tasks: Vec<u64>,
     est_writes: Vec<u64>,
@@ -189,17 +199,23 @@ fn validate_infer(model: &Model, infer: &InferenceLayout) -> Result<(), PlanErro
         }
         for t in &r.tensors {
             if t.len != t.shape.numel() * t.dtype.size() as u64
-                || r.mr_bytes.get(t.mr as usize).is_none_or(|&m| t.offset + t.len > m)
+                || r.mr_bytes
+                    .get(t.mr as usize)
+                    .is_none_or(|&m| t.offset + t.len > m)
             {
                 return Err(PlanError::BadInferenceLayout {
                     rank: r.rank,
-                    reason: format!("tensor {} does not fit its MR {} or its shape", t.name, t.mr),
+                    reason: format!(
+                        "tensor {} does not fit its MR {} or its shape",
+                        t.name, t.mr
+                    ),
                 });
             }
         }
     }
     // Per destination tensor: pieces inside it, volumes adding up, no overlaps.
-    let mut per_tensor: BTreeMap<(u32, u32), Vec<(TensorBox, u32)>> = BTreeMap::new();
+    // (rank, tensor, destination box, param) of every piece and of its scales.
+    let mut placed: Vec<(u32, u32, TensorBox, u32)> = Vec::with_capacity(2 * infer.pieces.len());
     for pc in &infer.pieces {
         let bad = |reason: String| PlanError::BadInferenceLayout {
             rank: pc.rank,
@@ -228,7 +244,10 @@ fn validate_infer(model: &Model, infer: &InferenceLayout) -> Result<(), PlanErro
             .get(pc.tensor as usize)
             .ok_or_else(|| bad(format!("piece of {} names tensor {}", p.name, pc.tensor)))?;
         if t.shape.ndim < p.shape.ndim {
-            return Err(bad(format!("tensor {} has fewer dims than {}", t.name, p.name)));
+            return Err(bad(format!(
+                "tensor {} has fewer dims than {}",
+                t.name, p.name
+            )));
         }
         let db = dst_box(pc, &pc.src, t.shape.ndim as usize);
         if !db.fits_in(t.shape) {
@@ -261,10 +280,7 @@ fn validate_infer(model: &Model, infer: &InferenceLayout) -> Result<(), PlanErro
                 if pc.scale.is_some() { "" } else { "no" }
             )));
         }
-        per_tensor
-            .entry((pc.rank, pc.tensor))
-            .or_default()
-            .push((db, pc.param));
+        placed.push((pc.rank, pc.tensor, db, pc.param));
         if let Some(sc) = pc.scale {
             let st = r
                 .tensors
@@ -277,43 +293,78 @@ fn validate_infer(model: &Model, infer: &InferenceLayout) -> Result<(), PlanErro
                     p.name, sb, st.name, st.shape
                 )));
             }
-            per_tensor
-                .entry((pc.rank, sc.tensor))
-                .or_default()
-                .push((sb, pc.param));
+            placed.push((pc.rank, sc.tensor, sb, pc.param));
         }
     }
-    for ((rank, tensor), mut boxes) in per_tensor {
+    // Builders list pieces rank by rank, tensor by tensor: then only each tensor's few boxes
+    // need sorting.
+    if placed
+        .windows(2)
+        .all(|w| (w[0].0, w[0].1) <= (w[1].0, w[1].1))
+    {
+        let mut i = 0;
+        while i < placed.len() {
+            let mut j = i + 1;
+            while j < placed.len() && (placed[j].0, placed[j].1) == (placed[i].0, placed[i].1) {
+                j += 1;
+            }
+            placed[i..j].sort_unstable_by_key(|x| (x.2.start, x.2.len));
+            i = j;
+        }
+    } else {
+        placed.sort_unstable_by_key(|x| (x.0, x.1, x.2.start, x.2.len));
+    }
+    let mut covered = vec![Vec::new(); infer.ranks.len()];
+    for (rank, r) in infer.ranks.iter().enumerate() {
+        covered[rank] = vec![false; r.tensors.len()];
+    }
+    let mut i = 0;
+    while i < placed.len() {
+        let (rank, tensor) = (placed[i].0, placed[i].1);
+        let mut j = i + 1;
+        while j < placed.len() && placed[j].0 == rank && placed[j].1 == tensor {
+            j += 1;
+        }
+        let boxes = &placed[i..j];
         let t = &infer.ranks[rank as usize].tensors[tensor as usize];
-        boxes.sort_by_key(|(b, _)| (b.start, b.len));
+        covered[rank as usize][tensor as usize] = true;
         let cover = |reason: String, param: u32| PlanError::DestinationCoverage {
             param: model.params[param as usize].name.clone(),
             rank,
             tensor: t.name.clone(),
             reason,
         };
-        for i in 0..boxes.len() {
-            for j in i + 1..boxes.len() {
-                if boxes[j].0.start[0] >= boxes[i].0.end(0) {
+        for a in 0..boxes.len() {
+            for b in a + 1..boxes.len() {
+                if boxes[b].2.start[0] >= boxes[a].2.end(0) {
                     break;
                 }
-                if boxes[i].0.intersect(&boxes[j].0).is_some() {
+                if boxes[a].2.intersect(&boxes[b].2).is_some() {
                     return Err(cover(
-                        format!("{} and {} overlap", boxes[i].0, boxes[j].0),
-                        boxes[j].1,
+                        format!("{} and {} overlap", boxes[a].2, boxes[b].2),
+                        boxes[b].3,
                     ));
                 }
             }
         }
-        let vol: u64 = boxes.iter().map(|(b, _)| b.numel()).sum();
+        let vol: u64 = boxes.iter().map(|x| x.2.numel()).sum();
         if vol != t.shape.numel() {
             return Err(cover(
                 format!(
                     "pieces cover {vol} of its {} elements (every byte must be written once)",
                     t.shape.numel()
                 ),
-                boxes[0].1,
+                boxes[0].3,
             ));
+        }
+        i = j;
+    }
+    for (rank, r) in infer.ranks.iter().enumerate() {
+        if let Some(k) = covered[rank].iter().position(|c| !c) {
+            return Err(PlanError::BadInferenceLayout {
+                rank: rank as u32,
+                reason: format!("tensor {} is filled by no piece", r.tensors[k].name),
+            });
         }
     }
     Ok(())
@@ -462,11 +513,26 @@ impl<'a> Planner<'a> {
         cost: &'a CostModel,
     ) -> Result<Planner<'a>, PlanError> {
         let np = model.params.len();
-        let mut order: Vec<u32> = (0..infer.pieces.len() as u32).collect();
-        order.sort_by_key(|&i| {
-            let p = &infer.pieces[i as usize];
-            (p.param, p.src, p.rank, p.tensor)
-        });
+        // Pieces by param (a counting sort), then by (box, rank, tensor) within a param.
+        let mut piece_first = vec![0usize; np + 1];
+        for p in &infer.pieces {
+            piece_first[p.param as usize + 1] += 1;
+        }
+        for k in 0..np {
+            piece_first[k + 1] += piece_first[k];
+        }
+        let mut order = vec![0u32; infer.pieces.len()];
+        let mut next = piece_first.clone();
+        for (i, p) in infer.pieces.iter().enumerate() {
+            order[next[p.param as usize]] = i as u32;
+            next[p.param as usize] += 1;
+        }
+        for k in 0..np {
+            order[piece_first[k]..piece_first[k + 1]].sort_unstable_by_key(|&i| {
+                let p = &infer.pieces[i as usize];
+                (p.src.start, p.src.len, p.rank, p.tensor)
+            });
+        }
         let mut dgroups = Vec::new();
         let mut dgroup_first = vec![0u32; np + 1];
         let mut i = 0;
@@ -493,8 +559,7 @@ impl<'a> Planner<'a> {
         for k in 0..np {
             dgroup_first[k + 1] += dgroup_first[k];
         }
-        let mut shard_order: Vec<u32> = (0..train.shards.len() as u32).collect();
-        shard_order.sort_by_key(|&i| (train.shards[i as usize].param, i));
+        // Shards grouped by param, in layout order within a param (a counting sort).
         let mut shard_first = vec![0u32; np + 1];
         for s in &train.shards {
             shard_first[s.param as usize + 1] += 1;
@@ -502,15 +567,23 @@ impl<'a> Planner<'a> {
         for k in 0..np {
             shard_first[k + 1] += shard_first[k];
         }
+        let mut shard_order = vec![0u32; train.shards.len()];
+        let mut next = shard_first.clone();
+        for (i, s) in train.shards.iter().enumerate() {
+            shard_order[next[s.param as usize] as usize] = i as u32;
+            next[s.param as usize] += 1;
+        }
         if train.shards.len() > u32::MAX as usize || infer.pieces.len() > u32::MAX as usize {
-            return Err(PlanError::TooLarge("more than 2^32 shards or pieces".into()));
+            return Err(PlanError::TooLarge(
+                "more than 2^32 shards or pieces".into(),
+            ));
         }
         Ok(Planner {
             model,
             train,
             infer,
             cost,
-            order,
+            sorted: order.iter().map(|&i| infer.pieces[i as usize]).collect(),
             dgroups,
             dgroup_first,
             shard_order,
@@ -524,6 +597,7 @@ impl<'a> Planner<'a> {
             loads: vec![0; train.ranks as usize],
             est_tasks: vec![0; train.ranks as usize],
             est_writes: vec![0; train.ranks as usize],
+            layout_class: layout_classes(infer),
         })
     }
 
@@ -563,7 +637,10 @@ impl<'a> Planner<'a> {
             g.strides[d] = ncells as u32;
             ncells *= (g.cuts(d).len() - 1) as u64;
             if ncells > u32::MAX as u64 / 2 {
-                return Err(PlanError::TooLarge(format!("{}: too many grid cells", p.name)));
+                return Err(PlanError::TooLarge(format!(
+                    "{}: too many grid cells",
+                    p.name
+                )));
             }
         }
         let mut pairs: Vec<(u32, u32)> = Vec::new();
@@ -631,7 +708,7 @@ impl<'a> Planner<'a> {
     }
 
     fn target_piece(&self, dg: &DGroup, k: u32) -> &Piece {
-        &self.infer.pieces[self.order[(dg.first + k) as usize] as usize]
+        &self.sorted[(dg.first + k) as usize]
     }
 
     /// Load weight of sending region `r` of dgroup `dg` to all its targets.
@@ -645,7 +722,12 @@ impl<'a> Planner<'a> {
         let mut bytes = r.numel() * t.dtype.size() as u64;
         if dg.fp8 {
             let st = &rank.tensors[pc.scale.expect("fp8 piece").tensor as usize];
-            let sb = scale_box(pc, r, st.shape.ndim as usize, self.model.params[pid].shape.ndim as usize);
+            let sb = scale_box(
+                pc,
+                r,
+                st.shape.ndim as usize,
+                self.model.params[pid].shape.ndim as usize,
+            );
             wrs += count_runs(&sb, &st.shape);
             bytes += sb.numel() * 4;
         }
@@ -684,11 +766,12 @@ impl<'a> Planner<'a> {
                 let out_bytes = bx.numel() * dgr.dtype.size() as u64;
                 let src_bytes = bx.numel() * self.model.params[pid].dtype.size() as u64;
                 if nregions > 1 && out_bytes / (nregions as u64) < wr && src_bytes <= 64 * wr {
-                    let (w, _) = self.weight(dgr, &bx, pid);
+                    let (w, wrs) = self.weight(dgr, &bx, pid);
                     self.regions.push(Region {
                         dgroup: dgi,
                         bx,
                         cell: GATHER,
+                        writes: wrs as u32,
                         weight: w,
                     });
                     continue;
@@ -721,6 +804,7 @@ impl<'a> Planner<'a> {
                         dgroup: dgi,
                         bx: r,
                         cell,
+                        writes: wrs as u32,
                         weight: w,
                     });
                     let mut d = nd;
@@ -769,8 +853,7 @@ impl<'a> Planner<'a> {
         let mut small: Vec<u32> = Vec::new();
         let mut big: Vec<u32> = Vec::new();
         // Gathers and singles first.
-        for pid in 0..np {
-            let grid = &grids[pid];
+        for (pid, grid) in grids.iter().enumerate().take(np) {
             for ri in self.region_first[pid]..self.region_first[pid + 1] {
                 let reg = self.regions[ri as usize];
                 if reg.cell != GATHER {
@@ -821,6 +904,8 @@ impl<'a> Planner<'a> {
                 let owner_shard = self.least_loaded(grid.holders(best.expect("a part").1));
                 let owner = self.shard(owner_shard).rank;
                 self.loads[owner as usize] += reg.weight;
+                self.est_tasks[owner as usize] += 1;
+                self.est_writes[owner as usize] += reg.writes as u64;
                 let n = self.gather_parts.len() as u32 - first;
                 let elem = self.shard(owner_shard).dtype.size() as u64;
                 for k in first..first + n {
@@ -832,8 +917,10 @@ impl<'a> Planner<'a> {
                         .find(|&s| self.shard(s).rank == owner)
                         .unwrap_or_else(|| self.least_loaded(h));
                     let srank = self.shard(sender).rank;
+                    let runs = count_runs(&part.relative_to(&reg.bx), &reg.bx.shape());
+                    self.est_tasks[srank as usize] += 1;
+                    self.est_writes[srank as usize] += runs;
                     if srank != owner {
-                        let runs = count_runs(&part.relative_to(&reg.bx), &reg.bx.shape());
                         self.loads[srank as usize] += part.numel() * elem + runs * wr;
                     }
                     self.gather_parts[k as usize].1 = sender;
@@ -853,6 +940,8 @@ impl<'a> Planner<'a> {
             let s = self.least_loaded(grids[pid].holders(reg.cell));
             let r = self.shard(s).rank as usize;
             self.loads[r] += reg.weight;
+            self.est_tasks[r] += 1;
+            self.est_writes[r] += reg.writes as u64;
             self.assign[ri as usize] = Assign::Shard(s);
         }
         // Big replicated regions: exact min-max split by replica set.
@@ -923,6 +1012,8 @@ impl<'a> Planner<'a> {
                     sub.start[sd] = reg.bx.start[sd] + done * unit;
                     sub.len[sd] = ((done + k) * unit).min(reg.bx.len[sd]) - done * unit;
                     self.splits.push((sub, shard_of(ranks[cur])));
+                    self.est_tasks[ranks[cur] as usize] += 1;
+                    self.est_writes[ranks[cur] as usize] += reg.writes as u64;
                     quota[cur] -= k as i128 * per_unit;
                     done += k;
                 }
@@ -1046,12 +1137,24 @@ impl<'a> Planner<'a> {
                 for ri in self.region_first[pid as usize]..self.region_first[pid as usize + 1] {
                     let reg = &self.regions[ri as usize];
                     match self.assign[ri as usize] {
-                        Assign::Shard(s) => {
-                            self.emit_task(&mut builders, &mut rollout_writes, reg, &reg.bx, s, None)
-                        }
+                        Assign::Shard(s) => self.emit_task(
+                            &mut builders,
+                            &mut rollout_writes,
+                            reg,
+                            &reg.bx,
+                            s,
+                            None,
+                        ),
                         Assign::Split { first, n } => {
                             for &(sub, s) in &self.splits[first as usize..(first + n) as usize] {
-                                self.emit_task(&mut builders, &mut rollout_writes, reg, &sub, s, None);
+                                self.emit_task(
+                                    &mut builders,
+                                    &mut rollout_writes,
+                                    reg,
+                                    &sub,
+                                    s,
+                                    None,
+                                );
                             }
                         }
                         Assign::Gather { .. } => {}
@@ -1210,13 +1313,33 @@ impl<'a> Planner<'a> {
             Transform::Fp8Block { scale_offset, .. } => scale_offset,
             _ => 0,
         };
+        let mut prev: Option<(&Piece, usize, u32)> = None;
         for k in 0..dg.n {
             let pc = self.target_piece(dg, k);
+            let before = nw;
+            let dst = Endpoint::Rollout(pc.rank);
+            // A target laid out like the previous one (another engine, another attention
+            // replica) gets the same writes at the same offsets.
+            if let Some((pp, from, n)) = prev {
+                if self.layout_class[pp.rank as usize] == self.layout_class[pc.rank as usize]
+                    && pp.tensor == pc.tensor
+                    && pp.dst_start == pc.dst_start
+                    && pp.scale == pc.scale
+                {
+                    for i in from..from + n as usize {
+                        let w = Write { dst, ..writes[i] };
+                        writes.push(w);
+                    }
+                    nw += n;
+                    rollout_writes[pc.rank as usize] += n as u64;
+                    prev = Some((pc, from + n as usize, n));
+                    continue;
+                }
+            }
+            let from = writes.len();
             let rk = &self.infer.ranks[pc.rank as usize];
             let t = &rk.tensors[pc.tensor as usize];
             let db = dst_box(pc, bx, t.shape.ndim as usize);
-            let before = nw;
-            let dst = Endpoint::Rollout(pc.rank);
             for_each_run(&db, &t.shape, t.dtype.size() as u64, |so, d, len| {
                 push_split(writes, &mut nw, dst, t.mr, 0, so, t.offset + d, len);
             });
@@ -1224,10 +1347,20 @@ impl<'a> Planner<'a> {
                 let st = &rk.tensors[place.tensor as usize];
                 let sb = scale_box(pc, bx, st.shape.ndim as usize, pn);
                 for_each_run(&sb, &st.shape, 4, |so, d, len| {
-                    push_split(writes, &mut nw, dst, st.mr, 0, scale_offset + so, st.offset + d, len);
+                    push_split(
+                        writes,
+                        &mut nw,
+                        dst,
+                        st.mr,
+                        0,
+                        scale_offset + so,
+                        st.offset + d,
+                        len,
+                    );
                 });
             }
             rollout_writes[pc.rank as usize] += (nw - before) as u64;
+            prev = Some((pc, from, nw - before));
         }
         let source = match gather {
             Some(offset) => Source::Gather {
@@ -1251,6 +1384,32 @@ impl<'a> Planner<'a> {
         };
         b.plan.tasks.push(task);
     }
+}
+
+/// Groups inference ranks whose tensors have the same shapes, dtypes, MRs and offsets (names may
+/// differ: expert contents do, not their layout).
+fn layout_classes(infer: &InferenceLayout) -> Vec<u32> {
+    let mut reps: Vec<usize> = Vec::new();
+    let same = |a: &crate::layout_infer::InferRank, b: &crate::layout_infer::InferRank| {
+        a.mr_bytes == b.mr_bytes
+            && a.tensors.len() == b.tensors.len()
+            && a.tensors.iter().zip(&b.tensors).all(|(x, y)| {
+                x.shape == y.shape && x.dtype == y.dtype && x.mr == y.mr && x.offset == y.offset
+            })
+    };
+    infer
+        .ranks
+        .iter()
+        .map(
+            |r| match reps.iter().position(|&k| same(&infer.ranks[k], r)) {
+                Some(c) => c as u32,
+                None => {
+                    reps.push(r.rank as usize);
+                    (reps.len() - 1) as u32
+                }
+            },
+        )
+        .collect()
 }
 
 /// Pushes one run as writes of at most [`MAX_WRITE_BYTES`].

@@ -32,12 +32,7 @@ pub fn count_runs(bx: &TensorBox, shape: &Shape) -> u64 {
 /// Calls `f(src_offset, dst_offset, len)` (bytes) for each run of box `bx` (in `shape`'s
 /// coordinates, same number of dims) when the source is `bx` dense row-major and the
 /// destination is the whole tensor `shape` dense row-major; elements are `elem` bytes.
-pub fn for_each_run(
-    bx: &TensorBox,
-    shape: &Shape,
-    elem: u64,
-    mut f: impl FnMut(u64, u64, u64),
-) {
+pub fn for_each_run(bx: &TensorBox, shape: &Shape, elem: u64, mut f: impl FnMut(u64, u64, u64)) {
     if bx.is_empty() {
         return;
     }
@@ -96,6 +91,9 @@ mod tests {
         assert_eq!(runs(TensorBox::new(&[0, 0, 0], &[2, 2, 8]), s3).len(), 2);
         // Whole experts: one run.
         assert_eq!(runs(TensorBox::new(&[1, 0, 0], &[2, 4, 8]), s3).len(), 1);
-        assert_eq!(runs(TensorBox::new(&[3], &[5]), Shape::new(&[10])), vec![(0, 6, 10)]);
+        assert_eq!(
+            runs(TensorBox::new(&[3], &[5]), Shape::new(&[10])),
+            vec![(0, 6, 10)]
+        );
     }
 }

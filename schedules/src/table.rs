@@ -13,11 +13,13 @@
 //! the element at local index `i` (row-major over `shard.global.len`) lives at
 //! `shard.offset + i * dtype.size()`.
 //!
-//! **Trainer gather arena.** When an fp8 block (128x128) straddles training shards, the rows of
-//! that block live on several ranks. One rank, the owner, quantises the block from its *gather
-//! arena*: a flat byte region (registered as MR [`TRAINER_GATHER_MR`] on the trainer, size
-//! [`TrainerPlan::gather_arena_bytes`]) into which every contributing rank (including the owner
-//! itself) first writes its part with an ordinary Copy task whose writes target
+//! **Trainer gather arena.** Some regions are prepared by one trainer from rows that live on
+//! several: an fp8 block (128x128) straddling training shards must be quantised by one owner,
+//! and a small tensor cut into many tiny shards (a norm over 128 ranks) is cheaper to collect
+//! once than to write to every destination in pieces. The owner prepares such a region from its
+//! *gather arena*: a flat byte region (registered as MR [`TRAINER_GATHER_MR`] on the trainer,
+//! size [`TrainerPlan::gather_arena_bytes`]) into which every contributing rank (including the
+//! owner itself) first writes its part with an ordinary Copy task whose writes target
 //! [`Endpoint::Trainer`]. The gathered region is a dense row-major box in the source dtype at
 //! [`Source::Gather::offset`]. Gather bytes are never reused within a sync.
 //!

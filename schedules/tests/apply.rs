@@ -13,7 +13,11 @@ fn run_case(json: &str, experts: ExpertForm, train: &str, infer: &str, fp8: bool
     let mut tspec: TrainSpec = train.parse().unwrap();
     tspec.experts = experts;
     let mut ispec: InferSpec = infer.parse().unwrap();
-    ispec.dtype = if fp8 { InferDType::Fp8 } else { InferDType::Bf16 };
+    ispec.dtype = if fp8 {
+        InferDType::Fp8
+    } else {
+        InferDType::Bf16
+    };
     let tl = TrainingLayout::build(&m, &tspec).unwrap();
     let il = InferenceLayout::build(&m, &ispec).unwrap();
     let table = plan(&m, &tl, &il, &CostModel::default()).unwrap();
@@ -36,20 +40,50 @@ fn dense_gqa_bf16_and_fp8_with_gathers() {
 
 #[test]
 fn mqa_with_bias_tied_embeddings_and_training_tp() {
-    run_case(QWEN2_MQA, ExpertForm::PerExpert, "fsdp=2", "tp=2,dp=2", true);
+    run_case(
+        QWEN2_MQA,
+        ExpertForm::PerExpert,
+        "fsdp=2",
+        "tp=2,dp=2",
+        true,
+    );
     run_case(DENSE, ExpertForm::PerExpert, "tp=2,fsdp=3", "tp=4", true);
-    run_case(QWEN2_MQA, ExpertForm::PerExpert, "dp=2,fsdp=3", "tp=4", false);
+    run_case(
+        QWEN2_MQA,
+        ExpertForm::PerExpert,
+        "dp=2,fsdp=3",
+        "tp=4",
+        false,
+    );
 }
 
 #[test]
 fn moe_per_expert_and_stacked_under_ep() {
-    run_case(MOE, ExpertForm::PerExpert, "pp=2,ep=2,fsdp=2", "tp=2,ep=4", true);
-    run_case(MOE, ExpertForm::Stacked, "ep=2,fsdp=3", "tp=2,ep=4,dp=2", true);
+    run_case(
+        MOE,
+        ExpertForm::PerExpert,
+        "pp=2,ep=2,fsdp=2",
+        "tp=2,ep=4",
+        true,
+    );
+    run_case(
+        MOE,
+        ExpertForm::Stacked,
+        "ep=2,fsdp=3",
+        "tp=2,ep=4,dp=2",
+        true,
+    );
     run_case(MOE, ExpertForm::PerExpert, "dp=2,fsdp=2", "tp=2", false);
 }
 
 #[test]
 fn mla_with_shared_experts_and_score_bias() {
-    run_case(MLA, ExpertForm::PerExpert, "pp=2,ep=2,fsdp=3", "tp=2,ep=4,dp=2", true);
+    run_case(
+        MLA,
+        ExpertForm::PerExpert,
+        "pp=2,ep=2,fsdp=3",
+        "tp=2,ep=4,dp=2",
+        true,
+    );
     run_case(MLA, ExpertForm::Stacked, "ep=4,fsdp=2", "tp=2,ep=2", false);
 }

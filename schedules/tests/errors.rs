@@ -83,7 +83,10 @@ fn fp8_shard_off_the_block_grid_is_refused() {
     };
     let e = InferenceLayout::build(&m, &spec).unwrap_err();
     assert!(matches!(e, PlanError::Fp8Misaligned { .. }), "{e}");
-    assert!(e.to_string().contains("gate_proj") && e.to_string().contains("rank 0"), "{e}");
+    assert!(
+        e.to_string().contains("gate_proj") && e.to_string().contains("rank 0"),
+        "{e}"
+    );
 }
 
 #[test]

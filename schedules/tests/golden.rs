@@ -72,7 +72,11 @@ fn dump(table: &RoutingTable, summary: &Summary) -> String {
             r.rank, r.engine, r.local_rank, r.mr_bytes[0], r.expect[0].writes
         );
         for t in &r.tensors {
-            let _ = writeln!(s, "  {} {} {} @{}+{}", t.name, t.shape, t.dtype, t.offset, t.len);
+            let _ = writeln!(
+                s,
+                "  {} {} {} @{}+{}",
+                t.name, t.shape, t.dtype, t.offset, t.len
+            );
         }
     }
     let _ = writeln!(s, "{}", serde_json::to_string_pretty(summary).unwrap());

@@ -68,16 +68,18 @@ fn case() -> impl Strategy<Value = Case> {
         (1u32..3, prop::sample::select(vec![1u32, 2, 4]), 1u32..3),
         any::<bool>(),
     )
-        .prop_map(|((json, stacked), (pp, dp, ep, fsdp, tp), (itp, iep, idp), fp8)| {
-            let iep = if iep > 1 && iep % itp != 0 { itp } else { iep };
-            Case {
-                json,
-                stacked,
-                train: format!("pp={pp},dp={dp},ep={ep},fsdp={fsdp},tp={tp}"),
-                infer: format!("tp={itp},ep={iep},dp={idp}"),
-                fp8,
-            }
-        })
+        .prop_map(
+            |((json, stacked), (pp, dp, ep, fsdp, tp), (itp, iep, idp), fp8)| {
+                let iep = if iep > 1 && iep % itp != 0 { itp } else { iep };
+                Case {
+                    json,
+                    stacked,
+                    train: format!("pp={pp},dp={dp},ep={ep},fsdp={fsdp},tp={tp}"),
+                    infer: format!("tp={itp},ep={iep},dp={idp}"),
+                    fp8,
+                }
+            },
+        )
 }
 
 /// Builds the inputs; `None` when the random combination is legitimately refused (a degree

@@ -23,7 +23,6 @@
 use std::future::Future;
 use std::time::Duration;
 
-use futures_like::join_all;
 use weightsync_common::fabric::{
     Access, Endpoint, FabricBackend, FabricError, Memory, MemoryLocation, RawMemory, Region,
     RegionDescriptor, RemoteAccessKind, WriteOp,
@@ -67,19 +66,14 @@ pub trait BackendFactory: Sync {
     }
 }
 
-/// Minimal join helpers (the suite avoids extra dependencies).
-mod futures_like {
-    use std::future::Future;
-
-    /// Awaits every future, in order (they make progress concurrently on the backend's lanes
-    /// because writes are posted when created).
-    pub async fn join_all<F: Future>(futures: Vec<F>) -> Vec<F::Output> {
-        let mut out = Vec::with_capacity(futures.len());
-        for f in futures {
-            out.push(f.await);
-        }
-        out
+/// Awaits every future in order. The writes behind them make progress concurrently anyway:
+/// backends post a write when it is created, not when it is first polled.
+async fn join_all<F: Future>(futures: Vec<F>) -> Vec<F::Output> {
+    let mut out = Vec::with_capacity(futures.len());
+    for f in futures {
+        out.push(f.await);
     }
+    out
 }
 
 async fn guarded<T>(what: &str, f: impl Future<Output = T>) -> T {

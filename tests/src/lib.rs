@@ -12,3 +12,4 @@ pub mod proxy;
 pub mod controller_harness;
 pub mod proxied_cluster;
 pub mod process_cluster;
+pub mod reference;

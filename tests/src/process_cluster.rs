@@ -178,14 +178,21 @@ impl ProcessCluster {
         self.dir.path()
     }
 
-    fn common_job_args(&self, cmd: &mut Command) {
-        cmd.arg("--model")
-            .arg(&self.model_arg)
-            .args(["--train", &self.spec.train])
-            .args(["--infer", &self.spec.infer])
-            .args(["--dtype", &self.spec.dtype])
-            .args(["--verify", "true"])
-            .env("WEIGHTSYNC_JOB_TOKEN", JOB_TOKEN)
+    fn job_flags(&self) -> Vec<(String, String)> {
+        [
+            ("--model", self.model_arg.as_str()),
+            ("--train", &self.spec.train),
+            ("--infer", &self.spec.infer),
+            ("--dtype", &self.spec.dtype),
+            ("--verify", "true"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect()
+    }
+
+    fn common_env(cmd: &mut Command) {
+        cmd.env("WEIGHTSYNC_JOB_TOKEN", JOB_TOKEN)
             .env("RUST_LOG", "info")
             .env("RUST_BACKTRACE", "0")
             .env("RUST_LIB_BACKTRACE", "0")
@@ -212,7 +219,10 @@ impl ProcessCluster {
             ])
             .args(["--sync-timeout-s", &self.spec.sync_timeout_s.to_string()])
             .env("WEIGHTSYNC_API_TOKEN", API_TOKEN);
-        self.common_job_args(&mut cmd);
+        for (k, v) in self.job_flags() {
+            cmd.arg(k).arg(v);
+        }
+        Self::common_env(&mut cmd);
         let name = format!("controller-{}", self.restarts);
         self.restarts += 1;
         self.controller =
@@ -224,9 +234,14 @@ impl ProcessCluster {
         self.start_worker_with(role, rank, &[]);
     }
 
-    /// Starts worker `role` `rank` with extra flags (later flags win) in its slot, replacing
+    /// Starts worker `role` `rank` with extra flags (replacing defaults of the same name) in its slot, replacing
     /// (and killing) whatever process held the slot.
-    pub fn start_worker_with(&mut self, role: &str, rank: u32, extra: &[&str]) -> &mut ChildProcess {
+    pub fn start_worker_with(
+        &mut self,
+        role: &str,
+        rank: u32,
+        extra: &[(&str, &str)],
+    ) -> &mut ChildProcess {
         let p = self.spawn_worker(role, rank, extra);
         let slot = if role == "trainer" {
             &mut self.trainers[rank as usize]
@@ -239,7 +254,7 @@ impl ProcessCluster {
 
     /// Spawns a worker process for `role` `rank` that the cluster does not track (an impostor,
     /// a duplicate); the caller owns it.
-    pub fn spawn_worker(&self, role: &str, rank: u32, extra: &[&str]) -> ChildProcess {
+    pub fn spawn_worker(&self, role: &str, rank: u32, extra: &[(&str, &str)]) -> ChildProcess {
         let (prefix, ip) = match &self.placement {
             Placement::Loopback => (Vec::new(), "127.0.0.1".to_owned()),
             Placement::Hosts {
@@ -253,24 +268,34 @@ impl ProcessCluster {
                 (h.0.clone(), h.1.clone())
             }
         };
-        let mut cmd = prefix_command(&prefix, &weightsync_binary());
-        cmd.args(["worker", role])
-            .args(["--controller", &self.control.to_string()])
-            .args(["--rank", &rank.to_string()])
-            .args(["--fabric-listen", &format!("{ip}:0")])
-            .args(["--reconnect-s", "60"])
-            .args(["--host", &format!("{role}-{rank}-host")]);
+        let mut flags: Vec<(String, String)> = vec![
+            ("--controller".into(), self.control.to_string()),
+            ("--rank".into(), rank.to_string()),
+            ("--fabric-listen".into(), format!("{ip}:0")),
+            ("--reconnect-s".into(), "60".into()),
+            ("--host".into(), format!("{role}-{rank}-host")),
+        ];
         if role == "trainer" {
-            cmd.args(["--source", &format!("demo:{SEED}")]).args([
-                "--watermark-mib",
-                &self.spec.watermark_mib.to_string(),
-            ]);
+            flags.push(("--source".into(), format!("demo:{SEED}")));
+            flags.push(("--watermark-mib".into(), self.spec.watermark_mib.to_string()));
         } else {
-            cmd.args(["--demo-check-seed", &SEED.to_string()])
-                .args(["--land-timeout-s", &self.spec.land_timeout_s.to_string()]);
+            flags.push(("--demo-check-seed".into(), SEED.to_string()));
+            flags.push(("--land-timeout-s".into(), self.spec.land_timeout_s.to_string()));
         }
-        self.common_job_args(&mut cmd);
-        cmd.args(extra);
+        flags.extend(self.job_flags());
+        // `extra` replaces a default flag of the same name (clap refuses repeated flags).
+        for (k, v) in extra {
+            match flags.iter_mut().find(|(f, _)| f == k) {
+                Some(slot) => slot.1 = (*v).to_owned(),
+                None => flags.push(((*k).to_owned(), (*v).to_owned())),
+            }
+        }
+        let mut cmd = prefix_command(&prefix, &weightsync_binary());
+        cmd.args(["worker", role]);
+        for (k, v) in flags {
+            cmd.arg(k).arg(v);
+        }
+        Self::common_env(&mut cmd);
         let n = std::fs::read_dir(self.dir.path()).map(|d| d.count()).unwrap_or(0);
         let name = format!("{role}-{rank}-{n}");
         ChildProcess::spawn(&name, cmd, self.dir.path()).expect("spawning a worker")

@@ -53,6 +53,7 @@ impl FullTensor {
 }
 
 /// The baseline's moving parts, set up once.
+#[derive(Debug)]
 pub struct BroadcastBaseline {
     trainers: Vec<(TcpFabric, Region)>,
     /// Rank 0's bucket buffers.

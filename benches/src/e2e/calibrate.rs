@@ -105,6 +105,8 @@ pub struct Check {
     pub within_tolerance: bool,
     /// What the simulator says dominates.
     pub dominated_by: String,
+    /// The rates measured just before this configuration ran.
+    pub rates: Rates,
 }
 
 /// The calibration report.
@@ -112,7 +114,7 @@ pub struct Check {
 pub struct Report {
     /// Always "calibrate".
     pub bench: &'static str,
-    /// Measured rates.
+    /// Rates measured before the first configuration (each check has its own).
     pub rates: Rates,
     /// The cluster model built from them.
     pub cluster: ClusterModel,
@@ -141,14 +143,16 @@ impl Report {
             "measured",
             "error"
         );
+        s = s.replacen(" error\n", " error  (fabric GB/s then)\n", 1);
         for c in &self.checks {
             s += &format!(
-                "{:<44} {:>9.3}s {:>9.3}s {:>+7.1}% {}\n",
+                "{:<44} {:>9.3}s {:>9.3}s {:>+7.1}% {} ({:.2})\n",
                 c.setup.label(),
                 c.predicted_s,
                 c.measured_s,
                 c.error * 100.0,
-                if c.within_tolerance { "ok" } else { "OFF" }
+                if c.within_tolerance { "ok" } else { "OFF" },
+                c.rates.fabric_bytes_per_s / 1e9
             );
         }
         s += &format!(
@@ -316,25 +320,31 @@ pub fn run(cfg: &Config) -> Result<Report, E2eError> {
             "calibration needs at least one configuration and one sync".into(),
         ));
     }
-    let (memcpy, fp8, castr) = kernel_rates(cfg.kernel_bytes)?;
     let rt = runtime()?;
-    let fabric = rt.block_on(fabric_rate(
-        4,
-        4,
-        cfg.fabric_pair_bytes,
-        cfg.workers.lanes_per_peer,
-    ))?;
-    let rates = Rates {
-        cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
-        fabric_bytes_per_s: fabric,
-        memcpy_1t_bytes_per_s: memcpy,
-        fp8_all_bytes_per_s: fp8,
-        cast_all_bytes_per_s: castr,
+    // Rates are measured again right before each configuration runs: the machine is shared and
+    // its load drifts, and a prediction is only fair against rates of the same moment.
+    let measure = |rt: &tokio::runtime::Runtime| -> Result<Rates, E2eError> {
+        let (memcpy, fp8, castr) = kernel_rates(cfg.kernel_bytes)?;
+        let fabric = rt.block_on(fabric_rate(
+            4,
+            4,
+            cfg.fabric_pair_bytes,
+            cfg.workers.lanes_per_peer,
+        ))?;
+        Ok(Rates {
+            cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            fabric_bytes_per_s: fabric,
+            memcpy_1t_bytes_per_s: memcpy,
+            fp8_all_bytes_per_s: fp8,
+            cast_all_bytes_per_s: castr,
+        })
     };
     let mut checks = Vec::new();
     let mut last_cluster = None;
+    let mut first_rates = None;
     for setup in &cfg.setups {
         let table = setup.plan(&CostModel::default())?;
+        let rates = measure(&rt)?;
         let gpus = (table.trainers.len() + table.rollouts.len()) as u32;
         let cluster = host_cluster(&rates, &cfg.workers, gpus, cfg.task_overhead_s);
         let sim = simulate(&table, &cluster)
@@ -363,13 +373,15 @@ pub fn run(cfg: &Config) -> Result<Report, E2eError> {
             error,
             within_tolerance: error.abs() <= cfg.tolerance,
             dominated_by: sim.dominated_by.clone(),
+            rates: rates.clone(),
         });
+        first_rates.get_or_insert(rates);
         last_cluster = Some(cluster);
     }
     let all_within_tolerance = checks.iter().all(|c| c.within_tolerance);
     Ok(Report {
         bench: "calibrate",
-        rates,
+        rates: first_rates.expect("at least one setup"),
         cluster: last_cluster.expect("at least one setup"),
         checks,
         tolerance: cfg.tolerance,

@@ -68,6 +68,7 @@ pub(crate) fn weights(len: u64, seed: u64) -> Vec<u8> {
 }
 
 /// Trainers and rollouts of one table, wired together.
+#[derive(Debug)]
 pub struct LoopbackCluster {
     trainers: Vec<Arc<TrainerWorker<TcpFabric>>>,
     rollouts: Vec<Arc<RolloutWorker<TcpFabric>>>,

@@ -88,7 +88,9 @@ pub trait FabricBackend: Clone + Send + Sync + std::fmt::Debug + 'static {
         self.register(Memory::alloc(len)?, access)
     }
 
-    /// Writes one op; resolves once it landed (acknowledged by the peer).
+    /// Writes one op; resolves once it landed (acknowledged by the peer). Backends post the write
+    /// when this is called, not when the future is first polled, so a caller can post many
+    /// writes and then await them (many in flight, like work requests on a send queue).
     fn write(&self, op: WriteOp) -> impl Future<Output = Result<()>> + Send + 'static;
 
     /// Writes many ops (merged and striped over lanes); resolves once all landed, or with the

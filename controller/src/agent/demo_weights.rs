@@ -23,15 +23,25 @@ fn mix(mut x: u64) -> u64 {
     x ^ (x >> 31)
 }
 
-/// The demo weight of element `index` (row-major in the logical tensor) of parameter `param`.
-/// Roughly N(0, 0.02)-sized with a few larger values so fp8 block scales differ.
-pub fn value_f32(seed: u64, version: u64, param: u32, index: u64) -> f32 {
-    let h = mix(seed
-        ^ mix(version.wrapping_add(0x9e37_79b9_7f4a_7c15))
-        ^ mix(u64::from(param).wrapping_mul(0xc2b2_ae3d_27d4_eb4f) ^ index));
+/// The per-(seed, version, parameter) key of [`value_from_key`].
+pub fn param_key(seed: u64, version: u64, param: u32) -> u64 {
+    mix(seed ^ mix(version.wrapping_add(0x9e37_79b9_7f4a_7c15))
+        ^ mix(u64::from(param).wrapping_mul(0xc2b2_ae3d_27d4_eb4f)))
+}
+
+/// The demo weight of element `index` (row-major in the logical tensor) of the parameter whose
+/// key is `key`. Roughly N(0, 0.02)-sized with a few larger values so fp8 block scales differ.
+#[inline]
+pub fn value_from_key(key: u64, index: u64) -> f32 {
+    let h = mix(key ^ index.wrapping_mul(0x9e37_79b9_7f4a_7c15));
     let u = (h >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0;
     let scale = if h & 0xff == 0 { 0.5 } else { 0.03 };
     u * scale
+}
+
+/// The demo weight of element `index` of parameter `param` for `version`.
+pub fn value_f32(seed: u64, version: u64, param: u32, index: u64) -> f32 {
+    value_from_key(param_key(seed, version, param), index)
 }
 
 fn bf16_bits(v: f32) -> u16 {
@@ -59,8 +69,10 @@ fn put(out: &mut Vec<u8>, v: f32, dtype: DType) {
 }
 
 /// float8 e4m3fn encoding, round to nearest even, saturating to ±448; NaN to 0x7f.
+#[inline]
 pub fn e4m3(x: f32) -> u8 {
-    let sign = if x.is_sign_negative() { 0x80u8 } else { 0 };
+    let bits = x.to_bits();
+    let sign = ((bits >> 24) & 0x80) as u8;
     if x.is_nan() {
         return sign | 0x7f;
     }
@@ -68,23 +80,22 @@ pub fn e4m3(x: f32) -> u8 {
     if a >= 448.0 {
         return sign | 0x7e;
     }
-    let min_normal = 2f32.powi(-6);
-    if a < min_normal {
-        // Subnormals: multiples of 2^-9.
-        let q = (a * 512.0).round_ties_even() as u8; // 0..=8; 8 is the smallest normal
-        return sign | q;
+    if a < 1.0 / 64.0 {
+        // Subnormals: multiples of 2^-9 (8 is the smallest normal, code 0x08).
+        return sign | (a * 512.0).round_ties_even() as u8;
     }
-    let e = a.log2().floor() as i32;
-    let e = if 2f32.powi(e) > a { e - 1 } else { e };
-    let m = a / 2f32.powi(e) - 1.0;
-    let mut mq = (m * 8.0).round_ties_even() as i32;
-    let mut e = e;
+    let b = a.to_bits();
+    let mut e = ((b >> 23) & 0xff) as i32 - 127;
+    let m = b & 0x7f_ffff;
+    // Keep 3 mantissa bits, round to nearest even.
+    let lsb = (m >> 20) & 1;
+    let mut mq = (m + 0x7_ffff + lsb) >> 20;
     if mq == 8 {
         mq = 0;
         e += 1;
     }
-    let code = ((e + 7) << 3) | mq;
-    sign | (code.min(0x7e) as u8)
+    let code = (((e + 7) as u32) << 3) | mq;
+    sign | code.min(0x7e) as u8
 }
 
 fn box_rows(b: &TensorBox) -> (u64, u32) {
@@ -129,6 +140,7 @@ pub fn fill_shard(
     if row_bytes == 0 {
         return;
     }
+    let key = param_key(seed, version, param.id);
     arena_part
         .par_chunks_mut(row_bytes)
         .enumerate()
@@ -137,11 +149,7 @@ pub fn fill_shard(
             let base = flat(&param.shape, &c);
             let mut buf = Vec::with_capacity(row_bytes);
             for i in 0..u64::from(row_len) {
-                put(
-                    &mut buf,
-                    value_f32(seed, version, param.id, base + i),
-                    shard.dtype,
-                );
+                put(&mut buf, value_from_key(key, base + i), shard.dtype);
             }
             out.copy_from_slice(&buf);
         });
@@ -222,21 +230,21 @@ fn place_piece(
     let nd = p.src.ndim as usize;
     let lead = (t.shape.ndim as usize).saturating_sub(nd);
     let (rows, row_len) = box_rows(&p.src);
-    let value = |c: &[u32; 4], i: u32| {
-        let mut c = *c;
-        c[nd - 1] += i;
-        round_to(
-            value_f32(seed, version, p.param, flat(&param.shape, &c)),
-            param.dtype,
-        )
+    let key = param_key(seed, version, p.param);
+    // The last dim is contiguous in the logical tensor: element i of a row is base + i.
+    let row_values = |c: &[u32; 4], n: u32| -> Vec<f32> {
+        let base = flat(&param.shape, c);
+        (0..u64::from(n))
+            .map(|i| round_to(value_from_key(key, base + i), param.dtype))
+            .collect()
     };
     let mut out = Vec::new();
     if t.dtype != DType::F8E4M3 {
         for row in 0..rows {
             let c = row_coords(&p.src, row);
             let mut bytes = Vec::with_capacity(row_len as usize * t.dtype.size());
-            for i in 0..row_len {
-                put(&mut bytes, value(&c, i), t.dtype);
+            for v in row_values(&c, row_len) {
+                put(&mut bytes, v, t.dtype);
             }
             out.push(Placed {
                 mr: t.mr,
@@ -264,7 +272,7 @@ fn place_piece(
                 if nd >= 2 {
                     c[rows_dim] += i;
                 }
-                (0..ncols).map(|j| value(&c, j)).collect()
+                row_values(&c, ncols)
             })
             .collect();
         let mut inv = vec![0f32; (rb * cb) as usize];

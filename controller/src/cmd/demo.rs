@@ -429,7 +429,11 @@ async fn demo(args: Args) -> anyhow::Result<()> {
 
     if !args.exit {
         eprintln!("\ndashboard: {dashboard}  (Ctrl-C to stop)");
-        let _ = tokio::signal::ctrl_c().await;
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
     }
     let _ = stop_tx.send(());
     let _ = server.await;

@@ -84,7 +84,15 @@ pub(super) fn plan(
         p.ops[g as usize].latency_s = opts.nccl_call_s;
         p.ops[g as usize].acquire = Some((pool, 1));
         let prep_s = b.full / cluster.prep.fp8 + b.tensors as f64 * cluster.task_overhead_s;
-        let q = p.op(lane, Stage::Prepare, k as u32, b.full as u64, prep_s, 0.0, &[]);
+        let q = p.op(
+            lane,
+            Stage::Prepare,
+            k as u32,
+            b.full as u64,
+            prep_s,
+            0.0,
+            &[],
+        );
         p.after(g, q);
         let hops = ring_hops(cluster, opts, node, &bytes.rollout_nodes, b.checkpoint);
         let bc = p.transfer(
@@ -102,7 +110,15 @@ pub(super) fn plan(
         p.after(prev_bc, bc);
         p.lands.push((bc, engines));
         let reload_s = b.checkpoint * bytes.max_rank_share / cluster.prep.copy;
-        let rl = p.op(engines, Stage::Land, k as u32, b.checkpoint as u64, reload_s, 0.0, &[]);
+        let rl = p.op(
+            engines,
+            Stage::Land,
+            k as u32,
+            b.checkpoint as u64,
+            reload_s,
+            0.0,
+            &[],
+        );
         p.ops[rl as usize].release = Some((pool, 1));
         p.after(bc, rl);
         p.after(prev_reload, rl);

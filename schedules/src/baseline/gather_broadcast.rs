@@ -75,7 +75,15 @@ pub(super) fn plan(
         p.after(g, bc);
         p.lands.push((bc, engines));
         let reload_s = full * bytes.max_rank_share / cluster.prep.fp8;
-        let rl = p.op(engines, Stage::Land, gid as u32, full as u64, reload_s, 0.0, &[]);
+        let rl = p.op(
+            engines,
+            Stage::Land,
+            gid as u32,
+            full as u64,
+            reload_s,
+            0.0,
+            &[],
+        );
         p.after(bc, rl);
         p.after(prev_reload, rl);
         prev_bc = bc;

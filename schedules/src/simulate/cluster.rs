@@ -92,9 +92,7 @@ pub struct ClusterModel {
     /// Fixed cost of one task in the prepare stage (a kernel launch, a scheduler hop), seconds.
     pub task_overhead_s: f64,
     /// Pieces whose writes a trainer keeps in flight at once (0: as many as the watermark
-    /// allows). A NIC serves each destination's queue pair in order, so pieces posted later
-    /// mostly wait behind earlier ones; a small number here is both closer to that and what keeps
-    /// cluster-scale simulations fast.
+    /// allows, as the worker does).
     pub writes_in_flight: u32,
     /// The shared host CPU, when stages compete for it (loopback); `None` on a GPU cluster.
     pub host: Option<HostModel>,
@@ -119,7 +117,7 @@ impl ClusterModel {
             watermark_bytes: 2 << 30,
             piece_bytes: None,
             task_overhead_s: 10e-6,
-            writes_in_flight: 2,
+            writes_in_flight: 0,
             host: None,
         }
     }
@@ -194,7 +192,9 @@ impl ClusterModel {
             )));
         }
         if self.watermark_bytes == 0 {
-            return Err(SimError::BadCluster("watermark_bytes must be positive".into()));
+            return Err(SimError::BadCluster(
+                "watermark_bytes must be positive".into(),
+            ));
         }
         Ok(())
     }
@@ -253,7 +253,11 @@ mod tests {
         assert!(e.to_string().contains("nic_bytes_per_s"), "{e}");
         let mut c = ClusterModel::default();
         c.nics_per_node = 9;
-        assert!(c.validate().unwrap_err().to_string().contains("nics_per_node"));
+        assert!(c
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("nics_per_node"));
         assert!(ClusterModel::default().validate().is_ok());
     }
 }

@@ -54,8 +54,8 @@ struct Piece {
     staging: f64,
     prep_s: f64,
     host_prep_s: f64,
-    /// Per receiving GPU: (bytes, writes).
-    dsts: BTreeMap<u32, (f64, f64)>,
+    /// Per receiving GPU: (gpu, bytes, writes), in first-write order.
+    dsts: Vec<(u32, f64, f64)>,
     /// (trainer, unit) gather arenas this piece writes into.
     gathers: Vec<(u32, u16)>,
 }
@@ -90,7 +90,10 @@ pub(crate) struct Lowered {
 fn src_bytes(plan: &TrainerPlan, t: &Task) -> u64 {
     match t.source {
         Source::Shard { shard, sub } => {
-            let dt = plan.shards.get(shard as usize).map_or(2, |s| s.dtype.size());
+            let dt = plan
+                .shards
+                .get(shard as usize)
+                .map_or(2, |s| s.dtype.size());
             sub.numel() * dt as u64
         }
         Source::Gather { shape, dtype, .. } => shape.numel() * dtype.size() as u64,
@@ -122,6 +125,8 @@ pub(crate) fn lower(table: &crate::table::RoutingTable, cluster: &ClusterModel) 
     // Per trainer: (unit, op that must wait for gathers) to wire after all sends exist.
     let mut waits: Vec<(u32, u16, OpId)> = Vec::new();
     let mut all_writes: Vec<OpId> = Vec::new();
+    // Per GPU, its index in the current piece's destinations (u32::MAX: none yet).
+    let mut slots = vec![u32::MAX; (nt + nr) as usize];
 
     for (ti, plan) in table.trainers.iter().enumerate() {
         let t = ti as u32;
@@ -150,7 +155,11 @@ pub(crate) fn lower(table: &crate::table::RoutingTable, cluster: &ClusterModel) 
             let a = g.first_task;
             let phases = [
                 (Phase::GatherSend, a, a + g.gather_sends),
-                (Phase::Local, a + g.gather_sends, a + g.gather_sends + g.local_tasks),
+                (
+                    Phase::Local,
+                    a + g.gather_sends,
+                    a + g.gather_sends + g.local_tasks,
+                ),
                 (
                     Phase::Gathered,
                     a + g.gather_sends + g.local_tasks,
@@ -170,19 +179,19 @@ pub(crate) fn lower(table: &crate::table::RoutingTable, cluster: &ClusterModel) 
                     let parts = staging.div_ceil(budget).max(1);
                     if parts > 1 || cur.staging + staging as f64 > budget as f64 {
                         if !cur.is_empty() {
-                            pieces.push(std::mem::take(&mut cur));
+                            finish(&mut slots, &mut pieces, &mut cur);
                         }
                     }
                     let frac = 1.0 / parts as f64;
                     for _ in 0..parts {
-                        add_task(&mut cur, plan, k, task, frac, nt, cluster);
+                        add_task(&mut slots, &mut cur, plan, k, task, frac, nt, cluster);
                         if parts > 1 {
-                            pieces.push(std::mem::take(&mut cur));
+                            finish(&mut slots, &mut pieces, &mut cur);
                         }
                     }
                 }
                 if !cur.is_empty() {
-                    pieces.push(cur);
+                    finish(&mut slots, &mut pieces, &mut cur);
                 }
                 for pc in pieces {
                     out.pieces += 1;
@@ -251,7 +260,7 @@ pub(crate) fn lower(table: &crate::table::RoutingTable, cluster: &ClusterModel) 
                     let hops: Vec<Hop> = pc
                         .dsts
                         .iter()
-                        .map(|(&gpu, &(bytes, wrs))| Hop {
+                        .map(|&(gpu, bytes, wrs)| Hop {
                             from: if gpu == t { u32::MAX } else { my_nic },
                             to: if gpu == t {
                                 u32::MAX
@@ -288,7 +297,7 @@ pub(crate) fn lower(table: &crate::table::RoutingTable, cluster: &ClusterModel) 
                         }
                         in_flight.push_back(w);
                     }
-                    for &gpu in pc.dsts.keys() {
+                    for &(gpu, _, _) in &pc.dsts {
                         if gpu >= nt {
                             p.lands.push((w, out.rollout_lanes[(gpu - nt) as usize]));
                         }
@@ -323,6 +332,14 @@ pub(crate) fn lower(table: &crate::table::RoutingTable, cluster: &ClusterModel) 
     out
 }
 
+/// Moves the current piece to `pieces`, clearing its destination slots.
+fn finish(slots: &mut [u32], pieces: &mut Vec<Piece>, cur: &mut Piece) {
+    for &(gpu, _, _) in &cur.dsts {
+        slots[gpu as usize] = u32::MAX;
+    }
+    pieces.push(std::mem::take(cur));
+}
+
 /// Staging of a whole task: its source copy plus its prepared output (a plain copy is written
 /// straight from the source copy).
 fn task_staging(plan: &TrainerPlan, t: &Task) -> u64 {
@@ -334,7 +351,9 @@ fn task_staging(plan: &TrainerPlan, t: &Task) -> u64 {
 }
 
 /// Adds `frac` of task `k` to the piece.
+#[allow(clippy::too_many_arguments)]
 fn add_task(
+    slots: &mut [u32],
     pc: &mut Piece,
     plan: &TrainerPlan,
     k: u32,
@@ -372,9 +391,14 @@ fn add_task(
     }
     for w in plan.task_writes(task) {
         let gpu = gpu_of(w.dst, trainers);
-        let e = pc.dsts.entry(gpu).or_insert((0.0, 0.0));
-        e.0 += w.len as f64 * frac;
-        e.1 += frac;
+        let slot = &mut slots[gpu as usize];
+        if *slot == u32::MAX {
+            *slot = pc.dsts.len() as u32;
+            pc.dsts.push((gpu, 0.0, 0.0));
+        }
+        let e = &mut pc.dsts[*slot as usize];
+        e.1 += w.len as f64 * frac;
+        e.2 += frac;
         if let Endpoint::Trainer(to) = w.dst {
             let key = (to, w.unit);
             if !pc.gathers.contains(&key) {

@@ -25,7 +25,9 @@ pub mod report;
 use thiserror::Error;
 
 pub use cluster::{ClusterModel, HostModel, Placement, PrepRates};
-pub use report::{CriticalShare, CriticalStep, NicUse, SideSummary, SimEvent, SimReport, StageTotal};
+pub use report::{
+    CriticalShare, CriticalStep, NicUse, SideSummary, SimEvent, SimReport, StageTotal,
+};
 
 use crate::table::RoutingTable;
 

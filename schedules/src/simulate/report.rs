@@ -250,14 +250,16 @@ pub(crate) fn build(
         });
     }
     // Receivers: one land span per rollout, first to last write into it.
-    let mut land: std::collections::BTreeMap<u32, (f64, f64, u64)> = Default::default();
+    let mut land = vec![(f64::INFINITY, 0.0f64); plan.lanes.len()];
     for &(o, lane) in &plan.lands {
-        let e = land.entry(lane).or_insert((f64::INFINITY, 0.0, 0));
+        let e = &mut land[lane as usize];
         e.0 = e.0.min(out.start[o as usize]);
         e.1 = e.1.max(out.end[o as usize]);
-        e.2 += 1;
     }
-    for (lane, (s, e, _)) in land {
+    for (lane, &(s, e)) in land.iter().enumerate() {
+        if !s.is_finite() {
+            continue;
+        }
         timeline.push(SimEvent {
             worker: plan.lanes[lane as usize].clone(),
             task: 0,
@@ -298,6 +300,9 @@ pub(crate) fn build(
         let (limited_by, class) = limit_of(plan, out, o);
         let (s, e) = (out.start[o as usize], out.end[o as usize]);
         *shares.entry(class.clone()).or_default() += e - s;
+        if e <= s && op.stage == Stage::GatherWait {
+            continue; // a wait that did not wait
+        }
         let worker = &plan.lanes[op.lane as usize];
         match critical_path.last_mut() {
             Some(step)

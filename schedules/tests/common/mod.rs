@@ -304,10 +304,12 @@ pub fn execute(table: &RoutingTable, model: &Model, full: &[Vec<u8>]) -> Landed 
                             gathers[t.rank as usize][offset as usize..offset as usize + n].to_vec()
                         }
                     };
-                    let prepared = prepare(&input, task.transform, task.region.len, task.region.ndim);
+                    let prepared =
+                        prepare(&input, task.transform, task.region.len, task.region.ndim);
                     assert_eq!(prepared.len() as u64, task.prepared_bytes);
                     for w in t.task_writes(task) {
-                        let src = &prepared[w.src_offset as usize..(w.src_offset + w.len as u64) as usize];
+                        let src = &prepared
+                            [w.src_offset as usize..(w.src_offset + w.len as u64) as usize];
                         match w.dst {
                             Endpoint::Rollout(r) => {
                                 assert_eq!(w.unit, 0);
@@ -386,24 +388,40 @@ pub fn check_coverage(table: &RoutingTable, landed: &Landed) {
         for t in tensors {
             let mut pos = t.offset;
             while pos < t.offset + t.len {
-                let (o, l) = *writes
-                    .get(w)
-                    .unwrap_or_else(|| panic!("rank {r} tensor {} unwritten from byte {}", t.name, pos - t.offset));
+                let (o, l) = *writes.get(w).unwrap_or_else(|| {
+                    panic!(
+                        "rank {r} tensor {} unwritten from byte {}",
+                        t.name,
+                        pos - t.offset
+                    )
+                });
                 assert_eq!(
                     o,
                     pos,
                     "rank {r} tensor {}: byte {} {}",
                     t.name,
                     pos - t.offset,
-                    if o < pos { "written twice" } else { "never written" }
+                    if o < pos {
+                        "written twice"
+                    } else {
+                        "never written"
+                    }
                 );
                 pos += l;
                 w += 1;
             }
-            assert_eq!(pos, t.offset + t.len, "rank {r}: a write runs past tensor {}", t.name);
+            assert_eq!(
+                pos,
+                t.offset + t.len,
+                "rank {r}: a write runs past tensor {}",
+                t.name
+            );
         }
         assert_eq!(w, writes.len(), "rank {r}: writes outside every tensor");
-        assert_eq!(landed.received[r], plan.expect[0].writes, "rank {r} immediates");
+        assert_eq!(
+            landed.received[r], plan.expect[0].writes,
+            "rank {r} immediates"
+        );
     }
 }
 
@@ -448,7 +466,10 @@ impl<'a> Expected<'a> {
     }
 
     fn pid(&self, name: &str) -> usize {
-        *self.by_name.get(name).unwrap_or_else(|| panic!("no param {name}"))
+        *self
+            .by_name
+            .get(name)
+            .unwrap_or_else(|| panic!("no param {name}"))
     }
 
     /// The 2-D matrix view (rows, cols) of a part's parameter.
@@ -580,7 +601,11 @@ impl<'a> Expected<'a> {
             }
             "self_attn.o_proj.weight" => (vec![vec![colsplit(name.to_string())]], q8),
             "self_attn.qkv_proj.weight" | "self_attn.qkv_proj.bias" => {
-                let suffix = if what.ends_with("bias") { "bias" } else { "weight" };
+                let suffix = if what.ends_with("bias") {
+                    "bias"
+                } else {
+                    "weight"
+                };
                 let d = c.head_dim;
                 let q = rowsplit(format!("{pre}self_attn.q_proj.{suffix}"));
                 let kvh = if tp <= c.kv_heads {
@@ -661,7 +686,10 @@ impl<'a> Expected<'a> {
             None => (name, false),
         };
         let (lead, quantised) = self.parts(base, local);
-        assert!(!scales || quantised, "{name}: scales of an unquantised tensor");
+        assert!(
+            !scales || quantised,
+            "{name}: scales of an unquantised tensor"
+        );
         let mut out = Vec::new();
         for parts in &lead {
             for p in parts {

@@ -56,22 +56,32 @@ fn sync_across_hosts_commits_and_a_partition_mid_sync_fails_cleanly() {
     assert!(c.wait_ready(READY), "never ready across hosts\n{}", c.logs());
     assert_committed_and_verified(&c.sync(1, Duration::from_secs(40)), "sync across hosts", &|| c.logs());
 
-    // Freeze rollout 0 so the sync is certainly in flight, then cut its host off the lan.
-    c.rollouts[0].as_ref().expect("rollout 0").pause();
-    let r = c.trigger(2, false).expect("trigger");
-    let id = r.json().and_then(|j| j["sync_id"].as_u64()).expect("sync_id");
-    assert!(
-        wait_until(Duration::from_secs(20), || c
-            .sync_view(id)
-            .filter(|v| v["state"] == "running")
-            .map(|_| ()))
-        .is_some(),
-        "sync 2 never ran\n{}",
-        c.logs()
-    );
-    let cut_at = Instant::now();
-    lan.set_link(rollout_host(&spec, 0), false).expect("partition");
-    c.rollouts[0].as_ref().expect("rollout 0").resume();
+    // Once trainers write, freeze rollout 0 so the sync is certainly in flight, then cut its
+    // host off the lan. A sync that ended before the freeze is retried with the next version.
+    let mut sabotaged = None;
+    for version in 2..7 {
+        let r = c.trigger(version, false).expect("trigger");
+        let id = r.json().and_then(|j| j["sync_id"].as_u64()).expect("sync_id");
+        let started = wait_until(Duration::from_secs(20), || {
+            c.sync_view(id).filter(|v| v["state"] != "pending").map(|_| ())
+        });
+        assert!(started.is_some(), "sync {id} never started\n{}", c.logs());
+        let frozen = c.rollouts[0].as_ref().expect("rollout 0");
+        frozen.pause();
+        if c.sync_view(id).is_some_and(|v| v["state"] == "running") {
+            lan.set_link(rollout_host(&spec, 0), false).expect("partition");
+            frozen.resume();
+            sabotaged = Some((id, Instant::now()));
+            break;
+        }
+        frozen.resume();
+        assert_committed_and_verified(
+            &c.wait_end(id, Duration::from_secs(40)).expect("sync ends"),
+            "an unsabotaged sync",
+            &|| c.logs(),
+        );
+    }
+    let (id, cut_at) = sabotaged.expect("five syncs ended before they could be partitioned");
     let limit = Duration::from_millis(spec.heartbeat_timeout_ms) + Duration::from_secs(spec.sync_timeout_s);
     let view = c
         .wait_end(id, limit + Duration::from_secs(10))
@@ -88,7 +98,7 @@ fn sync_across_hosts_commits_and_a_partition_mid_sync_fails_cleanly() {
     // Heal the partition: rollout 0 reconnects, the next sync commits.
     lan.set_link(rollout_host(&spec, 0), true).expect("heal");
     assert!(c.wait_ready(READY), "not ready after healing\n{}", c.logs());
-    assert_committed_and_verified(&c.sync(3, Duration::from_secs(40)), "sync after healing", &|| c.logs());
+    assert_committed_and_verified(&c.sync(10, Duration::from_secs(40)), "sync after healing", &|| c.logs());
 }
 
 #[test]

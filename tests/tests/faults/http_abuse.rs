@@ -81,16 +81,6 @@ fn oversized_deep_and_garbled_bodies_get_4xx_and_memory_stays_flat() {
     .expect("answer to a 64 MiB body");
     assert_4xx_with_message(&r, "64 MiB body");
 
-    // A 1 TB Content-Length with a few bytes behind it: refused without waiting for the rest.
-    let started = Instant::now();
-    let head = format!(
-        "POST /v1/syncs HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_TOKEN}\r\n\
-         Content-Type: application/json\r\nContent-Length: 1000000000000\r\n\r\n{{\"version\": 1"
-    );
-    let r = exchange(c.http, head.as_bytes(), T).expect("answer to a 1 TB announcement");
-    assert_4xx_with_message(&r, "1 TB Content-Length");
-    assert!(started.elapsed() < T, "the controller waited for a body it would refuse");
-
     // Chunked, no length, 32 MiB of chunks.
     let mut s = http_raw::connect(c.http, T).expect("connect");
     let _ = s.write_all(
@@ -152,6 +142,27 @@ fn oversized_deep_and_garbled_bodies_get_4xx_and_memory_stays_flat() {
         before.rss_kib,
         after.rss_kib
     );
+}
+
+/// Found by this suite: the body limit is enforced while the body is read, not against the
+/// announced `Content-Length`, so a request announcing 1 TB and sending a few bytes holds its
+/// connection until the request timeout (sync timeout + 30 s) instead of getting 413 at once.
+/// Bounded (16 KiB buffered at most, and a timeout), but slow to refuse; tower-http's
+/// `RequestBodyLimitLayer` answers 413 from the header alone.
+#[test]
+#[ignore = "finding: an announced 1 TB body is refused only at the request timeout, not at once"]
+fn announced_terabyte_body_is_refused_at_once() {
+    let c = lone_controller();
+    // A 1 TB Content-Length with a few bytes behind it: refused without waiting for the rest.
+    let started = Instant::now();
+    let head = format!(
+        "POST /v1/syncs HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_TOKEN}\r\n\
+         Content-Type: application/json\r\nContent-Length: 1000000000000\r\n\r\n{{\"version\": 1"
+    );
+    let r = exchange(c.http, head.as_bytes(), T).expect("answer to a 1 TB announcement");
+    assert_4xx_with_message(&r, "1 TB Content-Length");
+    assert!(started.elapsed() < T, "the controller waited for a body it would refuse");
+
 }
 
 #[test]
@@ -239,8 +250,14 @@ fn garbage_on_the_control_channel_is_dropped_and_the_controller_lives() {
         assert!(started.elapsed() < T, "control connection left hanging");
     }
     still_serving(&c, "after control-channel garbage");
-    let workers = c.get("/v1/workers").expect("workers").text();
-    assert!(!workers.contains("WSYC") && !workers.contains("trainer-"), "garbage registered: {workers}");
+    let workers = c.get("/v1/workers").expect("workers");
+    let registered = workers.json().map(|j| j["workers"].clone());
+    assert_eq!(
+        registered,
+        Some(serde_json::json!([])),
+        "garbage registered: {}",
+        workers.text()
+    );
     let after = proc_stats::sample(pid).expect("sample");
     assert!(
         after.rss_kib < before.rss_kib + 32 * 1024,

@@ -44,28 +44,43 @@ fn trigger_id(c: &ProcessCluster, version: u64) -> u64 {
 
 fn wait_running(c: &ProcessCluster, id: u64) {
     let seen = wait_until(Duration::from_secs(20), || {
-        c.sync_view(id).filter(|v| v["state"] == "running").map(|_| ())
+        c.sync_view(id)
+            .filter(|v| v["state"] != "pending")
+            .map(|_| ())
     });
     assert!(seen.is_some(), "sync {id} never ran\n{}", c.logs());
 }
 
-/// Freezes rollout 0, starts a sync, waits until it runs, then calls `sabotage`; resumes
-/// rollout 0 (if still alive) and returns the sync's final view.
+/// Starts a sync, waits until trainers are writing (`running`), freezes rollout 0 so bytes are
+/// certainly in flight, calls `sabotage`, resumes rollout 0 (if still alive) and returns the
+/// sync's final view. A sync that ended before it could be sabotaged (the tiny model syncs in
+/// moments) does not count: the next version is tried, up to five times.
 fn sabotaged_sync(
     c: &mut ProcessCluster,
-    version: u64,
-    sabotage: impl FnOnce(&mut ProcessCluster),
+    first_version: u64,
+    sabotage: impl Fn(&mut ProcessCluster),
 ) -> serde_json::Value {
-    c.rollouts[0].as_ref().expect("rollout 0").pause();
-    let id = trigger_id(c, version);
-    wait_running(c, id);
-    std::thread::sleep(Duration::from_millis(150));
-    sabotage(c);
-    if let Some(r) = c.rollouts[0].as_ref() {
-        r.resume();
+    for version in first_version..first_version + 5 {
+        let id = trigger_id(c, version);
+        wait_running(c, id);
+        c.rollouts[0].as_ref().expect("rollout 0").pause();
+        let still_running = c.sync_view(id).is_some_and(|v| v["state"] == "running");
+        if !still_running {
+            c.rollouts[0].as_ref().expect("rollout 0").resume();
+            let view = c.wait_end(id, SYNC).expect("sync ends");
+            assert_committed_and_verified(&view, "an unsabotaged sync", &|| c.logs());
+            continue;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+        sabotage(c);
+        if let Some(r) = c.rollouts[0].as_ref() {
+            r.resume();
+        }
+        return c
+            .wait_end(id, SYNC)
+            .unwrap_or_else(|| panic!("sync {id} never ended\n{}", c.logs()));
     }
-    c.wait_end(id, SYNC)
-        .unwrap_or_else(|| panic!("sync {id} never ended\n{}", c.logs()))
+    panic!("five syncs in a row ended before they could be sabotaged");
 }
 
 fn assert_failed_naming(view: &serde_json::Value, worker: &str, logs: &dyn Fn() -> String) {
@@ -88,7 +103,7 @@ fn trainer_killed_mid_sync_is_named_and_the_next_sync_commits() {
 
     c.start_worker("trainer", 1);
     assert!(c.wait_ready(READY), "not ready after the trainer came back\n{}", c.logs());
-    assert_committed_and_verified(&c.sync(3, SYNC), "sync after recovery", &|| c.logs());
+    assert_committed_and_verified(&c.sync(10, SYNC), "sync after recovery", &|| c.logs());
 }
 
 #[test]
@@ -104,7 +119,7 @@ fn rollout_killed_mid_sync_is_named_and_the_next_sync_commits() {
     assert!(c.wait_ready(READY), "not ready after the rollout came back\n{}", c.logs());
     let plan = c.get("/v1/plan").expect("plan").text();
     assert!(plan.contains("re-plan") || plan.contains("rollout-0"), "plan log: {plan}");
-    assert_committed_and_verified(&c.sync(3, SYNC), "sync after recovery", &|| c.logs());
+    assert_committed_and_verified(&c.sync(10, SYNC), "sync after recovery", &|| c.logs());
 }
 
 #[test]
@@ -193,12 +208,12 @@ fn trigger_before_the_world_is_complete_is_refused_then_works() {
 fn duplicate_and_contradictory_registrations_are_refused_with_reasons() {
     let c = ready_cluster();
     // A second trainer-0 while the first is registered.
-    let mut dup = c.spawn_worker("trainer", 0, &["--reconnect-s", "2"]);
+    let mut dup = c.spawn_worker("trainer", 0, &[("--reconnect-s", "2")]);
     let line = dup.wait_for_line("already registered", Duration::from_secs(20));
     dup.kill();
     assert!(line.is_some(), "duplicate not refused: {}", dup.log_text());
     // A trainer that believes the job is fsdp=4 (the job is fsdp=2).
-    let mut bad = c.spawn_worker("trainer", 1, &["--train", "fsdp=4", "--reconnect-s", "2"]);
+    let mut bad = c.spawn_worker("trainer", 1, &[("--train", "fsdp=4"), ("--reconnect-s", "2")]);
     let line = bad.wait_for_line("different job", Duration::from_secs(20));
     bad.kill();
     let text = bad.log_text();

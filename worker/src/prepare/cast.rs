@@ -7,7 +7,7 @@ use rayon::prelude::*;
 use weightsync_common::DType;
 
 use super::convert::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
-use super::isa::vectorised;
+use super::isa::{vectorised, Kernel};
 use super::{expect_len, PrepareError, Threads};
 
 /// Elements per rayon task: large enough to amortise scheduling, small enough to balance.
@@ -38,46 +38,93 @@ pub fn cast(
     let n = src.len() / from.size();
     expect_len("cast output", n * to.size(), dst.len())?;
     match (from, to) {
-        (a, b) if a == b => run(src, dst, from, to, threads, |s, d| d.copy_from_slice(s)),
+        (a, b) if a == b => run(src, dst, from, to, threads, |s, d| Copy(s, d)),
         (DType::BF16, DType::F32) => {
-            run(src, dst, from, to, threads, |s, d| widen(s, d, bf16_to_f32))
+            run(src, dst, from, to, threads, |s, d| Widen(s, d, bf16_to_f32))
         }
         (DType::F16, DType::F32) => {
-            run(src, dst, from, to, threads, |s, d| widen(s, d, f16_to_f32))
+            run(src, dst, from, to, threads, |s, d| Widen(s, d, f16_to_f32))
         }
         (DType::F32, DType::BF16) => run(src, dst, from, to, threads, |s, d| {
-            narrow(s, d, f32_to_bf16)
+            Narrow(s, d, f32_to_bf16)
         }),
         (DType::F32, DType::F16) => {
-            run(src, dst, from, to, threads, |s, d| narrow(s, d, f32_to_f16))
+            run(src, dst, from, to, threads, |s, d| Narrow(s, d, f32_to_f16))
         }
-        (DType::BF16, DType::F16) => run(src, dst, from, to, threads, |s, d| {
-            half_to_half(s, d, |h| f32_to_f16(bf16_to_f32(h)))
-        }),
-        (DType::F16, DType::BF16) => run(src, dst, from, to, threads, |s, d| {
-            half_to_half(s, d, |h| f32_to_bf16(f16_to_f32(h)))
-        }),
+        (DType::BF16, DType::F16) => {
+            run(src, dst, from, to, threads, |s, d| Half(s, d, bf16_to_f16))
+        }
+        (DType::F16, DType::BF16) => {
+            run(src, dst, from, to, threads, |s, d| Half(s, d, f16_to_bf16))
+        }
         _ => return Err(PrepareError::UnsupportedDType { from, to }),
     }
     Ok(())
 }
 
-/// Splits the work (or not) and runs `kernel` on each piece, vectorised for this CPU.
 #[inline(always)]
-fn run(
-    src: &[u8],
-    dst: &mut [u8],
+fn bf16_to_f16(h: u16) -> u16 {
+    f32_to_f16(bf16_to_f32(h))
+}
+
+#[inline(always)]
+fn f16_to_bf16(h: u16) -> u16 {
+    f32_to_bf16(f16_to_f32(h))
+}
+
+/// Splits the work (or not) and runs the kernel `job` builds for each piece, vectorised.
+#[inline(always)]
+fn run<'a, K: Kernel<Out = ()>>(
+    src: &'a [u8],
+    dst: &'a mut [u8],
     from: DType,
     to: DType,
     threads: Threads,
-    kernel: impl Fn(&[u8], &mut [u8]) + Sync,
+    job: impl Fn(&'a [u8], &'a mut [u8]) -> K + Sync,
 ) {
     match threads {
-        Threads::One => vectorised(|| kernel(src, dst)),
+        Threads::One => vectorised(job(src, dst)),
         Threads::All => src
             .par_chunks(PAR_CHUNK_ELEMS * from.size())
             .zip(dst.par_chunks_mut(PAR_CHUNK_ELEMS * to.size()))
-            .for_each(|(s, d)| vectorised(|| kernel(s, d))),
+            .for_each(|(s, d)| vectorised(job(s, d))),
+    }
+}
+
+struct Copy<'a>(&'a [u8], &'a mut [u8]);
+struct Widen<'a, F>(&'a [u8], &'a mut [u8], F);
+struct Narrow<'a, F>(&'a [u8], &'a mut [u8], F);
+struct Half<'a, F>(&'a [u8], &'a mut [u8], F);
+
+impl Kernel for Copy<'_> {
+    type Out = ();
+    #[inline(always)]
+    fn run(self) {
+        self.1.copy_from_slice(self.0)
+    }
+}
+
+impl<F: Fn(u16) -> f32> Kernel for Widen<'_, F> {
+    type Out = ();
+    #[inline(always)]
+    fn run(self) {
+        widen(self.0, self.1, self.2)
+    }
+}
+
+impl<F: Fn(f32) -> u16> Kernel for Narrow<'_, F> {
+    type Out = ();
+    #[inline(always)]
+    fn run(self) {
+        narrow(self.0, self.1, self.2)
+    }
+}
+
+impl<F: Fn(u16) -> u16> Kernel for Half<'_, F> {
+    type Out = ();
+    #[inline(always)]
+    fn run(self) {
+        half_to_half(self.0, self.1, self.2)
     }
 }
 

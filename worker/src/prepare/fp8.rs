@@ -25,13 +25,14 @@
 //! Speed: each block is read twice (amax, then quantise); the second pass hits L1 (a block is
 //! 32 KiB of bf16). The loops are branch-free over fixed-size elements so they vectorise.
 
+use std::marker::PhantomData;
 use std::ops::Range;
 
 use rayon::prelude::*;
 use weightsync_common::DType;
 
 use super::convert::{bf16_to_f32, f16_to_f32, f32_to_e4m3_saturating, E4M3_MAX};
-use super::isa::vectorised;
+use super::isa::{vectorised, Kernel};
 use super::{expect_len, PrepareError, Threads};
 
 /// Block edge, in elements, along both dims.
@@ -290,7 +291,14 @@ fn block_row<E: Elem>(
     let quantise = |(cb, segs): (usize, Vec<&mut [u8]>)| -> f32 {
         let c0 = cb * FP8_BLOCK;
         let width = (cols - c0).min(FP8_BLOCK);
-        vectorised(|| block::<E>(src, cols, c0, width, segs))
+        vectorised(Block::<E> {
+            src,
+            cols,
+            c0,
+            width,
+            out_rows: segs,
+            elem: PhantomData,
+        })
     };
     let block_scales: Vec<f32> = if parallel {
         segments.into_par_iter().enumerate().map(quantise).collect()
@@ -299,6 +307,24 @@ fn block_row<E: Elem>(
     };
     for (out, s) in scales.chunks_exact_mut(4).zip(block_scales) {
         out.copy_from_slice(&s.to_le_bytes());
+    }
+}
+
+/// One block as a [`Kernel`], so it is compiled for the CPU's vector ISA.
+struct Block<'a, 'o, E> {
+    src: &'a [u8],
+    cols: usize,
+    c0: usize,
+    width: usize,
+    out_rows: Vec<&'o mut [u8]>,
+    elem: PhantomData<E>,
+}
+
+impl<E: Elem> Kernel for Block<'_, '_, E> {
+    type Out = f32;
+    #[inline(always)]
+    fn run(self) -> f32 {
+        block::<E>(self.src, self.cols, self.c0, self.width, self.out_rows)
     }
 }
 

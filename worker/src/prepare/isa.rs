@@ -2,37 +2,46 @@
 //!
 //! Why: Rust's portable x86-64 target is SSE2, and the branch-free conversion loops run 2-3x
 //! faster when LLVM may use AVX2 or AVX-512 (wider lanes, signed 32-bit min/compare, one-step
-//! narrowing stores). The kernels are written once, as plain Rust; [`vectorised`] runs a
-//! closure inside a function compiled with the best feature set this CPU has, so LLVM inlines
-//! the closure there and vectorises it for that ISA. Call it at the leaf of the work (inside a
-//! rayon task, not around one): code on other threads is not inside the wrapper.
+//! narrowing stores). The kernels are written once, as plain Rust, as a [`Kernel`] whose `run`
+//! is `#[inline(always)]`; [`vectorised`] calls it inside a function compiled with the best
+//! feature set this CPU has, so the whole loop is inlined and vectorised for that ISA. (A
+//! closure would not do: LLVM declines to inline a large closure, which then stays SSE2.)
+//! Call it at the leaf of the work (inside a rayon task, not around one).
+
+/// One piece of kernel work. Implementations must mark `run` `#[inline(always)]`.
+pub(crate) trait Kernel {
+    /// What the work returns.
+    type Out;
+    /// Does the work.
+    fn run(self) -> Self::Out;
+}
 
 /// Runs `f` compiled for the widest vector ISA the CPU supports.
 #[inline(always)]
-pub(crate) fn vectorised<R>(f: impl FnOnce() -> R) -> R {
+pub(crate) fn vectorised<K: Kernel>(k: K) -> K::Out {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::is_x86_feature_detected as has;
         if has!("avx512f") && has!("avx512bw") && has!("avx512vl") && has!("avx2") {
             // SAFETY: `avx512` only enables features that were detected on this CPU just above.
-            return unsafe { avx512(f) };
+            return unsafe { avx512(k) };
         }
         if has!("avx2") {
             // SAFETY: `avx2` only enables a feature that was detected on this CPU just above.
-            return unsafe { avx2(f) };
+            return unsafe { avx2(k) };
         }
     }
-    f()
+    k.run()
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
-fn avx512<R>(f: impl FnOnce() -> R) -> R {
-    f()
+fn avx512<K: Kernel>(k: K) -> K::Out {
+    k.run()
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-fn avx2<R>(f: impl FnOnce() -> R) -> R {
-    f()
+fn avx2<K: Kernel>(k: K) -> K::Out {
+    k.run()
 }

@@ -117,21 +117,17 @@ fn proof(
     h.finalize()
 }
 
-fn io_err(peer: &Endpoint, what: &str, e: std::io::Error) -> FabricError {
+fn io_err(peer: &Endpoint, what: &str, e: std::io::Error, stream_timeout: Duration) -> FabricError {
     if matches!(
         e.kind(),
         std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
     ) {
         FabricError::Timeout {
             what: format!("handshake with {peer}: {what}"),
-            after: Duration::ZERO,
+            after: stream_timeout,
         }
     } else {
-        FabricError::Disconnected {
-            peer: peer.clone(),
-            lane: usize::MAX,
-            detail: format!("handshake: {what}: {e}"),
-        }
+        FabricError::io(format!("handshake with {peer}: {what}"), e)
     }
 }
 
@@ -142,17 +138,18 @@ pub fn client_handshake(
     instance: u64,
     peer: &Endpoint,
 ) -> Result<()> {
+    let after = stream.read_timeout().ok().flatten().unwrap_or_default();
     let hello = ClientHello {
         nonce: rand::random(),
         instance,
     };
     stream
         .write_all(&hello.encode())
-        .map_err(|e| io_err(peer, "sending hello", e))?;
+        .map_err(|e| io_err(peer, "sending hello", e, after))?;
     let mut b = [0u8; SERVER_HELLO_LEN];
     stream
         .read_exact(&mut b)
-        .map_err(|e| io_err(peer, "reading server hello", e))?;
+        .map_err(|e| io_err(peer, "reading server hello", e, after))?;
     let server = ServerHello::decode(&b).map_err(|detail| FabricError::Auth {
         peer: peer.clone(),
         detail,
@@ -166,7 +163,7 @@ pub fn client_handshake(
     let mine = proof(key, b"client", &hello, &server.nonce);
     stream
         .write_all(mine.as_bytes())
-        .map_err(|e| io_err(peer, "sending proof", e))?;
+        .map_err(|e| io_err(peer, "sending proof", e, after))?;
     let mut verdict = [0u8; 8];
     stream
         .read_exact(&mut verdict)
@@ -185,10 +182,11 @@ pub fn client_handshake(
 
 /// Runs the server side; returns the client's instance id once its proof checked.
 pub fn server_handshake(stream: &mut TcpStream, key: &[u8; 32], peer: &Endpoint) -> Result<u64> {
+    let after = stream.read_timeout().ok().flatten().unwrap_or_default();
     let mut b = [0u8; CLIENT_HELLO_LEN];
     stream
         .read_exact(&mut b)
-        .map_err(|e| io_err(peer, "reading client hello", e))?;
+        .map_err(|e| io_err(peer, "reading client hello", e, after))?;
     let hello = ClientHello::decode(&b).map_err(|detail| FabricError::Auth {
         peer: peer.clone(),
         detail,
@@ -200,11 +198,11 @@ pub fn server_handshake(stream: &mut TcpStream, key: &[u8; 32], peer: &Endpoint)
     };
     stream
         .write_all(&server.encode())
-        .map_err(|e| io_err(peer, "sending server hello", e))?;
+        .map_err(|e| io_err(peer, "sending server hello", e, after))?;
     let mut theirs = [0u8; 32];
     stream
         .read_exact(&mut theirs)
-        .map_err(|e| io_err(peer, "reading client proof", e))?;
+        .map_err(|e| io_err(peer, "reading client proof", e, after))?;
     if proof(key, b"client", &hello, &nonce) != blake3::Hash::from(theirs) {
         let _ = stream.write_all(b"REFUSED!");
         return Err(FabricError::Auth {
@@ -214,7 +212,7 @@ pub fn server_handshake(stream: &mut TcpStream, key: &[u8; 32], peer: &Endpoint)
     }
     stream
         .write_all(&VERDICT_ACCEPTED)
-        .map_err(|e| io_err(peer, "sending verdict", e))?;
+        .map_err(|e| io_err(peer, "sending verdict", e, after))?;
     Ok(hello.instance)
 }
 

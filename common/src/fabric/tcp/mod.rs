@@ -239,7 +239,7 @@ impl TcpFabric {
     }
 
     /// Plans `ops` into per-lane jobs, queues them, and returns the completions to await.
-    fn post(&self, ops: Vec<WriteOp>) -> Result<Vec<oneshot::Receiver<Result<()>>>> {
+    fn post(&self, ops: Vec<WriteOp>) -> Result<Vec<Completion>> {
         for op in &ops {
             op.validate()?;
             if op.dst.base.checked_add(op.dst_offset + op.len).is_none() {
@@ -336,20 +336,31 @@ impl TcpFabric {
                 }
                 let (done, rx) = oneshot::channel();
                 peer.submit(i, LaneJob { frames, done }, &self.inner.shared);
-                completions.push(rx);
+                completions.push(Completion {
+                    peer: peer.endpoint.clone(),
+                    lane: i,
+                    rx,
+                });
             }
         }
         Ok(completions)
     }
 }
 
-async fn await_all(completions: Result<Vec<oneshot::Receiver<Result<()>>>>) -> Result<()> {
+/// The completion of one lane job.
+struct Completion {
+    peer: Endpoint,
+    lane: usize,
+    rx: oneshot::Receiver<Result<()>>,
+}
+
+async fn await_all(completions: Result<Vec<Completion>>) -> Result<()> {
     let mut first_err = None;
-    for rx in completions? {
-        let r = rx.await.unwrap_or_else(|_| {
+    for c in completions? {
+        let r = c.rx.await.unwrap_or_else(|_| {
             Err(FabricError::Disconnected {
-                peer: Endpoint(String::from("?")),
-                lane: usize::MAX,
+                peer: c.peer,
+                lane: c.lane,
                 detail: "lane closed before the write completed".into(),
             })
         });

@@ -124,6 +124,36 @@ fn port_state_name(state: ffi::ibv_port_state::Type) -> String {
     unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
 }
 
+/// RoCE v1 GIDs route only inside one L2 domain and many switches drop them; RoCE v2 (UDP/IP)
+/// is what the fabric is built for, so a v1 index is most likely a configuration slip.
+fn warn_unless_roce_v2(ctx: *mut ffi::ibv_context, port: u8, index: u8, device: &str) {
+    let mut entry = ffi::ibv_gid_entry::default();
+    // SAFETY: ctx is an open context; entry is a valid out-pointer of the size passed.
+    let rc = unsafe {
+        ffi::_ibv_query_gid_ex(
+            ctx,
+            u32::from(port),
+            u32::from(index),
+            &mut entry,
+            0,
+            std::mem::size_of::<ffi::ibv_gid_entry>(),
+        )
+    };
+    if rc != 0 {
+        return;
+    }
+    if entry.gid_type != ffi::IBV_GID_TYPE_ROCE_V2 {
+        tracing::warn!(
+            device,
+            port,
+            gid_index = index,
+            gid_type = entry.gid_type,
+            "the configured GID index is not a RoCE v2 entry (see `ibv_devinfo -v`, \
+             WEIGHTSYNC_RDMA_GID_INDEX); RoCE v1 does not cross IP subnets"
+        );
+    }
+}
+
 impl VerbsContext {
     /// Opens the configured device and checks the configured port and GID.
     pub fn open(settings: &VerbsSettings) -> Result<Arc<VerbsContext>, FabricError> {
@@ -224,6 +254,9 @@ impl VerbsContext {
                          entry from `ibv_devinfo -v` (WEIGHTSYNC_RDMA_GID_INDEX)",
                         settings.port
                     )));
+                }
+                if link == LinkLayer::Ethernet {
+                    warn_unless_roce_v2(ctx, settings.port, sgid_index, &name);
                 }
                 Some(gid)
             }
