@@ -16,8 +16,8 @@
 //! - `tcp_limit`: the plain-TCP limit; `broadcast`: the broadcast baseline;
 //! - [`calibrate`]: the simulator's calibration against these real syncs.
 
-pub mod calibrate;
 mod broadcast;
+pub mod calibrate;
 mod loopback;
 mod tcp_limit;
 
@@ -220,7 +220,9 @@ pub fn run(cfg: &Config) -> Result<Report, E2eError> {
     if cfg.syncs == 0 {
         return Err(E2eError::Options("syncs must be at least 1".into()));
     }
-    let table = cfg.setup.plan(&weightsync_schedules::CostModel::default())?;
+    let table = cfg
+        .setup
+        .plan(&weightsync_schedules::CostModel::default())?;
     run_table(&table, cfg)
 }
 
@@ -280,7 +282,7 @@ mod tests {
         let json = r#"{
           "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "torch_dtype": "bfloat16",
           "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
-          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128,
           "vocab_size": 1024, "tie_word_embeddings": false, "attention_bias": false,
           "rms_norm_eps": 1e-06, "rope_theta": 1000000
         }"#;
@@ -288,7 +290,13 @@ mod tests {
         let train = TrainingLayout::build(&model, &"fsdp=4".parse().unwrap()).unwrap();
         let infer =
             InferenceLayout::build(&model, &"tp=2,dp=2,dtype=fp8".parse().unwrap()).unwrap();
-        plan(&model, &train, &infer, &weightsync_schedules::CostModel::default()).unwrap()
+        plan(
+            &model,
+            &train,
+            &infer,
+            &weightsync_schedules::CostModel::default(),
+        )
+        .unwrap()
     }
 
     #[test]
@@ -312,7 +320,10 @@ mod tests {
             .flat_map(|r| &r.tensors)
             .map(|t| t.len)
             .sum();
-        assert_eq!(r.landed_bytes, held, "every destination byte lands exactly once");
+        assert_eq!(
+            r.landed_bytes, held,
+            "every destination byte lands exactly once"
+        );
         // Gather: the three other trainers' quarters; broadcast: the whole model to 4 ranks.
         let (model_bytes, gathered) = tiny_model_bytes(&table);
         assert_eq!(r.broadcast_fabric_bytes, gathered + 4 * model_bytes);
@@ -348,6 +359,9 @@ mod tests {
             syncs: 0,
             ..Default::default()
         };
-        assert!(matches!(run_table(&tiny_table(), &cfg), Err(E2eError::Options(_))));
+        assert!(matches!(
+            run_table(&tiny_table(), &cfg),
+            Err(E2eError::Options(_))
+        ));
     }
 }

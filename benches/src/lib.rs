@@ -5,7 +5,7 @@
 //! noisy: only ratios measured side by side mean anything. Criterion benches for the kernels and
 //! the planner live under `benches/benches/`.
 
-pub mod fabric;
 pub mod e2e;
-pub mod prepare;
+pub mod fabric;
 pub mod pipeline;
+pub mod prepare;

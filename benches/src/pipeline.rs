@@ -131,7 +131,9 @@ pub struct Report {
     /// CPU seconds of the median pipelined sync.
     pub pipelined_cpu_s: f64,
     /// `serialised_s / (serialised_cpu_s / cores)`: the most any overlap can give on this
-    /// machine, since all three stages are CPU work here.
+    /// machine, since all three stages are CPU work here. Meaningful only on an otherwise idle
+    /// machine: when other processes take the cores, wall time grows without CPU time and this
+    /// figure is inflated.
     pub cpu_bound_speedup_limit: f64,
     /// CPU cores available to this process.
     pub cores: usize,

@@ -36,6 +36,11 @@ function fmtBytes(b) {
   return b.toFixed(i ? 1 : 0) + " " + u[i];
 }
 function fmtGbps(g) { return g === null || g === undefined ? "–" : g.toFixed(2); }
+// A rate from bytes per nanosecond (= GB/s), in MB/s when below 1 GB/s.
+function fmtRate(gbps) {
+  if (!(gbps > 0)) return "";
+  return gbps >= 1 ? gbps.toFixed(2) + " GB/s" : (gbps * 1000).toFixed(0) + " MB/s";
+}
 
 function renderHealth(h, w) {
   const el_ = document.getElementById("health");
@@ -164,7 +169,7 @@ function drawTimeline(s) {
     const g = el("g", { class: "lane" + (l.critical ? " critical" : ""), "data-worker": l.worker });
     const xfer = l.spans.filter(p => !["source", "verify", "arm"].includes(p.stage));
     const busy = xfer.length && l.part_done_ns ? l.part_done_ns - Math.min(...xfer.map(p => p.start_ns)) : 0;
-    const rate = busy > 0 && l.bytes ? (l.bytes / busy).toFixed(2) + " GB/s" : "";
+    const rate = busy > 0 && l.bytes ? fmtRate(l.bytes / busy) : "";
     g.appendChild(el("text", { x: 4, y: y + 16, class: "lane-label" + (l.critical ? " critical" : "") },
       (l.critical ? "★ " : "") + l.worker + "  " + fmtBytes(l.bytes) + " " + rate));
     g.appendChild(el("rect", { x: labelW, y: y + 3, width: W - labelW - 10, height: laneH - 6,
@@ -174,7 +179,7 @@ function drawTimeline(s) {
       const r = el("rect", { x: x(sp.start_ns), y: y + 5, width: w, height: laneH - 10,
         fill: STAGE_COLORS[sp.stage] || "#999", class: "span span-" + sp.stage });
       const dur = (sp.end_ns - sp.start_ns) / 1e6;
-      const gb = sp.end_ns > sp.start_ns && sp.bytes ? (sp.bytes / (sp.end_ns - sp.start_ns)).toFixed(2) + " GB/s" : "";
+      const gb = sp.end_ns > sp.start_ns && sp.bytes ? fmtRate(sp.bytes / (sp.end_ns - sp.start_ns)) : "";
       r.appendChild(el("title", {}, `${l.worker} ${sp.stage} task ${sp.task}: ${fmtMs(dur)}, ${fmtBytes(sp.bytes)} ${gb}`));
       g.appendChild(r);
     }

@@ -45,6 +45,9 @@ fn main() -> Result<(), PlanError> {
     let c2 = cpu_s();
     let s = Summary::of(&table, &cost);
     let t3 = Instant::now();
+    if std::env::var_os("BY_SENDER").is_some() {
+        senders(&table);
+    }
     if std::env::var_os("BY_KIND").is_some() {
         writes_by_kind(&table);
     }
@@ -87,5 +90,38 @@ fn writes_by_kind(table: &RoutingTable) {
     }
     for (k, v) in by {
         println!("{v:>8} {k}");
+    }
+}
+
+/// Bytes each trainer sends, by kind of parameter, for the busiest and the idlest (debugging aid).
+#[allow(dead_code)]
+fn senders(table: &RoutingTable) {
+    use std::collections::BTreeMap;
+    let mut tx: Vec<(u64, u32)> = table
+        .trainers
+        .iter()
+        .map(|t| (t.writes.iter().map(|w| w.len as u64).sum(), t.rank))
+        .collect();
+    tx.sort_unstable();
+    for &(b, r) in tx.iter().rev().take(3).chain(tx.iter().take(2)) {
+        let t = &table.trainers[r as usize];
+        let mut by: BTreeMap<String, u64> = BTreeMap::new();
+        for task in &t.tasks {
+            let name = &t.params[task.param as usize].name;
+            let kind: String = name
+                .split('.')
+                .filter(|x| x.parse::<u32>().is_err())
+                .collect::<Vec<_>>()
+                .join(".");
+            *by.entry(kind).or_default() += t
+                .task_writes(task)
+                .iter()
+                .map(|w| w.len as u64)
+                .sum::<u64>();
+        }
+        println!("trainer {r}: {:.2} GB", b as f64 / 1e9);
+        for (k, v) in by.iter().filter(|x| *x.1 > 200_000_000) {
+            println!("   {:>8.2} GB {k}", *v as f64 / 1e9);
+        }
     }
 }

@@ -901,7 +901,21 @@ impl<'a> Planner<'a> {
                         i[d] = lo[d];
                     }
                 }
-                let owner_shard = self.least_loaded(grid.holders(best.expect("a part").1));
+                // Owner: the least loaded rank holding any part (ties: the holder of the
+                // largest part, which then has the least to receive). Choosing only among the
+                // largest part's holders would pin every such region of every layer on the same
+                // few ranks.
+                let (_, big_cell) = best.expect("a part");
+                let mut owner_shard = self.least_loaded(grid.holders(big_cell));
+                for k in first as usize..self.gather_parts.len() {
+                    let cell = self.gather_parts[k].1;
+                    for &s in grid.holders(cell) {
+                        let r = self.shard(s).rank as usize;
+                        if self.loads[r] < self.loads[self.shard(owner_shard).rank as usize] {
+                            owner_shard = s;
+                        }
+                    }
+                }
                 let owner = self.shard(owner_shard).rank;
                 self.loads[owner as usize] += reg.weight;
                 self.est_tasks[owner as usize] += 1;

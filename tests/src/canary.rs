@@ -139,7 +139,9 @@ impl GuardedRegion {
         access: Access,
     ) -> weightsync_common::fabric::Result<GuardedRegion> {
         assert!(
-            offset.checked_add(len).is_some_and(|end| end <= pages.len()),
+            offset
+                .checked_add(len)
+                .is_some_and(|end| end <= pages.len()),
             "region [{offset}, +{len}) outside the usable pages"
         );
         // SAFETY: the range lies inside the usable pages (asserted above), which stay mapped while
@@ -176,11 +178,7 @@ impl GuardedRegion {
 }
 
 /// The first position where `after` differs from `before` outside `[allowed.0, allowed.1)`.
-pub fn first_change_outside(
-    before: &[u8],
-    after: &[u8],
-    allowed: (usize, usize),
-) -> Option<usize> {
+pub fn first_change_outside(before: &[u8], after: &[u8], allowed: (usize, usize)) -> Option<usize> {
     before
         .iter()
         .zip(after)

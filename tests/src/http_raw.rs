@@ -129,7 +129,10 @@ pub fn read_response(s: &mut TcpStream) -> io::Result<RawResponse> {
         headers,
         body: Vec::new(),
     };
-    if let Some(len) = resp.header("content-length").and_then(|v| v.parse::<usize>().ok()) {
+    if let Some(len) = resp
+        .header("content-length")
+        .and_then(|v| v.parse::<usize>().ok())
+    {
         resp.body.resize(len, 0);
         r.read_exact(&mut resp.body)?;
     } else if resp

@@ -10,6 +10,6 @@ pub mod processes;
 pub mod proxy;
 // Controller harness (controller engineer): in-process controller, registrations, agents.
 pub mod controller_harness;
-pub mod proxied_cluster;
 pub mod process_cluster;
+pub mod proxied_cluster;
 pub mod reference;

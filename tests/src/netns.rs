@@ -45,7 +45,9 @@ pub fn unavailable_reason() -> Option<String> {
         return Some("network namespaces need root (CAP_NET_ADMIN); run the suite as root".into());
     }
     if Command::new("ip").arg("-V").output().is_err() {
-        return Some("the `ip` tool (iproute2) is not installed: apt-get install -y iproute2".into());
+        return Some(
+            "the `ip` tool (iproute2) is not installed: apt-get install -y iproute2".into(),
+        );
     }
     match Namespace::create(&format!("ws-probe-{}", std::process::id())) {
         Ok(_) => None,
@@ -131,12 +133,7 @@ pub fn run_in_namespace<T: Send + 'static>(
         let file = std::fs::File::open(&path).map_err(|e| format!("opening {path}: {e}"))?;
         // SAFETY: setns on a valid namespace fd affects only the calling thread (CLONE_NEWNET on
         // a thread of a multi-threaded process is allowed); the fd stays open during the call.
-        let rc = unsafe {
-            libc::setns(
-                std::os::fd::AsRawFd::as_raw_fd(&file),
-                libc::CLONE_NEWNET,
-            )
-        };
+        let rc = unsafe { libc::setns(std::os::fd::AsRawFd::as_raw_fd(&file), libc::CLONE_NEWNET) };
         if rc != 0 {
             return Err(format!(
                 "setns into {path}: {}",
@@ -266,7 +263,11 @@ mod tests {
         let lan = Lan::new(2).unwrap();
         let a = lan.host(0).addr;
         // Host 1 can reach host 0's address; the root namespace has no route to it.
-        let out = lan.host(1).ns.ip(&["route", "get", &a.to_string()]).unwrap();
+        let out = lan
+            .host(1)
+            .ns
+            .ip(&["route", "get", &a.to_string()])
+            .unwrap();
         assert!(out.contains("dev eth0"), "{out}");
         lan.set_link(1, false).unwrap();
         lan.set_link(1, true).unwrap();

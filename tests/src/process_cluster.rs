@@ -225,8 +225,9 @@ impl ProcessCluster {
         Self::common_env(&mut cmd);
         let name = format!("controller-{}", self.restarts);
         self.restarts += 1;
-        self.controller =
-            Some(ChildProcess::spawn(&name, cmd, self.dir.path()).expect("spawning the controller"));
+        self.controller = Some(
+            ChildProcess::spawn(&name, cmd, self.dir.path()).expect("spawning the controller"),
+        );
     }
 
     /// Starts (or restarts) worker `role` `rank`.
@@ -277,10 +278,16 @@ impl ProcessCluster {
         ];
         if role == "trainer" {
             flags.push(("--source".into(), format!("demo:{SEED}")));
-            flags.push(("--watermark-mib".into(), self.spec.watermark_mib.to_string()));
+            flags.push((
+                "--watermark-mib".into(),
+                self.spec.watermark_mib.to_string(),
+            ));
         } else {
             flags.push(("--demo-check-seed".into(), SEED.to_string()));
-            flags.push(("--land-timeout-s".into(), self.spec.land_timeout_s.to_string()));
+            flags.push((
+                "--land-timeout-s".into(),
+                self.spec.land_timeout_s.to_string(),
+            ));
         }
         flags.extend(self.job_flags());
         // `extra` replaces a default flag of the same name (clap refuses repeated flags).
@@ -296,7 +303,9 @@ impl ProcessCluster {
             cmd.arg(k).arg(v);
         }
         Self::common_env(&mut cmd);
-        let n = std::fs::read_dir(self.dir.path()).map(|d| d.count()).unwrap_or(0);
+        let n = std::fs::read_dir(self.dir.path())
+            .map(|d| d.count())
+            .unwrap_or(0);
         let name = format!("{role}-{rank}-{n}");
         ChildProcess::spawn(&name, cmd, self.dir.path()).expect("spawning a worker")
     }
@@ -337,10 +346,17 @@ impl ProcessCluster {
             .map(|d| d.flatten().map(|e| e.path()).collect())
             .unwrap_or_default();
         paths.sort();
-        for p in paths.iter().filter(|p| p.extension().is_some_and(|e| e == "log")) {
+        for p in paths
+            .iter()
+            .filter(|p| p.extension().is_some_and(|e| e == "log"))
+        {
             let text = std::fs::read_to_string(p).unwrap_or_default();
             let tail: Vec<&str> = text.lines().rev().take(40).collect();
-            out.push_str(&format!("==== {} (last {} lines)\n", p.display(), tail.len()));
+            out.push_str(&format!(
+                "==== {} (last {} lines)\n",
+                p.display(),
+                tail.len()
+            ));
             for l in tail.into_iter().rev() {
                 out.push_str(l);
                 out.push('\n');
@@ -433,14 +449,24 @@ impl ProcessCluster {
             r.text(),
             self.logs()
         );
-        let id = r.json().and_then(|j| j["sync_id"].as_u64()).expect("sync_id");
+        let id = r
+            .json()
+            .and_then(|j| j["sync_id"].as_u64())
+            .expect("sync_id");
         self.wait_end(id, timeout)
             .unwrap_or_else(|| panic!("sync {id} did not end in {timeout:?}\n{}", self.logs()))
     }
 }
 
 /// Asserts the promise on a sync view: committed implies verified.
-pub fn assert_committed_and_verified(view: &serde_json::Value, what: &str, logs: &dyn Fn() -> String) {
+pub fn assert_committed_and_verified(
+    view: &serde_json::Value,
+    what: &str,
+    logs: &dyn Fn() -> String,
+) {
     assert_eq!(view["state"], "committed", "{what}: {view}\n{}", logs());
-    assert_eq!(view["verified"], true, "{what}: committed without verification: {view}");
+    assert_eq!(
+        view["verified"], true,
+        "{what}: committed without verification: {view}"
+    );
 }

@@ -52,11 +52,18 @@ fn locate_or_build() -> Result<PathBuf, String> {
     let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("../Cargo.toml");
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| env!("CARGO").to_owned());
     let mut cmd = Command::new(cargo);
-    cmd.args(["build", "--quiet", "-p", "weightsync-controller", "--bin", "weightsync"])
-        .arg("--manifest-path")
-        .arg(&manifest)
-        .arg("--target-dir")
-        .arg(target_dir);
+    cmd.args([
+        "build",
+        "--quiet",
+        "-p",
+        "weightsync-controller",
+        "--bin",
+        "weightsync",
+    ])
+    .arg("--manifest-path")
+    .arg(&manifest)
+    .arg("--target-dir")
+    .arg(target_dir);
     match profile {
         "debug" => {}
         "release" => {

@@ -106,11 +106,10 @@ impl ProxiedCluster {
         let mut dsts = Destinations::default();
         for p in &table.rollouts {
             let f = fabric(config).await?;
-            let target = f
-                .endpoint()
-                .as_str()
-                .parse()
-                .map_err(|e| WorkerError::Protocol(format!("endpoint is not an address: {e}")))?;
+            let target =
+                f.endpoint().as_str().parse().map_err(|e| {
+                    WorkerError::Protocol(format!("endpoint is not an address: {e}"))
+                })?;
             let proxy = LaneProxy::loopback(target)
                 .map_err(|e| WorkerError::Protocol(format!("starting a proxy: {e}")))?;
             let r = RolloutWorker::new(f, format!("rollout-{}", p.rank), p.clone())?;

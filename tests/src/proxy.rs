@@ -235,7 +235,12 @@ fn pump(mut from: TcpStream, mut to: TcpStream, shared: Arc<Shared>, upstream: b
         let n = match from.read(&mut buf) {
             Ok(0) => break,
             Ok(n) => n,
-            Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                ) =>
+            {
                 continue
             }
             Err(_) => break,
@@ -329,7 +334,8 @@ mod tests {
     fn stall_holds_bytes_until_released() {
         let proxy = LaneProxy::loopback(echo_server()).unwrap();
         let mut c = TcpStream::connect(proxy.addr()).unwrap();
-        c.set_read_timeout(Some(Duration::from_millis(200))).unwrap();
+        c.set_read_timeout(Some(Duration::from_millis(200)))
+            .unwrap();
         proxy.set_mode(ProxyMode::Stall);
         c.write_all(b"held").unwrap();
         let mut got = [0u8; 4];

@@ -273,11 +273,21 @@ async fn failure_names_worker_and_tensor_and_next_sync_proceeds() {
     );
 }
 
+/// method, uri, body, bearer token, expected status, text the message must contain.
+type Case<'a> = (
+    &'a str,
+    &'a str,
+    Option<&'a str>,
+    Option<&'a str>,
+    u16,
+    &'a str,
+);
+
 #[tokio::test]
 async fn refused_and_malformed_requests_get_clear_4xx() {
     let st = state(1, 1, false);
     register_all(&st, 1, 1);
-    let cases: &[(&str, &str, Option<&str>, Option<&str>, u16, &str)] = &[
+    let cases: &[Case] = &[
         (
             "POST",
             "/v1/syncs",

@@ -29,9 +29,15 @@ fn back_to_back_syncs_all_commit_and_memory_and_fds_stay_flat() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(100);
     let c = ProcessCluster::start(JobSpec::tiny());
-    assert!(c.wait_ready(Duration::from_secs(60)), "never ready\n{}", c.logs());
+    assert!(
+        c.wait_ready(Duration::from_secs(60)),
+        "never ready\n{}",
+        c.logs()
+    );
     // Sync 1 warms every process up (first plan, first lanes, first staging); "first" is after it.
-    assert_committed_and_verified(&c.sync(1, Duration::from_secs(60)), "warm-up sync", &|| c.logs());
+    assert_committed_and_verified(&c.sync(1, Duration::from_secs(60)), "warm-up sync", &|| {
+        c.logs()
+    });
     let first = sample_all(&c);
     let started = Instant::now();
     let mut mid = None;
@@ -44,12 +50,21 @@ fn back_to_back_syncs_all_commit_and_memory_and_fds_stay_flat() {
     }
     let took = started.elapsed();
     let last = sample_all(&c);
-    println!("{syncs} syncs committed and verified in {took:?} ({:?} per sync)", took / syncs as u32);
-    println!("{:<16} {:>12} {:>12} {:>12} {:>6} {:>6} {:>8} {:>8}", "process", "rss first", "rss mid", "rss last", "fds 1", "fds n", "thr 1", "thr n");
+    println!(
+        "{syncs} syncs committed and verified in {took:?} ({:?} per sync)",
+        took / syncs as u32
+    );
+    println!(
+        "{:<16} {:>12} {:>12} {:>12} {:>6} {:>6} {:>8} {:>8}",
+        "process", "rss first", "rss mid", "rss last", "fds 1", "fds n", "thr 1", "thr n"
+    );
     let mut figures = Vec::new();
     for (name, f) in &first {
         let l = &last[name];
-        let m = mid.as_ref().and_then(|m| m.get(name)).map_or(0, |s| s.rss_kib);
+        let m = mid
+            .as_ref()
+            .and_then(|m| m.get(name))
+            .map_or(0, |s| s.rss_kib);
         println!(
             "{name:<16} {:>9} KiB {:>9} KiB {:>9} KiB {:>6} {:>6} {:>8} {:>8}",
             f.rss_kib, m, l.rss_kib, f.fds, l.fds, f.threads, l.threads
@@ -59,10 +74,18 @@ fn back_to_back_syncs_all_commit_and_memory_and_fds_stay_flat() {
             "fds_first": f.fds, "fds_last": l.fds, "threads_first": f.threads, "threads_last": l.threads,
         }));
     }
-    println!("{}", serde_json::json!({"syncs": syncs, "seconds": took.as_secs_f64(), "processes": figures}));
+    println!(
+        "{}",
+        serde_json::json!({"syncs": syncs, "seconds": took.as_secs_f64(), "processes": figures})
+    );
     for (name, f) in &first {
         let l = &last[name];
-        assert!(l.fds <= f.fds + 4, "{name}: open fds grew from {} to {}", f.fds, l.fds);
+        assert!(
+            l.fds <= f.fds + 4,
+            "{name}: open fds grew from {} to {}",
+            f.fds,
+            l.fds
+        );
         assert!(
             l.threads <= f.threads + 4,
             "{name}: threads grew from {} to {}",

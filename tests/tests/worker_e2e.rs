@@ -103,7 +103,7 @@ async fn four_fsdp_trainers_to_two_tp2_engines_fp8() {
     // The straddling-block path is exercised: some trainer receives gathered rows.
     assert!(table.trainers.iter().any(|t| t.gather_arena_bytes > 0));
     // A small watermark so that large tasks are split into pieces.
-    let cluster = LoopbackCluster::start(&table, 512 << 10, 2).await.unwrap();
+    let cluster = LoopbackCluster::start(&table, 160 << 10, 2).await.unwrap();
     assert!(
         cluster.trainers.iter().map(|t| t.pieces()).sum::<usize>()
             > table.trainers.iter().map(|t| t.tasks.len()).sum::<usize>()

@@ -1,9 +1,9 @@
 //! weightsync-worker: trainer pipeline and rollout receiver. (Being built: see issue 4.)
 
-pub mod prepare;
-pub mod source;
 #[cfg(feature = "cuda")]
 pub mod gpu;
+pub mod prepare;
+pub mod source;
 
 pub mod checksum;
 pub mod error;

@@ -77,7 +77,11 @@ fn full_tensors(table: &RoutingTable) -> Result<Vec<FullTensor>, E2eError> {
             let dims = p.shape.dims();
             let cols: u64 = dims.iter().skip(1).map(|&d| d as u64).product();
             let rows = dims.first().map_or(1, |&d| d as u64);
-            let (rows, cols) = if dims.len() <= 1 { (1, rows) } else { (rows, cols) };
+            let (rows, cols) = if dims.len() <= 1 {
+                (1, rows)
+            } else {
+                (rows, cols)
+            };
             let elem = s.dtype.size() as u64;
             let t = by_id.entry(p.id).or_insert_with(|| FullTensor {
                 rows,
@@ -87,7 +91,8 @@ fn full_tensors(table: &RoutingTable) -> Result<Vec<FullTensor>, E2eError> {
                 parts: Vec::new(),
             });
             let g = &s.global;
-            let trailing_whole = (1..g.ndim as usize).all(|d| g.start[d] == 0 && g.len[d] == p.shape.dims[d]);
+            let trailing_whole =
+                (1..g.ndim as usize).all(|d| g.start[d] == 0 && g.len[d] == p.shape.dims[d]);
             if !trailing_whole {
                 return Err(E2eError::Setup(format!(
                     "broadcast baseline: shard {} of {} is not a dim-0 slice (only FSDP/HSDP layouts)",
@@ -121,7 +126,8 @@ impl BroadcastBaseline {
     ) -> Result<Self, E2eError> {
         let cfg = FabricConfig::loopback(TOKEN, lanes_per_peer);
         let tensors = full_tensors(table)?;
-        let bucket_bytes = bucket_bytes.max(tensors.iter().map(FullTensor::bytes).max().unwrap_or(1));
+        let bucket_bytes =
+            bucket_bytes.max(tensors.iter().map(FullTensor::bytes).max().unwrap_or(1));
         let mut buckets: Vec<Vec<(FullTensor, u64)>> = vec![Vec::new()];
         let mut fill = 0;
         for t in tensors {
@@ -131,13 +137,18 @@ impl BroadcastBaseline {
             }
             let at = fill;
             fill += t.bytes();
-            buckets.last_mut().expect("at least one bucket").push((t, at));
+            buckets
+                .last_mut()
+                .expect("at least one bucket")
+                .push((t, at));
         }
         let mut trainers = Vec::new();
         for plan in &table.trainers {
             let f = TcpFabric::start(&cfg).await.map_err(fab_err("fabric"))?;
             let len = plan.source_arena_bytes.max(1);
-            let src = f.alloc(len as usize, Access::SOURCE).map_err(fab_err("source"))?;
+            let src = f
+                .alloc(len as usize, Access::SOURCE)
+                .map_err(fab_err("source"))?;
             src.write_at(0, &weights(len, plan.rank as u64 + 101))
                 .map_err(fab_err("filling the source"))?;
             trainers.push((f, src));
@@ -152,7 +163,8 @@ impl BroadcastBaseline {
             .map_err(fab_err("rank 0 buffers"))?;
         let mut engine_total: BTreeMap<u32, u64> = BTreeMap::new();
         for r in &table.rollouts {
-            *engine_total.entry(r.engine).or_default() += r.tensors.iter().map(|t| t.len).sum::<u64>();
+            *engine_total.entry(r.engine).or_default() +=
+                r.tensors.iter().map(|t| t.len).sum::<u64>();
         }
         let mut rollouts = Vec::new();
         for r in &table.rollouts {
@@ -179,7 +191,12 @@ impl BroadcastBaseline {
         let mut b = 0;
         for bucket in &self.buckets {
             for (t, _) in bucket {
-                b += t.parts.iter().filter(|p| p.0 != 0).map(|p| p.2).sum::<u64>();
+                b += t
+                    .parts
+                    .iter()
+                    .filter(|p| p.0 != 0)
+                    .map(|p| p.2)
+                    .sum::<u64>();
                 b += t.bytes() * self.rollouts.len() as u64;
             }
         }
@@ -305,8 +322,15 @@ fn reload(buf: &Region, tensors: &[(FullTensor, u64)], share: f64) -> Result<(),
             };
             values.resize(shape.rows * shape.cols, 0);
             scales.resize(shape.row_blocks() * shape.col_blocks() * 4, 0);
-            quantise_fp8(&input, DType::BF16, shape, &mut values, &mut scales, Threads::One)
-                .map_err(|e| E2eError::Sync(format!("reload quantise: {e}")))?;
+            quantise_fp8(
+                &input,
+                DType::BF16,
+                shape,
+                &mut values,
+                &mut scales,
+                Threads::One,
+            )
+            .map_err(|e| E2eError::Sync(format!("reload quantise: {e}")))?;
         }
     }
     Ok(())

@@ -20,9 +20,7 @@ use std::time::Instant;
 use serde::Serialize;
 use weightsync_common::fabric::{Access, FabricBackend, FabricConfig, TcpFabric, WriteOp};
 use weightsync_common::DType;
-use weightsync_schedules::simulate::{
-    simulate, ClusterModel, HostModel, Placement, PrepRates,
-};
+use weightsync_schedules::simulate::{simulate, ClusterModel, HostModel, Placement, PrepRates};
 use weightsync_schedules::CostModel;
 use weightsync_worker::prepare::{cast, quantise_fp8, Fp8Shape, Threads};
 
@@ -279,7 +277,12 @@ async fn fabric_rate(
 }
 
 /// The one-node host model built from measured rates.
-pub fn host_cluster(rates: &Rates, workers: &WorkerOptions, gpus: u32, task_overhead_s: f64) -> ClusterModel {
+pub fn host_cluster(
+    rates: &Rates,
+    workers: &WorkerOptions,
+    gpus: u32,
+    task_overhead_s: f64,
+) -> ClusterModel {
     let cores = rates.cores.max(1) as f64;
     let cost = CostModel {
         nic_bytes_per_s: rates.fabric_bytes_per_s,

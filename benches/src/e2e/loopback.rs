@@ -50,20 +50,23 @@ pub(crate) const TOKEN: &str = "weightsync-bench-e2e";
 /// Bytes of plausible bf16 weights (values in about [-2, 2]), deterministic in `seed`.
 pub(crate) fn weights(len: u64, seed: u64) -> Vec<u8> {
     let mut out = vec![0u8; len as usize];
-    out.par_chunks_mut(1 << 16).enumerate().for_each(|(c, chunk)| {
-        let mut x = seed ^ (c as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xD1B5_4A32_D192_ED03;
-        for pair in chunk.chunks_mut(2) {
-            // xorshift64*
-            x ^= x >> 12;
-            x ^= x << 25;
-            x ^= x >> 27;
-            let r = x.wrapping_mul(0x2545_F491_4F6C_DD1D);
-            let v = ((r >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0;
-            let b = (v.to_bits() >> 16) as u16;
-            let bytes = b.to_le_bytes();
-            pair.copy_from_slice(&bytes[..pair.len()]);
-        }
-    });
+    out.par_chunks_mut(1 << 16)
+        .enumerate()
+        .for_each(|(c, chunk)| {
+            let mut x =
+                seed ^ (c as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xD1B5_4A32_D192_ED03;
+            for pair in chunk.chunks_mut(2) {
+                // xorshift64*
+                x ^= x >> 12;
+                x ^= x << 25;
+                x ^= x >> 27;
+                let r = x.wrapping_mul(0x2545_F491_4F6C_DD1D);
+                let v = ((r >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0;
+                let b = (v.to_bits() >> 16) as u16;
+                let bytes = b.to_le_bytes();
+                pair.copy_from_slice(&bytes[..pair.len()]);
+            }
+        });
     out
 }
 
@@ -115,11 +118,10 @@ impl LoopbackCluster {
         }
         let mut trainers = Vec::new();
         for plan in &table.trainers {
-            let source: Arc<dyn SourceView> = Arc::new(weights(
-                plan.source_arena_bytes,
-                plan.rank as u64 + 1,
-            ));
-            let mut cfg = TrainerConfig::new(format!("trainer-{}", plan.rank), opts.watermark_bytes);
+            let source: Arc<dyn SourceView> =
+                Arc::new(weights(plan.source_arena_bytes, plan.rank as u64 + 1));
+            let mut cfg =
+                TrainerConfig::new(format!("trainer-{}", plan.rank), opts.watermark_bytes);
             cfg.verify = opts.verify;
             cfg.prepare_all_threads = opts.prepare_all_threads;
             cfg.mode = opts.mode;
@@ -165,9 +167,7 @@ impl LoopbackCluster {
         }
         for r in &self.rollouts {
             let r = r.clone();
-            jobs.spawn(async move {
-                r.await_landed(Duration::from_secs(300)).await.map(|_| ())
-            });
+            jobs.spawn(async move { r.await_landed(Duration::from_secs(300)).await.map(|_| ()) });
         }
         while let Some(j) = jobs.join_next().await {
             j.map_err(|e| E2eError::Sync(format!("a worker task panicked: {e}")))?

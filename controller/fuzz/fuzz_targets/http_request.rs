@@ -58,17 +58,29 @@ fuzz_target!(|data: &[u8]| {
         return;
     };
     let segment = std::str::from_utf8(body).ok().filter(|s| {
-        !s.is_empty() && s.len() < 256 && s.bytes().all(|b| b.is_ascii_graphic() && b != b'/' && b != b'?' && b != b'#')
+        !s.is_empty()
+            && s.len() < 256
+            && s.bytes()
+                .all(|b| b.is_ascii_graphic() && b != b'/' && b != b'?' && b != b'#')
     });
     let (method, uri) = match sel & 7 {
         0 => (Method::POST, "/v1/syncs".to_owned()),
         1 => (Method::POST, "/v1/syncs?wait=true".to_owned()),
         2 => (Method::GET, format!("/v1/syncs/{}", segment.unwrap_or("1"))),
-        3 => (Method::GET, format!("/v1/syncs/{}/trace", segment.unwrap_or("1"))),
+        3 => (
+            Method::GET,
+            format!("/v1/syncs/{}/trace", segment.unwrap_or("1")),
+        ),
         4 => (Method::GET, "/v1/syncs".to_owned()),
-        5 => (Method::GET, format!("/v1/syncs?{}", segment.unwrap_or("limit=1"))),
+        5 => (
+            Method::GET,
+            format!("/v1/syncs?{}", segment.unwrap_or("limit=1")),
+        ),
         6 => (Method::PUT, "/v1/syncs".to_owned()),
-        _ => (Method::POST, format!("/v1/syncs?{}", segment.unwrap_or("wait=maybe"))),
+        _ => (
+            Method::POST,
+            format!("/v1/syncs?{}", segment.unwrap_or("wait=maybe")),
+        ),
     };
     let mut req = Request::builder().method(method).uri(uri.as_str());
     if sel & 0x10 != 0 {

@@ -302,8 +302,10 @@ mod tests {
             "controller = \"10.0.0.1:7000\"\nrank = 1\nmodel = \"qwen3-0.6b\"\ntrain = \"fsdp=4\"\ninfer = \"tp=2,dp=2\"\nsource = \"demo:5\"\n",
         )
         .unwrap();
-        let mut f = WorkerSettings::default();
-        f.rank = Some(2);
+        let f = WorkerSettings {
+            rank: Some(2),
+            ..Default::default()
+        };
         let r = resolve(Role::Rollout, f, Some(file), &|_| None, Some("t".into())).unwrap();
         let ResolvedWorker::Rollout(a, _) = r else {
             panic!()

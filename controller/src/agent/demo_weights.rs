@@ -25,7 +25,8 @@ fn mix(mut x: u64) -> u64 {
 
 /// The per-(seed, version, parameter) key of [`value_from_key`].
 pub fn param_key(seed: u64, version: u64, param: u32) -> u64 {
-    mix(seed ^ mix(version.wrapping_add(0x9e37_79b9_7f4a_7c15))
+    mix(seed
+        ^ mix(version.wrapping_add(0x9e37_79b9_7f4a_7c15))
         ^ mix(u64::from(param).wrapping_mul(0xc2b2_ae3d_27d4_eb4f)))
 }
 

@@ -209,8 +209,8 @@ async fn demo(args: Args) -> anyhow::Result<()> {
     }));
 
     eprintln!(
-        "weightsync demo: {} ({} {}), {} trainers [{}] -> {} rollouts [{}]\n  dashboard: {dashboard}",
-        world.model, dtype, "weights", trainers, world.train, rollouts, world.infer
+        "weightsync demo: {} ({} weights), {} trainers [{}] -> {} rollouts [{}]\n  dashboard: {dashboard}",
+        world.model, dtype, trainers, world.train, rollouts, world.infer
     );
 
     // Worker processes: this binary, `worker trainer|rollout`.

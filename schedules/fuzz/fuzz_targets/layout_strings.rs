@@ -28,7 +28,10 @@ fuzz_target!(|data: &[u8]| {
         return;
     };
     // Round trip through Display.
-    let again: TrainSpec = train.to_string().parse().expect("a TrainSpec's Display parses");
+    let again: TrainSpec = train
+        .to_string()
+        .parse()
+        .expect("a TrainSpec's Display parses");
     assert_eq!(again.world().ok(), train.world().ok());
     let small = train.world().is_ok_and(|w| w <= 64)
         && u64::from(infer.engine_ranks()) * u64::from(infer.dp) <= 64;

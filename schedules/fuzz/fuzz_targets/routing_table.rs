@@ -10,7 +10,8 @@ fuzz_target!(|data: &[u8]| {
     let Ok(table) = RoutingTable::from_bincode(data) else {
         return;
     };
-    let again = RoutingTable::from_bincode(&table.to_bincode()).expect("re-decoding an encoded table");
+    let again =
+        RoutingTable::from_bincode(&table.to_bincode()).expect("re-decoding an encoded table");
     assert_eq!(again, table, "bincode round trip changed the table");
     for rank in 0..table.trainers.len().min(64) as u32 {
         let _ = table.slice(rank);

@@ -240,6 +240,7 @@ pub(crate) fn ring_hops(
                 continue;
             }
             hops.push(Hop {
+                local: false,
                 from: node_nic(cluster, prev, i),
                 to: node_nic(cluster, n, i),
                 to_node: n,
@@ -269,6 +270,7 @@ pub(crate) fn gather_hops(
         let wrs = (share / opts.nccl_chunk_bytes as f64).ceil().max(1.0);
         for i in 0..rings {
             hops.push(Hop {
+                local: false,
                 from: node_nic(cluster, n, i),
                 to: node_nic(cluster, root, i),
                 to_node: root,
@@ -294,7 +296,11 @@ pub fn simulate_baseline(
     if table.rollouts.is_empty() {
         return Err(SimError::Empty("inference ranks"));
     }
-    if opts.bucket_bytes == 0 || opts.nccl_chunk_bytes == 0 || !(opts.nccl_call_s >= 0.0) {
+    if opts.bucket_bytes == 0
+        || opts.nccl_chunk_bytes == 0
+        || opts.nccl_call_s.is_nan()
+        || opts.nccl_call_s < 0.0
+    {
         return Err(SimError::BadCluster(format!(
             "baseline options must be positive: {opts:?}"
         )));

@@ -14,10 +14,11 @@ fn table(infer: &str) -> RoutingTable {
 
 /// Two GPUs and two NICs per node: trainers on nodes 0-1, rollouts on nodes 2-3.
 fn small_nodes() -> ClusterModel {
-    let mut c = ClusterModel::default();
-    c.gpus_per_node = 2;
-    c.nics_per_node = 2;
-    c
+    ClusterModel {
+        gpus_per_node: 2,
+        nics_per_node: 2,
+        ..Default::default()
+    }
 }
 
 fn rx_on_nodes(r: &SimReport, nodes: &[u32]) -> Vec<u64> {

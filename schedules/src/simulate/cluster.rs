@@ -251,8 +251,10 @@ mod tests {
         c.cost.nic_bytes_per_s = 0.0;
         let e = c.validate().unwrap_err();
         assert!(e.to_string().contains("nic_bytes_per_s"), "{e}");
-        let mut c = ClusterModel::default();
-        c.nics_per_node = 9;
+        let c = ClusterModel {
+            nics_per_node: 9,
+            ..Default::default()
+        };
         assert!(c
             .validate()
             .unwrap_err()

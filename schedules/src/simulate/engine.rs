@@ -107,9 +107,12 @@ pub(crate) struct NicLoad {
     pub node: u32,
 }
 
-/// One hop of a transfer: bytes from one NIC into another (or a local copy when `from == to`).
+/// One hop of a transfer: bytes from one NIC into another (a loopback through one NIC when
+/// `from == to`), or a local copy on one GPU (`local`), which costs no NIC.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Hop {
+    /// Same GPU: no NIC involved.
+    pub local: bool,
     /// Sending NIC.
     pub from: u32,
     /// Receiving NIC.
@@ -213,7 +216,7 @@ impl SimPlan {
 
     /// A transfer over `hops` as one flow whose work is `total` bytes: every NIC involved is
     /// charged `max(bytes / bw, wrs * per_wr)` for its share, summed over the hops it takes part
-    /// in; a hop with `from == to` is a local copy and costs no NIC. `host` adds host-CPU
+    /// in; a `local` hop (same GPU) costs no NIC. `host` adds host-CPU
     /// seconds per byte on the sending nodes (`(node, s_per_byte)`).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn transfer(
@@ -234,7 +237,7 @@ impl SimPlan {
         let mut net_bytes = 0.0;
         for h in hops {
             total += h.bytes;
-            if h.from == h.to {
+            if h.local {
                 continue;
             }
             net_bytes += h.bytes;

@@ -177,10 +177,10 @@ pub(crate) fn lower(table: &crate::table::RoutingTable, cluster: &ClusterModel) 
                     let task = &plan.tasks[k as usize];
                     let staging = task_staging(plan, task);
                     let parts = staging.div_ceil(budget).max(1);
-                    if parts > 1 || cur.staging + staging as f64 > budget as f64 {
-                        if !cur.is_empty() {
-                            finish(&mut slots, &mut pieces, &mut cur);
-                        }
+                    if (parts > 1 || cur.staging + staging as f64 > budget as f64)
+                        && !cur.is_empty()
+                    {
+                        finish(&mut slots, &mut pieces, &mut cur);
                     }
                     let frac = 1.0 / parts as f64;
                     for _ in 0..parts {
@@ -261,6 +261,7 @@ pub(crate) fn lower(table: &crate::table::RoutingTable, cluster: &ClusterModel) 
                         .dsts
                         .iter()
                         .map(|&(gpu, bytes, wrs)| Hop {
+                            local: gpu == t,
                             from: if gpu == t { u32::MAX } else { my_nic },
                             to: if gpu == t {
                                 u32::MAX

@@ -261,7 +261,7 @@ pub(crate) fn build(
             continue;
         }
         timeline.push(SimEvent {
-            worker: plan.lanes[lane as usize].clone(),
+            worker: plan.lanes[lane].clone(),
             task: 0,
             stage: Stage::Land,
             start_ns: to_ns(s),

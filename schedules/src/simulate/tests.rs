@@ -321,20 +321,17 @@ fn kimi_k2_256_to_128() {
             ge
         );
     }
-    for wif in [0u32] {
-        let mut c = ClusterModel::default();
-        c.writes_in_flight = wif;
-        let t1 = std::time::Instant::now();
-        let low = super::lower::lower(&table, &c);
-        let t2 = std::time::Instant::now();
-        let out = super::engine::run(&low.plan).unwrap();
-        eprintln!(
-            "writes_in_flight {wif}: lower {:?}, engine {:?}, predicted {:.4}",
-            t2 - t1,
-            t2.elapsed(),
-            out.makespan
-        );
-    }
+    let c = ClusterModel::default();
+    let t1 = std::time::Instant::now();
+    let low = super::lower::lower(&table, &c);
+    let t2 = std::time::Instant::now();
+    let out = super::engine::run(&low.plan).unwrap();
+    eprintln!(
+        "lower {:?}, engine {:?}, predicted {:.4}",
+        t2 - t1,
+        t2.elapsed(),
+        out.makespan
+    );
     let t3 = std::time::Instant::now();
     let r = simulate(&table, &ClusterModel::default()).unwrap();
     eprintln!("simulate() {:?}", t3.elapsed());

@@ -31,7 +31,9 @@ fn placed(lan: &Lan, spec: &JobSpec) -> Placement {
         controller: host(0),
         controller_ns: lan.host(0).ns.name().to_owned(),
         trainers: (0..t).map(|i| host(1 + i)).collect(),
-        rollouts: (0..spec.rollouts as usize).map(|i| host(1 + t + i)).collect(),
+        rollouts: (0..spec.rollouts as usize)
+            .map(|i| host(1 + t + i))
+            .collect(),
     }
 }
 
@@ -53,23 +55,37 @@ fn sync_across_hosts_commits_and_a_partition_mid_sync_fails_cleanly() {
     let spec = JobSpec::tiny();
     let Some(lan) = lan_for(&spec) else { return };
     let c = ProcessCluster::start_placed(spec.clone(), placed(&lan, &spec));
-    assert!(c.wait_ready(READY), "never ready across hosts\n{}", c.logs());
-    assert_committed_and_verified(&c.sync(1, Duration::from_secs(40)), "sync across hosts", &|| c.logs());
+    assert!(
+        c.wait_ready(READY),
+        "never ready across hosts\n{}",
+        c.logs()
+    );
+    assert_committed_and_verified(
+        &c.sync(1, Duration::from_secs(40)),
+        "sync across hosts",
+        &|| c.logs(),
+    );
 
     // Once trainers write, freeze rollout 0 so the sync is certainly in flight, then cut its
     // host off the lan. A sync that ended before the freeze is retried with the next version.
     let mut sabotaged = None;
     for version in 2..7 {
         let r = c.trigger(version, false).expect("trigger");
-        let id = r.json().and_then(|j| j["sync_id"].as_u64()).expect("sync_id");
+        let id = r
+            .json()
+            .and_then(|j| j["sync_id"].as_u64())
+            .expect("sync_id");
         let started = wait_until(Duration::from_secs(20), || {
-            c.sync_view(id).filter(|v| v["state"] != "pending").map(|_| ())
+            c.sync_view(id)
+                .filter(|v| v["state"] != "pending")
+                .map(|_| ())
         });
         assert!(started.is_some(), "sync {id} never started\n{}", c.logs());
         let frozen = c.rollouts[0].as_ref().expect("rollout 0");
         frozen.pause();
         if c.sync_view(id).is_some_and(|v| v["state"] == "running") {
-            lan.set_link(rollout_host(&spec, 0), false).expect("partition");
+            lan.set_link(rollout_host(&spec, 0), false)
+                .expect("partition");
             frozen.resume();
             sabotaged = Some((id, Instant::now()));
             break;
@@ -82,23 +98,34 @@ fn sync_across_hosts_commits_and_a_partition_mid_sync_fails_cleanly() {
         );
     }
     let (id, cut_at) = sabotaged.expect("five syncs ended before they could be partitioned");
-    let limit = Duration::from_millis(spec.heartbeat_timeout_ms) + Duration::from_secs(spec.sync_timeout_s);
+    let limit =
+        Duration::from_millis(spec.heartbeat_timeout_ms) + Duration::from_secs(spec.sync_timeout_s);
     let view = c
         .wait_end(id, limit + Duration::from_secs(10))
         .unwrap_or_else(|| panic!("the partitioned sync never ended\n{}", c.logs()));
     let took = cut_at.elapsed();
-    eprintln!("partitioned sync ended {} after {took:?}: {}", view["state"], view["failure"]);
+    eprintln!(
+        "partitioned sync ended {} after {took:?}: {}",
+        view["state"], view["failure"]
+    );
     assert_eq!(view["state"], "failed", "{view}");
     assert!(
         !view["failure"]["worker"].as_str().unwrap_or("").is_empty(),
         "the failure must name a worker: {view}"
     );
-    assert!(took <= limit + Duration::from_secs(5), "failing took {took:?} (limit {limit:?})");
+    assert!(
+        took <= limit + Duration::from_secs(5),
+        "failing took {took:?} (limit {limit:?})"
+    );
 
     // Heal the partition: rollout 0 reconnects, the next sync commits.
     lan.set_link(rollout_host(&spec, 0), true).expect("heal");
     assert!(c.wait_ready(READY), "not ready after healing\n{}", c.logs());
-    assert_committed_and_verified(&c.sync(10, Duration::from_secs(40)), "sync after healing", &|| c.logs());
+    assert_committed_and_verified(
+        &c.sync(10, Duration::from_secs(40)),
+        "sync after healing",
+        &|| c.logs(),
+    );
 }
 
 #[test]

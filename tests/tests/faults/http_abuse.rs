@@ -73,7 +73,10 @@ fn oversized_deep_and_garbled_bodies_get_4xx_and_memory_stays_flat() {
         &request_bytes(
             "POST",
             "/v1/syncs",
-            &[("Authorization", &format!("Bearer {API_TOKEN}")), ("Content-Type", "application/json")],
+            &[
+                ("Authorization", &format!("Bearer {API_TOKEN}")),
+                ("Content-Type", "application/json"),
+            ],
             &big,
         ),
         T,
@@ -102,13 +105,29 @@ fn oversized_deep_and_garbled_bodies_get_4xx_and_memory_stays_flat() {
 
     // JSON nested as deep as the body limit allows, and far deeper than serde's recursion limit.
     let depth = 8000;
-    let deep = format!("{{\"version\": {}1{}}}", "[".repeat(depth), "]".repeat(depth));
-    let r = http_raw::send(c.http, "POST", "/v1/syncs", Some(API_TOKEN), deep.as_bytes())
-        .expect("answer to deep JSON");
+    let deep = format!(
+        "{{\"version\": {}1{}}}",
+        "[".repeat(depth),
+        "]".repeat(depth)
+    );
+    let r = http_raw::send(
+        c.http,
+        "POST",
+        "/v1/syncs",
+        Some(API_TOKEN),
+        deep.as_bytes(),
+    )
+    .expect("answer to deep JSON");
     assert_4xx_with_message(&r, "deep JSON");
     let deep_obj = format!("{}{}", "{\"a\":".repeat(3000), "}".repeat(3000));
-    let r = http_raw::send(c.http, "POST", "/v1/syncs", Some(API_TOKEN), deep_obj.as_bytes())
-        .expect("answer to deep objects");
+    let r = http_raw::send(
+        c.http,
+        "POST",
+        "/v1/syncs",
+        Some(API_TOKEN),
+        deep_obj.as_bytes(),
+    )
+    .expect("answer to deep objects");
     assert_4xx_with_message(&r, "deep objects");
 
     // Not UTF-8, NUL bytes, numbers past u64, duplicate keys, and the same under a wrong token.
@@ -122,7 +141,10 @@ fn oversized_deep_and_garbled_bodies_get_4xx_and_memory_stays_flat() {
     for body in garbled {
         let r = http_raw::send(c.http, "POST", "/v1/syncs", Some(API_TOKEN), body)
             .expect("answer to a garbled body");
-        assert_4xx_with_message(&r, &format!("garbled body {:?}", String::from_utf8_lossy(body)));
+        assert_4xx_with_message(
+            &r,
+            &format!("garbled body {:?}", String::from_utf8_lossy(body)),
+        );
         let r = http_raw::send(c.http, "POST", "/v1/syncs", Some("wrong"), body)
             .expect("answer to a garbled unauthorised body");
         assert_eq!(r.status, 401, "unauthorised garbled body: {}", r.text());
@@ -130,12 +152,19 @@ fn oversized_deep_and_garbled_bodies_get_4xx_and_memory_stays_flat() {
     // A garbage request line and header block.
     let r = exchange(c.http, b"\x16\x03\x01\x02\x00 not http at all\r\n\r\n", T);
     if let Ok(r) = r {
-        assert!((400..500).contains(&r.status), "garbage request line: {}", r.status);
+        assert!(
+            (400..500).contains(&r.status),
+            "garbage request line: {}",
+            r.status
+        );
     }
 
     still_serving(&c, "after oversized and garbled bodies");
     let after = proc_stats::sample(pid).expect("sample");
-    eprintln!("controller RSS {} KiB -> {} KiB, fds {} -> {}", before.rss_kib, after.rss_kib, before.fds, after.fds);
+    eprintln!(
+        "controller RSS {} KiB -> {} KiB, fds {} -> {}",
+        before.rss_kib, after.rss_kib, before.fds, after.fds
+    );
     assert!(
         after.rss_kib < before.rss_kib + 32 * 1024,
         "controller RSS grew from {} to {} KiB after abuse (a body was buffered?)",
@@ -161,8 +190,10 @@ fn announced_terabyte_body_is_refused_at_once() {
     );
     let r = exchange(c.http, head.as_bytes(), T).expect("answer to a 1 TB announcement");
     assert_4xx_with_message(&r, "1 TB Content-Length");
-    assert!(started.elapsed() < T, "the controller waited for a body it would refuse");
-
+    assert!(
+        started.elapsed() < T,
+        "the controller waited for a body it would refuse"
+    );
 }
 
 #[test]
@@ -175,7 +206,9 @@ fn slow_partial_requests_and_many_idle_connections_do_not_block_service() {
     // body and send half of it.
     let mut held = Vec::new();
     for i in 0..300 {
-        let Ok(mut s) = TcpStream::connect(c.http) else { break };
+        let Ok(mut s) = TcpStream::connect(c.http) else {
+            break;
+        };
         match i % 3 {
             0 => {}
             1 => {
@@ -193,13 +226,21 @@ fn slow_partial_requests_and_many_idle_connections_do_not_block_service() {
         }
         held.push(s);
     }
-    assert!(held.len() >= 250, "could open only {} connections", held.len());
+    assert!(
+        held.len() >= 250,
+        "could open only {} connections",
+        held.len()
+    );
     // An honest client is still served, promptly, while they hang.
     let started = Instant::now();
     still_serving(&c, "with 300 hanging connections");
     let r = c.trigger(1, false).expect("trigger while connections hang");
     assert_eq!(r.status, 503, "world incomplete: {}", r.text());
-    assert!(started.elapsed() < Duration::from_secs(10), "served only after {:?}", started.elapsed());
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "served only after {:?}",
+        started.elapsed()
+    );
 
     let during = proc_stats::sample(pid).expect("sample");
     drop(held);
@@ -217,7 +258,10 @@ fn slow_partial_requests_and_many_idle_connections_do_not_block_service() {
         before.rss_kib,
         during.rss_kib
     );
-    assert!(settled.is_some(), "sockets of closed connections were not released");
+    assert!(
+        settled.is_some(),
+        "sockets of closed connections were not released"
+    );
     assert!(
         during.rss_kib < before.rss_kib + 64 * 1024,
         "300 idle connections cost {} KiB",
@@ -234,9 +278,22 @@ fn garbage_on_the_control_channel_is_dropped_and_the_controller_lives() {
         b"GET / HTTP/1.1\r\n\r\n".to_vec(),
         vec![0xff; 4096],
         // A valid magic and version announcing a 4 GiB frame.
-        [b"WSYC".as_slice(), &1u16.to_le_bytes(), &[0, 0], &u32::MAX.to_le_bytes()].concat(),
+        [
+            b"WSYC".as_slice(),
+            &1u16.to_le_bytes(),
+            &[0, 0],
+            &u32::MAX.to_le_bytes(),
+        ]
+        .concat(),
         // A valid header and a body of garbage.
-        [b"WSYC".as_slice(), &1u16.to_le_bytes(), &[0, 0], &64u32.to_le_bytes(), &[0xAB; 64]].concat(),
+        [
+            b"WSYC".as_slice(),
+            &1u16.to_le_bytes(),
+            &[0, 0],
+            &64u32.to_le_bytes(),
+            &[0xAB; 64],
+        ]
+        .concat(),
     ];
     for p in &payloads {
         let mut s = TcpStream::connect(c.control).expect("connect control");

@@ -32,7 +32,10 @@ async fn lane_dropped_mid_payload_never_commits_and_the_next_sync_does() {
     let first = c.sync(sync(1, 1), Duration::from_secs(20)).await;
     assert!(first.committed(), "clean sync 1: {first:?}");
     let per_rollout = c.proxies[0].upstream_bytes();
-    assert!(per_rollout > 64 << 10, "sync 1 moved only {per_rollout} bytes through proxy 0");
+    assert!(
+        per_rollout > 64 << 10,
+        "sync 1 moved only {per_rollout} bytes through proxy 0"
+    );
 
     // Sync 2: rollout 0's lanes are cut once a third of its bytes went through.
     c.fill_sources(2);
@@ -41,6 +44,10 @@ async fn lane_dropped_mid_payload_never_commits_and_the_next_sync_does() {
     });
     let cut = c.sync(sync(2, 2), Duration::from_secs(10)).await;
     assert!(c.proxies[0].cuts() >= 1, "the proxy never cut a lane");
+    eprintln!(
+        "sync with a lane cut after {} bytes: {cut:?}",
+        per_rollout / 3
+    );
     match &cut {
         // A writer that re-established the lane and re-sent everything may still commit: then
         // every checksum matched, which is the promise.

@@ -16,8 +16,8 @@
 //! | `hosts` | real processes in network namespaces (root) | partition mid-sync; delay and loss (netem) |
 
 mod canary;
-mod lanes;
-mod stale;
-mod processes;
-mod http_abuse;
 mod hosts;
+mod http_abuse;
+mod lanes;
+mod processes;
+mod stale;

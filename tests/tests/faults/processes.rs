@@ -102,7 +102,11 @@ fn trainer_killed_mid_sync_is_named_and_the_next_sync_commits() {
     assert_failed_naming(&view, "trainer-1", &|| c.logs());
 
     c.start_worker("trainer", 1);
-    assert!(c.wait_ready(READY), "not ready after the trainer came back\n{}", c.logs());
+    assert!(
+        c.wait_ready(READY),
+        "not ready after the trainer came back\n{}",
+        c.logs()
+    );
     assert_committed_and_verified(&c.sync(10, SYNC), "sync after recovery", &|| c.logs());
 }
 
@@ -116,9 +120,16 @@ fn rollout_killed_mid_sync_is_named_and_the_next_sync_commits() {
 
     // A new rollout 0 registers new memory: the controller re-plans, and the next sync commits.
     c.start_worker("rollout", 0);
-    assert!(c.wait_ready(READY), "not ready after the rollout came back\n{}", c.logs());
+    assert!(
+        c.wait_ready(READY),
+        "not ready after the rollout came back\n{}",
+        c.logs()
+    );
     let plan = c.get("/v1/plan").expect("plan").text();
-    assert!(plan.contains("re-plan") || plan.contains("rollout-0"), "plan log: {plan}");
+    assert!(
+        plan.contains("re-plan") || plan.contains("rollout-0"),
+        "plan log: {plan}"
+    );
     assert_committed_and_verified(&c.sync(10, SYNC), "sync after recovery", &|| c.logs());
 }
 
@@ -162,7 +173,10 @@ fn concurrent_triggers_start_one_sync_and_refuse_the_other_with_its_id() {
         "statuses {statuses:?}: {:?}",
         answers.iter().map(|r| r.text()).collect::<Vec<_>>()
     );
-    let id = created[0].json().and_then(|j| j["sync_id"].as_u64()).expect("sync_id");
+    let id = created[0]
+        .json()
+        .and_then(|j| j["sync_id"].as_u64())
+        .expect("sync_id");
     assert!(
         refused[0].text().contains(&id.to_string()),
         "the refusal must name the running sync {id}: {}",
@@ -196,7 +210,9 @@ fn trigger_before_the_world_is_complete_is_refused_then_works() {
     assert_eq!(r.status, 503, "{}", r.text());
     let msg = r.text();
     assert!(
-        msg.contains("trainer-1") || msg.to_lowercase().contains("complete") || msg.contains("register"),
+        msg.contains("trainer-1")
+            || msg.to_lowercase().contains("complete")
+            || msg.contains("register"),
         "the refusal must say what is missing: {msg}"
     );
     c.start_worker("trainer", 1);
@@ -213,12 +229,19 @@ fn duplicate_and_contradictory_registrations_are_refused_with_reasons() {
     dup.kill();
     assert!(line.is_some(), "duplicate not refused: {}", dup.log_text());
     // A trainer that believes the job is fsdp=4 (the job is fsdp=2).
-    let mut bad = c.spawn_worker("trainer", 1, &[("--train", "fsdp=4"), ("--reconnect-s", "2")]);
+    let mut bad = c.spawn_worker(
+        "trainer",
+        1,
+        &[("--train", "fsdp=4"), ("--reconnect-s", "2")],
+    );
     let line = bad.wait_for_line("different job", Duration::from_secs(20));
     bad.kill();
     let text = bad.log_text();
     assert!(line.is_some(), "contradictory layout not refused: {text}");
-    assert!(text.contains("fsdp=4"), "the refusal should quote the contradiction: {text}");
+    assert!(
+        text.contains("fsdp=4"),
+        "the refusal should quote the contradiction: {text}"
+    );
     let workers = c.get("/v1/workers").expect("workers").text();
     assert!(!workers.contains("fsdp=4"), "an impostor joined: {workers}");
     assert_committed_and_verified(&c.sync(1, SYNC), "sync after refusals", &|| c.logs());

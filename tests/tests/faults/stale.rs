@@ -48,13 +48,29 @@ async fn stale_writes(c: &ProxiedCluster, epoch: u64) -> u64 {
 async fn stale_write_of_an_aborted_sync_is_not_counted_by_the_next() {
     let c = cluster().await;
     c.fill_sources(1);
-    assert!(c.sync(SyncId { version: 1, epoch: 1 }, Duration::from_secs(20)).await.committed());
+    assert!(c
+        .sync(
+            SyncId {
+                version: 1,
+                epoch: 1
+            },
+            Duration::from_secs(20)
+        )
+        .await
+        .committed());
 
     // Sync epoch 2 is armed, then aborted (a trainer died): its immediates are retired.
-    c.arm(SyncId { version: 2, epoch: 2 }).expect("arm 2");
+    c.arm(SyncId {
+        version: 2,
+        epoch: 2,
+    })
+    .expect("arm 2");
     c.abort_all();
     // The retry (epoch 3) is armed; the aborted sync's writes arrive now, a full count of them.
-    let retry = SyncId { version: 2, epoch: 3 };
+    let retry = SyncId {
+        version: 2,
+        epoch: 3,
+    };
     c.arm(retry).expect("arm 3");
     let sent = stale_writes(&c, 2).await;
     assert!(sent > 0);
@@ -68,7 +84,15 @@ async fn stale_write_of_an_aborted_sync_is_not_counted_by_the_next() {
     }
     // The next attempt (epoch 4) commits and verifies.
     c.fill_sources(2);
-    let next = c.sync(SyncId { version: 2, epoch: 4 }, Duration::from_secs(20)).await;
+    let next = c
+        .sync(
+            SyncId {
+                version: 2,
+                epoch: 4,
+            },
+            Duration::from_secs(20),
+        )
+        .await;
     assert!(next.committed(), "sync after stale writes: {next:?}");
 }
 
@@ -76,15 +100,31 @@ async fn stale_write_of_an_aborted_sync_is_not_counted_by_the_next() {
 async fn stale_bytes_landing_after_the_real_ones_fail_verification_by_tensor() {
     let c = cluster().await;
     c.fill_sources(1);
-    assert!(c.sync(SyncId { version: 1, epoch: 1 }, Duration::from_secs(20)).await.committed());
-    c.arm(SyncId { version: 2, epoch: 2 }).expect("arm 2");
+    assert!(c
+        .sync(
+            SyncId {
+                version: 1,
+                epoch: 1
+            },
+            Duration::from_secs(20)
+        )
+        .await
+        .committed());
+    c.arm(SyncId {
+        version: 2,
+        epoch: 2,
+    })
+    .expect("arm 2");
     c.abort_all();
 
     // Epoch 3 lands for real; then, before verification, a stale write of epoch 2 overwrites
     // the start of a tensor. Its immediate is not counted, but its bytes are wrong: the sync
     // must not commit, and the error must name the tensor.
     c.fill_sources(2);
-    let retry = SyncId { version: 2, epoch: 3 };
+    let retry = SyncId {
+        version: 2,
+        epoch: 3,
+    };
     c.arm(retry).expect("arm 3");
     let handle = tokio::runtime::Handle::current();
     let name = c.rollouts[0].plan().tensors[0].name.clone();
@@ -97,6 +137,14 @@ async fn stale_bytes_landing_after_the_real_ones_fail_verification_by_tensor() {
         SyncOutcome::VerifyFailed(e) => assert!(e.contains(&name), "error must name {name}: {e}"),
         other => panic!("stale bytes after landing must fail verification, got {other:?}"),
     }
-    let next = c.sync(SyncId { version: 2, epoch: 4 }, Duration::from_secs(20)).await;
+    let next = c
+        .sync(
+            SyncId {
+                version: 2,
+                epoch: 4,
+            },
+            Duration::from_secs(20),
+        )
+        .await;
     assert!(next.committed(), "sync after the stale bytes: {next:?}");
 }

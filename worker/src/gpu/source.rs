@@ -7,7 +7,7 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{sys, CudaContext, CudaSlice, DevicePtr, DevicePtrMut};
+use cudarc::driver::{sys, CudaContext, CudaSlice, DevicePtrMut};
 
 use super::{GpuDevice, GpuError};
 
@@ -66,10 +66,9 @@ impl IpcMapping {
                 have,
             });
         }
-        Ok(IpcMapping {
-            len: have,
-            ..mapping
-        })
+        let mut mapping = mapping;
+        mapping.len = have;
+        Ok(mapping)
     }
 
     /// Bytes mapped.
@@ -160,7 +159,3 @@ impl GpuSource {
         Ok(())
     }
 }
-
-/// Keeps `DevicePtr` in scope for `slice(..)` views used above.
-#[allow(dead_code)]
-fn _assert_device_ptr<T: DevicePtr<u8>>() {}

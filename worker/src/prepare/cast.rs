@@ -38,7 +38,7 @@ pub fn cast(
     let n = src.len() / from.size();
     expect_len("cast output", n * to.size(), dst.len())?;
     match (from, to) {
-        (a, b) if a == b => run(src, dst, from, to, threads, |s, d| Copy(s, d)),
+        (a, b) if a == b => run(src, dst, from, to, threads, Copy),
         (DType::BF16, DType::F32) => {
             run(src, dst, from, to, threads, |s, d| Widen(s, d, bf16_to_f32))
         }

@@ -280,18 +280,26 @@ fn block_row<E: Elem>(
 ) {
     let ncb = cols.div_ceil(FP8_BLOCK);
     let rows = values.len() / cols;
-    // Transpose the output rows into per-column-block segments, so that column blocks can be
-    // filled independently (and in parallel) without aliasing.
-    let mut segments: Vec<Vec<&mut [u8]>> = (0..ncb).map(|_| Vec::with_capacity(rows)).collect();
+    // Column groups (runs of whole column blocks): one on a single thread, a few per pool
+    // thread otherwise, so that even a single block row spreads over the pool.
+    let groups = if parallel {
+        ncb.min(rayon::current_num_threads() * 2).max(1)
+    } else {
+        1
+    };
+    let group_cols = ncb.div_ceil(groups) * FP8_BLOCK;
+    // Transpose the output rows into per-group segments, so that groups can be filled
+    // independently (and in parallel) without aliasing.
+    let mut segments: Vec<Vec<&mut [u8]>> = (0..groups).map(|_| Vec::with_capacity(rows)).collect();
     for row in values.chunks_mut(cols) {
-        for (cb, seg) in row.chunks_mut(FP8_BLOCK).enumerate() {
-            segments[cb].push(seg);
+        for (g, seg) in row.chunks_mut(group_cols).enumerate() {
+            segments[g].push(seg);
         }
     }
-    let quantise = |(cb, segs): (usize, Vec<&mut [u8]>)| -> f32 {
-        let c0 = cb * FP8_BLOCK;
-        let width = (cols - c0).min(FP8_BLOCK);
-        vectorised(Block::<E> {
+    let quantise = |(g, segs): (usize, Vec<&mut [u8]>)| -> Vec<f32> {
+        let c0 = g * group_cols;
+        let width = (cols - c0).min(group_cols);
+        vectorised(Group::<E> {
             src,
             cols,
             c0,
@@ -300,18 +308,30 @@ fn block_row<E: Elem>(
             elem: PhantomData,
         })
     };
-    let block_scales: Vec<f32> = if parallel {
-        segments.into_par_iter().enumerate().map(quantise).collect()
+    let segments = segments
+        .into_iter()
+        .filter(|s| !s.is_empty() && !s[0].is_empty());
+    let block_scales: Vec<Vec<f32>> = if parallel {
+        segments
+            .collect::<Vec<_>>()
+            .into_par_iter()
+            .enumerate()
+            .map(quantise)
+            .collect()
     } else {
-        segments.into_iter().enumerate().map(quantise).collect()
+        segments.enumerate().map(quantise).collect()
     };
-    for (out, s) in scales.chunks_exact_mut(4).zip(block_scales) {
+    for (out, s) in scales
+        .chunks_exact_mut(4)
+        .zip(block_scales.into_iter().flatten())
+    {
         out.copy_from_slice(&s.to_le_bytes());
     }
 }
 
-/// One block as a [`Kernel`], so it is compiled for the CPU's vector ISA.
-struct Block<'a, 'o, E> {
+/// A column group of one block row as a [`Kernel`], so it is compiled for the CPU's vector
+/// ISA.
+struct Group<'a, 'o, E> {
     src: &'a [u8],
     cols: usize,
     c0: usize,
@@ -320,35 +340,50 @@ struct Block<'a, 'o, E> {
     elem: PhantomData<E>,
 }
 
-impl<E: Elem> Kernel for Block<'_, '_, E> {
-    type Out = f32;
+impl<E: Elem> Kernel for Group<'_, '_, E> {
+    type Out = Vec<f32>;
     #[inline(always)]
-    fn run(self) -> f32 {
-        block::<E>(self.src, self.cols, self.c0, self.width, self.out_rows)
+    fn run(self) -> Vec<f32> {
+        group::<E>(self.src, self.cols, self.c0, self.width, self.out_rows)
     }
 }
 
-/// One block: columns `c0 .. c0 + width` of every row of `src`; writes `out_rows` (one
-/// segment per row) and returns the block's `weight_scale_inv`.
+/// Columns `c0 .. c0 + width` (whole column blocks) of every row of `src`: writes `out_rows`
+/// (one segment per row) and returns the blocks' `weight_scale_inv`, left to right.
+///
+/// Both passes walk the rows in order, each row across the group's blocks: sequential reads
+/// that the prefetcher follows, and the second pass finds the rows still in L2. (Walking one
+/// 128x128 block at a time instead strides by a whole row per 256 bytes, and when rows are a
+/// multiple of 4 KiB apart every line of the block falls in the same L1 set.)
 #[inline(always)]
-fn block<E: Elem>(
+fn group<E: Elem>(
     src: &[u8],
     cols: usize,
     c0: usize,
     width: usize,
     mut out_rows: Vec<&mut [u8]>,
-) -> f32 {
+) -> Vec<f32> {
     let row_in = |r: usize| &src[(r * cols + c0) * E::SIZE..(r * cols + c0 + width) * E::SIZE];
-    let mut key = E::Key::default();
+    let mut keys = vec![E::Key::default(); width.div_ceil(FP8_BLOCK)];
     for r in 0..out_rows.len() {
-        key = key.max(row_key_max::<E>(row_in(r)));
+        for (k, seg) in keys.iter_mut().zip(row_in(r).chunks(FP8_BLOCK * E::SIZE)) {
+            *k = (*k).max(row_key_max::<E>(seg));
+        }
     }
-    let amax = E::key_to_f32(key).max(FP8_AMAX_FLOOR);
-    let inv = E4M3_MAX / amax;
+    let amax: Vec<f32> = keys
+        .iter()
+        .map(|&k| E::key_to_f32(k).max(FP8_AMAX_FLOOR))
+        .collect();
+    let inv: Vec<f32> = amax.iter().map(|&a| E4M3_MAX / a).collect();
     for (r, out) in out_rows.iter_mut().enumerate() {
-        quantise_row::<E>(row_in(r), inv, out);
+        let blocks = row_in(r)
+            .chunks(FP8_BLOCK * E::SIZE)
+            .zip(out.chunks_mut(FP8_BLOCK));
+        for ((seg, o), &inv) in blocks.zip(&inv) {
+            quantise_row::<E>(seg, inv, o);
+        }
     }
-    amax / E4M3_MAX
+    amax.into_iter().map(|a| a / E4M3_MAX).collect()
 }
 
 /// Max of the finite-|x| keys of one row segment.

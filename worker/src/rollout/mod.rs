@@ -76,6 +76,11 @@ pub struct RolloutWorker<F: FabricBackend> {
 
 impl<F: FabricBackend> RolloutWorker<F> {
     /// Allocates and registers every MR of `plan` (zeroed host memory), once.
+    ///
+    /// Give each receiver its own fabric (its own process in a deployment): rollout immediates
+    /// use unit 0, so two receivers sharing one immediate counter would count each other's writes
+    /// (the counter refuses a second pending expectation of one immediate as busy, so the
+    /// second receiver's `await_landed` fails).
     pub fn new(fabric: F, name: impl Into<String>, plan: RolloutPlan) -> Result<RolloutWorker<F>> {
         for t in &plan.tensors {
             let mr_len = plan.mr_bytes.get(t.mr as usize).copied().ok_or_else(|| {

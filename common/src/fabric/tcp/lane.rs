@@ -254,8 +254,11 @@ fn run_sender(
     }
     let err = match failure {
         Some(e) => {
-            shared.stats.lane_failures.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(%peer, lane = state.index, error = %e, "lane failed");
+            // Count the failure once per lane, whichever of its threads saw it first.
+            if !state.broken.swap(true, Ordering::SeqCst) {
+                shared.stats.lane_failures.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(%peer, lane = state.index, error = %e, "lane failed");
+            }
             e
         }
         None => FabricError::Shutdown,
@@ -518,6 +521,8 @@ fn run_completions(
     if !matches!(err, FabricError::Shutdown) && !pending.lock().items.is_empty() {
         tracing::warn!(%peer, lane = state.index, error = %err, "lane failed with writes in flight");
     }
-    state.broken.store(true, Ordering::SeqCst);
+    if !state.broken.swap(true, Ordering::SeqCst) && !matches!(err, FabricError::Shutdown) {
+        shared.stats.lane_failures.fetch_add(1, Ordering::Relaxed);
+    }
     state_fail(sock, pending, &err);
 }
