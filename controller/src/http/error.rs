@@ -39,6 +39,9 @@ pub enum ApiError {
     /// Waiting for the sync took longer than the request allows.
     #[error("{0}")]
     Timeout(String),
+    /// The request announces a body larger than the API accepts.
+    #[error("{0}")]
+    PayloadTooLarge(String),
 }
 
 impl ApiError {
@@ -52,6 +55,7 @@ impl ApiError {
             ApiError::Conflict(_) => (StatusCode::CONFLICT, "stale_version"),
             ApiError::NotReady(_) => (StatusCode::SERVICE_UNAVAILABLE, "not_ready"),
             ApiError::Timeout(_) => (StatusCode::GATEWAY_TIMEOUT, "timeout"),
+            ApiError::PayloadTooLarge(_) => (StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large"),
         }
     }
 }

@@ -56,11 +56,33 @@ pub fn app(state: AppState) -> Router {
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(MAX_BODY))
+        .layer(axum::middleware::from_fn(refuse_announced_oversize))
         .layer(TimeoutLayer::with_status_code(
             StatusCode::REQUEST_TIMEOUT,
             wait_budget,
         ))
         .with_state(state)
+}
+
+/// Refuses a request whose `Content-Length` already says it is too large, before reading any of
+/// the body: a client announcing a huge body must not hold a connection until the timeout.
+/// (`DefaultBodyLimit` still bounds bodies without a length, e.g. chunked ones, as they are read.)
+async fn refuse_announced_oversize(
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let announced = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    match announced {
+        Some(n) if n > MAX_BODY as u64 => ApiError::PayloadTooLarge(format!(
+            "request body too large: Content-Length {n} bytes, the API accepts at most {MAX_BODY}"
+        ))
+        .into_response(),
+        _ => next.run(req).await,
+    }
 }
 
 async fn not_found() -> ApiError {
