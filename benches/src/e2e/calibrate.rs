@@ -6,17 +6,22 @@
 //! the cluster model is one node with one NIC (the loopback fabric) and a shared host CPU that
 //! every stage draws on. The rates are measured first, each on its own, with nothing fitted to
 //! the end-to-end runs:
-//! - the loopback fabric: every trainer writing to every rollout at once through `TcpFabric`
-//!   (GB/s landed while it owns the machine);
-//! - H2D (a memcpy on one thread: the CPU build's stand-in for the copy engine);
+//! - the loopback fabric in the configuration's own shape: every trainer writing to every
+//!   rollout at once through `TcpFabric`, same lanes, as many bytes as the sync lands (GB/s
+//!   landed, and the CPU-seconds per byte it burns: loopback TCP does not keep both cores busy,
+//!   so a WRITE's share of the host is its CPU time, not the whole host for `1 / rate`);
+//! - H2D (a memcpy on one thread: the CPU build's stand-in for the copy engine; its host share
+//!   from a memcpy on every core at once, since memory bandwidth does not scale with cores);
 //! - fp8 block quantisation and casts over the whole rayon pool.
 //!
 //! Then, for several configurations, the simulator predicts a sync from those rates alone, the
 //! same sync runs for real ([`LoopbackCluster`]), and the report gives predicted vs measured and
-//! the relative error (the check: within 20%).
+//! the relative error (the check: within 20%). Every rate is a median of three timed runs after
+//! a warm-up, as the measured sync is: a best-of peak is what a loaded machine rarely holds.
 
 use std::time::Instant;
 
+use rayon::prelude::*;
 use serde::Serialize;
 use weightsync_common::fabric::{Access, FabricBackend, FabricConfig, TcpFabric, WriteOp};
 use weightsync_common::DType;
@@ -36,7 +41,8 @@ pub struct Config {
     pub syncs: usize,
     /// Workers.
     pub workers: WorkerOptions,
-    /// Bytes per (writer, reader) pair in the fabric measurement.
+    /// Fewest bytes in all the fabric measurement moves (it moves as many as the sync lands
+    /// when that is more), spread over the (trainer, rollout) pairs.
     pub fabric_pair_bytes: u64,
     /// Bytes per kernel measurement.
     pub kernel_bytes: u64,
@@ -72,8 +78,14 @@ pub struct Rates {
     pub cores: usize,
     /// Loopback fabric, all writers to all readers at once, bytes landed per second.
     pub fabric_bytes_per_s: f64,
+    /// CPU seconds (all threads, user + system) the loopback fabric burns per byte landed:
+    /// the host share a WRITE takes, which on loopback is less than the whole host for
+    /// `1 / fabric_bytes_per_s` (sockets wait on each other, leaving cores for other stages).
+    pub fabric_cpu_s_per_byte: f64,
     /// memcpy on one thread.
     pub memcpy_1t_bytes_per_s: f64,
+    /// memcpy over the whole pool at once.
+    pub memcpy_all_bytes_per_s: f64,
     /// fp8 block quantisation over the pool, bf16 input bytes per second.
     pub fp8_all_bytes_per_s: f64,
     /// f32 -> bf16 cast over the pool, input bytes per second.
@@ -166,23 +178,37 @@ impl Report {
     }
 }
 
-fn best_of<F: FnMut()>(reps: usize, mut f: F) -> f64 {
+/// Median time of `reps` runs after one warm-up. The median, not the best: the syncs it is
+/// compared with are reported as a median too, and a best-of rate is a peak the loaded machine
+/// rarely holds.
+fn median_of<F: FnMut()>(reps: usize, mut f: F) -> f64 {
     f();
-    (0..reps)
+    let mut v: Vec<f64> = (0..reps)
         .map(|_| {
             let t = Instant::now();
             f();
             t.elapsed().as_secs_f64()
         })
-        .fold(f64::INFINITY, f64::min)
+        .collect();
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
 }
 
-/// Kernel rates: memcpy on one thread, fp8 and cast over the pool.
-fn kernel_rates(bytes: u64) -> Result<(f64, f64, f64), E2eError> {
+/// Kernel rates: memcpy on one thread and over the pool, fp8 and cast over the pool.
+fn kernel_rates(bytes: u64) -> Result<KernelRates, E2eError> {
     let n = bytes as usize;
     let src = weights(bytes, 7);
     let mut dst = vec![0u8; n];
-    let memcpy = n as f64 / best_of(3, || dst.copy_from_slice(&src));
+    let memcpy = n as f64 / median_of(3, || dst.copy_from_slice(&src));
+    // Every core copying at once: what the host pays per byte when several trainers stage at
+    // the same time (memory bandwidth does not grow with the cores the way one core's copy
+    // rate times the core count would suggest).
+    let memcpy_all = n as f64
+        / median_of(3, || {
+            dst.par_chunks_mut(1 << 20)
+                .zip(src.par_chunks(1 << 20))
+                .for_each(|(d, s)| d.copy_from_slice(s))
+        });
     let cols = 4096usize;
     let shape = Fp8Shape {
         rows: n / 2 / cols,
@@ -193,7 +219,7 @@ fn kernel_rates(bytes: u64) -> Result<(f64, f64, f64), E2eError> {
     let input = &src[..shape.rows * shape.cols * 2];
     let mut err = None;
     let fp8 = input.len() as f64
-        / best_of(3, || {
+        / median_of(3, || {
             if let Err(e) = quantise_fp8(
                 input,
                 DType::BF16,
@@ -216,7 +242,7 @@ fn kernel_rates(bytes: u64) -> Result<(f64, f64, f64), E2eError> {
         .collect();
     let mut out = vec![0u8; f32_in.len() / 2];
     let castr = f32_in.len() as f64
-        / best_of(3, || {
+        / median_of(3, || {
             if let Err(e) = cast(&f32_in, DType::F32, &mut out, DType::BF16, Threads::All) {
                 err = Some(e);
             }
@@ -224,7 +250,20 @@ fn kernel_rates(bytes: u64) -> Result<(f64, f64, f64), E2eError> {
     if let Some(e) = err {
         return Err(E2eError::Setup(format!("measuring kernels: {e}")));
     }
-    Ok((memcpy, fp8, castr))
+    Ok(KernelRates {
+        memcpy,
+        memcpy_all,
+        fp8,
+        castr,
+    })
+}
+
+/// What [`kernel_rates`] measured, bytes per second.
+struct KernelRates {
+    memcpy: f64,
+    memcpy_all: f64,
+    fp8: f64,
+    castr: f64,
 }
 
 /// Loopback fabric rate: `writers` fabrics each writing `pair_bytes` to each of `readers`
@@ -234,7 +273,7 @@ async fn fabric_rate(
     readers: usize,
     pair_bytes: u64,
     lanes: usize,
-) -> Result<f64, E2eError> {
+) -> Result<FabricRate, E2eError> {
     let err = |e: weightsync_common::fabric::FabricError| E2eError::Setup(format!("fabric: {e}"));
     let cfg = FabricConfig::loopback(TOKEN, lanes);
     let mut srcs = Vec::new();
@@ -252,8 +291,10 @@ async fn fabric_rate(
             .map_err(err)?;
         dsts.push((f, r));
     }
-    let mut best = f64::INFINITY;
+    let mut times = Vec::new();
+    let mut cpu_s = 0.0;
     for rep in 0..4 {
+        let cpu0 = process_cpu_s();
         let t = Instant::now();
         let mut jobs = tokio::task::JoinSet::new();
         for (w, (f, src)) in srcs.iter().enumerate() {
@@ -270,10 +311,36 @@ async fn fabric_rate(
                 .map_err(err)?;
         }
         if rep > 0 {
-            best = best.min(t.elapsed().as_secs_f64());
+            times.push(t.elapsed().as_secs_f64());
+            cpu_s += process_cpu_s() - cpu0;
         }
     }
-    Ok((writers * readers) as f64 * pair_bytes as f64 / best)
+    times.sort_by(f64::total_cmp);
+    let bytes = (writers * readers) as f64 * pair_bytes as f64;
+    Ok(FabricRate {
+        bytes_per_s: bytes / times[times.len() / 2],
+        cpu_s_per_byte: cpu_s / (bytes * times.len() as f64),
+    })
+}
+
+/// The loopback fabric as measured: wall-clock rate, and the CPU it burns per byte.
+struct FabricRate {
+    bytes_per_s: f64,
+    cpu_s_per_byte: f64,
+}
+
+/// CPU seconds (user + system) this process has used so far.
+fn process_cpu_s() -> f64 {
+    let mut ru = std::mem::MaybeUninit::<libc::rusage>::zeroed();
+    // SAFETY: `ru` is a valid, writable `rusage`; getrusage only writes into it.
+    let rc = unsafe { libc::getrusage(libc::RUSAGE_SELF, ru.as_mut_ptr()) };
+    if rc != 0 {
+        return 0.0;
+    }
+    // SAFETY: getrusage returned 0, so it filled `ru` (and it was zeroed before anyway).
+    let ru = unsafe { ru.assume_init() };
+    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
+    tv(ru.ru_utime) + tv(ru.ru_stime)
 }
 
 /// The one-node host model built from measured rates.
@@ -283,7 +350,6 @@ pub fn host_cluster(
     gpus: u32,
     task_overhead_s: f64,
 ) -> ClusterModel {
-    let cores = rates.cores.max(1) as f64;
     let cost = CostModel {
         nic_bytes_per_s: rates.fabric_bytes_per_s,
         per_wr_s: 0.0,
@@ -291,6 +357,7 @@ pub fn host_cluster(
         prep_bytes_per_s: rates.fp8_all_bytes_per_s,
         barrier_s: 0.0,
     };
+    let cores = rates.cores.max(1) as f64;
     let mut c = ClusterModel::from_cost(cost);
     c.prep = PrepRates {
         // A Copy task is written straight from its staged input: nothing to prepare.
@@ -305,13 +372,15 @@ pub fn host_cluster(
     c.piece_bytes = None;
     c.task_overhead_s = task_overhead_s;
     c.host = Some(HostModel {
-        h2d_s_per_byte: 1.0 / (rates.memcpy_1t_bytes_per_s * cores),
+        h2d_s_per_byte: 1.0 / rates.memcpy_all_bytes_per_s,
         prep_s_per_byte: PrepRates {
             copy: 0.0,
             cast: 1.0 / rates.cast_all_bytes_per_s,
             fp8: 1.0 / rates.fp8_all_bytes_per_s,
         },
-        net_s_per_byte: 1.0 / rates.fabric_bytes_per_s,
+        // The host is `cores` CPU-seconds per second; a WRITE takes what it burns, never more
+        // than the whole host for as long as the fabric needs.
+        net_s_per_byte: (rates.fabric_cpu_s_per_byte / cores).min(1.0 / rates.fabric_bytes_per_s),
     });
     c
 }
@@ -326,20 +395,33 @@ pub fn run(cfg: &Config) -> Result<Report, E2eError> {
     let rt = runtime()?;
     // Rates are measured again right before each configuration runs: the machine is shared and
     // its load drifts, and a prediction is only fair against rates of the same moment.
-    let measure = |rt: &tokio::runtime::Runtime| -> Result<Rates, E2eError> {
-        let (memcpy, fp8, castr) = kernel_rates(cfg.kernel_bytes)?;
+    // The fabric is measured in the shape the sync uses it: every trainer of the configuration
+    // writing to every rollout at once, same lanes, and as many bytes in all as the sync lands
+    // (spread evenly over the pairs; at least `fabric_pair_bytes` in all). A fixed 4 x 4 peak
+    // overstates what, say, two trainers reach into one receiver, and a short transfer on this
+    // shared machine measures its load of the moment more than the loopback.
+    let measure = |rt: &tokio::runtime::Runtime,
+                   writers: usize,
+                   readers: usize,
+                   landed: u64|
+     -> Result<Rates, E2eError> {
+        let k = kernel_rates(cfg.kernel_bytes)?;
+        let pairs = (writers * readers).max(1) as u64;
+        let pair_bytes = (landed.max(cfg.fabric_pair_bytes) / pairs).max(1 << 20);
         let fabric = rt.block_on(fabric_rate(
-            4,
-            4,
-            cfg.fabric_pair_bytes,
+            writers.max(1),
+            readers.max(1),
+            pair_bytes,
             cfg.workers.lanes_per_peer,
         ))?;
         Ok(Rates {
             cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
-            fabric_bytes_per_s: fabric,
-            memcpy_1t_bytes_per_s: memcpy,
-            fp8_all_bytes_per_s: fp8,
-            cast_all_bytes_per_s: castr,
+            fabric_bytes_per_s: fabric.bytes_per_s,
+            fabric_cpu_s_per_byte: fabric.cpu_s_per_byte,
+            memcpy_1t_bytes_per_s: k.memcpy,
+            memcpy_all_bytes_per_s: k.memcpy_all,
+            fp8_all_bytes_per_s: k.fp8,
+            cast_all_bytes_per_s: k.castr,
         })
     };
     let mut checks = Vec::new();
@@ -347,7 +429,12 @@ pub fn run(cfg: &Config) -> Result<Report, E2eError> {
     let mut first_rates = None;
     for setup in &cfg.setups {
         let table = setup.plan(&CostModel::default())?;
-        let rates = measure(&rt)?;
+        let rates = measure(
+            &rt,
+            table.trainers.len(),
+            table.rollouts.len(),
+            super::loopback::landed_bytes(&table),
+        )?;
         let gpus = (table.trainers.len() + table.rollouts.len()) as u32;
         let cluster = host_cluster(&rates, &cfg.workers, gpus, cfg.task_overhead_s);
         let sim = simulate(&table, &cluster)
