@@ -49,7 +49,10 @@ pub fn unavailable_reason() -> Option<String> {
             "the `ip` tool (iproute2) is not installed: apt-get install -y iproute2".into(),
         );
     }
-    match Namespace::create(&format!("ws-probe-{}", std::process::id())) {
+    // Unique per call: tests in one process probe concurrently.
+    static PROBES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = PROBES.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    match Namespace::create(&format!("ws-probe-{}-{n}", std::process::id())) {
         Ok(_) => None,
         Err(e) => Some(format!("cannot create a network namespace: {e}")),
     }

@@ -58,12 +58,14 @@ impl Shared {
     }
 
     fn cut_all(&self) {
+        // Count the cut before closing anything: whoever sees a connection close must also see
+        // the count.
+        self.cuts.fetch_add(1, Ordering::SeqCst);
         let conns = std::mem::take(&mut *self.conns.lock().unwrap_or_else(|e| e.into_inner()));
         for (client, server) in conns {
             let _ = client.shutdown(Shutdown::Both);
             let _ = server.shutdown(Shutdown::Both);
         }
-        self.cuts.fetch_add(1, Ordering::SeqCst);
     }
 
     /// Blocks while the mode is `Stall` (or until the proxy stops).

@@ -272,7 +272,7 @@ fn run_sender(
 
 fn state_fail(sock: &LaneSocket, pending: &Mutex<PendingQueue>, err: &FabricError) {
     pending.lock().close(err.clone());
-    sock.shutdown();
+    sock.abort();
 }
 
 /// Registers the jobs' completions, then streams all their frames (several jobs per `sendmsg`

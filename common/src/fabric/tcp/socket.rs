@@ -119,6 +119,26 @@ impl LaneSocket {
         let _ = self.stream.shutdown(std::net::Shutdown::Both);
     }
 
+    /// Aborts the connection: resets it (RST) and discards whatever the kernel still holds in
+    /// its send queue, then shuts it down. A failed lane must do this rather than a graceful
+    /// shutdown: after a partition heals, TCP would otherwise still deliver the queued frames of
+    /// a sync that has already been failed, and their bytes would land during the next one.
+    pub fn abort(&self) {
+        // SAFETY: `addr` is a zeroed sockaddr whose family is AF_UNSPEC and whose size is passed;
+        // fd is an open socket. connect(AF_UNSPEC) on a TCP socket disconnects it (tcp_disconnect:
+        // RST, send queue purged); an error only means there was nothing left to reset.
+        unsafe {
+            let mut addr: libc::sockaddr = std::mem::zeroed();
+            addr.sa_family = libc::AF_UNSPEC as libc::sa_family_t;
+            libc::connect(
+                self.fd(),
+                &addr,
+                std::mem::size_of::<libc::sockaddr>() as libc::socklen_t,
+            );
+        }
+        self.shutdown();
+    }
+
     /// Waits until the socket is ready.
     pub fn wait(
         &self,
