@@ -128,6 +128,8 @@ function renderDetail(s) {
     ["verify", fmtMs(s.stages.verify_ms)], ["bytes", fmtBytes(s.bytes)],
     ["GB/s", fmtGbps(s.gbps)], ["verified", s.verified === null ? "–" : String(s.verified)],
   ];
+  if (s.waiting_for_drain_of != null) facts.push(["queued behind", `drain of sync ${s.waiting_for_drain_of}`]);
+  if (s.drain_wait_ms != null) facts.push(["drain wait", fmtMs(s.drain_wait_ms)]);
   if (s.waiting_on.length) facts.push(["waiting on", s.waiting_on.join(", ")]);
   for (const [k, v] of facts) {
     const d = document.createElement("div");

@@ -16,6 +16,14 @@
 //! 4. A failure report, a disconnect, a silent worker (heartbeat timeout) or the sync timeout
 //!    fails the sync with a cause naming the worker (and tensor); everybody gets `Abort N`, and
 //!    the next trigger proceeds.
+//! 5. The drain gate: if trainers of the failed sync had been told to `Start`, their writes may
+//!    still sit in queues (a partitioned link holds them; once it heals, TCP would deliver them
+//!    while the next sync runs, over its bytes). Each trainer answers `Abort` with `Drained` once
+//!    it stopped and reset its fabric lanes. No `Prepare` goes out before every such trainer
+//!    still registered has; a trigger meanwhile is accepted and queued (its status names the
+//!    trainers still draining) and starts the moment the last one reports. A trainer that does
+//!    not report within the heartbeat timeout is dropped, as a silent one would be (its agent
+//!    reconnects and drains on the way), so it never blocks the job for longer.
 //!
 //! Membership: the world is complete when every expected (role, rank) is registered; the
 //! coordinator then plans once. It re-plans only when membership changes (a worker left and
@@ -189,6 +197,18 @@ pub struct Coordinator {
     latest_committed: Option<u64>,
     log: VecDeque<LogLine>,
     departed: BTreeSet<WorkerId>,
+    drain: Option<Drain>,
+}
+
+/// Trainers of an aborted sync that have not yet confirmed they drained it.
+#[derive(Debug, Clone)]
+struct Drain {
+    /// The aborted sync.
+    sync_id: u64,
+    /// Trainers still to report `Drained`.
+    waiting: BTreeSet<WorkerId>,
+    /// When the abort went out.
+    since: Instant,
 }
 
 fn unix_ms() -> u64 {
@@ -222,6 +242,7 @@ impl Coordinator {
             latest_committed: None,
             log: VecDeque::new(),
             departed: BTreeSet::new(),
+            drain: None,
         }
     }
 
@@ -420,15 +441,18 @@ impl Coordinator {
         self.departed.insert(id);
         self.note(format!("{id} left: {reason}"));
         if let Some(sid) = self.active {
-            let stage = self.syncs.get(&sid).map(|s| s.state);
+            let stage = self.syncs.get(&sid).map(|s| (s.state, s.queued_behind));
             if self
                 .syncs
                 .get(&sid)
                 .is_some_and(|s| s.members.contains(&id))
             {
                 let stage = match stage {
-                    Some(SyncState::Pending) => "while preparing",
-                    _ => "while the sync was running",
+                    Some((SyncState::Pending, Some(failed))) => {
+                        format!("while the sync waited for sync {failed} to drain")
+                    }
+                    Some((SyncState::Pending, None)) => "while preparing".to_string(),
+                    _ => "while the sync was running".to_string(),
                 };
                 let also = self
                     .syncs
@@ -447,6 +471,107 @@ impl Coordinator {
                 ));
             }
         }
+        // A departed trainer no longer blocks the drain gate: whatever it still held went with
+        // its process or is discarded by the reset its agent does when it reconnects.
+        let drained = self
+            .drain
+            .as_mut()
+            .is_some_and(|d| d.waiting.remove(&id) && d.waiting.is_empty());
+        self.refresh_queued();
+        if drained {
+            fx.merge(self.end_drain(now));
+        }
+        fx
+    }
+
+    /// Copies the drain gate's waiting set into the queued sync's record (for its status).
+    fn refresh_queued(&mut self) {
+        let waiting = self
+            .drain
+            .as_ref()
+            .map(|d| d.waiting.clone())
+            .unwrap_or_default();
+        if let Some(s) = self.active.and_then(|id| self.syncs.get_mut(&id)) {
+            if s.queued_behind.is_some() {
+                s.awaiting_drain = waiting;
+            }
+        }
+    }
+
+    /// Every trainer drained (or left): opens the gate and starts the queued sync, if any.
+    fn end_drain(&mut self, now: Instant) -> Effects {
+        let Some(d) = self.drain.take() else {
+            return Effects::default();
+        };
+        self.note(format!(
+            "sync {} drained: no write of it can land any more",
+            d.sync_id
+        ));
+        self.dispatch_queued(now)
+    }
+
+    /// Sends `Prepare` for the queued sync (once the drain gate opened).
+    fn dispatch_queued(&mut self, now: Instant) -> Effects {
+        let mut fx = Effects::default();
+        let Some(sid) = self.active else {
+            return fx;
+        };
+        if self
+            .syncs
+            .get(&sid)
+            .is_none_or(|s| s.queued_behind.is_none())
+        {
+            return fx;
+        }
+        let current: BTreeSet<WorkerId> = self.members.keys().copied().collect();
+        let plan_id = self.plan.as_ref().map(|p| p.id);
+        let (members, planned) = match self.syncs.get(&sid) {
+            Some(s) => (s.members.clone(), Some(s.plan_id)),
+            None => return fx,
+        };
+        if !self.plan_valid() || current != members || plan_id != planned {
+            let gone: Vec<String> = members
+                .symmetric_difference(&current)
+                .map(ToString::to_string)
+                .collect();
+            let failure = Failure {
+                worker: members
+                    .symmetric_difference(&current)
+                    .next()
+                    .copied()
+                    .unwrap_or(WorkerId::trainer(0)),
+                tensor: None,
+                cause: format!(
+                    "membership or plan changed while the sync waited for a drain ({})",
+                    if gone.is_empty() {
+                        "re-planned".to_string()
+                    } else {
+                        gone.join(", ")
+                    }
+                ),
+            };
+            return self.fail(sid, failure, now);
+        }
+        let Some(s) = self.syncs.get_mut(&sid) else {
+            return fx;
+        };
+        s.queued_behind = None;
+        s.awaiting_drain.clear();
+        s.drain_wait_ms = Some(now.saturating_duration_since(s.created).as_secs_f64() * 1e3);
+        // The sync starts now: its timeout and its timeline count from here.
+        s.created = now;
+        s.created_unix_ms = unix_ms();
+        let (id, version) = (s.id, s.version);
+        for m in self.members.values() {
+            fx.send.push((
+                m.conn,
+                ToWorker::Prepare {
+                    sync_id: id,
+                    version,
+                },
+            ));
+        }
+        tracing::info!(sync_id = id, version, "queued sync started after the drain");
         fx
     }
 
@@ -466,6 +591,19 @@ impl Coordinator {
         }
         match msg {
             FromWorker::Heartbeat { seq } => fx.send.push((conn, ToWorker::Heartbeat { seq })),
+            FromWorker::Drained { sync_id, .. } => {
+                let Some(d) = self.drain.as_mut().filter(|d| d.sync_id == sync_id) else {
+                    return fx;
+                };
+                if !d.waiting.remove(&id) {
+                    return fx;
+                }
+                let drained = d.waiting.is_empty();
+                self.refresh_queued();
+                if drained {
+                    fx.merge(self.end_drain(now));
+                }
+            }
             FromWorker::Hello { .. } | FromWorker::Register(_) => {
                 fx.merge(self.disconnect(conn, "protocol error: registered twice", now));
                 fx.close.push(conn);
@@ -602,11 +740,14 @@ impl Coordinator {
         fx
     }
 
+    /// The running sync `sync_id` (not one still queued behind a drain: nobody has heard of it).
     fn active_sync(&mut self, sync_id: u64) -> Option<&mut SyncRecord> {
         if self.active != Some(sync_id) {
             return None;
         }
-        self.syncs.get_mut(&sync_id)
+        self.syncs
+            .get_mut(&sync_id)
+            .filter(|s| s.queued_behind.is_none())
     }
 
     fn maybe_commit(&mut self, sync_id: u64, now: Instant) -> Effects {
@@ -683,10 +824,17 @@ impl Coordinator {
         s.mark_critical();
         let reason = failure.to_string();
         s.failure = Some(failure);
-        let (version, members) = (s.version, s.members.clone());
+        let queued = s.queued_behind.take().is_some();
+        s.awaiting_drain.clear();
+        let (version, members, started) = (s.version, s.members.clone(), s.start_sent_ns.is_some());
         self.active = None;
-        for w in members {
-            if let Some(m) = self.members.get(&w) {
+        fx.finished.push(sync_id);
+        if queued {
+            // Never announced to anyone: nothing to abort, nothing to drain.
+            return fx;
+        }
+        for w in &members {
+            if let Some(m) = self.members.get(w) {
                 fx.send.push((
                     m.conn,
                     ToWorker::Abort {
@@ -697,8 +845,35 @@ impl Coordinator {
                 ));
             }
         }
-        fx.finished.push(sync_id);
+        // Trainers write only after `Start`: before it, nothing of this sync can be in flight.
+        let writers: BTreeSet<WorkerId> = members
+            .into_iter()
+            .filter(|w| w.role == Role::Trainer && self.members.contains_key(w))
+            .collect();
+        if started && !writers.is_empty() {
+            self.note(format!(
+                "sync {sync_id} failed after trainers started writing: the next sync waits until {} \
+                 confirmed they drained it",
+                writers
+                    .iter()
+                    .map(ToString::to_string)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ));
+            self.drain = Some(Drain {
+                sync_id,
+                waiting: writers,
+                since: now,
+            });
+        }
         fx
+    }
+
+    /// The aborted sync whose drain gates the next one, and the trainers still draining it.
+    pub fn draining(&self) -> Option<(u64, Vec<WorkerId>)> {
+        self.drain
+            .as_ref()
+            .map(|d| (d.sync_id, d.waiting.iter().copied().collect()))
     }
 
     /// `POST /v1/syncs`: start a sync for `version` (idempotent per version, except that a
@@ -779,16 +954,32 @@ impl Coordinator {
             verified: None,
             failure: None,
             reported: None,
+            queued_behind: self.drain.as_ref().map(|d| d.sync_id),
+            awaiting_drain: self
+                .drain
+                .as_ref()
+                .map(|d| d.waiting.clone())
+                .unwrap_or_default(),
+            drain_wait_ms: None,
         };
         let mut fx = Effects::default();
-        for m in self.members.values() {
-            fx.send.push((
-                m.conn,
-                ToWorker::Prepare {
-                    sync_id: id,
-                    version,
-                },
-            ));
+        if let Some(d) = &self.drain {
+            tracing::info!(
+                sync_id = id,
+                version,
+                "sync queued until the trainers of sync {} drained it",
+                d.sync_id
+            );
+        } else {
+            for m in self.members.values() {
+                fx.send.push((
+                    m.conn,
+                    ToWorker::Prepare {
+                        sync_id: id,
+                        version,
+                    },
+                ));
+            }
         }
         self.syncs.insert(id, rec);
         self.by_version.insert(version, id);
@@ -831,6 +1022,26 @@ impl Coordinator {
             ));
             fx.close.push(conn);
         }
+        if let Some(d) = &self.drain {
+            if now.saturating_duration_since(d.since) > self.cfg.heartbeat_timeout {
+                let (failed, late) = (d.sync_id, d.waiting.clone());
+                for w in late {
+                    let Some(conn) = self.members.get(&w).map(|m| m.conn) else {
+                        continue;
+                    };
+                    fx.merge(self.disconnect(
+                        conn,
+                        &format!(
+                            "did not confirm within {} ms (the heartbeat timeout) that it drained \
+                             aborted sync {failed}; dropped so that it cannot block the next sync",
+                            self.cfg.heartbeat_timeout.as_millis()
+                        ),
+                        now,
+                    ));
+                    fx.close.push(conn);
+                }
+            }
+        }
         if let Some(sid) = self.active {
             let reported = self.syncs.get(&sid).and_then(|s| s.reported.clone());
             if let Some((failure, at)) = reported {
@@ -840,7 +1051,8 @@ impl Coordinator {
             }
         }
         if let Some(sid) = self.active {
-            if let Some(s) = self.syncs.get(&sid) {
+            // A queued sync has not started: the drain gate's own timeout bounds its wait.
+            if let Some(s) = self.syncs.get(&sid).filter(|s| s.queued_behind.is_none()) {
                 if now.saturating_duration_since(s.created) > self.cfg.sync_timeout {
                     let waiting = s.waiting_on();
                     let stage = match s.state {
@@ -997,6 +1209,186 @@ mod tests {
             },
             now,
         );
+    }
+
+    fn registration(id: WorkerId) -> Registration {
+        Registration {
+            id,
+            host: "h".into(),
+            pid: 1,
+            world: world(),
+            fabric_endpoint: Blob::default(),
+            regions: Vec::new(),
+            tensors: Vec::new(),
+        }
+    }
+
+    /// Triggers `version` and answers `Prepared` from both workers: trainers got `Start`.
+    fn running(c: &mut Coordinator, version: u64, t: Instant) -> u64 {
+        let (Triggered::Created(id), _) = c.trigger(version, t).unwrap() else {
+            panic!("not created")
+        };
+        let mut starts = 0;
+        for conn in [1, 2] {
+            let fx = c.message(
+                conn,
+                FromWorker::Prepared {
+                    sync_id: id,
+                    version,
+                    report: WorkerReport::default(),
+                },
+                t,
+            );
+            starts += fx
+                .send
+                .iter()
+                .filter(|(_, m)| matches!(m, ToWorker::Start { .. }))
+                .count();
+        }
+        assert_eq!(starts, 1, "Start went to the trainer");
+        assert_eq!(c.sync(id).unwrap().state, SyncState::Running);
+        id
+    }
+
+    fn prepares(fx: &Effects) -> usize {
+        fx.send
+            .iter()
+            .filter(|(_, m)| matches!(m, ToWorker::Prepare { .. }))
+            .count()
+    }
+
+    fn drained(sync_id: u64, version: u64) -> FromWorker {
+        FromWorker::Drained { sync_id, version }
+    }
+
+    #[test]
+    fn a_trigger_during_the_drain_is_queued_and_starts_once_every_trainer_drained() {
+        let mut c = coordinator(0);
+        let t = Instant::now();
+        let id = running(&mut c, 1, t);
+        failed_by_trainer(&mut c, id, t);
+        assert_eq!(c.sync(id).unwrap().state, SyncState::Failed);
+        assert_eq!(c.draining(), Some((id, vec![WorkerId::trainer(0)])));
+
+        // Accepted, but nothing goes out while trainer-0 may still hold writes of sync 1.
+        let (Triggered::Created(next), fx) = c.trigger(2, t).unwrap() else {
+            panic!("not created")
+        };
+        assert_eq!(prepares(&fx), 0, "{fx:?}");
+        let v = c.sync(next).unwrap().view(false);
+        assert_eq!(v.state, SyncState::Pending);
+        assert_eq!(v.waiting_for_drain_of, Some(id));
+        assert_eq!(v.waiting_on, vec!["trainer-0".to_string()]);
+        // The queued sync holds the slot: another version is refused, the same one is idempotent.
+        assert!(
+            matches!(c.trigger(3, t), Err(TriggerError::Busy { running, .. }) if running == next)
+        );
+        assert!(matches!(c.trigger(2, t), Ok((Triggered::Existing(x), _)) if x == next));
+        // Reports about the queued sync are ignored: nobody was told about it yet.
+        c.message(
+            2,
+            FromWorker::Prepared {
+                sync_id: next,
+                version: 2,
+                report: WorkerReport::default(),
+            },
+            t,
+        );
+        assert!(c
+            .sync(next)
+            .unwrap()
+            .awaiting_prepared
+            .contains(&WorkerId::rollout(0)));
+        // A rollout's Drained, or a trainer's for another sync, does not open the gate.
+        assert_eq!(prepares(&c.message(2, drained(id, 1), t)), 0);
+        assert_eq!(prepares(&c.message(1, drained(next, 2), t)), 0);
+        assert!(c.draining().is_some());
+
+        let fx = c.message(1, drained(id, 1), t + Duration::from_millis(20));
+        assert_eq!(prepares(&fx), 2, "the queued sync starts at once: {fx:?}");
+        assert!(c.draining().is_none());
+        let v = c.sync(next).unwrap().view(false);
+        assert_eq!(v.waiting_for_drain_of, None);
+        assert!(v.drain_wait_ms.is_some_and(|ms| ms >= 20.0), "{v:?}");
+        assert_eq!(v.waiting_on.len(), 2, "now waiting for Prepared: {v:?}");
+    }
+
+    #[test]
+    fn a_sync_that_failed_before_start_needs_no_drain() {
+        let mut c = coordinator(0);
+        let t = Instant::now();
+        let (Triggered::Created(id), _) = c.trigger(1, t).unwrap() else {
+            panic!()
+        };
+        failed_by_trainer(&mut c, id, t);
+        assert!(c.draining().is_none(), "no trainer was told to write");
+        let (_, fx) = c.trigger(2, t).unwrap();
+        assert_eq!(prepares(&fx), 2);
+    }
+
+    #[test]
+    fn a_trainer_that_never_drains_is_dropped_after_the_heartbeat_timeout() {
+        let mut c = coordinator(0);
+        let t0 = Instant::now();
+        let id = running(&mut c, 1, t0);
+        failed_by_trainer(&mut c, id, t0);
+        let (Triggered::Created(next), _) = c.trigger(2, t0).unwrap() else {
+            panic!()
+        };
+        // Both stay alive (heartbeats), but trainer-0 never answers the abort.
+        let late = t0 + Duration::from_millis(900);
+        c.message(1, FromWorker::Heartbeat { seq: 1 }, late);
+        c.message(2, FromWorker::Heartbeat { seq: 1 }, late);
+        assert!(c.tick(late).close.is_empty(), "within the timeout");
+        let fx = c.tick(t0 + Duration::from_millis(1100));
+        assert_eq!(fx.close, vec![1], "trainer-0 dropped");
+        assert!(c.draining().is_none(), "no longer blocks");
+        let s = c.sync(next).unwrap();
+        assert_eq!(s.state, SyncState::Failed);
+        let f = s.failure.clone().unwrap();
+        assert_eq!(f.worker, WorkerId::trainer(0));
+        assert!(f.cause.contains("drained aborted sync"), "{f}");
+        assert!(
+            f.cause.contains(&format!("waited for sync {id} to drain")),
+            "{f}"
+        );
+        // Its agent reconnects (draining on the way): the next trigger goes out at once.
+        c.register(
+            3,
+            registration(WorkerId::trainer(0)),
+            t0 + Duration::from_secs(2),
+        )
+        .unwrap();
+        let (_, fx) = c.trigger(2, t0 + Duration::from_secs(2)).unwrap();
+        assert_eq!(prepares(&fx), 2);
+    }
+
+    #[test]
+    fn a_trainer_that_dies_while_draining_no_longer_blocks() {
+        let mut c = coordinator(0);
+        let t = Instant::now();
+        let id = running(&mut c, 1, t);
+        // The rollout fails the sync; then trainer-0's connection drops before it drained.
+        c.message(
+            2,
+            FromWorker::Failed {
+                sync_id: id,
+                version: 1,
+                failure: Failure {
+                    worker: WorkerId::trainer(u32::MAX),
+                    tensor: None,
+                    cause: "landing timed out".into(),
+                },
+            },
+            t,
+        );
+        assert!(c.draining().is_some());
+        c.disconnect(1, "connection closed", t);
+        assert!(c.draining().is_none());
+        c.register(3, registration(WorkerId::trainer(0)), t)
+            .unwrap();
+        let (_, fx) = c.trigger(2, t).unwrap();
+        assert_eq!(prepares(&fx), 2, "started at once");
     }
 
     #[test]

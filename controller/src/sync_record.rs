@@ -124,6 +124,13 @@ pub struct SyncRecord {
     pub failure: Option<Failure>,
     /// A worker's failure report held for the grace period, and when it came.
     pub reported: Option<(Failure, std::time::Instant)>,
+    /// Set while the sync is queued: the id of the failed sync whose trainers must confirm they
+    /// drained it (nothing of it can still land) before this one's `Prepare` goes out.
+    pub queued_behind: Option<u64>,
+    /// Trainers still draining while queued.
+    pub awaiting_drain: BTreeSet<WorkerId>,
+    /// How long it was queued behind a drain, ms (its creation time is reset when it starts).
+    pub drain_wait_ms: Option<f64>,
 }
 
 impl SyncRecord {
@@ -234,9 +241,13 @@ impl SyncRecord {
         }
     }
 
-    /// Workers the sync is still waiting for, in the current stage.
+    /// Workers the sync is still waiting for, in the current stage (while queued: the trainers
+    /// still draining the failed sync before it).
     pub fn waiting_on(&self) -> Vec<WorkerId> {
         match self.state {
+            SyncState::Pending if self.queued_behind.is_some() => {
+                self.awaiting_drain.iter().copied().collect()
+            }
             SyncState::Pending => self.awaiting_prepared.iter().copied().collect(),
             SyncState::Running => self
                 .awaiting_written
@@ -267,6 +278,8 @@ impl SyncRecord {
                 cause: f.cause.clone(),
             }),
             waiting_on: self.waiting_on().iter().map(ToString::to_string).collect(),
+            waiting_for_drain_of: self.queued_behind,
+            drain_wait_ms: self.drain_wait_ms,
             lanes: with_lanes.then(|| {
                 self.lanes
                     .iter()
@@ -326,6 +339,11 @@ pub struct SyncView {
     pub failure: Option<FailureView>,
     /// Workers still awaited.
     pub waiting_on: Vec<String>,
+    /// While the sync is queued (state `pending`, nothing sent yet): the failed sync whose
+    /// trainers it waits for to confirm they drained it; `waiting_on` names them.
+    pub waiting_for_drain_of: Option<u64>,
+    /// How long it waited for that drain before it started, ms.
+    pub drain_wait_ms: Option<f64>,
     /// Timeline lanes (only on the single-sync view).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub lanes: Option<Vec<LaneView>>,

@@ -273,6 +273,92 @@ async fn failure_names_worker_and_tensor_and_next_sync_proceeds() {
     );
 }
 
+#[tokio::test]
+async fn a_trigger_while_trainers_drain_a_failed_sync_is_accepted_queued_and_started_after() {
+    let st = state(2, 1, false);
+    register_all(&st, 2, 1);
+    let trigger = |version: u64| {
+        let st = st.clone();
+        async move {
+            call(
+                app(st),
+                "POST",
+                "/v1/syncs",
+                Some(&format!(r#"{{"version": {version}}}"#)),
+                Some(API_TOKEN),
+            )
+            .await
+        }
+    };
+    let (_, body) = trigger(1).await;
+    let id = json(&body)["sync_id"].as_u64().unwrap();
+    for w in ids(2, 1) {
+        feed(
+            &st,
+            w,
+            FromWorker::Prepared {
+                sync_id: id,
+                version: 1,
+                report: WorkerReport::default(),
+            },
+        );
+    }
+    // Trainers were told to write; then the rollout fails the sync.
+    feed(
+        &st,
+        WorkerId::rollout(0),
+        FromWorker::Failed {
+            sync_id: id,
+            version: 1,
+            failure: Failure {
+                worker: WorkerId::trainer(u32::MAX),
+                tensor: None,
+                cause: "landing timed out".into(),
+            },
+        },
+    );
+    // Accepted (no retry loop needed), queued behind the drain, naming who it waits for.
+    let (code, body) = trigger(2).await;
+    assert_eq!(code, 202, "{body}");
+    let v = json(&body);
+    let id2 = v["sync_id"].as_u64().unwrap();
+    assert_eq!(v["state"], "pending");
+    assert_eq!(v["waiting_for_drain_of"], id);
+    assert_eq!(
+        v["waiting_on"],
+        serde_json::json!(["trainer-0", "trainer-1"])
+    );
+    let drained = || FromWorker::Drained {
+        sync_id: id,
+        version: 1,
+    };
+    feed(&st, WorkerId::trainer(0), drained());
+    let (_, body) = call(
+        app(st.clone()),
+        "GET",
+        &format!("/v1/syncs/{id2}"),
+        None,
+        None,
+    )
+    .await;
+    assert_eq!(json(&body)["waiting_on"], serde_json::json!(["trainer-1"]));
+    feed(&st, WorkerId::trainer(1), drained());
+    let (_, body) = call(
+        app(st.clone()),
+        "GET",
+        &format!("/v1/syncs/{id2}"),
+        None,
+        None,
+    )
+    .await;
+    let v = json(&body);
+    assert!(v["waiting_for_drain_of"].is_null(), "{v}");
+    assert!(v["drain_wait_ms"].is_number(), "{v}");
+    complete_sync(&st, id2, 2, 2, 1);
+    let (_, body) = call(app(st), "GET", &format!("/v1/syncs/{id2}"), None, None).await;
+    assert_eq!(json(&body)["state"], "committed");
+}
+
 /// method, uri, body, bearer token, expected status, text the message must contain.
 type Case<'a> = (
     &'a str,

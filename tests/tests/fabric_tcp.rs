@@ -114,6 +114,92 @@ async fn lanes_recover() {
     conformance::lanes_recover(&Tcp, 2).await;
 }
 
+#[tokio::test]
+async fn reset_discards_posted_writes_one_lane() {
+    conformance::reset_discards_posted_writes(&Tcp, 1).await;
+}
+
+#[tokio::test]
+async fn reset_discards_posted_writes_four_lanes() {
+    conformance::reset_discards_posted_writes(&Tcp, 4).await;
+}
+
+/// The partition case, made deterministic: the peer stops reading, so the write's frames sit in
+/// the writer's send queue. `reset_connections` fails the write at once with `ConnectionsReset`
+/// (not after `io_timeout`), and the queued bytes are discarded: when the peer reads again it
+/// gets what its own receive buffer held, then a reset, never the rest of the 64 MiB.
+#[tokio::test]
+async fn reset_fails_a_stalled_write_at_once_and_discards_its_queued_bytes() {
+    use std::io::Read;
+    use weightsync_common::fabric::tcp::handshake::server_handshake;
+    use weightsync_common::fabric::{Access, FabricBackend, WriteOp};
+
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (release, hold) = std::sync::mpsc::channel::<()>();
+    let stalled = std::thread::spawn(move || {
+        let (mut s, peer) = listener.accept().unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let key = JobToken(conformance::TOKEN.into()).handshake_key();
+        server_handshake(&mut s, &key, &peer.into()).unwrap();
+        // Stop reading until the writer has reset, then read whatever still arrives.
+        let _ = hold.recv();
+        let mut got = 0u64;
+        let mut buf = vec![0u8; 1 << 20];
+        loop {
+            match s.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => got += n as u64,
+            }
+        }
+        got
+    });
+    let config = FabricConfig {
+        // Far longer than the test: only the reset can end the write.
+        io_timeout_ms: 600_000,
+        ..FabricConfig::loopback(conformance::TOKEN, 1)
+    };
+    let writer = TcpFabric::start(&config).await.unwrap();
+    let len = 64 << 20;
+    let src = writer.alloc(len, Access::SOURCE).unwrap();
+    let dst = RegionDescriptor {
+        endpoint: addr.into(),
+        base: 1 << 20,
+        len: len as u64,
+        rkey: 1,
+    };
+    let write = tokio::spawn(writer.write(WriteOp::new(&src, 0, &dst, 0, len as u64)));
+    // Wait until the sender is blocked on a full send queue.
+    let sent = tokio::time::timeout(conformance::HANG_GUARD, async {
+        loop {
+            let s = writer.stats().bytes_sent;
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            if s > 0 && writer.stats().bytes_sent == s {
+                return s;
+            }
+        }
+    })
+    .await
+    .expect("the writer never filled its send queue");
+    writer.reset_connections().await;
+    let r = tokio::time::timeout(conformance::HANG_GUARD, write)
+        .await
+        .expect("the reset write must resolve at once, not wait for io_timeout")
+        .unwrap();
+    assert!(
+        matches!(r, Err(FabricError::ConnectionsReset { .. })),
+        "expected ConnectionsReset, got {r:?}"
+    );
+    assert_eq!(writer.stats().lane_failures, 0, "a reset is not a failure");
+    drop(release);
+    let got = stalled.join().unwrap();
+    assert!(
+        got <= sent && got < len as u64,
+        "the peer read {got} bytes after the reset; the writer had handed {sent} to its kernel \
+         and queued {len}"
+    );
+}
+
 /// A peer that authenticates and then stops reading makes the writer fail with `Timeout` after
 /// `io_timeout` instead of hanging (TCP-specific: the stalled peer is a raw socket).
 #[tokio::test]

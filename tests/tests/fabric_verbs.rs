@@ -118,6 +118,13 @@ async fn lanes_recover() {
     conformance::lanes_recover(&Verbs, 2).await;
 }
 
+#[tokio::test]
+#[ignore = "requires an RDMA device: set WEIGHTSYNC_RDMA_DEVICE (e.g. rxe0)"]
+async fn reset_discards_posted_writes() {
+    require_device();
+    conformance::reset_discards_posted_writes(&Verbs, 2).await;
+}
+
 // ---- No device needed --------------------------------------------------------------------------
 
 /// An infinite RNR retry is refused by configuration, before any device is touched.

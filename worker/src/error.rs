@@ -119,6 +119,10 @@ pub enum WorkerError {
     /// A call out of protocol order (await before arm, a second arm...).
     #[error("{0}")]
     Protocol(String),
+    /// The sync was cancelled by its caller (the controller aborted it) before it finished;
+    /// no piece task is left and nothing more will be posted for it.
+    #[error("the sync was cancelled before it finished")]
+    Cancelled,
     /// A stage's thread died (a bug, reported rather than hidden).
     #[error("pipeline stage {stage} failed: {detail}")]
     Stage {

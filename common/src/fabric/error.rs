@@ -77,6 +77,16 @@ pub enum FabricError {
         lane: usize,
         detail: String,
     },
+    /// This endpoint reset its connections ([`FabricBackend::reset_connections`]) before the
+    /// peer acknowledged the write: whatever of it was still queued was discarded and never lands
+    /// (bytes the peer had already received before the reset may have landed; the immediate is
+    /// counted only if the whole write had landed).
+    ///
+    /// [`FabricBackend::reset_connections`]: super::FabricBackend::reset_connections
+    #[error(
+        "lane {lane} to peer {peer} was reset by this endpoint before the write was acknowledged"
+    )]
+    ConnectionsReset { peer: Endpoint, lane: usize },
     /// Something did not happen in time: a peer that stopped reading, a connect, an expectation.
     #[error("timed out after {after:?}: {what}")]
     Timeout { what: String, after: Duration },

@@ -19,7 +19,9 @@
 //!
 //! Failures are typed ([`FabricError`]): a peer refusing a write (wrong rkey, out of bounds, no
 //! permission, deregistered), an unreachable peer, a lane that disconnects (reported to the writes
-//! on it and re-established on next use, like a queue pair reset), and timeouts.
+//! on it and re-established on next use, like a queue pair reset), and timeouts. A writer that
+//! abandons work resets its lanes ([`FabricBackend::reset_connections`]) so nothing it queued can
+//! land later.
 //!
 //! # Backends
 //! - [`tcp`] (default): a user-space emulation of an RDMA NIC. Frames carry op, rkey, remote
@@ -72,7 +74,9 @@ pub use tcp::TcpFabric;
 ///   the backend split it over lanes), and never for a write that failed part-way;
 /// - a refused write touches no byte outside the region it was checked against, and none inside
 ///   it either when refused before landing (wrong rkey, bounds, permission, deregistered);
-/// - a lane that fails makes the writes on it fail, and the next write reconnects.
+/// - a lane that fails makes the writes on it fail, and the next write reconnects;
+/// - after [`FabricBackend::reset_connections`] resolves, nothing posted before it lands later,
+///   and writes posted afterwards work as usual.
 pub trait FabricBackend: Clone + Send + Sync + std::fmt::Debug + 'static {
     /// This process's bootstrap address, the `endpoint` of its descriptors.
     fn endpoint(&self) -> &Endpoint;
@@ -102,6 +106,19 @@ pub trait FabricBackend: Clone + Send + Sync + std::fmt::Debug + 'static {
 
     /// The counter of immediates received by this process.
     fn imm_counter(&self) -> &ImmCounter;
+
+    /// Resets every lane this endpoint opened to write, so that nothing it posted before can
+    /// land anywhere later: what is still queued (in user space, in the kernel's send queue, in
+    /// a send queue of the NIC) is discarded, the writes not yet acknowledged fail with
+    /// [`FabricError::ConnectionsReset`], and the next write to a peer opens fresh lanes.
+    ///
+    /// Why it exists: a write posted for a sync that has since been abandoned (a partition, an
+    /// aborted sync) must not land while the *next* sync runs. Its immediate would not be
+    /// counted (it carries the old epoch), but its bytes would overwrite the new ones. Callers
+    /// first stop posting for the abandoned work, then reset, then start the next; a write
+    /// posted concurrently with the reset may go either way. Bytes the peer already received
+    /// before the reset are not recalled (nothing can recall them).
+    fn reset_connections(&self) -> impl Future<Output = ()> + Send + 'static;
 }
 
 /// The backend chosen at run time.
@@ -172,5 +189,10 @@ impl FabricBackend for Fabric {
 
     fn imm_counter(&self) -> &ImmCounter {
         dispatch!(self, f => f.imm_counter())
+    }
+
+    fn reset_connections(&self) -> impl Future<Output = ()> + Send + 'static {
+        let this = self.clone();
+        async move { dispatch!(this, f => f.reset_connections().await) }
     }
 }

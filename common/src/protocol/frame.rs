@@ -19,7 +19,10 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 /// First four bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"WSYC";
 /// Version of the control-channel protocol; both ends must agree.
-pub const PROTOCOL_VERSION: u16 = 1;
+///
+/// 2: workers answer `Abort` with `Drained`, and the controller waits for it before the next
+/// sync (a version-1 worker would never answer and would be dropped after a timeout).
+pub const PROTOCOL_VERSION: u16 = 2;
 /// Bytes in a frame header.
 pub const FRAME_HEADER_LEN: usize = 12;
 /// Default maximum body size: 256 MiB (a trainer's plan slice for a 1T-parameter model fits).

@@ -350,7 +350,8 @@ pub enum ToWorker {
         /// Weight version.
         version: u64,
     },
-    /// Version N is not valid: rollouts must not use it; everybody drops the sync.
+    /// Version N is not valid: rollouts must not use it; everybody drops the sync. Answered by
+    /// [`FromWorker::Drained`].
     Abort {
         /// Sync id.
         sync_id: u64,
@@ -440,5 +441,14 @@ pub enum FromWorker {
     Heartbeat {
         /// Increasing sequence number.
         seq: u64,
+    },
+    /// Answer to [`ToWorker::Abort`]: the worker stopped its part of sync N and reset its fabric
+    /// connections, so nothing it posted for N can still land. The controller starts the next
+    /// sync only once every trainer of an aborted sync that had started writing said so.
+    Drained {
+        /// Sync id.
+        sync_id: u64,
+        /// Version.
+        version: u64,
     },
 }

@@ -67,7 +67,8 @@ pub enum Outcome {
 /// Does a worker's part of each step of the version protocol.
 ///
 /// Calls come one at a time, in protocol order. A future may be dropped part-way when the
-/// controller aborts the sync; [`SyncDriver::finish`] with [`Outcome::Aborted`] follows.
+/// controller aborts the sync; [`SyncDriver::finish`] with [`Outcome::Aborted`] and then
+/// [`SyncDriver::drain`] follow.
 pub trait SyncDriver: Send + 'static {
     /// Endpoint, regions and tensors to register with.
     fn info(&self) -> DriverInfo;
@@ -97,4 +98,13 @@ pub trait SyncDriver: Send + 'static {
 
     /// The sync ended (commit or abort).
     fn finish(&mut self, sync: SyncRef, outcome: Outcome) -> impl Future<Output = ()> + Send;
+
+    /// After an abort (or losing the controller): make sure nothing this worker posted for an
+    /// abandoned sync can still land anywhere. A writer stops its work (and waits until it has
+    /// stopped) and resets its fabric lanes; the agent then answers `Drained`, and the
+    /// controller starts no new sync before every writer of the aborted one did. The default
+    /// has nothing to drain (a worker that posts no writes).
+    fn drain(&mut self) -> impl Future<Output = ()> + Send {
+        std::future::ready(())
+    }
 }

@@ -4,7 +4,8 @@
 //! proves it knows the job token, registers what its [`SyncDriver`] holds, and then follows the
 //! version protocol: `Assign` → driver.assign; `Prepare N` → driver.prepare, answer `Prepared`
 //! (rollouts then wait for N to land and answer `Landed`); `Start N` → driver.run, answer
-//! `Written`; `Verify` → driver.verify, answer `Verified`; `Commit`/`Abort` → driver.finish.
+//! `Written`; `Verify` → driver.verify, answer `Verified`; `Commit` → driver.finish; `Abort` →
+//! driver.finish and driver.drain, answer `Drained` (nothing of the aborted sync can land later).
 //!
 //! Three tasks keep it responsive while a long step runs: a reader (frames → inbox), a writer
 //! (outbox → frames) and the driver task, which runs one step at a time and drops a step the
@@ -270,7 +271,12 @@ async fn session(
                     ToWorker::Abort { sync_id, version, reason } => {
                         tracing::warn!("{}: sync {sync_id} (version {version}) aborted: {reason}", cfg.id);
                         let _ = abort_tx.send(sync_id);
-                        current.filter(|s| s.sync_id == sync_id).map(|s| DriverCmd::Finish(s, Outcome::Aborted))
+                        // Always answered (with Drained), also for a sync this worker never saw.
+                        Some(DriverCmd::Abort {
+                            sync: current.filter(|s| s.sync_id == sync_id),
+                            sync_id,
+                            version,
+                        })
                     }
                     ToWorker::Shutdown => break SessionEnd::Shutdown,
                     ToWorker::Heartbeat { .. } | ToWorker::Welcome { .. } | ToWorker::Challenge { .. } => None,
@@ -294,6 +300,12 @@ enum DriverCmd {
     Run(SyncRef),
     Verify(SyncRef, Vec<weightsync_common::protocol::UnitChecksum>),
     Finish(SyncRef, Outcome),
+    /// `Abort N`: finish the sync (when it is the current one), drain, answer `Drained`.
+    Abort {
+        sync: Option<SyncRef>,
+        sync_id: u64,
+        version: u64,
+    },
     AbortAll,
 }
 
@@ -356,9 +368,11 @@ async fn drive<D: SyncDriver>(
             }
             DriverCmd::Prepare(s) => {
                 if last.is_some_and(|l| l.sync_id != s.sync_id) {
-                    // A sync we never saw end (e.g. reconnect); make sure the driver dropped it.
+                    // A sync we never saw end (e.g. reconnect); make sure the driver dropped it
+                    // and that nothing of it can land during this one.
                     if let Some(l) = last {
                         driver.finish(l, Outcome::Aborted).await;
+                        driver.drain().await;
                     }
                 }
                 last = Some(s);
@@ -429,10 +443,26 @@ async fn drive<D: SyncDriver>(
                     last = None;
                 }
             }
+            DriverCmd::Abort {
+                sync,
+                sync_id,
+                version,
+            } => {
+                if let Some(s) = sync {
+                    driver.finish(s, Outcome::Aborted).await;
+                }
+                if last.is_some_and(|l| l.sync_id == sync_id) {
+                    last = None;
+                }
+                driver.drain().await;
+                let _ = out.send(FromWorker::Drained { sync_id, version }).await;
+            }
             DriverCmd::AbortAll => {
                 if let Some(l) = last.take() {
                     driver.finish(l, Outcome::Aborted).await;
                 }
+                // No controller to tell; a reconnecting worker registers anew.
+                driver.drain().await;
             }
         }
     }

@@ -4,6 +4,10 @@
 //! its source, and registers its staging and gather arenas, so the registration carries the
 //! gather descriptor peers need. The controller's assignment must carry the same slice; a
 //! difference (e.g. mismatched builds) is refused rather than half-followed.
+//!
+//! Each sync runs in its own task, so that an abort can cancel it and wait until it has stopped
+//! posting; draining then resets the fabric's lanes, discarding whatever of the aborted sync is
+//! still queued (after a partition heals, TCP would otherwise deliver it during the next sync).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -17,6 +21,9 @@ use weightsync_schedules::table::TrainerPlan;
 use weightsync_worker::trainer::{
     Destinations, SourceView, SyncId, SyncReport, TrainerConfig, TrainerWorker,
 };
+
+use tokio::sync::oneshot;
+use weightsync_worker::error::WorkerError;
 
 use super::demo_weights::fill_trainer_arena;
 use super::driver::{DriverError, DriverInfo, Outcome, SyncDriver, SyncRef};
@@ -57,8 +64,32 @@ pub struct TrainerDriverConfig {
 pub struct TrainerDriver {
     cfg: TrainerDriverConfig,
     fabric: Fabric,
-    worker: TrainerWorker<Fabric>,
+    worker: Arc<TrainerWorker<Fabric>>,
     arena: Option<Arc<parking_lot::RwLock<Vec<u8>>>>,
+    /// The sync whose task is running (kept when the agent drops `run` on an abort).
+    in_flight: Option<InFlight>,
+}
+
+/// A sync running in its own task.
+#[derive(Debug)]
+struct InFlight {
+    /// Dropping it cancels the sync.
+    cancel: oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<Result<SyncReport, WorkerError>>,
+}
+
+impl TrainerDriver {
+    /// Cancels the running sync, if any, and waits until it posts nothing more.
+    async fn stop_in_flight(&mut self) {
+        if let Some(InFlight { cancel, task }) = self.in_flight.take() {
+            drop(cancel);
+            match task.await {
+                Ok(Err(WorkerError::Cancelled)) | Ok(Ok(_)) => {}
+                Ok(Err(e)) => tracing::debug!("the stopped sync had failed: {e}"),
+                Err(e) => tracing::warn!("the stopped sync's task ended abnormally: {e}"),
+            }
+        }
+    }
 }
 
 fn err(e: impl std::fmt::Display) -> DriverError {
@@ -113,8 +144,9 @@ impl TrainerDriver {
         Ok(TrainerDriver {
             cfg,
             fabric,
-            worker,
+            worker: Arc::new(worker),
             arena,
+            in_flight: None,
         })
     }
 }
@@ -202,6 +234,7 @@ impl SyncDriver for TrainerDriver {
         };
         let plan: TrainerPlan = bincode::deserialize(&slice.0)
             .map_err(|e| DriverError::new(format!("undecodable plan slice: {e}")))?;
+        self.stop_in_flight().await;
         if &plan != self.worker.plan() {
             return Err(DriverError::new(
                 "the controller's plan slice differs from the one this worker computed \
@@ -230,7 +263,10 @@ impl SyncDriver for TrainerDriver {
                 }
             }
         }
-        self.worker.set_destinations(&dsts).map_err(err)?;
+        Arc::get_mut(&mut self.worker)
+            .ok_or_else(|| DriverError::new("destinations cannot change while a sync runs"))?
+            .set_destinations(&dsts)
+            .map_err(err)?;
         Ok(())
     }
 
@@ -264,13 +300,27 @@ impl SyncDriver for TrainerDriver {
     }
 
     async fn run(&mut self, sync: SyncRef) -> Result<(Option<bool>, WorkerReport), DriverError> {
-        let r = self
-            .worker
-            .run_sync(SyncId {
-                version: sync.version,
-                epoch: sync.sync_id,
-            })
-            .await
+        self.stop_in_flight().await;
+        let (cancel, cancelled) = oneshot::channel::<()>();
+        let worker = self.worker.clone();
+        let id = SyncId {
+            version: sync.version,
+            epoch: sync.sync_id,
+        };
+        let task = tokio::spawn(async move {
+            let cancelled = async move {
+                // Resolves when the sender is dropped: `stop_in_flight`, or the driver going away.
+                let _ = cancelled.await;
+            };
+            worker.run_sync_until(id, cancelled).await
+        });
+        // If this future is dropped here (an abort), the task keeps running until `drain`
+        // cancels it and waits for it.
+        let flight = self.in_flight.insert(InFlight { cancel, task });
+        let joined = (&mut flight.task).await;
+        self.in_flight = None;
+        let r = joined
+            .map_err(|e| DriverError::new(format!("the sync task ended abnormally: {e}")))?
             .map_err(err)?;
         Ok((None, report(&r, &sync)))
     }
@@ -284,4 +334,14 @@ impl SyncDriver for TrainerDriver {
     }
 
     async fn finish(&mut self, _sync: SyncRef, _outcome: Outcome) {}
+
+    async fn drain(&mut self) {
+        self.stop_in_flight().await;
+        // Whatever the stopped sync posted and was not acknowledged is discarded here.
+        self.fabric.reset_connections().await;
+        tracing::info!(
+            "{}: drained (sync stopped, fabric lanes reset)",
+            WorkerId::trainer(self.cfg.rank)
+        );
+    }
 }

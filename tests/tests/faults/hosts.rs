@@ -118,33 +118,25 @@ fn sync_across_hosts_commits_and_a_partition_mid_sync_fails_cleanly() {
         "failing took {took:?} (limit {limit:?})"
     );
 
-    // Heal the partition: rollout 0 reconnects, and a sync commits verified.
+    // Heal the partition: rollout 0 reconnects, and the very next sync commits verified.
     //
-    // Known bug, found by this test (see the issue note): frames of the failed sync that a
-    // trainer's TCP lane still holds can be delivered after the partition heals, while the next
-    // sync runs, and their bytes land in the rollout's arena. Their immediates carry the old
-    // epoch and are not counted, and verification catches the bytes, so the promise holds (the
-    // sync fails naming the tensor, never commits). Until trainers reset their lanes to a failed
-    // peer before the next sync starts, one such failure is allowed here, and only that one.
+    // This is the regression test for the stale-frame finding: frames of the failed sync that
+    // a trainer's TCP lane still held were delivered once the link healed, during the next sync,
+    // and failed its verification. Trainers now answer the abort only after they stopped and
+    // reset their lanes (RST, send queues discarded), and the controller starts no sync before
+    // they did, so nothing of the failed sync can land any more.
     lan.set_link(rollout_host(&spec, 0), true).expect("heal");
     assert!(c.wait_ready(READY), "not ready after healing\n{}", c.logs());
-    let first = c.sync(10, Duration::from_secs(40));
-    if first["state"] == "committed" {
-        assert_committed_and_verified(&first, "sync after healing", &|| c.logs());
-    } else {
-        assert_eq!(first["state"], "failed", "sync after healing: {first}");
-        let cause = first["failure"]["cause"].as_str().unwrap_or_default();
-        assert!(
-            cause.contains("checksum mismatch"),
-            "sync after healing failed for another reason than stale bytes: {first}\n{}",
-            c.logs()
-        );
-        assert_committed_and_verified(
-            &c.sync(11, Duration::from_secs(40)),
-            "second sync after healing",
-            &|| c.logs(),
-        );
-    }
+    assert_committed_and_verified(
+        &c.sync(10, Duration::from_secs(40)),
+        "first sync after healing",
+        &|| c.logs(),
+    );
+    assert_committed_and_verified(
+        &c.sync(11, Duration::from_secs(40)),
+        "second sync after healing",
+        &|| c.logs(),
+    );
 }
 
 #[test]

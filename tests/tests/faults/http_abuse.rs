@@ -277,7 +277,7 @@ fn garbage_on_the_control_channel_is_dropped_and_the_controller_lives() {
         // A valid magic and version announcing a 4 GiB frame.
         [
             b"WSYC".as_slice(),
-            &1u16.to_le_bytes(),
+            &weightsync_common::protocol::PROTOCOL_VERSION.to_le_bytes(),
             &[0, 0],
             &u32::MAX.to_le_bytes(),
         ]
@@ -285,7 +285,7 @@ fn garbage_on_the_control_channel_is_dropped_and_the_controller_lives() {
         // A valid header and a body of garbage.
         [
             b"WSYC".as_slice(),
-            &1u16.to_le_bytes(),
+            &weightsync_common::protocol::PROTOCOL_VERSION.to_le_bytes(),
             &[0, 0],
             &64u32.to_le_bytes(),
             &[0xAB; 64],

@@ -354,13 +354,26 @@ impl<F: FabricBackend> TrainerWorker<F> {
     /// was acknowledged. On failure, every write already posted is drained before returning,
     /// and this trainer's gather immediates of the epoch are retired.
     pub async fn run_sync(&self, sync: SyncId) -> Result<SyncReport> {
+        self.run_sync_until(sync, std::future::pending()).await
+    }
+
+    /// [`run_sync`](Self::run_sync), stopped early when `cancel` resolves: then it returns
+    /// [`WorkerError::Cancelled`] once no piece job is left (nothing more will be posted for
+    /// this sync). Writes already posted are abandoned, not awaited; reset the fabric's lanes
+    /// ([`FabricBackend::reset_connections`]) before the next sync so none of them lands later.
+    /// (Dropping a `run_sync` future instead leaves its piece jobs to wind down on their own.)
+    pub async fn run_sync_until(
+        &self,
+        sync: SyncId,
+        cancel: impl std::future::Future<Output = ()>,
+    ) -> Result<SyncReport> {
         let _one_at_a_time = self.running.lock().await;
         if self.state.write_dst.len() != self.state.plan.writes.len() {
             return Err(WorkerError::Protocol(
                 "run_sync before set_destinations".into(),
             ));
         }
-        pipeline::run(self.fabric.clone(), self.state.clone(), sync).await
+        pipeline::run(self.fabric.clone(), self.state.clone(), sync, cancel).await
     }
 
     /// The staging budget.

@@ -22,6 +22,12 @@
 //! controller's global barrier waits for every rollout's `await_landed`. On failure the scheduler
 //! stops starting pieces, drains every write already posted (so nothing of this epoch is still in
 //! flight when it returns) and retires its own gather immediates of the epoch.
+//!
+//! Cancellation: when the caller's `cancel` future resolves (the controller aborted the sync),
+//! the scheduler stops, aborts every piece job and waits until each is gone, so that when it
+//! returns nothing more can be posted for this epoch. Writes already posted are not awaited
+//! (a partitioned peer may never answer): the caller resets the fabric's lanes next
+//! ([`FabricBackend::reset_connections`]), which discards them.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -76,11 +82,12 @@ impl<F: FabricBackend> SyncRun<F> {
     }
 }
 
-/// Runs one sync (see the module docs).
+/// Runs one sync (see the module docs) unless `cancel` resolves first.
 pub(crate) async fn run<F: FabricBackend>(
     fabric: F,
     state: Arc<TrainerState>,
     sync: SyncId,
+    cancel: impl std::future::Future<Output = ()>,
 ) -> Result<SyncReport> {
     let rec = TimelineRecorder::start(&state.config.name);
     let watermark = state.staging.watermark().clone();
@@ -109,78 +116,90 @@ pub(crate) async fn run<F: FabricBackend>(
     let mut jobs = JoinSet::new();
     let mut pieces = 0u64;
 
-    'groups: for group in &state.plan.groups {
-        let gather_from = group.first_task + group.gather_sends + group.local_tasks;
-        for t in group.first_task..group.first_task + group.num_tasks {
-            if t == gather_from && group.gather_expect > 0 {
-                let start = rec.now_ns();
-                let imm = match imm_for(sync.epoch, group.id as u32) {
-                    Ok(imm) => imm,
-                    Err(e) => {
-                        run.fail(e.into());
-                        break 'groups;
-                    }
-                };
-                let wait = run.fabric.imm_counter().expect_within(
-                    imm,
-                    group.gather_expect as u64,
-                    state.config.gather_timeout,
-                );
-                if let Err(e) = wait.await {
-                    run.fail(WorkerError::fabric(
-                        format!(
-                            "waiting for {} straddling-row writes of mesh group {} ({})",
-                            group.gather_expect, group.id, group.name
-                        ),
-                        e,
-                    ));
-                    break 'groups;
-                }
-                rec.record(t, 0, Stage::GatherWait, start, 0);
-            }
-            for p in 0..state.pieces[t as usize].len() {
-                if run.failed() {
-                    break 'groups;
-                }
-                let need = state.pieces[t as usize][p].layout.total;
-                let lease = match watermark.acquire(need).await {
-                    Ok(lease) => lease,
-                    Err(e) => {
-                        run.fail(e.into());
-                        break 'groups;
-                    }
-                };
-                pieces += 1;
-                if serial {
-                    if let Err(e) = run_piece(run.clone(), t, p, lease).await {
-                        run.fail(e);
-                    }
-                } else {
-                    let job = run.clone();
-                    jobs.spawn(async move {
-                        if let Err(e) = run_piece(job.clone(), t, p, lease).await {
-                            job.fail(e);
+    let schedule = async {
+        'groups: for group in &state.plan.groups {
+            let gather_from = group.first_task + group.gather_sends + group.local_tasks;
+            for t in group.first_task..group.first_task + group.num_tasks {
+                if t == gather_from && group.gather_expect > 0 {
+                    let start = rec.now_ns();
+                    let imm = match imm_for(sync.epoch, group.id as u32) {
+                        Ok(imm) => imm,
+                        Err(e) => {
+                            run.fail(e.into());
+                            break 'groups;
                         }
-                    });
-                    // Reap finished jobs so a panic surfaces early.
-                    while let Some(done) = jobs.try_join_next() {
-                        if let Err(e) = done {
-                            run.fail(stage_panic("piece", e));
+                    };
+                    let wait = run.fabric.imm_counter().expect_within(
+                        imm,
+                        group.gather_expect as u64,
+                        state.config.gather_timeout,
+                    );
+                    if let Err(e) = wait.await {
+                        run.fail(WorkerError::fabric(
+                            format!(
+                                "waiting for {} straddling-row writes of mesh group {} ({})",
+                                group.gather_expect, group.id, group.name
+                            ),
+                            e,
+                        ));
+                        break 'groups;
+                    }
+                    rec.record(t, 0, Stage::GatherWait, start, 0);
+                }
+                for p in 0..state.pieces[t as usize].len() {
+                    if run.failed() {
+                        break 'groups;
+                    }
+                    let need = state.pieces[t as usize][p].layout.total;
+                    let lease = match watermark.acquire(need).await {
+                        Ok(lease) => lease,
+                        Err(e) => {
+                            run.fail(e.into());
+                            break 'groups;
+                        }
+                    };
+                    pieces += 1;
+                    if serial {
+                        if let Err(e) = run_piece(run.clone(), t, p, lease).await {
+                            run.fail(e);
+                        }
+                    } else {
+                        let job = run.clone();
+                        jobs.spawn(async move {
+                            if let Err(e) = run_piece(job.clone(), t, p, lease).await {
+                                job.fail(e);
+                            }
+                        });
+                        // Reap finished jobs so a panic surfaces early.
+                        while let Some(done) = jobs.try_join_next() {
+                            if let Err(e) = done {
+                                run.fail(stage_panic("piece", e));
+                            }
                         }
                     }
                 }
             }
         }
-    }
 
-    // Barrier (this worker's half): every posted write acknowledged.
-    let barrier_start = rec.now_ns();
-    while let Some(done) = jobs.join_next().await {
-        if let Err(e) = done {
-            run.fail(stage_panic("piece", e));
+        // Barrier (this worker's half): every posted write acknowledged.
+        let barrier_start = rec.now_ns();
+        while let Some(done) = jobs.join_next().await {
+            if let Err(e) = done {
+                run.fail(stage_panic("piece", e));
+            }
         }
+        rec.record(WHOLE_SYNC, 0, Stage::Barrier, barrier_start, 0);
+    };
+    let cancelled = tokio::select! {
+        biased;
+        () = cancel => true,
+        () = schedule => false,
+    };
+    if cancelled {
+        run.fail(WorkerError::Cancelled);
+        // Every piece job is gone when this returns: none can post a write after it.
+        jobs.shutdown().await;
     }
-    rec.record(WHOLE_SYNC, 0, Stage::Barrier, barrier_start, 0);
 
     if let Some(err) = run.first_error.lock().take() {
         // Retire this epoch's gather immediates so late gather writes can never count later.

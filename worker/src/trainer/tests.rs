@@ -339,6 +339,38 @@ async fn writes_of_an_aborted_epoch_never_count_later() {
     rollout.await_landed(Duration::from_secs(10)).await.unwrap();
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_sync_stops_with_cancelled_and_the_next_one_lands() {
+    for mode in [PipelineMode::Pipelined, PipelineMode::Serialised] {
+        let (trainer, rollout, _, _) = setup(200 << 10, mode);
+        let first = SyncId {
+            version: 1,
+            epoch: 1,
+        };
+        rollout.arm(first).unwrap();
+        // Cancelled before anything was scheduled: nothing may land for epoch 1.
+        let err = trainer
+            .run_sync_until(first, std::future::ready(()))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, WorkerError::Cancelled), "{err} ({mode:?})");
+        let err = rollout
+            .await_landed(Duration::from_millis(100))
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("0 of 3 writes"), "{err}");
+        rollout.abort();
+        // The worker is usable again at once.
+        let second = SyncId {
+            version: 1,
+            epoch: 2,
+        };
+        rollout.arm(second).unwrap();
+        trainer.run_sync(second).await.unwrap();
+        rollout.await_landed(Duration::from_secs(10)).await.unwrap();
+    }
+}
+
 #[tokio::test]
 async fn bad_input_is_refused_before_anything_is_written() {
     let (tp, _) = plans();

@@ -50,6 +50,7 @@ pub(super) struct LaneJob {
 }
 
 /// What a pending job needs to report its completion.
+#[derive(Debug)]
 struct Pending {
     done: oneshot::Sender<Result<()>>,
     frames: u32,
@@ -57,7 +58,7 @@ struct Pending {
     ctx: Vec<(u64, u64, u64, u64)>,
 }
 
-#[derive(Default)]
+#[derive(Debug, Default)]
 struct PendingQueue {
     items: VecDeque<Pending>,
     closed: Option<FabricError>,
@@ -76,9 +77,14 @@ impl PendingQueue {
 
 #[derive(Debug)]
 struct LaneState {
+    peer: Endpoint,
     index: usize,
     broken: AtomicBool,
+    /// Set by [`Lane::reset`]: nothing more may be sent on this lane.
+    reset: AtomicBool,
     socket: Mutex<Option<Arc<LaneSocket>>>,
+    /// Jobs sent and not yet completed (closed once the lane fails or is reset).
+    pending: Mutex<PendingQueue>,
     ready: watch::Sender<Option<Result<()>>>,
     born: Instant,
     /// Milliseconds since `born` of the last byte sent or completion received.
@@ -105,9 +111,12 @@ impl Lane {
         let (tx, rx) = mpsc::channel();
         let (ready, _) = watch::channel(None);
         let state = Arc::new(LaneState {
+            peer: peer.clone(),
             index,
             broken: AtomicBool::new(false),
+            reset: AtomicBool::new(false),
             socket: Mutex::new(None),
+            pending: Mutex::default(),
             ready,
             born: Instant::now(),
             last_progress_ms: AtomicU64::new(0),
@@ -150,6 +159,33 @@ impl Lane {
         }
     }
 
+    /// Resets the lane: every job sent and not yet completed fails with
+    /// [`FabricError::ConnectionsReset`], jobs still queued are refused, and the connection is
+    /// aborted (RST; the kernel discards its send queue), so none of their frames is delivered
+    /// later, even once a partition heals. The pool opens a fresh lane on next use.
+    pub fn reset(&self) {
+        let err = FabricError::ConnectionsReset {
+            peer: self.state.peer.clone(),
+            lane: self.state.index,
+        };
+        self.state.reset.store(true, Ordering::SeqCst);
+        self.state.broken.store(true, Ordering::SeqCst);
+        // Closing the queue first: the sender thread checks it before it sends a job's frames.
+        self.state.pending.lock().close(err.clone());
+        self.state.ready.send_if_modified(|r| {
+            if r.is_some() {
+                return false;
+            }
+            *r = Some(Err(err));
+            true
+        });
+        // If the sender is still connecting, it finds `reset` set once it has a socket and
+        // aborts it itself (both sides look under the socket lock).
+        if let Some(s) = self.state.socket.lock().as_ref() {
+            s.abort();
+        }
+    }
+
     /// Fault injection: shuts the connection down as if the cable were pulled.
     pub fn cut(&self) {
         if let Some(s) = self.state.socket.lock().as_ref() {
@@ -183,6 +219,11 @@ fn connect(peer: &Endpoint, shared: &Shared) -> Result<LaneSocket> {
         stream.set_write_timeout(Some(timeout))
     })();
     setup.map_err(|e| FabricError::io(format!("setting up a lane to {peer}"), e))?;
+    // A lane closed for any reason (a failure, a reset, this process dying) must never have its
+    // queued frames delivered later: close with RST. Nothing graceful is lost, since a write
+    // counts as done only once the peer acknowledged it.
+    super::socket::set_linger_abort(&stream)
+        .map_err(|e| FabricError::io(format!("setting up a lane to {peer}"), e))?;
     client_handshake(&mut stream, &shared.key, shared.instance, peer)?;
     LaneSocket::new(stream).map_err(|e| FabricError::io(format!("setting up a lane to {peer}"), e))
 }
@@ -206,32 +247,47 @@ fn run_sender(
         }
     };
     shared.stats.lanes_opened.fetch_add(1, Ordering::Relaxed);
-    *state.socket.lock() = Some(sock.clone());
+    {
+        let mut slot = state.socket.lock();
+        *slot = Some(sock.clone());
+        if state.reset.load(Ordering::SeqCst) {
+            // Reset while connecting: nothing may be sent on this lane.
+            drop(slot);
+            let e = FabricError::ConnectionsReset {
+                peer: peer.clone(),
+                lane: state.index,
+            };
+            state_fail(&sock, &state.pending, &e);
+            while let Ok(job) = rx.try_recv() {
+                let _ = job.done.send(Err(e.clone()));
+            }
+            return;
+        }
+    }
     state.touch();
-    let pending: Arc<Mutex<PendingQueue>> = Arc::default();
     let cq = {
-        let (s, p, st, sh, pe) = (
-            sock.clone(),
-            pending.clone(),
-            state.clone(),
-            shared.clone(),
-            peer.clone(),
-        );
+        let (s, st, sh, pe) = (sock.clone(), state.clone(), shared.clone(), peer.clone());
         std::thread::Builder::new()
             .name("ws-fabric-cq".into())
-            .spawn(move || run_completions(&pe, &s, &p, &st, &sh))
+            .spawn(move || run_completions(&pe, &s, &st.pending, &st, &sh))
     };
     if let Err(e) = cq {
         let e = FabricError::io("spawning a lane completion thread", e);
         state.broken.store(true, Ordering::SeqCst);
         state.ready.send_replace(Some(Err(e.clone())));
-        state_fail(&sock, &pending, &e);
+        state_fail(&sock, &state.pending, &e);
         while let Ok(job) = rx.try_recv() {
             let _ = job.done.send(Err(e.clone()));
         }
         return;
     }
-    state.ready.send_replace(Some(Ok(())));
+    state.ready.send_if_modified(|r| {
+        if r.is_some() {
+            return false;
+        }
+        *r = Some(Ok(()));
+        true
+    });
     tracing::debug!(%peer, lane = state.index, "lane up");
     let mut failure = None;
     while let Ok(job) = rx.recv() {
@@ -247,12 +303,13 @@ fn run_sender(
                 Err(_) => break,
             }
         }
-        if let Err(e) = send_jobs(&peer, &sock, jobs, &pending, &state, &shared) {
+        if let Err(e) = send_jobs(&peer, &sock, jobs, &state.pending, &state, &shared) {
             failure = Some(e);
             break;
         }
     }
     let err = match failure {
+        Some(e) if state.reset.load(Ordering::SeqCst) => e,
         Some(e) => {
             // Count the failure once per lane, whichever of its threads saw it first.
             if !state.broken.swap(true, Ordering::SeqCst) {
@@ -264,7 +321,7 @@ fn run_sender(
         None => FabricError::Shutdown,
     };
     state.broken.store(true, Ordering::SeqCst);
-    state_fail(&sock, &pending, &err);
+    state_fail(&sock, &state.pending, &err);
     while let Ok(job) = rx.try_recv() {
         let _ = job.done.send(Err(err.clone()));
     }

@@ -9,6 +9,11 @@
 //! many frames per lane without waiting and asks for a completion only at the end of each job
 //! ([`lane`]), like selective signalling on a send queue.
 //!
+//! Resetting ([`FabricBackend::reset_connections`]) aborts every outbound lane with an RST, which
+//! makes the kernel discard its send queue; lanes also close with `SO_LINGER` {on, 0}, so even a
+//! dying process never leaves frames for the kernel to deliver later. A receiver drops the frames
+//! of a lane its writer reset that it has not landed yet (the kernel still hands them out).
+//!
 //! Why threads rather than async tasks: each lane is a long-lived byte stream that is either
 //! busy or idle, and a dedicated thread doing non-blocking `sendmsg`/`recv` straight from and into
 //! registered memory has the shortest path (no executor hops on the data path, no copies).
@@ -222,6 +227,22 @@ impl TcpFabric {
         }
     }
 
+    /// Resets every outbound lane (see [`FabricBackend::reset_connections`]): each is removed
+    /// from its slot and aborted, so the next write to that peer opens a fresh one.
+    fn reset_lanes(&self) {
+        let peers: Vec<Arc<PeerLanes>> = self.inner.peers.lock().values().cloned().collect();
+        let mut reset = 0;
+        for lanes in peers {
+            for slot in &lanes.slots {
+                if let Some(lane) = slot.lock().take() {
+                    lane.reset();
+                    reset += 1;
+                }
+            }
+        }
+        tracing::debug!(endpoint = %self.inner.endpoint, lanes = reset, "outbound lanes reset");
+    }
+
     fn peer(&self, endpoint: &Endpoint) -> Arc<PeerLanes> {
         let mut peers = self.inner.peers.lock();
         peers
@@ -431,6 +452,12 @@ impl FabricBackend for TcpFabric {
     fn imm_counter(&self) -> &ImmCounter {
         &self.inner.shared.imm
     }
+
+    fn reset_connections(&self) -> impl Future<Output = ()> + Send + 'static {
+        // Synchronous: when this returns, every lane that held a frame is aborted.
+        self.reset_lanes();
+        std::future::ready(())
+    }
 }
 
 #[cfg(test)]
@@ -461,6 +488,36 @@ mod tests {
         assert_eq!(b.stats().frames_received, 4);
         assert_eq!(a.stats().lanes_opened, 4);
         assert!(b.imm_counter().expect(5, 1).now_or_never().is_none());
+    }
+
+    #[tokio::test]
+    async fn reset_fails_unacknowledged_writes_and_the_next_write_reconnects() {
+        let a = TcpFabric::start(&FabricConfig::loopback("unit", 2))
+            .await
+            .unwrap();
+        let b = TcpFabric::start(&FabricConfig::loopback("unit", 2))
+            .await
+            .unwrap();
+        let src = a.alloc(4096, Access::SOURCE).unwrap();
+        src.write_at(0, &[7u8; 4096]).unwrap();
+        let dst = b.alloc(4096, Access::RECEIVE).unwrap();
+        let op = || WriteOp::new(&src, 0, dst.descriptor(), 0, 4096);
+        a.write(op()).await.unwrap();
+        assert_eq!(a.stats().lanes_opened, 1);
+        // A write posted on a lane that is reset before its acknowledgement came back fails
+        // with the reset error (or, if the acknowledgement won the race, succeeded).
+        let pending = a.write(op().with_imm(9));
+        a.reset_connections().await;
+        match pending.await {
+            Ok(()) => {}
+            Err(e) => assert!(matches!(e, FabricError::ConnectionsReset { .. }), "{e}"),
+        }
+        // The next write opens a fresh lane and lands.
+        src.write_at(0, &[8u8; 4096]).unwrap();
+        a.write(op()).await.unwrap();
+        assert_eq!(dst.to_vec().unwrap(), vec![8u8; 4096]);
+        assert!(a.stats().lanes_opened >= 2);
+        assert_eq!(a.stats().lane_failures, 0, "a reset is not a lane failure");
     }
 
     #[tokio::test]

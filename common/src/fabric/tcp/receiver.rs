@@ -7,6 +7,11 @@
 //! effect at once. Only after the last payload byte is in memory does it count the immediate
 //! (for a split write: after the last of its parts). Refused frames are drained into a small
 //! scratch buffer and reported in the next completion; malformed frames drop the lane.
+//!
+//! A writer that abandons its writes resets its lane (RST). The kernel still hands out the bytes
+//! that arrived before the RST, so before landing each chunk of payload, and again before
+//! counting an immediate, the thread checks whether the connection was reset, and if so stops:
+//! frames a writer abandoned never land late, over the bytes of a later sync.
 
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -92,6 +97,9 @@ fn serve_lane(stream: TcpStream, peer: Endpoint, shared: Arc<Shared>) {
     tracing::debug!(%peer, "inbound lane up");
     match receive_frames(&sock, instance, &shared) {
         Ok(()) | Err(IoFail::Shutdown) => tracing::debug!(%peer, "inbound lane closed"),
+        Err(IoFail::PeerReset) => {
+            tracing::debug!(%peer, "inbound lane reset by the writer; its queued frames dropped")
+        }
         Err(e) => {
             shared.stats.lane_failures.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(%peer, error = %e, "inbound lane failed");
@@ -141,6 +149,13 @@ fn receive_frames(sock: &LaneSocket, instance: u64, shared: &Shared) -> Result<(
                             .stats
                             .bytes_received
                             .fetch_add(header.len, Ordering::Relaxed);
+                        if header.imm.is_some() && sock.reset_by_peer() {
+                            // The writer abandoned this write; do not count it.
+                            if let Some(imm) = header.imm {
+                                shared.imm.record_torn(imm);
+                            }
+                            return Err(IoFail::PeerReset);
+                        }
                         count_immediate(&header, instance, shared);
                     }
                     Ok(Landing::Revoked) => {
@@ -262,6 +277,9 @@ fn land_payload(
     let timeout = shared.config.io_timeout();
     let mut done: u64 = 0;
     while done < len {
+        if sock.reset_by_peer() {
+            return Err(IoFail::PeerReset);
+        }
         let rc = {
             let Some(live) = memory.live() else {
                 let mut scratch = Vec::new();

@@ -23,6 +23,9 @@ pub enum IoFail {
     TimedOut,
     /// The fabric is shutting down.
     Shutdown,
+    /// The writer reset the connection ([`LaneSocket::abort`]); what it had sent and this end
+    /// has not landed yet is discarded.
+    PeerReset,
     /// An OS error.
     Os(io::Error),
 }
@@ -34,6 +37,7 @@ impl std::fmt::Display for IoFail {
             IoFail::Eof => f.write_str("connection closed by peer mid-message"),
             IoFail::TimedOut => f.write_str("no progress within the I/O timeout"),
             IoFail::Shutdown => f.write_str("fabric shutting down"),
+            IoFail::PeerReset => f.write_str("the writer reset the connection"),
             IoFail::Os(e) => write!(f, "{e}"),
         }
     }
@@ -137,6 +141,28 @@ impl LaneSocket {
             );
         }
         self.shutdown();
+    }
+
+    /// Whether the peer reset the connection (an RST arrived: the TCP state is `CLOSE`). The
+    /// kernel still hands out bytes that arrived before the RST; a receiver checks this so that
+    /// it does not land frames a writer abandoned by resetting its lane.
+    pub fn reset_by_peer(&self) -> bool {
+        // SAFETY: tcp_info is plain data, so zeroed is a valid value.
+        let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+        let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+        // SAFETY: info is a live tcp_info of `len` bytes, len is updated by the kernel; fd is an
+        // open socket.
+        let rc = unsafe {
+            libc::getsockopt(
+                self.fd(),
+                libc::IPPROTO_TCP,
+                libc::TCP_INFO,
+                (&mut info as *mut libc::tcp_info).cast(),
+                &mut len,
+            )
+        };
+        // TCP_CLOSE is 7 in the kernel's tcp_states.h.
+        rc == 0 && info.tcpi_state == 7
     }
 
     /// Waits until the socket is ready.
@@ -264,6 +290,29 @@ pub fn set_buffer_sizes(stream: &TcpStream, bytes: usize) -> io::Result<()> {
         if rc != 0 {
             return Err(io::Error::last_os_error());
         }
+    }
+    Ok(())
+}
+
+/// Sets `SO_LINGER` to {on, 0}: closing the socket (also by the kernel, when the process dies)
+/// resets the connection and discards its send queue instead of delivering what is queued.
+pub fn set_linger_abort(stream: &TcpStream) -> io::Result<()> {
+    let linger = libc::linger {
+        l_onoff: 1,
+        l_linger: 0,
+    };
+    // SAFETY: linger is a live libc::linger and its size is passed; fd is an open socket.
+    let rc = unsafe {
+        libc::setsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            (&linger as *const libc::linger).cast(),
+            std::mem::size_of::<libc::linger>() as libc::socklen_t,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
     }
     Ok(())
 }

@@ -36,6 +36,11 @@
 //!   reported. A refused write's reason is asked from the peer over the bootstrap channel, because
 //!   the NIC reports a forged key, a deregistered region and an out-of-bounds range alike
 //!   (`IBV_WC_REM_ACCESS_ERR`) ([`verbs_registry`]).
+//! - **A reset posts nothing more.** `reset_connections` moves every writer queue pair to the
+//!   error state (the NIC flushes what it has not executed) and bumps a generation: a write that
+//!   started before it neither posts new pieces nor re-posts flushed ones, and fails with
+//!   `ConnectionsReset`. The next write connects fresh queue pairs. (Only the Soft-RoCE /
+//!   ConnectX conformance run can confirm this on a device; it is compiled and unit-tested here.)
 //! - **All `unsafe` lives here**, in owning types whose `Drop` frees the verbs object
 //!   ([`verbs_device`], [`verbs_cq`], [`verbs_qp`], [`verbs_mr`]); each holds an `Arc` of its
 //!   parent so nothing outlives what it depends on. It uses the raw `ibverbs-sys` bindings: the

@@ -56,6 +56,9 @@ struct Inner {
     batches: Arc<BatchTable>,
     next_token: AtomicU64,
     next_lane: AtomicUsize,
+    /// Bumped by every `reset_connections`: a write started under an older value posts nothing
+    /// more (no new pieces, no re-posts of flushed ones) and fails with `ConnectionsReset`.
+    generation: AtomicU64,
     shutdown: Arc<AtomicBool>,
     listener_task: tokio::task::AbortHandle,
     /// Dropped with the fabric: tells the receiving queue pairs' tasks to tear them down.
@@ -144,6 +147,7 @@ impl VerbsFabric {
                 batches,
                 next_token: AtomicU64::new(1),
                 next_lane: AtomicUsize::new(0),
+                generation: AtomicU64::new(0),
                 shutdown,
                 listener_task,
             }),
@@ -179,6 +183,37 @@ impl VerbsFabric {
                         detail: "lane cut (queue pair moved to the error state)".into(),
                     });
                 }
+            }
+        }
+    }
+
+    /// Resets every writer lane: its queue pair goes to the error state (the NIC flushes every
+    /// WR it has not executed: they complete with flush errors), the lane is marked broken (its
+    /// bootstrap connection closes, so the peer destroys its end), and writes started before
+    /// stop posting: no new pieces and no re-posts of flushed ones. The next write connects
+    /// fresh queue pairs.
+    async fn reset_lanes(inner: Arc<Inner>) {
+        inner.generation.fetch_add(1, Ordering::SeqCst);
+        let peers: Vec<(Endpoint, Arc<PeerLanes>)> = inner
+            .peers
+            .lock()
+            .iter()
+            .map(|(e, l)| (e.clone(), l.clone()))
+            .collect();
+        for (peer, lanes) in peers {
+            for slot in &lanes.lanes {
+                // Waits for a connect in progress; a lane connected meanwhile is reset too.
+                let slot = slot.lock().await;
+                let Some(lane) = slot.as_ref() else { continue };
+                // Also for a lane already broken: any state may move to ERR, and a lane broken
+                // by a failed post may still have WRs the NIC has not executed.
+                if let Err(e) = lane.qp.modify(&to_error(), "->ERR") {
+                    tracing::warn!(%peer, lane = lane.index, error = %e, "resetting a lane failed");
+                }
+                lane.mark_broken(FabricError::ConnectionsReset {
+                    peer: peer.clone(),
+                    lane: lane.index,
+                });
             }
         }
     }
@@ -367,6 +402,7 @@ impl Inner {
         ops: &[WriteOp],
         resolved: &[ResolvedOp],
         pieces: Vec<WritePiece>,
+        generation: u64,
     ) -> Result<()> {
         let targets = |pieces: &[WritePiece]| -> Vec<PieceTarget> {
             pieces
@@ -386,7 +422,7 @@ impl Inner {
             let mut round = 0;
             while !pending.is_empty() {
                 let failures = self
-                    .post_and_wait(peer, &pending, targets(&pending))
+                    .post_and_wait(peer, &pending, targets(&pending), generation)
                     .await?;
                 let repost = plan_repost(&pending, &failures);
                 if refused.is_none() {
@@ -467,6 +503,7 @@ impl Inner {
         peer: &Endpoint,
         pieces: &[WritePiece],
         targets: Vec<PieceTarget>,
+        generation: u64,
     ) -> Result<Vec<LaneFailure>> {
         if pieces.is_empty() {
             return Ok(Vec::new());
@@ -484,9 +521,24 @@ impl Inner {
         let bytes: u64 = pieces.iter().map(|p| u64::from(p.len)).sum();
         let wait = ack_wait(self.config.io_timeout(), bytes);
         for (index, list) in per_lane {
+            if self.generation.load(Ordering::SeqCst) != generation {
+                // Reset since this write started: do not even connect a lane for it.
+                return Err(FabricError::ConnectionsReset {
+                    peer: peer.clone(),
+                    lane: index,
+                });
+            }
             let lane = self.lane(peer, index).await?;
             let mut posted = 0;
             while posted < list.len() {
+                // Checked after the lane is in its slot: a reset from here on finds the lane and
+                // moves its queue pair to the error state, which flushes whatever we post.
+                if self.generation.load(Ordering::SeqCst) != generation {
+                    return Err(FabricError::ConnectionsReset {
+                        peer: peer.clone(),
+                        lane: index,
+                    });
+                }
                 let notified = lane.slots.notified();
                 tokio::pin!(notified);
                 notified.as_mut().enable();
@@ -519,7 +571,12 @@ impl Inner {
         }
     }
 
-    async fn write_to_peer(&self, peer: Endpoint, ops: Vec<WriteOp>) -> Result<()> {
+    async fn write_to_peer(
+        &self,
+        peer: Endpoint,
+        ops: Vec<WriteOp>,
+        generation: u64,
+    ) -> Result<()> {
         let resolved = ops
             .iter()
             .map(|op| self.resolve(op))
@@ -532,15 +589,17 @@ impl Inner {
             self.port.max_msg_size,
             first,
         );
-        self.deliver(&peer, &ops, &resolved, plan.now).await?;
+        self.deliver(&peer, &ops, &resolved, plan.now, generation)
+            .await?;
         // A striped write's immediate goes only after its body landed on every lane.
-        self.deliver(&peer, &ops, &resolved, plan.deferred).await?;
+        self.deliver(&peer, &ops, &resolved, plan.deferred, generation)
+            .await?;
         // `ops` (and with it the source regions) stayed alive until every piece was acknowledged.
         drop(ops);
         Ok(())
     }
 
-    async fn write_batch(self: Arc<Self>, ops: Vec<WriteOp>) -> Result<()> {
+    async fn write_batch(self: Arc<Self>, ops: Vec<WriteOp>, generation: u64) -> Result<()> {
         for op in &ops {
             op.validate()?;
         }
@@ -550,7 +609,7 @@ impl Inner {
         }
         let writes = by_peer
             .into_iter()
-            .map(|(peer, ops)| self.write_to_peer(peer, ops));
+            .map(|(peer, ops)| self.write_to_peer(peer, ops, generation));
         futures::future::try_join_all(writes).await?;
         Ok(())
     }
@@ -625,7 +684,8 @@ impl FabricBackend for VerbsFabric {
     fn write_batch(&self, ops: Vec<WriteOp>) -> impl Future<Output = Result<()>> + Send + 'static {
         // Posted at once, like work handed to a NIC: the write makes progress whether or not the
         // returned future is polled, and dropping the future does not cancel it.
-        let work = self.inner.clone().write_batch(ops);
+        let generation = self.inner.generation.load(Ordering::SeqCst);
+        let work = self.inner.clone().write_batch(ops, generation);
         let spawned = tokio::runtime::Handle::try_current().map(|rt| rt.spawn(work));
         async move {
             match spawned {
@@ -655,6 +715,10 @@ impl FabricBackend for VerbsFabric {
 
     fn imm_counter(&self) -> &ImmCounter {
         &self.inner.imm
+    }
+
+    fn reset_connections(&self) -> impl Future<Output = ()> + Send + 'static {
+        VerbsFabric::reset_lanes(self.inner.clone())
     }
 }
 
