@@ -9,6 +9,17 @@ use weightsync_schedules::*;
 
 /// CPU seconds (user + system) this process has used so far, from /proc (Linux); wall time is
 /// meaningless on a shared, loaded machine.
+/// System CPU seconds so far (for planning: nearly all page faults of fresh memory).
+fn sys_s() -> f64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    let after = stat.rsplit_once(')').map_or("", |x| x.1);
+    let f: Vec<f64> = after
+        .split_whitespace()
+        .map(|x| x.parse().unwrap_or(0.0))
+        .collect();
+    f.get(12).unwrap_or(&0.0) / 100.0
+}
+
 fn cpu_s() -> f64 {
     let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
     let after = stat.rsplit_once(')').map_or("", |x| x.1);
@@ -39,14 +50,30 @@ fn main() -> Result<(), PlanError> {
     let i = InferenceLayout::build(&m, &ispec)?;
     let t1 = Instant::now();
     let c1 = cpu_s();
+    let s1 = sys_s();
     let cost = CostModel::default();
     let table = plan(&m, &t, &i, &cost)?;
     let t2 = Instant::now();
     let c2 = cpu_s();
+    let s2 = sys_s();
     let s = Summary::of(&table, &cost);
     let t3 = Instant::now();
     if std::env::var_os("BY_SENDER").is_some() {
         senders(&table);
+    }
+    if std::env::var_os("STORED").is_some() {
+        let w: usize = table.trainers.iter().map(|t| t.writes.len()).sum();
+        let c: usize = table.trainers.iter().map(|t| t.copies.len()).sum();
+        let k: usize = table.trainers.iter().map(|t| t.tasks.len()).sum();
+        let rt: usize = table.rollouts.iter().map(|r| r.tensors.len()).sum();
+        let ps: usize = table
+            .trainers
+            .iter()
+            .map(|t| t.params.len() + t.shards.len())
+            .sum();
+        println!(
+            "stored: {k} tasks, {w} writes, {c} copies, {rt} rollout tensors, {ps} params+shards"
+        );
     }
     if std::env::var_os("BY_KIND").is_some() {
         writes_by_kind(&table);
@@ -57,9 +84,10 @@ fn main() -> Result<(), PlanError> {
         table.to_bincode().len()
     };
     println!(
-        "cpu: inputs {:.2} s, plan {:.2} s; wall: inputs {:.3} s, plan {:.3} s, summary {:.3} s, bincode {:.1} MB",
+        "cpu: inputs {:.2} s, plan {:.2} s (system {:.2} s: page faults); wall: inputs {:.3} s, plan {:.3} s, summary {:.3} s, bincode {:.1} MB",
         c1 - c0,
         c2 - c1,
+        s2 - s1,
         (t1 - t0).as_secs_f64(),
         (t2 - t1).as_secs_f64(),
         (t3 - t2).as_secs_f64(),
@@ -79,7 +107,7 @@ fn writes_by_kind(table: &RoutingTable) {
     let r0 = &table.rollouts[0];
     let mut by: BTreeMap<String, u64> = BTreeMap::new();
     for t in &table.trainers {
-        for w in &t.writes {
+        for w in t.all_writes() {
             if w.dst == weightsync_schedules::table::Endpoint::Rollout(0) {
                 let i = r0.tensors.partition_point(|x| x.offset <= w.dst_offset) - 1;
                 let name = &r0.tensors[i].name;
@@ -100,7 +128,7 @@ fn senders(table: &RoutingTable) {
     let mut tx: Vec<(u64, u32)> = table
         .trainers
         .iter()
-        .map(|t| (t.writes.iter().map(|w| w.len as u64).sum(), t.rank))
+        .map(|t| (t.all_writes().map(|w| w.len as u64).sum(), t.rank))
         .collect();
     tx.sort_unstable();
     for &(b, r) in tx.iter().rev().take(3).chain(tx.iter().take(2)) {
@@ -113,11 +141,7 @@ fn senders(table: &RoutingTable) {
                 .filter(|x| x.parse::<u32>().is_err())
                 .collect::<Vec<_>>()
                 .join(".");
-            *by.entry(kind).or_default() += t
-                .task_writes(task)
-                .iter()
-                .map(|w| w.len as u64)
-                .sum::<u64>();
+            *by.entry(kind).or_default() += t.task_writes(task).map(|w| w.len as u64).sum::<u64>();
         }
         println!("trainer {r}: {:.2} GB", b as f64 / 1e9);
         for (k, v) in by.iter().filter(|x| *x.1 > 200_000_000) {

@@ -20,6 +20,16 @@ pub enum PlanError {
     /// A table could not be decoded.
     #[error("routing table does not decode: {0}")]
     Decode(String),
+    /// A decoded table whose task refers outside its trainer's writes or copies.
+    #[error("routing table is inconsistent: training rank {rank}, task {task}: {reason}")]
+    BadTable {
+        /// Training rank.
+        rank: u32,
+        /// Task index in that rank's plan.
+        task: u32,
+        /// What is wrong.
+        reason: String,
+    },
     /// config.json names a model family this planner does not know.
     #[error("unknown model family {family:?} (known: llama, qwen2, qwen3, qwen3_moe, deepseek_v3, kimi_k2)")]
     UnknownFamily {

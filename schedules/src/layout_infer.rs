@@ -282,7 +282,7 @@ impl RankBuilder<'_> {
                 let e = p.src.end(d);
                 if s % FP8_BLOCK != 0 || (e % FP8_BLOCK != 0 && e != param.shape.dims[d]) {
                     return Err(PlanError::Fp8Misaligned {
-                        param: param.name.clone(),
+                        param: param.name.to_string(),
                         rank: self.rank,
                         region: p.src.to_string(),
                         block: FP8_BLOCK,
@@ -784,7 +784,7 @@ mod tests {
         let k = m
             .params
             .iter()
-            .position(|p| p.name == "model.layers.0.self_attn.k_proj.weight")
+            .position(|p| &*p.name == "model.layers.0.self_attn.k_proj.weight")
             .unwrap() as u32;
         let starts: Vec<u32> = l
             .pieces

@@ -399,7 +399,7 @@ impl TrainingLayout {
                 })?;
             if !s.global.fits_in(p.shape) {
                 return Err(PlanError::BoxOutsideTensor {
-                    param: p.name.clone(),
+                    param: p.name.to_string(),
                     rank: s.rank,
                     region: s.global.to_string(),
                     shape: p.shape.to_string(),
@@ -411,8 +411,8 @@ impl TrainingLayout {
                 {
                     return Err(PlanError::ArenaOverlap {
                         rank: s.rank,
-                        a: model.params[q.param as usize].name.clone(),
-                        b: p.name.clone(),
+                        a: model.params[q.param as usize].name.to_string(),
+                        b: p.name.to_string(),
                     });
                 }
             }

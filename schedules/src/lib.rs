@@ -5,7 +5,8 @@
 //! rule the table obeys can be checked by tests.
 //!
 //! # Layout
-//! - [`table`]: the output ([`RoutingTable`]) and the memory/execution contract with workers.
+//! - [`table`]: the output ([`RoutingTable`]) and the memory/execution contract with workers;
+//!   [`fanout`] reads its compact write copies back as individual writes.
 //! - [`model`]: logical parameters from a Hugging Face config.json; [`presets`] of public ones.
 //! - [`layout_train`]: training layouts (`pp=2,ep=8,fsdp=16`) as shard lists.
 //! - [`layout_infer`]: inference layouts (`tp=8,ep=32,dp=4`, bf16 or fp8) as engine tensors.
@@ -28,6 +29,7 @@ pub mod balance;
 pub mod baseline;
 pub mod cost;
 pub mod error;
+pub mod fanout;
 pub mod layout_infer;
 pub mod layout_train;
 pub mod model;

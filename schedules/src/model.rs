@@ -13,6 +13,7 @@
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
+use std::sync::Arc;
 use weightsync_common::DType;
 
 use crate::error::PlanError;
@@ -107,8 +108,8 @@ pub enum Role {
 /// One logical parameter.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Param {
-    /// Hugging Face style name.
-    pub name: String,
+    /// Hugging Face style name (shared: every trainer plan refers to it).
+    pub name: Arc<str>,
     /// Global shape.
     pub shape: Shape,
     /// Element type of the training copy.
@@ -416,7 +417,7 @@ impl Model {
         let h = c.hidden;
         let mut push = |name: String, dims: &[u32], dtype: DType, role: Role| {
             params.push(Param {
-                name,
+                name: name.into(),
                 shape: Shape::new(dims),
                 dtype,
                 role,

@@ -36,8 +36,8 @@ use crate::model::Model;
 use crate::runs::{count_runs, for_each_run};
 use crate::table::{
     Endpoint, LocalShard, MeshGroup, ParamRef, RolloutPlan, RoutingTable, Shape, Source, Task,
-    TensorBox, TrainerPlan, Transform, UnitExpect, Write, FP8_BLOCK, MAX_DIMS, MAX_WRITE_BYTES,
-    TRAINER_GATHER_MR,
+    TensorBox, TrainerPlan, Transform, UnitExpect, Write, WriteCopies, FP8_BLOCK, MAX_DIMS,
+    MAX_WRITE_BYTES, TRAINER_GATHER_MR,
 };
 
 /// Plans without progress reports.
@@ -171,8 +171,13 @@ struct Planner<'a> {
     dgroups: Vec<DGroup>,
     /// Per param, its dgroups range.
     dgroup_first: Vec<u32>,
-    /// Shard indices sorted by (param, index).
+    /// The layout's shards in (param, index) order: planning visits them param by param, so
+    /// this copy keeps those visits sequential in memory. Planner-internal shard numbers
+    /// (grid holders, assignments) are positions in this list.
+    shards: Vec<ShardSpec>,
+    /// Position -> index in the layout's shard list.
     shard_order: Vec<u32>,
+    /// Per param, its first position.
     shard_first: Vec<u32>,
     grids: Vec<Grid>,
     regions: Vec<Region>,
@@ -263,7 +268,7 @@ fn validate_infer(model: &Model, infer: &InferenceLayout) -> Result<(), PlanErro
                 let (s, e) = (pc.src.start[d], pc.src.end(d));
                 if s % FP8_BLOCK != 0 || (e % FP8_BLOCK != 0 && e != p.shape.dims[d]) {
                     return Err(PlanError::Fp8Misaligned {
-                        param: p.name.clone(),
+                        param: p.name.to_string(),
                         rank: pc.rank,
                         region: pc.src.to_string(),
                         block: FP8_BLOCK,
@@ -329,7 +334,7 @@ fn validate_infer(model: &Model, infer: &InferenceLayout) -> Result<(), PlanErro
         let t = &infer.ranks[rank as usize].tensors[tensor as usize];
         covered[rank as usize][tensor as usize] = true;
         let cover = |reason: String, param: u32| PlanError::DestinationCoverage {
-            param: model.params[param as usize].name.clone(),
+            param: model.params[param as usize].name.to_string(),
             rank,
             tensor: t.name.clone(),
             reason,
@@ -394,7 +399,17 @@ fn dst_box(pc: &Piece, r: &TensorBox, dst_ndim: usize) -> TensorBox {
 fn scale_box(pc: &Piece, r: &TensorBox, dst_ndim: usize, pn: usize) -> TensorBox {
     let place = pc.scale.expect("scale_box of a quantised piece");
     let lead = dst_ndim - pn;
-    let mut b = TensorBox::new(&place.start[..dst_ndim], &[1; MAX_DIMS][..dst_ndim]);
+    // As `TensorBox::new(&place.start[..dst_ndim], &[1; ..dst_ndim])`, without its slice
+    // copies (this runs once per task and target).
+    let mut b = TensorBox {
+        ndim: dst_ndim as u8,
+        start: [0; MAX_DIMS],
+        len: [0; MAX_DIMS],
+    };
+    for d in 0..dst_ndim {
+        b.start[d] = place.start[d];
+        b.len[d] = 1;
+    }
     for i in 0..pn {
         let rel = r.start[i] - pc.src.start[i];
         if i + 2 >= pn {
@@ -586,6 +601,10 @@ impl<'a> Planner<'a> {
             sorted: order.iter().map(|&i| infer.pieces[i as usize]).collect(),
             dgroups,
             dgroup_first,
+            shards: shard_order
+                .iter()
+                .map(|&i| train.shards[i as usize])
+                .collect(),
             shard_order,
             shard_first,
             grids: Vec::with_capacity(np),
@@ -601,12 +620,14 @@ impl<'a> Planner<'a> {
         })
     }
 
-    fn param_shards(&self, pid: usize) -> &[u32] {
-        &self.shard_order[self.shard_first[pid] as usize..self.shard_first[pid + 1] as usize]
+    /// Positions of a param's shards.
+    fn param_shards(&self, pid: usize) -> std::ops::Range<u32> {
+        self.shard_first[pid]..self.shard_first[pid + 1]
     }
 
+    /// The shard at a position.
     fn shard(&self, s: u32) -> &ShardSpec {
-        &self.train.shards[s as usize]
+        &self.shards[s as usize]
     }
 
     fn build_grid(&self, pid: usize) -> Result<Grid, PlanError> {
@@ -622,7 +643,7 @@ impl<'a> Planner<'a> {
             tmp.clear();
             tmp.push(0);
             tmp.push(p.shape.dims[d]);
-            for &s in idx {
+            for s in idx.clone() {
                 let b = &self.shard(s).global;
                 tmp.push(b.start[d]);
                 tmp.push(b.end(d));
@@ -644,12 +665,12 @@ impl<'a> Planner<'a> {
             }
         }
         let mut pairs: Vec<(u32, u32)> = Vec::new();
-        for &s in idx {
+        for s in idx.clone() {
             let sh = self.shard(s);
-            if sh.dtype != self.shard(idx[0]).dtype {
+            if sh.dtype != self.shard(idx.start).dtype {
                 return Err(PlanError::DtypeMismatch {
-                    param: p.name.clone(),
-                    a: self.shard(idx[0]).rank,
+                    param: p.name.to_string(),
+                    a: self.shard(idx.start).rank,
                     b: sh.rank,
                 });
             }
@@ -685,12 +706,12 @@ impl<'a> Planner<'a> {
         }
         for c in 0..ncells as usize {
             if g.holder_first[c + 1] == 0 {
-                let mut holders: Vec<u32> = idx.iter().map(|&s| self.shard(s).rank).collect();
+                let mut holders: Vec<u32> = idx.clone().map(|s| self.shard(s).rank).collect();
                 holders.sort_unstable();
                 holders.dedup();
                 let shown: Vec<String> = holders.iter().take(16).map(|r| r.to_string()).collect();
                 return Err(PlanError::Uncovered {
-                    param: p.name.clone(),
+                    param: p.name.to_string(),
                     region: g.cell_box(c as u32).to_string(),
                     holders: if shown.is_empty() {
                         "none".into()
@@ -990,9 +1011,10 @@ impl<'a> Planner<'a> {
                 let dg = &self.dgroups[reg.dgroup as usize];
                 let pid = self.dgroup_param(reg.dgroup);
                 let h = grids[pid].holders(reg.cell);
+                let shards = &self.shards;
                 let shard_of = |rank: u32| -> u32 {
                     *h.iter()
-                        .find(|&&s| self.train.shards[s as usize].rank == rank)
+                        .find(|&&s| shards[s as usize].rank == rank)
                         .expect("set member holds the cell")
                 };
                 // Split along the outermost dimension with enough units to level the members
@@ -1059,7 +1081,7 @@ impl<'a> Planner<'a> {
         for r in 0..nt {
             rank_first[r + 1] += rank_first[r];
         }
-        let mut builders: Vec<TrainerBuilder> = (0..nt)
+        let builders: Vec<TrainerBuilder> = (0..nt)
             .map(|r| {
                 let shards = &self.train.shards[rank_first[r]..rank_first[r + 1]];
                 let mut pids: Vec<u32> = shards.iter().map(|s| s.param).collect();
@@ -1092,16 +1114,39 @@ impl<'a> Planner<'a> {
                     groups: Vec::with_capacity(ngroups as usize),
                     tasks: Vec::with_capacity(self.est_tasks[r] as usize),
                     writes: Vec::with_capacity(self.est_writes[r] as usize),
+                    copies: Vec::with_capacity(self.est_tasks[r] as usize),
                 };
                 TrainerBuilder {
                     plan,
-                    pids,
                     first_shard: rank_first[r],
                     gather_expect: 0,
                 }
             })
             .collect();
-        let mut rollout_writes = vec![0u64; self.infer.ranks.len()];
+        // Shard position -> (index in its rank's shard list, index of its param in the rank's
+        // params): looked up once per task, so dense arrays in position order.
+        let mut by_index = vec![0u32; self.train.shards.len()];
+        for b in &builders {
+            for (i, sh) in b.plan.shards.iter().enumerate() {
+                by_index[b.first_shard + i] = sh.param;
+            }
+        }
+        let mut first_shard = vec![0u32; nt];
+        for b in &builders {
+            first_shard[b.plan.rank as usize] = b.first_shard as u32;
+        }
+        let (shard_local, shard_param) = self
+            .shard_order
+            .iter()
+            .zip(&self.shards)
+            .map(|(&g, sh)| (g - first_shard[sh.rank as usize], by_index[g as usize]))
+            .unzip();
+        let mut out = Emission {
+            builders,
+            shard_local,
+            shard_param,
+            rollout_writes: vec![0u64; self.infer.ranks.len()],
+        };
         // Params in (mesh group, id) order.
         let mut by_group: Vec<u32> = (0..np as u32).collect();
         by_group.sort_by_key(|&p| (model.mesh_group(model.params[p as usize].role), p));
@@ -1119,7 +1164,7 @@ impl<'a> Planner<'a> {
             if gi / 4096 != g0 / 4096 {
                 progress((np + gi) as u64, 2 * np as u64);
             }
-            for (r, b) in builders.iter().enumerate() {
+            for (r, b) in out.builders.iter().enumerate() {
                 starts[r][0] = b.plan.tasks.len() as u32;
             }
             // Class 0: gather sends (and the owners' arena space).
@@ -1134,7 +1179,7 @@ impl<'a> Planner<'a> {
                     {
                         let reg = &self.regions[ri as usize];
                         gather_offs.push(self.emit_gather_sends(
-                            &mut builders,
+                            &mut out,
                             reg,
                             owner_shard,
                             &self.gather_parts[first as usize..(first + n) as usize],
@@ -1143,7 +1188,7 @@ impl<'a> Planner<'a> {
                     }
                 }
             }
-            for (r, b) in builders.iter().enumerate() {
+            for (r, b) in out.builders.iter().enumerate() {
                 starts[r][1] = b.plan.tasks.len() as u32;
             }
             // Class 1: tasks reading local shards.
@@ -1151,31 +1196,17 @@ impl<'a> Planner<'a> {
                 for ri in self.region_first[pid as usize]..self.region_first[pid as usize + 1] {
                     let reg = &self.regions[ri as usize];
                     match self.assign[ri as usize] {
-                        Assign::Shard(s) => self.emit_task(
-                            &mut builders,
-                            &mut rollout_writes,
-                            reg,
-                            &reg.bx,
-                            s,
-                            None,
-                        ),
+                        Assign::Shard(s) => self.emit_task(&mut out, reg, &reg.bx, s, None),
                         Assign::Split { first, n } => {
                             for &(sub, s) in &self.splits[first as usize..(first + n) as usize] {
-                                self.emit_task(
-                                    &mut builders,
-                                    &mut rollout_writes,
-                                    reg,
-                                    &sub,
-                                    s,
-                                    None,
-                                );
+                                self.emit_task(&mut out, reg, &sub, s, None);
                             }
                         }
                         Assign::Gather { .. } => {}
                     }
                 }
             }
-            for (r, b) in builders.iter().enumerate() {
+            for (r, b) in out.builders.iter().enumerate() {
                 starts[r][2] = b.plan.tasks.len() as u32;
             }
             // Class 2: tasks reading the gather arena.
@@ -1186,19 +1217,12 @@ impl<'a> Planner<'a> {
                         let reg = &self.regions[ri as usize];
                         let off = gather_offs[k];
                         k += 1;
-                        self.emit_task(
-                            &mut builders,
-                            &mut rollout_writes,
-                            reg,
-                            &reg.bx,
-                            owner_shard,
-                            Some(off),
-                        );
+                        self.emit_task(&mut out, reg, &reg.bx, owner_shard, Some(off));
                     }
                 }
             }
             let name = model.mesh_group_name(g);
-            for (r, b) in builders.iter_mut().enumerate() {
+            for (r, b) in out.builders.iter_mut().enumerate() {
                 let end = b.plan.tasks.len() as u32;
                 let [s0, s1, s2] = starts[r];
                 b.plan.groups.push(MeshGroup {
@@ -1214,7 +1238,7 @@ impl<'a> Planner<'a> {
             }
         }
         let mut trainers = Vec::with_capacity(nt);
-        for b in builders {
+        for b in out.builders {
             if b.plan.writes.len() > u32::MAX as usize || b.plan.tasks.len() > u32::MAX as usize {
                 return Err(PlanError::TooLarge(format!(
                     "training rank {} would have more than 2^32 writes",
@@ -1235,7 +1259,7 @@ impl<'a> Planner<'a> {
                 tensors: r.tensors.clone(),
                 expect: vec![UnitExpect {
                     unit: 0,
-                    writes: rollout_writes[r.rank as usize],
+                    writes: out.rollout_writes[r.rank as usize],
                 }],
             })
             .collect();
@@ -1253,7 +1277,7 @@ impl<'a> Planner<'a> {
     /// returns the region's offset there.
     fn emit_gather_sends(
         &self,
-        builders: &mut [TrainerBuilder],
+        out: &mut Emission,
         reg: &Region,
         owner_shard: u32,
         parts: &[(TensorBox, u32)],
@@ -1261,14 +1285,14 @@ impl<'a> Planner<'a> {
     ) -> u64 {
         let owner = self.shard(owner_shard);
         let elem = owner.dtype.size() as u64;
-        let ob = &mut builders[owner.rank as usize];
+        let ob = &mut out.builders[owner.rank as usize];
         let goff = ob.plan.gather_arena_bytes;
         ob.plan.gather_arena_bytes = align_up(goff + reg.bx.numel() * elem);
         let shape = reg.bx.shape();
         let mut received = 0;
         for &(part, s) in parts {
             let sh = self.shard(s);
-            let b = &mut builders[sh.rank as usize];
+            let b = &mut out.builders[sh.rank as usize];
             let first_write = b.plan.writes.len() as u32;
             let rel = part.relative_to(&reg.bx);
             let mut nw = 0u32;
@@ -1286,21 +1310,23 @@ impl<'a> Planner<'a> {
                 );
             });
             let task = Task {
-                param: b.local_param(sh.param),
+                param: out.shard_param[s as usize],
                 region: part,
                 source: Source::Shard {
-                    shard: (s as usize - b.first_shard) as u32,
+                    shard: out.shard_local[s as usize],
                     sub: part.relative_to(&sh.global),
                 },
                 transform: Transform::Copy { dtype: sh.dtype },
                 prepared_bytes: part.numel() * elem,
                 first_write,
                 num_writes: nw,
+                first_copy: b.plan.copies.len() as u32,
+                num_copies: 0,
             };
             b.plan.tasks.push(task);
             received += nw;
         }
-        builders[owner.rank as usize].gather_expect += received;
+        out.builders[owner.rank as usize].gather_expect += received;
         goff
     }
 
@@ -1308,8 +1334,7 @@ impl<'a> Planner<'a> {
     /// gather arena at `gather` on `s`'s rank) and writes it to every target of its group.
     fn emit_task(
         &self,
-        builders: &mut [TrainerBuilder],
-        rollout_writes: &mut [u64],
+        out: &mut Emission,
         reg: &Region,
         bx: &TensorBox,
         s: u32,
@@ -1319,38 +1344,55 @@ impl<'a> Planner<'a> {
         let dg = &self.dgroups[reg.dgroup as usize];
         let pn = bx.ndim as usize;
         let (transform, prepared) = transform_for(dg.fp8, sh.dtype, dg.dtype, bx);
-        let b = &mut builders[sh.rank as usize];
+        let b = &mut out.builders[sh.rank as usize];
         let first_write = b.plan.writes.len() as u32;
+        let first_copy = b.plan.copies.len() as u32;
         let writes = &mut b.plan.writes;
+        let copies = &mut b.plan.copies;
         let mut nw = 0u32;
         let scale_offset = match transform {
             Transform::Fp8Block { scale_offset, .. } => scale_offset,
             _ => 0,
         };
-        let mut prev: Option<(&Piece, usize, u32)> = None;
+        // Targets whose writes were listed: (piece, first write relative to the task, number
+        // of writes, the copy being extended). A later target laid out like one of them
+        // (another engine, another attention replica) gets the same writes at the same
+        // offsets: a copy, extended while its ranks stay evenly spaced. Few per task (one per
+        // distinct layout among the targets), so a linear search.
+        let mut bases: Vec<(&Piece, u32, u32, Option<WriteCopies>)> = Vec::new();
         for k in 0..dg.n {
             let pc = self.target_piece(dg, k);
+            let same = bases.iter_mut().find(|(bp, ..)| {
+                self.layout_class[bp.rank as usize] == self.layout_class[pc.rank as usize]
+                    && bp.tensor == pc.tensor
+                    && bp.dst_start == pc.dst_start
+                    && bp.scale == pc.scale
+            });
+            if let Some((_, from, n, pending)) = same {
+                out.rollout_writes[pc.rank as usize] += *n as u64;
+                if let Some(c) = pending.as_mut() {
+                    let next = c.first_rank as u64 + c.count as u64 * c.stride as u64;
+                    if c.count == 1 && pc.rank > c.first_rank {
+                        c.stride = pc.rank - c.first_rank;
+                        c.count = 2;
+                        continue;
+                    }
+                    if c.count > 1 && pc.rank as u64 == next {
+                        c.count += 1;
+                        continue;
+                    }
+                }
+                copies.extend(pending.replace(WriteCopies {
+                    from: *from,
+                    num: *n,
+                    first_rank: pc.rank,
+                    stride: 1,
+                    count: 1,
+                }));
+                continue;
+            }
             let before = nw;
             let dst = Endpoint::Rollout(pc.rank);
-            // A target laid out like the previous one (another engine, another attention
-            // replica) gets the same writes at the same offsets.
-            if let Some((pp, from, n)) = prev {
-                if self.layout_class[pp.rank as usize] == self.layout_class[pc.rank as usize]
-                    && pp.tensor == pc.tensor
-                    && pp.dst_start == pc.dst_start
-                    && pp.scale == pc.scale
-                {
-                    for i in from..from + n as usize {
-                        let w = Write { dst, ..writes[i] };
-                        writes.push(w);
-                    }
-                    nw += n;
-                    rollout_writes[pc.rank as usize] += n as u64;
-                    prev = Some((pc, from + n as usize, n));
-                    continue;
-                }
-            }
-            let from = writes.len();
             let rk = &self.infer.ranks[pc.rank as usize];
             let t = &rk.tensors[pc.tensor as usize];
             let db = dst_box(pc, bx, t.shape.ndim as usize);
@@ -1373,9 +1415,11 @@ impl<'a> Planner<'a> {
                     );
                 });
             }
-            rollout_writes[pc.rank as usize] += (nw - before) as u64;
-            prev = Some((pc, from, nw - before));
+            out.rollout_writes[pc.rank as usize] += (nw - before) as u64;
+            bases.push((pc, before, nw - before, None));
         }
+        copies.extend(bases.into_iter().filter_map(|b| b.3));
+        let num_copies = copies.len() as u32 - first_copy;
         let source = match gather {
             Some(offset) => Source::Gather {
                 offset,
@@ -1383,18 +1427,20 @@ impl<'a> Planner<'a> {
                 dtype: sh.dtype,
             },
             None => Source::Shard {
-                shard: (s as usize - b.first_shard) as u32,
+                shard: out.shard_local[s as usize],
                 sub: bx.relative_to(&sh.global),
             },
         };
         let task = Task {
-            param: b.local_param(sh.param),
+            param: out.shard_param[s as usize],
             region: *bx,
             source,
             transform,
             prepared_bytes: prepared,
             first_write,
             num_writes: nw,
+            first_copy,
+            num_copies,
         };
         b.plan.tasks.push(task);
     }
@@ -1458,18 +1504,19 @@ fn push_split(
 /// A trainer's plan under construction.
 struct TrainerBuilder {
     plan: TrainerPlan,
-    /// Global ids of the params in `plan.params`, sorted.
-    pids: Vec<u32>,
     /// Index in the layout's shard list of this rank's first shard.
     first_shard: usize,
     /// Gather writes into this trainer in the current group.
     gather_expect: u32,
 }
 
-impl TrainerBuilder {
-    fn local_param(&self, pid: u32) -> u32 {
-        self.pids
-            .binary_search(&pid)
-            .expect("a rank's tasks read its own params") as u32
-    }
+/// What emission builds: the trainers' plans and the rollouts' expected counts.
+struct Emission {
+    builders: Vec<TrainerBuilder>,
+    /// Shard position -> index in its rank's `plan.shards`.
+    shard_local: Vec<u32>,
+    /// Shard position -> index of its param in its rank's `plan.params`.
+    shard_param: Vec<u32>,
+    /// Writes each rollout rank receives per sync.
+    rollout_writes: Vec<u64>,
 }

@@ -50,8 +50,20 @@
 //! [`RolloutPlan::expect`] how many writes land per unit per sync; every destination byte is
 //! written exactly once per sync.
 //!
+//! # Write copies (why the table is compact)
+//! Most destination boxes go to several rollout ranks laid out identically: every dp engine,
+//! and attention weights replicated across the ep/tp groups of an engine. Their writes differ
+//! only in the destination rank, so the table stores them once, in the task's own writes, plus a
+//! [`WriteCopies`] entry naming the further ranks as an arithmetic progression. Kimi-K2 over 4
+//! engines would otherwise list 14 million writes (4.7x more than it stores); listing them is
+//! most of what planning costs. [`TrainerPlan::task_writes`] yields every write, copies
+//! included, and [`RoutingTable::slice`] hands a worker an *expanded* plan (no copies: every
+//! write explicit, the form the worker executes).
+//!
 //! # Determinism
 //! The same inputs give a byte-identical table under bincode (no hash-map iteration anywhere).
+
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 use weightsync_common::DType;
@@ -334,7 +346,7 @@ pub struct ParamRef {
     /// Index of the parameter in the model.
     pub id: u32,
     /// Its (Hugging Face style) name.
-    pub name: String,
+    pub name: Arc<str>,
     /// Its global shape.
     pub shape: Shape,
 }
@@ -374,8 +386,30 @@ pub struct Task {
     pub prepared_bytes: u64,
     /// Index of the first write in [`TrainerPlan::writes`].
     pub first_write: u32,
-    /// Number of writes.
+    /// Number of writes stored for this task (not counting copies).
     pub num_writes: u32,
+    /// Index of the task's first entry in [`TrainerPlan::copies`].
+    pub first_copy: u32,
+    /// Number of [`WriteCopies`] entries (0 in an expanded plan).
+    pub num_copies: u32,
+}
+
+/// Some of a task's writes repeated to further rollout ranks laid out identically (other dp
+/// engines, attention replicas): ranks `first_rank + i * stride` for `i` in `0..count`, each
+/// receiving the task's writes `[from, from + num)` (indices relative to the task's first
+/// write) with only the destination rank changed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct WriteCopies {
+    /// First of the task's writes repeated (relative to [`Task::first_write`]).
+    pub from: u32,
+    /// Number of writes repeated.
+    pub num: u32,
+    /// First rollout rank receiving the copy.
+    pub first_rank: u32,
+    /// Distance between consecutive ranks.
+    pub stride: u32,
+    /// Number of ranks.
+    pub count: u32,
 }
 
 /// A mesh group: a contiguous run of a trainer's tasks, executed in group order.
@@ -414,17 +448,13 @@ pub struct TrainerPlan {
     pub groups: Vec<MeshGroup>,
     /// Tasks, grouped as `groups` says.
     pub tasks: Vec<Task>,
-    /// All writes of all tasks, in task order.
+    /// All writes stored for all tasks, in task order (copies not expanded).
     pub writes: Vec<Write>,
+    /// Write copies of all tasks, in task order; empty in an expanded plan.
+    pub copies: Vec<WriteCopies>,
 }
 
 impl TrainerPlan {
-    /// The writes of one task.
-    pub fn task_writes(&self, task: &Task) -> &[Write] {
-        let a = task.first_write as usize;
-        &self.writes[a..a + task.num_writes as usize]
-    }
-
     /// The tasks of one group.
     pub fn group_tasks(&self, group: &MeshGroup) -> &[Task] {
         let a = group.first_task as usize;
@@ -492,16 +522,35 @@ pub struct RoutingTable {
 }
 
 impl RoutingTable {
-    /// The plan of one trainer.
+    /// The plan of one trainer, expanded (every write explicit: what a worker executes).
+    /// Copies naming a rollout rank the table does not have are an error.
     pub fn slice(&self, trainer_rank: u32) -> Result<TrainerPlan, PlanError> {
-        self.trainers
+        let plan = self
+            .trainers
             .get(trainer_rank as usize)
-            .cloned()
             .ok_or(PlanError::NoSuchRank {
                 side: "training",
                 rank: trainer_rank,
                 ranks: self.trainers.len() as u32,
-            })
+            })?;
+        for (i, t) in plan.tasks.iter().enumerate() {
+            if let Some(c) = plan
+                .task_copies(t)
+                .iter()
+                .find(|c| c.count > 0 && c.last_rank() >= self.rollouts.len() as u64)
+            {
+                return Err(PlanError::BadTable {
+                    rank: trainer_rank,
+                    task: i as u32,
+                    reason: format!(
+                        "a copy reaches rollout rank {} of {}",
+                        c.last_rank(),
+                        self.rollouts.len()
+                    ),
+                });
+            }
+        }
+        plan.expanded_within(self.rollouts.len() as u64)
     }
 
     /// Serialise with bincode (deterministic: same table, same bytes).

@@ -18,7 +18,7 @@ fn box_outside_its_tensor_names_param_and_rank() {
     let (m, mut t, i) = setup();
     let s = t.shards.iter_mut().find(|s| s.rank == 1).unwrap();
     s.global.len[0] += 1000;
-    let name = m.params[s.param as usize].name.clone();
+    let name = m.params[s.param as usize].name.to_string();
     let e = plan(&m, &t, &i, &CostModel::default()).unwrap_err();
     let msg = e.to_string();
     assert!(matches!(e, PlanError::BoxOutsideTensor { .. }), "{msg}");
@@ -31,7 +31,7 @@ fn uncovered_region_names_param_and_holders() {
     let q = m
         .params
         .iter()
-        .position(|p| p.name == "model.layers.1.self_attn.q_proj.weight")
+        .position(|p| &*p.name == "model.layers.1.self_attn.q_proj.weight")
         .unwrap() as u32;
     t.shards.retain(|s| !(s.param == q && s.rank == 1));
     let e = plan(&m, &t, &i, &CostModel::default()).unwrap_err();

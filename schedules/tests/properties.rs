@@ -109,7 +109,7 @@ fn check_writes_tile_tensors(table: &RoutingTable) {
     let mut coverage = vec![Vec::new(); table.rollouts.len()];
     let mut received = vec![0u64; table.rollouts.len()];
     for t in &table.trainers {
-        for w in &t.writes {
+        for w in t.all_writes() {
             if let Endpoint::Rollout(r) = w.dst {
                 coverage[r as usize].push((w.dst_offset, w.len as u64));
                 received[r as usize] += 1;
@@ -285,9 +285,17 @@ proptest! {
         shuffled.shards.reverse();
         let third = plan(&m, &shuffled, &i, &cost).unwrap();
         prop_assert!(table.to_bincode() == third.to_bincode());
-        // Slices are the per-trainer plans and round-trip through bincode.
+        // Slices are the per-trainer plans, expanded (every copy written out, nothing else
+        // changed), and round-trip through bincode.
         let back = RoutingTable::from_bincode(&table.to_bincode()).unwrap();
-        prop_assert_eq!(back.slice(0).unwrap(), table.trainers[0].clone());
+        for (r, compact) in table.trainers.iter().enumerate() {
+            let slice = back.slice(r as u32).unwrap();
+            prop_assert!(slice.copies.is_empty());
+            prop_assert_eq!(&slice.writes, &compact.all_writes().collect::<Vec<_>>());
+            prop_assert_eq!(slice.num_writes(), compact.num_writes());
+            prop_assert_eq!(slice.tasks.len(), compact.tasks.len());
+            prop_assert_eq!(&slice.groups, &compact.groups);
+        }
     }
 
     #[test]

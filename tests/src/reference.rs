@@ -134,7 +134,7 @@ impl LogicalWeights {
                 }
             }
             tensors.insert(
-                p.name.clone(),
+                p.name.to_string(),
                 Dense {
                     shape,
                     dtype: if p.dtype == DType::F32 {

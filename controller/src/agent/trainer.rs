@@ -216,7 +216,7 @@ impl SyncDriver for TrainerDriver {
                     name: plan
                         .params
                         .get(s.param as usize)
-                        .map_or_else(String::new, |p| p.name.clone()),
+                        .map_or_else(String::new, |p| p.name.to_string()),
                     shape: s.global.len[..s.global.ndim as usize]
                         .iter()
                         .map(|&d| u64::from(d))

@@ -310,7 +310,7 @@ pub(crate) fn lower(table: &crate::table::RoutingTable, cluster: &ClusterModel) 
                 }
             }
         }
-        for w in &plan.writes {
+        for w in plan.all_writes() {
             out.writes += 1;
             match w.dst {
                 Endpoint::Rollout(_) => out.rollout_bytes += w.len as u64,

@@ -48,12 +48,13 @@ fn copy_table(
                     gather_expect: 0,
                 }],
                 tasks: vec![],
+                copies: Vec::new(),
                 writes: vec![],
             };
             for k in 0..tasks {
                 p.params.push(ParamRef {
                     id: k,
-                    name: format!("p{k}"),
+                    name: format!("p{k}").into(),
                     shape: Shape::new(&[elems]),
                 });
                 p.shards.push(LocalShard {
@@ -85,6 +86,8 @@ fn copy_table(
                     prepared_bytes: task_bytes,
                     first_write: k,
                     num_writes: 1,
+                    first_copy: 0,
+                    num_copies: 0,
                 });
             }
             p.source_arena_bytes = tasks as u64 * task_bytes;

@@ -452,7 +452,7 @@ impl<'a> Expected<'a> {
             .params
             .iter()
             .enumerate()
-            .map(|(i, p)| (p.name.clone(), i))
+            .map(|(i, p)| (p.name.to_string(), i))
             .collect();
         Expected {
             model,

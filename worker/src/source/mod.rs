@@ -138,7 +138,7 @@ pub fn arena_tensors(plan: &TrainerPlan) -> Vec<ArenaTensor> {
             let base = plan
                 .params
                 .get(s.param as usize)
-                .map_or("<unknown parameter>", |p| p.name.as_str());
+                .map_or("<unknown parameter>", |p| &*p.name);
             let k = seen.entry(base).or_insert(0);
             let name = if *k == 0 {
                 base.to_string()

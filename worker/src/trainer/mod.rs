@@ -216,6 +216,14 @@ impl<F: FabricBackend> TrainerWorker<F> {
         plan: TrainerPlan,
         config: TrainerConfig,
     ) -> Result<TrainerWorker<F>> {
+        // A plan straight from a compact table names repeated writes as copies; the pipeline
+        // executes explicit writes (what `RoutingTable::slice` hands out).
+        let plan = if plan.copies.is_empty() {
+            plan
+        } else {
+            plan.expanded()
+                .map_err(|e| WorkerError::InvalidPlan(e.to_string()))?
+        };
         let have = source.len();
         if have < plan.source_arena_bytes {
             return Err(WorkerError::SourceTooShort {

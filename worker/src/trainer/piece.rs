@@ -303,7 +303,7 @@ impl TaskShape {
 pub(crate) fn param_name(plan: &TrainerPlan, param: u32) -> String {
     plan.params
         .get(param as usize)
-        .map_or_else(|| format!("param #{param}"), |p| p.name.clone())
+        .map_or_else(|| format!("param #{param}"), |p| p.name.to_string())
 }
 
 /// Cuts every task of the plan into pieces of at most `piece_budget` staging bytes (a single
@@ -499,7 +499,10 @@ mod tests {
                 prepared_bytes: prepared,
                 first_write: 0,
                 num_writes: 1,
+                first_copy: 0,
+                num_copies: 0,
             }],
+            copies: Vec::new(),
             writes: vec![Write {
                 dst: Endpoint::Rollout(0),
                 mr: 0,

@@ -88,6 +88,8 @@ fn plans() -> (TrainerPlan, RolloutPlan) {
                 prepared_bytes: scale_offset + scales,
                 first_write: 0,
                 num_writes: 2,
+                first_copy: 0,
+                num_copies: 0,
             },
             Task {
                 param: 1,
@@ -103,8 +105,11 @@ fn plans() -> (TrainerPlan, RolloutPlan) {
                 prepared_bytes: b_out,
                 first_write: 2,
                 num_writes: 1,
+                first_copy: 0,
+                num_copies: 0,
             },
         ],
+        copies: Vec::new(),
         writes: vec![
             Write {
                 dst: Endpoint::Rollout(0),
@@ -483,6 +488,8 @@ fn gather_plans() -> (TrainerPlan, TrainerPlan, RolloutPlan) {
                 prepared_bytes: 100 * row,
                 first_write: 0,
                 num_writes: 1,
+                first_copy: 0,
+                num_copies: 0,
             },
             // Quantise block row 0 from the gather arena.
             Task {
@@ -497,8 +504,11 @@ fn gather_plans() -> (TrainerPlan, TrainerPlan, RolloutPlan) {
                 prepared_bytes: values + 2 * 4,
                 first_write: 1,
                 num_writes: 2,
+                first_copy: 0,
+                num_copies: 0,
             },
         ],
+        copies: Vec::new(),
         writes: vec![
             Write {
                 dst: Endpoint::Trainer(0),
@@ -551,6 +561,8 @@ fn gather_plans() -> (TrainerPlan, TrainerPlan, RolloutPlan) {
                 prepared_bytes: 28 * row,
                 first_write: 0,
                 num_writes: 1,
+                first_copy: 0,
+                num_copies: 0,
             },
             // Block row 1 (rows 128..256 = local 28..156) from its own shard.
             Task {
@@ -564,8 +576,11 @@ fn gather_plans() -> (TrainerPlan, TrainerPlan, RolloutPlan) {
                 prepared_bytes: values + 2 * 4,
                 first_write: 1,
                 num_writes: 2,
+                first_copy: 0,
+                num_copies: 0,
             },
         ],
+        copies: Vec::new(),
         writes: vec![
             Write {
                 dst: Endpoint::Trainer(0),
