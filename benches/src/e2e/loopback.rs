@@ -93,7 +93,7 @@ pub(crate) fn landed_bytes(table: &RoutingTable) -> u64 {
     table
         .trainers
         .iter()
-        .flat_map(|t| &t.writes)
+        .flat_map(|t| t.all_writes())
         .filter(|w| matches!(w.dst, Endpoint::Rollout(_)))
         .map(|w| w.len as u64)
         .sum()

@@ -20,7 +20,7 @@ pub(crate) fn pair_bytes(table: &RoutingTable) -> Vec<(u32, u32, u64)> {
     let mut out = Vec::new();
     for t in &table.trainers {
         let mut per = std::collections::BTreeMap::<u32, u64>::new();
-        for w in &t.writes {
+        for w in t.all_writes() {
             if let Endpoint::Rollout(r) = w.dst {
                 *per.entry(r).or_default() += w.len as u64;
             }
