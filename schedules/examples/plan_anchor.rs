@@ -7,20 +7,10 @@ use std::time::Instant;
 
 use weightsync_schedules::*;
 
-/// CPU seconds (user + system) this process has used so far, from /proc (Linux); wall time is
-/// meaningless on a shared, loaded machine.
-/// System CPU seconds so far (for planning: nearly all page faults of fresh memory).
-fn sys_s() -> f64 {
-    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
-    let after = stat.rsplit_once(')').map_or("", |x| x.1);
-    let f: Vec<f64> = after
-        .split_whitespace()
-        .map(|x| x.parse().unwrap_or(0.0))
-        .collect();
-    f.get(12).unwrap_or(&0.0) / 100.0
-}
-
-fn cpu_s() -> f64 {
+/// (user, system) CPU seconds this process has used so far, from /proc (Linux); wall time is
+/// meaningless on a shared, loaded machine. For planning, system time is nearly all page faults
+/// of fresh memory.
+fn cpu_times() -> (f64, f64) {
     let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
     let after = stat.rsplit_once(')').map_or("", |x| x.1);
     let f: Vec<f64> = after
@@ -28,7 +18,17 @@ fn cpu_s() -> f64 {
         .map(|x| x.parse().unwrap_or(0.0))
         .collect();
     // Fields 14 and 15 (utime, stime) are at 11 and 12 after the command name; 100 ticks/s.
-    (f.get(11).unwrap_or(&0.0) + f.get(12).unwrap_or(&0.0)) / 100.0
+    let tick = |i: usize| f.get(i).unwrap_or(&0.0) / 100.0;
+    (tick(11), tick(12))
+}
+
+fn cpu_s() -> f64 {
+    let (u, s) = cpu_times();
+    u + s
+}
+
+fn sys_s() -> f64 {
+    cpu_times().1
 }
 
 fn main() -> Result<(), PlanError> {

@@ -105,33 +105,31 @@ impl TrainerPlan {
             task: task as u32,
             reason,
         };
+        // A task's range `[a, a + n)` of a list of `len`: after the previous task's (`end`).
+        let in_order = |what: &str, a: u64, n: u64, end: &mut u64, len: usize| {
+            if a < *end || a + n > len as u64 {
+                return Err(format!(
+                    "{what} {a}..{} overlap an earlier task's or lie beyond the plan's {len}",
+                    a + n
+                ));
+            }
+            *end = a + n;
+            Ok(())
+        };
         let (mut write_end, mut copy_end) = (0u64, 0u64);
         let mut total = 0u64;
         for (i, t) in self.tasks.iter().enumerate() {
-            let (a, n) = (t.first_write as u64, t.num_writes as u64);
-            if a < write_end || a + n > self.writes.len() as u64 {
-                return Err(bad(
-                    i,
-                    format!(
-                        "writes {a}..{} overlap an earlier task's or lie beyond the plan's {}",
-                        a + n,
-                        self.writes.len()
-                    ),
-                ));
-            }
-            write_end = a + n;
+            let n = t.num_writes as u64;
+            in_order(
+                "writes",
+                t.first_write as u64,
+                n,
+                &mut write_end,
+                self.writes.len(),
+            )
+            .map_err(|e| bad(i, e))?;
             let (ca, cn) = (t.first_copy as u64, t.num_copies as u64);
-            if ca < copy_end || ca + cn > self.copies.len() as u64 {
-                return Err(bad(
-                    i,
-                    format!(
-                        "copies {ca}..{} overlap an earlier task's or lie beyond the plan's {}",
-                        ca + cn,
-                        self.copies.len()
-                    ),
-                ));
-            }
-            copy_end = ca + cn;
+            in_order("copies", ca, cn, &mut copy_end, self.copies.len()).map_err(|e| bad(i, e))?;
             let mut ranks = 0u64;
             for c in self.task_copies(t) {
                 if c.from as u64 + c.num as u64 > n {
@@ -265,7 +263,8 @@ mod tests {
             .position(|k| k.num_copies > 0)
             .unwrap();
         let first = t.trainers[r].tasks[task].first_copy as usize;
-        let cases: [(&str, fn(&mut WriteCopies)); 3] = [
+        type Spoil = fn(&mut WriteCopies);
+        let cases: [(&str, Spoil); 3] = [
             ("repeats writes", |c| c.num += 1_000_000),
             ("reaches rollout rank", |c| c.first_rank = 1 << 20),
             ("ranks", |c| {
