@@ -6,6 +6,10 @@
 //! is reported as GB/s of *input* bytes and as `ratio_vs_memcpy` (memcpy of the same number of
 //! input bytes), single-threaded and over the whole rayon pool. Each figure is the best of
 //! `reps` timed runs after one untimed warm-up run (which also faults the output pages in).
+//! The memcpy that a kernel's ratio divides by is timed *interleaved* with that kernel (memcpy,
+//! kernel, memcpy, kernel, ...; best of each): neighbours' load on a shared machine drifts
+//! over the seconds a whole report takes, and one memcpy figure taken at the start would
+//! credit or charge that drift to whichever kernel ran at a quiet or busy moment.
 //! Single-threaded runs are timed in CPU time of the calling thread (`CLOCK_THREAD_CPUTIME_ID`,
 //! which counts memory stalls but not time the scheduler gave to other processes): on a shared
 //! machine, wall time of a short run mostly measures the neighbours. All-thread runs are timed
@@ -41,7 +45,8 @@ impl Default for Config {
 pub struct Figure {
     /// GB/s (1e9 bytes) of input bytes.
     pub gbps: f64,
-    /// `gbps` divided by memcpy's GB/s at the same thread setting, same run.
+    /// `gbps` divided by the GB/s of a memcpy of as many input bytes at the same thread setting,
+    /// timed interleaved with this kernel.
     pub ratio_vs_memcpy: f64,
 }
 
@@ -122,33 +127,47 @@ fn thread_cpu_secs() -> f64 {
     ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
 }
 
-/// Best-of-`reps` seconds of `f`, after one warm-up call: thread CPU time for a
-/// single-threaded run, wall time otherwise.
-fn best_secs(
+/// Seconds of one call of `f`: thread CPU time for a single-threaded run, wall time otherwise.
+fn time_once(
+    threads: Threads,
+    f: &mut impl FnMut() -> Result<(), PrepareError>,
+) -> Result<f64, PrepareError> {
+    Ok(match threads {
+        Threads::One => {
+            let t = thread_cpu_secs();
+            f()?;
+            thread_cpu_secs() - t
+        }
+        Threads::All => {
+            let t = Instant::now();
+            f()?;
+            t.elapsed().as_secs_f64()
+        }
+    })
+}
+
+/// Best-of-`reps` seconds of `base` and of `f`, run alternately after one warm-up call of
+/// each, so both see the same machine.
+fn best_pair_secs(
     reps: usize,
     threads: Threads,
+    mut base: impl FnMut() -> Result<(), PrepareError>,
     mut f: impl FnMut() -> Result<(), PrepareError>,
-) -> Result<f64, PrepareError> {
+) -> Result<(f64, f64), PrepareError> {
+    base()?;
     f()?;
-    let mut best = f64::INFINITY;
+    let (mut best_base, mut best) = (f64::INFINITY, f64::INFINITY);
     for _ in 0..reps.max(1) {
-        let secs = match threads {
-            Threads::One => {
-                let t = thread_cpu_secs();
-                f()?;
-                thread_cpu_secs() - t
-            }
-            Threads::All => {
-                let t = Instant::now();
-                f()?;
-                t.elapsed().as_secs_f64()
-            }
-        };
-        if secs > 0.0 {
-            best = best.min(secs);
+        let b = time_once(threads, &mut base)?;
+        let s = time_once(threads, &mut f)?;
+        if b > 0.0 {
+            best_base = best_base.min(b);
+        }
+        if s > 0.0 {
+            best = best.min(s);
         }
     }
-    Ok(best)
+    Ok((best_base, best))
 }
 
 fn memcpy(src: &[u8], dst: &mut [u8], threads: Threads) {
@@ -185,6 +204,7 @@ pub fn run(cfg: &Config) -> Result<Report, PrepareError> {
     let rows = n / cols;
     let src = weights_bf16(rows * cols);
     let bytes = src.len();
+    let mut memcpy_out = vec![0u8; bytes];
     let mut f32_buf = vec![0u8; rows * cols * 4];
     prepare::cast(&src, DType::BF16, &mut f32_buf, DType::F32, Threads::All)?;
     let mut out16 = vec![0u8; bytes];
@@ -193,17 +213,7 @@ pub fn run(cfg: &Config) -> Result<Report, PrepareError> {
     let mut scales = vec![0u8; shape.row_blocks() * shape.col_blocks() * 4];
     let gbps = |b: usize, s: f64| b as f64 / s / 1e9;
 
-    let mut memcpy_gbps = [0.0; 2];
     let settings = [Threads::One, Threads::All];
-    for (i, &t) in settings.iter().enumerate() {
-        memcpy_gbps[i] = gbps(
-            bytes,
-            best_secs(cfg.reps, t, || {
-                memcpy(&src, &mut out16, t);
-                Ok(())
-            })?,
-        );
-    }
     let mut kernels = Vec::new();
     let mut measure = |kernel: &'static str,
                        input_dtype: &'static str,
@@ -212,11 +222,16 @@ pub fn run(cfg: &Config) -> Result<Report, PrepareError> {
                        f: &mut dyn FnMut(Threads) -> Result<(), PrepareError>|
      -> Result<(), PrepareError> {
         let mut fig = Vec::new();
-        for (i, &t) in settings.iter().enumerate() {
-            let g = gbps(input_bytes, best_secs(cfg.reps, t, || f(t))?);
+        for &t in &settings {
+            let base = || {
+                memcpy(&src, &mut memcpy_out, t);
+                Ok(())
+            };
+            let (base_s, s) = best_pair_secs(cfg.reps, t, base, || f(t))?;
+            let g = gbps(input_bytes, s);
             fig.push(Figure {
                 gbps: g,
-                ratio_vs_memcpy: g / memcpy_gbps[i],
+                ratio_vs_memcpy: g / gbps(bytes, base_s),
             });
         }
         let all_threads = fig.pop().expect("two settings");

@@ -369,7 +369,7 @@ impl InferenceLayout {
             });
         }
         let what = |s: &str| format!("inference {s} of {} (tp={tp}, ep={ep})", model.name);
-        if c.heads % tp != 0 {
+        if !c.heads.is_multiple_of(tp) {
             return Err(not_div(
                 what("attention"),
                 "tp",
@@ -380,7 +380,7 @@ impl InferenceLayout {
         }
         if c.mla.is_none() {
             let kv = c.kv_heads;
-            if (tp <= kv && kv % tp != 0) || (tp > kv && tp % kv != 0) {
+            if (tp <= kv && !kv.is_multiple_of(tp)) || (tp > kv && tp % kv != 0) {
                 return Err(not_div(
                     what("attention (kv heads neither split evenly nor replicated evenly)"),
                     "tp",
@@ -395,7 +395,7 @@ impl InferenceLayout {
             .moe
             .as_ref()
             .is_none_or(|m| m.moe_layers.iter().any(|&x| !x));
-        if has_dense && dense_i % tp != 0 {
+        if has_dense && !dense_i.is_multiple_of(tp) {
             return Err(not_div(
                 what("dense MLP"),
                 "tp",

@@ -494,7 +494,7 @@ fn segments(grid: &Grid, d: usize, a: u32, b: u32, block: bool, out: &mut Vec<Se
     let mut i = 0;
     while i < inner.len() {
         let c = inner[i];
-        if c % FP8_BLOCK == 0 {
+        if c.is_multiple_of(FP8_BLOCK) {
             push_normal(pos, c, out);
             pos = c;
             i += 1;

@@ -31,7 +31,8 @@ pub enum Which {
         /// Print one JSON object instead of text.
         #[arg(long)]
         json: bool,
-        /// Number of weight matrices (tasks), each f32 quantised to fp8.
+        /// Number of weight matrices (tasks): a mix of f32->fp8, f32->bf16 and bf16 copies,
+        /// calibrated so the three stages take similar time.
         #[arg(long, default_value_t = 16)]
         tasks: u32,
         /// Rows of each matrix.

@@ -87,10 +87,10 @@ pub fn random_model(m: &Model, seed: u64) -> Vec<Vec<u8>> {
             for i in 0..n {
                 let h = mix(seed ^ ((p as u64) << 40) ^ i as u64);
                 let mut x = ((h >> 11) as f64 / (1u64 << 53) as f64 * 4.0 - 2.0) as f32;
-                if h % 97 == 0 {
+                if h.is_multiple_of(97) {
                     x = 0.0;
                 }
-                if h % 1013 == 0 {
+                if h.is_multiple_of(1013) {
                     x *= 300.0;
                 }
                 match param.dtype {

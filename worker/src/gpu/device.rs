@@ -106,7 +106,7 @@ impl GpuDevice {
         if !ok(from) || !ok(to) {
             return Err(PrepareError::UnsupportedDType { from, to }.into());
         }
-        if src.len() % from.size() != 0 {
+        if !src.len().is_multiple_of(from.size()) {
             return Err(PrepareError::Shape(format!(
                 "source of {} bytes is not a whole number of {from}",
                 src.len()

@@ -29,7 +29,7 @@ pub fn cast(
     if !supported(from) || !supported(to) {
         return Err(PrepareError::UnsupportedDType { from, to });
     }
-    if src.len() % from.size() != 0 {
+    if !src.len().is_multiple_of(from.size()) {
         return Err(PrepareError::Shape(format!(
             "source of {} bytes is not a whole number of {from} elements",
             src.len()

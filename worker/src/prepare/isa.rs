@@ -7,6 +7,11 @@
 //! feature set this CPU has, so the whole loop is inlined and vectorised for that ISA. (A
 //! closure would not do: LLVM declines to inline a large closure, which then stays SSE2.)
 //! Call it at the leaf of the work (inside a rayon task, not around one).
+//!
+//! Where plain Rust does not vectorise well enough (the fp8 quantiser: a per-lane select
+//! between two rounding paths, a 32-to-8-bit narrowing store), a kernel may also supply
+//! hand-written AVX-512 code through [`Kernel::run_avx512`]; the [`Avx512`] token it receives
+//! can only be made here, after the CPU was checked, which is what makes those intrinsics sound.
 
 /// One piece of kernel work. Implementations must mark `run` `#[inline(always)]`.
 pub(crate) trait Kernel {
@@ -14,6 +19,29 @@ pub(crate) trait Kernel {
     type Out;
     /// Does the work.
     fn run(self) -> Self::Out;
+    /// Does the work on a CPU with AVX-512 (F, BW, VL): the plain `run` unless overridden.
+    #[inline(always)]
+    fn run_avx512(self, _isa: Avx512) -> Self::Out
+    where
+        Self: Sized,
+    {
+        self.run()
+    }
+}
+
+/// Proof that this CPU has AVX-512 F, BW and VL (and AVX2): only [`vectorised`] makes one,
+/// after checking.
+#[derive(Debug, Clone, Copy)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+pub(crate) struct Avx512 {
+    _checked: (),
+}
+
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn has_avx512() -> bool {
+    use std::arch::is_x86_feature_detected as has;
+    has!("avx512f") && has!("avx512bw") && has!("avx512vl") && has!("avx2")
 }
 
 /// Runs `f` compiled for the widest vector ISA the CPU supports.
@@ -22,7 +50,7 @@ pub(crate) fn vectorised<K: Kernel>(k: K) -> K::Out {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::is_x86_feature_detected as has;
-        if has!("avx512f") && has!("avx512bw") && has!("avx512vl") && has!("avx2") {
+        if has_avx512() {
             // SAFETY: `avx512` only enables features that were detected on this CPU just above.
             return unsafe { avx512(k) };
         }
@@ -37,7 +65,7 @@ pub(crate) fn vectorised<K: Kernel>(k: K) -> K::Out {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
 fn avx512<K: Kernel>(k: K) -> K::Out {
-    k.run()
+    k.run_avx512(Avx512 { _checked: () })
 }
 
 #[cfg(target_arch = "x86_64")]
