@@ -25,6 +25,8 @@
 
 use std::collections::BTreeMap;
 
+use smallvec::SmallVec;
+
 use weightsync_common::DType;
 
 use crate::balance::balance;
@@ -1359,7 +1361,7 @@ impl<'a> Planner<'a> {
         // (another engine, another attention replica) gets the same writes at the same
         // offsets: a copy, extended while its ranks stay evenly spaced. Few per task (one per
         // distinct layout among the targets), so a linear search.
-        let mut bases: Vec<(&Piece, u32, u32, Option<WriteCopies>)> = Vec::new();
+        let mut bases: SmallVec<[(&Piece, u32, u32, Option<WriteCopies>); 4]> = SmallVec::new();
         for k in 0..dg.n {
             let pc = self.target_piece(dg, k);
             let same = bases.iter_mut().find(|(bp, ..)| {
