@@ -70,8 +70,10 @@ use weightsync_common::DType;
 
 use crate::error::PlanError;
 
-/// Most dimensions a tensor may have here (experts stacked over a 2-D weight need 3).
-pub const MAX_DIMS: usize = 4;
+/// Most dimensions a tensor may have here: experts stacked over a 2-D weight (and their fp8
+/// scales) need 3, and no supported family has more. Every box and shape in the table carries
+/// this many slots, so one more would cost every task 16 bytes.
+pub const MAX_DIMS: usize = 3;
 
 /// Edge of a quantisation block, in elements, along each of the last two dimensions.
 pub const FP8_BLOCK: u32 = 128;

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 
 use common::*;
 use proptest::prelude::*;
-use weightsync_schedules::table::{Endpoint, RoutingTable, Source, Transform};
+use weightsync_schedules::table::{Endpoint, RoutingTable, Source, Transform, MAX_DIMS};
 use weightsync_schedules::*;
 
 /// A random small model config (always valid).
@@ -179,7 +179,7 @@ fn check_conservation(table: &RoutingTable) {
 /// carry the destination bytes that box feeds.
 fn best_possible(model: &Model, train: &TrainingLayout, infer: &InferenceLayout) -> u64 {
     let mut sets: BTreeMap<Vec<u32>, u64> = BTreeMap::new();
-    let mut holders: BTreeMap<(u32, [u32; 4], [u32; 4]), Vec<u32>> = BTreeMap::new();
+    let mut holders: BTreeMap<(u32, [u32; MAX_DIMS], [u32; MAX_DIMS]), Vec<u32>> = BTreeMap::new();
     for s in &train.shards {
         holders
             .entry((s.param, s.global.start, s.global.len))
@@ -188,7 +188,7 @@ fn best_possible(model: &Model, train: &TrainingLayout, infer: &InferenceLayout)
     }
     for pc in &infer.pieces {
         let t = &infer.ranks[pc.rank as usize].tensors[pc.tensor as usize];
-        for ((p, start, len), ranks) in holders.range((pc.param, [0; 4], [0; 4])..) {
+        for ((p, start, len), ranks) in holders.range((pc.param, [0; MAX_DIMS], [0; MAX_DIMS])..) {
             if *p != pc.param {
                 break;
             }

@@ -13,7 +13,9 @@
 use rayon::prelude::*;
 use weightsync_common::DType;
 use weightsync_schedules::layout_infer::Piece;
-use weightsync_schedules::table::{LocalShard, ParamRef, Shape, TensorBox, TrainerPlan, FP8_BLOCK};
+use weightsync_schedules::table::{
+    LocalShard, ParamRef, Shape, TensorBox, TrainerPlan, FP8_BLOCK, MAX_DIMS,
+};
 use weightsync_schedules::{InferenceLayout, Model};
 
 fn mix(mut x: u64) -> u64 {
@@ -109,7 +111,7 @@ fn box_rows(b: &TensorBox) -> (u64, u32) {
 }
 
 /// Coordinates (in the box's own dims) of row `r` of a box, last dim at its start.
-fn row_coords(b: &TensorBox, mut r: u64) -> [u32; 4] {
+fn row_coords(b: &TensorBox, mut r: u64) -> [u32; MAX_DIMS] {
     let nd = b.ndim as usize;
     let mut c = b.start;
     for d in (0..nd.saturating_sub(1)).rev() {
@@ -120,7 +122,7 @@ fn row_coords(b: &TensorBox, mut r: u64) -> [u32; 4] {
     c
 }
 
-fn flat(shape: &Shape, c: &[u32; 4]) -> u64 {
+fn flat(shape: &Shape, c: &[u32; MAX_DIMS]) -> u64 {
     let s = shape.strides();
     (0..shape.ndim as usize)
         .map(|d| u64::from(c[d]) * s[d])
@@ -208,10 +210,10 @@ fn dst_offset(
     t: &weightsync_schedules::table::DstTensor,
     p: &Piece,
     lead: usize,
-    src_c: &[u32; 4],
+    src_c: &[u32; MAX_DIMS],
     nd: usize,
 ) -> u64 {
-    let mut c = [0u32; 4];
+    let mut c = [0u32; MAX_DIMS];
     c[..lead].copy_from_slice(&p.dst_start[..lead]);
     for i in 0..nd {
         c[lead + i] = p.dst_start[lead + i] + (src_c[i] - p.src.start[i]);
@@ -233,7 +235,7 @@ fn place_piece(
     let (rows, row_len) = box_rows(&p.src);
     let key = param_key(seed, version, p.param);
     // The last dim is contiguous in the logical tensor: element i of a row is base + i.
-    let row_values = |c: &[u32; 4], n: u32| -> Vec<f32> {
+    let row_values = |c: &[u32; MAX_DIMS], n: u32| -> Vec<f32> {
         let base = flat(&param.shape, c);
         (0..u64::from(n))
             .map(|i| round_to(value_from_key(key, base + i), param.dtype))

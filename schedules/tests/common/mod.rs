@@ -339,7 +339,12 @@ pub fn execute(table: &RoutingTable, model: &Model, full: &[Vec<u8>]) -> Landed 
 }
 
 /// Applies a transform to a dense row-major input box.
-fn prepare(input: &[u8], tr: Transform, len: [u32; 4], ndim: u8) -> Vec<u8> {
+fn prepare(
+    input: &[u8],
+    tr: Transform,
+    len: [u32; weightsync_schedules::table::MAX_DIMS],
+    ndim: u8,
+) -> Vec<u8> {
     let dims = &len[..ndim as usize];
     match tr {
         Transform::Copy { .. } => input.to_vec(),
