@@ -124,6 +124,58 @@ async fn reset_discards_posted_writes_four_lanes() {
     conformance::reset_discards_posted_writes(&Tcp, 4).await;
 }
 
+/// A raw peer that authenticates and then stops reading until the returned sender is dropped;
+/// then it runs `then` on its socket (the thread's result).
+fn stalled_peer<T: Send + 'static>(
+    then: impl FnOnce(std::net::TcpStream) -> T + Send + 'static,
+) -> (
+    std::net::SocketAddr,
+    std::sync::mpsc::Sender<()>,
+    std::thread::JoinHandle<T>,
+) {
+    use weightsync_common::fabric::tcp::handshake::server_handshake;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (release, hold) = std::sync::mpsc::channel::<()>();
+    let peer = std::thread::spawn(move || {
+        let (mut s, peer) = listener.accept().unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let key = JobToken(conformance::TOKEN.into()).handshake_key();
+        server_handshake(&mut s, &key, &peer.into()).unwrap();
+        let _ = hold.recv();
+        then(s)
+    });
+    (addr, release, peer)
+}
+
+/// A writer with `io_timeout_ms` and one lane, and a 64 MiB write to a peer at `addr` (the peer
+/// never checks rkeys: it does not read).
+async fn big_write_to(
+    addr: std::net::SocketAddr,
+    io_timeout_ms: u64,
+) -> (
+    TcpFabric,
+    weightsync_common::fabric::Region,
+    RegionDescriptor,
+    u64,
+) {
+    use weightsync_common::fabric::{Access, FabricBackend};
+    let config = FabricConfig {
+        io_timeout_ms,
+        ..FabricConfig::loopback(conformance::TOKEN, 1)
+    };
+    let writer = TcpFabric::start(&config).await.unwrap();
+    let len = 64u64 << 20;
+    let src = writer.alloc(len as usize, Access::SOURCE).unwrap();
+    let dst = RegionDescriptor {
+        endpoint: addr.into(),
+        base: 1 << 20,
+        len,
+        rkey: 1,
+    };
+    (writer, src, dst, len)
+}
+
 /// The partition case, made deterministic: the peer stops reading, so the write's frames sit in
 /// the writer's send queue. `reset_connections` fails the write at once with `ConnectionsReset`
 /// (not after `io_timeout`), and the queued bytes are discarded: when the peer reads again it
@@ -131,19 +183,10 @@ async fn reset_discards_posted_writes_four_lanes() {
 #[tokio::test]
 async fn reset_fails_a_stalled_write_at_once_and_discards_its_queued_bytes() {
     use std::io::Read;
-    use weightsync_common::fabric::tcp::handshake::server_handshake;
-    use weightsync_common::fabric::{Access, FabricBackend, WriteOp};
+    use weightsync_common::fabric::{FabricBackend, WriteOp};
 
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
-    let (release, hold) = std::sync::mpsc::channel::<()>();
-    let stalled = std::thread::spawn(move || {
-        let (mut s, peer) = listener.accept().unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-        let key = JobToken(conformance::TOKEN.into()).handshake_key();
-        server_handshake(&mut s, &key, &peer.into()).unwrap();
-        // Stop reading until the writer has reset, then read whatever still arrives.
-        let _ = hold.recv();
+    // After the writer has reset, read whatever still arrives.
+    let (addr, release, stalled) = stalled_peer(|mut s| {
         let mut got = 0u64;
         let mut buf = vec![0u8; 1 << 20];
         loop {
@@ -154,21 +197,9 @@ async fn reset_fails_a_stalled_write_at_once_and_discards_its_queued_bytes() {
         }
         got
     });
-    let config = FabricConfig {
-        // Far longer than the test: only the reset can end the write.
-        io_timeout_ms: 600_000,
-        ..FabricConfig::loopback(conformance::TOKEN, 1)
-    };
-    let writer = TcpFabric::start(&config).await.unwrap();
-    let len = 64 << 20;
-    let src = writer.alloc(len, Access::SOURCE).unwrap();
-    let dst = RegionDescriptor {
-        endpoint: addr.into(),
-        base: 1 << 20,
-        len: len as u64,
-        rkey: 1,
-    };
-    let write = tokio::spawn(writer.write(WriteOp::new(&src, 0, &dst, 0, len as u64)));
+    // Far longer than the test: only the reset can end the write.
+    let (writer, src, dst, len) = big_write_to(addr, 600_000).await;
+    let write = tokio::spawn(writer.write(WriteOp::new(&src, 0, &dst, 0, len)));
     // Wait until the sender is blocked on a full send queue.
     let sent = tokio::time::timeout(conformance::HANG_GUARD, async {
         loop {
@@ -194,7 +225,7 @@ async fn reset_fails_a_stalled_write_at_once_and_discards_its_queued_bytes() {
     drop(release);
     let got = stalled.join().unwrap();
     assert!(
-        got <= sent && got < len as u64,
+        got <= sent && got < len,
         "the peer read {got} bytes after the reset; the writer had handed {sent} to its kernel \
          and queued {len}"
     );
@@ -204,36 +235,14 @@ async fn reset_fails_a_stalled_write_at_once_and_discards_its_queued_bytes() {
 /// `io_timeout` instead of hanging (TCP-specific: the stalled peer is a raw socket).
 #[tokio::test]
 async fn stalled_reader_times_out() {
-    use weightsync_common::fabric::tcp::handshake::server_handshake;
-    use weightsync_common::fabric::{Access, FabricBackend, WriteOp};
+    use weightsync_common::fabric::{FabricBackend, WriteOp};
 
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
-    let (release, hold) = std::sync::mpsc::channel::<()>();
-    let stalled = std::thread::spawn(move || {
-        let (mut s, peer) = listener.accept().unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-        let key = JobToken(conformance::TOKEN.into()).handshake_key();
-        server_handshake(&mut s, &key, &peer.into()).unwrap();
-        // Never read a frame; keep the socket open until the test is done.
-        let _ = hold.recv();
-    });
-    let config = FabricConfig {
-        io_timeout_ms: 300,
-        ..FabricConfig::loopback(conformance::TOKEN, 1)
-    };
-    let writer = TcpFabric::start(&config).await.unwrap();
-    let len = 64 << 20;
-    let src = writer.alloc(len, Access::SOURCE).unwrap();
-    let dst = RegionDescriptor {
-        endpoint: addr.into(),
-        base: 1 << 20,
-        len: len as u64,
-        rkey: 1,
-    };
+    // Never read a frame; keep the socket open until the test is done.
+    let (addr, release, stalled) = stalled_peer(drop);
+    let (writer, src, dst, len) = big_write_to(addr, 300).await;
     let r = tokio::time::timeout(
         conformance::HANG_GUARD,
-        writer.write(WriteOp::new(&src, 0, &dst, 0, len as u64)),
+        writer.write(WriteOp::new(&src, 0, &dst, 0, len)),
     )
     .await
     .expect("the write must fail, not hang");
