@@ -1356,21 +1356,20 @@ impl<'a> Planner<'a> {
             Transform::Fp8Block { scale_offset, .. } => scale_offset,
             _ => 0,
         };
-        // Targets whose writes were listed: (piece, first write relative to the task, number
-        // of writes, the copy being extended). A later target laid out like one of them
-        // (another engine, another attention replica) gets the same writes at the same
-        // offsets: a copy, extended while its ranks stay evenly spaced. Few per task (one per
-        // distinct layout among the targets), so a linear search.
-        let mut bases: SmallVec<[(&Piece, u32, u32, Option<WriteCopies>); 4]> = SmallVec::new();
+        // Targets whose writes were listed. A later target laid out like one of them (another
+        // engine, another attention replica) gets the same writes at the same offsets: a copy,
+        // extended while its ranks stay evenly spaced. Few per task (one per distinct layout
+        // among the targets), so a linear search.
+        let mut bases: SmallVec<[ListedTarget; 4]> = SmallVec::new();
         for k in 0..dg.n {
             let pc = self.target_piece(dg, k);
-            let same = bases.iter_mut().find(|(bp, ..)| {
+            let same = bases.iter_mut().find(|ListedTarget(bp, ..)| {
                 self.layout_class[bp.rank as usize] == self.layout_class[pc.rank as usize]
                     && bp.tensor == pc.tensor
                     && bp.dst_start == pc.dst_start
                     && bp.scale == pc.scale
             });
-            if let Some((_, from, n, pending)) = same {
+            if let Some(ListedTarget(_, from, n, pending)) = same {
                 out.rollout_writes[pc.rank as usize] += *n as u64;
                 if let Some(c) = pending.as_mut() {
                     let next = c.first_rank as u64 + c.count as u64 * c.stride as u64;
@@ -1418,7 +1417,7 @@ impl<'a> Planner<'a> {
                 });
             }
             out.rollout_writes[pc.rank as usize] += (nw - before) as u64;
-            bases.push((pc, before, nw - before, None));
+            bases.push(ListedTarget(pc, before, nw - before, None));
         }
         copies.extend(bases.into_iter().filter_map(|b| b.3));
         let num_copies = copies.len() as u32 - first_copy;
@@ -1511,6 +1510,10 @@ struct TrainerBuilder {
     /// Gather writes into this trainer in the current group.
     gather_expect: u32,
 }
+
+/// A target of a task whose writes were listed: its piece, its first write (relative to the
+/// task), its number of writes, and the copy of them being extended to later targets.
+struct ListedTarget<'p>(&'p Piece, u32, u32, Option<WriteCopies>);
 
 /// What emission builds: the trainers' plans and the rollouts' expected counts.
 struct Emission {
