@@ -654,12 +654,7 @@ impl Coordinator {
                 if s.state != SyncState::Running || !s.awaiting_written.remove(&id) {
                     return fx;
                 }
-                let t = s.since(now);
-                let origin = s.prepare_sent_ns;
-                s.add_report(id, origin, &report, t);
-                if let Some(l) = s.lanes.get_mut(&id) {
-                    l.part_done_ns = Some(t);
-                }
+                s.add_part_report(id, &report, now);
                 s.sent_checksums.extend(report.checksums);
                 fx.merge(self.maybe_commit(sync_id, now));
             }
@@ -675,12 +670,7 @@ impl Coordinator {
                 if s.state != SyncState::Running || !s.awaiting_landed.remove(&id) {
                     return fx;
                 }
-                let t = s.since(now);
-                let origin = s.prepare_sent_ns;
-                s.add_report(id, origin, &report, t);
-                if let Some(l) = s.lanes.get_mut(&id) {
-                    l.part_done_ns = Some(t);
-                }
+                s.add_part_report(id, &report, now);
                 if verified == Some(false) {
                     fx.merge(self.fail(
                         sync_id,

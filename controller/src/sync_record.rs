@@ -164,6 +164,21 @@ impl SyncRecord {
         lane.done_ns = Some(done_ns);
     }
 
+    /// Adds the report that ends a worker's part of the sync (`Written`, `Landed`), timed from
+    /// `Prepare` and received at `now`, and marks the part done.
+    pub fn add_part_report(
+        &mut self,
+        worker: WorkerId,
+        report: &WorkerReport,
+        now: std::time::Instant,
+    ) {
+        let t = self.since(now);
+        self.add_report(worker, self.prepare_sent_ns, report, t);
+        if let Some(l) = self.lanes.get_mut(&worker) {
+            l.part_done_ns = Some(t);
+        }
+    }
+
     /// Bytes the trainers wrote.
     pub fn bytes_written(&self) -> u64 {
         self.lanes

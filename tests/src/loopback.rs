@@ -54,6 +54,41 @@ async fn fabric(lanes: usize) -> Result<Fabric, WorkerError> {
         .map_err(|e| WorkerError::fabric("starting a loopback fabric", e))
 }
 
+/// Source memory of a trainer in these harnesses: zeroed, sized as its plan says.
+pub type SharedSource = Arc<RwLock<Vec<u8>>>;
+
+/// Starts one trainer per plan of `table` on a fabric from `fabric`, with a zeroed source each,
+/// and hands every one the destinations: `dsts` (the rollouts') plus the trainers' own gather
+/// arenas.
+pub(crate) async fn start_trainers<Fut>(
+    table: &RoutingTable,
+    watermark: u64,
+    mut dsts: Destinations,
+    mut fabric: impl FnMut() -> Fut,
+) -> Result<(Vec<Arc<TrainerWorker<Fabric>>>, Vec<SharedSource>), WorkerError>
+where
+    Fut: std::future::Future<Output = Result<Fabric, WorkerError>>,
+{
+    let mut trainers = Vec::new();
+    let mut sources = Vec::new();
+    for plan in &table.trainers {
+        let source = Arc::new(RwLock::new(vec![0u8; plan.source_arena_bytes as usize]));
+        let config = TrainerConfig::new(format!("trainer-{}", plan.rank), watermark);
+        let t = TrainerWorker::new(fabric().await?, source.clone(), plan.clone(), config)?;
+        if let Some(d) = t.gather_descriptor() {
+            dsts.trainers.insert(plan.rank, d);
+        }
+        trainers.push(t);
+        sources.push(source);
+    }
+    let mut ready = Vec::new();
+    for mut t in trainers {
+        t.set_destinations(&dsts)?;
+        ready.push(Arc::new(t));
+    }
+    Ok((ready, sources))
+}
+
 impl LoopbackCluster {
     /// Builds every worker of `table`: rollouts allocate and register their arenas, trainers
     /// their staging (of `watermark` bytes) and gather arenas, then every trainer learns every
@@ -74,25 +109,9 @@ impl LoopbackCluster {
             dsts.rollouts.insert(plan.rank, r.descriptors());
             rollouts.push(Arc::new(r));
         }
-        let mut trainers = Vec::new();
-        let mut sources = Vec::new();
-        for plan in &table.trainers {
-            let source = Arc::new(RwLock::new(vec![0u8; plan.source_arena_bytes as usize]));
-            let config = TrainerConfig::new(format!("trainer-{}", plan.rank), watermark);
-            let t = TrainerWorker::new(fabric(lanes).await?, source.clone(), plan.clone(), config)?;
-            if let Some(d) = t.gather_descriptor() {
-                dsts.trainers.insert(plan.rank, d);
-            }
-            trainers.push(t);
-            sources.push(source);
-        }
-        let mut ready = Vec::new();
-        for mut t in trainers {
-            t.set_destinations(&dsts)?;
-            ready.push(Arc::new(t));
-        }
+        let (trainers, sources) = start_trainers(table, watermark, dsts, || fabric(lanes)).await?;
         Ok(LoopbackCluster {
-            trainers: ready,
+            trainers,
             sources,
             rollouts,
             probe: fabric(lanes).await?,

@@ -20,8 +20,9 @@ use weightsync_schedules::table::RoutingTable;
 use weightsync_schedules::{plan, CostModel, ExpertForm, InferenceLayout, Model, TrainingLayout};
 use weightsync_worker::error::WorkerError;
 use weightsync_worker::rollout::RolloutWorker;
-use weightsync_worker::trainer::{Destinations, SyncId, TrainerConfig, TrainerWorker};
+use weightsync_worker::trainer::{Destinations, SyncId, TrainerWorker};
 
+use crate::loopback::start_trainers;
 use crate::proxy::LaneProxy;
 
 /// Job token of the cluster's fabrics.
@@ -125,25 +126,9 @@ impl ProxiedCluster {
             rollouts.push(Arc::new(r));
             proxies.push(proxy);
         }
-        let mut trainers = Vec::new();
-        let mut sources = Vec::new();
-        for p in &table.trainers {
-            let source = Arc::new(RwLock::new(vec![0u8; p.source_arena_bytes as usize]));
-            let cfg = TrainerConfig::new(format!("trainer-{}", p.rank), watermark);
-            let t = TrainerWorker::new(fabric(config).await?, source.clone(), p.clone(), cfg)?;
-            if let Some(d) = t.gather_descriptor() {
-                dsts.trainers.insert(p.rank, d);
-            }
-            trainers.push(t);
-            sources.push(source);
-        }
-        let mut ready = Vec::new();
-        for mut t in trainers {
-            t.set_destinations(&dsts)?;
-            ready.push(Arc::new(t));
-        }
+        let (trainers, sources) = start_trainers(table, watermark, dsts, || fabric(config)).await?;
         Ok(ProxiedCluster {
-            trainers: ready,
+            trainers,
             sources,
             rollouts,
             proxies,
