@@ -341,7 +341,7 @@ pub fn plans(cfg: &Config, kinds: &[Kind]) -> Result<(TrainerPlan, RolloutPlan),
             src_offset,
             dst_offset,
         };
-        let (transform, prepared_bytes) = match kind {
+        let transform = match kind {
             Kind::Fp8FromF32 => {
                 let scales_at = align(values_at + numel);
                 dst = align(scales_at + scales);
@@ -363,13 +363,7 @@ pub fn plans(cfg: &Config, kinds: &[Kind]) -> Result<(TrainerPlan, RolloutPlan),
                     offset: scales_at,
                     len: scales,
                 });
-                let t = Transform::Fp8Block {
-                    from,
-                    block: 128,
-                    scale_offset,
-                    scale_shape,
-                };
-                (t, scale_offset + scales)
+                Transform::Fp8Block { from }
             }
             Kind::CastF32ToBf16 | Kind::CopyBf16 => {
                 let len = numel * 2;
@@ -383,26 +377,21 @@ pub fn plans(cfg: &Config, kinds: &[Kind]) -> Result<(TrainerPlan, RolloutPlan),
                     offset: values_at,
                     len,
                 });
-                let t = if kind == Kind::CopyBf16 {
+                if kind == Kind::CopyBf16 {
                     Transform::Copy { dtype: DType::BF16 }
                 } else {
                     Transform::Cast {
                         from,
                         to: DType::BF16,
                     }
-                };
-                (t, len)
+                }
             }
         };
         tp.tasks.push(Task {
             param: i,
             region: TensorBox::full(shape),
-            source: Source::Shard {
-                shard: i,
-                sub: TensorBox::full(shape),
-            },
+            source: Source::Shard { shard: i },
             transform,
-            prepared_bytes,
             first_write,
             num_writes: tp.writes.len() as u32 - first_write,
             first_copy: 0,

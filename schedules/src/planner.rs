@@ -137,6 +137,14 @@ impl Grid {
     }
 }
 
+/// Buffers [`Planner::build_grid`] reuses from param to param.
+#[derive(Default)]
+struct GridScratch {
+    cuts: Vec<u32>,
+    pairs: Vec<(u32, u32)>,
+    next: Vec<u32>,
+}
+
 /// One region: a box inside one destination group, inside one cell (or a gather region).
 #[derive(Clone, Copy)]
 struct Region {
@@ -222,7 +230,19 @@ fn validate_infer(model: &Model, infer: &InferenceLayout) -> Result<(), PlanErro
     }
     // Per destination tensor: pieces inside it, volumes adding up, no overlaps.
     // (rank, tensor, destination box, param) of every piece and of its scales.
-    let mut placed: Vec<(u32, u32, TensorBox, u32)> = Vec::with_capacity(2 * infer.pieces.len());
+    // Destination tensors numbered rank by rank: `tensor_first[rank] + tensor`.
+    let mut tensor_first = Vec::with_capacity(infer.ranks.len() + 1);
+    tensor_first.push(0u32);
+    for r in &infer.ranks {
+        let n = tensor_first[tensor_first.len() - 1] as u64 + r.tensors.len() as u64;
+        if n > u32::MAX as u64 {
+            return Err(PlanError::TooLarge(
+                "more than 2^32 destination tensors".into(),
+            ));
+        }
+        tensor_first.push(n as u32);
+    }
+    let mut placed: Vec<Placed> = Vec::with_capacity(2 * infer.pieces.len());
     for pc in &infer.pieces {
         let bad = |reason: String| PlanError::BadInferenceLayout {
             rank: pc.rank,
@@ -287,7 +307,12 @@ fn validate_infer(model: &Model, infer: &InferenceLayout) -> Result<(), PlanErro
                 if pc.scale.is_some() { "" } else { "no" }
             )));
         }
-        placed.push((pc.rank, pc.tensor, db, pc.param));
+        placed.push(Placed::new(
+            tensor_first[pc.rank as usize] + pc.tensor,
+            db,
+            t.shape,
+            pc.param,
+        ));
         if let Some(sc) = pc.scale {
             let st = r
                 .tensors
@@ -300,81 +325,104 @@ fn validate_infer(model: &Model, infer: &InferenceLayout) -> Result<(), PlanErro
                     p.name, sb, st.name, st.shape
                 )));
             }
-            placed.push((pc.rank, sc.tensor, sb, pc.param));
+            placed.push(Placed::new(
+                tensor_first[pc.rank as usize] + sc.tensor,
+                sb,
+                st.shape,
+                pc.param,
+            ));
         }
     }
-    // Builders list pieces rank by rank, tensor by tensor: then only each tensor's few boxes
-    // need sorting.
-    if placed
-        .windows(2)
-        .all(|w| (w[0].0, w[0].1) <= (w[1].0, w[1].1))
-    {
-        let mut i = 0;
-        while i < placed.len() {
-            let mut j = i + 1;
-            while j < placed.len() && (placed[j].0, placed[j].1) == (placed[i].0, placed[i].1) {
-                j += 1;
-            }
-            placed[i..j].sort_unstable_by_key(|x| (x.2.start, x.2.len));
-            i = j;
-        }
-    } else {
-        placed.sort_unstable_by_key(|x| (x.0, x.1, x.2.start, x.2.len));
+    // Boxes grouped by destination tensor (a counting sort), then each tensor's few boxes in
+    // row-major order of their starts.
+    let ntensors = tensor_first[infer.ranks.len()] as usize;
+    let mut first = vec![0u32; ntensors + 1];
+    for x in &placed {
+        first[x.tensor as usize + 1] += 1;
     }
-    let mut covered = vec![Vec::new(); infer.ranks.len()];
-    for (rank, r) in infer.ranks.iter().enumerate() {
-        covered[rank] = vec![false; r.tensors.len()];
+    for k in 0..ntensors {
+        first[k + 1] += first[k];
     }
-    let mut i = 0;
-    while i < placed.len() {
-        let (rank, tensor) = (placed[i].0, placed[i].1);
-        let mut j = i + 1;
-        while j < placed.len() && placed[j].0 == rank && placed[j].1 == tensor {
-            j += 1;
+    let mut by_tensor = vec![Placed::default(); placed.len()];
+    let mut next = first.clone();
+    for x in &placed {
+        by_tensor[next[x.tensor as usize] as usize] = *x;
+        next[x.tensor as usize] += 1;
+    }
+    drop(placed);
+    let mut rank = 0usize;
+    for k in 0..ntensors {
+        while tensor_first[rank + 1] as usize <= k {
+            rank += 1;
         }
-        let boxes = &placed[i..j];
-        let t = &infer.ranks[rank as usize].tensors[tensor as usize];
-        covered[rank as usize][tensor as usize] = true;
+        let t = &infer.ranks[rank].tensors[k - tensor_first[rank] as usize];
+        let boxes = &mut by_tensor[first[k] as usize..first[k + 1] as usize];
+        if boxes.is_empty() {
+            return Err(PlanError::BadInferenceLayout {
+                rank: rank as u32,
+                reason: format!("tensor {} is filled by no piece", t.name),
+            });
+        }
+        if !boxes.is_sorted_by_key(|x| (x.at, x.bx.len)) {
+            boxes.sort_unstable_by_key(|x| (x.at, x.bx.len));
+        }
         let cover = |reason: String, param: u32| PlanError::DestinationCoverage {
             param: model.params[param as usize].name.to_string(),
-            rank,
+            rank: rank as u32,
             tensor: t.name.clone(),
             reason,
         };
         for a in 0..boxes.len() {
             for b in a + 1..boxes.len() {
-                if boxes[b].2.start[0] >= boxes[a].2.end(0) {
+                if boxes[b].bx.start[0] >= boxes[a].bx.end(0) {
                     break;
                 }
-                if boxes[a].2.intersect(&boxes[b].2).is_some() {
+                if boxes[a].bx.intersect(&boxes[b].bx).is_some() {
                     return Err(cover(
-                        format!("{} and {} overlap", boxes[a].2, boxes[b].2),
-                        boxes[b].3,
+                        format!("{} and {} overlap", boxes[a].bx, boxes[b].bx),
+                        boxes[b].param,
                     ));
                 }
             }
         }
-        let vol: u64 = boxes.iter().map(|x| x.2.numel()).sum();
+        let vol: u64 = boxes.iter().map(|x| x.bx.numel()).sum();
         if vol != t.shape.numel() {
             return Err(cover(
                 format!(
                     "pieces cover {vol} of its {} elements (every byte must be written once)",
                     t.shape.numel()
                 ),
-                boxes[0].3,
+                boxes[0].param,
             ));
-        }
-        i = j;
-    }
-    for (rank, r) in infer.ranks.iter().enumerate() {
-        if let Some(k) = covered[rank].iter().position(|c| !c) {
-            return Err(PlanError::BadInferenceLayout {
-                rank: rank as u32,
-                reason: format!("tensor {} is filled by no piece", r.tensors[k].name),
-            });
         }
     }
     Ok(())
+}
+
+/// A box a piece fills in a destination tensor (for [`validate_infer`]).
+#[derive(Clone, Copy, Default)]
+struct Placed {
+    /// The tensor, numbered across ranks.
+    tensor: u32,
+    /// Row-major index of the box's first element: sorting by it sorts by start.
+    at: u64,
+    bx: TensorBox,
+    param: u32,
+}
+
+impl Placed {
+    fn new(tensor: u32, bx: TensorBox, shape: Shape, param: u32) -> Placed {
+        let strides = shape.strides();
+        let at = (0..bx.ndim as usize)
+            .map(|d| bx.start[d] as u64 * strides[d])
+            .sum();
+        Placed {
+            tensor,
+            at,
+            bx,
+            param,
+        }
+    }
 }
 
 /// A parameter box inside a piece, in destination-tensor coordinates.
@@ -425,35 +473,14 @@ fn scale_box(pc: &Piece, r: &TensorBox, dst_ndim: usize, pn: usize) -> TensorBox
     b
 }
 
-/// Shape of a block-aligned box's scales.
-fn scale_shape(r: &TensorBox) -> Shape {
-    let n = r.ndim as usize;
-    let mut s = r.shape();
-    for d in n - 2..n {
-        s.dims[d] = r.len[d].div_ceil(FP8_BLOCK);
-    }
-    s
-}
-
-/// Bytes of prepared output and the transform for a region.
-fn transform_for(fp8: bool, from: DType, to: DType, r: &TensorBox) -> (Transform, u64) {
-    let n = r.numel();
+/// The transform for a region from `from` to a destination of `to` (fp8: block-quantised).
+fn transform_for(fp8: bool, from: DType, to: DType) -> Transform {
     if fp8 {
-        let scale_offset = n.div_ceil(16) * 16;
-        let ss = scale_shape(r);
-        (
-            Transform::Fp8Block {
-                from,
-                block: FP8_BLOCK,
-                scale_offset,
-                scale_shape: ss,
-            },
-            scale_offset + ss.numel() * 4,
-        )
+        Transform::Fp8Block { from }
     } else if from == to {
-        (Transform::Copy { dtype: from }, n * from.size() as u64)
+        Transform::Copy { dtype: from }
     } else {
-        (Transform::Cast { from, to }, n * to.size() as u64)
+        Transform::Cast { from, to }
     }
 }
 
@@ -632,27 +659,35 @@ impl<'a> Planner<'a> {
         &self.shards[s as usize]
     }
 
-    fn build_grid(&self, pid: usize) -> Result<Grid, PlanError> {
+    /// The grid of param `pid`'s shards. `scratch` is reused from param to param (a large model
+    /// has tens of thousands).
+    fn build_grid(&self, pid: usize, scratch: &mut GridScratch) -> Result<Grid, PlanError> {
         let p = &self.model.params[pid];
         let nd = p.shape.ndim as usize;
         let idx = self.param_shards(pid);
+        let shards = &self.shards[idx.start as usize..idx.end as usize];
         let mut g = Grid {
             ndim: nd,
             ..Grid::default()
         };
-        let mut tmp = Vec::new();
+        let cuts = &mut scratch.cuts;
         for d in 0..nd {
-            tmp.clear();
-            tmp.push(0);
-            tmp.push(p.shape.dims[d]);
-            for s in idx.clone() {
-                let b = &self.shard(s).global;
-                tmp.push(b.start[d]);
-                tmp.push(b.end(d));
+            cuts.clear();
+            cuts.push(0);
+            cuts.push(p.shape.dims[d]);
+            // Most dims are not sharded at all (FSDP cuts dim 0 only): nothing to sort.
+            if !shards
+                .iter()
+                .all(|s| s.global.start[d] == 0 && s.global.len[d] == p.shape.dims[d])
+            {
+                for s in shards {
+                    cuts.push(s.global.start[d]);
+                    cuts.push(s.global.end(d));
+                }
+                cuts.sort_unstable();
             }
-            tmp.sort_unstable();
-            tmp.dedup();
-            g.cuts.extend_from_slice(&tmp);
+            cuts.dedup();
+            g.cuts.extend_from_slice(cuts);
             g.cut_first[d + 1] = g.cuts.len() as u32;
         }
         let mut ncells: u64 = 1;
@@ -666,7 +701,9 @@ impl<'a> Planner<'a> {
                 )));
             }
         }
-        let mut pairs: Vec<(u32, u32)> = Vec::new();
+        // (cell, shard) for every cell of every shard, in shard order.
+        let pairs = &mut scratch.pairs;
+        pairs.clear();
         for s in idx.clone() {
             let sh = self.shard(s);
             if sh.dtype != self.shard(idx.start).dtype {
@@ -701,9 +738,9 @@ impl<'a> Planner<'a> {
                 }
             }
         }
-        pairs.sort_unstable();
+        // Holders grouped by cell, each cell's in shard order: a counting sort.
         g.holder_first = vec![0; ncells as usize + 1];
-        for &(c, _) in &pairs {
+        for &(c, _) in pairs.iter() {
             g.holder_first[c as usize + 1] += 1;
         }
         for c in 0..ncells as usize {
@@ -726,7 +763,14 @@ impl<'a> Planner<'a> {
             }
             g.holder_first[c + 1] += g.holder_first[c];
         }
-        g.holders = pairs.into_iter().map(|(_, s)| s).collect();
+        g.holders = vec![0; pairs.len()];
+        let next = &mut scratch.next;
+        next.clear();
+        next.extend_from_slice(&g.holder_first[..ncells as usize]);
+        for &(c, s) in pairs.iter() {
+            g.holders[next[c as usize] as usize] = s;
+            next[c as usize] += 1;
+        }
         Ok(g)
     }
 
@@ -762,6 +806,7 @@ impl<'a> Planner<'a> {
     fn analyse(&mut self, progress: &mut dyn FnMut(u64, u64)) -> Result<(), PlanError> {
         let np = self.model.params.len();
         let mut segs: Vec<Vec<Seg>> = vec![Vec::new(); MAX_DIMS];
+        let mut scratch = GridScratch::default();
         for pid in 0..np {
             if pid % 4096 == 0 {
                 progress(pid as u64, 2 * np as u64);
@@ -772,7 +817,7 @@ impl<'a> Planner<'a> {
                 self.region_first[pid + 1] = self.regions.len() as u32;
                 continue;
             }
-            let grid = self.build_grid(pid)?;
+            let grid = self.build_grid(pid, &mut scratch)?;
             let nd = grid.ndim;
             for dgi in d0..d1 {
                 let dg = &self.dgroups[dgi as usize];
@@ -1083,13 +1128,22 @@ impl<'a> Planner<'a> {
         for r in 0..nt {
             rank_first[r + 1] += rank_first[r];
         }
+        // Param id -> index in the current rank's params (valid for the rank's own params).
+        let mut local_param = vec![0u32; np];
+        let mut pids: Vec<u32> = Vec::new();
         let builders: Vec<TrainerBuilder> = (0..nt)
             .map(|r| {
                 let shards = &self.train.shards[rank_first[r]..rank_first[r + 1]];
-                let mut pids: Vec<u32> = shards.iter().map(|s| s.param).collect();
-                pids.sort_unstable();
+                pids.clear();
+                pids.extend(shards.iter().map(|s| s.param));
+                if !pids.is_sorted() {
+                    pids.sort_unstable();
+                }
                 pids.dedup();
-                let local = |p: u32| pids.binary_search(&p).expect("own param") as u32;
+                for (i, &p) in pids.iter().enumerate() {
+                    local_param[p as usize] = i as u32;
+                }
+                let local = |p: u32| local_param[p as usize];
                 let plan = TrainerPlan {
                     rank: r as u32,
                     params: pids
@@ -1148,6 +1202,11 @@ impl<'a> Planner<'a> {
             shard_local,
             shard_param,
             rollout_writes: vec![0u64; self.infer.ranks.len()],
+            targets: TargetPlan {
+                dgroup: u32::MAX,
+                listed: SmallVec::new(),
+                copies: SmallVec::new(),
+            },
         };
         // Params in (mesh group, id) order.
         let mut by_group: Vec<u32> = (0..np as u32).collect();
@@ -1316,10 +1375,8 @@ impl<'a> Planner<'a> {
                 region: part,
                 source: Source::Shard {
                     shard: out.shard_local[s as usize],
-                    sub: part.relative_to(&sh.global),
                 },
                 transform: Transform::Copy { dtype: sh.dtype },
-                prepared_bytes: part.numel() * elem,
                 first_write,
                 num_writes: nw,
                 first_copy: b.plan.copies.len() as u32,
@@ -1332,6 +1389,54 @@ impl<'a> Planner<'a> {
         goff
     }
 
+    /// Which targets of dgroup `dgi` get their writes listed and which repeat a listed one's
+    /// (another engine, another attention replica, laid out alike): the same for every task of
+    /// the group, so worked out once per group. Copies are extended while their ranks stay
+    /// evenly spaced; they come out in the order they close, then the still open ones in the
+    /// order of their listed targets.
+    fn target_plan(&self, dgi: u32, plan: &mut TargetPlan) {
+        let dg = &self.dgroups[dgi as usize];
+        plan.dgroup = dgi;
+        plan.listed.clear();
+        plan.copies.clear();
+        // Per listed target: the copy being extended.
+        let mut open: SmallVec<[Option<TargetCopy>; 4]> = SmallVec::new();
+        for k in 0..dg.n {
+            let pc = self.target_piece(dg, k);
+            let same = plan.listed.iter().position(|&b| {
+                let bp = self.target_piece(dg, b);
+                self.layout_class[bp.rank as usize] == self.layout_class[pc.rank as usize]
+                    && bp.tensor == pc.tensor
+                    && bp.dst_start == pc.dst_start
+                    && bp.scale == pc.scale
+            });
+            let Some(base) = same else {
+                plan.listed.push(k);
+                open.push(None);
+                continue;
+            };
+            if let Some(c) = open[base].as_mut() {
+                let next = c.first_rank as u64 + c.count as u64 * c.stride as u64;
+                if c.count == 1 && pc.rank > c.first_rank {
+                    c.stride = pc.rank - c.first_rank;
+                    c.count = 2;
+                    continue;
+                }
+                if c.count > 1 && pc.rank as u64 == next {
+                    c.count += 1;
+                    continue;
+                }
+            }
+            plan.copies.extend(open[base].replace(TargetCopy {
+                base: base as u32,
+                first_rank: pc.rank,
+                stride: 1,
+                count: 1,
+            }));
+        }
+        plan.copies.extend(open.into_iter().flatten());
+    }
+
     /// Emits the task that prepares box `bx` of region `reg` (from shard `s`, or from the
     /// gather arena at `gather` on `s`'s rank) and writes it to every target of its group.
     fn emit_task(
@@ -1342,56 +1447,24 @@ impl<'a> Planner<'a> {
         s: u32,
         gather: Option<u64>,
     ) {
+        if out.targets.dgroup != reg.dgroup {
+            self.target_plan(reg.dgroup, &mut out.targets);
+        }
         let sh = self.shard(s);
         let dg = &self.dgroups[reg.dgroup as usize];
         let pn = bx.ndim as usize;
-        let (transform, prepared) = transform_for(dg.fp8, sh.dtype, dg.dtype, bx);
+        let transform = transform_for(dg.fp8, sh.dtype, dg.dtype);
         let b = &mut out.builders[sh.rank as usize];
         let first_write = b.plan.writes.len() as u32;
         let first_copy = b.plan.copies.len() as u32;
         let writes = &mut b.plan.writes;
-        let copies = &mut b.plan.copies;
         let mut nw = 0u32;
-        let scale_offset = match transform {
-            Transform::Fp8Block { scale_offset, .. } => scale_offset,
-            _ => 0,
-        };
-        // Targets whose writes were listed. A later target laid out like one of them (another
-        // engine, another attention replica) gets the same writes at the same offsets: a copy,
-        // extended while its ranks stay evenly spaced. Few per task (one per distinct layout
-        // among the targets), so a linear search.
-        let mut bases: SmallVec<[ListedTarget; 4]> = SmallVec::new();
-        for k in 0..dg.n {
+        // Where the scales sit in the prepared output (Task::fp8_scales).
+        let scale_offset = bx.numel().div_ceil(16) * 16;
+        // The listed targets' writes: (first, count) per listed target, relative to the task.
+        let mut listed: SmallVec<[(u32, u32); 4]> = SmallVec::new();
+        for &k in &out.targets.listed {
             let pc = self.target_piece(dg, k);
-            let same = bases.iter_mut().find(|ListedTarget(bp, ..)| {
-                self.layout_class[bp.rank as usize] == self.layout_class[pc.rank as usize]
-                    && bp.tensor == pc.tensor
-                    && bp.dst_start == pc.dst_start
-                    && bp.scale == pc.scale
-            });
-            if let Some(ListedTarget(_, from, n, pending)) = same {
-                out.rollout_writes[pc.rank as usize] += *n as u64;
-                if let Some(c) = pending.as_mut() {
-                    let next = c.first_rank as u64 + c.count as u64 * c.stride as u64;
-                    if c.count == 1 && pc.rank > c.first_rank {
-                        c.stride = pc.rank - c.first_rank;
-                        c.count = 2;
-                        continue;
-                    }
-                    if c.count > 1 && pc.rank as u64 == next {
-                        c.count += 1;
-                        continue;
-                    }
-                }
-                copies.extend(pending.replace(WriteCopies {
-                    from: *from,
-                    num: *n,
-                    first_rank: pc.rank,
-                    stride: 1,
-                    count: 1,
-                }));
-                continue;
-            }
             let before = nw;
             let dst = Endpoint::Rollout(pc.rank);
             let rk = &self.infer.ranks[pc.rank as usize];
@@ -1417,19 +1490,25 @@ impl<'a> Planner<'a> {
                 });
             }
             out.rollout_writes[pc.rank as usize] += (nw - before) as u64;
-            bases.push(ListedTarget(pc, before, nw - before, None));
+            listed.push((before, nw - before));
         }
-        copies.extend(bases.into_iter().filter_map(|b| b.3));
-        let num_copies = copies.len() as u32 - first_copy;
+        for c in &out.targets.copies {
+            let (from, num) = listed[c.base as usize];
+            for i in 0..c.count {
+                out.rollout_writes[(c.first_rank + i * c.stride) as usize] += num as u64;
+            }
+            b.plan.copies.push(WriteCopies {
+                from,
+                num,
+                first_rank: c.first_rank,
+                stride: c.stride,
+                count: c.count,
+            });
+        }
         let source = match gather {
-            Some(offset) => Source::Gather {
-                offset,
-                shape: bx.shape(),
-                dtype: sh.dtype,
-            },
+            Some(offset) => Source::Gather { offset },
             None => Source::Shard {
                 shard: out.shard_local[s as usize],
-                sub: bx.relative_to(&sh.global),
             },
         };
         let task = Task {
@@ -1437,11 +1516,10 @@ impl<'a> Planner<'a> {
             region: *bx,
             source,
             transform,
-            prepared_bytes: prepared,
             first_write,
             num_writes: nw,
             first_copy,
-            num_copies,
+            num_copies: out.targets.copies.len() as u32,
         };
         b.plan.tasks.push(task);
     }
@@ -1511,9 +1589,25 @@ struct TrainerBuilder {
     gather_expect: u32,
 }
 
-/// A target of a task whose writes were listed: its piece, its first write (relative to the
-/// task), its number of writes, and the copy of them being extended to later targets.
-struct ListedTarget<'p>(&'p Piece, u32, u32, Option<WriteCopies>);
+/// How the tasks of one dgroup reach its targets: [`Planner::target_plan`].
+struct TargetPlan {
+    /// The dgroup this is for (`u32::MAX`: none yet).
+    dgroup: u32,
+    /// Targets (indices within the dgroup) whose writes are listed, in target order.
+    listed: SmallVec<[u32; 4]>,
+    /// The other targets, as copies of a listed one's writes.
+    copies: SmallVec<[TargetCopy; 4]>,
+}
+
+/// Ranks `first_rank + i * stride`, `i < count`, receiving the writes of listed target `base`
+/// (an index into [`TargetPlan::listed`]).
+#[derive(Clone, Copy)]
+struct TargetCopy {
+    base: u32,
+    first_rank: u32,
+    stride: u32,
+    count: u32,
+}
 
 /// What emission builds: the trainers' plans and the rollouts' expected counts.
 struct Emission {
@@ -1524,4 +1618,6 @@ struct Emission {
     shard_param: Vec<u32>,
     /// Writes each rollout rank receives per sync.
     rollout_writes: Vec<u64>,
+    /// The target plan of the dgroup last emitted (tasks of a dgroup come together).
+    targets: TargetPlan,
 }

@@ -8,44 +8,64 @@
 
 use crate::table::{Shape, TensorBox, MAX_DIMS};
 
-/// The first dimension `k` such that every dimension after it spans the whole tensor, and the
-/// run length in elements (product of the box's extents from `k` on).
-fn split_dim(bx: &TensorBox, shape: &Shape) -> (usize, u64) {
+/// Where box `bx` of a row-major tensor of `shape` starts (in elements), the first dimension
+/// `k` such that every dimension after it spans the whole tensor, and the run length in elements
+/// (the product of the box's extents from `k` on). `None` for an empty box.
+#[inline]
+fn split(bx: &TensorBox, shape: &Shape) -> Option<(u64, [u64; MAX_DIMS], usize, u64)> {
     let nd = bx.ndim as usize;
-    let mut k = nd.saturating_sub(1);
+    if bx.len[..nd].contains(&0) {
+        return None;
+    }
+    if nd == 0 {
+        return Some((0, [0; MAX_DIMS], 0, 1));
+    }
+    let mut strides = [0u64; MAX_DIMS];
+    let (mut acc, mut base) = (1u64, 0u64);
+    for d in (0..nd).rev() {
+        strides[d] = acc;
+        base += bx.start[d] as u64 * acc;
+        acc *= shape.dims[d] as u64;
+    }
+    let mut k = nd - 1;
+    let mut chunk = bx.len[k] as u64;
     while k > 0 && bx.len[k] == shape.dims[k] && bx.start[k] == 0 {
         k -= 1;
+        chunk *= bx.len[k] as u64;
     }
-    let chunk = (k..nd).map(|j| bx.len[j] as u64).product();
-    (k, chunk)
+    Some((base, strides, k, chunk))
 }
 
 /// Number of runs [`for_each_run`] produces.
 pub fn count_runs(bx: &TensorBox, shape: &Shape) -> u64 {
-    if bx.is_empty() {
-        return 0;
+    match split(bx, shape) {
+        Some((_, _, k, _)) => bx.len[..k].iter().map(|&l| l as u64).product(),
+        None => 0,
     }
-    let (k, _) = split_dim(bx, shape);
-    (0..k).map(|j| bx.len[j] as u64).product()
 }
 
 /// Calls `f(src_offset, dst_offset, len)` (bytes) for each run of box `bx` (in `shape`'s
 /// coordinates, same number of dims) when the source is `bx` dense row-major and the
 /// destination is the whole tensor `shape` dense row-major; elements are `elem` bytes.
+///
+/// The planner calls this for every task and target (millions of times for a large model), and
+/// most boxes are a single run, so that case is straight-line code.
+#[inline]
 pub fn for_each_run(bx: &TensorBox, shape: &Shape, elem: u64, mut f: impl FnMut(u64, u64, u64)) {
-    if bx.is_empty() {
+    let Some((base, strides, k, chunk)) = split(bx, shape) else {
+        return;
+    };
+    let len = chunk * elem;
+    if k == 0 {
+        f(0, base * elem, len);
         return;
     }
-    let nd = bx.ndim as usize;
-    let (k, chunk) = split_dim(bx, shape);
-    let strides = shape.strides();
     let mut idx = [0u32; MAX_DIMS];
     let mut src = 0u64;
-    let base: u64 = (0..nd).map(|j| bx.start[j] as u64 * strides[j]).sum();
     loop {
         let rel: u64 = (0..k).map(|j| idx[j] as u64 * strides[j]).sum();
-        f(src * elem, (base + rel) * elem, chunk * elem);
-        src += chunk;
+        f(src, (base + rel) * elem, len);
+        src += len;
         // Advance the odometer over dims 0..k.
         let mut j = k;
         loop {

@@ -111,14 +111,10 @@ impl Summary {
             let (mut h2d, mut prep, mut fill) = (0u64, 0u64, 0.0f64);
             for task in &t.tasks {
                 tasks += 1;
-                let input = match task.source {
-                    Source::Shard { shard, sub } => {
-                        let b = sub.numel() * t.shards[shard as usize].dtype.size() as u64;
-                        h2d += b;
-                        b
-                    }
-                    Source::Gather { shape, dtype, .. } => shape.numel() * dtype.size() as u64,
-                };
+                let input = task.source_bytes();
+                if let Source::Shard { .. } = task.source {
+                    h2d += input;
+                }
                 prep += input;
                 fill = fill.max(
                     input as f64 / cost.h2d_bytes_per_s + input as f64 / cost.prep_bytes_per_s,

@@ -8,10 +8,10 @@
 //!
 //! **Trainer source arena.** Each training rank exposes its training shards as ONE flat byte
 //! arena. The training layout places every local shard (a box of one logical parameter, in one
-//! dtype, row-major, dense) at a byte offset in that arena: [`LocalShard`]. A task reads a sub-box
-//! of one shard ([`Source::Shard`]); the sub-box is given in the shard's *local* coordinates, so
-//! the element at local index `i` (row-major over `shard.global.len`) lives at
-//! `shard.offset + i * dtype.size()`.
+//! dtype, row-major, dense) at a byte offset in that arena: [`LocalShard`]. A task reads its
+//! region from one shard that contains it ([`Source::Shard`]); the element at local index `i`
+//! (row-major over `shard.global.len`) lives at `shard.offset + i * dtype.size()`, and
+//! [`TrainerPlan::source_box`] gives the region in the shard's local coordinates.
 //!
 //! **Trainer gather arena.** Some regions are prepared by one trainer from rows that live on
 //! several: an fp8 block (128x128) straddling training shards must be quantised by one owner,
@@ -44,7 +44,7 @@
 //! can wait in group `g`, so by induction over groups no trainer waits forever.
 //!
 //! For every task: read the source box, apply the [`Transform`] producing exactly
-//! `prepared_bytes` contiguous bytes, then post the task's writes: write `w` copies prepared bytes
+//! [`Task::prepared_bytes`] contiguous bytes, then post the task's writes: write `w` copies prepared bytes
 //! `[w.src_offset, w.src_offset + w.len)` to `w.dst`'s MR `w.mr` at `w.dst_offset`, with an
 //! immediate counted on the destination's unit `w.unit`. Each rollout rank knows from
 //! [`RolloutPlan::expect`] how many writes land per unit per sync; every destination byte is
@@ -139,7 +139,9 @@ impl std::fmt::Display for Shape {
 }
 
 /// A box (hyper-rectangle) of a tensor: `start[d] .. start[d] + len[d]` along each dimension.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize,
+)]
 pub struct TensorBox {
     /// Number of dimensions in use.
     pub ndim: u8,
@@ -281,30 +283,27 @@ pub struct Write {
 /// Longest single write the planner emits (longer runs are split).
 pub const MAX_WRITE_BYTES: u64 = 1 << 30;
 
-/// Where a task reads its input.
+/// Where a task reads its input. Either way the input is exactly the task's `region`; what the
+/// table does not store (the shard-local box, the gathered shape and dtype) follows from it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum Source {
-    /// A sub-box of one of the trainer's own shards ([`TrainerPlan::shards`]`[shard]`), in the
-    /// shard's local coordinates.
+    /// The region, read from one of the trainer's own shards ([`TrainerPlan::shards`]`[shard]`),
+    /// which must contain it: [`TrainerPlan::source_box`] gives it in the shard's coordinates.
     Shard {
         /// Index into [`TrainerPlan::shards`].
         shard: u32,
-        /// Sub-box, relative to the shard's origin.
-        sub: TensorBox,
     },
-    /// A gathered, dense, row-major region in this trainer's gather arena. Usable only after the
-    /// mesh group's `gather_expect` writes arrived (see the module docs).
+    /// The region gathered, dense and row-major, in the transform's input dtype, in this
+    /// trainer's gather arena. Usable only after the mesh group's `gather_expect` writes arrived
+    /// (see the module docs).
     Gather {
         /// Byte offset in the gather arena.
         offset: u64,
-        /// Shape of the gathered region (equals the task's `region` shape).
-        shape: Shape,
-        /// Element type of the gathered bytes (the training dtype).
-        dtype: DType,
     },
 }
 
-/// How source elements become prepared bytes.
+/// How source elements become prepared bytes. [`Task::prepared_bytes`] and
+/// [`Task::fp8_scales`] give the size and layout of the output.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum Transform {
     /// Bytes unchanged; prepared output = the source box, dense row-major.
@@ -328,18 +327,32 @@ pub enum Transform {
     /// `x / scale_inv` rounded to e4m3 (saturating), as the worker's kernel defines exactly.
     ///
     /// Prepared output: fp8 values of the box, dense row-major, at offset 0 (`numel` bytes);
-    /// then f32 `weight_scale_inv` values, dense row-major over `scale_shape`
-    /// (`[leading dims..., ceil(rows/128), ceil(cols/128)]`), at `scale_offset`.
+    /// then f32 `weight_scale_inv` values, dense row-major over the scale shape
+    /// (`[leading dims..., ceil(rows/128), ceil(cols/128)]`), at the first 16-byte boundary
+    /// after the values: [`Task::fp8_scales`].
     Fp8Block {
         /// Source element type.
         from: DType,
-        /// Block edge (always [`FP8_BLOCK`]).
-        block: u32,
-        /// Byte offset of the scales in the prepared output (16-byte aligned).
-        scale_offset: u64,
-        /// Shape of the scales.
-        scale_shape: Shape,
     },
+}
+
+impl Transform {
+    /// Element type the transform reads (the source's dtype).
+    pub fn input_dtype(&self) -> DType {
+        match *self {
+            Transform::Copy { dtype } => dtype,
+            Transform::Cast { from, .. } | Transform::Fp8Block { from } => from,
+        }
+    }
+
+    /// Element type of the prepared values (fp8 scales aside).
+    pub fn output_dtype(&self) -> DType {
+        match *self {
+            Transform::Copy { dtype } => dtype,
+            Transform::Cast { to, .. } => to,
+            Transform::Fp8Block { .. } => DType::F8E4M3,
+        }
+    }
 }
 
 /// One logical parameter a trainer's tasks refer to.
@@ -374,6 +387,10 @@ impl LocalShard {
 }
 
 /// One unit of work on a trainer: read a box, transform it, write it to one or more places.
+///
+/// Only what cannot be derived is stored (a task is 72 bytes, and Kimi-K2 plans 2 million):
+/// the prepared size, the fp8 scale layout and the shard-local box all follow from the region,
+/// the transform and the source.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Task {
     /// Index into [`TrainerPlan::params`].
@@ -384,8 +401,6 @@ pub struct Task {
     pub source: Source,
     /// How it is prepared.
     pub transform: Transform,
-    /// Bytes of prepared output the writes read from.
-    pub prepared_bytes: u64,
     /// Index of the first write in [`TrainerPlan::writes`].
     pub first_write: u32,
     /// Number of writes stored for this task (not counting copies).
@@ -394,6 +409,37 @@ pub struct Task {
     pub first_copy: u32,
     /// Number of [`WriteCopies`] entries (0 in an expanded plan).
     pub num_copies: u32,
+}
+
+impl Task {
+    /// Byte offset and shape of the fp8 scales in the prepared output (see
+    /// [`Transform::Fp8Block`]); `None` for other transforms and for a region of fewer than two
+    /// dimensions, which cannot be block-quantised.
+    pub fn fp8_scales(&self) -> Option<(u64, Shape)> {
+        let n = self.region.ndim as usize;
+        if !matches!(self.transform, Transform::Fp8Block { .. }) || !(2..=MAX_DIMS).contains(&n) {
+            return None;
+        }
+        let mut shape = self.region.shape();
+        for d in n - 2..n {
+            shape.dims[d] = self.region.len[d].div_ceil(FP8_BLOCK);
+        }
+        Some((self.region.numel().div_ceil(16) * 16, shape))
+    }
+
+    /// Bytes of input the task reads (its region in the transform's input dtype).
+    pub fn source_bytes(&self) -> u64 {
+        self.region.numel() * self.transform.input_dtype().size() as u64
+    }
+
+    /// Bytes of prepared output the writes read from.
+    pub fn prepared_bytes(&self) -> u64 {
+        let values = self.region.numel() * self.transform.output_dtype().size() as u64;
+        match self.fp8_scales() {
+            Some((offset, shape)) => offset + shape.numel() * 4,
+            None => values,
+        }
+    }
 }
 
 /// Some of a task's writes repeated to further rollout ranks laid out identically (other dp
@@ -457,6 +503,20 @@ pub struct TrainerPlan {
 }
 
 impl TrainerPlan {
+    /// The box a shard-sourced task reads, in its shard's coordinates; `None` for a gathered
+    /// source, or when the shard does not exist or does not contain the task's region.
+    pub fn source_box(&self, task: &Task) -> Option<TensorBox> {
+        match task.source {
+            Source::Shard { shard } => {
+                let global = &self.shards.get(shard as usize)?.global;
+                global
+                    .contains(&task.region)
+                    .then(|| task.region.relative_to(global))
+            }
+            Source::Gather { .. } => None,
+        }
+    }
+
     /// The tasks of one group.
     pub fn group_tasks(&self, group: &MeshGroup) -> &[Task] {
         let a = group.first_task as usize;

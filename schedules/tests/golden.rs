@@ -33,23 +33,28 @@ fn dump(table: &RoutingTable, summary: &Summary) -> String {
             );
             for task in t.group_tasks(g) {
                 let src = match task.source {
-                    Source::Shard { shard, sub } => format!("shard {shard} {sub}"),
-                    Source::Gather { offset, shape, .. } => format!("gather @{offset} {shape}"),
+                    Source::Shard { shard } => format!(
+                        "shard {shard} {}",
+                        t.source_box(task).expect("region inside its shard")
+                    ),
+                    Source::Gather { offset } => {
+                        format!("gather @{offset} {}", task.region.shape())
+                    }
                 };
                 let tr = match task.transform {
                     Transform::Copy { dtype } => format!("copy {dtype}"),
                     Transform::Cast { from, to } => format!("cast {from}->{to}"),
-                    Transform::Fp8Block {
-                        from,
-                        scale_offset,
-                        scale_shape,
-                        ..
-                    } => format!("fp8({from}) scales {scale_shape} @{scale_offset}"),
+                    Transform::Fp8Block { from } => {
+                        let (offset, shape) = task.fp8_scales().expect("fp8 task has scales");
+                        format!("fp8({from}) scales {shape} @{offset}")
+                    }
                 };
                 let _ = writeln!(
                     s,
                     "    {} {} from {src}: {tr}, {} B",
-                    t.params[task.param as usize].name, task.region, task.prepared_bytes
+                    t.params[task.param as usize].name,
+                    task.region,
+                    task.prepared_bytes()
                 );
                 for w in t.task_writes(task) {
                     let dst = match w.dst {

@@ -137,10 +137,15 @@ fn check_conservation(table: &RoutingTable) {
     for t in &table.trainers {
         for task in &t.tasks {
             let payload = match task.transform {
-                Transform::Fp8Block { scale_shape, .. } => {
-                    task.region.numel() + scale_shape.numel() * 4
+                // Values and one f32 per 128x128 block of each matrix (no padding).
+                Transform::Fp8Block { .. } => {
+                    let n = task.region.ndim as usize;
+                    let l = &task.region.len[..n];
+                    let matrices: u64 = l[..n - 2].iter().map(|&x| x as u64).product();
+                    let blocks = (l[n - 2].div_ceil(128) * l[n - 1].div_ceil(128)) as u64;
+                    task.region.numel() + matrices * blocks * 4
                 }
-                _ => task.prepared_bytes,
+                _ => task.prepared_bytes(),
             };
             let mut per_dst: BTreeMap<Endpoint, u64> = BTreeMap::new();
             for w in t.task_writes(task) {
@@ -154,7 +159,7 @@ fn check_conservation(table: &RoutingTable) {
             for (dst, bytes) in per_dst {
                 match dst {
                     Endpoint::Rollout(_) => assert_eq!(bytes, payload, "task {task:?}"),
-                    Endpoint::Trainer(_) => assert_eq!(bytes, task.prepared_bytes),
+                    Endpoint::Trainer(_) => assert_eq!(bytes, task.prepared_bytes()),
                 }
             }
         }
@@ -166,7 +171,7 @@ fn check_conservation(table: &RoutingTable) {
             .tasks
             .iter()
             .filter_map(|k| match k.source {
-                Source::Gather { shape, dtype, .. } => Some(shape.numel() * dtype.size() as u64),
+                Source::Gather { .. } => Some(k.source_bytes()),
                 _ => None,
             })
             .sum();

@@ -24,7 +24,7 @@ use weightsync_common::protocol::Stage;
 
 use crate::simulate::cluster::ClusterModel;
 use crate::simulate::engine::{Hop, OpId, ResKind, SimPlan, NONE};
-use crate::table::{Endpoint, Source, Task, TrainerPlan, Transform};
+use crate::table::{Endpoint, Task, TrainerPlan, Transform};
 
 /// At most this many pieces per trainer in a simulation: the piece budget grows for very large
 /// tables (the pipeline's fill and drain, a piece each, stay small next to the sync).
@@ -87,19 +87,6 @@ pub(crate) struct Lowered {
     pub writes: u64,
 }
 
-fn src_bytes(plan: &TrainerPlan, t: &Task) -> u64 {
-    match t.source {
-        Source::Shard { shard, sub } => {
-            let dt = plan
-                .shards
-                .get(shard as usize)
-                .map_or(2, |s| s.dtype.size());
-            sub.numel() * dt as u64
-        }
-        Source::Gather { shape, dtype, .. } => shape.numel() * dtype.size() as u64,
-    }
-}
-
 /// GPU index of an endpoint (trainers first, then rollouts).
 fn gpu_of(dst: Endpoint, trainers: u32) -> u32 {
     match dst {
@@ -133,11 +120,7 @@ pub(crate) fn lower(table: &crate::table::RoutingTable, cluster: &ClusterModel) 
         let lane = out.trainer_lanes[ti];
         let gpu_node = cluster.node_of(t, nt);
         let my_nic = cluster.nic_of(t, nt);
-        let total_staging: u64 = plan
-            .tasks
-            .iter()
-            .map(|k| task_staging(plan, k))
-            .sum::<u64>();
+        let total_staging: u64 = plan.tasks.iter().map(|k| task_staging(k)).sum::<u64>();
         let budget = cluster
             .piece_budget()
             .max(total_staging.div_ceil(MAX_PIECES_PER_TRAINER))
@@ -175,7 +158,7 @@ pub(crate) fn lower(table: &crate::table::RoutingTable, cluster: &ClusterModel) 
                 let mut cur = Piece::default();
                 for k in lo..hi {
                     let task = &plan.tasks[k as usize];
-                    let staging = task_staging(plan, task);
+                    let staging = task_staging(task);
                     let parts = staging.div_ceil(budget).max(1);
                     if (parts > 1 || cur.staging + staging as f64 > budget as f64)
                         && !cur.is_empty()
@@ -343,11 +326,11 @@ fn finish(slots: &mut [u32], pieces: &mut Vec<Piece>, cur: &mut Piece) {
 
 /// Staging of a whole task: its source copy plus its prepared output (a plain copy is written
 /// straight from the source copy).
-fn task_staging(plan: &TrainerPlan, t: &Task) -> u64 {
-    let input = aligned(src_bytes(plan, t));
+fn task_staging(t: &Task) -> u64 {
+    let input = aligned(t.source_bytes());
     match t.transform {
         Transform::Copy { .. } => input,
-        _ => input + aligned(t.prepared_bytes),
+        _ => input + aligned(t.prepared_bytes()),
     }
 }
 
@@ -366,10 +349,10 @@ fn add_task(
     if pc.is_empty() {
         pc.first_task = k;
     }
-    let src = src_bytes(plan, task) as f64 * frac;
+    let src = task.source_bytes() as f64 * frac;
     pc.tasks += frac;
     pc.src_bytes += src;
-    pc.staging += task_staging(plan, task) as f64 * frac;
+    pc.staging += task_staging(task) as f64 * frac;
     let (rate, host_cost) = match task.transform {
         Transform::Copy { .. } => (
             cluster.prep.copy,

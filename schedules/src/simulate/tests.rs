@@ -78,12 +78,8 @@ fn copy_table(
                 p.tasks.push(Task {
                     param: k,
                     region: TensorBox::new(&[0], &[elems]),
-                    source: Source::Shard {
-                        shard: k,
-                        sub: TensorBox::new(&[0], &[elems]),
-                    },
+                    source: Source::Shard { shard: k },
                     transform: Transform::Copy { dtype: DType::BF16 },
-                    prepared_bytes: task_bytes,
                     first_write: k,
                     num_writes: 1,
                     first_copy: 0,

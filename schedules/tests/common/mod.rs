@@ -283,8 +283,10 @@ pub fn execute(table: &RoutingTable, model: &Model, full: &[Vec<u8>]) -> Landed 
                         assert!(matches!(task.source, Source::Shard { .. }));
                     }
                     let input = match task.source {
-                        Source::Shard { shard, sub } => {
+                        Source::Shard { shard } => {
                             let s = &t.shards[shard as usize];
+                            assert!(s.global.contains(&task.region), "region outside its shard");
+                            let sub = task.region.relative_to(&s.global);
                             let arena = &sources[t.rank as usize]
                                 [s.offset as usize..(s.offset + s.bytes()) as usize];
                             read_box(
@@ -295,18 +297,21 @@ pub fn execute(table: &RoutingTable, model: &Model, full: &[Vec<u8>]) -> Landed 
                                 s.dtype.size(),
                             )
                         }
-                        Source::Gather {
-                            offset,
-                            shape,
-                            dtype,
-                        } => {
-                            let n = shape.numel() as usize * dtype.size();
+                        Source::Gather { offset } => {
+                            // The gathered region: dense, in the transform's input dtype.
+                            let n = task.region.numel() as usize
+                                * match task.transform {
+                                    Transform::Copy { dtype } => dtype.size(),
+                                    Transform::Cast { from, .. } | Transform::Fp8Block { from } => {
+                                        from.size()
+                                    }
+                                };
                             gathers[t.rank as usize][offset as usize..offset as usize + n].to_vec()
                         }
                     };
                     let prepared =
                         prepare(&input, task.transform, task.region.len, task.region.ndim);
-                    assert_eq!(prepared.len() as u64, task.prepared_bytes);
+                    assert_eq!(prepared.len() as u64, task.prepared_bytes());
                     for w in t.task_writes(task) {
                         let src = &prepared
                             [w.src_offset as usize..(w.src_offset + w.len as u64) as usize];
@@ -361,18 +366,13 @@ fn prepare(
             }
             out
         }
-        Transform::Fp8Block {
-            from,
-            scale_offset,
-            scale_shape,
-            ..
-        } => {
+        Transform::Fp8Block { from } => {
             let n = input.len() / from.size();
             let vals: Vec<f32> = (0..n).map(|i| get(input, from, i)).collect();
             let (q, s) = quantise(&vals, dims);
-            assert_eq!(s.len() as u64, scale_shape.numel());
+            // Values, then the scales at the next 16-byte boundary.
             let mut out = q;
-            out.resize(scale_offset as usize, 0);
+            out.resize(n.div_ceil(16) * 16, 0);
             for x in s {
                 out.extend_from_slice(&x.to_le_bytes());
             }

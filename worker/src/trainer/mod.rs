@@ -256,13 +256,8 @@ impl<F: FabricBackend> TrainerWorker<F> {
             .map(|(i, t)| TaskShape::of(t, i as u32, &plan))
             .collect::<Result<Vec<_>>>()?;
         for (i, t) in plan.tasks.iter().enumerate() {
-            if let weightsync_schedules::table::Source::Gather {
-                offset,
-                shape,
-                dtype,
-            } = t.source
-            {
-                let end = offset + shape.numel() * dtype.size() as u64;
+            if let weightsync_schedules::table::Source::Gather { offset } = t.source {
+                let end = offset + t.source_bytes();
                 if end > plan.gather_arena_bytes {
                     return Err(WorkerError::InvalidPlan(format!(
                         "task {i} reads gather bytes up to {end}, the gather arena has {}",

@@ -17,7 +17,7 @@
 //! carries it, and that part is posted only after every earlier part completed (see
 //! `pipeline`). All of this is computed once, when the worker is built, not per sync.
 
-use weightsync_schedules::table::{Source, Task, TensorBox, TrainerPlan, Transform, FP8_BLOCK};
+use weightsync_schedules::table::{Source, Task, TrainerPlan, Transform, FP8_BLOCK};
 
 use crate::error::{Result, WorkerError};
 use crate::watermark::aligned;
@@ -147,53 +147,29 @@ impl TaskShape {
         let param = param_name(plan, task.param);
         let invalid =
             |why: String| WorkerError::InvalidPlan(format!("task {index} ({param}): {why}"));
-        let (in_dtype, out_dtype, fp8, scale_offset) = match task.transform {
-            Transform::Copy { dtype } => (dtype, dtype, false, 0),
-            Transform::Cast { from, to } => (from, to, false, 0),
-            Transform::Fp8Block {
-                from,
-                block,
-                scale_offset,
-                scale_shape,
-            } => {
-                if block != FP8_BLOCK {
-                    return Err(invalid(format!(
-                        "fp8 block {block}, only {FP8_BLOCK} is supported"
-                    )));
-                }
-                if n < 2 {
-                    return Err(invalid(format!("fp8 needs at least 2 dims, box {region}")));
-                }
-                let mut expect = region.len;
-                expect[n - 2] = region.len[n - 2].div_ceil(FP8_BLOCK);
-                expect[n - 1] = region.len[n - 1].div_ceil(FP8_BLOCK);
-                if scale_shape.ndim as usize != n || scale_shape.dims[..n] != expect[..n] {
-                    return Err(invalid(format!(
-                        "scale shape {scale_shape} does not match the box {region}"
-                    )));
-                }
-                (from, weightsync_common::DType::F8E4M3, true, scale_offset)
-            }
-        };
+        let (in_dtype, out_dtype) = (task.transform.input_dtype(), task.transform.output_dtype());
+        let fp8 = matches!(task.transform, Transform::Fp8Block { .. });
+        if fp8 && n < 2 {
+            return Err(invalid(format!("fp8 needs at least 2 dims, box {region}")));
+        }
+        let scale_offset = task.fp8_scales().map_or(0, |(offset, _)| offset);
         // The dtype the source really holds.
-        let (src_dtype, src_shape_ok) = match task.source {
-            Source::Shard { shard, sub } => {
+        let src_dtype = match task.source {
+            Source::Shard { shard } => {
                 let s = plan.shards.get(shard as usize).ok_or_else(|| {
                     invalid(format!("shard {shard} out of {} shards", plan.shards.len()))
                 })?;
-                let local = TensorBox::full(s.global.shape());
-                (
-                    s.dtype,
-                    local.contains(&sub) && sub.shape() == region.shape(),
-                )
+                if plan.source_box(task).is_none() {
+                    return Err(invalid(format!(
+                        "region {region} does not lie in its shard {}",
+                        s.global
+                    )));
+                }
+                s.dtype
             }
-            Source::Gather { shape, dtype, .. } => (dtype, shape == region.shape()),
+            // A gathered region holds the transform's input, by definition.
+            Source::Gather { .. } => in_dtype,
         };
-        if !src_shape_ok {
-            return Err(invalid(format!(
-                "source box does not lie in its shard or does not have the region's shape {region}"
-            )));
-        }
         if src_dtype != in_dtype {
             return Err(WorkerError::DTypeMismatch {
                 task: index,
@@ -226,20 +202,13 @@ impl TaskShape {
         };
         let values = region.numel() * shape.out_size;
         let scales = shape.grain.scales_before(grain.units()) * 4;
-        let need = if fp8 {
-            if scale_offset < values {
-                return Err(invalid(format!(
-                    "scales at {scale_offset} overlap the {values} value bytes"
-                )));
-            }
-            scale_offset + scales
-        } else {
-            values
-        };
-        if task.prepared_bytes != need {
+        let need = if fp8 { scale_offset + scales } else { values };
+        // The table defines the prepared size (Task::prepared_bytes); the pieces below lay it out
+        // from the grain. Both must agree, or writes would read past what the pieces prepare.
+        if task.prepared_bytes() != need {
             return Err(invalid(format!(
-                "prepared_bytes {} but the transform produces {need}",
-                task.prepared_bytes
+                "the table's prepared size {} differs from the {need} bytes its pieces prepare",
+                task.prepared_bytes()
             )));
         }
         Ok(shape)
@@ -391,10 +360,10 @@ fn map_writes(
     for wi in first..first + count {
         let w = plan.writes[wi];
         let (a, b) = (w.src_offset, w.src_offset + w.len as u64);
-        if b > task.prepared_bytes {
+        if b > task.prepared_bytes() {
             return Err(WorkerError::InvalidPlan(format!(
                 "task {t}: write {wi} reads prepared bytes {a}..{b} of {}",
-                task.prepared_bytes
+                task.prepared_bytes()
             )));
         }
         let mut found: Vec<(usize, Part)> = Vec::new();
@@ -450,7 +419,9 @@ fn map_writes(
 mod tests {
     use super::*;
     use weightsync_common::DType;
-    use weightsync_schedules::table::{Endpoint, LocalShard, MeshGroup, ParamRef, Shape, Write};
+    use weightsync_schedules::table::{
+        Endpoint, LocalShard, MeshGroup, ParamRef, Shape, TensorBox, Write,
+    };
 
     /// A plan with one task over a `[rows, cols]` shard and one write of everything.
     pub(crate) fn one_task_plan(
@@ -491,12 +462,8 @@ mod tests {
             tasks: vec![Task {
                 param: 0,
                 region: TensorBox::full(shape),
-                source: Source::Shard {
-                    shard: 0,
-                    sub: TensorBox::full(shape),
-                },
+                source: Source::Shard { shard: 0 },
                 transform,
-                prepared_bytes: prepared,
                 first_write: 0,
                 num_writes: 1,
                 first_copy: 0,
@@ -515,19 +482,11 @@ mod tests {
     }
 
     fn fp8(rows: u32, cols: u32) -> (Transform, u64) {
+        // Values, padded to 16 bytes, then one f32 scale per 128x128 block.
         let values = rows as u64 * cols as u64;
-        let scale_offset = values.div_ceil(16) * 16;
-        let scale_shape = Shape::new(&[rows.div_ceil(128), cols.div_ceil(128)]);
-        let prepared = scale_offset + scale_shape.numel() * 4;
-        (
-            Transform::Fp8Block {
-                from: DType::BF16,
-                block: 128,
-                scale_offset,
-                scale_shape,
-            },
-            prepared,
-        )
+        let scales = (rows.div_ceil(128) * cols.div_ceil(128)) as u64;
+        let prepared = values.div_ceil(16) * 16 + scales * 4;
+        (Transform::Fp8Block { from: DType::BF16 }, prepared)
     }
 
     #[test]
@@ -586,13 +545,27 @@ mod tests {
     }
 
     #[test]
-    fn dtype_mismatch_and_bad_prepared_bytes_are_refused() {
+    fn dtype_mismatch_foreign_regions_and_overlong_writes_are_refused() {
         let mut plan = one_task_plan(4, 4, Transform::Copy { dtype: DType::BF16 }, 32);
         plan.shards[0].dtype = DType::F32;
         let err = TaskShape::of(&plan.tasks[0], 0, &plan).unwrap_err();
         assert!(matches!(err, WorkerError::DTypeMismatch { .. }), "{err}");
+        // A region reaching past its shard.
         let mut plan = one_task_plan(4, 4, Transform::Copy { dtype: DType::BF16 }, 32);
-        plan.tasks[0].prepared_bytes = 31;
-        assert!(TaskShape::of(&plan.tasks[0], 0, &plan).is_err());
+        plan.tasks[0].region = TensorBox::new(&[2, 0], &[4, 4]);
+        let err = TaskShape::of(&plan.tasks[0], 0, &plan).unwrap_err();
+        assert!(
+            err.to_string().contains("does not lie in its shard"),
+            "{err}"
+        );
+        // A write reading past the prepared output.
+        let mut plan = one_task_plan(4, 4, Transform::Copy { dtype: DType::BF16 }, 32);
+        plan.writes[0].len = 33;
+        let shape = TaskShape::of(&plan.tasks[0], 0, &plan).unwrap();
+        let err = plan_pieces(&plan, &[shape], 1 << 20, 1 << 20).unwrap_err();
+        assert!(
+            err.to_string().contains("reads prepared bytes 0..33 of 32"),
+            "{err}"
+        );
     }
 }

@@ -80,8 +80,12 @@ pub(crate) fn stage_input(
                 .read_at(at, input)
                 .map_err(|e| WorkerError::fabric(format!("task {t}: reading the gather arena"), e))
         }
-        Source::Shard { shard, sub } => {
+        Source::Shard { shard } => {
             let s = plan.shards[shard as usize];
+            // Checked when the worker was built (TaskShape::of).
+            let sub = plan.source_box(task).ok_or_else(|| {
+                WorkerError::InvalidPlan(format!("task {t}: region outside its shard"))
+            })?;
             let dims: Vec<usize> = s
                 .global
                 .shape()

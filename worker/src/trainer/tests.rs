@@ -75,17 +75,8 @@ fn plans() -> (TrainerPlan, RolloutPlan) {
             Task {
                 param: 0,
                 region: TensorBox::full(w_shape),
-                source: Source::Shard {
-                    shard: 0,
-                    sub: TensorBox::full(w_shape),
-                },
-                transform: Transform::Fp8Block {
-                    from: DType::BF16,
-                    block: 128,
-                    scale_offset,
-                    scale_shape,
-                },
-                prepared_bytes: scale_offset + scales,
+                source: Source::Shard { shard: 0 },
+                transform: Transform::Fp8Block { from: DType::BF16 },
                 first_write: 0,
                 num_writes: 2,
                 first_copy: 0,
@@ -94,15 +85,11 @@ fn plans() -> (TrainerPlan, RolloutPlan) {
             Task {
                 param: 1,
                 region: TensorBox::full(b_shape),
-                source: Source::Shard {
-                    shard: 1,
-                    sub: TensorBox::full(b_shape),
-                },
+                source: Source::Shard { shard: 1 },
                 transform: Transform::Cast {
                     from: DType::F32,
                     to: DType::BF16,
                 },
-                prepared_bytes: b_out,
                 first_write: 2,
                 num_writes: 1,
                 first_copy: 0,
@@ -445,13 +432,7 @@ fn gather_plans() -> (TrainerPlan, TrainerPlan, RolloutPlan) {
         name: "g".into(),
         shape: full,
     }];
-    let scale_shape = Shape::new(&[1, 2]);
-    let fp8 = |scale_offset| Transform::Fp8Block {
-        from: DType::BF16,
-        block: 128,
-        scale_offset,
-        scale_shape,
-    };
+    let fp8 = Transform::Fp8Block { from: DType::BF16 };
     let values = 128 * 256u64;
     let group = |gather_sends, local_tasks, gather_expect, num_tasks| MeshGroup {
         id: 5,
@@ -480,12 +461,8 @@ fn gather_plans() -> (TrainerPlan, TrainerPlan, RolloutPlan) {
             Task {
                 param: 0,
                 region: rows(0, 100),
-                source: Source::Shard {
-                    shard: 0,
-                    sub: rows(0, 100),
-                },
+                source: Source::Shard { shard: 0 },
                 transform: Transform::Copy { dtype: DType::BF16 },
-                prepared_bytes: 100 * row,
                 first_write: 0,
                 num_writes: 1,
                 first_copy: 0,
@@ -495,13 +472,8 @@ fn gather_plans() -> (TrainerPlan, TrainerPlan, RolloutPlan) {
             Task {
                 param: 0,
                 region: rows(0, 128),
-                source: Source::Gather {
-                    offset: 0,
-                    shape: Shape::new(&[128, 256]),
-                    dtype: DType::BF16,
-                },
-                transform: fp8(values),
-                prepared_bytes: values + 2 * 4,
+                source: Source::Gather { offset: 0 },
+                transform: fp8,
                 first_write: 1,
                 num_writes: 2,
                 first_copy: 0,
@@ -553,12 +525,8 @@ fn gather_plans() -> (TrainerPlan, TrainerPlan, RolloutPlan) {
             Task {
                 param: 0,
                 region: rows(100, 28),
-                source: Source::Shard {
-                    shard: 0,
-                    sub: rows(0, 28),
-                },
+                source: Source::Shard { shard: 0 },
                 transform: Transform::Copy { dtype: DType::BF16 },
-                prepared_bytes: 28 * row,
                 first_write: 0,
                 num_writes: 1,
                 first_copy: 0,
@@ -568,12 +536,8 @@ fn gather_plans() -> (TrainerPlan, TrainerPlan, RolloutPlan) {
             Task {
                 param: 0,
                 region: rows(128, 128),
-                source: Source::Shard {
-                    shard: 0,
-                    sub: rows(28, 128),
-                },
-                transform: fp8(values),
-                prepared_bytes: values + 2 * 4,
+                source: Source::Shard { shard: 0 },
+                transform: fp8,
                 first_write: 1,
                 num_writes: 2,
                 first_copy: 0,
