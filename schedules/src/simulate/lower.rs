@@ -120,7 +120,7 @@ pub(crate) fn lower(table: &crate::table::RoutingTable, cluster: &ClusterModel) 
         let lane = out.trainer_lanes[ti];
         let gpu_node = cluster.node_of(t, nt);
         let my_nic = cluster.nic_of(t, nt);
-        let total_staging: u64 = plan.tasks.iter().map(|k| task_staging(k)).sum::<u64>();
+        let total_staging: u64 = plan.tasks.iter().map(task_staging).sum::<u64>();
         let budget = cluster
             .piece_budget()
             .max(total_staging.div_ceil(MAX_PIECES_PER_TRAINER))
