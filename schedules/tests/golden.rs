@@ -1,6 +1,10 @@
 //! Golden files: the full routing table of a small model, printed readably, pinned in
 //! `tests/golden/`. A change in planning shows up as a reviewable diff. Regenerate with
 //! `UPDATE_GOLDEN=1 cargo test -p weightsync-schedules --test golden`.
+//!
+//! The same tables, in bincode, seed the `routing_table` fuzz target: after a change of the
+//! table format, rewrite them with
+//! `FUZZ_SEEDS=$PWD/schedules/fuzz/corpus/routing_table cargo test -p weightsync-schedules --test golden`.
 
 mod common;
 
@@ -96,6 +100,10 @@ fn check(name: &str, json: &str, train: &str, infer: &str, dtype: InferDType) {
     let i = InferenceLayout::build(&m, &spec).unwrap();
     let cost = CostModel::default();
     let table = plan(&m, &t, &i, &cost).unwrap();
+    if let Some(dir) = std::env::var_os("FUZZ_SEEDS") {
+        let seed = std::path::Path::new(&dir).join(format!("{name}.bin"));
+        std::fs::write(&seed, table.to_bincode()).unwrap();
+    }
     let text = dump(&table, &Summary::of(&table, &cost));
     let path = format!("{}/tests/golden/{name}.txt", env!("CARGO_MANIFEST_DIR"));
     if std::env::var_os("UPDATE_GOLDEN").is_some() {

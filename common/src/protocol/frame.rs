@@ -22,7 +22,9 @@ pub const MAGIC: [u8; 4] = *b"WSYC";
 ///
 /// 2: workers answer `Abort` with `Drained`, and the controller waits for it before the next
 /// sync (a version-1 worker would never answer and would be dropped after a timeout).
-pub const PROTOCOL_VERSION: u16 = 2;
+/// 3: a plan's tasks no longer carry what follows from their region (the shard-local box, the
+/// gathered shape, the prepared size, the fp8 scale layout).
+pub const PROTOCOL_VERSION: u16 = 3;
 /// Bytes in a frame header.
 pub const FRAME_HEADER_LEN: usize = 12;
 /// Default maximum body size: 256 MiB (a trainer's plan slice for a 1T-parameter model fits).
