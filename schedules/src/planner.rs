@@ -137,6 +137,18 @@ impl Grid {
     }
 }
 
+/// A dgroup's first target, as [`Planner::weight`] needs it.
+struct Reach {
+    pc: Piece,
+    /// Shape and element size of the destination tensor.
+    shape: Shape,
+    elem: u64,
+    /// Shape of the scale tensor (fp8).
+    scales: Option<Shape>,
+    /// Number of targets.
+    n: u64,
+}
+
 /// Buffers [`Planner::build_grid`] reuses from param to param.
 #[derive(Default)]
 struct GridScratch {
@@ -671,15 +683,17 @@ impl<'a> Planner<'a> {
             ..Grid::default()
         };
         let cuts = &mut scratch.cuts;
+        // Dims no shard cuts (FSDP cuts dim 0 only): nothing to sort or search along them.
+        let mut whole = [false; MAX_DIMS];
         for d in 0..nd {
             cuts.clear();
             cuts.push(0);
             cuts.push(p.shape.dims[d]);
-            // Most dims are not sharded at all (FSDP cuts dim 0 only): nothing to sort.
-            if !shards
-                .iter()
-                .all(|s| s.global.start[d] == 0 && s.global.len[d] == p.shape.dims[d])
-            {
+            whole[d] = p.shape.dims[d] > 0
+                && shards
+                    .iter()
+                    .all(|s| s.global.start[d] == 0 && s.global.len[d] == p.shape.dims[d]);
+            if !whole[d] {
                 for s in shards {
                     cuts.push(s.global.start[d]);
                     cuts.push(s.global.end(d));
@@ -714,8 +728,8 @@ impl<'a> Planner<'a> {
                 });
             }
             let mut lo = [0u32; MAX_DIMS];
-            let mut hi = [0u32; MAX_DIMS];
-            for d in 0..nd {
+            let mut hi = [1u32; MAX_DIMS];
+            for d in (0..nd).filter(|&d| !whole[d]) {
                 let c = g.cuts(d);
                 lo[d] = c.partition_point(|&v| v < sh.global.start[d]) as u32;
                 hi[d] = c.partition_point(|&v| v < sh.global.end(d)) as u32;
@@ -778,28 +792,40 @@ impl<'a> Planner<'a> {
         &self.sorted[(dg.first + k) as usize]
     }
 
-    /// Load weight of sending region `r` of dgroup `dg` to all its targets.
-    /// Also returns the number of writes.
-    fn weight(&self, dg: &DGroup, r: &TensorBox, pid: usize) -> (u64, u64) {
-        let pc = self.target_piece(dg, 0);
+    /// What the load of a region of dgroup `dg` depends on: its first target's tensors (every
+    /// target is laid out alike). Looked up once per dgroup, not once per region.
+    fn reach(&self, dg: &DGroup) -> Reach {
+        let pc = *self.target_piece(dg, 0);
         let rank = &self.infer.ranks[pc.rank as usize];
         let t = &rank.tensors[pc.tensor as usize];
-        let db = dst_box(pc, r, t.shape.ndim as usize);
-        let mut wrs = count_runs(&db, &t.shape);
-        let mut bytes = r.numel() * t.dtype.size() as u64;
-        if dg.fp8 {
-            let st = &rank.tensors[pc.scale.expect("fp8 piece").tensor as usize];
-            let sb = scale_box(
-                pc,
-                r,
-                st.shape.ndim as usize,
-                self.model.params[pid].shape.ndim as usize,
-            );
-            wrs += count_runs(&sb, &st.shape);
+        Reach {
+            pc,
+            shape: t.shape,
+            elem: t.dtype.size() as u64,
+            scales: pc
+                .scale
+                .filter(|_| dg.fp8)
+                .map(|sc| rank.tensors[sc.tensor as usize].shape),
+            n: dg.n as u64,
+        }
+    }
+
+    /// Load weight of sending region `r` to all the targets of a dgroup, and the number of
+    /// writes.
+    fn weight(&self, reach: &Reach, r: &TensorBox) -> (u64, u64) {
+        let pc = &reach.pc;
+        let db = dst_box(pc, r, reach.shape.ndim as usize);
+        let mut wrs = count_runs(&db, &reach.shape);
+        let mut bytes = r.numel() * reach.elem;
+        if let Some(ss) = reach.scales {
+            let sb = scale_box(pc, r, ss.ndim as usize, r.ndim as usize);
+            wrs += count_runs(&sb, &ss);
             bytes += sb.numel() * 4;
         }
-        let n = dg.n as u64;
-        ((bytes + wrs * self.cost.wr_equiv_bytes()) * n, wrs * n)
+        (
+            (bytes + wrs * self.cost.wr_equiv_bytes()) * reach.n,
+            wrs * reach.n,
+        )
     }
 
     /// Pass 1: grids and regions; single-replica loads.
@@ -821,6 +847,7 @@ impl<'a> Planner<'a> {
             let nd = grid.ndim;
             for dgi in d0..d1 {
                 let dg = &self.dgroups[dgi as usize];
+                let reach = self.reach(dg);
                 let bx = dg.bx;
                 for (d, seg) in segs.iter_mut().enumerate().take(nd) {
                     let block = dg.fp8 && d + 2 >= nd;
@@ -834,7 +861,7 @@ impl<'a> Planner<'a> {
                 let out_bytes = bx.numel() * dgr.dtype.size() as u64;
                 let src_bytes = bx.numel() * self.model.params[pid].dtype.size() as u64;
                 if nregions > 1 && out_bytes / (nregions as u64) < wr && src_bytes <= 64 * wr {
-                    let (w, wrs) = self.weight(dgr, &bx, pid);
+                    let (w, wrs) = self.weight(&reach, &bx);
                     self.regions.push(Region {
                         dgroup: dgi,
                         bx,
@@ -858,7 +885,7 @@ impl<'a> Planner<'a> {
                             cell += s.cell * grid.strides[d];
                         }
                     }
-                    let (w, wrs) = self.weight(&self.dgroups[dgi as usize], &r, pid);
+                    let (w, wrs) = self.weight(&reach, &r);
                     if cell != GATHER {
                         let h = grid.holders(cell);
                         if h.len() == 1 {
@@ -1030,19 +1057,24 @@ impl<'a> Planner<'a> {
         let mut set_ids: BTreeMap<Vec<u32>, usize> = BTreeMap::new();
         let mut sets: Vec<(Vec<u32>, u64)> = Vec::new();
         let mut set_regions: Vec<Vec<u32>> = Vec::new();
+        let mut key: Vec<u32> = Vec::new();
         for &ri in &big {
             let reg = self.regions[ri as usize];
             let pid = self.dgroup_param(reg.dgroup);
             let h = grids[pid].holders(reg.cell);
-            let mut rs: Vec<(u32, u32)> = h.iter().map(|&s| (self.shard(s).rank, s)).collect();
-            rs.sort_unstable();
-            rs.dedup_by_key(|x| x.0);
-            let key: Vec<u32> = rs.iter().map(|x| x.0).collect();
-            let id = *set_ids.entry(key.clone()).or_insert_with(|| {
-                sets.push((key, 0));
-                set_regions.push(Vec::new());
-                sets.len() - 1
-            });
+            key.clear();
+            key.extend(h.iter().map(|&s| self.shard(s).rank));
+            key.sort_unstable();
+            key.dedup();
+            let id = match set_ids.get(&key) {
+                Some(&id) => id,
+                None => {
+                    set_ids.insert(key.clone(), sets.len());
+                    sets.push((key.clone(), 0));
+                    set_regions.push(Vec::new());
+                    sets.len() - 1
+                }
+            };
             sets[id].1 += reg.weight;
             set_regions[id].push(ri);
         }
@@ -1298,6 +1330,7 @@ impl<'a> Planner<'a> {
                 b.gather_expect = 0;
             }
         }
+        out.targets.flush(&mut out.rollout_writes);
         let mut trainers = Vec::with_capacity(nt);
         for b in out.builders {
             if b.plan.writes.len() > u32::MAX as usize || b.plan.tasks.len() > u32::MAX as usize {
@@ -1394,7 +1427,8 @@ impl<'a> Planner<'a> {
     /// the group, so worked out once per group. Copies are extended while their ranks stay
     /// evenly spaced; they come out in the order they close, then the still open ones in the
     /// order of their listed targets.
-    fn target_plan(&self, dgi: u32, plan: &mut TargetPlan) {
+    fn target_plan(&self, dgi: u32, plan: &mut TargetPlan, rollout_writes: &mut [u64]) {
+        plan.flush(rollout_writes);
         let dg = &self.dgroups[dgi as usize];
         plan.dgroup = dgi;
         plan.listed.clear();
@@ -1403,15 +1437,27 @@ impl<'a> Planner<'a> {
         let mut open: SmallVec<[Option<TargetCopy>; 4]> = SmallVec::new();
         for k in 0..dg.n {
             let pc = self.target_piece(dg, k);
-            let same = plan.listed.iter().position(|&b| {
-                let bp = self.target_piece(dg, b);
+            let same = plan.listed.iter().position(|b| {
+                let bp = &b.piece;
                 self.layout_class[bp.rank as usize] == self.layout_class[pc.rank as usize]
                     && bp.tensor == pc.tensor
                     && bp.dst_start == pc.dst_start
                     && bp.scale == pc.scale
             });
             let Some(base) = same else {
-                plan.listed.push(k);
+                let rk = &self.infer.ranks[pc.rank as usize];
+                let t = &rk.tensors[pc.tensor as usize];
+                plan.listed.push(ListedDst {
+                    piece: *pc,
+                    shape: t.shape,
+                    elem: t.dtype.size() as u64,
+                    mr: t.mr,
+                    offset: t.offset,
+                    scales: pc.scale.map(|sc| {
+                        let st = &rk.tensors[sc.tensor as usize];
+                        (st.shape, st.mr, st.offset)
+                    }),
+                });
                 open.push(None);
                 continue;
             };
@@ -1432,6 +1478,7 @@ impl<'a> Planner<'a> {
                 first_rank: pc.rank,
                 stride: 1,
                 count: 1,
+                writes: 0,
             }));
         }
         plan.copies.extend(open.into_iter().flatten());
@@ -1448,7 +1495,7 @@ impl<'a> Planner<'a> {
         gather: Option<u64>,
     ) {
         if out.targets.dgroup != reg.dgroup {
-            self.target_plan(reg.dgroup, &mut out.targets);
+            self.target_plan(reg.dgroup, &mut out.targets, &mut out.rollout_writes);
         }
         let sh = self.shard(s);
         let dg = &self.dgroups[reg.dgroup as usize];
@@ -1463,28 +1510,25 @@ impl<'a> Planner<'a> {
         let scale_offset = bx.numel().div_ceil(16) * 16;
         // The listed targets' writes: (first, count) per listed target, relative to the task.
         let mut listed: SmallVec<[(u32, u32); 4]> = SmallVec::new();
-        for &k in &out.targets.listed {
-            let pc = self.target_piece(dg, k);
+        for l in &out.targets.listed {
+            let pc = &l.piece;
             let before = nw;
             let dst = Endpoint::Rollout(pc.rank);
-            let rk = &self.infer.ranks[pc.rank as usize];
-            let t = &rk.tensors[pc.tensor as usize];
-            let db = dst_box(pc, bx, t.shape.ndim as usize);
-            for_each_run(&db, &t.shape, t.dtype.size() as u64, |so, d, len| {
-                push_split(writes, &mut nw, dst, t.mr, 0, so, t.offset + d, len);
+            let db = dst_box(pc, bx, l.shape.ndim as usize);
+            for_each_run(&db, &l.shape, l.elem, |so, d, len| {
+                push_split(writes, &mut nw, dst, l.mr, 0, so, l.offset + d, len);
             });
-            if let Some(place) = pc.scale {
-                let st = &rk.tensors[place.tensor as usize];
-                let sb = scale_box(pc, bx, st.shape.ndim as usize, pn);
-                for_each_run(&sb, &st.shape, 4, |so, d, len| {
+            if let Some((shape, mr, offset)) = l.scales {
+                let sb = scale_box(pc, bx, shape.ndim as usize, pn);
+                for_each_run(&sb, &shape, 4, |so, d, len| {
                     push_split(
                         writes,
                         &mut nw,
                         dst,
-                        st.mr,
+                        mr,
                         0,
                         scale_offset + so,
-                        st.offset + d,
+                        offset + d,
                         len,
                     );
                 });
@@ -1492,11 +1536,10 @@ impl<'a> Planner<'a> {
             out.rollout_writes[pc.rank as usize] += (nw - before) as u64;
             listed.push((before, nw - before));
         }
-        for c in &out.targets.copies {
+        for c in out.targets.copies.iter_mut() {
             let (from, num) = listed[c.base as usize];
-            for i in 0..c.count {
-                out.rollout_writes[(c.first_rank + i * c.stride) as usize] += num as u64;
-            }
+            // Counted toward each rank when the dgroup's tasks are done (TargetPlan::flush).
+            c.writes += num as u64;
             b.plan.copies.push(WriteCopies {
                 from,
                 num,
@@ -1593,20 +1636,45 @@ struct TrainerBuilder {
 struct TargetPlan {
     /// The dgroup this is for (`u32::MAX`: none yet).
     dgroup: u32,
-    /// Targets (indices within the dgroup) whose writes are listed, in target order.
-    listed: SmallVec<[u32; 4]>,
+    /// Targets whose writes are listed, in target order, with their destination tensors (looked
+    /// up once per dgroup rather than once per task).
+    listed: SmallVec<[ListedDst; 2]>,
     /// The other targets, as copies of a listed one's writes.
     copies: SmallVec<[TargetCopy; 4]>,
 }
 
+impl TargetPlan {
+    /// Counts the copied writes of the dgroup's tasks so far toward each receiving rank.
+    fn flush(&mut self, rollout_writes: &mut [u64]) {
+        for c in &mut self.copies {
+            for i in 0..c.count {
+                rollout_writes[(c.first_rank + i * c.stride) as usize] += c.writes;
+            }
+            c.writes = 0;
+        }
+    }
+}
+
+/// A listed target: its piece and where its tensor (and scale tensor) lie.
+struct ListedDst {
+    piece: Piece,
+    shape: Shape,
+    elem: u64,
+    mr: u16,
+    offset: u64,
+    /// Shape, MR and offset of the scale tensor (fp8).
+    scales: Option<(Shape, u16, u64)>,
+}
+
 /// Ranks `first_rank + i * stride`, `i < count`, receiving the writes of listed target `base`
-/// (an index into [`TargetPlan::listed`]).
+/// (an index into [`TargetPlan::listed`]); `writes` counts them for the dgroup's tasks so far.
 #[derive(Clone, Copy)]
 struct TargetCopy {
     base: u32,
     first_rank: u32,
     stride: u32,
     count: u32,
+    writes: u64,
 }
 
 /// What emission builds: the trainers' plans and the rollouts' expected counts.
