@@ -685,15 +685,15 @@ impl<'a> Planner<'a> {
         let cuts = &mut scratch.cuts;
         // Dims no shard cuts (FSDP cuts dim 0 only): nothing to sort or search along them.
         let mut whole = [false; MAX_DIMS];
-        for d in 0..nd {
+        for (d, whole) in whole.iter_mut().enumerate().take(nd) {
             cuts.clear();
             cuts.push(0);
             cuts.push(p.shape.dims[d]);
-            whole[d] = p.shape.dims[d] > 0
+            *whole = p.shape.dims[d] > 0
                 && shards
                     .iter()
                     .all(|s| s.global.start[d] == 0 && s.global.len[d] == p.shape.dims[d]);
-            if !whole[d] {
+            if !*whole {
                 for s in shards {
                     cuts.push(s.global.start[d]);
                     cuts.push(s.global.end(d));
