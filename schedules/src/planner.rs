@@ -438,48 +438,58 @@ impl Placed {
 }
 
 /// A parameter box inside a piece, in destination-tensor coordinates.
+#[inline]
 fn dst_box(pc: &Piece, r: &TensorBox, dst_ndim: usize) -> TensorBox {
-    let pn = r.ndim as usize;
+    // Every index below is then provably in bounds (this runs once per task and target).
+    let dst_ndim = dst_ndim.min(MAX_DIMS);
+    let pn = (r.ndim as usize).min(dst_ndim);
     let lead = dst_ndim - pn;
-    let mut b = TensorBox {
-        ndim: dst_ndim as u8,
-        start: pc.dst_start,
-        len: [1; MAX_DIMS],
-    };
-    for i in 0..pn {
-        b.start[lead + i] = pc.dst_start[lead + i] + r.start[i] - pc.src.start[i];
-        b.len[lead + i] = r.len[i];
-    }
-    for d in dst_ndim..MAX_DIMS {
-        b.start[d] = 0;
-        b.len[d] = 0;
-    }
-    b
-}
-
-/// The scales of a block-aligned parameter box inside a piece, in scale-tensor coordinates.
-fn scale_box(pc: &Piece, r: &TensorBox, dst_ndim: usize, pn: usize) -> TensorBox {
-    let place = pc.scale.expect("scale_box of a quantised piece");
-    let lead = dst_ndim - pn;
-    // As `TensorBox::new(&place.start[..dst_ndim], &[1; ..dst_ndim])`, without its slice
-    // copies (this runs once per task and target).
     let mut b = TensorBox {
         ndim: dst_ndim as u8,
         start: [0; MAX_DIMS],
         len: [0; MAX_DIMS],
     };
     for d in 0..dst_ndim {
-        b.start[d] = place.start[d];
-        b.len[d] = 1;
-    }
-    for i in 0..pn {
-        let rel = r.start[i] - pc.src.start[i];
-        if i + 2 >= pn {
-            b.start[lead + i] = place.start[lead + i] + rel / FP8_BLOCK;
-            b.len[lead + i] = r.len[i].div_ceil(FP8_BLOCK);
+        if d < lead {
+            b.start[d] = pc.dst_start[d];
+            b.len[d] = 1;
         } else {
-            b.start[lead + i] = place.start[lead + i] + rel;
-            b.len[lead + i] = r.len[i];
+            let i = d - lead;
+            b.start[d] = pc.dst_start[d] + r.start[i] - pc.src.start[i];
+            b.len[d] = r.len[i];
+        }
+    }
+    b
+}
+
+/// The scales of a block-aligned parameter box inside a piece, in scale-tensor coordinates.
+#[inline]
+fn scale_box(pc: &Piece, r: &TensorBox, dst_ndim: usize, pn: usize) -> TensorBox {
+    let place = pc.scale.expect("scale_box of a quantised piece");
+    // Every index below is then provably in bounds (this runs once per task and target).
+    let dst_ndim = dst_ndim.min(MAX_DIMS);
+    let pn = pn.min(dst_ndim);
+    let lead = dst_ndim - pn;
+    let mut b = TensorBox {
+        ndim: dst_ndim as u8,
+        start: [0; MAX_DIMS],
+        len: [0; MAX_DIMS],
+    };
+    for d in 0..dst_ndim {
+        if d < lead {
+            b.start[d] = place.start[d];
+            b.len[d] = 1;
+            continue;
+        }
+        let i = d - lead;
+        let rel = r.start[i] - pc.src.start[i];
+        // The last two dims count blocks, the leading ones elements.
+        if i + 2 >= pn {
+            b.start[d] = place.start[d] + rel / FP8_BLOCK;
+            b.len[d] = r.len[i].div_ceil(FP8_BLOCK);
+        } else {
+            b.start[d] = place.start[d] + rel;
+            b.len[d] = r.len[i];
         }
     }
     b
@@ -1457,6 +1467,7 @@ impl<'a> Planner<'a> {
                         let st = &rk.tensors[sc.tensor as usize];
                         (st.shape, st.mr, st.offset)
                     }),
+                    task_writes: (0, 0),
                 });
                 open.push(None);
                 continue;
@@ -1508,9 +1519,7 @@ impl<'a> Planner<'a> {
         let mut nw = 0u32;
         // Where the scales sit in the prepared output (Task::fp8_scales).
         let scale_offset = bx.numel().div_ceil(16) * 16;
-        // The listed targets' writes: (first, count) per listed target, relative to the task.
-        let mut listed: SmallVec<[(u32, u32); 4]> = SmallVec::new();
-        for l in &out.targets.listed {
+        for l in out.targets.listed.iter_mut() {
             let pc = &l.piece;
             let before = nw;
             let dst = Endpoint::Rollout(pc.rank);
@@ -1534,10 +1543,10 @@ impl<'a> Planner<'a> {
                 });
             }
             out.rollout_writes[pc.rank as usize] += (nw - before) as u64;
-            listed.push((before, nw - before));
+            l.task_writes = (before, nw - before);
         }
         for c in out.targets.copies.iter_mut() {
-            let (from, num) = listed[c.base as usize];
+            let (from, num) = out.targets.listed[c.base as usize].task_writes;
             // Counted toward each rank when the dgroup's tasks are done (TargetPlan::flush).
             c.writes += num as u64;
             b.plan.copies.push(WriteCopies {
@@ -1664,6 +1673,8 @@ struct ListedDst {
     offset: u64,
     /// Shape, MR and offset of the scale tensor (fp8).
     scales: Option<(Shape, u16, u64)>,
+    /// The current task's writes to it: first (relative to the task) and count.
+    task_writes: (u32, u32),
 }
 
 /// Ranks `first_rank + i * stride`, `i < count`, receiving the writes of listed target `base`
