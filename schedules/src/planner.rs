@@ -204,7 +204,12 @@ struct Planner<'a> {
     grids: Vec<Grid>,
     regions: Vec<Region>,
     region_first: Vec<u32>,
+    /// Per region, its source (fixed by `analyse` for single holders, by `assign` otherwise).
     assign: Vec<Assign>,
+    /// Regions `assign` must source (gathers and replicated cells), in region order.
+    open: Vec<u32>,
+    /// Gather regions, in region order.
+    gathers: Vec<u32>,
     splits: Vec<(TensorBox, u32)>,
     gather_parts: Vec<(TensorBox, u32)>,
     loads: Vec<u64>,
@@ -662,6 +667,8 @@ impl<'a> Planner<'a> {
             regions: Vec::new(),
             region_first: vec![0; np + 1],
             assign: Vec::new(),
+            open: Vec::new(),
+            gathers: Vec::new(),
             splits: Vec::new(),
             gather_parts: Vec::new(),
             loads: vec![0; train.ranks as usize],
@@ -872,6 +879,8 @@ impl<'a> Planner<'a> {
                 let src_bytes = bx.numel() * self.model.params[pid].dtype.size() as u64;
                 if nregions > 1 && out_bytes / (nregions as u64) < wr && src_bytes <= 64 * wr {
                     let (w, wrs) = self.weight(&reach, &bx);
+                    self.open.push(self.regions.len() as u32);
+                    self.assign.push(Assign::Shard(0));
                     self.regions.push(Region {
                         dgroup: dgi,
                         bx,
@@ -896,13 +905,18 @@ impl<'a> Planner<'a> {
                         }
                     }
                     let (w, wrs) = self.weight(&reach, &r);
-                    if cell != GATHER {
-                        let h = grid.holders(cell);
-                        if h.len() == 1 {
-                            let rank = self.shard(h[0]).rank as usize;
+                    // One holder: the source is fixed now; the rest wait for every load.
+                    match (cell != GATHER).then(|| grid.holders(cell)) {
+                        Some(&[only]) => {
+                            let rank = self.shard(only).rank as usize;
                             self.loads[rank] += w;
                             self.est_tasks[rank] += 1;
                             self.est_writes[rank] += wrs;
+                            self.assign.push(Assign::Shard(only));
+                        }
+                        _ => {
+                            self.open.push(self.regions.len() as u32);
+                            self.assign.push(Assign::Shard(0));
                         }
                     }
                     self.regions.push(Region {
@@ -952,104 +966,100 @@ impl<'a> Planner<'a> {
     }
 
     fn assign_with(&mut self, grids: &[Grid]) {
-        let np = self.model.params.len();
-        self.assign = vec![Assign::Shard(0); self.regions.len()];
         let wr = self.cost.wr_equiv_bytes();
         let mut small: Vec<u32> = Vec::new();
         let mut big: Vec<u32> = Vec::new();
-        // Gathers and singles first.
-        for (pid, grid) in grids.iter().enumerate().take(np) {
-            for ri in self.region_first[pid]..self.region_first[pid + 1] {
-                let reg = self.regions[ri as usize];
-                if reg.cell != GATHER {
-                    let h = grid.holders(reg.cell);
-                    if h.len() == 1 {
-                        self.assign[ri as usize] = Assign::Shard(h[0]);
-                    } else if reg.weight < self.cost.min_split_bytes() {
-                        small.push(ri);
-                    } else {
-                        big.push(ri);
-                    }
-                    continue;
+        // Gathers first (single holders were fixed by `analyse`), in region order.
+        let open = std::mem::take(&mut self.open);
+        for &ri in &open {
+            let reg = self.regions[ri as usize];
+            let grid = &grids[self.dgroup_param(reg.dgroup)];
+            if reg.cell != GATHER {
+                if reg.weight < self.cost.min_split_bytes() {
+                    small.push(ri);
+                } else {
+                    big.push(ri);
                 }
-                // Gather region: parts = cells it touches.
-                let nd = grid.ndim;
-                let mut lo = [0u32; MAX_DIMS];
-                let mut hi = [0u32; MAX_DIMS];
-                for d in 0..nd {
-                    lo[d] = grid.interval(d, reg.bx.start[d]);
-                    hi[d] = grid.interval(d, reg.bx.end(d) - 1) + 1;
-                }
-                let first = self.gather_parts.len() as u32;
-                let mut best: Option<(u64, u32)> = None;
-                let mut i = lo;
-                'cells: loop {
-                    let cell: u32 = (0..nd).map(|d| i[d] * grid.strides[d]).sum();
-                    let part = grid
-                        .cell_box(cell)
-                        .intersect(&reg.bx)
-                        .expect("cells in range intersect");
-                    if best.is_none_or(|(n, _)| part.numel() > n) {
-                        best = Some((part.numel(), cell));
-                    }
-                    self.gather_parts.push((part, cell));
-                    let mut d = nd;
-                    loop {
-                        if d == 0 {
-                            break 'cells;
-                        }
-                        d -= 1;
-                        i[d] += 1;
-                        if i[d] < hi[d] {
-                            break;
-                        }
-                        i[d] = lo[d];
-                    }
-                }
-                // Owner: the least loaded rank holding any part (ties: the holder of the
-                // largest part, which then has the least to receive). Choosing only among the
-                // largest part's holders would pin every such region of every layer on the same
-                // few ranks.
-                let (_, big_cell) = best.expect("a part");
-                let mut owner_shard = self.least_loaded(grid.holders(big_cell));
-                for k in first as usize..self.gather_parts.len() {
-                    let cell = self.gather_parts[k].1;
-                    for &s in grid.holders(cell) {
-                        let r = self.shard(s).rank as usize;
-                        if self.loads[r] < self.loads[self.shard(owner_shard).rank as usize] {
-                            owner_shard = s;
-                        }
-                    }
-                }
-                let owner = self.shard(owner_shard).rank;
-                self.loads[owner as usize] += reg.weight;
-                self.est_tasks[owner as usize] += 1;
-                self.est_writes[owner as usize] += reg.writes as u64;
-                let n = self.gather_parts.len() as u32 - first;
-                let elem = self.shard(owner_shard).dtype.size() as u64;
-                for k in first..first + n {
-                    let (part, cell) = self.gather_parts[k as usize];
-                    let h = grid.holders(cell);
-                    let sender = h
-                        .iter()
-                        .copied()
-                        .find(|&s| self.shard(s).rank == owner)
-                        .unwrap_or_else(|| self.least_loaded(h));
-                    let srank = self.shard(sender).rank;
-                    let runs = count_runs(&part.relative_to(&reg.bx), &reg.bx.shape());
-                    self.est_tasks[srank as usize] += 1;
-                    self.est_writes[srank as usize] += runs;
-                    if srank != owner {
-                        self.loads[srank as usize] += part.numel() * elem + runs * wr;
-                    }
-                    self.gather_parts[k as usize].1 = sender;
-                }
-                self.assign[ri as usize] = Assign::Gather {
-                    owner_shard,
-                    first,
-                    n,
-                };
+                continue;
             }
+            // Gather region: parts = cells it touches.
+            let nd = grid.ndim;
+            let mut lo = [0u32; MAX_DIMS];
+            let mut hi = [0u32; MAX_DIMS];
+            for d in 0..nd {
+                lo[d] = grid.interval(d, reg.bx.start[d]);
+                hi[d] = grid.interval(d, reg.bx.end(d) - 1) + 1;
+            }
+            let first = self.gather_parts.len() as u32;
+            let mut best: Option<(u64, u32)> = None;
+            let mut i = lo;
+            'cells: loop {
+                let cell: u32 = (0..nd).map(|d| i[d] * grid.strides[d]).sum();
+                let part = grid
+                    .cell_box(cell)
+                    .intersect(&reg.bx)
+                    .expect("cells in range intersect");
+                if best.is_none_or(|(n, _)| part.numel() > n) {
+                    best = Some((part.numel(), cell));
+                }
+                self.gather_parts.push((part, cell));
+                let mut d = nd;
+                loop {
+                    if d == 0 {
+                        break 'cells;
+                    }
+                    d -= 1;
+                    i[d] += 1;
+                    if i[d] < hi[d] {
+                        break;
+                    }
+                    i[d] = lo[d];
+                }
+            }
+            // Owner: the least loaded rank holding any part (ties: the holder of the
+            // largest part, which then has the least to receive). Choosing only among the
+            // largest part's holders would pin every such region of every layer on the same
+            // few ranks.
+            let (_, big_cell) = best.expect("a part");
+            let mut owner_shard = self.least_loaded(grid.holders(big_cell));
+            for k in first as usize..self.gather_parts.len() {
+                let cell = self.gather_parts[k].1;
+                for &s in grid.holders(cell) {
+                    let r = self.shard(s).rank as usize;
+                    if self.loads[r] < self.loads[self.shard(owner_shard).rank as usize] {
+                        owner_shard = s;
+                    }
+                }
+            }
+            let owner = self.shard(owner_shard).rank;
+            self.loads[owner as usize] += reg.weight;
+            self.est_tasks[owner as usize] += 1;
+            self.est_writes[owner as usize] += reg.writes as u64;
+            let n = self.gather_parts.len() as u32 - first;
+            let elem = self.shard(owner_shard).dtype.size() as u64;
+            for k in first..first + n {
+                let (part, cell) = self.gather_parts[k as usize];
+                let h = grid.holders(cell);
+                let sender = h
+                    .iter()
+                    .copied()
+                    .find(|&s| self.shard(s).rank == owner)
+                    .unwrap_or_else(|| self.least_loaded(h));
+                let srank = self.shard(sender).rank;
+                let runs = count_runs(&part.relative_to(&reg.bx), &reg.bx.shape());
+                self.est_tasks[srank as usize] += 1;
+                self.est_writes[srank as usize] += runs;
+                if srank != owner {
+                    self.loads[srank as usize] += part.numel() * elem + runs * wr;
+                }
+                self.gather_parts[k as usize].1 = sender;
+            }
+            self.assign[ri as usize] = Assign::Gather {
+                owner_shard,
+                first,
+                n,
+            };
+            self.gathers.push(ri);
         }
         // Small replicated regions: whole, to the least loaded replica, largest first.
         small.sort_by_key(|&ri| (std::cmp::Reverse(self.regions[ri as usize].weight), ri));
@@ -1253,6 +1263,12 @@ impl<'a> Planner<'a> {
         // Params in (mesh group, id) order.
         let mut by_group: Vec<u32> = (0..np as u32).collect();
         by_group.sort_by_key(|&p| (model.mesh_group(model.params[p as usize].role), p));
+        // Gather regions by mesh group, in region (so param) order.
+        let mut group_gathers: Vec<Vec<u32>> = vec![Vec::new(); ngroups as usize];
+        for &ri in &self.gathers {
+            let pid = self.dgroup_param(self.regions[ri as usize].dgroup);
+            group_gathers[model.mesh_group(model.params[pid].role) as usize].push(ri);
+        }
         let mut gather_offs: Vec<u64> = Vec::new();
         let mut starts = vec![[0u32; 3]; nt];
         let mut gi = 0usize;
@@ -1272,23 +1288,22 @@ impl<'a> Planner<'a> {
             }
             // Class 0: gather sends (and the owners' arena space).
             gather_offs.clear();
-            for &pid in params {
-                for ri in self.region_first[pid as usize]..self.region_first[pid as usize + 1] {
-                    if let Assign::Gather {
+            let gathers = &group_gathers[g as usize];
+            for &ri in gathers {
+                if let Assign::Gather {
+                    owner_shard,
+                    first,
+                    n,
+                } = self.assign[ri as usize]
+                {
+                    let reg = &self.regions[ri as usize];
+                    gather_offs.push(self.emit_gather_sends(
+                        &mut out,
+                        reg,
                         owner_shard,
-                        first,
-                        n,
-                    } = self.assign[ri as usize]
-                    {
-                        let reg = &self.regions[ri as usize];
-                        gather_offs.push(self.emit_gather_sends(
-                            &mut out,
-                            reg,
-                            owner_shard,
-                            &self.gather_parts[first as usize..(first + n) as usize],
-                            g,
-                        ));
-                    }
+                        &self.gather_parts[first as usize..(first + n) as usize],
+                        g,
+                    ));
                 }
             }
             for (r, b) in out.builders.iter().enumerate() {
@@ -1313,15 +1328,10 @@ impl<'a> Planner<'a> {
                 starts[r][2] = b.plan.tasks.len() as u32;
             }
             // Class 2: tasks reading the gather arena.
-            let mut k = 0;
-            for &pid in params {
-                for ri in self.region_first[pid as usize]..self.region_first[pid as usize + 1] {
-                    if let Assign::Gather { owner_shard, .. } = self.assign[ri as usize] {
-                        let reg = &self.regions[ri as usize];
-                        let off = gather_offs[k];
-                        k += 1;
-                        self.emit_task(&mut out, reg, &reg.bx, owner_shard, Some(off));
-                    }
+            for (&ri, &off) in gathers.iter().zip(&gather_offs) {
+                if let Assign::Gather { owner_shard, .. } = self.assign[ri as usize] {
+                    let reg = &self.regions[ri as usize];
+                    self.emit_task(&mut out, reg, &reg.bx, owner_shard, Some(off));
                 }
             }
             let name = model.mesh_group_name(g);
