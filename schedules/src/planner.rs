@@ -24,6 +24,7 @@
 //! Pure and deterministic: no hash-map iteration, no clock, no threads.
 
 use std::collections::BTreeMap;
+use std::rc::Rc;
 
 use smallvec::SmallVec;
 
@@ -95,25 +96,34 @@ struct DGroup {
     dtype: DType,
 }
 
-/// The source grid of one parameter.
+/// The source grid of one parameter: its cells and who holds each.
 #[derive(Default)]
 struct Grid {
+    /// Where the shards cut the parameter. Parameters whose shards have the same boxes (the
+    /// experts of a layer, the layers of a model) share one.
+    cells: Rc<GridCells>,
+    /// Holders of each cell (planner shard positions), grouped as `cells.holder_first` says.
+    holders: Vec<u32>,
+}
+
+/// The cells of a grid, and its holders numbered within the parameter's own shard list.
+#[derive(Default)]
+struct GridCells {
     ndim: usize,
     cut_first: [u32; MAX_DIMS + 1],
     cuts: Vec<u32>,
     strides: [u32; MAX_DIMS],
     holder_first: Vec<u32>,
-    holders: Vec<u32>,
+    /// Holders as indices into the parameter's shard list.
+    local: Vec<u32>,
+    /// What the grid was built from: the parameter's shape and its shards' boxes, in order.
+    shape: Shape,
+    boxes: Vec<TensorBox>,
 }
 
-impl Grid {
+impl GridCells {
     fn cuts(&self, d: usize) -> &[u32] {
         &self.cuts[self.cut_first[d] as usize..self.cut_first[d + 1] as usize]
-    }
-
-    fn holders(&self, cell: u32) -> &[u32] {
-        &self.holders[self.holder_first[cell as usize] as usize
-            ..self.holder_first[cell as usize + 1] as usize]
     }
 
     /// The box of a cell.
@@ -137,6 +147,13 @@ impl Grid {
     }
 }
 
+impl Grid {
+    fn holders(&self, cell: u32) -> &[u32] {
+        let f = &self.cells.holder_first;
+        &self.holders[f[cell as usize] as usize..f[cell as usize + 1] as usize]
+    }
+}
+
 /// A dgroup's first target, as [`Planner::weight`] needs it.
 struct Reach {
     pc: Piece,
@@ -149,13 +166,18 @@ struct Reach {
     n: u64,
 }
 
-/// Buffers [`Planner::build_grid`] reuses from param to param.
+/// Buffers [`Planner::build_grid`] reuses from param to param, and the grids it built last.
 #[derive(Default)]
 struct GridScratch {
     cuts: Vec<u32>,
     pairs: Vec<(u32, u32)>,
     next: Vec<u32>,
+    /// Recently built cells, most recent first (a model repeats a handful of shardings).
+    recent: Vec<Rc<GridCells>>,
 }
+
+/// How many recent grids [`GridScratch`] keeps.
+const RECENT_GRIDS: usize = 8;
 
 /// One region: a box inside one destination group, inside one cell (or a gather region).
 #[derive(Clone, Copy)]
@@ -524,7 +546,7 @@ struct Seg {
 /// the block around it into a band.
 fn segments(grid: &Grid, d: usize, a: u32, b: u32, block: bool, out: &mut Vec<Seg>) {
     out.clear();
-    let cuts = grid.cuts(d);
+    let cuts = grid.cells.cuts(d);
     let lo = cuts.partition_point(|&c| c <= a);
     let hi = cuts.partition_point(|&c| c < b);
     let inner = &cuts[lo..hi];
@@ -533,7 +555,7 @@ fn segments(grid: &Grid, d: usize, a: u32, b: u32, block: bool, out: &mut Vec<Se
             out.push(Seg {
                 start: s,
                 end: e,
-                cell: grid.interval(d, s),
+                cell: grid.cells.interval(d, s),
             });
         }
     };
@@ -692,12 +714,49 @@ impl<'a> Planner<'a> {
     /// has tens of thousands).
     fn build_grid(&self, pid: usize, scratch: &mut GridScratch) -> Result<Grid, PlanError> {
         let p = &self.model.params[pid];
+        let idx = self.param_shards(pid);
+        let shards = &self.shards[idx.start as usize..idx.end as usize];
+        if let Some(sh) = shards.iter().find(|s| s.dtype != shards[0].dtype) {
+            return Err(PlanError::DtypeMismatch {
+                param: p.name.to_string(),
+                a: shards[0].rank,
+                b: sh.rank,
+            });
+        }
+        // Sharded like a recent parameter (the same boxes): the same cells.
+        let same = |c: &GridCells| {
+            c.shape == p.shape
+                && c.boxes.len() == shards.len()
+                && c.boxes.iter().zip(shards).all(|(b, s)| *b == s.global)
+        };
+        let cells = match scratch.recent.iter().position(|c| same(c)) {
+            Some(k) => {
+                let c = scratch.recent.remove(k);
+                scratch.recent.insert(0, c.clone());
+                c
+            }
+            None => {
+                let c = Rc::new(self.grid_cells(pid, scratch)?);
+                scratch.recent.insert(0, c.clone());
+                scratch.recent.truncate(RECENT_GRIDS);
+                c
+            }
+        };
+        let holders = cells.local.iter().map(|&j| idx.start + j).collect();
+        Ok(Grid { cells, holders })
+    }
+
+    /// The cells of param `pid`'s grid, with holders numbered within its shard list.
+    fn grid_cells(&self, pid: usize, scratch: &mut GridScratch) -> Result<GridCells, PlanError> {
+        let p = &self.model.params[pid];
         let nd = p.shape.ndim as usize;
         let idx = self.param_shards(pid);
         let shards = &self.shards[idx.start as usize..idx.end as usize];
-        let mut g = Grid {
+        let mut g = GridCells {
             ndim: nd,
-            ..Grid::default()
+            shape: p.shape,
+            boxes: shards.iter().map(|s| s.global).collect(),
+            ..GridCells::default()
         };
         let cuts = &mut scratch.cuts;
         // Dims no shard cuts (FSDP cuts dim 0 only): nothing to sort or search along them.
@@ -735,15 +794,7 @@ impl<'a> Planner<'a> {
         // (cell, shard) for every cell of every shard, in shard order.
         let pairs = &mut scratch.pairs;
         pairs.clear();
-        for s in idx.clone() {
-            let sh = self.shard(s);
-            if sh.dtype != self.shard(idx.start).dtype {
-                return Err(PlanError::DtypeMismatch {
-                    param: p.name.to_string(),
-                    a: self.shard(idx.start).rank,
-                    b: sh.rank,
-                });
-            }
+        for (j, sh) in shards.iter().enumerate() {
             let mut lo = [0u32; MAX_DIMS];
             let mut hi = [1u32; MAX_DIMS];
             for d in (0..nd).filter(|&d| !whole[d]) {
@@ -754,7 +805,7 @@ impl<'a> Planner<'a> {
             let mut i = lo;
             'cells: loop {
                 let cell: u32 = (0..nd).map(|d| i[d] * g.strides[d]).sum();
-                pairs.push((cell, s));
+                pairs.push((cell, j as u32));
                 let mut d = nd;
                 loop {
                     if d == 0 {
@@ -776,7 +827,7 @@ impl<'a> Planner<'a> {
         }
         for c in 0..ncells as usize {
             if g.holder_first[c + 1] == 0 {
-                let mut holders: Vec<u32> = idx.clone().map(|s| self.shard(s).rank).collect();
+                let mut holders: Vec<u32> = shards.iter().map(|s| s.rank).collect();
                 holders.sort_unstable();
                 holders.dedup();
                 let shown: Vec<String> = holders.iter().take(16).map(|r| r.to_string()).collect();
@@ -794,12 +845,12 @@ impl<'a> Planner<'a> {
             }
             g.holder_first[c + 1] += g.holder_first[c];
         }
-        g.holders = vec![0; pairs.len()];
+        g.local = vec![0; pairs.len()];
         let next = &mut scratch.next;
         next.clear();
         next.extend_from_slice(&g.holder_first[..ncells as usize]);
-        for &(c, s) in pairs.iter() {
-            g.holders[next[c as usize] as usize] = s;
+        for &(c, j) in pairs.iter() {
+            g.local[next[c as usize] as usize] = j;
             next[c as usize] += 1;
         }
         Ok(g)
@@ -861,7 +912,7 @@ impl<'a> Planner<'a> {
                 continue;
             }
             let grid = self.build_grid(pid, &mut scratch)?;
-            let nd = grid.ndim;
+            let nd = grid.cells.ndim;
             for dgi in d0..d1 {
                 let dg = &self.dgroups[dgi as usize];
                 let reach = self.reach(dg);
@@ -901,7 +952,7 @@ impl<'a> Planner<'a> {
                         if s.cell == GATHER || cell == GATHER {
                             cell = GATHER;
                         } else {
-                            cell += s.cell * grid.strides[d];
+                            cell += s.cell * grid.cells.strides[d];
                         }
                     }
                     let (w, wrs) = self.weight(&reach, &r);
@@ -983,19 +1034,20 @@ impl<'a> Planner<'a> {
                 continue;
             }
             // Gather region: parts = cells it touches.
-            let nd = grid.ndim;
+            let nd = grid.cells.ndim;
             let mut lo = [0u32; MAX_DIMS];
             let mut hi = [0u32; MAX_DIMS];
             for d in 0..nd {
-                lo[d] = grid.interval(d, reg.bx.start[d]);
-                hi[d] = grid.interval(d, reg.bx.end(d) - 1) + 1;
+                lo[d] = grid.cells.interval(d, reg.bx.start[d]);
+                hi[d] = grid.cells.interval(d, reg.bx.end(d) - 1) + 1;
             }
             let first = self.gather_parts.len() as u32;
             let mut best: Option<(u64, u32)> = None;
             let mut i = lo;
             'cells: loop {
-                let cell: u32 = (0..nd).map(|d| i[d] * grid.strides[d]).sum();
+                let cell: u32 = (0..nd).map(|d| i[d] * grid.cells.strides[d]).sum();
                 let part = grid
+                    .cells
                     .cell_box(cell)
                     .intersect(&reg.bx)
                     .expect("cells in range intersect");

@@ -82,7 +82,9 @@ pub const FP8_BLOCK: u32 = 128;
 pub const TRAINER_GATHER_MR: u16 = 0;
 
 /// A tensor shape: up to [`MAX_DIMS`] dimensions, row-major.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize,
+)]
 pub struct Shape {
     /// Number of dimensions in use (0 = scalar).
     pub ndim: u8,
