@@ -237,6 +237,8 @@ struct Planner<'a> {
     loads: Vec<u64>,
     /// Inference ranks with identical tensor layouts share a class (same id).
     layout_class: Vec<u32>,
+    /// What one work request costs, in bytes of bandwidth ([`CostModel::wr_equiv_bytes`]).
+    wr_bytes: u64,
     /// Expected tasks and writes per trainer (capacity hints).
     est_tasks: Vec<u64>,
     est_writes: Vec<u64>,
@@ -697,6 +699,7 @@ impl<'a> Planner<'a> {
             est_tasks: vec![0; train.ranks as usize],
             est_writes: vec![0; train.ranks as usize],
             layout_class: layout_classes(infer),
+            wr_bytes: cost.wr_equiv_bytes(),
         })
     }
 
@@ -890,10 +893,7 @@ impl<'a> Planner<'a> {
             wrs += count_runs(&sb, &ss);
             bytes += sb.numel() * 4;
         }
-        (
-            (bytes + wrs * self.cost.wr_equiv_bytes()) * reach.n,
-            wrs * reach.n,
-        )
+        ((bytes + wrs * self.wr_bytes) * reach.n, wrs * reach.n)
     }
 
     /// Pass 1: grids and regions; single-replica loads.
@@ -924,7 +924,7 @@ impl<'a> Planner<'a> {
                 // Many tiny regions (a norm cut over 128 ranks): gather the box to one owner
                 // so each destination gets one write instead of one per source.
                 let nregions: usize = segs[..nd].iter().map(Vec::len).product();
-                let wr = self.cost.wr_equiv_bytes();
+                let wr = self.wr_bytes;
                 let dgr = &self.dgroups[dgi as usize];
                 let out_bytes = bx.numel() * dgr.dtype.size() as u64;
                 let src_bytes = bx.numel() * self.model.params[pid].dtype.size() as u64;
@@ -1017,7 +1017,7 @@ impl<'a> Planner<'a> {
     }
 
     fn assign_with(&mut self, grids: &[Grid]) {
-        let wr = self.cost.wr_equiv_bytes();
+        let wr = self.wr_bytes;
         let mut small: Vec<u32> = Vec::new();
         let mut big: Vec<u32> = Vec::new();
         // Gathers first (single holders were fixed by `analyse`), in region order.

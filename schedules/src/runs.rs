@@ -15,8 +15,10 @@ use crate::table::{Shape, TensorBox, MAX_DIMS};
 fn split(bx: &TensorBox, shape: &Shape) -> Option<(u64, [u64; MAX_DIMS], usize, u64)> {
     // Every index below is then provably in bounds.
     let nd = (bx.ndim as usize).min(MAX_DIMS);
-    if bx.len[..nd].contains(&0) {
-        return None;
+    for d in 0..nd {
+        if bx.len[d] == 0 {
+            return None;
+        }
     }
     if nd == 0 {
         return Some((0, [0; MAX_DIMS], 0, 1));
@@ -41,14 +43,21 @@ fn split(bx: &TensorBox, shape: &Shape) -> Option<(u64, [u64; MAX_DIMS], usize, 
 #[inline]
 pub fn count_runs(bx: &TensorBox, shape: &Shape) -> u64 {
     let nd = (bx.ndim as usize).min(MAX_DIMS);
-    if bx.len[..nd].contains(&0) {
-        return 0;
+    // Plain indexed loops: this runs for every region and target of a large model.
+    let mut runs = 1u64;
+    for d in 0..nd {
+        if bx.len[d] == 0 {
+            return 0;
+        }
     }
     let mut k = nd.saturating_sub(1);
     while k > 0 && bx.len[k] == shape.dims[k] && bx.start[k] == 0 {
         k -= 1;
     }
-    bx.len[..k].iter().map(|&l| l as u64).product()
+    for d in 0..k {
+        runs *= bx.len[d] as u64;
+    }
+    runs
 }
 
 /// Calls `f(src_offset, dst_offset, len)` (bytes) for each run of box `bx` (in `shape`'s
