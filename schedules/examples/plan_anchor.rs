@@ -72,7 +72,9 @@ fn main() -> Result<(), PlanError> {
             .map(|t| t.params.len() + t.shards.len())
             .sum();
         println!(
-            "stored: {k} tasks, {w} writes, {c} copies, {rt} rollout tensors, {ps} params+shards"
+            "stored: {k} tasks, {w} writes, {c} copies, {rt} rollout tensors, {ps} params+shards; inputs: {} pieces, {} shards",
+            i.pieces.len(),
+            t.shards.len()
         );
     }
     if std::env::var_os("BY_KIND").is_some() {

@@ -72,7 +72,7 @@ use crate::error::PlanError;
 
 /// Most dimensions a tensor may have here: experts stacked over a 2-D weight (and their fp8
 /// scales) need 3, and no supported family has more. Every box and shape in the table carries
-/// this many slots, so one more would cost every task 24 bytes (152 instead of 128).
+/// this many slots, so one more would cost every task 8 bytes (80 instead of 72).
 pub const MAX_DIMS: usize = 3;
 
 /// Edge of a quantisation block, in elements, along each of the last two dimensions.

@@ -27,7 +27,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use weightsync_common::fabric::{Access, FabricBackend, Region, RegionDescriptor};
-use weightsync_schedules::table::{Endpoint, TrainerPlan};
+use weightsync_schedules::table::{Endpoint, TrainerPlan, MAX_DIMS};
 
 use crate::checksum::RunChecksum;
 use crate::error::{Result, WorkerError};
@@ -233,10 +233,26 @@ impl<F: FabricBackend> TrainerWorker<F> {
             });
         }
         for s in &plan.shards {
-            if s.offset + s.bytes() > have {
+            // A decoded plan is not trusted: size the shard without overflowing or panicking.
+            let n = s.global.ndim as usize;
+            let end = (n <= MAX_DIMS)
+                .then(|| {
+                    s.global.len[..n]
+                        .iter()
+                        .try_fold(s.dtype.size() as u64, |acc, &l| acc.checked_mul(l as u64))
+                })
+                .flatten()
+                .and_then(|bytes| s.offset.checked_add(bytes));
+            let Some(end) = end else {
+                return Err(WorkerError::InvalidPlan(format!(
+                    "shard of {} has a box of {n} dims too large to address",
+                    piece::param_name(&plan, s.param)
+                )));
+            };
+            if end > have {
                 return Err(WorkerError::SourceTooShort {
                     what: format!("shard of {}", piece::param_name(&plan, s.param)),
-                    need: s.offset + s.bytes(),
+                    need: end,
                     have,
                 });
             }
@@ -257,7 +273,8 @@ impl<F: FabricBackend> TrainerWorker<F> {
             .collect::<Result<Vec<_>>>()?;
         for (i, t) in plan.tasks.iter().enumerate() {
             if let weightsync_schedules::table::Source::Gather { offset } = t.source {
-                let end = offset + t.source_bytes();
+                // The region's size was checked by TaskShape::of; the offset is as decoded.
+                let end = offset.saturating_add(t.source_bytes());
                 if end > plan.gather_arena_bytes {
                     return Err(WorkerError::InvalidPlan(format!(
                         "task {i} reads gather bytes up to {end}, the gather arena has {}",

@@ -17,7 +17,7 @@
 //! carries it, and that part is posted only after every earlier part completed (see
 //! `pipeline`). All of this is computed once, when the worker is built, not per sync.
 
-use weightsync_schedules::table::{Source, Task, TrainerPlan, Transform, FP8_BLOCK};
+use weightsync_schedules::table::{Source, Task, TrainerPlan, Transform, FP8_BLOCK, MAX_DIMS};
 
 use crate::error::{Result, WorkerError};
 use crate::watermark::aligned;
@@ -128,6 +128,10 @@ pub(crate) struct Piece {
     pub parts: Vec<Part>,
 }
 
+/// Most elements one task may cover (2^40: 4 TiB of f32, beyond any tensor of any model), so
+/// byte counts derived from a decoded region cannot overflow.
+const MAX_TASK_ELEMS: u64 = 1 << 40;
+
 /// Element sizes and grain of a task, after checking the transform against its source.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct TaskShape {
@@ -147,6 +151,22 @@ impl TaskShape {
         let param = param_name(plan, task.param);
         let invalid =
             |why: String| WorkerError::InvalidPlan(format!("task {index} ({param}): {why}"));
+        // Everything below sizes buffers from the region: refuse a malformed one first (a
+        // decoded table is not trusted to be one the planner made).
+        if n > MAX_DIMS {
+            return Err(invalid(format!(
+                "region has {n} dims, at most {MAX_DIMS} are supported"
+            )));
+        }
+        let elems = region.len[..n]
+            .iter()
+            .try_fold(1u64, |acc, &l| acc.checked_mul(l as u64))
+            .filter(|&e| e <= MAX_TASK_ELEMS);
+        if elems.is_none() {
+            return Err(invalid(format!(
+                "region {region} has more than {MAX_TASK_ELEMS} elements"
+            )));
+        }
         let (in_dtype, out_dtype) = (task.transform.input_dtype(), task.transform.output_dtype());
         let fp8 = matches!(task.transform, Transform::Fp8Block { .. });
         if fp8 && n < 2 {
@@ -558,6 +578,15 @@ mod tests {
             err.to_string().contains("does not lie in its shard"),
             "{err}"
         );
+        // A region with more dims than a box holds, and one too large to size.
+        let mut plan = one_task_plan(4, 4, Transform::Copy { dtype: DType::BF16 }, 32);
+        plan.tasks[0].region.ndim = 7;
+        let err = TaskShape::of(&plan.tasks[0], 0, &plan).unwrap_err();
+        assert!(err.to_string().contains("region has 7 dims"), "{err}");
+        let mut plan = one_task_plan(4, 4, Transform::Copy { dtype: DType::BF16 }, 32);
+        plan.tasks[0].region = TensorBox::new(&[0, 0], &[u32::MAX, u32::MAX]);
+        let err = TaskShape::of(&plan.tasks[0], 0, &plan).unwrap_err();
+        assert!(err.to_string().contains("more than"), "{err}");
         // A write reading past the prepared output.
         let mut plan = one_task_plan(4, 4, Transform::Copy { dtype: DType::BF16 }, 32);
         plan.writes[0].len = 33;

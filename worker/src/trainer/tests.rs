@@ -393,6 +393,20 @@ async fn bad_input_is_refused_before_anything_is_written() {
             .contains("source holds bf16 but the transform reads f32"),
         "{err}"
     );
+    // A shard whose box cannot be addressed (as a corrupt or hostile plan could carry).
+    for (ndim, len) in [(9u8, [2, 2, 2]), (3, [u32::MAX, u32::MAX, u32::MAX])] {
+        let mut bad = tp.clone();
+        bad.shards[1].global.ndim = ndim;
+        bad.shards[1].global.len = len;
+        let err = TrainerWorker::new(
+            fab.clone(),
+            src.clone(),
+            bad,
+            TrainerConfig::new("t", 1 << 20),
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("too large to address"), "{err}");
+    }
     // Watermark below one fp8 block strip.
     let err = TrainerWorker::new(
         fab.clone(),
