@@ -152,3 +152,21 @@ fn dense_hsdp_to_tp4_bf16() {
         InferDType::Bf16,
     );
 }
+
+/// The committed `routing_table` fuzz seeds are tables of the current format (rewrite them with
+/// `FUZZ_SEEDS`, see the module docs, when it changes).
+#[test]
+fn routing_table_fuzz_seeds_decode_in_the_current_format() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/fuzz/corpus/routing_table");
+    let mut checked = 0;
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        let table = RoutingTable::from_bincode(&std::fs::read(&path).unwrap())
+            .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        for rank in 0..table.trainers.len() as u32 {
+            table.slice(rank).unwrap();
+        }
+        checked += 1;
+    }
+    assert!(checked >= 2, "only {checked} seeds in {dir}");
+}
