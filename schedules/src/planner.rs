@@ -145,6 +145,29 @@ impl GridCells {
         let c = self.cuts(d);
         (c.partition_point(|&v| v <= x) - 1) as u32
     }
+
+    /// Calls `f(cell)` for every cell whose interval along each dim `d` is in `lo[d]..hi[d]`,
+    /// in cell order (`lo < hi` along every dim).
+    fn for_each_cell(&self, lo: [u32; MAX_DIMS], hi: [u32; MAX_DIMS], mut f: impl FnMut(u32)) {
+        let nd = self.ndim;
+        let mut i = lo;
+        loop {
+            f((0..nd).map(|d| i[d] * self.strides[d]).sum());
+            // Advance the odometer; done when every dim wrapped.
+            let mut d = nd;
+            loop {
+                if d == 0 {
+                    return;
+                }
+                d -= 1;
+                i[d] += 1;
+                if i[d] < hi[d] {
+                    break;
+                }
+                i[d] = lo[d];
+            }
+        }
+    }
 }
 
 impl Grid {
@@ -805,23 +828,7 @@ impl<'a> Planner<'a> {
                 lo[d] = c.partition_point(|&v| v < sh.global.start[d]) as u32;
                 hi[d] = c.partition_point(|&v| v < sh.global.end(d)) as u32;
             }
-            let mut i = lo;
-            'cells: loop {
-                let cell: u32 = (0..nd).map(|d| i[d] * g.strides[d]).sum();
-                pairs.push((cell, j as u32));
-                let mut d = nd;
-                loop {
-                    if d == 0 {
-                        break 'cells;
-                    }
-                    d -= 1;
-                    i[d] += 1;
-                    if i[d] < hi[d] {
-                        break;
-                    }
-                    i[d] = lo[d];
-                }
-            }
+            g.for_each_cell(lo, hi, |cell| pairs.push((cell, j as u32)));
         }
         // Holders grouped by cell, each cell's in shard order: a counting sort.
         g.holder_first = vec![0; ncells as usize + 1];
@@ -1043,9 +1050,8 @@ impl<'a> Planner<'a> {
             }
             let first = self.gather_parts.len() as u32;
             let mut best: Option<(u64, u32)> = None;
-            let mut i = lo;
-            'cells: loop {
-                let cell: u32 = (0..nd).map(|d| i[d] * grid.cells.strides[d]).sum();
+            let parts = &mut self.gather_parts;
+            grid.cells.for_each_cell(lo, hi, |cell| {
                 let part = grid
                     .cells
                     .cell_box(cell)
@@ -1054,20 +1060,8 @@ impl<'a> Planner<'a> {
                 if best.is_none_or(|(n, _)| part.numel() > n) {
                     best = Some((part.numel(), cell));
                 }
-                self.gather_parts.push((part, cell));
-                let mut d = nd;
-                loop {
-                    if d == 0 {
-                        break 'cells;
-                    }
-                    d -= 1;
-                    i[d] += 1;
-                    if i[d] < hi[d] {
-                        break;
-                    }
-                    i[d] = lo[d];
-                }
-            }
+                parts.push((part, cell));
+            });
             // Owner: the least loaded rank holding any part (ties: the holder of the
             // largest part, which then has the least to receive). Choosing only among the
             // largest part's holders would pin every such region of every layer on the same

@@ -377,20 +377,23 @@ async fn bad_input_is_refused_before_anything_is_written() {
     )
     .unwrap_err();
     assert!(matches!(err, WorkerError::SourceTooShort { .. }), "{err}");
+    let src: Arc<Vec<u8>> = Arc::new(source_bytes(0));
+    let refused = |plan: TrainerPlan| {
+        TrainerWorker::new(
+            fab.clone(),
+            src.clone(),
+            plan,
+            TrainerConfig::new("t", 1 << 20),
+        )
+        .unwrap_err()
+        .to_string()
+    };
     // dtype mismatch.
     let mut bad = tp.clone();
     bad.shards[1].dtype = DType::BF16;
-    let src: Arc<Vec<u8>> = Arc::new(source_bytes(0));
-    let err = TrainerWorker::new(
-        fab.clone(),
-        src.clone(),
-        bad,
-        TrainerConfig::new("t", 1 << 20),
-    )
-    .unwrap_err();
+    let err = refused(bad);
     assert!(
-        err.to_string()
-            .contains("source holds bf16 but the transform reads f32"),
+        err.contains("source holds bf16 but the transform reads f32"),
         "{err}"
     );
     // A shard whose box cannot be addressed (as a corrupt or hostile plan could carry).
@@ -398,14 +401,8 @@ async fn bad_input_is_refused_before_anything_is_written() {
         let mut bad = tp.clone();
         bad.shards[1].global.ndim = ndim;
         bad.shards[1].global.len = len;
-        let err = TrainerWorker::new(
-            fab.clone(),
-            src.clone(),
-            bad,
-            TrainerConfig::new("t", 1 << 20),
-        )
-        .unwrap_err();
-        assert!(err.to_string().contains("too large to address"), "{err}");
+        let err = refused(bad);
+        assert!(err.contains("too large to address"), "{err}");
     }
     // Watermark below one fp8 block strip.
     let err = TrainerWorker::new(
