@@ -1185,20 +1185,33 @@ mod tests {
         c
     }
 
-    fn failed_by_trainer(c: &mut Coordinator, id: u64, now: Instant) {
+    /// A `Failed` report of sync `id` (version 1), as the worker on `conn` sends it.
+    fn failed(c: &mut Coordinator, conn: u64, id: u64, cause: &str, now: Instant) -> Effects {
         c.message(
-            1,
+            conn,
             FromWorker::Failed {
                 sync_id: id,
                 version: 1,
                 failure: Failure {
                     worker: WorkerId::trainer(u32::MAX),
                     tensor: None,
-                    cause: "write to rollout-0 failed: disconnected".into(),
+                    cause: cause.into(),
                 },
             },
             now,
-        );
+        )
+    }
+
+    fn failed_by_trainer(c: &mut Coordinator, id: u64, now: Instant) {
+        failed(c, 1, id, "write to rollout-0 failed: disconnected", now);
+    }
+
+    /// Triggers `version`, which must create a new sync; its id.
+    fn created(c: &mut Coordinator, version: u64, t: Instant) -> u64 {
+        let (Triggered::Created(id), _) = c.trigger(version, t).unwrap() else {
+            panic!("not created")
+        };
+        id
     }
 
     fn registration(id: WorkerId) -> Registration {
@@ -1215,9 +1228,7 @@ mod tests {
 
     /// Triggers `version` and answers `Prepared` from both workers: trainers got `Start`.
     fn running(c: &mut Coordinator, version: u64, t: Instant) -> u64 {
-        let (Triggered::Created(id), _) = c.trigger(version, t).unwrap() else {
-            panic!("not created")
-        };
+        let id = created(c, version, t);
         let mut starts = 0;
         for conn in [1, 2] {
             let fx = c.message(
@@ -1307,9 +1318,7 @@ mod tests {
     fn a_sync_that_failed_before_start_needs_no_drain() {
         let mut c = coordinator(0);
         let t = Instant::now();
-        let (Triggered::Created(id), _) = c.trigger(1, t).unwrap() else {
-            panic!()
-        };
+        let id = created(&mut c, 1, t);
         failed_by_trainer(&mut c, id, t);
         assert!(c.draining().is_none(), "no trainer was told to write");
         let (_, fx) = c.trigger(2, t).unwrap();
@@ -1322,9 +1331,7 @@ mod tests {
         let t0 = Instant::now();
         let id = running(&mut c, 1, t0);
         failed_by_trainer(&mut c, id, t0);
-        let (Triggered::Created(next), _) = c.trigger(2, t0).unwrap() else {
-            panic!()
-        };
+        let next = created(&mut c, 2, t0);
         // Both stay alive (heartbeats), but trainer-0 never answers the abort.
         let late = t0 + Duration::from_millis(900);
         c.message(1, FromWorker::Heartbeat { seq: 1 }, late);
@@ -1359,19 +1366,7 @@ mod tests {
         let t = Instant::now();
         let id = running(&mut c, 1, t);
         // The rollout fails the sync; then trainer-0's connection drops before it drained.
-        c.message(
-            2,
-            FromWorker::Failed {
-                sync_id: id,
-                version: 1,
-                failure: Failure {
-                    worker: WorkerId::trainer(u32::MAX),
-                    tensor: None,
-                    cause: "landing timed out".into(),
-                },
-            },
-            t,
-        );
+        failed(&mut c, 2, id, "landing timed out", t);
         assert!(c.draining().is_some());
         c.disconnect(1, "connection closed", t);
         assert!(c.draining().is_none());
@@ -1385,9 +1380,7 @@ mod tests {
     fn a_peer_disconnect_within_the_grace_period_is_named_as_the_cause() {
         let mut c = coordinator(300);
         let t0 = Instant::now();
-        let (Triggered::Created(id), _) = c.trigger(1, t0).unwrap() else {
-            panic!()
-        };
+        let id = created(&mut c, 1, t0);
         failed_by_trainer(&mut c, id, t0);
         assert_eq!(
             c.sync(id).unwrap().state,
@@ -1404,9 +1397,7 @@ mod tests {
     fn a_failure_report_stands_after_the_grace_period_and_a_failed_version_can_be_retried() {
         let mut c = coordinator(300);
         let t0 = Instant::now();
-        let (Triggered::Created(id), _) = c.trigger(1, t0).unwrap() else {
-            panic!()
-        };
+        let id = created(&mut c, 1, t0);
         failed_by_trainer(&mut c, id, t0);
         c.tick(t0 + Duration::from_millis(400));
         let s = c.sync(id).unwrap();
@@ -1422,9 +1413,7 @@ mod tests {
         let mut c = coordinator(0);
         let mut t = Instant::now();
         for v in 1..=5u64 {
-            let (Triggered::Created(id), _) = c.trigger(v, t).unwrap() else {
-                panic!()
-            };
+            let id = created(&mut c, v, t);
             for conn in [1, 2] {
                 c.message(
                     conn,
@@ -1468,9 +1457,7 @@ mod tests {
     fn the_sync_timeout_names_who_it_waited_for() {
         let mut c = coordinator(0);
         let t0 = Instant::now();
-        let (Triggered::Created(id), _) = c.trigger(1, t0).unwrap() else {
-            panic!()
-        };
+        let id = created(&mut c, 1, t0);
         c.message(
             1,
             FromWorker::Heartbeat { seq: 1 },
