@@ -1119,25 +1119,10 @@ impl Coordinator {
                 last_seen_ms_ago: now.saturating_duration_since(m.last_seen).as_millis() as u64,
                 tensors: m.reg.tensors.len(),
                 bytes: m.reg.tensors.iter().map(|t| t.bytes).sum(),
-                last_gbps: last_sync.and_then(|s| lane_gbps(s, w)),
+                last_gbps: last_sync.and_then(|s| crate::sync_record::lane_gbps(s, w)),
             })
             .collect()
     }
-}
-
-/// A lane's rate: its bytes over its transfer window (first transfer-side span to its
-/// written / landed report), leaving out source refresh, arming and verification.
-pub fn lane_gbps(s: &SyncRecord, w: &WorkerId) -> Option<f64> {
-    use weightsync_common::protocol::Stage;
-    let l = s.lanes.get(w)?;
-    let start = l
-        .spans
-        .iter()
-        .filter(|x| !matches!(x.stage, Stage::Source | Stage::Verify | Stage::Arm))
-        .map(|x| x.start_ns)
-        .min()?;
-    let end = l.part_done_ns.or(l.done_ns)?;
-    (end > start && l.bytes > 0).then(|| l.bytes as f64 / ((end - start) as f64 / 1e9) / 1e9)
 }
 
 #[cfg(test)]

@@ -1,5 +1,5 @@
 //! The controller service: the shared state behind the HTTP API and the control channel, the
-//! I/O that carries out the coordinator's [`Effects`], and [`run`].
+//! I/O that carries out the coordinator's [`Effects`]; [`crate::server::run`] serves it.
 //!
 //! Every input (a frame from a worker, a closed connection, an HTTP trigger, a clock tick) takes
 //! the coordinator's lock for the duration of one pure step, then the effects are delivered by
@@ -7,7 +7,6 @@
 //! outbox is full is too slow to be part of the world and is disconnected.
 
 use std::collections::HashMap;
-use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -16,11 +15,11 @@ use parking_lot::Mutex;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, watch, Semaphore};
 use weightsync_common::protocol::{
-    auth, read_frame, write_frame, FromWorker, ToWorker, DEFAULT_MAX_FRAME,
+    auth, read_frame, write_frame, FromWorker, ToWorker, WorldSpec, DEFAULT_MAX_FRAME,
 };
 
 use crate::coordinator::{ConnId, Coordinator, CoordinatorConfig, Effects};
-use crate::http::metrics::Metrics;
+use crate::metrics::Metrics;
 use crate::planning::Planner;
 
 /// Controller settings beyond the coordinator's.
@@ -43,6 +42,36 @@ pub struct ControllerConfig {
 }
 
 impl ControllerConfig {
+    /// The configuration of a controller for `world`: it expects the workers the job's layouts
+    /// imply (built here, so a bad statement is refused at start), asks them for a heartbeat a
+    /// fifth of `heartbeat_timeout`, and waits 300 ms for a peer's disconnect before a failure
+    /// report fails a sync.
+    pub fn for_job(
+        world: WorldSpec,
+        job_token: String,
+        api_token: String,
+        heartbeat_timeout: Duration,
+        sync_timeout: Duration,
+        history: usize,
+    ) -> Result<ControllerConfig, JobConfigError> {
+        let text = world.read_model_config()?;
+        let layouts = weightsync_schedules::job::layouts(&world, text.as_deref())?;
+        Ok(ControllerConfig::new(
+            CoordinatorConfig {
+                world,
+                trainers: layouts.train.ranks,
+                rollouts: layouts.infer.ranks.len() as u32,
+                heartbeat_interval: (heartbeat_timeout / 5).max(Duration::from_millis(50)),
+                heartbeat_timeout,
+                sync_timeout,
+                failure_grace: Duration::from_millis(300),
+                history,
+            },
+            job_token,
+            api_token,
+        ))
+    }
+
     /// Defaults for everything but the job.
     pub fn new(coordinator: CoordinatorConfig, job_token: String, api_token: String) -> Self {
         ControllerConfig {
@@ -55,6 +84,18 @@ impl ControllerConfig {
             shutdown_workers: false,
         }
     }
+}
+
+/// Why a job's controller configuration could not be built.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum JobConfigError {
+    /// The model's config.json could not be read.
+    #[error(transparent)]
+    ModelConfig(#[from] std::io::Error),
+    /// The job's statement does not make a job.
+    #[error(transparent)]
+    Job(#[from] weightsync_schedules::job::JobError),
 }
 
 enum Outgoing {
@@ -337,36 +378,5 @@ pub async fn tick(state: AppState, mut shutdown: watch::Receiver<bool>) {
             _ = shutdown.changed() => break,
             _ = every.tick() => state.step(|c| ((), c.tick(Instant::now()))),
         }
-    }
-}
-
-/// Runs the controller: the HTTP API and dashboard on `http`, the control channel on `control`,
-/// and the timeout clock, until `shutdown` resolves.
-pub async fn run(
-    http: TcpListener,
-    control: TcpListener,
-    state: AppState,
-    shutdown: impl Future<Output = ()> + Send + 'static,
-) -> std::io::Result<()> {
-    let (stop_tx, stop_rx) = watch::channel(false);
-    let control_task = tokio::spawn(serve_control(control, state.clone(), stop_rx.clone()));
-    let tick_task = tokio::spawn(tick(state.clone(), stop_rx.clone()));
-    let mut http_stop = stop_rx.clone();
-    let app = crate::http::app(state.clone());
-    let server = axum::serve(http, app).with_graceful_shutdown(async move {
-        let _ = http_stop.changed().await;
-    });
-    let server = tokio::spawn(async move { server.await });
-    shutdown.await;
-    if state.config().shutdown_workers {
-        state.shutdown_workers();
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    let _ = stop_tx.send(true);
-    let _ = control_task.await;
-    let _ = tick_task.await;
-    match tokio::time::timeout(Duration::from_secs(5), server).await {
-        Ok(Ok(r)) => r,
-        _ => Ok(()),
     }
 }

@@ -363,3 +363,17 @@ pub struct SyncView {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub lanes: Option<Vec<LaneView>>,
 }
+
+/// A lane's rate: its bytes over its transfer window (first transfer-side span to its
+/// written / landed report), leaving out source refresh, arming and verification.
+pub fn lane_gbps(s: &SyncRecord, w: &WorkerId) -> Option<f64> {
+    let l = s.lanes.get(w)?;
+    let start = l
+        .spans
+        .iter()
+        .filter(|x| !matches!(x.stage, Stage::Source | Stage::Verify | Stage::Arm))
+        .map(|x| x.start_ns)
+        .min()?;
+    let end = l.part_done_ns.or(l.done_ns)?;
+    (end > start && l.bytes > 0).then(|| l.bytes as f64 / ((end - start) as f64 / 1e9) / 1e9)
+}

@@ -12,6 +12,8 @@
 //! - [`layout_infer`]: inference layouts (`tp=8,ep=32,dp=4`, bf16 or fp8) as engine tensors.
 //! - [`planner`]: [`plan`] itself; [`balance`] spreads replicated data; [`runs`] merges writes.
 //! - [`cost`]: the cost model; [`summary`]: the figures `weightsync plan` prints.
+//! - [`job`]: what a job's statement (`WorldSpec`) means: its layouts, its plan, its size, one
+//!   rollout's own tensors.
 //! - [`error`]: [`PlanError`], what can go wrong.
 //!
 //! # Example
@@ -30,6 +32,7 @@ pub mod baseline;
 pub mod cost;
 pub mod error;
 pub mod fanout;
+pub mod job;
 pub mod layout_infer;
 pub mod layout_train;
 pub mod model;

@@ -8,14 +8,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use weightsync_agent::{AgentConfig, DriverError, DriverInfo, Outcome, SyncDriver, SyncRef};
 use weightsync_common::protocol::{
     Assignment, Blob, FromWorker, Registration, Stage, TensorMeta, TimelineEvent, UnitChecksum,
     WorkerId, WorkerReport, WorldSpec,
 };
 use weightsync_common::DType;
-use weightsync_controller::agent::{
-    AgentConfig, DriverError, DriverInfo, Outcome, SyncDriver, SyncRef,
-};
 use weightsync_controller::coordinator::{ConnId, CoordinatorConfig};
 use weightsync_controller::planning::NullPlanner;
 use weightsync_controller::{AppState, ControllerConfig};
@@ -257,7 +255,7 @@ pub fn agent_config(control: SocketAddr, id: WorkerId, verify: bool) -> AgentCon
         host: "localhost".into(),
         world: world(verify),
         reconnect_for: Duration::from_secs(5),
-        max_frame: weightsync_controller::agent::AGENT_MAX_FRAME,
+        max_frame: weightsync_agent::AGENT_MAX_FRAME,
     }
 }
 

@@ -4,10 +4,10 @@
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use weightsync_agent::run_agent;
 use weightsync_common::protocol::{
     auth, read_frame, write_frame, FromWorker, Role, ToWorker, WorkerId, DEFAULT_MAX_FRAME,
 };
-use weightsync_controller::agent::run_agent;
 use weightsync_controller::sync_record::SyncState;
 use weightsync_tests::controller_harness::*;
 
@@ -15,7 +15,7 @@ fn spawn_agent(
     ctl: &ServedController,
     id: WorkerId,
     driver: ScriptedDriver,
-) -> tokio::task::JoinHandle<Result<(), weightsync_controller::agent::AgentError>> {
+) -> tokio::task::JoinHandle<Result<(), weightsync_agent::AgentError>> {
     let verify = ctl.state.config().coordinator.world.verify;
     tokio::spawn(run_agent(agent_config(ctl.control, id, verify), driver))
 }

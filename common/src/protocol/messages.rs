@@ -128,6 +128,20 @@ pub struct WorldSpec {
     pub verify: bool,
 }
 
+impl WorldSpec {
+    /// The text of the model's `config.json` when [`model`](Self::model) names a file; `None`
+    /// when it is a preset name. (The planner is pure: whoever builds the job reads the file.)
+    pub fn read_model_config(&self) -> std::io::Result<Option<String>> {
+        let path = std::path::Path::new(&self.model);
+        if !path.is_file() {
+            return Ok(None);
+        }
+        std::fs::read_to_string(path)
+            .map(Some)
+            .map_err(|e| std::io::Error::new(e.kind(), format!("reading {}: {e}", self.model)))
+    }
+}
+
 /// Shape and size of one tensor a worker holds (a training shard or an inference tensor).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TensorMeta {

@@ -18,7 +18,6 @@
 
 pub mod dashboard;
 pub mod error;
-pub mod metrics;
 pub mod trace;
 
 use std::time::{Duration, Instant};

@@ -25,9 +25,9 @@ use weightsync_worker::trainer::{
 use tokio::sync::oneshot;
 use weightsync_worker::error::WorkerError;
 
-use super::demo_weights::fill_trainer_arena;
-use super::driver::{DriverError, DriverInfo, Outcome, SyncDriver, SyncRef};
-use crate::routing;
+use crate::demo_weights::fill_trainer_arena;
+use crate::driver::{DriverError, DriverInfo, Outcome, SyncDriver, SyncRef};
+use weightsync_schedules::job;
 
 /// Where a trainer's source weights come from.
 #[derive(Debug, Clone)]
@@ -105,7 +105,8 @@ impl TrainerDriver {
     /// Plans, attaches the source and registers memory.
     pub async fn new(cfg: TrainerDriverConfig) -> Result<TrainerDriver, DriverError> {
         let fabric = Fabric::start(&cfg.fabric).await.map_err(err)?;
-        let job = routing::job(&cfg.world).map_err(err)?;
+        let config_text = cfg.world.read_model_config().map_err(err)?;
+        let job = job::plan_job(&cfg.world, config_text.as_deref()).map_err(err)?;
         let plan = job.table.slice(cfg.rank).map_err(err)?;
         let name = WorkerId::trainer(cfg.rank).to_string();
         let (source, arena): (Arc<dyn SourceView>, _) = match &cfg.source {

@@ -14,9 +14,9 @@ use weightsync_common::fabric::{FabricConfig, JobToken};
 use weightsync_common::protocol::{Role, WorkerId, WorldSpec};
 use weightsync_common::DType;
 
-use super::rollout::RolloutDriverConfig;
-use super::trainer::{SourceSpec, TrainerDriverConfig};
-use super::AgentConfig;
+use crate::control::AgentConfig;
+use crate::rollout::RolloutDriverConfig;
+use crate::trainer::{SourceSpec, TrainerDriverConfig};
 
 /// Everything a worker can be told, each optional (the TOML file has the same keys).
 #[derive(Debug, Clone, Default, Deserialize, clap::Args)]
@@ -169,7 +169,7 @@ pub fn resolve(
         verify: s.verify.unwrap_or(true),
     };
     let (trainers, rollouts) =
-        crate::routing::world_size(&world).map_err(|e| ConfigError(e.to_string()))?;
+        weightsync_schedules::job::world_size(&world).map_err(|e| ConfigError(e.to_string()))?;
     let expected = match role {
         Role::Trainer => trainers,
         Role::Rollout => rollouts,
@@ -208,7 +208,7 @@ pub fn resolve(
         host,
         world: world.clone(),
         reconnect_for: Duration::from_secs(s.reconnect_s.unwrap_or(60)),
-        max_frame: super::AGENT_MAX_FRAME,
+        max_frame: crate::AGENT_MAX_FRAME,
     };
     fabric.job_token = JobToken(job_token);
     Ok(match role {

@@ -11,10 +11,10 @@ use std::path::PathBuf;
 use anyhow::Context;
 use weightsync_common::protocol::Role;
 
-use crate::agent::config::{resolve, ResolvedWorker, WorkerSettings};
-use crate::agent::rollout::RolloutDriver;
-use crate::agent::run_agent;
-use crate::agent::trainer::TrainerDriver;
+use weightsync_agent::config::{resolve, ResolvedWorker, WorkerSettings};
+use weightsync_agent::rollout::RolloutDriver;
+use weightsync_agent::run_agent;
+use weightsync_agent::trainer::TrainerDriver;
 
 /// Arguments of `weightsync worker`.
 #[derive(Debug, clap::Args)]

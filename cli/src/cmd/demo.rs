@@ -19,10 +19,8 @@ use serde_json::{json, Value};
 use weightsync_common::protocol::WorldSpec;
 use weightsync_common::DType;
 
-use crate::api_client::request;
-use crate::cmd::controller::controller_config;
-use crate::routing::SchedulesPlanner;
-use crate::service::AppState;
+use weightsync_agent::api_client::request;
+use weightsync_controller::{AppState, ControllerConfig, SchedulesPlanner};
 
 /// Arguments of `weightsync demo`.
 #[derive(Debug, clap::Args)]
@@ -181,7 +179,7 @@ async fn demo(args: Args) -> anyhow::Result<()> {
         verify: true,
     };
     let (job_token, api_token) = (random_token(), random_token());
-    let mut cfg = controller_config(
+    let mut cfg = ControllerConfig::for_job(
         world.clone(),
         job_token.clone(),
         api_token.clone(),
@@ -204,9 +202,14 @@ async fn demo(args: Args) -> anyhow::Result<()> {
     let dashboard = format!("http://{http_addr}/");
     let state = AppState::new(cfg, Box::new(SchedulesPlanner));
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(crate::service::run(http, control, state.clone(), async {
-        let _ = stop_rx.await;
-    }));
+    let server = tokio::spawn(weightsync_controller::run(
+        http,
+        control,
+        state.clone(),
+        async {
+            let _ = stop_rx.await;
+        },
+    ));
 
     eprintln!(
         "weightsync demo: {} ({} weights), {} trainers [{}] -> {} rollouts [{}]\n  dashboard: {dashboard}",

@@ -19,10 +19,10 @@ use weightsync_worker::checksum::RunChecksum;
 use weightsync_worker::rollout::RolloutWorker;
 use weightsync_worker::trainer::SyncId;
 
-use super::demo_weights::expected_rollout;
-use super::driver::{DriverError, DriverInfo, Outcome, SyncDriver, SyncRef};
-use super::trainer::{blob, events};
-use crate::routing::{self, Job};
+use crate::demo_weights::expected_rollout;
+use crate::driver::{DriverError, DriverInfo, Outcome, SyncDriver, SyncRef};
+use crate::trainer::{blob, events};
+use weightsync_schedules::job::{self, Job};
 
 /// Settings of a rollout driver.
 #[derive(Debug, Clone)]
@@ -61,7 +61,8 @@ impl RolloutDriver {
     /// Plans its layout, allocates and registers its tensors.
     pub async fn new(cfg: RolloutDriverConfig) -> Result<RolloutDriver, DriverError> {
         let fabric = Fabric::start(&cfg.fabric).await.map_err(err)?;
-        let job = routing::job(&cfg.world).map_err(err)?;
+        let config_text = cfg.world.read_model_config().map_err(err)?;
+        let job = job::plan_job(&cfg.world, config_text.as_deref()).map_err(err)?;
         let plan = job
             .table
             .rollouts
@@ -244,7 +245,7 @@ fn independent_check(
     seed: u64,
     version: u64,
 ) -> Result<(), DriverError> {
-    let expected = expected_rollout(&job.model, &job.infer, rank, seed, version);
+    let expected = expected_rollout(&job.layouts.model, &job.layouts.infer, rank, seed, version);
     for t in worker.layout() {
         let got = worker.read_tensor(&t.name).map_err(err)?;
         let want = expected
