@@ -145,7 +145,8 @@ async fn session(
 ) -> Result<SessionEnd, AgentError> {
     let max = cfg.max_frame;
     let (mut rd, mut wr) = stream.into_split();
-    let lost = |e: weightsync_common::protocol::FrameError| Ok(SessionEnd::Lost(e.to_string()));
+    let lost =
+        |e: weightsync_common::protocol::ControlFrameError| Ok(SessionEnd::Lost(e.to_string()));
     let nonce = match read_frame::<_, ToWorker>(&mut rd, max).await {
         Ok(Some(ToWorker::Challenge { nonce })) => nonce,
         Ok(Some(other)) => {

@@ -9,7 +9,7 @@
 use std::future::Future;
 use std::time::Instant;
 
-use weightsync_common::protocol::{Assignment, Blob, TensorMeta, UnitChecksum, WorkerReport};
+use weightsync_common::protocol::{Assignment, Blob, RunChecksum, TensorMeta, WorkerReport};
 
 /// One sync as the driver sees it.
 #[derive(Debug, Clone, Copy)]
@@ -93,7 +93,7 @@ pub trait SyncDriver: Send + 'static {
     fn verify(
         &mut self,
         sync: SyncRef,
-        checksums: Vec<UnitChecksum>,
+        checksums: Vec<RunChecksum>,
     ) -> impl Future<Output = Result<WorkerReport, DriverError>> + Send;
 
     /// The sync ended (commit or abort).

@@ -4,7 +4,7 @@
 //! and drains it and the loop answers `Drained`.
 
 use tokio::sync::{mpsc, watch};
-use weightsync_common::protocol::{Failure, FromWorker, Role, WorkerId};
+use weightsync_common::protocol::{Failure, FromWorker, WorkerId, WorkerRole};
 
 use crate::driver::{DriverError, Outcome, SyncDriver, SyncRef};
 
@@ -13,7 +13,7 @@ pub(crate) enum DriverCmd {
     Assign(Box<weightsync_common::protocol::Assignment>),
     Prepare(SyncRef),
     Run(SyncRef),
-    Verify(SyncRef, Vec<weightsync_common::protocol::UnitChecksum>),
+    Verify(SyncRef, Vec<weightsync_common::protocol::RunChecksum>),
     Finish(SyncRef, Outcome),
     /// `Abort N`: finish the sync (when it is the current one), drain, answer `Drained`.
     Abort {
@@ -47,7 +47,7 @@ async fn unless_aborted<T>(
 
 pub(crate) async fn drive<D: SyncDriver>(
     mut driver: D,
-    role: Role,
+    role: WorkerRole,
     mut cmds: mpsc::Receiver<DriverCmd>,
     mut abort: watch::Receiver<u64>,
     out: mpsc::Sender<FromWorker>,
@@ -104,7 +104,7 @@ pub(crate) async fn drive<D: SyncDriver>(
                 };
                 let ok = matches!(msg, FromWorker::Prepared { .. });
                 let _ = out.send(msg).await;
-                if ok && role == Role::Rollout {
+                if ok && role == WorkerRole::Rollout {
                     let Some(r) = unless_aborted(&mut abort, s.sync_id, driver.run(s)).await else {
                         continue;
                     };

@@ -12,16 +12,16 @@ use std::time::{Duration, Instant};
 
 use weightsync_common::fabric::{Fabric, FabricBackend, FabricConfig};
 use weightsync_common::protocol::{
-    Assignment, Stage, TensorMeta, TimelineEvent, UnitChecksum, WorkerId, WorkerReport, WorldSpec,
+    Assignment, RunChecksum, Stage, TensorMeta, TimelineEvent, WorkerId, WorkerReport, WorldSpec,
+    WHOLE_SYNC,
 };
 use weightsync_schedules::table::RolloutPlan;
-use weightsync_worker::checksum::RunChecksum;
 use weightsync_worker::rollout::RolloutWorker;
 use weightsync_worker::trainer::SyncId;
 
 use crate::demo_weights::expected_rollout;
 use crate::driver::{DriverError, DriverInfo, Outcome, SyncDriver, SyncRef};
-use crate::trainer::{blob, events};
+use crate::trainer::blob;
 use weightsync_schedules::job::{self, Job};
 
 /// Settings of a rollout driver.
@@ -143,7 +143,8 @@ impl SyncDriver for RolloutDriver {
             .map_err(err)?;
         Ok(WorkerReport {
             events: vec![TimelineEvent {
-                task: u32::MAX,
+                task: WHOLE_SYNC,
+                piece: 0,
                 stage: Stage::Arm,
                 start_ns: ns_since(start, sync.reference),
                 end_ns: ns_since(Instant::now(), sync.reference),
@@ -159,7 +160,7 @@ impl SyncDriver for RolloutDriver {
             .await_landed(self.cfg.land_timeout)
             .await
             .map_err(err)?;
-        let mut evs = events(&landed.timeline, &sync);
+        let mut evs = landed.timeline.relative_to(sync.reference_unix_ns);
         for e in &mut evs {
             if e.stage == Stage::Barrier {
                 e.stage = Stage::Land;
@@ -181,25 +182,15 @@ impl SyncDriver for RolloutDriver {
     async fn verify(
         &mut self,
         sync: SyncRef,
-        checksums: Vec<UnitChecksum>,
+        checksums: Vec<RunChecksum>,
     ) -> Result<WorkerReport, DriverError> {
         let start = Instant::now();
-        let sums: Vec<RunChecksum> = checksums
-            .iter()
-            .map(|c| RunChecksum {
-                rank: c.rollout,
-                mr: c.region as u16,
-                offset: c.offset,
-                len: c.len,
-                xxh3: c.xxh3,
-            })
-            .collect();
         let worker = self.worker.clone();
         let job = self.job.clone();
         let (rank, seed) = (self.cfg.rank, self.cfg.demo_check_seed);
         let version = sync.version;
         let checked = tokio::task::spawn_blocking(move || -> Result<u64, DriverError> {
-            let v = worker.verify(&sums).map_err(|e| {
+            let v = worker.verify(&checksums).map_err(|e| {
                 let tensor = match &e {
                     weightsync_worker::error::WorkerError::ChecksumMismatch { tensors, .. } => {
                         Some(tensors.clone())
@@ -220,7 +211,8 @@ impl SyncDriver for RolloutDriver {
         .map_err(err)??;
         Ok(WorkerReport {
             events: vec![TimelineEvent {
-                task: u32::MAX,
+                task: WHOLE_SYNC,
+                piece: 0,
                 stage: Stage::Verify,
                 start_ns: ns_since(start, sync.reference),
                 end_ns: ns_since(Instant::now(), sync.reference),

@@ -14,8 +14,8 @@ use std::time::Instant;
 
 use weightsync_common::fabric::{Fabric, FabricBackend, FabricConfig, RegionDescriptor};
 use weightsync_common::protocol::{
-    Assignment, Blob, Role, Stage, TensorMeta, TimelineEvent, UnitChecksum, WorkerId, WorkerReport,
-    WorldSpec,
+    Assignment, Blob, RunChecksum, Stage, TensorMeta, TimelineEvent, WorkerId, WorkerReport,
+    WorkerRole, WorldSpec, WHOLE_SYNC,
 };
 use weightsync_schedules::table::TrainerPlan;
 use weightsync_worker::trainer::{
@@ -152,51 +152,13 @@ impl TrainerDriver {
     }
 }
 
-fn stage_of(s: weightsync_worker::timeline::Stage) -> Stage {
-    use weightsync_worker::timeline::Stage as W;
-    match s {
-        W::GatherSend => Stage::GatherSend,
-        W::GatherWait => Stage::GatherWait,
-        W::H2D => Stage::H2d,
-        W::Prepare => Stage::Prepare,
-        W::Write => Stage::Write,
-        W::Barrier => Stage::Barrier,
-        W::Verify => Stage::Verify,
-    }
-}
-
-/// Converts a worker-library timeline to protocol events relative to `sync.reference`.
-pub fn events(t: &weightsync_worker::timeline::Timeline, sync: &SyncRef) -> Vec<TimelineEvent> {
-    let shift = t.started_unix_ns.saturating_sub(sync.reference_unix_ns);
-    t.events
-        .iter()
-        .map(|e| TimelineEvent {
-            task: e.task,
-            stage: stage_of(e.stage),
-            start_ns: shift + e.start_ns,
-            end_ns: shift + e.end_ns,
-            bytes: e.bytes,
-        })
-        .collect()
-}
-
 fn report(r: &SyncReport, sync: &SyncRef) -> WorkerReport {
     WorkerReport {
         bytes: r.bytes_written,
         writes: r.writes_posted,
         peak_staging_bytes: r.peak_staging_bytes,
-        events: events(&r.timeline, sync),
-        checksums: r
-            .checksums
-            .iter()
-            .map(|c| UnitChecksum {
-                rollout: c.rank,
-                region: u32::from(c.mr),
-                offset: c.offset,
-                len: c.len,
-                xxh3: c.xxh3,
-            })
-            .collect(),
+        events: r.timeline.relative_to(sync.reference_unix_ns),
+        checksums: r.checksums.clone(),
     }
 }
 
@@ -254,10 +216,10 @@ impl SyncDriver for TrainerDriver {
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(|e| DriverError::new(format!("{}: undecodable region: {e}", p.id)))?;
             match p.id.role {
-                Role::Rollout => {
+                WorkerRole::Rollout => {
                     dsts.rollouts.insert(p.id.rank, regions);
                 }
-                Role::Trainer => {
+                WorkerRole::Trainer => {
                     if let Some(g) = regions.into_iter().next() {
                         dsts.trainers.insert(p.id.rank, g);
                     }
@@ -290,7 +252,8 @@ impl SyncDriver for TrainerDriver {
             .await
             .map_err(err)?;
             rep.events.push(TimelineEvent {
-                task: u32::MAX,
+                task: WHOLE_SYNC,
+                piece: 0,
                 stage: Stage::Source,
                 start_ns: ns_since(start, sync.reference),
                 end_ns: ns_since(Instant::now(), sync.reference),
@@ -329,7 +292,7 @@ impl SyncDriver for TrainerDriver {
     async fn verify(
         &mut self,
         _sync: SyncRef,
-        _checksums: Vec<UnitChecksum>,
+        _checksums: Vec<RunChecksum>,
     ) -> Result<WorkerReport, DriverError> {
         Err(DriverError::new("trainers do not verify"))
     }

@@ -35,14 +35,14 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 use weightsync_common::fabric::{Fabric, FabricConfig, FabricError};
+use weightsync_common::protocol::Stage;
 use weightsync_common::DType;
 use weightsync_schedules::table::{
-    DstTensor, Endpoint, LocalShard, MeshGroup, ParamRef, RolloutPlan, Shape, Source, Task,
-    TensorBox, TrainerPlan, Transform, UnitExpect, Write,
+    DstTensor, LocalShard, MeshGroup, ParamRef, RolloutPlan, Shape, Source, Task, TensorBox,
+    TrainerPlan, Transform, UnitExpect, Write, WriteTarget,
 };
 use weightsync_worker::error::WorkerError;
 use weightsync_worker::rollout::RolloutWorker;
-use weightsync_worker::timeline::Stage;
 use weightsync_worker::trainer::{
     Destinations, PipelineMode, SyncId, SyncReport, TrainerConfig, TrainerWorker,
 };
@@ -334,7 +334,7 @@ pub fn plans(cfg: &Config, kinds: &[Kind]) -> Result<(TrainerPlan, RolloutPlan),
         let first_write = tp.writes.len() as u32;
         let values_at = dst;
         let write = |src_offset, dst_offset, len: u64| Write {
-            dst: Endpoint::Rollout(0),
+            dst: WriteTarget::Rollout(0),
             mr: 0,
             unit: 0,
             len: len as u32,
@@ -477,7 +477,7 @@ fn interleave(counts: &[u32; 3]) -> Vec<Kind> {
 fn stage_seconds(r: &SyncReport) -> StageSeconds {
     let s = |st| r.timeline.busy_ns(st) as f64 / 1e9;
     StageSeconds {
-        h2d: s(Stage::H2D),
+        h2d: s(Stage::H2d),
         prepare: s(Stage::Prepare),
         write: s(Stage::Write),
     }
@@ -497,7 +497,7 @@ fn per_kind_seconds(r: &SyncReport, kinds: &[Kind]) -> [StageSeconds; 3] {
         let k = Kind::ALL.iter().position(|&x| x == kind).unwrap_or(0);
         let secs = e.duration_ns() as f64 / 1e9 / count[k].max(1) as f64;
         match e.stage {
-            Stage::H2D => out[k].h2d += secs,
+            Stage::H2d => out[k].h2d += secs,
             Stage::Prepare => out[k].prepare += secs,
             Stage::Write => out[k].write += secs,
             _ => {}

@@ -34,7 +34,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde::Serialize;
 use weightsync_common::protocol::{
-    Failure, FromWorker, Registration, Role, ToWorker, UnitChecksum, WorkerId, WorldSpec,
+    Failure, FromWorker, Registration, RunChecksum, ToWorker, WorkerId, WorkerRole, WorldSpec,
 };
 
 use crate::planning::Planner;
@@ -153,7 +153,7 @@ pub struct WorkerView {
     /// e.g. `trainer-0`.
     pub id: String,
     /// Role.
-    pub role: Role,
+    pub role: WorkerRole,
     /// Rank.
     pub rank: u32,
     /// Host name.
@@ -262,24 +262,25 @@ impl Coordinator {
         }
     }
 
-    fn expected(&self, role: Role) -> u32 {
+    fn expected(&self, role: WorkerRole) -> u32 {
         match role {
-            Role::Trainer => self.cfg.trainers,
-            Role::Rollout => self.cfg.rollouts,
+            WorkerRole::Trainer => self.cfg.trainers,
+            WorkerRole::Rollout => self.cfg.rollouts,
         }
     }
 
     /// Whether every expected worker is registered.
     pub fn world_complete(&self) -> bool {
         let count = |role| self.members.keys().filter(|w| w.role == role).count() as u32;
-        count(Role::Trainer) == self.cfg.trainers && count(Role::Rollout) == self.cfg.rollouts
+        count(WorkerRole::Trainer) == self.cfg.trainers
+            && count(WorkerRole::Rollout) == self.cfg.rollouts
     }
 
     fn missing(&self) -> Vec<String> {
         let mut out = Vec::new();
         for (role, n) in [
-            (Role::Trainer, self.cfg.trainers),
-            (Role::Rollout, self.cfg.rollouts),
+            (WorkerRole::Trainer, self.cfg.trainers),
+            (WorkerRole::Rollout, self.cfg.rollouts),
         ] {
             for rank in 0..n {
                 let id = WorkerId { role, rank };
@@ -631,7 +632,7 @@ impl Coordinator {
                     s.start_sent_ns = Some(t);
                     let (sid, version) = (s.id, s.version);
                     for w in s.members.clone() {
-                        if w.role == Role::Trainer {
+                        if w.role == WorkerRole::Trainer {
                             if let Some(m) = self.members.get(&w) {
                                 fx.send.push((
                                     m.conn,
@@ -756,9 +757,9 @@ impl Coordinator {
                 .members
                 .iter()
                 .copied()
-                .filter(|w| w.role == Role::Rollout)
+                .filter(|w| w.role == WorkerRole::Rollout)
                 .collect();
-            let mut per_rollout: BTreeMap<u32, Vec<UnitChecksum>> = BTreeMap::new();
+            let mut per_rollout: BTreeMap<u32, Vec<RunChecksum>> = BTreeMap::new();
             for c in &s.sent_checksums {
                 per_rollout.entry(c.rollout).or_default().push(c.clone());
             }
@@ -838,7 +839,7 @@ impl Coordinator {
         // Trainers write only after `Start`: before it, nothing of this sync can be in flight.
         let writers: BTreeSet<WorkerId> = members
             .into_iter()
-            .filter(|w| w.role == Role::Trainer && self.members.contains_key(w))
+            .filter(|w| w.role == WorkerRole::Trainer && self.members.contains_key(w))
             .collect();
         if started && !writers.is_empty() {
             self.note(format!(
@@ -926,12 +927,12 @@ impl Coordinator {
             awaiting_written: members
                 .iter()
                 .copied()
-                .filter(|w| w.role == Role::Trainer)
+                .filter(|w| w.role == WorkerRole::Trainer)
                 .collect(),
             awaiting_landed: members
                 .iter()
                 .copied()
-                .filter(|w| w.role == Role::Rollout)
+                .filter(|w| w.role == WorkerRole::Rollout)
                 .collect(),
             members,
             awaiting_verified: BTreeSet::new(),

@@ -7,12 +7,16 @@
 
 use std::collections::BTreeMap;
 
-use weightsync_common::protocol::{Assignment, Blob, Registration, Role, WorkerId, WorldSpec};
+use weightsync_common::protocol::{
+    Assignment, Blob, Registration, WorkerId, WorkerRole, WorldSpec,
+};
 
-/// Why planning failed.
+/// Why the world could not be given its assignments: the job did not plan, or the
+/// registrations contradict the table (named here, unlike `weightsync_schedules::PlanError`,
+/// which is only the planner's part of it).
 #[derive(Debug, Clone, thiserror::Error)]
 #[error("planning failed: {0}")]
-pub struct PlanError(pub String);
+pub struct AssignmentError(pub String);
 
 /// The planner's answer for one complete world.
 #[derive(Debug, Clone)]
@@ -31,7 +35,7 @@ pub trait Planner: Send + Sync + std::fmt::Debug {
         plan_id: u64,
         world: &WorldSpec,
         workers: &BTreeMap<WorkerId, Registration>,
-    ) -> Result<PlanOutput, PlanError>;
+    ) -> Result<PlanOutput, AssignmentError>;
 }
 
 /// Assigns every trainer an empty slice and every rollout zero expected writes.
@@ -46,17 +50,17 @@ impl Planner for NullPlanner {
         plan_id: u64,
         _world: &WorldSpec,
         workers: &BTreeMap<WorkerId, Registration>,
-    ) -> Result<PlanOutput, PlanError> {
+    ) -> Result<PlanOutput, AssignmentError> {
         let assignments = workers
             .keys()
             .map(|id| {
                 let a = match id.role {
-                    Role::Trainer => Assignment::Trainer {
+                    WorkerRole::Trainer => Assignment::Trainer {
                         plan_id,
                         slice: Blob::default(),
                         peers: Vec::new(),
                     },
-                    Role::Rollout => Assignment::Rollout {
+                    WorkerRole::Rollout => Assignment::Rollout {
                         plan_id,
                         expected: Blob::default(),
                         expected_writes: 0,

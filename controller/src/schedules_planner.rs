@@ -4,12 +4,12 @@
 use std::collections::BTreeMap;
 
 use weightsync_common::protocol::{
-    Assignment, Blob, PeerInfo, Registration, Role, WorkerId, WorldSpec,
+    Assignment, Blob, PeerInfo, Registration, WorkerId, WorkerRole, WorldSpec,
 };
 use weightsync_schedules::job::plan_job;
 use weightsync_schedules::Summary;
 
-use crate::planning::{PlanError, PlanOutput, Planner};
+use crate::planning::{AssignmentError, PlanOutput, Planner};
 
 /// Plans with `weightsync_schedules` and checks registrations against the table.
 #[derive(Debug, Default, Clone, Copy)]
@@ -21,16 +21,24 @@ impl Planner for SchedulesPlanner {
         plan_id: u64,
         world: &WorldSpec,
         workers: &BTreeMap<WorkerId, Registration>,
-    ) -> Result<PlanOutput, PlanError> {
+    ) -> Result<PlanOutput, AssignmentError> {
         let text = world
             .read_model_config()
-            .map_err(|e| PlanError(e.to_string()))?;
-        let job = plan_job(world, text.as_deref()).map_err(|e| PlanError(e.to_string()))?;
+            .map_err(|e| AssignmentError(e.to_string()))?;
+        let job = plan_job(world, text.as_deref()).map_err(|e| AssignmentError(e.to_string()))?;
         let t = &job.table;
-        if t.trainers.len() != workers.keys().filter(|w| w.role == Role::Trainer).count()
-            || t.rollouts.len() != workers.keys().filter(|w| w.role == Role::Rollout).count()
+        if t.trainers.len()
+            != workers
+                .keys()
+                .filter(|w| w.role == WorkerRole::Trainer)
+                .count()
+            || t.rollouts.len()
+                != workers
+                    .keys()
+                    .filter(|w| w.role == WorkerRole::Rollout)
+                    .count()
         {
-            return Err(PlanError(format!(
+            return Err(AssignmentError(format!(
                 "the table has {} trainers and {} rollouts but {} workers registered",
                 t.trainers.len(),
                 t.rollouts.len(),
@@ -40,10 +48,10 @@ impl Planner for SchedulesPlanner {
         let mut assignments = BTreeMap::new();
         for (id, reg) in workers {
             let a = match id.role {
-                Role::Trainer => {
+                WorkerRole::Trainer => {
                     let slice = t
                         .slice(id.rank)
-                        .map_err(|e| PlanError(format!("{id}: {e}")))?;
+                        .map_err(|e| AssignmentError(format!("{id}: {e}")))?;
                     let peers = workers
                         .iter()
                         .filter(|(w, _)| *w != id)
@@ -56,17 +64,18 @@ impl Planner for SchedulesPlanner {
                     Assignment::Trainer {
                         plan_id,
                         slice: Blob(
-                            bincode::serialize(&slice).map_err(|e| PlanError(e.to_string()))?,
+                            bincode::serialize(&slice)
+                                .map_err(|e| AssignmentError(e.to_string()))?,
                         ),
                         peers,
                     }
                 }
-                Role::Rollout => {
+                WorkerRole::Rollout => {
                     let r = t.rollouts.get(id.rank as usize).ok_or_else(|| {
-                        PlanError(format!("{id}: the table has no such inference rank"))
+                        AssignmentError(format!("{id}: the table has no such inference rank"))
                     })?;
                     if reg.regions.len() != r.mr_bytes.len() {
-                        return Err(PlanError(format!(
+                        return Err(AssignmentError(format!(
                             "{id} registered {} regions but its layout has {}",
                             reg.regions.len(),
                             r.mr_bytes.len()
@@ -75,7 +84,7 @@ impl Planner for SchedulesPlanner {
                     Assignment::Rollout {
                         plan_id,
                         expected: Blob(
-                            bincode::serialize(r).map_err(|e| PlanError(e.to_string()))?,
+                            bincode::serialize(r).map_err(|e| AssignmentError(e.to_string()))?,
                         ),
                         expected_writes: r.expect.iter().map(|e| e.writes).sum(),
                         expected_bytes: r.tensors.iter().map(|t| t.len).sum(),

@@ -110,7 +110,7 @@ fn writes_by_kind(table: &RoutingTable) {
     let mut by: BTreeMap<String, u64> = BTreeMap::new();
     for t in &table.trainers {
         for w in t.all_writes() {
-            if w.dst == weightsync_schedules::table::Endpoint::Rollout(0) {
+            if w.dst == weightsync_schedules::table::WriteTarget::Rollout(0) {
                 let i = r0.tensors.partition_point(|x| x.offset <= w.dst_offset) - 1;
                 let name = &r0.tensors[i].name;
                 let kind = name.split('.').skip(3).collect::<Vec<_>>().join(".");

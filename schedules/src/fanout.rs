@@ -7,7 +7,7 @@
 //! decoded from bytes may be malformed: expansion checks every index and never panics.
 
 use crate::error::PlanError;
-use crate::table::{Endpoint, Task, TrainerPlan, Write, WriteCopies};
+use crate::table::{Task, TrainerPlan, Write, WriteCopies, WriteTarget};
 
 /// Most rollout ranks a task's copies may name (more than any inference world has).
 pub const MAX_COPY_RANKS: u64 = 1 << 16;
@@ -60,7 +60,7 @@ impl TrainerPlan {
                 let part = direct.get(a..a + c.num as usize).unwrap_or_default();
                 c.ranks().flat_map(move |r| {
                     part.iter().map(move |w| Write {
-                        dst: Endpoint::Rollout(r),
+                        dst: WriteTarget::Rollout(r),
                         ..*w
                     })
                 })
@@ -213,7 +213,7 @@ mod tests {
         };
         let to_rollouts = |p: &TrainerPlan| {
             p.all_writes()
-                .filter(|w| matches!(w.dst, Endpoint::Rollout(_)))
+                .filter(|w| matches!(w.dst, WriteTarget::Rollout(_)))
                 .count() as u64
         };
         // Four engines store as many writes as one engine, plus copy entries...
@@ -233,15 +233,15 @@ mod tests {
                 let ws: Vec<Write> = x.task_writes(task).collect();
                 let engine0: Vec<&Write> = ws
                     .iter()
-                    .filter(|w| matches!(w.dst, Endpoint::Rollout(r) if r < 2))
+                    .filter(|w| matches!(w.dst, WriteTarget::Rollout(r) if r < 2))
                     .collect();
                 for e in 1..4u32 {
                     for w in &engine0 {
-                        let Endpoint::Rollout(r) = w.dst else {
+                        let WriteTarget::Rollout(r) = w.dst else {
                             unreachable!()
                         };
                         let moved = Write {
-                            dst: Endpoint::Rollout(r + 2 * e),
+                            dst: WriteTarget::Rollout(r + 2 * e),
                             ..**w
                         };
                         assert!(ws.contains(&moved), "{moved:?} missing");

@@ -16,7 +16,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::cost::CostModel;
-use crate::table::{Endpoint, RoutingTable, Source};
+use crate::table::{RoutingTable, Source, WriteTarget};
 
 /// Max and mean of one side's NICs.
 #[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
@@ -122,7 +122,7 @@ impl Summary {
                 let mut last: Option<u32> = None;
                 for w in t.task_writes(task) {
                     match w.dst {
-                        Endpoint::Rollout(r) => {
+                        WriteTarget::Rollout(r) => {
                             tx[me] += w.len as u64;
                             tx_wrs[me] += 1;
                             rx[r as usize] += w.len as u64;
@@ -132,8 +132,8 @@ impl Summary {
                                 last = Some(r);
                             }
                         }
-                        Endpoint::Trainer(o) if o as usize == me => gather_local += w.len as u64,
-                        Endpoint::Trainer(o) => {
+                        WriteTarget::Trainer(o) if o as usize == me => gather_local += w.len as u64,
+                        WriteTarget::Trainer(o) => {
                             tx[me] += w.len as u64;
                             tx_wrs[me] += 1;
                             grx[o as usize] += w.len as u64;

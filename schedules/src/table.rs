@@ -20,7 +20,7 @@
 //! *gather arena*: a flat byte region (registered as MR [`TRAINER_GATHER_MR`] on the trainer,
 //! size [`TrainerPlan::gather_arena_bytes`]) into which every contributing rank (including the
 //! owner itself) first writes its part with an ordinary Copy task whose writes target
-//! [`Endpoint::Trainer`]. The gathered region is a dense row-major box in the source dtype at
+//! [`WriteTarget::Trainer`]. The gathered region is a dense row-major box in the source dtype at
 //! [`Source::Gather::offset`]. Gather bytes are never reused within a sync.
 //!
 //! **Rollout arena.** Each inference rank holds all of its destination tensors (weights and fp8
@@ -36,7 +36,7 @@
 //!    trainers' gather arenas); run them first, they are on other trainers' critical path;
 //! 2. then the tasks that read only local shards ([`Source::Shard`]);
 //! 3. then the tasks that read the gather arena ([`Source::Gather`]): before the first of them,
-//!    wait until this trainer's immediate counter for unit `g` (on [`Endpoint::Trainer`]) has
+//!    wait until this trainer's immediate counter for unit `g` (on [`WriteTarget::Trainer`]) has
 //!    counted `gather_expect` writes. Writes a trainer sends to itself count too (a worker may
 //!    execute them as a local copy and bump its own counter).
 //!
@@ -253,14 +253,19 @@ impl std::fmt::Display for TensorBox {
     }
 }
 
-/// Who receives a write.
+/// Whose memory a write lands in. (Not a fabric endpoint: the table names ranks; which
+/// address each rank listens on is the fabric's business, exchanged at registration.)
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-pub enum Endpoint {
+pub enum WriteTarget {
     /// An inference (rollout) rank, by its global index in [`RoutingTable::rollouts`].
     Rollout(u32),
     /// A training rank's gather arena, by training rank.
     Trainer(u32),
 }
+
+/// The planner's and the simulator's old name for [`WriteTarget`], kept crate-private until
+/// those modules (being split on another branch) are renamed too; nothing outside sees it.
+pub(crate) use self::WriteTarget as Endpoint;
 
 /// One RDMA WRITE (with immediate): a contiguous run on both sides.
 ///
@@ -268,7 +273,7 @@ pub enum Endpoint {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Write {
     /// Destination endpoint.
-    pub dst: Endpoint,
+    pub dst: WriteTarget,
     /// Destination memory region (rollouts: see [`DstTensor::mr`]; trainers: [`TRAINER_GATHER_MR`]).
     pub mr: u16,
     /// Immediate-counter unit at the destination this write counts toward. Rollouts: always 0
@@ -628,14 +633,14 @@ impl RoutingTable {
     }
 
     /// Writes expected by an endpoint on a unit per sync (0 if none).
-    pub fn expected_writes(&self, dst: Endpoint, unit: u16) -> u64 {
+    pub fn expected_writes(&self, dst: WriteTarget, unit: u16) -> u64 {
         match dst {
-            Endpoint::Rollout(r) => self
+            WriteTarget::Rollout(r) => self
                 .rollouts
                 .get(r as usize)
                 .and_then(|p| p.expect.iter().find(|e| e.unit == unit))
                 .map_or(0, |e| e.writes),
-            Endpoint::Trainer(t) => self
+            WriteTarget::Trainer(t) => self
                 .trainers
                 .get(t as usize)
                 .and_then(|p| p.groups.iter().find(|g| g.id == unit))

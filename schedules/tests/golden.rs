@@ -11,7 +11,7 @@ mod common;
 use std::fmt::Write as _;
 
 use common::*;
-use weightsync_schedules::table::{Endpoint, RoutingTable, Source, Transform};
+use weightsync_schedules::table::{RoutingTable, Source, Transform, WriteTarget};
 use weightsync_schedules::*;
 
 fn dump(table: &RoutingTable, summary: &Summary) -> String {
@@ -62,8 +62,8 @@ fn dump(table: &RoutingTable, summary: &Summary) -> String {
                 );
                 for w in t.task_writes(task) {
                     let dst = match w.dst {
-                        Endpoint::Rollout(r) => format!("R{r}"),
-                        Endpoint::Trainer(o) => format!("T{o}"),
+                        WriteTarget::Rollout(r) => format!("R{r}"),
+                        WriteTarget::Trainer(o) => format!("T{o}"),
                     };
                     let _ = writeln!(
                         s,

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 
 use common::*;
 use proptest::prelude::*;
-use weightsync_schedules::table::{Endpoint, RoutingTable, Source, Transform, MAX_DIMS};
+use weightsync_schedules::table::{RoutingTable, Source, Transform, WriteTarget, MAX_DIMS};
 use weightsync_schedules::*;
 
 /// A random small model config (always valid).
@@ -110,7 +110,7 @@ fn check_writes_tile_tensors(table: &RoutingTable) {
     let mut received = vec![0u64; table.rollouts.len()];
     for t in &table.trainers {
         for w in t.all_writes() {
-            if let Endpoint::Rollout(r) = w.dst {
+            if let WriteTarget::Rollout(r) = w.dst {
                 coverage[r as usize].push((w.dst_offset, w.len as u64));
                 received[r as usize] += 1;
             }
@@ -147,19 +147,19 @@ fn check_conservation(table: &RoutingTable) {
                 }
                 _ => task.prepared_bytes(),
             };
-            let mut per_dst: BTreeMap<Endpoint, u64> = BTreeMap::new();
+            let mut per_dst: BTreeMap<WriteTarget, u64> = BTreeMap::new();
             for w in t.task_writes(task) {
                 *per_dst.entry(w.dst).or_default() += w.len as u64;
-                if let Endpoint::Rollout(_) = w.dst {
+                if let WriteTarget::Rollout(_) = w.dst {
                     written += w.len as u64;
-                } else if let Endpoint::Trainer(o) = w.dst {
+                } else if let WriteTarget::Trainer(o) = w.dst {
                     *gathered.entry((o, 0)).or_default() += w.len as u64;
                 }
             }
             for (dst, bytes) in per_dst {
                 match dst {
-                    Endpoint::Rollout(_) => assert_eq!(bytes, payload, "task {task:?}"),
-                    Endpoint::Trainer(_) => assert_eq!(bytes, task.prepared_bytes()),
+                    WriteTarget::Rollout(_) => assert_eq!(bytes, payload, "task {task:?}"),
+                    WriteTarget::Trainer(_) => assert_eq!(bytes, task.prepared_bytes()),
                 }
             }
         }

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use weightsync_agent::{AgentConfig, DriverError, DriverInfo, Outcome, SyncDriver, SyncRef};
 use weightsync_common::protocol::{
-    Assignment, Blob, FromWorker, Registration, Stage, TensorMeta, TimelineEvent, UnitChecksum,
+    Assignment, Blob, FromWorker, Registration, RunChecksum, Stage, TensorMeta, TimelineEvent,
     WorkerId, WorkerReport, WorldSpec,
 };
 use weightsync_common::DType;
@@ -63,8 +63,8 @@ pub fn state(trainers: u32, rollouts: u32, verify: bool) -> AppState {
 /// The connection id the router tests use for a worker.
 pub fn conn_of(id: WorkerId) -> ConnId {
     match id.role {
-        weightsync_common::protocol::Role::Trainer => 100 + u64::from(id.rank),
-        weightsync_common::protocol::Role::Rollout => 200 + u64::from(id.rank),
+        weightsync_common::protocol::WorkerRole::Trainer => 100 + u64::from(id.rank),
+        weightsync_common::protocol::WorkerRole::Rollout => 200 + u64::from(id.rank),
     }
 }
 
@@ -123,6 +123,7 @@ pub fn report(bytes: u64, stages: &[Stage]) -> WorkerReport {
             .enumerate()
             .map(|(i, &stage)| TimelineEvent {
                 task: 0,
+                piece: 0,
                 stage,
                 start_ns: i as u64 * 1_000_000,
                 end_ns: (i as u64 + 1) * 1_000_000,
@@ -153,9 +154,9 @@ pub fn complete_sync(state: &AppState, sync_id: u64, version: u64, trainers: u32
             &[Stage::H2d, Stage::Prepare, Stage::Write, Stage::Barrier],
         );
         rep.checksums = (0..rollouts)
-            .map(|o| UnitChecksum {
+            .map(|o| RunChecksum {
                 rollout: o,
-                region: 0,
+                mr: 0,
                 offset: u64::from(r) * 64,
                 len: 64,
                 xxh3: 7,
@@ -328,6 +329,7 @@ impl SyncDriver for ScriptedDriver {
                 peak_staging_bytes: 0,
                 events: vec![TimelineEvent {
                     task: 0,
+                    piece: 0,
                     stage: Stage::Write,
                     start_ns: start,
                     end_ns: end,
@@ -341,7 +343,7 @@ impl SyncDriver for ScriptedDriver {
     async fn verify(
         &mut self,
         _sync: SyncRef,
-        _checksums: Vec<UnitChecksum>,
+        _checksums: Vec<RunChecksum>,
     ) -> Result<WorkerReport, DriverError> {
         Ok(WorkerReport::default())
     }

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use weightsync_agent::run_agent;
 use weightsync_common::protocol::{
-    auth, read_frame, write_frame, FromWorker, Role, ToWorker, WorkerId, DEFAULT_MAX_FRAME,
+    auth, read_frame, write_frame, FromWorker, ToWorker, WorkerId, WorkerRole, DEFAULT_MAX_FRAME,
 };
 use weightsync_controller::sync_record::SyncState;
 use weightsync_tests::controller_harness::*;
@@ -251,7 +251,7 @@ async fn a_silent_worker_fails_the_running_sync_within_the_heartbeat_timeout() {
     assert_eq!(
         failure.worker,
         WorkerId {
-            role: Role::Rollout,
+            role: WorkerRole::Rollout,
             rank: 0
         }
     );

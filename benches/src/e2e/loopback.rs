@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use rayon::prelude::*;
 use weightsync_common::fabric::{FabricConfig, TcpFabric};
-use weightsync_schedules::table::Endpoint;
+use weightsync_schedules::table::WriteTarget;
 use weightsync_schedules::RoutingTable;
 use weightsync_worker::rollout::RolloutWorker;
 use weightsync_worker::trainer::{
@@ -94,7 +94,7 @@ pub(crate) fn landed_bytes(table: &RoutingTable) -> u64 {
         .trainers
         .iter()
         .flat_map(|t| t.all_writes())
-        .filter(|w| matches!(w.dst, Endpoint::Rollout(_)))
+        .filter(|w| matches!(w.dst, WriteTarget::Rollout(_)))
         .map(|w| w.len as u64)
         .sum()
 }

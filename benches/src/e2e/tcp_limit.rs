@@ -7,7 +7,7 @@ use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::time::Instant;
 
-use weightsync_schedules::table::Endpoint;
+use weightsync_schedules::table::WriteTarget;
 use weightsync_schedules::RoutingTable;
 
 use super::E2eError;
@@ -21,7 +21,7 @@ pub(crate) fn pair_bytes(table: &RoutingTable) -> Vec<(u32, u32, u64)> {
     for t in &table.trainers {
         let mut per = std::collections::BTreeMap::<u32, u64>::new();
         for w in t.all_writes() {
-            if let Endpoint::Rollout(r) = w.dst {
+            if let WriteTarget::Rollout(r) = w.dst {
                 *per.entry(r).or_default() += w.len as u64;
             }
         }

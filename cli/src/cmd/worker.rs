@@ -9,7 +9,7 @@
 use std::path::PathBuf;
 
 use anyhow::Context;
-use weightsync_common::protocol::Role;
+use weightsync_common::protocol::WorkerRole;
 
 use weightsync_agent::config::{resolve, ResolvedWorker, WorkerSettings};
 use weightsync_agent::rollout::RolloutDriver;
@@ -33,7 +33,7 @@ pub struct Args {
 /// Runs `weightsync worker`.
 pub fn run(args: Args) -> anyhow::Result<()> {
     crate::logging::init("info");
-    let role: Role = args.role.parse().map_err(anyhow::Error::msg)?;
+    let role: WorkerRole = args.role.parse().map_err(anyhow::Error::msg)?;
     let file = args
         .config
         .as_deref()

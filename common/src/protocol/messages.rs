@@ -35,28 +35,28 @@ impl Blob {
 /// Which side of a sync a worker serves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
-pub enum Role {
+pub enum WorkerRole {
     /// Beside a training rank: holds source shards, writes.
     Trainer,
     /// Beside an inference rank: holds the engine's tensors, receives.
     Rollout,
 }
 
-impl fmt::Display for Role {
+impl fmt::Display for WorkerRole {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
-            Role::Trainer => "trainer",
-            Role::Rollout => "rollout",
+            WorkerRole::Trainer => "trainer",
+            WorkerRole::Rollout => "rollout",
         })
     }
 }
 
-impl std::str::FromStr for Role {
+impl std::str::FromStr for WorkerRole {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s {
-            "trainer" => Ok(Role::Trainer),
-            "rollout" => Ok(Role::Rollout),
+            "trainer" => Ok(WorkerRole::Trainer),
+            "rollout" => Ok(WorkerRole::Rollout),
             other => Err(format!(
                 "unknown role {other:?} (expected trainer or rollout)"
             )),
@@ -68,7 +68,7 @@ impl std::str::FromStr for Role {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct WorkerId {
     /// Trainer or rollout.
-    pub role: Role,
+    pub role: WorkerRole,
     /// Rank among workers of that role (training rank, or global inference rank).
     pub rank: u32,
 }
@@ -77,14 +77,14 @@ impl WorkerId {
     /// A trainer's id.
     pub const fn trainer(rank: u32) -> Self {
         WorkerId {
-            role: Role::Trainer,
+            role: WorkerRole::Trainer,
             rank,
         }
     }
     /// A rollout's id.
     pub const fn rollout(rank: u32) -> Self {
         WorkerId {
-            role: Role::Rollout,
+            role: WorkerRole::Rollout,
             rank,
         }
     }
@@ -255,12 +255,23 @@ impl Stage {
     }
 }
 
-/// One span of work on one worker during a sync. Times are nanoseconds since the worker received
-/// `Start` (trainers) or `Prepare` (rollouts); the controller places them on its own clock.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+impl fmt::Display for Stage {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// One span of work (one stage of one task, or of one piece of a split task) on one worker
+/// during a sync: what the worker library records and what a report carries. Times are
+/// nanoseconds since a reference instant of the worker (the start of its sync in the worker
+/// library; the instant it received `Prepare` in a report, which the controller places on its
+/// own clock).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TimelineEvent {
-    /// Task index within the worker's slice (0 for whole-worker stages).
+    /// Task index within the worker's slice ([`WHOLE_SYNC`] for whole-sync stages).
     pub task: u32,
+    /// The piece of the task when the watermark split it (0 when it was not split).
+    pub piece: u32,
     /// Which stage.
     pub stage: Stage,
     /// Start, ns since the worker's reference instant.
@@ -271,13 +282,25 @@ pub struct TimelineEvent {
     pub bytes: u64,
 }
 
-/// A checksum of one destination unit (a contiguous range of a rollout's region).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct UnitChecksum {
+impl TimelineEvent {
+    /// Duration in nanoseconds.
+    pub fn duration_ns(&self) -> u64 {
+        self.end_ns.saturating_sub(self.start_ns)
+    }
+}
+
+/// Task index of whole-sync events (the barrier, arming, verification, a source refresh).
+pub const WHOLE_SYNC: u32 = u32::MAX;
+
+/// The xxh3 of one write run: the bytes of one posted write, `[offset, offset + len)` of a
+/// rollout's memory region. A trainer hashes what it prepared, a rollout what landed; both
+/// sides, the report and the controller's `Verify` carry this one type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct RunChecksum {
     /// Destination rollout rank.
     pub rollout: u32,
-    /// Region index on the rollout.
-    pub region: u32,
+    /// Memory region on that rank.
+    pub mr: u16,
     /// Byte offset in the region.
     pub offset: u64,
     /// Byte length.
@@ -298,7 +321,7 @@ pub struct WorkerReport {
     /// Spans, in any order.
     pub events: Vec<TimelineEvent>,
     /// Checksums of prepared (trainer) or landed (rollout) units, when verification is on.
-    pub checksums: Vec<UnitChecksum>,
+    pub checksums: Vec<RunChecksum>,
 }
 
 /// Why a worker failed a sync: the cause, and the tensor when one is to blame.
@@ -383,7 +406,7 @@ pub enum ToWorker {
         /// Version.
         version: u64,
         /// The trainers' checksums of the units written to this rollout.
-        checksums: Vec<UnitChecksum>,
+        checksums: Vec<RunChecksum>,
     },
     /// Liveness reply.
     Heartbeat {

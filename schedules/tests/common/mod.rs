@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 
 use weightsync_common::DType;
-use weightsync_schedules::table::{Endpoint, RoutingTable, Source, Transform, FP8_BLOCK};
+use weightsync_schedules::table::{RoutingTable, Source, Transform, WriteTarget, FP8_BLOCK};
 use weightsync_schedules::{ExpertForm, Model};
 
 /// Dense Qwen3-like: GQA (4 q heads, 2 kv heads of 128), q/k norms.
@@ -316,14 +316,14 @@ pub fn execute(table: &RoutingTable, model: &Model, full: &[Vec<u8>]) -> Landed 
                         let src = &prepared
                             [w.src_offset as usize..(w.src_offset + w.len as u64) as usize];
                         match w.dst {
-                            Endpoint::Rollout(r) => {
+                            WriteTarget::Rollout(r) => {
                                 assert_eq!(w.unit, 0);
                                 let d = w.dst_offset as usize;
                                 arenas[r as usize][d..d + src.len()].copy_from_slice(src);
                                 coverage[r as usize].push((w.dst_offset, w.len as u64));
                                 received[r as usize] += 1;
                             }
-                            Endpoint::Trainer(o) => {
+                            WriteTarget::Trainer(o) => {
                                 assert_eq!(phase, 0, "only gather sends write to trainers");
                                 assert_eq!(w.unit, g.id);
                                 let d = w.dst_offset as usize;

@@ -27,8 +27,9 @@ use weightsync_schedules::table::{DstTensor, RolloutPlan};
 use crate::checksum::{xxh3, RunChecksum};
 use crate::error::{Result, WorkerError};
 use crate::imm_tag::imm_for;
-use crate::timeline::{Stage, Timeline, TimelineRecorder, WHOLE_SYNC};
+use crate::timeline::{Timeline, TimelineRecorder};
 use crate::trainer::SyncId;
+use weightsync_common::protocol::{Stage, WHOLE_SYNC};
 
 /// A sync armed and not yet landed.
 struct Armed {
@@ -267,7 +268,7 @@ impl<F: FabricBackend> RolloutWorker<F> {
         let rank = self.plan.rank;
         let mut mine: Vec<RunChecksum> = checksums
             .iter()
-            .filter(|c| c.rank == rank)
+            .filter(|c| c.rollout == rank)
             .copied()
             .collect();
         mine.sort();

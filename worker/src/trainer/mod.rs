@@ -27,7 +27,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use weightsync_common::fabric::{Access, FabricBackend, Region, RegionDescriptor};
-use weightsync_schedules::table::{Endpoint, TrainerPlan, MAX_DIMS};
+use weightsync_schedules::table::{TrainerPlan, WriteTarget, MAX_DIMS};
 
 use crate::checksum::RunChecksum;
 use crate::error::{Result, WorkerError};
@@ -35,7 +35,7 @@ use crate::imm_tag::MAX_UNITS;
 use crate::prepare::Threads;
 use crate::timeline::Timeline;
 
-use piece::{plan_pieces, Piece, TaskShape};
+use piece::{plan_pieces, TaskPiece, TaskShape};
 use staging::StagingArena;
 
 /// A host-visible view of the trainer's source arena (its training shards, laid out as the plan's
@@ -191,7 +191,7 @@ pub(crate) struct TrainerState {
     pub config: TrainerConfig,
     pub plan: TrainerPlan,
     pub shapes: Vec<TaskShape>,
-    pub pieces: Vec<Vec<Piece>>,
+    pub pieces: Vec<Vec<TaskPiece>>,
     pub staging: StagingArena,
     pub gather: Option<Region>,
     pub source: Arc<dyn SourceView>,
@@ -338,14 +338,14 @@ impl<F: FabricBackend> TrainerWorker<F> {
         let mut write_dst = Vec::with_capacity(plan.writes.len());
         for (i, w) in plan.writes.iter().enumerate() {
             let desc = match w.dst {
-                Endpoint::Rollout(r) => dsts
+                WriteTarget::Rollout(r) => dsts
                     .rollouts
                     .get(&r)
                     .and_then(|mrs| mrs.get(w.mr as usize))
                     .ok_or_else(|| {
                         WorkerError::MissingDestination(format!("rollout rank {r} MR {}", w.mr))
                     })?,
-                Endpoint::Trainer(t) => dsts.trainers.get(&t).ok_or_else(|| {
+                WriteTarget::Trainer(t) => dsts.trainers.get(&t).ok_or_else(|| {
                     WorkerError::MissingDestination(format!(
                         "the gather arena of training rank {t}"
                     ))

@@ -36,15 +36,16 @@ use parking_lot::Mutex;
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use weightsync_common::fabric::{FabricBackend, WriteOp};
-use weightsync_schedules::table::Endpoint;
+use weightsync_schedules::table::WriteTarget;
 
 use super::stages::{prepare_piece, stage_input};
 use super::{PipelineMode, SyncId, SyncReport, TrainerState};
 use crate::checksum::{xxh3, RunChecksum};
 use crate::error::{Result, WorkerError};
 use crate::imm_tag::imm_for;
-use crate::timeline::{Stage, TimelineRecorder, WHOLE_SYNC};
+use crate::timeline::TimelineRecorder;
 use crate::watermark::Lease;
+use weightsync_common::protocol::{Stage, WHOLE_SYNC};
 
 /// State of one sync shared by its piece jobs.
 struct SyncRun<F: FabricBackend> {
@@ -271,7 +272,7 @@ async fn run_piece<F: FabricBackend>(
         .map_err(|e| stage_panic("h2d", e))?;
         res?;
         let bytes = run.state.pieces[t as usize][p].layout.input;
-        rec.record(t, piece_no, Stage::H2D, start, bytes);
+        rec.record(t, piece_no, Stage::H2d, start, bytes);
         lease
     };
 
@@ -299,10 +300,10 @@ async fn run_piece<F: FabricBackend>(
                     let mut sums = Vec::new();
                     for part in &piece.parts {
                         let w = st.plan.writes[part.write as usize];
-                        if let Endpoint::Rollout(rank) = w.dst {
+                        if let WriteTarget::Rollout(rollout) = w.dst {
                             let a = part.staging_offset as usize;
                             sums.push(RunChecksum {
-                                rank,
+                                rollout,
                                 mr: w.mr,
                                 offset: part.dst_offset,
                                 len: part.len,

@@ -9,7 +9,7 @@
 use weightsync_common::fabric::Region;
 use weightsync_schedules::table::{Source, Task, TrainerPlan, Transform, FP8_BLOCK};
 
-use super::piece::{param_name, Grain, Piece, TaskShape};
+use super::piece::{param_name, Grain, TaskPiece, TaskShape};
 use super::SourceView;
 use crate::error::{Result, WorkerError};
 use crate::prepare::{cast, gather_box, quantise_fp8_block_rows, Fp8Shape, Threads};
@@ -59,7 +59,7 @@ fn prepare_err(
 pub(crate) fn stage_input(
     plan: &TrainerPlan,
     shape: &TaskShape,
-    piece: &Piece,
+    piece: &TaskPiece,
     source: &dyn SourceView,
     gather: Option<&Region>,
     input: &mut [u8],
@@ -167,7 +167,7 @@ pub(crate) fn stage_input(
 pub(crate) fn prepare_piece(
     plan: &TrainerPlan,
     shape: &TaskShape,
-    piece: &Piece,
+    piece: &TaskPiece,
     buf: &mut [u8],
     threads: Threads,
 ) -> Result<()> {
