@@ -20,6 +20,7 @@
 //! - [`demo_weights`]: the deterministic weights the demo trains with, and their recomputation.
 //! - [`config`]: flags, env vars (torchrun, Slurm) and TOML, resolved into a worker.
 //! - [`api_client`]: a minimal client of the controller's HTTP API (a training loop's trigger).
+#![deny(missing_docs)]
 
 pub mod api_client;
 pub mod config;

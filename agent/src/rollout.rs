@@ -1,4 +1,4 @@
-//! The rollout driver: `weightsync_worker::rollout::RolloutWorker` behind the agent.
+//! The rollout driver: `weightsync_worker::RolloutWorker` behind the agent.
 //!
 //! It computes its own inference layout from the job at start-up, allocates and registers its
 //! tensors once, and registers with their descriptors. Per sync: `Prepare N` arms the immediate
@@ -16,8 +16,8 @@ use weightsync_common::protocol::{
     WHOLE_SYNC,
 };
 use weightsync_schedules::table::RolloutPlan;
-use weightsync_worker::rollout::RolloutWorker;
-use weightsync_worker::trainer::SyncId;
+use weightsync_worker::RolloutWorker;
+use weightsync_worker::SyncId;
 
 use crate::demo_weights::expected_rollout;
 use crate::driver::{DriverError, DriverInfo, Outcome, SyncDriver, SyncRef};
@@ -192,7 +192,7 @@ impl SyncDriver for RolloutDriver {
         let checked = tokio::task::spawn_blocking(move || -> Result<u64, DriverError> {
             let v = worker.verify(&checksums).map_err(|e| {
                 let tensor = match &e {
-                    weightsync_worker::error::WorkerError::ChecksumMismatch { tensors, .. } => {
+                    weightsync_worker::WorkerError::ChecksumMismatch { tensors, .. } => {
                         Some(tensors.clone())
                     }
                     _ => None,

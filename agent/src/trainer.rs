@@ -1,4 +1,4 @@
-//! The trainer driver: `weightsync_worker::trainer::TrainerWorker` behind the agent.
+//! The trainer driver: `weightsync_worker::TrainerWorker` behind the agent.
 //!
 //! Built before registration: it plans its own side of the job (pure, deterministic), attaches
 //! its source, and registers its staging and gather arenas, so the registration carries the
@@ -18,12 +18,12 @@ use weightsync_common::protocol::{
     WorkerRole, WorldSpec, WHOLE_SYNC,
 };
 use weightsync_schedules::table::TrainerPlan;
-use weightsync_worker::trainer::{
+use weightsync_worker::{
     Destinations, SourceView, SyncId, SyncReport, TrainerConfig, TrainerWorker,
 };
 
 use tokio::sync::oneshot;
-use weightsync_worker::error::WorkerError;
+use weightsync_worker::WorkerError;
 
 use crate::demo_weights::fill_trainer_arena;
 use crate::driver::{DriverError, DriverInfo, Outcome, SyncDriver, SyncRef};
@@ -117,24 +117,20 @@ impl TrainerDriver {
                 (a.clone(), Some(a))
             }
             SourceSpec::Shm(path) => {
-                let s =
-                    weightsync_worker::source::ShmSource::open(path, Some(plan.source_arena_bytes))
-                        .map_err(err)?;
-                (
-                    Arc::new(weightsync_worker::source::SourceMemory::Shm(s)),
-                    None,
-                )
+                let s = weightsync_worker::ShmSource::open(path, Some(plan.source_arena_bytes))
+                    .map_err(err)?;
+                (Arc::new(weightsync_worker::SourceMemory::Shm(s)), None)
             }
             SourceSpec::Safetensors(path) => {
-                let tensors = weightsync_worker::source::arena_tensors(&plan);
-                let s = weightsync_worker::source::SafetensorsSource::load(
+                let tensors = weightsync_worker::arena_tensors(&plan);
+                let s = weightsync_worker::SafetensorsSource::load(
                     path,
                     &tensors,
                     plan.source_arena_bytes,
                 )
                 .map_err(err)?;
                 (
-                    Arc::new(weightsync_worker::source::SourceMemory::Safetensors(s)),
+                    Arc::new(weightsync_worker::SourceMemory::Safetensors(s)),
                     None,
                 )
             }

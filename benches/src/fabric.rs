@@ -48,29 +48,38 @@ pub struct Config {
 /// One block size and lane count.
 #[derive(Debug, Clone, Serialize)]
 pub struct Row {
+    /// Bytes per write.
     pub block_bytes: usize,
+    /// Fabric lanes (connections) to the peer.
     pub lanes: usize,
     /// Fabric throughput, GB/s.
     pub gbps: f64,
     /// One plain TCP stream moving the same bytes, GB/s.
     pub tcp_gbps: f64,
+    /// `gbps / tcp_gbps`, measured side by side.
     pub ratio_vs_tcp: f64,
     /// memcpy of the same bytes, GB/s.
     pub memcpy_gbps: f64,
     /// Fabric write round trip, microseconds.
     pub p50_us: f64,
+    /// Its 99th percentile, microseconds.
     pub p99_us: f64,
     /// TCP ping-pong of one block, microseconds.
     pub tcp_p50_us: f64,
+    /// Its 99th percentile, microseconds.
     pub tcp_p99_us: f64,
 }
 
 /// The whole report.
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {
+    /// `fabric`.
     pub bench: &'static str,
+    /// The units of the figures.
     pub units: &'static str,
+    /// One row per block size and lane count.
     pub rows: Vec<Row>,
+    /// Wall time of the whole run, seconds.
     pub elapsed_s: f64,
 }
 

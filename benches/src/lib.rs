@@ -4,6 +4,7 @@
 //! stream, a memcpy, a serialised pipeline, a broadcast), because this machine is shared and
 //! noisy: only ratios measured side by side mean anything. Criterion benches for the kernels and
 //! the planner live under `benches/benches/`.
+#![deny(missing_docs)]
 
 pub mod e2e;
 pub mod fabric;

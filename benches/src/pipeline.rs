@@ -41,9 +41,9 @@ use weightsync_schedules::table::{
     DstTensor, LocalShard, MeshGroup, ParamRef, RolloutPlan, Shape, Source, Task, TensorBox,
     TrainerPlan, Transform, UnitExpect, Write, WriteTarget,
 };
-use weightsync_worker::error::WorkerError;
-use weightsync_worker::rollout::RolloutWorker;
-use weightsync_worker::trainer::{
+use weightsync_worker::RolloutWorker;
+use weightsync_worker::WorkerError;
+use weightsync_worker::{
     Destinations, PipelineMode, SyncId, SyncReport, TrainerConfig, TrainerWorker,
 };
 

@@ -20,7 +20,8 @@ use std::time::Instant;
 use rayon::prelude::*;
 use serde::Serialize;
 use weightsync_common::DType;
-use weightsync_worker::prepare::{self, Fp8Shape, PrepareError, Threads};
+use weightsync_worker as prepare;
+use weightsync_worker::{Fp8Shape, PrepareError, Threads};
 
 /// What to measure.
 #[derive(Debug, Clone)]

@@ -32,6 +32,7 @@
 //! - [`metrics`]: Prometheus metrics recorded as syncs end.
 //! - [`http`]: `app(state) -> Router`: the JSON API, metrics, traces and the dashboard.
 //! - [`server`]: [`run`], the service and the router served together.
+#![deny(missing_docs)]
 
 pub mod coordinator;
 pub mod http;

@@ -26,6 +26,7 @@
 //! let mine = table.slice(0).unwrap();
 //! assert!(!mine.tasks.is_empty());
 //! ```
+#![deny(missing_docs)]
 
 pub mod balance;
 pub mod baseline;

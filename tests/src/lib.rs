@@ -1,4 +1,6 @@
 //! weightsync-tests: shared harness code for the suites under `tests/tests/`.
+#![deny(missing_docs)]
+
 pub mod conformance;
 pub mod loopback;
 // Fault-suite harness (faults engineer): processes, proxy, namespaces, guard pages, raw HTTP.

@@ -9,11 +9,11 @@ use std::time::Duration;
 
 use tokio::task::JoinSet;
 use weightsync_common::fabric::{Fabric, FabricConfig};
+use weightsync_common::protocol::RunChecksum;
 use weightsync_schedules::table::RoutingTable;
-use weightsync_worker::checksum::RunChecksum;
-use weightsync_worker::error::WorkerError;
-use weightsync_worker::rollout::RolloutWorker;
-use weightsync_worker::trainer::{Destinations, SyncId, SyncReport, TrainerConfig, TrainerWorker};
+use weightsync_worker::RolloutWorker;
+use weightsync_worker::WorkerError;
+use weightsync_worker::{Destinations, SyncId, SyncReport, TrainerConfig, TrainerWorker};
 
 /// The job token every fabric of a loopback cluster shares.
 pub const JOB_TOKEN: &str = "weightsync-loopback-test";

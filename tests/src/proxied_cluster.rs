@@ -18,9 +18,9 @@ use tokio::task::JoinSet;
 use weightsync_common::fabric::{Endpoint, Fabric, FabricBackend, FabricConfig};
 use weightsync_schedules::table::RoutingTable;
 use weightsync_schedules::{plan, CostModel, ExpertForm, InferenceLayout, Model, TrainingLayout};
-use weightsync_worker::error::WorkerError;
-use weightsync_worker::rollout::RolloutWorker;
-use weightsync_worker::trainer::{Destinations, SyncId, TrainerWorker};
+use weightsync_worker::RolloutWorker;
+use weightsync_worker::WorkerError;
+use weightsync_worker::{Destinations, SyncId, TrainerWorker};
 
 use crate::loopback::start_trainers;
 use crate::proxy::LaneProxy;

@@ -16,8 +16,8 @@ use weightsync_schedules::planner::plan;
 use weightsync_schedules::table::RoutingTable;
 use weightsync_tests::loopback::LoopbackCluster;
 use weightsync_tests::reference::{expected, Geometry, LogicalWeights};
-use weightsync_worker::error::WorkerError;
-use weightsync_worker::trainer::SyncId;
+use weightsync_worker::SyncId;
+use weightsync_worker::WorkerError;
 
 /// A two-layer Qwen3 with 128-wide heads, so every tp=2 slice is whole 128x128 blocks while
 /// fsdp=4 row shards of 64 rows are not.

@@ -24,7 +24,7 @@ use weightsync_common::fabric::{Access, FabricBackend, FabricConfig, Region, Tcp
 use weightsync_common::DType;
 use weightsync_schedules::table::Transform;
 use weightsync_schedules::RoutingTable;
-use weightsync_worker::prepare::{quantise_fp8, Fp8Shape, Threads};
+use weightsync_worker::{quantise_fp8, Fp8Shape, Threads};
 
 use super::loopback::{weights, TOKEN};
 use super::E2eError;

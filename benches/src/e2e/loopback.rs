@@ -10,8 +10,8 @@ use rayon::prelude::*;
 use weightsync_common::fabric::{FabricConfig, TcpFabric};
 use weightsync_schedules::table::WriteTarget;
 use weightsync_schedules::RoutingTable;
-use weightsync_worker::rollout::RolloutWorker;
-use weightsync_worker::trainer::{
+use weightsync_worker::RolloutWorker;
+use weightsync_worker::{
     Destinations, PipelineMode, SourceView, SyncId, TrainerConfig, TrainerWorker,
 };
 
