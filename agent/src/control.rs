@@ -12,11 +12,12 @@
 
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, watch};
 use weightsync_common::protocol::{
-    auth, read_frame, write_frame, FromWorker, Registration, ToWorker, WorkerId, WorldSpec,
-    DEFAULT_MAX_FRAME,
+    auth, read_frame, write_frame, ControlFrameError, FromWorker, Registration, ToWorker, WorkerId,
+    WorldSpec, DEFAULT_MAX_FRAME,
 };
 
 use crate::driver::{DriverInfo, Outcome, SyncDriver, SyncRef};
@@ -135,26 +136,34 @@ async fn connect(cfg: &AgentConfig, first: bool) -> Result<TcpStream, AgentError
     }
 }
 
-async fn session(
+/// What a session answers a controller message with.
+enum Next {
+    /// Hand this to the driver loop.
+    Cmd(DriverCmd),
+    /// Nothing to do.
+    Nothing,
+    /// The session is over.
+    End(SessionEnd),
+}
+
+/// The registration handshake: challenge, proof and registration, welcome. Returns the
+/// heartbeat interval the controller asked for.
+async fn register(
     cfg: &AgentConfig,
     info: &DriverInfo,
-    stream: TcpStream,
-    cmd_tx: &mpsc::Sender<DriverCmd>,
-    abort_tx: &watch::Sender<u64>,
-    out_rx: &mut mpsc::Receiver<FromWorker>,
-) -> Result<SessionEnd, AgentError> {
+    rd: &mut OwnedReadHalf,
+    wr: &mut OwnedWriteHalf,
+) -> Result<Result<u64, SessionEnd>, AgentError> {
     let max = cfg.max_frame;
-    let (mut rd, mut wr) = stream.into_split();
-    let lost =
-        |e: weightsync_common::protocol::ControlFrameError| Ok(SessionEnd::Lost(e.to_string()));
-    let nonce = match read_frame::<_, ToWorker>(&mut rd, max).await {
+    let lost = |e: ControlFrameError| Ok(Err(SessionEnd::Lost(e.to_string())));
+    let nonce = match read_frame::<_, ToWorker>(rd, max).await {
         Ok(Some(ToWorker::Challenge { nonce })) => nonce,
         Ok(Some(other)) => {
             return Err(AgentError::Protocol(format!(
                 "expected a challenge, got {other:?}"
             )))
         }
-        Ok(None) => return Ok(SessionEnd::Lost("closed before the challenge".into())),
+        Ok(None) => return Ok(Err(SessionEnd::Lost("closed before the challenge".into()))),
         Err(e) => return lost(e),
     };
     let proof = auth::prove(&cfg.job_token, &nonce);
@@ -171,34 +180,33 @@ async fn session(
         FromWorker::Hello { proof },
         FromWorker::Register(Box::new(reg)),
     ] {
-        if let Err(e) = write_frame(&mut wr, &msg, max).await {
+        if let Err(e) = write_frame(wr, &msg, max).await {
             return lost(e);
         }
     }
-    let heartbeat_ms = match read_frame::<_, ToWorker>(&mut rd, max).await {
-        Ok(Some(ToWorker::Welcome { heartbeat_ms })) => heartbeat_ms.max(10),
-        Ok(Some(ToWorker::Rejected { reason })) => {
-            return Err(AgentError::Rejected { id: cfg.id, reason })
-        }
-        Ok(Some(other)) => {
-            return Err(AgentError::Protocol(format!(
-                "expected Welcome, got {other:?}"
-            )))
-        }
-        Ok(None) => {
-            return Err(AgentError::Rejected {
-                id: cfg.id,
-                reason: "connection closed during registration (wrong job token?)".into(),
-            })
-        }
-        Err(e) => return lost(e),
-    };
-    tracing::info!(
-        "{} registered with the controller at {}",
-        cfg.id,
-        cfg.controller
-    );
-    let (in_tx, mut in_rx) = mpsc::channel::<Result<ToWorker, String>>(256);
+    match read_frame::<_, ToWorker>(rd, max).await {
+        Ok(Some(ToWorker::Welcome { heartbeat_ms })) => Ok(Ok(heartbeat_ms.max(10))),
+        Ok(Some(ToWorker::Rejected { reason })) => Err(AgentError::Rejected { id: cfg.id, reason }),
+        Ok(Some(other)) => Err(AgentError::Protocol(format!(
+            "expected Welcome, got {other:?}"
+        ))),
+        Ok(None) => Err(AgentError::Rejected {
+            id: cfg.id,
+            reason: "connection closed during registration (wrong job token?)".into(),
+        }),
+        Err(e) => lost(e),
+    }
+}
+
+/// Reads frames into a channel until the stream ends or fails (the last item says why).
+fn spawn_reader(
+    mut rd: OwnedReadHalf,
+    max: u32,
+) -> (
+    tokio::task::JoinHandle<()>,
+    mpsc::Receiver<Result<ToWorker, String>>,
+) {
+    let (in_tx, in_rx) = mpsc::channel::<Result<ToWorker, String>>(256);
     let reader = tokio::spawn(async move {
         loop {
             let msg = match read_frame::<_, ToWorker>(&mut rd, max).await {
@@ -212,6 +220,88 @@ async fn session(
             }
         }
     });
+    (reader, in_rx)
+}
+
+/// What a controller message means for the driver loop. `current` is the sync last prepared;
+/// `abort_tx` cancels a step of an aborted sync at once, before its `Abort` command is read.
+fn next_for(
+    cfg: &AgentConfig,
+    msg: ToWorker,
+    current: &mut Option<SyncRef>,
+    abort_tx: &watch::Sender<u64>,
+) -> Next {
+    let of_current = |sync_id: u64| current.filter(|s| s.sync_id == sync_id);
+    let cmd = match msg {
+        ToWorker::Assign(a) => Some(DriverCmd::Assign(Box::new(a))),
+        ToWorker::Peers { plan_id, peers } => Some(DriverCmd::Peers(plan_id, peers)),
+        ToWorker::Prepare { sync_id, version } => {
+            let s = SyncRef {
+                sync_id,
+                version,
+                reference: Instant::now(),
+                reference_unix_ns: unix_ns(),
+            };
+            *current = Some(s);
+            // A new sync: earlier aborts (and ids of a restarted controller) no longer apply.
+            abort_tx.send_replace(0);
+            Some(DriverCmd::Prepare(s))
+        }
+        ToWorker::Start { sync_id, .. } => of_current(sync_id).map(DriverCmd::Run),
+        ToWorker::Verify {
+            sync_id, checksums, ..
+        } => of_current(sync_id).map(|s| DriverCmd::Verify(s, checksums)),
+        ToWorker::Commit { sync_id, .. } => {
+            of_current(sync_id).map(|s| DriverCmd::Finish(s, Outcome::Committed))
+        }
+        ToWorker::Abort {
+            sync_id,
+            version,
+            reason,
+        } => {
+            tracing::warn!(
+                "{}: sync {sync_id} (version {version}) aborted: {reason}",
+                cfg.id
+            );
+            let _ = abort_tx.send(sync_id);
+            // Always answered (with Drained), also for a sync this worker never saw.
+            Some(DriverCmd::Abort {
+                sync: of_current(sync_id),
+                sync_id,
+                version,
+            })
+        }
+        ToWorker::Shutdown => return Next::End(SessionEnd::Shutdown),
+        ToWorker::Rejected { reason } => {
+            return Next::End(SessionEnd::Lost(format!("rejected: {reason}")))
+        }
+        ToWorker::Heartbeat { .. } | ToWorker::Welcome { .. } | ToWorker::Challenge { .. } => None,
+    };
+    cmd.map_or(Next::Nothing, Next::Cmd)
+}
+
+/// One connection to the controller: register, then heartbeats, the driver's answers out and
+/// the controller's messages in, until one side ends it.
+async fn session(
+    cfg: &AgentConfig,
+    info: &DriverInfo,
+    stream: TcpStream,
+    cmd_tx: &mpsc::Sender<DriverCmd>,
+    abort_tx: &watch::Sender<u64>,
+    out_rx: &mut mpsc::Receiver<FromWorker>,
+) -> Result<SessionEnd, AgentError> {
+    let max = cfg.max_frame;
+    let (mut rd, mut wr) = stream.into_split();
+    let heartbeat_ms = match register(cfg, info, &mut rd, &mut wr).await? {
+        Ok(ms) => ms,
+        Err(end) => return Ok(end),
+    };
+    tracing::info!(
+        "{} registered with the controller at {}",
+        cfg.id,
+        cfg.controller
+    );
+    let (reader, mut in_rx) = spawn_reader(rd, max);
     let mut beat = tokio::time::interval(Duration::from_millis(heartbeat_ms));
     beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut seq = 0u64;
@@ -236,41 +326,14 @@ async fn session(
                     Some(Err(e)) => break SessionEnd::Lost(e),
                     None => break SessionEnd::Lost("reader stopped".into()),
                 };
-                let cmd = match msg {
-                    ToWorker::Assign(a) => Some(DriverCmd::Assign(Box::new(a))),
-                    ToWorker::Prepare { sync_id, version } => {
-                        let s = SyncRef { sync_id, version, reference: Instant::now(), reference_unix_ns: unix_ns() };
-                        current = Some(s);
-                        // A new sync: earlier aborts (and ids of a restarted controller) no
-                        // longer apply.
-                        abort_tx.send_replace(0);
-                        Some(DriverCmd::Prepare(s))
+                match next_for(cfg, msg, &mut current, abort_tx) {
+                    Next::Cmd(cmd) => {
+                        if cmd_tx.send(cmd).await.is_err() {
+                            break SessionEnd::Lost("driver stopped".into());
+                        }
                     }
-                    ToWorker::Start { sync_id, .. } => current.filter(|s| s.sync_id == sync_id).map(DriverCmd::Run),
-                    ToWorker::Verify { sync_id, checksums, .. } => current
-                        .filter(|s| s.sync_id == sync_id)
-                        .map(|s| DriverCmd::Verify(s, checksums)),
-                    ToWorker::Commit { sync_id, .. } => current
-                        .filter(|s| s.sync_id == sync_id)
-                        .map(|s| DriverCmd::Finish(s, Outcome::Committed)),
-                    ToWorker::Abort { sync_id, version, reason } => {
-                        tracing::warn!("{}: sync {sync_id} (version {version}) aborted: {reason}", cfg.id);
-                        let _ = abort_tx.send(sync_id);
-                        // Always answered (with Drained), also for a sync this worker never saw.
-                        Some(DriverCmd::Abort {
-                            sync: current.filter(|s| s.sync_id == sync_id),
-                            sync_id,
-                            version,
-                        })
-                    }
-                    ToWorker::Shutdown => break SessionEnd::Shutdown,
-                    ToWorker::Heartbeat { .. } | ToWorker::Welcome { .. } | ToWorker::Challenge { .. } => None,
-                    ToWorker::Rejected { reason } => break SessionEnd::Lost(format!("rejected: {reason}")),
-                };
-                if let Some(cmd) = cmd {
-                    if cmd_tx.send(cmd).await.is_err() {
-                        break SessionEnd::Lost("driver stopped".into());
-                    }
+                    Next::Nothing => {}
+                    Next::End(end) => break end,
                 }
             }
         }

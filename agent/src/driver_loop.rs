@@ -4,16 +4,25 @@
 //! and drains it and the loop answers `Drained`.
 
 use tokio::sync::{mpsc, watch};
-use weightsync_common::protocol::{Failure, FromWorker, WorkerId, WorkerRole};
+use weightsync_common::protocol::{
+    Assignment, Failure, FromWorker, PeerInfo, RunChecksum, WorkerId, WorkerRole,
+};
 
 use crate::driver::{DriverError, Outcome, SyncDriver, SyncRef};
 
 /// What the session asks the driver loop to do.
 pub(crate) enum DriverCmd {
-    Assign(Box<weightsync_common::protocol::Assignment>),
+    /// `Assign`: build for the plan, answer `Ready`.
+    Assign(Box<Assignment>),
+    /// `Peers` of a plan in force.
+    Peers(u64, Vec<PeerInfo>),
+    /// `Prepare N` (rollouts then wait for N to land).
     Prepare(SyncRef),
+    /// `Start N` (trainers).
     Run(SyncRef),
-    Verify(SyncRef, Vec<weightsync_common::protocol::RunChecksum>),
+    /// `Verify N` with the trainers' checksums (rollouts).
+    Verify(SyncRef, Vec<RunChecksum>),
+    /// `Commit N`.
     Finish(SyncRef, Outcome),
     /// `Abort N`: finish the sync (when it is the current one), drain, answer `Drained`.
     Abort {
@@ -21,6 +30,7 @@ pub(crate) enum DriverCmd {
         sync_id: u64,
         version: u64,
     },
+    /// The controller was lost: drop whatever runs, drain.
     AbortAll,
 }
 
@@ -45,158 +55,219 @@ async fn unless_aborted<T>(
     }
 }
 
-pub(crate) async fn drive<D: SyncDriver>(
-    mut driver: D,
-    role: WorkerRole,
-    mut cmds: mpsc::Receiver<DriverCmd>,
-    mut abort: watch::Receiver<u64>,
-    out: mpsc::Sender<FromWorker>,
-) {
-    let mut last: Option<SyncRef> = None;
-    let me = |tensor: Option<String>, cause: String, worker| Failure {
-        worker,
-        tensor,
-        cause,
-    };
-    // The worker id is only needed for failure reports; role + rank come from the messages'
-    // receiver, so the controller fills in who sent it. We still name ourselves for logs.
-    let _ = role;
-    while let Some(cmd) = cmds.recv().await {
-        match cmd {
-            DriverCmd::Assign(a) => {
-                if let Err(e) = driver.assign(*a).await {
-                    tracing::error!("assignment refused: {e}");
-                    // Reported on the next sync, when the controller is listening for it.
-                    last = None;
-                    let _ = out
-                        .send(FromWorker::Failed {
-                            sync_id: 0,
-                            version: 0,
-                            failure: me(
-                                e.tensor,
-                                format!("assignment: {}", e.cause),
-                                placeholder(),
-                            ),
-                        })
-                        .await;
-                }
-            }
-            DriverCmd::Prepare(s) => {
-                if last.is_some_and(|l| l.sync_id != s.sync_id) {
-                    // A sync we never saw end (e.g. reconnect); make sure the driver dropped it
-                    // and that nothing of it can land during this one.
-                    if let Some(l) = last {
-                        driver.finish(l, Outcome::Aborted).await;
-                        driver.drain().await;
-                    }
-                }
-                last = Some(s);
-                let Some(r) = unless_aborted(&mut abort, s.sync_id, driver.prepare(s)).await else {
-                    continue;
-                };
-                let msg = match r {
-                    Ok(report) => FromWorker::Prepared {
-                        sync_id: s.sync_id,
-                        version: s.version,
-                        report,
-                    },
-                    Err(e) => failed(s, e),
-                };
-                let ok = matches!(msg, FromWorker::Prepared { .. });
-                let _ = out.send(msg).await;
-                if ok && role == WorkerRole::Rollout {
-                    let Some(r) = unless_aborted(&mut abort, s.sync_id, driver.run(s)).await else {
-                        continue;
-                    };
-                    let _ = out
-                        .send(match r {
-                            Ok((verified, report)) => FromWorker::Landed {
-                                sync_id: s.sync_id,
-                                version: s.version,
-                                verified,
-                                report,
-                            },
-                            Err(e) => failed(s, e),
-                        })
-                        .await;
-                }
-            }
-            DriverCmd::Run(s) => {
-                let Some(r) = unless_aborted(&mut abort, s.sync_id, driver.run(s)).await else {
-                    continue;
-                };
-                let _ = out
-                    .send(match r {
-                        Ok((_, report)) => FromWorker::Written {
-                            sync_id: s.sync_id,
-                            version: s.version,
-                            report,
-                        },
-                        Err(e) => failed(s, e),
-                    })
-                    .await;
-            }
-            DriverCmd::Verify(s, sums) => {
-                let Some(r) = unless_aborted(&mut abort, s.sync_id, driver.verify(s, sums)).await
-                else {
-                    continue;
-                };
-                let _ = out
-                    .send(match r {
-                        Ok(report) => FromWorker::Verified {
-                            sync_id: s.sync_id,
-                            version: s.version,
-                            report,
-                        },
-                        Err(e) => failed(s, e),
-                    })
-                    .await;
-            }
-            DriverCmd::Finish(s, outcome) => {
-                driver.finish(s, outcome).await;
-                if last.is_some_and(|l| l.sync_id == s.sync_id) {
-                    last = None;
-                }
-            }
-            DriverCmd::Abort {
-                sync,
-                sync_id,
-                version,
-            } => {
-                if let Some(s) = sync {
-                    driver.finish(s, Outcome::Aborted).await;
-                }
-                if last.is_some_and(|l| l.sync_id == sync_id) {
-                    last = None;
-                }
-                driver.drain().await;
-                let _ = out.send(FromWorker::Drained { sync_id, version }).await;
-            }
-            DriverCmd::AbortAll => {
-                if let Some(l) = last.take() {
-                    driver.finish(l, Outcome::Aborted).await;
-                }
-                // No controller to tell; a reconnecting worker registers anew.
-                driver.drain().await;
-            }
-        }
-    }
-}
-
 /// The controller attributes a failure to the connection it came on; the id inside is
 /// overwritten there. This placeholder only fills the field.
 fn placeholder() -> WorkerId {
     WorkerId::trainer(u32::MAX)
 }
 
-fn failed(s: SyncRef, e: DriverError) -> FromWorker {
+/// `Failed` for sync `s` (sync 0: the plan round).
+fn failed(sync_id: u64, version: u64, e: DriverError) -> FromWorker {
     FromWorker::Failed {
-        sync_id: s.sync_id,
-        version: s.version,
+        sync_id,
+        version,
         failure: Failure {
             worker: placeholder(),
             tensor: e.tensor,
             cause: e.cause,
         },
+    }
+}
+
+/// The driver and what the loop remembers between commands.
+struct DriverLoop<D> {
+    driver: D,
+    role: WorkerRole,
+    abort: watch::Receiver<u64>,
+    out: mpsc::Sender<FromWorker>,
+    /// The sync last prepared and not yet finished.
+    last: Option<SyncRef>,
+}
+
+pub(crate) async fn drive<D: SyncDriver>(
+    driver: D,
+    role: WorkerRole,
+    mut cmds: mpsc::Receiver<DriverCmd>,
+    abort: watch::Receiver<u64>,
+    out: mpsc::Sender<FromWorker>,
+) {
+    let mut l = DriverLoop {
+        driver,
+        role,
+        abort,
+        out,
+        last: None,
+    };
+    while let Some(cmd) = cmds.recv().await {
+        match cmd {
+            DriverCmd::Assign(a) => l.assign(*a).await,
+            DriverCmd::Peers(plan_id, peers) => l.peers(plan_id, peers).await,
+            DriverCmd::Prepare(s) => l.prepare(s).await,
+            DriverCmd::Run(s) => l.run(s).await,
+            DriverCmd::Verify(s, sums) => l.verify(s, sums).await,
+            DriverCmd::Finish(s, outcome) => l.finish(s, outcome).await,
+            DriverCmd::Abort {
+                sync,
+                sync_id,
+                version,
+            } => l.abort(sync, sync_id, version).await,
+            DriverCmd::AbortAll => l.abort_all().await,
+        }
+    }
+}
+
+/// Sends to the session (which is gone only when the agent stops).
+async fn send(out: &mpsc::Sender<FromWorker>, msg: FromWorker) {
+    let _ = out.send(msg).await;
+}
+
+impl<D: SyncDriver> DriverLoop<D> {
+    /// `Assign`: answered by `Ready`, or by `Failed` for sync 0 (the controller names the plan
+    /// refused when a trigger asks).
+    async fn assign(&mut self, a: Assignment) {
+        let plan_id = a.plan_id();
+        match self.driver.assign(a).await {
+            Ok(accepted) => {
+                send(
+                    &self.out,
+                    FromWorker::Ready {
+                        plan_id,
+                        regions: accepted.regions,
+                        tensors: accepted.tensors,
+                    },
+                )
+                .await
+            }
+            Err(e) => {
+                tracing::error!("assignment of plan {plan_id} refused: {e}");
+                self.last = None;
+                let cause = format!("assignment: {}", e.cause);
+                send(&self.out, failed(0, 0, DriverError { cause, ..e })).await;
+            }
+        }
+    }
+
+    /// `Peers`: a refusal is reported like a refused assignment.
+    async fn peers(&mut self, plan_id: u64, peers: Vec<PeerInfo>) {
+        if let Err(e) = self.driver.peers(plan_id, peers).await {
+            tracing::error!("peers of plan {plan_id} refused: {e}");
+            let cause = format!("peers: {}", e.cause);
+            send(&self.out, failed(0, 0, DriverError { cause, ..e })).await;
+        }
+    }
+
+    /// `Prepare N`: answered by `Prepared`; a rollout then waits for N to land and answers
+    /// `Landed`.
+    async fn prepare(&mut self, s: SyncRef) {
+        if let Some(l) = self.last.filter(|l| l.sync_id != s.sync_id) {
+            // A sync we never saw end (e.g. reconnect); make sure the driver dropped it and
+            // that nothing of it can land during this one.
+            self.driver.finish(l, Outcome::Aborted).await;
+            self.driver.drain().await;
+        }
+        self.last = Some(s);
+        let Some(r) = unless_aborted(&mut self.abort, s.sync_id, self.driver.prepare(s)).await
+        else {
+            return;
+        };
+        let prepared = r.is_ok();
+        send(
+            &self.out,
+            match r {
+                Ok(report) => FromWorker::Prepared {
+                    sync_id: s.sync_id,
+                    version: s.version,
+                    report,
+                },
+                Err(e) => failed(s.sync_id, s.version, e),
+            },
+        )
+        .await;
+        if !(prepared && self.role == WorkerRole::Rollout) {
+            return;
+        }
+        let Some(r) = unless_aborted(&mut self.abort, s.sync_id, self.driver.run(s)).await else {
+            return;
+        };
+        send(
+            &self.out,
+            match r {
+                Ok((verified, report)) => FromWorker::Landed {
+                    sync_id: s.sync_id,
+                    version: s.version,
+                    verified,
+                    report,
+                },
+                Err(e) => failed(s.sync_id, s.version, e),
+            },
+        )
+        .await;
+    }
+
+    /// `Start N` (trainers): answered by `Written`.
+    async fn run(&mut self, s: SyncRef) {
+        let Some(r) = unless_aborted(&mut self.abort, s.sync_id, self.driver.run(s)).await else {
+            return;
+        };
+        send(
+            &self.out,
+            match r {
+                Ok((_, report)) => FromWorker::Written {
+                    sync_id: s.sync_id,
+                    version: s.version,
+                    report,
+                },
+                Err(e) => failed(s.sync_id, s.version, e),
+            },
+        )
+        .await;
+    }
+
+    /// `Verify N` (rollouts): answered by `Verified`.
+    async fn verify(&mut self, s: SyncRef, sums: Vec<RunChecksum>) {
+        let verified = self.driver.verify(s, sums);
+        let Some(r) = unless_aborted(&mut self.abort, s.sync_id, verified).await else {
+            return;
+        };
+        send(
+            &self.out,
+            match r {
+                Ok(report) => FromWorker::Verified {
+                    sync_id: s.sync_id,
+                    version: s.version,
+                    report,
+                },
+                Err(e) => failed(s.sync_id, s.version, e),
+            },
+        )
+        .await;
+    }
+
+    /// `Commit N`.
+    async fn finish(&mut self, s: SyncRef, outcome: Outcome) {
+        self.driver.finish(s, outcome).await;
+        if self.last.is_some_and(|l| l.sync_id == s.sync_id) {
+            self.last = None;
+        }
+    }
+
+    /// `Abort N`: answered by `Drained`, also for a sync this worker never saw.
+    async fn abort(&mut self, sync: Option<SyncRef>, sync_id: u64, version: u64) {
+        if let Some(s) = sync {
+            self.driver.finish(s, Outcome::Aborted).await;
+        }
+        if self.last.is_some_and(|l| l.sync_id == sync_id) {
+            self.last = None;
+        }
+        self.driver.drain().await;
+        send(&self.out, FromWorker::Drained { sync_id, version }).await;
+    }
+
+    /// The controller was lost: nobody to tell; a reconnecting worker registers anew.
+    async fn abort_all(&mut self) {
+        if let Some(l) = self.last.take() {
+            self.driver.finish(l, Outcome::Aborted).await;
+        }
+        self.driver.drain().await;
     }
 }

@@ -16,7 +16,8 @@
 //! - [`control`]: the control-channel client ([`run_agent`]) and [`AgentConfig`].
 //! - `driver_loop`: one step at a time, cancelled when the controller aborts its sync.
 //! - [`driver`]: the [`SyncDriver`] trait, the seam between the protocol and the worker library.
-//! - [`trainer`], [`rollout`]: the production drivers over `weightsync_worker`.
+//! - [`trainer`], [`rollout`]: the production drivers over `weightsync_worker`; `source`: where
+//!   a trainer's weights come from ([`trainer::SourceSpec`]), attached once its slice arrives.
 //! - [`demo_weights`]: the deterministic weights the demo trains with, and their recomputation.
 //! - [`config`]: flags, env vars (torchrun, Slurm) and TOML, resolved into a worker.
 //! - [`api_client`]: a minimal client of the controller's HTTP API (a training loop's trigger).
@@ -29,7 +30,8 @@ pub mod demo_weights;
 pub mod driver;
 mod driver_loop;
 pub mod rollout;
+mod source;
 pub mod trainer;
 
 pub use control::{run_agent, AgentConfig, AgentError, AGENT_MAX_FRAME};
-pub use driver::{DriverError, DriverInfo, Outcome, SyncDriver, SyncRef};
+pub use driver::{Accepted, DriverError, DriverInfo, Outcome, SyncDriver, SyncRef};

@@ -20,9 +20,10 @@ use weightsync_worker::RolloutWorker;
 use weightsync_worker::SyncId;
 
 use crate::demo_weights::expected_rollout;
-use crate::driver::{DriverError, DriverInfo, Outcome, SyncDriver, SyncRef};
+use crate::driver::{Accepted, DriverError, DriverInfo, Outcome, SyncDriver, SyncRef};
 use crate::trainer::blob;
-use weightsync_schedules::job::{self, Job};
+use weightsync_schedules::job::{self, rollout_layout};
+use weightsync_schedules::{InferenceLayout, Model};
 
 /// Settings of a rollout driver.
 #[derive(Debug, Clone)]
@@ -45,7 +46,8 @@ pub struct RolloutDriver {
     cfg: RolloutDriverConfig,
     fabric: Fabric,
     worker: Arc<RolloutWorker<Fabric>>,
-    job: Arc<Job>,
+    /// The demo's independent recomputation needs the model and the layout's placements.
+    demo: Option<Arc<(Model, InferenceLayout)>>,
     bytes: u64,
 }
 
@@ -58,35 +60,26 @@ fn ns_since(t: Instant, since: Instant) -> u64 {
 }
 
 impl RolloutDriver {
-    /// Plans its layout, allocates and registers its tensors.
+    /// Lays out its tensors from the inference layout, allocates and registers them.
     pub async fn new(cfg: RolloutDriverConfig) -> Result<RolloutDriver, DriverError> {
         let fabric = Fabric::start(&cfg.fabric).await.map_err(err)?;
         let config_text = cfg.world.read_model_config().map_err(err)?;
-        let job = job::plan_job(&cfg.world, config_text.as_deref()).map_err(err)?;
-        let plan = job
-            .table
-            .rollouts
-            .get(cfg.rank as usize)
-            .cloned()
-            .ok_or_else(|| {
-                DriverError::new(format!(
-                    "inference rank {} does not exist (the job has {})",
-                    cfg.rank,
-                    job.table.rollouts.len()
-                ))
-            })?;
-        let bytes = plan.tensors.iter().map(|t| t.len).sum();
+        let (model, infer) =
+            job::inference_layout(&cfg.world, config_text.as_deref()).map_err(err)?;
+        let layout = rollout_layout(&infer, cfg.rank).map_err(err)?;
+        let bytes = layout.tensors.iter().map(|t| t.len).sum();
         let worker = RolloutWorker::new(
             fabric.clone(),
             WorkerId::rollout(cfg.rank).to_string(),
-            plan,
+            layout,
         )
         .map_err(err)?;
+        let demo = cfg.demo_check_seed.map(|_| Arc::new((model, infer)));
         Ok(RolloutDriver {
             cfg,
             fabric,
             worker: Arc::new(worker),
-            job: Arc::new(job),
+            demo,
             bytes,
         })
     }
@@ -116,19 +109,18 @@ impl SyncDriver for RolloutDriver {
         }
     }
 
-    async fn assign(&mut self, a: Assignment) -> Result<(), DriverError> {
+    async fn assign(&mut self, a: Assignment) -> Result<Accepted, DriverError> {
         let Assignment::Rollout { expected, .. } = a else {
             return Err(DriverError::new("a rollout got a trainer's assignment"));
         };
         let plan: RolloutPlan = bincode::deserialize(&expected.0)
             .map_err(|e| DriverError::new(format!("undecodable expectations: {e}")))?;
-        if &plan != self.worker.plan() {
-            return Err(DriverError::new(
-                "the controller's expectations differ from the layout this worker registered \
-                 (different weightsync builds or job settings?)",
-            ));
-        }
-        Ok(())
+        Arc::get_mut(&mut self.worker)
+            .ok_or_else(|| DriverError::new("expectations cannot change while a check runs"))?
+            .set_expectations(plan)
+            .map_err(err)?;
+        // Its regions and tensors went with the registration.
+        Ok(Accepted::default())
     }
 
     async fn prepare(&mut self, sync: SyncRef) -> Result<WorkerReport, DriverError> {
@@ -186,7 +178,7 @@ impl SyncDriver for RolloutDriver {
     ) -> Result<WorkerReport, DriverError> {
         let start = Instant::now();
         let worker = self.worker.clone();
-        let job = self.job.clone();
+        let demo = self.demo.clone();
         let (rank, seed) = (self.cfg.rank, self.cfg.demo_check_seed);
         let version = sync.version;
         let checked = tokio::task::spawn_blocking(move || -> Result<u64, DriverError> {
@@ -202,8 +194,9 @@ impl SyncDriver for RolloutDriver {
                     cause: e.to_string(),
                 }
             })?;
-            if let Some(seed) = seed {
-                independent_check(&worker, &job, rank, seed, version)?;
+            if let (Some(seed), Some(demo)) = (seed, demo) {
+                let (model, infer) = &*demo;
+                independent_check(&worker, model, infer, rank, seed, version)?;
             }
             Ok(v.bytes)
         })
@@ -232,12 +225,13 @@ impl SyncDriver for RolloutDriver {
 /// Compares every tensor with an independent recomputation from the demo seed.
 fn independent_check(
     worker: &RolloutWorker<Fabric>,
-    job: &Job,
+    model: &Model,
+    infer: &InferenceLayout,
     rank: u32,
     seed: u64,
     version: u64,
 ) -> Result<(), DriverError> {
-    let expected = expected_rollout(&job.layouts.model, &job.layouts.infer, rank, seed, version);
+    let expected = expected_rollout(model, infer, rank, seed, version);
     for t in worker.layout() {
         let got = worker.read_tensor(&t.name).map_err(err)?;
         let want = expected

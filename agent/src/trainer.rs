@@ -1,9 +1,12 @@
-//! The trainer driver: `weightsync_worker::TrainerWorker` behind the agent.
+//! The trainer driver: a `weightsync_worker::TrainerWorker` behind the agent.
 //!
-//! Built before registration: it plans its own side of the job (pure, deterministic), attaches
-//! its source, and registers its staging and gather arenas, so the registration carries the
-//! gather descriptor peers need. The controller's assignment must carry the same slice; a
-//! difference (e.g. mismatched builds) is refused rather than half-followed.
+//! It plans nothing: the controller's assignment carries this rank's slice of the routing table,
+//! and the slice is what it executes. Until then it holds only its fabric endpoint, which it
+//! registers with. On `Assign` it attaches its source (the slice says the arena's size),
+//! builds the worker (registering the staging arena and, when fp8 blocks straddle shards, the
+//! gather arena whose size only the slice knows) and answers `Ready` with the gather arena's
+//! descriptor; a re-plan with the same slice keeps what it built. On `Peers` it learns where
+//! every write goes.
 //!
 //! Each sync runs in its own task, so that an abort can cancel it and wait until it has stopped
 //! posting; draining then resets the fabric's lanes, discarding whatever of the aborted sync is
@@ -12,37 +15,21 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use parking_lot::RwLock;
+use tokio::sync::oneshot;
 use weightsync_common::fabric::{Fabric, FabricBackend, FabricConfig, RegionDescriptor};
 use weightsync_common::protocol::{
-    Assignment, Blob, RunChecksum, Stage, TensorMeta, TimelineEvent, WorkerId, WorkerReport,
-    WorkerRole, WorldSpec, WHOLE_SYNC,
+    Assignment, Blob, PeerInfo, RunChecksum, Stage, TensorMeta, TimelineEvent, WorkerId,
+    WorkerReport, WorkerRole, WorldSpec, WHOLE_SYNC,
 };
 use weightsync_schedules::table::TrainerPlan;
 use weightsync_worker::{
-    Destinations, SourceView, SyncId, SyncReport, TrainerConfig, TrainerWorker,
+    Destinations, SyncId, SyncReport, TrainerConfig, TrainerWorker, WorkerError,
 };
 
-use tokio::sync::oneshot;
-use weightsync_worker::WorkerError;
-
 use crate::demo_weights::fill_trainer_arena;
-use crate::driver::{DriverError, DriverInfo, Outcome, SyncDriver, SyncRef};
-use weightsync_schedules::job;
-
-/// Where a trainer's source weights come from.
-#[derive(Debug, Clone)]
-pub enum SourceSpec {
-    /// Demo: regenerated from `(seed, version)` before every sync.
-    Demo {
-        /// Seed.
-        seed: u64,
-    },
-    /// A shared-memory file the training process exports (read-only), laid out as the plan's
-    /// source arena.
-    Shm(std::path::PathBuf),
-    /// A safetensors file holding this rank's shards.
-    Safetensors(std::path::PathBuf),
-}
+use crate::driver::{Accepted, DriverError, DriverInfo, Outcome, SyncDriver, SyncRef};
+pub use crate::source::SourceSpec;
 
 /// Settings of a trainer driver.
 #[derive(Debug, Clone)]
@@ -64,10 +51,17 @@ pub struct TrainerDriverConfig {
 pub struct TrainerDriver {
     cfg: TrainerDriverConfig,
     fabric: Fabric,
-    worker: Arc<TrainerWorker<Fabric>>,
-    arena: Option<Arc<parking_lot::RwLock<Vec<u8>>>>,
+    /// What the last assignment built (`None` before the first).
+    built: Option<Built>,
     /// The sync whose task is running (kept when the agent drops `run` on an abort).
     in_flight: Option<InFlight>,
+}
+
+/// The worker built for one slice, and the demo's source arena.
+#[derive(Debug)]
+struct Built {
+    worker: Arc<TrainerWorker<Fabric>>,
+    demo_arena: Option<Arc<RwLock<Vec<u8>>>>,
 }
 
 /// A sync running in its own task.
@@ -76,20 +70,6 @@ struct InFlight {
     /// Dropping it cancels the sync.
     cancel: oneshot::Sender<()>,
     task: tokio::task::JoinHandle<Result<SyncReport, WorkerError>>,
-}
-
-impl TrainerDriver {
-    /// Cancels the running sync, if any, and waits until it posts nothing more.
-    async fn stop_in_flight(&mut self) {
-        if let Some(InFlight { cancel, task }) = self.in_flight.take() {
-            drop(cancel);
-            match task.await {
-                Ok(Err(WorkerError::Cancelled)) | Ok(Ok(_)) => {}
-                Ok(Err(e)) => tracing::debug!("the stopped sync had failed: {e}"),
-                Err(e) => tracing::warn!("the stopped sync's task ended abnormally: {e}"),
-            }
-        }
-    }
 }
 
 fn err(e: impl std::fmt::Display) -> DriverError {
@@ -101,51 +81,27 @@ pub fn blob<T: serde::Serialize>(v: &T) -> Blob {
     Blob(bincode::serialize(v).unwrap_or_default())
 }
 
-impl TrainerDriver {
-    /// Plans, attaches the source and registers memory.
-    pub async fn new(cfg: TrainerDriverConfig) -> Result<TrainerDriver, DriverError> {
-        let fabric = Fabric::start(&cfg.fabric).await.map_err(err)?;
-        let config_text = cfg.world.read_model_config().map_err(err)?;
-        let job = job::plan_job(&cfg.world, config_text.as_deref()).map_err(err)?;
-        let plan = job.table.slice(cfg.rank).map_err(err)?;
-        let name = WorkerId::trainer(cfg.rank).to_string();
-        let (source, arena): (Arc<dyn SourceView>, _) = match &cfg.source {
-            SourceSpec::Demo { seed } => {
-                let mut bytes = vec![0u8; plan.source_arena_bytes as usize];
-                fill_trainer_arena(&plan, *seed, 0, &mut bytes);
-                let a = Arc::new(parking_lot::RwLock::new(bytes));
-                (a.clone(), Some(a))
-            }
-            SourceSpec::Shm(path) => {
-                let s = weightsync_worker::ShmSource::open(path, Some(plan.source_arena_bytes))
-                    .map_err(err)?;
-                (Arc::new(weightsync_worker::SourceMemory::Shm(s)), None)
-            }
-            SourceSpec::Safetensors(path) => {
-                let tensors = weightsync_worker::arena_tensors(&plan);
-                let s = weightsync_worker::SafetensorsSource::load(
-                    path,
-                    &tensors,
-                    plan.source_arena_bytes,
-                )
-                .map_err(err)?;
-                (
-                    Arc::new(weightsync_worker::SourceMemory::Safetensors(s)),
-                    None,
-                )
-            }
-        };
-        let mut tc = TrainerConfig::new(name, cfg.watermark_bytes);
-        tc.verify = cfg.world.verify;
-        let worker = TrainerWorker::new(fabric.clone(), source, plan, tc).map_err(err)?;
-        Ok(TrainerDriver {
-            cfg,
-            fabric,
-            worker: Arc::new(worker),
-            arena,
-            in_flight: None,
+fn ns_since(t: Instant, since: Instant) -> u64 {
+    t.saturating_duration_since(since).as_nanos() as u64
+}
+
+/// The shards a plan says this rank holds, for the dashboard.
+fn shard_tensors(plan: &TrainerPlan) -> Vec<TensorMeta> {
+    plan.shards
+        .iter()
+        .map(|s| TensorMeta {
+            name: plan
+                .params
+                .get(s.param as usize)
+                .map_or_else(String::new, |p| p.name.to_string()),
+            shape: s.global.len[..s.global.ndim as usize]
+                .iter()
+                .map(|&d| u64::from(d))
+                .collect(),
+            dtype: s.dtype,
+            bytes: s.bytes(),
         })
-    }
+        .collect()
 }
 
 fn report(r: &SyncReport, sync: &SyncRef) -> WorkerReport {
@@ -158,85 +114,145 @@ fn report(r: &SyncReport, sync: &SyncRef) -> WorkerReport {
     }
 }
 
-fn ns_since(t: Instant, since: Instant) -> u64 {
-    t.saturating_duration_since(since).as_nanos() as u64
+/// Where every write of the plan goes: this trainer's own gather arena and the peers'.
+fn destinations(
+    me: u32,
+    own_gather: Option<RegionDescriptor>,
+    peers: Vec<PeerInfo>,
+) -> Result<Destinations, DriverError> {
+    let mut dsts = Destinations::default();
+    if let Some(g) = own_gather {
+        dsts.trainers.insert(me, g);
+    }
+    for p in peers {
+        let regions = p
+            .regions
+            .iter()
+            .map(|b| bincode::deserialize::<RegionDescriptor>(&b.0))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| DriverError::new(format!("{}: undecodable region: {e}", p.id)))?;
+        match p.id.role {
+            WorkerRole::Rollout => {
+                dsts.rollouts.insert(p.id.rank, regions);
+            }
+            WorkerRole::Trainer => {
+                if let Some(g) = regions.into_iter().next() {
+                    dsts.trainers.insert(p.id.rank, g);
+                }
+            }
+        }
+    }
+    Ok(dsts)
+}
+
+impl TrainerDriver {
+    /// Starts the fabric. Nothing else is known before the assignment.
+    pub async fn new(cfg: TrainerDriverConfig) -> Result<TrainerDriver, DriverError> {
+        let fabric = Fabric::start(&cfg.fabric).await.map_err(err)?;
+        Ok(TrainerDriver {
+            cfg,
+            fabric,
+            built: None,
+            in_flight: None,
+        })
+    }
+
+    /// The slice this trainer executes (`None` before its first assignment).
+    pub fn plan(&self) -> Option<&TrainerPlan> {
+        self.built.as_ref().map(|b| b.worker.plan())
+    }
+
+    fn built(&self) -> Result<&Built, DriverError> {
+        self.built
+            .as_ref()
+            .ok_or_else(|| DriverError::new("no assignment yet: the controller sent none"))
+    }
+
+    /// Cancels the running sync, if any, and waits until it posts nothing more.
+    async fn stop_in_flight(&mut self) {
+        if let Some(InFlight { cancel, task }) = self.in_flight.take() {
+            drop(cancel);
+            match task.await {
+                Ok(Err(WorkerError::Cancelled)) | Ok(Ok(_)) => {}
+                Ok(Err(e)) => tracing::debug!("the stopped sync had failed: {e}"),
+                Err(e) => tracing::warn!("the stopped sync's task ended abnormally: {e}"),
+            }
+        }
+    }
+
+    /// Attaches the source for `plan` and builds the worker (registering its arenas).
+    fn build(&self, plan: TrainerPlan) -> Result<Built, DriverError> {
+        let source = self.cfg.source.attach(&plan)?;
+        let mut tc = TrainerConfig::new(
+            WorkerId::trainer(self.cfg.rank).to_string(),
+            self.cfg.watermark_bytes,
+        );
+        tc.verify = self.cfg.world.verify;
+        let worker = TrainerWorker::new(self.fabric.clone(), source.view, plan, tc).map_err(err)?;
+        Ok(Built {
+            worker: Arc::new(worker),
+            demo_arena: source.demo_arena,
+        })
+    }
 }
 
 impl SyncDriver for TrainerDriver {
     fn info(&self) -> DriverInfo {
-        let plan = self.worker.plan();
         DriverInfo {
             fabric_endpoint: blob(self.fabric.endpoint()),
-            regions: self.worker.gather_descriptor().iter().map(blob).collect(),
-            tensors: plan
-                .shards
-                .iter()
-                .map(|s| TensorMeta {
-                    name: plan
-                        .params
-                        .get(s.param as usize)
-                        .map_or_else(String::new, |p| p.name.to_string()),
-                    shape: s.global.len[..s.global.ndim as usize]
-                        .iter()
-                        .map(|&d| u64::from(d))
-                        .collect(),
-                    dtype: s.dtype,
-                    bytes: s.bytes(),
-                })
-                .collect(),
+            regions: Vec::new(),
+            tensors: Vec::new(),
         }
     }
 
-    async fn assign(&mut self, a: Assignment) -> Result<(), DriverError> {
-        let Assignment::Trainer { slice, peers, .. } = a else {
+    async fn assign(&mut self, a: Assignment) -> Result<Accepted, DriverError> {
+        let Assignment::Trainer { slice, .. } = a else {
             return Err(DriverError::new("a trainer got a rollout's assignment"));
         };
         let plan: TrainerPlan = bincode::deserialize(&slice.0)
             .map_err(|e| DriverError::new(format!("undecodable plan slice: {e}")))?;
+        if plan.rank != self.cfg.rank {
+            return Err(DriverError::new(format!(
+                "the slice is training rank {}'s, this is rank {}",
+                plan.rank, self.cfg.rank
+            )));
+        }
         self.stop_in_flight().await;
-        if &plan != self.worker.plan() {
-            return Err(DriverError::new(
-                "the controller's plan slice differs from the one this worker computed \
-                 (different weightsync builds or job settings?)",
-            ));
+        if self.plan() != Some(&plan) {
+            // Release the old arenas before registering new ones.
+            self.built = None;
+            self.built = Some(self.build(plan)?);
         }
-        let mut dsts = Destinations::default();
-        if let Some(g) = self.worker.gather_descriptor() {
-            dsts.trainers.insert(self.cfg.rank, g);
-        }
-        for p in peers {
-            let regions = p
-                .regions
-                .iter()
-                .map(|b| bincode::deserialize::<RegionDescriptor>(&b.0))
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(|e| DriverError::new(format!("{}: undecodable region: {e}", p.id)))?;
-            match p.id.role {
-                WorkerRole::Rollout => {
-                    dsts.rollouts.insert(p.id.rank, regions);
-                }
-                WorkerRole::Trainer => {
-                    if let Some(g) = regions.into_iter().next() {
-                        dsts.trainers.insert(p.id.rank, g);
-                    }
-                }
-            }
-        }
-        Arc::get_mut(&mut self.worker)
+        let worker = &self.built()?.worker;
+        Ok(Accepted {
+            regions: worker.gather_descriptor().iter().map(blob).collect(),
+            tensors: shard_tensors(worker.plan()),
+        })
+    }
+
+    async fn peers(&mut self, _plan_id: u64, peers: Vec<PeerInfo>) -> Result<(), DriverError> {
+        self.stop_in_flight().await;
+        let me = self.cfg.rank;
+        let built = self
+            .built
+            .as_mut()
+            .ok_or_else(|| DriverError::new("peers before any assignment"))?;
+        let dsts = destinations(me, built.worker.gather_descriptor(), peers)?;
+        Arc::get_mut(&mut built.worker)
             .ok_or_else(|| DriverError::new("destinations cannot change while a sync runs"))?
             .set_destinations(&dsts)
-            .map_err(err)?;
-        Ok(())
+            .map_err(err)
     }
 
     async fn prepare(&mut self, sync: SyncRef) -> Result<WorkerReport, DriverError> {
         let mut rep = WorkerReport::default();
-        if let (SourceSpec::Demo { seed }, Some(arena)) = (&self.cfg.source, &self.arena) {
+        let built = self.built()?;
+        if let (SourceSpec::Demo { seed }, Some(arena)) = (&self.cfg.source, &built.demo_arena) {
             // A training step changed the weights: regenerate this rank's shards for N.
             let start = Instant::now();
             let (arena, plan, seed, version) = (
                 arena.clone(),
-                self.worker.plan().clone(),
+                built.worker.plan().clone(),
                 *seed,
                 sync.version,
             );
@@ -261,8 +277,8 @@ impl SyncDriver for TrainerDriver {
 
     async fn run(&mut self, sync: SyncRef) -> Result<(Option<bool>, WorkerReport), DriverError> {
         self.stop_in_flight().await;
+        let worker = self.built()?.worker.clone();
         let (cancel, cancelled) = oneshot::channel::<()>();
-        let worker = self.worker.clone();
         let id = SyncId {
             version: sync.version,
             epoch: sync.sync_id,

@@ -79,6 +79,16 @@ fn from_worker() -> Vec<FromWorker> {
                 bytes: 256,
             }],
         })),
+        FromWorker::Ready {
+            plan_id: 1,
+            regions: vec![Blob(vec![8; 24])],
+            tensors: vec![TensorMeta {
+                name: "model.layers.0.mlp.gate_proj.weight".into(),
+                shape: vec![4, 16],
+                dtype: DType::BF16,
+                bytes: 128,
+            }],
+        },
         FromWorker::Prepared {
             sync_id,
             version,
@@ -117,6 +127,7 @@ fn from_worker() -> Vec<FromWorker> {
         match m {
             FromWorker::Hello { .. }
             | FromWorker::Register(_)
+            | FromWorker::Ready { .. }
             | FromWorker::Prepared { .. }
             | FromWorker::Written { .. }
             | FromWorker::Landed { .. }
@@ -141,11 +152,6 @@ fn to_worker() -> Vec<ToWorker> {
         ToWorker::Assign(Assignment::Trainer {
             plan_id: 1,
             slice: Blob(vec![1, 2, 3, 4]),
-            peers: vec![PeerInfo {
-                id: WorkerId::rollout(0),
-                fabric_endpoint: Blob(b"10.0.0.2:5000".to_vec()),
-                regions: vec![Blob(vec![9; 24])],
-            }],
         }),
         ToWorker::Assign(Assignment::Rollout {
             plan_id: 1,
@@ -153,6 +159,21 @@ fn to_worker() -> Vec<ToWorker> {
             expected_writes: 12,
             expected_bytes: 1 << 20,
         }),
+        ToWorker::Peers {
+            plan_id: 1,
+            peers: vec![
+                PeerInfo {
+                    id: WorkerId::rollout(0),
+                    fabric_endpoint: Blob(b"10.0.0.2:5000".to_vec()),
+                    regions: vec![Blob(vec![9; 24])],
+                },
+                PeerInfo {
+                    id: WorkerId::trainer(1),
+                    fabric_endpoint: Blob(b"10.0.0.1:5001".to_vec()),
+                    regions: vec![Blob(vec![8; 24])],
+                },
+            ],
+        },
         ToWorker::Prepare { sync_id, version },
         ToWorker::Start { sync_id, version },
         ToWorker::Commit { sync_id, version },
@@ -175,6 +196,7 @@ fn to_worker() -> Vec<ToWorker> {
             | ToWorker::Welcome { .. }
             | ToWorker::Rejected { .. }
             | ToWorker::Assign(_)
+            | ToWorker::Peers { .. }
             | ToWorker::Prepare { .. }
             | ToWorker::Start { .. }
             | ToWorker::Commit { .. }

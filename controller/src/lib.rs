@@ -28,12 +28,14 @@
 //! - [`sync_record`]: one sync's record and its JSON views.
 //! - [`planning`]: the [`planning::Planner`] seam between the coordinator and the routing table.
 //! - [`schedules_planner`]: the production planner over `weightsync_schedules`.
-//! - [`service`]: shared state, the control-channel server and the clock.
+//! - [`service`]: the shared state, the I/O of the coordinator's effects, planning off the lock.
+//! - [`control_channel`]: the workers' connections and the clock that drives timeouts.
 //! - [`metrics`]: Prometheus metrics recorded as syncs end.
 //! - [`http`]: `app(state) -> Router`: the JSON API, metrics, traces and the dashboard.
 //! - [`server`]: [`run`], the service and the router served together.
 #![deny(missing_docs)]
 
+pub mod control_channel;
 pub mod coordinator;
 pub mod http;
 pub mod metrics;

@@ -1,7 +1,8 @@
 //! Turning a complete world into assignments.
 //!
-//! The coordinator does not know the routing table's types: it asks a [`Planner`] for one
-//! [`Assignment`] per registered worker and a JSON summary for `GET /v1/plan`. The production
+//! The coordinator does not know the routing table's types: the service asks a [`Planner`] for
+//! one [`Assignment`] per registered worker and a JSON summary for `GET /v1/plan`, on a thread
+//! of its own (planning a large job takes seconds), and hands the answer to the coordinator. The production
 //! planner ([`crate::routing::SchedulesPlanner`]) runs `weightsync_schedules`; [`NullPlanner`]
 //! assigns empty work and exists so the control protocol can be tested without a model.
 
@@ -58,7 +59,6 @@ impl Planner for NullPlanner {
                     WorkerRole::Trainer => Assignment::Trainer {
                         plan_id,
                         slice: Blob::default(),
-                        peers: Vec::new(),
                     },
                     WorkerRole::Rollout => Assignment::Rollout {
                         plan_id,

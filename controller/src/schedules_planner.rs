@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 
 use weightsync_common::protocol::{
-    Assignment, Blob, PeerInfo, Registration, WorkerId, WorkerRole, WorldSpec,
+    Assignment, Blob, Registration, WorkerId, WorkerRole, WorldSpec,
 };
 use weightsync_schedules::job::plan_job;
 use weightsync_schedules::Summary;
@@ -52,22 +52,12 @@ impl Planner for SchedulesPlanner {
                     let slice = t
                         .slice(id.rank)
                         .map_err(|e| AssignmentError(format!("{id}: {e}")))?;
-                    let peers = workers
-                        .iter()
-                        .filter(|(w, _)| *w != id)
-                        .map(|(w, r)| PeerInfo {
-                            id: *w,
-                            fabric_endpoint: r.fabric_endpoint.clone(),
-                            regions: r.regions.clone(),
-                        })
-                        .collect();
                     Assignment::Trainer {
                         plan_id,
                         slice: Blob(
                             bincode::serialize(&slice)
                                 .map_err(|e| AssignmentError(e.to_string()))?,
                         ),
-                        peers,
                     }
                 }
                 WorkerRole::Rollout => {

@@ -9,7 +9,8 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
-use crate::service::{serve_control, tick, AppState};
+use crate::control_channel::{serve_control, tick};
+use crate::service::AppState;
 
 /// Runs the controller: the HTTP API and dashboard on `http`, the control channel on `control`,
 /// and the timeout clock, until `shutdown` resolves.

@@ -111,6 +111,18 @@ pub fn layouts(world: &WorldSpec, model_config: Option<&str>) -> Result<JobLayou
     })
 }
 
+/// The model and the inference layout alone (what a rollout needs to lay out its tensors; the
+/// training layout, which a rollout never reads, is not built).
+pub fn inference_layout(
+    world: &WorldSpec,
+    model_config: Option<&str>,
+) -> Result<(Model, InferenceLayout), JobError> {
+    let model = model(world, model_config, &train_spec(world)?)?;
+    let infer =
+        InferenceLayout::build(&model, &infer_spec(world)?).map_err(part("inference layout"))?;
+    Ok((model, infer))
+}
+
 /// Builds and plans a job with the default cost model.
 pub fn plan_job(world: &WorldSpec, model_config: Option<&str>) -> Result<Job, JobError> {
     let layouts = layouts(world, model_config)?;
@@ -149,7 +161,7 @@ pub fn rollout_layout(infer: &InferenceLayout, rank: u32) -> Result<RolloutPlan,
     let r = infer
         .ranks
         .get(rank as usize)
-        .ok_or_else(|| JobError::Spec {
+        .ok_or(JobError::Spec {
             part: "inference layout",
             source: PlanError::NoSuchRank {
                 side: "inference",

@@ -8,13 +8,15 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use weightsync_agent::{AgentConfig, DriverError, DriverInfo, Outcome, SyncDriver, SyncRef};
+use weightsync_agent::{
+    Accepted, AgentConfig, DriverError, DriverInfo, Outcome, SyncDriver, SyncRef,
+};
 use weightsync_common::protocol::{
     Assignment, Blob, FromWorker, Registration, RunChecksum, Stage, TensorMeta, TimelineEvent,
     WorkerId, WorkerReport, WorldSpec,
 };
 use weightsync_common::DType;
-use weightsync_controller::coordinator::{ConnId, CoordinatorConfig};
+use weightsync_controller::coordinator::{ConnId, CoordinatorConfig, Now};
 use weightsync_controller::planning::NullPlanner;
 use weightsync_controller::{AppState, ControllerConfig};
 
@@ -100,16 +102,51 @@ pub fn register_all(state: &AppState, trainers: u32, rollouts: u32) {
     for id in ids(trainers, rollouts) {
         state.step(|c| {
             let fx = c
-                .register(conn_of(id), registration(id, verify), Instant::now())
+                .register(conn_of(id), registration(id, verify), Now::wall())
                 .expect("registration accepted");
             ((), fx)
         });
+    }
+    accept_plan(state, trainers, rollouts);
+}
+
+/// Waits for the plan the complete world asked for (the service plans on a thread of its own)
+/// and answers its assignments with `Ready` from every worker, as agents do: the plan is then
+/// in force.
+pub fn accept_plan(state: &AppState, trainers: u32, rollouts: u32) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let plan_id = loop {
+        let made = state.read(|c| {
+            c.latest_plan()
+                .filter(|_| c.planning().is_none())
+                .map(|p| p.id)
+        });
+        if let Some(id) = made {
+            break id;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no plan within 10 s: {:?}",
+            state.read(|c| c.plan_error().map(str::to_string))
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    };
+    for id in ids(trainers, rollouts) {
+        feed(
+            state,
+            id,
+            FromWorker::Ready {
+                plan_id,
+                regions: Vec::new(),
+                tensors: Vec::new(),
+            },
+        );
     }
 }
 
 /// Feeds one message from `id`.
 pub fn feed(state: &AppState, id: WorkerId, msg: FromWorker) {
-    state.step(|c| ((), c.message(conn_of(id), msg, Instant::now())));
+    state.step(|c| ((), c.message(conn_of(id), msg, Now::wall())));
 }
 
 /// A report with one span per stage given.
@@ -304,8 +341,8 @@ impl SyncDriver for ScriptedDriver {
         }
     }
 
-    async fn assign(&mut self, _a: Assignment) -> Result<(), DriverError> {
-        Ok(())
+    async fn assign(&mut self, _a: Assignment) -> Result<Accepted, DriverError> {
+        Ok(Accepted::default())
     }
 
     async fn prepare(&mut self, _sync: SyncRef) -> Result<WorkerReport, DriverError> {

@@ -20,6 +20,7 @@ use weightsync_common::protocol::WorldSpec;
 use weightsync_common::DType;
 
 use weightsync_agent::api_client::request;
+use weightsync_controller::coordinator::Now;
 use weightsync_controller::{AppState, ControllerConfig, SchedulesPlanner};
 
 /// Arguments of `weightsync demo`.
@@ -263,7 +264,7 @@ async fn demo(args: Args) -> anyhow::Result<()> {
         workers.check_alive()?;
         let (registered, planned, plan_error) = state.read(|c| {
             (
-                c.workers(Instant::now()).len(),
+                c.workers(Now::wall()).len(),
                 c.plan().is_some(),
                 c.plan_error().map(str::to_string),
             )

@@ -169,13 +169,15 @@ pub struct Registration {
     /// Its fabric endpoint (backend-encoded, opaque to the controller).
     pub fabric_endpoint: Blob,
     /// Rollouts: the descriptors of the regions registered once at start (backend-encoded;
-    /// they contain rkeys and are forwarded only to trainers, over this channel).
+    /// they contain rkeys and are forwarded only to trainers, over this channel). Trainers
+    /// register nothing before their assignment: their regions come with [`FromWorker::Ready`].
     pub regions: Vec<Blob>,
     /// Tensors it holds, for consistency checks and the dashboard.
     pub tensors: Vec<TensorMeta>,
 }
 
-/// A peer a trainer will write to: its endpoint and registered regions.
+/// A peer a trainer will write to: its endpoint and registered regions (a rollout's tensors, or
+/// a trainer's gather arena).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PeerInfo {
     /// The rollout.
@@ -186,17 +188,17 @@ pub struct PeerInfo {
     pub regions: Vec<Blob>,
 }
 
-/// What a worker must do each sync, sent once per plan (and again after a re-plan).
+/// What a worker must do each sync, sent once per plan (and again after a re-plan). A worker
+/// answers it with [`FromWorker::Ready`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Assignment {
-    /// A trainer's slice of the routing table and the peers it writes to.
+    /// A trainer's slice of the routing table: all it needs to size and register its memory.
+    /// Its peers follow in [`ToWorker::Peers`] once every worker is ready.
     Trainer {
         /// Identifies the plan; changes on every re-plan.
         plan_id: u64,
         /// The planner's slice for this trainer (bincode).
         slice: Blob,
-        /// Every rollout it may write to (also trainers it gathers from/to, with role Trainer).
-        peers: Vec<PeerInfo>,
     },
     /// A rollout's expected immediates per sync.
     Rollout {
@@ -209,6 +211,15 @@ pub enum Assignment {
         /// Bytes expected per sync.
         expected_bytes: u64,
     },
+}
+
+impl Assignment {
+    /// The plan it belongs to.
+    pub fn plan_id(&self) -> u64 {
+        match self {
+            Assignment::Trainer { plan_id, .. } | Assignment::Rollout { plan_id, .. } => *plan_id,
+        }
+    }
 }
 
 /// A stage of a sync on one worker, drawn as a span on the dashboard's timeline.
@@ -363,8 +374,16 @@ pub enum ToWorker {
         /// Why.
         reason: String,
     },
-    /// The worker's part of the (re-)planned world.
+    /// The worker's part of the (re-)planned world. Answered by [`FromWorker::Ready`].
     Assign(Assignment),
+    /// Trainers, once every worker of plan `plan_id` is ready: every other worker's endpoint and
+    /// regions (rollouts' tensors, trainers' gather arenas). The plan is then in force.
+    Peers {
+        /// The plan.
+        plan_id: u64,
+        /// Every other worker.
+        peers: Vec<PeerInfo>,
+    },
     /// Get ready for version N: rollouts arm counters (an engine pauses or switches buffers),
     /// trainers make sure their source holds version N. Answered by [`FromWorker::Prepared`].
     Prepare {
@@ -427,6 +446,20 @@ pub enum FromWorker {
     },
     /// Who the worker is and what it holds.
     Register(Box<Registration>),
+    /// Answer to [`ToWorker::Assign`]: the worker built what its assignment needs (a trainer
+    /// attached its source and registered its staging and gather arenas) and is ready for
+    /// plan `plan_id`.
+    Ready {
+        /// The plan.
+        plan_id: u64,
+        /// Regions registered for this plan that peers write into (a trainer's gather arena;
+        /// backend-encoded, with rkeys); empty for a rollout, whose regions came with its
+        /// registration.
+        regions: Vec<Blob>,
+        /// Tensors it holds under this plan (a trainer's shards), for the dashboard; empty when
+        /// its registration said them already.
+        tensors: Vec<TensorMeta>,
+    },
     /// Ready for version N (armed, source refreshed).
     Prepared {
         /// Sync id.

@@ -22,6 +22,7 @@ use parking_lot::Mutex;
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use weightsync_common::fabric::{Access, FabricBackend, ImmWait, Region, RegionDescriptor};
+use weightsync_schedules::job::same_rollout_layout;
 use weightsync_schedules::table::{DstTensor, RolloutPlan};
 
 use crate::checksum::{xxh3, RunChecksum};
@@ -114,6 +115,33 @@ impl<F: FabricBackend> RolloutWorker<F> {
             regions,
             armed: Mutex::new(None),
         })
+    }
+
+    /// Takes the controller's expectations (how many writes land per unit per sync): `plan`
+    /// must lay out exactly the tensors this receiver registered (same rank, regions and
+    /// tensors); only its `expect` is new. Refused while a sync is armed.
+    pub fn set_expectations(&mut self, plan: RolloutPlan) -> Result<()> {
+        if !same_rollout_layout(&self.plan, &plan) {
+            return Err(WorkerError::InvalidPlan(format!(
+                "{}: the expectations are for another layout (rank {}, {} tensors in {:?} bytes) \
+                 than the one registered (rank {}, {} tensors in {:?} bytes)",
+                self.name,
+                plan.rank,
+                plan.tensors.len(),
+                plan.mr_bytes,
+                self.plan.rank,
+                self.plan.tensors.len(),
+                self.plan.mr_bytes
+            )));
+        }
+        if let Some(a) = self.armed.get_mut().as_ref() {
+            return Err(WorkerError::Protocol(format!(
+                "{}: expectations cannot change while version {} is armed",
+                self.name, a.sync.version
+            )));
+        }
+        self.plan = plan;
+        Ok(())
     }
 
     /// Descriptors of the MRs, indexed by MR id (what trainers write into).
