@@ -29,6 +29,8 @@ pub mod control;
 pub mod demo_weights;
 pub mod driver;
 mod driver_loop;
+#[cfg(test)]
+mod driver_tests;
 pub mod rollout;
 mod source;
 pub mod trainer;

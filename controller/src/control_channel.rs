@@ -5,14 +5,16 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{watch, Semaphore};
+use tokio::sync::{mpsc, watch, Semaphore};
 use weightsync_common::protocol::{
-    auth, read_frame, write_frame, ControlFrameError, FromWorker, ToWorker, DEFAULT_MAX_FRAME,
+    auth, read_frame, write_frame, ControlFrameError, FromWorker, Registration, ToWorker,
+    DEFAULT_MAX_FRAME,
 };
 
 use crate::coordinator::{Effects, Now, Refused};
-use crate::service::{AppState, Outgoing};
+use crate::service::{AppState, ControllerConfig, Outgoing};
 
 /// Serves the control channel on `listener` until `shutdown` fires.
 pub async fn serve_control(
@@ -63,96 +65,34 @@ enum ConnectionError {
     Refused(#[from] Refused),
 }
 
+/// One worker's connection: handshake, registration, then its frames in and its outbox out,
+/// until either side ends it.
 async fn handle_connection(stream: TcpStream, state: AppState) -> Result<(), ConnectionError> {
     let _ = stream.set_nodelay(true);
     let cfg = state.config().clone();
     let max = cfg.max_frame.min(DEFAULT_MAX_FRAME);
     let (mut rd, mut wr) = stream.into_split();
-    let nonce = auth::nonce();
-    write_frame(&mut wr, &ToWorker::Challenge { nonce }, max).await?;
-    let handshake = async {
-        let hello: Option<FromWorker> = read_frame(&mut rd, max).await?;
-        match hello {
-            Some(FromWorker::Hello { proof }) if auth::verify(&cfg.job_token, &nonce, &proof) => {}
-            Some(FromWorker::Hello { .. }) => {
-                return Err(ConnectionError::Handshake(
-                    "authentication failed (wrong job token)".into(),
-                ))
-            }
-            _ => {
-                return Err(ConnectionError::Handshake(
-                    "expected Hello as the first message".into(),
-                ))
-            }
-        }
-        match read_frame::<_, FromWorker>(&mut rd, max).await? {
-            Some(FromWorker::Register(reg)) => Ok(*reg),
-            _ => Err(ConnectionError::Handshake(
-                "expected Register after Hello".into(),
-            )),
-        }
-    };
-    let reg = match tokio::time::timeout(cfg.handshake_timeout, handshake).await {
+    let handshake = tokio::time::timeout(cfg.handshake_timeout, handshake(&mut rd, &mut wr, &cfg));
+    let reg = match handshake.await {
         Ok(Ok(reg)) => reg,
-        Ok(Err(e)) => {
-            let _ = write_frame(
-                &mut wr,
-                &ToWorker::Rejected {
-                    reason: e.to_string(),
-                },
-                max,
-            )
-            .await;
-            return Err(e);
-        }
+        Ok(Err(e)) => return Err(reject(&mut wr, max, e).await),
         Err(_) => {
-            let reason = "handshake timed out".to_string();
-            let _ = write_frame(
-                &mut wr,
-                &ToWorker::Rejected {
-                    reason: reason.clone(),
-                },
-                max,
-            )
-            .await;
-            return Err(ConnectionError::Handshake(reason));
+            let e = ConnectionError::Handshake("handshake timed out".into());
+            return Err(reject(&mut wr, max, e).await);
         }
     };
-    let (conn, mut outbox) = state.open_connection();
+    let (conn, outbox) = state.open_connection();
     let id = reg.id;
     let registered = state.step(|c| match c.register(conn, reg, Now::wall()) {
         Ok(fx) => (Ok(()), fx),
         Err(refused) => (Err(refused), Effects::default()),
     });
-    match registered {
-        Ok(()) => {}
-        Err(refused) => {
-            state.close_connection(conn);
-            tracing::warn!("refused registration: {refused}");
-            let _ = write_frame(
-                &mut wr,
-                &ToWorker::Rejected {
-                    reason: refused.0.clone(),
-                },
-                max,
-            )
-            .await;
-            return Err(refused.into());
-        }
+    if let Err(refused) = registered {
+        state.close_connection(conn);
+        tracing::warn!("refused registration: {refused}");
+        return Err(reject(&mut wr, max, refused.into()).await);
     }
-    let writer = tokio::spawn(async move {
-        while let Some(out) = outbox.recv().await {
-            match out {
-                Outgoing::Msg(m) => {
-                    let shutdown = matches!(m, ToWorker::Shutdown);
-                    if write_frame(&mut wr, &m, max).await.is_err() || shutdown {
-                        break;
-                    }
-                }
-                Outgoing::Close => break,
-            }
-        }
-    });
+    let writer = tokio::spawn(write_outbox(wr, outbox, max));
     let reason = loop {
         tokio::select! {
             frame = read_frame::<_, FromWorker>(&mut rd, max) => match frame {
@@ -170,6 +110,58 @@ async fn handle_connection(stream: TcpStream, state: AppState) -> Result<(), Con
     state.step(|c| ((), c.disconnect(conn, &reason, Now::wall())));
     tracing::info!("{id}: {reason}");
     Ok(())
+}
+
+/// Challenge, proof of the job token, registration.
+async fn handshake(
+    rd: &mut OwnedReadHalf,
+    wr: &mut OwnedWriteHalf,
+    cfg: &ControllerConfig,
+) -> Result<Registration, ConnectionError> {
+    let max = cfg.max_frame.min(DEFAULT_MAX_FRAME);
+    let nonce = auth::nonce();
+    write_frame(wr, &ToWorker::Challenge { nonce }, max).await?;
+    match read_frame::<_, FromWorker>(rd, max).await? {
+        Some(FromWorker::Hello { proof }) if auth::verify(&cfg.job_token, &nonce, &proof) => {}
+        Some(FromWorker::Hello { .. }) => {
+            return Err(ConnectionError::Handshake(
+                "authentication failed (wrong job token)".into(),
+            ))
+        }
+        _ => {
+            return Err(ConnectionError::Handshake(
+                "expected Hello as the first message".into(),
+            ))
+        }
+    }
+    match read_frame::<_, FromWorker>(rd, max).await? {
+        Some(FromWorker::Register(reg)) => Ok(*reg),
+        _ => Err(ConnectionError::Handshake(
+            "expected Register after Hello".into(),
+        )),
+    }
+}
+
+/// Tells the peer why it is refused (best effort) and hands the error back.
+async fn reject(wr: &mut OwnedWriteHalf, max: u32, e: ConnectionError) -> ConnectionError {
+    let reason = e.to_string();
+    let _ = write_frame(wr, &ToWorker::Rejected { reason }, max).await;
+    e
+}
+
+/// Writes the connection's outbox until it closes, `Shutdown` went out, or the stream fails.
+async fn write_outbox(mut wr: OwnedWriteHalf, mut outbox: mpsc::Receiver<Outgoing>, max: u32) {
+    while let Some(out) = outbox.recv().await {
+        match out {
+            Outgoing::Msg(m) => {
+                let shutdown = matches!(m, ToWorker::Shutdown);
+                if write_frame(&mut wr, &m, max).await.is_err() || shutdown {
+                    break;
+                }
+            }
+            Outgoing::Close => break,
+        }
+    }
 }
 
 async fn closed(task: &tokio::task::JoinHandle<()>) {

@@ -158,17 +158,14 @@ pub fn world_size(world: &WorldSpec) -> Result<(u32, u32), JobError> {
 /// table, in the controller's assignment). A rollout allocates and registers this before it
 /// registers with the controller.
 pub fn rollout_layout(infer: &InferenceLayout, rank: u32) -> Result<RolloutPlan, JobError> {
-    let r = infer
-        .ranks
-        .get(rank as usize)
-        .ok_or(JobError::Spec {
-            part: "inference layout",
-            source: PlanError::NoSuchRank {
-                side: "inference",
-                rank,
-                ranks: infer.ranks.len() as u32,
-            },
-        })?;
+    let r = infer.ranks.get(rank as usize).ok_or(JobError::Spec {
+        part: "inference layout",
+        source: PlanError::NoSuchRank {
+            side: "inference",
+            rank,
+            ranks: infer.ranks.len() as u32,
+        },
+    })?;
     Ok(RolloutPlan {
         rank: r.rank,
         engine: r.engine,

@@ -224,65 +224,15 @@ impl<F: FabricBackend> TrainerWorker<F> {
             plan.expanded()
                 .map_err(|e| WorkerError::InvalidPlan(e.to_string()))?
         };
-        let have = source.len();
-        if have < plan.source_arena_bytes {
-            return Err(WorkerError::SourceTooShort {
-                what: format!("the source arena of training rank {}", plan.rank),
-                need: plan.source_arena_bytes,
-                have,
-            });
-        }
-        for s in &plan.shards {
-            // A decoded plan is not trusted: size the shard without overflowing or panicking.
-            let n = s.global.ndim as usize;
-            let end = (n <= MAX_DIMS)
-                .then(|| {
-                    s.global.len[..n]
-                        .iter()
-                        .try_fold(s.dtype.size() as u64, |acc, &l| acc.checked_mul(l as u64))
-                })
-                .flatten()
-                .and_then(|bytes| s.offset.checked_add(bytes));
-            let Some(end) = end else {
-                return Err(WorkerError::InvalidPlan(format!(
-                    "shard of {} has a box of {n} dims too large to address",
-                    piece::param_name(&plan, s.param)
-                )));
-            };
-            if end > have {
-                return Err(WorkerError::SourceTooShort {
-                    what: format!("shard of {}", piece::param_name(&plan, s.param)),
-                    need: end,
-                    have,
-                });
-            }
-        }
-        for w in &plan.writes {
-            if w.unit as u32 >= MAX_UNITS {
-                return Err(crate::imm_tag::UnitOutOfRange {
-                    unit: w.unit as u32,
-                }
-                .into());
-            }
-        }
+        check_source(&plan, source.len())?;
+        check_units(&plan)?;
         let shapes = plan
             .tasks
             .iter()
             .enumerate()
             .map(|(i, t)| TaskShape::of(t, i as u32, &plan))
             .collect::<Result<Vec<_>>>()?;
-        for (i, t) in plan.tasks.iter().enumerate() {
-            if let weightsync_schedules::table::Source::Gather { offset } = t.source {
-                // The region's size was checked by TaskShape::of; the offset is as decoded.
-                let end = offset.saturating_add(t.source_bytes());
-                if end > plan.gather_arena_bytes {
-                    return Err(WorkerError::InvalidPlan(format!(
-                        "task {i} reads gather bytes up to {end}, the gather arena has {}",
-                        plan.gather_arena_bytes
-                    )));
-                }
-            }
-        }
+        check_gather_reads(&plan)?;
         let pieces = plan_pieces(
             &plan,
             &shapes,
@@ -400,4 +350,69 @@ impl<F: FabricBackend> TrainerWorker<F> {
     pub fn watermark_bytes(&self) -> u64 {
         self.state.config.watermark_bytes
     }
+}
+
+/// Whether the source holds every shard the plan reads. A decoded plan is not trusted: each
+/// shard is sized without overflowing or panicking.
+fn check_source(plan: &TrainerPlan, have: u64) -> Result<()> {
+    if have < plan.source_arena_bytes {
+        return Err(WorkerError::SourceTooShort {
+            what: format!("the source arena of training rank {}", plan.rank),
+            need: plan.source_arena_bytes,
+            have,
+        });
+    }
+    for s in &plan.shards {
+        let n = s.global.ndim as usize;
+        let end = (n <= MAX_DIMS)
+            .then(|| {
+                s.global.len[..n]
+                    .iter()
+                    .try_fold(s.dtype.size() as u64, |acc, &l| acc.checked_mul(l as u64))
+            })
+            .flatten()
+            .and_then(|bytes| s.offset.checked_add(bytes));
+        let Some(end) = end else {
+            return Err(WorkerError::InvalidPlan(format!(
+                "shard of {} has a box of {n} dims too large to address",
+                piece::param_name(plan, s.param)
+            )));
+        };
+        if end > have {
+            return Err(WorkerError::SourceTooShort {
+                what: format!("shard of {}", piece::param_name(plan, s.param)),
+                need: end,
+                have,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Whether every write's immediate unit fits the tag layout.
+fn check_units(plan: &TrainerPlan) -> Result<()> {
+    match plan.writes.iter().find(|w| w.unit as u32 >= MAX_UNITS) {
+        Some(w) => Err(crate::imm_tag::UnitOutOfRange {
+            unit: w.unit as u32,
+        }
+        .into()),
+        None => Ok(()),
+    }
+}
+
+/// Whether every gather-sourced task reads inside the gather arena. (Each region's size was
+/// checked by `TaskShape::of`; the offset is as decoded.)
+fn check_gather_reads(plan: &TrainerPlan) -> Result<()> {
+    for (i, t) in plan.tasks.iter().enumerate() {
+        if let weightsync_schedules::table::Source::Gather { offset } = t.source {
+            let end = offset.saturating_add(t.source_bytes());
+            if end > plan.gather_arena_bytes {
+                return Err(WorkerError::InvalidPlan(format!(
+                    "task {i} reads gather bytes up to {end}, the gather arena has {}",
+                    plan.gather_arena_bytes
+                )));
+            }
+        }
+    }
+    Ok(())
 }
