@@ -1,5 +1,5 @@
 //! The control-channel client: connect, authenticate, register, heartbeat, and forward the
-//! version protocol to the driver loop ([`crate::driver_loop`]).
+//! version protocol to the driver loop (`driver_loop`).
 //!
 //! Three tasks keep an agent responsive while a long step runs: a reader (frames → inbox), this
 //! session loop (heartbeats, outbox → frames, inbox → driver commands) and the driver task, which

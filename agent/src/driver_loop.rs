@@ -126,8 +126,13 @@ impl<D: SyncDriver> DriverLoop<D> {
     /// refused when a trigger asks).
     async fn assign(&mut self, a: Assignment) {
         let plan_id = a.plan_id();
+        let started = std::time::Instant::now();
         match self.driver.assign(a).await {
             Ok(accepted) => {
+                tracing::info!(
+                    "assignment of plan {plan_id} accepted in {:.3} s",
+                    started.elapsed().as_secs_f64()
+                );
                 send(
                     &self.out,
                     FromWorker::Ready {

@@ -182,13 +182,22 @@ impl TrainerDriver {
 
     /// Attaches the source for `plan` and builds the worker (registering its arenas).
     fn build(&self, plan: TrainerPlan) -> Result<Built, DriverError> {
+        let started = Instant::now();
         let source = self.cfg.source.attach(&plan)?;
-        let mut tc = TrainerConfig::new(
-            WorkerId::trainer(self.cfg.rank).to_string(),
-            self.cfg.watermark_bytes,
-        );
+        let attached = started.elapsed();
+        let name = WorkerId::trainer(self.cfg.rank).to_string();
+        let mut tc = TrainerConfig::new(name.clone(), self.cfg.watermark_bytes);
         tc.verify = self.cfg.world.verify;
+        let (tasks, gather) = (plan.tasks.len(), plan.gather_arena_bytes);
         let worker = TrainerWorker::new(self.fabric.clone(), source.view, plan, tc).map_err(err)?;
+        tracing::info!(
+            "{name}: source attached in {:.3} s; worker built for {tasks} tasks in {} pieces \
+             (staging {} B, gather arena {gather} B) in {:.3} s",
+            attached.as_secs_f64(),
+            worker.pieces(),
+            self.cfg.watermark_bytes,
+            (started.elapsed() - attached).as_secs_f64()
+        );
         Ok(Built {
             worker: Arc::new(worker),
             demo_arena: source.demo_arena,

@@ -1,17 +1,18 @@
-//! Start-up of one trainer and one rollout sidecar of the Kimi-K2 anchor job
-//! (`pp=2,ep=8,fsdp=16` -> `tp=8,ep=32,dp=4`, fp8: 256 trainers, 128 rollouts) with a real
-//! controller: the `weightsync controller` process, the two real `weightsync worker` sidecars
-//! (trainer-0 and rollout-0), and the job's other 382 workers stood in by fake workers that
-//! register over the control channel and then only listen.
+//! Start-up of a trainer sidecar of the Kimi-K2 anchor job (`pp=2,ep=8,fsdp=16` ->
+//! `tp=8,ep=32,dp=4`, fp8: 256 trainers, 128 rollouts) with a real controller: the
+//! `weightsync controller` process, the real `weightsync worker trainer` sidecar of rank 0, and
+//! the job's other 383 workers stood in by fake workers that register over the control channel
+//! and then only listen. (A real Kimi-K2 rollout allocates 34.6 GB for its tensors, more than
+//! this machine has; `agent/examples/rollout_startup.rs` measures what it computes before that.)
 //!
-//! Measured per sidecar: seconds from process start to its registration, seconds from the
-//! controller sending the plan to the sidecar's `Ready` (assignment accepted), and peak RSS
-//! (`VmHWM`). The trainer's source is a 64 GiB sparse file attached with `--source shm:`: it is
-//! mapped read-only and costs no memory until read (a real Kimi-K2 trainer holds gigabytes).
-//! The controller's own planning time is printed beside them, since the acceptance waits for it.
+//! Measured: seconds from process start to its registration, seconds from the controller sending
+//! the plan to the sidecar's `Ready` (assignment accepted), and peak RSS (`VmHWM`). Its source is
+//! a 64 GiB sparse file attached with `--source shm:`: mapped read-only, it costs no memory until
+//! read (a real Kimi-K2 trainer holds gigabytes). The controller's own planning time is printed
+//! beside them, since the acceptance waits for it.
 //!
-//! A measurement, so it asserts only what must hold (both sidecars register and accept their
-//! assignment; the trainer reports the shards of the slice it was sent) and prints the figures:
+//! A measurement, so it asserts only what must hold (the sidecar registers and accepts its
+//! assignment; it reports the shards of the slice it was sent) and prints the figures:
 //!
 //! ```text
 //! cargo test --release -p weightsync-tests --test sidecar_startup -- --ignored --nocapture
@@ -197,7 +198,7 @@ fn sidecar(
 
 #[test]
 #[ignore = "plans Kimi-K2 in the controller (seconds, about a gigabyte): run in release, see the module docs"]
-fn kimi_k2_sidecars_start_without_planning_the_job() {
+fn a_kimi_k2_trainer_sidecar_starts_without_planning_the_job() {
     let dir = tempfile::tempdir().expect("a temporary directory");
     let shm = dir.path().join("trainer-0.shm");
     std::fs::File::create(&shm)
@@ -237,7 +238,7 @@ fn kimi_k2_sidecars_start_without_planning_the_job() {
         .unwrap();
     let fakes = (1..TRAINERS)
         .map(WorkerId::trainer)
-        .chain((1..ROLLOUTS).map(WorkerId::rollout));
+        .chain((0..ROLLOUTS).map(WorkerId::rollout));
     for id in fakes {
         rt.spawn(fake_worker(control, id));
     }
@@ -246,7 +247,7 @@ fn kimi_k2_sidecars_start_without_planning_the_job() {
             .and_then(|w| w["workers"].as_array().map(Vec::len))
             .unwrap_or(0)
     };
-    while registered(http) < (TRAINERS + ROLLOUTS - 2) as usize {
+    while registered(http) < (TRAINERS + ROLLOUTS - 1) as usize {
         assert!(Instant::now() < deadline, "fake workers did not register");
         std::thread::sleep(Duration::from_millis(50));
     }
@@ -260,19 +261,18 @@ fn kimi_k2_sidecars_start_without_planning_the_job() {
         &["--source", &shm_arg, "--watermark-mib", "64"],
         dir.path(),
     );
-    let rollout = sidecar(&bin, "rollout", control, &[], dir.path());
-    let mut seen = [Seen::default(), Seen::default()];
+    let mut seen = [Seen::default()];
     let mut plan_unix_ms = None;
     let mut protocol_has_ready = true;
     let deadline = Instant::now() + Duration::from_secs(900);
     loop {
-        for (s, p) in seen.iter_mut().zip([&trainer, &rollout]) {
+        for (s, p) in seen.iter_mut().zip([&trainer]) {
             if let Some(m) = peak_rss_mib(p.pid()) {
                 s.peak_rss_mib = s.peak_rss_mib.max(m);
             }
         }
         let log = ctl.log_text();
-        for (s, name) in seen.iter_mut().zip(["trainer-0", "rollout-0"]) {
+        for (s, name) in seen.iter_mut().zip(["trainer-0"]) {
             if s.registered_unix_ms.is_none() {
                 s.registered_unix_ms = logged_at(&log, &format!("{name} registered from"));
             }
@@ -282,7 +282,7 @@ fn kimi_k2_sidecars_start_without_planning_the_job() {
             plan_unix_ms = plan["created_unix_ms"].as_u64();
             match plan["awaiting_ready"].as_array() {
                 Some(waiting) => {
-                    for (s, name) in seen.iter_mut().zip(["trainer-0", "rollout-0"]) {
+                    for (s, name) in seen.iter_mut().zip(["trainer-0"]) {
                         if s.accepted_unix_ms.is_none() && !waiting.iter().any(|w| w == name) {
                             s.accepted_unix_ms = Some(unix_ms());
                         }
@@ -300,12 +300,14 @@ fn kimi_k2_sidecars_start_without_planning_the_job() {
         if done {
             break;
         }
-        assert!(
-            Instant::now() < deadline,
-            "sidecars not accepted within 900 s: {seen:?}\n{}\n{}",
-            trainer.log_text(),
-            rollout.log_text()
-        );
+        if Instant::now() > deadline {
+            let tail = |t: String| t.lines().rev().take(30).collect::<Vec<_>>().join("\n");
+            panic!(
+                "trainer-0 not accepted within 900 s: {seen:?}\ncontroller:\n{}\ntrainer-0:\n{}",
+                tail(ctl.log_text()),
+                tail(trainer.log_text())
+            );
+        }
         std::thread::sleep(Duration::from_millis(20));
     }
     let plan_at = plan_unix_ms.expect("a plan");
@@ -324,12 +326,17 @@ fn kimi_k2_sidecars_start_without_planning_the_job() {
     let summary = serde_json::json!({
         "job": format!("kimi-k2 {TRAIN} -> {INFER} fp8"),
         "trainer": figure(&seen[0]),
-        "rollout": figure(&seen[1]),
         "controller_planning_s": world_complete.map(|w| secs(w, plan_at)),
         "controller_peak_rss_mib": peak_rss_mib(ctl.pid()),
+        "trainer_log": trainer
+            .log_text()
+            .lines()
+            .filter(|l| l.contains("accepted in") || l.contains("worker built"))
+            .map(|l| l.split(" INFO").last().unwrap_or(l).trim().to_string())
+            .collect::<Vec<_>>(),
     });
     println!("sidecar_startup: {summary}");
-    for (s, name) in seen.iter().zip(["trainer-0", "rollout-0"]) {
+    for (s, name) in seen.iter().zip(["trainer-0"]) {
         assert!(s.registered_unix_ms.is_some(), "{name} never registered");
     }
     if protocol_has_ready {
