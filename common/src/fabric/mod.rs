@@ -54,7 +54,7 @@ pub mod tcp;
 #[cfg(feature = "rdma")]
 pub mod verbs;
 
-pub use config::{BackendKind, FabricConfig, JobToken, VerbsConfig};
+pub use config::{BackendKind, FabricConfig, GidFamily, JobToken, VerbsConfig};
 pub use descriptor::{Access, Endpoint, RegionDescriptor};
 pub use error::{FabricError, RemoteAccessKind, Result};
 pub use imm_counter::{ImmCounter, ImmStats, ImmWait};

@@ -53,15 +53,20 @@
 //! conformance suite runs against this backend in `tests/tests/fabric_verbs.rs` when
 //! `WEIGHTSYNC_RDMA_DEVICE` names a device (e.g. Soft-RoCE `rxe0`).
 
+pub mod verbs_async_events;
 pub mod verbs_batch;
 pub mod verbs_bootstrap;
 pub mod verbs_completion;
 pub mod verbs_cq;
+pub mod verbs_credits;
 pub mod verbs_device;
 pub mod verbs_endpoint;
 mod verbs_fabric;
 pub mod verbs_gid;
 mod verbs_lane;
+pub mod verbs_lane_session;
+pub mod verbs_lane_state;
+pub mod verbs_limits;
 mod verbs_listener;
 pub mod verbs_memlock;
 pub mod verbs_mr;
@@ -77,4 +82,7 @@ pub use verbs_device::{device_names, PortInfo};
 pub use verbs_endpoint::QpEndpoint;
 pub use verbs_fabric::VerbsFabric;
 pub use verbs_gid::{Addressing, Gid, LinkLayer};
-pub use verbs_settings::{VerbsSettings, ENV_DEVICE, ENV_GID_INDEX, ENV_PORT};
+pub use verbs_settings::{
+    VerbsSettings, ENV_DEVICE, ENV_GID_FAMILY, ENV_GID_INDEX, ENV_PORT, ENV_SERVICE_LEVEL,
+    ENV_TRAFFIC_CLASS,
+};

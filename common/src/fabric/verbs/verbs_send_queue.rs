@@ -101,6 +101,15 @@ impl SendQueue {
         self.signalled.len()
     }
 
+    /// The last `n` WRs reserved were never posted (the post failed before them): forget their
+    /// slots and the signalled entries among them.
+    pub fn unreserve(&mut self, n: usize) {
+        let n = (n as u64).min(self.posted - self.retired);
+        self.posted -= n;
+        let posted = self.posted;
+        self.signalled.retain(|(seq, _)| *seq <= posted);
+    }
+
     /// The queue pair failed: forget everything outstanding and return the wr_ids of the
     /// signalled WRs that will never complete successfully (their batches must fail).
     pub fn fail_all(&mut self) -> Vec<u64> {
