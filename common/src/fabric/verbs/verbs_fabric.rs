@@ -757,6 +757,12 @@ impl Inner {
             .collect::<Result<Vec<_>>>()?;
         let first = self.next_lane.fetch_add(1, Ordering::Relaxed);
         let lanes = self.peer_lanes(peer);
+        if self.generation.load(Ordering::SeqCst) != generation {
+            return Err(FabricError::ConnectionsReset {
+                peer: peer.clone(),
+                lane: 0,
+            });
+        }
         if lanes.max_msg.load(Ordering::Relaxed) == 0 {
             // The first write to this peer: learn its message limit (the lane is needed anyway,
             // the plan's first piece goes to it).

@@ -199,3 +199,24 @@ impl Listener {
         ))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// V16: bootstrap connections (which hold a queue pair each) get keepalive with short
+    /// intervals, so a writer host that vanishes without a FIN frees the receiver's queue pair.
+    #[tokio::test]
+    async fn bootstrap_connections_have_short_keepalive() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let client = TcpStream::connect(addr).await.unwrap();
+        let sock = socket2::SockRef::from(&client);
+        assert!(!sock.keepalive().unwrap(), "keepalive is off by default");
+        set_keepalive(&client).unwrap();
+        assert!(sock.keepalive().unwrap());
+        assert_eq!(sock.tcp_keepalive_time().unwrap(), KEEPALIVE_IDLE);
+        assert_eq!(sock.tcp_keepalive_interval().unwrap(), KEEPALIVE_INTERVAL);
+        assert_eq!(sock.tcp_keepalive_retries().unwrap(), KEEPALIVE_PROBES);
+    }
+}
