@@ -129,7 +129,7 @@ impl Progress {
                 idle = 0;
             } else {
                 idle = idle.saturating_add(1);
-                if idle % 1024 == 0 {
+                if idle.is_multiple_of(1024) {
                     self.polled.remove_drained();
                 }
                 if idle < 256 {

@@ -47,7 +47,7 @@ pub trait RegisteredKeys {
     /// Address of the first byte.
     fn addr(&self) -> u64;
     /// Length in bytes.
-    fn len(&self) -> u64;
+    fn bytes(&self) -> u64;
     /// Local key.
     fn lkey(&self) -> u32;
     /// Remote key (meaningful only with remote access).
@@ -60,7 +60,7 @@ impl RegisteredKeys for VerbsMr {
     fn addr(&self) -> u64 {
         VerbsMr::addr(self)
     }
-    fn len(&self) -> u64 {
+    fn bytes(&self) -> u64 {
         VerbsMr::len(self)
     }
     fn lkey(&self) -> u32 {
@@ -125,7 +125,7 @@ impl<M: RegisteredKeys> Registry<M> {
             return Some(mr);
         }
         if mr.is_host() {
-            self.pinned += mr.len();
+            self.pinned += mr.bytes();
         }
         if access.contains(Access::REMOTE_WRITE) {
             // The NIC may hand out a remote key again after deregistration: it is live once more.
@@ -139,7 +139,7 @@ impl<M: RegisteredKeys> Registry<M> {
     pub fn remove(&mut self, key: RegistrationKey) -> Option<Arc<M>> {
         let (mr, access) = self.mrs.remove(&key)?;
         if mr.is_host() {
-            self.pinned = self.pinned.saturating_sub(mr.len());
+            self.pinned = self.pinned.saturating_sub(mr.bytes());
         }
         let rkey = mr.rkey();
         let still_live = self
@@ -162,7 +162,7 @@ impl<M: RegisteredKeys> Registry<M> {
     pub fn lookup(&self, key: RegistrationKey) -> Option<(u64, u64, u32)> {
         self.mrs
             .get(&key)
-            .map(|(mr, _)| (mr.addr(), mr.len(), mr.lkey()))
+            .map(|(mr, _)| (mr.addr(), mr.bytes(), mr.lkey()))
     }
 
     /// Why a write of `len` bytes at `addr` with `rkey` is refused here (`None`: it is not).
@@ -173,7 +173,7 @@ impl<M: RegisteredKeys> Registry<M> {
         let live = with_rkey()
             .find(|(_, access)| access.contains(Access::REMOTE_WRITE))
             .or_else(|| with_rkey().next())
-            .map(|(mr, access)| (mr.addr(), mr.len(), *access));
+            .map(|(mr, access)| (mr.addr(), mr.bytes(), *access));
         diagnose(live, self.deregistered.contains(&rkey), addr, len)
     }
 }
@@ -222,7 +222,7 @@ mod tests {
         fn addr(&self) -> u64 {
             self.addr
         }
-        fn len(&self) -> u64 {
+        fn bytes(&self) -> u64 {
             self.len
         }
         fn lkey(&self) -> u32 {
