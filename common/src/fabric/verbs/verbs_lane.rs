@@ -1,10 +1,14 @@
-//! A lane: one connected RC queue pair to a peer, with its send-queue bookkeeping.
+//! A lane: one connected RC queue pair to a peer, with its send-queue slots, receive credits and
+//! broken flag under one lock (`verbs_lane_state`), and the set of queue pairs the progress
+//! thread polls.
 //!
 //! Lanes are directional, like the TCP backend's: the process that writes connects its own queue
 //! pairs to the peer's bootstrap endpoint, and the peer's matching queue pairs only receive. A
 //! lane that fails (any error completion moves an RC queue pair to the error state and flushes
-//! everything queued behind it) is marked broken; the writes on it fail, and the next write to that
-//! peer replaces it with a fresh queue pair, like a queue-pair reset.
+//! everything queued behind it) is marked broken; the writes on it fail (or re-post what may go
+//! again, see `verbs_batch`), and the next write to that peer replaces it with a fresh queue pair,
+//! like a queue-pair reset. A broken lane leaves the polled set once drained: when its last
+//! signalled WR completed, or in a sweep for lanes broken with nothing outstanding.
 
 use std::sync::Arc;
 

@@ -3,8 +3,8 @@
 //! A send queue holds `depth` outstanding WRs; a slot is free again only once the WR completed,
 //! and the application learns that only through a completion. Asking for a completion on every
 //! WR costs the NIC a CQE write and the CPU a poll per WR, so we signal selectively: the last WR
-//! of each batch's share on the lane (its caller waits for it), plus one every `interval` WRs so
-//! that long batches free slots as they go. A successful signalled completion retires every
+//! of each chunk a write posts on the lane (its caller waits for it), plus one every `interval`
+//! WRs so that long batches free slots as they go. A successful signalled completion retires every
 //! earlier WR of the queue, because an RC queue completes in order.
 //!
 //! Invariant that keeps posting live: `interval <= depth / 2`, so whenever the queue is full at

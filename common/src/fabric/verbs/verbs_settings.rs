@@ -340,6 +340,28 @@ mod tests {
         assert_eq!(s.gid_index, None);
     }
 
+    /// V20 (and V4): the queue-pair timers are settings, not constants; the RNR timer defaults
+    /// to 5.12 ms (18) so a briefly descheduled receiver gets ~30 ms over six retries.
+    #[test]
+    fn queue_pair_timers_are_settings() {
+        let s = VerbsSettings::resolve(&VerbsConfig::default(), env(&[])).unwrap();
+        assert_eq!((s.min_rnr_timer, s.timeout, s.retry_cnt), (18, 14, 7));
+        let cfg = VerbsConfig {
+            min_rnr_timer: 20,
+            ack_timeout: 16,
+            retry_cnt: 5,
+            ..Default::default()
+        };
+        let s = VerbsSettings::resolve(&cfg, env(&[])).unwrap();
+        assert_eq!((s.min_rnr_timer, s.timeout, s.retry_cnt), (20, 16, 5));
+        let bad_timer = VerbsConfig {
+            min_rnr_timer: 32,
+            ..Default::default()
+        };
+        let err = VerbsSettings::resolve(&bad_timer, env(&[])).unwrap_err();
+        assert_eq!(err.field, "verbs.min_rnr_timer");
+    }
+
     #[test]
     fn serde_config_round_trips_with_defaults() {
         let cfg: VerbsConfig = serde_json::from_str(r#"{"device":"rxe0","gid_index":1}"#).unwrap();
