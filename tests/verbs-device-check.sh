@@ -72,6 +72,11 @@ note "conformance suite, at most once under random cuts (1, 2, 4 lanes x 20 burs
 run --skip registration_above_the_memlock_limit_when_exempt \
     --skip small_receive_queue_and_a_stalled_receiver_meet_no_rnr || fail "conformance suite"
 
+# ---- 3b. One completion per outstanding WR in the error state (check 3) -----------------------
+note "flush per WR: 300 unsignalled + 1 signalled write, then ERR"
+cargo test -q -p weightsync-common --features rdma --lib verbs_device_checks -- --ignored --nocapture \
+  || fail "flush per WR"
+
 # ---- 4. V1: two local-only registrations (rkeys printed; 0 on rxe before Linux 6.5) ------------
 note "V1: two SOURCE registrations in one fabric"
 run --exact two_local_only_sources_coexist --nocapture || fail "V1 two sources"
@@ -111,7 +116,6 @@ done
 note "not run by this script"
 echo "- V9 reset fencing under 'tc qdisc add dev <netdev> root netem delay 30ms' needs two hosts"
 echo "  (or two network namespaces with an rxe each): rxe loopback to a local GID bypasses netdevs."
-echo "- The flush-per-WR count (300 unsignalled + 1 signalled WR, then ERR) needs a raw-verbs harness."
 
 note "summary"
 if [ ${#FAILED[@]} -eq 0 ]; then echo "all device checks passed on $DEV"; exit 0; fi

@@ -97,6 +97,7 @@ pub mod verbs_completion;
 pub mod verbs_cq;
 pub mod verbs_credits;
 pub mod verbs_device;
+mod verbs_device_checks;
 pub mod verbs_endpoint;
 mod verbs_fabric;
 pub mod verbs_gid;
