@@ -39,22 +39,49 @@ impl JobToken {
     }
 }
 
+/// The IP family of the RoCE GID to pick when no GID index is configured.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum GidFamily {
+    /// IPv4-mapped GIDs (`::ffff:a.b.c.d`).
+    #[default]
+    Ipv4,
+    /// IPv6 GIDs.
+    Ipv6,
+}
+
 /// Settings of the ibverbs backend (ignored by TCP).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct VerbsConfig {
-    /// Device name (e.g. `mlx5_0`, `rxe0`); `None` picks the first device.
+    /// Device name (e.g. `mlx5_0`, `rxe0`); `None` picks the first device whose port is active.
     pub device: Option<String>,
     /// Port number (1-based).
     pub port: u8,
-    /// GID index for RoCE v2 (addressing through the GRH); `None` means InfiniBand (LID).
+    /// GID index (addressing through the GRH). `None`: on RoCE the first RoCE v2 entry of
+    /// `gid_family`; on InfiniBand the LID.
     pub gid_index: Option<u8>,
-    /// Receive buffers pre-posted per queue pair for WRITE_WITH_IMM completions.
+    /// Family of the automatically chosen RoCE GID.
+    pub gid_family: GidFamily,
+    /// RoCE: the GRH traffic class, i.e. the IP DSCP/ECN byte (DSCP 26 with ECN is 106). Lossless
+    /// fabrics map RDMA to one DSCP; 0 rides the default (lossy) queue.
+    pub traffic_class: u8,
+    /// Service level (0..=15): the InfiniBand virtual lane, or the priority on RoCE fabrics that
+    /// map it (commonly 3 for RDMA).
+    pub service_level: u8,
+    /// Receive buffers pre-posted per queue pair for WRITE_WITH_IMM completions (the writer's
+    /// receive credits).
     pub recv_depth: u32,
     /// Send queue depth per queue pair.
     pub send_depth: u32,
     /// RNR retry count (7 means infinite in verbs; keep it finite).
     pub rnr_retry: u8,
+    /// RNR NAK timer asked of writers (IB encoding: 12 = 0.64 ms, 18 = 5.12 ms, 20 = 10.24 ms).
+    pub min_rnr_timer: u8,
+    /// Local ACK timeout exponent: 4.096 µs × 2^timeout (14 ≈ 67 ms).
+    pub ack_timeout: u8,
+    /// Transport retries before `IBV_WC_RETRY_EXC_ERR` (0..=7).
+    pub retry_cnt: u8,
 }
 
 impl Default for VerbsConfig {
@@ -63,9 +90,15 @@ impl Default for VerbsConfig {
             device: None,
             port: 1,
             gid_index: None,
+            gid_family: GidFamily::Ipv4,
+            traffic_class: 0,
+            service_level: 0,
             recv_depth: 512,
             send_depth: 512,
             rnr_retry: 6,
+            min_rnr_timer: 18,
+            ack_timeout: 14,
+            retry_cnt: 7,
         }
     }
 }
