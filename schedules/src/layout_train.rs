@@ -414,7 +414,7 @@ impl Sharding {
         };
         let split = train_tp_split(p.role);
         if let TpSplit::Dim(d) = split {
-            if p.shape.dims[d] % spec.tp != 0 {
+            if !p.shape.dims[d].is_multiple_of(spec.tp) {
                 return Err(PlanError::NotDivisible {
                     what: format!("training tensor {}", p.name),
                     degree_name: "tp",
