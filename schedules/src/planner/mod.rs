@@ -24,8 +24,8 @@
 //! Pure and deterministic: no hash-map iteration, no clock, no threads.
 //!
 //! # Layout
-//! This file holds [`plan`], the [`Planner`] state the steps share and the order they run in;
-//! each step is a file adding its methods to [`Planner`]:
+//! This file holds [`plan`], the `Planner` state the steps share and the order they run in;
+//! each step is a file adding its methods to `Planner`:
 //! - `validate`: the inference layout checked before any step (not a step: it only refuses).
 //! - `dgroups` (1), `grid` (2), `regions` (3, pass 1 `analyse`), `assign` (4, pass 2),
 //!   `emit` (5, pass 3) with `targets` (which targets get listed writes, which copies).
