@@ -13,6 +13,7 @@
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
+use std::fmt::Write as _;
 use std::sync::Arc;
 use weightsync_common::DType;
 
@@ -551,8 +552,11 @@ impl LayerParams<'_> {
             layer: self.layer,
             kind,
         };
-        let name = format!("{}{name}", self.prefix);
-        self.params.push(Param::new(name, dims, dtype, role));
+        // Sized up front: a `format!` of two arguments would grow the string several times.
+        let mut full = String::with_capacity(self.prefix.len() + 48);
+        full.push_str(&self.prefix);
+        write!(full, "{name}").expect("writing to a String cannot fail");
+        self.params.push(Param::new(full, dims, dtype, role));
     }
 
     /// MLA attention (DeepSeek-V3, Kimi-K2): q (through a LoRA when `q_lora_rank` is set),
