@@ -40,6 +40,7 @@
 //! offset.
 
 use std::collections::HashMap;
+use std::fmt::Write as _;
 
 use serde::{Deserialize, Serialize};
 use weightsync_common::DType;
@@ -490,11 +491,13 @@ fn check_divisible(model: &Model, spec: &InferSpec) -> Result<(), PlanError> {
 
 impl RankBuilder<'_> {
     /// The rank's tp rank within its engine.
+    #[inline]
     fn tp_rank(&self) -> u32 {
         self.rank % self.tp
     }
 
     /// The index of the parameter that is `role`.
+    #[inline]
     fn param(&self, role: Role) -> u32 {
         self.index[&role]
     }
@@ -594,15 +597,19 @@ impl LayerTensors<'_, '_> {
         self.b.shape(p)
     }
 
+    /// Adds tensor `{pre}{name}` of the layout (see [`RankBuilder::add`]).
     fn add(
         &mut self,
-        name: &str,
+        name: impl std::fmt::Display,
         shape: &[u32],
         quantise: bool,
         parts: Vec<Part>,
     ) -> Result<(), PlanError> {
-        self.b
-            .add(format!("{}{name}", self.pre), shape, quantise, parts)
+        // Sized up front: a `format!` of two arguments would grow the string more than once.
+        let mut full = String::with_capacity(self.pre.len() + 48);
+        full.push_str(&self.pre);
+        write!(full, "{name}").expect("writing to a String cannot fail");
+        self.b.add(full, shape, quantise, parts)
     }
 
     /// The whole parameter, replicated (norms, the router).
@@ -729,13 +736,18 @@ impl LayerTensors<'_, '_> {
             part(u, rows(self.shape(u), t * i, i), &[i, 0]),
         ];
         self.add(
-            &format!("{prefix}.gate_up_proj.weight"),
+            format_args!("{prefix}.gate_up_proj.weight"),
             &[2 * i, h],
             true,
             parts,
         )?;
         let parts = vec![part(dn, cols(self.shape(dn), t * i, i), &[0, 0])];
-        self.add(&format!("{prefix}.down_proj.weight"), &[h, i], true, parts)
+        self.add(
+            format_args!("{prefix}.down_proj.weight"),
+            &[h, i],
+            true,
+            parts,
+        )
     }
 
     /// An MoE block: the router and its bias replicated, the shared experts split like a dense
