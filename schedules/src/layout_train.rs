@@ -272,7 +272,8 @@ impl TrainingLayout {
                             let rank = stage * per_stage
                                 + ((dp_i * spec.ep + ep_i) * spec.fsdp + fsdp_i) * spec.tp
                                 + tp_i;
-                            let b = sharding.shard_box(full, spec, ep_i, fsdp_i, tp_i);
+                            let mut b = full;
+                            sharding.cut(&mut b, spec, ep_i, fsdp_i, tp_i);
                             if b.is_empty() {
                                 continue;
                             }
@@ -431,18 +432,11 @@ impl Sharding {
         })
     }
 
-    /// The box of the parameter (whole: `full`) on the rank at `(ep_i, fsdp_i, tp_i)`: the ep
+    /// Cuts `b` (the whole parameter) to its box on the rank at `(ep_i, fsdp_i, tp_i)`: the ep
     /// share of stacked experts, then the tp share, then the FSDP chunk of dim 0 (over fsdp for
-    /// experts, over ep x fsdp for the rest; possibly empty).
-    fn shard_box(
-        &self,
-        full: TensorBox,
-        spec: &TrainSpec,
-        ep_i: u32,
-        fsdp_i: u32,
-        tp_i: u32,
-    ) -> TensorBox {
-        let mut b = full;
+    /// experts, over ep x fsdp for the rest; possibly empty). Once per shard: inlined, in place.
+    #[inline]
+    fn cut(&self, b: &mut TensorBox, spec: &TrainSpec, ep_i: u32, fsdp_i: u32, tp_i: u32) {
         if self.stacked {
             let n = b.len[0] / spec.ep;
             b.start[0] = ep_i * n;
@@ -461,7 +455,6 @@ impl Sharding {
         let (s, n) = torch_chunk(b.len[0], k, i);
         b.start[0] += s;
         b.len[0] = n;
-        b
     }
 }
 
