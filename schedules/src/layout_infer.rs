@@ -40,13 +40,14 @@
 //! offset.
 
 use std::collections::HashMap;
+use std::fmt::Write as _;
 
 use serde::{Deserialize, Serialize};
 use weightsync_common::DType;
 
 use crate::error::PlanError;
 use crate::layout_train::{align_up, parse_degree, parse_kv};
-use crate::model::{LayerKind, Model, Proj, Role};
+use crate::model::{ExpertForm, LayerKind, MlaConfig, Model, MoeConfig, Proj, Role};
 use crate::table::{DstTensor, Shape, TensorBox, FP8_BLOCK, MAX_DIMS};
 
 /// Where the fp8 scales of a piece go.
@@ -221,7 +222,12 @@ fn part(param: u32, src: TensorBox, dst_start: &[u32]) -> Part {
 /// Builds one rank's tensors and pieces.
 struct RankBuilder<'m> {
     model: &'m Model,
+    /// Parameter index by role.
+    index: &'m HashMap<Role, u32>,
+    /// Rank within the engine.
     rank: u32,
+    tp: u32,
+    ep: u32,
     fp8: bool,
     tensors: Vec<DstTensor>,
     pieces: Vec<Piece>,
@@ -360,79 +366,7 @@ fn cols(shape: Shape, start: u32, len: u32) -> TensorBox {
 impl InferenceLayout {
     /// Builds the layout an [`InferSpec`] describes (see the module docs).
     pub fn build(model: &Model, spec: &InferSpec) -> Result<InferenceLayout, PlanError> {
-        let c = &model.config;
-        let (tp, ep) = (spec.tp, spec.ep);
-        if ep > 1 && ep % tp != 0 {
-            return Err(PlanError::BadSpec {
-                spec: spec.to_string(),
-                reason: format!("ep={ep} must be 1 or a multiple of tp={tp}"),
-            });
-        }
-        let what = |s: &str| format!("inference {s} of {} (tp={tp}, ep={ep})", model.name);
-        if !c.heads.is_multiple_of(tp) {
-            return Err(not_div(
-                what("attention"),
-                "tp",
-                tp,
-                "num_attention_heads",
-                c.heads,
-            ));
-        }
-        if c.mla.is_none() {
-            let kv = c.kv_heads;
-            if (tp <= kv && !kv.is_multiple_of(tp)) || (tp > kv && tp % kv != 0) {
-                return Err(not_div(
-                    what("attention (kv heads neither split evenly nor replicated evenly)"),
-                    "tp",
-                    tp,
-                    "num_key_value_heads",
-                    kv,
-                ));
-            }
-        }
-        let dense_i = c.intermediate;
-        let has_dense = c
-            .moe
-            .as_ref()
-            .is_none_or(|m| m.moe_layers.iter().any(|&x| !x));
-        if has_dense && !dense_i.is_multiple_of(tp) {
-            return Err(not_div(
-                what("dense MLP"),
-                "tp",
-                tp,
-                "intermediate_size",
-                dense_i,
-            ));
-        }
-        if let Some(m) = &c.moe {
-            if ep > 1 && m.experts % ep != 0 {
-                return Err(not_div(
-                    what("routed experts"),
-                    "ep",
-                    ep,
-                    "num_experts",
-                    m.experts,
-                ));
-            }
-            if ep == 1 && m.intermediate % tp != 0 {
-                return Err(not_div(
-                    what("routed experts"),
-                    "tp",
-                    tp,
-                    "moe_intermediate_size",
-                    m.intermediate,
-                ));
-            }
-            if m.shared > 0 && (m.intermediate * m.shared) % tp != 0 {
-                return Err(not_div(
-                    what("shared experts"),
-                    "tp",
-                    tp,
-                    "moe_intermediate_size*n_shared_experts",
-                    m.intermediate * m.shared,
-                ));
-            }
-        }
+        check_divisible(model, spec)?;
         let index: HashMap<Role, u32> = model
             .params
             .iter()
@@ -446,13 +380,16 @@ impl InferenceLayout {
         for r in 0..n {
             let mut b = RankBuilder {
                 model,
+                index: &index,
                 rank: r,
+                tp: spec.tp,
+                ep: spec.ep,
                 fp8: spec.dtype == InferDType::Fp8,
                 tensors: Vec::new(),
                 pieces: Vec::new(),
                 next: 0,
             };
-            build_rank(&mut b, &index, spec, r)?;
+            b.build_rank()?;
             engine0.push((b.tensors, b.pieces, b.next));
         }
         for e in 0..spec.dp {
@@ -472,278 +409,401 @@ impl InferenceLayout {
     }
 }
 
-fn build_rank(
-    b: &mut RankBuilder<'_>,
-    index: &HashMap<Role, u32>,
-    spec: &InferSpec,
-    r: u32,
-) -> Result<(), PlanError> {
-    let model = b.model;
+/// Refuses a spec whose degrees do not divide what they split: ep by tp, attention heads (and
+/// kv heads, split or replicated evenly) by tp, the dense MLP by tp, routed experts by ep (or
+/// their width by tp when ep = 1), shared experts by tp.
+fn check_divisible(model: &Model, spec: &InferSpec) -> Result<(), PlanError> {
     let c = &model.config;
-    let tp = spec.tp;
-    let t = r % tp;
-    let get = |role: Role| -> u32 { index[&role] };
-    let shape = |p: u32| model.params[p as usize].shape;
-    let h = c.hidden;
-    // Vocab-parallel embedding.
-    let vocab_rows = |p: u32| {
-        let ch = c.vocab.div_ceil(tp);
-        let s = (t * ch).min(c.vocab);
-        let e = ((t + 1) * ch).min(c.vocab);
-        (rows(shape(p), s, e - s), e - s)
-    };
-    let emb = get(Role::Embed);
-    let (bx, n) = vocab_rows(emb);
-    if n > 0 {
-        b.add(
-            "model.embed_tokens.weight".into(),
-            &[n, h],
-            false,
-            vec![part(emb, bx, &[0, 0])],
-        )?;
+    let (tp, ep) = (spec.tp, spec.ep);
+    if ep > 1 && ep % tp != 0 {
+        return Err(PlanError::BadSpec {
+            spec: spec.to_string(),
+            reason: format!("ep={ep} must be 1 or a multiple of tp={tp}"),
+        });
     }
-    for l in 0..c.layers {
-        let pre = format!("model.layers.{l}.");
-        let lay = |kind| Role::Layer { layer: l, kind };
-        let full = |b: &mut RankBuilder<'_>, kind, name: &str| -> Result<(), PlanError> {
-            let p = get(lay(kind));
-            let s = shape(p);
-            b.add(
-                format!("{pre}{name}"),
-                s.dims(),
+    let what = |s: &str| format!("inference {s} of {} (tp={tp}, ep={ep})", model.name);
+    if !c.heads.is_multiple_of(tp) {
+        return Err(not_div(
+            what("attention"),
+            "tp",
+            tp,
+            "num_attention_heads",
+            c.heads,
+        ));
+    }
+    if c.mla.is_none() {
+        let kv = c.kv_heads;
+        if (tp <= kv && !kv.is_multiple_of(tp)) || (tp > kv && tp % kv != 0) {
+            return Err(not_div(
+                what("attention (kv heads neither split evenly nor replicated evenly)"),
+                "tp",
+                tp,
+                "num_key_value_heads",
+                kv,
+            ));
+        }
+    }
+    let dense_i = c.intermediate;
+    let has_dense = c
+        .moe
+        .as_ref()
+        .is_none_or(|m| m.moe_layers.iter().any(|&x| !x));
+    if has_dense && !dense_i.is_multiple_of(tp) {
+        return Err(not_div(
+            what("dense MLP"),
+            "tp",
+            tp,
+            "intermediate_size",
+            dense_i,
+        ));
+    }
+    if let Some(m) = &c.moe {
+        if ep > 1 && m.experts % ep != 0 {
+            return Err(not_div(
+                what("routed experts"),
+                "ep",
+                ep,
+                "num_experts",
+                m.experts,
+            ));
+        }
+        if ep == 1 && m.intermediate % tp != 0 {
+            return Err(not_div(
+                what("routed experts"),
+                "tp",
+                tp,
+                "moe_intermediate_size",
+                m.intermediate,
+            ));
+        }
+        if m.shared > 0 && (m.intermediate * m.shared) % tp != 0 {
+            return Err(not_div(
+                what("shared experts"),
+                "tp",
+                tp,
+                "moe_intermediate_size*n_shared_experts",
+                m.intermediate * m.shared,
+            ));
+        }
+    }
+    Ok(())
+}
+
+impl RankBuilder<'_> {
+    /// The rank's tp rank within its engine.
+    #[inline]
+    fn tp_rank(&self) -> u32 {
+        self.rank % self.tp
+    }
+
+    /// The index of the parameter that is `role`.
+    #[inline]
+    fn param(&self, role: Role) -> u32 {
+        self.index[&role]
+    }
+
+    fn shape(&self, p: u32) -> Shape {
+        self.model.params[p as usize].shape
+    }
+
+    /// Every tensor of the rank, in the engine's order: embedding, decoder layers, final norm,
+    /// lm_head.
+    fn build_rank(&mut self) -> Result<(), PlanError> {
+        let model = self.model;
+        let c = &model.config;
+        let h = c.hidden;
+        let emb = self.param(Role::Embed);
+        let (bx, n) = self.vocab_rows(emb);
+        if n > 0 {
+            self.add(
+                "model.embed_tokens.weight".into(),
+                &[n, h],
                 false,
-                vec![part(
-                    p,
-                    TensorBox::full(s),
-                    &[0; MAX_DIMS][..s.ndim as usize],
-                )],
-            )
-        };
-        // Full, but quantised (replicated projections such as q_a_proj).
-        let full_q = |b: &mut RankBuilder<'_>, kind, name: &str| -> Result<(), PlanError> {
-            let p = get(lay(kind));
-            let s = shape(p);
-            b.add(
-                format!("{pre}{name}"),
-                s.dims(),
-                true,
-                vec![part(p, TensorBox::full(s), &[0, 0])],
-            )
-        };
-        // Column-parallel by rank t of tp.
-        let col_split = |b: &mut RankBuilder<'_>, kind, name: &str| -> Result<(), PlanError> {
-            let p = get(lay(kind));
-            let s = shape(p);
-            let n = s.dims[0] / tp;
-            b.add(
-                format!("{pre}{name}"),
-                &[n, s.dims[1]],
-                true,
-                vec![part(p, rows(s, t * n, n), &[0, 0])],
-            )
-        };
-        let row_split = |b: &mut RankBuilder<'_>, kind, name: &str| -> Result<(), PlanError> {
-            let p = get(lay(kind));
-            let s = shape(p);
-            let n = s.dims[1] / tp;
-            b.add(
-                format!("{pre}{name}"),
-                &[s.dims[0], n],
-                true,
-                vec![part(p, cols(s, t * n, n), &[0, 0])],
-            )
-        };
-        full(b, LayerKind::InputNorm, "input_layernorm.weight")?;
-        match &c.mla {
-            Some(m) => {
-                if m.q_lora_rank.is_some() {
-                    full_q(b, LayerKind::QA, "self_attn.q_a_proj.weight")?;
-                    full(b, LayerKind::QANorm, "self_attn.q_a_layernorm.weight")?;
-                    col_split(b, LayerKind::QB, "self_attn.q_b_proj.weight")?;
-                } else {
-                    col_split(b, LayerKind::Q, "self_attn.q_proj.weight")?;
-                }
-                full_q(b, LayerKind::KVA, "self_attn.kv_a_proj_with_mqa.weight")?;
-                full(b, LayerKind::KVANorm, "self_attn.kv_a_layernorm.weight")?;
-                col_split(b, LayerKind::KVB, "self_attn.kv_b_proj.weight")?;
-                row_split(b, LayerKind::O, "self_attn.o_proj.weight")?;
-            }
-            None => {
-                let d = c.head_dim;
-                let qn = c.heads / tp * d;
-                let (ks, kn) = if tp <= c.kv_heads {
-                    let per = c.kv_heads / tp;
-                    (t * per * d, per * d)
-                } else {
-                    ((t / (tp / c.kv_heads)) * d, d)
-                };
-                let (q, k, v) = (
-                    get(lay(LayerKind::Q)),
-                    get(lay(LayerKind::K)),
-                    get(lay(LayerKind::V)),
-                );
-                b.add(
-                    format!("{pre}self_attn.qkv_proj.weight"),
-                    &[qn + 2 * kn, h],
-                    true,
-                    vec![
-                        part(q, rows(shape(q), t * qn, qn), &[0, 0]),
-                        part(k, rows(shape(k), ks, kn), &[qn, 0]),
-                        part(v, rows(shape(v), ks, kn), &[qn + kn, 0]),
-                    ],
-                )?;
-                if c.attention_bias {
-                    let (q, k, v) = (
-                        get(lay(LayerKind::QBias)),
-                        get(lay(LayerKind::KBias)),
-                        get(lay(LayerKind::VBias)),
-                    );
-                    b.add(
-                        format!("{pre}self_attn.qkv_proj.bias"),
-                        &[qn + 2 * kn],
-                        false,
-                        vec![
-                            part(q, TensorBox::new(&[t * qn], &[qn]), &[0]),
-                            part(k, TensorBox::new(&[ks], &[kn]), &[qn]),
-                            part(v, TensorBox::new(&[ks], &[kn]), &[qn + kn]),
-                        ],
-                    )?;
-                }
-                if c.qk_norm {
-                    full(b, LayerKind::QNorm, "self_attn.q_norm.weight")?;
-                    full(b, LayerKind::KNorm, "self_attn.k_norm.weight")?;
-                }
-                row_split(b, LayerKind::O, "self_attn.o_proj.weight")?;
-            }
-        }
-        full(
-            b,
-            LayerKind::PostAttnNorm,
-            "post_attention_layernorm.weight",
-        )?;
-        let is_moe = c.moe.as_ref().is_some_and(|m| m.moe_layers[l as usize]);
-        // gate_up + down of a dense MLP or the shared experts.
-        let mlp = |b: &mut RankBuilder<'_>,
-                   mk: fn(Proj) -> LayerKind,
-                   prefix: &str|
-         -> Result<(), PlanError> {
-            let (g, u, dn) = (
-                get(lay(mk(Proj::Gate))),
-                get(lay(mk(Proj::Up))),
-                get(lay(mk(Proj::Down))),
-            );
-            let i = shape(g).dims[0] / tp;
-            b.add(
-                format!("{pre}{prefix}.gate_up_proj.weight"),
-                &[2 * i, h],
-                true,
-                vec![
-                    part(g, rows(shape(g), t * i, i), &[0, 0]),
-                    part(u, rows(shape(u), t * i, i), &[i, 0]),
-                ],
+                vec![part(emb, bx, &[0, 0])],
             )?;
-            b.add(
-                format!("{pre}{prefix}.down_proj.weight"),
-                &[h, i],
-                true,
-                vec![part(dn, cols(shape(dn), t * i, i), &[0, 0])],
-            )
-        };
-        if !is_moe {
-            mlp(b, LayerKind::Mlp, "mlp")?;
-            continue;
         }
-        let m = c.moe.as_ref().expect("is_moe implies moe");
-        full(b, LayerKind::Router, "mlp.gate.weight")?;
+        for l in 0..c.layers {
+            let mut layer = LayerTensors {
+                pre: format!("model.layers.{l}."),
+                l,
+                b: self,
+            };
+            layer.build()?;
+        }
+        let norm = self.param(Role::FinalNorm);
+        self.add(
+            "model.norm.weight".into(),
+            &[h],
+            false,
+            vec![part(norm, TensorBox::full(self.shape(norm)), &[0])],
+        )?;
+        if let Some(&lm) = self.index.get(&Role::LmHead) {
+            let (bx, n) = self.vocab_rows(lm);
+            if n > 0 {
+                self.add(
+                    "lm_head.weight".into(),
+                    &[n, h],
+                    false,
+                    vec![part(lm, bx, &[0, 0])],
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    /// This rank's rows of vocab-parallel parameter `p` (no padding rows), and how many.
+    fn vocab_rows(&self, p: u32) -> (TensorBox, u32) {
+        let (vocab, t) = (self.model.config.vocab, self.tp_rank());
+        let ch = vocab.div_ceil(self.tp);
+        let s = (t * ch).min(vocab);
+        let e = ((t + 1) * ch).min(vocab);
+        (rows(self.shape(p), s, e - s), e - s)
+    }
+}
+
+/// The tensors of decoder layer `l` on one rank, added to its [`RankBuilder`].
+struct LayerTensors<'b, 'm> {
+    b: &'b mut RankBuilder<'m>,
+    /// `model.layers.{l}.`
+    pre: String,
+    l: u32,
+}
+
+impl LayerTensors<'_, '_> {
+    /// Every tensor of the layer: norms, attention, then the dense MLP or the MoE block.
+    fn build(&mut self) -> Result<(), PlanError> {
+        let c = &self.b.model.config;
+        self.full(LayerKind::InputNorm, "input_layernorm.weight")?;
+        match &c.mla {
+            Some(m) => self.mla_attention(m)?,
+            None => self.attention()?,
+        }
+        self.full(LayerKind::PostAttnNorm, "post_attention_layernorm.weight")?;
+        match c.moe.as_ref().filter(|m| m.moe_layers[self.l as usize]) {
+            None => self.mlp(LayerKind::Mlp, "mlp"),
+            Some(m) => self.moe(m),
+        }
+    }
+
+    /// The parameter that is `kind` in this layer.
+    fn param(&self, kind: LayerKind) -> u32 {
+        self.b.param(Role::Layer {
+            layer: self.l,
+            kind,
+        })
+    }
+
+    fn shape(&self, p: u32) -> Shape {
+        self.b.shape(p)
+    }
+
+    /// Adds tensor `{pre}{name}` of the layout (see [`RankBuilder::add`]).
+    fn add(
+        &mut self,
+        name: impl std::fmt::Display,
+        shape: &[u32],
+        quantise: bool,
+        parts: Vec<Part>,
+    ) -> Result<(), PlanError> {
+        // Sized up front: a `format!` of two arguments would grow the string more than once.
+        let mut full = String::with_capacity(self.pre.len() + 48);
+        full.push_str(&self.pre);
+        write!(full, "{name}").expect("writing to a String cannot fail");
+        self.b.add(full, shape, quantise, parts)
+    }
+
+    /// The whole parameter, replicated (norms, the router).
+    fn full(&mut self, kind: LayerKind, name: &str) -> Result<(), PlanError> {
+        let p = self.param(kind);
+        let s = self.shape(p);
+        let at = &[0; MAX_DIMS][..s.ndim as usize];
+        self.add(name, s.dims(), false, vec![part(p, TensorBox::full(s), at)])
+    }
+
+    /// Whole, but quantised (replicated projections such as q_a_proj).
+    fn full_q(&mut self, kind: LayerKind, name: &str) -> Result<(), PlanError> {
+        let p = self.param(kind);
+        let s = self.shape(p);
+        self.add(
+            name,
+            s.dims(),
+            true,
+            vec![part(p, TensorBox::full(s), &[0, 0])],
+        )
+    }
+
+    /// Column-parallel: this rank's tp share of the rows.
+    fn col_split(&mut self, kind: LayerKind, name: &str) -> Result<(), PlanError> {
+        let (tp, t) = (self.b.tp, self.b.tp_rank());
+        let p = self.param(kind);
+        let s = self.shape(p);
+        let n = s.dims[0] / tp;
+        self.add(
+            name,
+            &[n, s.dims[1]],
+            true,
+            vec![part(p, rows(s, t * n, n), &[0, 0])],
+        )
+    }
+
+    /// Row-parallel: this rank's tp share of the columns.
+    fn row_split(&mut self, kind: LayerKind, name: &str) -> Result<(), PlanError> {
+        let (tp, t) = (self.b.tp, self.b.tp_rank());
+        let p = self.param(kind);
+        let s = self.shape(p);
+        let n = s.dims[1] / tp;
+        self.add(
+            name,
+            &[s.dims[0], n],
+            true,
+            vec![part(p, cols(s, t * n, n), &[0, 0])],
+        )
+    }
+
+    /// MLA attention: q (through a LoRA when `q_lora_rank` is set) and kv_b split by heads, the
+    /// compressed kv and its norm replicated, o row-parallel.
+    fn mla_attention(&mut self, m: &MlaConfig) -> Result<(), PlanError> {
+        if m.q_lora_rank.is_some() {
+            self.full_q(LayerKind::QA, "self_attn.q_a_proj.weight")?;
+            self.full(LayerKind::QANorm, "self_attn.q_a_layernorm.weight")?;
+            self.col_split(LayerKind::QB, "self_attn.q_b_proj.weight")?;
+        } else {
+            self.col_split(LayerKind::Q, "self_attn.q_proj.weight")?;
+        }
+        self.full_q(LayerKind::KVA, "self_attn.kv_a_proj_with_mqa.weight")?;
+        self.full(LayerKind::KVANorm, "self_attn.kv_a_layernorm.weight")?;
+        self.col_split(LayerKind::KVB, "self_attn.kv_b_proj.weight")?;
+        self.row_split(LayerKind::O, "self_attn.o_proj.weight")
+    }
+
+    /// Dense attention: q, k and v fused into `qkv_proj` (kv heads split, or replicated when
+    /// tp exceeds them), biases fused alike, q/k norms replicated, o row-parallel.
+    fn attention(&mut self) -> Result<(), PlanError> {
+        let c = &self.b.model.config;
+        let (tp, t) = (self.b.tp, self.b.tp_rank());
+        let (h, d) = (c.hidden, c.head_dim);
+        let qn = c.heads / tp * d;
+        let (ks, kn) = if tp <= c.kv_heads {
+            let per = c.kv_heads / tp;
+            (t * per * d, per * d)
+        } else {
+            ((t / (tp / c.kv_heads)) * d, d)
+        };
+        let (q, k, v) = (
+            self.param(LayerKind::Q),
+            self.param(LayerKind::K),
+            self.param(LayerKind::V),
+        );
+        let parts = vec![
+            part(q, rows(self.shape(q), t * qn, qn), &[0, 0]),
+            part(k, rows(self.shape(k), ks, kn), &[qn, 0]),
+            part(v, rows(self.shape(v), ks, kn), &[qn + kn, 0]),
+        ];
+        self.add("self_attn.qkv_proj.weight", &[qn + 2 * kn, h], true, parts)?;
+        if c.attention_bias {
+            let (q, k, v) = (
+                self.param(LayerKind::QBias),
+                self.param(LayerKind::KBias),
+                self.param(LayerKind::VBias),
+            );
+            let parts = vec![
+                part(q, TensorBox::new(&[t * qn], &[qn]), &[0]),
+                part(k, TensorBox::new(&[ks], &[kn]), &[qn]),
+                part(v, TensorBox::new(&[ks], &[kn]), &[qn + kn]),
+            ];
+            self.add("self_attn.qkv_proj.bias", &[qn + 2 * kn], false, parts)?;
+        }
+        if c.qk_norm {
+            self.full(LayerKind::QNorm, "self_attn.q_norm.weight")?;
+            self.full(LayerKind::KNorm, "self_attn.k_norm.weight")?;
+        }
+        self.row_split(LayerKind::O, "self_attn.o_proj.weight")
+    }
+
+    /// gate_up (gate rows then up rows) and down of a dense MLP or the shared experts, split
+    /// by tp, named `{prefix}.gate_up_proj.weight` and `{prefix}.down_proj.weight`.
+    fn mlp(&mut self, mk: fn(Proj) -> LayerKind, prefix: &str) -> Result<(), PlanError> {
+        let h = self.b.model.config.hidden;
+        let (tp, t) = (self.b.tp, self.b.tp_rank());
+        let (g, u, dn) = (
+            self.param(mk(Proj::Gate)),
+            self.param(mk(Proj::Up)),
+            self.param(mk(Proj::Down)),
+        );
+        let i = self.shape(g).dims[0] / tp;
+        let parts = vec![
+            part(g, rows(self.shape(g), t * i, i), &[0, 0]),
+            part(u, rows(self.shape(u), t * i, i), &[i, 0]),
+        ];
+        self.add(
+            format_args!("{prefix}.gate_up_proj.weight"),
+            &[2 * i, h],
+            true,
+            parts,
+        )?;
+        let parts = vec![part(dn, cols(self.shape(dn), t * i, i), &[0, 0])];
+        self.add(
+            format_args!("{prefix}.down_proj.weight"),
+            &[h, i],
+            true,
+            parts,
+        )
+    }
+
+    /// An MoE block: the router and its bias replicated, the shared experts split like a dense
+    /// MLP, then the routed experts.
+    fn moe(&mut self, m: &MoeConfig) -> Result<(), PlanError> {
+        self.full(LayerKind::Router, "mlp.gate.weight")?;
         if m.score_bias {
-            full(b, LayerKind::RouterBias, "mlp.gate.e_score_correction_bias")?;
+            self.full(LayerKind::RouterBias, "mlp.gate.e_score_correction_bias")?;
         }
         if m.shared > 0 {
-            mlp(b, LayerKind::Shared, "mlp.shared_experts")?;
+            self.mlp(LayerKind::Shared, "mlp.shared_experts")?;
         }
-        let (e0, el, i0, il) = if spec.ep > 1 {
-            let el = m.experts / spec.ep;
+        self.routed_experts(m)
+    }
+
+    /// `w13_weight` `[E_local, 2I_local, H]` and `w2_weight` `[E_local, H, I_local]`: with ep > 1
+    /// this rank's `E/ep` consecutive experts whole, else every expert's tp share.
+    fn routed_experts(&mut self, m: &MoeConfig) -> Result<(), PlanError> {
+        let h = self.b.model.config.hidden;
+        let (r, t) = (self.b.rank, self.b.tp_rank());
+        let (e0, el, i0, il) = if self.b.ep > 1 {
+            let el = m.experts / self.b.ep;
             (r * el, el, 0, m.intermediate)
         } else {
-            let il = m.intermediate / tp;
+            let il = m.intermediate / self.b.tp;
             (0, m.experts, t * il, il)
         };
         let mut w13 = Vec::new();
         let mut w2 = Vec::new();
-        match model.experts {
-            crate::model::ExpertForm::PerExpert => {
+        match self.b.model.experts {
+            ExpertForm::PerExpert => {
                 for j in 0..el {
                     let e = e0 + j;
-                    let pg = get(lay(LayerKind::Expert {
-                        expert: e,
-                        proj: Proj::Gate,
-                    }));
-                    let pu = get(lay(LayerKind::Expert {
-                        expert: e,
-                        proj: Proj::Up,
-                    }));
-                    let pd = get(lay(LayerKind::Expert {
-                        expert: e,
-                        proj: Proj::Down,
-                    }));
-                    w13.push(part(pg, rows(shape(pg), i0, il), &[j, 0, 0]));
-                    w13.push(part(pu, rows(shape(pu), i0, il), &[j, il, 0]));
-                    w2.push(part(pd, cols(shape(pd), i0, il), &[j, 0, 0]));
+                    let proj = |proj| LayerKind::Expert { expert: e, proj };
+                    let pg = self.param(proj(Proj::Gate));
+                    let pu = self.param(proj(Proj::Up));
+                    let pd = self.param(proj(Proj::Down));
+                    w13.push(part(pg, rows(self.shape(pg), i0, il), &[j, 0, 0]));
+                    w13.push(part(pu, rows(self.shape(pu), i0, il), &[j, il, 0]));
+                    w2.push(part(pd, cols(self.shape(pd), i0, il), &[j, 0, 0]));
                 }
             }
-            crate::model::ExpertForm::Stacked => {
-                let pg = get(lay(LayerKind::Experts(Proj::Gate)));
-                let pu = get(lay(LayerKind::Experts(Proj::Up)));
-                let pd = get(lay(LayerKind::Experts(Proj::Down)));
-                w13.push(part(
-                    pg,
-                    TensorBox::new(&[e0, i0, 0], &[el, il, h]),
-                    &[0, 0, 0],
-                ));
-                w13.push(part(
-                    pu,
-                    TensorBox::new(&[e0, i0, 0], &[el, il, h]),
-                    &[0, il, 0],
-                ));
-                w2.push(part(
-                    pd,
-                    TensorBox::new(&[e0, 0, i0], &[el, h, il]),
-                    &[0, 0, 0],
-                ));
+            ExpertForm::Stacked => {
+                let pg = self.param(LayerKind::Experts(Proj::Gate));
+                let pu = self.param(LayerKind::Experts(Proj::Up));
+                let pd = self.param(LayerKind::Experts(Proj::Down));
+                let gate_up = TensorBox::new(&[e0, i0, 0], &[el, il, h]);
+                w13.push(part(pg, gate_up, &[0, 0, 0]));
+                w13.push(part(pu, gate_up, &[0, il, 0]));
+                let down = TensorBox::new(&[e0, 0, i0], &[el, h, il]);
+                w2.push(part(pd, down, &[0, 0, 0]));
             }
         }
-        b.add(
-            format!("{pre}mlp.experts.w13_weight"),
-            &[el, 2 * il, h],
-            true,
-            w13,
-        )?;
-        b.add(
-            format!("{pre}mlp.experts.w2_weight"),
-            &[el, h, il],
-            true,
-            w2,
-        )?;
+        self.add("mlp.experts.w13_weight", &[el, 2 * il, h], true, w13)?;
+        self.add("mlp.experts.w2_weight", &[el, h, il], true, w2)
     }
-    let norm = get(Role::FinalNorm);
-    b.add(
-        "model.norm.weight".into(),
-        &[h],
-        false,
-        vec![part(norm, TensorBox::full(shape(norm)), &[0])],
-    )?;
-    if let Some(&lm) = index.get(&Role::LmHead) {
-        let (bx, n) = vocab_rows(lm);
-        if n > 0 {
-            b.add(
-                "lm_head.weight".into(),
-                &[n, h],
-                false,
-                vec![part(lm, bx, &[0, 0])],
-            )?;
-        }
-    }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -38,7 +38,7 @@ use serde::{Deserialize, Serialize};
 use weightsync_common::DType;
 
 use crate::error::PlanError;
-use crate::model::{ExpertForm, LayerKind, Model, Proj, Role};
+use crate::model::{ExpertForm, LayerKind, Model, Param, Proj, Role};
 use crate::table::TensorBox;
 
 /// Alignment of tensors in arenas.
@@ -254,71 +254,17 @@ impl TrainingLayout {
     /// Builds the layout a [`TrainSpec`] describes (see the module docs).
     pub fn build(model: &Model, spec: &TrainSpec) -> Result<TrainingLayout, PlanError> {
         let world = spec.world()?;
-        if spec.experts != model.experts {
-            return Err(PlanError::BadSpec {
-                spec: spec.to_string(),
-                reason: format!(
-                    "experts={:?} but the model was built with {:?}",
-                    spec.experts, model.experts
-                ),
-            });
-        }
-        if spec.pp > model.config.layers {
-            return Err(PlanError::NotDivisible {
-                what: format!("training pipeline of {}", model.name),
-                degree_name: "pp",
-                degree: spec.pp,
-                dividend_name: "num_hidden_layers",
-                dividend: model.config.layers as u64,
-            });
-        }
-        if let Some(m) = &model.config.moe {
-            if m.experts % spec.ep != 0 {
-                return Err(PlanError::NotDivisible {
-                    what: format!("training routed experts of {}", model.name),
-                    degree_name: "ep",
-                    degree: spec.ep,
-                    dividend_name: "num_experts",
-                    dividend: m.experts as u64,
-                });
-            }
-        }
-        check_train_heads(model, spec.tp)?;
-        let per_stage = spec.dp * spec.ep * spec.fsdp * spec.tp;
+        check_spec_fits(model, spec)?;
         let mut shards: Vec<ShardSpec> = Vec::new();
         let mut next = vec![0u64; world as usize];
+        let per_stage = spec.dp * spec.ep * spec.fsdp * spec.tp;
         for (pid, p) in model.params.iter().enumerate() {
+            let sharding = Sharding::of(model, spec, p)?;
             let stage = spec.stage_of(model, p.role);
             let full = TensorBox::full(p.shape);
-            let (expert_group, stacked) = match p.role {
-                Role::Layer {
-                    kind: LayerKind::Expert { expert, .. },
-                    ..
-                } => {
-                    let per = model.config.moe.as_ref().map_or(1, |m| m.experts / spec.ep);
-                    (Some(expert / per), false)
-                }
-                Role::Layer {
-                    kind: LayerKind::Experts(_),
-                    ..
-                } => (None, true),
-                _ => (None, false),
-            };
-            let split = train_tp_split(p.role);
-            if let TpSplit::Dim(d) = split {
-                if p.shape.dims[d] % spec.tp != 0 {
-                    return Err(PlanError::NotDivisible {
-                        what: format!("training tensor {}", p.name),
-                        degree_name: "tp",
-                        degree: spec.tp,
-                        dividend_name: "its split dimension",
-                        dividend: p.shape.dims[d] as u64,
-                    });
-                }
-            }
             for dp_i in 0..spec.dp {
                 for ep_i in 0..spec.ep {
-                    if expert_group.is_some_and(|g| g != ep_i) {
+                    if sharding.expert_group.is_some_and(|g| g != ep_i) {
                         continue;
                     }
                     for fsdp_i in 0..spec.fsdp {
@@ -327,24 +273,7 @@ impl TrainingLayout {
                                 + ((dp_i * spec.ep + ep_i) * spec.fsdp + fsdp_i) * spec.tp
                                 + tp_i;
                             let mut b = full;
-                            if stacked {
-                                let n = b.len[0] / spec.ep;
-                                b.start[0] = ep_i * n;
-                                b.len[0] = n;
-                            }
-                            if let TpSplit::Dim(d) = split {
-                                let n = b.len[d] / spec.tp;
-                                b.start[d] += tp_i * n;
-                                b.len[d] = n;
-                            }
-                            let (k, i) = if expert_group.is_some() || stacked {
-                                (spec.fsdp, fsdp_i)
-                            } else {
-                                (spec.ep * spec.fsdp, ep_i * spec.fsdp + fsdp_i)
-                            };
-                            let (s, n) = torch_chunk(b.len[0], k, i);
-                            b.start[0] += s;
-                            b.len[0] = n;
+                            sharding.cut(&mut b, spec, ep_i, fsdp_i, tp_i);
                             if b.is_empty() {
                                 continue;
                             }
@@ -419,6 +348,113 @@ impl TrainingLayout {
             prev = Some(s);
         }
         Ok(())
+    }
+}
+
+/// Refuses a spec the model cannot be laid out by: another expert form than the model's, more
+/// stages than layers, routed experts not divisible by ep, heads not divisible by tp.
+fn check_spec_fits(model: &Model, spec: &TrainSpec) -> Result<(), PlanError> {
+    if spec.experts != model.experts {
+        return Err(PlanError::BadSpec {
+            spec: spec.to_string(),
+            reason: format!(
+                "experts={:?} but the model was built with {:?}",
+                spec.experts, model.experts
+            ),
+        });
+    }
+    if spec.pp > model.config.layers {
+        return Err(PlanError::NotDivisible {
+            what: format!("training pipeline of {}", model.name),
+            degree_name: "pp",
+            degree: spec.pp,
+            dividend_name: "num_hidden_layers",
+            dividend: model.config.layers as u64,
+        });
+    }
+    if let Some(m) = &model.config.moe {
+        if m.experts % spec.ep != 0 {
+            return Err(PlanError::NotDivisible {
+                what: format!("training routed experts of {}", model.name),
+                degree_name: "ep",
+                degree: spec.ep,
+                dividend_name: "num_experts",
+                dividend: m.experts as u64,
+            });
+        }
+    }
+    check_train_heads(model, spec.tp)
+}
+
+/// How one parameter is cut across a stage's ranks.
+struct Sharding {
+    /// For a per-expert parameter: the ep group holding it (the others hold none of it).
+    expert_group: Option<u32>,
+    /// Stacked experts: dim 0 split across ep.
+    stacked: bool,
+    /// The tp split.
+    split: TpSplit,
+}
+
+impl Sharding {
+    /// How `p` is cut, refused when tp does not divide its split dimension.
+    fn of(model: &Model, spec: &TrainSpec, p: &Param) -> Result<Sharding, PlanError> {
+        let (expert_group, stacked) = match p.role {
+            Role::Layer {
+                kind: LayerKind::Expert { expert, .. },
+                ..
+            } => {
+                let per = model.config.moe.as_ref().map_or(1, |m| m.experts / spec.ep);
+                (Some(expert / per), false)
+            }
+            Role::Layer {
+                kind: LayerKind::Experts(_),
+                ..
+            } => (None, true),
+            _ => (None, false),
+        };
+        let split = train_tp_split(p.role);
+        if let TpSplit::Dim(d) = split {
+            if !p.shape.dims[d].is_multiple_of(spec.tp) {
+                return Err(PlanError::NotDivisible {
+                    what: format!("training tensor {}", p.name),
+                    degree_name: "tp",
+                    degree: spec.tp,
+                    dividend_name: "its split dimension",
+                    dividend: p.shape.dims[d] as u64,
+                });
+            }
+        }
+        Ok(Sharding {
+            expert_group,
+            stacked,
+            split,
+        })
+    }
+
+    /// Cuts `b` (the whole parameter) to its box on the rank at `(ep_i, fsdp_i, tp_i)`: the ep
+    /// share of stacked experts, then the tp share, then the FSDP chunk of dim 0 (over fsdp for
+    /// experts, over ep x fsdp for the rest; possibly empty). Once per shard: inlined, in place.
+    #[inline]
+    fn cut(&self, b: &mut TensorBox, spec: &TrainSpec, ep_i: u32, fsdp_i: u32, tp_i: u32) {
+        if self.stacked {
+            let n = b.len[0] / spec.ep;
+            b.start[0] = ep_i * n;
+            b.len[0] = n;
+        }
+        if let TpSplit::Dim(d) = self.split {
+            let n = b.len[d] / spec.tp;
+            b.start[d] += tp_i * n;
+            b.len[d] = n;
+        }
+        let (k, i) = if self.expert_group.is_some() || self.stacked {
+            (spec.fsdp, fsdp_i)
+        } else {
+            (spec.ep * spec.fsdp, ep_i * spec.fsdp + fsdp_i)
+        };
+        let (s, n) = torch_chunk(b.len[0], k, i);
+        b.start[0] += s;
+        b.len[0] = n;
     }
 }
 

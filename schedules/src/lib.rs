@@ -25,6 +25,8 @@
 //! assert!(!mine.tasks.is_empty());
 //! ```
 
+#![deny(missing_docs)]
+
 pub mod balance;
 pub mod baseline;
 pub mod cost;

@@ -6,7 +6,9 @@
 use std::collections::HashMap;
 
 use weightsync_common::DType;
-use weightsync_schedules::table::{Endpoint, RoutingTable, Source, Transform, FP8_BLOCK};
+use weightsync_schedules::table::{
+    Endpoint, RoutingTable, Source, Task, TrainerPlan, Transform, FP8_BLOCK,
+};
 use weightsync_schedules::{ExpertForm, Model};
 
 /// Dense Qwen3-like: GQA (4 q heads, 2 kv heads of 128), q/k norms.
@@ -229,38 +231,31 @@ pub struct Landed {
 /// all other tasks), prepares with the reference cast / fp8, and performs the writes.
 pub fn execute(table: &RoutingTable, model: &Model, full: &[Vec<u8>]) -> Landed {
     let nt = table.trainers.len();
-    let mut sources: Vec<Vec<u8>> = Vec::with_capacity(nt);
-    for t in &table.trainers {
-        let mut arena = vec![0u8; t.source_arena_bytes as usize];
-        for s in &t.shards {
-            let p = &model.params[t.params[s.param as usize].id as usize];
-            assert_eq!(s.dtype, p.dtype);
-            let bytes = read_box(
-                &full[t.params[s.param as usize].id as usize],
-                p.shape.dims(),
-                &s.global.start[..s.global.ndim as usize],
-                &s.global.len[..s.global.ndim as usize],
-                p.dtype.size(),
-            );
-            arena[s.offset as usize..s.offset as usize + bytes.len()].copy_from_slice(&bytes);
-        }
-        sources.push(arena);
-    }
-    let mut gathers: Vec<Vec<u8>> = table
-        .trainers
-        .iter()
-        .map(|t| vec![0u8; t.gather_arena_bytes as usize])
-        .collect();
-    let mut arenas: Vec<Vec<u8>> = table
-        .rollouts
-        .iter()
-        .map(|r| vec![0u8; r.mr_bytes[0] as usize])
-        .collect();
-    let mut coverage: Vec<Vec<(u64, u64)>> = vec![Vec::new(); arenas.len()];
-    let mut received = vec![0u64; table.rollouts.len()];
+    let mut ex = Execution {
+        sources: table
+            .trainers
+            .iter()
+            .map(|t| source_arena(t, model, full))
+            .collect(),
+        gathers: table
+            .trainers
+            .iter()
+            .map(|t| vec![0u8; t.gather_arena_bytes as usize])
+            .collect(),
+        landed: Landed {
+            arenas: table
+                .rollouts
+                .iter()
+                .map(|r| vec![0u8; r.mr_bytes[0] as usize])
+                .collect(),
+            coverage: vec![Vec::new(); table.rollouts.len()],
+            received: vec![0u64; table.rollouts.len()],
+        },
+        gather_rx: vec![0u32; nt],
+    };
     let ngroups = table.trainers[0].groups.len();
     for gi in 0..ngroups {
-        let mut gather_rx = vec![0u32; nt];
+        ex.gather_rx.fill(0);
         for phase in 0..2 {
             for t in &table.trainers {
                 let g = &t.groups[gi];
@@ -269,7 +264,7 @@ pub fn execute(table: &RoutingTable, model: &Model, full: &[Vec<u8>]) -> Landed 
                     (0, g.gather_sends as usize)
                 } else {
                     assert_eq!(
-                        gather_rx[t.rank as usize], g.gather_expect,
+                        ex.gather_rx[t.rank as usize], g.gather_expect,
                         "trainer {} group {}",
                         t.rank, g.id
                     );
@@ -282,64 +277,98 @@ pub fn execute(table: &RoutingTable, model: &Model, full: &[Vec<u8>]) -> Landed 
                     } else {
                         assert!(matches!(task.source, Source::Shard { .. }));
                     }
-                    let input = match task.source {
-                        Source::Shard { shard } => {
-                            let s = &t.shards[shard as usize];
-                            assert!(s.global.contains(&task.region), "region outside its shard");
-                            let sub = task.region.relative_to(&s.global);
-                            let arena = &sources[t.rank as usize]
-                                [s.offset as usize..(s.offset + s.bytes()) as usize];
-                            read_box(
-                                arena,
-                                &s.global.len[..s.global.ndim as usize],
-                                &sub.start[..sub.ndim as usize],
-                                &sub.len[..sub.ndim as usize],
-                                s.dtype.size(),
-                            )
-                        }
-                        Source::Gather { offset } => {
-                            // The gathered region: dense, in the transform's input dtype.
-                            let n = task.region.numel() as usize
-                                * match task.transform {
-                                    Transform::Copy { dtype } => dtype.size(),
-                                    Transform::Cast { from, .. } | Transform::Fp8Block { from } => {
-                                        from.size()
-                                    }
-                                };
-                            gathers[t.rank as usize][offset as usize..offset as usize + n].to_vec()
-                        }
-                    };
-                    let prepared =
-                        prepare(&input, task.transform, task.region.len, task.region.ndim);
-                    assert_eq!(prepared.len() as u64, task.prepared_bytes());
-                    for w in t.task_writes(task) {
-                        let src = &prepared
-                            [w.src_offset as usize..(w.src_offset + w.len as u64) as usize];
-                        match w.dst {
-                            Endpoint::Rollout(r) => {
-                                assert_eq!(w.unit, 0);
-                                let d = w.dst_offset as usize;
-                                arenas[r as usize][d..d + src.len()].copy_from_slice(src);
-                                coverage[r as usize].push((w.dst_offset, w.len as u64));
-                                received[r as usize] += 1;
-                            }
-                            Endpoint::Trainer(o) => {
-                                assert_eq!(phase, 0, "only gather sends write to trainers");
-                                assert_eq!(w.unit, g.id);
-                                let d = w.dst_offset as usize;
-                                gathers[o as usize][d..d + src.len()].copy_from_slice(src);
-                                gather_rx[o as usize] += 1;
-                            }
-                        }
-                    }
+                    ex.run_task(t, g.id, phase, task);
                 }
             }
         }
     }
-    Landed {
-        arenas,
-        coverage,
-        received,
+    ex.landed
+}
+
+/// A trainer's source arena: each of its shards read from the full model at its offset.
+fn source_arena(t: &TrainerPlan, model: &Model, full: &[Vec<u8>]) -> Vec<u8> {
+    let mut arena = vec![0u8; t.source_arena_bytes as usize];
+    for s in &t.shards {
+        let p = &model.params[t.params[s.param as usize].id as usize];
+        assert_eq!(s.dtype, p.dtype);
+        let bytes = read_box(
+            &full[t.params[s.param as usize].id as usize],
+            p.shape.dims(),
+            &s.global.start[..s.global.ndim as usize],
+            &s.global.len[..s.global.ndim as usize],
+            p.dtype.size(),
+        );
+        arena[s.offset as usize..s.offset as usize + bytes.len()].copy_from_slice(&bytes);
+    }
+    arena
+}
+
+/// The memory of a reference execution.
+struct Execution {
+    /// Per trainer, its source arena.
+    sources: Vec<Vec<u8>>,
+    /// Per trainer, its gather arena.
+    gathers: Vec<Vec<u8>>,
+    landed: Landed,
+    /// Per trainer, gather writes received in the current group.
+    gather_rx: Vec<u32>,
+}
+
+impl Execution {
+    /// Reads, prepares and writes one task of trainer `t` in group `unit` (phase 0: gather
+    /// sends; phase 1: the rest).
+    fn run_task(&mut self, t: &TrainerPlan, unit: u16, phase: u32, task: &Task) {
+        let input = self.task_input(t, task);
+        let prepared = prepare(&input, task.transform, task.region.len, task.region.ndim);
+        assert_eq!(prepared.len() as u64, task.prepared_bytes());
+        for w in t.task_writes(task) {
+            let src = &prepared[w.src_offset as usize..(w.src_offset + w.len as u64) as usize];
+            let d = w.dst_offset as usize;
+            match w.dst {
+                Endpoint::Rollout(r) => {
+                    assert_eq!(w.unit, 0);
+                    let l = &mut self.landed;
+                    l.arenas[r as usize][d..d + src.len()].copy_from_slice(src);
+                    l.coverage[r as usize].push((w.dst_offset, w.len as u64));
+                    l.received[r as usize] += 1;
+                }
+                Endpoint::Trainer(o) => {
+                    assert_eq!(phase, 0, "only gather sends write to trainers");
+                    assert_eq!(w.unit, unit);
+                    self.gathers[o as usize][d..d + src.len()].copy_from_slice(src);
+                    self.gather_rx[o as usize] += 1;
+                }
+            }
+        }
+    }
+
+    /// What a task reads: its region of its shard, or its dense gathered region in the
+    /// transform's input dtype.
+    fn task_input(&self, t: &TrainerPlan, task: &Task) -> Vec<u8> {
+        match task.source {
+            Source::Shard { shard } => {
+                let s = &t.shards[shard as usize];
+                assert!(s.global.contains(&task.region), "region outside its shard");
+                let sub = task.region.relative_to(&s.global);
+                let arena = &self.sources[t.rank as usize]
+                    [s.offset as usize..(s.offset + s.bytes()) as usize];
+                read_box(
+                    arena,
+                    &s.global.len[..s.global.ndim as usize],
+                    &sub.start[..sub.ndim as usize],
+                    &sub.len[..sub.ndim as usize],
+                    s.dtype.size(),
+                )
+            }
+            Source::Gather { offset } => {
+                let n = task.region.numel() as usize
+                    * match task.transform {
+                        Transform::Copy { dtype } => dtype.size(),
+                        Transform::Cast { from, .. } | Transform::Fp8Block { from } => from.size(),
+                    };
+                self.gathers[t.rank as usize][offset as usize..offset as usize + n].to_vec()
+            }
+        }
     }
 }
 
@@ -451,6 +480,18 @@ struct Part {
     cols: Option<(u32, u32)>,
 }
 
+impl Part {
+    /// Rows `rows` of parameter `param`, every column.
+    fn rows(param: String, rows: (u32, u32)) -> Part {
+        Part {
+            param,
+            expert: None,
+            rows,
+            cols: None,
+        }
+    }
+}
+
 impl<'a> Expected<'a> {
     pub fn new(model: &'a Model, full: &'a [Vec<u8>], tp: u32, ep: u32, fp8: bool) -> Self {
         let by_name = model
@@ -542,52 +583,18 @@ impl<'a> Expected<'a> {
 
     /// Parts of an engine tensor (per leading expert index, outer vec) and whether quantised.
     fn parts(&self, name: &str, local: u32) -> (Vec<Vec<Part>>, bool) {
-        let c = &self.model.config;
-        let tp = self.tp;
-        let t = local % tp;
-        let one = |param: String, rows: (u32, u32), cols: Option<(u32, u32)>| Part {
-            param,
-            expert: None,
-            rows,
-            cols,
-        };
-        let dims = |n: &str| {
-            let s = self.model.params[self.pid(n)].shape;
-            (s.dims[0], if s.ndim > 1 { s.dims[1] } else { 1 })
-        };
-        let full = |n: &str| {
-            let (r, _) = dims(n);
-            (vec![vec![one(n.to_string(), (0, r), None)]], false)
-        };
-        let vocab = |n: &str| {
-            let ch = c.vocab.div_ceil(tp);
-            let s = (t * ch).min(c.vocab);
-            let e = ((t + 1) * ch).min(c.vocab);
-            (vec![vec![one(n.to_string(), (s, e), None)]], false)
-        };
-        if name == "model.embed_tokens.weight" {
-            return vocab(name);
-        }
-        if name == "lm_head.weight" {
-            return vocab(name);
+        let t = local % self.tp;
+        let whole = |p: Part| vec![vec![p]];
+        if name == "model.embed_tokens.weight" || name == "lm_head.weight" {
+            return (whole(self.vocab_part(name, t)), false);
         }
         if name == "model.norm.weight" {
-            return full(name);
+            return (whole(self.full_part(name)), false);
         }
         let rest = name.strip_prefix("model.layers.").unwrap();
         let (l, what) = rest.split_once('.').unwrap();
         let pre = format!("model.layers.{l}.");
         let q8 = self.fp8;
-        let rowsplit = |n: String| {
-            let (r, _) = dims(&n);
-            let k = r / tp;
-            one(n, (t * k, (t + 1) * k), None)
-        };
-        let colsplit = |n: String| {
-            let (r, cc) = dims(&n);
-            let k = cc / tp;
-            one(n, (0, r), Some((t * k, (t + 1) * k)))
-        };
         match what {
             "input_layernorm.weight"
             | "post_attention_layernorm.weight"
@@ -596,92 +603,133 @@ impl<'a> Expected<'a> {
             | "self_attn.q_a_layernorm.weight"
             | "self_attn.kv_a_layernorm.weight"
             | "mlp.gate.weight"
-            | "mlp.gate.e_score_correction_bias" => full(name),
+            | "mlp.gate.e_score_correction_bias" => (whole(self.full_part(name)), false),
             "self_attn.q_a_proj.weight" | "self_attn.kv_a_proj_with_mqa.weight" => {
-                let (r, _) = dims(name);
-                (vec![vec![one(name.to_string(), (0, r), None)]], q8)
+                (whole(self.full_part(name)), q8)
             }
             "self_attn.q_b_proj.weight" | "self_attn.kv_b_proj.weight" => {
-                (vec![vec![rowsplit(name.to_string())]], q8)
+                (whole(self.row_split(name.to_string(), t)), q8)
             }
-            "self_attn.o_proj.weight" => (vec![vec![colsplit(name.to_string())]], q8),
-            "self_attn.qkv_proj.weight" | "self_attn.qkv_proj.bias" => {
-                let suffix = if what.ends_with("bias") {
-                    "bias"
-                } else {
-                    "weight"
-                };
-                let d = c.head_dim;
-                let q = rowsplit(format!("{pre}self_attn.q_proj.{suffix}"));
-                let kvh = if tp <= c.kv_heads {
-                    let per = c.kv_heads / tp;
-                    (t * per * d, (t + 1) * per * d)
-                } else {
-                    let h = t / (tp / c.kv_heads);
-                    (h * d, (h + 1) * d)
-                };
-                let k = one(format!("{pre}self_attn.k_proj.{suffix}"), kvh, None);
-                let v = one(format!("{pre}self_attn.v_proj.{suffix}"), kvh, None);
-                (vec![vec![q, k, v]], q8 && suffix == "weight")
-            }
+            "self_attn.o_proj.weight" => (whole(self.col_split(name.to_string(), t)), q8),
+            "self_attn.qkv_proj.weight" => (vec![self.qkv_parts(&pre, "weight", t)], q8),
+            "self_attn.qkv_proj.bias" => (vec![self.qkv_parts(&pre, "bias", t)], false),
             "mlp.gate_up_proj.weight" | "mlp.shared_experts.gate_up_proj.weight" => {
                 let p = what.strip_suffix("gate_up_proj.weight").unwrap();
-                (
-                    vec![vec![
-                        rowsplit(format!("{pre}{p}gate_proj.weight")),
-                        rowsplit(format!("{pre}{p}up_proj.weight")),
-                    ]],
-                    q8,
-                )
+                let gate = self.row_split(format!("{pre}{p}gate_proj.weight"), t);
+                let up = self.row_split(format!("{pre}{p}up_proj.weight"), t);
+                (vec![vec![gate, up]], q8)
             }
             "mlp.down_proj.weight" | "mlp.shared_experts.down_proj.weight" => {
-                (vec![vec![colsplit(name.to_string())]], q8)
+                (whole(self.col_split(name.to_string(), t)), q8)
             }
             "mlp.experts.w13_weight" | "mlp.experts.w2_weight" => {
-                let m = c.moe.as_ref().unwrap();
-                let (e0, el, i0, il) = if self.ep > 1 {
-                    let el = m.experts / self.ep;
-                    (local * el, el, 0, m.intermediate)
-                } else {
-                    let il = m.intermediate / tp;
-                    (0, m.experts, t * il, il)
-                };
-                let stacked = self.model.experts == ExpertForm::Stacked;
-                let mk = |e: u32, proj: &str, down: bool| {
-                    let (param, expert) = if stacked {
-                        (format!("{pre}mlp.experts.{proj}.weight"), Some(e))
-                    } else {
-                        (format!("{pre}mlp.experts.{e}.{proj}.weight"), None)
-                    };
-                    if down {
-                        Part {
-                            param,
-                            expert,
-                            rows: (0, c.hidden),
-                            cols: Some((i0, i0 + il)),
-                        }
-                    } else {
-                        Part {
-                            param,
-                            expert,
-                            rows: (i0, i0 + il),
-                            cols: None,
-                        }
-                    }
-                };
-                let lead = (e0..e0 + el)
-                    .map(|e| {
-                        if what == "mlp.experts.w13_weight" {
-                            vec![mk(e, "gate_proj", false), mk(e, "up_proj", false)]
-                        } else {
-                            vec![mk(e, "down_proj", true)]
-                        }
-                    })
-                    .collect();
-                (lead, q8)
+                let w13 = what == "mlp.experts.w13_weight";
+                (self.routed_expert_parts(&pre, w13, local), q8)
             }
             other => panic!("expected-builder does not know tensor {other}"),
         }
+    }
+
+    /// (rows, cols) of a parameter, 1-D ones as one column.
+    fn dims(&self, name: &str) -> (u32, u32) {
+        let s = self.model.params[self.pid(name)].shape;
+        (s.dims[0], if s.ndim > 1 { s.dims[1] } else { 1 })
+    }
+
+    /// A whole parameter.
+    fn full_part(&self, name: &str) -> Part {
+        let (r, _) = self.dims(name);
+        Part::rows(name.to_string(), (0, r))
+    }
+
+    /// Tp rank `t`'s rows of a vocab-parallel parameter: `ceil(V/tp)` each, the last short.
+    fn vocab_part(&self, name: &str, t: u32) -> Part {
+        let vocab = self.model.config.vocab;
+        let ch = vocab.div_ceil(self.tp);
+        let s = (t * ch).min(vocab);
+        let e = ((t + 1) * ch).min(vocab);
+        Part::rows(name.to_string(), (s, e))
+    }
+
+    /// Tp rank `t`'s share of the rows.
+    fn row_split(&self, name: String, t: u32) -> Part {
+        let (r, _) = self.dims(&name);
+        let k = r / self.tp;
+        Part::rows(name, (t * k, (t + 1) * k))
+    }
+
+    /// Tp rank `t`'s share of the columns.
+    fn col_split(&self, name: String, t: u32) -> Part {
+        let (r, cc) = self.dims(&name);
+        let k = cc / self.tp;
+        Part {
+            cols: Some((t * k, (t + 1) * k)),
+            ..Part::rows(name, (0, r))
+        }
+    }
+
+    /// q rows of tp rank `t`, then its kv head's k and v rows (its share of the kv heads, or
+    /// the one it replicates when tp exceeds them), of `q_proj.{suffix}` etc.
+    fn qkv_parts(&self, pre: &str, suffix: &str, t: u32) -> Vec<Part> {
+        let c = &self.model.config;
+        let (tp, d) = (self.tp, c.head_dim);
+        let q = self.row_split(format!("{pre}self_attn.q_proj.{suffix}"), t);
+        let kvh = if tp <= c.kv_heads {
+            let per = c.kv_heads / tp;
+            (t * per * d, (t + 1) * per * d)
+        } else {
+            let h = t / (tp / c.kv_heads);
+            (h * d, (h + 1) * d)
+        };
+        let k = Part::rows(format!("{pre}self_attn.k_proj.{suffix}"), kvh);
+        let v = Part::rows(format!("{pre}self_attn.v_proj.{suffix}"), kvh);
+        vec![q, k, v]
+    }
+
+    /// Per local expert of engine rank `local`: its gate and up rows (`w13`) or its down
+    /// columns, whole experts with ep > 1, the tp share of every expert otherwise.
+    fn routed_expert_parts(&self, pre: &str, w13: bool, local: u32) -> Vec<Vec<Part>> {
+        let c = &self.model.config;
+        let m = c.moe.as_ref().unwrap();
+        let (e0, el, i0, il) = if self.ep > 1 {
+            let el = m.experts / self.ep;
+            (local * el, el, 0, m.intermediate)
+        } else {
+            let il = m.intermediate / self.tp;
+            (0, m.experts, (local % self.tp) * il, il)
+        };
+        let stacked = self.model.experts == ExpertForm::Stacked;
+        let mk = |e: u32, proj: &str, down: bool| {
+            let (param, expert) = if stacked {
+                (format!("{pre}mlp.experts.{proj}.weight"), Some(e))
+            } else {
+                (format!("{pre}mlp.experts.{e}.{proj}.weight"), None)
+            };
+            if down {
+                Part {
+                    param,
+                    expert,
+                    rows: (0, c.hidden),
+                    cols: Some((i0, i0 + il)),
+                }
+            } else {
+                Part {
+                    param,
+                    expert,
+                    rows: (i0, i0 + il),
+                    cols: None,
+                }
+            }
+        };
+        (e0..e0 + el)
+            .map(|e| {
+                if w13 {
+                    vec![mk(e, "gate_proj", false), mk(e, "up_proj", false)]
+                } else {
+                    vec![mk(e, "down_proj", true)]
+                }
+            })
+            .collect()
     }
 
     /// The expected bytes of an engine tensor (`..._scale_inv` gives the scales).
