@@ -1080,17 +1080,24 @@ impl LayerTensors<'_, '_> {
             return Ok(());
         }
         if !whole_packed && !il.is_multiple_of(FP8_BLOCK) {
-            let from = if parts[0].param == parts[1].param {
-                format!(
-                    "the tp={} halves of {} ({il} gate rows, {il} up rows per expert)",
-                    self.b.tp,
-                    training(&parts[0])
+            let (from, fix) = if parts[0].param == parts[1].param {
+                (
+                    format!(
+                        "the tp={} halves of {} ({il} gate rows, {il} up rows per expert)",
+                        self.b.tp,
+                        training(&parts[0])
+                    ),
+                    "hold whole experts (ep > 1, or tp=1)",
                 )
             } else {
-                format!(
-                    "separate training tensors ({} and {}, {il} rows each)",
-                    training(&parts[0]),
-                    training(&parts[1])
+                (
+                    format!(
+                        "separate training tensors ({} and {}, {il} rows each)",
+                        training(&parts[0]),
+                        training(&parts[1])
+                    ),
+                    "train with experts=stacked-gate-up (transformers' packed tensor) and hold \
+                     whole experts (ep > 1, or tp=1)",
                 )
             };
             return Err(self.b.refuse(
@@ -1098,9 +1105,7 @@ impl LayerTensors<'_, '_> {
                 format!(
                     "transformers quantises it as one [2I, H] grid of {FP8_BLOCK}x{FP8_BLOCK} \
                      blocks per expert; its gate and up rows come from {from}, and {il} is not a \
-                     multiple of {FP8_BLOCK}, so a block would mix them; train with \
-                     experts=stacked-gate-up (transformers' packed tensor) with ep or tp=1, or use \
-                     dtype=bf16"
+                     multiple of {FP8_BLOCK}, so a block would mix them; {fix}, or use dtype=bf16"
                 ),
             ));
         }
@@ -1108,7 +1113,7 @@ impl LayerTensors<'_, '_> {
             return Err(self.b.refuse(
                 &full,
                 format!(
-                    "transformers allocates {name}_scale_inv with 2 block rows per expert when \
+                    "transformers allocates {full}_scale_inv with 2 block rows per expert when \
                      2*I = {} <= {FP8_BLOCK}, one more than its block grid has; weightsync writes \
                      every byte it plans and cannot leave that row, so fp8 in format hf needs \
                      moe_intermediate_size > {} (per tp rank)",

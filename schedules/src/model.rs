@@ -351,7 +351,12 @@ fn family_of(v: &Value) -> Result<Family, PlanError> {
 
 /// Qwen3-MoE experts: every `decoder_sparse_step`-th layer is MoE, except `mlp_only_layers`.
 fn qwen3_moe(v: &Value, layers: u32) -> Result<MoeConfig, PlanError> {
-    let experts = field_u32(v, "num_experts")?;
+    // transformers 5 saves `num_experts` under its attribute-map name `num_local_experts`.
+    let key = match (v.get("num_experts"), v.get("num_local_experts")) {
+        (None | Some(Value::Null), Some(_)) => "num_local_experts",
+        _ => "num_experts",
+    };
+    let experts = field_u32(v, key)?;
     let step = opt_u32(v, "decoder_sparse_step")?.unwrap_or(1);
     let only: Vec<u64> = v
         .get("mlp_only_layers")
