@@ -8,7 +8,9 @@
 //! tp rank `r % tp`) and replicated across the `ep / tp` groups (data-parallel attention);
 //! routed experts are spread over the `ep` ranks (`E/ep` consecutive experts each, unsplit).
 //! With `ep = 1` experts are tensor-parallel like dense MLPs (`I/tp` each). `format` names the
-//! tensors a rank holds (below); it is part of the string so a job's `--infer` carries it.
+//! tensors a rank holds (below; `format=transformers` is `hf`); it is part of the string so a
+//! job's `--infer` (and the control protocol's `WorldSpec.infer`) carries it, and it is printed
+//! back only when it is not the default.
 //!
 //! # `format=fused` (default): the serving engines' layout (vLLM / SGLang names)
 //! - `model.embed_tokens.weight`, `lm_head.weight`: vocab-parallel, rank `t` holds rows
