@@ -1,15 +1,18 @@
 //! The inference layout: every inference rank's tensors in the engine's own format, and which
 //! box of which logical parameter lands where in them ([`Piece`]).
 //!
-//! # Engine format built by [`InferSpec`] (`tp=8,ep=32,dp=4`, dtype bf16 or fp8)
+//! # Layout strings ([`InferSpec`]): `tp=8,ep=32,dp=4[,dtype=bf16|fp8][,format=fused|hf]`
 //! An engine has `max(tp, ep)` ranks; `dp` engines each hold the whole model, so there are
 //! `dp * max(tp, ep)` inference ranks, engine-major. With `ep > 1`, `ep` must be a multiple of
 //! `tp`: attention and dense weights are tensor-parallel over `tp` (rank `r` of the engine has
 //! tp rank `r % tp`) and replicated across the `ep / tp` groups (data-parallel attention);
 //! routed experts are spread over the `ep` ranks (`E/ep` consecutive experts each, unsplit).
-//! With `ep = 1` experts are tensor-parallel like dense MLPs (`I/tp` each).
+//! With `ep = 1` experts are tensor-parallel like dense MLPs (`I/tp` each). `format` names the
+//! tensors a rank holds (below; `format=transformers` is `hf`); it is part of the string so a
+//! job's `--infer` (and the control protocol's `WorldSpec.infer`) carries it, and it is printed
+//! back only when it is not the default.
 //!
-//! Tensors (vLLM / SGLang names):
+//! # `format=fused` (default): the serving engines' layout (vLLM / SGLang names)
 //! - `model.embed_tokens.weight`, `lm_head.weight`: vocab-parallel, rank `t` holds rows
 //!   `[t*c, min(V,(t+1)*c))` with `c = ceil(V/tp)` (no padding rows).
 //! - dense attention: `self_attn.qkv_proj.weight` = rows of q (heads `t*nh/tp..`), then k,
@@ -25,15 +28,49 @@
 //!   `mlp.experts.w2_weight` `[E_local, H, I_local]`.
 //! - norms replicated.
 //!
-//! # fp8 (DeepSeek-V3 checkpoint convention)
-//! With dtype fp8 every linear projection inside decoder layers (q/k/v/o, q_a/q_b/kv_a/kv_b,
-//! MLP, shared and routed experts) is float8 e4m3 with a `<name>_scale_inv` f32 tensor (for
-//! `x.weight`: `x.weight_scale_inv`), one scale per 128x128 block of the *logical* tensor:
-//! `[ceil(rows/128), ceil(cols/128)]`, `[E, ...]` leading for experts. A fused tensor's scales
-//! are its parts' scales concatenated in the same order (per part `ceil(rows/128)` rows), as
-//! engines build them from checkpoints. Embedding, lm_head, norms, router and biases stay in
-//! the model dtype. Every quantised part must start on a block boundary and end on one or at
-//! the tensor's end, else [`PlanError::Fp8Misaligned`] names it.
+//! # `format=hf`: the Hugging Face layout, as a `transformers` model holds it in memory
+//! The names, shapes and dtypes of `named_parameters()` of a transformers 5.x model of the
+//! family (checked against transformers 5.19 by `tests/hf_format.rs`), each rank holding its
+//! slice as transformers' own tensor-parallel plan (`base_model_tp_plan`) cuts it:
+//! - `model.embed_tokens.weight` whole on every rank (transformers does not split it);
+//!   `lm_head.weight` rows `[t*c, min(V,(t+1)*c))`, `c = ceil(V/tp)` (torch.chunk; a rank
+//!   whose chunk is empty holds no lm_head); no lm_head when the embeddings are tied.
+//! - dense attention unfused: `self_attn.q_proj.weight` `[nh/tp*D, H]`, `k_proj.weight` and
+//!   `v_proj.weight` `[kv/tp*D, H]` (with `tp > kv_heads`: kv head `t / (tp/kv_heads)`, whole,
+//!   as in the fused format; transformers itself needs `tp <= kv_heads`), Qwen2 biases
+//!   `{q,k,v}_proj.bias` alike, `q_norm`/`k_norm` replicated, `o_proj.weight` `[H, nh/tp*D]`.
+//! - MLA as in the fused format (the same names).
+//! - dense MLP and shared experts unfused: `gate_proj.weight`, `up_proj.weight` `[I/tp, H]`,
+//!   `down_proj.weight` `[H, I/tp]`.
+//! - MoE: router `mlp.gate.weight` (and `mlp.gate.e_score_correction_bias`) replicated; the
+//!   routed experts stacked, no `.weight` suffix: `mlp.experts.gate_up_proj`
+//!   `[E_local, 2I_local, H]` (per expert its gate rows, then its up rows: with `ep = 1` and
+//!   `tp > 1` the rank's tp share of each, as transformers' `packed_colwise` gives) and
+//!   `mlp.experts.down_proj` `[E_local, H, I_local]`; with `ep > 1` a rank holds `E/ep`
+//!   consecutive experts whole (transformers' `grouped_gemm` expert sharding).
+//! - norms replicated.
+//!
+//! # fp8 (`dtype=fp8`; DeepSeek-V3 / transformers `FineGrainedFP8Config` convention)
+//! Every linear projection inside decoder layers (q/k/v/o, q_a/q_b/kv_a/kv_b, MLP, shared and
+//! routed experts) is float8 e4m3 with a `<name>_scale_inv` f32 tensor (for `x.weight`:
+//! `x.weight_scale_inv`; for `mlp.experts.gate_up_proj`: `mlp.experts.gate_up_proj_scale_inv`),
+//! one scale per 128x128 block: `[ceil(rows/128), ceil(cols/128)]`, `[E, ...]` leading for
+//! experts. Embedding, lm_head, norms, router and biases stay in the model dtype (what
+//! transformers' `replace_with_fp8_linear(modules_to_not_convert=["lm_head"])` leaves).
+//! - fused: blocks of the *logical* (training) tensor; a fused tensor's scales are its parts'
+//!   scales concatenated in the same order (per part `ceil(rows/128)` rows), as engines build
+//!   them from checkpoints. So w13 from `experts=stacked-gate-up` needs `I % 128 == 0`.
+//! - hf: blocks of the destination tensor itself, as transformers holds it: the stacked
+//!   `gate_up_proj` is ONE `[2I_local, H]` block grid per expert, whose blocks mix gate and up
+//!   rows when `I_local % 128 != 0`. From `experts=stacked-gate-up` (whole experts) that is
+//!   the training tensor's own grid, for any `I`; from separate gate and up tensors it needs
+//!   `I_local % 128 == 0`. transformers allocates `gate_up_proj_scale_inv` with at least two
+//!   block rows, one more than the grid when `2I_local <= 128`: that case is refused (the row
+//!   would never be written).
+//!
+//! Every quantised part must start on a block boundary and end on one or at the tensor's end
+//! (else [`PlanError::Fp8Misaligned`] names it); an hf or format-specific refusal is a
+//! [`PlanError::BadSpec`] naming the destination tensor and the format.
 //!
 //! # Arena
 //! Each rank's tensors are placed in MR 0 in the order listed, each at the next 256-byte aligned
@@ -127,6 +164,44 @@ impl std::str::FromStr for InferDType {
     }
 }
 
+/// Which tensors an inference rank holds (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+pub enum InferFormat {
+    /// The serving engines' fused layout: `qkv_proj`, `gate_up_proj`, `experts.w13_weight`.
+    #[default]
+    Fused,
+    /// The Hugging Face layout as a `transformers` model holds it: unfused q/k/v and gate/up,
+    /// experts stacked as `mlp.experts.gate_up_proj` / `down_proj`.
+    Hf,
+}
+
+impl InferFormat {
+    /// The format's name in a layout string (`format=...`).
+    pub fn name(self) -> &'static str {
+        match self {
+            InferFormat::Fused => "fused",
+            InferFormat::Hf => "hf",
+        }
+    }
+}
+
+impl std::str::FromStr for InferFormat {
+    type Err = PlanError;
+    fn from_str(s: &str) -> Result<Self, PlanError> {
+        match s.to_ascii_lowercase().as_str() {
+            "fused" => Ok(InferFormat::Fused),
+            "hf" | "transformers" => Ok(InferFormat::Hf),
+            other => Err(PlanError::BadSpec {
+                spec: s.to_string(),
+                reason: format!(
+                    "format {other:?}: expected fused (the engines' qkv_proj / gate_up_proj / \
+                     w13_weight) or hf (transformers' own parameters)"
+                ),
+            }),
+        }
+    }
+}
+
 /// A structured inference layout (see the module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct InferSpec {
@@ -138,6 +213,8 @@ pub struct InferSpec {
     pub dp: u32,
     /// Destination format.
     pub dtype: InferDType,
+    /// Tensor names and fusion.
+    pub format: InferFormat,
 }
 
 impl Default for InferSpec {
@@ -147,6 +224,7 @@ impl Default for InferSpec {
             ep: 1,
             dp: 1,
             dtype: InferDType::Bf16,
+            format: InferFormat::Fused,
         }
     }
 }
@@ -161,10 +239,19 @@ impl std::str::FromStr for InferSpec {
                 "ep" => s.ep = parse_degree(spec, &k, &v)?,
                 "dp" => s.dp = parse_degree(spec, &k, &v)?,
                 "dtype" => s.dtype = v.parse()?,
+                "format" => {
+                    s.format = v.parse().map_err(|e| match e {
+                        PlanError::BadSpec { reason, .. } => PlanError::BadSpec {
+                            spec: spec.to_string(),
+                            reason,
+                        },
+                        other => other,
+                    })?
+                }
                 _ => {
                     return Err(PlanError::BadSpec {
                         spec: spec.to_string(),
-                        reason: format!("unknown key {k:?} (known: tp, ep, dp, dtype)"),
+                        reason: format!("unknown key {k:?} (known: tp, ep, dp, dtype, format)"),
                     })
                 }
             }
@@ -191,7 +278,11 @@ impl std::fmt::Display for InferSpec {
                 InferDType::Bf16 => "bf16",
                 InferDType::Fp8 => "fp8",
             }
-        )
+        )?;
+        if self.format != InferFormat::Fused {
+            write!(f, ",format={}", self.format.name())?;
+        }
+        Ok(())
     }
 }
 
@@ -229,6 +320,8 @@ struct RankBuilder<'m> {
     tp: u32,
     ep: u32,
     fp8: bool,
+    /// The spec being built (format, and for errors).
+    spec: InferSpec,
     tensors: Vec<DstTensor>,
     pieces: Vec<Piece>,
     next: u64,
@@ -276,6 +369,25 @@ impl RankBuilder<'_> {
         }
         let nd = shape.ndim as usize;
         let (rd, cd) = (nd - 2, nd - 1);
+        if self.hf() {
+            // transformers' scales are the tensor's own block grid: a part placed off it would
+            // share a block with its neighbour.
+            if let Some(p) = parts.iter().find(|p| {
+                !p.dst_start[rd].is_multiple_of(FP8_BLOCK)
+                    || !p.dst_start[cd].is_multiple_of(FP8_BLOCK)
+            }) {
+                let param = &self.model.params[p.param as usize];
+                return Err(self.refuse(
+                    &name,
+                    format!(
+                        "its {FP8_BLOCK}x{FP8_BLOCK} fp8 blocks are the tensor's own, but the part \
+                         from {} starts at row {} / column {}, inside a block it would share with \
+                         another training tensor",
+                        param.name, p.dst_start[rd], p.dst_start[cd]
+                    ),
+                ));
+            }
+        }
         // Scale rows: per lead coordinate, parts' ceil(rows/128) in row order.
         let mut scale_rows: Vec<(Vec<u32>, u32)> = Vec::new();
         let mut places = Vec::with_capacity(parts.len());
@@ -337,6 +449,30 @@ impl RankBuilder<'_> {
     }
 }
 
+impl RankBuilder<'_> {
+    /// Whether the rank holds transformers' tensors.
+    #[inline]
+    fn hf(&self) -> bool {
+        self.spec.format == InferFormat::Hf
+    }
+
+    /// The error for a destination tensor the format cannot be built with: names the tensor,
+    /// the spec (with its format) and why.
+    fn refuse(&self, tensor: &str, why: String) -> PlanError {
+        PlanError::BadSpec {
+            spec: self.spec.to_string(),
+            reason: format!(
+                "inference tensor {tensor} (format {}, {}): {why}",
+                self.spec.format.name(),
+                match self.spec.dtype {
+                    InferDType::Bf16 => "bf16",
+                    InferDType::Fp8 => "fp8",
+                }
+            ),
+        }
+    }
+}
+
 fn not_div(
     what: String,
     degree_name: &'static str,
@@ -385,6 +521,7 @@ impl InferenceLayout {
                 tp: spec.tp,
                 ep: spec.ep,
                 fp8: spec.dtype == InferDType::Fp8,
+                spec: *spec,
                 tensors: Vec::new(),
                 pieces: Vec::new(),
                 next: 0,
@@ -411,7 +548,8 @@ impl InferenceLayout {
 
 /// Refuses a spec whose degrees do not divide what they split: ep by tp, attention heads (and
 /// kv heads, split or replicated evenly) by tp, the dense MLP by tp, routed experts by ep (or
-/// their width by tp when ep = 1), shared experts by tp.
+/// their width by tp when ep = 1), shared experts by tp. The error names the first destination
+/// tensor affected, in the spec's format.
 fn check_divisible(model: &Model, spec: &InferSpec) -> Result<(), PlanError> {
     let c = &model.config;
     let (tp, ep) = (spec.tp, spec.ep);
@@ -421,10 +559,32 @@ fn check_divisible(model: &Model, spec: &InferSpec) -> Result<(), PlanError> {
             reason: format!("ep={ep} must be 1 or a multiple of tp={tp}"),
         });
     }
-    let what = |s: &str| format!("inference {s} of {} (tp={tp}, ep={ep})", model.name);
+    let hf = spec.format == InferFormat::Hf;
+    let moe_layer = |moe: bool| {
+        (0..c.layers)
+            .find(|&l| c.moe.as_ref().is_some_and(|m| m.moe_layers[l as usize]) == moe)
+            .unwrap_or(0)
+    };
+    // `fused` / `hf` name of a tensor of the first (dense or MoE) layer that has it.
+    let what = |moe: bool, fused: &str, hf_name: &str| {
+        format!(
+            "inference tensor model.layers.{}.{} of {} (format {}, tp={tp}, ep={ep})",
+            moe_layer(moe),
+            if hf { hf_name } else { fused },
+            model.name,
+            spec.format.name()
+        )
+    };
     if !c.heads.is_multiple_of(tp) {
+        let (fused, hf_name) = match &c.mla {
+            None => ("self_attn.qkv_proj.weight", "self_attn.q_proj.weight"),
+            Some(m) if m.q_lora_rank.is_some() => {
+                ("self_attn.q_b_proj.weight", "self_attn.q_b_proj.weight")
+            }
+            Some(_) => ("self_attn.q_proj.weight", "self_attn.q_proj.weight"),
+        };
         return Err(not_div(
-            what("attention"),
+            what(false, fused, hf_name),
             "tp",
             tp,
             "num_attention_heads",
@@ -435,7 +595,11 @@ fn check_divisible(model: &Model, spec: &InferSpec) -> Result<(), PlanError> {
         let kv = c.kv_heads;
         if (tp <= kv && !kv.is_multiple_of(tp)) || (tp > kv && tp % kv != 0) {
             return Err(not_div(
-                what("attention (kv heads neither split evenly nor replicated evenly)"),
+                what(
+                    false,
+                    "self_attn.qkv_proj.weight",
+                    "self_attn.k_proj.weight",
+                ) + " (kv heads neither split evenly nor replicated evenly)",
                 "tp",
                 tp,
                 "num_key_value_heads",
@@ -450,7 +614,7 @@ fn check_divisible(model: &Model, spec: &InferSpec) -> Result<(), PlanError> {
         .is_none_or(|m| m.moe_layers.iter().any(|&x| !x));
     if has_dense && !dense_i.is_multiple_of(tp) {
         return Err(not_div(
-            what("dense MLP"),
+            what(false, "mlp.gate_up_proj.weight", "mlp.gate_proj.weight"),
             "tp",
             tp,
             "intermediate_size",
@@ -458,9 +622,10 @@ fn check_divisible(model: &Model, spec: &InferSpec) -> Result<(), PlanError> {
         ));
     }
     if let Some(m) = &c.moe {
+        let experts = ("mlp.experts.w13_weight", "mlp.experts.gate_up_proj");
         if ep > 1 && m.experts % ep != 0 {
             return Err(not_div(
-                what("routed experts"),
+                what(true, experts.0, experts.1),
                 "ep",
                 ep,
                 "num_experts",
@@ -469,7 +634,7 @@ fn check_divisible(model: &Model, spec: &InferSpec) -> Result<(), PlanError> {
         }
         if ep == 1 && m.intermediate % tp != 0 {
             return Err(not_div(
-                what("routed experts"),
+                what(true, experts.0, experts.1),
                 "tp",
                 tp,
                 "moe_intermediate_size",
@@ -478,7 +643,11 @@ fn check_divisible(model: &Model, spec: &InferSpec) -> Result<(), PlanError> {
         }
         if m.shared > 0 && (m.intermediate * m.shared) % tp != 0 {
             return Err(not_div(
-                what("shared experts"),
+                what(
+                    true,
+                    "mlp.shared_experts.gate_up_proj.weight",
+                    "mlp.shared_experts.gate_proj.weight",
+                ),
                 "tp",
                 tp,
                 "moe_intermediate_size*n_shared_experts",
@@ -513,7 +682,12 @@ impl RankBuilder<'_> {
         let c = &model.config;
         let h = c.hidden;
         let emb = self.param(Role::Embed);
-        let (bx, n) = self.vocab_rows(emb);
+        // transformers' tp plan leaves the embedding whole; engines split it by vocab.
+        let (bx, n) = if self.hf() {
+            (TensorBox::full(self.shape(emb)), c.vocab)
+        } else {
+            self.vocab_rows(emb)
+        };
         if n > 0 {
             self.add(
                 "model.embed_tokens.weight".into(),
@@ -676,8 +850,9 @@ impl LayerTensors<'_, '_> {
         self.row_split(LayerKind::O, "self_attn.o_proj.weight")
     }
 
-    /// Dense attention: q, k and v fused into `qkv_proj` (kv heads split, or replicated when
-    /// tp exceeds them), biases fused alike, q/k norms replicated, o row-parallel.
+    /// Dense attention: q, k and v (kv heads split, or replicated when tp exceeds them) fused
+    /// into `qkv_proj` (hf: `q_proj`, `k_proj`, `v_proj`), biases alike, q/k norms replicated,
+    /// o row-parallel.
     fn attention(&mut self) -> Result<(), PlanError> {
         let c = &self.b.model.config;
         let (tp, t) = (self.b.tp, self.b.tp_rank());
@@ -694,24 +869,51 @@ impl LayerTensors<'_, '_> {
             self.param(LayerKind::K),
             self.param(LayerKind::V),
         );
-        let parts = vec![
-            part(q, rows(self.shape(q), t * qn, qn), &[0, 0]),
-            part(k, rows(self.shape(k), ks, kn), &[qn, 0]),
-            part(v, rows(self.shape(v), ks, kn), &[qn + kn, 0]),
-        ];
-        self.add("self_attn.qkv_proj.weight", &[qn + 2 * kn, h], true, parts)?;
-        if c.attention_bias {
-            let (q, k, v) = (
-                self.param(LayerKind::QBias),
-                self.param(LayerKind::KBias),
-                self.param(LayerKind::VBias),
-            );
+        let (qb, kb, vb) = (
+            TensorBox::new(&[t * qn], &[qn]),
+            TensorBox::new(&[ks], &[kn]),
+            TensorBox::new(&[ks], &[kn]),
+        );
+        if self.b.hf() {
+            for (p, start, n, nm) in [
+                (q, t * qn, qn, "q_proj"),
+                (k, ks, kn, "k_proj"),
+                (v, ks, kn, "v_proj"),
+            ] {
+                let parts = vec![part(p, rows(self.shape(p), start, n), &[0, 0])];
+                self.add(format_args!("self_attn.{nm}.weight"), &[n, h], true, parts)?;
+            }
+            if c.attention_bias {
+                for (kind, bx, nm) in [
+                    (LayerKind::QBias, qb, "q_proj"),
+                    (LayerKind::KBias, kb, "k_proj"),
+                    (LayerKind::VBias, vb, "v_proj"),
+                ] {
+                    let p = self.param(kind);
+                    let n = bx.len[0];
+                    self.add(
+                        format_args!("self_attn.{nm}.bias"),
+                        &[n],
+                        false,
+                        vec![part(p, bx, &[0])],
+                    )?;
+                }
+            }
+        } else {
             let parts = vec![
-                part(q, TensorBox::new(&[t * qn], &[qn]), &[0]),
-                part(k, TensorBox::new(&[ks], &[kn]), &[qn]),
-                part(v, TensorBox::new(&[ks], &[kn]), &[qn + kn]),
+                part(q, rows(self.shape(q), t * qn, qn), &[0, 0]),
+                part(k, rows(self.shape(k), ks, kn), &[qn, 0]),
+                part(v, rows(self.shape(v), ks, kn), &[qn + kn, 0]),
             ];
-            self.add("self_attn.qkv_proj.bias", &[qn + 2 * kn], false, parts)?;
+            self.add("self_attn.qkv_proj.weight", &[qn + 2 * kn, h], true, parts)?;
+            if c.attention_bias {
+                let parts = vec![
+                    part(self.param(LayerKind::QBias), qb, &[0]),
+                    part(self.param(LayerKind::KBias), kb, &[qn]),
+                    part(self.param(LayerKind::VBias), vb, &[qn + kn]),
+                ];
+                self.add("self_attn.qkv_proj.bias", &[qn + 2 * kn], false, parts)?;
+            }
         }
         if c.qk_norm {
             self.full(LayerKind::QNorm, "self_attn.q_norm.weight")?;
@@ -720,8 +922,9 @@ impl LayerTensors<'_, '_> {
         self.row_split(LayerKind::O, "self_attn.o_proj.weight")
     }
 
-    /// gate_up (gate rows then up rows) and down of a dense MLP or the shared experts, split
-    /// by tp, named `{prefix}.gate_up_proj.weight` and `{prefix}.down_proj.weight`.
+    /// gate_up (gate rows then up rows; hf: `gate_proj` and `up_proj`) and down of a dense MLP
+    /// or the shared experts, split by tp, named `{prefix}.gate_up_proj.weight` and
+    /// `{prefix}.down_proj.weight`.
     fn mlp(&mut self, mk: fn(Proj) -> LayerKind, prefix: &str) -> Result<(), PlanError> {
         let h = self.b.model.config.hidden;
         let (tp, t) = (self.b.tp, self.b.tp_rank());
@@ -731,16 +934,31 @@ impl LayerTensors<'_, '_> {
             self.param(mk(Proj::Down)),
         );
         let i = self.shape(g).dims[0] / tp;
-        let parts = vec![
-            part(g, rows(self.shape(g), t * i, i), &[0, 0]),
-            part(u, rows(self.shape(u), t * i, i), &[i, 0]),
-        ];
-        self.add(
-            format_args!("{prefix}.gate_up_proj.weight"),
-            &[2 * i, h],
-            true,
-            parts,
-        )?;
+        let (gate, up) = (rows(self.shape(g), t * i, i), rows(self.shape(u), t * i, i));
+        if self.b.hf() {
+            let parts = vec![part(g, gate, &[0, 0])];
+            self.add(
+                format_args!("{prefix}.gate_proj.weight"),
+                &[i, h],
+                true,
+                parts,
+            )?;
+            let parts = vec![part(u, up, &[0, 0])];
+            self.add(
+                format_args!("{prefix}.up_proj.weight"),
+                &[i, h],
+                true,
+                parts,
+            )?;
+        } else {
+            let parts = vec![part(g, gate, &[0, 0]), part(u, up, &[i, 0])];
+            self.add(
+                format_args!("{prefix}.gate_up_proj.weight"),
+                &[2 * i, h],
+                true,
+                parts,
+            )?;
+        }
         let parts = vec![part(dn, cols(self.shape(dn), t * i, i), &[0, 0])];
         self.add(
             format_args!("{prefix}.down_proj.weight"),
@@ -763,20 +981,27 @@ impl LayerTensors<'_, '_> {
         self.routed_experts(m)
     }
 
-    /// `w13_weight` `[E_local, 2I_local, H]` and `w2_weight` `[E_local, H, I_local]`: with ep > 1
-    /// this rank's `E/ep` consecutive experts whole, else every expert's tp share.
+    /// `w13_weight` `[E_local, 2I_local, H]` and `w2_weight` `[E_local, H, I_local]` (hf:
+    /// `gate_up_proj` and `down_proj`): with ep > 1 this rank's `E/ep` consecutive experts
+    /// whole, else every expert's tp share (its gate rows, then its up rows).
     fn routed_experts(&mut self, m: &MoeConfig) -> Result<(), PlanError> {
         let h = self.b.model.config.hidden;
+        let i = m.intermediate;
         let (r, t) = (self.b.rank, self.b.tp_rank());
         let (e0, el, i0, il) = if self.b.ep > 1 {
             let el = m.experts / self.b.ep;
-            (r * el, el, 0, m.intermediate)
+            (r * el, el, 0, i)
         } else {
-            let il = m.intermediate / self.b.tp;
+            let il = i / self.b.tp;
             (0, m.experts, t * il, il)
         };
-        let mut w13 = Vec::new();
-        let mut w2 = Vec::new();
+        let (gate_up_name, down_name) = if self.b.hf() {
+            ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+        } else {
+            ("mlp.experts.w13_weight", "mlp.experts.w2_weight")
+        };
+        let mut gate_up = Vec::new();
+        let mut down = Vec::new();
         match self.b.model.experts {
             ExpertForm::PerExpert => {
                 for j in 0..el {
@@ -785,24 +1010,121 @@ impl LayerTensors<'_, '_> {
                     let pg = self.param(proj(Proj::Gate));
                     let pu = self.param(proj(Proj::Up));
                     let pd = self.param(proj(Proj::Down));
-                    w13.push(part(pg, rows(self.shape(pg), i0, il), &[j, 0, 0]));
-                    w13.push(part(pu, rows(self.shape(pu), i0, il), &[j, il, 0]));
-                    w2.push(part(pd, cols(self.shape(pd), i0, il), &[j, 0, 0]));
+                    gate_up.push(part(pg, rows(self.shape(pg), i0, il), &[j, 0, 0]));
+                    gate_up.push(part(pu, rows(self.shape(pu), i0, il), &[j, il, 0]));
+                    down.push(part(pd, cols(self.shape(pd), i0, il), &[j, 0, 0]));
                 }
             }
             ExpertForm::Stacked => {
                 let pg = self.param(LayerKind::Experts(Proj::Gate));
                 let pu = self.param(LayerKind::Experts(Proj::Up));
                 let pd = self.param(LayerKind::Experts(Proj::Down));
-                let gate_up = TensorBox::new(&[e0, i0, 0], &[el, il, h]);
-                w13.push(part(pg, gate_up, &[0, 0, 0]));
-                w13.push(part(pu, gate_up, &[0, il, 0]));
-                let down = TensorBox::new(&[e0, 0, i0], &[el, h, il]);
-                w2.push(part(pd, down, &[0, 0, 0]));
+                let half = TensorBox::new(&[e0, i0, 0], &[el, il, h]);
+                gate_up.push(part(pg, half, &[0, 0, 0]));
+                gate_up.push(part(pu, half, &[0, il, 0]));
+                let bx = TensorBox::new(&[e0, 0, i0], &[el, h, il]);
+                down.push(part(pd, bx, &[0, 0, 0]));
+            }
+            ExpertForm::StackedGateUp => {
+                let pgu = self.param(LayerKind::ExpertsGateUp);
+                let pd = self.param(LayerKind::Experts(Proj::Down));
+                if il == i {
+                    // Whole experts: the packed rows as they are.
+                    let bx = TensorBox::new(&[e0, 0, 0], &[el, 2 * i, h]);
+                    gate_up.push(part(pgu, bx, &[0, 0, 0]));
+                } else {
+                    let gate = TensorBox::new(&[e0, i0, 0], &[el, il, h]);
+                    let up = TensorBox::new(&[e0, i + i0, 0], &[el, il, h]);
+                    gate_up.push(part(pgu, gate, &[0, 0, 0]));
+                    gate_up.push(part(pgu, up, &[0, il, 0]));
+                }
+                let bx = TensorBox::new(&[e0, 0, i0], &[el, h, il]);
+                down.push(part(pd, bx, &[0, 0, 0]));
             }
         }
-        self.add("mlp.experts.w13_weight", &[el, 2 * il, h], true, w13)?;
-        self.add("mlp.experts.w2_weight", &[el, h, il], true, w2)
+        if self.b.fp8 {
+            self.check_fp8_gate_up(gate_up_name, &gate_up, i, il)?;
+        }
+        self.add(gate_up_name, &[el, 2 * il, h], true, gate_up)?;
+        self.add(down_name, &[el, h, il], true, down)
+    }
+
+    /// Refuses, by the tensor's name, an fp8 gate_up whose block grid the format cannot give:
+    /// - fused: the engines' w13 keeps gate and up on separate block grids, so a packed training
+    ///   tensor kept whole must have `I % 128 == 0`;
+    /// - hf: one `[2I_local, H]` grid per expert, which parts from separate gate and up tensors
+    ///   (or the tp halves of the packed one) fill only when `I_local % 128 == 0`, and whose
+    ///   transformers scale tensor has a padding row when `2I_local <= 128`.
+    fn check_fp8_gate_up(
+        &self,
+        name: &str,
+        parts: &[Part],
+        i: u32,
+        il: u32,
+    ) -> Result<(), PlanError> {
+        let full = format!("{}{name}", self.pre);
+        let whole_packed = parts.len() == 1;
+        let training = |p: &Part| self.b.model.params[p.param as usize].name.to_string();
+        if !self.b.hf() {
+            if whole_packed && !i.is_multiple_of(FP8_BLOCK) {
+                return Err(self.b.refuse(
+                    &full,
+                    format!(
+                        "engines quantise w13's gate and up rows on separate {FP8_BLOCK}-row block \
+                         grids, but the training tensor {} packs them with \
+                         moe_intermediate_size={i}, not a multiple of {FP8_BLOCK}, so a block of it \
+                         mixes gate and up rows; use format=hf (one grid over the packed rows, as \
+                         transformers) or dtype=bf16",
+                        training(&parts[0])
+                    ),
+                ));
+            }
+            return Ok(());
+        }
+        if !whole_packed && !il.is_multiple_of(FP8_BLOCK) {
+            let (from, fix) = if parts[0].param == parts[1].param {
+                (
+                    format!(
+                        "the tp={} halves of {} ({il} gate rows, {il} up rows per expert)",
+                        self.b.tp,
+                        training(&parts[0])
+                    ),
+                    "hold whole experts (ep > 1, or tp=1)",
+                )
+            } else {
+                (
+                    format!(
+                        "separate training tensors ({} and {}, {il} rows each)",
+                        training(&parts[0]),
+                        training(&parts[1])
+                    ),
+                    "train with experts=stacked-gate-up (transformers' packed tensor) and hold \
+                     whole experts (ep > 1, or tp=1)",
+                )
+            };
+            return Err(self.b.refuse(
+                &full,
+                format!(
+                    "transformers quantises it as one [2I, H] grid of {FP8_BLOCK}x{FP8_BLOCK} \
+                     blocks per expert; its gate and up rows come from {from}, and {il} is not a \
+                     multiple of {FP8_BLOCK}, so a block would mix them; {fix}, or use dtype=bf16"
+                ),
+            ));
+        }
+        if 2 * il <= FP8_BLOCK {
+            return Err(self.b.refuse(
+                &full,
+                format!(
+                    "transformers allocates {full}_scale_inv with 2 block rows per expert when \
+                     2*I = {} <= {FP8_BLOCK}, one more than its block grid has; weightsync writes \
+                     every byte it plans and cannot leave that row, so fp8 in format hf needs \
+                     moe_intermediate_size > {} (per tp rank)",
+                    2 * il,
+                    FP8_BLOCK / 2
+                ),
+            ));
+        }
+        Ok(())
     }
 }
 

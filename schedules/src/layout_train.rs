@@ -7,9 +7,21 @@
 //!
 //! # Exact semantics of a [`TrainSpec`]
 //! Keys (all default 1): `pp` pipeline stages, `dp` HSDP replica groups, `ep` expert
-//! parallelism, `fsdp` FSDP shard degree, `tp` tensor parallelism; plus `experts=stacked` or
-//! `experts=per-expert` (default) for how routed experts are parameters. World size
-//! `pp*dp*ep*fsdp*tp`; a rank's coordinates are, innermost last,
+//! parallelism, `fsdp` FSDP shard degree, `tp` tensor parallelism; plus `experts=` for how
+//! routed experts are parameters ([`ExpertForm`]):
+//! - `per-expert` (default): `mlp.experts.{e}.{gate,up,down}_proj.weight`, 2-D each (Hugging
+//!   Face checkpoints; FSDP of per-expert modules);
+//! - `stacked`: `mlp.experts.{gate,up,down}_proj.weight`, `[E, I, H]` / `[E, H, I]`
+//!   (grouped-GEMM trainers);
+//! - `stacked-gate-up` (alias `transformers`): `mlp.experts.gate_up_proj` `[E, 2I, H]` (per
+//!   expert gate rows then up rows) and `mlp.experts.down_proj` `[E, H, I]`, exactly what
+//!   `named_parameters()` of a transformers 5.x Qwen3-MoE / DeepSeek-V3 gives; with `fsdp=N`
+//!   (and nothing else) every rank's shard is then what FSDP2 `fully_shard` leaves it of that
+//!   model's parameters (torch.chunk on dim 0). Training `tp` must be 1 with it: transformers'
+//!   own `packed_colwise` split gives a rank its gate rows and its up rows, two boxes per
+//!   expert, which one shard cannot describe.
+//!
+//! World size `pp*dp*ep*fsdp*tp`; a rank's coordinates are, innermost last,
 //! `rank = (((pp_i*dp + dp_i)*ep + ep_i)*fsdp + fsdp_i)*tp + tp_i`.
 //!
 //! 1. **Pipeline.** Decoder layer `l` of `L` lives on stage `s` where
@@ -22,7 +34,8 @@
 //!    else (norms, q_a/kv_a, router) is replicated over tp. `tp` must divide what it splits
 //!    (for q/k/v: the head counts), else an error names the tensor.
 //! 3. **Expert parallelism.** Routed expert `e` of `E` belongs to ep group `e / (E/ep)`
-//!    (`ep` must divide `E`); a stacked tensor's dim 0 is split into `ep` equal parts.
+//!    (`ep` must divide `E`); a stacked tensor's dim 0 (both stacked forms) is split into `ep`
+//!    equal parts.
 //! 4. **FSDP** (FSDP2 `Shard(0)`, torch.chunk semantics): the tp-local tensor is cut along
 //!    dim 0 into chunks of `ceil(n/k)` rows; chunk `i` is rows `[i*c, min(n,(i+1)*c))`, so
 //!    tails are short and trailing chunks may be empty. Routed experts are chunked over the
@@ -146,13 +159,17 @@ impl std::str::FromStr for TrainSpec {
                 "fsdp" | "shard" => t.fsdp = parse_degree(spec, &k, &v)?,
                 "tp" => t.tp = parse_degree(spec, &k, &v)?,
                 "experts" => {
-                    t.experts = match v.as_str() {
+                    t.experts = match v.to_ascii_lowercase().replace('_', "-").as_str() {
                         "stacked" => ExpertForm::Stacked,
-                        "per-expert" | "per_expert" => ExpertForm::PerExpert,
+                        "per-expert" => ExpertForm::PerExpert,
+                        "stacked-gate-up" | "transformers" => ExpertForm::StackedGateUp,
                         _ => {
                             return Err(PlanError::BadSpec {
                                 spec: spec.to_string(),
-                                reason: format!("experts={v:?}: expected stacked or per-expert"),
+                                reason: format!(
+                                    "experts={v:?}: expected per-expert, stacked or \
+                                     stacked-gate-up (transformers' stacked experts)"
+                                ),
                             })
                         }
                     }
@@ -177,8 +194,8 @@ impl std::fmt::Display for TrainSpec {
             "pp={},dp={},ep={},fsdp={},tp={}",
             self.pp, self.dp, self.ep, self.fsdp, self.tp
         )?;
-        if self.experts == ExpertForm::Stacked {
-            write!(f, ",experts=stacked")?;
+        if self.experts != ExpertForm::PerExpert {
+            write!(f, ",experts={}", self.experts.spec_name())?;
         }
         Ok(())
     }
@@ -218,7 +235,7 @@ pub(crate) fn train_tp_split(role: Role) -> TpSplit {
             } => TpSplit::Dim(1),
             K::Expert { .. } => TpSplit::Dim(0),
             K::Experts(Proj::Down) => TpSplit::Dim(2),
-            K::Experts(_) => TpSplit::Dim(1),
+            K::Experts(_) | K::ExpertsGateUp => TpSplit::Dim(1),
             _ => TpSplit::None,
         },
     }
@@ -358,8 +375,9 @@ fn check_spec_fits(model: &Model, spec: &TrainSpec) -> Result<(), PlanError> {
         return Err(PlanError::BadSpec {
             spec: spec.to_string(),
             reason: format!(
-                "experts={:?} but the model was built with {:?}",
-                spec.experts, model.experts
+                "experts={} but the model was built with experts={}",
+                spec.experts.spec_name(),
+                model.experts.spec_name()
             ),
         });
     }
@@ -390,7 +408,7 @@ fn check_spec_fits(model: &Model, spec: &TrainSpec) -> Result<(), PlanError> {
 struct Sharding {
     /// For a per-expert parameter: the ep group holding it (the others hold none of it).
     expert_group: Option<u32>,
-    /// Stacked experts: dim 0 split across ep.
+    /// Stacked experts (either stacked form): dim 0 split across ep.
     stacked: bool,
     /// The tp split.
     split: TpSplit,
@@ -408,12 +426,31 @@ impl Sharding {
                 (Some(expert / per), false)
             }
             Role::Layer {
-                kind: LayerKind::Experts(_),
+                kind: LayerKind::Experts(_) | LayerKind::ExpertsGateUp,
                 ..
             } => (None, true),
             _ => (None, false),
         };
         let split = train_tp_split(p.role);
+        let packed = matches!(
+            p.role,
+            Role::Layer {
+                kind: LayerKind::ExpertsGateUp,
+                ..
+            }
+        );
+        if packed && spec.tp > 1 {
+            return Err(PlanError::BadSpec {
+                spec: spec.to_string(),
+                reason: format!(
+                    "training tensor {} [E, 2I, H] packs gate and up rows: tp={} would give each \
+                     rank its gate rows and its up rows (transformers' packed_colwise), two boxes \
+                     per expert that one shard cannot describe; experts=stacked-gate-up needs \
+                     training tp=1 (use experts=stacked for a tensor-parallel trainer)",
+                    p.name, spec.tp
+                ),
+            });
+        }
         if let TpSplit::Dim(d) = split {
             if !p.shape.dims[d].is_multiple_of(spec.tp) {
                 return Err(PlanError::NotDivisible {

@@ -84,8 +84,12 @@ pub enum LayerKind {
         proj: Proj,
     },
     /// All routed experts' projection stacked (`mlp.experts.gate_proj.weight`, `[E, I, H]` or
-    /// `[E, H, I]`).
+    /// `[E, H, I]`; transformers' `mlp.experts.down_proj` `[E, H, I]` too).
     Experts(Proj),
+    /// All routed experts' gate and up projections stacked and packed, as transformers holds
+    /// them (`mlp.experts.gate_up_proj`, `[E, 2I, H]`: per expert the `I` gate rows, then the
+    /// `I` up rows).
+    ExpertsGateUp,
 }
 
 /// What a model tensor is.
@@ -128,6 +132,22 @@ pub enum ExpertForm {
     /// One 3-D tensor per projection, experts stacked on dim 0 (grouped-GEMM trainers:
     /// `[E, I, H]` for gate/up, `[E, H, I]` for down).
     Stacked,
+    /// Experts stacked on dim 0 with gate and up packed into one tensor, named as
+    /// `named_parameters()` of a transformers 5.x model names them (no `.weight` suffix):
+    /// `mlp.experts.gate_up_proj` `[E, 2I, H]` (per expert gate rows, then up rows) and
+    /// `mlp.experts.down_proj` `[E, H, I]`.
+    StackedGateUp,
+}
+
+impl ExpertForm {
+    /// The form's name in a training spec (`experts=...`).
+    pub fn spec_name(self) -> &'static str {
+        match self {
+            ExpertForm::PerExpert => "per-expert",
+            ExpertForm::Stacked => "stacked",
+            ExpertForm::StackedGateUp => "stacked-gate-up",
+        }
+    }
 }
 
 /// Model family.
@@ -257,7 +277,11 @@ impl ModelConfig {
                 hidden / heads
             }
         };
-        let dtype = match v.get("torch_dtype").and_then(Value::as_str) {
+        // transformers 5 writes `dtype`, earlier versions `torch_dtype`.
+        let dtype = match ["torch_dtype", "dtype"]
+            .iter()
+            .find_map(|k| v.get(*k).and_then(Value::as_str))
+        {
             None => DType::BF16,
             Some(s) => s
                 .parse::<DType>()
@@ -327,7 +351,12 @@ fn family_of(v: &Value) -> Result<Family, PlanError> {
 
 /// Qwen3-MoE experts: every `decoder_sparse_step`-th layer is MoE, except `mlp_only_layers`.
 fn qwen3_moe(v: &Value, layers: u32) -> Result<MoeConfig, PlanError> {
-    let experts = field_u32(v, "num_experts")?;
+    // transformers 5 saves `num_experts` under its attribute-map name `num_local_experts`.
+    let key = match (v.get("num_experts"), v.get("num_local_experts")) {
+        (None | Some(Value::Null), Some(_)) => "num_local_experts",
+        _ => "num_experts",
+    };
+    let experts = field_u32(v, key)?;
     let step = opt_u32(v, "decoder_sparse_step")?.unwrap_or(1);
     let only: Vec<u64> = v
         .get("mlp_only_layers")
@@ -665,6 +694,19 @@ impl LayerParams<'_> {
                     );
                 }
             }
+            ExpertForm::StackedGateUp => {
+                let e = m.experts;
+                self.add(
+                    "mlp.experts.gate_up_proj",
+                    &[e, 2 * i, h],
+                    LayerKind::ExpertsGateUp,
+                );
+                self.add(
+                    "mlp.experts.down_proj",
+                    &[e, h, i],
+                    LayerKind::Experts(Proj::Down),
+                );
+            }
         }
     }
 }
@@ -687,8 +729,10 @@ mod tests {
             let m = Model::preset(name, ExpertForm::PerExpert).unwrap();
             let n = m.num_elements() as f64;
             assert!(n > lo && n < hi, "{name}: {n:e}");
-            let s = Model::preset(name, ExpertForm::Stacked).unwrap();
-            assert_eq!(s.num_elements(), m.num_elements());
+            for form in [ExpertForm::Stacked, ExpertForm::StackedGateUp] {
+                let s = Model::preset(name, form).unwrap();
+                assert_eq!(s.num_elements(), m.num_elements(), "{name} {form:?}");
+            }
         }
     }
 

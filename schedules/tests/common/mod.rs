@@ -6,10 +6,11 @@
 use std::collections::HashMap;
 
 use weightsync_common::DType;
+use weightsync_schedules::layout_infer::InferFormat;
 use weightsync_schedules::table::{
     Endpoint, RoutingTable, Source, Task, TrainerPlan, Transform, FP8_BLOCK,
 };
-use weightsync_schedules::{ExpertForm, Model};
+use weightsync_schedules::{ExpertForm, InferDType, InferSpec, Model};
 
 /// Dense Qwen3-like: GQA (4 q heads, 2 kv heads of 128), q/k norms.
 pub const DENSE: &str = r#"{"model_type":"qwen3","hidden_size":256,"intermediate_size":512,
@@ -22,6 +23,12 @@ pub const QWEN2_MQA: &str = r#"{"model_type":"qwen2","hidden_size":256,"intermed
 /// Qwen3-MoE-like: layer 0 dense, layer 1 with 4 experts.
 pub const MOE: &str = r#"{"model_type":"qwen3_moe","hidden_size":256,"intermediate_size":512,
  "moe_intermediate_size":256,"num_experts":4,"num_experts_per_tok":2,"decoder_sparse_step":1,
+ "mlp_only_layers":[0],"num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,
+ "head_dim":128,"vocab_size":300}"#;
+/// Qwen3-MoE-like with experts 192 wide (not a multiple of the 128 fp8 block): layer 0 dense,
+/// layer 1 with 4 experts.
+pub const MOE_I192: &str = r#"{"model_type":"qwen3_moe","hidden_size":256,"intermediate_size":512,
+ "moe_intermediate_size":192,"num_experts":4,"num_experts_per_tok":2,"decoder_sparse_step":1,
  "mlp_only_layers":[0],"num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,
  "head_dim":128,"vocab_size":300}"#;
 /// DeepSeek-V3-like: MLA, first layer dense, shared + 4 routed experts, score bias.
@@ -460,13 +467,17 @@ pub fn check_coverage(table: &RoutingTable, landed: &Landed) {
 }
 
 /// Independent construction of the inference tensors: the engine format re-derived here from
-/// the full tensors by slicing and fusing (not by the planner's layout code).
+/// the full tensors by slicing and fusing (not by the planner's layout code). In the fused
+/// format fp8 blocks are those of the training tensor (sliced); in hf each destination matrix
+/// is quantised as one block grid of its own, as transformers holds it.
 pub struct Expected<'a> {
     pub model: &'a Model,
     pub full: &'a [Vec<u8>],
     pub tp: u32,
     pub ep: u32,
     pub fp8: bool,
+    /// transformers' tensors (`format=hf`).
+    pub hf: bool,
     by_name: HashMap<String, usize>,
     quant_cache: HashMap<usize, (Vec<u8>, Vec<f32>)>,
 }
@@ -493,7 +504,7 @@ impl Part {
 }
 
 impl<'a> Expected<'a> {
-    pub fn new(model: &'a Model, full: &'a [Vec<u8>], tp: u32, ep: u32, fp8: bool) -> Self {
+    pub fn new(model: &'a Model, full: &'a [Vec<u8>], spec: &InferSpec) -> Self {
         let by_name = model
             .params
             .iter()
@@ -503,9 +514,10 @@ impl<'a> Expected<'a> {
         Expected {
             model,
             full,
-            tp,
-            ep,
-            fp8,
+            tp: spec.tp,
+            ep: spec.ep,
+            fp8: spec.dtype == InferDType::Fp8,
+            hf: spec.format == InferFormat::Hf,
             by_name,
             quant_cache: HashMap::new(),
         }
@@ -585,6 +597,10 @@ impl<'a> Expected<'a> {
     fn parts(&self, name: &str, local: u32) -> (Vec<Vec<Part>>, bool) {
         let t = local % self.tp;
         let whole = |p: Part| vec![vec![p]];
+        if name == "model.embed_tokens.weight" && self.hf {
+            // transformers' tp plan does not split the embedding.
+            return (whole(self.full_part(name)), false);
+        }
         if name == "model.embed_tokens.weight" || name == "lm_head.weight" {
             return (whole(self.vocab_part(name, t)), false);
         }
@@ -607,8 +623,23 @@ impl<'a> Expected<'a> {
             "self_attn.q_a_proj.weight" | "self_attn.kv_a_proj_with_mqa.weight" => {
                 (whole(self.full_part(name)), q8)
             }
-            "self_attn.q_b_proj.weight" | "self_attn.kv_b_proj.weight" => {
+            "self_attn.q_b_proj.weight"
+            | "self_attn.kv_b_proj.weight"
+            | "self_attn.q_proj.weight"
+            | "mlp.gate_proj.weight"
+            | "mlp.up_proj.weight"
+            | "mlp.shared_experts.gate_proj.weight"
+            | "mlp.shared_experts.up_proj.weight" => {
                 (whole(self.row_split(name.to_string(), t)), q8)
+            }
+            "self_attn.q_proj.bias" => (whole(self.row_split(name.to_string(), t)), false),
+            "self_attn.k_proj.weight" | "self_attn.v_proj.weight" => {
+                let (_, kind) = what.split_once('.').unwrap();
+                (whole(self.kv_part(&pre, kind, t)), q8)
+            }
+            "self_attn.k_proj.bias" | "self_attn.v_proj.bias" => {
+                let (_, kind) = what.split_once('.').unwrap();
+                (whole(self.kv_part(&pre, kind, t)), false)
             }
             "self_attn.o_proj.weight" => (whole(self.col_split(name.to_string(), t)), q8),
             "self_attn.qkv_proj.weight" => (vec![self.qkv_parts(&pre, "weight", t)], q8),
@@ -622,9 +653,13 @@ impl<'a> Expected<'a> {
             "mlp.down_proj.weight" | "mlp.shared_experts.down_proj.weight" => {
                 (whole(self.col_split(name.to_string(), t)), q8)
             }
-            "mlp.experts.w13_weight" | "mlp.experts.w2_weight" => {
+            "mlp.experts.w13_weight" | "mlp.experts.w2_weight" if !self.hf => {
                 let w13 = what == "mlp.experts.w13_weight";
                 (self.routed_expert_parts(&pre, w13, local), q8)
+            }
+            "mlp.experts.gate_up_proj" | "mlp.experts.down_proj" if self.hf => {
+                let gate_up = what == "mlp.experts.gate_up_proj";
+                (self.routed_expert_parts(&pre, gate_up, local), q8)
             }
             other => panic!("expected-builder does not know tensor {other}"),
         }
@@ -671,9 +706,17 @@ impl<'a> Expected<'a> {
     /// q rows of tp rank `t`, then its kv head's k and v rows (its share of the kv heads, or
     /// the one it replicates when tp exceeds them), of `q_proj.{suffix}` etc.
     fn qkv_parts(&self, pre: &str, suffix: &str, t: u32) -> Vec<Part> {
+        let q = self.row_split(format!("{pre}self_attn.q_proj.{suffix}"), t);
+        let k = self.kv_part(pre, &format!("k_proj.{suffix}"), t);
+        let v = self.kv_part(pre, &format!("v_proj.{suffix}"), t);
+        vec![q, k, v]
+    }
+
+    /// Tp rank `t`'s rows of `self_attn.{what}` (`k_proj.weight`, `v_proj.bias`, ...): its
+    /// share of the kv heads, or the one it replicates when tp exceeds them.
+    fn kv_part(&self, pre: &str, what: &str, t: u32) -> Part {
         let c = &self.model.config;
         let (tp, d) = (self.tp, c.head_dim);
-        let q = self.row_split(format!("{pre}self_attn.q_proj.{suffix}"), t);
         let kvh = if tp <= c.kv_heads {
             let per = c.kv_heads / tp;
             (t * per * d, (t + 1) * per * d)
@@ -681,9 +724,7 @@ impl<'a> Expected<'a> {
             let h = t / (tp / c.kv_heads);
             (h * d, (h + 1) * d)
         };
-        let k = Part::rows(format!("{pre}self_attn.k_proj.{suffix}"), kvh);
-        let v = Part::rows(format!("{pre}self_attn.v_proj.{suffix}"), kvh);
-        vec![q, k, v]
+        Part::rows(format!("{pre}self_attn.{what}"), kvh)
     }
 
     /// Per local expert of engine rank `local`: its gate and up rows (`w13`) or its down
@@ -698,12 +739,21 @@ impl<'a> Expected<'a> {
             let il = m.intermediate / self.tp;
             (0, m.experts, (local % self.tp) * il, il)
         };
-        let stacked = self.model.experts == ExpertForm::Stacked;
+        let form = self.model.experts;
+        // Packed gate_up of transformers: up rows start at I.
+        let up_at = if form == ExpertForm::StackedGateUp {
+            m.intermediate
+        } else {
+            0
+        };
         let mk = |e: u32, proj: &str, down: bool| {
-            let (param, expert) = if stacked {
-                (format!("{pre}mlp.experts.{proj}.weight"), Some(e))
-            } else {
-                (format!("{pre}mlp.experts.{e}.{proj}.weight"), None)
+            let (param, expert) = match form {
+                ExpertForm::Stacked => (format!("{pre}mlp.experts.{proj}.weight"), Some(e)),
+                ExpertForm::StackedGateUp => {
+                    let packed = if down { "down_proj" } else { "gate_up_proj" };
+                    (format!("{pre}mlp.experts.{packed}"), Some(e))
+                }
+                ExpertForm::PerExpert => (format!("{pre}mlp.experts.{e}.{proj}.weight"), None),
             };
             if down {
                 Part {
@@ -713,10 +763,11 @@ impl<'a> Expected<'a> {
                     cols: Some((i0, i0 + il)),
                 }
             } else {
+                let at = if proj == "up_proj" { up_at } else { 0 };
                 Part {
                     param,
                     expert,
-                    rows: (i0, i0 + il),
+                    rows: (at + i0, at + i0 + il),
                     cols: None,
                 }
             }
@@ -745,6 +796,12 @@ impl<'a> Expected<'a> {
         );
         let mut out = Vec::new();
         for parts in &lead {
+            if quantised && self.hf {
+                // transformers: the destination matrix (parts stacked by rows) on its own grid.
+                let (v, s) = self.quant_own_grid(parts);
+                out.extend(if scales { s } else { v });
+                continue;
+            }
             for p in parts {
                 if quantised {
                     let (v, s) = self.quant(p);
@@ -755,6 +812,26 @@ impl<'a> Expected<'a> {
             }
         }
         out
+    }
+
+    /// fp8 values and scales of the matrix made of `parts` stacked by rows (equal widths),
+    /// quantised per 128x128 block of that matrix itself.
+    fn quant_own_grid(&self, parts: &[Part]) -> (Vec<u8>, Vec<u8>) {
+        let mut vals = Vec::new();
+        let mut rows = 0u32;
+        let mut width = None;
+        for p in parts {
+            let pid = self.pid(&p.param);
+            let dtype = self.model.params[pid].dtype;
+            let raw = self.raw(p);
+            let (c0, c1) = p.cols.unwrap_or((0, self.matrix_dims(p).1));
+            assert!(width.is_none_or(|w| w == c1 - c0), "parts of unequal width");
+            width = Some(c1 - c0);
+            rows += p.rows.1 - p.rows.0;
+            vals.extend((0..raw.len() / dtype.size()).map(|i| get(&raw, dtype, i)));
+        }
+        let (q, s) = quantise(&vals, &[rows, width.unwrap_or(0)]);
+        (q, s.iter().flat_map(|x| x.to_le_bytes()).collect())
     }
 }
 
