@@ -10,6 +10,10 @@
 //! [`nvrtc`]) when a kernel is first launched, and a miss is [`GpuError::NoNvrtc`]; pinned
 //! staging, copies and IPC work without it.
 //!
+//! Not yet here (issue 15, wiring the pipeline): a copy stream beside the compute stream, and
+//! per-lease events in place of cudarc's per-allocation event tracking, which would serialise
+//! pieces leased from one staging arena (review G6). Everything runs on one stream per device.
+//!
 //! # Layout
 //! - [`device`]: [`GpuDevice`] (context, stream, lazily compiled kernels) and the launches.
 //! - [`kernels`]: the CUDA source, its build options and geometry, the compiled-image cache.

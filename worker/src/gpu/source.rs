@@ -134,7 +134,9 @@ pub struct BorrowedDevice {
 
 impl BorrowedDevice {
     /// Borrows `[ptr, ptr + len)` of device memory in `dev`'s context; checks that the range
-    /// lies inside one live allocation of that context.
+    /// lies inside one live allocation of that context (as `cuMemGetAddressRange` sees it: for
+    /// memory from a stream-ordered pool the allocation it reports may be larger, and the check
+    /// weaker).
     ///
     /// # Safety
     /// The range must stay allocated, and must not be written by anyone else while a copy from
@@ -289,7 +291,22 @@ impl IpcExport {
         };
         // SAFETY: `ptr` is a live allocation of at least len.max(1) bytes in the bound context.
         unsafe { sys::cuMemsetD8_v2(ptr, 0, len.max(1)) }.result()?;
+        out.settle()?;
         Ok(out)
+    }
+
+    /// Waits for this process's synchronous-looking memset and copies on the legacy default
+    /// stream: a host-to-device `cuMemcpy` from pageable memory may return before its DMA has
+    /// landed, and another process must not see the memory until it has.
+    fn settle(&self) -> Result<(), GpuError> {
+        // SAFETY: the null stream is the context's legacy default stream; the context is bound.
+        unsafe { sys::cuStreamSynchronize(std::ptr::null_mut()) }.result()?;
+        Ok(())
+    }
+
+    /// The allocation's device address (for a same-process borrower, [`BorrowedDevice`]).
+    pub fn device_ptr(&self) -> sys::CUdeviceptr {
+        self.ptr
     }
 
     /// Bytes.
@@ -341,7 +358,7 @@ impl IpcExport {
             sys::cuMemcpyHtoD_v2(self.ptr + offset as u64, bytes.as_ptr().cast(), bytes.len())
         }
         .result()?;
-        Ok(())
+        self.settle()
     }
 
     /// Reads `len` bytes at `offset` (synchronous).

@@ -1,6 +1,5 @@
 //! Staging and source memory on a device: pinned round trips, source copies, IPC.
 
-use cudarc::driver::DevicePtr;
 use rand::{Rng, SeedableRng};
 use serde_json::json;
 
@@ -56,8 +55,10 @@ fn owned_and_borrowed_sources_copy_ranges_into_staging() {
     let n = 1 << 20;
     let bytes = random_bytes(n, 3);
     let owned = GpuSource::Owned(dev.upload(&bytes).unwrap());
-    let lent = dev.upload(&bytes).unwrap();
-    let (ptr, _sync) = lent.device_ptr(dev.stream());
+    // A plain cuMemAlloc allocation (not the stream-ordered pool), so its extent is exact.
+    let mut lent = IpcExport::new(&dev, n).unwrap();
+    lent.write(0, &bytes).unwrap();
+    let ptr = lent.device_ptr();
     // SAFETY: `lent` stays allocated and unwritten until `borrowed` is dropped below.
     let borrowed = GpuSource::Borrowed(unsafe { BorrowedDevice::new(&dev, ptr, n) }.unwrap());
     let mut ok = true;
@@ -78,9 +79,9 @@ fn owned_and_borrowed_sources_copy_ranges_into_staging() {
         ok &= this && oob;
     }
     drop(borrowed);
-    // A borrowed range past its allocation is refused.
+    // A borrowed range well past its allocation (beyond any rounding to pages) is refused.
     // SAFETY: the call fails before anything is borrowed.
-    let too_long = unsafe { BorrowedDevice::new(&dev, ptr, n + 1) };
+    let too_long = unsafe { BorrowedDevice::new(&dev, ptr, n + (4 << 20)) };
     assert!(matches!(too_long, Err(GpuError::OutOfBounds { .. })));
     assert!(ok);
 }
