@@ -8,7 +8,10 @@
 #      bash worker/gpu-check.sh --build
 #
 #    It builds the test binaries with `--features weightsync-worker/cuda` and puts them, stripped,
-#    in target/gpu-check/ (git-ignored, about 10 MB), with a MANIFEST naming the commit.
+#    in target/gpu-check/ (git-ignored, about 3 MB), with a MANIFEST naming the commit. Before
+#    packaging it runs the checks that need no GPU: kernels.cu emulated on the CPU (needs c++)
+#    and the NVRTC compiles (where an NVRTC is found here, e.g. WEIGHTSYNC_NVRTC=<wheel's
+#    libnvrtc.so.13>).
 #
 # 2. The device tool, one call (the script itself stays well under 5 minutes of device time):
 #
