@@ -23,15 +23,16 @@
 //! and its lanes to a peer are spread over the pairs of addresses ([`addresses`]).
 //!
 //! Layout: [`frame`] (wire format), [`handshake`] (authentication), `registry` (rkey table),
-//! `receiver` (inbound lanes), `peer` (the lanes to one peer and their queues), `lane` (one
-//! outbound lane), `addresses` (local addresses and multi-address endpoints), `socket` (the raw
-//! socket calls).
+//! `receiver` (inbound lanes), `inbound` (reading one inbound lane), `peer` (the lanes to one
+//! peer and their queues), `lane` (one outbound lane), `addresses` (local addresses and
+//! multi-address endpoints), `socket` (the raw socket calls).
 
 mod addresses;
 #[cfg(test)]
 mod addresses_tests;
 pub mod frame;
 pub mod handshake;
+mod inbound;
 mod lane;
 mod peer;
 mod receiver;

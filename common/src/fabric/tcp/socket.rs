@@ -196,6 +196,40 @@ impl LaneSocket {
         }
     }
 
+    /// Receives into `first`, then `second`, in one call without blocking; returns the bytes
+    /// received (those beyond `first.1` went to `second`).
+    ///
+    /// # Safety
+    /// Both ranges must be valid for writes of their lengths for the duration of the call.
+    pub unsafe fn recv_two_raw(
+        &self,
+        first: (*mut u8, usize),
+        second: (*mut u8, usize),
+    ) -> io::Result<usize> {
+        let mut iov = [
+            libc::iovec {
+                iov_base: first.0.cast(),
+                iov_len: first.1,
+            },
+            libc::iovec {
+                iov_base: second.0.cast(),
+                iov_len: second.1,
+            },
+        ];
+        // SAFETY: msghdr is plain data; zeroed is a valid "no name, no control" header.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = iov.as_mut_ptr();
+        msg.msg_iovlen = iov.len() as _;
+        // SAFETY: msg points at two iovecs whose buffers the caller guarantees writable; fd is an
+        // open socket.
+        let rc = unsafe { libc::recvmsg(self.fd(), &mut msg, libc::MSG_DONTWAIT) };
+        if rc < 0 {
+            Err(io::Error::last_os_error())
+        } else {
+            Ok(rc as usize)
+        }
+    }
+
     /// Sends from up to 64 `(pointer, length)` segments without blocking; returns bytes sent.
     ///
     /// # Safety
