@@ -320,7 +320,12 @@ fn run_sender(
         }
     }
     let err = match failure {
-        Some(e) if state.reset.load(Ordering::SeqCst) => e,
+        // The send failed because this endpoint reset the lane (the abort broke the socket
+        // under it): what it had not sent fails as reset, whatever error the socket gave.
+        Some(_) if state.reset.load(Ordering::SeqCst) => FabricError::ConnectionsReset {
+            peer: peer.clone(),
+            lane: state.index,
+        },
         Some(e) => {
             // Count the failure once per lane, whichever of its threads saw it first.
             if !state.broken.swap(true, Ordering::SeqCst) {
