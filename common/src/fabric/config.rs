@@ -120,7 +120,9 @@ pub struct FabricConfig {
     /// ([`FabricConfig::machine_lanes_per_peer`]); TCP opens at least one lane per address of
     /// either side.
     pub lanes_per_peer: usize,
-    /// Writes longer than this are split over the lanes to their peer.
+    /// Writes longer than this may be split over the lanes to their peer (into pieces of at
+    /// least this size); TCP splits one only where that makes it land sooner, i.e. over lanes
+    /// with less queued than the write ([`place`](super::place)).
     pub stripe_min_bytes: u64,
     /// Time allowed to connect and authenticate a lane.
     pub connect_timeout_ms: u64,

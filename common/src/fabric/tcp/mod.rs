@@ -5,9 +5,15 @@
 //! authenticated with a challenge on the job token ([`handshake`]). A write travels as a frame
 //! (op, rkey, remote address, length, immediate, payload: [`frame`]); the receiving thread checks
 //! it against the registration table and reads the payload straight into the registered region
-//! ([`receiver`]), counting the immediate only once every byte is in memory. The writer streams
+//! (`receiver`), counting the immediate only once every byte is in memory. The writer streams
 //! many frames per lane without waiting and asks for a completion only at the end of each job
-//! ([`lane`]), like selective signalling on a send queue.
+//! (`lane`), like selective signalling on a send queue.
+//!
+//! Which lane carries what: every lane slot counts the bytes posted on it and not yet
+//! acknowledged, and each write goes where it lands soonest ([`place`](super::place)): whole to
+//! the least-loaded lane when the lanes are busy (a 1 MiB write split four ways behind 8 MiB of
+//! queue lands no sooner, and costs four frames, four completions and four wake-ups), spread
+//! over the idle lanes when they are not (a lone 64 MiB write still uses every lane).
 //!
 //! Resetting ([`FabricBackend::reset_connections`]) aborts every outbound lane with an RST, which
 //! makes the kernel discard its send queue; lanes also close with `SO_LINGER` {on, 0}, so even a
@@ -20,7 +26,7 @@
 //! Callers see async futures all the same (completions travel on oneshot channels).
 //!
 //! Several NICs: the fabric listens on every configured address, its endpoint lists them all,
-//! and its lanes to a peer are spread over the pairs of addresses ([`addresses`]).
+//! and its lanes to a peer are spread over the pairs of addresses (`addresses`).
 //!
 //! Layout: [`frame`] (wire format), [`handshake`] (authentication), `registry` (rkey table),
 //! `receiver` (inbound lanes), `inbound` (reading one inbound lane), `peer` (the lanes to one
