@@ -10,7 +10,7 @@
 //! (`lane`), like selective signalling on a send queue.
 //!
 //! Which lane carries what: every lane slot counts the bytes posted on it and not yet
-//! acknowledged, and each write goes where it lands soonest ([`place`](super::place)): whole to
+//! acknowledged, and each write goes where it lands soonest ([`place`]): whole to
 //! the least-loaded lane when the lanes are busy (a 1 MiB write split four ways behind 8 MiB of
 //! queue lands no sooner, and costs four frames, four completions and four wake-ups), spread
 //! over the idle lanes when they are not (a lone 64 MiB write still uses every lane).
