@@ -128,13 +128,18 @@ pub struct FabricConfig {
     pub connect_timeout_ms: u64,
     /// A lane whose peer makes no progress mid-frame for this long fails with `Timeout`.
     pub io_timeout_ms: u64,
-    /// Socket send and receive buffer sizes (bytes; 0 keeps the OS default and its
-    /// autotuning). The default, 1 MiB (the kernel doubles it), covers a datacenter link's
-    /// bandwidth-delay product per lane while keeping what a lane has in flight small enough to
-    /// stay in the CPU caches between the sender's copy and the receiver's: with 4 MiB, or with
-    /// autotuning (which grows a receive buffer to 32 MiB when the reader lags), the receiver
+    /// TCP: each lane's socket send buffer (bytes; 0 keeps the OS default and its autotuning),
+    /// and its receive buffer too when `receive_buffer_bytes` is 0. The default, 1 MiB (the
+    /// kernel doubles it), covers a datacenter link's bandwidth-delay product per lane while
+    /// keeping what a writer has copied and not yet delivered small enough to stay in the CPU
+    /// caches until the receiver copies it out: with 4 MiB, or with autotuning, the receiver
     /// copies from memory the sender's copy already pushed out of the cache, and pays for it.
     pub socket_buffer_bytes: usize,
+    /// TCP: each lane's socket receive buffer (bytes; 0 means `socket_buffer_bytes`). The
+    /// default, 4 MiB, lets a writer hand its frames over without waiting for the window, so
+    /// that a stream of small frames wakes both ends less often; a receiver that keeps up
+    /// holds far less than this.
+    pub receive_buffer_bytes: usize,
     /// Shared secret of the job.
     pub job_token: JobToken,
     /// ibverbs settings.
@@ -152,6 +157,7 @@ impl Default for FabricConfig {
             connect_timeout_ms: 5_000,
             io_timeout_ms: 10_000,
             socket_buffer_bytes: 1 << 20,
+            receive_buffer_bytes: 4 << 20,
             job_token: JobToken(String::new()),
             verbs: VerbsConfig::default(),
         }
@@ -225,6 +231,15 @@ impl FabricConfig {
             ));
         }
         Ok(())
+    }
+
+    /// The send and receive buffer sizes a TCP lane's sockets ask for (0: the OS default).
+    pub fn socket_buffers(&self) -> (usize, usize) {
+        let receive = match self.receive_buffer_bytes {
+            0 => self.socket_buffer_bytes,
+            n => n,
+        };
+        (self.socket_buffer_bytes, receive)
     }
 
     /// `connect_timeout_ms` as a duration.
@@ -303,6 +318,18 @@ mod tests {
             err.contains("listen") && err.contains("extra_listen"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn receive_buffer_follows_the_send_buffer_when_unset() {
+        let c = FabricConfig::loopback("t", 2);
+        assert_eq!(c.socket_buffers(), (1 << 20, 4 << 20));
+        let same = FabricConfig {
+            socket_buffer_bytes: 2 << 20,
+            receive_buffer_bytes: 0,
+            ..c
+        };
+        assert_eq!(same.socket_buffers(), (2 << 20, 2 << 20));
     }
 
     #[test]

@@ -225,7 +225,8 @@ fn connect(peer: &Endpoint, index: usize, route: LaneRoute, shared: &Shared) -> 
     })?;
     let setup = (|| {
         stream.set_nodelay(true)?;
-        super::socket::set_buffer_sizes(&stream, shared.config.socket_buffer_bytes)?;
+        let (send, receive) = shared.config.socket_buffers();
+        super::socket::set_buffer_sizes(&stream, send, receive)?;
         stream.set_read_timeout(Some(timeout))?;
         stream.set_write_timeout(Some(timeout))
     })();

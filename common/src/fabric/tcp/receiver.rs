@@ -65,7 +65,8 @@ fn serve_lane(stream: TcpStream, peer: Endpoint, local: usize, shared: Arc<Share
     let setup = (|| {
         stream.set_nonblocking(false)?;
         stream.set_nodelay(true)?;
-        super::socket::set_buffer_sizes(&stream, shared.config.socket_buffer_bytes)?;
+        let (send, receive) = shared.config.socket_buffers();
+        super::socket::set_buffer_sizes(&stream, send, receive)?;
         stream.set_read_timeout(Some(shared.config.connect_timeout()))?;
         stream.set_write_timeout(Some(shared.config.connect_timeout()))?;
         Ok::<_, std::io::Error>(())

@@ -329,14 +329,13 @@ fn set_int_option(fd: RawFd, level: libc::c_int, opt: libc::c_int, value: usize)
     Ok(())
 }
 
-/// Sets `SO_SNDBUF` and `SO_RCVBUF` (the kernel caps them at `net.core.*mem_max`); 0 keeps the
-/// defaults, which on Linux also keeps send and receive buffer autotuning.
-pub fn set_buffer_sizes(stream: &TcpStream, bytes: usize) -> io::Result<()> {
-    if bytes == 0 {
-        return Ok(());
-    }
-    for opt in [libc::SO_SNDBUF, libc::SO_RCVBUF] {
-        set_int_option(stream.as_raw_fd(), libc::SOL_SOCKET, opt, bytes)?;
+/// Sets `SO_SNDBUF` and `SO_RCVBUF` (the kernel caps them at `net.core.*mem_max`); 0 keeps a
+/// default, which on Linux also keeps that buffer's autotuning.
+pub fn set_buffer_sizes(stream: &TcpStream, send: usize, receive: usize) -> io::Result<()> {
+    for (opt, bytes) in [(libc::SO_SNDBUF, send), (libc::SO_RCVBUF, receive)] {
+        if bytes > 0 {
+            set_int_option(stream.as_raw_fd(), libc::SOL_SOCKET, opt, bytes)?;
+        }
     }
     Ok(())
 }
