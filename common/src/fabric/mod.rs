@@ -37,7 +37,7 @@
 //! - `descriptor`: [`Endpoint`], [`Access`], [`RegionDescriptor`].
 //! - `memory`: [`Memory`], [`PageAlignedBuffer`], [`RawMemory`].
 //! - `region`: [`Region`], [`RegisteredMemory`] (revocable access for backends).
-//! - `op`: [`WriteOp`], [`merge_contiguous`], [`stripe`].
+//! - `op`: [`WriteOp`], [`merge_contiguous`], [`stripe`], [`place`].
 //! - `imm_counter`: [`ImmCounter`].
 //! - `config`: [`FabricConfig`]. `error`: [`FabricError`].
 
@@ -59,7 +59,7 @@ pub use descriptor::{Access, Endpoint, RegionDescriptor};
 pub use error::{FabricError, RemoteAccessKind, Result};
 pub use imm_counter::{ImmCounter, ImmStats, ImmWait};
 pub use memory::{Memory, MemoryLocation, PageAlignedBuffer, RawMemory, PAGE_SIZE};
-pub use op::{merge_contiguous, stripe, WriteOp};
+pub use op::{merge_contiguous, place, stripe, WriteOp};
 pub use region::{DeregisterHook, LiveMemory, Region, RegisteredMemory};
 pub use tcp::TcpFabric;
 
