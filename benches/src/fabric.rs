@@ -11,9 +11,14 @@
 //! - latency: one write at a time (p50/p99 of the round trip), against a TCP ping-pong of the
 //!   same block.
 //!
+//! Several NICs: the peer also runs a fabric on two loopback addresses (127.0.0.1 and 127.0.0.2,
+//! both served by Linux `lo`), and a writer on the same two addresses moves the same blocks to it
+//! with 2 and 4 lanes (`multi_address`), counting the bytes each of its addresses sent.
+//!
 //! Throughput is best-of-N, with the fabric and TCP measurements interleaved so that machine
 //! noise hits both alike; only the ratios mean anything on a shared machine. `gbps` is GB/s
-//! (10^9 bytes per second).
+//! (10^9 bytes per second). `default_lanes` is the lane count a fabric picks on this machine
+//! when none is configured.
 
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -24,7 +29,7 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, bail, Context};
 use serde::{Deserialize, Serialize};
 use weightsync_common::fabric::{
-    Access, FabricBackend, FabricConfig, RegionDescriptor, TcpFabric, WriteOp,
+    Access, FabricBackend, FabricConfig, Region, RegionDescriptor, TcpFabric, WriteOp,
 };
 
 /// Command-line words that make `weightsync` run the peer side (see [`run_peer`]).
@@ -35,6 +40,10 @@ pub const TOKEN_ENV: &str = "WEIGHTSYNC_BENCH_FABRIC_TOKEN";
 const REGION_BYTES: usize = 128 << 20;
 const BLOCKS: [usize; 4] = [4 << 10, 64 << 10, 1 << 20, 64 << 20];
 const LANES: [usize; 3] = [1, 2, 4];
+/// The second local address of the multi-address rows (any 127/8 address is `lo` on Linux).
+const SECOND_ADDRESS: &str = "127.0.0.2:0";
+/// Lane counts of the multi-address rows.
+const MULTI_ADDRESS_LANES: [usize; 2] = [2, 4];
 
 /// Settings of one run.
 #[derive(Debug, Clone)]
@@ -70,6 +79,33 @@ pub struct Row {
     pub tcp_p99_us: f64,
 }
 
+/// Bytes one local address of the writer sent during a measurement.
+#[derive(Debug, Clone, Serialize)]
+pub struct AddressShare {
+    /// The local address.
+    pub address: String,
+    /// Bytes it sent, headers included.
+    pub bytes_sent: u64,
+}
+
+/// One block size and lane count with both ends on two local addresses.
+#[derive(Debug, Clone, Serialize)]
+pub struct AddressRow {
+    /// Bytes per write.
+    pub block_bytes: usize,
+    /// Fabric lanes (connections) to the peer.
+    pub lanes: usize,
+    /// Fabric throughput, GB/s.
+    pub gbps: f64,
+    /// The one-TCP-stream baseline of the same block size (the same figure as in `rows`).
+    pub tcp_gbps: f64,
+    /// `gbps / tcp_gbps`, measured side by side.
+    pub ratio_vs_tcp: f64,
+    /// What each of the writer's addresses sent over the throughput measurements (headers
+    /// included), in the endpoint's order.
+    pub addresses: Vec<AddressShare>,
+}
+
 /// The whole report.
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {
@@ -79,6 +115,14 @@ pub struct Report {
     pub units: &'static str,
     /// One row per block size and lane count.
     pub rows: Vec<Row>,
+    /// The lane count a fabric uses on this machine when none is configured.
+    pub default_lanes: usize,
+    /// Both ends on two local addresses; empty when the second address could not be used
+    /// (`multi_address_error` then says why).
+    pub multi_address: Vec<AddressRow>,
+    /// Why the second address could not be used, if it could not.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub multi_address_error: Option<String>,
     /// Wall time of the whole run, seconds.
     pub elapsed_s: f64,
 }
@@ -105,7 +149,35 @@ impl Report {
                 r.tcp_p99_us
             ));
         }
-        s.push_str(&format!("total {:.1} s\n", self.elapsed_s));
+        if !self.multi_address.is_empty() {
+            s.push_str(
+                "both ends on two addresses (127.0.0.1, 127.0.0.2)\n\
+                 block      lanes  fabric GB/s  tcp GB/s  ratio  sent per address (MB)\n",
+            );
+        }
+        for r in &self.multi_address {
+            let shares: Vec<String> = r
+                .addresses
+                .iter()
+                .map(|a| format!("{} {:.0}", a.address, a.bytes_sent as f64 / 1e6))
+                .collect();
+            s.push_str(&format!(
+                "{:>9}  {:>5}  {:>11.2}  {:>8.2}  {:>5.2}  {}\n",
+                human_bytes(r.block_bytes),
+                r.lanes,
+                r.gbps,
+                r.tcp_gbps,
+                r.ratio_vs_tcp,
+                shares.join(", ")
+            ));
+        }
+        if let Some(e) = &self.multi_address_error {
+            s.push_str(&format!("two addresses: not measured ({e})\n"));
+        }
+        s.push_str(&format!(
+            "default lanes on this machine: {}\ntotal {:.1} s\n",
+            self.default_lanes, self.elapsed_s
+        ));
         s
     }
 }
@@ -121,7 +193,17 @@ fn human_bytes(n: usize) -> String {
 #[derive(Debug, Serialize, Deserialize)]
 struct PeerHello {
     region: RegionDescriptor,
+    /// A region of the peer's two-address fabric, or why it has none.
+    two_addresses: Result<RegionDescriptor, String>,
     tcp_sink: String,
+}
+
+/// A loopback fabric configuration on 127.0.0.1 and [`SECOND_ADDRESS`].
+fn two_address_config(token: &str, lanes: usize) -> FabricConfig {
+    FabricConfig {
+        extra_listen: vec![SECOND_ADDRESS.into()],
+        ..FabricConfig::loopback(token, lanes)
+    }
 }
 
 /// The peer side: receive region + TCP sink; prints one JSON line, serves until stdin closes.
@@ -132,9 +214,17 @@ pub fn run_peer() -> anyhow::Result<()> {
         .build()?;
     let fabric = rt.block_on(TcpFabric::start(&FabricConfig::loopback(&token, 1)))?;
     let region = fabric.alloc(REGION_BYTES, Access::RECEIVE)?;
+    let two = rt
+        .block_on(TcpFabric::start(&two_address_config(&token, 1)))
+        .and_then(|f| Ok((f.alloc(REGION_BYTES, Access::RECEIVE)?, f)))
+        .map_err(|e| e.to_string());
     let sink = TcpListener::bind("127.0.0.1:0")?;
     let hello = PeerHello {
         region: region.descriptor().clone(),
+        two_addresses: two
+            .as_ref()
+            .map(|(r, _)| r.descriptor().clone())
+            .map_err(Clone::clone),
         tcp_sink: sink.local_addr()?.to_string(),
     };
     println!("{}", serde_json::to_string(&hello)?);
@@ -157,6 +247,7 @@ pub fn run_peer() -> anyhow::Result<()> {
     {}
     drop(region);
     drop(fabric);
+    drop(two);
     Ok(())
 }
 
@@ -249,7 +340,7 @@ fn plan(block: usize, quick: bool) -> (u64, usize) {
 
 async fn fabric_throughput(
     fabric: &TcpFabric,
-    src: &weightsync_common::fabric::Region,
+    src: &Region,
     dst: &RegionDescriptor,
     block: usize,
     total: u64,
@@ -282,7 +373,7 @@ async fn fabric_throughput(
 
 async fn fabric_latency(
     fabric: &TcpFabric,
-    src: &weightsync_common::fabric::Region,
+    src: &Region,
     dst: &RegionDescriptor,
     block: usize,
     samples: usize,
@@ -375,7 +466,7 @@ pub fn run(cfg: &Config) -> anyhow::Result<Report> {
     let mut scratch = vec![0u8; REGION_BYTES];
     let mut tcp = TcpStream::connect(&peer.hello.tcp_sink).context("connecting the TCP sink")?;
     tcp.set_nodelay(true)?;
-    let rows = rt.block_on(async {
+    let (rows, multi_address, multi_address_error) = rt.block_on(async {
         let mut fabrics = Vec::new();
         for lanes in LANES {
             let f = TcpFabric::start(&FabricConfig::loopback(&token, lanes)).await?;
@@ -384,8 +475,13 @@ pub fn run(cfg: &Config) -> anyhow::Result<Report> {
             src.write_at(0, &data)?;
             fabrics.push((lanes, f, src));
         }
+        let (multi, multi_error) = match two_address_writers(&peer.hello, &token, &data).await {
+            Ok(m) => (m, None),
+            Err(e) => (Vec::new(), Some(format!("{e:#}"))),
+        };
         let dst = &peer.hello.region;
         let mut rows = Vec::new();
+        let mut multi_rows = Vec::new();
         let blocks = if cfg.blocks.is_empty() {
             BLOCKS.to_vec()
         } else {
@@ -399,14 +495,41 @@ pub fn run(cfg: &Config) -> anyhow::Result<Report> {
             let mut best_tcp = Duration::MAX;
             let mut best = vec![Duration::MAX; fabrics.len()];
             let mut best_memcpy: f64 = 0.0;
+            let mut best_multi = vec![Duration::MAX; multi.len()];
+            let before: Vec<Vec<u64>> = multi.iter().map(|w| w.sent()).collect();
             for _ in 0..reps {
                 best_tcp = best_tcp.min(tcp_throughput(&mut tcp, &data, block, total)?);
                 for (k, (_, f, src)) in fabrics.iter().enumerate() {
                     best[k] = best[k].min(fabric_throughput(f, src, dst, block, total).await?);
                 }
+                for (k, w) in multi.iter().enumerate() {
+                    let t = fabric_throughput(&w.fabric, &w.src, &w.dst, block, total).await?;
+                    best_multi[k] = best_multi[k].min(t);
+                }
                 best_memcpy = best_memcpy.max(memcpy_gbps(&data, &mut scratch, block, total));
             }
             let tcp_gbps = gbps(total / block as u64 * block as u64, best_tcp);
+            for ((w, before), best) in multi.iter().zip(&before).zip(&best_multi) {
+                let g = gbps(total / block as u64 * block as u64, *best);
+                let addresses = w
+                    .fabric
+                    .address_stats()
+                    .into_iter()
+                    .zip(before)
+                    .map(|(a, b)| AddressShare {
+                        address: a.address,
+                        bytes_sent: a.bytes_sent - b,
+                    })
+                    .collect();
+                multi_rows.push(AddressRow {
+                    block_bytes: block,
+                    lanes: w.lanes,
+                    gbps: g,
+                    tcp_gbps,
+                    ratio_vs_tcp: g / tcp_gbps,
+                    addresses,
+                });
+            }
             let mut tcp_lat = tcp_latency(&mut tcp, &data, block, samples)?;
             for (k, (lanes, f, src)) in fabrics.iter().enumerate() {
                 let mut lat = fabric_latency(f, src, dst, block, samples).await?;
@@ -425,7 +548,7 @@ pub fn run(cfg: &Config) -> anyhow::Result<Report> {
                 });
             }
         }
-        anyhow::Ok(rows)
+        anyhow::Ok((rows, multi_rows, multi_error))
     })?;
     let mut req = [0u8; 17];
     req[0] = 0;
@@ -438,6 +561,53 @@ pub fn run(cfg: &Config) -> anyhow::Result<Report> {
         bench: "fabric",
         units: "gbps = GB/s (1e9 bytes/s); latencies in microseconds",
         rows,
+        default_lanes: FabricConfig::machine_lanes_per_peer(1),
+        multi_address,
+        multi_address_error,
         elapsed_s: started.elapsed().as_secs_f64(),
     })
+}
+
+/// A writer on two local addresses, connected to the peer's two-address fabric.
+struct TwoAddressWriter {
+    lanes: usize,
+    fabric: TcpFabric,
+    src: Region,
+    dst: RegionDescriptor,
+}
+
+impl TwoAddressWriter {
+    /// Bytes sent so far from each local address.
+    fn sent(&self) -> Vec<u64> {
+        self.fabric
+            .address_stats()
+            .iter()
+            .map(|a| a.bytes_sent)
+            .collect()
+    }
+}
+
+async fn two_address_writers(
+    peer: &PeerHello,
+    token: &str,
+    data: &[u8],
+) -> anyhow::Result<Vec<TwoAddressWriter>> {
+    let dst = peer
+        .two_addresses
+        .clone()
+        .map_err(|e| anyhow!("the peer has no two-address fabric: {e}"))?;
+    let mut writers = Vec::new();
+    for lanes in MULTI_ADDRESS_LANES {
+        let fabric = TcpFabric::start(&two_address_config(token, lanes)).await?;
+        fabric.connect(&dst.endpoint).await?;
+        let src = fabric.alloc(REGION_BYTES, Access::SOURCE)?;
+        src.write_at(0, data)?;
+        writers.push(TwoAddressWriter {
+            lanes,
+            fabric,
+            src,
+            dst: dst.clone(),
+        });
+    }
+    Ok(writers)
 }

@@ -7,9 +7,21 @@
 //!
 //! # Exact semantics of a [`TrainSpec`]
 //! Keys (all default 1): `pp` pipeline stages, `dp` HSDP replica groups, `ep` expert
-//! parallelism, `fsdp` FSDP shard degree, `tp` tensor parallelism; plus `experts=stacked` or
-//! `experts=per-expert` (default) for how routed experts are parameters. World size
-//! `pp*dp*ep*fsdp*tp`; a rank's coordinates are, innermost last,
+//! parallelism, `fsdp` FSDP shard degree, `tp` tensor parallelism; plus `experts=` for how
+//! routed experts are parameters ([`ExpertForm`]):
+//! - `per-expert` (default): `mlp.experts.{e}.{gate,up,down}_proj.weight`, 2-D each (Hugging
+//!   Face checkpoints; FSDP of per-expert modules);
+//! - `stacked`: `mlp.experts.{gate,up,down}_proj.weight`, `[E, I, H]` / `[E, H, I]`
+//!   (grouped-GEMM trainers);
+//! - `stacked-gate-up` (alias `transformers`): `mlp.experts.gate_up_proj` `[E, 2I, H]` (per
+//!   expert gate rows then up rows) and `mlp.experts.down_proj` `[E, H, I]`, exactly what
+//!   `named_parameters()` of a transformers 5.x Qwen3-MoE / DeepSeek-V3 gives; with `fsdp=N`
+//!   (and nothing else) every rank's shard is then what FSDP2 `fully_shard` leaves it of that
+//!   model's parameters (torch.chunk on dim 0). Training `tp` must be 1 with it: transformers'
+//!   own `packed_colwise` split gives a rank its gate rows and its up rows, two boxes per
+//!   expert, which one shard cannot describe.
+//!
+//! World size `pp*dp*ep*fsdp*tp`; a rank's coordinates are, innermost last,
 //! `rank = (((pp_i*dp + dp_i)*ep + ep_i)*fsdp + fsdp_i)*tp + tp_i`.
 //!
 //! 1. **Pipeline.** Decoder layer `l` of `L` lives on stage `s` where
@@ -22,7 +34,8 @@
 //!    else (norms, q_a/kv_a, router) is replicated over tp. `tp` must divide what it splits
 //!    (for q/k/v: the head counts), else an error names the tensor.
 //! 3. **Expert parallelism.** Routed expert `e` of `E` belongs to ep group `e / (E/ep)`
-//!    (`ep` must divide `E`); a stacked tensor's dim 0 is split into `ep` equal parts.
+//!    (`ep` must divide `E`); a stacked tensor's dim 0 (both stacked forms) is split into `ep`
+//!    equal parts.
 //! 4. **FSDP** (FSDP2 `Shard(0)`, torch.chunk semantics): the tp-local tensor is cut along
 //!    dim 0 into chunks of `ceil(n/k)` rows; chunk `i` is rows `[i*c, min(n,(i+1)*c))`, so
 //!    tails are short and trailing chunks may be empty. Routed experts are chunked over the
@@ -38,7 +51,7 @@ use serde::{Deserialize, Serialize};
 use weightsync_common::DType;
 
 use crate::error::PlanError;
-use crate::model::{ExpertForm, LayerKind, Model, Proj, Role};
+use crate::model::{ExpertForm, LayerKind, Model, Param, Proj, Role};
 use crate::table::TensorBox;
 
 /// Alignment of tensors in arenas.
@@ -146,13 +159,17 @@ impl std::str::FromStr for TrainSpec {
                 "fsdp" | "shard" => t.fsdp = parse_degree(spec, &k, &v)?,
                 "tp" => t.tp = parse_degree(spec, &k, &v)?,
                 "experts" => {
-                    t.experts = match v.as_str() {
+                    t.experts = match v.to_ascii_lowercase().replace('_', "-").as_str() {
                         "stacked" => ExpertForm::Stacked,
-                        "per-expert" | "per_expert" => ExpertForm::PerExpert,
+                        "per-expert" => ExpertForm::PerExpert,
+                        "stacked-gate-up" | "transformers" => ExpertForm::StackedGateUp,
                         _ => {
                             return Err(PlanError::BadSpec {
                                 spec: spec.to_string(),
-                                reason: format!("experts={v:?}: expected stacked or per-expert"),
+                                reason: format!(
+                                    "experts={v:?}: expected per-expert, stacked or \
+                                     stacked-gate-up (transformers' stacked experts)"
+                                ),
                             })
                         }
                     }
@@ -177,8 +194,8 @@ impl std::fmt::Display for TrainSpec {
             "pp={},dp={},ep={},fsdp={},tp={}",
             self.pp, self.dp, self.ep, self.fsdp, self.tp
         )?;
-        if self.experts == ExpertForm::Stacked {
-            write!(f, ",experts=stacked")?;
+        if self.experts != ExpertForm::PerExpert {
+            write!(f, ",experts={}", self.experts.spec_name())?;
         }
         Ok(())
     }
@@ -218,7 +235,7 @@ pub(crate) fn train_tp_split(role: Role) -> TpSplit {
             } => TpSplit::Dim(1),
             K::Expert { .. } => TpSplit::Dim(0),
             K::Experts(Proj::Down) => TpSplit::Dim(2),
-            K::Experts(_) => TpSplit::Dim(1),
+            K::Experts(_) | K::ExpertsGateUp => TpSplit::Dim(1),
             _ => TpSplit::None,
         },
     }
@@ -254,71 +271,17 @@ impl TrainingLayout {
     /// Builds the layout a [`TrainSpec`] describes (see the module docs).
     pub fn build(model: &Model, spec: &TrainSpec) -> Result<TrainingLayout, PlanError> {
         let world = spec.world()?;
-        if spec.experts != model.experts {
-            return Err(PlanError::BadSpec {
-                spec: spec.to_string(),
-                reason: format!(
-                    "experts={:?} but the model was built with {:?}",
-                    spec.experts, model.experts
-                ),
-            });
-        }
-        if spec.pp > model.config.layers {
-            return Err(PlanError::NotDivisible {
-                what: format!("training pipeline of {}", model.name),
-                degree_name: "pp",
-                degree: spec.pp,
-                dividend_name: "num_hidden_layers",
-                dividend: model.config.layers as u64,
-            });
-        }
-        if let Some(m) = &model.config.moe {
-            if m.experts % spec.ep != 0 {
-                return Err(PlanError::NotDivisible {
-                    what: format!("training routed experts of {}", model.name),
-                    degree_name: "ep",
-                    degree: spec.ep,
-                    dividend_name: "num_experts",
-                    dividend: m.experts as u64,
-                });
-            }
-        }
-        check_train_heads(model, spec.tp)?;
-        let per_stage = spec.dp * spec.ep * spec.fsdp * spec.tp;
+        check_spec_fits(model, spec)?;
         let mut shards: Vec<ShardSpec> = Vec::new();
         let mut next = vec![0u64; world as usize];
+        let per_stage = spec.dp * spec.ep * spec.fsdp * spec.tp;
         for (pid, p) in model.params.iter().enumerate() {
+            let sharding = Sharding::of(model, spec, p)?;
             let stage = spec.stage_of(model, p.role);
             let full = TensorBox::full(p.shape);
-            let (expert_group, stacked) = match p.role {
-                Role::Layer {
-                    kind: LayerKind::Expert { expert, .. },
-                    ..
-                } => {
-                    let per = model.config.moe.as_ref().map_or(1, |m| m.experts / spec.ep);
-                    (Some(expert / per), false)
-                }
-                Role::Layer {
-                    kind: LayerKind::Experts(_),
-                    ..
-                } => (None, true),
-                _ => (None, false),
-            };
-            let split = train_tp_split(p.role);
-            if let TpSplit::Dim(d) = split {
-                if p.shape.dims[d] % spec.tp != 0 {
-                    return Err(PlanError::NotDivisible {
-                        what: format!("training tensor {}", p.name),
-                        degree_name: "tp",
-                        degree: spec.tp,
-                        dividend_name: "its split dimension",
-                        dividend: p.shape.dims[d] as u64,
-                    });
-                }
-            }
             for dp_i in 0..spec.dp {
                 for ep_i in 0..spec.ep {
-                    if expert_group.is_some_and(|g| g != ep_i) {
+                    if sharding.expert_group.is_some_and(|g| g != ep_i) {
                         continue;
                     }
                     for fsdp_i in 0..spec.fsdp {
@@ -327,24 +290,7 @@ impl TrainingLayout {
                                 + ((dp_i * spec.ep + ep_i) * spec.fsdp + fsdp_i) * spec.tp
                                 + tp_i;
                             let mut b = full;
-                            if stacked {
-                                let n = b.len[0] / spec.ep;
-                                b.start[0] = ep_i * n;
-                                b.len[0] = n;
-                            }
-                            if let TpSplit::Dim(d) = split {
-                                let n = b.len[d] / spec.tp;
-                                b.start[d] += tp_i * n;
-                                b.len[d] = n;
-                            }
-                            let (k, i) = if expert_group.is_some() || stacked {
-                                (spec.fsdp, fsdp_i)
-                            } else {
-                                (spec.ep * spec.fsdp, ep_i * spec.fsdp + fsdp_i)
-                            };
-                            let (s, n) = torch_chunk(b.len[0], k, i);
-                            b.start[0] += s;
-                            b.len[0] = n;
+                            sharding.cut(&mut b, spec, ep_i, fsdp_i, tp_i);
                             if b.is_empty() {
                                 continue;
                             }
@@ -419,6 +365,133 @@ impl TrainingLayout {
             prev = Some(s);
         }
         Ok(())
+    }
+}
+
+/// Refuses a spec the model cannot be laid out by: another expert form than the model's, more
+/// stages than layers, routed experts not divisible by ep, heads not divisible by tp.
+fn check_spec_fits(model: &Model, spec: &TrainSpec) -> Result<(), PlanError> {
+    if spec.experts != model.experts {
+        return Err(PlanError::BadSpec {
+            spec: spec.to_string(),
+            reason: format!(
+                "experts={} but the model was built with experts={}",
+                spec.experts.spec_name(),
+                model.experts.spec_name()
+            ),
+        });
+    }
+    if spec.pp > model.config.layers {
+        return Err(PlanError::NotDivisible {
+            what: format!("training pipeline of {}", model.name),
+            degree_name: "pp",
+            degree: spec.pp,
+            dividend_name: "num_hidden_layers",
+            dividend: model.config.layers as u64,
+        });
+    }
+    if let Some(m) = &model.config.moe {
+        if m.experts % spec.ep != 0 {
+            return Err(PlanError::NotDivisible {
+                what: format!("training routed experts of {}", model.name),
+                degree_name: "ep",
+                degree: spec.ep,
+                dividend_name: "num_experts",
+                dividend: m.experts as u64,
+            });
+        }
+    }
+    check_train_heads(model, spec.tp)
+}
+
+/// How one parameter is cut across a stage's ranks.
+struct Sharding {
+    /// For a per-expert parameter: the ep group holding it (the others hold none of it).
+    expert_group: Option<u32>,
+    /// Stacked experts (either stacked form): dim 0 split across ep.
+    stacked: bool,
+    /// The tp split.
+    split: TpSplit,
+}
+
+impl Sharding {
+    /// How `p` is cut, refused when tp does not divide its split dimension.
+    fn of(model: &Model, spec: &TrainSpec, p: &Param) -> Result<Sharding, PlanError> {
+        let (expert_group, stacked) = match p.role {
+            Role::Layer {
+                kind: LayerKind::Expert { expert, .. },
+                ..
+            } => {
+                let per = model.config.moe.as_ref().map_or(1, |m| m.experts / spec.ep);
+                (Some(expert / per), false)
+            }
+            Role::Layer {
+                kind: LayerKind::Experts(_) | LayerKind::ExpertsGateUp,
+                ..
+            } => (None, true),
+            _ => (None, false),
+        };
+        let split = train_tp_split(p.role);
+        let packed = matches!(
+            p.role,
+            Role::Layer {
+                kind: LayerKind::ExpertsGateUp,
+                ..
+            }
+        );
+        if packed && spec.tp > 1 {
+            return Err(PlanError::BadSpec {
+                spec: spec.to_string(),
+                reason: format!(
+                    "training tensor {} [E, 2I, H] packs gate and up rows: tp={} would give each \
+                     rank its gate rows and its up rows (transformers' packed_colwise), two boxes \
+                     per expert that one shard cannot describe; experts=stacked-gate-up needs \
+                     training tp=1 (use experts=stacked for a tensor-parallel trainer)",
+                    p.name, spec.tp
+                ),
+            });
+        }
+        if let TpSplit::Dim(d) = split {
+            if !p.shape.dims[d].is_multiple_of(spec.tp) {
+                return Err(PlanError::NotDivisible {
+                    what: format!("training tensor {}", p.name),
+                    degree_name: "tp",
+                    degree: spec.tp,
+                    dividend_name: "its split dimension",
+                    dividend: p.shape.dims[d] as u64,
+                });
+            }
+        }
+        Ok(Sharding {
+            expert_group,
+            stacked,
+            split,
+        })
+    }
+
+    /// Cuts `b` (the whole parameter) to its box on the rank at `(ep_i, fsdp_i, tp_i)`: the ep
+    /// share of stacked experts, then the tp share, then the FSDP chunk of dim 0 (over fsdp for
+    /// experts, over ep x fsdp for the rest; possibly empty). Once per shard: inlined, in place.
+    #[inline]
+    fn cut(&self, b: &mut TensorBox, spec: &TrainSpec, ep_i: u32, fsdp_i: u32, tp_i: u32) {
+        if self.stacked {
+            let n = b.len[0] / spec.ep;
+            b.start[0] = ep_i * n;
+            b.len[0] = n;
+        }
+        if let TpSplit::Dim(d) = self.split {
+            let n = b.len[d] / spec.tp;
+            b.start[d] += tp_i * n;
+            b.len[d] = n;
+        }
+        let (k, i) = if self.expert_group.is_some() || self.stacked {
+            (spec.fsdp, fsdp_i)
+        } else {
+            (spec.ep * spec.fsdp, ep_i * spec.fsdp + fsdp_i)
+        };
+        let (s, n) = torch_chunk(b.len[0], k, i);
+        b.start[0] += s;
+        b.len[0] = n;
     }
 }
 

@@ -9,7 +9,8 @@
 //!   [`fanout`] reads its compact write copies back as individual writes.
 //! - [`model`]: logical parameters from a Hugging Face config.json; [`presets`] of public ones.
 //! - [`layout_train`]: training layouts (`pp=2,ep=8,fsdp=16`) as shard lists.
-//! - [`layout_infer`]: inference layouts (`tp=8,ep=32,dp=4`, bf16 or fp8) as engine tensors.
+//! - [`layout_infer`]: inference layouts (`tp=8,ep=32,dp=4`, bf16 or fp8) as engine tensors,
+//!   in the engines' fused format or transformers' own (`format=hf`).
 //! - [`planner`]: [`plan`] itself; [`balance`] spreads replicated data; [`runs`] merges writes.
 //! - [`cost`]: the cost model; [`summary`]: the figures `weightsync plan` prints.
 //! - [`job`]: what a job's statement (`WorldSpec`) means: its layouts, its plan, its size, one
@@ -46,7 +47,7 @@ pub mod table;
 
 pub use cost::CostModel;
 pub use error::PlanError;
-pub use layout_infer::{InferDType, InferSpec, InferenceLayout};
+pub use layout_infer::{InferDType, InferFormat, InferSpec, InferenceLayout};
 pub use layout_train::{TrainSpec, TrainingLayout};
 pub use model::{ExpertForm, Model};
 pub use planner::{plan, plan_with_progress};

@@ -13,6 +13,7 @@
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
+use std::fmt::Write as _;
 use std::sync::Arc;
 use weightsync_common::DType;
 
@@ -83,8 +84,12 @@ pub enum LayerKind {
         proj: Proj,
     },
     /// All routed experts' projection stacked (`mlp.experts.gate_proj.weight`, `[E, I, H]` or
-    /// `[E, H, I]`).
+    /// `[E, H, I]`; transformers' `mlp.experts.down_proj` `[E, H, I]` too).
     Experts(Proj),
+    /// All routed experts' gate and up projections stacked and packed, as transformers holds
+    /// them (`mlp.experts.gate_up_proj`, `[E, 2I, H]`: per expert the `I` gate rows, then the
+    /// `I` up rows).
+    ExpertsGateUp,
 }
 
 /// What a model tensor is.
@@ -127,6 +132,22 @@ pub enum ExpertForm {
     /// One 3-D tensor per projection, experts stacked on dim 0 (grouped-GEMM trainers:
     /// `[E, I, H]` for gate/up, `[E, H, I]` for down).
     Stacked,
+    /// Experts stacked on dim 0 with gate and up packed into one tensor, named as
+    /// `named_parameters()` of a transformers 5.x model names them (no `.weight` suffix):
+    /// `mlp.experts.gate_up_proj` `[E, 2I, H]` (per expert gate rows, then up rows) and
+    /// `mlp.experts.down_proj` `[E, H, I]`.
+    StackedGateUp,
+}
+
+impl ExpertForm {
+    /// The form's name in a training spec (`experts=...`).
+    pub fn spec_name(self) -> &'static str {
+        match self {
+            ExpertForm::PerExpert => "per-expert",
+            ExpertForm::Stacked => "stacked",
+            ExpertForm::StackedGateUp => "stacked-gate-up",
+        }
+    }
 }
 
 /// Model family.
@@ -240,30 +261,7 @@ impl ModelConfig {
     pub fn from_json(text: &str) -> Result<ModelConfig, PlanError> {
         let v: Value = serde_json::from_str(text)
             .map_err(|e| PlanError::BadConfig(format!("not JSON: {e}")))?;
-        let model_type = v.get("model_type").and_then(Value::as_str).unwrap_or("");
-        let arch = v
-            .get("architectures")
-            .and_then(|a| a.get(0))
-            .and_then(Value::as_str)
-            .unwrap_or("");
-        let family = match model_type {
-            "llama" | "mistral" => Family::Llama,
-            "qwen2" => Family::Qwen2,
-            "qwen3" => Family::Qwen3,
-            "qwen3_moe" => Family::Qwen3Moe,
-            "deepseek_v3" | "deepseek_v2" => Family::DeepseekV3,
-            "kimi_k2" => Family::KimiK2,
-            "" if arch == "DeepseekV3ForCausalLM" => Family::DeepseekV3,
-            other => {
-                return Err(PlanError::UnknownFamily {
-                    family: if other.is_empty() {
-                        arch.to_string()
-                    } else {
-                        other.to_string()
-                    },
-                })
-            }
-        };
+        let family = family_of(&v)?;
         let hidden = field_u32(&v, "hidden_size")?;
         let heads = field_u32(&v, "num_attention_heads")?;
         let kv_heads = opt_u32(&v, "num_key_value_heads")?.unwrap_or(heads);
@@ -279,7 +277,11 @@ impl ModelConfig {
                 hidden / heads
             }
         };
-        let dtype = match v.get("torch_dtype").and_then(Value::as_str) {
+        // transformers 5 writes `dtype`, earlier versions `torch_dtype`.
+        let dtype = match ["torch_dtype", "dtype"]
+            .iter()
+            .find_map(|k| v.get(*k).and_then(Value::as_str))
+        {
             None => DType::BF16,
             Some(s) => s
                 .parse::<DType>()
@@ -287,62 +289,11 @@ impl ModelConfig {
         };
         let is_ds = matches!(family, Family::DeepseekV3 | Family::KimiK2);
         let moe = match family {
-            Family::Qwen3Moe => {
-                let experts = field_u32(&v, "num_experts")?;
-                let step = opt_u32(&v, "decoder_sparse_step")?.unwrap_or(1);
-                let only: Vec<u64> = v
-                    .get("mlp_only_layers")
-                    .and_then(Value::as_array)
-                    .map(|a| a.iter().filter_map(Value::as_u64).collect())
-                    .unwrap_or_default();
-                let moe_layers = (0..layers)
-                    .map(|l| !only.contains(&(l as u64)) && (l + 1) % step == 0)
-                    .collect();
-                Some(MoeConfig {
-                    experts,
-                    intermediate: field_u32(&v, "moe_intermediate_size")?,
-                    shared: 0,
-                    moe_layers,
-                    score_bias: false,
-                })
-            }
-            _ if is_ds => match opt_u32(&v, "n_routed_experts")? {
-                None => None,
-                Some(experts) => {
-                    let first = v
-                        .get("first_k_dense_replace")
-                        .and_then(Value::as_u64)
-                        .unwrap_or(0);
-                    let freq = opt_u32(&v, "moe_layer_freq")?.unwrap_or(1) as u64;
-                    let moe_layers = (0..layers as u64)
-                        .map(|l| l >= first && l % freq == 0)
-                        .collect();
-                    Some(MoeConfig {
-                        experts,
-                        intermediate: field_u32(&v, "moe_intermediate_size")?,
-                        shared: v
-                            .get("n_shared_experts")
-                            .and_then(Value::as_u64)
-                            .unwrap_or(0) as u32,
-                        moe_layers,
-                        score_bias: v.get("topk_method").and_then(Value::as_str)
-                            == Some("noaux_tc"),
-                    })
-                }
-            },
+            Family::Qwen3Moe => Some(qwen3_moe(&v, layers)?),
+            _ if is_ds => deepseek_moe(&v, layers)?,
             _ => None,
         };
-        let mla = if is_ds {
-            Some(MlaConfig {
-                q_lora_rank: opt_u32(&v, "q_lora_rank")?,
-                kv_lora_rank: field_u32(&v, "kv_lora_rank")?,
-                nope: field_u32(&v, "qk_nope_head_dim")?,
-                rope: field_u32(&v, "qk_rope_head_dim")?,
-                v: field_u32(&v, "v_head_dim")?,
-            })
-        } else {
-            None
-        };
+        let mla = if is_ds { Some(mla_of(&v)?) } else { None };
         let needs_intermediate = moe
             .as_ref()
             .is_none_or(|m| m.moe_layers.iter().any(|&x| !x));
@@ -368,6 +319,98 @@ impl ModelConfig {
             dtype,
         })
     }
+}
+
+/// The family a config.json names in `model_type` (or, without one, in `architectures`).
+fn family_of(v: &Value) -> Result<Family, PlanError> {
+    let model_type = v.get("model_type").and_then(Value::as_str).unwrap_or("");
+    let arch = v
+        .get("architectures")
+        .and_then(|a| a.get(0))
+        .and_then(Value::as_str)
+        .unwrap_or("");
+    Ok(match model_type {
+        "llama" | "mistral" => Family::Llama,
+        "qwen2" => Family::Qwen2,
+        "qwen3" => Family::Qwen3,
+        "qwen3_moe" => Family::Qwen3Moe,
+        "deepseek_v3" | "deepseek_v2" => Family::DeepseekV3,
+        "kimi_k2" => Family::KimiK2,
+        "" if arch == "DeepseekV3ForCausalLM" => Family::DeepseekV3,
+        other => {
+            return Err(PlanError::UnknownFamily {
+                family: if other.is_empty() {
+                    arch.to_string()
+                } else {
+                    other.to_string()
+                },
+            })
+        }
+    })
+}
+
+/// Qwen3-MoE experts: every `decoder_sparse_step`-th layer is MoE, except `mlp_only_layers`.
+fn qwen3_moe(v: &Value, layers: u32) -> Result<MoeConfig, PlanError> {
+    // transformers 5 saves `num_experts` under its attribute-map name `num_local_experts`.
+    let key = match (v.get("num_experts"), v.get("num_local_experts")) {
+        (None | Some(Value::Null), Some(_)) => "num_local_experts",
+        _ => "num_experts",
+    };
+    let experts = field_u32(v, key)?;
+    let step = opt_u32(v, "decoder_sparse_step")?.unwrap_or(1);
+    let only: Vec<u64> = v
+        .get("mlp_only_layers")
+        .and_then(Value::as_array)
+        .map(|a| a.iter().filter_map(Value::as_u64).collect())
+        .unwrap_or_default();
+    let moe_layers = (0..layers)
+        .map(|l| !only.contains(&(l as u64)) && (l + 1) % step == 0)
+        .collect();
+    Ok(MoeConfig {
+        experts,
+        intermediate: field_u32(v, "moe_intermediate_size")?,
+        shared: 0,
+        moe_layers,
+        score_bias: false,
+    })
+}
+
+/// DeepSeek-V3 / Kimi-K2 experts (none without `n_routed_experts`): layers from
+/// `first_k_dense_replace` on, every `moe_layer_freq`-th, with shared experts and the router
+/// bias of `noaux_tc`.
+fn deepseek_moe(v: &Value, layers: u32) -> Result<Option<MoeConfig>, PlanError> {
+    let Some(experts) = opt_u32(v, "n_routed_experts")? else {
+        return Ok(None);
+    };
+    let first = v
+        .get("first_k_dense_replace")
+        .and_then(Value::as_u64)
+        .unwrap_or(0);
+    let freq = opt_u32(v, "moe_layer_freq")?.unwrap_or(1) as u64;
+    let moe_layers = (0..layers as u64)
+        .map(|l| l >= first && l % freq == 0)
+        .collect();
+    Ok(Some(MoeConfig {
+        experts,
+        intermediate: field_u32(v, "moe_intermediate_size")?,
+        shared: v
+            .get("n_shared_experts")
+            .and_then(Value::as_u64)
+            .unwrap_or(0) as u32,
+        moe_layers,
+        score_bias: v.get("topk_method").and_then(Value::as_str) == Some("noaux_tc"),
+    }))
+}
+
+/// MLA attention settings (DeepSeek-V3 / Kimi-K2).
+fn mla_of(v: &Value) -> Result<MlaConfig, PlanError> {
+    Ok(MlaConfig {
+        q_lora_rank: opt_u32(v, "q_lora_rank")?,
+        kv_lora_rank: field_u32(v, "kv_lora_rank")?,
+        nope: field_u32(v, "qk_nope_head_dim")?,
+        rope: field_u32(v, "qk_rope_head_dim")?,
+        v: field_u32(v, "v_head_dim")?,
+    })
 }
 
 /// The logical model.
@@ -412,240 +455,44 @@ impl Model {
 
     /// Builds the parameter list of a config.
     pub fn from_config(name: &str, c: ModelConfig, experts: ExpertForm) -> Model {
+        let (dt, h) = (c.dtype, c.hidden);
         let mut params = Vec::new();
-        let dt = c.dtype;
-        let h = c.hidden;
-        let mut push = |name: String, dims: &[u32], dtype: DType, role: Role| {
-            params.push(Param {
-                name: name.into(),
-                shape: Shape::new(dims),
-                dtype,
-                role,
-            })
-        };
-        push(
-            "model.embed_tokens.weight".into(),
+        params.push(Param::new(
+            "model.embed_tokens.weight",
             &[c.vocab, h],
             dt,
             Role::Embed,
-        );
+        ));
         for l in 0..c.layers {
-            let p = format!("model.layers.{l}.");
-            let lay = |kind| Role::Layer { layer: l, kind };
-            push(
-                format!("{p}input_layernorm.weight"),
-                &[h],
-                dt,
-                lay(LayerKind::InputNorm),
-            );
+            let mut layer = LayerParams {
+                params: &mut params,
+                prefix: format!("model.layers.{l}."),
+                layer: l,
+                dtype: dt,
+            };
+            layer.add("input_layernorm.weight", &[h], LayerKind::InputNorm);
             match &c.mla {
-                Some(m) => {
-                    let qk = m.nope + m.rope;
-                    match m.q_lora_rank {
-                        Some(r) => {
-                            push(
-                                format!("{p}self_attn.q_a_proj.weight"),
-                                &[r, h],
-                                dt,
-                                lay(LayerKind::QA),
-                            );
-                            push(
-                                format!("{p}self_attn.q_a_layernorm.weight"),
-                                &[r],
-                                dt,
-                                lay(LayerKind::QANorm),
-                            );
-                            push(
-                                format!("{p}self_attn.q_b_proj.weight"),
-                                &[c.heads * qk, r],
-                                dt,
-                                lay(LayerKind::QB),
-                            );
-                        }
-                        None => push(
-                            format!("{p}self_attn.q_proj.weight"),
-                            &[c.heads * qk, h],
-                            dt,
-                            lay(LayerKind::Q),
-                        ),
-                    }
-                    push(
-                        format!("{p}self_attn.kv_a_proj_with_mqa.weight"),
-                        &[m.kv_lora_rank + m.rope, h],
-                        dt,
-                        lay(LayerKind::KVA),
-                    );
-                    push(
-                        format!("{p}self_attn.kv_a_layernorm.weight"),
-                        &[m.kv_lora_rank],
-                        dt,
-                        lay(LayerKind::KVANorm),
-                    );
-                    push(
-                        format!("{p}self_attn.kv_b_proj.weight"),
-                        &[c.heads * (m.nope + m.v), m.kv_lora_rank],
-                        dt,
-                        lay(LayerKind::KVB),
-                    );
-                    push(
-                        format!("{p}self_attn.o_proj.weight"),
-                        &[h, c.heads * m.v],
-                        dt,
-                        lay(LayerKind::O),
-                    );
-                }
-                None => {
-                    let (q, kv) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
-                    push(
-                        format!("{p}self_attn.q_proj.weight"),
-                        &[q, h],
-                        dt,
-                        lay(LayerKind::Q),
-                    );
-                    push(
-                        format!("{p}self_attn.k_proj.weight"),
-                        &[kv, h],
-                        dt,
-                        lay(LayerKind::K),
-                    );
-                    push(
-                        format!("{p}self_attn.v_proj.weight"),
-                        &[kv, h],
-                        dt,
-                        lay(LayerKind::V),
-                    );
-                    if c.attention_bias {
-                        push(
-                            format!("{p}self_attn.q_proj.bias"),
-                            &[q],
-                            dt,
-                            lay(LayerKind::QBias),
-                        );
-                        push(
-                            format!("{p}self_attn.k_proj.bias"),
-                            &[kv],
-                            dt,
-                            lay(LayerKind::KBias),
-                        );
-                        push(
-                            format!("{p}self_attn.v_proj.bias"),
-                            &[kv],
-                            dt,
-                            lay(LayerKind::VBias),
-                        );
-                    }
-                    if c.qk_norm {
-                        push(
-                            format!("{p}self_attn.q_norm.weight"),
-                            &[c.head_dim],
-                            dt,
-                            lay(LayerKind::QNorm),
-                        );
-                        push(
-                            format!("{p}self_attn.k_norm.weight"),
-                            &[c.head_dim],
-                            dt,
-                            lay(LayerKind::KNorm),
-                        );
-                    }
-                    push(
-                        format!("{p}self_attn.o_proj.weight"),
-                        &[h, q],
-                        dt,
-                        lay(LayerKind::O),
-                    );
-                }
+                Some(m) => layer.mla_attention(&c, m),
+                None => layer.attention(&c),
             }
-            push(
-                format!("{p}post_attention_layernorm.weight"),
+            layer.add(
+                "post_attention_layernorm.weight",
                 &[h],
-                dt,
-                lay(LayerKind::PostAttnNorm),
+                LayerKind::PostAttnNorm,
             );
-            let is_moe = c.moe.as_ref().is_some_and(|m| m.moe_layers[l as usize]);
-            if !is_moe {
-                let i = c.intermediate;
-                for (proj, nm, dims) in [
-                    (Proj::Gate, "gate_proj", [i, h]),
-                    (Proj::Up, "up_proj", [i, h]),
-                    (Proj::Down, "down_proj", [h, i]),
-                ] {
-                    push(
-                        format!("{p}mlp.{nm}.weight"),
-                        &dims,
-                        dt,
-                        lay(LayerKind::Mlp(proj)),
-                    );
-                }
-                continue;
-            }
-            let m = c.moe.as_ref().expect("is_moe implies moe");
-            push(
-                format!("{p}mlp.gate.weight"),
-                &[m.experts, h],
-                dt,
-                lay(LayerKind::Router),
-            );
-            if m.score_bias {
-                push(
-                    format!("{p}mlp.gate.e_score_correction_bias"),
-                    &[m.experts],
-                    DType::F32,
-                    lay(LayerKind::RouterBias),
-                );
-            }
-            if m.shared > 0 {
-                let i = m.intermediate * m.shared;
-                for (proj, nm, dims) in [
-                    (Proj::Gate, "gate_proj", [i, h]),
-                    (Proj::Up, "up_proj", [i, h]),
-                    (Proj::Down, "down_proj", [h, i]),
-                ] {
-                    push(
-                        format!("{p}mlp.shared_experts.{nm}.weight"),
-                        &dims,
-                        dt,
-                        lay(LayerKind::Shared(proj)),
-                    );
-                }
-            }
-            let i = m.intermediate;
-            match experts {
-                ExpertForm::PerExpert => {
-                    for e in 0..m.experts {
-                        for (proj, nm, dims) in [
-                            (Proj::Gate, "gate_proj", [i, h]),
-                            (Proj::Up, "up_proj", [i, h]),
-                            (Proj::Down, "down_proj", [h, i]),
-                        ] {
-                            push(
-                                format!("{p}mlp.experts.{e}.{nm}.weight"),
-                                &dims,
-                                dt,
-                                lay(LayerKind::Expert { expert: e, proj }),
-                            );
-                        }
-                    }
-                }
-                ExpertForm::Stacked => {
-                    for (proj, nm, dims) in [
-                        (Proj::Gate, "gate_proj", [m.experts, i, h]),
-                        (Proj::Up, "up_proj", [m.experts, i, h]),
-                        (Proj::Down, "down_proj", [m.experts, h, i]),
-                    ] {
-                        push(
-                            format!("{p}mlp.experts.{nm}.weight"),
-                            &dims,
-                            dt,
-                            lay(LayerKind::Experts(proj)),
-                        );
-                    }
-                }
+            match c.moe.as_ref().filter(|m| m.moe_layers[l as usize]) {
+                None => layer.mlp("mlp.", c.intermediate, h, LayerKind::Mlp),
+                Some(m) => layer.moe(m, h, experts),
             }
         }
-        push("model.norm.weight".into(), &[h], dt, Role::FinalNorm);
+        params.push(Param::new("model.norm.weight", &[h], dt, Role::FinalNorm));
         if !c.tie_embeddings {
-            push("lm_head.weight".into(), &[c.vocab, h], dt, Role::LmHead);
+            params.push(Param::new(
+                "lm_head.weight",
+                &[c.vocab, h],
+                dt,
+                Role::LmHead,
+            ));
         }
         Model {
             name: name.to_string(),
@@ -695,6 +542,175 @@ impl Model {
     }
 }
 
+impl Param {
+    fn new(name: impl Into<Arc<str>>, dims: &[u32], dtype: DType, role: Role) -> Param {
+        Param {
+            name: name.into(),
+            shape: Shape::new(dims),
+            dtype,
+            role,
+        }
+    }
+}
+
+/// The parameters of decoder layer `layer`, appended to a model's list in checkpoint order by
+/// [`Model::from_config`]: names are `prefix` (`model.layers.{layer}.`) and their own.
+struct LayerParams<'p> {
+    params: &'p mut Vec<Param>,
+    prefix: String,
+    layer: u32,
+    /// The model's dtype.
+    dtype: DType,
+}
+
+impl LayerParams<'_> {
+    /// Appends tensor `name` of the layer, in the model's dtype.
+    fn add(&mut self, name: impl std::fmt::Display, dims: &[u32], kind: LayerKind) {
+        self.add_as(name, dims, self.dtype, kind);
+    }
+
+    /// Appends tensor `name` of the layer, in `dtype`.
+    fn add_as(
+        &mut self,
+        name: impl std::fmt::Display,
+        dims: &[u32],
+        dtype: DType,
+        kind: LayerKind,
+    ) {
+        let role = Role::Layer {
+            layer: self.layer,
+            kind,
+        };
+        // Sized up front: a `format!` of two arguments would grow the string several times.
+        let mut full = String::with_capacity(self.prefix.len() + 48);
+        full.push_str(&self.prefix);
+        write!(full, "{name}").expect("writing to a String cannot fail");
+        self.params.push(Param::new(full, dims, dtype, role));
+    }
+
+    /// MLA attention (DeepSeek-V3, Kimi-K2): q (through a LoRA when `q_lora_rank` is set),
+    /// the compressed kv with its norm, kv_b and o.
+    fn mla_attention(&mut self, c: &ModelConfig, m: &MlaConfig) {
+        let h = c.hidden;
+        let qk = m.nope + m.rope;
+        match m.q_lora_rank {
+            Some(r) => {
+                self.add("self_attn.q_a_proj.weight", &[r, h], LayerKind::QA);
+                self.add("self_attn.q_a_layernorm.weight", &[r], LayerKind::QANorm);
+                self.add(
+                    "self_attn.q_b_proj.weight",
+                    &[c.heads * qk, r],
+                    LayerKind::QB,
+                );
+            }
+            None => self.add("self_attn.q_proj.weight", &[c.heads * qk, h], LayerKind::Q),
+        }
+        let kv = m.kv_lora_rank;
+        self.add(
+            "self_attn.kv_a_proj_with_mqa.weight",
+            &[kv + m.rope, h],
+            LayerKind::KVA,
+        );
+        self.add("self_attn.kv_a_layernorm.weight", &[kv], LayerKind::KVANorm);
+        self.add(
+            "self_attn.kv_b_proj.weight",
+            &[c.heads * (m.nope + m.v), kv],
+            LayerKind::KVB,
+        );
+        self.add("self_attn.o_proj.weight", &[h, c.heads * m.v], LayerKind::O);
+    }
+
+    /// Dense attention: q, k, v (with Qwen2 biases and Qwen3 norms), o.
+    fn attention(&mut self, c: &ModelConfig) {
+        let h = c.hidden;
+        let (q, kv) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
+        self.add("self_attn.q_proj.weight", &[q, h], LayerKind::Q);
+        self.add("self_attn.k_proj.weight", &[kv, h], LayerKind::K);
+        self.add("self_attn.v_proj.weight", &[kv, h], LayerKind::V);
+        if c.attention_bias {
+            self.add("self_attn.q_proj.bias", &[q], LayerKind::QBias);
+            self.add("self_attn.k_proj.bias", &[kv], LayerKind::KBias);
+            self.add("self_attn.v_proj.bias", &[kv], LayerKind::VBias);
+        }
+        if c.qk_norm {
+            self.add("self_attn.q_norm.weight", &[c.head_dim], LayerKind::QNorm);
+            self.add("self_attn.k_norm.weight", &[c.head_dim], LayerKind::KNorm);
+        }
+        self.add("self_attn.o_proj.weight", &[h, q], LayerKind::O);
+    }
+
+    /// gate, up and down projections `i` wide (a dense MLP, or the fused shared experts),
+    /// named `{prefix}{gate,up,down}_proj.weight`.
+    fn mlp(&mut self, prefix: &str, i: u32, h: u32, kind: fn(Proj) -> LayerKind) {
+        for (proj, nm, dims) in [
+            (Proj::Gate, "gate_proj", [i, h]),
+            (Proj::Up, "up_proj", [i, h]),
+            (Proj::Down, "down_proj", [h, i]),
+        ] {
+            self.add(format_args!("{prefix}{nm}.weight"), &dims, kind(proj));
+        }
+    }
+
+    /// An MoE block: the router (and its f32 bias), the shared experts, the routed experts (per
+    /// expert or stacked).
+    fn moe(&mut self, m: &MoeConfig, h: u32, experts: ExpertForm) {
+        self.add("mlp.gate.weight", &[m.experts, h], LayerKind::Router);
+        if m.score_bias {
+            self.add_as(
+                "mlp.gate.e_score_correction_bias",
+                &[m.experts],
+                DType::F32,
+                LayerKind::RouterBias,
+            );
+        }
+        if m.shared > 0 {
+            let i = m.intermediate * m.shared;
+            self.mlp("mlp.shared_experts.", i, h, LayerKind::Shared);
+        }
+        let i = m.intermediate;
+        match experts {
+            ExpertForm::PerExpert => {
+                for e in 0..m.experts {
+                    for (proj, nm, dims) in [
+                        (Proj::Gate, "gate_proj", [i, h]),
+                        (Proj::Up, "up_proj", [i, h]),
+                        (Proj::Down, "down_proj", [h, i]),
+                    ] {
+                        let kind = LayerKind::Expert { expert: e, proj };
+                        self.add(format_args!("mlp.experts.{e}.{nm}.weight"), &dims, kind);
+                    }
+                }
+            }
+            ExpertForm::Stacked => {
+                for (proj, nm, dims) in [
+                    (Proj::Gate, "gate_proj", [m.experts, i, h]),
+                    (Proj::Up, "up_proj", [m.experts, i, h]),
+                    (Proj::Down, "down_proj", [m.experts, h, i]),
+                ] {
+                    self.add(
+                        format_args!("mlp.experts.{nm}.weight"),
+                        &dims,
+                        LayerKind::Experts(proj),
+                    );
+                }
+            }
+            ExpertForm::StackedGateUp => {
+                let e = m.experts;
+                self.add(
+                    "mlp.experts.gate_up_proj",
+                    &[e, 2 * i, h],
+                    LayerKind::ExpertsGateUp,
+                );
+                self.add(
+                    "mlp.experts.down_proj",
+                    &[e, h, i],
+                    LayerKind::Experts(Proj::Down),
+                );
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -713,8 +729,10 @@ mod tests {
             let m = Model::preset(name, ExpertForm::PerExpert).unwrap();
             let n = m.num_elements() as f64;
             assert!(n > lo && n < hi, "{name}: {n:e}");
-            let s = Model::preset(name, ExpertForm::Stacked).unwrap();
-            assert_eq!(s.num_elements(), m.num_elements());
+            for form in [ExpertForm::Stacked, ExpertForm::StackedGateUp] {
+                let s = Model::preset(name, form).unwrap();
+                assert_eq!(s.num_elements(), m.num_elements(), "{name} {form:?}");
+            }
         }
     }
 

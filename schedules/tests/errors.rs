@@ -123,3 +123,93 @@ fn dtype_disagreement_and_missing_rank() {
     let e = plan(&m, &t2, &i, &CostModel::default()).unwrap_err();
     assert!(e.to_string().contains("10000"), "{e}");
 }
+
+#[test]
+fn layout_errors_name_the_tensor_and_the_format() {
+    let m = model(DENSE, ExpertForm::PerExpert);
+    for (spec, tensor, format) in [
+        (
+            "tp=3,format=hf",
+            "model.layers.0.self_attn.q_proj.weight",
+            "format hf",
+        ),
+        (
+            "tp=3",
+            "model.layers.0.self_attn.qkv_proj.weight",
+            "format fused",
+        ),
+    ] {
+        let e = InferenceLayout::build(&m, &spec.parse().unwrap()).unwrap_err();
+        let msg = e.to_string();
+        assert!(
+            msg.contains(tensor) && msg.contains(format) && msg.contains("num_attention_heads"),
+            "{msg}"
+        );
+    }
+    let moe = model(MOE, ExpertForm::StackedGateUp);
+    let e = InferenceLayout::build(&moe, &"ep=3,format=hf".parse().unwrap()).unwrap_err();
+    let msg = e.to_string();
+    assert!(
+        msg.contains("model.layers.1.mlp.experts.gate_up_proj") && msg.contains("num_experts"),
+        "{msg}"
+    );
+    let e = "tp=2,format=gguf".parse::<InferSpec>().unwrap_err();
+    assert!(
+        e.to_string().contains("gguf") && e.to_string().contains("hf"),
+        "{e}"
+    );
+}
+
+#[test]
+fn fp8_gate_up_blocks_the_format_cannot_hold_are_refused_by_name() {
+    let fp8 = |s: &str| InferSpec {
+        dtype: InferDType::Fp8,
+        ..s.parse().unwrap()
+    };
+    // hf: one [2I, H] grid per expert; I = 192 from separate gate and up tensors would put
+    // gate and up rows of two training tensors in one block.
+    for form in [ExpertForm::PerExpert, ExpertForm::Stacked] {
+        let m = model(MOE_I192, form);
+        let e = InferenceLayout::build(&m, &fp8("ep=2,format=hf")).unwrap_err();
+        let msg = e.to_string();
+        assert!(matches!(e, PlanError::BadSpec { .. }), "{msg}");
+        assert!(
+            msg.contains("model.layers.1.mlp.experts.gate_up_proj")
+                && msg.contains("format hf")
+                && msg.contains("experts=stacked-gate-up"),
+            "{msg}"
+        );
+    }
+    // ... and so would the tp halves of the packed tensor (96 gate rows, 96 up rows).
+    let packed = model(MOE_I192, ExpertForm::StackedGateUp);
+    let e = InferenceLayout::build(&packed, &fp8("tp=2,format=hf")).unwrap_err();
+    assert!(e.to_string().contains("tp=2 halves"), "{e}");
+    // fused: engines keep gate and up on separate grids, which the packed I = 192 tensor mixes.
+    let e = InferenceLayout::build(&packed, &fp8("ep=2")).unwrap_err();
+    let msg = e.to_string();
+    assert!(
+        msg.contains("model.layers.1.mlp.experts.w13_weight")
+            && msg.contains("format fused")
+            && msg.contains("format=hf"),
+        "{msg}"
+    );
+    // bf16 has no blocks: every one of them plans.
+    for spec in ["ep=2,format=hf", "tp=2,format=hf", "ep=2"] {
+        InferenceLayout::build(&packed, &spec.parse().unwrap()).unwrap();
+    }
+}
+
+#[test]
+fn packed_experts_refuse_training_tp() {
+    let m = model(MOE, ExpertForm::StackedGateUp);
+    let e =
+        TrainingLayout::build(&m, &"tp=2,experts=stacked-gate-up".parse().unwrap()).unwrap_err();
+    let msg = e.to_string();
+    assert!(
+        msg.contains("model.layers.1.mlp.experts.gate_up_proj") && msg.contains("tp=2"),
+        "{msg}"
+    );
+    // The spec's form must be the model's.
+    let e = TrainingLayout::build(&m, &"fsdp=2".parse().unwrap()).unwrap_err();
+    assert!(e.to_string().contains("experts=stacked-gate-up"), "{e}");
+}

@@ -93,8 +93,9 @@ fn dump(table: &RoutingTable, summary: &Summary) -> String {
 }
 
 fn check(name: &str, json: &str, train: &str, infer: &str, dtype: InferDType) {
-    let m = Model::from_config_json("golden", json, ExpertForm::PerExpert).unwrap();
-    let t = TrainingLayout::build(&m, &train.parse().unwrap()).unwrap();
+    let tspec: TrainSpec = train.parse().unwrap();
+    let m = Model::from_config_json("golden", json, tspec.experts).unwrap();
+    let t = TrainingLayout::build(&m, &tspec).unwrap();
     let mut spec: InferSpec = infer.parse().unwrap();
     spec.dtype = dtype;
     let i = InferenceLayout::build(&m, &spec).unwrap();
@@ -152,6 +153,37 @@ fn dense_hsdp_to_tp4_bf16() {
         InferDType::Bf16,
     );
 }
+
+#[test]
+fn hf_dense_fsdp3_to_tp2_dp2_fp8_with_gathers() {
+    // transformers' unfused q/k/v and gate/up, embedding whole on both tp ranks.
+    check(
+        "hf_dense_fsdp3_tp2_dp2_fp8",
+        &one_layer(),
+        "fsdp=3",
+        "tp=2,dp=2,format=hf",
+        InferDType::Fp8,
+    );
+}
+
+#[test]
+fn hf_moe_packed_experts_fsdp3_to_ep2_fp8() {
+    // transformers' packed gate_up_proj [4, 384, 256] from FSDP2 chunks of 2, 2 and 0 experts,
+    // each expert quantised as one [384, 256] grid (its middle block row mixes gate and up).
+    check(
+        "hf_moe_i192_fsdp3_ep2_fp8",
+        MOE_ONE_LAYER_I192,
+        "fsdp=3,experts=stacked-gate-up",
+        "ep=2,format=hf",
+        InferDType::Fp8,
+    );
+}
+
+/// One MoE decoder layer, 4 experts 192 wide.
+const MOE_ONE_LAYER_I192: &str = r#"{"model_type":"qwen3_moe","hidden_size":256,
+ "intermediate_size":512,"moe_intermediate_size":192,"num_experts":4,"num_experts_per_tok":2,
+ "num_hidden_layers":1,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":128,
+ "vocab_size":300}"#;
 
 /// The committed `routing_table` fuzz seeds are tables of the current format (rewrite them with
 /// `FUZZ_SEEDS`, see the module docs, when it changes).

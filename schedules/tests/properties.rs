@@ -11,17 +11,23 @@ use proptest::prelude::*;
 use weightsync_schedules::table::{RoutingTable, Source, Transform, WriteTarget, MAX_DIMS};
 use weightsync_schedules::*;
 
-/// A random small model config (always valid).
-fn config() -> impl Strategy<Value = (String, bool)> {
+/// A random small model config (always valid) and expert form.
+fn config() -> impl Strategy<Value = (String, ExpertForm)> {
     (
         0usize..4,
         prop::sample::select(vec![128u32, 256]),
         1u32..3,
         prop::sample::select(vec![256u32, 384, 512]),
         100u32..400,
-        any::<bool>(),
+        prop::sample::select(vec![
+            ExpertForm::PerExpert,
+            ExpertForm::Stacked,
+            ExpertForm::StackedGateUp,
+        ]),
+        // Expert width: 192 puts fp8 blocks across gate and up rows.
+        prop::sample::select(vec![192u32, 256]),
     )
-        .prop_map(|(family, hidden, layers, inter, vocab, stacked)| {
+        .prop_map(|(family, hidden, layers, inter, vocab, experts, moe_i)| {
             let json = match family {
                 0 => format!(
                     r#"{{"model_type":"qwen3","hidden_size":{hidden},"intermediate_size":{inter},
@@ -35,27 +41,27 @@ fn config() -> impl Strategy<Value = (String, bool)> {
                 ),
                 2 => format!(
                     r#"{{"model_type":"qwen3_moe","hidden_size":{hidden},"intermediate_size":{inter},
-                    "moe_intermediate_size":256,"num_experts":4,"num_hidden_layers":{layers},
+                    "moe_intermediate_size":{moe_i},"num_experts":4,"num_hidden_layers":{layers},
                     "num_attention_heads":4,"num_key_value_heads":4,"head_dim":128,
                     "vocab_size":{vocab}}}"#
                 ),
                 _ => format!(
                     r#"{{"model_type":"deepseek_v3","hidden_size":{hidden},"intermediate_size":{inter},
-                    "moe_intermediate_size":256,"n_routed_experts":4,"n_shared_experts":1,
+                    "moe_intermediate_size":{moe_i},"n_routed_experts":4,"n_shared_experts":1,
                     "first_k_dense_replace":1,"topk_method":"noaux_tc","num_hidden_layers":{layers},
                     "num_attention_heads":2,"q_lora_rank":128,"kv_lora_rank":128,
                     "qk_nope_head_dim":128,"qk_rope_head_dim":64,"v_head_dim":128,
                     "vocab_size":{vocab}}}"#
                 ),
             };
-            (json, stacked)
+            (json, experts)
         })
 }
 
 #[derive(Debug, Clone)]
 struct Case {
     json: String,
-    stacked: bool,
+    experts: ExpertForm,
     train: String,
     infer: String,
     fp8: bool,
@@ -67,15 +73,16 @@ fn case() -> impl Strategy<Value = Case> {
         (1u32..3, 1u32..3, 1u32..3, 1u32..6, 1u32..3),
         (1u32..3, prop::sample::select(vec![1u32, 2, 4]), 1u32..3),
         any::<bool>(),
+        prop::sample::select(vec!["fused", "hf"]),
     )
         .prop_map(
-            |((json, stacked), (pp, dp, ep, fsdp, tp), (itp, iep, idp), fp8)| {
+            |((json, experts), (pp, dp, ep, fsdp, tp), (itp, iep, idp), fp8, format)| {
                 let iep = if iep > 1 && iep % itp != 0 { itp } else { iep };
                 Case {
                     json,
-                    stacked,
+                    experts,
                     train: format!("pp={pp},dp={dp},ep={ep},fsdp={fsdp},tp={tp}"),
-                    infer: format!("tp={itp},ep={iep},dp={idp}"),
+                    infer: format!("tp={itp},ep={iep},dp={idp},format={format}"),
                     fp8,
                 }
             },
@@ -83,16 +90,11 @@ fn case() -> impl Strategy<Value = Case> {
 }
 
 /// Builds the inputs; `None` when the random combination is legitimately refused (a degree
-/// that does not divide, an fp8 shard off the block grid).
+/// that does not divide, an fp8 shard off the block grid, packed experts under training tp).
 fn inputs(c: &Case) -> Option<(Model, TrainingLayout, InferenceLayout)> {
-    let form = if c.stacked {
-        ExpertForm::Stacked
-    } else {
-        ExpertForm::PerExpert
-    };
-    let m = Model::from_config_json("random", &c.json, form).unwrap();
+    let m = Model::from_config_json("random", &c.json, c.experts).unwrap();
     let mut ts: TrainSpec = c.train.parse().unwrap();
-    ts.experts = form;
+    ts.experts = c.experts;
     let mut is: InferSpec = c.infer.parse().unwrap();
     is.dtype = if c.fp8 {
         InferDType::Fp8

@@ -17,13 +17,19 @@
 //!   writer's write fail instead of hanging;
 //! - lanes recover after a failure;
 //! - `reset_connections` resolves every write posted before it (landed, or failed with
-//!   `ConnectionsReset`), none of them lands afterwards, and the next write works.
+//!   `ConnectionsReset`), none of them lands afterwards, and the next write works;
+//! - at most once under faults: lanes cut at random moments during a burst of writes with
+//!   distinct immediates never make an immediate count more often than it was written, and every
+//!   write reported `Ok` is counted exactly once ([`immediates_at_most_once_under_cuts`]).
 //!
 //! Checks panic with a message naming what went wrong; each is bounded by a hang guard so a
 //! broken backend fails instead of hanging CI (no check asserts on timing).
 
 use std::future::Future;
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
 
 use weightsync_common::fabric::{
     Access, Endpoint, FabricBackend, FabricError, Memory, MemoryLocation, RawMemory, Region,
@@ -666,4 +672,144 @@ pub async fn reset_discards_posted_writes<F: BackendFactory>(f: &F, lanes: usize
         "an immediate of a reset write was counted after the reset"
     );
     dst.assert_canaries("reset_discards_posted_writes");
+}
+
+/// Writes per burst of [`immediates_at_most_once_under_cuts`].
+pub const CUT_BURST_WRITES: u32 = 160;
+
+/// What one run of [`immediates_at_most_once_under_cuts`] saw (for the report of a run).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CutRunStats {
+    /// Writes posted.
+    pub writes: u64,
+    /// Writes that resolved `Ok` (each counted exactly once).
+    pub landed: u64,
+    /// Writes that failed because a lane was cut under them (none counted twice).
+    pub failed: u64,
+    /// Failed writes whose immediate was counted anyway (landed, reported failed: allowed).
+    pub failed_but_counted: u64,
+    /// Cuts made.
+    pub cuts: u64,
+}
+
+/// At most once, under faults: `reps` bursts of [`CUT_BURST_WRITES`] writes, each with its own
+/// immediate (sizes from 1 KiB to 1 MiB, so on several lanes some are striped and carry their
+/// immediate on a deferred tail), while the writer's lanes to the receiver are cut 1 to 3 times
+/// at random moments (seeded by `seed`). After each burst every write has resolved; then
+/// - no immediate is ever counted more than once (a backend that re-sends a write whose first
+///   attempt may have landed counts it twice: the "committed" a rollout must never see early);
+/// - every write that resolved `Ok` is counted exactly once (after a bounded settle: a verbs
+///   receiver counts on its own thread, shortly after the writer's acknowledgement);
+/// - failed writes are counted at most once (a write reported failed may have landed).
+///
+/// The lanes recover after the last burst. Skipped when the backend offers no cut hook.
+pub async fn immediates_at_most_once_under_cuts<F: BackendFactory>(
+    f: &F,
+    lanes: usize,
+    reps: u32,
+    seed: u64,
+) -> CutRunStats {
+    let (a, b) = pair(f, lanes).await;
+    let len = 8usize << 20;
+    let dst = CanaryRegion::new(&b, len, Access::RECEIVE);
+    let d = dst.descriptor();
+    let src = source(&a, &pattern(len, 11));
+    guarded("connect", a.connect(b.endpoint()))
+        .await
+        .unwrap_or_else(|e| panic!("connect: {e}"));
+    let counter = b.imm_counter().clone();
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut stats = CutRunStats::default();
+    let what = |rep: u32| format!("lanes {lanes}, seed {seed}, burst {rep}");
+    for rep in 0..reps {
+        let base = 0x5000_0000 + rep * 0x1_0000;
+        let mut posted = Vec::with_capacity(CUT_BURST_WRITES as usize);
+        for i in 0..CUT_BURST_WRITES {
+            let size: u64 = if i % 16 == 7 {
+                1 << 20
+            } else {
+                rng.random_range(1u64 << 10..=64 << 10)
+            };
+            let off = rng.random_range(0..(len as u64 - size)) & !7;
+            let imm = base + i;
+            posted.push((
+                imm,
+                a.write(WriteOp::new(&src, off, &d, off, size).with_imm(imm)),
+            ));
+        }
+        stats.writes += u64::from(CUT_BURST_WRITES);
+        // Cut while the burst is in flight, at random moments.
+        let cuts = rng.random_range(1..=3u32);
+        for _ in 0..cuts {
+            tokio::time::sleep(Duration::from_micros(rng.random_range(0..2_000))).await;
+            if !f.cut_lanes(&a, b.endpoint()) {
+                eprintln!(
+                    "immediates_at_most_once_under_cuts: backend offers no cut hook; skipped"
+                );
+                return stats;
+            }
+            stats.cuts += 1;
+        }
+        let (imms, writes): (Vec<u32>, Vec<_>) = posted.into_iter().unzip();
+        let results = guarded("a burst of writes under cuts", join_all(writes)).await;
+        for (imm, r) in imms.iter().zip(&results) {
+            if let Err(e) = r {
+                assert!(
+                    e.remote_access_kind().is_none(),
+                    "{}: immediate {imm:#x}: a cut lane must not look like a refusal: {e}",
+                    what(rep)
+                );
+            }
+        }
+        // Every acknowledged write is counted (bounded settle), ...
+        let deadline = Instant::now() + HANG_GUARD;
+        loop {
+            let missing = imms
+                .iter()
+                .zip(&results)
+                .filter(|(imm, r)| r.is_ok() && counter.unclaimed(**imm) == 0)
+                .count();
+            if missing == 0 {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{}: {missing} writes resolved Ok but their immediates were never counted",
+                what(rep)
+            );
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        // ... and a late duplicate has every chance to arrive (not a timing assertion: none
+        // may arrive at all).
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        for (imm, r) in imms.iter().zip(&results) {
+            let counted = counter.unclaimed(*imm);
+            assert!(
+                counted <= 1,
+                "{}: immediate {imm:#x} was written once and counted {counted} times ({})",
+                what(rep),
+                if r.is_ok() {
+                    "write Ok"
+                } else {
+                    "write failed"
+                }
+            );
+            match r {
+                Ok(()) => stats.landed += 1,
+                Err(_) => {
+                    stats.failed += 1;
+                    stats.failed_but_counted += counted;
+                }
+            }
+        }
+    }
+    // The lanes recover after the cuts.
+    guarded(
+        "write after the cuts",
+        a.write(WriteOp::new(&src, 0, &d, 0, 4096).with_imm(0x5fff_ffff)),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("lanes {lanes}, seed {seed}: write after the cuts: {e}"));
+    dst.assert_canaries("immediates_at_most_once_under_cuts");
+    stats
 }

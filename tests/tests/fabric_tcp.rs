@@ -1,4 +1,4 @@
-//! The fabric conformance suite against the TCP backend, with 1 and 4 lanes, plus the TCP-only
+//! The fabric conformance suite against the TCP backend, with 1, 2 and 4 lanes, plus the TCP-only
 //! fault hooks: cutting lanes, and a raw client that authenticates, sends half a frame and dies.
 
 use std::io::Write;
@@ -122,6 +122,31 @@ async fn reset_discards_posted_writes_one_lane() {
 #[tokio::test]
 async fn reset_discards_posted_writes_four_lanes() {
     conformance::reset_discards_posted_writes(&Tcp, 4).await;
+}
+
+/// At most once under random cuts, 20 bursts per lane count (seeded, so a failure names the
+/// seed and burst that reproduce it).
+async fn at_most_once_under_cuts(lanes: usize) {
+    let stats =
+        conformance::immediates_at_most_once_under_cuts(&Tcp, lanes, 20, 0x17 + lanes as u64).await;
+    eprintln!("tcp, {lanes} lanes: {stats:?}");
+    assert_eq!(stats.writes, 20 * u64::from(conformance::CUT_BURST_WRITES));
+    assert!(stats.cuts >= 20, "every burst was cut: {stats:?}");
+}
+
+#[tokio::test]
+async fn immediates_at_most_once_under_cuts_one_lane() {
+    at_most_once_under_cuts(1).await;
+}
+
+#[tokio::test]
+async fn immediates_at_most_once_under_cuts_two_lanes() {
+    at_most_once_under_cuts(2).await;
+}
+
+#[tokio::test]
+async fn immediates_at_most_once_under_cuts_four_lanes() {
+    at_most_once_under_cuts(4).await;
 }
 
 /// A raw peer that authenticates and then stops reading until the returned sender is dropped;

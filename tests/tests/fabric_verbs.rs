@@ -9,16 +9,25 @@
 //!     cargo test -p weightsync-tests --features rdma --test fabric_verbs -- --ignored
 //! ```
 //!
+//! On RoCE the GID index may be left out: the backend picks the first RoCE v2 entry
+//! (`WEIGHTSYNC_RDMA_GID_FAMILY` chooses IPv4 or IPv6). `tests/verbs-device-check.sh` runs all of
+//! this, plus the hardware-counter checks, on a named device.
+//!
 //! Both instances of each check run in this process on the same device, talking over the NIC
 //! (loopback through the port), bootstrapped over 127.0.0.1. The torn-write check is skipped:
 //! a verbs writer cannot die half-way through a message the NIC already took (the NIC either
-//! delivers the whole message, or the receiver gets no completion at all). The checks below the
-//! conformance ones need no device and always run.
+//! delivers the whole message, or the receiver gets no completion at all). After the conformance
+//! checks come the device checks of the review (registrations, memlock, receive credits); the
+//! checks at the end need no device and always run.
 #![cfg(feature = "rdma")]
 
+use std::time::Duration;
+
+use weightsync_common::fabric::verbs::verbs_memlock::{memlock_limit, MemlockPolicy};
 use weightsync_common::fabric::verbs::{device_names, VerbsFabric, ENV_DEVICE};
 use weightsync_common::fabric::{
-    BackendKind, Endpoint, Fabric, FabricConfig, FabricError, VerbsConfig,
+    Access, BackendKind, Endpoint, Fabric, FabricBackend, FabricConfig, FabricError, VerbsConfig,
+    WriteOp,
 };
 use weightsync_tests::conformance::{self, BackendFactory};
 
@@ -42,6 +51,21 @@ impl BackendFactory for Verbs {
         backend.cut_lanes(peer);
         true
     }
+}
+
+/// A verbs fabric with `lanes` lanes and `recv_depth` receives per queue pair.
+async fn verbs_with(lanes: usize, recv_depth: u32) -> VerbsFabric {
+    let config = FabricConfig {
+        backend: BackendKind::Verbs,
+        io_timeout_ms: 5_000,
+        connect_timeout_ms: 3_000,
+        verbs: VerbsConfig {
+            recv_depth,
+            ..Default::default()
+        },
+        ..FabricConfig::loopback(conformance::TOKEN, lanes)
+    };
+    VerbsFabric::start(&config).await.expect("starting verbs")
 }
 
 /// Fails loudly when the ignored tests are run without naming a device.
@@ -123,6 +147,110 @@ async fn lanes_recover() {
 async fn reset_discards_posted_writes() {
     require_device();
     conformance::reset_discards_posted_writes(&Verbs, 2).await;
+}
+
+#[tokio::test]
+#[ignore = "requires an RDMA device: set WEIGHTSYNC_RDMA_DEVICE (e.g. rxe0)"]
+async fn immediates_at_most_once_under_cuts_one_lane() {
+    require_device();
+    let stats = conformance::immediates_at_most_once_under_cuts(&Verbs, 1, 20, 0x17).await;
+    eprintln!("verbs, 1 lane: {stats:?}");
+}
+
+#[tokio::test]
+#[ignore = "requires an RDMA device: set WEIGHTSYNC_RDMA_DEVICE (e.g. rxe0)"]
+async fn immediates_at_most_once_under_cuts_two_lanes() {
+    require_device();
+    let stats = conformance::immediates_at_most_once_under_cuts(&Verbs, 2, 20, 0x19).await;
+    eprintln!("verbs, 2 lanes: {stats:?}");
+}
+
+#[tokio::test]
+#[ignore = "requires an RDMA device: set WEIGHTSYNC_RDMA_DEVICE (e.g. rxe0)"]
+async fn immediates_at_most_once_under_cuts_four_lanes() {
+    require_device();
+    let stats = conformance::immediates_at_most_once_under_cuts(&Verbs, 4, 20, 0x1b).await;
+    eprintln!("verbs, 4 lanes: {stats:?}");
+}
+
+// ---- Device checks of the review ---------------------------------------------------------------
+
+/// V1: two SOURCE (local-only) registrations in one fabric coexist, also where the driver gives
+/// both rkey 0 (Soft-RoCE before Linux 6.5), and dropping one leaves the other usable.
+#[tokio::test]
+#[ignore = "requires an RDMA device: set WEIGHTSYNC_RDMA_DEVICE (e.g. rxe0)"]
+async fn two_local_only_sources_coexist() {
+    require_device();
+    let (a, b) = (verbs_with(1, 512).await, verbs_with(1, 512).await);
+    let dst = b.alloc(1 << 20, Access::RECEIVE).unwrap();
+    let first = a.alloc(1 << 16, Access::SOURCE).unwrap();
+    let second = a.alloc(1 << 16, Access::SOURCE).unwrap();
+    eprintln!(
+        "source rkeys: {:#x} and {:#x} (both 0 on rxe before Linux 6.5)",
+        first.rkey(),
+        second.rkey()
+    );
+    first.write_at(0, &[7u8; 4096]).unwrap();
+    a.write(WriteOp::new(&first, 0, dst.descriptor(), 0, 4096))
+        .await
+        .expect("write from the first source");
+    drop(second);
+    a.write(WriteOp::new(&first, 0, dst.descriptor(), 4096, 4096))
+        .await
+        .expect("write from the first source after the second was dropped");
+    assert_eq!(dst.copy_to_vec(0, 8192).unwrap(), vec![7u8; 8192]);
+}
+
+/// V2: run as root (or with CAP_IPC_LOCK) under `ulimit -l 64`: registering 16 MiB succeeds,
+/// as the kernel allows it.
+#[tokio::test]
+#[ignore = "requires an RDMA device and root or CAP_IPC_LOCK with a small `ulimit -l`"]
+async fn registration_above_the_memlock_limit_when_exempt() {
+    require_device();
+    let policy = MemlockPolicy::current().unwrap();
+    eprintln!(
+        "memlock limit {:?}, policy {policy:?}",
+        memlock_limit().unwrap()
+    );
+    assert!(
+        policy.is_exempt(),
+        "run this check as root or with CAP_IPC_LOCK (the script does)"
+    );
+    let a = verbs_with(1, 512).await;
+    let region = a
+        .alloc(16 << 20, Access::RECEIVE)
+        .expect("16 MiB above the ulimit");
+    assert_eq!(region.len(), 16 << 20);
+}
+
+/// V4: a receiver with only 8 receives per queue pair takes 10,000 zero-length immediates
+/// without the writer meeting RNR (the script compares the RNR hardware counters around this),
+/// and a receiver whose progress thread stalls for 10 ms mid-stream does not fail the writer.
+#[tokio::test]
+#[ignore = "requires an RDMA device: set WEIGHTSYNC_RDMA_DEVICE (e.g. rxe0)"]
+async fn small_receive_queue_and_a_stalled_receiver_meet_no_rnr() {
+    require_device();
+    let (a, b) = (verbs_with(2, 8).await, verbs_with(2, 8).await);
+    let dst = b.alloc(4096, Access::RECEIVE).unwrap();
+    let src = a.alloc(4096, Access::SOURCE).unwrap();
+    let d = dst.descriptor().clone();
+    let mut writes = Vec::new();
+    for i in 0..10_000u32 {
+        if i == 5_000 {
+            b.stall_progress(Duration::from_millis(10));
+        }
+        writes.push(a.write(WriteOp::new(&src, 0, &d, 0, 0).with_imm(0x7000 + (i % 4))));
+    }
+    for (i, w) in writes.into_iter().enumerate() {
+        w.await
+            .unwrap_or_else(|e| panic!("zero-length write {i} with a small receive queue: {e}"));
+    }
+    for imm in 0x7000..0x7004 {
+        b.imm_counter()
+            .expect_within(imm, 2_500, Duration::from_secs(10))
+            .await
+            .unwrap_or_else(|e| panic!("expect({imm:#x}, 2500): {e}"));
+    }
 }
 
 // ---- No device needed --------------------------------------------------------------------------

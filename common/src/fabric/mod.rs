@@ -37,7 +37,7 @@
 //! - `descriptor`: [`Endpoint`], [`Access`], [`RegionDescriptor`].
 //! - `memory`: [`Memory`], [`PageAlignedBuffer`], [`RawMemory`].
 //! - `region`: [`Region`], [`RegisteredMemory`] (revocable access for backends).
-//! - `op`: [`WriteOp`], [`merge_contiguous`], [`stripe`].
+//! - `op`: [`WriteOp`], [`merge_contiguous`], [`stripe`], [`place`].
 //! - `imm_counter`: [`ImmCounter`].
 //! - `config`: [`FabricConfig`]. `error`: [`FabricError`].
 
@@ -54,12 +54,12 @@ pub mod tcp;
 #[cfg(feature = "rdma")]
 pub mod verbs;
 
-pub use config::{BackendKind, FabricConfig, JobToken, VerbsConfig};
+pub use config::{BackendKind, FabricConfig, GidFamily, JobToken, VerbsConfig};
 pub use descriptor::{Access, Endpoint, RegionDescriptor};
 pub use error::{FabricError, RemoteAccessKind, Result};
 pub use imm_counter::{ImmCounter, ImmStats, ImmWait};
 pub use memory::{Memory, MemoryLocation, PageAlignedBuffer, RawMemory, PAGE_SIZE};
-pub use op::{merge_contiguous, stripe, WriteOp};
+pub use op::{merge_contiguous, place, stripe, WriteOp};
 pub use region::{DeregisterHook, LiveMemory, Region, RegisteredMemory};
 pub use tcp::TcpFabric;
 
@@ -71,7 +71,11 @@ pub use tcp::TcpFabric;
 /// Contract every backend keeps (and the conformance suite in `weightsync-tests` checks):
 /// - a write resolves `Ok` only after every byte is in the peer's memory;
 /// - the peer counts a write's immediate exactly once, only after all its bytes landed (also when
-///   the backend split it over lanes), and never for a write that failed part-way;
+///   the backend split it over lanes), and never for a write that failed part-way; a write
+///   reported failed may still have landed whole (its acknowledgement was lost), and then its
+///   immediate is counted once: a backend never re-sends a piece with an immediate that may
+///   already have landed, so an immediate is never counted more often than it was written,
+///   whatever lanes fail (the conformance suite cuts lanes at random to check this);
 /// - a refused write touches no byte outside the region it was checked against, and none inside
 ///   it either when refused before landing (wrong rkey, bounds, permission, deregistered);
 /// - a lane that fails makes the writes on it fail, and the next write reconnects;

@@ -6,7 +6,9 @@
 //! 1. merges runs that are contiguous on both sides ([`merge_contiguous`]): same source
 //!    registration and same destination region, each write starting where the previous ended;
 //! 2. splits writes larger than a threshold into roughly equal pieces ([`stripe`]) so that one big
-//!    write uses every lane to its peer.
+//!    write uses every lane to its peer; or, knowing how much each lane still has queued, places
+//!    each write on the lanes that will carry it soonest ([`place`]), splitting it only where that
+//!    makes it land sooner.
 //!
 //! Immediates survive both steps with their meaning intact: "this write has fully landed". A run
 //! is merged only while no write before its last carries an immediate, so the merged write carries
@@ -155,6 +157,68 @@ pub fn stripe(len: u64, lanes: usize, min_piece: u64, align: u64) -> Vec<(u64, u
     out
 }
 
+/// Where one write's bytes go over the lanes to its peer: `(lane, offset, len)` pieces covering
+/// `[0, len)` in order.
+///
+/// `queued[l]` is what lane `l` still has to carry (posted, not yet acknowledged). A lane is a
+/// FIFO, so a piece lands once everything queued before it has, and the write lands with its last
+/// piece. The plan fills the least-loaded lanes up to a common level (water-filling): on idle
+/// lanes that is [`stripe`]'s even split, so a lone write still uses every lane. When the
+/// least-loaded lane already has at least `len` queued, the lanes are busy with earlier writes;
+/// splitting would then make this one land no sooner, only cost more frames, completions and
+/// wake-ups per byte, so it goes whole to that lane. Pieces are at least `min_piece` (a shorter
+/// write stays whole) and all but the last a multiple of `align` (a power of two). Ties go to
+/// the lane at or after `first` (a caller rotates it to spread equal lanes).
+pub fn place(
+    len: u64,
+    queued: &[u64],
+    min_piece: u64,
+    align: u64,
+    first: usize,
+) -> Vec<(usize, u64, u64)> {
+    let lanes = queued.len().max(1);
+    let mut order: Vec<usize> = (0..queued.len()).collect();
+    order.sort_by_key(|&l| (queued[l], (l + lanes - first % lanes) % lanes));
+    let least = order.first().copied().unwrap_or(0);
+    let max_pieces = len.checked_div(min_piece).unwrap_or(lanes as u64);
+    let max_pieces = (max_pieces as usize).min(queued.len());
+    if max_pieces < 2 || queued[least] >= len {
+        return vec![(least, 0, len)];
+    }
+    // The most lanes whose water-filled shares are all at least `min_piece`.
+    let level = |k: usize| {
+        let total: u128 = u128::from(len)
+            + order[..k]
+                .iter()
+                .map(|&l| u128::from(queued[l]))
+                .sum::<u128>();
+        total / k as u128
+    };
+    let Some(k) = (2..=max_pieces)
+        .rev()
+        .find(|&k| level(k) >= u128::from(queued[order[k - 1]]) + u128::from(min_piece))
+    else {
+        return vec![(least, 0, len)];
+    };
+    let h = level(k);
+    let align = align.max(1);
+    let mut out = Vec::with_capacity(k);
+    let mut off = 0;
+    for (i, &lane) in order[..k].iter().enumerate() {
+        let n = if i + 1 == k {
+            len - off
+        } else {
+            let share = (h - u128::from(queued[lane])) as u64;
+            (share / align * align).min(len - off)
+        };
+        if n > 0 {
+            out.push((lane, off, n));
+            off += n;
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -244,6 +308,62 @@ mod tests {
         }
         assert_eq!(stripe(1 << 20, 4, 256 << 10, 4096).len(), 4);
         assert_eq!(stripe(1 << 20, 4, 1 << 20, 4096).len(), 1);
+    }
+
+    fn covers(pieces: &[(usize, u64, u64)], len: u64) {
+        let mut next = 0;
+        for &(_, o, n) in pieces {
+            assert_eq!(o, next, "{pieces:?}");
+            assert!(n > 0, "{pieces:?}");
+            next += n;
+        }
+        assert_eq!(next, len, "{pieces:?}");
+    }
+
+    #[test]
+    fn place_splits_evenly_over_idle_lanes() {
+        let p = place(1 << 20, &[0; 4], 256 << 10, 4096, 0);
+        covers(&p, 1 << 20);
+        assert_eq!(p.len(), 4);
+        let mut lanes: Vec<usize> = p.iter().map(|x| x.0).collect();
+        lanes.sort();
+        assert_eq!(lanes, [0, 1, 2, 3]);
+        assert!(p.iter().all(|x| x.2 == 256 << 10));
+        // Too short to split, or a single lane: one piece on the tie-winning lane.
+        assert_eq!(
+            place(100 << 10, &[0; 4], 256 << 10, 4096, 2),
+            [(2, 0, 100 << 10)]
+        );
+        assert_eq!(place(1 << 20, &[0], 256 << 10, 4096, 0), [(0, 0, 1 << 20)]);
+    }
+
+    #[test]
+    fn place_keeps_a_write_whole_behind_busy_lanes() {
+        // Every lane has more queued than the write: the least-loaded lane takes it whole.
+        let p = place(1 << 20, &[8 << 20, 3 << 20, 5 << 20], 256 << 10, 4096, 0);
+        assert_eq!(p, [(1, 0, 1 << 20)]);
+    }
+
+    #[test]
+    fn place_fills_the_emptier_lanes_first() {
+        let mib = 1u64 << 20;
+        // Lane 0 idle, lane 1 with 2 MiB queued: a 4 MiB write levels them at 3 MiB.
+        let p = place(4 * mib, &[0, 2 * mib], 256 << 10, 4096, 0);
+        covers(&p, 4 * mib);
+        assert_eq!(p, [(0, 0, 3 * mib), (1, 3 * mib, mib)]);
+        // A lane whose share would be below the minimum piece is left out.
+        let p = place(mib, &[0, 900 << 10], 256 << 10, 4096, 0);
+        assert_eq!(p, [(0, 0, mib)]);
+        // Odd sizes and unaligned minimums still cover the write exactly.
+        for (len, queued) in [
+            (1_000_003u64, vec![0u64, 10, 20_000]),
+            (64 << 20, vec![1, 2, 3, 4]),
+            (5 * mib + 7, vec![mib, 0, 3 * mib, 0]),
+        ] {
+            let p = place(len, &queued, 1000, 4096, 1);
+            covers(&p, len);
+            assert!(p.len() <= queued.len());
+        }
     }
 
     #[test]

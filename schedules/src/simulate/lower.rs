@@ -18,13 +18,13 @@
 //! **gather wait** op waits for every gather send into this trainer's group. The sync ends with
 //! one **barrier** after the last write anywhere.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 
 use weightsync_common::protocol::Stage;
 
 use crate::simulate::cluster::ClusterModel;
-use crate::simulate::engine::{Hop, OpId, ResKind, SimPlan, NONE};
-use crate::table::{Endpoint, Task, TrainerPlan, Transform};
+use crate::simulate::engine::{Hop, OpId, ResId, ResKind, SimPlan, NONE};
+use crate::table::{RoutingTable, Task, TrainerPlan, Transform, WriteTarget};
 
 /// At most this many pieces per trainer in a simulation: the piece budget grows for very large
 /// tables (the pipeline's fill and drain, a piece each, stay small next to the sync).
@@ -47,7 +47,7 @@ enum Phase {
 
 /// One simulated piece (a merge of small tasks or a part of a large one).
 #[derive(Debug, Default)]
-struct Piece {
+struct SimPiece {
     first_task: u32,
     tasks: f64,
     src_bytes: f64,
@@ -60,7 +60,7 @@ struct Piece {
     gathers: Vec<(u32, u16)>,
 }
 
-impl Piece {
+impl SimPiece {
     fn is_empty(&self) -> bool {
         self.tasks == 0.0
     }
@@ -88,52 +88,83 @@ pub(crate) struct Lowered {
 }
 
 /// GPU index of an endpoint (trainers first, then rollouts).
-fn gpu_of(dst: Endpoint, trainers: u32) -> u32 {
+fn gpu_of(dst: WriteTarget, trainers: u32) -> u32 {
     match dst {
-        Endpoint::Trainer(t) => t,
-        Endpoint::Rollout(r) => trainers + r,
+        WriteTarget::Trainer(t) => t,
+        WriteTarget::Rollout(r) => trainers + r,
     }
 }
 
 /// Lowers `table` on `cluster` into engine operations.
-pub(crate) fn lower(table: &crate::table::RoutingTable, cluster: &ClusterModel) -> Lowered {
-    let nt = table.trainers.len() as u32;
-    let nr = table.rollouts.len() as u32;
-    let mut out = Lowered::default();
-    let p = &mut out.plan;
-    out.trainer_lanes = (0..nt).map(|t| p.lane(format!("trainer-{t}"))).collect();
-    out.rollout_lanes = (0..nr).map(|r| p.lane(format!("rollout-{r}"))).collect();
-    let ctl = p.lane("controller".into());
-    let cost = &cluster.cost;
-    let host = cluster.host;
+pub(crate) fn lower(table: &RoutingTable, cluster: &ClusterModel) -> Lowered {
+    let mut l = Lowering::new(table, cluster);
+    for (t, plan) in table.trainers.iter().enumerate() {
+        l.trainer(t as u32, plan);
+    }
+    l.finish()
+}
 
-    // Every gather send into (trainer, unit), for the gather waits.
-    let mut gather_ops: BTreeMap<(u32, u16), Vec<OpId>> = BTreeMap::new();
-    // Per trainer: (unit, op that must wait for gathers) to wire after all sends exist.
-    let mut waits: Vec<(u32, u16, OpId)> = Vec::new();
-    let mut all_writes: Vec<OpId> = Vec::new();
-    // Per GPU, its index in the current piece's destinations (u32::MAX: none yet).
-    let mut slots = vec![u32::MAX; (nt + nr) as usize];
+/// One lowering in progress: the plan being built, and what links ops across trainers.
+struct Lowering<'c> {
+    cluster: &'c ClusterModel,
+    /// Training ranks (GPU indices of rollouts start here).
+    nt: u32,
+    out: Lowered,
+    /// The controller's lane (the barrier).
+    ctl: u32,
+    /// Every gather send into (trainer, unit), for the gather waits.
+    gather_ops: BTreeMap<(u32, u16), Vec<OpId>>,
+    /// Per trainer: (unit, op that must wait for gathers) to wire after all sends exist.
+    waits: Vec<(u32, u16, OpId)>,
+    all_writes: Vec<OpId>,
+    /// Per GPU, its index in the current piece's destinations (u32::MAX: none yet).
+    slots: Vec<u32>,
+}
 
-    for (ti, plan) in table.trainers.iter().enumerate() {
-        let t = ti as u32;
-        let lane = out.trainer_lanes[ti];
-        let gpu_node = cluster.node_of(t, nt);
-        let my_nic = cluster.nic_of(t, nt);
-        let total_staging: u64 = plan.tasks.iter().map(task_staging).sum::<u64>();
-        let budget = cluster
-            .piece_budget()
-            .max(total_staging.div_ceil(MAX_PIECES_PER_TRAINER))
-            .min(cluster.watermark_bytes);
-        let pool = p.pool(cluster.watermark_bytes);
-        let h2d_res = host.map(|_| p.resource(ResKind::H2d(t)));
-        let prep_res = host.map(|_| p.resource(ResKind::Prep(t)));
-        let host_res = host.map(|_| p.resource(ResKind::Host(gpu_node)));
-        let mut prev_h2d = NONE;
-        let mut prev_prep = NONE;
-        // The last `writes_in_flight` write ops of this trainer (a new one waits for the oldest).
-        let mut in_flight: std::collections::VecDeque<OpId> = Default::default();
+/// A trainer's lane, pool and resources, and the last op of each of its stages.
+struct TrainerLane {
+    t: u32,
+    lane: u32,
+    gpu_node: u32,
+    my_nic: u32,
+    /// Staging bytes per piece.
+    budget: u64,
+    pool: u32,
+    h2d_res: Option<ResId>,
+    prep_res: Option<ResId>,
+    host_res: Option<ResId>,
+    prev_h2d: OpId,
+    prev_prep: OpId,
+    /// The last `writes_in_flight` write ops of this trainer (a new one waits for the oldest).
+    in_flight: VecDeque<OpId>,
+}
 
+impl<'c> Lowering<'c> {
+    /// Lanes for every trainer, every rollout and the controller, in that order.
+    fn new(table: &RoutingTable, cluster: &'c ClusterModel) -> Lowering<'c> {
+        let nt = table.trainers.len() as u32;
+        let nr = table.rollouts.len() as u32;
+        let mut out = Lowered::default();
+        let p = &mut out.plan;
+        out.trainer_lanes = (0..nt).map(|t| p.lane(format!("trainer-{t}"))).collect();
+        out.rollout_lanes = (0..nr).map(|r| p.lane(format!("rollout-{r}"))).collect();
+        let ctl = p.lane("controller".into());
+        Lowering {
+            cluster,
+            nt,
+            out,
+            ctl,
+            gather_ops: BTreeMap::new(),
+            waits: Vec::new(),
+            all_writes: Vec::new(),
+            slots: vec![u32::MAX; (nt + nr) as usize],
+        }
+    }
+
+    /// Lowers trainer `t`'s plan: per mesh group and phase, its tasks cut and merged into
+    /// pieces, each piece's ops; then counts its writes.
+    fn trainer(&mut self, t: u32, plan: &TrainerPlan) {
+        let mut tr = self.trainer_lane(t, plan);
         for g in &plan.groups {
             let a = g.first_task;
             let phases = [
@@ -154,170 +185,252 @@ pub(crate) fn lower(table: &crate::table::RoutingTable, cluster: &ClusterModel) 
                     continue;
                 }
                 let mut waited = phase != Phase::Gathered || g.gather_expect == 0;
-                let mut pieces: Vec<Piece> = Vec::new();
-                let mut cur = Piece::default();
-                for k in lo..hi {
-                    let task = &plan.tasks[k as usize];
-                    let staging = task_staging(task);
-                    let parts = staging.div_ceil(budget).max(1);
-                    if (parts > 1 || cur.staging + staging as f64 > budget as f64)
-                        && !cur.is_empty()
-                    {
-                        finish(&mut slots, &mut pieces, &mut cur);
-                    }
-                    let frac = 1.0 / parts as f64;
-                    for _ in 0..parts {
-                        add_task(&mut slots, &mut cur, plan, k, task, frac, nt, cluster);
-                        if parts > 1 {
-                            finish(&mut slots, &mut pieces, &mut cur);
-                        }
-                    }
-                }
-                if !cur.is_empty() {
-                    finish(&mut slots, &mut pieces, &mut cur);
-                }
-                for pc in pieces {
-                    out.pieces += 1;
-                    let staging = (pc.staging as u64).clamp(1, cluster.watermark_bytes);
+                for pc in self.pieces(plan, lo, hi, tr.budget) {
+                    self.out.pieces += 1;
                     // Gather wait before the first gathered piece of the group.
                     if !waited {
                         waited = true;
-                        let w = p.op(lane, Stage::GatherWait, pc.first_task, 0, 0.0, 0.0, &[]);
-                        p.after(prev_h2d, w);
-                        waits.push((t, g.id, w));
-                        prev_h2d = w;
+                        self.gather_wait(&mut tr, g.id, pc.first_task);
                     }
-                    // H2D.
-                    let h2d_s = pc.src_bytes / cost.h2d_bytes_per_s;
-                    let h2d = match (h2d_res, host_res, host) {
-                        (Some(hr), Some(hh), Some(h)) => p.op(
-                            lane,
-                            Stage::H2d,
-                            pc.first_task,
-                            pc.src_bytes as u64,
-                            0.0,
-                            pc.src_bytes,
-                            &[(hr, 1.0 / cost.h2d_bytes_per_s), (hh, h.h2d_s_per_byte)],
-                        ),
-                        _ => p.op(
-                            lane,
-                            Stage::H2d,
-                            pc.first_task,
-                            pc.src_bytes as u64,
-                            h2d_s,
-                            0.0,
-                            &[],
-                        ),
-                    };
-                    p.ops[h2d as usize].acquire = Some((pool, staging));
-                    p.after(prev_h2d, h2d);
-                    prev_h2d = h2d;
-                    // Prepare.
-                    let prep = match (prep_res, host_res) {
-                        (Some(pr), Some(hh)) if pc.src_bytes > 0.0 => p.op(
-                            lane,
-                            Stage::Prepare,
-                            pc.first_task,
-                            pc.src_bytes as u64,
-                            0.0,
-                            pc.src_bytes,
-                            &[
-                                (pr, pc.prep_s / pc.src_bytes),
-                                (hh, pc.host_prep_s / pc.src_bytes),
-                            ],
-                        ),
-                        _ => p.op(
-                            lane,
-                            Stage::Prepare,
-                            pc.first_task,
-                            pc.src_bytes as u64,
-                            pc.prep_s,
-                            0.0,
-                            &[],
-                        ),
-                    };
-                    p.after(h2d, prep);
-                    p.after(prev_prep, prep);
-                    prev_prep = prep;
-                    // WRITE.
-                    let hops: Vec<Hop> = pc
-                        .dsts
-                        .iter()
-                        .map(|&(gpu, bytes, wrs)| Hop {
-                            local: gpu == t,
-                            from: if gpu == t { u32::MAX } else { my_nic },
-                            to: if gpu == t {
-                                u32::MAX
-                            } else {
-                                cluster.nic_of(gpu, nt)
-                            },
-                            to_node: cluster.node_of(gpu, nt),
-                            bytes,
-                            wrs,
-                        })
-                        .collect();
-                    let stage = if phase == Phase::GatherSend {
-                        Stage::GatherSend
-                    } else {
-                        Stage::Write
-                    };
-                    let w = p.transfer(
-                        lane,
-                        stage,
-                        pc.first_task,
-                        &hops,
-                        gpu_node,
-                        cost.nic_bytes_per_s,
-                        cost.per_wr_s,
-                        host.map(|h| (gpu_node, h.net_s_per_byte)),
-                    );
-                    p.ops[w as usize].release = Some((pool, staging));
-                    p.after(prep, w);
-                    if cluster.writes_in_flight > 0 {
-                        if in_flight.len() >= cluster.writes_in_flight as usize {
-                            if let Some(old) = in_flight.pop_front() {
-                                p.after(old, w);
-                            }
-                        }
-                        in_flight.push_back(w);
-                    }
-                    for &(gpu, _, _) in &pc.dsts {
-                        if gpu >= nt {
-                            p.lands.push((w, out.rollout_lanes[(gpu - nt) as usize]));
-                        }
-                    }
-                    for &key in &pc.gathers {
-                        gather_ops.entry(key).or_default().push(w);
-                    }
-                    all_writes.push(w);
+                    self.piece_ops(&mut tr, phase, &pc);
                 }
             }
         }
         for w in plan.all_writes() {
-            out.writes += 1;
+            self.out.writes += 1;
             match w.dst {
-                Endpoint::Rollout(_) => out.rollout_bytes += w.len as u64,
-                Endpoint::Trainer(_) => out.gather_bytes += w.len as u64,
+                WriteTarget::Rollout(_) => self.out.rollout_bytes += w.len as u64,
+                WriteTarget::Trainer(_) => self.out.gather_bytes += w.len as u64,
             }
         }
     }
-    for (t, unit, wait) in waits {
-        if let Some(sends) = gather_ops.get(&(t, unit)) {
-            for &s in sends {
-                p.after(s, wait);
-            }
+
+    /// Trainer `t`'s lane, its staging pool and (with a shared host) its resources; its piece
+    /// budget grows for very large plans (at most [`MAX_PIECES_PER_TRAINER`] pieces).
+    fn trainer_lane(&mut self, t: u32, plan: &TrainerPlan) -> TrainerLane {
+        let cluster = self.cluster;
+        let (nt, host) = (self.nt, cluster.host);
+        let p = &mut self.out.plan;
+        let gpu_node = cluster.node_of(t, nt);
+        let total_staging: u64 = plan.tasks.iter().map(task_staging).sum::<u64>();
+        let budget = cluster
+            .piece_budget()
+            .max(total_staging.div_ceil(MAX_PIECES_PER_TRAINER))
+            .min(cluster.watermark_bytes);
+        let pool = p.pool(cluster.watermark_bytes);
+        let h2d_res = host.map(|_| p.resource(ResKind::H2d(t)));
+        let prep_res = host.map(|_| p.resource(ResKind::Prep(t)));
+        let host_res = host.map(|_| p.resource(ResKind::Host(gpu_node)));
+        TrainerLane {
+            t,
+            lane: self.out.trainer_lanes[t as usize],
+            gpu_node,
+            my_nic: cluster.nic_of(t, nt),
+            budget,
+            pool,
+            h2d_res,
+            prep_res,
+            host_res,
+            prev_h2d: NONE,
+            prev_prep: NONE,
+            in_flight: VecDeque::new(),
         }
     }
-    let barrier = p.op(ctl, Stage::Barrier, 0, 0, cost.barrier_s, 0.0, &[]);
-    for w in all_writes {
-        p.after(w, barrier);
+
+    /// Tasks `lo..hi` of `plan` as pieces of at most `budget` staging bytes: a larger task is
+    /// split into equal parts, consecutive smaller ones are merged.
+    fn pieces(&mut self, plan: &TrainerPlan, lo: u32, hi: u32, budget: u64) -> Vec<SimPiece> {
+        let (slots, nt, cluster) = (&mut self.slots, self.nt, self.cluster);
+        let mut pieces: Vec<SimPiece> = Vec::new();
+        let mut cur = SimPiece::default();
+        for k in lo..hi {
+            let task = &plan.tasks[k as usize];
+            let staging = task_staging(task);
+            let parts = staging.div_ceil(budget).max(1);
+            if (parts > 1 || cur.staging + staging as f64 > budget as f64) && !cur.is_empty() {
+                finish(slots, &mut pieces, &mut cur);
+            }
+            let frac = 1.0 / parts as f64;
+            for _ in 0..parts {
+                add_task(slots, &mut cur, plan, k, task, frac, nt, cluster);
+                if parts > 1 {
+                    finish(slots, &mut pieces, &mut cur);
+                }
+            }
+        }
+        if !cur.is_empty() {
+            finish(slots, &mut pieces, &mut cur);
+        }
+        pieces
     }
-    out.barrier = barrier;
-    out
+
+    /// The op that holds the trainer's next H2D until every gather send into its unit is done.
+    fn gather_wait(&mut self, tr: &mut TrainerLane, unit: u16, task: u32) {
+        let p = &mut self.out.plan;
+        let w = p.op(tr.lane, Stage::GatherWait, task, 0, 0.0, 0.0, &[]);
+        p.after(tr.prev_h2d, w);
+        self.waits.push((tr.t, unit, w));
+        tr.prev_h2d = w;
+    }
+
+    /// A piece's three ops: H2D (taking its staging), prepare, and the WRITE or gather send
+    /// (giving the staging back).
+    fn piece_ops(&mut self, tr: &mut TrainerLane, phase: Phase, pc: &SimPiece) {
+        let staging = (pc.staging as u64).clamp(1, self.cluster.watermark_bytes);
+        let h2d = self.h2d_op(tr, pc);
+        let p = &mut self.out.plan;
+        p.ops[h2d as usize].acquire = Some((tr.pool, staging));
+        p.after(tr.prev_h2d, h2d);
+        tr.prev_h2d = h2d;
+        let prep = self.prepare_op(tr, pc);
+        let p = &mut self.out.plan;
+        p.after(h2d, prep);
+        p.after(tr.prev_prep, prep);
+        tr.prev_prep = prep;
+        let w = self.write_op(tr, phase, pc);
+        let p = &mut self.out.plan;
+        p.ops[w as usize].release = Some((tr.pool, staging));
+        p.after(prep, w);
+        let writes_in_flight = self.cluster.writes_in_flight;
+        if writes_in_flight > 0 {
+            if tr.in_flight.len() >= writes_in_flight as usize {
+                if let Some(old) = tr.in_flight.pop_front() {
+                    p.after(old, w);
+                }
+            }
+            tr.in_flight.push_back(w);
+        }
+        for &(gpu, _, _) in &pc.dsts {
+            if gpu >= self.nt {
+                p.lands
+                    .push((w, self.out.rollout_lanes[(gpu - self.nt) as usize]));
+            }
+        }
+        for &key in &pc.gathers {
+            self.gather_ops.entry(key).or_default().push(w);
+        }
+        self.all_writes.push(w);
+    }
+
+    /// The piece's copy into staging at the PCIe rate (and the shared host's, if any).
+    fn h2d_op(&mut self, tr: &TrainerLane, pc: &SimPiece) -> OpId {
+        let cost = &self.cluster.cost;
+        let p = &mut self.out.plan;
+        match (tr.h2d_res, tr.host_res, self.cluster.host) {
+            (Some(hr), Some(hh), Some(h)) => p.op(
+                tr.lane,
+                Stage::H2d,
+                pc.first_task,
+                pc.src_bytes as u64,
+                0.0,
+                pc.src_bytes,
+                &[(hr, 1.0 / cost.h2d_bytes_per_s), (hh, h.h2d_s_per_byte)],
+            ),
+            _ => p.op(
+                tr.lane,
+                Stage::H2d,
+                pc.first_task,
+                pc.src_bytes as u64,
+                pc.src_bytes / cost.h2d_bytes_per_s,
+                0.0,
+                &[],
+            ),
+        }
+    }
+
+    /// The piece's cast or quantisation at its transforms' rates, plus the per-task overhead.
+    fn prepare_op(&mut self, tr: &TrainerLane, pc: &SimPiece) -> OpId {
+        let p = &mut self.out.plan;
+        match (tr.prep_res, tr.host_res) {
+            (Some(pr), Some(hh)) if pc.src_bytes > 0.0 => p.op(
+                tr.lane,
+                Stage::Prepare,
+                pc.first_task,
+                pc.src_bytes as u64,
+                0.0,
+                pc.src_bytes,
+                &[
+                    (pr, pc.prep_s / pc.src_bytes),
+                    (hh, pc.host_prep_s / pc.src_bytes),
+                ],
+            ),
+            _ => p.op(
+                tr.lane,
+                Stage::Prepare,
+                pc.first_task,
+                pc.src_bytes as u64,
+                pc.prep_s,
+                0.0,
+                &[],
+            ),
+        }
+    }
+
+    /// The piece's writes as one flow over the trainer's NIC and every receiving NIC.
+    fn write_op(&mut self, tr: &TrainerLane, phase: Phase, pc: &SimPiece) -> OpId {
+        let (cluster, nt, t) = (self.cluster, self.nt, tr.t);
+        let hops: Vec<Hop> = pc
+            .dsts
+            .iter()
+            .map(|&(gpu, bytes, wrs)| Hop {
+                local: gpu == t,
+                from: if gpu == t { u32::MAX } else { tr.my_nic },
+                to: if gpu == t {
+                    u32::MAX
+                } else {
+                    cluster.nic_of(gpu, nt)
+                },
+                to_node: cluster.node_of(gpu, nt),
+                bytes,
+                wrs,
+            })
+            .collect();
+        let stage = if phase == Phase::GatherSend {
+            Stage::GatherSend
+        } else {
+            Stage::Write
+        };
+        self.out.plan.transfer(
+            tr.lane,
+            stage,
+            pc.first_task,
+            &hops,
+            tr.gpu_node,
+            cluster.cost.nic_bytes_per_s,
+            cluster.cost.per_wr_s,
+            cluster.host.map(|h| (tr.gpu_node, h.net_s_per_byte)),
+        )
+    }
+
+    /// Wires every gather wait after the sends into its unit, and the barrier after every write.
+    fn finish(mut self) -> Lowered {
+        let p = &mut self.out.plan;
+        for (t, unit, wait) in self.waits {
+            if let Some(sends) = self.gather_ops.get(&(t, unit)) {
+                for &s in sends {
+                    p.after(s, wait);
+                }
+            }
+        }
+        let barrier = p.op(
+            self.ctl,
+            Stage::Barrier,
+            0,
+            0,
+            self.cluster.cost.barrier_s,
+            0.0,
+            &[],
+        );
+        for w in self.all_writes {
+            p.after(w, barrier);
+        }
+        self.out.barrier = barrier;
+        self.out
+    }
 }
 
 /// Moves the current piece to `pieces`, clearing its destination slots.
-fn finish(slots: &mut [u32], pieces: &mut Vec<Piece>, cur: &mut Piece) {
+fn finish(slots: &mut [u32], pieces: &mut Vec<SimPiece>, cur: &mut SimPiece) {
     for &(gpu, _, _) in &cur.dsts {
         slots[gpu as usize] = u32::MAX;
     }
@@ -338,7 +451,7 @@ fn task_staging(t: &Task) -> u64 {
 #[allow(clippy::too_many_arguments)]
 fn add_task(
     slots: &mut [u32],
-    pc: &mut Piece,
+    pc: &mut SimPiece,
     plan: &TrainerPlan,
     k: u32,
     task: &Task,
@@ -383,7 +496,7 @@ fn add_task(
         let e = &mut pc.dsts[*slot as usize];
         e.1 += w.len as f64 * frac;
         e.2 += frac;
-        if let Endpoint::Trainer(to) = w.dst {
+        if let WriteTarget::Trainer(to) = w.dst {
             let key = (to, w.unit);
             if !pc.gathers.contains(&key) {
                 pc.gathers.push(key);

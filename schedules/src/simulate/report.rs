@@ -185,7 +185,63 @@ pub(crate) fn build(
     nic_bytes_per_s: f64,
 ) -> SimReport {
     let makespan = out.makespan.max(f64::MIN_POSITIVE);
-    // NICs.
+    let n = nic_totals(plan, out, makespan);
+    let send = side_summary(&n.nics, &|u: &NicUse| (u.tx_bytes, u.tx_util));
+    let receive = side_summary(&n.nics, &|u: &NicUse| (u.rx_bytes, u.rx_util));
+    let bound_s = n.bound_bytes / nic_bytes_per_s;
+    let (timeline, stages) = timeline(plan, out);
+    let (critical_path, critical_breakdown) = critical_path(plan, out, last, makespan);
+    let dominated_by = critical_breakdown.first().map_or_else(
+        || "nothing (empty sync)".to_string(),
+        |c| {
+            format!(
+                "{} ({:.0}% of the critical path, {:.3} s)",
+                c.class,
+                c.share * 100.0,
+                c.seconds
+            )
+        },
+    );
+    SimReport {
+        method: method.to_string(),
+        trainers,
+        rollouts,
+        predicted_s: out.makespan,
+        bound_s,
+        bound_nic: n.bound_nic,
+        ratio_to_bound: if bound_s > 0.0 {
+            out.makespan / bound_s
+        } else {
+            0.0
+        },
+        network_bytes: n.network_bytes.round() as u64,
+        writes: n.writes.round() as u64,
+        pieces,
+        ops: plan.ops.len() as u64,
+        events: out.events,
+        send,
+        receive,
+        nics: n.nics,
+        stages,
+        critical_path,
+        critical_breakdown,
+        dominated_by,
+        timeline,
+    }
+}
+
+/// Every NIC's load and utilisation, and the totals the report draws from them.
+struct NicTotals {
+    nics: Vec<NicUse>,
+    /// The most bytes one NIC sends or receives, and which NIC and side that is.
+    bound_bytes: f64,
+    bound_nic: String,
+    /// Bytes and work requests sent over all NICs.
+    network_bytes: f64,
+    writes: f64,
+}
+
+fn nic_totals(plan: &SimPlan, out: &Outcome, makespan: f64) -> NicTotals {
     let mut nics = Vec::with_capacity(plan.nics.len());
     let mut res_of = std::collections::BTreeMap::new();
     for (i, k) in plan.resources.iter().enumerate() {
@@ -216,22 +272,31 @@ pub(crate) fn build(
             rx_util: busy(ResKind::NicRx(nic)),
         });
     }
-    let side = |pick: &dyn Fn(&NicUse) -> (u64, f64)| {
-        let v: Vec<(u64, f64)> = nics.iter().map(pick).filter(|&(b, _)| b > 0).collect();
-        let n = v.len().max(1) as f64;
-        SideSummary {
-            nics: v.len() as u32,
-            max_bytes: v.iter().map(|x| x.0).max().unwrap_or(0),
-            mean_bytes: v.iter().map(|x| x.0 as f64).sum::<f64>() / n,
-            max_util: v.iter().map(|x| x.1).fold(0.0, f64::max),
-            mean_util: v.iter().map(|x| x.1).sum::<f64>() / n,
-        }
-    };
-    let send = side(&|u: &NicUse| (u.tx_bytes, u.tx_util));
-    let receive = side(&|u: &NicUse| (u.rx_bytes, u.rx_util));
-    let bound_s = bound_bytes / nic_bytes_per_s;
+    NicTotals {
+        nics,
+        bound_bytes,
+        bound_nic,
+        network_bytes,
+        writes,
+    }
+}
 
-    // Timeline.
+/// Max and mean of `(bytes, utilisation)` picked from each NIC, over the NICs with bytes.
+fn side_summary(nics: &[NicUse], pick: &dyn Fn(&NicUse) -> (u64, f64)) -> SideSummary {
+    let v: Vec<(u64, f64)> = nics.iter().map(pick).filter(|&(b, _)| b > 0).collect();
+    let n = v.len().max(1) as f64;
+    SideSummary {
+        nics: v.len() as u32,
+        max_bytes: v.iter().map(|x| x.0).max().unwrap_or(0),
+        mean_bytes: v.iter().map(|x| x.0 as f64).sum::<f64>() / n,
+        max_util: v.iter().map(|x| x.1).fold(0.0, f64::max),
+        mean_util: v.iter().map(|x| x.1).sum::<f64>() / n,
+    }
+}
+
+/// Every op as a span (gather waits that did not wait left out), one land span per rollout
+/// (first to last write into it), in start order; and the time per stage.
+fn timeline(plan: &SimPlan, out: &Outcome) -> (Vec<SimEvent>, Vec<StageTotal>) {
     let mut timeline = Vec::with_capacity(plan.ops.len());
     let mut per_stage: std::collections::BTreeMap<(Stage, u32), f64> = Default::default();
     for (i, op) in plan.ops.iter().enumerate() {
@@ -284,8 +349,17 @@ pub(crate) fn build(
             max_worker_s,
         })
         .collect();
+    (timeline, stages)
+}
 
-    // Critical path.
+/// The chain of gating ops that ends in `last`, consecutive ops of one lane, stage and limit
+/// merged into steps; and its time per class of limit, largest first.
+fn critical_path(
+    plan: &SimPlan,
+    out: &Outcome,
+    last: OpId,
+    makespan: f64,
+) -> (Vec<CriticalStep>, Vec<CriticalShare>) {
     let mut chain = Vec::new();
     let mut o = last;
     while o != NONE {
@@ -335,43 +409,7 @@ pub(crate) fn build(
         })
         .collect();
     critical_breakdown.sort_by(|a, b| b.seconds.total_cmp(&a.seconds));
-    let dominated_by = critical_breakdown.first().map_or_else(
-        || "nothing (empty sync)".to_string(),
-        |c| {
-            format!(
-                "{} ({:.0}% of the critical path, {:.3} s)",
-                c.class,
-                c.share * 100.0,
-                c.seconds
-            )
-        },
-    );
-    SimReport {
-        method: method.to_string(),
-        trainers,
-        rollouts,
-        predicted_s: out.makespan,
-        bound_s,
-        bound_nic,
-        ratio_to_bound: if bound_s > 0.0 {
-            out.makespan / bound_s
-        } else {
-            0.0
-        },
-        network_bytes: network_bytes.round() as u64,
-        writes: writes.round() as u64,
-        pieces,
-        ops: plan.ops.len() as u64,
-        events: out.events,
-        send,
-        receive,
-        nics,
-        stages,
-        critical_path,
-        critical_breakdown,
-        dominated_by,
-        timeline,
-    }
+    (critical_path, critical_breakdown)
 }
 
 impl SimReport {

@@ -6,8 +6,11 @@
 use std::collections::HashMap;
 
 use weightsync_common::DType;
-use weightsync_schedules::table::{RoutingTable, Source, Transform, WriteTarget, FP8_BLOCK};
-use weightsync_schedules::{ExpertForm, Model};
+use weightsync_schedules::layout_infer::InferFormat;
+use weightsync_schedules::table::{
+    RoutingTable, Source, Task, TrainerPlan, Transform, WriteTarget, FP8_BLOCK,
+};
+use weightsync_schedules::{ExpertForm, InferDType, InferSpec, Model};
 
 /// Dense Qwen3-like: GQA (4 q heads, 2 kv heads of 128), q/k norms.
 pub const DENSE: &str = r#"{"model_type":"qwen3","hidden_size":256,"intermediate_size":512,
@@ -20,6 +23,12 @@ pub const QWEN2_MQA: &str = r#"{"model_type":"qwen2","hidden_size":256,"intermed
 /// Qwen3-MoE-like: layer 0 dense, layer 1 with 4 experts.
 pub const MOE: &str = r#"{"model_type":"qwen3_moe","hidden_size":256,"intermediate_size":512,
  "moe_intermediate_size":256,"num_experts":4,"num_experts_per_tok":2,"decoder_sparse_step":1,
+ "mlp_only_layers":[0],"num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,
+ "head_dim":128,"vocab_size":300}"#;
+/// Qwen3-MoE-like with experts 192 wide (not a multiple of the 128 fp8 block): layer 0 dense,
+/// layer 1 with 4 experts.
+pub const MOE_I192: &str = r#"{"model_type":"qwen3_moe","hidden_size":256,"intermediate_size":512,
+ "moe_intermediate_size":192,"num_experts":4,"num_experts_per_tok":2,"decoder_sparse_step":1,
  "mlp_only_layers":[0],"num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,
  "head_dim":128,"vocab_size":300}"#;
 /// DeepSeek-V3-like: MLA, first layer dense, shared + 4 routed experts, score bias.
@@ -229,38 +238,31 @@ pub struct Landed {
 /// all other tasks), prepares with the reference cast / fp8, and performs the writes.
 pub fn execute(table: &RoutingTable, model: &Model, full: &[Vec<u8>]) -> Landed {
     let nt = table.trainers.len();
-    let mut sources: Vec<Vec<u8>> = Vec::with_capacity(nt);
-    for t in &table.trainers {
-        let mut arena = vec![0u8; t.source_arena_bytes as usize];
-        for s in &t.shards {
-            let p = &model.params[t.params[s.param as usize].id as usize];
-            assert_eq!(s.dtype, p.dtype);
-            let bytes = read_box(
-                &full[t.params[s.param as usize].id as usize],
-                p.shape.dims(),
-                &s.global.start[..s.global.ndim as usize],
-                &s.global.len[..s.global.ndim as usize],
-                p.dtype.size(),
-            );
-            arena[s.offset as usize..s.offset as usize + bytes.len()].copy_from_slice(&bytes);
-        }
-        sources.push(arena);
-    }
-    let mut gathers: Vec<Vec<u8>> = table
-        .trainers
-        .iter()
-        .map(|t| vec![0u8; t.gather_arena_bytes as usize])
-        .collect();
-    let mut arenas: Vec<Vec<u8>> = table
-        .rollouts
-        .iter()
-        .map(|r| vec![0u8; r.mr_bytes[0] as usize])
-        .collect();
-    let mut coverage: Vec<Vec<(u64, u64)>> = vec![Vec::new(); arenas.len()];
-    let mut received = vec![0u64; table.rollouts.len()];
+    let mut ex = Execution {
+        sources: table
+            .trainers
+            .iter()
+            .map(|t| source_arena(t, model, full))
+            .collect(),
+        gathers: table
+            .trainers
+            .iter()
+            .map(|t| vec![0u8; t.gather_arena_bytes as usize])
+            .collect(),
+        landed: Landed {
+            arenas: table
+                .rollouts
+                .iter()
+                .map(|r| vec![0u8; r.mr_bytes[0] as usize])
+                .collect(),
+            coverage: vec![Vec::new(); table.rollouts.len()],
+            received: vec![0u64; table.rollouts.len()],
+        },
+        gather_rx: vec![0u32; nt],
+    };
     let ngroups = table.trainers[0].groups.len();
     for gi in 0..ngroups {
-        let mut gather_rx = vec![0u32; nt];
+        ex.gather_rx.fill(0);
         for phase in 0..2 {
             for t in &table.trainers {
                 let g = &t.groups[gi];
@@ -269,7 +271,7 @@ pub fn execute(table: &RoutingTable, model: &Model, full: &[Vec<u8>]) -> Landed 
                     (0, g.gather_sends as usize)
                 } else {
                     assert_eq!(
-                        gather_rx[t.rank as usize], g.gather_expect,
+                        ex.gather_rx[t.rank as usize], g.gather_expect,
                         "trainer {} group {}",
                         t.rank, g.id
                     );
@@ -282,64 +284,98 @@ pub fn execute(table: &RoutingTable, model: &Model, full: &[Vec<u8>]) -> Landed 
                     } else {
                         assert!(matches!(task.source, Source::Shard { .. }));
                     }
-                    let input = match task.source {
-                        Source::Shard { shard } => {
-                            let s = &t.shards[shard as usize];
-                            assert!(s.global.contains(&task.region), "region outside its shard");
-                            let sub = task.region.relative_to(&s.global);
-                            let arena = &sources[t.rank as usize]
-                                [s.offset as usize..(s.offset + s.bytes()) as usize];
-                            read_box(
-                                arena,
-                                &s.global.len[..s.global.ndim as usize],
-                                &sub.start[..sub.ndim as usize],
-                                &sub.len[..sub.ndim as usize],
-                                s.dtype.size(),
-                            )
-                        }
-                        Source::Gather { offset } => {
-                            // The gathered region: dense, in the transform's input dtype.
-                            let n = task.region.numel() as usize
-                                * match task.transform {
-                                    Transform::Copy { dtype } => dtype.size(),
-                                    Transform::Cast { from, .. } | Transform::Fp8Block { from } => {
-                                        from.size()
-                                    }
-                                };
-                            gathers[t.rank as usize][offset as usize..offset as usize + n].to_vec()
-                        }
-                    };
-                    let prepared =
-                        prepare(&input, task.transform, task.region.len, task.region.ndim);
-                    assert_eq!(prepared.len() as u64, task.prepared_bytes());
-                    for w in t.task_writes(task) {
-                        let src = &prepared
-                            [w.src_offset as usize..(w.src_offset + w.len as u64) as usize];
-                        match w.dst {
-                            WriteTarget::Rollout(r) => {
-                                assert_eq!(w.unit, 0);
-                                let d = w.dst_offset as usize;
-                                arenas[r as usize][d..d + src.len()].copy_from_slice(src);
-                                coverage[r as usize].push((w.dst_offset, w.len as u64));
-                                received[r as usize] += 1;
-                            }
-                            WriteTarget::Trainer(o) => {
-                                assert_eq!(phase, 0, "only gather sends write to trainers");
-                                assert_eq!(w.unit, g.id);
-                                let d = w.dst_offset as usize;
-                                gathers[o as usize][d..d + src.len()].copy_from_slice(src);
-                                gather_rx[o as usize] += 1;
-                            }
-                        }
-                    }
+                    ex.run_task(t, g.id, phase, task);
                 }
             }
         }
     }
-    Landed {
-        arenas,
-        coverage,
-        received,
+    ex.landed
+}
+
+/// A trainer's source arena: each of its shards read from the full model at its offset.
+fn source_arena(t: &TrainerPlan, model: &Model, full: &[Vec<u8>]) -> Vec<u8> {
+    let mut arena = vec![0u8; t.source_arena_bytes as usize];
+    for s in &t.shards {
+        let p = &model.params[t.params[s.param as usize].id as usize];
+        assert_eq!(s.dtype, p.dtype);
+        let bytes = read_box(
+            &full[t.params[s.param as usize].id as usize],
+            p.shape.dims(),
+            &s.global.start[..s.global.ndim as usize],
+            &s.global.len[..s.global.ndim as usize],
+            p.dtype.size(),
+        );
+        arena[s.offset as usize..s.offset as usize + bytes.len()].copy_from_slice(&bytes);
+    }
+    arena
+}
+
+/// The memory of a reference execution.
+struct Execution {
+    /// Per trainer, its source arena.
+    sources: Vec<Vec<u8>>,
+    /// Per trainer, its gather arena.
+    gathers: Vec<Vec<u8>>,
+    landed: Landed,
+    /// Per trainer, gather writes received in the current group.
+    gather_rx: Vec<u32>,
+}
+
+impl Execution {
+    /// Reads, prepares and writes one task of trainer `t` in group `unit` (phase 0: gather
+    /// sends; phase 1: the rest).
+    fn run_task(&mut self, t: &TrainerPlan, unit: u16, phase: u32, task: &Task) {
+        let input = self.task_input(t, task);
+        let prepared = prepare(&input, task.transform, task.region.len, task.region.ndim);
+        assert_eq!(prepared.len() as u64, task.prepared_bytes());
+        for w in t.task_writes(task) {
+            let src = &prepared[w.src_offset as usize..(w.src_offset + w.len as u64) as usize];
+            let d = w.dst_offset as usize;
+            match w.dst {
+                WriteTarget::Rollout(r) => {
+                    assert_eq!(w.unit, 0);
+                    let l = &mut self.landed;
+                    l.arenas[r as usize][d..d + src.len()].copy_from_slice(src);
+                    l.coverage[r as usize].push((w.dst_offset, w.len as u64));
+                    l.received[r as usize] += 1;
+                }
+                WriteTarget::Trainer(o) => {
+                    assert_eq!(phase, 0, "only gather sends write to trainers");
+                    assert_eq!(w.unit, unit);
+                    self.gathers[o as usize][d..d + src.len()].copy_from_slice(src);
+                    self.gather_rx[o as usize] += 1;
+                }
+            }
+        }
+    }
+
+    /// What a task reads: its region of its shard, or its dense gathered region in the
+    /// transform's input dtype.
+    fn task_input(&self, t: &TrainerPlan, task: &Task) -> Vec<u8> {
+        match task.source {
+            Source::Shard { shard } => {
+                let s = &t.shards[shard as usize];
+                assert!(s.global.contains(&task.region), "region outside its shard");
+                let sub = task.region.relative_to(&s.global);
+                let arena = &self.sources[t.rank as usize]
+                    [s.offset as usize..(s.offset + s.bytes()) as usize];
+                read_box(
+                    arena,
+                    &s.global.len[..s.global.ndim as usize],
+                    &sub.start[..sub.ndim as usize],
+                    &sub.len[..sub.ndim as usize],
+                    s.dtype.size(),
+                )
+            }
+            Source::Gather { offset } => {
+                let n = task.region.numel() as usize
+                    * match task.transform {
+                        Transform::Copy { dtype } => dtype.size(),
+                        Transform::Cast { from, .. } | Transform::Fp8Block { from } => from.size(),
+                    };
+                self.gathers[t.rank as usize][offset as usize..offset as usize + n].to_vec()
+            }
+        }
     }
 }
 
@@ -431,13 +467,17 @@ pub fn check_coverage(table: &RoutingTable, landed: &Landed) {
 }
 
 /// Independent construction of the inference tensors: the engine format re-derived here from
-/// the full tensors by slicing and fusing (not by the planner's layout code).
+/// the full tensors by slicing and fusing (not by the planner's layout code). In the fused
+/// format fp8 blocks are those of the training tensor (sliced); in hf each destination matrix
+/// is quantised as one block grid of its own, as transformers holds it.
 pub struct Expected<'a> {
     pub model: &'a Model,
     pub full: &'a [Vec<u8>],
     pub tp: u32,
     pub ep: u32,
     pub fp8: bool,
+    /// transformers' tensors (`format=hf`).
+    pub hf: bool,
     by_name: HashMap<String, usize>,
     quant_cache: HashMap<usize, (Vec<u8>, Vec<f32>)>,
 }
@@ -451,8 +491,20 @@ struct Part {
     cols: Option<(u32, u32)>,
 }
 
+impl Part {
+    /// Rows `rows` of parameter `param`, every column.
+    fn rows(param: String, rows: (u32, u32)) -> Part {
+        Part {
+            param,
+            expert: None,
+            rows,
+            cols: None,
+        }
+    }
+}
+
 impl<'a> Expected<'a> {
-    pub fn new(model: &'a Model, full: &'a [Vec<u8>], tp: u32, ep: u32, fp8: bool) -> Self {
+    pub fn new(model: &'a Model, full: &'a [Vec<u8>], spec: &InferSpec) -> Self {
         let by_name = model
             .params
             .iter()
@@ -462,9 +514,10 @@ impl<'a> Expected<'a> {
         Expected {
             model,
             full,
-            tp,
-            ep,
-            fp8,
+            tp: spec.tp,
+            ep: spec.ep,
+            fp8: spec.dtype == InferDType::Fp8,
+            hf: spec.format == InferFormat::Hf,
             by_name,
             quant_cache: HashMap::new(),
         }
@@ -542,52 +595,22 @@ impl<'a> Expected<'a> {
 
     /// Parts of an engine tensor (per leading expert index, outer vec) and whether quantised.
     fn parts(&self, name: &str, local: u32) -> (Vec<Vec<Part>>, bool) {
-        let c = &self.model.config;
-        let tp = self.tp;
-        let t = local % tp;
-        let one = |param: String, rows: (u32, u32), cols: Option<(u32, u32)>| Part {
-            param,
-            expert: None,
-            rows,
-            cols,
-        };
-        let dims = |n: &str| {
-            let s = self.model.params[self.pid(n)].shape;
-            (s.dims[0], if s.ndim > 1 { s.dims[1] } else { 1 })
-        };
-        let full = |n: &str| {
-            let (r, _) = dims(n);
-            (vec![vec![one(n.to_string(), (0, r), None)]], false)
-        };
-        let vocab = |n: &str| {
-            let ch = c.vocab.div_ceil(tp);
-            let s = (t * ch).min(c.vocab);
-            let e = ((t + 1) * ch).min(c.vocab);
-            (vec![vec![one(n.to_string(), (s, e), None)]], false)
-        };
-        if name == "model.embed_tokens.weight" {
-            return vocab(name);
+        let t = local % self.tp;
+        let whole = |p: Part| vec![vec![p]];
+        if name == "model.embed_tokens.weight" && self.hf {
+            // transformers' tp plan does not split the embedding.
+            return (whole(self.full_part(name)), false);
         }
-        if name == "lm_head.weight" {
-            return vocab(name);
+        if name == "model.embed_tokens.weight" || name == "lm_head.weight" {
+            return (whole(self.vocab_part(name, t)), false);
         }
         if name == "model.norm.weight" {
-            return full(name);
+            return (whole(self.full_part(name)), false);
         }
         let rest = name.strip_prefix("model.layers.").unwrap();
         let (l, what) = rest.split_once('.').unwrap();
         let pre = format!("model.layers.{l}.");
         let q8 = self.fp8;
-        let rowsplit = |n: String| {
-            let (r, _) = dims(&n);
-            let k = r / tp;
-            one(n, (t * k, (t + 1) * k), None)
-        };
-        let colsplit = |n: String| {
-            let (r, cc) = dims(&n);
-            let k = cc / tp;
-            one(n, (0, r), Some((t * k, (t + 1) * k)))
-        };
         match what {
             "input_layernorm.weight"
             | "post_attention_layernorm.weight"
@@ -596,92 +619,168 @@ impl<'a> Expected<'a> {
             | "self_attn.q_a_layernorm.weight"
             | "self_attn.kv_a_layernorm.weight"
             | "mlp.gate.weight"
-            | "mlp.gate.e_score_correction_bias" => full(name),
+            | "mlp.gate.e_score_correction_bias" => (whole(self.full_part(name)), false),
             "self_attn.q_a_proj.weight" | "self_attn.kv_a_proj_with_mqa.weight" => {
-                let (r, _) = dims(name);
-                (vec![vec![one(name.to_string(), (0, r), None)]], q8)
+                (whole(self.full_part(name)), q8)
             }
-            "self_attn.q_b_proj.weight" | "self_attn.kv_b_proj.weight" => {
-                (vec![vec![rowsplit(name.to_string())]], q8)
+            "self_attn.q_b_proj.weight"
+            | "self_attn.kv_b_proj.weight"
+            | "self_attn.q_proj.weight"
+            | "mlp.gate_proj.weight"
+            | "mlp.up_proj.weight"
+            | "mlp.shared_experts.gate_proj.weight"
+            | "mlp.shared_experts.up_proj.weight" => {
+                (whole(self.row_split(name.to_string(), t)), q8)
             }
-            "self_attn.o_proj.weight" => (vec![vec![colsplit(name.to_string())]], q8),
-            "self_attn.qkv_proj.weight" | "self_attn.qkv_proj.bias" => {
-                let suffix = if what.ends_with("bias") {
-                    "bias"
-                } else {
-                    "weight"
-                };
-                let d = c.head_dim;
-                let q = rowsplit(format!("{pre}self_attn.q_proj.{suffix}"));
-                let kvh = if tp <= c.kv_heads {
-                    let per = c.kv_heads / tp;
-                    (t * per * d, (t + 1) * per * d)
-                } else {
-                    let h = t / (tp / c.kv_heads);
-                    (h * d, (h + 1) * d)
-                };
-                let k = one(format!("{pre}self_attn.k_proj.{suffix}"), kvh, None);
-                let v = one(format!("{pre}self_attn.v_proj.{suffix}"), kvh, None);
-                (vec![vec![q, k, v]], q8 && suffix == "weight")
+            "self_attn.q_proj.bias" => (whole(self.row_split(name.to_string(), t)), false),
+            "self_attn.k_proj.weight" | "self_attn.v_proj.weight" => {
+                let (_, kind) = what.split_once('.').unwrap();
+                (whole(self.kv_part(&pre, kind, t)), q8)
             }
+            "self_attn.k_proj.bias" | "self_attn.v_proj.bias" => {
+                let (_, kind) = what.split_once('.').unwrap();
+                (whole(self.kv_part(&pre, kind, t)), false)
+            }
+            "self_attn.o_proj.weight" => (whole(self.col_split(name.to_string(), t)), q8),
+            "self_attn.qkv_proj.weight" => (vec![self.qkv_parts(&pre, "weight", t)], q8),
+            "self_attn.qkv_proj.bias" => (vec![self.qkv_parts(&pre, "bias", t)], false),
             "mlp.gate_up_proj.weight" | "mlp.shared_experts.gate_up_proj.weight" => {
                 let p = what.strip_suffix("gate_up_proj.weight").unwrap();
-                (
-                    vec![vec![
-                        rowsplit(format!("{pre}{p}gate_proj.weight")),
-                        rowsplit(format!("{pre}{p}up_proj.weight")),
-                    ]],
-                    q8,
-                )
+                let gate = self.row_split(format!("{pre}{p}gate_proj.weight"), t);
+                let up = self.row_split(format!("{pre}{p}up_proj.weight"), t);
+                (vec![vec![gate, up]], q8)
             }
             "mlp.down_proj.weight" | "mlp.shared_experts.down_proj.weight" => {
-                (vec![vec![colsplit(name.to_string())]], q8)
+                (whole(self.col_split(name.to_string(), t)), q8)
             }
-            "mlp.experts.w13_weight" | "mlp.experts.w2_weight" => {
-                let m = c.moe.as_ref().unwrap();
-                let (e0, el, i0, il) = if self.ep > 1 {
-                    let el = m.experts / self.ep;
-                    (local * el, el, 0, m.intermediate)
-                } else {
-                    let il = m.intermediate / tp;
-                    (0, m.experts, t * il, il)
-                };
-                let stacked = self.model.experts == ExpertForm::Stacked;
-                let mk = |e: u32, proj: &str, down: bool| {
-                    let (param, expert) = if stacked {
-                        (format!("{pre}mlp.experts.{proj}.weight"), Some(e))
-                    } else {
-                        (format!("{pre}mlp.experts.{e}.{proj}.weight"), None)
-                    };
-                    if down {
-                        Part {
-                            param,
-                            expert,
-                            rows: (0, c.hidden),
-                            cols: Some((i0, i0 + il)),
-                        }
-                    } else {
-                        Part {
-                            param,
-                            expert,
-                            rows: (i0, i0 + il),
-                            cols: None,
-                        }
-                    }
-                };
-                let lead = (e0..e0 + el)
-                    .map(|e| {
-                        if what == "mlp.experts.w13_weight" {
-                            vec![mk(e, "gate_proj", false), mk(e, "up_proj", false)]
-                        } else {
-                            vec![mk(e, "down_proj", true)]
-                        }
-                    })
-                    .collect();
-                (lead, q8)
+            "mlp.experts.w13_weight" | "mlp.experts.w2_weight" if !self.hf => {
+                let w13 = what == "mlp.experts.w13_weight";
+                (self.routed_expert_parts(&pre, w13, local), q8)
+            }
+            "mlp.experts.gate_up_proj" | "mlp.experts.down_proj" if self.hf => {
+                let gate_up = what == "mlp.experts.gate_up_proj";
+                (self.routed_expert_parts(&pre, gate_up, local), q8)
             }
             other => panic!("expected-builder does not know tensor {other}"),
         }
+    }
+
+    /// (rows, cols) of a parameter, 1-D ones as one column.
+    fn dims(&self, name: &str) -> (u32, u32) {
+        let s = self.model.params[self.pid(name)].shape;
+        (s.dims[0], if s.ndim > 1 { s.dims[1] } else { 1 })
+    }
+
+    /// A whole parameter.
+    fn full_part(&self, name: &str) -> Part {
+        let (r, _) = self.dims(name);
+        Part::rows(name.to_string(), (0, r))
+    }
+
+    /// Tp rank `t`'s rows of a vocab-parallel parameter: `ceil(V/tp)` each, the last short.
+    fn vocab_part(&self, name: &str, t: u32) -> Part {
+        let vocab = self.model.config.vocab;
+        let ch = vocab.div_ceil(self.tp);
+        let s = (t * ch).min(vocab);
+        let e = ((t + 1) * ch).min(vocab);
+        Part::rows(name.to_string(), (s, e))
+    }
+
+    /// Tp rank `t`'s share of the rows.
+    fn row_split(&self, name: String, t: u32) -> Part {
+        let (r, _) = self.dims(&name);
+        let k = r / self.tp;
+        Part::rows(name, (t * k, (t + 1) * k))
+    }
+
+    /// Tp rank `t`'s share of the columns.
+    fn col_split(&self, name: String, t: u32) -> Part {
+        let (r, cc) = self.dims(&name);
+        let k = cc / self.tp;
+        Part {
+            cols: Some((t * k, (t + 1) * k)),
+            ..Part::rows(name, (0, r))
+        }
+    }
+
+    /// q rows of tp rank `t`, then its kv head's k and v rows (its share of the kv heads, or
+    /// the one it replicates when tp exceeds them), of `q_proj.{suffix}` etc.
+    fn qkv_parts(&self, pre: &str, suffix: &str, t: u32) -> Vec<Part> {
+        let q = self.row_split(format!("{pre}self_attn.q_proj.{suffix}"), t);
+        let k = self.kv_part(pre, &format!("k_proj.{suffix}"), t);
+        let v = self.kv_part(pre, &format!("v_proj.{suffix}"), t);
+        vec![q, k, v]
+    }
+
+    /// Tp rank `t`'s rows of `self_attn.{what}` (`k_proj.weight`, `v_proj.bias`, ...): its
+    /// share of the kv heads, or the one it replicates when tp exceeds them.
+    fn kv_part(&self, pre: &str, what: &str, t: u32) -> Part {
+        let c = &self.model.config;
+        let (tp, d) = (self.tp, c.head_dim);
+        let kvh = if tp <= c.kv_heads {
+            let per = c.kv_heads / tp;
+            (t * per * d, (t + 1) * per * d)
+        } else {
+            let h = t / (tp / c.kv_heads);
+            (h * d, (h + 1) * d)
+        };
+        Part::rows(format!("{pre}self_attn.{what}"), kvh)
+    }
+
+    /// Per local expert of engine rank `local`: its gate and up rows (`w13`) or its down
+    /// columns, whole experts with ep > 1, the tp share of every expert otherwise.
+    fn routed_expert_parts(&self, pre: &str, w13: bool, local: u32) -> Vec<Vec<Part>> {
+        let c = &self.model.config;
+        let m = c.moe.as_ref().unwrap();
+        let (e0, el, i0, il) = if self.ep > 1 {
+            let el = m.experts / self.ep;
+            (local * el, el, 0, m.intermediate)
+        } else {
+            let il = m.intermediate / self.tp;
+            (0, m.experts, (local % self.tp) * il, il)
+        };
+        let form = self.model.experts;
+        // Packed gate_up of transformers: up rows start at I.
+        let up_at = if form == ExpertForm::StackedGateUp {
+            m.intermediate
+        } else {
+            0
+        };
+        let mk = |e: u32, proj: &str, down: bool| {
+            let (param, expert) = match form {
+                ExpertForm::Stacked => (format!("{pre}mlp.experts.{proj}.weight"), Some(e)),
+                ExpertForm::StackedGateUp => {
+                    let packed = if down { "down_proj" } else { "gate_up_proj" };
+                    (format!("{pre}mlp.experts.{packed}"), Some(e))
+                }
+                ExpertForm::PerExpert => (format!("{pre}mlp.experts.{e}.{proj}.weight"), None),
+            };
+            if down {
+                Part {
+                    param,
+                    expert,
+                    rows: (0, c.hidden),
+                    cols: Some((i0, i0 + il)),
+                }
+            } else {
+                let at = if proj == "up_proj" { up_at } else { 0 };
+                Part {
+                    param,
+                    expert,
+                    rows: (at + i0, at + i0 + il),
+                    cols: None,
+                }
+            }
+        };
+        (e0..e0 + el)
+            .map(|e| {
+                if w13 {
+                    vec![mk(e, "gate_proj", false), mk(e, "up_proj", false)]
+                } else {
+                    vec![mk(e, "down_proj", true)]
+                }
+            })
+            .collect()
     }
 
     /// The expected bytes of an engine tensor (`..._scale_inv` gives the scales).
@@ -697,6 +796,12 @@ impl<'a> Expected<'a> {
         );
         let mut out = Vec::new();
         for parts in &lead {
+            if quantised && self.hf {
+                // transformers: the destination matrix (parts stacked by rows) on its own grid.
+                let (v, s) = self.quant_own_grid(parts);
+                out.extend(if scales { s } else { v });
+                continue;
+            }
             for p in parts {
                 if quantised {
                     let (v, s) = self.quant(p);
@@ -707,6 +812,26 @@ impl<'a> Expected<'a> {
             }
         }
         out
+    }
+
+    /// fp8 values and scales of the matrix made of `parts` stacked by rows (equal widths),
+    /// quantised per 128x128 block of that matrix itself.
+    fn quant_own_grid(&self, parts: &[Part]) -> (Vec<u8>, Vec<u8>) {
+        let mut vals = Vec::new();
+        let mut rows = 0u32;
+        let mut width = None;
+        for p in parts {
+            let pid = self.pid(&p.param);
+            let dtype = self.model.params[pid].dtype;
+            let raw = self.raw(p);
+            let (c0, c1) = p.cols.unwrap_or((0, self.matrix_dims(p).1));
+            assert!(width.is_none_or(|w| w == c1 - c0), "parts of unequal width");
+            width = Some(c1 - c0);
+            rows += p.rows.1 - p.rows.0;
+            vals.extend((0..raw.len() / dtype.size()).map(|i| get(&raw, dtype, i)));
+        }
+        let (q, s) = quantise(&vals, &[rows, width.unwrap_or(0)]);
+        (q, s.iter().flat_map(|x| x.to_le_bytes()).collect())
     }
 }
 

@@ -1,28 +1,41 @@
 //! GPU preparation and staging (feature `cuda`): NVRTC kernels bit-identical to the CPU
-//! kernels, device staging filled by async H2D copies from pinned host memory, and GPU source
-//! memory (owned, or mapped from a CUDA IPC handle exported by the training process).
+//! kernels, pinned host and device staging with async copies, and GPU source memory (owned,
+//! mapped from a CUDA IPC handle exported by the training process, or borrowed from it).
 //!
 //! Why run-time compilation and dynamic loading: the worker binary must build and run on
-//! machines without CUDA (this crate compiles with `--features cuda` anywhere). Before any
-//! cudarc call, [`GpuDevice::open`] checks that the driver and NVRTC libraries can be loaded
-//! and returns [`GpuError::NoDriver`] / [`GpuError::NoNvrtc`] otherwise: cudarc itself panics
-//! when a library is missing, so that check is what keeps a CPU-only host from crashing.
+//! machines without CUDA (this crate compiles with `--features cuda` anywhere). Every entry point
+//! goes through [`GpuDevice::open`], which checks that the driver library can be loaded before
+//! any cudarc call and returns [`GpuError::NoDriver`] otherwise (cudarc itself panics when a
+//! library is missing). NVRTC is needed only for the kernels: it is looked for (its own loader,
+//! [`nvrtc`]) when a kernel is first launched, and a miss is [`GpuError::NoNvrtc`]; pinned
+//! staging, copies and IPC work without it.
+//!
+//! Not yet here (issue 15, wiring the pipeline): a copy stream beside the compute stream, and
+//! per-lease events in place of cudarc's per-allocation event tracking, which would serialise
+//! pieces leased from one staging arena (review G6). Everything runs on one stream per device.
 //!
 //! # Layout
-//! - [`device`]: [`GpuDevice`] (context, stream, compiled kernels) and the kernel launches.
-//! - [`staging`]: pinned host staging and device staging with async H2D copies.
-//! - [`source`]: [`GpuSource`], the trainer's arena in device memory or behind an IPC handle.
+//! - [`device`]: [`GpuDevice`] (context, stream, lazily compiled kernels) and the launches.
+//! - [`kernels`]: the CUDA source, its build options and geometry, the compiled-image cache.
+//! - [`nvrtc`]: finding and calling NVRTC; choosing cubin or PTX for the device.
+//! - [`staging`]: pinned host staging and device staging with async copies of ranges.
+//! - `pending`: events of queued copies that memory must outlive.
+//! - [`source`]: [`GpuSource`], the trainer's arena in device memory, and [`IpcExport`].
 //! - `kernels.cu`: the CUDA source, mirroring `prepare::convert` step for step.
+//! - `check/` (tests): the device checks `worker/gpu-check.sh` runs on a GPU machine.
 
 pub mod device;
+pub mod kernels;
+pub mod nvrtc;
+mod pending;
 pub mod source;
 pub mod staging;
 
 #[cfg(test)]
 mod check;
 
-pub use device::GpuDevice;
-pub use source::{GpuSource, IpcMapping};
+pub use device::{DeviceInfo, E4m3Conversion, GpuDevice, SelftestReport};
+pub use source::{BorrowedDevice, GpuSource, IpcExport, IpcMapping, IPC_HANDLE_BYTES};
 pub use staging::{DeviceStaging, PinnedStaging};
 
 use crate::prepare::PrepareError;
@@ -34,17 +47,48 @@ pub enum GpuError {
     /// The CUDA driver library (libcuda) cannot be loaded on this machine.
     #[error("no CUDA driver library (libcuda.so) can be loaded on this machine")]
     NoDriver,
-    /// The NVRTC library cannot be loaded (the kernels are compiled at run time).
+    /// No NVRTC library can be loaded (the kernels are compiled at run time).
     #[error(
-        "no NVRTC library (libnvrtc.so) can be loaded; the GPU kernels are compiled at run time"
+        "no NVRTC library can be loaded (the GPU kernels are compiled at run time); looked for: \
+         {searched}{}; set {} to a libnvrtc.so.12 or .13 (e.g. the nvidia-cuda-nvrtc wheel's)",
+        if errors.is_empty() { String::new() } else { format!(" ({errors})") },
+        nvrtc::NVRTC_ENV
     )]
-    NoNvrtc,
+    NoNvrtc {
+        /// Every name and path tried, in order.
+        searched: String,
+        /// Why the ones that exist did not load.
+        errors: String,
+    },
+    /// NVRTC can target neither this GPU nor any older architecture.
+    #[error("NVRTC cannot compile for sm_{arch} (it supports {supported:?}); use an older CUDA")]
+    UnsupportedArch {
+        /// The device's compute capability, 10 * major + minor.
+        arch: u32,
+        /// What the NVRTC supports.
+        supported: Vec<u32>,
+    },
+    /// NVRTC rejected the kernels.
+    #[error("{nvrtc} failed to compile {name}: {log}")]
+    Compile {
+        /// The program's name.
+        name: String,
+        /// Which NVRTC (version and path).
+        nvrtc: String,
+        /// NVRTC's log.
+        log: String,
+    },
+    /// The driver refused the compiled kernels.
+    #[error("the driver could not load {what}: {source}")]
+    Load {
+        /// What was loaded (target and NVRTC).
+        what: String,
+        /// The driver's error.
+        source: cudarc::driver::DriverError,
+    },
     /// A driver call failed.
     #[error("cuda driver: {0}")]
     Driver(#[from] cudarc::driver::DriverError),
-    /// NVRTC rejected the kernels.
-    #[error("nvrtc: {0}")]
-    Compile(String),
     /// Lengths, shapes or dtypes do not fit (checked before any launch).
     #[error(transparent)]
     Prepare(#[from] PrepareError),
@@ -60,6 +104,25 @@ pub enum GpuError {
         /// Buffer size.
         have: usize,
     },
+    /// A device address not aligned as the kernel reads or writes it.
+    #[error("{what} at device address {addr:#x} is not {align}-byte aligned")]
+    Misaligned {
+        /// Which buffer.
+        what: &'static str,
+        /// Its address.
+        addr: u64,
+        /// The alignment required.
+        align: u64,
+    },
+    /// A buffer of another context (another GPU, or another context on it).
+    #[error("{what} belongs to another CUDA context than the device it was used with")]
+    WrongContext {
+        /// Which buffer.
+        what: &'static str,
+    },
+    /// The hardware e4m3 conversion was asked for where it is not known to be exact.
+    #[error("the hardware e4m3 conversion is not usable here: {0}")]
+    HardwareConversion(String),
 }
 
 /// Whether the CUDA driver library can be loaded.
@@ -69,31 +132,62 @@ pub fn driver_present() -> bool {
     unsafe { cudarc::driver::sys::is_culib_present() }
 }
 
-/// Whether the NVRTC library can be loaded.
-pub fn nvrtc_present() -> bool {
-    // SAFETY: as for `driver_present`: `dlopen` attempts only.
-    unsafe { cudarc::nvrtc::sys::is_culib_present() }
-}
-
 #[cfg(test)]
 mod tests {
+    use cudarc::driver::CudaSlice;
+
     use super::*;
+
+    /// The device, or None after checking that the failure is the clean one for this machine.
+    fn device_or_clean_error() -> Option<GpuDevice> {
+        match GpuDevice::open(0) {
+            Err(GpuError::NoDriver) => {
+                assert!(!driver_present());
+                None
+            }
+            Err(e) => {
+                // A driver without a usable device (a container without a GPU) is an error
+                // too, never a panic.
+                assert!(driver_present(), "unexpected error without a driver: {e}");
+                None
+            }
+            Ok(dev) => {
+                assert!(driver_present());
+                Some(dev)
+            }
+        }
+    }
 
     #[test]
     fn open_is_a_clean_error_without_a_driver_and_works_with_one() {
-        match GpuDevice::open(0) {
-            Err(GpuError::NoDriver) => assert!(!driver_present()),
-            Err(GpuError::NoNvrtc) => assert!(driver_present() && !nvrtc_present()),
-            Err(e) => {
-                // A driver without a usable device (e.g. no GPU in a container) is also an
-                // error, never a panic.
-                assert!(driver_present(), "unexpected error without a driver: {e}");
-            }
-            Ok(dev) => {
-                assert!(driver_present() && nvrtc_present());
-                let buf = dev.upload(&[1, 2, 3]).unwrap();
-                assert_eq!(dev.download(&buf).unwrap(), vec![1, 2, 3]);
-            }
+        if let Some(dev) = device_or_clean_error() {
+            let buf = dev.upload(&[1, 2, 3]).unwrap();
+            assert_eq!(dev.download(&buf).unwrap(), vec![1, 2, 3]);
+            assert!(dev.info().arch >= 50, "{:?}", dev.info());
         }
+    }
+
+    #[test]
+    fn every_entry_point_is_reached_through_a_checked_open() {
+        // Without a driver nothing below `open` can be called at all; with one, each entry point
+        // must answer (an error naming what is missing, e.g. NoNvrtc, is fine) rather than panic.
+        let Some(dev) = device_or_clean_error() else {
+            assert!(matches!(GpuDevice::open(1), Err(GpuError::NoDriver)));
+            assert!(matches!(GpuDevice::count(), Err(GpuError::NoDriver)));
+            return;
+        };
+        let _ = dev.kernel_image();
+        let _ = dev.fp8_conversion();
+        let src: CudaSlice<u8> = dev.upload(&[0u8; 64]).unwrap();
+        let mut dst = dev.alloc(128).unwrap();
+        let _ = dev.cast(
+            &src,
+            weightsync_common::DType::BF16,
+            &mut dst,
+            weightsync_common::DType::F32,
+        );
+        let _ = PinnedStaging::new(&dev, 16);
+        let _ = IpcExport::new(&dev, 16);
+        assert!(GpuDevice::count().unwrap() >= 1);
     }
 }

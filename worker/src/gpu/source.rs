@@ -1,5 +1,19 @@
-//! The trainer's source arena in GPU memory: a buffer this process owns, or one the training
-//! process exported with `cudaIpcGetMemHandle` and this worker maps with `cuIpcOpenMemHandle`.
+//! The trainer's source arena in GPU memory: a buffer this process owns; one the training
+//! process exported with `cudaIpcGetMemHandle` and this worker maps with `cuIpcOpenMemHandle`;
+//! or one it borrows in the same process (an engine plugin handing over a tensor's pointer).
+//!
+//! Why every copy out of a mapped or borrowed arena is tracked: the copies are asynchronous,
+//! and unmapping (or the owner freeing) memory that a queued copy still reads is an
+//! illegal-address fault that ends the context. So each copy records an event, and dropping the
+//! source waits for those events before it unmaps or hands the memory back.
+//!
+//! What an exporter must provide (legacy CUDA IPC): memory from `cudaMalloc`/`cuMemAlloc`, not
+//! from a stream-ordered pool (`cudaMallocAsync`, which cudarc's `alloc_zeros` uses) and not
+//! from PyTorch's `expandable_segments` (those export VMM handles instead); the handle maps the
+//! exporter's *whole allocation*, so a tensor carved from a larger block (PyTorch's caching
+//! allocator: `storage._share_cuda_()` returns the block's handle and an offset) is passed with
+//! its offset; and a process cannot open its own handle, hence [`BorrowedDevice`]. The exporter
+//! must keep the allocation alive until every importer has dropped its mapping.
 //!
 //! An IPC mapping is checked against the size the routing table needs with
 //! `cuMemGetAddressRange` (a handle carries no length), so a short source is refused at attach
@@ -9,25 +23,38 @@ use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaContext, CudaSlice, DevicePtrMut};
 
+use super::pending::PendingCopies;
 use super::{GpuDevice, GpuError};
 
 /// Size of a CUDA IPC memory handle.
 pub const IPC_HANDLE_BYTES: usize = sys::CU_IPC_HANDLE_SIZE as usize;
 
-/// A device allocation of another process, mapped through its IPC handle; unmapped on drop.
+/// The allocation containing `ptr`: (base, size), in the current context.
+fn address_range(ptr: sys::CUdeviceptr) -> Result<(sys::CUdeviceptr, usize), GpuError> {
+    let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
+    // SAFETY: out-pointers are valid; the driver only looks `ptr` up.
+    unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) }.result()?;
+    Ok((base, size))
+}
+
+/// A device allocation of another process, mapped through its IPC handle; waits for queued
+/// copies and unmaps on drop.
 #[derive(Debug)]
 pub struct IpcMapping {
     ctx: Arc<CudaContext>,
-    ptr: sys::CUdeviceptr,
+    mapped: sys::CUdeviceptr,
+    arena: sys::CUdeviceptr,
     len: usize,
+    pending: PendingCopies,
 }
 
 impl IpcMapping {
     /// Maps the allocation behind `handle` and checks that `need` bytes are available from
-    /// its start.
+    /// `offset` into it (the arena's place in the exporter's allocation).
     pub fn open(
         dev: &GpuDevice,
         handle: &[u8; IPC_HANDLE_BYTES],
+        offset: usize,
         need: usize,
     ) -> Result<IpcMapping, GpuError> {
         dev.context().bind_to_thread()?;
@@ -39,8 +66,8 @@ impl IpcMapping {
         }
         let mut ptr: sys::CUdeviceptr = 0;
         // SAFETY: `ptr` is a valid out-pointer; the handle is passed by value; the context is
-        // bound to this thread above. On success the mapping is owned by the returned value,
-        // whose Drop closes it exactly once.
+        // bound to this thread above. On success the mapping is owned by the value built next,
+        // whose Drop closes it exactly once (also on the error returns below).
         unsafe {
             sys::cuIpcOpenMemHandle_v2(
                 &mut ptr,
@@ -49,34 +76,34 @@ impl IpcMapping {
             )
         }
         .result()?;
-        let mapping = IpcMapping {
+        let mut mapping = IpcMapping {
             ctx: dev.context().clone(),
-            ptr,
+            mapped: ptr,
+            arena: ptr,
             len: 0,
+            pending: PendingCopies::default(),
         };
-        let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
-        // SAFETY: out-pointers are valid; `ptr` is a live device pointer just mapped.
-        unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) }.result()?;
+        let (base, size) = address_range(ptr)?;
         let have = (base as usize + size).saturating_sub(ptr as usize);
-        if have < need {
+        if offset.checked_add(need).is_none_or(|end| end > have) {
             return Err(GpuError::OutOfBounds {
                 what: "IPC-mapped source arena",
-                offset: 0,
+                offset,
                 len: need,
                 have,
             });
         }
-        let mut mapping = mapping;
-        mapping.len = have;
+        mapping.arena = ptr + offset as u64;
+        mapping.len = need;
         Ok(mapping)
     }
 
-    /// Bytes mapped.
+    /// Arena bytes.
     pub fn len(&self) -> usize {
         self.len
     }
 
-    /// Whether nothing is mapped.
+    /// Whether the arena is empty.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
@@ -84,10 +111,65 @@ impl IpcMapping {
 
 impl Drop for IpcMapping {
     fn drop(&mut self) {
+        // A failed copy no longer reads the mapping, so an error here does not stop the unmap.
+        let _ = self.pending.wait();
         if self.ctx.bind_to_thread().is_ok() {
-            // SAFETY: `ptr` came from a successful `cuIpcOpenMemHandle` and is closed only here.
-            let _ = unsafe { sys::cuIpcCloseMemHandle(self.ptr) };
+            // SAFETY: `mapped` came from a successful `cuIpcOpenMemHandle` and is closed only
+            // here, after every copy queued from it has completed (`wait` above).
+            let _ = unsafe { sys::cuIpcCloseMemHandle(self.mapped) };
         }
+    }
+}
+
+/// Device memory this process does not own and must not free: a range of another library's
+/// allocation in the same process (a PyTorch tensor's storage). Waits on drop for the copies
+/// queued from it, after which its owner may free or rewrite it.
+#[derive(Debug)]
+pub struct BorrowedDevice {
+    ctx: Arc<CudaContext>,
+    ptr: sys::CUdeviceptr,
+    len: usize,
+    pending: PendingCopies,
+}
+
+impl BorrowedDevice {
+    /// Borrows `[ptr, ptr + len)` of device memory in `dev`'s context; checks that the range
+    /// lies inside one live allocation of that context (as `cuMemGetAddressRange` sees it: for
+    /// memory from a stream-ordered pool the allocation it reports may be larger, and the check
+    /// weaker).
+    ///
+    /// # Safety
+    /// The range must stay allocated, and must not be written by anyone else while a copy from
+    /// it may be queued, until the returned value is dropped.
+    pub unsafe fn new(
+        dev: &GpuDevice,
+        ptr: sys::CUdeviceptr,
+        len: usize,
+    ) -> Result<BorrowedDevice, GpuError> {
+        dev.context().bind_to_thread()?;
+        let (base, size) = address_range(ptr)?;
+        let have = (base as usize + size).saturating_sub(ptr as usize);
+        if len > have {
+            return Err(GpuError::OutOfBounds {
+                what: "borrowed device arena",
+                offset: 0,
+                len,
+                have,
+            });
+        }
+        Ok(BorrowedDevice {
+            ctx: dev.context().clone(),
+            ptr,
+            len,
+            pending: PendingCopies::default(),
+        })
+    }
+}
+
+impl Drop for BorrowedDevice {
+    fn drop(&mut self) {
+        // Errors are ignored: a failed copy no longer reads the memory.
+        let _ = self.pending.wait();
     }
 }
 
@@ -98,6 +180,8 @@ pub enum GpuSource {
     Owned(CudaSlice<u8>),
     /// Another process's buffer, mapped by IPC handle.
     Ipc(IpcMapping),
+    /// A range of memory another part of this process owns.
+    Borrowed(BorrowedDevice),
 }
 
 impl GpuSource {
@@ -106,6 +190,7 @@ impl GpuSource {
         match self {
             GpuSource::Owned(b) => b.len(),
             GpuSource::Ipc(m) => m.len(),
+            GpuSource::Borrowed(b) => b.len,
         }
     }
 
@@ -115,7 +200,7 @@ impl GpuSource {
     }
 
     /// Queues a device-to-device copy of `[offset, offset + len)` of the arena into `dst` at
-    /// `dst_offset` (the H2D stage's equivalent for a GPU-resident source).
+    /// `dst_offset` on `dev`'s stream (the "source to staging" stage for a GPU-resident source).
     pub fn copy_to(
         &self,
         dev: &GpuDevice,
@@ -136,26 +221,167 @@ impl GpuSource {
         if dst_offset.checked_add(len).is_none_or(|e| e > dst.len()) {
             return Err(oob("device staging", dst_offset, dst.len()));
         }
+        let src_ctx = match self {
+            GpuSource::Owned(b) => b.context(),
+            GpuSource::Ipc(m) => &m.ctx,
+            GpuSource::Borrowed(b) => &b.ctx,
+        };
+        if **src_ctx != **dev.context() {
+            return Err(GpuError::WrongContext {
+                what: "gpu source arena",
+            });
+        }
+        if **dst.context() != **dev.context() {
+            return Err(GpuError::WrongContext {
+                what: "device staging",
+            });
+        }
         if len == 0 {
             return Ok(());
         }
+        dev.context().bind_to_thread()?;
         let stream = dev.stream();
         let mut dst_view = dst.slice_mut(dst_offset..dst_offset + len);
-        match self {
+        let (base, pending) = match self {
             GpuSource::Owned(b) => {
-                stream.memcpy_dtod(&b.slice(offset..offset + len), &mut dst_view)?
+                stream.memcpy_dtod(&b.slice(offset..offset + len), &mut dst_view)?;
+                return Ok(());
             }
-            GpuSource::Ipc(m) => {
-                let (dptr, _sync) = dst_view.device_ptr_mut(stream);
-                // SAFETY: both ranges were bounds-checked above; the source mapping outlives the
-                // copy (the caller synchronises the stream before dropping `self`, and
-                // `_sync` records the destination's use on the stream).
-                unsafe {
-                    sys::cuMemcpyDtoDAsync_v2(dptr, m.ptr + offset as u64, len, stream.cu_stream())
-                }
-                .result()?;
+            GpuSource::Ipc(m) => (m.arena, &m.pending),
+            GpuSource::Borrowed(b) => (b.ptr, &b.pending),
+        };
+        {
+            let (dptr, _write) = dst_view.device_ptr_mut(stream);
+            // SAFETY: both ranges were bounds-checked above and belong to this context (checked
+            // above; the context is bound); the source stays mapped (or borrowed) until its Drop
+            // has waited for the event recorded below, and `_write` orders the copy after
+            // earlier users of the destination.
+            unsafe {
+                sys::cuMemcpyDtoDAsync_v2(dptr, base + offset as u64, len, stream.cu_stream())
             }
+            .result()?;
+        }
+        pending.record(stream)?;
+        Ok(())
+    }
+}
+
+/// Device memory allocated with `cuMemAlloc` (never pool memory) and exported through a CUDA
+/// IPC handle: what a training process (or a test standing in for one) hands the worker. Freed
+/// on drop; importers must have unmapped it by then.
+#[derive(Debug)]
+pub struct IpcExport {
+    ctx: Arc<CudaContext>,
+    ptr: sys::CUdeviceptr,
+    len: usize,
+}
+
+impl IpcExport {
+    /// Allocates `len` bytes (at least 1), zeroed.
+    pub fn new(dev: &GpuDevice, len: usize) -> Result<IpcExport, GpuError> {
+        dev.context().bind_to_thread()?;
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: valid out-pointer, context bound; the allocation is owned by the value built
+        // next, whose Drop frees it once.
+        unsafe { sys::cuMemAlloc_v2(&mut ptr, len.max(1)) }.result()?;
+        let out = IpcExport {
+            ctx: dev.context().clone(),
+            ptr,
+            len,
+        };
+        // SAFETY: `ptr` is a live allocation of at least len.max(1) bytes in the bound context.
+        unsafe { sys::cuMemsetD8_v2(ptr, 0, len.max(1)) }.result()?;
+        out.settle()?;
+        Ok(out)
+    }
+
+    /// Waits for this process's synchronous-looking memset and copies on the legacy default
+    /// stream: a host-to-device `cuMemcpy` from pageable memory may return before its DMA has
+    /// landed, and another process must not see the memory until it has.
+    fn settle(&self) -> Result<(), GpuError> {
+        // SAFETY: the null stream is the context's legacy default stream; the context is bound.
+        unsafe { sys::cuStreamSynchronize(std::ptr::null_mut()) }.result()?;
+        Ok(())
+    }
+
+    /// The allocation's device address (for a same-process borrower, [`BorrowedDevice`]).
+    pub fn device_ptr(&self) -> sys::CUdeviceptr {
+        self.ptr
+    }
+
+    /// Bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The IPC handle another process passes to [`IpcMapping::open`].
+    pub fn handle(&self) -> Result<[u8; IPC_HANDLE_BYTES], GpuError> {
+        self.ctx.bind_to_thread()?;
+        let mut h = sys::CUipcMemHandle_st {
+            reserved: [0; IPC_HANDLE_BYTES],
+        };
+        // SAFETY: valid out-pointer; `ptr` is the base of a live cuMemAlloc allocation.
+        unsafe { sys::cuIpcGetMemHandle(&mut h, self.ptr) }.result()?;
+        let mut out = [0u8; IPC_HANDLE_BYTES];
+        for (d, s) in out.iter_mut().zip(h.reserved) {
+            *d = s as u8;
+        }
+        Ok(out)
+    }
+
+    fn check(&self, offset: usize, len: usize) -> Result<(), GpuError> {
+        if offset.checked_add(len).is_none_or(|e| e > self.len) {
+            return Err(GpuError::OutOfBounds {
+                what: "IPC export",
+                offset,
+                len,
+                have: self.len,
+            });
         }
         Ok(())
+    }
+
+    /// Writes `bytes` at `offset` (synchronous).
+    pub fn write(&mut self, offset: usize, bytes: &[u8]) -> Result<(), GpuError> {
+        self.check(offset, bytes.len())?;
+        if bytes.is_empty() {
+            return Ok(());
+        }
+        self.ctx.bind_to_thread()?;
+        // SAFETY: the range was bounds-checked; a synchronous copy from a live host slice.
+        unsafe {
+            sys::cuMemcpyHtoD_v2(self.ptr + offset as u64, bytes.as_ptr().cast(), bytes.len())
+        }
+        .result()?;
+        self.settle()
+    }
+
+    /// Reads `len` bytes at `offset` (synchronous).
+    pub fn read(&self, offset: usize, len: usize) -> Result<Vec<u8>, GpuError> {
+        self.check(offset, len)?;
+        let mut out = vec![0u8; len];
+        if len == 0 {
+            return Ok(out);
+        }
+        self.ctx.bind_to_thread()?;
+        // SAFETY: the range was bounds-checked; a synchronous copy into a live host buffer.
+        unsafe { sys::cuMemcpyDtoH_v2(out.as_mut_ptr().cast(), self.ptr + offset as u64, len) }
+            .result()?;
+        Ok(out)
+    }
+}
+
+impl Drop for IpcExport {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: `ptr` came from a successful cuMemAlloc and is freed once, here; this
+            // process queued no asynchronous work on it (its copies are synchronous).
+            let _ = unsafe { sys::cuMemFree_v2(self.ptr) };
+        }
     }
 }

@@ -13,7 +13,7 @@
 //! lane (new connection, new handshake) on next use.
 
 use std::collections::VecDeque;
-use std::net::{TcpStream, ToSocketAddrs};
+use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::Instant;
@@ -21,8 +21,10 @@ use std::time::Instant;
 use parking_lot::Mutex;
 use tokio::sync::{oneshot, watch};
 
+use super::addresses::{peer_address, LaneRoute};
 use super::frame::{Completion, FrameHeader, COMPLETION_LEN};
 use super::handshake::client_handshake;
+use super::peer::QueuedBytes;
 use super::socket::{IoFail, LaneSocket, Readiness};
 use super::Shared;
 use crate::fabric::descriptor::Endpoint;
@@ -47,6 +49,8 @@ pub(super) struct OutFrame {
 pub(super) struct LaneJob {
     pub frames: Vec<OutFrame>,
     pub done: oneshot::Sender<Result<()>>,
+    /// The job's bytes on its lane's queue, until it is answered.
+    pub queued: QueuedBytes,
 }
 
 /// What a pending job needs to report its completion.
@@ -56,6 +60,7 @@ struct Pending {
     frames: u32,
     /// (rkey, addr, dst_base, len) per frame, to name a refused frame.
     ctx: Vec<(u64, u64, u64, u64)>,
+    _queued: QueuedBytes,
 }
 
 #[derive(Debug, Default)]
@@ -79,6 +84,7 @@ impl PendingQueue {
 struct LaneState {
     peer: Endpoint,
     index: usize,
+    route: LaneRoute,
     broken: AtomicBool,
     /// Set by [`Lane::reset`]: nothing more may be sent on this lane.
     reset: AtomicBool,
@@ -106,13 +112,15 @@ pub(super) struct Lane {
 }
 
 impl Lane {
-    /// Starts a lane to `peer`; it connects in the background and takes jobs at once.
-    pub fn open(peer: Endpoint, index: usize, shared: Arc<Shared>) -> Lane {
+    /// Starts lane `index` to `peer` over `route`; it connects in the background and takes jobs
+    /// at once.
+    pub fn open(peer: Endpoint, index: usize, route: LaneRoute, shared: Arc<Shared>) -> Lane {
         let (tx, rx) = mpsc::channel();
         let (ready, _) = watch::channel(None);
         let state = Arc::new(LaneState {
             peer: peer.clone(),
             index,
+            route,
             broken: AtomicBool::new(false),
             reset: AtomicBool::new(false),
             socket: Mutex::new(None),
@@ -194,27 +202,31 @@ impl Lane {
     }
 }
 
-fn connect(peer: &Endpoint, shared: &Shared) -> Result<LaneSocket> {
-    let unreachable = |e: std::io::Error| FabricError::PeerUnreachable {
-        peer: peer.clone(),
-        source: Arc::new(e),
-    };
-    let addr = peer
-        .as_str()
-        .to_socket_addrs()
-        .map_err(unreachable)?
-        .next()
-        .ok_or_else(|| {
-            unreachable(std::io::Error::new(
-                std::io::ErrorKind::NotFound,
-                "endpoint resolves to no address",
-            ))
-        })?;
+fn connect(peer: &Endpoint, index: usize, route: LaneRoute, shared: &Shared) -> Result<LaneSocket> {
+    let addr = peer_address(peer, route.remote)?;
     let timeout = shared.config.connect_timeout();
-    let mut stream = TcpStream::connect_timeout(&addr, timeout).map_err(unreachable)?;
+    let connected = match route.bind {
+        None => TcpStream::connect_timeout(&addr, timeout),
+        Some(local) => super::socket::connect_from(local, addr, timeout),
+    };
+    let mut stream = connected.map_err(|e| FabricError::PeerUnreachable {
+        peer: peer.clone(),
+        source: Arc::new(match route.bind {
+            // Name the pair, so that the NIC (or the peer's address) at fault is plain.
+            Some(local) => std::io::Error::new(
+                e.kind(),
+                format!("lane {index} from {local} to address {addr}: {e}"),
+            ),
+            None if addr.to_string() != peer.as_str() => {
+                std::io::Error::new(e.kind(), format!("lane {index} to address {addr}: {e}"))
+            }
+            None => e,
+        }),
+    })?;
     let setup = (|| {
         stream.set_nodelay(true)?;
-        super::socket::set_buffer_sizes(&stream, shared.config.socket_buffer_bytes)?;
+        let (send, receive) = shared.config.socket_buffers();
+        super::socket::set_buffer_sizes(&stream, send, receive)?;
         stream.set_read_timeout(Some(timeout))?;
         stream.set_write_timeout(Some(timeout))
     })();
@@ -234,7 +246,7 @@ fn run_sender(
     state: Arc<LaneState>,
     shared: Arc<Shared>,
 ) {
-    let sock = match connect(&peer, &shared) {
+    let sock = match connect(&peer, state.index, state.route, &shared) {
         Ok(s) => Arc::new(s),
         Err(e) => {
             tracing::warn!(%peer, lane = state.index, error = %e, "lane connect failed");
@@ -309,7 +321,12 @@ fn run_sender(
         }
     }
     let err = match failure {
-        Some(e) if state.reset.load(Ordering::SeqCst) => e,
+        // The send failed because this endpoint reset the lane (the abort broke the socket
+        // under it): what it had not sent fails as reset, whatever error the socket gave.
+        Some(_) if state.reset.load(Ordering::SeqCst) => FabricError::ConnectionsReset {
+            peer: peer.clone(),
+            lane: state.index,
+        },
         Some(e) => {
             // Count the failure once per lane, whichever of its threads saw it first.
             if !state.broken.swap(true, Ordering::SeqCst) {
@@ -345,7 +362,12 @@ fn send_jobs(
     let mut all: Vec<OutFrame> = Vec::new();
     {
         let mut q = pending.lock();
-        for LaneJob { mut frames, done } in jobs {
+        for LaneJob {
+            mut frames,
+            done,
+            queued,
+        } in jobs
+        {
             let Some(last) = frames.last_mut() else {
                 let _ = done.send(Ok(()));
                 continue;
@@ -363,6 +385,7 @@ fn send_jobs(
                 done,
                 frames: frames.len() as u32,
                 ctx,
+                _queued: queued,
             });
             all.append(&mut frames);
         }
@@ -426,6 +449,9 @@ fn send_window(
             Ok(mut n) => {
                 shared
                     .stats
+                    .bytes_sent
+                    .fetch_add(n as u64, Ordering::Relaxed);
+                shared.local[state.route.local]
                     .bytes_sent
                     .fetch_add(n as u64, Ordering::Relaxed);
                 state.touch();

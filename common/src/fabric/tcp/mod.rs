@@ -5,9 +5,15 @@
 //! authenticated with a challenge on the job token ([`handshake`]). A write travels as a frame
 //! (op, rkey, remote address, length, immediate, payload: [`frame`]); the receiving thread checks
 //! it against the registration table and reads the payload straight into the registered region
-//! ([`receiver`]), counting the immediate only once every byte is in memory. The writer streams
+//! (`receiver`), counting the immediate only once every byte is in memory. The writer streams
 //! many frames per lane without waiting and asks for a completion only at the end of each job
-//! ([`lane`]), like selective signalling on a send queue.
+//! (`lane`), like selective signalling on a send queue.
+//!
+//! Which lane carries what: every lane slot counts the bytes posted on it and not yet
+//! acknowledged, and each write goes where it lands soonest ([`place`]): whole to
+//! the least-loaded lane when the lanes are busy (a 1 MiB write split four ways behind 8 MiB of
+//! queue lands no sooner, and costs four frames, four completions and four wake-ups), spread
+//! over the idle lanes when they are not (a lone 64 MiB write still uses every lane).
 //!
 //! Resetting ([`FabricBackend::reset_connections`]) aborts every outbound lane with an RST, which
 //! makes the kernel discard its send queue; lanes also close with `SO_LINGER` {on, 0}, so even a
@@ -19,31 +25,44 @@
 //! registered memory has the shortest path (no executor hops on the data path, no copies).
 //! Callers see async futures all the same (completions travel on oneshot channels).
 //!
+//! Several NICs: the fabric listens on every configured address, its endpoint lists them all,
+//! and its lanes to a peer are spread over the pairs of addresses (`addresses`).
+//!
 //! Layout: [`frame`] (wire format), [`handshake`] (authentication), `registry` (rkey table),
-//! `receiver` (inbound lanes), `lane` (outbound lanes), `socket` (the raw socket calls).
+//! `receiver` (inbound lanes), `inbound` (reading one inbound lane), `peer` (the lanes to one
+//! peer and their queues), `lane` (one outbound lane), `addresses` (local addresses and
+//! multi-address endpoints), `socket` (the raw socket calls).
 
+mod addresses;
+#[cfg(test)]
+mod addresses_tests;
 pub mod frame;
 pub mod handshake;
+mod inbound;
 mod lane;
+mod peer;
 mod receiver;
 mod registry;
 mod socket;
 
 use std::collections::HashMap;
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
 use tokio::sync::oneshot;
 
+use self::addresses::{endpoint_of, LocalAddress};
 use self::frame::{FrameHeader, Part, MAX_FRAME_PAYLOAD, MAX_PARTS};
-use self::lane::{Lane, LaneJob, OutFrame};
+use self::lane::{LaneJob, OutFrame};
+use self::peer::PeerLanes;
 use super::{
-    merge_contiguous, stripe, Access, Endpoint, FabricBackend, FabricConfig, FabricError,
+    merge_contiguous, place, Access, Endpoint, FabricBackend, FabricConfig, FabricError,
     ImmCounter, Memory, MemoryLocation, Region, RegionDescriptor, RegisteredMemory, Result,
     WriteOp,
 };
+pub use addresses::AddressBytes;
 pub use registry::{Registration, RegistrationTable};
 
 /// Alignment of the pieces a large write is split into.
@@ -96,50 +115,18 @@ pub(super) struct Shared {
     /// (writer instance, write id) -> parts still to land, for split writes with an immediate.
     assembly: Mutex<HashMap<(u64, u64), u16>>,
     stats: Counters,
+    /// The addresses listened on and written from (`listen` first), with their counters.
+    local: Vec<LocalAddress>,
 }
 
-#[derive(Debug)]
-struct PeerLanes {
-    endpoint: Endpoint,
-    slots: Vec<Mutex<Option<Lane>>>,
-    next: AtomicUsize,
-}
-
-impl PeerLanes {
-    /// The lane in slot `i`, (re)opened if missing or broken.
-    fn lane(&self, i: usize, shared: &Arc<Shared>) -> Lane {
-        let mut slot = self.slots[i].lock();
-        match slot.as_ref() {
-            Some(lane) if !lane.is_broken() => lane.clone(),
-            _ => {
-                let lane = Lane::open(self.endpoint.clone(), i, shared.clone());
-                *slot = Some(lane.clone());
-                lane
-            }
-        }
-    }
-
-    fn submit(&self, i: usize, job: LaneJob, shared: &Arc<Shared>) {
-        let Err(job) = self.lane(i, shared).submit(job) else {
-            return;
-        };
-        // The lane's thread exited: replace it once.
-        *self.slots[i].lock() = None;
-        if let Err(job) = self.lane(i, shared).submit(job) {
-            let _ = job.done.send(Err(FabricError::Disconnected {
-                peer: self.endpoint.clone(),
-                lane: i,
-                detail: "lane thread exited".into(),
-            }));
-        }
-    }
-}
-
-/// The frames of one batch bound for one peer, per lane, and the bytes given to each lane.
+/// The frames of one batch bound for one peer, per lane.
 struct PeerPlan {
     lanes: Arc<PeerLanes>,
     frames: Vec<Vec<OutFrame>>,
+    /// Bytes each lane has queued, counting this batch's frames planned so far.
     loads: Vec<u64>,
+    /// The lane that wins the next tie.
+    first: usize,
 }
 
 #[derive(Debug)]
@@ -163,15 +150,21 @@ pub struct TcpFabric {
 }
 
 impl TcpFabric {
-    /// Binds the listener named by `config.listen` and starts accepting lanes.
+    /// Binds a listener on every configured address (`listen`, then `extra_listen`) and starts
+    /// accepting lanes.
     pub async fn start(config: &FabricConfig) -> Result<TcpFabric> {
         config.validate()?;
-        let listener = std::net::TcpListener::bind(&config.listen).map_err(|e| {
-            FabricError::io(format!("binding fabric listener {}", config.listen), e)
-        })?;
-        let addr = listener
-            .local_addr()
-            .map_err(|e| FabricError::io("reading the listener address", e))?;
+        let mut listeners = Vec::new();
+        for address in config.listen_addresses() {
+            let listener = std::net::TcpListener::bind(address)
+                .map_err(|e| FabricError::io(format!("binding fabric listener {address}"), e))?;
+            let addr = listener.local_addr().map_err(|e| {
+                FabricError::io(format!("reading the address of listener {address}"), e)
+            })?;
+            listeners.push((listener, addr));
+        }
+        let addrs: Vec<std::net::SocketAddr> = listeners.iter().map(|l| l.1).collect();
+        let endpoint = endpoint_of(&addrs);
         let shared = Arc::new(Shared {
             config: config.clone(),
             key: config.job_token.handshake_key(),
@@ -181,21 +174,37 @@ impl TcpFabric {
             stop: AtomicBool::new(false),
             assembly: Mutex::default(),
             stats: Counters::default(),
+            local: addrs.iter().map(|&a| LocalAddress::new(a)).collect(),
         });
-        let acceptor_shared = shared.clone();
-        std::thread::Builder::new()
-            .name("ws-fabric-accept".into())
-            .spawn(move || receiver::accept_loop(listener, acceptor_shared))
-            .map_err(|e| FabricError::io("spawning the fabric accept thread", e))?;
-        tracing::debug!(endpoint = %addr, "tcp fabric listening");
-        Ok(TcpFabric {
+        // From here on the handle owns the threads: dropping it (also on an error below) stops
+        // every accept thread already started.
+        let fabric = TcpFabric {
             inner: Arc::new(Inner {
-                shared,
-                endpoint: addr.into(),
+                shared: shared.clone(),
+                endpoint,
                 peers: Mutex::default(),
                 next_write_id: AtomicU64::new(1),
             }),
-        })
+        };
+        for (index, (listener, _)) in listeners.into_iter().enumerate() {
+            let acceptor_shared = shared.clone();
+            std::thread::Builder::new()
+                .name("ws-fabric-accept".into())
+                .spawn(move || receiver::accept_loop(listener, index, acceptor_shared))
+                .map_err(|e| FabricError::io("spawning the fabric accept thread", e))?;
+        }
+        tracing::debug!(endpoint = %fabric.inner.endpoint, "tcp fabric listening");
+        Ok(fabric)
+    }
+
+    /// Bytes sent and received through each local address, in the endpoint's order.
+    pub fn address_stats(&self) -> Vec<AddressBytes> {
+        self.inner
+            .shared
+            .local
+            .iter()
+            .map(AddressBytes::of)
+            .collect()
     }
 
     /// A snapshot of the counters.
@@ -219,10 +228,8 @@ impl TcpFabric {
     pub fn cut_lanes(&self, peer: &Endpoint) {
         let lanes = self.inner.peers.lock().get(peer).cloned();
         if let Some(lanes) = lanes {
-            for slot in &lanes.slots {
-                if let Some(lane) = slot.lock().as_ref() {
-                    lane.cut();
-                }
+            for lane in lanes.open_lanes() {
+                lane.cut();
             }
         }
     }
@@ -233,11 +240,9 @@ impl TcpFabric {
         let peers: Vec<Arc<PeerLanes>> = self.inner.peers.lock().values().cloned().collect();
         let mut reset = 0;
         for lanes in peers {
-            for slot in &lanes.slots {
-                if let Some(lane) = slot.lock().take() {
-                    lane.reset();
-                    reset += 1;
-                }
+            for lane in lanes.take_lanes() {
+                lane.reset();
+                reset += 1;
             }
         }
         tracing::debug!(endpoint = %self.inner.endpoint, lanes = reset, "outbound lanes reset");
@@ -247,15 +252,7 @@ impl TcpFabric {
         let mut peers = self.inner.peers.lock();
         peers
             .entry(endpoint.clone())
-            .or_insert_with(|| {
-                Arc::new(PeerLanes {
-                    endpoint: endpoint.clone(),
-                    slots: (0..self.inner.shared.config.lanes_per_peer)
-                        .map(|_| Mutex::new(None))
-                        .collect(),
-                    next: AtomicUsize::new(0),
-                })
-            })
+            .or_insert_with(|| Arc::new(PeerLanes::new(endpoint, &self.inner.shared)))
             .clone()
     }
 
@@ -274,34 +271,34 @@ impl TcpFabric {
             }
         }
         let ops = merge_contiguous(ops);
-        let lanes = self.inner.shared.config.lanes_per_peer;
         let stripe_min = self.inner.shared.config.stripe_min_bytes;
         let mut per_peer: HashMap<Endpoint, PeerPlan> = HashMap::new();
         for op in ops {
             let PeerPlan {
-                lanes: peer,
                 frames,
                 loads,
-            } = per_peer
-                .entry(op.dst.endpoint.clone())
-                .or_insert_with(|| PeerPlan {
-                    lanes: self.peer(&op.dst.endpoint),
-                    frames: (0..lanes).map(|_| Vec::new()).collect(),
-                    loads: vec![0; lanes],
-                });
-            let start = peer.next.fetch_add(1, Ordering::Relaxed);
-            let mut pieces = if lanes > 1 && op.len > stripe_min {
-                stripe(op.len, lanes, stripe_min, STRIPE_ALIGN)
-            } else {
-                vec![(0, op.len)]
-            };
-            if pieces.iter().any(|&(_, n)| n > MAX_FRAME_PAYLOAD) {
+                first,
+                ..
+            } = per_peer.entry(op.dst.endpoint.clone()).or_insert_with(|| {
+                let lanes = self.peer(&op.dst.endpoint);
+                let (loads, first) = lanes.loads();
+                PeerPlan {
+                    frames: (0..lanes.len()).map(|_| Vec::new()).collect(),
+                    lanes,
+                    loads,
+                    first,
+                }
+            });
+            // What each lane will have queued once the writes planned so far are posted.
+            let mut pieces = place(op.len, loads, stripe_min, STRIPE_ALIGN, *first);
+            *first = first.wrapping_add(1);
+            if pieces.iter().any(|&(_, _, n)| n > MAX_FRAME_PAYLOAD) {
                 pieces = pieces
                     .into_iter()
-                    .flat_map(|(o, n)| {
+                    .flat_map(|(lane, o, n)| {
                         (0..n.div_ceil(MAX_FRAME_PAYLOAD).max(1)).map(move |k| {
                             let off = k * MAX_FRAME_PAYLOAD;
-                            (o + off, (n - off).min(MAX_FRAME_PAYLOAD))
+                            (lane, o + off, (n - off).min(MAX_FRAME_PAYLOAD))
                         })
                     })
                     .collect();
@@ -317,17 +314,7 @@ impl TcpFabric {
                 write_id: self.inner.next_write_id.fetch_add(1, Ordering::Relaxed),
                 parts: pieces.len() as u16,
             });
-            let single = pieces.len() == 1;
-            for (k, (off, len)) in pieces.into_iter().enumerate() {
-                let lane = if single {
-                    // The least-loaded lane of this batch, starting the search at a rotating lane.
-                    (0..lanes)
-                        .map(|i| (start + i) % lanes)
-                        .min_by_key(|&i| loads[i])
-                        .unwrap_or(0)
-                } else {
-                    (start + k) % lanes
-                };
+            for (lane, off, len) in pieces {
                 loads[lane] += len + frame::HEADER_LEN as u64;
                 frames[lane].push(OutFrame {
                     header: FrameHeader {
@@ -356,7 +343,17 @@ impl TcpFabric {
                     continue;
                 }
                 let (done, rx) = oneshot::channel();
-                peer.submit(i, LaneJob { frames, done }, &self.inner.shared);
+                let bytes = frames
+                    .iter()
+                    .map(|f| f.header.len + frame::HEADER_LEN as u64)
+                    .sum();
+                let queued = peer.enqueue(i, bytes);
+                let job = LaneJob {
+                    frames,
+                    done,
+                    queued,
+                };
+                peer.submit(i, job, &self.inner.shared);
                 completions.push(Completion {
                     peer: peer.endpoint.clone(),
                     lane: i,
@@ -438,7 +435,7 @@ impl FabricBackend for TcpFabric {
 
     fn connect(&self, peer: &Endpoint) -> impl Future<Output = Result<()>> + Send + 'static {
         let lanes = self.peer(peer);
-        let ready: Vec<_> = (0..lanes.slots.len())
+        let ready: Vec<_> = (0..lanes.len())
             .map(|i| lanes.lane(i, &self.inner.shared).ready())
             .collect();
         async move {

@@ -7,8 +7,8 @@
 //! region's revocation guard, so deregistration is never delayed by a slow peer.
 
 use std::io;
-use std::net::TcpStream;
-use std::os::fd::{AsRawFd, RawFd};
+use std::net::{IpAddr, SocketAddr, TcpStream};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
@@ -165,6 +165,13 @@ impl LaneSocket {
         rc == 0 && info.tcpi_state == 7
     }
 
+    /// Sets `SO_RCVLOWAT`: a wait for readability ends only once `bytes` are queued (or the
+    /// connection closed, or the kernel sees that the rest cannot arrive before a read). The
+    /// kernel caps it at half the receive buffer.
+    pub fn set_rcvlowat(&self, bytes: usize) -> io::Result<()> {
+        set_int_option(self.fd(), libc::SOL_SOCKET, libc::SO_RCVLOWAT, bytes.max(1))
+    }
+
     /// Waits until the socket is ready.
     pub fn wait(
         &self,
@@ -182,6 +189,40 @@ impl LaneSocket {
     pub unsafe fn recv_raw(&self, ptr: *mut u8, len: usize) -> io::Result<usize> {
         // SAFETY: the caller guarantees ptr is writable for len bytes; fd is an open socket.
         let rc = unsafe { libc::recv(self.fd(), ptr.cast(), len, libc::MSG_DONTWAIT) };
+        if rc < 0 {
+            Err(io::Error::last_os_error())
+        } else {
+            Ok(rc as usize)
+        }
+    }
+
+    /// Receives into `first`, then `second`, in one call without blocking; returns the bytes
+    /// received (those beyond `first.1` went to `second`).
+    ///
+    /// # Safety
+    /// Both ranges must be valid for writes of their lengths for the duration of the call.
+    pub unsafe fn recv_two_raw(
+        &self,
+        first: (*mut u8, usize),
+        second: (*mut u8, usize),
+    ) -> io::Result<usize> {
+        let mut iov = [
+            libc::iovec {
+                iov_base: first.0.cast(),
+                iov_len: first.1,
+            },
+            libc::iovec {
+                iov_base: second.0.cast(),
+                iov_len: second.1,
+            },
+        ];
+        // SAFETY: msghdr is plain data; zeroed is a valid "no name, no control" header.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = iov.as_mut_ptr();
+        msg.msg_iovlen = iov.len() as _;
+        // SAFETY: msg points at two iovecs whose buffers the caller guarantees writable; fd is an
+        // open socket.
+        let rc = unsafe { libc::recvmsg(self.fd(), &mut msg, libc::MSG_DONTWAIT) };
         if rc < 0 {
             Err(io::Error::last_os_error())
         } else {
@@ -269,29 +310,159 @@ impl LaneSocket {
     }
 }
 
-/// Sets `SO_SNDBUF` and `SO_RCVBUF` (the kernel caps them at `net.core.*mem_max`); 0 keeps the
-/// defaults, which on Linux also keeps receive-buffer autotuning.
-pub fn set_buffer_sizes(stream: &TcpStream, bytes: usize) -> io::Result<()> {
-    if bytes == 0 {
-        return Ok(());
+/// Sets one integer socket option.
+fn set_int_option(fd: RawFd, level: libc::c_int, opt: libc::c_int, value: usize) -> io::Result<()> {
+    let value = value.min(i32::MAX as usize) as libc::c_int;
+    // SAFETY: value is a live c_int and its size is passed; fd is an open socket.
+    let rc = unsafe {
+        libc::setsockopt(
+            fd,
+            level,
+            opt,
+            (&value as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
     }
-    let value = bytes.min(i32::MAX as usize) as libc::c_int;
-    for opt in [libc::SO_SNDBUF, libc::SO_RCVBUF] {
-        // SAFETY: value is a live c_int and its size is passed; fd is an open socket.
+    Ok(())
+}
+
+/// Sets `SO_SNDBUF` and `SO_RCVBUF` (the kernel caps them at `net.core.*mem_max`); 0 keeps a
+/// default, which on Linux also keeps that buffer's autotuning.
+pub fn set_buffer_sizes(stream: &TcpStream, send: usize, receive: usize) -> io::Result<()> {
+    for (opt, bytes) in [(libc::SO_SNDBUF, send), (libc::SO_RCVBUF, receive)] {
+        if bytes > 0 {
+            set_int_option(stream.as_raw_fd(), libc::SOL_SOCKET, opt, bytes)?;
+        }
+    }
+    Ok(())
+}
+
+/// A socket address as the C calls take it.
+fn raw_sockaddr(addr: SocketAddr) -> (libc::sockaddr_storage, libc::socklen_t) {
+    // SAFETY: sockaddr_storage is plain data, so zeroed is a valid value.
+    let mut storage: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+    let len = match addr {
+        SocketAddr::V4(a) => {
+            let sin = libc::sockaddr_in {
+                sin_family: libc::AF_INET as libc::sa_family_t,
+                sin_port: a.port().to_be(),
+                sin_addr: libc::in_addr {
+                    s_addr: u32::from_ne_bytes(a.ip().octets()),
+                },
+                sin_zero: [0; 8],
+            };
+            // SAFETY: sockaddr_storage is larger than sockaddr_in and aligned for every sockaddr.
+            unsafe { std::ptr::write((&mut storage as *mut libc::sockaddr_storage).cast(), sin) };
+            std::mem::size_of::<libc::sockaddr_in>()
+        }
+        SocketAddr::V6(a) => {
+            let sin6 = libc::sockaddr_in6 {
+                sin6_family: libc::AF_INET6 as libc::sa_family_t,
+                sin6_port: a.port().to_be(),
+                sin6_flowinfo: a.flowinfo(),
+                sin6_addr: libc::in6_addr {
+                    s6_addr: a.ip().octets(),
+                },
+                sin6_scope_id: a.scope_id(),
+            };
+            // SAFETY: sockaddr_storage is larger than sockaddr_in6 and aligned for every sockaddr.
+            unsafe { std::ptr::write((&mut storage as *mut libc::sockaddr_storage).cast(), sin6) };
+            std::mem::size_of::<libc::sockaddr_in6>()
+        }
+    };
+    (storage, len as libc::socklen_t)
+}
+
+/// Connects to `remote` from the local address `local` (the kernel picks the port), giving up
+/// after `timeout`. Binding first is what puts a lane on one NIC of a host with several.
+pub fn connect_from(local: IpAddr, remote: SocketAddr, timeout: Duration) -> io::Result<TcpStream> {
+    if local.is_ipv4() != remote.is_ipv4() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("local address {local} and peer address {remote} are of different families"),
+        ));
+    }
+    let family = if remote.is_ipv4() {
+        libc::AF_INET
+    } else {
+        libc::AF_INET6
+    };
+    // SAFETY: plain socket(2) call; the result is checked before use.
+    let fd = unsafe {
+        libc::socket(
+            family,
+            libc::SOCK_STREAM | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK,
+            0,
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: fd is a freshly created socket that nothing else owns.
+    let owned = unsafe { OwnedFd::from_raw_fd(fd) };
+    let (local_raw, local_len) = raw_sockaddr(SocketAddr::new(local, 0));
+    // SAFETY: local_raw is a live sockaddr of local_len bytes; fd is an open socket.
+    let rc = unsafe {
+        libc::bind(
+            fd,
+            (&local_raw as *const libc::sockaddr_storage).cast(),
+            local_len,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let (remote_raw, remote_len) = raw_sockaddr(remote);
+    // SAFETY: remote_raw is a live sockaddr of remote_len bytes; fd is an open socket.
+    let rc = unsafe {
+        libc::connect(
+            fd,
+            (&remote_raw as *const libc::sockaddr_storage).cast(),
+            remote_len,
+        )
+    };
+    if rc != 0 {
+        let e = io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::EINPROGRESS) {
+            return Err(e);
+        }
+        let never = AtomicBool::new(false);
+        match wait_fd(fd, Readiness::Write, Some(timeout), &never) {
+            Ok(()) => {}
+            Err(IoFail::TimedOut) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("no answer within {timeout:?}"),
+                ))
+            }
+            Err(IoFail::Os(e)) => return Err(e),
+            Err(other) => return Err(io::Error::other(other.to_string())),
+        }
+        let mut err: libc::c_int = 0;
+        let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+        // SAFETY: err is a live c_int of `len` bytes; fd is an open socket.
         let rc = unsafe {
-            libc::setsockopt(
-                stream.as_raw_fd(),
+            libc::getsockopt(
+                fd,
                 libc::SOL_SOCKET,
-                opt,
-                (&value as *const libc::c_int).cast(),
-                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+                libc::SO_ERROR,
+                (&mut err as *mut libc::c_int).cast(),
+                &mut len,
             )
         };
         if rc != 0 {
             return Err(io::Error::last_os_error());
         }
+        if err != 0 {
+            return Err(io::Error::from_raw_os_error(err));
+        }
     }
-    Ok(())
+    let stream = TcpStream::from(owned);
+    stream.set_nonblocking(false)?;
+    Ok(stream)
 }
 
 /// Sets `SO_LINGER` to {on, 0}: closing the socket (also by the kernel, when the process dies)

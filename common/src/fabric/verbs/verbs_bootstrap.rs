@@ -8,17 +8,29 @@
 //! for the other's proof); a process without the token gets no queue pair, and so no rkey of ours
 //! is any use to it.
 //!
-//! One bootstrap connection per lane stays open for the life of the lane: when the writer drops
-//! the lane (after an error, or on shutdown) the connection closes and the receiving side destroys
-//! its queue pair. Messages are length-prefixed (u32 little-endian) bincode.
+//! The writer's proof also covers the serialized request, so a relay on the path cannot swap the
+//! requested endpoint or the Diagnose parameters.
+//!
+//! One bootstrap connection per lane stays open for the life of the lane and then carries
+//! [`LaneMsg`]s: the receiver reports the receives it re-posted (the writer's receive credits,
+//! see `verbs_credits`), and a writer that resets sends a teardown, which the receiver answers
+//! once its queue pair is in the error state (so nothing posted before the reset can land after
+//! it). When the writer drops the lane (after an error, or on shutdown) the connection closes and
+//! the receiving side moves its queue pair to the error state and destroys it. Messages are
+//! length-prefixed (u32 little-endian) bincode.
 
+use std::future::Future;
+
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use super::verbs_endpoint::QpEndpoint;
 
-/// Protocol version; a peer speaking another is refused with a clear message.
-pub const BOOTSTRAP_VERSION: u32 = 1;
+/// Protocol version; a peer speaking another is refused with a clear message. 2: endpoints carry
+/// the receive depth, the maximum message size and the GID type; lane messages (credits,
+/// teardown); the writer's proof covers its request.
+pub const BOOTSTRAP_VERSION: u32 = 2;
 /// Largest bootstrap message accepted.
 pub const MAX_MESSAGE: usize = 64 * 1024;
 
@@ -96,6 +108,21 @@ pub enum Reply {
     },
 }
 
+/// What travels on a lane's bootstrap connection once the queue pairs are connected.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum LaneMsg {
+    /// Receiver → writer: receives re-posted on the lane's queue pair since it was announced, in
+    /// total (the writer's credit window is the announced depth plus this).
+    Credit {
+        /// Running total.
+        reposted: u64,
+    },
+    /// Writer → receiver: the writer reset the lane; move the queue pair to the error state.
+    Teardown,
+    /// Receiver → writer: the queue pair is in the error state; nothing more lands through it.
+    TornDown,
+}
+
 /// Why the receiver refuses a write (serde mirror of `RemoteAccessKind`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum RefusalKind {
@@ -156,16 +183,29 @@ pub enum Side {
     Receiver,
 }
 
-/// The proof of `side` over the peer's nonce and its own.
-pub fn proof(key: &[u8; 32], side: Side, peer_nonce: &[u8; 32], own_nonce: &[u8; 32]) -> [u8; 32] {
+/// The proof of `side` over the peer's nonce, its own, and `bound` (the writer binds its
+/// serialized request; the receiver binds nothing).
+pub fn proof(
+    key: &[u8; 32],
+    side: Side,
+    peer_nonce: &[u8; 32],
+    own_nonce: &[u8; 32],
+    bound: &[u8],
+) -> [u8; 32] {
     let mut h = blake3::Hasher::new_keyed(key);
     h.update(match side {
-        Side::Writer => b"weightsync verbs bootstrap writer v1".as_slice(),
-        Side::Receiver => b"weightsync verbs bootstrap receiver v1".as_slice(),
+        Side::Writer => b"weightsync verbs bootstrap writer v2".as_slice(),
+        Side::Receiver => b"weightsync verbs bootstrap receiver v2".as_slice(),
     });
     h.update(peer_nonce);
     h.update(own_nonce);
+    h.update(&(bound.len() as u64).to_le_bytes());
+    h.update(bound);
     *h.finalize().as_bytes()
+}
+
+fn request_bytes(request: &Request) -> Result<Vec<u8>, BootstrapError> {
+    bincode::serialize(request).map_err(|e| BootstrapError::Protocol(format!("encode: {e}")))
 }
 
 /// Constant-time check of a proof.
@@ -178,6 +218,19 @@ pub async fn send_msg<W: AsyncWrite + Unpin>(
     w: &mut W,
     msg: &BootstrapMsg,
 ) -> Result<(), BootstrapError> {
+    send_frame(w, msg).await
+}
+
+/// Reads one message.
+pub async fn recv_msg<R: AsyncRead + Unpin>(r: &mut R) -> Result<BootstrapMsg, BootstrapError> {
+    recv_frame(r).await
+}
+
+/// Writes one length-prefixed bincode frame.
+pub async fn send_frame<W: AsyncWrite + Unpin, T: Serialize>(
+    w: &mut W,
+    msg: &T,
+) -> Result<(), BootstrapError> {
     let body =
         bincode::serialize(msg).map_err(|e| BootstrapError::Protocol(format!("encode: {e}")))?;
     let mut frame = Vec::with_capacity(4 + body.len());
@@ -188,8 +241,10 @@ pub async fn send_msg<W: AsyncWrite + Unpin>(
     Ok(())
 }
 
-/// Reads one message.
-pub async fn recv_msg<R: AsyncRead + Unpin>(r: &mut R) -> Result<BootstrapMsg, BootstrapError> {
+/// Reads one length-prefixed bincode frame.
+pub async fn recv_frame<R: AsyncRead + Unpin, T: DeserializeOwned>(
+    r: &mut R,
+) -> Result<T, BootstrapError> {
     let mut len = [0u8; 4];
     r.read_exact(&mut len).await?;
     let len = u32::from_le_bytes(len) as usize;
@@ -228,7 +283,7 @@ pub async fn writer_exchange<S: AsyncRead + AsyncWrite + Unpin>(
         }
     };
     if !verify(
-        &proof(key, Side::Receiver, &nonce, &peer_nonce),
+        &proof(key, Side::Receiver, &nonce, &peer_nonce, &[]),
         &peer_proof,
     ) {
         return Err(BootstrapError::Auth(
@@ -238,7 +293,13 @@ pub async fn writer_exchange<S: AsyncRead + AsyncWrite + Unpin>(
     send_msg(
         s,
         &BootstrapMsg::Connect {
-            proof: proof(key, Side::Writer, &peer_nonce, &nonce),
+            proof: proof(
+                key,
+                Side::Writer,
+                &peer_nonce,
+                &nonce,
+                &request_bytes(&request)?,
+            ),
             request,
         },
     )
@@ -252,17 +313,18 @@ pub async fn writer_exchange<S: AsyncRead + AsyncWrite + Unpin>(
     }
 }
 
-/// The receiver's half: authenticate the writer, then let `handle` answer its request (create
-/// and connect a queue pair, or diagnose a refusal). Returns what `handle` produced besides the
+/// The receiver's half: authenticate the writer, then let `accept` answer its request (create
+/// and connect a queue pair, or diagnose a refusal). Returns what `accept` produced besides the
 /// reply (e.g. the queue pair to keep alive).
-pub async fn receiver_exchange<S, T, F>(
+pub async fn receiver_exchange<S, T, F, Fut>(
     s: &mut S,
     key: &[u8; 32],
     accept: F,
 ) -> Result<T, BootstrapError>
 where
     S: AsyncRead + AsyncWrite + Unpin,
-    F: FnOnce(Request) -> Result<(Reply, T), String>,
+    F: FnOnce(Request) -> Fut,
+    Fut: Future<Output = Result<(Reply, T), String>>,
 {
     let peer_nonce = match recv_msg(s).await? {
         BootstrapMsg::Hello { version, nonce } if version == BOOTSTRAP_VERSION => nonce,
@@ -289,7 +351,7 @@ where
         s,
         &BootstrapMsg::Challenge {
             nonce,
-            proof: proof(key, Side::Receiver, &peer_nonce, &nonce),
+            proof: proof(key, Side::Receiver, &peer_nonce, &nonce, &[]),
         },
     )
     .await?;
@@ -302,7 +364,11 @@ where
             )))
         }
     };
-    if !verify(&proof(key, Side::Writer, &nonce, &peer_nonce), &peer_proof) {
+    let bound = request_bytes(&request)?;
+    if !verify(
+        &proof(key, Side::Writer, &nonce, &peer_nonce, &bound),
+        &peer_proof,
+    ) {
         // Say nothing useful to a process without the token.
         send_msg(
             s,
@@ -315,7 +381,7 @@ where
             "the writer does not know the job token".into(),
         ));
     }
-    match accept(request) {
+    match accept(request).await {
         Ok((reply, value)) => {
             send_msg(s, &BootstrapMsg::Accepted { reply }).await?;
             Ok(value)
@@ -344,6 +410,9 @@ mod tests {
             lid: 0,
             gid: Some("::ffff:127.0.0.1".parse().unwrap()),
             mtu: 3,
+            recv_depth: 64,
+            max_msg_size: 1 << 30,
+            gid_type: Some(crate::fabric::verbs::verbs_gid::GidType::RoceV2),
         }
     }
 
@@ -364,7 +433,7 @@ mod tests {
             len: 100,
         };
         let writer = tokio::spawn(async move { writer_exchange(&mut a, &key, ask).await });
-        receiver_exchange(&mut b, &key, |request| {
+        receiver_exchange(&mut b, &key, |request| async move {
             assert!(matches!(request, Request::Diagnose { rkey: 7, .. }));
             Ok((
                 Reply::Diagnosis {
@@ -388,7 +457,7 @@ mod tests {
         let key = [7u8; 32];
         let (mut a, mut b) = tokio::io::duplex(4096);
         let writer = tokio::spawn(async move { writer_exchange(&mut a, &key, lane(2, 10)).await });
-        let got = receiver_exchange(&mut b, &key, |request| {
+        let got = receiver_exchange(&mut b, &key, |request| async move {
             assert_eq!(request, lane(2, 10));
             Ok((Reply::Lane { endpoint: ep(20) }, "qp-guard"))
         })
@@ -406,8 +475,11 @@ mod tests {
         let (mut a, mut b) = tokio::io::duplex(4096);
         let writer =
             tokio::spawn(async move { writer_exchange(&mut a, &[1u8; 32], lane(0, 10)).await });
-        let err = receiver_exchange(&mut b, &[2u8; 32], |_| -> Result<(Reply, ()), String> {
-            panic!("accept must not run for an unauthenticated writer")
+        let err = receiver_exchange(&mut b, &[2u8; 32], |_| async {
+            if true {
+                panic!("accept must not run for an unauthenticated writer");
+            }
+            Err::<(Reply, ()), String>(String::new())
         })
         .await
         .unwrap_err();
@@ -426,8 +498,8 @@ mod tests {
         let key = [3u8; 32];
         let (mut a, mut b) = tokio::io::duplex(4096);
         let writer = tokio::spawn(async move { writer_exchange(&mut a, &key, lane(0, 1)).await });
-        let err = receiver_exchange(&mut b, &key, |_| -> Result<(Reply, ()), String> {
-            Err("out of queue pairs".into())
+        let err = receiver_exchange(&mut b, &key, |_| async {
+            Err::<(Reply, ()), String>("out of queue pairs".into())
         })
         .await
         .unwrap_err();
@@ -449,20 +521,77 @@ mod tests {
     }
 
     #[test]
-    fn proofs_differ_by_side_and_key() {
+    fn proofs_differ_by_side_key_and_request() {
         let (n1, n2) = ([1u8; 32], [2u8; 32]);
         let k = [9u8; 32];
         assert_ne!(
-            proof(&k, Side::Writer, &n1, &n2),
-            proof(&k, Side::Receiver, &n1, &n2)
+            proof(&k, Side::Writer, &n1, &n2, b"r"),
+            proof(&k, Side::Receiver, &n1, &n2, b"r")
         );
         assert_ne!(
-            proof(&k, Side::Writer, &n1, &n2),
-            proof(&[8u8; 32], Side::Writer, &n1, &n2)
+            proof(&k, Side::Writer, &n1, &n2, b"r"),
+            proof(&[8u8; 32], Side::Writer, &n1, &n2, b"r")
+        );
+        assert_ne!(
+            proof(&k, Side::Writer, &n1, &n2, b"lane 1"),
+            proof(&k, Side::Writer, &n1, &n2, b"lane 2")
         );
         assert!(verify(
-            &proof(&k, Side::Writer, &n1, &n2),
-            &proof(&k, Side::Writer, &n1, &n2)
+            &proof(&k, Side::Writer, &n1, &n2, b"r"),
+            &proof(&k, Side::Writer, &n1, &n2, b"r")
         ));
+    }
+
+    /// V16: a relay that swaps the writer's request (here: the endpoint it asks to connect)
+    /// after the proofs must be refused, and `accept` must never see the forged request.
+    #[tokio::test]
+    async fn a_swapped_request_is_refused() {
+        let key = [5u8; 32];
+        let (mut w, mut relay_w) = tokio::io::duplex(4096);
+        let (mut relay_r, mut r) = tokio::io::duplex(4096);
+        let writer = tokio::spawn(async move { writer_exchange(&mut w, &key, lane(0, 10)).await });
+        // The relay forwards everything, but rewrites the Connect's request.
+        let relay = tokio::spawn(async move {
+            let hello = recv_msg(&mut relay_w).await.unwrap();
+            send_msg(&mut relay_r, &hello).await.unwrap();
+            let challenge = recv_msg(&mut relay_r).await.unwrap();
+            send_msg(&mut relay_w, &challenge).await.unwrap();
+            match recv_msg(&mut relay_w).await.unwrap() {
+                BootstrapMsg::Connect { proof, .. } => {
+                    let forged = BootstrapMsg::Connect {
+                        proof,
+                        request: lane(0, 666),
+                    };
+                    send_msg(&mut relay_r, &forged).await.unwrap();
+                }
+                other => panic!("expected Connect, got {other:?}"),
+            }
+            let answer = recv_msg(&mut relay_r).await.unwrap();
+            let _ = send_msg(&mut relay_w, &answer).await;
+        });
+        let err = receiver_exchange(&mut r, &key, |request| async move {
+            if true {
+                panic!("accept ran for a forged request {request:?}");
+            }
+            Err::<(Reply, ()), String>(String::new())
+        })
+        .await
+        .unwrap_err();
+        assert!(matches!(err, BootstrapError::Auth(_)), "{err}");
+        relay.await.unwrap();
+        assert!(writer.await.unwrap().is_err());
+    }
+
+    #[tokio::test]
+    async fn lane_messages_round_trip() {
+        let (mut a, mut b) = tokio::io::duplex(4096);
+        for msg in [
+            LaneMsg::Credit { reposted: 77 },
+            LaneMsg::Teardown,
+            LaneMsg::TornDown,
+        ] {
+            send_frame(&mut a, &msg).await.unwrap();
+            assert_eq!(recv_frame::<_, LaneMsg>(&mut b).await.unwrap(), msg);
+        }
     }
 }

@@ -12,12 +12,17 @@
 //! first answer is [`RemoteAccessKind::WrongRkey`]; the writer then asks the peer for the precise
 //! reason (see `verbs_registry`). RNR and transport retries exhausted get their
 //! own messages, because they point at different fixes.
+//!
+//! [`classify`] says what a failed completion means for the pieces behind it (see
+//! `verbs_batch`): only a NAK from the responder (a refusal, or RNR) proves that what followed
+//! on the queue pair did not run.
 
 use ffi::ibv_wc_status as st;
 use ibverbs_sys as ffi;
 
 use super::super::descriptor::Endpoint;
 use super::super::error::{FabricError, RemoteAccessKind};
+use super::verbs_batch::FailureCause;
 
 /// Bits of the `wr_id` used for the piece index.
 const PIECE_BITS: u32 = 20;
@@ -65,6 +70,8 @@ pub struct PieceTarget {
     pub lane: usize,
     /// The remote rkey.
     pub rkey: u64,
+    /// The lkey of the source registration.
+    pub lkey: u32,
     /// Offset in the remote region.
     pub offset: u64,
     /// Bytes.
@@ -90,6 +97,31 @@ pub fn is_flush(status: ffi::ibv_wc_status::Type) -> bool {
     status == st::IBV_WC_WR_FLUSH_ERR
 }
 
+/// Whether a status is a NAK of the responder: it refused the WR (access, invalid request,
+/// remote operation error) or had no receive for it (RNR retries exhausted). Behind a NAK the
+/// responder discards every later packet of the queue pair, so later WRs did not run.
+pub fn is_nak(status: ffi::ibv_wc_status::Type) -> bool {
+    matches!(
+        status,
+        st::IBV_WC_REM_ACCESS_ERR
+            | st::IBV_WC_REM_INV_REQ_ERR
+            | st::IBV_WC_REM_OP_ERR
+            | st::IBV_WC_RNR_RETRY_EXC_ERR
+    )
+}
+
+/// What a failed send completion with `status` means, given whether the queue pair's first
+/// failure (the first error completion seen on it) was a NAK.
+pub fn classify(status: ffi::ibv_wc_status::Type, first_failure_was_nak: bool) -> FailureCause {
+    match status {
+        st::IBV_WC_WR_FLUSH_ERR if first_failure_was_nak => FailureCause::FlushedBehindNak,
+        st::IBV_WC_WR_FLUSH_ERR => FailureCause::Flushed,
+        st::IBV_WC_RNR_RETRY_EXC_ERR => FailureCause::ReceiverNotReady,
+        s if is_nak(s) => FailureCause::Nak,
+        _ => FailureCause::Failed,
+    }
+}
+
 /// Maps a failed send completion to the error the write's caller sees.
 pub fn status_error(
     status: ffi::ibv_wc_status::Type,
@@ -109,8 +141,8 @@ pub fn status_error(
             peer,
             lane: target.lane,
             detail: "receiver not ready: the peer had no receive posted for a WRITE_WITH_IMM \
-                     after every RNR retry (is its fabric running and polling? raise \
-                     verbs.recv_depth)"
+                     through every RNR retry; receive credits keep this from happening while it \
+                     runs, so its process is stalled or gone"
                 .into(),
         },
         st::IBV_WC_RETRY_EXC_ERR => FabricError::Disconnected {
@@ -120,16 +152,19 @@ pub fn status_error(
                      link down, or wrong GID/LID/MTU for this path)"
                 .into(),
         },
-        st::IBV_WC_REM_INV_REQ_ERR => FabricError::RemoteAccess {
-            kind: RemoteAccessKind::NoWritePermission,
+        st::IBV_WC_REM_INV_REQ_ERR => FabricError::Protocol {
             peer,
-            rkey: target.rkey,
-            offset: target.offset,
-            len: target.len,
+            detail: format!(
+                "the peer's queue pair rejected a write of {} bytes at offset {} of rkey {:#x} as \
+                 an invalid request (a length over its limit, or an opcode it does not allow; \
+                 vendor syndrome {vendor_err:#x})",
+                target.len, target.offset, target.rkey
+            ),
         },
         st::IBV_WC_LOC_PROT_ERR => FabricError::LocalDeregistered {
-            what: "write source (local protection error: the source was deregistered)",
-            rkey: target.rkey,
+            what: "write source (local protection error: the source registration, whose lkey is \
+                   given as the key, was deregistered)",
+            rkey: u64::from(target.lkey),
         },
         _ => FabricError::Disconnected {
             peer,
@@ -151,6 +186,7 @@ mod tests {
             peer: "10.0.0.2:4000".into(),
             lane: 1,
             rkey: 0x1234,
+            lkey: 0x77,
             offset: 4096,
             len: 100,
         }
@@ -211,6 +247,53 @@ mod tests {
 
         assert!(is_flush(st::IBV_WC_WR_FLUSH_ERR));
         assert!(!is_flush(st::IBV_WC_REM_ACCESS_ERR));
+    }
+
+    /// V19: a local protection error names the source's key (not the remote rkey); an invalid
+    /// request is not reported as a missing write permission, and carries the syndrome.
+    #[test]
+    fn local_protection_and_invalid_request_are_labelled_right() {
+        let e = status_error(st::IBV_WC_LOC_PROT_ERR, 0, &target());
+        assert!(
+            matches!(e, FabricError::LocalDeregistered { rkey: 0x77, .. }),
+            "{e:?}"
+        );
+        let e = status_error(st::IBV_WC_REM_INV_REQ_ERR, 0x2a, &target());
+        assert_eq!(e.remote_access_kind(), None, "{e}");
+        assert!(e.to_string().contains("0x2a"), "{e}");
+        let e = status_error(st::IBV_WC_RNR_RETRY_EXC_ERR, 0, &target());
+        assert!(!e.to_string().contains("raise verbs.recv_depth"), "{e}");
+    }
+
+    /// V3/V4: a flush is "may have run" unless the queue pair's first failure was a NAK; RNR
+    /// means nothing ran.
+    #[test]
+    fn classification_trusts_only_a_nak() {
+        assert_eq!(
+            classify(st::IBV_WC_WR_FLUSH_ERR, false),
+            FailureCause::Flushed
+        );
+        assert_eq!(
+            classify(st::IBV_WC_WR_FLUSH_ERR, true),
+            FailureCause::FlushedBehindNak
+        );
+        assert_eq!(
+            classify(st::IBV_WC_RNR_RETRY_EXC_ERR, false),
+            FailureCause::ReceiverNotReady
+        );
+        assert_eq!(
+            classify(st::IBV_WC_REM_ACCESS_ERR, false),
+            FailureCause::Nak
+        );
+        assert_eq!(
+            classify(st::IBV_WC_RETRY_EXC_ERR, false),
+            FailureCause::Failed
+        );
+        assert_eq!(
+            classify(st::IBV_WC_LOC_PROT_ERR, false),
+            FailureCause::Failed
+        );
+        assert!(is_nak(st::IBV_WC_RNR_RETRY_EXC_ERR) && !is_nak(st::IBV_WC_RETRY_EXC_ERR));
     }
 
     #[test]

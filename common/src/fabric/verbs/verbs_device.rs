@@ -1,9 +1,12 @@
 //! Opening the RDMA device: the one context, protection domain and port of a verbs fabric.
 //!
-//! The device, port and GID index come from [`VerbsSettings`]. Opening fails with a message that
-//! says what exists instead (the device names found, the port state) so that a wrong
-//! `WEIGHTSYNC_RDMA_DEVICE` or a down port is obvious. Each owning type frees its verbs object in
-//! `Drop` and holds an `Arc` to its parent, so a protection domain can never outlive its context.
+//! The device, port and GID index come from [`VerbsSettings`]. Without a configured device the
+//! first device whose port is ACTIVE is taken ([`choose_device`]): on hosts with `mlx5_0..N` the
+//! first one is often a down or management port. Opening fails with a message that says what
+//! exists instead (the device names found, each port's state) so that a wrong
+//! `WEIGHTSYNC_RDMA_DEVICE` or a down port is obvious. The device limits are queried once here
+//! (`verbs_limits`). Each owning type frees its verbs object in `Drop` and holds an `Arc` to its
+//! parent, so a protection domain can never outlive its context.
 
 use std::ffi::CStr;
 use std::sync::Arc;
@@ -11,8 +14,14 @@ use std::sync::Arc;
 use ibverbs_sys as ffi;
 
 use super::super::error::FabricError;
-use super::verbs_gid::{choose_addressing, Addressing, Gid, LinkLayer};
+use super::verbs_gid::{
+    choose_addressing, choose_gid, read_gid_table, Addressing, Gid, GidType, LinkLayer,
+};
+use super::verbs_limits::DeviceLimits;
 use super::verbs_settings::VerbsSettings;
+
+/// Where the kernel lists RDMA devices, their ports and GID tables.
+const SYSFS_INFINIBAND: &str = "/sys/class/infiniband";
 
 /// What we learned about the port when opening it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -33,8 +42,54 @@ pub struct PortInfo {
     pub gid_table_len: usize,
     /// Our GID at the configured index, if any.
     pub gid: Option<Gid>,
+    /// The type of `gid` (from sysfs), if known.
+    pub gid_type: Option<GidType>,
     /// How queue pairs address peers.
     pub addressing: Addressing,
+    /// The device's limits.
+    pub limits: DeviceLimits,
+}
+
+/// What opening a device's port found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PortProbe {
+    /// The port is ACTIVE.
+    Active,
+    /// The port is in another state (named).
+    NotActive(String),
+    /// The device or port could not be opened or queried.
+    Failed(String),
+}
+
+/// Which device to use: the one named (`wanted`), else the first whose port is ACTIVE. The error
+/// lists every device with what was found.
+pub fn choose_device(
+    probes: &[(String, PortProbe)],
+    wanted: Option<&str>,
+) -> Result<usize, String> {
+    let listing = || {
+        probes
+            .iter()
+            .map(|(n, p)| match p {
+                PortProbe::Active => format!("{n} (active)"),
+                PortProbe::NotActive(state) => format!("{n} ({state})"),
+                PortProbe::Failed(e) => format!("{n} ({e})"),
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    match wanted {
+        Some(w) => probes.iter().position(|(n, _)| n == w).ok_or_else(|| {
+            format!(
+                "no device named {w:?} (WEIGHTSYNC_RDMA_DEVICE / verbs.device); found: {}",
+                listing()
+            )
+        }),
+        None => probes
+            .iter()
+            .position(|(_, p)| *p == PortProbe::Active)
+            .ok_or_else(|| format!("no device has the port active; found: {}", listing())),
+    }
 }
 
 /// An open device context. Closed on drop.
@@ -124,34 +179,74 @@ fn port_state_name(state: ffi::ibv_port_state::Type) -> String {
     unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
 }
 
-/// RoCE v1 GIDs route only inside one L2 domain and many switches drop them; RoCE v2 (UDP/IP)
-/// is what the fabric is built for, so a v1 index is most likely a configuration slip.
-fn warn_unless_roce_v2(ctx: *mut ffi::ibv_context, port: u8, index: u8, device: &str) {
-    let mut entry = ffi::ibv_gid_entry::default();
-    // SAFETY: ctx is an open context; entry is a valid out-pointer of the size passed.
+/// Opens `dev` and queries `port`; the context is closed again unless the caller keeps it.
+fn open_and_query(
+    dev: *mut ffi::ibv_device,
+    name: &str,
+    port: u8,
+) -> Result<(VerbsContext, ffi::ibv_port_attr), String> {
+    // SAFETY: dev is a valid device of a live list; the context is closed in Drop of the
+    // VerbsContext built right below.
+    let ctx = unsafe { ffi::ibv_open_device(dev) };
+    if ctx.is_null() {
+        let e = std::io::Error::last_os_error();
+        return Err(format!("ibv_open_device({name}) failed: {e}"));
+    }
+    let owned = VerbsContext {
+        ctx,
+        port: PortInfo {
+            device: name.to_owned(),
+            port,
+            link: LinkLayer::InfiniBand,
+            lid: 0,
+            active_mtu: 1,
+            max_msg_size: 1 << 30,
+            gid_table_len: 0,
+            gid: None,
+            gid_type: None,
+            addressing: Addressing::Lid,
+            limits: DeviceLimits::UNKNOWN,
+        },
+    };
+    let mut attr = ffi::ibv_port_attr::default();
+    // SAFETY: ctx is open; attr is a valid, zeroed ibv_port_attr (the compat entry point fills a
+    // prefix of it, the rest stays zero).
     let rc = unsafe {
-        ffi::_ibv_query_gid_ex(
+        ffi::ibv_query_port(
             ctx,
-            u32::from(port),
-            u32::from(index),
-            &mut entry,
-            0,
-            std::mem::size_of::<ffi::ibv_gid_entry>(),
+            port,
+            &mut attr as *mut ffi::ibv_port_attr as *mut ffi::_compat_ibv_port_attr,
         )
     };
     if rc != 0 {
-        return;
+        return Err(format!(
+            "ibv_query_port({name}, port {port}) failed: {} (WEIGHTSYNC_RDMA_PORT / verbs.port)",
+            std::io::Error::from_raw_os_error(rc)
+        ));
     }
-    if entry.gid_type != ffi::IBV_GID_TYPE_ROCE_V2 {
-        tracing::warn!(
-            device,
-            port,
-            gid_index = index,
-            gid_type = entry.gid_type,
-            "the configured GID index is not a RoCE v2 entry (see `ibv_devinfo -v`, \
-             WEIGHTSYNC_RDMA_GID_INDEX); RoCE v1 does not cross IP subnets"
-        );
+    Ok((owned, attr))
+}
+
+/// `ibv_query_device` of an open context, as the limits the backend uses.
+fn query_limits(ctx: *mut ffi::ibv_context, max_msg_size: u64) -> Result<DeviceLimits, String> {
+    // SAFETY: ibv_device_attr is plain data; all-zero is a valid value.
+    let mut attr: ffi::ibv_device_attr = unsafe { std::mem::zeroed() };
+    // SAFETY: ctx is an open context; attr is a valid out-pointer of the right type.
+    let rc = unsafe { ffi::ibv_query_device(ctx, &mut attr) };
+    if rc != 0 {
+        return Err(format!(
+            "ibv_query_device failed: {}",
+            std::io::Error::from_raw_os_error(rc)
+        ));
     }
+    let positive = |v: i32| u32::try_from(v).unwrap_or(0);
+    Ok(DeviceLimits {
+        max_qp_wr: positive(attr.max_qp_wr),
+        max_cqe: positive(attr.max_cqe),
+        max_sge: positive(attr.max_sge),
+        max_mr_size: attr.max_mr_size,
+        max_msg_size,
+    })
 }
 
 impl VerbsContext {
@@ -159,79 +254,73 @@ impl VerbsContext {
     pub fn open(settings: &VerbsSettings) -> Result<Arc<VerbsContext>, FabricError> {
         let list = DeviceList::get()?;
         let devices = list.devices();
-        let names: Vec<&str> = devices.iter().map(|(_, n)| n.as_str()).collect();
         if devices.is_empty() {
             return Err(device_error(
                 "no RDMA devices found; for Soft-RoCE: `rdma link add rxe0 type rxe netdev \
                  <interface>` (set WEIGHTSYNC_RDMA_DEVICE=rxe0)",
             ));
         }
-        let (dev, name) = match &settings.device {
-            Some(wanted) => devices
-                .iter()
-                .find(|(_, n)| n == wanted)
-                .cloned()
-                .ok_or_else(|| {
-                    device_error(format!(
-                        "no device named {wanted:?} (WEIGHTSYNC_RDMA_DEVICE / verbs.device); \
-                         found: {}",
-                        names.join(", ")
-                    ))
-                })?,
-            None => devices[0].clone(),
-        };
-        // SAFETY: dev is a valid device of the live list; the context is closed in Drop.
-        let ctx = unsafe { ffi::ibv_open_device(dev) };
-        if ctx.is_null() {
-            let e = std::io::Error::last_os_error();
-            return Err(device_error(format!("ibv_open_device({name}) failed: {e}")));
+        // Probe each candidate: the named one, or every device in order until one is active.
+        let mut probes: Vec<(String, PortProbe)> = Vec::new();
+        let mut opened: Option<(VerbsContext, ffi::ibv_port_attr)> = None;
+        for (dev, name) in &devices {
+            if settings.device.as_ref().is_some_and(|w| w != name) {
+                probes.push((name.clone(), PortProbe::NotActive("not named".into())));
+                continue;
+            }
+            match open_and_query(*dev, name, settings.port) {
+                Ok((ctx, attr)) if attr.state == ffi::ibv_port_state::IBV_PORT_ACTIVE => {
+                    probes.push((name.clone(), PortProbe::Active));
+                    opened = Some((ctx, attr));
+                    break;
+                }
+                Ok((_, attr)) => probes.push((
+                    name.clone(),
+                    PortProbe::NotActive(format!(
+                        "port {} is {}",
+                        settings.port,
+                        port_state_name(attr.state)
+                    )),
+                )),
+                Err(e) => probes.push((name.clone(), PortProbe::Failed(e))),
+            }
         }
         drop(list);
-        // From here on, `owned` closes the context if anything below fails.
-        let mut owned = VerbsContext {
-            ctx,
-            port: PortInfo {
-                device: name.clone(),
-                port: settings.port,
-                link: LinkLayer::InfiniBand,
-                lid: 0,
-                active_mtu: 1,
-                max_msg_size: 1 << 30,
-                gid_table_len: 0,
-                gid: None,
-                addressing: Addressing::Lid,
-            },
+        let chosen = choose_device(&probes, settings.device.as_deref()).map_err(device_error)?;
+        let Some((mut owned, attr)) = opened else {
+            let (name, probe) = &probes[chosen];
+            return Err(device_error(match probe {
+                PortProbe::NotActive(state) => format!(
+                    "{name} {state}, not ACTIVE (check the cable / `ibv_devinfo`; for Soft-RoCE \
+                     the netdev must be up)"
+                ),
+                PortProbe::Failed(e) => e.clone(),
+                PortProbe::Active => format!("{name}: lost while opening"),
+            }));
         };
-
-        let mut attr = ffi::ibv_port_attr::default();
-        // SAFETY: ctx is open; attr is a valid, zeroed ibv_port_attr (the compat entry point
-        // fills a prefix of it, the rest stays zero).
-        let rc = unsafe {
-            ffi::ibv_query_port(
-                ctx,
-                settings.port,
-                &mut attr as *mut ffi::ibv_port_attr as *mut ffi::_compat_ibv_port_attr,
-            )
-        };
-        if rc != 0 {
-            return Err(device_error(format!(
-                "ibv_query_port({name}, port {}) failed: {} (WEIGHTSYNC_RDMA_PORT / verbs.port)",
-                settings.port,
-                std::io::Error::from_raw_os_error(rc)
-            )));
-        }
-        if attr.state != ffi::ibv_port_state::IBV_PORT_ACTIVE {
-            return Err(device_error(format!(
-                "{name} port {} is {}, not ACTIVE (check the cable / `ibv_devinfo`; for \
-                 Soft-RoCE the netdev must be up)",
-                settings.port,
-                port_state_name(attr.state)
-            )));
-        }
+        let name = owned.port.device.clone();
+        let ctx = owned.ctx;
         let link = LinkLayer::from_raw(attr.link_layer);
         let gid_table_len = usize::try_from(attr.gid_tbl_len).unwrap_or(0);
-        let addressing = choose_addressing(link, attr.lid, gid_table_len, settings.gid_index)
+        let table = read_gid_table(
+            std::path::Path::new(SYSFS_INFINIBAND),
+            &name,
+            settings.port,
+            gid_table_len,
+            link,
+        );
+        let gid_index = match (settings.gid_index, link) {
+            (Some(index), _) => Some(index),
+            // RoCE without a configured index: the first RoCE v2 entry of the wanted family.
+            (None, LinkLayer::Ethernet) => Some(
+                choose_gid(&table, settings.gid_family)
+                    .map_err(|e| device_error(format!("{name} port {}: {e}", settings.port)))?,
+            ),
+            (None, LinkLayer::InfiniBand) => None,
+        };
+        let addressing = choose_addressing(link, attr.lid, gid_table_len, gid_index)
             .map_err(|e| device_error(format!("{name} port {}: {e}", settings.port)))?;
+        let mut gid_type = None;
         let gid = match addressing {
             Addressing::Global { sgid_index } => {
                 let mut raw = ffi::ibv_gid::default();
@@ -255,28 +344,46 @@ impl VerbsContext {
                         settings.port
                     )));
                 }
-                if link == LinkLayer::Ethernet {
-                    warn_unless_roce_v2(ctx, settings.port, sgid_index, &name);
+                gid_type = table
+                    .iter()
+                    .find(|e| e.index == sgid_index)
+                    .and_then(|e| e.kind);
+                if link == LinkLayer::Ethernet && gid_type == Some(GidType::RoceV1) {
+                    // RoCE v1 routes only inside one L2 domain and many switches drop it.
+                    tracing::warn!(
+                        device = %name,
+                        port = settings.port,
+                        gid_index = sgid_index,
+                        "the GID index is a RoCE v1 entry (see `ibv_devinfo -v`, \
+                         WEIGHTSYNC_RDMA_GID_INDEX); RoCE v1 does not cross IP subnets"
+                    );
                 }
                 Some(gid)
             }
             Addressing::Lid => None,
         };
+        // Old providers may leave it 0; 1 GiB is what every RC transport supports.
+        let max_msg_size = if attr.max_msg_sz == 0 {
+            1 << 30
+        } else {
+            u64::from(attr.max_msg_sz)
+        };
+        let limits = query_limits(ctx, max_msg_size).map_err(device_error)?;
+        limits
+            .check(settings, &name)
+            .map_err(|e| FabricError::Config(e.to_string()))?;
         owned.port = PortInfo {
             device: name,
             port: settings.port,
             link,
             lid: attr.lid,
             active_mtu: attr.active_mtu,
-            // Old providers may leave it 0; 1 GiB is what every RC transport supports.
-            max_msg_size: if attr.max_msg_sz == 0 {
-                1 << 30
-            } else {
-                u64::from(attr.max_msg_sz)
-            },
+            max_msg_size,
             gid_table_len,
             gid,
+            gid_type,
             addressing,
+            limits,
         };
         tracing::info!(
             device = %owned.port.device,
@@ -284,6 +391,7 @@ impl VerbsContext {
             link = ?owned.port.link,
             lid = owned.port.lid,
             gid = ?owned.port.gid,
+            gid_type = ?owned.port.gid_type,
             mtu = super::verbs_endpoint::mtu_bytes(owned.port.active_mtu),
             "opened RDMA device"
         );
@@ -366,6 +474,29 @@ impl Drop for VerbsPd {
 mod tests {
     use super::*;
     use crate::fabric::VerbsConfig;
+
+    /// V12: without a configured device, the first device whose port is ACTIVE is used, not
+    /// the first device.
+    #[test]
+    fn the_first_active_device_is_chosen() {
+        let probes = vec![
+            (
+                "mlx5_0".to_owned(),
+                PortProbe::NotActive("port 1 is DOWN".into()),
+            ),
+            (
+                "mlx5_1".to_owned(),
+                PortProbe::Failed("ibv_open_device failed".into()),
+            ),
+            ("mlx5_2".to_owned(), PortProbe::Active),
+        ];
+        assert_eq!(choose_device(&probes, None), Ok(2));
+        assert_eq!(choose_device(&probes, Some("mlx5_0")), Ok(0));
+        let err = choose_device(&probes, Some("rxe0")).unwrap_err();
+        assert!(err.contains("mlx5_0 (port 1 is DOWN)"), "{err}");
+        let err = choose_device(&probes[..2], None).unwrap_err();
+        assert!(err.contains("no device has the port active"), "{err}");
+    }
 
     #[test]
     fn opening_without_a_device_is_a_clear_error() {

@@ -2,12 +2,14 @@
 //!
 //! An RC queue pair only reaches RTR once it knows the peer's QP number, the first packet sequence
 //! number (PSN) the peer will send, and how to reach the peer (LID on InfiniBand, GID on RoCE).
-//! These travel through the bootstrap TCP connection as bincode ([`QpEndpoint`]); the path MTU is
-//! exchanged too so that both sides agree on the smaller one.
+//! These travel through the bootstrap TCP connection as bincode ([`QpEndpoint`]); the path MTU and
+//! the largest message are exchanged too so that both sides agree on the smaller ones, the GID type
+//! so that a pair that could never connect is refused, and the receive depth so that the writer
+//! knows its initial receive credits.
 
 use serde::{Deserialize, Serialize};
 
-use super::verbs_gid::Gid;
+use super::verbs_gid::{Gid, GidType};
 
 /// One side of a queue-pair connection.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -22,6 +24,21 @@ pub struct QpEndpoint {
     pub gid: Option<Gid>,
     /// The port's active MTU as the verbs enum value (1 = 256 B .. 5 = 4096 B).
     pub mtu: u32,
+    /// Receives this side posted before answering (a writer's initial credits; 1 from a writer).
+    pub recv_depth: u32,
+    /// Largest message this side's port carries.
+    pub max_msg_size: u64,
+    /// The type of `gid`, if known.
+    pub gid_type: Option<GidType>,
+}
+
+/// The largest message both sides carry (a piece longer than the peer's limit fails there).
+pub fn agreed_max_msg(local: u64, remote: u64) -> u64 {
+    match (local, remote) {
+        (0, r) => r.max(1),
+        (l, 0) => l,
+        (l, r) => l.min(r),
+    }
 }
 
 /// PSNs are 24-bit.
@@ -56,6 +73,9 @@ mod tests {
             lid: 0,
             gid: Some("::ffff:10.1.2.3".parse().unwrap()),
             mtu: 3,
+            recv_depth: 512,
+            max_msg_size: 8 << 20,
+            gid_type: Some(GidType::RoceV2),
         };
         let bytes = bincode::serialize(&ep).unwrap();
         assert_eq!(bincode::deserialize::<QpEndpoint>(&bytes).unwrap(), ep);
@@ -79,5 +99,17 @@ mod tests {
         assert_eq!(agreed_mtu(0, 9), 1);
         assert_eq!(mtu_bytes(1), 256);
         assert_eq!(mtu_bytes(5), 4096);
+    }
+
+    /// V14: an old rxe (8 MiB messages) and a ConnectX (1 GiB) agree on 8 MiB.
+    #[test]
+    fn max_message_is_the_smaller_of_both_sides() {
+        assert_eq!(agreed_max_msg(1 << 30, 8 << 20), 8 << 20);
+        assert_eq!(agreed_max_msg(8 << 20, 1 << 30), 8 << 20);
+        assert_eq!(
+            agreed_max_msg(1 << 30, 0),
+            1 << 30,
+            "an unknown peer limit keeps ours"
+        );
     }
 }

@@ -82,6 +82,131 @@ impl FromStr for Gid {
     }
 }
 
+/// The RoCE version (or InfiniBand) of a GID table entry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum GidType {
+    /// InfiniBand (a port whose link layer is InfiniBand).
+    Ib,
+    /// RoCE v1: raw Ethernet frames, one L2 domain only.
+    RoceV1,
+    /// RoCE v2: UDP/IP, routable.
+    RoceV2,
+}
+
+impl GidType {
+    /// Parses the text of `gid_attrs/types/<i>` (`"IB/RoCE v1"`, `"RoCE v2"`) for a port whose
+    /// link layer is `link`.
+    pub fn from_sysfs(text: &str, link: LinkLayer) -> Option<GidType> {
+        match text.trim() {
+            "RoCE v2" => Some(GidType::RoceV2),
+            "IB/RoCE v1" | "RoCE v1" | "IB" => Some(match link {
+                LinkLayer::Ethernet => GidType::RoceV1,
+                LinkLayer::InfiniBand => GidType::Ib,
+            }),
+            _ => None,
+        }
+    }
+}
+
+/// Which IP family a RoCE GID belongs to.
+pub use super::super::config::GidFamily;
+
+impl Gid {
+    /// The family of the address this GID stands for.
+    pub fn family(&self) -> GidFamily {
+        if self.ipv4().is_some() {
+            GidFamily::Ipv4
+        } else {
+            GidFamily::Ipv6
+        }
+    }
+}
+
+/// One populated entry of a port's GID table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GidEntry {
+    /// Index in the table.
+    pub index: u8,
+    /// The GID.
+    pub gid: Gid,
+    /// Its type, if the kernel says.
+    pub kind: Option<GidType>,
+}
+
+/// Reads the populated entries of a port's GID table from sysfs under `root` (normally
+/// `/sys/class/infiniband`). Empty (all-zero) and unreadable entries are skipped.
+pub fn read_gid_table(
+    root: &std::path::Path,
+    device: &str,
+    port: u8,
+    table_len: usize,
+    link: LinkLayer,
+) -> Vec<GidEntry> {
+    let port_dir = root.join(device).join("ports").join(port.to_string());
+    (0..table_len.min(256))
+        .filter_map(|i| {
+            let gid: Gid = std::fs::read_to_string(port_dir.join("gids").join(i.to_string()))
+                .ok()?
+                .parse()
+                .ok()?;
+            if gid.is_zero() {
+                return None;
+            }
+            let kind = std::fs::read_to_string(
+                port_dir.join("gid_attrs").join("types").join(i.to_string()),
+            )
+            .ok()
+            .and_then(|t| GidType::from_sysfs(&t, link));
+            Some(GidEntry {
+                index: i as u8,
+                gid,
+                kind,
+            })
+        })
+        .collect()
+}
+
+/// The GID index to use on RoCE when none is configured: the first RoCE v2 entry of `prefer`,
+/// else the first RoCE v2 entry of the other family.
+pub fn choose_gid(entries: &[GidEntry], prefer: GidFamily) -> Result<u8, AddressingError> {
+    let v2 = || entries.iter().filter(|e| e.kind == Some(GidType::RoceV2));
+    v2().find(|e| e.gid.family() == prefer)
+        .or_else(|| v2().next())
+        .map(|e| e.index)
+        .ok_or(AddressingError::NoRoceV2 {
+            entries: entries.len(),
+        })
+}
+
+/// Refuses a peer whose GID cannot talk to ours: a different RoCE version, or a different IP
+/// family (IPv4-mapped against IPv6). Missing information on either side passes.
+pub fn check_same_gid_family(
+    ours: (Gid, Option<GidType>),
+    theirs: (Gid, Option<GidType>),
+) -> Result<(), String> {
+    if let (Some(a), Some(b)) = (ours.1, theirs.1) {
+        if a != b {
+            return Err(format!(
+                "GID type mismatch: ours {} is {a:?}, the peer's {} is {b:?}; use the same RoCE \
+                 version on both sides (WEIGHTSYNC_RDMA_GID_INDEX, see `ibv_devinfo -v`)",
+                ours.0, theirs.0
+            ));
+        }
+    }
+    if ours.0.family() != theirs.0.family() {
+        return Err(format!(
+            "GID family mismatch: ours {} is {:?}, the peer's {} is {:?}; such a pair never \
+             connects (set verbs.gid_family / WEIGHTSYNC_RDMA_GID_FAMILY, or the GID index, \
+             alike on both sides)",
+            ours.0,
+            ours.0.family(),
+            theirs.0,
+            theirs.0.family()
+        ));
+    }
+    Ok(())
+}
+
 /// The link layer of a port, from `ibv_port_attr::link_layer`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum LinkLayer {
@@ -125,6 +250,15 @@ pub enum AddressingError {
          `ibv_devinfo -v` (often 1 or 3)"
     )]
     RoceNeedsGid,
+    /// Automatic selection found no RoCE v2 entry.
+    #[error(
+        "no RoCE v2 entry among the port's {entries} populated GIDs (is the netdev up, with an \
+         IP address?); set WEIGHTSYNC_RDMA_GID_INDEX to an entry of `ibv_devinfo -v`"
+    )]
+    NoRoceV2 {
+        /// Populated entries seen.
+        entries: usize,
+    },
     /// The configured index is outside the port's GID table.
     #[error("GID index {index} is outside the port's GID table of {table_len} entries")]
     GidIndexOutOfRange {
@@ -240,6 +374,86 @@ mod tests {
                 table_len: 2
             })
         );
+    }
+
+    fn entry(index: u8, gid: &str, kind: GidType) -> GidEntry {
+        GidEntry {
+            index,
+            gid: gid.parse().unwrap(),
+            kind: Some(kind),
+        }
+    }
+
+    /// V13: without a configured index RoCE picks RoCE v2, of the preferred family.
+    #[test]
+    fn automatic_gid_choice_takes_roce_v2_of_the_preferred_family() {
+        let table = [
+            entry(0, "fe80::5054:ff:fe12:3456", GidType::RoceV1),
+            entry(1, "fe80::5054:ff:fe12:3456", GidType::RoceV2),
+            entry(2, "::ffff:10.0.0.7", GidType::RoceV1),
+            entry(3, "::ffff:10.0.0.7", GidType::RoceV2),
+        ];
+        assert_eq!(choose_gid(&table, GidFamily::Ipv4), Ok(3));
+        assert_eq!(choose_gid(&table, GidFamily::Ipv6), Ok(1));
+        assert_eq!(
+            choose_gid(&table[..3], GidFamily::Ipv4),
+            Ok(1),
+            "falls back to v2 IPv6"
+        );
+        let err = choose_gid(&table[..1], GidFamily::Ipv4).unwrap_err();
+        assert!(err.to_string().contains("RoCE v2"), "{err}");
+    }
+
+    /// V13: a pair of GIDs of different families or RoCE versions never connects: refuse it.
+    #[test]
+    fn mismatched_gid_families_or_types_are_refused() {
+        let v4: Gid = "::ffff:10.0.0.7".parse().unwrap();
+        let v4b: Gid = "::ffff:10.0.0.8".parse().unwrap();
+        let ll: Gid = "fe80::1".parse().unwrap();
+        let v2 = Some(GidType::RoceV2);
+        check_same_gid_family((v4, v2), (v4b, v2)).unwrap();
+        let err = check_same_gid_family((v4, v2), (ll, v2)).unwrap_err();
+        assert!(err.contains("family"), "{err}");
+        let err = check_same_gid_family((v4, v2), (v4b, Some(GidType::RoceV1))).unwrap_err();
+        assert!(err.contains("type"), "{err}");
+        check_same_gid_family((v4, None), (v4b, v2)).unwrap();
+    }
+
+    /// V17: GID types come from sysfs, not from `ibv_query_gid_ex` (rdma-core >= 32).
+    #[test]
+    fn gid_table_is_read_from_sysfs() {
+        let root = tempfile::tempdir().unwrap();
+        let port = root.path().join("rxe0/ports/1");
+        std::fs::create_dir_all(port.join("gids")).unwrap();
+        std::fs::create_dir_all(port.join("gid_attrs/types")).unwrap();
+        let gids = [
+            "fe80:0000:0000:0000:5054:00ff:fe12:3456",
+            "fe80:0000:0000:0000:5054:00ff:fe12:3456",
+            "0000:0000:0000:0000:0000:ffff:0a00:0007",
+            "0000:0000:0000:0000:0000:0000:0000:0000",
+        ];
+        let types = ["IB/RoCE v1", "RoCE v2", "RoCE v2", ""];
+        for (i, (g, t)) in gids.iter().zip(types).enumerate() {
+            std::fs::write(port.join("gids").join(i.to_string()), format!("{g}\n")).unwrap();
+            std::fs::write(
+                port.join("gid_attrs/types").join(i.to_string()),
+                format!("{t}\n"),
+            )
+            .unwrap();
+        }
+        let table = read_gid_table(root.path(), "rxe0", 1, 4, LinkLayer::Ethernet);
+        assert_eq!(table.len(), 3, "the zero entry is skipped: {table:?}");
+        assert_eq!(table[0].kind, Some(GidType::RoceV1));
+        assert_eq!(
+            table[2].gid.ipv4(),
+            Some(std::net::Ipv4Addr::new(10, 0, 0, 7))
+        );
+        assert_eq!(choose_gid(&table, GidFamily::Ipv4), Ok(2));
+        assert_eq!(
+            GidType::from_sysfs("IB/RoCE v1", LinkLayer::InfiniBand),
+            Some(GidType::Ib)
+        );
+        assert!(read_gid_table(root.path(), "mlx5_0", 1, 4, LinkLayer::Ethernet).is_empty());
     }
 
     #[test]

@@ -7,6 +7,13 @@
 //! *before* calling `ibv_reg_mr`, and maps `ENOMEM`/`EPERM` from it to the same message, which
 //! names `ulimit -l` and the systemd / limits.conf settings that raise it. GPU memory registered
 //! through GPUDirect is not pinned host memory and is not checked.
+//!
+//! The kernel applies the limit only to processes without `CAP_IPC_LOCK` (`ib_umem_get`:
+//! `new_pinned > lock_limit && !capable(CAP_IPC_LOCK)`). Root, and containers started with
+//! `--cap-add IPC_LOCK` (the usual Docker / Kubernetes RDMA setup, which often keeps the default
+//! 64 KiB or 8 MiB ulimit), are exempt, so the pre-check is skipped for them
+//! ([`MemlockPolicy::of`]); the errno mapping stays the real guard, and its hint then does not ask
+//! for a capability the process already has.
 
 use super::super::error::FabricError;
 
@@ -15,6 +22,72 @@ pub const MEMLOCK_HINT: &str = "raise the locked-memory limit: `ulimit -l unlimi
      shell that starts the worker, `LimitMEMLOCK=infinity` in its systemd unit, `--ulimit \
      memlock=-1` for docker, or `* - memlock unlimited` in /etc/security/limits.conf; check with \
      `ulimit -l`";
+
+/// Bit of `CAP_IPC_LOCK` in the capability sets (`linux/capability.h`).
+pub const CAP_IPC_LOCK_BIT: u32 = 14;
+
+/// Whether (and against what) registrations are pre-checked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MemlockPolicy {
+    /// The kernel applies `RLIMIT_MEMLOCK` (`None`: unlimited).
+    Enforced(Option<u64>),
+    /// The kernel does not apply it: the process runs as root or holds `CAP_IPC_LOCK`.
+    Exempt(ExemptBecause),
+}
+
+/// Why the memlock limit does not apply.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExemptBecause {
+    /// Effective user id 0 (rdma-core skips its own memlock warning for it too).
+    Root,
+    /// `CAP_IPC_LOCK` is in the effective capability set.
+    CapIpcLock,
+}
+
+impl MemlockPolicy {
+    /// The policy for a process with effective uid `euid`, effective capabilities `cap_eff`
+    /// (the `CapEff` mask of `/proc/self/status`, `None` if unreadable) and soft limit `limit`.
+    pub fn of(euid: u32, cap_eff: Option<u64>, limit: Option<u64>) -> MemlockPolicy {
+        if cap_eff.is_some_and(|c| c & (1 << CAP_IPC_LOCK_BIT) != 0) {
+            MemlockPolicy::Exempt(ExemptBecause::CapIpcLock)
+        } else if euid == 0 {
+            MemlockPolicy::Exempt(ExemptBecause::Root)
+        } else {
+            MemlockPolicy::Enforced(limit)
+        }
+    }
+
+    /// The policy of this process.
+    pub fn current() -> std::io::Result<MemlockPolicy> {
+        // SAFETY: geteuid has no preconditions and cannot fail.
+        let euid = unsafe { libc::geteuid() };
+        let cap_eff = std::fs::read_to_string("/proc/self/status")
+            .ok()
+            .and_then(|s| parse_cap_eff(&s));
+        Ok(MemlockPolicy::of(euid, cap_eff, memlock_limit()?))
+    }
+
+    /// Whether the process may pin without limit.
+    pub fn is_exempt(&self) -> bool {
+        matches!(self, MemlockPolicy::Exempt(_))
+    }
+
+    /// The pre-check of pinning `len` more bytes on top of `already_pinned`.
+    pub fn check(&self, len: u64, already_pinned: u64) -> Result<(), FabricError> {
+        match self {
+            MemlockPolicy::Exempt(_) => Ok(()),
+            MemlockPolicy::Enforced(limit) => check_memlock(len, already_pinned, *limit),
+        }
+    }
+}
+
+/// The effective capability mask from the text of `/proc/self/status` (`CapEff:\t<hex>`).
+pub fn parse_cap_eff(status: &str) -> Option<u64> {
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
+}
 
 /// `RLIMIT_MEMLOCK` soft limit in bytes; `None` means unlimited.
 pub fn memlock_limit() -> std::io::Result<Option<u64>> {
@@ -56,12 +129,24 @@ pub fn check_memlock(len: u64, already_pinned: u64, limit: Option<u64>) -> Resul
     })
 }
 
-/// Maps a failed `ibv_reg_mr` to an error; `ENOMEM` and `EPERM` are almost always the memlock
-/// limit (or a container without `IPC_LOCK`), so they carry the same hint.
-pub fn registration_error(len: u64, err: std::io::Error) -> FabricError {
-    let hint = match err.raw_os_error() {
-        Some(libc::ENOMEM) | Some(libc::EPERM) => Some(format!(
-            "{MEMLOCK_HINT}; in a container also grant CAP_IPC_LOCK"
+/// Maps a failed `ibv_reg_mr` to an error. For a process the limit applies to, `ENOMEM` and
+/// `EPERM` are almost always the memlock limit (or a container without `IPC_LOCK`), so they carry
+/// the same hint; for an exempt one (root, `CAP_IPC_LOCK`) the limit is not the cause, and the
+/// hint says what else is.
+pub fn registration_error(len: u64, err: std::io::Error, policy: MemlockPolicy) -> FabricError {
+    let hint = match (err.raw_os_error(), policy) {
+        (Some(libc::ENOMEM) | Some(libc::EPERM), MemlockPolicy::Exempt(why)) => Some(format!(
+            "the locked-memory limit does not apply ({}), so this is not `ulimit -l`: the device \
+             may be out of translation resources or the region larger than its max_mr_size \
+             (`ibv_devinfo -v`), or the host out of memory",
+            match why {
+                ExemptBecause::Root => "running as root",
+                ExemptBecause::CapIpcLock => "the process holds CAP_IPC_LOCK",
+            }
+        )),
+        (Some(libc::ENOMEM) | Some(libc::EPERM), MemlockPolicy::Enforced(_)) => Some(format!(
+            "{MEMLOCK_HINT}; in a container grant CAP_IPC_LOCK (`--cap-add IPC_LOCK`, or \
+             `securityContext.capabilities.add: [IPC_LOCK]`), which lifts the limit"
         )),
         _ => None,
     };
@@ -112,15 +197,74 @@ mod tests {
 
     #[test]
     fn enomem_and_eperm_from_reg_mr_name_ulimit() {
+        let enforced = MemlockPolicy::Enforced(Some(8 << 20));
         for errno in [libc::ENOMEM, libc::EPERM] {
-            let msg =
-                registration_error(4096, std::io::Error::from_raw_os_error(errno)).to_string();
+            let msg = registration_error(4096, std::io::Error::from_raw_os_error(errno), enforced)
+                .to_string();
             assert!(msg.contains("ulimit -l"), "{msg}");
             assert!(msg.contains("ibv_reg_mr"), "{msg}");
         }
-        let msg =
-            registration_error(4096, std::io::Error::from_raw_os_error(libc::EINVAL)).to_string();
+        let msg = registration_error(
+            4096,
+            std::io::Error::from_raw_os_error(libc::EINVAL),
+            enforced,
+        )
+        .to_string();
         assert!(!msg.contains("ulimit"), "{msg}");
+    }
+
+    /// V2: a container with CAP_IPC_LOCK (bit 14 of CapEff) and the default 64 KiB ulimit, and
+    /// root, register 16 MiB: the kernel allows it, so the pre-check must too.
+    #[test]
+    fn cap_ipc_lock_or_root_skips_the_memlock_precheck() {
+        let status = "Name:\tworker\nCapInh:\t0000000000000000\nCapPrm:\t00000000a80c25fb\n\
+                      CapEff:\t00000000a80c65fb\nCapBnd:\t00000000a80c65fb\n";
+        let cap_eff = parse_cap_eff(status);
+        assert_eq!(cap_eff, Some(0xa80c_65fb));
+        let limit = Some(64 << 10);
+        let with_cap = MemlockPolicy::of(1000, cap_eff, limit);
+        assert_eq!(with_cap, MemlockPolicy::Exempt(ExemptBecause::CapIpcLock));
+        with_cap.check(16 << 20, 0).unwrap();
+        let root = MemlockPolicy::of(0, Some(0), limit);
+        assert_eq!(root, MemlockPolicy::Exempt(ExemptBecause::Root));
+        root.check(16 << 20, 1 << 30).unwrap();
+        // Without the capability (the default Docker set lacks bit 14) the limit holds.
+        let plain = MemlockPolicy::of(1000, parse_cap_eff("CapEff:\t00000000a80425fb\n"), limit);
+        assert_eq!(plain, MemlockPolicy::Enforced(limit));
+        assert!(plain.check(16 << 20, 0).is_err());
+        // An unreadable status falls back to the limit unless root.
+        assert_eq!(
+            MemlockPolicy::of(1000, None, limit),
+            MemlockPolicy::Enforced(limit)
+        );
+        assert_eq!(parse_cap_eff("Name: x\n"), None);
+    }
+
+    /// V2: the kernel's ENOMEM for an exempt process must not blame the ulimit nor ask for a
+    /// capability the process holds.
+    #[test]
+    fn an_exempt_process_is_not_told_to_grant_cap_ipc_lock() {
+        let exempt = MemlockPolicy::Exempt(ExemptBecause::CapIpcLock);
+        let msg = registration_error(
+            1 << 30,
+            std::io::Error::from_raw_os_error(libc::ENOMEM),
+            exempt,
+        )
+        .to_string();
+        assert!(!msg.contains("grant CAP_IPC_LOCK"), "{msg}");
+        assert!(!msg.contains("ulimit -l unlimited"), "{msg}");
+        assert!(msg.contains("max_mr_size"), "{msg}");
+        let enforced = MemlockPolicy::Enforced(Some(64 << 10));
+        let msg = registration_error(
+            1 << 30,
+            std::io::Error::from_raw_os_error(libc::ENOMEM),
+            enforced,
+        )
+        .to_string();
+        assert!(
+            msg.contains("CAP_IPC_LOCK") && msg.contains("ulimit -l"),
+            "{msg}"
+        );
     }
 
     #[test]

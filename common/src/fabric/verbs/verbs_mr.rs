@@ -16,7 +16,7 @@ use super::super::error::FabricError;
 use super::super::memory::MemoryLocation;
 use super::super::region::RegisteredMemory;
 use super::verbs_device::VerbsPd;
-use super::verbs_memlock::{check_memlock, memlock_limit, registration_error};
+use super::verbs_memlock::{registration_error, MemlockPolicy};
 
 /// The verbs access flags for a registration with `access`.
 ///
@@ -66,16 +66,26 @@ impl VerbsMr {
                 hint: None,
             });
         }
+        pd.context()
+            .port()
+            .limits
+            .check_registration(len as u64)
+            .map_err(|detail| FabricError::Registration {
+                len: len as u64,
+                detail,
+                hint: None,
+            })?;
+        let policy =
+            MemlockPolicy::current().map_err(|e| FabricError::io("getrlimit(MEMLOCK)", e))?;
         if memory.location() == MemoryLocation::Host {
-            let limit = memlock_limit().map_err(|e| FabricError::io("getrlimit(MEMLOCK)", e))?;
-            check_memlock(len as u64, already_pinned, limit)?;
+            policy.check(len as u64, already_pinned)?;
         }
         let flags = mr_access_flags(access);
         // SAFETY: the memory is valid for `len` bytes and stays allocated while this VerbsMr
         // holds its Arc; pd is live (Arc stored below).
         let mr = unsafe { ffi::ibv_reg_mr(pd.raw(), memory.as_ptr().cast(), len, flags.0 as i32) };
         if mr.is_null() {
-            let err = registration_error(len as u64, std::io::Error::last_os_error());
+            let err = registration_error(len as u64, std::io::Error::last_os_error(), policy);
             return Err(match (memory.location(), err) {
                 (
                     MemoryLocation::CudaDevice { ordinal },

@@ -16,6 +16,16 @@ use super::verbs_device::VerbsPd;
 use super::verbs_qp_attr::QpTransition;
 use super::verbs_wr::SendChain;
 
+/// A failed `ibv_post_send`: how many WRs of the chain reached the NIC before the one it
+/// rejected (`bad_wr`), and why.
+#[derive(Debug)]
+pub struct PostFailure {
+    /// WRs of the chain posted before the rejected one.
+    pub posted: usize,
+    /// The error.
+    pub error: FabricError,
+}
+
 /// An owned RC queue pair with its own CQ.
 #[derive(Debug)]
 pub struct VerbsQp {
@@ -78,6 +88,11 @@ impl VerbsQp {
     /// The QP number.
     pub fn qp_num(&self) -> u32 {
         self.qp_num
+    }
+
+    /// The raw QP (to match async events; never dereferenced outside this module tree).
+    pub(super) fn raw_ptr(&self) -> *mut ffi::ibv_qp {
+        self.qp
     }
 
     /// The CQ of this QP.
@@ -143,30 +158,35 @@ impl VerbsQp {
     /// protection domain with the lkey it names, and that memory must stay allocated until the
     /// WR completed or the region was deregistered (after `ibv_dereg_mr` the NIC no longer
     /// touches it).
-    pub unsafe fn post_send(&self, chain: &mut SendChain) -> Result<(), FabricError> {
+    pub unsafe fn post_send(&self, chain: &mut SendChain) -> Result<(), PostFailure> {
         if chain.is_empty() {
             return Ok(());
         }
         // SAFETY: qp is live; the provider's ops table was filled when the context opened.
         let post = unsafe { (*(*self.qp).context).ops.post_send };
         let Some(post) = post else {
-            return Err(FabricError::Unsupported(
-                "the RDMA provider has no post_send".into(),
-            ));
+            return Err(PostFailure {
+                posted: 0,
+                error: FabricError::Unsupported("the RDMA provider has no post_send".into()),
+            });
         };
         let mut bad: *mut ffi::ibv_send_wr = std::ptr::null_mut();
+        let head = chain.head();
         // SAFETY: the chain's WRs and SGEs live (and do not move) for the call; the provider
         // copies them into the send queue. The memory they reference is the caller's contract.
-        let rc = unsafe { post(self.qp, chain.head(), &mut bad) };
+        let rc = unsafe { post(self.qp, head, &mut bad) };
         if rc != 0 {
-            return Err(FabricError::io(
-                format!(
-                    "ibv_post_send({} WRs) on QP {:#x} (send queue full or bad WR)",
-                    chain.len(),
-                    self.qp_num
+            return Err(PostFailure {
+                posted: chain.index_of(bad).unwrap_or(0),
+                error: FabricError::io(
+                    format!(
+                        "ibv_post_send({} WRs) on QP {:#x} (send queue full or bad WR)",
+                        chain.len(),
+                        self.qp_num
+                    ),
+                    std::io::Error::from_raw_os_error(rc),
                 ),
-                std::io::Error::from_raw_os_error(rc),
-            ));
+            });
         }
         Ok(())
     }

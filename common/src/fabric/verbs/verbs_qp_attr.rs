@@ -16,7 +16,7 @@ use ffi::ibv_qp_attr_mask as mask;
 use ibverbs_sys as ffi;
 
 use super::verbs_endpoint::{agreed_mtu, QpEndpoint, PSN_MASK};
-use super::verbs_gid::Addressing;
+use super::verbs_gid::{check_same_gid_family, Addressing};
 use super::verbs_settings::VerbsSettings;
 
 /// Attributes and mask for one `ibv_modify_qp` call.
@@ -61,19 +61,21 @@ pub fn to_init(port: u8) -> QpTransition {
     }
 }
 
-/// INIT → RTR towards `remote`. With [`Addressing::Global`] the address vector carries a GRH
-/// (`is_global = 1`, the peer's GID as `dgid`, our `sgid_index`); with [`Addressing::Lid`] it uses
-/// the peer's LID.
+/// INIT → RTR from `local` towards `remote`. With [`Addressing::Global`] the address vector
+/// carries a GRH (`is_global = 1`, the peer's GID as `dgid`, our `sgid_index`, the configured
+/// traffic class); with [`Addressing::Lid`] it uses the peer's LID. The configured service level
+/// goes into the address vector either way. A peer whose GID is of another RoCE version or IP
+/// family is refused: that pair would never connect.
 pub fn to_rtr(
+    local: &QpEndpoint,
     remote: &QpEndpoint,
     addressing: Addressing,
     port: u8,
-    local_mtu: u32,
     settings: &VerbsSettings,
 ) -> Result<QpTransition, String> {
     let mut attr = ffi::ibv_qp_attr {
         qp_state: ffi::ibv_qp_state::IBV_QPS_RTR,
-        path_mtu: agreed_mtu(local_mtu, remote.mtu),
+        path_mtu: agreed_mtu(local.mtu, remote.mtu),
         dest_qp_num: remote.qp_num,
         rq_psn: remote.psn & PSN_MASK,
         max_dest_rd_atomic: 1,
@@ -81,7 +83,7 @@ pub fn to_rtr(
         ..Default::default()
     };
     attr.ah_attr.port_num = port;
-    attr.ah_attr.sl = 0;
+    attr.ah_attr.sl = settings.service_level;
     attr.ah_attr.src_path_bits = 0;
     match addressing {
         Addressing::Global { sgid_index } => {
@@ -90,11 +92,14 @@ pub fn to_rtr(
                  set WEIGHTSYNC_RDMA_GID_INDEX on the peer too"
                     .to_owned()
             })?;
+            if let Some(ours) = local.gid {
+                check_same_gid_family((ours, local.gid_type), (gid, remote.gid_type))?;
+            }
             attr.ah_attr.is_global = 1;
             attr.ah_attr.grh.dgid = ffi::ibv_gid { raw: gid.0 };
             attr.ah_attr.grh.sgid_index = sgid_index;
             attr.ah_attr.grh.hop_limit = 64;
-            attr.ah_attr.grh.traffic_class = 0;
+            attr.ah_attr.grh.traffic_class = settings.traffic_class;
             attr.ah_attr.grh.flow_label = 0;
             attr.ah_attr.dlid = remote.lid;
         }
@@ -160,7 +165,7 @@ pub fn to_error() -> QpTransition {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fabric::verbs::verbs_gid::Gid;
+    use crate::fabric::verbs::verbs_gid::{Gid, GidType};
     use crate::fabric::VerbsConfig;
 
     fn settings() -> VerbsSettings {
@@ -178,6 +183,18 @@ mod tests {
             lid,
             gid,
             mtu: 3,
+            recv_depth: 512,
+            max_msg_size: 1 << 30,
+            gid_type: gid.map(|_| GidType::RoceV2),
+        }
+    }
+
+    fn local(gid: Option<Gid>, mtu: u32) -> QpEndpoint {
+        QpEndpoint {
+            qp_num: 0x77,
+            psn: 1,
+            mtu,
+            ..remote(gid, 9)
         }
     }
 
@@ -209,11 +226,12 @@ mod tests {
     #[test]
     fn rtr_on_roce_carries_the_remote_gid_in_the_grh() {
         let gid: Gid = "::ffff:192.168.7.9".parse().unwrap();
+        let ours: Gid = "::ffff:192.168.7.1".parse().unwrap();
         let t = to_rtr(
+            &local(Some(ours), 5),
             &remote(Some(gid), 0),
             Addressing::Global { sgid_index: 1 },
             1,
-            5,
             &settings(),
         )
         .unwrap();
@@ -246,20 +264,69 @@ mod tests {
 
     #[test]
     fn rtr_on_infiniband_uses_the_lid() {
-        let t = to_rtr(&remote(None, 17), Addressing::Lid, 1, 4, &settings()).unwrap();
+        let ib = local(None, 4);
+        let t = to_rtr(&ib, &remote(None, 17), Addressing::Lid, 1, &settings()).unwrap();
         assert_eq!(t.attr.ah_attr.is_global, 0);
         assert_eq!(t.attr.ah_attr.dlid, 17);
-        let err = to_rtr(&remote(None, 0), Addressing::Lid, 1, 4, &settings()).unwrap_err();
+        let err = to_rtr(&ib, &remote(None, 0), Addressing::Lid, 1, &settings()).unwrap_err();
         assert!(err.contains("LID 0"), "{err}");
         let err = to_rtr(
+            &ib,
             &remote(None, 5),
             Addressing::Global { sgid_index: 0 },
             1,
-            4,
             &settings(),
         )
         .unwrap_err();
         assert!(err.contains("no GID"), "{err}");
+    }
+
+    /// V6: the configured traffic class reaches the GRH and the service level the address
+    /// vector (both were fixed at 0).
+    #[test]
+    fn rtr_carries_the_configured_traffic_class_and_service_level() {
+        let s = VerbsSettings::resolve(
+            &VerbsConfig {
+                traffic_class: 106,
+                service_level: 3,
+                ..Default::default()
+            },
+            |_| None,
+        )
+        .unwrap();
+        let ours: Gid = "::ffff:10.0.0.1".parse().unwrap();
+        let theirs: Gid = "::ffff:10.0.0.2".parse().unwrap();
+        let t = to_rtr(
+            &local(Some(ours), 5),
+            &remote(Some(theirs), 0),
+            Addressing::Global { sgid_index: 3 },
+            1,
+            &s,
+        )
+        .unwrap();
+        assert_eq!(t.attr.ah_attr.grh.traffic_class, 106);
+        assert_eq!(t.attr.ah_attr.sl, 3);
+        let ib = to_rtr(&local(None, 5), &remote(None, 4), Addressing::Lid, 1, &s).unwrap();
+        assert_eq!(
+            ib.attr.ah_attr.sl, 3,
+            "the SL picks the virtual lane on InfiniBand"
+        );
+    }
+
+    /// V13: the RTR transition refuses a peer whose GID family differs from ours.
+    #[test]
+    fn rtr_refuses_a_peer_of_another_gid_family() {
+        let ours: Gid = "::ffff:10.0.0.1".parse().unwrap();
+        let link_local: Gid = "fe80::2".parse().unwrap();
+        let err = to_rtr(
+            &local(Some(ours), 5),
+            &remote(Some(link_local), 0),
+            Addressing::Global { sgid_index: 1 },
+            1,
+            &settings(),
+        )
+        .unwrap_err();
+        assert!(err.contains("family"), "{err}");
     }
 
     #[test]

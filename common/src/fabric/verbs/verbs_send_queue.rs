@@ -3,8 +3,8 @@
 //! A send queue holds `depth` outstanding WRs; a slot is free again only once the WR completed,
 //! and the application learns that only through a completion. Asking for a completion on every
 //! WR costs the NIC a CQE write and the CPU a poll per WR, so we signal selectively: the last WR
-//! of each batch's share on the lane (its caller waits for it), plus one every `interval` WRs so
-//! that long batches free slots as they go. A successful signalled completion retires every
+//! of each chunk a write posts on the lane (its caller waits for it), plus one every `interval`
+//! WRs so that long batches free slots as they go. A successful signalled completion retires every
 //! earlier WR of the queue, because an RC queue completes in order.
 //!
 //! Invariant that keeps posting live: `interval <= depth / 2`, so whenever the queue is full at
@@ -99,6 +99,15 @@ impl SendQueue {
     /// Signalled WRs not yet completed.
     pub fn signalled_outstanding(&self) -> usize {
         self.signalled.len()
+    }
+
+    /// The last `n` WRs reserved were never posted (the post failed before them): forget their
+    /// slots and the signalled entries among them.
+    pub fn unreserve(&mut self, n: usize) {
+        let n = (n as u64).min(self.posted - self.retired);
+        self.posted -= n;
+        let posted = self.posted;
+        self.signalled.retain(|(seq, _)| *seq <= posted);
     }
 
     /// The queue pair failed: forget everything outstanding and return the wr_ids of the

@@ -7,19 +7,31 @@
 //! process with `WEIGHTSYNC_RDMA_DEVICE`, `WEIGHTSYNC_RDMA_PORT` and `WEIGHTSYNC_RDMA_GID_INDEX`,
 //! which win over the config file.
 //!
+//! The same goes for the fabric's QoS marking (`WEIGHTSYNC_RDMA_TC`, `WEIGHTSYNC_RDMA_SL`) and the
+//! GID family (`WEIGHTSYNC_RDMA_GID_FAMILY`), which follow the host's NIC and switch setup.
+//!
 //! Retry timers: `rnr_retry = 7` means "retry forever" in verbs. With WRITE_WITH_IMM a missing
 //! receive buffer on the peer then hangs the writer silently; we refuse 7 so that a peer that
 //! stopped replenishing receives surfaces as an error (`IBV_WC_RNR_RETRY_EXC_ERR`) after
-//! `rnr_retry` attempts spaced by the peer's `min_rnr_timer`.
+//! `rnr_retry` attempts spaced by the peer's `min_rnr_timer`. Receive credits keep writers from
+//! meeting RNR at all while the peer runs; the default timer (18: 5.12 ms, so about 30 ms over
+//! six retries) leaves a briefly descheduled peer room before the lane fails.
 
-use super::super::config::VerbsConfig;
+use super::super::config::{GidFamily, VerbsConfig};
 
 /// Environment variable naming the device (e.g. `mlx5_0`, `rxe0`).
 pub const ENV_DEVICE: &str = "WEIGHTSYNC_RDMA_DEVICE";
 /// Environment variable with the 1-based port number.
 pub const ENV_PORT: &str = "WEIGHTSYNC_RDMA_PORT";
-/// Environment variable with the GID index (RoCE v2 entry); `none` forces LID addressing.
+/// Environment variable with the GID index (RoCE v2 entry); `none` forces LID addressing, `auto`
+/// picks the first RoCE v2 entry of the GID family.
 pub const ENV_GID_INDEX: &str = "WEIGHTSYNC_RDMA_GID_INDEX";
+/// Environment variable with the GID family of the automatic choice (`ipv4`, `ipv6`).
+pub const ENV_GID_FAMILY: &str = "WEIGHTSYNC_RDMA_GID_FAMILY";
+/// Environment variable with the RoCE traffic class (the IP DSCP/ECN byte, 0..=255).
+pub const ENV_TRAFFIC_CLASS: &str = "WEIGHTSYNC_RDMA_TC";
+/// Environment variable with the service level (0..=15).
+pub const ENV_SERVICE_LEVEL: &str = "WEIGHTSYNC_RDMA_SL";
 
 /// Resolved settings of one verbs fabric.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -28,8 +40,14 @@ pub struct VerbsSettings {
     pub device: Option<String>,
     /// 1-based port number.
     pub port: u8,
-    /// GID index for global routing (required on RoCE).
+    /// GID index for global routing; `None` on RoCE picks one of `gid_family` automatically.
     pub gid_index: Option<u8>,
+    /// Family of the automatically chosen RoCE GID.
+    pub gid_family: GidFamily,
+    /// RoCE GRH traffic class (IP DSCP/ECN byte).
+    pub traffic_class: u8,
+    /// Service level (0..=15).
+    pub service_level: u8,
     /// Receive WRs kept posted per queue pair (each WRITE_WITH_IMM consumes one).
     pub recv_depth: u32,
     /// Send WRs outstanding per queue pair at most.
@@ -40,7 +58,7 @@ pub struct VerbsSettings {
     pub retry_cnt: u8,
     /// Local ACK timeout exponent: 4.096 µs × 2^timeout (14 ≈ 67 ms, a common RoCE choice).
     pub timeout: u8,
-    /// RNR NAK timer we ask senders to wait before retrying (12 = 0.64 ms).
+    /// RNR NAK timer we ask senders to wait before retrying (18 = 5.12 ms).
     pub min_rnr_timer: u8,
     /// Request a completion at least every this many WRs of a lane (send-queue slot reclaim).
     pub signal_interval: u32,
@@ -90,6 +108,7 @@ impl VerbsSettings {
         };
         let gid_index = match nonempty(ENV_GID_INDEX) {
             Some(g) if g.trim().eq_ignore_ascii_case("none") => None,
+            Some(g) if g.trim().eq_ignore_ascii_case("auto") => None,
             Some(g) => Some(g.trim().parse::<u8>().map_err(|_| {
                 bad(
                     ENV_GID_INDEX,
@@ -98,16 +117,50 @@ impl VerbsSettings {
             })?),
             None => config.gid_index,
         };
+        let gid_family = match nonempty(ENV_GID_FAMILY) {
+            Some(f) => match f.trim().to_ascii_lowercase().as_str() {
+                "ipv4" | "v4" => GidFamily::Ipv4,
+                "ipv6" | "v6" => GidFamily::Ipv6,
+                _ => {
+                    return Err(bad(
+                        ENV_GID_FAMILY,
+                        format!("{f:?} is not `ipv4` or `ipv6`"),
+                    ))
+                }
+            },
+            None => config.gid_family,
+        };
+        let traffic_class = match nonempty(ENV_TRAFFIC_CLASS) {
+            Some(t) => t.trim().parse::<u8>().map_err(|_| {
+                bad(
+                    ENV_TRAFFIC_CLASS,
+                    format!("{t:?} is not a traffic class (0..=255, e.g. 106 for DSCP 26 + ECN)"),
+                )
+            })?,
+            None => config.traffic_class,
+        };
+        let service_level = match nonempty(ENV_SERVICE_LEVEL) {
+            Some(l) => l.trim().parse::<u8>().map_err(|_| {
+                bad(
+                    ENV_SERVICE_LEVEL,
+                    format!("{l:?} is not a service level (0..=15)"),
+                )
+            })?,
+            None => config.service_level,
+        };
         let settings = VerbsSettings {
             device,
             port,
             gid_index,
+            gid_family,
+            traffic_class,
+            service_level,
             recv_depth: config.recv_depth,
             send_depth: config.send_depth,
             rnr_retry: config.rnr_retry,
-            retry_cnt: 7,
-            timeout: 14,
-            min_rnr_timer: 12,
+            retry_cnt: config.retry_cnt,
+            timeout: config.ack_timeout,
+            min_rnr_timer: config.min_rnr_timer,
             signal_interval: (config.send_depth / 4).max(1),
             wrs_per_doorbell: 16,
         };
@@ -136,10 +189,19 @@ impl VerbsSettings {
             ));
         }
         if self.retry_cnt > 7 {
-            return Err(bad("retry_cnt", "must be 0..=7"));
+            return Err(bad("verbs.retry_cnt", "must be 0..=7"));
         }
-        if self.timeout > 31 || self.min_rnr_timer > 31 {
-            return Err(bad("timeout/min_rnr_timer", "must be 0..=31"));
+        if self.timeout > 31 {
+            return Err(bad("verbs.ack_timeout", "must be 0..=31"));
+        }
+        if self.min_rnr_timer > 31 {
+            return Err(bad("verbs.min_rnr_timer", "must be 0..=31"));
+        }
+        if self.service_level > 15 {
+            return Err(bad(
+                "verbs.service_level",
+                format!("{} is outside 0..=15", self.service_level),
+            ));
         }
         if !(8..=32_768).contains(&self.recv_depth) {
             return Err(bad(
@@ -243,6 +305,61 @@ mod tests {
         };
         let err = VerbsSettings::resolve(&shallow, env(&[])).unwrap_err();
         assert_eq!(err.field, "verbs.recv_depth");
+    }
+
+    /// V6: traffic class and SL come from config, overridden by the environment, and are
+    /// range-checked.
+    #[test]
+    fn traffic_class_sl_and_gid_family_are_settings() {
+        let cfg = VerbsConfig {
+            traffic_class: 104,
+            service_level: 3,
+            ..Default::default()
+        };
+        let s = VerbsSettings::resolve(&cfg, env(&[])).unwrap();
+        assert_eq!((s.traffic_class, s.service_level), (104, 3));
+        assert_eq!(s.gid_family, GidFamily::Ipv4);
+        let s = VerbsSettings::resolve(
+            &cfg,
+            env(&[
+                (ENV_TRAFFIC_CLASS, "106"),
+                (ENV_SERVICE_LEVEL, "5"),
+                (ENV_GID_FAMILY, "IPv6"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!((s.traffic_class, s.service_level), (106, 5));
+        assert_eq!(s.gid_family, GidFamily::Ipv6);
+        let err = VerbsSettings::resolve(&cfg, env(&[(ENV_SERVICE_LEVEL, "16")])).unwrap_err();
+        assert_eq!(err.field, "verbs.service_level");
+        let err = VerbsSettings::resolve(&cfg, env(&[(ENV_TRAFFIC_CLASS, "dscp26")])).unwrap_err();
+        assert_eq!(err.field, ENV_TRAFFIC_CLASS);
+        let err = VerbsSettings::resolve(&cfg, env(&[(ENV_GID_FAMILY, "v5")])).unwrap_err();
+        assert_eq!(err.field, ENV_GID_FAMILY);
+        let s = VerbsSettings::resolve(&cfg, env(&[(ENV_GID_INDEX, "auto")])).unwrap();
+        assert_eq!(s.gid_index, None);
+    }
+
+    /// V20 (and V4): the queue-pair timers are settings, not constants; the RNR timer defaults
+    /// to 5.12 ms (18) so a briefly descheduled receiver gets ~30 ms over six retries.
+    #[test]
+    fn queue_pair_timers_are_settings() {
+        let s = VerbsSettings::resolve(&VerbsConfig::default(), env(&[])).unwrap();
+        assert_eq!((s.min_rnr_timer, s.timeout, s.retry_cnt), (18, 14, 7));
+        let cfg = VerbsConfig {
+            min_rnr_timer: 20,
+            ack_timeout: 16,
+            retry_cnt: 5,
+            ..Default::default()
+        };
+        let s = VerbsSettings::resolve(&cfg, env(&[])).unwrap();
+        assert_eq!((s.min_rnr_timer, s.timeout, s.retry_cnt), (20, 16, 5));
+        let bad_timer = VerbsConfig {
+            min_rnr_timer: 32,
+            ..Default::default()
+        };
+        let err = VerbsSettings::resolve(&bad_timer, env(&[])).unwrap_err();
+        assert_eq!(err.field, "verbs.min_rnr_timer");
     }
 
     #[test]

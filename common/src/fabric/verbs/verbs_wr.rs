@@ -271,6 +271,15 @@ impl SendChain {
         &self.wrs
     }
 
+    /// The index in this chain of the WR `wr` points at (`bad_wr` of a failed post), if it is
+    /// one of ours. Compares addresses only; nothing is dereferenced.
+    pub fn index_of(&self, wr: *const ffi::ibv_send_wr) -> Option<usize> {
+        let base = self.wrs.as_ptr() as usize;
+        let size = std::mem::size_of::<ffi::ibv_send_wr>();
+        let at = (wr as usize).checked_sub(base)?;
+        (at % size == 0 && at / size < self.wrs.len()).then_some(at / size)
+    }
+
     /// Pointer to the first WR, for `ibv_post_send`; null when empty.
     pub fn head(&mut self) -> *mut ffi::ibv_send_wr {
         if self.wrs.is_empty() {
@@ -427,6 +436,9 @@ mod tests {
         let (remote, imm) = unsafe { (wrs[0].wr.rdma, wrs[1].__bindgen_anon_1.imm_data) };
         assert_eq!((remote.remote_addr, remote.rkey), (0x2000, 2));
         assert_eq!(u32::from_be(imm), 0x0102_0304);
+        // bad_wr of a failed post maps back to its index.
+        assert_eq!(chain.index_of(&chain.wrs()[1]), Some(1));
+        assert_eq!(chain.index_of(std::ptr::null()), None);
     }
 
     #[test]

@@ -1,0 +1,243 @@
+//! The planner: `(model, training layout, inference layout, cost model) -> RoutingTable`.
+//!
+//! # How
+//! 1. **Destination groups.** Inference pieces with the same parameter box (the same bytes for
+//!    several ranks: dp engines, attention replicated across ep groups, kv heads replicated) are
+//!    grouped, so each box is read and prepared once and written to every rank that needs it.
+//! 2. **Source grid.** Each parameter's training shards cut it into a grid of cells; every cell
+//!    must be held by at least one rank (else an error names the region), and the ranks holding
+//!    a cell are its replicas.
+//! 3. **Regions.** A destination box is cut along the grid into regions, each inside one cell.
+//!    For fp8 destinations a cut that is not on a 128 boundary would split a quantisation block,
+//!    so the block row (or column) around it becomes a *gather region*: one owner quantises it
+//!    after every holder has written its part into the owner's gather arena. A small box cut
+//!    into many regions smaller than a work request is worth (a norm over 128 ranks) is made
+//!    one gather region too, so each destination gets one write instead of one per source.
+//! 4. **Sources.** Single-replica regions are fixed. Gather owners go to the least loaded holder
+//!    of the largest part. Small replicated regions go whole to the least loaded replica; the
+//!    rest are spread exactly by the min-max flow of [`crate::balance`], cutting regions along
+//!    dimension 0 (in whole blocks for fp8). Load = bytes sent plus work requests times
+//!    [`CostModel::wr_equiv_bytes`].
+//! 5. **Emission.** Tasks per trainer in mesh-group order (gather sends, local tasks,
+//!    gather-sourced tasks), each with its writes as maximal contiguous runs.
+//!
+//! Pure and deterministic: no hash-map iteration, no clock, no threads.
+//!
+//! # Layout
+//! This file holds [`plan`], the `Planner` state the steps share and the order they run in;
+//! each step is a file adding its methods to `Planner`:
+//! - `validate`: the inference layout checked before any step (not a step: it only refuses).
+//! - `dgroups` (1), `grid` (2), `regions` (3, pass 1 `analyse`), `assign` (4, pass 2),
+//!   `emit` (5, pass 3) with `targets` (which targets get listed writes, which copies).
+//! - `place`: where a parameter box lands in a piece's tensors (validation, regions, emission).
+
+mod assign;
+mod dgroups;
+mod emit;
+mod grid;
+mod place;
+mod regions;
+mod targets;
+mod validate;
+
+use weightsync_common::DType;
+
+use self::grid::Grid;
+use self::validate::validate_infer;
+use crate::cost::CostModel;
+use crate::error::PlanError;
+use crate::layout_infer::{InferenceLayout, Piece};
+use crate::layout_train::{ShardSpec, TrainingLayout};
+use crate::model::Model;
+use crate::table::{RoutingTable, TensorBox};
+
+/// Plans without progress reports.
+pub fn plan(
+    model: &Model,
+    train: &TrainingLayout,
+    infer: &InferenceLayout,
+    cost: &CostModel,
+) -> Result<RoutingTable, PlanError> {
+    plan_with_progress(model, train, infer, cost, &mut |_, _| {})
+}
+
+/// Plans, calling `progress(done, total)` now and then (work units are parameters, visited
+/// twice: analysis then emission).
+pub fn plan_with_progress(
+    model: &Model,
+    train: &TrainingLayout,
+    infer: &InferenceLayout,
+    cost: &CostModel,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<RoutingTable, PlanError> {
+    train.validate(model)?;
+    validate_infer(model, infer)?;
+    let sorted;
+    let train = if train
+        .shards
+        .windows(2)
+        .all(|w| (w[0].rank, w[0].offset) <= (w[1].rank, w[1].offset))
+    {
+        train
+    } else {
+        let mut t = train.clone();
+        t.shards.sort_by_key(|s| (s.rank, s.offset));
+        sorted = t;
+        &sorted
+    };
+    let mut p = Planner::new(model, train, infer, cost)?;
+    p.analyse(progress)?;
+    p.assign();
+    p.emit(progress)
+}
+
+/// Marker for "gather region" in `Region::cell`.
+const GATHER: u32 = u32::MAX;
+
+/// A group of destination pieces sharing one parameter box (step 1, `dgroups`).
+struct DGroup {
+    bx: TensorBox,
+    first: u32,
+    n: u32,
+    fp8: bool,
+    /// Destination element type (of the weight tensor).
+    dtype: DType,
+}
+
+/// One region: a box inside one destination group, inside one cell (or a gather region).
+#[derive(Clone, Copy)]
+struct Region {
+    dgroup: u32,
+    bx: TensorBox,
+    cell: u32,
+    /// Writes to destinations (all targets).
+    writes: u32,
+    weight: u64,
+}
+
+/// How a region is sourced.
+#[derive(Clone, Copy)]
+enum Assign {
+    /// Whole from one shard (global shard index).
+    Shard(u32),
+    /// Split: `splits[first..first+n]`.
+    Split { first: u32, n: u32 },
+    /// Gathered to `owner_shard`'s rank from `gather_parts[first..first+n]`.
+    Gather {
+        owner_shard: u32,
+        first: u32,
+        n: u32,
+    },
+}
+
+/// What the steps know and build, from [`Planner::new`] to [`Planner::emit`].
+struct Planner<'a> {
+    model: &'a Model,
+    train: &'a TrainingLayout,
+    infer: &'a InferenceLayout,
+    cost: &'a CostModel,
+    /// Pieces sorted by (param, box, rank, tensor).
+    sorted: Vec<Piece>,
+    dgroups: Vec<DGroup>,
+    /// Per param, its dgroups range.
+    dgroup_first: Vec<u32>,
+    /// The layout's shards in (param, index) order: planning visits them param by param, so
+    /// this copy keeps those visits sequential in memory. Planner-internal shard numbers
+    /// (grid holders, assignments) are positions in this list.
+    shards: Vec<ShardSpec>,
+    /// Position -> index in the layout's shard list.
+    shard_order: Vec<u32>,
+    /// Per param, its first position.
+    shard_first: Vec<u32>,
+    grids: Vec<Grid>,
+    regions: Vec<Region>,
+    region_first: Vec<u32>,
+    /// Per region, its source (fixed by `analyse` for single holders, by `assign` otherwise).
+    assign: Vec<Assign>,
+    /// Regions `assign` must source (gathers and replicated cells), in region order.
+    open: Vec<u32>,
+    /// Gather regions, in region order.
+    gathers: Vec<u32>,
+    splits: Vec<(TensorBox, u32)>,
+    gather_parts: Vec<(TensorBox, u32)>,
+    loads: Vec<u64>,
+    /// Inference ranks with identical tensor layouts share a class (same id).
+    layout_class: Vec<u32>,
+    /// What one work request costs, in bytes of bandwidth ([`CostModel::wr_equiv_bytes`]).
+    wr_bytes: u64,
+    /// Expected tasks and writes per trainer (capacity hints).
+    est_tasks: Vec<u64>,
+    est_writes: Vec<u64>,
+}
+
+impl<'a> Planner<'a> {
+    /// Groups the destinations (step 1) and orders the shards by parameter (for step 2).
+    fn new(
+        model: &'a Model,
+        train: &'a TrainingLayout,
+        infer: &'a InferenceLayout,
+        cost: &'a CostModel,
+    ) -> Result<Planner<'a>, PlanError> {
+        let np = model.params.len();
+        let (sorted, dgroups, dgroup_first) = dgroups::destination_groups(np, infer);
+        let (shard_first, shard_order) = grid::shards_by_param(np, train);
+        if train.shards.len() > u32::MAX as usize || infer.pieces.len() > u32::MAX as usize {
+            return Err(PlanError::TooLarge(
+                "more than 2^32 shards or pieces".into(),
+            ));
+        }
+        Ok(Planner {
+            model,
+            train,
+            infer,
+            cost,
+            sorted,
+            dgroups,
+            dgroup_first,
+            shards: shard_order
+                .iter()
+                .map(|&i| train.shards[i as usize])
+                .collect(),
+            shard_order,
+            shard_first,
+            grids: Vec::with_capacity(np),
+            regions: Vec::new(),
+            region_first: vec![0; np + 1],
+            assign: Vec::new(),
+            open: Vec::new(),
+            gathers: Vec::new(),
+            splits: Vec::new(),
+            gather_parts: Vec::new(),
+            loads: vec![0; train.ranks as usize],
+            est_tasks: vec![0; train.ranks as usize],
+            est_writes: vec![0; train.ranks as usize],
+            layout_class: targets::layout_classes(infer),
+            wr_bytes: cost.wr_equiv_bytes(),
+        })
+    }
+
+    /// Positions of a param's shards.
+    #[inline]
+    fn param_shards(&self, pid: usize) -> std::ops::Range<u32> {
+        self.shard_first[pid]..self.shard_first[pid + 1]
+    }
+
+    /// The shard at a position.
+    #[inline]
+    fn shard(&self, s: u32) -> &ShardSpec {
+        &self.shards[s as usize]
+    }
+
+    /// Target `k` of a dgroup (its pieces are in rank, then tensor order).
+    #[inline]
+    fn target_piece(&self, dg: &DGroup, k: u32) -> &Piece {
+        &self.sorted[(dg.first + k) as usize]
+    }
+
+    /// The parameter of a dgroup.
+    #[inline]
+    fn dgroup_param(&self, dgi: u32) -> usize {
+        let dg = &self.dgroups[dgi as usize];
+        self.target_piece(dg, 0).param as usize
+    }
+}

@@ -1,0 +1,289 @@
+//! Checking an inference layout before planning: every rank and tensor is where it says, every
+//! piece names a real parameter and lands inside its tensors (fp8 pieces on block boundaries, with
+//! f32 scales), and the pieces of each destination tensor fill it exactly once.
+//!
+//! Its own file because it is not a planning step: it runs once, before the steps, so that the
+//! steps may index without checking and a bad layout (a hand-written one, a fuzzer's) gets an
+//! error naming the rank, the tensor and what is wrong instead of a wrong table or a panic.
+
+use weightsync_common::DType;
+
+use super::place::{dst_box, scale_box};
+use crate::error::PlanError;
+use crate::layout_infer::{InferRank, InferenceLayout, Piece};
+use crate::model::{Model, Param};
+use crate::table::{DstTensor, Shape, TensorBox, FP8_BLOCK};
+
+/// Checks `infer` against `model` (see the module docs).
+pub(super) fn validate_infer(model: &Model, infer: &InferenceLayout) -> Result<(), PlanError> {
+    check_ranks(infer)?;
+    let tensor_first = number_tensors(infer)?;
+    let mut placed: Vec<Placed> = Vec::with_capacity(2 * infer.pieces.len());
+    for pc in &infer.pieces {
+        place_piece(model, infer, &tensor_first, pc, &mut placed)?;
+    }
+    let ntensors = tensor_first[infer.ranks.len()] as usize;
+    let (first, mut by_tensor) = group_by_tensor(placed, ntensors);
+    let mut rank = 0usize;
+    for k in 0..ntensors {
+        while tensor_first[rank + 1] as usize <= k {
+            rank += 1;
+        }
+        let t = &infer.ranks[rank].tensors[k - tensor_first[rank] as usize];
+        let boxes = &mut by_tensor[first[k] as usize..first[k + 1] as usize];
+        check_tensor_filled(model, rank as u32, t, boxes)?;
+    }
+    Ok(())
+}
+
+/// Every rank is listed at its own index; every tensor's length matches its shape and fits
+/// inside its MR.
+fn check_ranks(infer: &InferenceLayout) -> Result<(), PlanError> {
+    for (i, r) in infer.ranks.iter().enumerate() {
+        if r.rank != i as u32 {
+            return Err(PlanError::BadInferenceLayout {
+                rank: i as u32,
+                reason: format!("listed at index {i} but says rank {}", r.rank),
+            });
+        }
+        for t in &r.tensors {
+            if t.len != t.shape.numel() * t.dtype.size() as u64
+                || r.mr_bytes
+                    .get(t.mr as usize)
+                    .is_none_or(|&m| t.offset + t.len > m)
+            {
+                return Err(PlanError::BadInferenceLayout {
+                    rank: r.rank,
+                    reason: format!(
+                        "tensor {} does not fit its MR {} or its shape",
+                        t.name, t.mr
+                    ),
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Destination tensors numbered rank by rank: tensor `t` of rank `r` is `tensor_first[r] + t`
+/// (one more entry at the end: the number of tensors).
+fn number_tensors(infer: &InferenceLayout) -> Result<Vec<u32>, PlanError> {
+    let mut tensor_first = Vec::with_capacity(infer.ranks.len() + 1);
+    tensor_first.push(0u32);
+    for r in &infer.ranks {
+        let n = tensor_first[tensor_first.len() - 1] as u64 + r.tensors.len() as u64;
+        if n > u32::MAX as u64 {
+            return Err(PlanError::TooLarge(
+                "more than 2^32 destination tensors".into(),
+            ));
+        }
+        tensor_first.push(n as u32);
+    }
+    Ok(tensor_first)
+}
+
+/// Checks one piece (its rank, parameter, box, tensor, fp8 alignment and scales) and appends
+/// the boxes it fills: in its tensor and, for fp8, in its scale tensor.
+fn place_piece(
+    model: &Model,
+    infer: &InferenceLayout,
+    tensor_first: &[u32],
+    pc: &Piece,
+    placed: &mut Vec<Placed>,
+) -> Result<(), PlanError> {
+    let nranks = infer.ranks.len() as u32;
+    let bad = |reason: String| PlanError::BadInferenceLayout {
+        rank: pc.rank,
+        reason,
+    };
+    if pc.rank >= nranks {
+        return Err(PlanError::NoSuchRank {
+            side: "inference",
+            rank: pc.rank,
+            ranks: nranks,
+        });
+    }
+    let p = model
+        .params
+        .get(pc.param as usize)
+        .ok_or_else(|| bad(format!("piece names parameter id {}", pc.param)))?;
+    if !pc.src.fits_in(p.shape) || pc.src.is_empty() {
+        return Err(bad(format!(
+            "piece {} of {} is outside its shape {}",
+            pc.src, p.name, p.shape
+        )));
+    }
+    let r = &infer.ranks[pc.rank as usize];
+    let t = r
+        .tensors
+        .get(pc.tensor as usize)
+        .ok_or_else(|| bad(format!("piece of {} names tensor {}", p.name, pc.tensor)))?;
+    if t.shape.ndim < p.shape.ndim {
+        return Err(bad(format!(
+            "tensor {} has fewer dims than {}",
+            t.name, p.name
+        )));
+    }
+    let db = dst_box(pc, &pc.src, t.shape.ndim as usize);
+    if !db.fits_in(t.shape) {
+        return Err(bad(format!(
+            "piece {} of {} lands at {} outside tensor {} {}",
+            pc.src, p.name, db, t.name, t.shape
+        )));
+    }
+    let fp8 = t.dtype == DType::F8E4M3;
+    if fp8 && p.shape.ndim >= 2 {
+        check_fp8_blocks(p, pc)?;
+    }
+    if fp8 != pc.scale.is_some() || (fp8 && p.shape.ndim < 2) {
+        return Err(bad(format!(
+            "tensor {} is {} but piece of {} has {} scales",
+            t.name,
+            t.dtype,
+            p.name,
+            if pc.scale.is_some() { "" } else { "no" }
+        )));
+    }
+    let base = tensor_first[pc.rank as usize];
+    placed.push(Placed::new(base + pc.tensor, db, t.shape, pc.param));
+    if let Some(sc) = pc.scale {
+        let (st, sb) = scale_placement(r, p, pc, sc.tensor).map_err(bad)?;
+        placed.push(Placed::new(base + sc.tensor, sb, st.shape, pc.param));
+    }
+    Ok(())
+}
+
+/// A quantised piece starts on a block boundary along its last two dims and ends on one or at
+/// the parameter's end.
+fn check_fp8_blocks(p: &Param, pc: &Piece) -> Result<(), PlanError> {
+    let n = p.shape.ndim as usize;
+    for d in n - 2..n {
+        let (s, e) = (pc.src.start[d], pc.src.end(d));
+        if s % FP8_BLOCK != 0 || (e % FP8_BLOCK != 0 && e != p.shape.dims[d]) {
+            return Err(PlanError::Fp8Misaligned {
+                param: p.name.to_string(),
+                rank: pc.rank,
+                region: pc.src.to_string(),
+                block: FP8_BLOCK,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The scale tensor `tensor` of a quantised piece and the box its scales fill there, if that
+/// tensor exists, is f32 and holds the box; else why not.
+fn scale_placement<'r>(
+    r: &'r InferRank,
+    p: &Param,
+    pc: &Piece,
+    tensor: u32,
+) -> Result<(&'r DstTensor, TensorBox), String> {
+    let st = r
+        .tensors
+        .get(tensor as usize)
+        .ok_or_else(|| format!("scales of {} name tensor {}", p.name, tensor))?;
+    let sb = scale_box(pc, &pc.src, st.shape.ndim as usize, p.shape.ndim as usize);
+    if !sb.fits_in(st.shape) || st.dtype != DType::F32 {
+        return Err(format!(
+            "scales of {} land at {} outside f32 tensor {} {}",
+            p.name, sb, st.name, st.shape
+        ));
+    }
+    Ok((st, sb))
+}
+
+/// The placed boxes grouped by destination tensor (a counting sort): tensor `k`'s are
+/// `by_tensor[first[k]..first[k + 1]]`, in the order they were placed.
+fn group_by_tensor(placed: Vec<Placed>, ntensors: usize) -> (Vec<u32>, Vec<Placed>) {
+    let mut first = vec![0u32; ntensors + 1];
+    for x in &placed {
+        first[x.tensor as usize + 1] += 1;
+    }
+    for k in 0..ntensors {
+        first[k + 1] += first[k];
+    }
+    let mut by_tensor = vec![Placed::default(); placed.len()];
+    let mut next = first.clone();
+    for x in &placed {
+        by_tensor[next[x.tensor as usize] as usize] = *x;
+        next[x.tensor as usize] += 1;
+    }
+    (first, by_tensor)
+}
+
+/// The boxes placed in tensor `t` of `rank` fill it exactly once: some box, no two overlapping,
+/// their volumes adding up to the tensor's. Sorts `boxes` (a tensor has few) in row-major
+/// order of their starts.
+fn check_tensor_filled(
+    model: &Model,
+    rank: u32,
+    t: &DstTensor,
+    boxes: &mut [Placed],
+) -> Result<(), PlanError> {
+    if boxes.is_empty() {
+        return Err(PlanError::BadInferenceLayout {
+            rank,
+            reason: format!("tensor {} is filled by no piece", t.name),
+        });
+    }
+    if !boxes.is_sorted_by_key(|x| (x.at, x.bx.len)) {
+        boxes.sort_unstable_by_key(|x| (x.at, x.bx.len));
+    }
+    let cover = |reason: String, param: u32| PlanError::DestinationCoverage {
+        param: model.params[param as usize].name.to_string(),
+        rank,
+        tensor: t.name.clone(),
+        reason,
+    };
+    for a in 0..boxes.len() {
+        for b in a + 1..boxes.len() {
+            if boxes[b].bx.start[0] >= boxes[a].bx.end(0) {
+                break;
+            }
+            if boxes[a].bx.intersect(&boxes[b].bx).is_some() {
+                return Err(cover(
+                    format!("{} and {} overlap", boxes[a].bx, boxes[b].bx),
+                    boxes[b].param,
+                ));
+            }
+        }
+    }
+    let vol: u64 = boxes.iter().map(|x| x.bx.numel()).sum();
+    if vol != t.shape.numel() {
+        return Err(cover(
+            format!(
+                "pieces cover {vol} of its {} elements (every byte must be written once)",
+                t.shape.numel()
+            ),
+            boxes[0].param,
+        ));
+    }
+    Ok(())
+}
+
+/// A box a piece fills in a destination tensor.
+#[derive(Clone, Copy, Default)]
+struct Placed {
+    /// The tensor, numbered across ranks.
+    tensor: u32,
+    /// Row-major index of the box's first element: sorting by it sorts by start.
+    at: u64,
+    bx: TensorBox,
+    param: u32,
+}
+
+impl Placed {
+    fn new(tensor: u32, bx: TensorBox, shape: Shape, param: u32) -> Placed {
+        let strides = shape.strides();
+        let at = (0..bx.ndim as usize)
+            .map(|d| bx.start[d] as u64 * strides[d])
+            .sum();
+        Placed {
+            tensor,
+            at,
+            bx,
+            param,
+        }
+    }
+}
