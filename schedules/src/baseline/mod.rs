@@ -241,8 +241,8 @@ pub(crate) fn ring_hops(
             }
             hops.push(Hop {
                 local: false,
-                from: node_nic(cluster, prev, i),
-                to: node_nic(cluster, n, i),
+                from: one_nic(node_nic(cluster, prev, i)),
+                to: one_nic(node_nic(cluster, n, i)),
                 to_node: n,
                 bytes: share,
                 wrs,
@@ -271,8 +271,8 @@ pub(crate) fn gather_hops(
         for i in 0..rings {
             hops.push(Hop {
                 local: false,
-                from: node_nic(cluster, n, i),
-                to: node_nic(cluster, root, i),
+                from: one_nic(node_nic(cluster, n, i)),
+                to: one_nic(node_nic(cluster, root, i)),
                 to_node: root,
                 bytes: share,
                 wrs,
@@ -280,6 +280,11 @@ pub(crate) fn gather_hops(
         }
     }
     hops
+}
+
+/// A hop's NIC range for one NIC (NCCL rings: one ring per NIC).
+fn one_nic(nic: u32) -> std::ops::Range<u32> {
+    nic..nic + 1
 }
 
 /// Plans and simulates a baseline on the same cluster model as weightsync.
