@@ -285,3 +285,155 @@ fn uneven_fsdp_trainers_land_every_version_in_two_hf_engines_without_staging() {
         }
     }
 }
+
+/// The failing worker of a failed push.
+fn failing_worker(r: &Result<weightsync_agent::embed::SyncOutcome, EmbedError>) -> String {
+    match r {
+        Err(EmbedError::SyncFailed { worker, .. }) => worker.clone(),
+        other => panic!("expected a failed sync, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_failing_engine_fails_the_push_naming_it_and_a_later_version_commits() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_rt, ctl) = controller(&dir, "fsdp=2");
+    let control = ctl.control.to_string();
+    let refuse = Arc::new(AtomicBool::new(false));
+    let e0 = Engine::join(&control, 0, None);
+    let mut e1 = Engine::join(&control, 1, Some(refuse.clone()));
+    let trainers: Vec<Trainer> = (0..2).map(|r| Trainer::join(&control, r)).collect();
+    for r in push_all(&trainers, 1) {
+        r.unwrap();
+    }
+    e0.check(1);
+
+    // rollout-1's before_landing hook refuses version 2.
+    refuse.store(true, Ordering::SeqCst);
+    for r in push_all(&trainers, 2) {
+        assert_eq!(failing_worker(&r), "rollout-1");
+        assert!(r.unwrap_err().to_string().contains("before_landing(2)"));
+    }
+    let err = e0.handle.wait_for_version(2, WAIT).unwrap_err();
+    assert!(
+        matches!(err, EmbedError::SyncFailed { version: 2, .. }),
+        "{err}"
+    );
+    let st = e0.handle.state();
+    assert_eq!((st.status, st.version), (EngineStatus::Invalid, Some(1)));
+    assert!(
+        st.cause.unwrap().contains("rollout-1"),
+        "the cause names the engine"
+    );
+    refuse.store(false, Ordering::SeqCst);
+    for r in push_all(&trainers, 3) {
+        r.unwrap();
+    }
+    for e in [&e0, &e1] {
+        e.handle.wait_for_version(3, WAIT).unwrap();
+        e.check(3);
+    }
+
+    // rollout-1 closes while version 4 is landing: the push fails naming it, rollout-0 is left
+    // invalid; once rollout-1 is back (a new engine registering its tensors), version 5 commits.
+    let (landing_tx, landing) = std::sync::mpsc::channel();
+    e1.handle.set_hooks(
+        Some(Box::new(move |v| {
+            let _ = landing_tx.send(v);
+            std::thread::sleep(Duration::from_millis(1500));
+            Ok(())
+        })),
+        None,
+    );
+    for t in &trainers {
+        t.step(4);
+    }
+    let pushes: Vec<_> = trainers.iter().map(|t| t.handle.push(4).unwrap()).collect();
+    assert_eq!(landing.recv_timeout(Duration::from_secs(30)).unwrap(), 4);
+    e1.handle.close();
+    for p in &pushes {
+        assert_eq!(failing_worker(&p.wait(WAIT)), "rollout-1");
+    }
+    assert!(e0.handle.wait_for_version(4, WAIT).is_err());
+    assert_eq!(e0.handle.state().status, EngineStatus::Invalid);
+    e1 = Engine::join(&control, 1, None);
+    for r in push_all(&trainers, 5) {
+        r.unwrap();
+    }
+    for e in [&e0, &e1] {
+        let st = e.handle.wait_for_version(5, WAIT).unwrap();
+        assert_eq!((st.status, st.cause), (EngineStatus::Committed, None));
+        e.check(5);
+    }
+}
+
+#[test]
+fn tensors_that_differ_from_the_layout_are_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_rt, ctl) = controller(&dir, "fsdp=2");
+    let control = ctl.control.to_string();
+    // A trainer whose q_proj shard has the unsharded shape.
+    let t = TrainerHandle::connect(TrainerOptions::new(&control, 1)).unwrap();
+    let buffers: Vec<(ShardInfo, Buffer)> = t
+        .layout()
+        .into_iter()
+        .map(|mut s| {
+            if s.name == "model.layers.1.self_attn.q_proj.weight" {
+                s.shape = s.global_shape.clone();
+            }
+            let b = Buffer::zeroed(s.shape.iter().product::<u64>() as usize * 2);
+            (s, b)
+        })
+        .collect();
+    let tensors = buffers
+        .iter()
+        .map(|(s, b)| SourceTensor {
+            name: s.name.clone(),
+            dtype: s.dtype,
+            shape: s.shape.clone(),
+            memory: b.memory(),
+        })
+        .collect();
+    match t.register(tensors) {
+        Err(EmbedError::LayoutMismatch {
+            worker,
+            tensor,
+            expected,
+            actual,
+        }) => {
+            assert_eq!(worker, "trainer-1");
+            assert_eq!(tensor, "model.layers.1.self_attn.q_proj.weight");
+            assert!(expected.contains("[128, 256]") && actual.contains("[256, 256]"));
+        }
+        other => panic!("expected a layout mismatch, got {other:?}"),
+    }
+    // An engine whose lm_head is f32.
+    let e = EngineHandle::connect(EngineOptions::new(&control, 0)).unwrap();
+    let buffers: Vec<_> = e
+        .layout()
+        .into_iter()
+        .map(|t| {
+            let f32_head = t.name == "lm_head.weight";
+            let dtype = if f32_head { DType::F32 } else { t.dtype };
+            let len = t.shape.iter().product::<u64>() as usize * dtype.size();
+            (t, dtype, Buffer::zeroed(len))
+        })
+        .collect();
+    let dst = buffers
+        .iter()
+        .map(|(t, dtype, b)| DstTensor {
+            name: t.name.clone(),
+            dtype: *dtype,
+            shape: t.shape.clone(),
+            memory: b.memory(),
+        })
+        .collect();
+    let err = e.register(dst).unwrap_err();
+    assert!(
+        matches!(&err, EmbedError::LayoutMismatch { tensor, .. } if tensor == "lm_head.weight"),
+        "{err}"
+    );
+    assert!(err.to_string().contains("rollout-0") && err.to_string().contains("f32"));
+    // Neither joined the job.
+    assert!(ctl.state.read(|c| c.missing_workers().len()) == 4);
+}
