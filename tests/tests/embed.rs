@@ -11,8 +11,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use weightsync_agent::embed::{
-    DstTensor, EmbedError, EngineHandle, EngineOptions, EngineStatus, HostMemory, ShardInfo,
-    SourceTensor, TrainerHandle, TrainerOptions,
+    ApiClient, DstTensor, EmbedError, EngineHandle, EngineOptions, EngineStatus, HostMemory,
+    ShardInfo, SourceTensor, TrainerHandle, TrainerOptions,
 };
 use weightsync_common::protocol::WorldSpec;
 use weightsync_common::DType;
@@ -284,6 +284,26 @@ fn uneven_fsdp_trainers_land_every_version_in_two_hf_engines_without_staging() {
             e.check(version);
         }
     }
+    // The HTTP trigger moves whatever the registered tensors hold (a driver outside the loop).
+    for t in &trainers {
+        t.step(4);
+    }
+    let client = ApiClient::new(&format!("http://{}", ctl.http), Some(API_TOKEN)).unwrap();
+    let r = client.sync(4, true, Duration::from_secs(60)).unwrap();
+    assert_eq!(
+        (r.version, r.state.as_str(), &r.failure),
+        (4, "committed", &None)
+    );
+    assert!(r.bytes > 0 && r.seconds.is_some_and(|s| s > 0.0), "{r:?}");
+    for e in &engines {
+        e.handle.wait_for_version(4, WAIT).unwrap();
+        e.check(4);
+    }
+    // Idempotent for a committed version; an older one never synced is refused.
+    let again = client.sync(2, false, Duration::from_secs(10)).unwrap();
+    assert_eq!((again.state.as_str(), again.created), ("committed", false));
+    let stale = client.sync(0, false, Duration::from_secs(10)).unwrap_err();
+    assert!(stale.to_string().contains("409"), "{stale}");
 }
 
 /// The failing worker of a failed push.

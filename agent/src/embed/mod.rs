@@ -37,8 +37,10 @@
 //! - `session`: the runtime, learning the job, starting the agent, and the ends of syncs.
 //! - `trainer`: [`TrainerHandle`], [`PushHandle`].
 //! - `engine`: [`EngineHandle`] and its driver (hooks, state).
+//! - `client`: [`ApiClient`], the HTTP trigger as a blocking call.
 //! - `regions`: an engine's tensors checked against its planned layout and merged into regions.
 
+mod client;
 mod engine;
 mod engine_driver;
 mod regions;
@@ -47,6 +49,8 @@ mod trainer;
 
 use weightsync_common::protocol::Failure;
 
+pub use crate::api_client::{ClientError, SyncFailure, SyncResult};
+pub use client::ApiClient;
 pub use engine::{EngineHandle, EngineOptions, Hook};
 pub use trainer::{PushHandle, TrainerHandle, TrainerOptions};
 pub use weightsync_common::DType;
