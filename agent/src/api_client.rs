@@ -61,6 +61,10 @@ pub struct SyncResult {
     pub created: bool,
     /// Bytes written by trainers.
     pub bytes: u64,
+    /// Source bytes trainers copied into staging before writing.
+    pub staged_bytes: u64,
+    /// Bytes trainers wrote straight from their registered tensors.
+    pub direct_bytes: u64,
     /// Creation to the end, seconds (when it ended).
     pub seconds: Option<f64>,
     /// Per stage as the controller saw it (`prepare`, `write`, `land`, `verify`, `total`),
@@ -93,6 +97,8 @@ impl SyncResult {
             state: v["state"].as_str()?.to_string(),
             created: v["created"].as_bool().unwrap_or(false),
             bytes: v["bytes"].as_u64().unwrap_or(0),
+            staged_bytes: v["staged_bytes"].as_u64().unwrap_or(0),
+            direct_bytes: v["direct_bytes"].as_u64().unwrap_or(0),
             seconds: v["stages"]["total_ms"].as_f64().map(|ms| ms / 1e3),
             stages,
             failure,

@@ -183,6 +183,8 @@ impl SyncDriver for RolloutDriver {
                 bytes: self.bytes,
                 writes: landed.writes,
                 peak_staging_bytes: 0,
+                staged_bytes: 0,
+                direct_bytes: 0,
                 events: evs,
                 checksums: Vec::new(),
             },

@@ -114,6 +114,8 @@ fn report(r: &SyncReport, sync: &SyncRef) -> WorkerReport {
         bytes: r.bytes_written,
         writes: r.writes_posted,
         peak_staging_bytes: r.peak_staging_bytes,
+        staged_bytes: r.staged_bytes,
+        direct_bytes: r.direct_bytes,
         events: r.timeline.relative_to(sync.reference_unix_ns),
         checksums: r.checksums.clone(),
     }

@@ -28,6 +28,8 @@ fn report() -> WorkerReport {
         bytes: 1 << 20,
         writes: 3,
         peak_staging_bytes: 1 << 16,
+        staged_bytes: 1 << 19,
+        direct_bytes: 1 << 19,
         events: vec![
             TimelineEvent {
                 task: 0,

@@ -156,6 +156,8 @@ pub fn report(bytes: u64, stages: &[Stage]) -> WorkerReport {
         bytes,
         writes: 4,
         peak_staging_bytes: 0,
+        staged_bytes: 0,
+        direct_bytes: 0,
         events: stages
             .iter()
             .enumerate()
@@ -366,6 +368,8 @@ impl SyncDriver for ScriptedDriver {
                 bytes: self.bytes,
                 writes: 1,
                 peak_staging_bytes: 0,
+                staged_bytes: 0,
+                direct_bytes: 0,
                 events: vec![TimelineEvent {
                     task: 0,
                     piece: 0,

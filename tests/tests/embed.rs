@@ -295,6 +295,7 @@ fn uneven_fsdp_trainers_land_every_version_in_two_hf_engines_without_staging() {
         (4, "committed", &None)
     );
     assert!(r.bytes > 0 && r.seconds.is_some_and(|s| s > 0.0), "{r:?}");
+    assert!(r.direct_bytes > 0 && r.staged_bytes == 0, "{r:?}");
     for e in &engines {
         e.handle.wait_for_version(4, WAIT).unwrap();
         e.check(4);

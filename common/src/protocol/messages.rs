@@ -335,6 +335,11 @@ pub struct WorkerReport {
     pub writes: u64,
     /// Peak staging bytes held at once (trainers).
     pub peak_staging_bytes: u64,
+    /// Source bytes copied into staging before being written (trainers).
+    pub staged_bytes: u64,
+    /// Bytes written straight from registered source memory, copied by nobody but the fabric
+    /// (trainers).
+    pub direct_bytes: u64,
     /// Spans, in any order.
     pub events: Vec<TimelineEvent>,
     /// Checksums of prepared (trainer) or landed (rollout) units, when verification is on.
