@@ -145,7 +145,7 @@ impl Trainer {
 
 struct Engine {
     handle: EngineHandle,
-    tensors: Vec<(String, Vec<u64>, Buffer)>,
+    tensors: Vec<(String, Vec<u64>, DType, Buffer)>,
 }
 
 impl Engine {
@@ -168,14 +168,14 @@ impl Engine {
             .into_iter()
             .map(|t| {
                 let len = t.shape.iter().product::<u64>() as usize * t.dtype.size();
-                (t.name, t.shape, Buffer::zeroed(len))
+                (t.name, t.shape, t.dtype, Buffer::zeroed(len))
             })
             .collect();
         let dst = tensors
             .iter()
-            .map(|(name, shape, b)| DstTensor {
+            .map(|(name, shape, dtype, b)| DstTensor {
                 name: name.clone(),
-                dtype: DType::BF16,
+                dtype: *dtype,
                 shape: shape.clone(),
                 memory: b.memory(),
             })
@@ -186,7 +186,7 @@ impl Engine {
 
     /// Every tensor equals the trainers' full parameter of its name at `version`.
     fn check(&self, version: u64) {
-        for (name, shape, b) in &self.tensors {
+        for (name, shape, _, b) in &self.tensors {
             assert!(
                 b.read() == full_bytes(name, shape, version),
                 "{}: {name} differs from the trainers' version {version}",
@@ -196,16 +196,39 @@ impl Engine {
     }
 }
 
+/// A small Qwen3-MoE as transformers 5 holds it (stacked experts): 4 experts over 3 FSDP ranks
+/// are 2, 2 and none.
+const MOE_CONFIG: &str = r#"{"model_type":"qwen3_moe","hidden_size":128,"intermediate_size":256,
+ "moe_intermediate_size":64,"num_experts":4,"num_experts_per_tok":2,"num_hidden_layers":2,
+ "num_attention_heads":4,"num_key_value_heads":2,"head_dim":32,"vocab_size":256}"#;
+
 /// A controller of the job served on loopback, on its own runtime.
 fn controller(dir: &tempfile::TempDir, train: &str) -> (tokio::runtime::Runtime, ServedController) {
+    controller_of(dir, CONFIG, train)
+}
+
+fn controller_of(
+    dir: &tempfile::TempDir,
+    config: &str,
+    train: &str,
+) -> (tokio::runtime::Runtime, ServedController) {
+    controller_with(dir, config, train, DType::BF16)
+}
+
+fn controller_with(
+    dir: &tempfile::TempDir,
+    config: &str,
+    train: &str,
+    dtype: DType,
+) -> (tokio::runtime::Runtime, ServedController) {
     std::env::set_var("WEIGHTSYNC_JOB_TOKEN", JOB_TOKEN);
     let path = dir.path().join("config.json");
-    std::fs::write(&path, CONFIG).unwrap();
+    std::fs::write(&path, config).unwrap();
     let world = WorldSpec {
         model: path.to_string_lossy().into_owned(),
         train: train.into(),
         infer: "tp=1,dp=2,format=hf".into(),
-        dtype: DType::BF16,
+        dtype,
         verify: true,
     };
     let cfg = ControllerConfig::for_job(
@@ -305,6 +328,40 @@ fn uneven_fsdp_trainers_land_every_version_in_two_hf_engines_without_staging() {
     assert_eq!((again.state.as_str(), again.created), ("committed", false));
     let stale = client.sync(0, false, Duration::from_secs(10)).unwrap_err();
     assert!(stale.to_string().contains("409"), "{stale}");
+}
+
+#[test]
+fn stacked_moe_experts_over_uneven_fsdp_land_in_hf_engines() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_rt, ctl) = controller_of(&dir, MOE_CONFIG, "fsdp=3,experts=transformers");
+    let control = ctl.control.to_string();
+    let engines: Vec<Engine> = (0..2).map(|r| Engine::join(&control, r, None)).collect();
+    let trainers: Vec<Trainer> = (0..3).map(|r| Trainer::join(&control, r)).collect();
+    let experts = "model.layers.0.mlp.experts.gate_up_proj";
+    let held: Vec<Option<Vec<u64>>> = trainers
+        .iter()
+        .map(|t| {
+            t.shards
+                .iter()
+                .find(|(s, _)| s.name == experts)
+                .map(|(s, _)| s.shape.clone())
+        })
+        .collect();
+    assert_eq!(
+        held,
+        vec![Some(vec![2, 128, 128]), Some(vec![2, 128, 128]), None],
+        "rank 2's expert shard is empty and needs no tensor"
+    );
+    for version in 1..=2 {
+        for r in push_all(&trainers, version) {
+            let out = r.unwrap();
+            assert_eq!(out.staged_bytes, 0, "{out:?}");
+        }
+        for e in &engines {
+            e.handle.wait_for_version(version, WAIT).unwrap();
+            e.check(version);
+        }
+    }
 }
 
 /// The failing worker of a failed push.
