@@ -10,12 +10,13 @@ use std::time::Duration;
 
 use weightsync_agent::demo_weights::{expected_rollout, fill_shard};
 use weightsync_agent::embed::{
-    DstTensor, EngineHandle, EngineOptions, HostMemory, SourceTensor, TrainerHandle, TrainerOptions,
+    DstTensor, DstTensorInfo, EngineHandle, EngineOptions, HostMemory, ShardInfo, SourceTensor,
+    TrainerHandle, TrainerOptions,
 };
 use weightsync_common::protocol::WorldSpec;
 use weightsync_common::DType;
 use weightsync_controller::{AppState, ControllerConfig, SchedulesPlanner};
-use weightsync_schedules::job;
+use weightsync_schedules::job::{self, JobLayouts};
 use weightsync_schedules::table::{LocalShard, ParamRef, TensorBox};
 use weightsync_tests::controller_harness::{ServedController, API_TOKEN, JOB_TOKEN};
 
@@ -50,10 +51,11 @@ fn read(bytes: &Arc<Vec<u8>>) -> Vec<u8> {
     out
 }
 
-#[test]
-fn fp8_engines_hold_the_reference_quantisation_of_registered_shards() {
+type Buffers<T> = Vec<(T, Arc<Vec<u8>>)>;
+
+/// The controller of the fp8 job, served on loopback, and the job's layouts.
+fn serve(dir: &tempfile::TempDir) -> (tokio::runtime::Runtime, ServedController, JobLayouts) {
     std::env::set_var("WEIGHTSYNC_JOB_TOKEN", JOB_TOKEN);
-    let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("config.json");
     std::fs::write(&path, CONFIG).unwrap();
     let world = WorldSpec {
@@ -74,109 +76,124 @@ fn fp8_engines_hold_the_reference_quantisation_of_registered_shards() {
     )
     .unwrap();
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let ctl = rt.block_on(ServedController::start(AppState::new(
-        cfg,
-        Box::new(SchedulesPlanner),
-    )));
-    let control = ctl.control.to_string();
+    let state = AppState::new(cfg, Box::new(SchedulesPlanner));
+    let ctl = rt.block_on(ServedController::start(state));
+    (rt, ctl, layouts)
+}
 
-    let mut engines = Vec::new();
-    for rank in 0..2 {
-        let e = EngineHandle::connect(EngineOptions::new(&control, rank)).unwrap();
-        let bufs: Vec<_> = e
-            .layout()
-            .into_iter()
-            .map(|t| {
-                let len = t.shape.iter().product::<u64>() as usize * t.dtype.size();
-                (t, Arc::new(vec![0u8; len]))
-            })
-            .collect();
-        let dst = bufs
-            .iter()
-            .map(|(t, b)| DstTensor {
-                name: t.name.clone(),
-                dtype: t.dtype,
-                shape: t.shape.clone(),
-                memory: memory(b),
-            })
-            .collect();
-        e.register(dst).unwrap();
-        engines.push((rank, e, bufs));
-    }
+/// An engine registering zeroed tensors of its planned layout.
+fn engine(control: &str, rank: u32) -> (EngineHandle, Buffers<DstTensorInfo>) {
+    let e = EngineHandle::connect(EngineOptions::new(control, rank)).unwrap();
+    let bufs: Vec<_> = e
+        .layout()
+        .into_iter()
+        .map(|t| {
+            let len = t.shape.iter().product::<u64>() as usize * t.dtype.size();
+            (t, Arc::new(vec![0u8; len]))
+        })
+        .collect();
+    let dst = bufs
+        .iter()
+        .map(|(t, b)| DstTensor {
+            name: t.name.clone(),
+            dtype: t.dtype,
+            shape: t.shape.clone(),
+            memory: memory(b),
+        })
+        .collect();
+    e.register(dst).unwrap();
+    (e, bufs)
+}
+
+/// A trainer registering zeroed shards of its layout.
+fn trainer(control: &str, rank: u32) -> (TrainerHandle, Buffers<ShardInfo>) {
+    let t = TrainerHandle::connect(TrainerOptions::new(control, rank)).unwrap();
+    let shards: Vec<_> = t
+        .layout()
+        .into_iter()
+        .map(|s| {
+            let len = s.shape.iter().product::<u64>() as usize * s.dtype.size();
+            (s, Arc::new(vec![0u8; len]))
+        })
+        .collect();
+    let tensors = shards
+        .iter()
+        .map(|(s, b)| SourceTensor {
+            name: s.name.clone(),
+            dtype: s.dtype,
+            shape: s.shape.clone(),
+            memory: memory(b),
+        })
+        .collect();
+    t.register(tensors).unwrap();
+    (t, shards)
+}
+
+/// A training step: every shard takes the demo values of `version`.
+fn step(layouts: &JobLayouts, shards: &Buffers<ShardInfo>, version: u64) {
     let params = &layouts.model.params;
-    let mut trainers = Vec::new();
-    for rank in 0..3 {
-        let t = TrainerHandle::connect(TrainerOptions::new(&control, rank)).unwrap();
-        let shards: Vec<_> = t
-            .layout()
-            .into_iter()
-            .map(|s| {
-                let len = s.shape.iter().product::<u64>() as usize * s.dtype.size();
-                (s, Arc::new(vec![0u8; len]))
-            })
-            .collect();
-        let tensors = shards
-            .iter()
-            .map(|(s, b)| SourceTensor {
-                name: s.name.clone(),
-                dtype: s.dtype,
-                shape: s.shape.clone(),
-                memory: memory(b),
-            })
-            .collect();
-        t.register(tensors).unwrap();
-        trainers.push((t, shards));
+    for (s, b) in shards {
+        let id = params.iter().position(|p| *p.name == *s.name).unwrap() as u32;
+        let p = &params[id as usize];
+        let start: Vec<u32> = s.offset.iter().map(|&d| d as u32).collect();
+        let len: Vec<u32> = s.shape.iter().map(|&d| d as u32).collect();
+        let shard = LocalShard {
+            param: id,
+            global: TensorBox::new(&start, &len),
+            dtype: s.dtype,
+            offset: 0,
+        };
+        let param = ParamRef {
+            id,
+            name: p.name.clone(),
+            shape: p.shape,
+        };
+        let mut data = vec![0u8; b.len()];
+        fill_shard(&mut data, &shard, &param, SEED, version);
+        write(b, &data);
     }
+}
+
+/// Every tensor of inference rank `rank` equals the reference of `version`.
+fn check(layouts: &JobLayouts, rank: u32, bufs: &Buffers<DstTensorInfo>, version: u64) {
+    let want = expected_rollout(&layouts.model, &layouts.infer, rank, SEED, version);
+    let planned = job::rollout_layout(&layouts.infer, rank).unwrap();
+    for (t, b) in bufs {
+        let p = planned.tensors.iter().find(|p| p.name == t.name).unwrap();
+        let (a, z) = (p.offset as usize, (p.offset + p.len) as usize);
+        assert!(
+            read(b) == want[p.mr as usize][a..z],
+            "rollout-{rank}: {} ({}) differs from the reference at version {version}",
+            t.name,
+            t.dtype
+        );
+    }
+}
+
+#[test]
+fn fp8_engines_hold_the_reference_quantisation_of_registered_shards() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_rt, ctl, layouts) = serve(&dir);
+    let control = ctl.control.to_string();
+    let engines: Vec<_> = (0..2).map(|r| engine(&control, r)).collect();
+    let trainers: Vec<_> = (0..3).map(|r| trainer(&control, r)).collect();
+    let wait = Some(Duration::from_secs(60));
     for version in 1..=2 {
         for (_, shards) in &trainers {
-            for (s, b) in shards {
-                let id = params.iter().position(|p| *p.name == *s.name).unwrap() as u32;
-                let p = &params[id as usize];
-                let start: Vec<u32> = s.offset.iter().map(|&d| d as u32).collect();
-                let len: Vec<u32> = s.shape.iter().map(|&d| d as u32).collect();
-                let shard = LocalShard {
-                    param: id,
-                    global: TensorBox::new(&start, &len),
-                    dtype: s.dtype,
-                    offset: 0,
-                };
-                let param = ParamRef {
-                    id,
-                    name: p.name.clone(),
-                    shape: p.shape,
-                };
-                let mut data = vec![0u8; b.len()];
-                fill_shard(&mut data, &shard, &param, SEED, version);
-                write(b, &data);
-            }
+            step(&layouts, shards, version);
         }
         let pushes: Vec<_> = trainers
             .iter()
             .map(|(t, _)| t.push(version).unwrap())
             .collect();
-        let outcomes: Vec<_> = pushes
-            .iter()
-            .map(|p| p.wait(Some(Duration::from_secs(60))).unwrap())
-            .collect();
-        // fp8 weights are quantised through staging; bf16 norms and embeddings go direct.
-        assert!(outcomes
-            .iter()
-            .all(|o| o.staged_bytes > 0 && o.direct_bytes > 0));
-        for (rank, e, bufs) in &engines {
-            e.wait_for_version(version, Some(Duration::from_secs(60)))
-                .unwrap();
-            let want = expected_rollout(&layouts.model, &layouts.infer, *rank, SEED, version);
-            let planned = job::rollout_layout(&layouts.infer, *rank).unwrap();
-            for (t, b) in bufs {
-                let p = planned.tensors.iter().find(|p| p.name == t.name).unwrap();
-                let (a, z) = (p.offset as usize, (p.offset + p.len) as usize);
-                assert!(
-                    read(b) == want[p.mr as usize][a..z],
-                    "rollout-{rank}: {} ({}) differs from the reference at version {version}",
-                    t.name,
-                    t.dtype
-                );
-            }
+        for p in &pushes {
+            let o = p.wait(wait).unwrap();
+            // fp8 weights are quantised through staging; bf16 norms and embeddings go direct.
+            assert!(o.staged_bytes > 0 && o.direct_bytes > 0, "{o:?}");
+        }
+        for (rank, (e, bufs)) in engines.iter().enumerate() {
+            e.wait_for_version(version, wait).unwrap();
+            check(&layouts, rank as u32, bufs, version);
         }
     }
 }

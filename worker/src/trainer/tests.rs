@@ -696,10 +696,8 @@ async fn a_refused_write_fails_the_sync_naming_the_task() {
     assert!(err.to_string().contains("unknown rkey"), "{err}");
 }
 
-/// A bf16 -> bf16 copy of rows 4..12 of a caller-registered [16, 8] tensor is written straight
-/// from the tensor (no staging), lands exactly, and verifies.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_same_dtype_copy_from_registered_tensors_is_written_without_staging() {
+/// Trainer 0 copies rows 4..12 of its [16, 8] bf16 `w` to rollout 0's `w` [8, 8].
+fn one_copy_plans() -> (TrainerPlan, RolloutPlan) {
     let shape = Shape::new(&[16, 8]);
     let region = TensorBox::new(&[4, 0], &[8, 8]);
     let len = region.numel() * 2;
@@ -762,6 +760,14 @@ async fn a_same_dtype_copy_from_registered_tensors_is_written_without_staging() 
         }],
         expect: vec![UnitExpect { unit: 0, writes: 1 }],
     };
+    (trainer_plan, rollout_plan)
+}
+
+/// A bf16 -> bf16 copy of rows 4..12 of a caller-registered [16, 8] tensor is written straight
+/// from the tensor (no staging), lands exactly, and verifies.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_same_dtype_copy_from_registered_tensors_is_written_without_staging() {
+    let (trainer_plan, rollout_plan) = one_copy_plans();
     let fab = MemFabric::new_switch("trainer-0");
     let rollout = RolloutWorker::new(fab.peer("rollout-0"), "rollout-0", rollout_plan).unwrap();
     let tensor: Arc<Vec<u8>> = Arc::new((0..256u32).map(|i| (i * 7 % 251) as u8).collect());
