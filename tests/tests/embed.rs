@@ -26,47 +26,64 @@ const CONFIG: &str = r#"{"model_type":"qwen3","hidden_size":256,"intermediate_si
 
 const WAIT: Option<Duration> = Some(Duration::from_secs(15));
 
-/// One tensor's memory, owned here and registered in place: the owner object keeps the vector
-/// alive for as long as the registration lives.
+/// One tensor's memory, owned here and registered in place: bytes `at..at + len` of a vector
+/// that the owner object keeps alive for as long as the registration lives.
 struct Buffer {
     bytes: Arc<Vec<u8>>,
+    at: usize,
+    len: usize,
 }
 
 impl Buffer {
     fn zeroed(len: usize) -> Buffer {
         Buffer {
             bytes: Arc::new(vec![0u8; len]),
+            at: 0,
+            len,
         }
     }
 
+    /// Tensors of `lens` bytes back to back in one allocation, the last first (so where each
+    /// lies differs from the planned layout's order).
+    fn carved(lens: &[usize]) -> Vec<Buffer> {
+        let bytes = Arc::new(vec![0u8; lens.iter().sum()]);
+        let mut at = lens.iter().sum::<usize>();
+        lens.iter()
+            .map(|&len| {
+                at -= len;
+                Buffer {
+                    bytes: bytes.clone(),
+                    at,
+                    len,
+                }
+            })
+            .collect()
+    }
+
+    fn ptr(&self) -> *mut u8 {
+        self.bytes[self.at..].as_ptr() as *mut u8
+    }
+
     fn memory(&self) -> HostMemory {
-        // SAFETY: the vector is heap memory of exactly this length that never moves; the
-        // registration keeps a clone of the Arc, so it outlives every read and write; the test
-        // writes it (`fill`) only between syncs and reads it (`read`) only after a commit.
-        unsafe {
-            HostMemory::from_raw(
-                self.bytes.as_ptr() as *mut u8,
-                self.bytes.len(),
-                Box::new(self.bytes.clone()),
-            )
-        }
+        // SAFETY: heap memory inside the vector that never moves; the registration keeps a
+        // clone of the Arc, so it outlives every read and write; the test writes it (`fill`)
+        // only between syncs and reads it (`read`) only after a commit.
+        unsafe { HostMemory::from_raw(self.ptr(), self.len, Box::new(self.bytes.clone())) }
     }
 
     /// The owner rewriting its tensor between syncs (as an optimizer step does).
     fn fill(&self, data: &[u8]) {
-        assert_eq!(data.len(), self.bytes.len());
-        // SAFETY: the length matches; no sync runs (the test fills before it pushes), so
-        // nothing reads these bytes meanwhile.
-        unsafe {
-            std::ptr::copy_nonoverlapping(data.as_ptr(), self.bytes.as_ptr() as *mut u8, data.len())
-        };
+        assert_eq!(data.len(), self.len);
+        // SAFETY: the range lies in the vector; no sync runs (the test fills before it pushes),
+        // so nothing reads these bytes meanwhile.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr(), data.len()) };
     }
 
     /// A copy of what landed.
     fn read(&self) -> Vec<u8> {
-        let mut out = vec![0u8; self.bytes.len()];
+        let mut out = vec![0u8; self.len];
         // SAFETY: read after the version committed: no write to these bytes is in flight.
-        unsafe { std::ptr::copy_nonoverlapping(self.bytes.as_ptr(), out.as_mut_ptr(), out.len()) };
+        unsafe { std::ptr::copy_nonoverlapping(self.ptr(), out.as_mut_ptr(), out.len()) };
         out
     }
 }
@@ -150,6 +167,16 @@ struct Engine {
 
 impl Engine {
     fn join(control: &str, rank: u32, fail_before: Option<Arc<AtomicBool>>) -> Engine {
+        Engine::join_with(control, rank, fail_before, false)
+    }
+
+    /// `one_allocation`: every tensor carved out of one vector (one region once merged).
+    fn join_with(
+        control: &str,
+        rank: u32,
+        fail_before: Option<Arc<AtomicBool>>,
+        one_allocation: bool,
+    ) -> Engine {
         let handle = EngineHandle::connect(EngineOptions::new(control, rank)).unwrap();
         if let Some(fail) = fail_before {
             handle.set_hooks(
@@ -163,13 +190,20 @@ impl Engine {
                 None,
             );
         }
-        let tensors: Vec<_> = handle
-            .layout()
+        let layout = handle.layout();
+        let lens: Vec<usize> = layout
+            .iter()
+            .map(|t| t.shape.iter().product::<u64>() as usize * t.dtype.size())
+            .collect();
+        let buffers = if one_allocation {
+            Buffer::carved(&lens)
+        } else {
+            lens.iter().map(|&l| Buffer::zeroed(l)).collect()
+        };
+        let tensors: Vec<_> = layout
             .into_iter()
-            .map(|t| {
-                let len = t.shape.iter().product::<u64>() as usize * t.dtype.size();
-                (t.name, t.shape, t.dtype, Buffer::zeroed(len))
-            })
+            .zip(buffers)
+            .map(|(t, b)| (t.name, t.shape, t.dtype, b))
             .collect();
         let dst = tensors
             .iter()
@@ -268,7 +302,10 @@ fn uneven_fsdp_trainers_land_every_version_in_two_hf_engines_without_staging() {
     let dir = tempfile::tempdir().unwrap();
     let (_rt, ctl) = controller(&dir, "fsdp=3");
     let control = ctl.control.to_string();
-    let engines: Vec<Engine> = (0..2).map(|r| Engine::join(&control, r, None)).collect();
+    // rollout-0's tensors share one allocation (one region, offsets unlike the plan's).
+    let engines: Vec<Engine> = (0..2)
+        .map(|r| Engine::join_with(&control, r, None, r == 0))
+        .collect();
     let trainers: Vec<Trainer> = (0..3).map(|r| Trainer::join(&control, r)).collect();
     // torch.chunk over 3 ranks: 86, 86, 84 rows of a 256-row parameter.
     let q = |t: &Trainer| {

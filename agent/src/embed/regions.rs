@@ -154,3 +154,109 @@ fn flush(
     regions.push(joined);
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use weightsync_common::DType;
+    use weightsync_schedules::table::{DstTensor as Planned, Shape};
+
+    use super::*;
+
+    /// Three bf16 [2, 4] tensors planned back to back in MR 0.
+    fn planned() -> RolloutPlan {
+        let t = |name: &str, offset| Planned {
+            name: name.into(),
+            shape: Shape::new(&[2, 4]),
+            dtype: DType::BF16,
+            mr: 0,
+            offset,
+            len: 16,
+        };
+        RolloutPlan {
+            rank: 0,
+            engine: 0,
+            local_rank: 0,
+            mr_bytes: vec![48],
+            tensors: vec![t("a", 0), t("b", 16), t("c", 32)],
+            expect: Vec::new(),
+        }
+    }
+
+    fn tensor(name: &str, bytes: &Arc<Vec<u8>>, at: usize, shape: &[u64]) -> DstTensor {
+        let len = shape.iter().product::<u64>() as usize * 2;
+        // SAFETY: `at..at + len` lies in the vector, which the owner keeps alive; nothing reads
+        // or writes it in this test.
+        let memory = unsafe {
+            HostMemory::from_raw(
+                bytes[at..].as_ptr() as *mut u8,
+                len,
+                Box::new(bytes.clone()),
+            )
+        };
+        DstTensor {
+            name: name.into(),
+            dtype: DType::BF16,
+            shape: shape.to_vec(),
+            memory,
+        }
+    }
+
+    #[test]
+    fn adjacent_tensors_share_a_region_and_each_is_placed_where_it_lies() {
+        let one = Arc::new(vec![0u8; 48]);
+        let ts = vec![
+            tensor("a", &one, 32, &[2, 4]),
+            tensor("b", &one, 0, &[2, 4]),
+            tensor("c", &one, 16, &[2, 4]),
+        ];
+        let p = place("rollout-0", &planned(), ts).unwrap();
+        assert_eq!(p.regions.len(), 1);
+        assert_eq!(p.regions[0].len(), 48);
+        assert_eq!(p.placement.relocate(0, 0, 16), Some((0, 32)), "a");
+        assert_eq!(p.placement.relocate(0, 20, 4), Some((0, 4)), "inside b");
+        assert_eq!(p.placement.relocate(0, 32, 16), Some((0, 16)), "c");
+        let apart: Vec<_> = (0..3).map(|_| Arc::new(vec![0u8; 64])).collect();
+        let ts = ["a", "b", "c"]
+            .iter()
+            .zip(&apart)
+            .map(|(n, v)| tensor(n, v, 0, &[2, 4]))
+            .collect();
+        assert_eq!(place("rollout-0", &planned(), ts).unwrap().regions.len(), 3);
+    }
+
+    #[test]
+    fn missing_extra_and_misshapen_tensors_are_named() {
+        let v = Arc::new(vec![0u8; 128]);
+        let err = |ts: Vec<DstTensor>| place("rollout-0", &planned(), ts).err().unwrap();
+        let e = err(vec![
+            tensor("a", &v, 0, &[2, 4]),
+            tensor("b", &v, 16, &[2, 4]),
+        ]);
+        assert!(e.to_string().contains("tensor c"), "{e}");
+        let e = err(vec![
+            tensor("a", &v, 0, &[2, 4]),
+            tensor("b", &v, 16, &[4, 2]),
+            tensor("c", &v, 32, &[2, 4]),
+        ]);
+        assert!(
+            matches!(&e, EmbedError::LayoutMismatch { tensor, expected, .. }
+                if tensor == "b" && expected.contains("[2, 4]")),
+            "{e}"
+        );
+        let e = err(vec![
+            tensor("a", &v, 0, &[2, 4]),
+            tensor("b", &v, 16, &[2, 4]),
+            tensor("c", &v, 32, &[2, 4]),
+            tensor("d", &v, 48, &[2, 4]),
+        ]);
+        assert!(e.to_string().contains("d is not a tensor"), "{e}");
+        let e = err(vec![
+            tensor("a", &v, 0, &[2, 4]),
+            tensor("b", &v, 8, &[2, 4]),
+            tensor("c", &v, 32, &[2, 4]),
+        ]);
+        assert!(e.to_string().contains("overlaps"), "{e}");
+    }
+}
