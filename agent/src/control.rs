@@ -9,6 +9,12 @@
 //!
 //! If the controller goes away, the agent reconnects and registers again (up to
 //! `reconnect_for`), keeping its registered memory: a restarted controller re-plans and carries on.
+//!
+//! After the job-token proof the controller says the job (`Job`); an agent launched with a job
+//! of its own stops with [`AgentError::OtherJob`] naming what differs, before it registers. An
+//! in-process worker learns the job first ([`fetch_job`]) and runs its agent with an
+//! [`AgentLink`]: messages of its own (a trainer's `Push`) and the ends of syncs
+//! ([`AgentEvent`]), which its handles wait on.
 
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -107,7 +113,7 @@ pub enum AgentError {
     #[error("control protocol: {0}")]
     Protocol(String),
     /// The controller runs another job than the one this worker was launched with.
-    #[error("{id} was launched for another job than the controller's: {detail}")]
+    #[error("{id} states a different job than the controller's: {detail}")]
     OtherJob {
         /// This worker.
         id: WorkerId,
