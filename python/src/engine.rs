@@ -60,11 +60,10 @@ impl EngineCore {
         worker_id: Option<String>,
     ) -> PyResult<Self> {
         let opts = EngineOptions {
-            controller,
-            rank,
             job_token,
             listen,
             worker_id,
+            ..EngineOptions::new(controller, rank)
         };
         let inner = py
             .detach(|| EngineHandle::connect(opts))

@@ -32,11 +32,10 @@ impl TrainerCore {
         worker_id: Option<String>,
     ) -> PyResult<Self> {
         let opts = TrainerOptions {
-            controller,
-            rank,
             job_token,
             listen,
             worker_id,
+            ..TrainerOptions::new(controller, rank)
         };
         let inner = py
             .detach(|| TrainerHandle::connect(opts))

@@ -83,7 +83,8 @@ class LayoutMismatchError(RegistrationError):
 
 class StaleTensorError(SyncError):
     """A registered tensor's storage moved since ``register()`` (e.g. ``p.data = ...``): its
-    bytes would be stale. Register again with ``register()``."""
+    bytes would be stale. Update parameters in place (``p.data.copy_(...)``, as optimizers do),
+    or register the tensors with a new Trainer / Engine (registration is once per object)."""
 
 
 class SyncFailedError(SyncError):

@@ -180,7 +180,8 @@ class Trainer:
     def check_storage(self) -> None:
         """Raises :class:`~weightsync.StaleTensorError` naming the first registered tensor whose
         storage moved since :meth:`register` (or, for a registered module, whose parameter was
-        replaced). :meth:`push` calls it."""
+        replaced): weightsync would read its old bytes. :meth:`push` calls it. Registration is
+        once per Trainer: update parameters in place (optimizers do), or start a new Trainer."""
         if not self._registered:
             raise RegistrationError(f"{self.worker_id}: register() first", worker=self.worker_id)
         current = dict(self._origins)
@@ -191,7 +192,9 @@ class Trainer:
             if now is not None and now != ptr:
                 raise StaleTensorError(
                     f"{self.worker_id}: tensor {name} moved since register() (was {ptr:#x}, now "
-                    f"{now:#x}); its registered bytes are stale: re-register with register()",
+                    f"{now:#x}); its registered bytes are stale. Copy new values into the registered "
+                    "tensor (param.data.copy_(...)) instead of re-assigning it, or close this "
+                    "Trainer and register the tensors with a new one",
                     worker=self.worker_id, tensor=name,
                 )
 
