@@ -35,5 +35,8 @@ pub mod rollout;
 mod source;
 pub mod trainer;
 
-pub use control::{run_agent, AgentConfig, AgentError, AGENT_MAX_FRAME};
+pub use control::{
+    fetch_job, run_agent, run_agent_with, AgentConfig, AgentError, AgentEvent, AgentLink,
+    AGENT_MAX_FRAME,
+};
 pub use driver::{Accepted, DriverError, DriverInfo, Outcome, SyncDriver, SyncRef};

@@ -106,6 +106,7 @@ impl SyncDriver for RolloutDriver {
                     bytes: t.len,
                 })
                 .collect(),
+            placement: None,
         }
     }
 

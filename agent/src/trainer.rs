@@ -211,6 +211,7 @@ impl SyncDriver for TrainerDriver {
             fabric_endpoint: blob(self.fabric.endpoint()),
             regions: Vec::new(),
             tensors: Vec::new(),
+            placement: None,
         }
     }
 

@@ -41,6 +41,9 @@ pub struct ControllerConfig {
     pub handshake_timeout: Duration,
     /// Whether workers are told to exit when the controller shuts down (the demo does this).
     pub shutdown_workers: bool,
+    /// The text of the model's `config.json` when the job's model names a file (read once at
+    /// start): sent to every worker with the job, so an in-process worker need not read it.
+    pub model_config: Option<String>,
 }
 
 impl ControllerConfig {
@@ -58,7 +61,7 @@ impl ControllerConfig {
     ) -> Result<ControllerConfig, JobConfigError> {
         let text = world.read_model_config()?;
         let layouts = weightsync_schedules::job::layouts(&world, text.as_deref())?;
-        Ok(ControllerConfig::new(
+        let mut cfg = ControllerConfig::new(
             CoordinatorConfig {
                 world,
                 trainers: layouts.train.ranks,
@@ -71,7 +74,9 @@ impl ControllerConfig {
             },
             job_token,
             api_token,
-        ))
+        );
+        cfg.model_config = text;
+        Ok(cfg)
     }
 
     /// Defaults for everything but the job.
@@ -84,6 +89,7 @@ impl ControllerConfig {
             tick: Duration::from_millis(100),
             handshake_timeout: Duration::from_secs(10),
             shutdown_workers: false,
+            model_config: None,
         }
     }
 }

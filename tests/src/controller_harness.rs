@@ -85,6 +85,7 @@ pub fn registration(id: WorkerId, verify: bool) -> Registration {
             dtype: DType::BF16,
             bytes: 128,
         }],
+        placement: None,
     }
 }
 
@@ -338,6 +339,7 @@ impl SyncDriver for ScriptedDriver {
             fabric_endpoint: Blob(b"scripted".to_vec()),
             regions: vec![Blob(SECRET_RKEY_MARKER.to_vec())],
             tensors: Vec::new(),
+            placement: None,
         }
     }
 

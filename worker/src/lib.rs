@@ -56,8 +56,8 @@ pub use prepare::{
 };
 pub use rollout::{Landed, RolloutWorker, Verified};
 pub use source::{
-    arena_tensors, check_layout, ArenaTensor, HostSource, SafetensorsSource, ShmSource,
-    SourceError, SourceMemory,
+    arena_tensors, check_layout, shard_names, ArenaTensor, HostMemory, HostSource, PlanTensors,
+    SafetensorsSource, ShmSource, SourceError, SourceMemory, SourceTensor, TensorSet,
 };
 pub use timeline::{Timeline, TimelineRecorder};
 pub use trainer::{

@@ -10,10 +10,12 @@
 //!
 //! # Layout
 //! - [`piece`]: cutting tasks into watermark-sized pieces, mapping writes onto them.
+//! - [`direct`]: which tasks are written straight from registered source memory (zero copy).
 //! - [`stages`]: the H2D and prepare work of one piece.
 //! - [`staging`]: the registered staging arena and its leases.
 //! - [`pipeline`]: the scheduler that overlaps the stages, immediates, the barrier.
 
+mod direct;
 mod piece;
 mod pipeline;
 mod stages;
@@ -38,13 +40,19 @@ use crate::timeline::Timeline;
 use piece::{plan_pieces, TaskPiece, TaskShape};
 use staging::StagingArena;
 
-/// A host-visible view of the trainer's source arena (its training shards, laid out as the plan's
-/// [`LocalShard`](weightsync_schedules::table::LocalShard)s say).
+/// A host-visible view of the trainer's source: its training shards, one by one.
+///
+/// The pipeline asks for a shard's bytes ([`SourceView::read_shard`]) and, for a write it can
+/// post straight from the source, where the shard lies in registered memory
+/// ([`SourceView::registered_shard`]). The default methods read a flat arena laid out as the
+/// plan's [`LocalShard`](weightsync_schedules::table::LocalShard)s say (every shard at its
+/// offset): what the sidecars' sources are. A set of caller-registered tensors
+/// ([`crate::TensorSet`]) overrides them.
 ///
 /// The bytes must not change while a sync runs (the training loop triggers a sync after its
 /// optimizer step and before the next one writes the weights).
 pub trait SourceView: Send + Sync + std::fmt::Debug + 'static {
-    /// Length of the arena in bytes.
+    /// Length of the arena in bytes (0 for a source that is no arena).
     fn len(&self) -> u64;
     /// Whether the arena is empty.
     fn is_empty(&self) -> bool {
@@ -52,6 +60,43 @@ pub trait SourceView: Send + Sync + std::fmt::Debug + 'static {
     }
     /// Calls `f` with the arena's bytes.
     fn read(&self, f: &mut dyn FnMut(&[u8]));
+
+    /// Refuses a source that does not hold every shard of `plan` (an arena: too short).
+    fn check_plan(&self, plan: &TrainerPlan) -> Result<()> {
+        check_source(plan, self.len())
+    }
+
+    /// Calls `f` with shard `shard`'s bytes (dense, row-major over its box).
+    fn read_shard(
+        &self,
+        plan: &TrainerPlan,
+        shard: u32,
+        f: &mut dyn FnMut(&[u8]) -> Result<()>,
+    ) -> Result<()> {
+        let s = plan.shards.get(shard as usize).ok_or_else(|| {
+            WorkerError::InvalidPlan(format!("shard {shard} of {}", plan.shards.len()))
+        })?;
+        let mut result = Ok(());
+        self.read(&mut |bytes: &[u8]| {
+            let lo = s.offset as usize;
+            result = match bytes.get(lo..lo + s.bytes() as usize) {
+                Some(tensor) => f(tensor),
+                None => Err(WorkerError::SourceTooShort {
+                    what: format!("shard of {}", piece::param_name(plan, s.param)),
+                    need: s.offset + s.bytes(),
+                    have: bytes.len() as u64,
+                }),
+            };
+        });
+        result
+    }
+
+    /// The registered memory holding shard `shard` and the shard's byte offset in it, when
+    /// the fabric can write straight from the source (`None`: copy it through staging).
+    fn registered_shard(&self, shard: u32) -> Option<(Region, u64)> {
+        let _ = shard;
+        None
+    }
 }
 
 impl SourceView for Vec<u8> {
@@ -183,6 +228,10 @@ pub struct SyncReport {
     pub watermark_bytes: u64,
     /// Checksums of the runs written to rollouts (empty unless `verify`).
     pub checksums: Vec<RunChecksum>,
+    /// Source bytes copied into staging (H2D) before being prepared and written.
+    pub staged_bytes: u64,
+    /// Bytes written straight from registered source memory, copied by nobody but the fabric.
+    pub direct_bytes: u64,
 }
 
 /// Everything fixed at build time, shared by every sync.
@@ -197,6 +246,9 @@ pub(crate) struct TrainerState {
     pub source: Arc<dyn SourceView>,
     /// Per write of the plan, the destination's descriptor (set by `set_destinations`).
     pub write_dst: Vec<RegionDescriptor>,
+    /// Per task, when it is written straight from registered source memory (see
+    /// [`direct::direct_source`]): that registration and the byte offset of the task's box in it.
+    pub direct: Vec<Option<(Region, u64)>>,
 }
 
 /// A trainer worker (see the module docs).
@@ -224,7 +276,7 @@ impl<F: FabricBackend> TrainerWorker<F> {
             plan.expanded()
                 .map_err(|e| WorkerError::InvalidPlan(e.to_string()))?
         };
-        check_source(&plan, source.len())?;
+        source.check_plan(&plan)?;
         check_units(&plan)?;
         let shapes = plan
             .tasks
@@ -239,6 +291,11 @@ impl<F: FabricBackend> TrainerWorker<F> {
             config.piece_budget(),
             config.watermark_bytes,
         )?;
+        let direct = plan
+            .tasks
+            .iter()
+            .map(|t| direct::direct_source(&plan, t, source.as_ref()))
+            .collect();
         let staging = StagingArena::new(&fabric, config.watermark_bytes)?;
         let gather = if plan.gather_arena_bytes > 0 {
             Some(
@@ -260,6 +317,7 @@ impl<F: FabricBackend> TrainerWorker<F> {
                 gather,
                 source,
                 write_dst: Vec::new(),
+                direct,
             }),
             running: tokio::sync::Mutex::new(()),
         })
@@ -352,9 +410,9 @@ impl<F: FabricBackend> TrainerWorker<F> {
     }
 }
 
-/// Whether the source holds every shard the plan reads. A decoded plan is not trusted: each
-/// shard is sized without overflowing or panicking.
-fn check_source(plan: &TrainerPlan, have: u64) -> Result<()> {
+/// Whether an arena of `have` bytes holds every shard the plan reads. A decoded plan is not
+/// trusted: each shard is sized without overflowing or panicking.
+pub(crate) fn check_source(plan: &TrainerPlan, have: u64) -> Result<()> {
     if have < plan.source_arena_bytes {
         return Err(WorkerError::SourceTooShort {
             what: format!("the source arena of training rank {}", plan.rank),
