@@ -55,7 +55,12 @@ pub struct TrainerDriver {
     built: Option<Built>,
     /// The sync whose task is running (kept when the agent drops `run` on an abort).
     in_flight: Option<InFlight>,
+    /// Where the last sync's report is kept for an embedding (see [`TrainerDriver::keep_reports`]).
+    reports: Option<ReportSlot>,
 }
+
+/// The last sync's version and report, for an embedding that reports it when the sync commits.
+pub type ReportSlot = Arc<parking_lot::Mutex<Option<(u64, SyncReport)>>>;
 
 /// The worker built for one slice, and the demo's source arena.
 #[derive(Debug)]
@@ -133,6 +138,12 @@ fn destinations(
             .map_err(|e| DriverError::new(format!("{}: undecodable region: {e}", p.id)))?;
         match p.id.role {
             WorkerRole::Rollout => {
+                if let Some(b) = &p.placement {
+                    let placement = bincode::deserialize(&b.0).map_err(|e| {
+                        DriverError::new(format!("{}: undecodable placement: {e}", p.id))
+                    })?;
+                    dsts.placements.insert(p.id.rank, placement);
+                }
                 dsts.rollouts.insert(p.id.rank, regions);
             }
             WorkerRole::Trainer => {
@@ -149,12 +160,23 @@ impl TrainerDriver {
     /// Starts the fabric. Nothing else is known before the assignment.
     pub async fn new(cfg: TrainerDriverConfig) -> Result<TrainerDriver, DriverError> {
         let fabric = Fabric::start(&cfg.fabric).await.map_err(err)?;
-        Ok(TrainerDriver {
+        Ok(TrainerDriver::with_fabric(cfg, fabric))
+    }
+
+    /// A driver over a fabric already started (the one its source tensors are registered with).
+    pub fn with_fabric(cfg: TrainerDriverConfig, fabric: Fabric) -> TrainerDriver {
+        TrainerDriver {
             cfg,
             fabric,
             built: None,
             in_flight: None,
-        })
+            reports: None,
+        }
+    }
+
+    /// Keeps each successful sync's report in the returned slot (before `Written` is sent).
+    pub fn keep_reports(&mut self) -> ReportSlot {
+        self.reports.get_or_insert_with(Default::default).clone()
     }
 
     /// The slice this trainer executes (`None` before its first assignment).
@@ -308,7 +330,11 @@ impl SyncDriver for TrainerDriver {
         let r = joined
             .map_err(|e| DriverError::new(format!("the sync task ended abnormally: {e}")))?
             .map_err(err)?;
-        Ok((None, report(&r, &sync)))
+        let rep = report(&r, &sync);
+        if let Some(slot) = &self.reports {
+            *slot.lock() = Some((sync.version, r));
+        }
+        Ok((None, rep))
     }
 
     async fn verify(

@@ -68,6 +68,25 @@ impl HostMemory {
     pub fn into_memory(self) -> Memory {
         Memory::Raw(self.raw)
     }
+
+    /// One range over `parts` when each starts where the previous ends (so that one
+    /// registration covers them all); gives them back otherwise. The joined memory keeps every
+    /// part's owner alive.
+    pub fn join(parts: Vec<HostMemory>) -> std::result::Result<HostMemory, Vec<HostMemory>> {
+        let adjacent = parts
+            .windows(2)
+            .all(|w| w[0].as_ptr() as usize + w[0].len() == w[1].as_ptr() as usize);
+        if parts.is_empty() || !adjacent {
+            return Err(parts);
+        }
+        let ptr = parts[0].raw.as_ptr();
+        let len = parts.iter().map(HostMemory::len).sum();
+        // SAFETY: the parts are adjacent, so ptr..ptr+len is exactly their union; each part's
+        // contract (valid, not moving while its owner lives) holds for its range, and the new
+        // owner keeps every part (and so every part's owner) alive.
+        let raw = unsafe { RawMemory::owning(ptr, len, MemoryLocation::Host, Box::new(parts)) };
+        Ok(HostMemory { raw })
+    }
 }
 
 /// One tensor a caller registers as a source.

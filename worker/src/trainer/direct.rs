@@ -3,7 +3,9 @@
 //! A `Copy` task (same dtype on both sides) whose box is one contiguous byte range of its shard
 //! needs no preparation: its prepared bytes *are* that range. When the source says where the
 //! shard lies in registered memory ([`SourceView::registered_shard`]), the pipeline posts the
-//! task's writes from there: no H2D into staging, no prepare, no watermark lease. Everything
+//! task's writes from there: no H2D into staging, no prepare, no watermark lease. The same holds
+//! for a `Copy` of a gathered region: the gather arena is registered, and the region lies in it
+//! densely. Everything
 //! else (casts, fp8, a box that strides through its shard, an arena nobody registered) goes
 //! through staging as before. The report counts both (`staged_bytes`, `direct_bytes`), which is
 //! how a caller knows that a bf16 -> bf16 parameter was copied by nobody but the fabric.
@@ -38,12 +40,18 @@ pub(crate) fn direct_source(
     plan: &TrainerPlan,
     task: &Task,
     source: &dyn SourceView,
+    gather: Option<&Region>,
 ) -> Option<(Region, u64)> {
     let Transform::Copy { dtype } = task.transform else {
         return None;
     };
-    let Source::Shard { shard } = task.source else {
-        return None;
+    let shard = match task.source {
+        Source::Shard { shard } => shard,
+        Source::Gather { offset } => {
+            let g = gather?;
+            let end = offset + task.region.numel() * dtype.size() as u64;
+            return (end <= g.len()).then(|| (g.clone(), offset));
+        }
     };
     let s = plan.shards.get(shard as usize)?;
     let sub = plan.source_box(task)?;

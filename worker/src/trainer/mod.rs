@@ -197,6 +197,19 @@ pub struct Destinations {
     pub rollouts: BTreeMap<u32, Vec<RegionDescriptor>>,
     /// Per training rank, its gather arena's descriptor.
     pub trainers: BTreeMap<u32, RegionDescriptor>,
+    /// Per rollout rank whose regions are an engine's own tensors, where each planned tensor
+    /// lies in them (a rollout without one holds its tensors as planned).
+    pub placements: BTreeMap<u32, crate::rollout::Placement>,
+}
+
+/// Where one write of the plan goes: the destination region and the actual offset of the
+/// write's first byte there (the planned one, or relocated by the rollout's placement).
+#[derive(Debug, Clone)]
+pub(crate) struct WriteDst {
+    pub desc: RegionDescriptor,
+    /// The region's index on its worker (for checksums).
+    pub mr: u16,
+    pub offset: u64,
 }
 
 /// Identifies one sync: the weights' version and the attempt's epoch (distinct for every
@@ -244,8 +257,8 @@ pub(crate) struct TrainerState {
     pub staging: StagingArena,
     pub gather: Option<Region>,
     pub source: Arc<dyn SourceView>,
-    /// Per write of the plan, the destination's descriptor (set by `set_destinations`).
-    pub write_dst: Vec<RegionDescriptor>,
+    /// Per write of the plan, where it goes (set by `set_destinations`).
+    pub write_dst: Vec<WriteDst>,
     /// Per task, when it is written straight from registered source memory (see
     /// [`direct::direct_source`]): that registration and the byte offset of the task's box in it.
     pub direct: Vec<Option<(Region, u64)>>,
@@ -291,11 +304,6 @@ impl<F: FabricBackend> TrainerWorker<F> {
             config.piece_budget(),
             config.watermark_bytes,
         )?;
-        let direct = plan
-            .tasks
-            .iter()
-            .map(|t| direct::direct_source(&plan, t, source.as_ref()))
-            .collect();
         let staging = StagingArena::new(&fabric, config.watermark_bytes)?;
         let gather = if plan.gather_arena_bytes > 0 {
             Some(
@@ -306,6 +314,11 @@ impl<F: FabricBackend> TrainerWorker<F> {
         } else {
             None
         };
+        let direct = plan
+            .tasks
+            .iter()
+            .map(|t| direct::direct_source(&plan, t, source.as_ref(), gather.as_ref()))
+            .collect();
         Ok(TrainerWorker {
             fabric,
             state: Arc::new(TrainerState {
@@ -345,13 +358,22 @@ impl<F: FabricBackend> TrainerWorker<F> {
         let plan = &self.state.plan;
         let mut write_dst = Vec::with_capacity(plan.writes.len());
         for (i, w) in plan.writes.iter().enumerate() {
+            let (mr, offset) = match w.dst {
+                WriteTarget::Rollout(r) => match dsts.placements.get(&r) {
+                    Some(p) => p
+                        .relocate(w.mr, w.dst_offset, w.len as u64)
+                        .ok_or_else(|| unplaced_write(plan, i, r))?,
+                    None => (w.mr, w.dst_offset),
+                },
+                WriteTarget::Trainer(_) => (w.mr, w.dst_offset),
+            };
             let desc = match w.dst {
                 WriteTarget::Rollout(r) => dsts
                     .rollouts
                     .get(&r)
-                    .and_then(|mrs| mrs.get(w.mr as usize))
+                    .and_then(|mrs| mrs.get(mr as usize))
                     .ok_or_else(|| {
-                        WorkerError::MissingDestination(format!("rollout rank {r} MR {}", w.mr))
+                        WorkerError::MissingDestination(format!("rollout rank {r} MR {mr}"))
                     })?,
                 WriteTarget::Trainer(t) => dsts.trainers.get(&t).ok_or_else(|| {
                     WorkerError::MissingDestination(format!(
@@ -359,7 +381,7 @@ impl<F: FabricBackend> TrainerWorker<F> {
                     ))
                 })?,
             };
-            if !desc.contains(w.dst_offset, w.len as u64) {
+            if !desc.contains(offset, w.len as u64) {
                 return Err(WorkerError::InvalidPlan(format!(
                     "write {i} to {:?} MR {} bytes {}..{} lies outside the registered {} bytes",
                     w.dst,
@@ -369,7 +391,11 @@ impl<F: FabricBackend> TrainerWorker<F> {
                     desc.len
                 )));
             }
-            write_dst.push(desc.clone());
+            write_dst.push(WriteDst {
+                desc: desc.clone(),
+                mr,
+                offset,
+            });
         }
         let state = Arc::get_mut(&mut self.state).ok_or_else(|| {
             WorkerError::Protocol("destinations cannot change while a sync runs".into())
@@ -408,6 +434,23 @@ impl<F: FabricBackend> TrainerWorker<F> {
     pub fn watermark_bytes(&self) -> u64 {
         self.state.config.watermark_bytes
     }
+}
+
+/// A write to rollout `r` that its placement puts in no single tensor: names the parameter.
+fn unplaced_write(plan: &TrainerPlan, i: usize, r: u32) -> WorkerError {
+    let w = &plan.writes[i];
+    let param = plan
+        .tasks
+        .iter()
+        .find(|t| (t.first_write as usize..(t.first_write + t.num_writes) as usize).contains(&i))
+        .map_or_else(|| "?".to_string(), |t| piece::param_name(plan, t.param));
+    WorkerError::InvalidPlan(format!(
+        "write {i} (of {param}) to rollout rank {r} MR {} bytes {}..{} lies in no single tensor \
+         of that rollout's placement",
+        w.mr,
+        w.dst_offset,
+        w.dst_offset + w.len as u64
+    ))
 }
 
 /// Whether an arena of `have` bytes holds every shard the plan reads. A decoded plan is not

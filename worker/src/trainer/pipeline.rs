@@ -335,9 +335,21 @@ fn direct_checksums<F: FabricBackend>(
     at: u64,
 ) -> Result<Vec<RunChecksum>> {
     let st = &run.state;
-    let weightsync_schedules::table::Source::Shard { shard } = st.plan.tasks[t as usize].source
-    else {
-        return Ok(Vec::new());
+    let piece = &st.pieces[t as usize][p];
+    let shard = match st.plan.tasks[t as usize].source {
+        weightsync_schedules::table::Source::Shard { shard } => shard,
+        weightsync_schedules::table::Source::Gather { .. } => {
+            // Gathered rows are few; the checksum reads a copy of them.
+            let Some((region, _)) = &st.direct[t as usize] else {
+                return Ok(Vec::new());
+            };
+            let bytes = region
+                .copy_to_vec(at, piece.layout.input as usize)
+                .map_err(|e| {
+                    WorkerError::fabric(format!("task {t}: reading the gather arena"), e)
+                })?;
+            return Ok(run_checksums(st, piece, &bytes));
+        }
     };
     let Some((_, shard_at)) = st.source.registered_shard(shard) else {
         return Ok(Vec::new());
@@ -346,7 +358,7 @@ fn direct_checksums<F: FabricBackend>(
     st.source.read_shard(&st.plan, shard, &mut |bytes: &[u8]| {
         let start = (at - shard_at) as usize;
         let piece_bytes = &bytes[start.min(bytes.len())..];
-        sums = run_checksums(st, &st.pieces[t as usize][p], piece_bytes);
+        sums = run_checksums(st, piece, piece_bytes);
         Ok(())
     })?;
     Ok(sums)
@@ -443,10 +455,11 @@ fn run_checksums(st: &TrainerState, piece: &TaskPiece, buf: &[u8]) -> Vec<RunChe
                 return None;
             };
             let a = part.staging_offset as usize;
+            let dst = &st.write_dst[part.write as usize];
             Some(RunChecksum {
                 rollout,
-                mr: w.mr,
-                offset: part.dst_offset,
+                mr: dst.mr,
+                offset: dst.offset + (part.dst_offset - w.dst_offset),
                 len: part.len,
                 xxh3: xxh3(&buf[a..a + part.len as usize]),
             })
@@ -468,11 +481,12 @@ async fn piece_write<F: FabricBackend>(
     let piece = &st.pieces[t as usize][p];
     let op_of = |part: &super::piece::Part, with_imm: bool| -> Result<WriteOp> {
         let w = st.plan.writes[part.write as usize];
+        let dst = &st.write_dst[part.write as usize];
         let op = WriteOp::new(
             region,
             base + part.staging_offset,
-            &st.write_dst[part.write as usize],
-            part.dst_offset,
+            &dst.desc,
+            dst.offset + (part.dst_offset - w.dst_offset),
             part.len,
         );
         Ok(if with_imm {
