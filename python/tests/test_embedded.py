@@ -117,18 +117,30 @@ def test_two_trainers_two_engines_numpy(tmp_path: Path, procs: Procs) -> None:
             full = job.step(v)
             outcomes = job.push(v)
             for e, dst in zip(job.engines, job.dst):
+                # The trainers' push ends on the controller's commit; each engine learns it on
+                # its own connection a moment later.
+                assert e.wait_for_version(v, timeout=30).version == v
                 assert (e.version, e.state, e.cause) == (v, "committed", None)
                 for name, a in dst.items():
                     assert np.array_equal(a, full[name]), f"{e.worker_id} v{v}: {name} differs"
-            # bf16 -> bf16 row ranges: written straight from the registered arrays.
-            assert all(o.version == v and o.bytes > 0 for o in outcomes)
+            # bf16 -> bf16: nothing goes through staging; rows are written straight from the
+            # registered arrays (bytes also counts the small boxes the planner gathers first,
+            # written from the gather arena).
+            assert all(o.version == v and o.bytes >= o.direct_bytes > 0 for o in outcomes), outcomes
             assert sum(o.staged_bytes for o in outcomes) == 0, outcomes
-            assert sum(o.direct_bytes for o in outcomes) == sum(o.bytes for o in outcomes)
         for w in ("rollout-0", "rollout-1"):
             mine = [(k, v) for k, who, v in job.calls if who == w]
             assert mine == [("before", 1), ("after", 1), ("before", 2), ("after", 2), ("before", 3), ("after", 3)]
     finally:
         job.close()
+
+
+def settled(e: weightsync.Engine, timeout: float = 10) -> weightsync.EngineState:
+    """The engine's state once the abort reached it (its own connection may lag the trainers')."""
+    deadline = time.monotonic() + timeout
+    while (st := e.status()).state == "landing" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return st
 
 
 def test_failing_hook_names_the_engine(tmp_path: Path, procs: Procs) -> None:
@@ -141,7 +153,7 @@ def test_failing_hook_names_the_engine(tmp_path: Path, procs: Procs) -> None:
             job.push(2)
         assert e.value.worker == "rollout-1" and e.value.version == 2, e.value
         assert "engine refuses version 2" in str(e.value)
-        states = {x.worker_id: x.status() for x in job.engines}
+        states = {x.worker_id: settled(x) for x in job.engines}
         assert states["rollout-1"].state == "invalid" and states["rollout-1"].version == 1
         assert "engine refuses" in (states["rollout-1"].cause or "")
         assert states["rollout-0"].state in ("invalid", "committed") and states["rollout-0"].version == 1
@@ -150,6 +162,7 @@ def test_failing_hook_names_the_engine(tmp_path: Path, procs: Procs) -> None:
         full = job.step(3)
         job.push(3)
         for e, dst in zip(job.engines, job.dst):
+            assert e.wait_for_version(3, timeout=30).version == 3
             assert (e.version, e.state) == (3, "committed")
             assert all(np.array_equal(a, full[n]) for n, a in dst.items())
     finally:
