@@ -154,10 +154,10 @@ class Trainer:
     def _check_placement(self, name: str, t: Any, shard: ShardInfo | None) -> None:
         if not is_dtensor(t):
             return
-        placements = tuple(str(p) for p in t.placements)
-        if any(p not in ("Shard(dim=0)", "Replicate()") for p in placements) or not any(
-            p == "Shard(dim=0)" for p in placements
-        ):
+        shard0 = [callable(getattr(p, "is_shard", None)) and p.is_shard(0) for p in t.placements]
+        replicate = [callable(getattr(p, "is_replicate", None)) and p.is_replicate() for p in t.placements]
+        if not any(shard0) or not all(s or r for s, r in zip(shard0, replicate)):
+            placements = tuple(repr(p) for p in t.placements)
             raise LayoutMismatchError(
                 f"{self.worker_id}: tensor {name}: placements {placements}: weightsync's FSDP "
                 "layout shards dim 0 (torch.chunk semantics), i.e. Shard(dim=0)",

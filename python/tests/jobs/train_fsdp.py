@@ -117,4 +117,14 @@ def sync_with_retry(trainer: weightsync.Trainer, step: int) -> weightsync.SyncOu
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except BaseException:
+        import traceback
+
+        err = traceback.format_exc()
+        print(err, file=sys.stderr, flush=True)
+        out = sys.argv[sys.argv.index("--out") + 1]
+        with open(os.path.join(out, f"error_r{os.environ.get('RANK', '?')}.txt"), "w") as f:
+            f.write(err)
+        raise
