@@ -79,6 +79,9 @@ def main() -> None:
         outcome = None
         try:
             if args.trigger == "http":
+                # Every rank's optimizer step must be over before the sync reads the shards
+                # (push says so per rank; an outside trigger needs the barrier).
+                dist.barrier()
                 if client is not None:
                     client.sync(step)
                 dist.barrier()
