@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# python/scripts/test.sh [pytest args...]
+#
+# The Python side of the README's test command (and CI's): sets up its own environment from
+# nothing, builds and installs the package, runs the Python tests.
+#  1. a venv at $WEIGHTSYNC_TEST_VENV (default target/python-venv) with torch (CPU use),
+#     transformers, numpy, pytest, maturin and mypy at the pins below. Idempotent: a stamp in
+#     the venv records the pins; when it matches, this step takes under a second. A changed pin
+#     rebuilds the venv. uv installs it when uv can be had (about 0.6x pip's time here), else pip.
+#  2. the `weightsync` binary (the tests start a controller): cargo build --release -p weightsync-cli.
+#  3. `pip install ./python` (maturin, with its own target dir target/maturin so it and cargo
+#     do not rebuild each other).
+#  4. pytest python/tests "$@" (e.g. `-m "not e2e"` for the fast tests only).
+#
+# Needs: the Rust toolchain and a CPython >= 3.11 ($PYTHON, default python3).
+# Env: WEIGHTSYNC_TEST_VENV, PYTHON, WEIGHTSYNC_NO_UV=1 (use pip), WEIGHTSYNC_TORCH_INDEX (an
+# index URL for torch only, e.g. https://download.pytorch.org/whl/cpu for the small CPU wheel).
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+VENV=${WEIGHTSYNC_TEST_VENV:-$ROOT/target/python-venv}
+[[ "$VENV" == /* ]] || VENV="$PWD/$VENV"
+PYTHON=${PYTHON:-python3}
+PINS=(torch==2.13.0 transformers==5.19.0 numpy==2.3.5 pytest==9.2.0 maturin==1.16.0 mypy==2.4.1)
+UV_PIN=uv==0.13.9
+T0=$SECONDS
+step() { echo "test.sh: [$((SECONDS - T0)) s] $*"; }
+
+"$PYTHON" -c 'import sys; assert sys.version_info >= (3, 11), sys.version' \
+  || { echo "test.sh: $PYTHON is older than 3.11" >&2; exit 1; }
+STAMP_TEXT="py=$("$PYTHON" -c 'import sys;print("%d.%d"%sys.version_info[:2])') ${PINS[*]} torch-index=${WEIGHTSYNC_TORCH_INDEX:-pypi}"
+STAMP="$VENV/.weightsync-test-stamp"
+if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$STAMP_TEXT" ]] && "$VENV/bin/python" - "${PINS[@]}" <<'PY'
+import sys
+from importlib.metadata import version, PackageNotFoundError
+try:
+    ok = all(version(p.split("==")[0]).split("+")[0] == p.split("==")[1] for p in sys.argv[1:])
+except PackageNotFoundError:
+    ok = False
+sys.exit(0 if ok else 1)
+PY
+then
+  step "venv $VENV up to date"
+else
+  rm -rf "$VENV"
+  "$PYTHON" -m venv "$VENV"
+  step "venv created"
+  PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check --progress-bar off)
+  TORCH_ARGS=()
+  if [[ -n "${WEIGHTSYNC_TORCH_INDEX:-}" ]]; then
+    # torch alone from that index (its +cpu local version satisfies ==2.13.0 for pip and uv).
+    TORCH_ARGS=(--index-url "$WEIGHTSYNC_TORCH_INDEX" --extra-index-url "${PIP_INDEX_URL:-https://pypi.org/simple}")
+  fi
+  if [[ "${WEIGHTSYNC_NO_UV:-0}" != 1 ]] && "${PIP[@]}" -q "$UV_PIN"; then
+    step "uv installed"
+    export SSL_CERT_FILE=${SSL_CERT_FILE:-${PIP_CERT:-/etc/ssl/certs/ca-certificates.crt}}
+    UV_EXTRA=()
+    [[ ${#TORCH_ARGS[@]} -gt 0 ]] && UV_EXTRA=(--index-strategy unsafe-best-match "${TORCH_ARGS[@]}")
+    "$VENV/bin/uv" pip install --python "$VENV/bin/python" "${UV_EXTRA[@]}" "${PINS[@]}"
+  else
+    "${PIP[@]}" "${TORCH_ARGS[@]}" "${PINS[@]}"
+  fi
+  step "packages installed"
+  "$VENV/bin/python" -c 'import torch, transformers, numpy; print("torch", torch.__version__, "transformers", transformers.__version__)'
+  echo "$STAMP_TEXT" > "$STAMP"
+fi
+
+cd "$ROOT"
+cargo build --release -p weightsync-cli
+export WEIGHTSYNC_BIN="$ROOT/target/release/weightsync"
+step "weightsync binary built"
+# maturin's build backend runs the `maturin` binary from PATH: the venv's.
+export PATH="$VENV/bin:$PATH"
+CARGO_TARGET_DIR="$ROOT/target/maturin" "$VENV/bin/python" -m pip install \
+  --disable-pip-version-check --no-build-isolation -q "$ROOT/python"
+step "package installed (pip install ./python)"
+cd "$ROOT/python"
+# -P: the source tree (cwd) must not shadow the installed package (it has no native module).
+"$VENV/bin/python" -P -m pytest tests "$@"
+step "done"

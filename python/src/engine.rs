@@ -1,0 +1,148 @@
+//! `weightsync._native.EngineCore`: the embedded receiver of one inference rank, over
+//! [`weightsync_agent::EngineHandle`]. The public `weightsync.Engine` (Python) walks models and
+//! wraps the hooks with its own checks.
+
+use pyo3::prelude::*;
+use weightsync_agent::embed::{
+    DstTensor, EngineHandle, EngineOptions, EngineState, EngineStatus, Hook,
+};
+
+use crate::errors::embed_error;
+use crate::foreign_tensor::Access;
+use crate::tensor_list::{self, Entry};
+use crate::trainer::Registered;
+use crate::wait::wait_interruptibly;
+
+/// One inference rank's connection to the controller.
+#[pyclass(frozen, module = "weightsync._native")]
+pub(crate) struct EngineCore {
+    inner: EngineHandle,
+}
+
+/// `(version, state, cause)` with state one of idle / landing / committed / invalid.
+pub(crate) type State = (Option<u64>, &'static str, Option<String>);
+
+fn state(s: EngineState) -> State {
+    let name = match s.status {
+        EngineStatus::Idle => "idle",
+        EngineStatus::Landing => "landing",
+        EngineStatus::Committed => "committed",
+        EngineStatus::Invalid => "invalid",
+    };
+    (s.version, name, s.cause)
+}
+
+/// A Python callable as a hook: called with the GIL taken; an exception fails the sync with
+/// the exception's type and message.
+fn hook(callable: Py<PyAny>) -> Hook {
+    Box::new(move |version| {
+        Python::attach(|py| {
+            callable.call1(py, (version,)).map(|_| ()).map_err(|e| {
+                let kind = e
+                    .get_type(py)
+                    .name()
+                    .map(|n| n.to_string())
+                    .unwrap_or_else(|_| "Exception".into());
+                format!("{kind}: {}", e.value(py))
+            })
+        })
+    })
+}
+
+#[pymethods]
+impl EngineCore {
+    #[new]
+    #[pyo3(signature = (controller, rank, job_token = None, listen = None, worker_id = None))]
+    fn new(
+        py: Python<'_>,
+        controller: String,
+        rank: u32,
+        job_token: Option<String>,
+        listen: Option<String>,
+        worker_id: Option<String>,
+    ) -> PyResult<Self> {
+        let opts = EngineOptions {
+            job_token,
+            listen,
+            worker_id,
+            ..EngineOptions::new(controller, rank)
+        };
+        let inner = py
+            .detach(|| EngineHandle::connect(opts))
+            .map_err(|e| embed_error(py, e))?;
+        Ok(EngineCore { inner })
+    }
+
+    /// This worker's id, e.g. `rollout-0`.
+    #[getter]
+    fn worker_id(&self) -> String {
+        self.inner.worker_id().to_string()
+    }
+
+    /// The tensors this rank must register: `(name, dtype, shape)`.
+    fn layout(&self) -> Vec<(String, String, Vec<u64>)> {
+        self.inner
+            .layout()
+            .into_iter()
+            .map(|t| (t.name, t.dtype.name().to_string(), t.shape))
+            .collect()
+    }
+
+    /// Sets both hooks (None clears one).
+    #[pyo3(signature = (before_landing = None, after_commit = None))]
+    fn set_hooks(&self, before_landing: Option<Py<PyAny>>, after_commit: Option<Py<PyAny>>) {
+        self.inner
+            .set_hooks(before_landing.map(hook), after_commit.map(hook));
+    }
+
+    /// Registers `(name, tensor, dtype or None)` entries as destinations.
+    fn register(&self, py: Python<'_>, tensors: Vec<Entry<'_>>) -> PyResult<Vec<Registered>> {
+        let worker = self.inner.worker_id().to_string();
+        let named = tensor_list::read(py, &worker, tensors, Access::Write)?;
+        let mut registered = Vec::with_capacity(named.len());
+        let mut dsts = Vec::with_capacity(named.len());
+        for n in named {
+            registered.push((
+                n.name.clone(),
+                n.tensor.ptr(),
+                n.tensor.len(),
+                n.tensor.kind(),
+            ));
+            dsts.push(DstTensor {
+                name: n.name,
+                dtype: n.tensor.dtype(),
+                shape: n.tensor.shape().to_vec(),
+                memory: n.tensor.into_host_memory(),
+            });
+        }
+        py.detach(|| self.inner.register(dsts))
+            .map_err(|e| embed_error(py, e))?;
+        Ok(registered)
+    }
+
+    /// `(version, state, cause)` now.
+    fn state(&self) -> State {
+        state(self.inner.state())
+    }
+
+    /// Blocks until a version >= `version` committed (returns the state) or the engine turned
+    /// invalid for it (raises SyncFailedError).
+    #[pyo3(signature = (version, timeout = None))]
+    fn wait_for_version(
+        &self,
+        py: Python<'_>,
+        version: u64,
+        timeout: Option<f64>,
+    ) -> PyResult<State> {
+        let what = format!("{}: version {version}", self.inner.worker_id());
+        wait_interruptibly(py, timeout, &what, |slice| {
+            self.inner.wait_for_version(version, Some(slice))
+        })
+        .map(state)
+    }
+
+    /// Leaves the job (idempotent).
+    fn close(&self, py: Python<'_>) {
+        py.detach(|| self.inner.close());
+    }
+}

@@ -1,0 +1,146 @@
+//! `weightsync._native.TrainerCore`: the embedded trainer of one training rank, over
+//! [`weightsync_agent::TrainerHandle`]. The public `weightsync.Trainer` (Python) walks models,
+//! checks placements and storage moves, and calls this.
+
+use pyo3::prelude::*;
+use weightsync_agent::embed::{
+    PushHandle, SourceTensor, SyncOutcome, TrainerHandle, TrainerOptions,
+};
+
+use crate::errors::embed_error;
+use crate::foreign_tensor::Access;
+use crate::tensor_list::{self, Entry};
+use crate::wait::wait_interruptibly;
+
+/// The registered memory of one tensor: `(name, address, bytes, how it was read)`.
+pub(crate) type Registered = (String, usize, usize, &'static str);
+
+/// One training rank's connection to the controller.
+#[pyclass(frozen, module = "weightsync._native")]
+pub(crate) struct TrainerCore {
+    inner: TrainerHandle,
+}
+
+#[pymethods]
+impl TrainerCore {
+    #[new]
+    #[pyo3(signature = (controller, rank, job_token = None, listen = None, worker_id = None))]
+    fn new(
+        py: Python<'_>,
+        controller: String,
+        rank: u32,
+        job_token: Option<String>,
+        listen: Option<String>,
+        worker_id: Option<String>,
+    ) -> PyResult<Self> {
+        let opts = TrainerOptions {
+            job_token,
+            listen,
+            worker_id,
+            ..TrainerOptions::new(controller, rank)
+        };
+        let inner = py
+            .detach(|| TrainerHandle::connect(opts))
+            .map_err(|e| embed_error(py, e))?;
+        Ok(TrainerCore { inner })
+    }
+
+    /// This worker's id, e.g. `trainer-0`.
+    #[getter]
+    fn worker_id(&self) -> String {
+        self.inner.worker_id().to_string()
+    }
+
+    /// The shards this rank must register: `(name, dtype, global_shape, offset, shape)`.
+    #[allow(clippy::type_complexity)]
+    fn layout(&self) -> Vec<(String, String, Vec<u64>, Vec<u64>, Vec<u64>)> {
+        self.inner
+            .layout()
+            .into_iter()
+            .map(|s| {
+                (
+                    s.name,
+                    s.dtype.name().to_string(),
+                    s.global_shape,
+                    s.offset,
+                    s.shape,
+                )
+            })
+            .collect()
+    }
+
+    /// Registers `(name, tensor, dtype or None)` entries in place; returns what was registered.
+    fn register(&self, py: Python<'_>, tensors: Vec<Entry<'_>>) -> PyResult<Vec<Registered>> {
+        let worker = self.inner.worker_id().to_string();
+        let named = tensor_list::read(py, &worker, tensors, Access::Read)?;
+        let mut registered = Vec::with_capacity(named.len());
+        let mut sources = Vec::with_capacity(named.len());
+        for n in named {
+            registered.push((
+                n.name.clone(),
+                n.tensor.ptr(),
+                n.tensor.len(),
+                n.tensor.kind(),
+            ));
+            sources.push(SourceTensor {
+                name: n.name,
+                dtype: n.tensor.dtype(),
+                shape: n.tensor.shape().to_vec(),
+                memory: n.tensor.into_host_memory(),
+            });
+        }
+        py.detach(|| self.inner.register(sources))
+            .map_err(|e| embed_error(py, e))?;
+        Ok(registered)
+    }
+
+    /// Declares that the registered tensors hold `version`; returns the handle of its sync.
+    fn push(&self, py: Python<'_>, version: u64) -> PyResult<PushCore> {
+        let inner = py
+            .detach(|| self.inner.push(version))
+            .map_err(|e| embed_error(py, e))?;
+        Ok(PushCore { inner })
+    }
+
+    /// Leaves the job (idempotent).
+    fn close(&self, py: Python<'_>) {
+        py.detach(|| self.inner.close());
+    }
+}
+
+/// The pending sync of one pushed version.
+#[pyclass(frozen, module = "weightsync._native")]
+pub(crate) struct PushCore {
+    inner: PushHandle,
+}
+
+/// A finished sync as Python sees it:
+/// `(version, bytes, staged_bytes, direct_bytes, seconds, [(stage, seconds)])`.
+pub(crate) type Outcome = (u64, u64, u64, u64, f64, Vec<(String, f64)>);
+
+fn outcome(o: SyncOutcome) -> Outcome {
+    (
+        o.version,
+        o.bytes,
+        o.staged_bytes,
+        o.direct_bytes,
+        o.seconds,
+        o.stages,
+    )
+}
+
+#[pymethods]
+impl PushCore {
+    /// The version pushed.
+    #[getter]
+    fn version(&self) -> u64 {
+        self.inner.version()
+    }
+
+    /// Blocks (GIL released, Ctrl-C honoured) until the sync commits or fails.
+    #[pyo3(signature = (timeout = None))]
+    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Outcome> {
+        let what = format!("sync of version {}", self.inner.version());
+        wait_interruptibly(py, timeout, &what, |slice| self.inner.wait(Some(slice))).map(outcome)
+    }
+}

@@ -1,0 +1,146 @@
+"""Shared fixtures of the Python tests: the `weightsync` binary, a controller process, child
+processes whose logs are kept and shown when a test fails, and the figures the end-to-end tests
+report (printed at the end of the run)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+JOBS = Path(__file__).resolve().parent / "jobs"
+FIGURES: dict[str, Any] = {}
+
+
+def weightsync_bin() -> str:
+    """$WEIGHTSYNC_BIN, else target/release/weightsync, else target/debug/weightsync."""
+    env = os.environ.get("WEIGHTSYNC_BIN")
+    if env:
+        return env
+    for profile in ("release", "debug"):
+        p = REPO / "target" / profile / "weightsync"
+        if p.exists():
+            return str(p)
+    pytest.fail("no weightsync binary: run `cargo build --release -p weightsync-cli` or set WEIGHTSYNC_BIN")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+
+    def tail(self, n: int = 60) -> str:
+        try:
+            lines = self.log.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-n:])
+
+
+@dataclass
+class Procs:
+    """Child processes of one test; all are killed at its end."""
+
+    folder: Path
+    procs: list[Proc] = field(default_factory=list)
+
+    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Proc:
+        log = self.folder / f"{name}.log"
+        full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+        f = open(log, "ab")
+        p = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
+        f.close()
+        proc = Proc(name, p, log)
+        self.procs.append(proc)
+        return proc
+
+    def logs(self) -> str:
+        return "\n".join(f"----- {p.name} (rc {p.popen.poll()}) -----\n{p.tail()}" for p in self.procs)
+
+    def kill_all(self) -> None:
+        for p in self.procs:
+            if p.popen.poll() is None:
+                try:
+                    os.killpg(p.popen.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.popen.wait()
+
+
+@pytest.fixture
+def procs(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Procs]:
+    ps = Procs(tmp_path)
+    yield ps
+    failed = getattr(request.node, "rep_call", None)
+    if failed is not None and failed.failed:
+        print(ps.logs(), file=sys.stderr)
+    ps.kill_all()
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    rep = yield
+    setattr(item, "rep_" + rep.when, rep)
+    return rep
+
+
+@dataclass
+class Controller:
+    control: str
+    http: str
+    job_token: str
+    api_token: str
+    proc: Proc
+
+    def env(self) -> dict[str, str]:
+        return {"WEIGHTSYNC_JOB_TOKEN": self.job_token, "WEIGHTSYNC_API_TOKEN": self.api_token}
+
+    def get(self, path: str) -> Any:
+        with urllib.request.urlopen(self.http + path, timeout=10) as r:
+            return json.loads(r.read())
+
+
+def start_controller(procs: Procs, model: str, train: str, infer: str, dtype: str = "bf16") -> Controller:
+    control, http = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    tokens = {"WEIGHTSYNC_JOB_TOKEN": "job-" + os.urandom(8).hex(), "WEIGHTSYNC_API_TOKEN": "api-" + os.urandom(8).hex()}
+    argv = [weightsync_bin(), "controller", "--control", control, "--http", http, "--model", model,
+            "--train", train, "--infer", infer, "--dtype", dtype, "--sync-timeout-s", "120"]
+    proc = procs.start("controller", argv, env={**tokens, "RUST_LOG": os.environ.get("RUST_LOG", "info")})
+    c = Controller(control, "http://" + http, tokens["WEIGHTSYNC_JOB_TOKEN"], tokens["WEIGHTSYNC_API_TOKEN"], proc)
+    deadline = time.monotonic() + 30
+    while True:
+        if proc.popen.poll() is not None:
+            pytest.fail(f"controller exited: {proc.tail()}")
+        try:
+            c.get("/healthz")
+            return c
+        except OSError:
+            if time.monotonic() > deadline:
+                pytest.fail(f"controller not up after 30 s: {proc.tail()}")
+            time.sleep(0.2)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if FIGURES:
+        terminalreporter.section("weightsync figures")
+        for name, fig in FIGURES.items():
+            terminalreporter.write_line(f"{name}: {json.dumps(fig)}")

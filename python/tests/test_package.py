@@ -1,0 +1,93 @@
+"""The package without a running job: it imports without torch, reads tensors of every kind
+(torch, numpy via DLPack, the buffer protocol) in place, refuses what it cannot use with a
+message that says why, raises its own exception types, and talks to a real controller's API."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import weightsync
+from weightsync import _native
+
+from conftest import Procs, start_controller
+
+
+def test_import_does_not_import_torch(tmp_path: Path) -> None:
+    code = (
+        "import sys, weightsync; weightsync.Trainer, weightsync.Engine, weightsync.Client;"
+        "assert 'torch' not in sys.modules and 'numpy' not in sys.modules, sorted(sys.modules)"
+    )
+    # cwd elsewhere: `-c` puts cwd first on sys.path, and the source tree has no native module.
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path)
+
+
+def test_exception_hierarchy() -> None:
+    for cls in (weightsync.RegistrationError, weightsync.LayoutMismatchError, weightsync.StaleTensorError,
+                weightsync.SyncFailedError, weightsync.TimeoutError, weightsync.ClosedError,
+                weightsync.ConnectError, weightsync.ClientError):
+        assert issubclass(cls, weightsync.SyncError)
+    e = weightsync.SyncFailedError("version 3 failed on rollout-1: gone", worker="rollout-1", version=3, cause="gone")
+    assert (e.worker, e.version, e.cause, str(e)) == ("rollout-1", 3, "gone", "version 3 failed on rollout-1: gone")
+
+
+def test_numpy_arrays_in_place() -> None:
+    np = pytest.importorskip("numpy")
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    ptr, nbytes, dtype, shape, kind = _native.tensor_info(a)
+    assert (ptr, nbytes, dtype, shape, kind) == (a.__array_interface__["data"][0], 48, "f32", [3, 4], "dlpack")
+    bits = np.zeros((2, 3), np.uint16)  # bf16 bits: numpy has no bf16
+    assert _native.tensor_info(bits, "bf16")[2:4] == ("bf16", [2, 3])
+    with pytest.raises(TypeError, match="code 1, 16 bits"):
+        _native.tensor_info(bits)
+    with pytest.raises(ValueError, match="cannot view 2-byte elements as f32"):
+        _native.tensor_info(bits, "f32")
+    with pytest.raises(ValueError, match="non-contiguous"):
+        _native.tensor_info(np.zeros((4, 4), np.float16)[:, :2])
+    ro = np.zeros(4, np.float32)
+    ro.flags.writeable = False
+    assert _native.tensor_info(ro)[1] == 16
+    with pytest.raises(ValueError, match="read-only"):
+        _native.tensor_info(ro, writable=True)
+
+
+def test_buffer_protocol() -> None:
+    buf = bytearray(16)
+    ptr, nbytes, dtype, shape, kind = _native.tensor_info(memoryview(buf).cast("f"))
+    assert (nbytes, dtype, shape, kind) == (16, "f32", [4], "buffer")
+    with pytest.raises(TypeError, match="not f16 or f32"):
+        _native.tensor_info(buf)
+    with pytest.raises(TypeError, match="is not a tensor"):
+        _native.tensor_info(object())
+
+
+def test_torch_tensors_without_copy() -> None:
+    torch = pytest.importorskip("torch")
+    p = torch.nn.Parameter(torch.randn(4, 5, dtype=torch.bfloat16))  # requires grad: no DLPack
+    assert _native.tensor_info(p) == (p.data_ptr(), 40, "bf16", [4, 5], "torch")
+    f8 = torch.zeros(3, 7, dtype=torch.float8_e4m3fn)
+    assert _native.tensor_info(f8)[1:4] == (21, "f8_e4m3", [3, 7])
+    view = torch.arange(10, dtype=torch.float32)[2:6]  # a view inside its storage
+    assert _native.tensor_info(view)[:2] == (view.data_ptr(), 16)
+    with pytest.raises(ValueError, match="non-contiguous"):
+        _native.tensor_info(p.t())
+    with pytest.raises(ValueError, match="empty tensor"):
+        _native.tensor_info(torch.zeros(0, 3))
+    with pytest.raises(TypeError, match="torch.int64"):
+        _native.tensor_info(torch.zeros(3, dtype=torch.int64))
+
+
+def test_client_against_a_controller(tmp_path: Path, procs: Procs) -> None:
+    c = start_controller(procs, "qwen3-0.6b", "fsdp=2", "tp=1,dp=2")
+    assert weightsync.Client(c.http).healthz()["status"] == "ok"
+    with pytest.raises(weightsync.ClientError) as e:
+        weightsync.Client(c.http, "wrong").sync(1)
+    assert (e.value.status, e.value.code) == (401, "unauthorized")
+    with pytest.raises(weightsync.ClientError) as e:
+        weightsync.Client(c.http, c.api_token).sync(1)  # no worker registered yet
+    assert e.value.code == "not_ready", e.value
+    with pytest.raises(weightsync.ClientError, match="Connection refused|refused"):
+        weightsync.Client("127.0.0.1:1", c.api_token, timeout=5).sync(1)

@@ -1,0 +1,68 @@
+"""The README's "Use it from Python" examples stay true: every line of them is a line of the
+end-to-end test's scripts (which run them), and mypy type-checks them against the package's
+stubs. mypy also checks the package itself (strict)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import JOBS, REPO
+
+PREAMBLE = '''from typing import Any
+import weightsync
+
+args: Any
+model: Any
+optimizer: Any
+torch: Any
+vocab: int
+g: Any
+tensors: Any
+
+
+def before_landing(version: int) -> None: ...
+def after_commit(version: int) -> None: ...
+
+'''
+
+
+def readme_examples() -> list[str]:
+    text = (REPO / "README.md").read_text()
+    section = text.split("## Use it from Python", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert len(blocks) >= 2, "the README's Python section lost its examples"
+    return blocks
+
+
+def test_readme_examples_are_lines_of_the_tests() -> None:
+    scripts = {p.name: {line.strip() for line in p.read_text().splitlines()} for p in JOBS.glob("*.py")}
+    for block in readme_examples():
+        for line in block.splitlines():
+            code = line.split("  #")[0].strip()
+            if not code:
+                continue
+            homes = [name for name, lines in scripts.items() if any(code in l for l in lines)]
+            assert homes, f"README line not in the tests' scripts: {code!r}"
+
+
+def _mypy(argv: list[str]) -> None:
+    pytest.importorskip("mypy")
+    r = subprocess.run([sys.executable, "-m", "mypy", "--no-incremental", *argv], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_readme_examples_type_check(tmp_path: Path) -> None:
+    for i, block in enumerate(readme_examples()):
+        (tmp_path / f"example{i}.py").write_text(PREAMBLE + block)
+    _mypy(["--strict", "--follow-imports=silent", *map(str, sorted(tmp_path.glob("example*.py")))])
+
+
+def test_package_type_checks() -> None:
+    import weightsync
+
+    _mypy(["--strict", "-p", "weightsync"] if Path(weightsync.__file__).parent.name == "weightsync" else ["--strict"])

@@ -1,0 +1,62 @@
+"""weightsync: move fresh model weights from training ranks to inference engines.
+
+In every training rank::
+
+    trainer = weightsync.Trainer(controller="10.0.0.1:7070")   # rank from $RANK
+    trainer.register(model)                                    # FSDP2 shards, in place
+    ...
+    optimizer.step()
+    trainer.push(step).wait()
+
+In every inference rank, inside the engine's process::
+
+    engine = weightsync.Engine(controller="10.0.0.1:7070", rank=r,
+                               before_landing=pause, after_commit=resume)
+    engine.register(model, format="hf")                        # the engine's own tensors
+
+Or trigger syncs over HTTP: ``weightsync.Client(url, token).sync(step)``.
+
+Errors are :class:`SyncError` subclasses naming the worker and the tensor. Every wait releases
+the GIL and Ctrl-C interrupts it. torch is never imported by this package.
+"""
+
+from __future__ import annotations
+
+from .client import Client, Failure, SyncResult
+from .engine import Engine, EngineState, TensorInfo
+from .errors import (
+    ClientError,
+    ClosedError,
+    ConnectError,
+    LayoutMismatchError,
+    RegistrationError,
+    StaleTensorError,
+    SyncError,
+    SyncFailedError,
+    TimeoutError,
+)
+from .trainer import PushHandle, ShardInfo, SyncOutcome, Trainer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Trainer",
+    "PushHandle",
+    "SyncOutcome",
+    "ShardInfo",
+    "Engine",
+    "EngineState",
+    "TensorInfo",
+    "Client",
+    "SyncResult",
+    "Failure",
+    "SyncError",
+    "ConnectError",
+    "RegistrationError",
+    "LayoutMismatchError",
+    "StaleTensorError",
+    "SyncFailedError",
+    "TimeoutError",
+    "ClosedError",
+    "ClientError",
+]

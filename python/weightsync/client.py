@@ -1,0 +1,135 @@
+"""``weightsync.Client``: the controller's HTTP API, for a training loop (or anything else) that
+triggers syncs itself instead of pushing from the trainers (``POST /v1/syncs``).
+
+Plain ``urllib``: the API is a few small JSON calls; waiting happens in the socket read, which
+releases the GIL and is interrupted by Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import ClientError, SyncFailedError
+
+__all__ = ["Client", "SyncResult", "Failure"]
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why a sync failed: the worker to blame (e.g. ``rollout-1``), the tensor when known."""
+
+    worker: str
+    tensor: str | None
+    cause: str
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    """A sync as the controller reports it. ``state``: pending / running / committed / failed;
+    ``stages``: seconds per stage (prepare, write, land, verify, total) that are known."""
+
+    id: int
+    version: int
+    state: str
+    bytes: int
+    seconds: float | None
+    stages: dict[str, float] = field(default_factory=dict)
+    verified: bool | None = None
+    failure: Failure | None = None
+    created: bool = False
+
+    @staticmethod
+    def from_json(body: dict[str, Any]) -> SyncResult:
+        stages = {
+            k.removesuffix("_ms"): float(v) / 1e3
+            for k, v in (body.get("stages") or {}).items()
+            if v is not None
+        }
+        f = body.get("failure")
+        return SyncResult(
+            id=int(body.get("sync_id", body.get("id", 0))),
+            version=int(body["version"]),
+            state=str(body["state"]),
+            bytes=int(body.get("bytes", 0)),
+            seconds=stages.get("total"),
+            stages=stages,
+            verified=body.get("verified"),
+            failure=Failure(f["worker"], f.get("tensor"), f["cause"]) if f else None,
+            created=bool(body.get("created", False)),
+        )
+
+
+class Client:
+    """A client of the controller's HTTP API.
+
+    Args:
+        url: the API's base URL, e.g. ``http://127.0.0.1:8080``.
+        token: the API token (default ``$WEIGHTSYNC_API_TOKEN``); needed to trigger syncs.
+        timeout: seconds a request may take (a waiting sync counts: default one hour).
+    """
+
+    def __init__(self, url: str, token: str | None = None, *, timeout: float = 3600.0) -> None:
+        self.url = url.rstrip("/")
+        if "://" not in self.url:
+            self.url = "http://" + self.url
+        self.token = token if token is not None else os.environ.get("WEIGHTSYNC_API_TOKEN")
+        self.timeout = timeout
+
+    def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method=method)
+        if data is not None:
+            req.add_header("Content-Type", "application/json")
+        if self.token:
+            req.add_header("Authorization", f"Bearer {self.token}")
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                return dict(json.loads(resp.read() or b"{}"))
+        except urllib.error.HTTPError as e:
+            try:
+                err = json.loads(e.read()).get("error", {})
+            except (ValueError, AttributeError):
+                err = {}
+            raise ClientError(
+                f"{method} {self.url}{path}: HTTP {e.code}: {err.get('message', e.reason)}",
+                status=e.code,
+                code=str(err.get("code", "")),
+            ) from None
+        except (urllib.error.URLError, OSError) as e:
+            raise ClientError(f"{method} {self.url}{path}: {e}") from None
+
+    def sync(self, version: int, wait: bool = True) -> SyncResult:
+        """Triggers the sync of ``version`` (idempotent: a sync of it already running or done
+        is answered). With ``wait``, returns when it ended and raises
+        :class:`~weightsync.SyncFailedError` naming the failing worker if it failed.
+
+        Raises:
+            ClientError: the API refused (``code``: ``sync_running``, ``stale_version``,
+                ``not_ready``, ``unauthorized``, ...).
+        """
+        path = "/v1/syncs?wait=true" if wait else "/v1/syncs"
+        result = SyncResult.from_json(self._request("POST", path, {"version": version}))
+        if wait and result.state == "failed":
+            f = result.failure
+            raise SyncFailedError(
+                f"sync of version {version} failed"
+                + (f" at {f.worker}" + (f" (tensor {f.tensor})" if f.tensor else "") + f": {f.cause}" if f else ""),
+                worker=f.worker if f else None,
+                tensor=f.tensor if f else None,
+                version=version,
+                cause=f.cause if f else None,
+            )
+        return result
+
+    def get(self, sync_id: int) -> SyncResult:
+        """One sync by id."""
+        return SyncResult.from_json(self._request("GET", f"/v1/syncs/{sync_id}"))
+
+    def healthz(self) -> dict[str, Any]:
+        """The controller's health (``/healthz``)."""
+        return self._request("GET", "/healthz")

@@ -1,0 +1,247 @@
+"""``weightsync.Engine``: one per inference rank, inside the engine's own process.
+
+The engine registers its own parameter tensors as the destinations: the controller routes the
+trainers' writes straight into those addresses. Around each landing two hooks run in this
+process: ``before_landing(version)`` (stop reading the weights: they are about to change;
+nothing lands before it returns) and ``after_commit(version)`` (every write of the version was
+counted and verified). A failed sync leaves the engine ``invalid``, with its cause, until a later
+version commits.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from . import _native
+from ._hooks import Hook
+from ._tensors import TensorSource, current_ptr, named_tensors, shape_of, split_dtype
+from .errors import LayoutMismatchError, RegistrationError, StaleTensorError
+
+__all__ = ["Engine", "EngineState", "TensorInfo"]
+
+State = Literal["idle", "landing", "committed", "invalid"]
+Format = Literal["hf", "fused"]
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of this inference rank in the job's inference layout."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class EngineState:
+    """``version``: the last committed version (None before the first); ``state``: idle /
+    landing / committed / invalid; ``cause``: why it is invalid."""
+
+    version: int | None
+    state: State
+    cause: str | None
+
+
+def _env_rank() -> int:
+    for var in ("WEIGHTSYNC_ENGINE_RANK", "RANK"):
+        if var in os.environ:
+            return int(os.environ[var])
+    raise ValueError("rank not given and neither WEIGHTSYNC_ENGINE_RANK nor RANK is set")
+
+
+def _format_of(names: list[str]) -> Format | None:
+    """The inference format a layout's names are in (the fused format has qkv_proj /
+    gate_up_proj.weight / w13_weight; hf has q_proj and unfused gate/up)."""
+    fused = any(n.endswith(("qkv_proj.weight", "gate_up_proj.weight", "w13_weight")) for n in names)
+    hf = any(n.endswith(("q_proj.weight", "gate_proj.weight", "experts.gate_up_proj")) for n in names)
+    if fused and not hf:
+        return "fused"
+    if hf and not fused:
+        return "hf"
+    return None
+
+
+class Engine:
+    """The weightsync receiver of one inference rank.
+
+    Args:
+        controller: the controller's control-channel address, ``host:port``.
+        rank: this inference rank (default ``$WEIGHTSYNC_ENGINE_RANK``, else ``$RANK``).
+        job_token: the job's secret (default ``$WEIGHTSYNC_JOB_TOKEN``).
+        listen: the fabric's listen address (default ``127.0.0.1:0``).
+        worker_id: this worker's name (default ``rollout-{rank}``).
+        before_landing, after_commit: hooks (see :meth:`set_hooks`).
+    """
+
+    def __init__(
+        self,
+        controller: str,
+        rank: int | None = None,
+        *,
+        job_token: str | None = None,
+        listen: str | None = None,
+        worker_id: str | None = None,
+        before_landing: Hook | None = None,
+        after_commit: Hook | None = None,
+    ) -> None:
+        self._core = _native.EngineCore(
+            controller, _env_rank() if rank is None else rank, job_token, listen, worker_id
+        )
+        self._registered: dict[str, int] = {}
+        self._origins: dict[str, Any] = {}
+        self._source: Any = None
+        self._before: Hook | None = None
+        self._after: Hook | None = None
+        self.set_hooks(before_landing=before_landing, after_commit=after_commit)
+
+    @property
+    def worker_id(self) -> str:
+        """This worker's id, e.g. ``rollout-0``."""
+        return self._core.worker_id
+
+    def layout(self) -> list[TensorInfo]:
+        """Every tensor this rank must register, as the job plans it."""
+        return [TensorInfo(n, d, tuple(s)) for n, d, s in self._core.layout()]
+
+    def set_hooks(self, *, before_landing: Hook | None = None, after_commit: Hook | None = None) -> None:
+        """Sets both hooks (None clears one). Each is called with the version, in this process,
+        with the GIL taken, on weightsync's thread:
+
+        - ``before_landing(version)``: the engine must stop reading its weights; no byte of the
+          version lands before it returns. weightsync also checks here that no registered
+          tensor moved.
+        - ``after_commit(version)``: called only after every write of the version was counted
+          and verified; the weights are the version's until the next ``before_landing``.
+
+        A hook that raises fails the sync, naming this engine and the exception.
+        """
+        self._before, self._after = before_landing, after_commit
+        # Through a weak reference: the native engine holding a bound method would keep this
+        # object alive in a cycle the garbage collector cannot see through.
+        me = weakref.ref(self)
+
+        def before(version: int) -> None:
+            engine = me()
+            if engine is not None:
+                engine._before_landing(version)
+
+        def after(version: int) -> None:
+            engine = me()
+            if engine is not None:
+                engine._after_commit(version)
+
+        self._core.set_hooks(before, after)
+
+    def _before_landing(self, version: int) -> None:
+        self.check_storage()
+        if self._before is not None:
+            self._before(version)
+
+    def _after_commit(self, version: int) -> None:
+        if self._after is not None:
+            self._after(version)
+
+    def register(self, tensors: TensorSource, *, format: Format | None = None) -> dict[str, int]:
+        """Registers the engine's own tensors as the destinations, once.
+
+        ``tensors`` is a module (its ``named_parameters()`` and those ``named_buffers()`` the
+        layout names, e.g. fp8 ``weight_scale_inv`` when a model keeps them as buffers), a
+        mapping or ``(name, tensor)`` pairs. Every tensor of the layout must be there, with the
+        planned shape and dtype. ``format`` (``"hf"``: transformers' own names and layout;
+        ``"fused"``: vLLM/SGLang's qkv_proj / gate_up_proj) is checked against the job's.
+        Returns the registered address of each tensor.
+
+        Raises:
+            LayoutMismatchError: a shape or dtype differs from the plan, or the job's format is
+                not ``format``.
+            RegistrationError: a tensor is missing, extra or unusable (read-only, on a device).
+        """
+        layout = self.layout()
+        if format is not None:
+            job_format = _format_of([t.name for t in layout])
+            if job_format is not None and job_format != format:
+                raise LayoutMismatchError(
+                    f"{self.worker_id}: the job's inference format is {job_format}, this "
+                    f"engine registers format={format}",
+                    worker=self.worker_id, expected=job_format, actual=format,
+                )
+        names = {t.name for t in layout}
+        items = named_tensors(tensors, with_buffers=True)
+        is_module = hasattr(tensors, "named_parameters")
+        if is_module:
+            params = {n for n, _ in tensors.named_parameters()}  # type: ignore[union-attr]
+            # Buffers only where the layout names them (not rotary tables and the like).
+            items = [(n, t) for n, t in items if n in params or n in names]
+        entries = [(name, *split_dtype(value)) for name, value in items]
+        for name, obj, _ in entries:
+            if name not in names:
+                raise RegistrationError(
+                    f"{self.worker_id}: tensor {name} ({list(shape_of(obj) or ())}) is not in the "
+                    "job's inference layout for this rank",
+                    worker=self.worker_id, tensor=name,
+                )
+        registered = self._core.register(entries)
+        self._registered = {name: ptr for name, ptr, _len, _kind in registered}
+        self._origins = {name: obj for name, obj, _ in entries}
+        self._source = tensors if is_module else None
+        return dict(self._registered)
+
+    def check_storage(self) -> None:
+        """Raises :class:`~weightsync.StaleTensorError` naming the first registered tensor whose
+        storage moved since :meth:`register` (writes would land in the old storage)."""
+        current = dict(self._origins)
+        if self._source is not None:
+            current.update(
+                {n: p for n, p in named_tensors(self._source, with_buffers=True) if n in current}
+            )
+        for name, ptr in self._registered.items():
+            now = current_ptr(split_dtype(current[name])[0])
+            if now is not None and now != ptr:
+                raise StaleTensorError(
+                    f"{self.worker_id}: tensor {name} moved since register() (was {ptr:#x}, now "
+                    f"{now:#x}): weights would land in the old storage",
+                    worker=self.worker_id, tensor=name,
+                )
+
+    def status(self) -> EngineState:
+        """Version, state and cause, read together."""
+        version, state, cause = self._core.state()
+        return EngineState(version, state, cause)  # type: ignore[arg-type]
+
+    @property
+    def version(self) -> int | None:
+        """The last committed version (None before the first)."""
+        return self.status().version
+
+    @property
+    def state(self) -> State:
+        """``idle``, ``landing``, ``committed`` or ``invalid``."""
+        return self.status().state
+
+    @property
+    def cause(self) -> str | None:
+        """Why the engine is ``invalid`` (None otherwise)."""
+        return self.status().cause
+
+    def wait_for_version(self, version: int, timeout: float | None = None) -> EngineState:
+        """Blocks (GIL released, Ctrl-C honoured) until a version >= ``version`` committed.
+
+        Raises:
+            SyncFailedError: the sync of ``version`` failed on this engine.
+            TimeoutError: ``timeout`` seconds passed first.
+        """
+        v, state, cause = self._core.wait_for_version(version, timeout)
+        return EngineState(v, state, cause)  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        """Leaves the job (idempotent)."""
+        self._core.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

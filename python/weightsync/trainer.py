@@ -1,0 +1,216 @@
+"""``weightsync.Trainer``: one per training rank, in the training process.
+
+The trainer learns the job (model, training and inference layouts) from the controller,
+registers the rank's own parameter memory in place (FSDP2 ``DTensor`` local shards, plain
+tensors, numpy arrays: no copy into an arena), and after each optimizer step declares with
+:meth:`Trainer.push` that the tensors hold a version. The controller starts the sync once every
+training rank pushed it; :meth:`PushHandle.wait` returns its figures or raises.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import _native
+from ._tensors import TensorSource, current_ptr, is_dtensor, named_tensors, numel, shape_of, split_dtype
+from .errors import LayoutMismatchError, RegistrationError, StaleTensorError
+
+__all__ = ["Trainer", "PushHandle", "SyncOutcome", "ShardInfo"]
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """One shard this rank holds in the job's training layout."""
+
+    name: str
+    dtype: str
+    global_shape: tuple[int, ...]
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SyncOutcome:
+    """A committed sync, as one trainer saw it.
+
+    ``bytes`` = ``staged_bytes`` (cast, quantised, fused or sliced through the staging arena) +
+    ``direct_bytes`` (written by the fabric straight from the registered tensors: nobody else
+    copied them). ``stages`` maps each pipeline stage to its seconds.
+    """
+
+    version: int
+    bytes: int
+    staged_bytes: int
+    direct_bytes: int
+    seconds: float
+    stages: dict[str, float] = field(default_factory=dict)
+
+
+class PushHandle:
+    """The sync of one pushed version. :meth:`wait` may be called again after a timeout."""
+
+    def __init__(self, core: _native.PushCore) -> None:
+        self._core = core
+
+    @property
+    def version(self) -> int:
+        """The version pushed."""
+        return self._core.version
+
+    def wait(self, timeout: float | None = None) -> SyncOutcome:
+        """Blocks until the sync commits (returns its figures) or fails (raises
+        :class:`~weightsync.SyncFailedError` naming the failing worker). The GIL is released
+        meanwhile and Ctrl-C interrupts. ``timeout`` in seconds raises
+        :class:`~weightsync.TimeoutError`; the sync goes on."""
+        v, total, staged, direct, secs, stages = self._core.wait(timeout)
+        return SyncOutcome(v, total, staged, direct, secs, dict(stages))
+
+
+def _env_rank() -> int:
+    for var in ("RANK", "SLURM_PROCID"):
+        if var in os.environ:
+            return int(os.environ[var])
+    raise ValueError("rank not given and neither RANK nor SLURM_PROCID is set")
+
+
+class Trainer:
+    """The weightsync trainer of one training rank.
+
+    Args:
+        controller: the controller's control-channel address, ``host:port``.
+        rank: this training rank (default: ``$RANK``, as torchrun sets it).
+        job_token: the job's secret (default: ``$WEIGHTSYNC_JOB_TOKEN``).
+        listen: the fabric's listen address (default ``127.0.0.1:0``).
+        worker_id: this worker's name (default ``trainer-{rank}``).
+    """
+
+    def __init__(
+        self,
+        controller: str,
+        rank: int | None = None,
+        *,
+        job_token: str | None = None,
+        listen: str | None = None,
+        worker_id: str | None = None,
+    ) -> None:
+        self._core = _native.TrainerCore(
+            controller, _env_rank() if rank is None else rank, job_token, listen, worker_id
+        )
+        self._registered: dict[str, int] = {}
+        self._origins: dict[str, Any] = {}
+        self._source: Any = None
+
+    @property
+    def worker_id(self) -> str:
+        """This worker's id, e.g. ``trainer-0``."""
+        return self._core.worker_id
+
+    def layout(self) -> list[ShardInfo]:
+        """The shards this rank must register (empty shards are not listed)."""
+        return [
+            ShardInfo(n, d, tuple(g), tuple(o), tuple(s)) for n, d, g, o, s in self._core.layout()
+        ]
+
+    def register(self, tensors: TensorSource) -> dict[str, int]:
+        """Registers this rank's parameters in place, once.
+
+        ``tensors`` is a module (its ``named_parameters()``), a mapping of names to tensors, or
+        ``(name, tensor)`` pairs; names are the job's parameter names (transformers'
+        ``named_parameters()``). A ``DTensor``'s local shard is registered, after checking that
+        it is sharded on dim 0 and that its global and local shapes are the layout's; empty
+        shards (FSDP2 gives them shape ``(0, ...)``) are skipped. Returns the registered address
+        of each tensor.
+
+        Raises:
+            LayoutMismatchError: a shape, dtype or placement differs from the layout (names the
+                parameter, the expected and the actual shard).
+            RegistrationError: a tensor is missing or not in the layout, or unusable.
+        """
+        layout = {s.name: s for s in self.layout()}
+        entries: list[tuple[str, object, str | None]] = []
+        origins: dict[str, Any] = {}
+        for name, value in named_tensors(tensors):
+            obj, dtype = split_dtype(value)
+            self._check_placement(name, obj, layout.get(name))
+            if numel(obj) == 0:
+                if name in layout:
+                    raise LayoutMismatchError(
+                        f"{self.worker_id}: tensor {name}: this rank's shard is empty, the "
+                        f"layout expects shape {list(layout[name].shape)}",
+                        worker=self.worker_id, tensor=name,
+                        expected=str(list(layout[name].shape)), actual="empty",
+                    )
+                continue
+            entries.append((name, obj.to_local() if is_dtensor(obj) else obj, dtype))
+            origins[name] = obj
+        registered = self._core.register(entries)
+        self._registered = {name: ptr for name, ptr, _len, _kind in registered}
+        self._origins = origins
+        self._source = tensors if hasattr(tensors, "named_parameters") else None
+        return dict(self._registered)
+
+    def _check_placement(self, name: str, t: Any, shard: ShardInfo | None) -> None:
+        if not is_dtensor(t):
+            return
+        shard0 = [callable(getattr(p, "is_shard", None)) and p.is_shard(0) for p in t.placements]
+        replicate = [callable(getattr(p, "is_replicate", None)) and p.is_replicate() for p in t.placements]
+        if not any(shard0) or not all(s or r for s, r in zip(shard0, replicate)):
+            placements = tuple(repr(p) for p in t.placements)
+            raise LayoutMismatchError(
+                f"{self.worker_id}: tensor {name}: placements {placements}: weightsync's FSDP "
+                "layout shards dim 0 (torch.chunk semantics), i.e. Shard(dim=0)",
+                worker=self.worker_id, tensor=name, expected="(Shard(dim=0),)", actual=str(placements),
+            )
+        if shard is None:
+            return
+        global_shape = shape_of(t)
+        local_shape = shape_of(t.to_local())
+        if global_shape != shard.global_shape or (local_shape != shard.shape and numel(t) != 0):
+            raise LayoutMismatchError(
+                f"{self.worker_id}: tensor {name}: global shape {list(global_shape or ())}, local "
+                f"shard {list(local_shape or ())}; the layout expects global "
+                f"{list(shard.global_shape)}, shard {list(shard.shape)} at {list(shard.offset)}",
+                worker=self.worker_id, tensor=name,
+                expected=f"{list(shard.shape)} of {list(shard.global_shape)}",
+                actual=f"{list(local_shape or ())} of {list(global_shape or ())}",
+            )
+
+    def check_storage(self) -> None:
+        """Raises :class:`~weightsync.StaleTensorError` naming the first registered tensor whose
+        storage moved since :meth:`register` (or, for a registered module, whose parameter was
+        replaced): weightsync would read its old bytes. :meth:`push` calls it. Registration is
+        once per Trainer: update parameters in place (optimizers do), or start a new Trainer."""
+        if not self._registered:
+            raise RegistrationError(f"{self.worker_id}: register() first", worker=self.worker_id)
+        current = dict(self._origins)
+        if self._source is not None:
+            current.update({n: p for n, p in self._source.named_parameters() if n in current})
+        for name, ptr in self._registered.items():
+            now = current_ptr(split_dtype(current[name])[0])
+            if now is not None and now != ptr:
+                raise StaleTensorError(
+                    f"{self.worker_id}: tensor {name} moved since register() (was {ptr:#x}, now "
+                    f"{now:#x}); its registered bytes are stale. Copy new values into the registered "
+                    "tensor (param.data.copy_(...)) instead of re-assigning it, or close this "
+                    "Trainer and register the tensors with a new one",
+                    worker=self.worker_id, tensor=name,
+                )
+
+    def push(self, version: int) -> PushHandle:
+        """Declares that the registered tensors hold ``version`` and stay put until its sync
+        ends (do not step the optimizer before :meth:`PushHandle.wait` returns). The sync
+        starts once every training rank pushed ``version``."""
+        self.check_storage()
+        return PushHandle(self._core.push(version))
+
+    def close(self) -> None:
+        """Leaves the job (idempotent)."""
+        self._core.close()
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
