@@ -3,7 +3,9 @@
 //! wraps the hooks with its own checks.
 
 use pyo3::prelude::*;
-use weightsync_agent::{DstTensor, EngineHandle, EngineOptions, EngineState, EngineStatus, Hook};
+use weightsync_agent::embed::{
+    DstTensor, EngineHandle, EngineOptions, EngineState, EngineStatus, Hook,
+};
 
 use crate::errors::embed_error;
 use crate::foreign_tensor::Access;

@@ -7,7 +7,7 @@
 
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
-use weightsync_agent::EmbedError;
+use weightsync_agent::embed::EmbedError;
 
 /// Builds `weightsync.errors.<class>(message, **attrs)` as a Python exception.
 pub(crate) fn raise(

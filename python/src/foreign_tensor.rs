@@ -29,6 +29,7 @@ use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyCapsule, PyCapsuleMethods, PyDict};
+use weightsync_agent::embed::HostMemory;
 use weightsync_common::DType;
 
 /// What the memory will be used for: sources are only read, destinations are written.
@@ -120,6 +121,23 @@ impl ForeignTensor {
     /// How the memory was found: `torch`, `dlpack` or `buffer`.
     pub(crate) fn kind(&self) -> &'static str {
         self.kind
+    }
+
+    /// Hands the memory to weightsync, with everything that keeps it alive.
+    pub(crate) fn into_host_memory(self) -> HostMemory {
+        let ForeignTensor {
+            ptr,
+            len,
+            keepalive,
+            ..
+        } = self;
+        // SAFETY: `ptr..ptr+len` was checked to lie inside the object's own allocation (the
+        // torch storage, the DLPack tensor or the exported buffer) when this value was built,
+        // `Access::Write` objects were checked writable, and `keepalive` holds the object, the
+        // tensor owning the memory and the export that pins it, so the bytes stay valid until
+        // the HostMemory (and with it the keepalive) is dropped. Moves by re-assignment keep
+        // the old storage alive through the same references.
+        unsafe { HostMemory::from_raw(ptr as *mut u8, len, Box::new(keepalive)) }
     }
 }
 

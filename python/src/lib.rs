@@ -20,7 +20,12 @@
 //! - [`wait`]: GIL-free, interruptible waiting; [`errors`]: Rust errors as Python exceptions.
 
 mod dtype_name;
+mod engine;
+mod errors;
 mod foreign_tensor;
+mod tensor_list;
+mod trainer;
+mod wait;
 
 use pyo3::prelude::*;
 
@@ -53,6 +58,10 @@ fn tensor_info(
 
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<trainer::TrainerCore>()?;
+    m.add_class::<trainer::PushCore>()?;
+    m.add_class::<engine::EngineCore>()?;
     m.add_function(wrap_pyfunction!(tensor_info, m)?)?;
+    m.add("POLL_SECONDS", wait::POLL.as_secs_f64())?;
     Ok(())
 }

@@ -3,7 +3,9 @@
 //! checks placements and storage moves, and calls this.
 
 use pyo3::prelude::*;
-use weightsync_agent::{PushHandle, SourceTensor, SyncOutcome, TrainerHandle, TrainerOptions};
+use weightsync_agent::embed::{
+    PushHandle, SourceTensor, SyncOutcome, TrainerHandle, TrainerOptions,
+};
 
 use crate::errors::embed_error;
 use crate::foreign_tensor::Access;

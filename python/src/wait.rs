@@ -7,7 +7,7 @@
 use std::time::{Duration, Instant};
 
 use pyo3::prelude::*;
-use weightsync_agent::EmbedError;
+use weightsync_agent::embed::EmbedError;
 
 use crate::errors::{embed_error, raise};
 

@@ -1,0 +1,239 @@
+"""The package against a real controller, without torch: two trainers and two engines in this
+one process (each with its own runtime, waits release the GIL), numpy arrays registered in place
+on both sides; and what the package refuses, by name. Seconds each."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import weightsync
+
+from conftest import Controller, Procs, start_controller
+
+np = pytest.importorskip("numpy")
+
+# A small dense Qwen3 whose rows 2 FSDP ranks split evenly and 3 unevenly.
+CONFIG = {"model_type": "qwen3", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 320,
+          "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+
+
+def controller(tmp_path: Path, procs: Procs, train: str = "fsdp=2", infer: str = "tp=1,dp=2,format=hf") -> Controller:
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(CONFIG))
+    return start_controller(procs, str(cfg), train, infer)
+
+
+def full_value(name: str, shape: tuple[int, ...], version: int) -> Any:
+    """The parameter `name` at `version`: bf16 bit patterns of finite numbers, as uint16."""
+    seed = int.from_bytes(hashlib.blake2b(f"{name}/{version}".encode(), digest_size=8).digest(), "little")
+    return np.random.default_rng(seed).integers(0, 0x3F80, size=shape, dtype=np.uint16)
+
+
+def in_threads(fns: list[Callable[[], Any]], timeout: float = 120) -> list[Any]:
+    results: list[Any] = [None] * len(fns)
+    errors: list[BaseException | None] = [None] * len(fns)
+
+    def run(i: int) -> None:
+        try:
+            results[i] = fns[i]()
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errors[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+        assert not t.is_alive(), "a call did not return"
+    for e in errors:
+        if e is not None:
+            raise e
+    return results
+
+
+class Job:
+    """Two numpy trainers (fsdp=2) and two numpy engines (hf, dp=2) in this process."""
+
+    def __init__(self, c: Controller, fail_hook_at: int | None = None) -> None:
+        tok = c.job_token
+        self.calls: list[tuple[str, str, int]] = []
+        self.engines = [weightsync.Engine(c.control, r, job_token=tok) for r in range(2)]
+        for e in self.engines:
+            e.set_hooks(before_landing=self._hook("before", e.worker_id, fail_hook_at),
+                        after_commit=self._hook("after", e.worker_id, None))
+        self.trainers = [weightsync.Trainer(c.control, r, job_token=tok) for r in range(2)]
+        self.dst = [{t.name: np.zeros(t.shape, np.uint16) for t in e.layout()} for e in self.engines]
+        self.shards = [{s.name: s for s in t.layout()} for t in self.trainers]
+        self.src = [{n: np.zeros(s.shape, np.uint16) for n, s in sh.items()} for sh in self.shards]
+        in_threads(
+            [lambda e=e, d=d: e.register({n: (a, "bf16") for n, a in d.items()}, format="hf")
+             for e, d in zip(self.engines, self.dst)]
+            + [lambda t=t, s=s: t.register({n: (a, "bf16") for n, a in s.items()})
+               for t, s in zip(self.trainers, self.src)]
+        )
+
+    def _hook(self, kind: str, worker: str, fail_at: int | None) -> Callable[[int], None]:
+        def hook(version: int) -> None:
+            self.calls.append((kind, worker, version))
+            if version == fail_at and worker == "rollout-1":
+                raise RuntimeError(f"engine refuses version {version}")
+        return hook
+
+    def step(self, version: int) -> dict[str, Any]:
+        """The trainers' tensors take `version`'s values in place; returns the full tensors."""
+        full = {}
+        for shards, src in zip(self.shards, self.src):
+            for name, s in shards.items():
+                full.setdefault(name, full_value(name, s.global_shape, version))
+                box = tuple(slice(o, o + n) for o, n in zip(s.offset, s.shape))
+                src[name][...] = full[name][box]
+        return full
+
+    def push(self, version: int) -> list[weightsync.SyncOutcome]:
+        return in_threads([lambda t=t: t.push(version).wait(timeout=60) for t in self.trainers])
+
+    def close(self) -> None:
+        for w in [*self.trainers, *self.engines]:
+            w.close()
+
+
+def test_two_trainers_two_engines_numpy(tmp_path: Path, procs: Procs) -> None:
+    job = Job(controller(tmp_path, procs))
+    try:
+        for v in (1, 2, 3):
+            full = job.step(v)
+            outcomes = job.push(v)
+            for e, dst in zip(job.engines, job.dst):
+                # The trainers' push ends on the controller's commit; each engine learns it on
+                # its own connection a moment later.
+                assert e.wait_for_version(v, timeout=30).version == v
+                assert (e.version, e.state, e.cause) == (v, "committed", None)
+                for name, a in dst.items():
+                    assert np.array_equal(a, full[name]), f"{e.worker_id} v{v}: {name} differs"
+            # bf16 -> bf16: nothing goes through staging; rows are written straight from the
+            # registered arrays (bytes also counts the small boxes the planner gathers first,
+            # written from the gather arena).
+            assert all(o.version == v and o.bytes >= o.direct_bytes > 0 for o in outcomes), outcomes
+            assert sum(o.staged_bytes for o in outcomes) == 0, outcomes
+        for w in ("rollout-0", "rollout-1"):
+            mine = [(k, v) for k, who, v in job.calls if who == w]
+            assert mine == [("before", 1), ("after", 1), ("before", 2), ("after", 2), ("before", 3), ("after", 3)]
+    finally:
+        job.close()
+
+
+def settled(e: weightsync.Engine, timeout: float = 10) -> weightsync.EngineState:
+    """The engine's state once the abort reached it (its own connection may lag the trainers')."""
+    deadline = time.monotonic() + timeout
+    while (st := e.status()).state == "landing" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return st
+
+
+def test_failing_hook_names_the_engine(tmp_path: Path, procs: Procs) -> None:
+    job = Job(controller(tmp_path, procs), fail_hook_at=2)
+    try:
+        job.step(1)
+        job.push(1)
+        job.step(2)
+        with pytest.raises(weightsync.SyncFailedError) as e:
+            job.push(2)
+        assert e.value.worker == "rollout-1" and e.value.version == 2, e.value
+        assert "engine refuses version 2" in str(e.value)
+        states = {x.worker_id: settled(x) for x in job.engines}
+        assert states["rollout-1"].state == "invalid" and states["rollout-1"].version == 1
+        assert "engine refuses" in (states["rollout-1"].cause or "")
+        assert states["rollout-0"].state in ("invalid", "committed") and states["rollout-0"].version == 1
+        with pytest.raises(weightsync.SyncFailedError):
+            job.engines[1].wait_for_version(2, timeout=10)
+        full = job.step(3)
+        job.push(3)
+        for e, dst in zip(job.engines, job.dst):
+            assert e.wait_for_version(3, timeout=30).version == 3
+            assert (e.version, e.state) == (3, "committed")
+            assert all(np.array_equal(a, full[n]) for n, a in dst.items())
+    finally:
+        job.close()
+
+
+def test_registration_errors_name_the_tensor(tmp_path: Path, procs: Procs) -> None:
+    c = controller(tmp_path, procs)
+    t = weightsync.Trainer(c.control, 0, job_token=c.job_token)
+    shards = t.layout()
+    good = {s.name: (np.zeros(s.shape, np.uint16), "bf16") for s in shards}
+    victim = shards[1]
+    bad_shape = dict(good)
+    bad_shape[victim.name] = (np.zeros((victim.shape[0] + 1, *victim.shape[1:]), np.uint16), "bf16")
+    with pytest.raises(weightsync.LayoutMismatchError) as e:
+        t.register(bad_shape)
+    assert e.value.tensor == victim.name and victim.name in str(e.value), e.value
+    missing = {k: v for k, v in good.items() if k != victim.name}
+    with pytest.raises(weightsync.RegistrationError, match=victim.name.replace(".", r"\.")):
+        t.register(missing)
+    with pytest.raises(weightsync.RegistrationError, match="model.layers.9.nothing"):
+        t.register({**good, "model.layers.9.nothing": (np.zeros(4, np.uint16), "bf16")})
+    with pytest.raises(weightsync.RegistrationError, match=r"(?s)tensor model\..*f32"):
+        t.register({k: np.zeros(s.shape, np.float32) for k, s in ((s.name, s) for s in shards)})
+    t.close()
+    e2 = weightsync.Engine(c.control, 0, job_token=c.job_token)
+    with pytest.raises(weightsync.LayoutMismatchError, match="fused"):
+        e2.register({}, format="fused")
+    e2.close()
+
+
+def test_moved_tensor_is_refused_by_name(tmp_path: Path, procs: Procs) -> None:
+    torch = pytest.importorskip("torch")
+    c = controller(tmp_path, procs)
+    t = weightsync.Trainer(c.control, 0, job_token=c.job_token)
+    params = {s.name: torch.nn.Parameter(torch.zeros(s.shape, dtype=torch.bfloat16)) for s in t.layout()}
+    t.register(params)
+    victim = sorted(params)[3]
+    params[victim].data = params[victim].data.clone()  # re-assigned: new storage
+    with pytest.raises(weightsync.StaleTensorError) as e:
+        t.push(1)
+    assert e.value.tensor == victim and victim in str(e.value)
+    t.close()
+
+
+def test_wait_releases_the_gil_and_ctrl_c_interrupts(tmp_path: Path, procs: Procs) -> None:
+    c = controller(tmp_path, procs)
+    script = textwrap.dedent(f"""
+        import sys, threading, numpy as np, weightsync
+        t = weightsync.Trainer({c.control!r}, 0, job_token={c.job_token!r})
+        t.register({{s.name: (np.zeros(s.shape, np.uint16), "bf16") for s in t.layout()}})
+        count = [0]
+        def spin():
+            while True:
+                count[0] += 1
+        threading.Thread(target=spin, daemon=True).start()
+        print("waiting", flush=True)
+        try:
+            t.push(1).wait()   # trainer-1 never pushes: waits until interrupted
+        except KeyboardInterrupt:
+            print("interrupted", count[0], flush=True)
+    """)
+    p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert p.stdout is not None
+    assert p.stdout.readline().strip() == "waiting", p.stderr.read() if p.stderr else ""
+    time.sleep(1.0)
+    sent = time.monotonic()
+    p.send_signal(signal.SIGINT)
+    line = p.stdout.readline().split()
+    latency = time.monotonic() - sent
+    p.wait(timeout=30)
+    assert line and line[0] == "interrupted", line
+    assert int(line[1]) > 1000, "the other Python thread did not run while the wait held the GIL"
+    assert latency < 2.0, latency
