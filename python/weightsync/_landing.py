@@ -46,6 +46,7 @@ class LandingGate:
         self._arena_version: int | None = None
         self._landing: int | None = None
         self._held = 0
+        self._waiting: int | None = None
         self._reading = False
         self._land_t0: dict[int, float] = {}
         self.land_s: dict[int, float] = {}
@@ -62,12 +63,21 @@ class LandingGate:
         with self._cv:
             return self._landing
 
+    @property
+    def waiting(self) -> int | None:
+        """Direct: the version whose landing waits for the engine to be held, if any."""
+        with self._cv:
+            return self._waiting
+
     # ---- hooks (weightsync's thread) ------------------------------------------------------
 
     def before_landing(self, version: int) -> None:
         with self._cv:
             if self.direct:
-                if not self._cv.wait_for(lambda: self._held > 0, self.landing_wait_s):
+                self._waiting = version
+                ok = self._cv.wait_for(lambda: self._held > 0, self.landing_wait_s)
+                self._waiting = None
+                if not ok:
                     raise EngineNotHeld(
                         f"direct landing of version {version}: the engine was not paused within "
                         f"{self.landing_wait_s} s (its update call must be waiting for this version)")

@@ -155,9 +155,9 @@ class Trainer:
         if not is_dtensor(t):
             return
         placements = tuple(str(p) for p in t.placements)
-        if any(p not in ("Shard(dim=0)", "Replicate()") for p in placements) or not any(
-            p == "Shard(dim=0)" for p in placements
-        ):
+        # By type and dim, not str(): torch 2.13 prints Shard(0) as "S(0)" and Replicate() as "R".
+        kinds = [(type(p).__name__, getattr(p, "dim", None)) for p in t.placements]
+        if any(k not in (("Shard", 0), ("Replicate", None)) for k in kinds) or ("Shard", 0) not in kinds:
             raise LayoutMismatchError(
                 f"{self.worker_id}: tensor {name}: placements {placements}: weightsync's FSDP "
                 "layout shards dim 0 (torch.chunk semantics), i.e. Shard(dim=0)",

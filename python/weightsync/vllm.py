@@ -315,6 +315,16 @@ class WorkerExtension:
     def weightsync_status(self) -> dict[str, Any]:
         return self._ws_engine().status()
 
+    def weightsync_ready(self, version: int) -> dict[str, Any]:
+        """Returns at once: may ``update_weights(version)`` start without holding the engine
+        waiting? (staged: a whole version >= ``version`` is in the arena; direct: its landing
+        waits for the engine; either: the engine turned invalid, so update_weights will raise.)"""
+        eng = self._ws_engine()
+        gate, st = eng.gate, eng._require_engine().status()
+        have, waiting = gate.arena_version, gate.waiting
+        ready = (have is not None and have >= version) or (waiting is not None and waiting >= version)
+        return {"ready": ready or st.state == "invalid", "state": st.state, "cause": st.cause}
+
     def weightsync_params(self) -> dict[str, torch.Tensor]:
         """A copy of every parameter vLLM holds (empty ones stay empty)."""
         model = self.model_runner.model  # type: ignore[attr-defined]
@@ -324,18 +334,27 @@ class WorkerExtension:
         return {n: t.clone() for n, t in self._ws_engine().arena.items()}
 
 
-def update(llm: Any, version: int, *, timeout_s: float = 600.0, reset_prefix_cache: bool = True) -> dict[str, Any]:
+def update(llm: Any, version: int, *, timeout_s: float = 600.0, reset_prefix_cache: bool = True,
+           poll_s: float = 0.005) -> dict[str, Any]:
     """Brings an offline ``vllm.LLM`` to ``version`` (or a newer committed one) through the
     weight-transfer API, resets its prefix cache and sets its ``weight_version``; returns the
-    timings (driver side plus each worker's)."""
+    timings (driver side plus each worker's).
+
+    It first polls the workers (a quick ``collective_rpc`` every ``poll_s``) until the version
+    is whole in every arena (staged) or its landing waits for the engine (direct), so vLLM
+    serves while the trainers write and is held only for the load (staged) or the landing
+    (direct)."""
+    tw = time.perf_counter()
+    deadline = time.monotonic() + timeout_s
+    while not all(r["ready"] for r in llm.collective_rpc("weightsync_ready", args=(version,))):
+        if time.monotonic() > deadline:
+            break  # update_weights raises the timeout, naming what it waited for
+        time.sleep(poll_s)
     t0 = time.perf_counter()
     llm.start_weight_update()
     t1 = time.perf_counter()
-    try:
-        llm.update_weights({"update_info": {"version": version, "timeout_s": timeout_s}})
-    except BaseException:
-        # vLLM ended the session when update_weights raised; nothing was loaded.
-        raise
+    # Raises when the sync failed (vLLM ended the session; staged: nothing was loaded).
+    llm.update_weights({"update_info": {"version": version, "timeout_s": max(1.0, deadline - time.monotonic())}})
     t2 = time.perf_counter()
     llm.finish_weight_update(weight_version=str(version))
     t3 = time.perf_counter()
@@ -343,7 +362,7 @@ def update(llm: Any, version: int, *, timeout_s: float = 600.0, reset_prefix_cac
         llm.reset_prefix_cache()
     t4 = time.perf_counter()
     workers = [s["syncs"][-1] for s in llm.collective_rpc("weightsync_status")]
-    out = {"version": version, "start_s": t1 - t0, "update_s": t2 - t1, "finish_s": t3 - t2,
+    out = {"version": version, "ready_wait_s": t0 - tw, "start_s": t1 - t0, "update_s": t2 - t1, "finish_s": t3 - t2,
            "reset_prefix_cache_s": t4 - t3, "resume_s": t4 - t2, "workers": workers,
            "pause_s": max(w["pause_s"] for w in workers),
            "land_s": max((w["land_s"] or 0.0) for w in workers),
