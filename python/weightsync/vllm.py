@@ -62,7 +62,7 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from ._landing import ArenaNotCommitted, LandingGate
 from .engine import Engine
-from .errors import RegistrationError, SyncFailedError
+from .errors import RegistrationError, SyncFailedError, TimeoutError
 
 __all__ = ["BACKEND", "WeightsyncInitInfo", "WeightsyncUpdateInfo", "WeightsyncTransferEngine",
            "WorkerExtension", "update", "torch_dtype"]
@@ -253,9 +253,9 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
                 t0 = time.perf_counter()
                 initialize_layerwise_reload(self.model)
                 t1 = time.perf_counter()
-                self.model.load_weights(iter(self.arena.items()))
+                self.model.load_weights(iter(self.arena.items()))  # type: ignore[operator]
                 t2 = time.perf_counter()
-                finalize_layerwise_reload(self.model, self.model_config)
+                finalize_layerwise_reload(self.model, self.model_config)  # type: ignore[no-untyped-call]
                 t3 = time.perf_counter()
         except ArenaNotCommitted as e:
             raise SyncFailedError(f"{engine.worker_id}: {e}; vLLM keeps serving version {self.loaded_version}",
@@ -346,9 +346,12 @@ def update(llm: Any, version: int, *, timeout_s: float = 600.0, reset_prefix_cac
     (direct)."""
     tw = time.perf_counter()
     deadline = time.monotonic() + timeout_s
-    while not all(r["ready"] for r in llm.collective_rpc("weightsync_ready", args=(version,))):
+    while not all(r["ready"] for r in (states := llm.collective_rpc("weightsync_ready", args=(version,)))):
         if time.monotonic() > deadline:
-            break  # update_weights raises the timeout, naming what it waited for
+            raise TimeoutError(
+                f"version {version} did not reach every vLLM worker in {timeout_s} s (worker states "
+                f"{[(r['state'], r['cause']) for r in states]}); vLLM keeps serving "
+                f"{llm.get_weight_version()!r}", version=version)
         time.sleep(poll_s)
     t0 = time.perf_counter()
     llm.start_weight_update()

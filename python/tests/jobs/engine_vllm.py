@@ -99,7 +99,7 @@ def main() -> None:
         gen(LONG_PROMPT)  # cached under the old weights
         if v == args.kill_trainer_at:
             try:
-                wv.update(llm, v, timeout_s=300)
+                wv.update(llm, v, timeout_s=30)
             except Exception as e:  # noqa: BLE001 - recorded for the test to judge
                 error = f"{type(e).__name__}: {e}"
             else:
