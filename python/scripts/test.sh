@@ -18,6 +18,7 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 VENV=${WEIGHTSYNC_TEST_VENV:-$ROOT/target/python-venv}
+[[ "$VENV" == /* ]] || VENV="$PWD/$VENV"
 PYTHON=${PYTHON:-python3}
 PINS=(torch==2.13.0 transformers==5.19.0 numpy==2.3.5 pytest==9.2.0 maturin==1.16.0 mypy==2.4.1)
 UV_PIN=uv==0.13.9
@@ -67,9 +68,12 @@ cd "$ROOT"
 cargo build --release -p weightsync-cli
 export WEIGHTSYNC_BIN="$ROOT/target/release/weightsync"
 step "weightsync binary built"
+# maturin's build backend runs the `maturin` binary from PATH: the venv's.
+export PATH="$VENV/bin:$PATH"
 CARGO_TARGET_DIR="$ROOT/target/maturin" "$VENV/bin/python" -m pip install \
   --disable-pip-version-check --no-build-isolation -q "$ROOT/python"
 step "package installed (pip install ./python)"
 cd "$ROOT/python"
-"$VENV/bin/python" -m pytest tests "$@"
+# -P: the source tree (cwd) must not shadow the installed package (it has no native module).
+"$VENV/bin/python" -P -m pytest tests "$@"
 step "done"

@@ -86,8 +86,13 @@ def expected_engine_tensors(full: dict[str, Any], names: list[str], ep: tuple[in
 
 
 def compare(out: Path, versions: list[int], engines: dict[int, tuple[int, int]], fp8: bool, tokens: bool) -> None:
+    previous = None
     for v in versions:
         trainer = torch.load(out / f"trainer_v{v}.pt")
+        if previous is not None:  # each step changed the weights: each sync moved new bytes
+            changed = [n for n, t in trainer["params"].items() if not torch.equal(t, previous[n])]
+            assert len(changed) == len(previous), f"v{v}: only {len(changed)} of {len(previous)} changed"
+        previous = trainer["params"]
         for r, ep in engines.items():
             got = torch.load(out / f"engine{r}_v{v}.pt")
             names = sorted(got["params"])

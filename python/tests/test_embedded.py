@@ -225,7 +225,8 @@ def test_wait_releases_the_gil_and_ctrl_c_interrupts(tmp_path: Path, procs: Proc
         except KeyboardInterrupt:
             print("interrupted", count[0], flush=True)
     """)
-    p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, cwd=tmp_path)
     assert p.stdout is not None
     assert p.stdout.readline().strip() == "waiting", p.stderr.read() if p.stderr else ""
     time.sleep(1.0)

@@ -16,12 +16,13 @@ from weightsync import _native
 from conftest import Procs, start_controller
 
 
-def test_import_does_not_import_torch() -> None:
+def test_import_does_not_import_torch(tmp_path: Path) -> None:
     code = (
         "import sys, weightsync; weightsync.Trainer, weightsync.Engine, weightsync.Client;"
         "assert 'torch' not in sys.modules and 'numpy' not in sys.modules, sorted(sys.modules)"
     )
-    subprocess.run([sys.executable, "-c", code], check=True)
+    # cwd elsewhere: `-c` puts cwd first on sys.path, and the source tree has no native module.
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path)
 
 
 def test_exception_hierarchy() -> None:

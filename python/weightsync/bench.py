@@ -5,14 +5,18 @@ Two syncs paths move one job (default: Qwen3-0.6B's bf16 weights, ``fsdp=2`` tra
 ``tp=1`` engines in the Hugging Face layout, loopback TCP fabric), each against its own
 controller process, one after the other:
 
-- ``sidecar``: ``weightsync worker trainer --source demo:1`` and ``weightsync worker rollout``
-  processes (the arenas are the workers' own), syncs triggered over HTTP;
+- ``sidecar``: ``weightsync worker trainer --source shm:FILE`` and ``weightsync worker rollout``
+  processes, syncs triggered over HTTP; each trainer reads a ``/dev/shm`` file laid out as its
+  source arena (as a training process exports it; random bytes here), each rollout lands in the
+  arena it allocates (the ``demo:`` source is not the same job: it regenerates the weights
+  inside every sync);
 - ``python``: four Python processes using this package: each trainer registers numpy arrays
   of its shards (bf16 bits as ``uint16``, ``(array, "bf16")``) and pushes; each engine
   registers numpy arrays of every tensor of its rank as the destinations.
 
 Time per sync is the controller's own (``total_ms`` of ``/v1/syncs``: creation to commit) for
-both, the median over the syncs after the first (which faults the destination pages in).
+both, the median over the syncs after the first of each round (which faults the destination
+pages in); ``--rounds`` rounds of each path run in ABBA order (sidecar, python, python, sidecar).
 ``ratio_vs_sidecar`` = sidecar seconds per sync / python seconds per sync (1.0: the Python
 layer costs nothing on the data path; above 1: faster). ``registration_s``: the slowest
 ``register()`` call of each role. Needs the ``weightsync`` binary (``--bin``, ``$WEIGHTSYNC_BIN``,
@@ -140,15 +144,22 @@ def _summary(job: _Job, versions: list[int]) -> dict[str, Any]:
     }
 
 
-def _run_sidecars(args: argparse.Namespace, logs: Path, world: tuple[int, int]) -> dict[str, Any]:
+def _run_sidecars(args: argparse.Namespace, logs: Path, world: tuple[int, int], arena_bytes: int) -> dict[str, Any]:
     job = _Job(args, logs, "sidecar")
+    files = [Path(f"/dev/shm/weightsync-bench-{os.getpid()}-{r}") for r in range(world[0])]
     try:
         n_train, n_infer = world
+        chunk = os.urandom(64 << 20)
+        for f in files:  # an upper bound of a rank's source arena: the whole model
+            with open(f, "wb") as out:
+                left = arena_bytes
+                while left > 0:
+                    left -= out.write(chunk[: min(left, len(chunk))])
         common = ["--controller", job.control, *job.job_flags()]
         for r in range(n_infer):
             job.spawn(f"rollout{r}", [args.bin, "worker", "rollout", "--rank", str(r), *common])
         for r in range(n_train):
-            job.spawn(f"trainer{r}", [args.bin, "worker", "trainer", "--rank", str(r), "--source", "demo:1", *common])
+            job.spawn(f"trainer{r}", [args.bin, "worker", "trainer", "--rank", str(r), "--source", f"shm:{files[r]}", *common])
         job.wait_ready()
         versions = list(range(1, args.syncs + 1))
         for v in versions:
@@ -156,6 +167,19 @@ def _run_sidecars(args: argparse.Namespace, logs: Path, world: tuple[int, int]) 
         return _summary(job, versions)
     finally:
         job.close()
+        for f in files:
+            f.unlink(missing_ok=True)
+
+
+def _merge(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One path's rounds: the median over every timed sync (the first of each round is not)."""
+    out = dict(rounds[-1])
+    timed = [t for r in rounds for t in (r["all_seconds"][1:] or r["all_seconds"])]
+    out["seconds_per_sync"] = statistics.median(timed)
+    out["all_seconds"] = [r["all_seconds"] for r in rounds]
+    if "registration_s" in rounds[0]:
+        out["registration_s"] = {k: max(r["registration_s"][k] for r in rounds) for k in rounds[0]["registration_s"]}
+    return out
 
 
 def _run_python(args: argparse.Namespace, logs: Path, world: tuple[int, int]) -> dict[str, Any]:
@@ -242,7 +266,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--train", default="fsdp=2")
     ap.add_argument("--infer", default="tp=1,dp=2,format=hf")
     ap.add_argument("--dtype", default="bf16")
-    ap.add_argument("--syncs", type=int, default=4)
+    ap.add_argument("--syncs", type=int, default=4, help="syncs per round (the first is not timed)")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of each path, in ABBA order")
     ap.add_argument("--bin", default=None)
     ap.add_argument("--logs", default=None, help="folder for the processes' logs (default: a temp folder)")
     ap.add_argument("--role", choices=["trainer", "engine"], help=argparse.SUPPRESS)
@@ -256,13 +281,22 @@ def main(argv: list[str] | None = None) -> None:
 
     logs = Path(args.logs or tempfile.mkdtemp(prefix="weightsync-bench-"))
     logs.mkdir(parents=True, exist_ok=True)
-    world = _world(args)
-    sidecar = _run_sidecars(args, logs, world)
-    python = _run_python(args, logs, world)
+    world, model_bytes = _world(args)
+    # Rounds in ABBA order (sidecar, python, python, sidecar, ...), so load that drifts during the
+    # run (a shared machine) weighs on both paths alike; medians over every timed sync.
+    runs: dict[str, list[dict[str, Any]]] = {"sidecar": [], "python": []}
+    for r in range(args.rounds):
+        order = ["sidecar", "python"] if r % 2 == 0 else ["python", "sidecar"]
+        for path in order:
+            if path == "sidecar":
+                runs[path].append(_run_sidecars(args, logs, world, model_bytes))
+            else:
+                runs[path].append(_run_python(args, logs, world))
+    sidecar, python = _merge(runs["sidecar"]), _merge(runs["python"])
     result = {
         "bench": "python_vs_sidecar",
         "model": args.model, "train": args.train, "infer": args.infer, "dtype": args.dtype,
-        "trainers": world[0], "engines": world[1], "syncs": args.syncs,
+        "trainers": world[0], "engines": world[1], "syncs": args.syncs, "rounds": args.rounds,
         "bytes_per_sync": python["bytes_per_sync"],
         "sidecar": sidecar,
         "python": python,
@@ -281,15 +315,16 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  trainer bytes: staged {python['staged_bytes']}, direct {python['direct_bytes']}")
 
 
-def _world(args: argparse.Namespace) -> tuple[int, int]:
-    """(training ranks, inference ranks) of the job, as the planner counts them."""
+def _world(args: argparse.Namespace) -> tuple[tuple[int, int], int]:
+    """((training ranks, inference ranks), bytes of the whole model) as the planner counts them."""
     out = subprocess.run(
         [args.bin, "plan", "--model", args.model, "--train", args.train, "--infer", args.infer,
          "--dtype", args.dtype, "--json"],
         check=True, capture_output=True,
     ).stdout
     plan = json.loads(out)
-    return int(plan["train_ranks"]), int(plan["infer_ranks"])
+    model_bytes = 2 * int(plan["elements"])  # the training weights are bf16
+    return (int(plan["train_ranks"]), int(plan["infer_ranks"])), model_bytes + (1 << 20)
 
 
 if __name__ == "__main__":

@@ -154,10 +154,10 @@ class Trainer:
     def _check_placement(self, name: str, t: Any, shard: ShardInfo | None) -> None:
         if not is_dtensor(t):
             return
-        placements = tuple(str(p) for p in t.placements)
-        # By type and dim, not str(): torch 2.13 prints Shard(0) as "S(0)" and Replicate() as "R".
-        kinds = [(type(p).__name__, getattr(p, "dim", None)) for p in t.placements]
-        if any(k not in (("Shard", 0), ("Replicate", None)) for k in kinds) or ("Shard", 0) not in kinds:
+        shard0 = [callable(getattr(p, "is_shard", None)) and p.is_shard(0) for p in t.placements]
+        replicate = [callable(getattr(p, "is_replicate", None)) and p.is_replicate() for p in t.placements]
+        if not any(shard0) or not all(s or r for s, r in zip(shard0, replicate)):
+            placements = tuple(repr(p) for p in t.placements)
             raise LayoutMismatchError(
                 f"{self.worker_id}: tensor {name}: placements {placements}: weightsync's FSDP "
                 "layout shards dim 0 (torch.chunk semantics), i.e. Shard(dim=0)",

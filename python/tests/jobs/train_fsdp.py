@@ -79,6 +79,9 @@ def main() -> None:
         outcome = None
         try:
             if args.trigger == "http":
+                # Every rank's optimizer step must be over before the sync reads the shards
+                # (push says so per rank; an outside trigger needs the barrier).
+                dist.barrier()
                 if client is not None:
                     client.sync(step)
                 dist.barrier()
@@ -117,4 +120,14 @@ def sync_with_retry(trainer: weightsync.Trainer, step: int) -> weightsync.SyncOu
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except BaseException:
+        import traceback
+
+        err = traceback.format_exc()
+        print(err, file=sys.stderr, flush=True)
+        out = sys.argv[sys.argv.index("--out") + 1]
+        with open(os.path.join(out, f"error_r{os.environ.get('RANK', '?')}.txt"), "w") as f:
+            f.write(err)
+        raise
