@@ -49,28 +49,31 @@ def vllm_env(tmp: Path) -> dict[str, str]:
 
 
 def run(tmp_path: Path, procs: Procs, mode: str, steps: int = 3,
-        kill_trainer_at: int | None = None) -> tuple[Path, list[int]]:
+        kill_trainer_at: int | None = None, dp: int = 1) -> tuple[Path, list[int]]:
     folder = tmp_path / "model"
     tiny.write_config(str(folder), "dense")
     tiny.build(str(folder), seed=100).save_pretrained(str(folder))  # vLLM's version 0
     out = tmp_path / "out"
     out.mkdir()
-    infer = "tp=1,dp=1,format=" + ("hf" if mode == "staged" else "fused")
+    infer = f"tp=1,dp={dp},format=" + ("hf" if mode == "staged" else "fused")
     c = start_controller(procs, str(folder / "config.json"), "fsdp=2", infer)
     versions = list(range(1, steps + 1))
-    eng = [sys.executable, str(JOBS / "engine_vllm.py"), "--model", str(folder), "--controller", c.control,
-           "--mode", mode, "--out", str(out), "--versions", *map(str, versions)]
-    if mode == "direct":
-        eng.append("--torch-linear")
-    if kill_trainer_at is not None:
-        eng += ["--kill-trainer-at", str(kill_trainer_at)]
-    e = procs.start("vllm", eng, env={**c.env(), **vllm_env(tmp_path)})
+    engines = []
+    for r in range(dp):
+        eng = [sys.executable, str(JOBS / "engine_vllm.py"), "--model", str(folder), "--controller", c.control,
+               "--mode", mode, "--out", str(out), "--rank", str(r), "--versions", *map(str, versions)]
+        if mode == "direct":
+            eng.append("--torch-linear")
+        if kill_trainer_at is not None:
+            eng += ["--kill-trainer-at", str(kill_trainer_at)]
+        engines.append(procs.start(f"vllm{r}", eng, env={**c.env(), **vllm_env(tmp_path)}))
     tr = procs.start("torchrun", [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                                   "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
                                   str(JOBS / "train_lockstep.py"), "--model", str(folder), "--controller",
-                                  c.control, "--steps", str(steps), "--out", str(out)], env=c.env())
+                                  c.control, "--steps", str(steps), "--out", str(out),
+                                  "--engines", str(dp)], env=c.env())
     deadline = time.monotonic() + TIMEOUT_S
-    for p in (e, tr):
+    for p in (*engines, tr):
         try:
             rc = p.popen.wait(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
@@ -119,14 +122,14 @@ def expect_weights(rec_params: dict[str, Any], full: dict[str, Any], what: str) 
     return skipped
 
 
-def check(tmp_path: Path, out: Path, versions: list[int], mode: str) -> dict[str, Any]:
+def check(tmp_path: Path, out: Path, versions: list[int], mode: str, rank: int = 0) -> dict[str, Any]:
     hf = tiny.build(str(tmp_path / "model"), seed=0).eval()
     fig: dict[str, Any] = {"pause_s": [], "land_s": [], "load_s": [], "resume_s": [], "max_deficit": [],
                            "packed_params_skipped": 0}
     for v in versions:
         trainer = torch.load(out / f"trainer_v{v}.pt")
         full = trainer["params"]
-        rec = torch.load(out / f"vllm_v{v}.pt")
+        rec = torch.load(out / f"vllm_r{rank}_v{v}.pt")
         assert rec["weight_version"] == str(v), rec["weight_version"]
         st = rec["status"]
         assert st["loaded_version"] == v and st["engine_version"] == v and st["state"] == "committed", st
@@ -167,7 +170,7 @@ def test_vllm_direct(tmp_path: Path, procs: Procs) -> None:
 def test_vllm_staged_trainer_killed_mid_sync(tmp_path: Path, procs: Procs) -> None:
     # Trainer rank 1 is killed as version 2 starts landing (rank 0's writes land, its never do).
     out, _ = run(tmp_path, procs, "staged", steps=2, kill_trainer_at=2)
-    failed = torch.load(out / "vllm_failed_v2.pt")
+    failed = torch.load(out / "vllm_r0_failed_v2.pt")
     # update() raised: SyncFailedError when weightsync reports the failure to the engine, else
     # its timeout (the engine saw before_landing(2) and no commit; see the README).
     assert failed["error"] and ("SyncFailed" in failed["error"] or "TimeoutError" in failed["error"]), failed["error"]
@@ -183,3 +186,11 @@ def test_vllm_staged_trainer_killed_mid_sync(tmp_path: Path, procs: Procs) -> No
     assert worst <= MAX_DEFICIT, f"after the failed sync vLLM does not serve version 1 (deficit {worst})"
     FIGURES["vllm staged, trainer killed mid-sync"] = {"error": failed["error"][:160], "deficit_v1": worst,
                                                        "engine_state": st["state"], "cause": st["cause"]}
+
+
+@pytest.mark.e2e
+def test_vllm_staged_two_engines(tmp_path: Path, procs: Procs) -> None:
+    # dp=2: two vLLM engine processes synced at once from the same trainer; both checked alike.
+    out, versions = run(tmp_path, procs, "staged", dp=2)
+    for r in (0, 1):
+        FIGURES[f"vllm staged dp=2, engine {r}"] = check(tmp_path, out, versions, "staged", rank=r)

@@ -346,7 +346,10 @@ def update(llm: Any, version: int, *, timeout_s: float = 600.0, reset_prefix_cac
     (direct)."""
     tw = time.perf_counter()
     deadline = time.monotonic() + timeout_s
-    while not all(r["ready"] for r in (states := llm.collective_rpc("weightsync_ready", args=(version,)))):
+    while True:
+        states = llm.collective_rpc("weightsync_ready", args=(version,))
+        if all(r["ready"] for r in states):
+            break
         if time.monotonic() > deadline:
             raise TimeoutError(
                 f"version {version} did not reach every vLLM worker in {timeout_s} s (worker states "

@@ -8,12 +8,12 @@ random initial checkpoint), ``weight_transfer_config={"backend": "weightsync"}``
 version: serve the long prompt (so its KV is cached under the old weights), bring the engine to
 the version with ``weightsync.vllm.update``, then record vLLM's own parameters, its
 ``weight_version``, its greedy tokens for the short and the long prompt (twice: the second
-serve comes from the prefix cache) and the sync's timings to ``OUT/vllm_v{V}.pt``, then touch
-``OUT/vllm_v{V}.done`` (the lockstep trainer waits for it before its next step).
+serve comes from the prefix cache) and the sync's timings to ``OUT/vllm_r{R}_v{V}.pt`` (R: ``--rank``, the
+inference rank), then touch ``OUT/vllm_r{R}_v{V}.done`` (the lockstep trainer waits for it before its next step).
 ``--kill-trainer-at V``: when version V starts landing (in the engine's ``before_landing``, so
 no byte of it has landed yet) the engine SIGKILLs trainer rank 1 (pid from
 ``OUT/trainer_r1.pid``): the sync fails mid-way; the engine records what it serves then to
-``OUT/vllm_failed_v{V}.pt`` and stops.
+``OUT/vllm_r{R}_failed_v{V}.pt`` and stops.
 ``--torch-linear``: the test switch for direct landing on CPU hosts whose linear kernels pack
 the weights (AVX-512): every linear layer reads its live parameter with torch's linear.
 """
@@ -71,6 +71,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--torch-linear", action="store_true")
     ap.add_argument("--kill-trainer-at", type=int, default=None)
+    ap.add_argument("--rank", type=int, default=0, help="inference rank (dp engines: 0, 1, ...)")
     args = ap.parse_args()
     if args.torch_linear:
         torch_linear_switch()
@@ -85,7 +86,8 @@ def main() -> None:
               weight_transfer_config={"backend": wv.BACKEND},
               worker_extension_cls="weightsync.vllm.WorkerExtension")
     start_s = time.perf_counter() - t
-    llm.init_weight_transfer_engine({"init_info": {"controller": args.controller, "mode": args.mode}})
+    llm.init_weight_transfer_engine({"init_info": {"controller": args.controller, "mode": args.mode,
+                                                "rank": args.rank}})
     if args.kill_trainer_at is not None:
         kill_trainer_when_landing(llm, args.kill_trainer_at, os.path.join(args.out, "trainer_r1.pid"))
     print(f"vllm engine up in {start_s:.1f} s, weightsync {args.mode} registered", flush=True)
@@ -108,7 +110,7 @@ def main() -> None:
             torch.save({"error": error, "weight_version": llm.get_weight_version(),
                         "params": llm.collective_rpc("weightsync_params")[0],
                         "short": gen(tiny.PROMPT), "status": llm.collective_rpc("weightsync_status")[0]},
-                       os.path.join(args.out, f"vllm_failed_v{v}.pt"))
+                       os.path.join(args.out, f"vllm_r{args.rank}_failed_v{v}.pt"))
             print(f"version {v}: {error}", flush=True)
             break
         timings = wv.update(llm, v)
@@ -122,10 +124,10 @@ def main() -> None:
             "long_cached": gen(LONG_PROMPT),
             "status": llm.collective_rpc("weightsync_status")[0],
         }
-        torch.save(rec, os.path.join(args.out, f"vllm_v{v}.pt"))
+        torch.save(rec, os.path.join(args.out, f"vllm_r{args.rank}_v{v}.pt"))
         print(json.dumps({"version": v, **{k: timings[k] for k in ("pause_s", "land_s", "load_s", "resume_s")}}),
               flush=True)
-        open(os.path.join(args.out, f"vllm_v{v}.done"), "w").close()
+        open(os.path.join(args.out, f"vllm_r{args.rank}_v{v}.done"), "w").close()
     llm.collective_rpc("shutdown_weight_transfer_engine")
 
 

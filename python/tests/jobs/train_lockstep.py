@@ -1,6 +1,6 @@
 """The FSDP2 trainer of jobs/train_fsdp.py in lockstep with a vLLM engine (run by
 tests/test_vllm.py): after each step's push and record it waits for the engine's
-``OUT/vllm_v{step}.done`` before training on, as an on-policy RL loop waits for its rollouts.
+``OUT/vllm_r{r}_v{step}.done`` of every engine ``r`` before training on, as an on-policy RL loop waits for its rollouts.
 
     torchrun --nproc-per-node 2 train_lockstep.py --model DIR --controller HOST:PORT --steps 3 --out OUT
 """
@@ -31,6 +31,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", required=True)
     ap.add_argument("--wait-s", type=float, default=600)
+    ap.add_argument("--engines", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -54,9 +55,9 @@ def main() -> None:
         optimizer.zero_grad()
         outcome = trainer.push(step).wait()
         record(model, args.out, step, outcome)
-        done = os.path.join(args.out, f"vllm_v{step}.done")
+        done = [os.path.join(args.out, f"vllm_r{r}_v{step}.done") for r in range(args.engines)]
         deadline = time.monotonic() + args.wait_s
-        while not os.path.exists(done):
+        while not all(os.path.exists(d) for d in done):
             if time.monotonic() > deadline:
                 raise SystemExit(f"engine did not finish version {step} in {args.wait_s} s")
             time.sleep(0.05)
