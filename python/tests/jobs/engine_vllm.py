@@ -1,0 +1,135 @@
+"""A vLLM engine process with the weightsync backend in it (run by tests/test_vllm.py):
+
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 python engine_vllm.py --model DIR --controller HOST:PORT \
+        --mode staged|direct --versions 1 2 3 --out OUT
+
+One offline ``vllm.LLM`` (CPU, enforce_eager, prefix caching on) over ``DIR`` (config and a
+random initial checkpoint), ``weight_transfer_config={"backend": "weightsync"}``. For each
+version: serve the long prompt (so its KV is cached under the old weights), bring the engine to
+the version with ``weightsync.vllm.update``, then record vLLM's own parameters, its
+``weight_version``, its greedy tokens for the short and the long prompt (twice: the second
+serve comes from the prefix cache) and the sync's timings to ``OUT/vllm_r{R}_v{V}.pt`` (R: ``--rank``, the
+inference rank), then touch ``OUT/vllm_r{R}_v{V}.done`` (the lockstep trainer waits for it before its next step).
+``--kill-trainer-at V``: when version V starts landing (in the engine's ``before_landing``, so
+no byte of it has landed yet) the engine SIGKILLs trainer rank 1 (pid from
+``OUT/trainer_r1.pid``): the sync fails mid-way; the engine records what it serves then to
+``OUT/vllm_r{R}_failed_v{V}.pt`` and stops.
+``--torch-linear``: the test switch for direct landing on CPU hosts whose linear kernels pack
+the weights (AVX-512): every linear layer reads its live parameter with torch's linear.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import tiny  # noqa: E402
+
+LONG_PROMPT = [(7 * i + 3) % 1000 + 1 for i in range(144)]  # > one CPU KV block (128 tokens)
+
+
+def torch_linear_switch() -> None:
+    """Test-only: stands in for GPU kernels that read the parameter directly."""
+    import vllm.model_executor.layers.utils as lu
+
+    def dispatch(layer: torch.nn.Module, remove_weight: bool = True) -> None:
+        layer.cpu_linear = lambda x, w, b: torch.nn.functional.linear(x, w, b)
+
+    lu.dispatch_cpu_unquantized_gemm = dispatch  # looked up at each layer's load
+
+
+def kill_trainer_when_landing(llm: object, version: int, pid_file: str) -> None:
+    """Test-only: wraps the in-process backend's before_landing hook (see the module doc)."""
+    import signal
+
+    worker = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker  # type: ignore[attr-defined]
+    backend = worker.weight_transfer_engine
+    gate = backend.gate
+
+    def before_landing(v: int) -> None:
+        if v == version:
+            with open(pid_file) as f:
+                os.kill(int(f.read()), signal.SIGKILL)
+            time.sleep(0.5)
+        gate.before_landing(v)
+
+    backend.engine.set_hooks(before_landing=before_landing, after_commit=gate.after_commit)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--controller", required=True)
+    ap.add_argument("--mode", choices=["staged", "direct"], default="staged")
+    ap.add_argument("--versions", type=int, nargs="+", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--torch-linear", action="store_true")
+    ap.add_argument("--kill-trainer-at", type=int, default=None)
+    ap.add_argument("--rank", type=int, default=0, help="inference rank (dp engines: 0, 1, ...)")
+    args = ap.parse_args()
+    if args.torch_linear:
+        torch_linear_switch()
+
+    from vllm import LLM, SamplingParams
+
+    import weightsync.vllm as wv
+
+    t = time.perf_counter()
+    llm = LLM(model=args.model, dtype="bfloat16", skip_tokenizer_init=True, enforce_eager=True,
+              max_model_len=512, max_num_seqs=4, seed=0, enable_prefix_caching=True,
+              weight_transfer_config={"backend": wv.BACKEND},
+              worker_extension_cls="weightsync.vllm.WorkerExtension")
+    start_s = time.perf_counter() - t
+    llm.init_weight_transfer_engine({"init_info": {"controller": args.controller, "mode": args.mode,
+                                                "rank": args.rank}})
+    if args.kill_trainer_at is not None:
+        kill_trainer_when_landing(llm, args.kill_trainer_at, os.path.join(args.out, "trainer_r1.pid"))
+    print(f"vllm engine up in {start_s:.1f} s, weightsync {args.mode} registered", flush=True)
+    sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+
+    def gen(prompt: list[int]) -> tuple[list[int], int | None]:
+        o = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
+        return list(o.outputs[0].token_ids), o.num_cached_tokens
+
+    for v in args.versions:
+        gen(LONG_PROMPT)  # cached under the old weights
+        if v == args.kill_trainer_at:
+            try:
+                wv.update(llm, v, timeout_s=30)
+            except Exception as e:  # noqa: BLE001 - recorded for the test to judge
+                error = f"{type(e).__name__}: {e}"
+            else:
+                error = None
+            llm.reset_prefix_cache()
+            torch.save({"error": error, "weight_version": llm.get_weight_version(),
+                        "params": llm.collective_rpc("weightsync_params")[0],
+                        "short": gen(tiny.PROMPT), "status": llm.collective_rpc("weightsync_status")[0]},
+                       os.path.join(args.out, f"vllm_r{args.rank}_failed_v{v}.pt"))
+            print(f"version {v}: {error}", flush=True)
+            break
+        timings = wv.update(llm, v)
+        rec = {
+            "timings": timings,
+            "weight_version": llm.get_weight_version(),
+            "params": llm.collective_rpc("weightsync_params")[0],
+            "arena": llm.collective_rpc("weightsync_arena")[0] if args.mode == "staged" else None,
+            "short": gen(tiny.PROMPT),
+            "long_first": gen(LONG_PROMPT),
+            "long_cached": gen(LONG_PROMPT),
+            "status": llm.collective_rpc("weightsync_status")[0],
+        }
+        torch.save(rec, os.path.join(args.out, f"vllm_r{args.rank}_v{v}.pt"))
+        print(json.dumps({"version": v, **{k: timings[k] for k in ("pause_s", "land_s", "load_s", "resume_s")}}),
+              flush=True)
+        open(os.path.join(args.out, f"vllm_r{args.rank}_v{v}.done"), "w").close()
+    llm.collective_rpc("shutdown_weight_transfer_engine")
+
+
+if __name__ == "__main__":
+    main()

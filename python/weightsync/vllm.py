@@ -1,0 +1,377 @@
+"""weightsync inside vLLM: a ``WeightTransferEngine`` backend named ``"weightsync"`` and a
+``worker_extension_cls`` (:class:`WorkerExtension`) for versions without that API.
+
+Import this module in the engine process before the model loads (naming it as the
+``worker_extension_cls`` module does that, also inside a spawned EngineCore)::
+
+    llm = LLM(model=..., weight_transfer_config={"backend": "weightsync"},
+              worker_extension_cls="weightsync.vllm.WorkerExtension")
+    llm.init_weight_transfer_engine({"init_info": {"controller": "10.0.0.1:7070", "mode": "staged"}})
+    ...
+    timings = weightsync.vllm.update(llm, step)   # after the trainers pushed `step`
+
+Each vLLM worker process holds one :class:`weightsync.Engine` (inference rank = the worker's
+global rank ``dp_index * world_size + rank`` unless ``init_info`` names it).
+
+Why the load happens inside ``update_weights`` and not in the ``after_commit`` hook: the hook
+runs on weightsync's thread, while vLLM's forward passes run on the engine-core thread; vLLM
+calls ``update_weights`` (and every ``collective_rpc``) on the engine-core thread between
+steps, so a load there never races a forward pass, in-process or in a spawned EngineCore. The
+hook only records that the arena holds a whole, verified version.
+
+Two landing modes (``init_info["mode"]``):
+
+- ``staged`` (default; job ``format=hf``): the writes land in an arena of tensors with the
+  Hugging Face names and shapes the model's loader takes, registered once, while vLLM keeps
+  serving. ``update_weights(version)`` waits until a version >= ``version`` committed into
+  the arena, then runs vLLM's own loading path from views of the arena
+  (``initialize_layerwise_reload`` -> ``load_weights`` -> ``finalize_layerwise_reload``), so
+  any kernel format (packed oneDNN weights, fp8 scale layouts, repacks) comes out right. The
+  engine is paused only for that load. A failed sync never reaches the model: the arena is
+  marked dirty from the first write, ``update_weights`` raises, vLLM keeps serving its last
+  loaded version. With tensor parallelism each worker's arena is its own shard (the job's
+  ``--infer tp=N,format=hf`` layout gives rank ``r`` only its slice), and vLLM's loaders take a
+  rank's shard when ``tp`` matches (``load_weights`` of a pre-sharded tensor: see the README).
+- ``direct`` (job ``format=fused``, vLLM's own parameter names): the writes go straight into
+  vLLM's parameters. Only when those are what the kernels read: a parameter emptied by
+  kernel packing (``numel() == 0``, e.g. the CPU backend's oneDNN handles on AVX-512 hosts) is
+  refused at init. The engine is paused from before the first write to the commit: the
+  ``before_landing`` hook waits until ``update_weights`` holds the engine-core thread.
+
+After the load: :func:`update` resets the prefix cache (stale KV of the old weights would
+otherwise be served: ``finish_weight_update`` does not reset it) and sets ``weight_version``.
+Timings of each sync (pause, land, load, resume) come back from :func:`update` and are logged
+as one JSON line on the ``weightsync.vllm`` logger.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+from ._landing import ArenaNotCommitted, LandingGate
+from .engine import Engine
+from .errors import RegistrationError, SyncFailedError, TimeoutError
+
+__all__ = ["BACKEND", "WeightsyncInitInfo", "WeightsyncUpdateInfo", "WeightsyncTransferEngine",
+           "WorkerExtension", "update", "torch_dtype"]
+
+BACKEND = "weightsync"
+log = logging.getLogger("weightsync.vllm")
+
+_DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32,
+           "f8_e4m3": torch.float8_e4m3fn}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a layout dtype name (``bf16``, ``f16``, ``f32``, ``f8_e4m3``)."""
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"dtype {name!r} of the job's layout has no torch dtype here") from None
+
+
+@dataclass
+class WeightsyncInitInfo(WeightTransferInitInfo):
+    """``controller``: the controller's control address ``host:port``; ``mode``: ``staged`` or
+    ``direct``; ``rank``: the inference rank (default: the worker's global rank);
+    ``job_token`` / ``listen`` / ``worker_id`` as for :class:`weightsync.Engine`;
+    ``landing_wait_s``: how long a direct-mode landing waits for ``update_weights`` to pause
+    the engine before it fails the sync."""
+
+    controller: str = ""
+    mode: str = "staged"
+    rank: int | None = None
+    job_token: str | None = None
+    listen: str | None = None
+    worker_id: str | None = None
+    landing_wait_s: float = 300.0
+
+
+@dataclass
+class WeightsyncUpdateInfo(WeightTransferUpdateInfo):
+    """``version``: load this version (or a newer committed one); ``timeout_s``: how long to wait
+    for it to commit."""
+
+    version: int = 0
+    timeout_s: float = 600.0
+
+
+@dataclass
+class _Sync:
+    """One sync's timings on this worker, in seconds."""
+
+    version: int
+    mode: str
+    land_s: float | None = None  # first byte allowed in (before_landing returned) -> commit
+    wait_s: float = 0.0          # update_weights waiting for the commit
+    load_s: float = 0.0          # staged: init + load_weights + finalize
+    load_parts_s: dict[str, float] = field(default_factory=dict)
+    pause_s: float = 0.0         # engine-core thread held by update_weights (no forward passes)
+    loaded_version: int | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
+
+
+class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdateInfo]):
+    """The ``weightsync`` backend: one :class:`weightsync.Engine` per vLLM worker."""
+
+    init_info_cls = WeightsyncInitInfo
+    update_info_cls = WeightsyncUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.engine: Engine | None = None
+        self.mode = "staged"
+        self.arena: dict[str, torch.Tensor] = {}
+        self.gate = LandingGate(direct=False)
+        self.loaded_version: int | None = None
+        self.syncs: list[_Sync] = []
+
+    # ---- the four phases -------------------------------------------------------------------
+
+    def init_transfer_engine(self, init_info: WeightsyncInitInfo) -> None:
+        if self.engine is not None:
+            raise RuntimeError(f"{self.engine.worker_id}: the weightsync engine is already initialised")
+        if not init_info.controller:
+            raise ValueError("init_info.controller (the controller's host:port) is required")
+        if init_info.mode not in ("staged", "direct"):
+            raise ValueError(f"init_info.mode {init_info.mode!r}: expected 'staged' or 'direct'")
+        self.mode = init_info.mode
+        self.gate = LandingGate(direct=self.mode == "direct", landing_wait_s=float(init_info.landing_wait_s))
+        rank = init_info.rank
+        if rank is None:
+            pc = self.parallel_config
+            rank = pc.data_parallel_index * pc.world_size + pc.rank
+        engine = Engine(controller=init_info.controller, rank=rank, job_token=init_info.job_token,
+                        listen=init_info.listen, worker_id=init_info.worker_id,
+                        before_landing=self.gate.before_landing, after_commit=self.gate.after_commit)
+        try:
+            if self.mode == "staged":
+                self.arena = {t.name: torch.empty(t.shape, dtype=torch_dtype(t.dtype))
+                              for t in engine.layout()}
+                engine.register(self.arena, format="hf")
+            else:
+                engine.register(self._direct_params(engine.worker_id), format="fused")
+        except BaseException:
+            engine.close()
+            raise
+        self.engine = engine
+        log.info(json.dumps({"weightsync": "init", "worker": engine.worker_id, "mode": self.mode,
+                             "tensors": len(self.arena) if self.mode == "staged" else None}))
+
+    def start_weight_update(self) -> None:
+        self._require_engine()
+
+    def receive_weights(self, update_info: WeightsyncUpdateInfo) -> None:
+        engine = self._require_engine()
+        sync = _Sync(version=update_info.version, mode=self.mode)
+        t_enter = time.perf_counter()
+        try:
+            if self.mode == "staged":
+                t = time.perf_counter()
+                engine.wait_for_version(update_info.version, timeout=update_info.timeout_s)
+                sync.wait_s = time.perf_counter() - t
+                self._load_arena(sync, update_info.version)
+            else:
+                # This thread is vLLM's engine-core thread: while it waits here no forward pass
+                # runs, so the direct writes may land (the gate lets before_landing through).
+                with self.gate.held():
+                    t = time.perf_counter()
+                    sync.loaded_version = self._wait_direct(engine, update_info)
+                    sync.wait_s = time.perf_counter() - t
+                self.loaded_version = sync.loaded_version
+        finally:
+            sync.pause_s = time.perf_counter() - t_enter
+            sync.land_s = self.gate.land_s.get(sync.loaded_version or -1)
+            self.syncs.append(sync)
+        log.info(json.dumps({"weightsync": "sync", "worker": engine.worker_id, **sync.as_dict()}))
+
+    def _wait_direct(self, engine: Engine, update_info: WeightsyncUpdateInfo) -> int:
+        """Waits for ``version`` (or newer) to commit into the live parameters. A sync that
+        fails part-way leaves them half-written: the engine stays held (paused) and waits for
+        a later version until ``timeout_s`` runs out, then raises naming the cause."""
+        deadline = time.monotonic() + update_info.timeout_s
+        want, failure = update_info.version, None
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise SyncFailedError(
+                    f"{engine.worker_id}: direct landing: no version >= {update_info.version} "
+                    f"committed in {update_info.timeout_s} s"
+                    + (f"; the parameters are half-written by a failed sync ({failure})" if failure else ""),
+                    version=update_info.version, worker=engine.worker_id,
+                    cause=failure or "timeout")
+            try:
+                state = engine.wait_for_version(want, timeout=left)
+                assert state.version is not None
+                return state.version
+            except SyncFailedError as e:
+                failure = f"{e.worker}: {e.cause}"
+                log.warning(json.dumps({"weightsync": "direct sync failed, engine stays paused",
+                                        "worker": engine.worker_id, "version": want, "cause": failure}))
+                want = max(want, (e.version or want)) + 1
+                time.sleep(0.05)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # No device synchronisation: everything here is host memory and already done.
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def finish_weight_update(self) -> None:
+        self._require_engine()
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
+    # ---- staged ---------------------------------------------------------------------------
+
+    def _load_arena(self, sync: _Sync, version: int) -> None:
+        from vllm.model_executor.model_loader.reload import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+
+        engine = self._require_engine()
+        try:
+            # Keeps the next version's writes out of the arena while vLLM reads it.
+            with self.gate.committed(version) as have:
+                t0 = time.perf_counter()
+                initialize_layerwise_reload(self.model)
+                t1 = time.perf_counter()
+                self.model.load_weights(iter(self.arena.items()))  # type: ignore[operator]
+                t2 = time.perf_counter()
+                finalize_layerwise_reload(self.model, self.model_config)  # type: ignore[no-untyped-call]
+                t3 = time.perf_counter()
+        except ArenaNotCommitted as e:
+            raise SyncFailedError(f"{engine.worker_id}: {e}; vLLM keeps serving version {self.loaded_version}",
+                                  version=version, worker=engine.worker_id, cause=str(e)) from None
+        sync.load_parts_s = {"init": t1 - t0, "load_weights": t2 - t1, "finalize": t3 - t2}
+        sync.load_s = t3 - t0
+        sync.loaded_version = have
+        self.loaded_version = have
+
+    # ---- direct ---------------------------------------------------------------------------
+
+    def _direct_params(self, worker: str) -> dict[str, torch.Tensor]:
+        params = dict(self.model.named_parameters())
+        for name, p in params.items():
+            if p.numel() == 0 or p.data_ptr() == 0:
+                raise RegistrationError(
+                    f"{worker}: direct landing refused: vLLM's parameter {name} is empty "
+                    f"(shape {tuple(p.shape)}): its kernel reads a packed copy made at load time "
+                    "(e.g. the CPU backend's oneDNN weights), so bytes written into the parameter "
+                    "would be ignored. Use mode='staged' (loads through vLLM's own loader).",
+                    worker=worker, tensor=name,
+                )
+        return {n: p.data for n, p in params.items()}
+
+    def _require_engine(self) -> Engine:
+        if self.engine is None:
+            raise RuntimeError("weightsync: call init_weight_transfer_engine first")
+        return self.engine
+
+    def status(self) -> dict[str, Any]:
+        e = self.engine
+        st = e.status() if e is not None else None
+        return {"worker": e.worker_id if e else None, "mode": self.mode,
+                "loaded_version": self.loaded_version, "arena_version": self.gate.arena_version,
+                "engine_version": st.version if st else None, "state": st.state if st else None,
+                "cause": st.cause if st else None,
+                "syncs": [s.as_dict() for s in self.syncs]}
+
+
+if BACKEND not in WeightTransferEngineFactory._registry:
+    WeightTransferEngineFactory.register_engine(BACKEND, WeightsyncTransferEngine)
+
+
+class WorkerExtension:
+    """``worker_extension_cls``: methods callable by name through ``collective_rpc``.
+
+    Importing this module registers the backend in the worker; the methods read the backend's
+    state and the live parameters (for checks), and ``weightsync_reload_from_arena`` drives the
+    same staged load on vLLM versions without the weight-transfer API."""
+
+    def _ws_engine(self) -> WeightsyncTransferEngine:
+        eng = getattr(self, "weight_transfer_engine", None)
+        if not isinstance(eng, WeightsyncTransferEngine):
+            raise RuntimeError("weight_transfer_config.backend is not 'weightsync'")
+        return eng
+
+    def weightsync_status(self) -> dict[str, Any]:
+        return self._ws_engine().status()
+
+    def weightsync_ready(self, version: int) -> dict[str, Any]:
+        """Returns at once: may ``update_weights(version)`` start without holding the engine
+        waiting? (staged: a whole version >= ``version`` is in the arena; direct: its landing
+        waits for the engine; either: the engine turned invalid, so update_weights will raise.)"""
+        eng = self._ws_engine()
+        gate, st = eng.gate, eng._require_engine().status()
+        have, waiting = gate.arena_version, gate.waiting
+        ready = (have is not None and have >= version) or (waiting is not None and waiting >= version)
+        return {"ready": ready or st.state == "invalid", "state": st.state, "cause": st.cause}
+
+    def weightsync_params(self) -> dict[str, torch.Tensor]:
+        """A copy of every parameter vLLM holds (empty ones stay empty)."""
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    def weightsync_arena(self) -> dict[str, torch.Tensor]:
+        return {n: t.clone() for n, t in self._ws_engine().arena.items()}
+
+
+def update(llm: Any, version: int, *, timeout_s: float = 600.0, reset_prefix_cache: bool = True,
+           poll_s: float = 0.005) -> dict[str, Any]:
+    """Brings an offline ``vllm.LLM`` to ``version`` (or a newer committed one) through the
+    weight-transfer API, resets its prefix cache and sets its ``weight_version``; returns the
+    timings (driver side plus each worker's).
+
+    It first polls the workers (a quick ``collective_rpc`` every ``poll_s``) until the version
+    is whole in every arena (staged) or its landing waits for the engine (direct), so vLLM
+    serves while the trainers write and is held only for the load (staged) or the landing
+    (direct)."""
+    tw = time.perf_counter()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = llm.collective_rpc("weightsync_ready", args=(version,))
+        if all(r["ready"] for r in states):
+            break
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"version {version} did not reach every vLLM worker in {timeout_s} s (worker states "
+                f"{[(r['state'], r['cause']) for r in states]}); vLLM keeps serving "
+                f"{llm.get_weight_version()!r}", version=version)
+        time.sleep(poll_s)
+    t0 = time.perf_counter()
+    llm.start_weight_update()
+    t1 = time.perf_counter()
+    # Raises when the sync failed (vLLM ended the session; staged: nothing was loaded).
+    llm.update_weights({"update_info": {"version": version, "timeout_s": max(1.0, deadline - time.monotonic())}})
+    t2 = time.perf_counter()
+    llm.finish_weight_update(weight_version=str(version))
+    t3 = time.perf_counter()
+    if reset_prefix_cache:
+        llm.reset_prefix_cache()
+    t4 = time.perf_counter()
+    workers = [s["syncs"][-1] for s in llm.collective_rpc("weightsync_status")]
+    out = {"version": version, "ready_wait_s": t0 - tw, "start_s": t1 - t0, "update_s": t2 - t1, "finish_s": t3 - t2,
+           "reset_prefix_cache_s": t4 - t3, "resume_s": t4 - t2, "workers": workers,
+           "pause_s": max(w["pause_s"] for w in workers),
+           "land_s": max((w["land_s"] or 0.0) for w in workers),
+           "load_s": max(w["load_s"] for w in workers)}
+    log.info(json.dumps({"weightsync": "update", **{k: v for k, v in out.items() if k != "workers"}}))
+    return out
