@@ -480,6 +480,27 @@ fn a_failing_engine_fails_the_push_naming_it_and_a_later_version_commits() {
         assert_eq!((st.status, st.cause), (EngineStatus::Committed, None));
         e.check(5);
     }
+
+    // The abort arrives while rollout-0's before_landing still runs (rollout-1 refuses at once):
+    // rollout-0 was told to stop reading for version 6, so it must hear that 6 failed.
+    e1.handle
+        .set_hooks(Some(Box::new(|v| Err(format!("refusing {v}")))), None);
+    e0.handle.set_hooks(
+        Some(Box::new(|_| {
+            std::thread::sleep(Duration::from_millis(1500));
+            Ok(())
+        })),
+        None,
+    );
+    for r in push_all(&trainers, 6) {
+        assert_eq!(failing_worker(&r), "rollout-1");
+    }
+    let err = e0.handle.wait_for_version(6, WAIT).unwrap_err();
+    assert!(
+        matches!(err, EmbedError::SyncFailed { version: 6, .. }),
+        "{err}"
+    );
+    assert_eq!(e0.handle.state().status, EngineStatus::Invalid);
 }
 
 #[test]

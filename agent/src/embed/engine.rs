@@ -159,6 +159,7 @@ impl EngineHandle {
             shared: self.shared.clone(),
             name: name.clone(),
             abort_cause: None,
+            hooked: None,
         };
         let within = Duration::from_secs(60);
         *session = Some(run_session(

@@ -89,6 +89,9 @@ pub(crate) struct EngineDriver {
     pub shared: Arc<EngineShared>,
     pub name: String,
     pub abort_cause: Option<String>,
+    /// The version whose `before_landing` hook was called (set before the call: an abort that
+    /// cancels `prepare` while the hook runs still leaves the engine told to stop reading).
+    pub hooked: Option<u64>,
 }
 
 impl SyncDriver for EngineDriver {
@@ -103,6 +106,7 @@ impl SyncDriver for EngineDriver {
     async fn prepare(&mut self, sync: SyncRef) -> Result<WorkerReport, DriverError> {
         let v = sync.version;
         let hook = self.shared.hooks.lock().before_landing.clone();
+        self.hooked = Some(v);
         if let Err(e) = call(hook, v).await {
             let cause = format!("engine {}: before_landing({v}) failed: {e}", self.name);
             self.shared.invalidate(v, cause.clone());
@@ -134,6 +138,7 @@ impl SyncDriver for EngineDriver {
     async fn finish(&mut self, sync: SyncRef, outcome: Outcome) {
         self.inner.finish(sync, outcome).await;
         let v = sync.version;
+        let hooked = self.hooked.take();
         match outcome {
             Outcome::Committed => {
                 let hook = self.shared.hooks.lock().after_commit.clone();
@@ -158,7 +163,9 @@ impl SyncDriver for EngineDriver {
                     .abort_cause
                     .take()
                     .unwrap_or_else(|| format!("the sync of version {v} was aborted"));
-                if self.shared.state.lock().landing == Some(v) {
+                // Landing, or told to stop reading for it (an abort that arrived while
+                // before_landing ran): the version failed, and the engine must hear it.
+                if self.shared.state.lock().landing == Some(v) || hooked == Some(v) {
                     self.shared.invalidate(v, cause);
                 }
             }
