@@ -20,7 +20,7 @@
 //! *gather arena*: a flat byte region (registered as MR [`TRAINER_GATHER_MR`] on the trainer,
 //! size [`TrainerPlan::gather_arena_bytes`]) into which every contributing rank (including the
 //! owner itself) first writes its part with an ordinary Copy task whose writes target
-//! [`Endpoint::Trainer`]. The gathered region is a dense row-major box in the source dtype at
+//! [`WriteTarget::Trainer`]. The gathered region is a dense row-major box in the source dtype at
 //! [`Source::Gather::offset`]. Gather bytes are never reused within a sync.
 //!
 //! **Rollout arena.** Each inference rank holds all of its destination tensors (weights and fp8
@@ -36,7 +36,7 @@
 //!    trainers' gather arenas); run them first, they are on other trainers' critical path;
 //! 2. then the tasks that read only local shards ([`Source::Shard`]);
 //! 3. then the tasks that read the gather arena ([`Source::Gather`]): before the first of them,
-//!    wait until this trainer's immediate counter for unit `g` (on [`Endpoint::Trainer`]) has
+//!    wait until this trainer's immediate counter for unit `g` (on [`WriteTarget::Trainer`]) has
 //!    counted `gather_expect` writes. Writes a trainer sends to itself count too (a worker may
 //!    execute them as a local copy and bump its own counter).
 //!
@@ -68,7 +68,9 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 use weightsync_common::DType;
 
+use crate::compact::TrainerRoutes;
 use crate::error::PlanError;
+use crate::packed::Packed;
 
 /// Most dimensions a tensor may have here: experts stacked over a 2-D weight (and their fp8
 /// scales) need 3, and no supported family has more. Every box and shape in the table carries
@@ -253,14 +255,19 @@ impl std::fmt::Display for TensorBox {
     }
 }
 
-/// Who receives a write.
+/// Whose memory a write lands in. (Not a fabric endpoint: the table names ranks; which
+/// address each rank listens on is the fabric's business, exchanged at registration.)
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-pub enum Endpoint {
+pub enum WriteTarget {
     /// An inference (rollout) rank, by its global index in [`RoutingTable::rollouts`].
     Rollout(u32),
     /// A training rank's gather arena, by training rank.
     Trainer(u32),
 }
+
+/// The planner's and the simulator's old name for [`WriteTarget`], kept crate-private until
+/// those modules (being split on another branch) are renamed too; nothing outside sees it.
+pub(crate) use self::WriteTarget as Endpoint;
 
 /// One RDMA WRITE (with immediate): a contiguous run on both sides.
 ///
@@ -268,7 +275,7 @@ pub enum Endpoint {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Write {
     /// Destination endpoint.
-    pub dst: Endpoint,
+    pub dst: WriteTarget,
     /// Destination memory region (rollouts: see [`DstTensor::mr`]; trainers: [`TRAINER_GATHER_MR`]).
     pub mr: u16,
     /// Immediate-counter unit at the destination this write counts toward. Rollouts: always 0
@@ -570,7 +577,58 @@ pub struct RolloutPlan {
     pub expect: Vec<UnitExpect>,
 }
 
-/// The planner's output: per trainer plans and per rollout layouts.
+/// One trainer's part of a [`RoutingTable`], compact: what [`RoutingTable::slice`] hands out
+/// (with the names of its parameters and groups) and [`crate::slice::TrainerSlice::expand`]
+/// turns into the [`TrainerPlan`] a worker executes.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct CompactTrainer {
+    /// Training rank.
+    pub rank: u32,
+    /// Size the source arena must have.
+    pub source_arena_bytes: u64,
+    /// Size of the gather arena; 0 when no gathers land here.
+    pub gather_arena_bytes: u64,
+    /// Model indices of the parameters the plan refers to, in the order its records number them
+    /// (sorted), packed (1 field).
+    pub params: Packed,
+    /// Mesh groups in execution order, each `[id, tasks, gather sends, local tasks, gather
+    /// writes expected]`, packed ([`GROUP_FIELDS`] fields); names in
+    /// [`RoutingTable::group_names`], first tasks implied (groups tile the tasks).
+    pub groups: Packed,
+    /// Shards and tasks.
+    pub routes: TrainerRoutes,
+}
+
+/// Fields of a mesh group record in [`CompactTrainer::groups`].
+pub const GROUP_FIELDS: usize = 5;
+
+/// The tensors and region sizes of a rollout rank, stored once for every rank laid out alike
+/// (every engine holds the same tensors).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct RolloutLayout {
+    /// Size in bytes of each MR (index = MR id).
+    pub mr_bytes: Vec<u64>,
+    /// Destination tensors, sorted by (mr, offset).
+    pub tensors: Vec<DstTensor>,
+}
+
+/// A rollout rank in a [`RoutingTable`]: who it is, its layout and what to expect.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct RolloutEntry {
+    /// Global inference rank.
+    pub rank: u32,
+    /// Engine (dp replica) index.
+    pub engine: u32,
+    /// Rank within the engine.
+    pub local_rank: u32,
+    /// Index in [`RoutingTable::rollout_layouts`].
+    pub layout: u32,
+    /// Writes to expect per unit per sync.
+    pub expect: Vec<UnitExpect>,
+}
+
+/// The planner's output: every trainer's part, compact, and every rollout's layout and
+/// expectations. [`RoutingTable::slice`] and [`RoutingTable::rollout`] give one worker its part.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct RoutingTable {
     /// Model name.
@@ -579,42 +637,84 @@ pub struct RoutingTable {
     pub num_params: u64,
     /// Number of parameter elements in the model.
     pub num_elements: u64,
+    /// The parameters trainers refer to, by model index (`params[i].id == i`): names and shapes
+    /// are stored once here, not per trainer.
+    pub params: Vec<ParamRef>,
+    /// Mesh group names, by group id.
+    pub group_names: Vec<String>,
     /// Per training rank, indexed by rank.
-    pub trainers: Vec<TrainerPlan>,
+    pub trainers: Vec<CompactTrainer>,
+    /// The distinct rollout layouts.
+    pub rollout_layouts: Vec<RolloutLayout>,
     /// Per inference rank, indexed by global inference rank.
-    pub rollouts: Vec<RolloutPlan>,
+    pub rollouts: Vec<RolloutEntry>,
+}
+
+/// Rollout layouts, each stored once: what [`RoutingTable::rollout_layouts`] is built from.
+#[derive(Debug, Default)]
+pub(crate) struct RolloutLayouts {
+    layouts: Vec<RolloutLayout>,
+    /// Layout indices by the hash of their content.
+    by_hash: std::collections::HashMap<u64, smallvec::SmallVec<[u32; 1]>>,
+}
+
+impl RolloutLayouts {
+    /// The index of the layout `(mr_bytes, tensors)`, added if new.
+    pub(crate) fn intern(&mut self, mr_bytes: &[u64], tensors: &[DstTensor]) -> u32 {
+        use std::hash::{Hash, Hasher};
+        // SipHash with fixed keys: the same everywhere (only used to find equal layouts).
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        mr_bytes.hash(&mut h);
+        tensors.hash(&mut h);
+        let ids = self.by_hash.entry(h.finish()).or_default();
+        let layouts = &mut self.layouts;
+        if let Some(&id) = ids.iter().find(|&&id| {
+            let l = &layouts[id as usize];
+            l.mr_bytes == mr_bytes && l.tensors == tensors
+        }) {
+            return id;
+        }
+        let id = layouts.len() as u32;
+        layouts.push(RolloutLayout {
+            mr_bytes: mr_bytes.to_vec(),
+            tensors: tensors.to_vec(),
+        });
+        ids.push(id);
+        id
+    }
+
+    /// The layouts, by index.
+    pub(crate) fn into_layouts(self) -> Vec<RolloutLayout> {
+        self.layouts
+    }
 }
 
 impl RoutingTable {
-    /// The plan of one trainer, expanded (every write explicit: what a worker executes).
-    /// Copies naming a rollout rank the table does not have are an error.
-    pub fn slice(&self, trainer_rank: u32) -> Result<TrainerPlan, PlanError> {
-        let plan = self
-            .trainers
-            .get(trainer_rank as usize)
-            .ok_or(PlanError::NoSuchRank {
-                side: "training",
-                rank: trainer_rank,
-                ranks: self.trainers.len() as u32,
-            })?;
-        for (i, t) in plan.tasks.iter().enumerate() {
-            if let Some(c) = plan
-                .task_copies(t)
-                .iter()
-                .find(|c| c.count > 0 && c.last_rank() >= self.rollouts.len() as u64)
-            {
-                return Err(PlanError::BadTable {
-                    rank: trainer_rank,
-                    task: i as u32,
-                    reason: format!(
-                        "a copy reaches rollout rank {} of {}",
-                        c.last_rank(),
-                        self.rollouts.len()
-                    ),
-                });
-            }
-        }
-        plan.expanded_within(self.rollouts.len() as u64)
+    /// The whole plan of inference rank `rank` (its layout's tensors copied out), or `None`
+    /// when there is no such rank or its layout is missing.
+    pub fn rollout(&self, rank: u32) -> Option<RolloutPlan> {
+        let e = self.rollouts.get(rank as usize)?;
+        let l = self.rollout_layouts.get(e.layout as usize)?;
+        Some(RolloutPlan {
+            rank: e.rank,
+            engine: e.engine,
+            local_rank: e.local_rank,
+            mr_bytes: l.mr_bytes.clone(),
+            tensors: l.tensors.clone(),
+            expect: e.expect.clone(),
+        })
+    }
+
+    /// Every rollout's plan, in rank order (see [`RoutingTable::rollout`]; entries with a
+    /// missing layout are left out).
+    pub fn rollout_plans(&self) -> impl Iterator<Item = RolloutPlan> + '_ {
+        (0..self.rollouts.len() as u32).filter_map(|r| self.rollout(r))
+    }
+
+    /// The layout of inference rank `rank`.
+    pub fn rollout_layout(&self, rank: u32) -> Option<&RolloutLayout> {
+        let e = self.rollouts.get(rank as usize)?;
+        self.rollout_layouts.get(e.layout as usize)
     }
 
     /// Serialise with bincode (deterministic: same table, same bytes).
@@ -628,18 +728,22 @@ impl RoutingTable {
     }
 
     /// Writes expected by an endpoint on a unit per sync (0 if none).
-    pub fn expected_writes(&self, dst: Endpoint, unit: u16) -> u64 {
+    pub fn expected_writes(&self, dst: WriteTarget, unit: u16) -> u64 {
         match dst {
-            Endpoint::Rollout(r) => self
+            WriteTarget::Rollout(r) => self
                 .rollouts
                 .get(r as usize)
                 .and_then(|p| p.expect.iter().find(|e| e.unit == unit))
                 .map_or(0, |e| e.writes),
-            Endpoint::Trainer(t) => self
+            WriteTarget::Trainer(t) => self
                 .trainers
                 .get(t as usize)
-                .and_then(|p| p.groups.iter().find(|g| g.id == unit))
-                .map_or(0, |g| g.gather_expect as u64),
+                .and_then(|p| {
+                    p.groups
+                        .iter::<GROUP_FIELDS>()
+                        .find(|g| g[0] == unit as u64)
+                })
+                .map_or(0, |g| g[4]),
         }
     }
 }
@@ -663,13 +767,7 @@ mod tests {
 
     #[test]
     fn slice_of_missing_rank_is_an_error() {
-        let t = RoutingTable {
-            model: "m".into(),
-            num_params: 0,
-            num_elements: 0,
-            trainers: vec![],
-            rollouts: vec![],
-        };
+        let t = RoutingTable::from_plans("m", 0, 0, &[], &[]).unwrap();
         let e = t.slice(3).unwrap_err();
         assert!(e.to_string().contains('3'), "{e}");
         let bytes = t.to_bincode();
