@@ -4,7 +4,7 @@
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use weightsync_common::DType;
-use weightsync_worker::prepare::{cast, gather_box, quantise_fp8, Fp8Shape, Threads};
+use weightsync_worker::{cast, gather_box, quantise_fp8, Fp8Shape, Threads};
 
 const ROWS: usize = 2048;
 const COLS: usize = 4096;

@@ -57,39 +57,49 @@ pub struct Config {
 /// One block size and lane count.
 #[derive(Debug, Clone, Serialize)]
 pub struct Row {
+    /// Bytes per write.
     pub block_bytes: usize,
+    /// Fabric lanes (connections) to the peer.
     pub lanes: usize,
     /// Fabric throughput, GB/s.
     pub gbps: f64,
     /// One plain TCP stream moving the same bytes, GB/s.
     pub tcp_gbps: f64,
+    /// `gbps / tcp_gbps`, measured side by side.
     pub ratio_vs_tcp: f64,
     /// memcpy of the same bytes, GB/s.
     pub memcpy_gbps: f64,
     /// Fabric write round trip, microseconds.
     pub p50_us: f64,
+    /// Its 99th percentile, microseconds.
     pub p99_us: f64,
     /// TCP ping-pong of one block, microseconds.
     pub tcp_p50_us: f64,
+    /// Its 99th percentile, microseconds.
     pub tcp_p99_us: f64,
 }
 
 /// Bytes one local address of the writer sent during a measurement.
 #[derive(Debug, Clone, Serialize)]
 pub struct AddressShare {
+    /// The local address.
     pub address: String,
+    /// Bytes it sent, headers included.
     pub bytes_sent: u64,
 }
 
 /// One block size and lane count with both ends on two local addresses.
 #[derive(Debug, Clone, Serialize)]
 pub struct AddressRow {
+    /// Bytes per write.
     pub block_bytes: usize,
+    /// Fabric lanes (connections) to the peer.
     pub lanes: usize,
     /// Fabric throughput, GB/s.
     pub gbps: f64,
     /// The one-TCP-stream baseline of the same block size (the same figure as in `rows`).
     pub tcp_gbps: f64,
+    /// `gbps / tcp_gbps`, measured side by side.
     pub ratio_vs_tcp: f64,
     /// What each of the writer's addresses sent over the throughput measurements (headers
     /// included), in the endpoint's order.
@@ -99,16 +109,21 @@ pub struct AddressRow {
 /// The whole report.
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {
+    /// `fabric`.
     pub bench: &'static str,
+    /// The units of the figures.
     pub units: &'static str,
+    /// One row per block size and lane count.
     pub rows: Vec<Row>,
     /// The lane count a fabric uses on this machine when none is configured.
     pub default_lanes: usize,
     /// Both ends on two local addresses; empty when the second address could not be used
     /// (`multi_address_error` then says why).
     pub multi_address: Vec<AddressRow>,
+    /// Why the second address could not be used, if it could not.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub multi_address_error: Option<String>,
+    /// Wall time of the whole run, seconds.
     pub elapsed_s: f64,
 }
 

@@ -2,8 +2,16 @@
 //!
 //! Every benchmark here measures weightsync beside a baseline in the same run (a plain TCP
 //! stream, a memcpy, a serialised pipeline, a broadcast), because this machine is shared and
-//! noisy: only ratios measured side by side mean anything. Criterion benches for the kernels and
-//! the planner live under `benches/benches/`.
+//! noisy: only ratios measured side by side mean anything.
+//!
+//! # Layout
+//! - [`fabric`]: one-sided writes between two processes beside one TCP stream and memcpy.
+//! - [`prepare`]: each preparation kernel beside a memcpy of the same bytes.
+//! - [`pipeline`]: the trainer pipeline overlapped beside serialised, same tasks.
+//! - [`e2e`]: a real model's job on loopback beside gather-and-broadcast and the TCP limit; the
+//!   simulator's calibration against it.
+//! - `benches/`: criterion benches of the kernels and the planner.
+#![deny(missing_docs)]
 
 pub mod e2e;
 pub mod fabric;

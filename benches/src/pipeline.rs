@@ -35,15 +35,15 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 use weightsync_common::fabric::{Fabric, FabricConfig, FabricError};
+use weightsync_common::protocol::Stage;
 use weightsync_common::DType;
 use weightsync_schedules::table::{
-    DstTensor, Endpoint, LocalShard, MeshGroup, ParamRef, RolloutPlan, Shape, Source, Task,
-    TensorBox, TrainerPlan, Transform, UnitExpect, Write,
+    DstTensor, LocalShard, MeshGroup, ParamRef, RolloutPlan, Shape, Source, Task, TensorBox,
+    TrainerPlan, Transform, UnitExpect, Write, WriteTarget,
 };
-use weightsync_worker::error::WorkerError;
-use weightsync_worker::rollout::RolloutWorker;
-use weightsync_worker::timeline::Stage;
-use weightsync_worker::trainer::{
+use weightsync_worker::RolloutWorker;
+use weightsync_worker::WorkerError;
+use weightsync_worker::{
     Destinations, PipelineMode, SyncId, SyncReport, TrainerConfig, TrainerWorker,
 };
 
@@ -280,6 +280,70 @@ impl Report {
     }
 }
 
+/// Where one matrix lands on the rollout: its transform, its writes (`src_offset`, `dst_offset`,
+/// `len`), its tensors, and the next free offset.
+struct Landing {
+    transform: Transform,
+    writes: Vec<(u64, u64, u64)>,
+    tensors: Vec<DstTensor>,
+    next: u64,
+}
+
+/// Lays out matrix `i` (`kind`, of `shape`) on the rollout from offset `at`.
+fn landing(kind: Kind, i: u32, shape: Shape, at: u64) -> Landing {
+    let align = |x: u64| x.div_ceil(256) * 256;
+    let numel = shape.numel();
+    let name = format!("layers.{i}.weight");
+    let from = kind.source_dtype();
+    let tensor = |name: String, shape, dtype, offset, len| DstTensor {
+        name,
+        shape,
+        dtype,
+        mr: 0,
+        offset,
+        len,
+    };
+    match kind {
+        Kind::Fp8FromF32 => {
+            let dims = shape.dims();
+            let scale_shape = Shape::new(&[dims[0].div_ceil(128), dims[1].div_ceil(128)]);
+            let scales = scale_shape.numel() * 4;
+            let scales_at = align(at + numel);
+            Landing {
+                transform: Transform::Fp8Block { from },
+                writes: vec![(0, at, numel), (numel.div_ceil(16) * 16, scales_at, scales)],
+                tensors: vec![
+                    tensor(name, shape, DType::F8E4M3, at, numel),
+                    tensor(
+                        format!("layers.{i}.weight_scale_inv"),
+                        scale_shape,
+                        DType::F32,
+                        scales_at,
+                        scales,
+                    ),
+                ],
+                next: align(scales_at + scales),
+            }
+        }
+        Kind::CastF32ToBf16 | Kind::CopyBf16 => {
+            let len = numel * 2;
+            Landing {
+                transform: if kind == Kind::CopyBf16 {
+                    Transform::Copy { dtype: DType::BF16 }
+                } else {
+                    Transform::Cast {
+                        from,
+                        to: DType::BF16,
+                    }
+                },
+                writes: vec![(0, at, len)],
+                tensors: vec![tensor(name, shape, DType::BF16, at, len)],
+                next: align(at + len),
+            }
+        }
+    }
+}
+
 /// The synthetic plans: one matrix per entry of `kinds` (each `rows x cols`), all written into
 /// one rollout rank.
 pub fn plans(cfg: &Config, kinds: &[Kind]) -> Result<(TrainerPlan, RolloutPlan), BenchError> {
@@ -290,11 +354,6 @@ pub fn plans(cfg: &Config, kinds: &[Kind]) -> Result<(TrainerPlan, RolloutPlan),
     }
     let n = kinds.len() as u32;
     let shape = Shape::new(&[cfg.rows, cfg.cols]);
-    let numel = shape.numel();
-    let scale_shape = Shape::new(&[cfg.rows.div_ceil(128), cfg.cols.div_ceil(128)]);
-    let scale_offset = numel.div_ceil(16) * 16;
-    let scales = scale_shape.numel() * 4;
-    let align = |x: u64| x.div_ceil(256) * 256;
     let mut tp = TrainerPlan {
         rank: 0,
         params: Vec::new(),
@@ -317,11 +376,10 @@ pub fn plans(cfg: &Config, kinds: &[Kind]) -> Result<(TrainerPlan, RolloutPlan),
     let mut tensors = Vec::new();
     let mut dst = 0u64;
     for (i, &kind) in (0u32..).zip(kinds) {
-        let name = format!("layers.{i}.weight");
         let from = kind.source_dtype();
         tp.params.push(ParamRef {
             id: i,
-            name: name.clone().into(),
+            name: format!("layers.{i}.weight").into(),
             shape,
         });
         tp.shards.push(LocalShard {
@@ -330,68 +388,28 @@ pub fn plans(cfg: &Config, kinds: &[Kind]) -> Result<(TrainerPlan, RolloutPlan),
             dtype: from,
             offset: tp.source_arena_bytes,
         });
-        tp.source_arena_bytes += numel * from.size() as u64;
+        tp.source_arena_bytes += shape.numel() * from.size() as u64;
         let first_write = tp.writes.len() as u32;
-        let values_at = dst;
-        let write = |src_offset, dst_offset, len: u64| Write {
-            dst: Endpoint::Rollout(0),
-            mr: 0,
-            unit: 0,
-            len: len as u32,
-            src_offset,
-            dst_offset,
-        };
-        let transform = match kind {
-            Kind::Fp8FromF32 => {
-                let scales_at = align(values_at + numel);
-                dst = align(scales_at + scales);
-                tp.writes.push(write(0, values_at, numel));
-                tp.writes.push(write(scale_offset, scales_at, scales));
-                tensors.push(DstTensor {
-                    name,
-                    shape,
-                    dtype: DType::F8E4M3,
+        let l = landing(kind, i, shape, dst);
+        dst = l.next;
+        tensors.extend(l.tensors);
+        tp.writes.extend(
+            l.writes
+                .into_iter()
+                .map(|(src_offset, dst_offset, len)| Write {
+                    dst: WriteTarget::Rollout(0),
                     mr: 0,
-                    offset: values_at,
-                    len: numel,
-                });
-                tensors.push(DstTensor {
-                    name: format!("layers.{i}.weight_scale_inv"),
-                    shape: scale_shape,
-                    dtype: DType::F32,
-                    mr: 0,
-                    offset: scales_at,
-                    len: scales,
-                });
-                Transform::Fp8Block { from }
-            }
-            Kind::CastF32ToBf16 | Kind::CopyBf16 => {
-                let len = numel * 2;
-                dst = align(values_at + len);
-                tp.writes.push(write(0, values_at, len));
-                tensors.push(DstTensor {
-                    name,
-                    shape,
-                    dtype: DType::BF16,
-                    mr: 0,
-                    offset: values_at,
-                    len,
-                });
-                if kind == Kind::CopyBf16 {
-                    Transform::Copy { dtype: DType::BF16 }
-                } else {
-                    Transform::Cast {
-                        from,
-                        to: DType::BF16,
-                    }
-                }
-            }
-        };
+                    unit: 0,
+                    len: len as u32,
+                    src_offset,
+                    dst_offset,
+                }),
+        );
         tp.tasks.push(Task {
             param: i,
             region: TensorBox::full(shape),
             source: Source::Shard { shard: i },
-            transform,
+            transform: l.transform,
             first_write,
             num_writes: tp.writes.len() as u32 - first_write,
             first_copy: 0,
@@ -477,7 +495,7 @@ fn interleave(counts: &[u32; 3]) -> Vec<Kind> {
 fn stage_seconds(r: &SyncReport) -> StageSeconds {
     let s = |st| r.timeline.busy_ns(st) as f64 / 1e9;
     StageSeconds {
-        h2d: s(Stage::H2D),
+        h2d: s(Stage::H2d),
         prepare: s(Stage::Prepare),
         write: s(Stage::Write),
     }
@@ -497,7 +515,7 @@ fn per_kind_seconds(r: &SyncReport, kinds: &[Kind]) -> [StageSeconds; 3] {
         let k = Kind::ALL.iter().position(|&x| x == kind).unwrap_or(0);
         let secs = e.duration_ns() as f64 / 1e9 / count[k].max(1) as f64;
         match e.stage {
-            Stage::H2D => out[k].h2d += secs,
+            Stage::H2d => out[k].h2d += secs,
             Stage::Prepare => out[k].prepare += secs,
             Stage::Write => out[k].write += secs,
             _ => {}

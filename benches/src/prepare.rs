@@ -20,7 +20,8 @@ use std::time::Instant;
 use rayon::prelude::*;
 use serde::Serialize;
 use weightsync_common::DType;
-use weightsync_worker::prepare::{self, Fp8Shape, PrepareError, Threads};
+use weightsync_worker as prepare;
+use weightsync_worker::{Fp8Shape, PrepareError, Threads};
 
 /// What to measure.
 #[derive(Debug, Clone)]
@@ -196,47 +197,43 @@ fn weights_bf16(n: usize) -> Vec<u8> {
     out
 }
 
-/// Runs the benchmark.
-pub fn run(cfg: &Config) -> Result<Report, PrepareError> {
-    let bytes = (cfg.input_mib.max(1) << 20) & !(256 * 2 - 1);
-    let n = bytes / 2;
-    let cols = 4096;
-    let rows = n / cols;
-    let src = weights_bf16(rows * cols);
-    let bytes = src.len();
-    let mut memcpy_out = vec![0u8; bytes];
-    let mut f32_buf = vec![0u8; rows * cols * 4];
-    prepare::cast(&src, DType::BF16, &mut f32_buf, DType::F32, Threads::All)?;
-    let mut out16 = vec![0u8; bytes];
-    let mut values = vec![0u8; rows * cols];
-    let shape = Fp8Shape { rows, cols };
-    let mut scales = vec![0u8; shape.row_blocks() * shape.col_blocks() * 4];
-    let gbps = |b: usize, s: f64| b as f64 / s / 1e9;
+/// Times kernels against a memcpy of the same source, alternately, with one thread and with
+/// all of them.
+struct Bench<'a> {
+    src: &'a [u8],
+    memcpy_out: Vec<u8>,
+    reps: usize,
+    kernels: Vec<KernelResult>,
+}
 
-    let settings = [Threads::One, Threads::All];
-    let mut kernels = Vec::new();
-    let mut measure = |kernel: &'static str,
-                       input_dtype: &'static str,
-                       what: &'static str,
-                       input_bytes: usize,
-                       f: &mut dyn FnMut(Threads) -> Result<(), PrepareError>|
-     -> Result<(), PrepareError> {
+impl Bench<'_> {
+    /// Measures `f` (which processes `input_bytes`) beside the memcpy baseline.
+    fn measure(
+        &mut self,
+        kernel: &'static str,
+        input_dtype: &'static str,
+        what: &'static str,
+        input_bytes: usize,
+        f: &mut dyn FnMut(Threads) -> Result<(), PrepareError>,
+    ) -> Result<(), PrepareError> {
+        let gbps = |b: usize, s: f64| b as f64 / s / 1e9;
         let mut fig = Vec::new();
-        for &t in &settings {
+        for t in [Threads::One, Threads::All] {
+            let (src, out) = (self.src, &mut self.memcpy_out);
             let base = || {
-                memcpy(&src, &mut memcpy_out, t);
+                memcpy(src, out, t);
                 Ok(())
             };
-            let (base_s, s) = best_pair_secs(cfg.reps, t, base, || f(t))?;
+            let (base_s, s) = best_pair_secs(self.reps, t, base, || f(t))?;
             let g = gbps(input_bytes, s);
             fig.push(Figure {
                 gbps: g,
-                ratio_vs_memcpy: g / gbps(bytes, base_s),
+                ratio_vs_memcpy: g / gbps(self.src.len(), base_s),
             });
         }
         let all_threads = fig.pop().expect("two settings");
         let single_thread = fig.pop().expect("two settings");
-        kernels.push(KernelResult {
+        self.kernels.push(KernelResult {
             kernel,
             input_dtype,
             what,
@@ -244,8 +241,29 @@ pub fn run(cfg: &Config) -> Result<Report, PrepareError> {
             all_threads,
         });
         Ok(())
+    }
+}
+
+/// Runs the benchmark.
+pub fn run(cfg: &Config) -> Result<Report, PrepareError> {
+    let bytes = (cfg.input_mib.max(1) << 20) & !(256 * 2 - 1);
+    let cols = 4096;
+    let rows = bytes / 2 / cols;
+    let src = weights_bf16(rows * cols);
+    let bytes = src.len();
+    let mut f32_buf = vec![0u8; rows * cols * 4];
+    prepare::cast(&src, DType::BF16, &mut f32_buf, DType::F32, Threads::All)?;
+    let mut out16 = vec![0u8; bytes];
+    let mut values = vec![0u8; rows * cols];
+    let shape = Fp8Shape { rows, cols };
+    let mut scales = vec![0u8; shape.row_blocks() * shape.col_blocks() * 4];
+    let mut b = Bench {
+        src: &src,
+        memcpy_out: vec![0u8; bytes],
+        reps: cfg.reps,
+        kernels: Vec::new(),
     };
-    measure(
+    b.measure(
         "memcpy",
         "bf16",
         "copy_from_slice baseline",
@@ -257,24 +275,17 @@ pub fn run(cfg: &Config) -> Result<Report, PrepareError> {
     )?;
     // The columns cols/4 .. 3cols/4 of the [rows, cols] tensor: one strided run per row.
     let half = &mut out16[..bytes / 2];
-    measure(
+    b.measure(
         "gather_dim1_half",
         "bf16",
         "sub-box gather of half the columns (bytes counted: the box)",
         bytes / 2,
         &mut |t| {
-            prepare::gather_box(
-                &src,
-                2,
-                &[rows, cols],
-                &[0, cols / 4],
-                &[rows, cols / 2],
-                half,
-                t,
-            )
+            let (start, extent) = ([0, cols / 4], [rows, cols / 2]);
+            prepare::gather_box(&src, 2, &[rows, cols], &start, &extent, half, t)
         },
     )?;
-    measure(
+    b.measure(
         "cast_bf16_to_f32",
         "bf16",
         "widening cast",
@@ -282,14 +293,14 @@ pub fn run(cfg: &Config) -> Result<Report, PrepareError> {
         &mut |t| prepare::cast(&src, DType::BF16, &mut f32_buf, DType::F32, t),
     )?;
     let f32_src = f32_buf.clone();
-    measure(
+    b.measure(
         "cast_f32_to_bf16",
         "f32",
         "narrowing cast, round to nearest even (bytes counted: f32 input)",
         f32_src.len(),
         &mut |t| prepare::cast(&f32_src, DType::F32, &mut out16, DType::BF16, t),
     )?;
-    measure(
+    b.measure(
         "fp8_block_quant",
         "bf16",
         "e4m3fn 128x128 block quantisation, values + weight_scale_inv",
@@ -302,7 +313,7 @@ pub fn run(cfg: &Config) -> Result<Report, PrepareError> {
         threads: rayon::current_num_threads(),
         reps: cfg.reps,
         timing: "single_thread: thread CPU time; all_threads: wall time",
-        kernels,
+        kernels: b.kernels,
     })
 }
 

@@ -6,8 +6,12 @@
 //!   that runs anywhere and an ibverbs backend (feature `rdma`).
 //! - [`protocol`]: the control-channel messages between workers and the controller, and their
 //!   length-prefixed bincode framing.
+#![deny(missing_docs)]
 
 pub mod dtype;
+// Fields of the fabric's error variants and of the TCP frame header still carry no docs of their
+// own; the fabric is being reworked on other branches (TCP and verbs backends), which lift this.
+#[allow(missing_docs)]
 pub mod fabric;
 pub mod protocol;
 

@@ -1,18 +1,23 @@
 //! Turning a complete world into assignments.
 //!
-//! The coordinator does not know the routing table's types: it asks a [`Planner`] for one
-//! [`Assignment`] per registered worker and a JSON summary for `GET /v1/plan`. The production
+//! The coordinator does not know the routing table's types: the service asks a [`Planner`] for
+//! one [`Assignment`] per registered worker and a JSON summary for `GET /v1/plan`, on a thread
+//! of its own (planning a large job takes seconds), and hands the answer to the coordinator. The production
 //! planner ([`crate::routing::SchedulesPlanner`]) runs `weightsync_schedules`; [`NullPlanner`]
 //! assigns empty work and exists so the control protocol can be tested without a model.
 
 use std::collections::BTreeMap;
 
-use weightsync_common::protocol::{Assignment, Blob, Registration, Role, WorkerId, WorldSpec};
+use weightsync_common::protocol::{
+    Assignment, Blob, Registration, WorkerId, WorkerRole, WorldSpec,
+};
 
-/// Why planning failed.
+/// Why the world could not be given its assignments: the job did not plan, or the
+/// registrations contradict the table (named here, unlike `weightsync_schedules::PlanError`,
+/// which is only the planner's part of it).
 #[derive(Debug, Clone, thiserror::Error)]
 #[error("planning failed: {0}")]
-pub struct PlanError(pub String);
+pub struct AssignmentError(pub String);
 
 /// The planner's answer for one complete world.
 #[derive(Debug, Clone)]
@@ -31,7 +36,7 @@ pub trait Planner: Send + Sync + std::fmt::Debug {
         plan_id: u64,
         world: &WorldSpec,
         workers: &BTreeMap<WorkerId, Registration>,
-    ) -> Result<PlanOutput, PlanError>;
+    ) -> Result<PlanOutput, AssignmentError>;
 }
 
 /// Assigns every trainer an empty slice and every rollout zero expected writes.
@@ -46,17 +51,16 @@ impl Planner for NullPlanner {
         plan_id: u64,
         _world: &WorldSpec,
         workers: &BTreeMap<WorkerId, Registration>,
-    ) -> Result<PlanOutput, PlanError> {
+    ) -> Result<PlanOutput, AssignmentError> {
         let assignments = workers
             .keys()
             .map(|id| {
                 let a = match id.role {
-                    Role::Trainer => Assignment::Trainer {
+                    WorkerRole::Trainer => Assignment::Trainer {
                         plan_id,
                         slice: Blob::default(),
-                        peers: Vec::new(),
                     },
-                    Role::Rollout => Assignment::Rollout {
+                    WorkerRole::Rollout => Assignment::Rollout {
                         plan_id,
                         expected: Blob::default(),
                         expected_writes: 0,

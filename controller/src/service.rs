@@ -1,27 +1,28 @@
-//! The controller service: the shared state behind the HTTP API and the control channel, the
-//! I/O that carries out the coordinator's [`Effects`], and [`run`].
+//! The controller service: the shared state behind the HTTP API and the control channel, and
+//! the I/O that carries out the coordinator's [`Effects`]; [`crate::server::run`] serves it.
 //!
-//! Every input (a frame from a worker, a closed connection, an HTTP trigger, a clock tick) takes
-//! the coordinator's lock for the duration of one pure step, then the effects are delivered by
-//! `try_send` into each connection's bounded outbox, so no lock is held across I/O. A worker whose
-//! outbox is full is too slow to be part of the world and is disconnected.
+//! Every input (a frame from a worker, a closed connection, an HTTP trigger, a clock tick, a
+//! plan result) takes the coordinator's lock for the duration of one pure step, then the effects
+//! are delivered by `try_send` into each connection's bounded outbox, so no lock is held across
+//! I/O. A worker whose outbox is full is too slow to be part of the world and is disconnected.
+//!
+//! Planning is the one slow step (seconds and gigabytes for a 1T-parameter job), so it never runs
+//! under the lock: a [`PlanRequest`] effect starts the planner on a thread of its own, and its
+//! result comes back as one more input ([`Coordinator::planned`]), which drops it if membership
+//! changed meanwhile. The API and heartbeats are served throughout.
 
 use std::collections::HashMap;
-use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{mpsc, watch, Semaphore};
-use weightsync_common::protocol::{
-    auth, read_frame, write_frame, FromWorker, ToWorker, DEFAULT_MAX_FRAME,
-};
+use tokio::sync::{mpsc, watch};
+use weightsync_common::protocol::{ToWorker, WorldSpec, DEFAULT_MAX_FRAME};
 
-use crate::coordinator::{ConnId, Coordinator, CoordinatorConfig, Effects};
-use crate::http::metrics::Metrics;
-use crate::planning::Planner;
+use crate::coordinator::{ConnId, Coordinator, CoordinatorConfig, Effects, Now, PlanRequest};
+use crate::metrics::Metrics;
+use crate::planning::{AssignmentError, Planner};
 
 /// Controller settings beyond the coordinator's.
 #[derive(Debug, Clone)]
@@ -43,6 +44,36 @@ pub struct ControllerConfig {
 }
 
 impl ControllerConfig {
+    /// The configuration of a controller for `world`: it expects the workers the job's layouts
+    /// imply (built here, so a bad statement is refused at start), asks them for a heartbeat a
+    /// fifth of `heartbeat_timeout`, and waits 300 ms for a peer's disconnect before a failure
+    /// report fails a sync.
+    pub fn for_job(
+        world: WorldSpec,
+        job_token: String,
+        api_token: String,
+        heartbeat_timeout: Duration,
+        sync_timeout: Duration,
+        history: usize,
+    ) -> Result<ControllerConfig, JobConfigError> {
+        let text = world.read_model_config()?;
+        let layouts = weightsync_schedules::job::layouts(&world, text.as_deref())?;
+        Ok(ControllerConfig::new(
+            CoordinatorConfig {
+                world,
+                trainers: layouts.train.ranks,
+                rollouts: layouts.infer.ranks.len() as u32,
+                heartbeat_interval: (heartbeat_timeout / 5).max(Duration::from_millis(50)),
+                heartbeat_timeout,
+                sync_timeout,
+                failure_grace: Duration::from_millis(300),
+                history,
+            },
+            job_token,
+            api_token,
+        ))
+    }
+
     /// Defaults for everything but the job.
     pub fn new(coordinator: CoordinatorConfig, job_token: String, api_token: String) -> Self {
         ControllerConfig {
@@ -57,14 +88,30 @@ impl ControllerConfig {
     }
 }
 
-enum Outgoing {
+/// Why a job's controller configuration could not be built.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum JobConfigError {
+    /// The model's config.json could not be read.
+    #[error(transparent)]
+    ModelConfig(#[from] std::io::Error),
+    /// The job's statement does not make a job.
+    #[error(transparent)]
+    Job(#[from] weightsync_schedules::job::JobError),
+}
+
+/// What a connection's writer task is told to do.
+pub(crate) enum Outgoing {
+    /// Send this message.
     Msg(ToWorker),
+    /// Close the connection.
     Close,
 }
 
 struct Shared {
     cfg: ControllerConfig,
     coord: Mutex<Coordinator>,
+    planner: Arc<dyn Planner>,
     conns: Mutex<HashMap<ConnId, mpsc::Sender<Outgoing>>>,
     changed: watch::Sender<u64>,
     metrics: Metrics,
@@ -85,11 +132,12 @@ impl std::fmt::Debug for AppState {
 impl AppState {
     /// A controller with no workers yet.
     pub fn new(cfg: ControllerConfig, planner: Box<dyn Planner>) -> Self {
-        let coord = Coordinator::new(cfg.coordinator.clone(), planner);
+        let coord = Coordinator::new(cfg.coordinator.clone());
         let (changed, _) = watch::channel(0);
         AppState(Arc::new(Shared {
             cfg,
             coord: Mutex::new(coord),
+            planner: Arc::from(planner),
             conns: Mutex::new(HashMap::new()),
             changed,
             metrics: Metrics::new(),
@@ -134,7 +182,7 @@ impl AppState {
     }
 
     fn apply(&self, fx: Effects) {
-        if fx.send.is_empty() && fx.close.is_empty() && fx.finished.is_empty() {
+        if fx.is_empty() {
             return;
         }
         let mut overflow = Vec::new();
@@ -161,13 +209,18 @@ impl AppState {
                 }
             }
         }
+        // After the sends: a registration's `Welcome` must reach its outbox before the
+        // assignment of the plan it asked for.
+        if let Some(req) = fx.plan {
+            self.start_planning(req);
+        }
         self.0.changed.send_modify(|v| *v = v.wrapping_add(1));
         for conn in overflow {
             tracing::warn!(conn, "worker outbox full; disconnecting it");
             self.step(|c| {
                 (
                     (),
-                    c.disconnect(conn, "outbox full (worker not reading)", Instant::now()),
+                    c.disconnect(conn, "outbox full (worker not reading)", Now::wall()),
                 )
             });
             if let Some(tx) = self.0.conns.lock().remove(&conn) {
@@ -176,197 +229,48 @@ impl AppState {
         }
     }
 
+    /// Runs the planner for `req` on a thread of its own and feeds the result back.
+    fn start_planning(&self, req: PlanRequest) {
+        let state = self.clone();
+        let plan_id = req.plan_id;
+        let spawned = std::thread::Builder::new()
+            .name(format!("plan-{plan_id}"))
+            .spawn(move || {
+                let started = Instant::now();
+                let out = state.0.planner.plan(req.plan_id, &req.world, &req.workers);
+                tracing::info!(
+                    plan_id,
+                    seconds = started.elapsed().as_secs_f64(),
+                    "planner finished"
+                );
+                drop(req);
+                state.step(|c| ((), c.planned(plan_id, out, Now::wall())));
+            });
+        if let Err(e) = spawned {
+            let out = Err(AssignmentError(format!(
+                "cannot start the planner thread: {e}"
+            )));
+            self.step(|c| ((), c.planned(plan_id, out, Now::wall())));
+        }
+    }
+
+    /// A new connection's id and the receiving end of its outbox.
+    pub(crate) fn open_connection(&self) -> (ConnId, mpsc::Receiver<Outgoing>) {
+        let conn = self.0.next_conn.fetch_add(1, Ordering::Relaxed);
+        let (tx, outbox) = mpsc::channel::<Outgoing>(1024);
+        self.0.conns.lock().insert(conn, tx);
+        (conn, outbox)
+    }
+
+    /// Forgets a connection's outbox.
+    pub(crate) fn close_connection(&self, conn: ConnId) {
+        self.0.conns.lock().remove(&conn);
+    }
+
     /// Sends `Shutdown` to every connected worker.
     pub fn shutdown_workers(&self) {
         for tx in self.0.conns.lock().values() {
             let _ = tx.try_send(Outgoing::Msg(ToWorker::Shutdown));
         }
-    }
-}
-
-/// Serves the control channel on `listener` until `shutdown` fires.
-pub async fn serve_control(
-    listener: TcpListener,
-    state: AppState,
-    mut shutdown: watch::Receiver<bool>,
-) {
-    let limit = Arc::new(Semaphore::new(4096));
-    loop {
-        tokio::select! {
-            _ = shutdown.changed() => break,
-            accepted = listener.accept() => {
-                let (stream, peer) = match accepted {
-                    Ok(x) => x,
-                    Err(e) => {
-                        tracing::warn!("control accept: {e}");
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        continue;
-                    }
-                };
-                let Ok(permit) = limit.clone().try_acquire_owned() else {
-                    tracing::warn!(%peer, "too many control connections; refusing");
-                    continue;
-                };
-                let state = state.clone();
-                tokio::spawn(async move {
-                    if let Err(e) = handle_connection(stream, state).await {
-                        tracing::info!(%peer, "control connection ended: {e}");
-                    }
-                    drop(permit);
-                });
-            }
-        }
-    }
-}
-
-async fn handle_connection(stream: TcpStream, state: AppState) -> anyhow::Result<()> {
-    let _ = stream.set_nodelay(true);
-    let cfg = state.config().clone();
-    let max = cfg.max_frame.min(DEFAULT_MAX_FRAME);
-    let (mut rd, mut wr) = stream.into_split();
-    let nonce = auth::nonce();
-    write_frame(&mut wr, &ToWorker::Challenge { nonce }, max).await?;
-    let handshake = async {
-        let hello: Option<FromWorker> = read_frame(&mut rd, max).await?;
-        match hello {
-            Some(FromWorker::Hello { proof }) if auth::verify(&cfg.job_token, &nonce, &proof) => {}
-            Some(FromWorker::Hello { .. }) => {
-                anyhow::bail!("authentication failed (wrong job token)")
-            }
-            _ => anyhow::bail!("expected Hello as the first message"),
-        }
-        match read_frame::<_, FromWorker>(&mut rd, max).await? {
-            Some(FromWorker::Register(reg)) => Ok(*reg),
-            _ => anyhow::bail!("expected Register after Hello"),
-        }
-    };
-    let reg = match tokio::time::timeout(cfg.handshake_timeout, handshake).await {
-        Ok(Ok(reg)) => reg,
-        Ok(Err(e)) => {
-            let _ = write_frame(
-                &mut wr,
-                &ToWorker::Rejected {
-                    reason: e.to_string(),
-                },
-                max,
-            )
-            .await;
-            return Err(e);
-        }
-        Err(_) => {
-            let reason = "handshake timed out".to_string();
-            let _ = write_frame(
-                &mut wr,
-                &ToWorker::Rejected {
-                    reason: reason.clone(),
-                },
-                max,
-            )
-            .await;
-            anyhow::bail!(reason);
-        }
-    };
-    let conn = state.0.next_conn.fetch_add(1, Ordering::Relaxed);
-    let (tx, mut outbox) = mpsc::channel::<Outgoing>(1024);
-    state.0.conns.lock().insert(conn, tx);
-    let id = reg.id;
-    let registered = {
-        let mut c = state.0.coord.lock();
-        c.register(conn, reg, Instant::now())
-    };
-    match registered {
-        Ok(fx) => state.apply(fx),
-        Err(refused) => {
-            state.0.conns.lock().remove(&conn);
-            tracing::warn!("refused registration: {refused}");
-            let _ = write_frame(
-                &mut wr,
-                &ToWorker::Rejected {
-                    reason: refused.0.clone(),
-                },
-                max,
-            )
-            .await;
-            anyhow::bail!(refused.0);
-        }
-    }
-    let writer = tokio::spawn(async move {
-        while let Some(out) = outbox.recv().await {
-            match out {
-                Outgoing::Msg(m) => {
-                    let shutdown = matches!(m, ToWorker::Shutdown);
-                    if write_frame(&mut wr, &m, max).await.is_err() || shutdown {
-                        break;
-                    }
-                }
-                Outgoing::Close => break,
-            }
-        }
-    });
-    let reason = loop {
-        tokio::select! {
-            frame = read_frame::<_, FromWorker>(&mut rd, max) => match frame {
-                Ok(Some(msg)) => {
-                    state.step(|c| ((), c.message(conn, msg, Instant::now())));
-                }
-                Ok(None) => break "connection closed".to_string(),
-                Err(e) => break format!("control channel error ({e})"),
-            },
-            _ = closed(&writer) => break "connection closed by the controller".to_string(),
-        }
-    };
-    writer.abort();
-    state.0.conns.lock().remove(&conn);
-    state.step(|c| ((), c.disconnect(conn, &reason, Instant::now())));
-    tracing::info!("{id}: {reason}");
-    Ok(())
-}
-
-async fn closed(task: &tokio::task::JoinHandle<()>) {
-    while !task.is_finished() {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-/// Drives timeouts until `shutdown` fires.
-pub async fn tick(state: AppState, mut shutdown: watch::Receiver<bool>) {
-    let mut every = tokio::time::interval(state.config().tick);
-    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = shutdown.changed() => break,
-            _ = every.tick() => state.step(|c| ((), c.tick(Instant::now()))),
-        }
-    }
-}
-
-/// Runs the controller: the HTTP API and dashboard on `http`, the control channel on `control`,
-/// and the timeout clock, until `shutdown` resolves.
-pub async fn run(
-    http: TcpListener,
-    control: TcpListener,
-    state: AppState,
-    shutdown: impl Future<Output = ()> + Send + 'static,
-) -> std::io::Result<()> {
-    let (stop_tx, stop_rx) = watch::channel(false);
-    let control_task = tokio::spawn(serve_control(control, state.clone(), stop_rx.clone()));
-    let tick_task = tokio::spawn(tick(state.clone(), stop_rx.clone()));
-    let mut http_stop = stop_rx.clone();
-    let app = crate::http::app(state.clone());
-    let server = axum::serve(http, app).with_graceful_shutdown(async move {
-        let _ = http_stop.changed().await;
-    });
-    let server = tokio::spawn(async move { server.await });
-    shutdown.await;
-    if state.config().shutdown_workers {
-        state.shutdown_workers();
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    let _ = stop_tx.send(true);
-    let _ = control_task.await;
-    let _ = tick_task.await;
-    match tokio::time::timeout(Duration::from_secs(5), server).await {
-        Ok(Ok(r)) => r,
-        _ => Ok(()),
     }
 }

@@ -9,7 +9,7 @@
 use serde::Serialize;
 use std::collections::{BTreeMap, BTreeSet};
 
-use weightsync_common::protocol::{Failure, Stage, UnitChecksum, WorkerId, WorkerReport};
+use weightsync_common::protocol::{Failure, RunChecksum, Stage, WorkerId, WorkerReport};
 
 /// Where a sync is in the version protocol.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -117,7 +117,7 @@ pub struct SyncRecord {
     /// Lanes.
     pub lanes: BTreeMap<WorkerId, Lane>,
     /// Trainers' checksums of what they prepared, when verification is on.
-    pub sent_checksums: Vec<UnitChecksum>,
+    pub sent_checksums: Vec<RunChecksum>,
     /// Whether verification ran and passed (`None`: off or not yet).
     pub verified: Option<bool>,
     /// Why it failed.
@@ -183,7 +183,7 @@ impl SyncRecord {
     pub fn bytes_written(&self) -> u64 {
         self.lanes
             .iter()
-            .filter(|(w, _)| w.role == weightsync_common::protocol::Role::Trainer)
+            .filter(|(w, _)| w.role == weightsync_common::protocol::WorkerRole::Trainer)
             .map(|(_, l)| l.bytes)
             .sum()
     }
@@ -205,13 +205,13 @@ impl SyncRecord {
         StageDurations {
             prepare_ms: prepared.map(ms),
             write_ms: if all_written {
-                last(weightsync_common::protocol::Role::Trainer)
+                last(weightsync_common::protocol::WorkerRole::Trainer)
                     .map(|e| ms(e.saturating_sub(start)))
             } else {
                 None
             },
             land_ms: if all_landed {
-                last(weightsync_common::protocol::Role::Rollout)
+                last(weightsync_common::protocol::WorkerRole::Rollout)
                     .map(|e| ms(e.saturating_sub(start)))
             } else {
                 None
@@ -239,8 +239,8 @@ impl SyncRecord {
     /// Marks the lanes that finished last in each role as the critical path.
     pub fn mark_critical(&mut self) {
         for role in [
-            weightsync_common::protocol::Role::Trainer,
-            weightsync_common::protocol::Role::Rollout,
+            weightsync_common::protocol::WorkerRole::Trainer,
+            weightsync_common::protocol::WorkerRole::Rollout,
         ] {
             let last = self
                 .lanes
@@ -362,4 +362,18 @@ pub struct SyncView {
     /// Timeline lanes (only on the single-sync view).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub lanes: Option<Vec<LaneView>>,
+}
+
+/// A lane's rate: its bytes over its transfer window (first transfer-side span to its
+/// written / landed report), leaving out source refresh, arming and verification.
+pub fn lane_gbps(s: &SyncRecord, w: &WorkerId) -> Option<f64> {
+    let l = s.lanes.get(w)?;
+    let start = l
+        .spans
+        .iter()
+        .filter(|x| !matches!(x.stage, Stage::Source | Stage::Verify | Stage::Arm))
+        .map(|x| x.start_ns)
+        .min()?;
+    let end = l.part_done_ns.or(l.done_ns)?;
+    (end > start && l.bytes > 0).then(|| l.bytes as f64 / ((end - start) as f64 / 1e9) / 1e9)
 }

@@ -15,6 +15,8 @@
 //!   in the engines' fused format or transformers' own (`format=hf`).
 //! - [`planner`]: [`plan`] itself; [`balance`] spreads replicated data; [`runs`] merges writes.
 //! - [`cost`]: the cost model; [`summary`]: the figures `weightsync plan` prints.
+//! - [`job`]: what a job's statement (`WorldSpec`) means: its layouts, its plan, its size, one
+//!   rollout's own tensors.
 //! - [`error`]: [`PlanError`], what can go wrong.
 //!
 //! # Example
@@ -27,7 +29,6 @@
 //! let mine = table.slice(0).unwrap().expand().unwrap();
 //! assert!(!mine.tasks.is_empty());
 //! ```
-
 #![deny(missing_docs)]
 
 pub mod balance;
@@ -36,6 +37,7 @@ pub mod compact;
 pub mod cost;
 pub mod error;
 pub mod fanout;
+pub mod job;
 pub mod layout_infer;
 pub mod layout_train;
 pub mod model;

@@ -363,6 +363,14 @@ impl RoutingTable {
         self.slice(trainer_rank)?.expand()
     }
 
+    /// Every trainer's explicit plan, in rank order (tests, benches and tools that look at the
+    /// whole table's writes; a worker expands only its own slice).
+    pub fn trainer_plans(&self) -> Result<Vec<TrainerPlan>, PlanError> {
+        (0..self.trainers.len() as u32)
+            .map(|r| self.trainer_plan(r))
+            .collect()
+    }
+
     /// A table from explicit plans (tables written by hand: tests, benches). Trainers must be
     /// listed by rank, rollouts too; write copies are expanded; writes must carry the units the
     /// compact form implies (see [`crate::compact`]).

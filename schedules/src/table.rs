@@ -265,10 +265,6 @@ pub enum WriteTarget {
     Trainer(u32),
 }
 
-/// The planner's and the simulator's old name for [`WriteTarget`], kept crate-private until
-/// those modules (being split on another branch) are renamed too; nothing outside sees it.
-pub(crate) use self::WriteTarget as Endpoint;
-
 /// One RDMA WRITE (with immediate): a contiguous run on both sides.
 ///
 /// Runs contiguous on both sides are already merged: one `Write` is one work request.

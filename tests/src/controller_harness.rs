@@ -8,15 +8,15 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use weightsync_agent::{
+    Accepted, AgentConfig, DriverError, DriverInfo, Outcome, SyncDriver, SyncRef,
+};
 use weightsync_common::protocol::{
-    Assignment, Blob, FromWorker, Registration, Stage, TensorMeta, TimelineEvent, UnitChecksum,
+    Assignment, Blob, FromWorker, Registration, RunChecksum, Stage, TensorMeta, TimelineEvent,
     WorkerId, WorkerReport, WorldSpec,
 };
 use weightsync_common::DType;
-use weightsync_controller::agent::{
-    AgentConfig, DriverError, DriverInfo, Outcome, SyncDriver, SyncRef,
-};
-use weightsync_controller::coordinator::{ConnId, CoordinatorConfig};
+use weightsync_controller::coordinator::{ConnId, CoordinatorConfig, Now};
 use weightsync_controller::planning::NullPlanner;
 use weightsync_controller::{AppState, ControllerConfig};
 
@@ -65,8 +65,8 @@ pub fn state(trainers: u32, rollouts: u32, verify: bool) -> AppState {
 /// The connection id the router tests use for a worker.
 pub fn conn_of(id: WorkerId) -> ConnId {
     match id.role {
-        weightsync_common::protocol::Role::Trainer => 100 + u64::from(id.rank),
-        weightsync_common::protocol::Role::Rollout => 200 + u64::from(id.rank),
+        weightsync_common::protocol::WorkerRole::Trainer => 100 + u64::from(id.rank),
+        weightsync_common::protocol::WorkerRole::Rollout => 200 + u64::from(id.rank),
     }
 }
 
@@ -102,16 +102,51 @@ pub fn register_all(state: &AppState, trainers: u32, rollouts: u32) {
     for id in ids(trainers, rollouts) {
         state.step(|c| {
             let fx = c
-                .register(conn_of(id), registration(id, verify), Instant::now())
+                .register(conn_of(id), registration(id, verify), Now::wall())
                 .expect("registration accepted");
             ((), fx)
         });
+    }
+    accept_plan(state, trainers, rollouts);
+}
+
+/// Waits for the plan the complete world asked for (the service plans on a thread of its own)
+/// and answers its assignments with `Ready` from every worker, as agents do: the plan is then
+/// in force.
+pub fn accept_plan(state: &AppState, trainers: u32, rollouts: u32) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let plan_id = loop {
+        let made = state.read(|c| {
+            c.latest_plan()
+                .filter(|_| c.planning().is_none())
+                .map(|p| p.id)
+        });
+        if let Some(id) = made {
+            break id;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no plan within 10 s: {:?}",
+            state.read(|c| c.plan_error().map(str::to_string))
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    };
+    for id in ids(trainers, rollouts) {
+        feed(
+            state,
+            id,
+            FromWorker::Ready {
+                plan_id,
+                regions: Vec::new(),
+                tensors: Vec::new(),
+            },
+        );
     }
 }
 
 /// Feeds one message from `id`.
 pub fn feed(state: &AppState, id: WorkerId, msg: FromWorker) {
-    state.step(|c| ((), c.message(conn_of(id), msg, Instant::now())));
+    state.step(|c| ((), c.message(conn_of(id), msg, Now::wall())));
 }
 
 /// A report with one span per stage given.
@@ -125,6 +160,7 @@ pub fn report(bytes: u64, stages: &[Stage]) -> WorkerReport {
             .enumerate()
             .map(|(i, &stage)| TimelineEvent {
                 task: 0,
+                piece: 0,
                 stage,
                 start_ns: i as u64 * 1_000_000,
                 end_ns: (i as u64 + 1) * 1_000_000,
@@ -155,9 +191,9 @@ pub fn complete_sync(state: &AppState, sync_id: u64, version: u64, trainers: u32
             &[Stage::H2d, Stage::Prepare, Stage::Write, Stage::Barrier],
         );
         rep.checksums = (0..rollouts)
-            .map(|o| UnitChecksum {
+            .map(|o| RunChecksum {
                 rollout: o,
-                region: 0,
+                mr: 0,
                 offset: u64::from(r) * 64,
                 len: 64,
                 xxh3: 7,
@@ -257,7 +293,7 @@ pub fn agent_config(control: SocketAddr, id: WorkerId, verify: bool) -> AgentCon
         host: "localhost".into(),
         world: world(verify),
         reconnect_for: Duration::from_secs(5),
-        max_frame: weightsync_controller::agent::AGENT_MAX_FRAME,
+        max_frame: weightsync_agent::AGENT_MAX_FRAME,
     }
 }
 
@@ -305,8 +341,8 @@ impl SyncDriver for ScriptedDriver {
         }
     }
 
-    async fn assign(&mut self, _a: Assignment) -> Result<(), DriverError> {
-        Ok(())
+    async fn assign(&mut self, _a: Assignment) -> Result<Accepted, DriverError> {
+        Ok(Accepted::default())
     }
 
     async fn prepare(&mut self, _sync: SyncRef) -> Result<WorkerReport, DriverError> {
@@ -330,6 +366,7 @@ impl SyncDriver for ScriptedDriver {
                 peak_staging_bytes: 0,
                 events: vec![TimelineEvent {
                     task: 0,
+                    piece: 0,
                     stage: Stage::Write,
                     start_ns: start,
                     end_ns: end,
@@ -343,7 +380,7 @@ impl SyncDriver for ScriptedDriver {
     async fn verify(
         &mut self,
         _sync: SyncRef,
-        _checksums: Vec<UnitChecksum>,
+        _checksums: Vec<RunChecksum>,
     ) -> Result<WorkerReport, DriverError> {
         Ok(WorkerReport::default())
     }

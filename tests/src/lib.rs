@@ -1,4 +1,17 @@
 //! weightsync-tests: shared harness code for the suites under `tests/tests/`.
+//!
+//! # Layout
+//! - Fabric: [`conformance`] (every backend obeys the fabric contract), [`canary`] (guard pages).
+//! - Worker library: [`loopback`] and [`proxied_cluster`] (trainers and rollouts in one process,
+//!   a lane proxy that cuts or stalls), [`reference`] (expected bytes computed without weightsync).
+//! - Controller: [`controller_harness`] (a served controller, registrations fed straight in,
+//!   scripted agents).
+//! - Processes: [`processes`], [`process_cluster`] (the real binary as a whole job),
+//!   [`netns`] (one network namespace per host), [`proxy`], [`http_raw`], [`proc_stats`].
+//! - Suites (`tests/tests/`): `fabric_*`, `worker_e2e`, `controller_*`, `faults/`, `dashboard`,
+//!   `load` and `sidecar_startup` (measurements, ignored), `replan_responsiveness`.
+#![deny(missing_docs)]
+
 pub mod conformance;
 pub mod loopback;
 // Fault-suite harness (faults engineer): processes, proxy, namespaces, guard pages, raw HTTP.

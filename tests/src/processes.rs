@@ -5,7 +5,7 @@
 //! `env!("CARGO_BIN_EXE_weightsync")` (that exists only for the binary's own package), so
 //! [`weightsync_binary`] finds the binary next to the test executable
 //! (`<target>/<profile>/deps/<test>` → `<target>/<profile>/weightsync`) and, once per test process,
-//! runs `cargo build -p weightsync-controller --bin weightsync` with the same target directory and
+//! runs `cargo build -p weightsync-cli --bin weightsync` with the same target directory and
 //! profile so the binary is never stale. `WEIGHTSYNC_BIN=/path/to/weightsync` skips both.
 //!
 //! [`ChildProcess`] owns one child: stdout and stderr go to a log file (shown when a test fails),
@@ -56,7 +56,7 @@ fn locate_or_build() -> Result<PathBuf, String> {
         "build",
         "--quiet",
         "-p",
-        "weightsync-controller",
+        "weightsync-cli",
         "--bin",
         "weightsync",
     ])
@@ -84,7 +84,7 @@ fn locate_or_build() -> Result<PathBuf, String> {
         }
         Ok(out) => {
             return Err(format!(
-                "cargo build -p weightsync-controller --bin weightsync failed:\n{}",
+                "cargo build -p weightsync-cli --bin weightsync failed:\n{}",
                 String::from_utf8_lossy(&out.stderr)
             ))
         }

@@ -18,9 +18,9 @@ use tokio::task::JoinSet;
 use weightsync_common::fabric::{Endpoint, Fabric, FabricBackend, FabricConfig};
 use weightsync_schedules::table::RoutingTable;
 use weightsync_schedules::{plan, CostModel, ExpertForm, InferenceLayout, Model, TrainingLayout};
-use weightsync_worker::error::WorkerError;
-use weightsync_worker::rollout::RolloutWorker;
-use weightsync_worker::trainer::{Destinations, SyncId, TrainerWorker};
+use weightsync_worker::RolloutWorker;
+use weightsync_worker::WorkerError;
+use weightsync_worker::{Destinations, SyncId, TrainerWorker};
 
 use crate::loopback::start_trainers;
 use crate::proxy::LaneProxy;
@@ -105,7 +105,7 @@ impl ProxiedCluster {
         let mut rollouts = Vec::new();
         let mut proxies = Vec::new();
         let mut dsts = Destinations::default();
-        for p in &table.rollouts {
+        for p in table.rollout_plans() {
             let f = fabric(config).await?;
             let target =
                 f.endpoint().as_str().parse().map_err(|e| {

@@ -14,8 +14,8 @@ use rand::{Rng, SeedableRng};
 use weightsync_common::DType;
 use weightsync_schedules::model::Model;
 use weightsync_schedules::table::{DstTensor, TrainerPlan};
-use weightsync_worker::prepare::convert::f32_to_bf16;
-use weightsync_worker::prepare::{quantise_fp8, Fp8Shape, Threads};
+use weightsync_worker::f32_to_bf16;
+use weightsync_worker::{quantise_fp8, Fp8Shape, Threads};
 
 /// A dense row-major tensor.
 #[derive(Debug, Clone, PartialEq, Eq)]

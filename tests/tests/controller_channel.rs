@@ -4,10 +4,10 @@
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use weightsync_agent::run_agent;
 use weightsync_common::protocol::{
-    auth, read_frame, write_frame, FromWorker, Role, ToWorker, WorkerId, DEFAULT_MAX_FRAME,
+    auth, read_frame, write_frame, FromWorker, ToWorker, WorkerId, WorkerRole, DEFAULT_MAX_FRAME,
 };
-use weightsync_controller::agent::run_agent;
 use weightsync_controller::sync_record::SyncState;
 use weightsync_tests::controller_harness::*;
 
@@ -15,7 +15,7 @@ fn spawn_agent(
     ctl: &ServedController,
     id: WorkerId,
     driver: ScriptedDriver,
-) -> tokio::task::JoinHandle<Result<(), weightsync_controller::agent::AgentError>> {
+) -> tokio::task::JoinHandle<Result<(), weightsync_agent::AgentError>> {
     let verify = ctl.state.config().coordinator.world.verify;
     tokio::spawn(run_agent(agent_config(ctl.control, id, verify), driver))
 }
@@ -28,11 +28,12 @@ async fn wait_state(ctl: &ServedController, id: u64, want: SyncState) -> bool {
 }
 
 fn trigger(ctl: &ServedController, version: u64) -> u64 {
-    ctl.state
-        .step(|c| match c.trigger(version, std::time::Instant::now()) {
+    ctl.state.step(
+        |c| match c.trigger(version, weightsync_controller::coordinator::Now::wall()) {
             Ok((weightsync_controller::coordinator::Triggered::Created(id), fx)) => (id, fx),
             other => panic!("trigger {version}: {other:?}"),
-        })
+        },
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -50,7 +51,8 @@ async fn killed_worker_fails_the_sync_by_name_and_the_next_sync_commits() {
             .state
             .read(|c| c.plan().is_some()))
         .await,
-        "world never completed"
+        "world never completed: {:?}",
+        ctl.state.read(|c| c.log())
     );
 
     let s1 = trigger(&ctl, 1);
@@ -214,8 +216,9 @@ async fn wrong_token_duplicate_and_contradicting_registrations_are_refused() {
         let _ = g.write_all(&[0xff; 4096]).await;
     }
     assert_eq!(
-        ctl.state
-            .read(|c| c.workers(std::time::Instant::now()).len()),
+        ctl.state.read(|c| c
+            .workers(weightsync_controller::coordinator::Now::wall())
+            .len()),
         1
     );
     ctl.stop().await;
@@ -233,9 +236,22 @@ async fn a_silent_worker_fails_the_running_sync_within_the_heartbeat_timeout() {
     );
     let ctl = ServedController::start(st).await;
     let _trainer = spawn_agent(&ctl, WorkerId::trainer(0), ScriptedDriver::new());
-    // The rollout registers and then says nothing at all (a hung process).
-    let (_silent, reply) = raw_worker(&ctl, JOB_TOKEN, WorkerId::rollout(0)).await;
+    // The rollout registers, accepts its assignment, and then says nothing at all (a hung
+    // process).
+    let (mut silent, reply) = raw_worker(&ctl, JOB_TOKEN, WorkerId::rollout(0)).await;
     assert!(matches!(reply, Some(ToWorker::Welcome { .. })), "{reply:?}");
+    let assign = read_frame::<_, ToWorker>(&mut silent, DEFAULT_MAX_FRAME).await;
+    let Ok(Some(ToWorker::Assign(a))) = assign else {
+        panic!("expected the assignment, got {assign:?}")
+    };
+    let ready = FromWorker::Ready {
+        plan_id: a.plan_id(),
+        regions: Vec::new(),
+        tensors: Vec::new(),
+    };
+    write_frame(&mut silent, &ready, DEFAULT_MAX_FRAME)
+        .await
+        .unwrap();
     assert!(
         eventually(Duration::from_secs(5), || ctl
             .state
@@ -251,7 +267,7 @@ async fn a_silent_worker_fails_the_running_sync_within_the_heartbeat_timeout() {
     assert_eq!(
         failure.worker,
         WorkerId {
-            role: Role::Rollout,
+            role: WorkerRole::Rollout,
             rank: 0
         }
     );

@@ -6,12 +6,12 @@
 use std::process::Command;
 use std::time::Duration;
 
+use weightsync_agent::api_client::request;
 use weightsync_common::protocol::WorldSpec;
 use weightsync_common::DType;
-use weightsync_controller::api_client::request;
-use weightsync_controller::cmd::controller::controller_config;
-use weightsync_controller::routing::SchedulesPlanner;
 use weightsync_controller::AppState;
+use weightsync_controller::ControllerConfig;
+use weightsync_controller::SchedulesPlanner;
 use weightsync_tests::controller_harness::{eventually, ServedController, API_TOKEN, JOB_TOKEN};
 use weightsync_tests::processes::{weightsync_binary, ChildProcess};
 
@@ -89,7 +89,7 @@ async fn killed_trainer_process_is_named_and_the_next_sync_commits_verified() {
         dtype: DType::F8E4M3,
         verify: true,
     };
-    let mut cfg = controller_config(
+    let mut cfg = ControllerConfig::for_job(
         world.clone(),
         JOB_TOKEN.into(),
         API_TOKEN.into(),

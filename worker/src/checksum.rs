@@ -8,23 +8,11 @@
 //! tensor(s) the run lies in. Because every destination byte is written exactly once per sync,
 //! the runs of all trainers tile the destination tensors exactly, so the rollout also checks that
 //! the records cover every tensor byte once: verification can never pass vacuously.
+//!
+//! The record is the protocol's [`RunChecksum`]: what a trainer reports is what the controller
+//! forwards and what a rollout checks, with no conversion on the way.
 
-use serde::{Deserialize, Serialize};
-
-/// The xxh3 of one write run as prepared by a trainer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-pub struct RunChecksum {
-    /// Rollout rank the run was written to.
-    pub rank: u32,
-    /// Memory region on that rank.
-    pub mr: u16,
-    /// Byte offset in the MR.
-    pub offset: u64,
-    /// Length in bytes.
-    pub len: u64,
-    /// xxh3-64 of the bytes.
-    pub xxh3: u64,
-}
+pub use weightsync_common::protocol::RunChecksum;
 
 /// xxh3-64 of bytes (the one hash both sides use).
 pub fn xxh3(bytes: &[u8]) -> u64 {

@@ -1,16 +1,66 @@
-//! weightsync-worker: trainer pipeline and rollout receiver. (Being built: see issue 4.)
+//! weightsync-worker: the two halves of a sync that run beside the GPUs, as a library.
+//!
+//! A [`TrainerWorker`] executes one training rank's slice of the routing table each sync: its
+//! pieces go through host-to-device staging, preparation (gather, cast, fp8 block quantisation)
+//! and one-sided WRITEs under a staging watermark, and it returns only when every destination
+//! acknowledged every write. A [`RolloutWorker`] holds one inference rank's tensors in memory it
+//! registered once, arms immediate counters for a version before anyone writes, reports the
+//! version landed only when every expected write did, and verifies checksums of what landed.
+//!
+//! Neither knows the controller or the control protocol: `weightsync_agent` drives them from
+//! the controller's messages, and benches and tests drive them directly. Both are generic over
+//! the fabric (`weightsync_common::fabric::FabricBackend`: TCP, or ibverbs with `rdma`).
+//!
+//! # Layout
+//! - `trainer/`: [`TrainerWorker`] and its pipeline (`piece`: watermark-sized pieces of tasks;
+//!   `stages`: H2D and prepare of one piece; `staging`: the registered staging arena;
+//!   `pipeline`: the scheduler that overlaps the stages, and the barrier).
+//! - `rollout/`: [`RolloutWorker`], the receiver.
+//! - `prepare/`: the CPU preparation kernels ([`cast`], [`gather_box`], [`quantise_fp8`]) and
+//!   their scalar conversions (`convert`), with an AVX-512 fp8 path.
+//! - `source/`: the trainer's source arena wherever it lives ([`SourceMemory`]: a shared-memory
+//!   export, a safetensors file, host memory).
+//! - `watermark`: the staging budget; `imm_tag`: immediates that carry the sync's epoch;
+//!   `checksum`: the xxh3 of write runs; `timeline`: per-stage spans of a sync.
+//! - `gpu` (feature `cuda`): CUDA staging, NVRTC kernels bit-identical to the CPU ones, GPU
+//!   source memory. Compiled and tested, not yet called by the pipeline (issue 15 wires it in).
+//! - `error`: [`WorkerError`], every way a sync can be refused or fail.
+//!
+//! The vocabulary shared with the control protocol (`Stage`, `TimelineEvent`, `RunChecksum`)
+//! lives in `weightsync_common::protocol`; this crate uses those types as they are.
+#![deny(missing_docs)]
 
+mod checksum;
+mod error;
 #[cfg(feature = "cuda")]
 pub mod gpu;
-pub mod prepare;
-pub mod source;
-
-pub mod checksum;
-pub mod error;
-pub mod imm_tag;
+mod imm_tag;
 #[cfg(test)]
 mod mem_fabric;
-pub mod rollout;
-pub mod timeline;
-pub mod trainer;
-pub mod watermark;
+mod prepare;
+mod rollout;
+mod source;
+mod timeline;
+mod trainer;
+mod watermark;
+
+pub use checksum::xxh3;
+pub use error::{Result, WorkerError};
+pub use imm_tag::{imm_for, ImmTag, UnitOutOfRange, EPOCH_BITS, MAX_UNITS, UNIT_BITS};
+pub use prepare::convert::{
+    bf16_to_f32, e4m3_to_f32, f16_to_f32, f32_to_bf16, f32_to_e4m3_saturating, f32_to_f16, E4M3_MAX,
+};
+pub use prepare::{
+    cast, gather_box, quantise_fp8, quantise_fp8_block_rows, Fp8Shape, PrepareError, Threads,
+    FP8_AMAX_FLOOR,
+};
+pub use rollout::{Landed, RolloutWorker, Verified};
+pub use source::{
+    arena_tensors, check_layout, ArenaTensor, HostSource, SafetensorsSource, ShmSource,
+    SourceError, SourceMemory,
+};
+pub use timeline::{Timeline, TimelineRecorder};
+pub use trainer::{
+    Destinations, PipelineMode, SourceView, SyncId, SyncReport, TrainerConfig, TrainerWorker,
+};
+pub use watermark::{Lease, Watermark, WatermarkError, LEASE_ALIGN};

@@ -1,4 +1,5 @@
-//! Where a sync spent its time: one event per stage of every task, per worker.
+//! Where a sync spent its time: one event ([`TimelineEvent`], the protocol's own) per stage of
+//! every task, per worker.
 //!
 //! The controller's dashboard draws one lane per worker with spans for H2D, prepare, WRITE and
 //! barrier, and marks the critical path; for that it needs, for every stage of every task, when
@@ -12,75 +13,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
-
-/// A stage of the trainer pipeline (or of the rollout's wait).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-pub enum Stage {
-    /// Sending rows of an fp8 block that straddles shards to the block's owner (trainer to trainer).
-    GatherSend,
-    /// Waiting until the straddling rows from other trainers have arrived.
-    GatherWait,
-    /// Copying the task's source into staging (device staging with CUDA, host staging otherwise).
-    H2D,
-    /// Producing the destination's exact bytes (gather, cast, fp8 quantisation).
-    Prepare,
-    /// One-sided writes into the destination, until the writes completed.
-    Write,
-    /// Waiting until every destination confirmed its expected count.
-    Barrier,
-    /// Verifying checksums of what landed (rollout side).
-    Verify,
-}
-
-impl Stage {
-    /// Lower-case name used in traces.
-    pub const fn name(self) -> &'static str {
-        match self {
-            Stage::GatherSend => "gather_send",
-            Stage::GatherWait => "gather_wait",
-            Stage::H2D => "h2d",
-            Stage::Prepare => "prepare",
-            Stage::Write => "write",
-            Stage::Barrier => "barrier",
-            Stage::Verify => "verify",
-        }
-    }
-}
-
-impl std::fmt::Display for Stage {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-/// One stage of one task (or one piece of a split task) on one worker.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct TimelineEvent {
-    /// The worker, e.g. `"trainer-3"` or `"rollout-1"`.
-    pub worker: String,
-    /// The task's index in the worker's plan (`u32::MAX` for whole-sync stages such as the barrier).
-    pub task: u32,
-    /// The piece of the task when the watermark split it (0 when it was not split).
-    pub piece: u32,
-    /// Which stage.
-    pub stage: Stage,
-    /// Start, nanoseconds since the sync started on this worker.
-    pub start_ns: u64,
-    /// End, nanoseconds since the sync started on this worker.
-    pub end_ns: u64,
-    /// Bytes the stage moved or produced.
-    pub bytes: u64,
-}
-
-impl TimelineEvent {
-    /// Duration in nanoseconds.
-    pub fn duration_ns(&self) -> u64 {
-        self.end_ns.saturating_sub(self.start_ns)
-    }
-}
-
-/// Task index used for whole-sync events (the barrier).
-pub const WHOLE_SYNC: u32 = u32::MAX;
+use weightsync_common::protocol::{Stage, TimelineEvent};
 
 /// The events of one sync on one worker.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -108,6 +41,21 @@ impl Timeline {
             .filter(|e| e.stage == stage)
             .map(TimelineEvent::duration_ns)
             .sum()
+    }
+
+    /// The events on another time axis of this worker: relative to the wall-clock instant
+    /// `reference_unix_ns` (e.g. when its agent received `Prepare`), which must not be after the
+    /// sync's start here (an earlier start would clamp to it).
+    pub fn relative_to(&self, reference_unix_ns: u64) -> Vec<TimelineEvent> {
+        let shift = self.started_unix_ns.saturating_sub(reference_unix_ns);
+        self.events
+            .iter()
+            .map(|e| TimelineEvent {
+                start_ns: shift + e.start_ns,
+                end_ns: shift + e.end_ns,
+                ..e.clone()
+            })
+            .collect()
     }
 
     /// Sum of the bytes of every event of `stage`.
@@ -154,7 +102,6 @@ impl TimelineRecorder {
     pub fn record(&self, task: u32, piece: u32, stage: Stage, start_ns: u64, bytes: u64) {
         let end_ns = self.now_ns();
         self.events.lock().push(TimelineEvent {
-            worker: self.worker.to_string(),
             task,
             piece,
             stage,
@@ -186,14 +133,14 @@ mod tests {
         let t0 = rec.now_ns();
         let clone = rec.clone();
         clone.record(1, 0, Stage::Prepare, t0 + 5, 100);
-        rec.record(0, 0, Stage::H2D, t0, 200);
+        rec.record(0, 0, Stage::H2d, t0, 200);
         let tl = rec.finish();
         assert_eq!(tl.events.len(), 2);
-        assert_eq!(tl.events[0].stage, Stage::H2D);
+        assert_eq!(tl.events[0].stage, Stage::H2d);
         assert!(tl.events.iter().all(|e| e.end_ns >= e.start_ns));
-        assert_eq!(tl.bytes(Stage::H2D), 200);
+        assert_eq!(tl.bytes(Stage::H2d), 200);
         let json = serde_json::to_string(&tl).unwrap();
-        assert!(json.contains("\"H2D\""), "{json}");
+        assert!(json.contains("\"h2d\""), "{json}");
         let back: Timeline = serde_json::from_str(&json).unwrap();
         assert_eq!(back, tl);
     }

@@ -27,7 +27,7 @@ use weightsync_common::fabric::{Access, FabricBackend, FabricConfig, TcpFabric, 
 use weightsync_common::DType;
 use weightsync_schedules::simulate::{simulate, ClusterModel, HostModel, Placement, PrepRates};
 use weightsync_schedules::CostModel;
-use weightsync_worker::prepare::{cast, quantise_fp8, Fp8Shape, Threads};
+use weightsync_worker::{cast, quantise_fp8, Fp8Shape, Threads};
 
 use super::loopback::{weights, LoopbackCluster, WorkerOptions, TOKEN};
 use super::{runtime, E2eError, Setup};

@@ -10,7 +10,7 @@
 //! Every check happens before any allocation that depends on the peer: the magic and version are
 //! verified first, the length is compared with the reader's maximum before the body buffer is
 //! sized, and the body is decoded with a bincode byte limit equal to its length, so a hostile or
-//! corrupted frame yields a [`FrameError`], never a panic or an outsized allocation.
+//! corrupted frame yields a [`ControlFrameError`], never a panic or an outsized allocation.
 
 use bincode::Options;
 use serde::{de::DeserializeOwned, Serialize};
@@ -24,7 +24,11 @@ pub const MAGIC: [u8; 4] = *b"WSYC";
 /// sync (a version-1 worker would never answer and would be dropped after a timeout).
 /// 3: a plan's tasks no longer carry what follows from their region (the shard-local box, the
 /// gathered shape, the prepared size, the fp8 scale layout).
-pub const PROTOCOL_VERSION: u16 = 3;
+/// 4: one vocabulary with the worker library: a timeline event carries its piece, a checksum is
+/// a `RunChecksum` (memory region as `u16`); trainers learn their peers in a round of their own
+/// (`Assign` → `Ready` with the gather arena's descriptor → `Peers`), and no worker plans the
+/// whole job.
+pub const PROTOCOL_VERSION: u16 = 4;
 /// Bytes in a frame header.
 pub const FRAME_HEADER_LEN: usize = 12;
 /// Default maximum body size: 256 MiB (a trainer's plan slice for a 1T-parameter model fits).
@@ -33,7 +37,7 @@ pub const DEFAULT_MAX_FRAME: u32 = 256 << 20;
 /// Why a frame could not be read or written.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
-pub enum FrameError {
+pub enum ControlFrameError {
     /// The stream failed.
     #[error("control channel I/O: {0}")]
     Io(#[from] std::io::Error),
@@ -66,35 +70,35 @@ pub enum FrameError {
 
 /// A parsed frame header.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct FrameHeader {
+pub struct ControlFrameHeader {
     /// Protocol version.
     pub version: u16,
     /// Body length.
     pub len: u32,
 }
 
-impl FrameHeader {
+impl ControlFrameHeader {
     /// Parses and checks a header against the maximum body size.
-    pub fn parse(bytes: &[u8; FRAME_HEADER_LEN], max: u32) -> Result<Self, FrameError> {
+    pub fn parse(bytes: &[u8; FRAME_HEADER_LEN], max: u32) -> Result<Self, ControlFrameError> {
         let magic = [bytes[0], bytes[1], bytes[2], bytes[3]];
         if magic != MAGIC {
-            return Err(FrameError::BadMagic(magic));
+            return Err(ControlFrameError::BadMagic(magic));
         }
         let version = u16::from_le_bytes([bytes[4], bytes[5]]);
         if version != PROTOCOL_VERSION {
-            return Err(FrameError::Version {
+            return Err(ControlFrameError::Version {
                 got: version,
                 want: PROTOCOL_VERSION,
             });
         }
         let len = u32::from_le_bytes([bytes[8], bytes[9], bytes[10], bytes[11]]);
         if len > max {
-            return Err(FrameError::TooLarge {
+            return Err(ControlFrameError::TooLarge {
                 len: len.into(),
                 max,
             });
         }
-        Ok(FrameHeader { version, len })
+        Ok(ControlFrameHeader { version, len })
     }
 }
 
@@ -106,15 +110,15 @@ fn options(limit: u64) -> impl Options {
 }
 
 /// Encodes one message as a whole frame (header + body).
-pub fn encode_frame<T: Serialize>(msg: &T, max: u32) -> Result<Vec<u8>, FrameError> {
+pub fn encode_frame<T: Serialize>(msg: &T, max: u32) -> Result<Vec<u8>, ControlFrameError> {
     let body = options(max.into()).serialize(msg).map_err(|e| match *e {
-        bincode::ErrorKind::SizeLimit => FrameError::TooLarge {
+        bincode::ErrorKind::SizeLimit => ControlFrameError::TooLarge {
             len: u64::from(max) + 1,
             max,
         },
-        other => FrameError::Decode(other.to_string()),
+        other => ControlFrameError::Decode(other.to_string()),
     })?;
-    let len = u32::try_from(body.len()).map_err(|_| FrameError::TooLarge {
+    let len = u32::try_from(body.len()).map_err(|_| ControlFrameError::TooLarge {
         len: body.len() as u64,
         max,
     })?;
@@ -128,28 +132,30 @@ pub fn encode_frame<T: Serialize>(msg: &T, max: u32) -> Result<Vec<u8>, FrameErr
 }
 
 /// Decodes a frame body (without header). Never reads past `body`, never panics.
-pub fn decode_body<T: DeserializeOwned>(body: &[u8]) -> Result<T, FrameError> {
+pub fn decode_body<T: DeserializeOwned>(body: &[u8]) -> Result<T, ControlFrameError> {
     options(body.len() as u64)
         .deserialize(body)
-        .map_err(|e| FrameError::Decode(e.to_string()))
+        .map_err(|e| ControlFrameError::Decode(e.to_string()))
 }
 
 /// Decodes one whole frame from a byte slice (header + body); for fuzzing and tests.
-pub fn decode_frame<T: DeserializeOwned>(bytes: &[u8], max: u32) -> Result<T, FrameError> {
+pub fn decode_frame<T: DeserializeOwned>(bytes: &[u8], max: u32) -> Result<T, ControlFrameError> {
     let header: &[u8; FRAME_HEADER_LEN] = bytes
         .get(..FRAME_HEADER_LEN)
         .and_then(|h| h.try_into().ok())
-        .ok_or(FrameError::Truncated)?;
-    let h = FrameHeader::parse(header, max)?;
-    let body = bytes.get(FRAME_HEADER_LEN..).ok_or(FrameError::Truncated)?;
+        .ok_or(ControlFrameError::Truncated)?;
+    let h = ControlFrameHeader::parse(header, max)?;
+    let body = bytes
+        .get(FRAME_HEADER_LEN..)
+        .ok_or(ControlFrameError::Truncated)?;
     if body.len() != h.len as usize {
-        return Err(FrameError::Truncated);
+        return Err(ControlFrameError::Truncated);
     }
     decode_body(body)
 }
 
 /// Writes one message as a frame and flushes.
-pub async fn write_frame<W, T>(w: &mut W, msg: &T, max: u32) -> Result<(), FrameError>
+pub async fn write_frame<W, T>(w: &mut W, msg: &T, max: u32) -> Result<(), ControlFrameError>
 where
     W: AsyncWrite + Unpin,
     T: Serialize,
@@ -161,7 +167,7 @@ where
 }
 
 /// Reads one frame. `Ok(None)` on a clean end of stream at a frame boundary.
-pub async fn read_frame<R, T>(r: &mut R, max: u32) -> Result<Option<T>, FrameError>
+pub async fn read_frame<R, T>(r: &mut R, max: u32) -> Result<Option<T>, ControlFrameError>
 where
     R: AsyncRead + Unpin,
     T: DeserializeOwned,
@@ -174,18 +180,18 @@ where
             return if got == 0 {
                 Ok(None)
             } else {
-                Err(FrameError::Truncated)
+                Err(ControlFrameError::Truncated)
             };
         }
         got += n;
     }
-    let h = FrameHeader::parse(&header, max)?;
+    let h = ControlFrameHeader::parse(&header, max)?;
     let mut body = vec![0u8; h.len as usize];
     r.read_exact(&mut body).await.map_err(|e| {
         if e.kind() == std::io::ErrorKind::UnexpectedEof {
-            FrameError::Truncated
+            ControlFrameError::Truncated
         } else {
-            FrameError::Io(e)
+            ControlFrameError::Io(e)
         }
     })?;
     decode_body(&body).map(Some)
@@ -251,7 +257,7 @@ mod tests {
         wrong[0] = b'X';
         assert!(matches!(
             decode_frame::<FromWorker>(&wrong, 1024),
-            Err(FrameError::BadMagic(_))
+            Err(ControlFrameError::BadMagic(_))
         ));
         let mut wrong = bytes.clone();
         wrong[4] = 9;
@@ -259,7 +265,7 @@ mod tests {
         assert!(err.to_string().contains("version 9"), "{err}");
         bytes[8..12].copy_from_slice(&u32::MAX.to_le_bytes());
         let err = decode_frame::<FromWorker>(&bytes, 1024).unwrap_err();
-        assert!(matches!(err, FrameError::TooLarge { .. }), "{err}");
+        assert!(matches!(err, ControlFrameError::TooLarge { .. }), "{err}");
     }
 
     #[test]
@@ -273,7 +279,7 @@ mod tests {
         }));
         assert!(matches!(
             encode_frame(&msg, 1024),
-            Err(FrameError::TooLarge { .. })
+            Err(ControlFrameError::TooLarge { .. })
         ));
     }
 

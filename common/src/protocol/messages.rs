@@ -35,28 +35,28 @@ impl Blob {
 /// Which side of a sync a worker serves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
-pub enum Role {
+pub enum WorkerRole {
     /// Beside a training rank: holds source shards, writes.
     Trainer,
     /// Beside an inference rank: holds the engine's tensors, receives.
     Rollout,
 }
 
-impl fmt::Display for Role {
+impl fmt::Display for WorkerRole {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
-            Role::Trainer => "trainer",
-            Role::Rollout => "rollout",
+            WorkerRole::Trainer => "trainer",
+            WorkerRole::Rollout => "rollout",
         })
     }
 }
 
-impl std::str::FromStr for Role {
+impl std::str::FromStr for WorkerRole {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s {
-            "trainer" => Ok(Role::Trainer),
-            "rollout" => Ok(Role::Rollout),
+            "trainer" => Ok(WorkerRole::Trainer),
+            "rollout" => Ok(WorkerRole::Rollout),
             other => Err(format!(
                 "unknown role {other:?} (expected trainer or rollout)"
             )),
@@ -68,7 +68,7 @@ impl std::str::FromStr for Role {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct WorkerId {
     /// Trainer or rollout.
-    pub role: Role,
+    pub role: WorkerRole,
     /// Rank among workers of that role (training rank, or global inference rank).
     pub rank: u32,
 }
@@ -77,14 +77,14 @@ impl WorkerId {
     /// A trainer's id.
     pub const fn trainer(rank: u32) -> Self {
         WorkerId {
-            role: Role::Trainer,
+            role: WorkerRole::Trainer,
             rank,
         }
     }
     /// A rollout's id.
     pub const fn rollout(rank: u32) -> Self {
         WorkerId {
-            role: Role::Rollout,
+            role: WorkerRole::Rollout,
             rank,
         }
     }
@@ -128,6 +128,20 @@ pub struct WorldSpec {
     pub verify: bool,
 }
 
+impl WorldSpec {
+    /// The text of the model's `config.json` when [`model`](Self::model) names a file; `None`
+    /// when it is a preset name. (The planner is pure: whoever builds the job reads the file.)
+    pub fn read_model_config(&self) -> std::io::Result<Option<String>> {
+        let path = std::path::Path::new(&self.model);
+        if !path.is_file() {
+            return Ok(None);
+        }
+        std::fs::read_to_string(path)
+            .map(Some)
+            .map_err(|e| std::io::Error::new(e.kind(), format!("reading {}: {e}", self.model)))
+    }
+}
+
 /// Shape and size of one tensor a worker holds (a training shard or an inference tensor).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TensorMeta {
@@ -155,13 +169,15 @@ pub struct Registration {
     /// Its fabric endpoint (backend-encoded, opaque to the controller).
     pub fabric_endpoint: Blob,
     /// Rollouts: the descriptors of the regions registered once at start (backend-encoded;
-    /// they contain rkeys and are forwarded only to trainers, over this channel).
+    /// they contain rkeys and are forwarded only to trainers, over this channel). Trainers
+    /// register nothing before their assignment: their regions come with [`FromWorker::Ready`].
     pub regions: Vec<Blob>,
     /// Tensors it holds, for consistency checks and the dashboard.
     pub tensors: Vec<TensorMeta>,
 }
 
-/// A peer a trainer will write to: its endpoint and registered regions.
+/// A peer a trainer will write to: its endpoint and registered regions (a rollout's tensors, or
+/// a trainer's gather arena).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PeerInfo {
     /// The rollout.
@@ -172,17 +188,17 @@ pub struct PeerInfo {
     pub regions: Vec<Blob>,
 }
 
-/// What a worker must do each sync, sent once per plan (and again after a re-plan).
+/// What a worker must do each sync, sent once per plan (and again after a re-plan). A worker
+/// answers it with [`FromWorker::Ready`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Assignment {
-    /// A trainer's slice of the routing table and the peers it writes to.
+    /// A trainer's slice of the routing table: all it needs to size and register its memory.
+    /// Its peers follow in [`ToWorker::Peers`] once every worker is ready.
     Trainer {
         /// Identifies the plan; changes on every re-plan.
         plan_id: u64,
         /// The planner's slice for this trainer (bincode).
         slice: Blob,
-        /// Every rollout it may write to (also trainers it gathers from/to, with role Trainer).
-        peers: Vec<PeerInfo>,
     },
     /// A rollout's expected immediates per sync.
     Rollout {
@@ -195,6 +211,15 @@ pub enum Assignment {
         /// Bytes expected per sync.
         expected_bytes: u64,
     },
+}
+
+impl Assignment {
+    /// The plan it belongs to.
+    pub fn plan_id(&self) -> u64 {
+        match self {
+            Assignment::Trainer { plan_id, .. } | Assignment::Rollout { plan_id, .. } => *plan_id,
+        }
+    }
 }
 
 /// A stage of a sync on one worker, drawn as a span on the dashboard's timeline.
@@ -241,12 +266,23 @@ impl Stage {
     }
 }
 
-/// One span of work on one worker during a sync. Times are nanoseconds since the worker received
-/// `Start` (trainers) or `Prepare` (rollouts); the controller places them on its own clock.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+impl fmt::Display for Stage {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// One span of work (one stage of one task, or of one piece of a split task) on one worker
+/// during a sync: what the worker library records and what a report carries. Times are
+/// nanoseconds since a reference instant of the worker (the start of its sync in the worker
+/// library; the instant it received `Prepare` in a report, which the controller places on its
+/// own clock).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TimelineEvent {
-    /// Task index within the worker's slice (0 for whole-worker stages).
+    /// Task index within the worker's slice ([`WHOLE_SYNC`] for whole-sync stages).
     pub task: u32,
+    /// The piece of the task when the watermark split it (0 when it was not split).
+    pub piece: u32,
     /// Which stage.
     pub stage: Stage,
     /// Start, ns since the worker's reference instant.
@@ -257,13 +293,25 @@ pub struct TimelineEvent {
     pub bytes: u64,
 }
 
-/// A checksum of one destination unit (a contiguous range of a rollout's region).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct UnitChecksum {
+impl TimelineEvent {
+    /// Duration in nanoseconds.
+    pub fn duration_ns(&self) -> u64 {
+        self.end_ns.saturating_sub(self.start_ns)
+    }
+}
+
+/// Task index of whole-sync events (the barrier, arming, verification, a source refresh).
+pub const WHOLE_SYNC: u32 = u32::MAX;
+
+/// The xxh3 of one write run: the bytes of one posted write, `[offset, offset + len)` of a
+/// rollout's memory region. A trainer hashes what it prepared, a rollout what landed; both
+/// sides, the report and the controller's `Verify` carry this one type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct RunChecksum {
     /// Destination rollout rank.
     pub rollout: u32,
-    /// Region index on the rollout.
-    pub region: u32,
+    /// Memory region on that rank.
+    pub mr: u16,
     /// Byte offset in the region.
     pub offset: u64,
     /// Byte length.
@@ -284,7 +332,7 @@ pub struct WorkerReport {
     /// Spans, in any order.
     pub events: Vec<TimelineEvent>,
     /// Checksums of prepared (trainer) or landed (rollout) units, when verification is on.
-    pub checksums: Vec<UnitChecksum>,
+    pub checksums: Vec<RunChecksum>,
 }
 
 /// Why a worker failed a sync: the cause, and the tensor when one is to blame.
@@ -326,8 +374,16 @@ pub enum ToWorker {
         /// Why.
         reason: String,
     },
-    /// The worker's part of the (re-)planned world.
+    /// The worker's part of the (re-)planned world. Answered by [`FromWorker::Ready`].
     Assign(Assignment),
+    /// Trainers, once every worker of plan `plan_id` is ready: every other worker's endpoint and
+    /// regions (rollouts' tensors, trainers' gather arenas). The plan is then in force.
+    Peers {
+        /// The plan.
+        plan_id: u64,
+        /// Every other worker.
+        peers: Vec<PeerInfo>,
+    },
     /// Get ready for version N: rollouts arm counters (an engine pauses or switches buffers),
     /// trainers make sure their source holds version N. Answered by [`FromWorker::Prepared`].
     Prepare {
@@ -369,7 +425,7 @@ pub enum ToWorker {
         /// Version.
         version: u64,
         /// The trainers' checksums of the units written to this rollout.
-        checksums: Vec<UnitChecksum>,
+        checksums: Vec<RunChecksum>,
     },
     /// Liveness reply.
     Heartbeat {
@@ -390,6 +446,20 @@ pub enum FromWorker {
     },
     /// Who the worker is and what it holds.
     Register(Box<Registration>),
+    /// Answer to [`ToWorker::Assign`]: the worker built what its assignment needs (a trainer
+    /// attached its source and registered its staging and gather arenas) and is ready for
+    /// plan `plan_id`.
+    Ready {
+        /// The plan.
+        plan_id: u64,
+        /// Regions registered for this plan that peers write into (a trainer's gather arena;
+        /// backend-encoded, with rkeys); empty for a rollout, whose regions came with its
+        /// registration.
+        regions: Vec<Blob>,
+        /// Tensors it holds under this plan (a trainer's shards), for the dashboard; empty when
+        /// its registration said them already.
+        tensors: Vec<TensorMeta>,
+    },
     /// Ready for version N (armed, source refreshed).
     Prepared {
         /// Sync id.

@@ -21,7 +21,7 @@ pub mod frame;
 pub mod messages;
 
 pub use frame::{
-    decode_body, decode_frame, encode_frame, read_frame, write_frame, FrameError, FrameHeader,
-    DEFAULT_MAX_FRAME, FRAME_HEADER_LEN, MAGIC, PROTOCOL_VERSION,
+    decode_body, decode_frame, encode_frame, read_frame, write_frame, ControlFrameError,
+    ControlFrameHeader, DEFAULT_MAX_FRAME, FRAME_HEADER_LEN, MAGIC, PROTOCOL_VERSION,
 };
 pub use messages::*;

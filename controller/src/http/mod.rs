@@ -18,10 +18,9 @@
 
 pub mod dashboard;
 pub mod error;
-pub mod metrics;
 pub mod trace;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use axum::extract::rejection::{JsonRejection, PathRejection, QueryRejection};
 use axum::extract::{DefaultBodyLimit, Path, Query, State};
@@ -32,7 +31,7 @@ use axum::{Json, Router};
 use serde::Deserialize;
 use tower_http::timeout::TimeoutLayer;
 
-use crate::coordinator::{TriggerError, Triggered};
+use crate::coordinator::{Now, TriggerError, Triggered};
 use crate::service::AppState;
 use crate::sync_record::SyncState;
 pub use error::ApiError;
@@ -165,7 +164,7 @@ async fn trigger(
         ))
     })?;
     let Json(body) = body.map_err(json_rejection)?;
-    let triggered = state.step(|c| match c.trigger(body.version, Instant::now()) {
+    let triggered = state.step(|c| match c.trigger(body.version, Now::wall()) {
         Ok((t, fx)) => (Ok(t), fx),
         Err(e) => (Err(e), Default::default()),
     });
@@ -255,7 +254,7 @@ async fn list_syncs(State(state): State<AppState>) -> Response {
 async fn get_plan(State(state): State<AppState>) -> Result<Response, ApiError> {
     let (plan, error, log, missing) = state.read(|c| {
         (
-            c.plan().cloned(),
+            c.latest_plan().cloned(),
             c.plan_error().map(str::to_string),
             c.log(),
             c.missing_workers(),
@@ -281,7 +280,7 @@ async fn get_plan(State(state): State<AppState>) -> Result<Response, ApiError> {
 }
 
 async fn get_workers(State(state): State<AppState>) -> Response {
-    let now = Instant::now();
+    let now = Now::wall();
     let (workers, trainers, rollouts, missing) = state.read(|c| {
         (
             c.workers(now),
@@ -299,10 +298,11 @@ async fn get_workers(State(state): State<AppState>) -> Response {
 }
 
 async fn healthz(State(state): State<AppState>) -> Response {
-    let (complete, planned, running, last) = state.read(|c| {
+    let (complete, planned, planning, running, last) = state.read(|c| {
         (
             c.world_complete(),
-            c.plan().is_some(),
+            c.plan_ready(),
+            c.planning(),
             c.active(),
             c.history().first().map(|s| (s.id, s.state)),
         )
@@ -312,6 +312,7 @@ async fn healthz(State(state): State<AppState>) -> Response {
         "uptime_s": state.uptime().as_secs_f64(),
         "world_complete": complete,
         "planned": planned,
+        "planning": planning,
         "running_sync": running,
         "last_sync": last.map(|(id, st)| serde_json::json!({"id": id, "state": st})),
         "ready": complete && planned && !matches!(last, Some((_, SyncState::Running | SyncState::Pending))),

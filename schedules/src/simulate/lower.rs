@@ -25,7 +25,7 @@ use weightsync_common::protocol::Stage;
 use crate::error::PlanError;
 use crate::simulate::cluster::ClusterModel;
 use crate::simulate::engine::{Hop, OpId, ResId, ResKind, SimPlan, NONE};
-use crate::table::{Endpoint, RoutingTable, Task, TrainerPlan, Transform};
+use crate::table::{RoutingTable, Task, TrainerPlan, Transform, WriteTarget};
 
 /// At most this many pieces per trainer in a simulation: the piece budget grows for very large
 /// tables (the pipeline's fill and drain, a piece each, stay small next to the sync).
@@ -48,7 +48,7 @@ enum Phase {
 
 /// One simulated piece (a merge of small tasks or a part of a large one).
 #[derive(Debug, Default)]
-struct Piece {
+struct SimPiece {
     first_task: u32,
     tasks: f64,
     src_bytes: f64,
@@ -61,7 +61,7 @@ struct Piece {
     gathers: Vec<(u32, u16)>,
 }
 
-impl Piece {
+impl SimPiece {
     fn is_empty(&self) -> bool {
         self.tasks == 0.0
     }
@@ -89,10 +89,10 @@ pub(crate) struct Lowered {
 }
 
 /// GPU index of an endpoint (trainers first, then rollouts).
-fn gpu_of(dst: Endpoint, trainers: u32) -> u32 {
+fn gpu_of(dst: WriteTarget, trainers: u32) -> u32 {
     match dst {
-        Endpoint::Trainer(t) => t,
-        Endpoint::Rollout(r) => trainers + r,
+        WriteTarget::Trainer(t) => t,
+        WriteTarget::Rollout(r) => trainers + r,
     }
 }
 
@@ -201,8 +201,8 @@ impl<'c> Lowering<'c> {
         for w in plan.all_writes() {
             self.out.writes += 1;
             match w.dst {
-                Endpoint::Rollout(_) => self.out.rollout_bytes += w.len as u64,
-                Endpoint::Trainer(_) => self.out.gather_bytes += w.len as u64,
+                WriteTarget::Rollout(_) => self.out.rollout_bytes += w.len as u64,
+                WriteTarget::Trainer(_) => self.out.gather_bytes += w.len as u64,
             }
         }
     }
@@ -241,10 +241,10 @@ impl<'c> Lowering<'c> {
 
     /// Tasks `lo..hi` of `plan` as pieces of at most `budget` staging bytes: a larger task is
     /// split into equal parts, consecutive smaller ones are merged.
-    fn pieces(&mut self, plan: &TrainerPlan, lo: u32, hi: u32, budget: u64) -> Vec<Piece> {
+    fn pieces(&mut self, plan: &TrainerPlan, lo: u32, hi: u32, budget: u64) -> Vec<SimPiece> {
         let (slots, nt, cluster) = (&mut self.slots, self.nt, self.cluster);
-        let mut pieces: Vec<Piece> = Vec::new();
-        let mut cur = Piece::default();
+        let mut pieces: Vec<SimPiece> = Vec::new();
+        let mut cur = SimPiece::default();
         for k in lo..hi {
             let task = &plan.tasks[k as usize];
             let staging = task_staging(task);
@@ -277,7 +277,7 @@ impl<'c> Lowering<'c> {
 
     /// A piece's three ops: H2D (taking its staging), prepare, and the WRITE or gather send
     /// (giving the staging back).
-    fn piece_ops(&mut self, tr: &mut TrainerLane, phase: Phase, pc: &Piece) {
+    fn piece_ops(&mut self, tr: &mut TrainerLane, phase: Phase, pc: &SimPiece) {
         let staging = (pc.staging as u64).clamp(1, self.cluster.watermark_bytes);
         let h2d = self.h2d_op(tr, pc);
         let p = &mut self.out.plan;
@@ -315,7 +315,7 @@ impl<'c> Lowering<'c> {
     }
 
     /// The piece's copy into staging at the PCIe rate (and the shared host's, if any).
-    fn h2d_op(&mut self, tr: &TrainerLane, pc: &Piece) -> OpId {
+    fn h2d_op(&mut self, tr: &TrainerLane, pc: &SimPiece) -> OpId {
         let cost = &self.cluster.cost;
         let p = &mut self.out.plan;
         match (tr.h2d_res, tr.host_res, self.cluster.host) {
@@ -341,7 +341,7 @@ impl<'c> Lowering<'c> {
     }
 
     /// The piece's cast or quantisation at its transforms' rates, plus the per-task overhead.
-    fn prepare_op(&mut self, tr: &TrainerLane, pc: &Piece) -> OpId {
+    fn prepare_op(&mut self, tr: &TrainerLane, pc: &SimPiece) -> OpId {
         let p = &mut self.out.plan;
         match (tr.prep_res, tr.host_res) {
             (Some(pr), Some(hh)) if pc.src_bytes > 0.0 => p.op(
@@ -369,7 +369,7 @@ impl<'c> Lowering<'c> {
     }
 
     /// The piece's writes as one flow over the trainer's NIC and every receiving NIC.
-    fn write_op(&mut self, tr: &TrainerLane, phase: Phase, pc: &Piece) -> OpId {
+    fn write_op(&mut self, tr: &TrainerLane, phase: Phase, pc: &SimPiece) -> OpId {
         let (cluster, nt, t) = (self.cluster, self.nt, tr.t);
         let hops: Vec<Hop> = pc
             .dsts
@@ -432,7 +432,7 @@ impl<'c> Lowering<'c> {
 }
 
 /// Moves the current piece to `pieces`, clearing its destination slots.
-fn finish(slots: &mut [u32], pieces: &mut Vec<Piece>, cur: &mut Piece) {
+fn finish(slots: &mut [u32], pieces: &mut Vec<SimPiece>, cur: &mut SimPiece) {
     for &(gpu, _, _) in &cur.dsts {
         slots[gpu as usize] = u32::MAX;
     }
@@ -453,7 +453,7 @@ fn task_staging(t: &Task) -> u64 {
 #[allow(clippy::too_many_arguments)]
 fn add_task(
     slots: &mut [u32],
-    pc: &mut Piece,
+    pc: &mut SimPiece,
     plan: &TrainerPlan,
     k: u32,
     task: &Task,
@@ -498,7 +498,7 @@ fn add_task(
         let e = &mut pc.dsts[*slot as usize];
         e.1 += w.len as f64 * frac;
         e.2 += frac;
-        if let Endpoint::Trainer(to) = w.dst {
+        if let WriteTarget::Trainer(to) = w.dst {
             let key = (to, w.unit);
             if !pc.gathers.contains(&key) {
                 pc.gathers.push(key);

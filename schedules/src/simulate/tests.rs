@@ -6,8 +6,8 @@ use weightsync_common::DType;
 use super::*;
 use crate::cost::CostModel;
 use crate::table::{
-    Endpoint, LocalShard, MeshGroup, ParamRef, RolloutPlan, Shape, Source, Task, TensorBox,
-    TrainerPlan, Transform, UnitExpect, Write,
+    LocalShard, MeshGroup, ParamRef, RolloutPlan, Shape, Source, Task, TensorBox, TrainerPlan,
+    Transform, UnitExpect, Write, WriteTarget,
 };
 
 /// A table where each trainer copies `tasks` tasks of `task_bytes` bf16 bytes, task `k` of
@@ -66,7 +66,7 @@ fn copy_table(
                 let r = dst(t, k);
                 let roll = &mut rolls[r as usize];
                 p.writes.push(Write {
-                    dst: Endpoint::Rollout(r),
+                    dst: WriteTarget::Rollout(r),
                     mr: 0,
                     unit: 0,
                     len: task_bytes as u32,

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use weightsync_common::fabric::FabricConfig;
 use weightsync_tests::proxied_cluster::{tiny_table, ProxiedCluster, SyncOutcome, JOB_TOKEN};
 use weightsync_tests::proxy::ProxyMode;
-use weightsync_worker::trainer::SyncId;
+use weightsync_worker::SyncId;
 
 const WATERMARK: u64 = 1 << 20;
 

@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use weightsync_common::fabric::{Access, FabricBackend, FabricConfig, WriteOp};
 use weightsync_tests::proxied_cluster::{tiny_table, ProxiedCluster, SyncOutcome, JOB_TOKEN};
-use weightsync_worker::imm_tag::ImmTag;
-use weightsync_worker::trainer::SyncId;
+use weightsync_worker::ImmTag;
+use weightsync_worker::SyncId;
 
 const WATERMARK: u64 = 1 << 20;
 

@@ -27,7 +27,10 @@ mod isa;
 mod vectors;
 
 pub use cast::cast;
-pub use fp8::{quantise_fp8, quantise_fp8_block_rows, Fp8Shape, FP8_AMAX_FLOOR, FP8_BLOCK};
+pub use fp8::{quantise_fp8, quantise_fp8_block_rows, Fp8Shape, FP8_AMAX_FLOOR};
+// The GPU kernels share the block edge.
+#[cfg(feature = "cuda")]
+pub(crate) use fp8::FP8_BLOCK;
 pub use gather::gather_box;
 
 use weightsync_common::DType;

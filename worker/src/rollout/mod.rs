@@ -22,13 +22,15 @@ use parking_lot::Mutex;
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use weightsync_common::fabric::{Access, FabricBackend, ImmWait, Region, RegionDescriptor};
+use weightsync_schedules::job::same_rollout_layout;
 use weightsync_schedules::table::{DstTensor, RolloutPlan};
 
 use crate::checksum::{xxh3, RunChecksum};
 use crate::error::{Result, WorkerError};
 use crate::imm_tag::imm_for;
-use crate::timeline::{Stage, Timeline, TimelineRecorder, WHOLE_SYNC};
+use crate::timeline::{Timeline, TimelineRecorder};
 use crate::trainer::SyncId;
+use weightsync_common::protocol::{Stage, WHOLE_SYNC};
 
 /// A sync armed and not yet landed.
 struct Armed {
@@ -113,6 +115,33 @@ impl<F: FabricBackend> RolloutWorker<F> {
             regions,
             armed: Mutex::new(None),
         })
+    }
+
+    /// Takes the controller's expectations (how many writes land per unit per sync): `plan`
+    /// must lay out exactly the tensors this receiver registered (same rank, regions and
+    /// tensors); only its `expect` is new. Refused while a sync is armed.
+    pub fn set_expectations(&mut self, plan: RolloutPlan) -> Result<()> {
+        if !same_rollout_layout(&self.plan, &plan) {
+            return Err(WorkerError::InvalidPlan(format!(
+                "{}: the expectations are for another layout (rank {}, {} tensors in {:?} bytes) \
+                 than the one registered (rank {}, {} tensors in {:?} bytes)",
+                self.name,
+                plan.rank,
+                plan.tensors.len(),
+                plan.mr_bytes,
+                self.plan.rank,
+                self.plan.tensors.len(),
+                self.plan.mr_bytes
+            )));
+        }
+        if let Some(a) = self.armed.get_mut().as_ref() {
+            return Err(WorkerError::Protocol(format!(
+                "{}: expectations cannot change while version {} is armed",
+                self.name, a.sync.version
+            )));
+        }
+        self.plan = plan;
+        Ok(())
     }
 
     /// Descriptors of the MRs, indexed by MR id (what trainers write into).
@@ -267,7 +296,7 @@ impl<F: FabricBackend> RolloutWorker<F> {
         let rank = self.plan.rank;
         let mut mine: Vec<RunChecksum> = checksums
             .iter()
-            .filter(|c| c.rank == rank)
+            .filter(|c| c.rollout == rank)
             .copied()
             .collect();
         mine.sort();

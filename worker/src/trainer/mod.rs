@@ -27,7 +27,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use weightsync_common::fabric::{Access, FabricBackend, Region, RegionDescriptor};
-use weightsync_schedules::table::{Endpoint, TrainerPlan, MAX_DIMS};
+use weightsync_schedules::table::{TrainerPlan, WriteTarget, MAX_DIMS};
 
 use crate::checksum::RunChecksum;
 use crate::error::{Result, WorkerError};
@@ -35,7 +35,7 @@ use crate::imm_tag::MAX_UNITS;
 use crate::prepare::Threads;
 use crate::timeline::Timeline;
 
-use piece::{plan_pieces, Piece, TaskShape};
+use piece::{plan_pieces, TaskPiece, TaskShape};
 use staging::StagingArena;
 
 /// A host-visible view of the trainer's source arena (its training shards, laid out as the plan's
@@ -191,7 +191,7 @@ pub(crate) struct TrainerState {
     pub config: TrainerConfig,
     pub plan: TrainerPlan,
     pub shapes: Vec<TaskShape>,
-    pub pieces: Vec<Vec<Piece>>,
+    pub pieces: Vec<Vec<TaskPiece>>,
     pub staging: StagingArena,
     pub gather: Option<Region>,
     pub source: Arc<dyn SourceView>,
@@ -224,65 +224,15 @@ impl<F: FabricBackend> TrainerWorker<F> {
             plan.expanded()
                 .map_err(|e| WorkerError::InvalidPlan(e.to_string()))?
         };
-        let have = source.len();
-        if have < plan.source_arena_bytes {
-            return Err(WorkerError::SourceTooShort {
-                what: format!("the source arena of training rank {}", plan.rank),
-                need: plan.source_arena_bytes,
-                have,
-            });
-        }
-        for s in &plan.shards {
-            // A decoded plan is not trusted: size the shard without overflowing or panicking.
-            let n = s.global.ndim as usize;
-            let end = (n <= MAX_DIMS)
-                .then(|| {
-                    s.global.len[..n]
-                        .iter()
-                        .try_fold(s.dtype.size() as u64, |acc, &l| acc.checked_mul(l as u64))
-                })
-                .flatten()
-                .and_then(|bytes| s.offset.checked_add(bytes));
-            let Some(end) = end else {
-                return Err(WorkerError::InvalidPlan(format!(
-                    "shard of {} has a box of {n} dims too large to address",
-                    piece::param_name(&plan, s.param)
-                )));
-            };
-            if end > have {
-                return Err(WorkerError::SourceTooShort {
-                    what: format!("shard of {}", piece::param_name(&plan, s.param)),
-                    need: end,
-                    have,
-                });
-            }
-        }
-        for w in &plan.writes {
-            if w.unit as u32 >= MAX_UNITS {
-                return Err(crate::imm_tag::UnitOutOfRange {
-                    unit: w.unit as u32,
-                }
-                .into());
-            }
-        }
+        check_source(&plan, source.len())?;
+        check_units(&plan)?;
         let shapes = plan
             .tasks
             .iter()
             .enumerate()
             .map(|(i, t)| TaskShape::of(t, i as u32, &plan))
             .collect::<Result<Vec<_>>>()?;
-        for (i, t) in plan.tasks.iter().enumerate() {
-            if let weightsync_schedules::table::Source::Gather { offset } = t.source {
-                // The region's size was checked by TaskShape::of; the offset is as decoded.
-                let end = offset.saturating_add(t.source_bytes());
-                if end > plan.gather_arena_bytes {
-                    return Err(WorkerError::InvalidPlan(format!(
-                        "task {i} reads gather bytes up to {end}, the gather arena has {}",
-                        plan.gather_arena_bytes
-                    )));
-                }
-            }
-        }
+        check_gather_reads(&plan)?;
         let pieces = plan_pieces(
             &plan,
             &shapes,
@@ -338,14 +288,14 @@ impl<F: FabricBackend> TrainerWorker<F> {
         let mut write_dst = Vec::with_capacity(plan.writes.len());
         for (i, w) in plan.writes.iter().enumerate() {
             let desc = match w.dst {
-                Endpoint::Rollout(r) => dsts
+                WriteTarget::Rollout(r) => dsts
                     .rollouts
                     .get(&r)
                     .and_then(|mrs| mrs.get(w.mr as usize))
                     .ok_or_else(|| {
                         WorkerError::MissingDestination(format!("rollout rank {r} MR {}", w.mr))
                     })?,
-                Endpoint::Trainer(t) => dsts.trainers.get(&t).ok_or_else(|| {
+                WriteTarget::Trainer(t) => dsts.trainers.get(&t).ok_or_else(|| {
                     WorkerError::MissingDestination(format!(
                         "the gather arena of training rank {t}"
                     ))
@@ -400,4 +350,69 @@ impl<F: FabricBackend> TrainerWorker<F> {
     pub fn watermark_bytes(&self) -> u64 {
         self.state.config.watermark_bytes
     }
+}
+
+/// Whether the source holds every shard the plan reads. A decoded plan is not trusted: each
+/// shard is sized without overflowing or panicking.
+fn check_source(plan: &TrainerPlan, have: u64) -> Result<()> {
+    if have < plan.source_arena_bytes {
+        return Err(WorkerError::SourceTooShort {
+            what: format!("the source arena of training rank {}", plan.rank),
+            need: plan.source_arena_bytes,
+            have,
+        });
+    }
+    for s in &plan.shards {
+        let n = s.global.ndim as usize;
+        let end = (n <= MAX_DIMS)
+            .then(|| {
+                s.global.len[..n]
+                    .iter()
+                    .try_fold(s.dtype.size() as u64, |acc, &l| acc.checked_mul(l as u64))
+            })
+            .flatten()
+            .and_then(|bytes| s.offset.checked_add(bytes));
+        let Some(end) = end else {
+            return Err(WorkerError::InvalidPlan(format!(
+                "shard of {} has a box of {n} dims too large to address",
+                piece::param_name(plan, s.param)
+            )));
+        };
+        if end > have {
+            return Err(WorkerError::SourceTooShort {
+                what: format!("shard of {}", piece::param_name(plan, s.param)),
+                need: end,
+                have,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Whether every write's immediate unit fits the tag layout.
+fn check_units(plan: &TrainerPlan) -> Result<()> {
+    match plan.writes.iter().find(|w| w.unit as u32 >= MAX_UNITS) {
+        Some(w) => Err(crate::imm_tag::UnitOutOfRange {
+            unit: w.unit as u32,
+        }
+        .into()),
+        None => Ok(()),
+    }
+}
+
+/// Whether every gather-sourced task reads inside the gather arena. (Each region's size was
+/// checked by `TaskShape::of`; the offset is as decoded.)
+fn check_gather_reads(plan: &TrainerPlan) -> Result<()> {
+    for (i, t) in plan.tasks.iter().enumerate() {
+        if let weightsync_schedules::table::Source::Gather { offset } = t.source {
+            let end = offset.saturating_add(t.source_bytes());
+            if end > plan.gather_arena_bytes {
+                return Err(WorkerError::InvalidPlan(format!(
+                    "task {i} reads gather bytes up to {end}, the gather arena has {}",
+                    plan.gather_arena_bytes
+                )));
+            }
+        }
+    }
+    Ok(())
 }

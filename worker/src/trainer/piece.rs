@@ -113,7 +113,7 @@ pub(crate) struct Part {
 
 /// A piece: units `[u0, u1)` of one task.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Piece {
+pub(crate) struct TaskPiece {
     /// Task index in the plan.
     pub task: u32,
     /// Piece index within the task.
@@ -302,7 +302,7 @@ pub(crate) fn plan_pieces(
     shapes: &[TaskShape],
     piece_budget: u64,
     watermark: u64,
-) -> Result<Vec<Vec<Piece>>> {
+) -> Result<Vec<Vec<TaskPiece>>> {
     let mut all = Vec::with_capacity(plan.tasks.len());
     for (t, (task, shape)) in plan.tasks.iter().zip(shapes).enumerate() {
         let t = t as u32;
@@ -334,7 +334,7 @@ pub(crate) fn plan_pieces(
                     u1 += 1;
                 }
             }
-            pieces.push(Piece {
+            pieces.push(TaskPiece {
                 task: t,
                 piece: pieces.len() as u32,
                 u0,
@@ -346,7 +346,7 @@ pub(crate) fn plan_pieces(
         }
         if pieces.is_empty() {
             // An empty box still gets one (empty) piece so its writes are accounted for.
-            pieces.push(Piece {
+            pieces.push(TaskPiece {
                 task: t,
                 piece: 0,
                 u0: 0,
@@ -366,7 +366,7 @@ fn map_writes(
     task: &Task,
     t: u32,
     shape: &TaskShape,
-    pieces: &mut [Piece],
+    pieces: &mut [TaskPiece],
 ) -> Result<()> {
     let first = task.first_write as usize;
     let count = task.num_writes as usize;
@@ -440,7 +440,7 @@ mod tests {
     use super::*;
     use weightsync_common::DType;
     use weightsync_schedules::table::{
-        Endpoint, LocalShard, MeshGroup, ParamRef, Shape, TensorBox, Write,
+        LocalShard, MeshGroup, ParamRef, Shape, TensorBox, Write, WriteTarget,
     };
 
     /// A plan with one task over a `[rows, cols]` shard and one write of everything.
@@ -491,7 +491,7 @@ mod tests {
             }],
             copies: Vec::new(),
             writes: vec![Write {
-                dst: Endpoint::Rollout(0),
+                dst: WriteTarget::Rollout(0),
                 mr: 0,
                 unit: 0,
                 len: prepared as u32,

@@ -36,15 +36,17 @@ use parking_lot::Mutex;
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use weightsync_common::fabric::{FabricBackend, WriteOp};
-use weightsync_schedules::table::Endpoint;
+use weightsync_schedules::table::{MeshGroup, WriteTarget};
 
+use super::piece::TaskPiece;
 use super::stages::{prepare_piece, stage_input};
 use super::{PipelineMode, SyncId, SyncReport, TrainerState};
 use crate::checksum::{xxh3, RunChecksum};
 use crate::error::{Result, WorkerError};
 use crate::imm_tag::imm_for;
-use crate::timeline::{Stage, TimelineRecorder, WHOLE_SYNC};
-use crate::watermark::Lease;
+use crate::timeline::TimelineRecorder;
+use crate::watermark::{Lease, Watermark};
+use weightsync_common::protocol::{Stage, WHOLE_SYNC};
 
 /// State of one sync shared by its piece jobs.
 struct SyncRun<F: FabricBackend> {
@@ -64,6 +66,40 @@ struct SyncRun<F: FabricBackend> {
 }
 
 impl<F: FabricBackend> SyncRun<F> {
+    fn new(fabric: F, state: Arc<TrainerState>, sync: SyncId, rec: TimelineRecorder) -> Self {
+        let gates = split_write_gates(&state);
+        SyncRun {
+            fabric,
+            state,
+            sync,
+            rec,
+            failed: AtomicBool::new(false),
+            first_error: Mutex::new(None),
+            gates,
+            h2d: tokio::sync::Mutex::new(()),
+            prepare: tokio::sync::Mutex::new(()),
+            checksums: Mutex::new(Vec::new()),
+            bytes_written: AtomicU64::new(0),
+            writes_posted: AtomicU64::new(0),
+        }
+    }
+
+    /// What the sync did, once it succeeded.
+    fn report(&self, pieces: u64, watermark: &Watermark) -> SyncReport {
+        let mut checksums = std::mem::take(&mut *self.checksums.lock());
+        checksums.sort();
+        SyncReport {
+            sync: self.sync,
+            timeline: self.rec.finish(),
+            bytes_written: self.bytes_written.load(Ordering::Relaxed),
+            writes_posted: self.writes_posted.load(Ordering::Relaxed),
+            pieces,
+            peak_staging_bytes: watermark.peak(),
+            watermark_bytes: watermark.capacity(),
+            checksums,
+        }
+    }
+
     fn failed(&self) -> bool {
         self.failed.load(Ordering::Acquire)
     }
@@ -92,26 +128,7 @@ pub(crate) async fn run<F: FabricBackend>(
     let rec = TimelineRecorder::start(&state.config.name);
     let watermark = state.staging.watermark().clone();
     watermark.reset_peak();
-    let mut gates: Vec<Option<Semaphore>> = (0..state.plan.writes.len()).map(|_| None).collect();
-    for part in state.pieces.iter().flatten().flat_map(|p| &p.parts) {
-        if part.parts > 1 {
-            gates[part.write as usize] = Some(Semaphore::new(0));
-        }
-    }
-    let run = Arc::new(SyncRun {
-        fabric,
-        state: state.clone(),
-        sync,
-        rec: rec.clone(),
-        failed: AtomicBool::new(false),
-        first_error: Mutex::new(None),
-        gates,
-        h2d: tokio::sync::Mutex::new(()),
-        prepare: tokio::sync::Mutex::new(()),
-        checksums: Mutex::new(Vec::new()),
-        bytes_written: AtomicU64::new(0),
-        writes_posted: AtomicU64::new(0),
-    });
+    let run = Arc::new(SyncRun::new(fabric, state.clone(), sync, rec.clone()));
     let serial = state.config.mode == PipelineMode::Serialised;
     let mut jobs = JoinSet::new();
     let mut pieces = 0u64;
@@ -121,30 +138,10 @@ pub(crate) async fn run<F: FabricBackend>(
             let gather_from = group.first_task + group.gather_sends + group.local_tasks;
             for t in group.first_task..group.first_task + group.num_tasks {
                 if t == gather_from && group.gather_expect > 0 {
-                    let start = rec.now_ns();
-                    let imm = match imm_for(sync.epoch, group.id as u32) {
-                        Ok(imm) => imm,
-                        Err(e) => {
-                            run.fail(e.into());
-                            break 'groups;
-                        }
-                    };
-                    let wait = run.fabric.imm_counter().expect_within(
-                        imm,
-                        group.gather_expect as u64,
-                        state.config.gather_timeout,
-                    );
-                    if let Err(e) = wait.await {
-                        run.fail(WorkerError::fabric(
-                            format!(
-                                "waiting for {} straddling-row writes of mesh group {} ({})",
-                                group.gather_expect, group.id, group.name
-                            ),
-                            e,
-                        ));
+                    if let Err(e) = wait_for_gathers(&run, group, t).await {
+                        run.fail(e);
                         break 'groups;
                     }
-                    rec.record(t, 0, Stage::GatherWait, start, 0);
                 }
                 for p in 0..state.pieces[t as usize].len() {
                     if run.failed() {
@@ -202,28 +199,61 @@ pub(crate) async fn run<F: FabricBackend>(
     }
 
     if let Some(err) = run.first_error.lock().take() {
-        // Retire this epoch's gather immediates so late gather writes can never count later.
-        for group in &state.plan.groups {
-            if group.gather_expect > 0 {
-                if let Ok(imm) = imm_for(sync.epoch, group.id as u32) {
-                    run.fabric.imm_counter().cancel(imm);
-                }
-            }
-        }
+        retire_gathers(&run);
         return Err(err);
     }
-    let mut checksums = std::mem::take(&mut *run.checksums.lock());
-    checksums.sort();
-    Ok(SyncReport {
-        sync,
-        timeline: rec.finish(),
-        bytes_written: run.bytes_written.load(Ordering::Relaxed),
-        writes_posted: run.writes_posted.load(Ordering::Relaxed),
-        pieces,
-        peak_staging_bytes: watermark.peak(),
-        watermark_bytes: watermark.capacity(),
-        checksums,
-    })
+    Ok(run.report(pieces, &watermark))
+}
+
+/// One gate per write the watermark split over several pieces: its last part (the one with
+/// the immediate) waits for a permit from every earlier part.
+fn split_write_gates(state: &TrainerState) -> Vec<Option<Semaphore>> {
+    let mut gates: Vec<Option<Semaphore>> = (0..state.plan.writes.len()).map(|_| None).collect();
+    for part in state.pieces.iter().flatten().flat_map(|p| &p.parts) {
+        if part.parts > 1 {
+            gates[part.write as usize] = Some(Semaphore::new(0));
+        }
+    }
+    gates
+}
+
+/// Before task `t`, the first of `group` that reads the gather arena: waits until every
+/// straddling-row write of the group arrived.
+async fn wait_for_gathers<F: FabricBackend>(
+    run: &SyncRun<F>,
+    group: &MeshGroup,
+    t: u32,
+) -> Result<()> {
+    let start = run.rec.now_ns();
+    let imm = imm_for(run.sync.epoch, group.id as u32)?;
+    let wait = run.fabric.imm_counter().expect_within(
+        imm,
+        group.gather_expect as u64,
+        run.state.config.gather_timeout,
+    );
+    wait.await.map_err(|e| {
+        WorkerError::fabric(
+            format!(
+                "waiting for {} straddling-row writes of mesh group {} ({})",
+                group.gather_expect, group.id, group.name
+            ),
+            e,
+        )
+    })?;
+    run.rec.record(t, 0, Stage::GatherWait, start, 0);
+    Ok(())
+}
+
+/// After a failure: retires this epoch's gather immediates, so late gather writes can never
+/// count toward a later sync.
+fn retire_gathers<F: FabricBackend>(run: &SyncRun<F>) {
+    for group in &run.state.plan.groups {
+        if group.gather_expect > 0 {
+            if let Ok(imm) = imm_for(run.sync.epoch, group.id as u32) {
+                run.fabric.imm_counter().cancel(imm);
+            }
+        }
+    }
 }
 
 fn stage_panic(stage: &'static str, e: tokio::task::JoinError) -> WorkerError {
@@ -233,102 +263,136 @@ fn stage_panic(stage: &'static str, e: tokio::task::JoinError) -> WorkerError {
     }
 }
 
-/// One piece through every stage. The lease is returned when this returns.
+/// One piece through every stage. The lease is returned when this returns. A stage that finds
+/// the sync failed elsewhere stops the piece quietly (the first error is already recorded).
 async fn run_piece<F: FabricBackend>(
     run: Arc<SyncRun<F>>,
     t: u32,
     p: usize,
     lease: Lease,
 ) -> Result<()> {
-    let piece_no = p as u32;
-    let rec = run.rec.clone();
-
-    // H2D.
-    let mut lease = {
-        let _stage = run.h2d.lock().await;
-        if run.failed() {
-            return Ok(());
-        }
-        let start = rec.now_ns();
-        let job = run.clone();
-        let (lease, res) = tokio::task::spawn_blocking(move || {
-            let mut lease = lease;
-            let st = &job.state;
-            let piece = &st.pieces[t as usize][p];
-            let res = st.staging.bytes_mut(&mut lease).and_then(|buf| {
-                stage_input(
-                    &st.plan,
-                    &st.shapes[t as usize],
-                    piece,
-                    st.source.as_ref(),
-                    st.gather.as_ref(),
-                    &mut buf[..piece.layout.input as usize],
-                )
-            });
-            (lease, res)
-        })
-        .await
-        .map_err(|e| stage_panic("h2d", e))?;
-        res?;
-        let bytes = run.state.pieces[t as usize][p].layout.input;
-        rec.record(t, piece_no, Stage::H2D, start, bytes);
-        lease
+    let Some(lease) = piece_h2d(&run, t, p, lease).await? else {
+        return Ok(());
     };
-
-    // Prepare (and checksums of the runs it produced).
-    {
-        let _stage = run.prepare.lock().await;
-        if run.failed() {
-            return Ok(());
-        }
-        let start = rec.now_ns();
-        let job = run.clone();
-        let (back, res) = tokio::task::spawn_blocking(move || {
-            let mut lease = lease;
-            let st = &job.state;
-            let piece = &st.pieces[t as usize][p];
-            let res = st.staging.bytes_mut(&mut lease).and_then(|buf| {
-                prepare_piece(
-                    &st.plan,
-                    &st.shapes[t as usize],
-                    piece,
-                    buf,
-                    st.config.threads(),
-                )?;
-                if st.config.verify {
-                    let mut sums = Vec::new();
-                    for part in &piece.parts {
-                        let w = st.plan.writes[part.write as usize];
-                        if let Endpoint::Rollout(rank) = w.dst {
-                            let a = part.staging_offset as usize;
-                            sums.push(RunChecksum {
-                                rank,
-                                mr: w.mr,
-                                offset: part.dst_offset,
-                                len: part.len,
-                                xxh3: xxh3(&buf[a..a + part.len as usize]),
-                            });
-                        }
-                    }
-                    job.checksums.lock().extend(sums);
-                }
-                Ok(())
-            });
-            (lease, res)
-        })
-        .await
-        .map_err(|e| stage_panic("prepare", e))?;
-        lease = back;
-        res?;
-        let lay = run.state.pieces[t as usize][p].layout;
-        rec.record(t, piece_no, Stage::Prepare, start, lay.values + lay.scales);
-    }
-
-    // WRITE.
+    let Some(lease) = piece_prepare(&run, t, p, lease).await? else {
+        return Ok(());
+    };
     if run.failed() {
         return Ok(());
     }
-    let start = rec.now_ns();
+    piece_write(&run, t, p, &lease).await
+}
+
+/// H2D: the piece's source into its staging lease (`None`: the sync failed meanwhile).
+async fn piece_h2d<F: FabricBackend>(
+    run: &Arc<SyncRun<F>>,
+    t: u32,
+    p: usize,
+    lease: Lease,
+) -> Result<Option<Lease>> {
+    let _stage = run.h2d.lock().await;
+    if run.failed() {
+        return Ok(None);
+    }
+    let start = run.rec.now_ns();
+    let job = run.clone();
+    let (lease, res) = tokio::task::spawn_blocking(move || {
+        let mut lease = lease;
+        let st = &job.state;
+        let piece = &st.pieces[t as usize][p];
+        let res = st.staging.bytes_mut(&mut lease).and_then(|buf| {
+            stage_input(
+                &st.plan,
+                &st.shapes[t as usize],
+                piece,
+                st.source.as_ref(),
+                st.gather.as_ref(),
+                &mut buf[..piece.layout.input as usize],
+            )
+        });
+        (lease, res)
+    })
+    .await
+    .map_err(|e| stage_panic("h2d", e))?;
+    res?;
+    let bytes = run.state.pieces[t as usize][p].layout.input;
+    run.rec.record(t, p as u32, Stage::H2d, start, bytes);
+    Ok(Some(lease))
+}
+
+/// Prepare: the destination's exact bytes, in place in the lease, and the checksums of the runs
+/// they hold (`None`: the sync failed meanwhile).
+async fn piece_prepare<F: FabricBackend>(
+    run: &Arc<SyncRun<F>>,
+    t: u32,
+    p: usize,
+    lease: Lease,
+) -> Result<Option<Lease>> {
+    let _stage = run.prepare.lock().await;
+    if run.failed() {
+        return Ok(None);
+    }
+    let start = run.rec.now_ns();
+    let job = run.clone();
+    let (lease, res) = tokio::task::spawn_blocking(move || {
+        let mut lease = lease;
+        let st = &job.state;
+        let piece = &st.pieces[t as usize][p];
+        let res = st.staging.bytes_mut(&mut lease).and_then(|buf| {
+            prepare_piece(
+                &st.plan,
+                &st.shapes[t as usize],
+                piece,
+                buf,
+                st.config.threads(),
+            )?;
+            if st.config.verify {
+                job.checksums.lock().extend(run_checksums(st, piece, buf));
+            }
+            Ok(())
+        });
+        (lease, res)
+    })
+    .await
+    .map_err(|e| stage_panic("prepare", e))?;
+    res?;
+    let lay = run.state.pieces[t as usize][p].layout;
+    run.rec
+        .record(t, p as u32, Stage::Prepare, start, lay.values + lay.scales);
+    Ok(Some(lease))
+}
+
+/// The xxh3 of every run a prepared piece writes to a rollout.
+fn run_checksums(st: &TrainerState, piece: &TaskPiece, buf: &[u8]) -> Vec<RunChecksum> {
+    piece
+        .parts
+        .iter()
+        .filter_map(|part| {
+            let w = st.plan.writes[part.write as usize];
+            let WriteTarget::Rollout(rollout) = w.dst else {
+                return None;
+            };
+            let a = part.staging_offset as usize;
+            Some(RunChecksum {
+                rollout,
+                mr: w.mr,
+                offset: part.dst_offset,
+                len: part.len,
+                xxh3: xxh3(&buf[a..a + part.len as usize]),
+            })
+        })
+        .collect()
+}
+
+/// WRITE: every part of the piece, each until acknowledged. The last part of a write split over
+/// several pieces carries the immediate and goes only after every earlier part landed.
+async fn piece_write<F: FabricBackend>(
+    run: &Arc<SyncRun<F>>,
+    t: u32,
+    p: usize,
+    lease: &Lease,
+) -> Result<()> {
+    let start = run.rec.now_ns();
     let st = &run.state;
     let piece = &st.pieces[t as usize][p];
     let region = st.staging.region();
@@ -391,7 +455,6 @@ async fn run_piece<F: FabricBackend>(
         })?;
     }
     run.bytes_written.fetch_add(bytes, Ordering::Relaxed);
-    rec.record(t, piece_no, Stage::Write, start, bytes);
-    drop(lease);
+    run.rec.record(t, p as u32, Stage::Write, start, bytes);
     Ok(())
 }

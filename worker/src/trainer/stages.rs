@@ -7,9 +7,9 @@
 //! output), a cast, or fp8 block quantisation per matrix and block strip.
 
 use weightsync_common::fabric::Region;
-use weightsync_schedules::table::{Source, Task, TrainerPlan, Transform, FP8_BLOCK};
+use weightsync_schedules::table::{Source, Task, TensorBox, TrainerPlan, Transform, FP8_BLOCK};
 
-use super::piece::{param_name, Grain, Piece, TaskShape};
+use super::piece::{param_name, Grain, TaskPiece, TaskShape};
 use super::SourceView;
 use crate::error::{Result, WorkerError};
 use crate::prepare::{cast, gather_box, quantise_fp8_block_rows, Fp8Shape, Threads};
@@ -59,15 +59,13 @@ fn prepare_err(
 pub(crate) fn stage_input(
     plan: &TrainerPlan,
     shape: &TaskShape,
-    piece: &Piece,
+    piece: &TaskPiece,
     source: &dyn SourceView,
     gather: Option<&Region>,
     input: &mut [u8],
 ) -> Result<()> {
     let t = piece.task;
-    let task = &plan.tasks[t as usize];
-    let in_size = shape.in_size;
-    match task.source {
+    match plan.tasks[t as usize].source {
         Source::Gather { offset, .. } => {
             // The gathered region is dense: the piece's units are one contiguous byte range.
             let gather = gather.ok_or_else(|| {
@@ -75,91 +73,131 @@ pub(crate) fn stage_input(
                     "task {t} reads a gather arena this trainer does not have"
                 ))
             })?;
-            let at = offset + shape.grain.elems_before(piece.u0) * in_size;
+            let at = offset + shape.grain.elems_before(piece.u0) * shape.in_size;
             gather
                 .read_at(at, input)
                 .map_err(|e| WorkerError::fabric(format!("task {t}: reading the gather arena"), e))
         }
-        Source::Shard { shard } => {
-            let s = plan.shards[shard as usize];
-            // Checked when the worker was built (TaskShape::of).
-            let sub = plan.source_box(task).ok_or_else(|| {
-                WorkerError::InvalidPlan(format!("task {t}: region outside its shard"))
-            })?;
-            let dims: Vec<usize> = s
-                .global
-                .shape()
-                .dims()
-                .iter()
-                .map(|&d| d as usize)
-                .collect();
-            let n = sub.ndim as usize;
-            let mut result = Ok(());
-            source.read(&mut |bytes: &[u8]| {
-                let lo = s.offset as usize;
-                let Some(tensor) = bytes.get(lo..lo + s.bytes() as usize) else {
-                    result = Err(WorkerError::SourceTooShort {
-                        what: format!("shard of {}", param_name(plan, s.param)),
-                        need: s.offset + s.bytes(),
-                        have: bytes.len() as u64,
-                    });
-                    return;
-                };
-                let copy = |start: Vec<usize>, extent: Vec<usize>, out: &mut [u8]| {
-                    gather_box(
-                        tensor,
-                        in_size as usize,
-                        &dims,
-                        &start,
-                        &extent,
-                        out,
-                        Threads::One,
-                    )
-                    .map_err(|e| prepare_err(plan, t, task, e))
-                };
-                result = match shape.grain {
-                    Grain::Rows { .. } if n == 0 => copy(vec![], vec![], input),
-                    Grain::Rows { .. } => {
-                        let mut start: Vec<usize> =
-                            sub.start[..n].iter().map(|&x| x as usize).collect();
-                        let mut extent: Vec<usize> =
-                            sub.len[..n].iter().map(|&x| x as usize).collect();
-                        start[0] += piece.u0 as usize;
-                        extent[0] = (piece.u1 - piece.u0) as usize;
-                        copy(start, extent, input)
+        Source::Shard { shard } => stage_from_shard(plan, shape, piece, shard, source, input),
+    }
+}
+
+/// One box of a shard to copy: its start and extent in the shard's coordinates, and where its
+/// bytes go in the staged input.
+struct ShardCopy {
+    start: Vec<usize>,
+    extent: Vec<usize>,
+    out: std::ops::Range<usize>,
+}
+
+/// The boxes of `sub` (a task's region, in its shard's coordinates) that piece `piece` stages:
+/// a run of rows, or the block strips of each matrix it covers.
+fn piece_copies(
+    shape: &TaskShape,
+    piece: &TaskPiece,
+    sub: &TensorBox,
+    input_len: usize,
+) -> Vec<ShardCopy> {
+    let n = sub.ndim as usize;
+    let whole = || -> (Vec<usize>, Vec<usize>) {
+        (
+            sub.start[..n].iter().map(|&x| x as usize).collect(),
+            sub.len[..n].iter().map(|&x| x as usize).collect(),
+        )
+    };
+    match shape.grain {
+        Grain::Rows { .. } if n == 0 => vec![ShardCopy {
+            start: vec![],
+            extent: vec![],
+            out: 0..input_len,
+        }],
+        Grain::Rows { .. } => {
+            let (mut start, mut extent) = whole();
+            start[0] += piece.u0 as usize;
+            extent[0] = (piece.u1 - piece.u0) as usize;
+            vec![ShardCopy {
+                start,
+                extent,
+                out: 0..input_len,
+            }]
+        }
+        Grain::Strips { rows, .. } => {
+            let base = shape.grain.elems_before(piece.u0);
+            matrices(&shape.grain, piece.u0, piece.u1)
+                .into_iter()
+                .map(|(l, ja, jb, first)| {
+                    let lead = unravel(l, &sub.len[..n - 2]);
+                    let (mut start, mut extent) = whole();
+                    for d in 0..n - 2 {
+                        start[d] += lead[d] as usize;
+                        extent[d] = 1;
                     }
-                    Grain::Strips { rows, .. } => {
-                        let base = shape.grain.elems_before(piece.u0);
-                        let mut r = Ok(());
-                        for (l, ja, jb, first) in matrices(&shape.grain, piece.u0, piece.u1) {
-                            let lead = unravel(l, &sub.len[..n - 2]);
-                            let mut start: Vec<usize> =
-                                sub.start[..n].iter().map(|&x| x as usize).collect();
-                            let mut extent: Vec<usize> =
-                                sub.len[..n].iter().map(|&x| x as usize).collect();
-                            for d in 0..n - 2 {
-                                start[d] += lead[d] as usize;
-                                extent[d] = 1;
-                            }
-                            let r0 = ja * FP8_BLOCK as u64;
-                            let r1 = (jb * FP8_BLOCK as u64).min(rows);
-                            start[n - 2] += r0 as usize;
-                            extent[n - 2] = (r1 - r0) as usize;
-                            let from =
-                                ((shape.grain.elems_before(first) - base) * in_size) as usize;
-                            let len = ((r1 - r0) * sub.len[n - 1] as u64 * in_size) as usize;
-                            r = copy(start, extent, &mut input[from..from + len]);
-                            if r.is_err() {
-                                break;
-                            }
-                        }
-                        r
+                    let r0 = ja * FP8_BLOCK as u64;
+                    let r1 = (jb * FP8_BLOCK as u64).min(rows);
+                    start[n - 2] += r0 as usize;
+                    extent[n - 2] = (r1 - r0) as usize;
+                    let from = ((shape.grain.elems_before(first) - base) * shape.in_size) as usize;
+                    let len = ((r1 - r0) * sub.len[n - 1] as u64 * shape.in_size) as usize;
+                    ShardCopy {
+                        start,
+                        extent,
+                        out: from..from + len,
                     }
-                };
-            });
-            result
+                })
+                .collect()
         }
     }
+}
+
+/// H2D from one of the trainer's own shards: the piece's boxes gathered out of the shard.
+fn stage_from_shard(
+    plan: &TrainerPlan,
+    shape: &TaskShape,
+    piece: &TaskPiece,
+    shard: u32,
+    source: &dyn SourceView,
+    input: &mut [u8],
+) -> Result<()> {
+    let t = piece.task;
+    let task = &plan.tasks[t as usize];
+    let s = plan.shards[shard as usize];
+    // Checked when the worker was built (TaskShape::of).
+    let sub = plan
+        .source_box(task)
+        .ok_or_else(|| WorkerError::InvalidPlan(format!("task {t}: region outside its shard")))?;
+    let dims: Vec<usize> = s
+        .global
+        .shape()
+        .dims()
+        .iter()
+        .map(|&d| d as usize)
+        .collect();
+    let copies = piece_copies(shape, piece, &sub, input.len());
+    let mut result = Ok(());
+    source.read(&mut |bytes: &[u8]| {
+        let lo = s.offset as usize;
+        let Some(tensor) = bytes.get(lo..lo + s.bytes() as usize) else {
+            result = Err(WorkerError::SourceTooShort {
+                what: format!("shard of {}", param_name(plan, s.param)),
+                need: s.offset + s.bytes(),
+                have: bytes.len() as u64,
+            });
+            return;
+        };
+        result = copies.iter().try_for_each(|c| {
+            gather_box(
+                tensor,
+                shape.in_size as usize,
+                &dims,
+                &c.start,
+                &c.extent,
+                &mut input[c.out.clone()],
+                Threads::One,
+            )
+            .map_err(|e| prepare_err(plan, t, task, e))
+        });
+    });
+    result
 }
 
 /// Prepare: turns the staged input into the piece's prepared values (and scales) in `buf`, the
@@ -167,7 +205,7 @@ pub(crate) fn stage_input(
 pub(crate) fn prepare_piece(
     plan: &TrainerPlan,
     shape: &TaskShape,
-    piece: &Piece,
+    piece: &TaskPiece,
     buf: &mut [u8],
     threads: Threads,
 ) -> Result<()> {

@@ -6,15 +6,15 @@ use std::time::Duration;
 use half::bf16;
 use weightsync_common::DType;
 use weightsync_schedules::table::{
-    DstTensor, Endpoint, LocalShard, MeshGroup, ParamRef, RolloutPlan, Shape, Source, Task,
-    TensorBox, TrainerPlan, Transform, UnitExpect, Write,
+    DstTensor, LocalShard, MeshGroup, ParamRef, RolloutPlan, Shape, Source, Task, TensorBox,
+    TrainerPlan, Transform, UnitExpect, Write, WriteTarget,
 };
 
 use super::*;
 use crate::mem_fabric::MemFabric;
 use crate::prepare::{cast, quantise_fp8, Fp8Shape, Threads};
 use crate::rollout::RolloutWorker;
-use crate::timeline::Stage;
+use weightsync_common::protocol::Stage;
 
 const W_ROWS: u32 = 300;
 const W_COLS: u32 = 256;
@@ -99,7 +99,7 @@ fn plans() -> (TrainerPlan, RolloutPlan) {
         copies: Vec::new(),
         writes: vec![
             Write {
-                dst: Endpoint::Rollout(0),
+                dst: WriteTarget::Rollout(0),
                 mr: 0,
                 unit: 0,
                 len: values as u32,
@@ -107,7 +107,7 @@ fn plans() -> (TrainerPlan, RolloutPlan) {
                 dst_offset: 0,
             },
             Write {
-                dst: Endpoint::Rollout(0),
+                dst: WriteTarget::Rollout(0),
                 mr: 0,
                 unit: 0,
                 len: scales as u32,
@@ -115,7 +115,7 @@ fn plans() -> (TrainerPlan, RolloutPlan) {
                 dst_offset: 76800,
             },
             Write {
-                dst: Endpoint::Rollout(0),
+                dst: WriteTarget::Rollout(0),
                 mr: 0,
                 unit: 0,
                 len: b_out as u32,
@@ -261,7 +261,7 @@ async fn several_syncs_land_exact_bytes_under_the_watermark() {
             assert!(report.peak_staging_bytes <= watermark);
             assert!(report.peak_staging_bytes > 0);
             let tl = &report.timeline;
-            for stage in [Stage::H2D, Stage::Prepare, Stage::Write] {
+            for stage in [Stage::H2d, Stage::Prepare, Stage::Write] {
                 assert_eq!(
                     tl.events.iter().filter(|e| e.stage == stage).count() as u64,
                     report.pieces,
@@ -494,7 +494,7 @@ fn gather_plans() -> (TrainerPlan, TrainerPlan, RolloutPlan) {
         copies: Vec::new(),
         writes: vec![
             Write {
-                dst: Endpoint::Trainer(0),
+                dst: WriteTarget::Trainer(0),
                 mr: 0,
                 unit: 5,
                 len: (100 * row) as u32,
@@ -502,7 +502,7 @@ fn gather_plans() -> (TrainerPlan, TrainerPlan, RolloutPlan) {
                 dst_offset: 0,
             },
             Write {
-                dst: Endpoint::Rollout(0),
+                dst: WriteTarget::Rollout(0),
                 mr: 0,
                 unit: 0,
                 len: values as u32,
@@ -510,7 +510,7 @@ fn gather_plans() -> (TrainerPlan, TrainerPlan, RolloutPlan) {
                 dst_offset: 0,
             },
             Write {
-                dst: Endpoint::Rollout(0),
+                dst: WriteTarget::Rollout(0),
                 mr: 0,
                 unit: 0,
                 len: 8,
@@ -558,7 +558,7 @@ fn gather_plans() -> (TrainerPlan, TrainerPlan, RolloutPlan) {
         copies: Vec::new(),
         writes: vec![
             Write {
-                dst: Endpoint::Trainer(0),
+                dst: WriteTarget::Trainer(0),
                 mr: 0,
                 unit: 5,
                 len: (28 * row) as u32,
@@ -566,7 +566,7 @@ fn gather_plans() -> (TrainerPlan, TrainerPlan, RolloutPlan) {
                 dst_offset: 100 * row,
             },
             Write {
-                dst: Endpoint::Rollout(0),
+                dst: WriteTarget::Rollout(0),
                 mr: 0,
                 unit: 0,
                 len: values as u32,
@@ -574,7 +574,7 @@ fn gather_plans() -> (TrainerPlan, TrainerPlan, RolloutPlan) {
                 dst_offset: values,
             },
             Write {
-                dst: Endpoint::Rollout(0),
+                dst: WriteTarget::Rollout(0),
                 mr: 0,
                 unit: 0,
                 len: 8,

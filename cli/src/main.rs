@@ -1,8 +1,16 @@
-//! `weightsync`: the one binary. A thin clap front over the command modules in
-//! `weightsync_controller::cmd`.
+//! `weightsync`: the one binary. A thin clap front: each subcommand is a module of [`cmd`] over
+//! the library crates (the controller service, the worker agents, the planner, the benchmarks).
+//!
+//! # Layout
+//! - `main.rs`: the clap front; it only dispatches.
+//! - [`cmd`]: one module per subcommand (`demo`, `plan`, `simulate`, `controller`, `worker`,
+//!   `bench`), each owning its `Args` and a `run` function.
+//! - [`logging`]: stderr tracing for the commands (stdout stays clean for `--json`).
+
+mod cmd;
+mod logging;
 
 use clap::{Parser, Subcommand};
-use weightsync_controller::cmd;
 
 /// Move fresh model weights from RL training GPUs to rollout GPUs with one-sided writes.
 #[derive(Debug, Parser)]

@@ -19,10 +19,9 @@ use serde_json::{json, Value};
 use weightsync_common::protocol::WorldSpec;
 use weightsync_common::DType;
 
-use crate::api_client::request;
-use crate::cmd::controller::controller_config;
-use crate::routing::SchedulesPlanner;
-use crate::service::AppState;
+use weightsync_agent::api_client::request;
+use weightsync_controller::coordinator::Now;
+use weightsync_controller::{AppState, ControllerConfig, SchedulesPlanner};
 
 /// Arguments of `weightsync demo`.
 #[derive(Debug, clap::Args)]
@@ -171,7 +170,71 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     rt.block_on(demo(args))
 }
 
+/// The controller of the demo, served in this process.
+struct ServedDemo {
+    state: AppState,
+    world: WorldSpec,
+    trainers: u32,
+    rollouts: u32,
+    job_token: String,
+    api_token: String,
+    http_addr: std::net::SocketAddr,
+    control_addr: std::net::SocketAddr,
+    stop: tokio::sync::oneshot::Sender<()>,
+    server: tokio::task::JoinHandle<std::io::Result<()>>,
+}
+
 async fn demo(args: Args) -> anyhow::Result<()> {
+    let ctl = start_controller(&args).await?;
+    let dashboard = format!("http://{}/", ctl.http_addr);
+    let w = &ctl.world;
+    eprintln!(
+        "weightsync demo: {} ({} weights), {} trainers [{}] -> {} rollouts [{}]\n  dashboard: {dashboard}",
+        w.model, w.dtype, ctl.trainers, w.train, ctl.rollouts, w.infer
+    );
+    let logs = std::env::temp_dir().join(format!("weightsync-demo-{}", std::process::id()));
+    std::fs::create_dir_all(&logs)?;
+    let mut workers = spawn_workers(&args, &ctl, &logs)?;
+    wait_planned(&ctl, &mut workers, &logs).await?;
+    let tcp_gbps = measure_tcp().await?;
+    let (results, failed) = run_syncs(&args, &ctl, &mut workers, tcp_gbps).await?;
+    let (summary, verified) = summarise(&args, &ctl, &results, &failed, tcp_gbps, &dashboard);
+    if args.json {
+        println!("{summary}");
+    } else {
+        eprintln!(
+            "\nsummary: {} of {} syncs committed and verified byte for byte; {:.1} MB per sync;\n  \
+             {:.2} s per sync end to end, writes landed at {:.2} GB/s = {:.2}x one plain TCP stream ({tcp_gbps:.2} GB/s)",
+            summary["committed"],
+            args.syncs,
+            summary["bytes_per_sync"].as_f64().unwrap_or(0.0) / 1e6,
+            summary["mean_seconds_per_sync"].as_f64().unwrap_or(0.0),
+            summary["mean_gbps"].as_f64().unwrap_or(0.0),
+            summary["ratio_vs_tcp"].as_f64().unwrap_or(0.0),
+        );
+    }
+    if !args.exit {
+        eprintln!("\ndashboard: {dashboard}  (Ctrl-C to stop)");
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+    }
+    let _ = ctl.stop.send(());
+    let _ = ctl.server.await;
+    tokio::task::block_in_place(|| workers.wait_all(Duration::from_secs(10)));
+    drop(workers);
+    if !failed.is_empty() || !verified {
+        bail!("syncs {failed:?} failed; worker logs in {}", logs.display());
+    }
+    let _ = std::fs::remove_dir_all(&logs);
+    Ok(())
+}
+
+/// Serves a controller for the demo's job on loopback (the dashboard on `--http`, or a free port
+/// if that is taken).
+async fn start_controller(args: &Args) -> anyhow::Result<ServedDemo> {
     let dtype: DType = args.dtype.parse().map_err(anyhow::Error::msg)?;
     let world = WorldSpec {
         model: args.model.clone(),
@@ -181,7 +244,7 @@ async fn demo(args: Args) -> anyhow::Result<()> {
         verify: true,
     };
     let (job_token, api_token) = (random_token(), random_token());
-    let mut cfg = controller_config(
+    let mut cfg = ControllerConfig::for_job(
         world.clone(),
         job_token.clone(),
         api_token.clone(),
@@ -191,7 +254,6 @@ async fn demo(args: Args) -> anyhow::Result<()> {
     )?;
     cfg.shutdown_workers = true;
     let (trainers, rollouts) = (cfg.coordinator.trainers, cfg.coordinator.rollouts);
-
     let http = match tokio::net::TcpListener::bind(&args.http).await {
         Ok(l) => l,
         Err(e) => {
@@ -201,26 +263,38 @@ async fn demo(args: Args) -> anyhow::Result<()> {
     };
     let control = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let (http_addr, control_addr) = (http.local_addr()?, control.local_addr()?);
-    let dashboard = format!("http://{http_addr}/");
     let state = AppState::new(cfg, Box::new(SchedulesPlanner));
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(crate::service::run(http, control, state.clone(), async {
-        let _ = stop_rx.await;
-    }));
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(weightsync_controller::run(
+        http,
+        control,
+        state.clone(),
+        async {
+            let _ = stopped.await;
+        },
+    ));
+    Ok(ServedDemo {
+        state,
+        world,
+        trainers,
+        rollouts,
+        job_token,
+        api_token,
+        http_addr,
+        control_addr,
+        stop,
+        server,
+    })
+}
 
-    eprintln!(
-        "weightsync demo: {} ({} weights), {} trainers [{}] -> {} rollouts [{}]\n  dashboard: {dashboard}",
-        world.model, dtype, trainers, world.train, rollouts, world.infer
-    );
-
-    // Worker processes: this binary, `worker trainer|rollout`.
+/// One process per trainer and rollout: this binary, `worker trainer|rollout`, logs in `logs`.
+fn spawn_workers(args: &Args, ctl: &ServedDemo, logs: &std::path::Path) -> anyhow::Result<Workers> {
     let exe = std::env::current_exe().context("locating the weightsync binary")?;
-    let logs = std::env::temp_dir().join(format!("weightsync-demo-{}", std::process::id()));
-    std::fs::create_dir_all(&logs)?;
+    let w = &ctl.world;
     let mut workers = Workers {
         children: Vec::new(),
     };
-    for (role, n) in [("trainer", trainers), ("rollout", rollouts)] {
+    for (role, n) in [("trainer", ctl.trainers), ("rollout", ctl.rollouts)] {
         for rank in 0..n {
             let name = format!("{role}-{rank}");
             let log = logs.join(format!("{name}.log"));
@@ -228,13 +302,13 @@ async fn demo(args: Args) -> anyhow::Result<()> {
             let mut cmd = Command::new(&exe);
             cmd.arg("worker")
                 .arg(role)
-                .args(["--controller", &control_addr.to_string()])
+                .args(["--controller", &ctl.control_addr.to_string()])
                 .args(["--rank", &rank.to_string()])
-                .args(["--model", &world.model, "--train", &world.train])
-                .args(["--infer", &world.infer, "--dtype", &args.dtype])
+                .args(["--model", &w.model, "--train", &w.train])
+                .args(["--infer", &w.infer, "--dtype", &args.dtype])
                 .args(["--lanes", &args.lanes.to_string()])
                 .args(["--reconnect-s", "30"])
-                .env("WEIGHTSYNC_JOB_TOKEN", &job_token)
+                .env("WEIGHTSYNC_JOB_TOKEN", &ctl.job_token)
                 .env_remove("RANK")
                 .env_remove("SLURM_PROCID")
                 .stdin(Stdio::null())
@@ -250,18 +324,27 @@ async fn demo(args: Args) -> anyhow::Result<()> {
             workers.children.push((name, child, log));
         }
     }
+    Ok(workers)
+}
 
+/// Waits until every worker registered, the controller planned, and every worker accepted its
+/// part (the plan is in force).
+async fn wait_planned(
+    ctl: &ServedDemo,
+    workers: &mut Workers,
+    logs: &std::path::Path,
+) -> anyhow::Result<()> {
+    let total = ctl.trainers + ctl.rollouts;
     let pb = spinner(format!(
-        "starting {} workers (planning, allocating and registering memory)",
-        trainers + rollouts
+        "starting {total} workers (allocating and registering memory, planning)"
     ));
     let deadline = Instant::now() + Duration::from_secs(300);
     loop {
         workers.check_alive()?;
-        let (registered, planned, plan_error) = state.read(|c| {
+        let (registered, planned, plan_error) = ctl.state.read(|c| {
             (
-                c.workers(Instant::now()).len(),
-                c.plan().is_some(),
+                c.workers(Now::wall()).len(),
+                c.plan_ready(),
                 c.plan_error().map(str::to_string),
             )
         });
@@ -272,8 +355,7 @@ async fn demo(args: Args) -> anyhow::Result<()> {
             break;
         }
         pb.set_message(format!(
-            "starting workers: {registered} of {} registered",
-            trainers + rollouts
+            "starting workers: {registered} of {total} registered"
         ));
         if Instant::now() > deadline {
             bail!(
@@ -284,33 +366,45 @@ async fn demo(args: Args) -> anyhow::Result<()> {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     pb.finish_and_clear();
-    let plan = state
+    let plan = ctl
+        .state
         .read(|c| c.plan().map(|p| p.summary.clone()))
         .unwrap_or_default();
     eprintln!(
         "  planned: {} bytes per sync in {} writes (fp8 gathers: {} bytes)",
         plan["bytes_to_move"], plan["work_requests"], plan["gather_bytes"]
     );
+    Ok(())
+}
 
+/// The median of three plain TCP streams of 256 MiB on loopback, GB/s.
+async fn measure_tcp() -> anyhow::Result<f64> {
     let pb = spinner("measuring one plain TCP stream on loopback (the yardstick)".into());
-    let tcp_gbps = {
-        let mut runs: Vec<f64> = Vec::new();
-        for _ in 0..3 {
-            runs.push(tokio::task::spawn_blocking(|| plain_tcp_gbps(256 << 20)).await??);
-        }
-        runs.sort_by(f64::total_cmp);
-        runs[1]
-    };
+    let mut runs: Vec<f64> = Vec::new();
+    for _ in 0..3 {
+        runs.push(tokio::task::spawn_blocking(|| plain_tcp_gbps(256 << 20)).await??);
+    }
+    runs.sort_by(f64::total_cmp);
     pb.finish_and_clear();
-    eprintln!("  plain TCP stream: {tcp_gbps:.2} GB/s");
+    eprintln!("  plain TCP stream: {:.2} GB/s", runs[1]);
+    Ok(runs[1])
+}
 
-    let addr = http_addr.to_string();
+/// The training loop: one `POST /v1/syncs?wait=true` per version; each sync's view, and the
+/// versions that did not commit.
+async fn run_syncs(
+    args: &Args,
+    ctl: &ServedDemo,
+    workers: &mut Workers,
+    tcp_gbps: f64,
+) -> anyhow::Result<(Vec<Value>, Vec<u64>)> {
+    let addr = ctl.http_addr.to_string();
     let mut results: Vec<Value> = Vec::new();
     let mut failed = Vec::new();
     for version in 1..=args.syncs {
         let pb = spinner(format!("sync {version}/{}: triggering", args.syncs));
         let post = {
-            let (addr, token) = (addr.clone(), api_token.clone());
+            let (addr, token) = (addr.clone(), ctl.api_token.clone());
             tokio::spawn(async move {
                 request(
                     &addr,
@@ -325,23 +419,7 @@ async fn demo(args: Args) -> anyhow::Result<()> {
         };
         while !post.is_finished() {
             workers.check_alive()?;
-            let msg = state.read(|c| {
-                c.active().and_then(|id| c.sync(id)).map(|s| {
-                    let waiting = s.waiting_on();
-                    format!(
-                        "sync {version}/{}: {:?}, waiting for {} worker(s){}",
-                        args.syncs,
-                        s.state,
-                        waiting.len(),
-                        if s.verify_sent_ns.is_some() {
-                            " (verifying every byte)"
-                        } else {
-                            ""
-                        }
-                    )
-                })
-            });
-            if let Some(m) = msg {
+            if let Some(m) = progress(&ctl.state, version, args.syncs) {
                 pb.set_message(m.to_lowercase());
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
@@ -367,7 +445,37 @@ async fn demo(args: Args) -> anyhow::Result<()> {
         }
         results.push(v);
     }
+    Ok((results, failed))
+}
 
+/// What the running sync waits for, for the spinner.
+fn progress(state: &AppState, version: u64, syncs: u64) -> Option<String> {
+    state.read(|c| {
+        c.active().and_then(|id| c.sync(id)).map(|s| {
+            format!(
+                "sync {version}/{syncs}: {:?}, waiting for {} worker(s){}",
+                s.state,
+                s.waiting_on().len(),
+                if s.verify_sent_ns.is_some() {
+                    " (verifying every byte)"
+                } else {
+                    ""
+                }
+            )
+        })
+    })
+}
+
+/// The `--json` summary (its keys are the demo's interface), and whether every sync committed
+/// verified.
+fn summarise(
+    args: &Args,
+    ctl: &ServedDemo,
+    results: &[Value],
+    failed: &[u64],
+    tcp_gbps: f64,
+    dashboard: &str,
+) -> (Value, bool) {
     let committed: Vec<&Value> = results
         .iter()
         .filter(|v| v["state"] == "committed")
@@ -375,30 +483,23 @@ async fn demo(args: Args) -> anyhow::Result<()> {
     let verified = !committed.is_empty()
         && failed.is_empty()
         && committed.iter().all(|v| v["verified"] == true);
-    let secs: Vec<f64> = results
-        .iter()
-        .map(|v| v["stages"]["total_ms"].as_f64().unwrap_or(0.0) / 1e3)
-        .collect();
-    let transfer: Vec<f64> = results
-        .iter()
-        .map(|v| v["stages"]["land_ms"].as_f64().unwrap_or(0.0) / 1e3)
-        .collect();
-    let gbps: Vec<f64> = results
-        .iter()
-        .map(|v| v["gbps"].as_f64().unwrap_or(0.0))
-        .collect();
+    let per_sync = |f: &dyn Fn(&Value) -> f64| results.iter().map(f).collect::<Vec<f64>>();
+    let secs = per_sync(&|v| v["stages"]["total_ms"].as_f64().unwrap_or(0.0) / 1e3);
+    let transfer = per_sync(&|v| v["stages"]["land_ms"].as_f64().unwrap_or(0.0) / 1e3);
+    let gbps = per_sync(&|v| v["gbps"].as_f64().unwrap_or(0.0));
     let mean = |x: &[f64]| x.iter().sum::<f64>() / x.len().max(1) as f64;
     let bytes_per_sync = results
         .first()
         .and_then(|v| v["bytes"].as_u64())
         .unwrap_or(0);
+    let w = &ctl.world;
     let summary = json!({
-        "model": world.model,
-        "train": world.train,
-        "infer": world.infer,
-        "dtype": dtype.name(),
-        "trainers": trainers,
-        "rollouts": rollouts,
+        "model": w.model,
+        "train": w.train,
+        "infer": w.infer,
+        "dtype": w.dtype.name(),
+        "trainers": ctl.trainers,
+        "rollouts": ctl.rollouts,
         "syncs": args.syncs,
         "committed": committed.len(),
         "bytes_per_sync": bytes_per_sync,
@@ -412,36 +513,5 @@ async fn demo(args: Args) -> anyhow::Result<()> {
         "verified": verified,
         "dashboard": dashboard,
     });
-    if args.json {
-        println!("{summary}");
-    } else {
-        eprintln!(
-            "\nsummary: {} of {} syncs committed and verified byte for byte; {:.1} MB per sync;\n  \
-             {:.2} s per sync end to end, writes landed at {:.2} GB/s = {:.2}x one plain TCP stream ({tcp_gbps:.2} GB/s)",
-            committed.len(),
-            args.syncs,
-            bytes_per_sync as f64 / 1e6,
-            mean(&secs),
-            mean(&gbps),
-            mean(&gbps) / tcp_gbps,
-        );
-    }
-
-    if !args.exit {
-        eprintln!("\ndashboard: {dashboard}  (Ctrl-C to stop)");
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            _ = term.recv() => {}
-        }
-    }
-    let _ = stop_tx.send(());
-    let _ = server.await;
-    tokio::task::block_in_place(|| workers.wait_all(Duration::from_secs(10)));
-    drop(workers);
-    if !failed.is_empty() || !verified {
-        bail!("syncs {failed:?} failed; worker logs in {}", logs.display());
-    }
-    let _ = std::fs::remove_dir_all(&logs);
-    Ok(())
+    (summary, verified)
 }

@@ -9,7 +9,9 @@
 use std::future::Future;
 use std::time::Instant;
 
-use weightsync_common::protocol::{Assignment, Blob, TensorMeta, UnitChecksum, WorkerReport};
+use weightsync_common::protocol::{
+    Assignment, Blob, PeerInfo, RunChecksum, TensorMeta, WorkerReport,
+};
 
 /// One sync as the driver sees it.
 #[derive(Debug, Clone, Copy)]
@@ -55,6 +57,17 @@ pub struct DriverInfo {
     pub tensors: Vec<TensorMeta>,
 }
 
+/// What a worker built for its assignment, sent back in `Ready`.
+#[derive(Debug, Clone, Default)]
+pub struct Accepted {
+    /// Regions registered for this plan that peers write into (a trainer's gather arena),
+    /// backend-encoded.
+    pub regions: Vec<Blob>,
+    /// Tensors held under this plan, when the registration could not say them (a trainer's
+    /// shards).
+    pub tensors: Vec<TensorMeta>,
+}
+
 /// How a sync ended, as the controller announced it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Outcome {
@@ -73,8 +86,23 @@ pub trait SyncDriver: Send + 'static {
     /// Endpoint, regions and tensors to register with.
     fn info(&self) -> DriverInfo;
 
-    /// The worker's part of the (re-)planned world.
-    fn assign(&mut self, a: Assignment) -> impl Future<Output = Result<(), DriverError>> + Send;
+    /// The worker's part of the (re-)planned world: build what it needs (a trainer attaches its
+    /// source and registers its staging and gather arenas) and say what peers need to know.
+    fn assign(
+        &mut self,
+        a: Assignment,
+    ) -> impl Future<Output = Result<Accepted, DriverError>> + Send;
+
+    /// Trainers, once the plan is in force: every other worker's endpoint and regions. The
+    /// default ignores them (a worker that posts no writes).
+    fn peers(
+        &mut self,
+        plan_id: u64,
+        peers: Vec<PeerInfo>,
+    ) -> impl Future<Output = Result<(), DriverError>> + Send {
+        let _ = (plan_id, peers);
+        std::future::ready(Ok(()))
+    }
 
     /// `Prepare N`: rollouts arm, trainers make their source hold N.
     fn prepare(
@@ -93,7 +121,7 @@ pub trait SyncDriver: Send + 'static {
     fn verify(
         &mut self,
         sync: SyncRef,
-        checksums: Vec<UnitChecksum>,
+        checksums: Vec<RunChecksum>,
     ) -> impl Future<Output = Result<WorkerReport, DriverError>> + Send;
 
     /// The sync ended (commit or abort).

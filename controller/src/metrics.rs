@@ -11,7 +11,6 @@ use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 use std::sync::atomic::AtomicU64;
 
-use crate::coordinator::lane_gbps;
 use crate::sync_record::{SyncRecord, SyncState};
 
 /// Labels of per-worker series.
@@ -113,7 +112,7 @@ impl Metrics {
                     worker: w.to_string(),
                 };
                 self.worker_bytes.get_or_create(&labels).inc_by(lane.bytes);
-                if let Some(g) = lane_gbps(s, w) {
+                if let Some(g) = crate::sync_record::lane_gbps(s, w) {
                     self.worker_gbps.get_or_create(&labels).set(g);
                 }
             }

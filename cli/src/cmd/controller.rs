@@ -13,9 +13,7 @@ use serde::Deserialize;
 use weightsync_common::protocol::WorldSpec;
 use weightsync_common::DType;
 
-use crate::coordinator::CoordinatorConfig;
-use crate::routing::{world_size, SchedulesPlanner};
-use crate::service::{AppState, ControllerConfig};
+use weightsync_controller::{AppState, ControllerConfig, SchedulesPlanner};
 
 /// Arguments of `weightsync controller` (the TOML file takes the same keys).
 #[derive(Debug, Clone, Default, Deserialize, clap::Args)]
@@ -64,32 +62,6 @@ pub struct Args {
     pub settings: Settings,
 }
 
-/// Builds the controller configuration for a job.
-pub fn controller_config(
-    world: WorldSpec,
-    job_token: String,
-    api_token: String,
-    heartbeat_timeout: Duration,
-    sync_timeout: Duration,
-    history: usize,
-) -> anyhow::Result<ControllerConfig> {
-    let (trainers, rollouts) = world_size(&world)?;
-    Ok(ControllerConfig::new(
-        CoordinatorConfig {
-            world,
-            trainers,
-            rollouts,
-            heartbeat_interval: (heartbeat_timeout / 5).max(Duration::from_millis(50)),
-            heartbeat_timeout,
-            sync_timeout,
-            failure_grace: Duration::from_millis(300),
-            history,
-        },
-        job_token,
-        api_token,
-    ))
-}
-
 fn env_token(name: &str) -> anyhow::Result<String> {
     std::env::var(name)
         .ok()
@@ -126,7 +98,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             .map_err(anyhow::Error::msg)?,
         verify: s.verify.or(file.verify).unwrap_or(true),
     };
-    let cfg = controller_config(
+    let cfg = ControllerConfig::for_job(
         world,
         env_token("WEIGHTSYNC_JOB_TOKEN")?,
         env_token("WEIGHTSYNC_API_TOKEN")?,
@@ -164,7 +136,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             c.local_addr()?
         );
         let state = AppState::new(cfg, Box::new(SchedulesPlanner));
-        crate::service::run(h, c, state, async {
+        weightsync_controller::run(h, c, state, async {
             let _ = tokio::signal::ctrl_c().await;
         })
         .await?;

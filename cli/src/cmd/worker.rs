@@ -9,12 +9,12 @@
 use std::path::PathBuf;
 
 use anyhow::Context;
-use weightsync_common::protocol::Role;
+use weightsync_common::protocol::WorkerRole;
 
-use crate::agent::config::{resolve, ResolvedWorker, WorkerSettings};
-use crate::agent::rollout::RolloutDriver;
-use crate::agent::run_agent;
-use crate::agent::trainer::TrainerDriver;
+use weightsync_agent::config::{resolve, ResolvedWorker, WorkerSettings};
+use weightsync_agent::rollout::RolloutDriver;
+use weightsync_agent::run_agent;
+use weightsync_agent::trainer::TrainerDriver;
 
 /// Arguments of `weightsync worker`.
 #[derive(Debug, clap::Args)]
@@ -33,7 +33,7 @@ pub struct Args {
 /// Runs `weightsync worker`.
 pub fn run(args: Args) -> anyhow::Result<()> {
     crate::logging::init("info");
-    let role: Role = args.role.parse().map_err(anyhow::Error::msg)?;
+    let role: WorkerRole = args.role.parse().map_err(anyhow::Error::msg)?;
     let file = args
         .config
         .as_deref()

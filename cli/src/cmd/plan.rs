@@ -80,8 +80,6 @@ pub fn load_model(name_or_path: &str, experts: ExpertForm) -> anyhow::Result<Mod
 /// Everything `plan` builds, for reuse by other commands.
 #[derive(Debug)]
 pub struct Planned {
-    /// The model.
-    pub model: Model,
     /// The routing table.
     pub table: weightsync_schedules::RoutingTable,
     /// Its figures.
@@ -99,11 +97,7 @@ pub fn build(args: &Args, progress: &mut dyn FnMut(u64, u64)) -> anyhow::Result<
     let cost = args.cost_model();
     let table = plan_with_progress(&model, &tl, &il, &cost, progress)?;
     let summary = Summary::of(&table, &cost);
-    Ok(Planned {
-        model,
-        table,
-        summary,
-    })
+    Ok(Planned { table, summary })
 }
 
 /// Runs `weightsync plan`.

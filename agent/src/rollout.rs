@@ -1,4 +1,4 @@
-//! The rollout driver: `weightsync_worker::rollout::RolloutWorker` behind the agent.
+//! The rollout driver: `weightsync_worker::RolloutWorker` behind the agent.
 //!
 //! It computes its own inference layout from the job at start-up, allocates and registers its
 //! tensors once, and registers with their descriptors. Per sync: `Prepare N` arms the immediate
@@ -12,17 +12,18 @@ use std::time::{Duration, Instant};
 
 use weightsync_common::fabric::{Fabric, FabricBackend, FabricConfig};
 use weightsync_common::protocol::{
-    Assignment, Stage, TensorMeta, TimelineEvent, UnitChecksum, WorkerId, WorkerReport, WorldSpec,
+    Assignment, RunChecksum, Stage, TensorMeta, TimelineEvent, WorkerId, WorkerReport, WorldSpec,
+    WHOLE_SYNC,
 };
 use weightsync_schedules::table::RolloutPlan;
-use weightsync_worker::checksum::RunChecksum;
-use weightsync_worker::rollout::RolloutWorker;
-use weightsync_worker::trainer::SyncId;
+use weightsync_worker::RolloutWorker;
+use weightsync_worker::SyncId;
 
-use super::demo_weights::expected_rollout;
-use super::driver::{DriverError, DriverInfo, Outcome, SyncDriver, SyncRef};
-use super::trainer::{blob, events};
-use crate::routing::{self, Job};
+use crate::demo_weights::expected_rollout;
+use crate::driver::{Accepted, DriverError, DriverInfo, Outcome, SyncDriver, SyncRef};
+use crate::trainer::blob;
+use weightsync_schedules::job::{self, rollout_layout};
+use weightsync_schedules::{InferenceLayout, Model};
 
 /// Settings of a rollout driver.
 #[derive(Debug, Clone)]
@@ -45,7 +46,8 @@ pub struct RolloutDriver {
     cfg: RolloutDriverConfig,
     fabric: Fabric,
     worker: Arc<RolloutWorker<Fabric>>,
-    job: Arc<Job>,
+    /// The demo's independent recomputation needs the model and the layout's placements.
+    demo: Option<Arc<(Model, InferenceLayout)>>,
     bytes: u64,
 }
 
@@ -58,34 +60,26 @@ fn ns_since(t: Instant, since: Instant) -> u64 {
 }
 
 impl RolloutDriver {
-    /// Plans its layout, allocates and registers its tensors.
+    /// Lays out its tensors from the inference layout, allocates and registers them.
     pub async fn new(cfg: RolloutDriverConfig) -> Result<RolloutDriver, DriverError> {
         let fabric = Fabric::start(&cfg.fabric).await.map_err(err)?;
-        let job = routing::job(&cfg.world).map_err(err)?;
-        let plan = job
-            .table
-            .rollouts
-            .get(cfg.rank as usize)
-            .cloned()
-            .ok_or_else(|| {
-                DriverError::new(format!(
-                    "inference rank {} does not exist (the job has {})",
-                    cfg.rank,
-                    job.table.rollouts.len()
-                ))
-            })?;
-        let bytes = plan.tensors.iter().map(|t| t.len).sum();
+        let config_text = cfg.world.read_model_config().map_err(err)?;
+        let (model, infer) =
+            job::inference_layout(&cfg.world, config_text.as_deref()).map_err(err)?;
+        let layout = rollout_layout(&infer, cfg.rank).map_err(err)?;
+        let bytes = layout.tensors.iter().map(|t| t.len).sum();
         let worker = RolloutWorker::new(
             fabric.clone(),
             WorkerId::rollout(cfg.rank).to_string(),
-            plan,
+            layout,
         )
         .map_err(err)?;
+        let demo = cfg.demo_check_seed.map(|_| Arc::new((model, infer)));
         Ok(RolloutDriver {
             cfg,
             fabric,
             worker: Arc::new(worker),
-            job: Arc::new(job),
+            demo,
             bytes,
         })
     }
@@ -115,19 +109,18 @@ impl SyncDriver for RolloutDriver {
         }
     }
 
-    async fn assign(&mut self, a: Assignment) -> Result<(), DriverError> {
+    async fn assign(&mut self, a: Assignment) -> Result<Accepted, DriverError> {
         let Assignment::Rollout { expected, .. } = a else {
             return Err(DriverError::new("a rollout got a trainer's assignment"));
         };
         let plan: RolloutPlan = bincode::deserialize(&expected.0)
             .map_err(|e| DriverError::new(format!("undecodable expectations: {e}")))?;
-        if &plan != self.worker.plan() {
-            return Err(DriverError::new(
-                "the controller's expectations differ from the layout this worker registered \
-                 (different weightsync builds or job settings?)",
-            ));
-        }
-        Ok(())
+        Arc::get_mut(&mut self.worker)
+            .ok_or_else(|| DriverError::new("expectations cannot change while a check runs"))?
+            .set_expectations(plan)
+            .map_err(err)?;
+        // Its regions and tensors went with the registration.
+        Ok(Accepted::default())
     }
 
     async fn prepare(&mut self, sync: SyncRef) -> Result<WorkerReport, DriverError> {
@@ -142,7 +135,8 @@ impl SyncDriver for RolloutDriver {
             .map_err(err)?;
         Ok(WorkerReport {
             events: vec![TimelineEvent {
-                task: u32::MAX,
+                task: WHOLE_SYNC,
+                piece: 0,
                 stage: Stage::Arm,
                 start_ns: ns_since(start, sync.reference),
                 end_ns: ns_since(Instant::now(), sync.reference),
@@ -158,7 +152,7 @@ impl SyncDriver for RolloutDriver {
             .await_landed(self.cfg.land_timeout)
             .await
             .map_err(err)?;
-        let mut evs = events(&landed.timeline, &sync);
+        let mut evs = landed.timeline.relative_to(sync.reference_unix_ns);
         for e in &mut evs {
             if e.stage == Stage::Barrier {
                 e.stage = Stage::Land;
@@ -180,27 +174,17 @@ impl SyncDriver for RolloutDriver {
     async fn verify(
         &mut self,
         sync: SyncRef,
-        checksums: Vec<UnitChecksum>,
+        checksums: Vec<RunChecksum>,
     ) -> Result<WorkerReport, DriverError> {
         let start = Instant::now();
-        let sums: Vec<RunChecksum> = checksums
-            .iter()
-            .map(|c| RunChecksum {
-                rank: c.rollout,
-                mr: c.region as u16,
-                offset: c.offset,
-                len: c.len,
-                xxh3: c.xxh3,
-            })
-            .collect();
         let worker = self.worker.clone();
-        let job = self.job.clone();
+        let demo = self.demo.clone();
         let (rank, seed) = (self.cfg.rank, self.cfg.demo_check_seed);
         let version = sync.version;
         let checked = tokio::task::spawn_blocking(move || -> Result<u64, DriverError> {
-            let v = worker.verify(&sums).map_err(|e| {
+            let v = worker.verify(&checksums).map_err(|e| {
                 let tensor = match &e {
-                    weightsync_worker::error::WorkerError::ChecksumMismatch { tensors, .. } => {
+                    weightsync_worker::WorkerError::ChecksumMismatch { tensors, .. } => {
                         Some(tensors.clone())
                     }
                     _ => None,
@@ -210,8 +194,9 @@ impl SyncDriver for RolloutDriver {
                     cause: e.to_string(),
                 }
             })?;
-            if let Some(seed) = seed {
-                independent_check(&worker, &job, rank, seed, version)?;
+            if let (Some(seed), Some(demo)) = (seed, demo) {
+                let (model, infer) = &*demo;
+                independent_check(&worker, model, infer, rank, seed, version)?;
             }
             Ok(v.bytes)
         })
@@ -219,7 +204,8 @@ impl SyncDriver for RolloutDriver {
         .map_err(err)??;
         Ok(WorkerReport {
             events: vec![TimelineEvent {
-                task: u32::MAX,
+                task: WHOLE_SYNC,
+                piece: 0,
                 stage: Stage::Verify,
                 start_ns: ns_since(start, sync.reference),
                 end_ns: ns_since(Instant::now(), sync.reference),
@@ -239,12 +225,13 @@ impl SyncDriver for RolloutDriver {
 /// Compares every tensor with an independent recomputation from the demo seed.
 fn independent_check(
     worker: &RolloutWorker<Fabric>,
-    job: &Job,
+    model: &Model,
+    infer: &InferenceLayout,
     rank: u32,
     seed: u64,
     version: u64,
 ) -> Result<(), DriverError> {
-    let expected = expected_rollout(&job.model, &job.infer, rank, seed, version);
+    let expected = expected_rollout(model, infer, rank, seed, version);
     for t in worker.layout() {
         let got = worker.read_tensor(&t.name).map_err(err)?;
         let want = expected

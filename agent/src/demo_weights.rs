@@ -13,8 +13,9 @@
 use rayon::prelude::*;
 use weightsync_common::DType;
 use weightsync_schedules::layout_infer::Piece;
+use weightsync_schedules::model::Param;
 use weightsync_schedules::table::{
-    LocalShard, ParamRef, Shape, TensorBox, TrainerPlan, FP8_BLOCK, MAX_DIMS,
+    DstTensor, LocalShard, ParamRef, Shape, TensorBox, TrainerPlan, FP8_BLOCK, MAX_DIMS,
 };
 use weightsync_schedules::{InferenceLayout, Model};
 
@@ -206,19 +207,30 @@ pub fn expected_rollout(
     mrs
 }
 
-fn dst_offset(
-    t: &weightsync_schedules::table::DstTensor,
-    p: &Piece,
-    lead: usize,
-    src_c: &[u32; MAX_DIMS],
-    nd: usize,
-) -> u64 {
+fn dst_offset(t: &DstTensor, p: &Piece, lead: usize, src_c: &[u32; MAX_DIMS], nd: usize) -> u64 {
     let mut c = [0u32; MAX_DIMS];
     c[..lead].copy_from_slice(&p.dst_start[..lead]);
     for i in 0..nd {
         c[lead + i] = p.dst_start[lead + i] + (src_c[i] - p.src.start[i]);
     }
     t.offset + flat(&t.shape, &c) * t.dtype.size() as u64
+}
+
+/// The demo values of one parameter for one version.
+struct ParamValues<'m> {
+    param: &'m Param,
+    key: u64,
+}
+
+impl ParamValues<'_> {
+    /// `n` values of the row starting at logical coordinates `c`, rounded to the parameter's
+    /// dtype (the last dim is contiguous in the logical tensor: element i is base + i).
+    fn row(&self, c: &[u32; MAX_DIMS], n: u32) -> Vec<f32> {
+        let base = flat(&self.param.shape, c);
+        (0..u64::from(n))
+            .map(|i| round_to(value_from_key(self.key, base + i), self.param.dtype))
+            .collect()
+    }
 }
 
 fn place_piece(
@@ -228,36 +240,50 @@ fn place_piece(
     seed: u64,
     version: u64,
 ) -> Vec<Placed> {
-    let param = &model.params[p.param as usize];
+    let values = ParamValues {
+        param: &model.params[p.param as usize],
+        key: param_key(seed, version, p.param),
+    };
     let t = &r.tensors[p.tensor as usize];
+    if t.dtype == DType::F8E4M3 {
+        place_fp8(r, t, p, &values)
+    } else {
+        place_rows(t, p, &values)
+    }
+}
+
+/// An unquantised piece: each row of its box, converted to the tensor's dtype.
+fn place_rows(t: &DstTensor, p: &Piece, values: &ParamValues) -> Vec<Placed> {
     let nd = p.src.ndim as usize;
     let lead = (t.shape.ndim as usize).saturating_sub(nd);
     let (rows, row_len) = box_rows(&p.src);
-    let key = param_key(seed, version, p.param);
-    // The last dim is contiguous in the logical tensor: element i of a row is base + i.
-    let row_values = |c: &[u32; MAX_DIMS], n: u32| -> Vec<f32> {
-        let base = flat(&param.shape, c);
-        (0..u64::from(n))
-            .map(|i| round_to(value_from_key(key, base + i), param.dtype))
-            .collect()
-    };
-    let mut out = Vec::new();
-    if t.dtype != DType::F8E4M3 {
-        for row in 0..rows {
+    (0..rows)
+        .map(|row| {
             let c = row_coords(&p.src, row);
             let mut bytes = Vec::with_capacity(row_len as usize * t.dtype.size());
-            for v in row_values(&c, row_len) {
+            for v in values.row(&c, row_len) {
                 put(&mut bytes, v, t.dtype);
             }
-            out.push(Placed {
+            Placed {
                 mr: t.mr,
                 offset: dst_offset(t, p, lead, &c, nd),
                 bytes,
-            });
-        }
-        return out;
-    }
-    // fp8: blocks of 128x128 over the box's last two dims, for each index of the others.
+            }
+        })
+        .collect()
+}
+
+/// An fp8 piece: blocks of 128x128 over the box's last two dims, for each index of the others;
+/// each block's scale and its quantised rows.
+fn place_fp8(
+    r: &weightsync_schedules::layout_infer::InferRank,
+    t: &DstTensor,
+    p: &Piece,
+    values: &ParamValues,
+) -> Vec<Placed> {
+    let nd = p.src.ndim as usize;
+    let lead = (t.shape.ndim as usize).saturating_sub(nd);
+    let (rows, _) = box_rows(&p.src);
     let rows_dim = nd.saturating_sub(2);
     let (nrows, ncols) = if nd >= 2 {
         (p.src.len[nd - 2], p.src.len[nd - 1])
@@ -267,58 +293,29 @@ fn place_piece(
     let outer = rows / u64::from(nrows.max(1));
     let b = FP8_BLOCK;
     let (rb, cb) = (nrows.div_ceil(b), ncols.div_ceil(b));
+    let scale_t = p.scale.map(|s| (&r.tensors[s.tensor as usize], s));
+    let mut out = Vec::new();
     for o in 0..outer {
         let first = row_coords(&p.src, o * u64::from(nrows));
-        let vals: Vec<Vec<f32>> = (0..nrows)
-            .map(|i| {
-                let mut c = first;
-                if nd >= 2 {
-                    c[rows_dim] += i;
-                }
-                row_values(&c, ncols)
-            })
-            .collect();
+        let at_row = |i: u32| {
+            let mut c = first;
+            if nd >= 2 {
+                c[rows_dim] += i;
+            }
+            c
+        };
+        let vals: Vec<Vec<f32>> = (0..nrows).map(|i| values.row(&at_row(i), ncols)).collect();
         let mut inv = vec![0f32; (rb * cb) as usize];
-        let scale_t = p.scale.map(|s| (&r.tensors[s.tensor as usize], s));
         for bi in 0..rb {
             for bj in 0..cb {
-                let mut amax = 0f32;
-                for row in vals
-                    .iter()
-                    .take(((bi + 1) * b).min(nrows) as usize)
-                    .skip((bi * b) as usize)
-                {
-                    for v in &row[(bj * b) as usize..((bj + 1) * b).min(ncols) as usize] {
-                        if v.is_finite() {
-                            amax = amax.max(v.abs());
-                        }
-                    }
-                }
-                let amax = amax.max(1e-4);
+                let amax = block_amax(&vals, bi, bj).max(1e-4);
                 inv[(bi * cb + bj) as usize] = 448.0 / amax;
                 if let Some((st, place)) = scale_t {
-                    let snd = st.shape.ndim as usize;
-                    let mut c = place.start;
-                    // Non-block dims of the box (e.g. the expert index) map one to one.
-                    let slead = snd.saturating_sub(nd);
-                    for d in 0..nd.saturating_sub(2) {
-                        c[slead + d] = place.start[slead + d] + (first[d] - p.src.start[d]);
-                    }
-                    c[snd - 2] += bi;
-                    c[snd - 1] += bj;
-                    out.push(Placed {
-                        mr: st.mr,
-                        offset: st.offset + flat(&st.shape, &c) * 4,
-                        bytes: (amax / 448.0).to_le_bytes().to_vec(),
-                    });
+                    out.push(scale_placed(st, &place, p, &first, [bi, bj], amax));
                 }
             }
         }
         for (i, row) in vals.iter().enumerate() {
-            let mut c = first;
-            if nd >= 2 {
-                c[rows_dim] += i as u32;
-            }
             let bi = i as u32 / b;
             let bytes = row
                 .iter()
@@ -327,12 +324,52 @@ fn place_piece(
                 .collect();
             out.push(Placed {
                 mr: t.mr,
-                offset: dst_offset(t, p, lead, &c, nd),
+                offset: dst_offset(t, p, lead, &at_row(i as u32), nd),
                 bytes,
             });
         }
     }
     out
+}
+
+/// The largest finite magnitude in block `(bi, bj)` of a matrix's rows.
+fn block_amax(vals: &[Vec<f32>], bi: u32, bj: u32) -> f32 {
+    let b = FP8_BLOCK as usize;
+    let (bi, bj) = (bi as usize, bj as usize);
+    let mut amax = 0f32;
+    for row in vals.iter().take((bi + 1) * b).skip(bi * b) {
+        let cols = &row[bj * b..((bj + 1) * b).min(row.len())];
+        for v in cols.iter().filter(|v| v.is_finite()) {
+            amax = amax.max(v.abs());
+        }
+    }
+    amax
+}
+
+/// Block `bi_bj`'s `weight_scale_inv` (`amax / 448`, f32), placed in the scale tensor.
+fn scale_placed(
+    st: &DstTensor,
+    place: &weightsync_schedules::layout_infer::ScalePlace,
+    p: &Piece,
+    first: &[u32; MAX_DIMS],
+    [bi, bj]: [u32; 2],
+    amax: f32,
+) -> Placed {
+    let nd = p.src.ndim as usize;
+    let snd = st.shape.ndim as usize;
+    let mut c = place.start;
+    // Non-block dims of the box (e.g. the expert index) map one to one.
+    let slead = snd.saturating_sub(nd);
+    for d in 0..nd.saturating_sub(2) {
+        c[slead + d] = place.start[slead + d] + (first[d] - p.src.start[d]);
+    }
+    c[snd - 2] += bi;
+    c[snd - 1] += bj;
+    Placed {
+        mr: st.mr,
+        offset: st.offset + flat(&st.shape, &c) * 4,
+        bytes: (amax / 448.0).to_le_bytes().to_vec(),
+    }
 }
 
 #[cfg(test)]

@@ -11,12 +11,12 @@ use std::time::Duration;
 
 use serde::Deserialize;
 use weightsync_common::fabric::{FabricConfig, JobToken};
-use weightsync_common::protocol::{Role, WorkerId, WorldSpec};
+use weightsync_common::protocol::{WorkerId, WorkerRole, WorldSpec};
 use weightsync_common::DType;
 
-use super::rollout::RolloutDriverConfig;
-use super::trainer::{SourceSpec, TrainerDriverConfig};
-use super::AgentConfig;
+use crate::control::AgentConfig;
+use crate::rollout::RolloutDriverConfig;
+use crate::trainer::{SourceSpec, TrainerDriverConfig};
 
 /// Everything a worker can be told, each optional (the TOML file has the same keys).
 #[derive(Debug, Clone, Default, Deserialize, clap::Args)]
@@ -139,7 +139,7 @@ pub enum ResolvedWorker {
 
 /// Resolves settings for `role`: flags first, then the TOML file, then launcher variables.
 pub fn resolve(
-    role: Role,
+    role: WorkerRole,
     flags: WorkerSettings,
     file: Option<WorkerSettings>,
     env: &dyn Fn(&str) -> Option<String>,
@@ -169,17 +169,17 @@ pub fn resolve(
         verify: s.verify.unwrap_or(true),
     };
     let (trainers, rollouts) =
-        crate::routing::world_size(&world).map_err(|e| ConfigError(e.to_string()))?;
+        weightsync_schedules::job::world_size(&world).map_err(|e| ConfigError(e.to_string()))?;
     let expected = match role {
-        Role::Trainer => trainers,
-        Role::Rollout => rollouts,
+        WorkerRole::Trainer => trainers,
+        WorkerRole::Rollout => rollouts,
     };
     if rank >= expected {
         return Err(ConfigError(format!(
             "{role} rank {rank} is outside the job's {expected} {role}s"
         )));
     }
-    if role == Role::Trainer {
+    if role == WorkerRole::Trainer {
         if let Some(w) = env_world.filter(|_| s.rank.is_none()) {
             if w != trainers {
                 return Err(ConfigError(format!(
@@ -208,11 +208,11 @@ pub fn resolve(
         host,
         world: world.clone(),
         reconnect_for: Duration::from_secs(s.reconnect_s.unwrap_or(60)),
-        max_frame: super::AGENT_MAX_FRAME,
+        max_frame: crate::AGENT_MAX_FRAME,
     };
     fabric.job_token = JobToken(job_token);
     Ok(match role {
-        Role::Trainer => {
+        WorkerRole::Trainer => {
             let source = parse_source(s.source.as_deref().unwrap_or("demo:1"))?;
             ResolvedWorker::Trainer(
                 agent,
@@ -225,7 +225,7 @@ pub fn resolve(
                 },
             )
         }
-        Role::Rollout => ResolvedWorker::Rollout(
+        WorkerRole::Rollout => ResolvedWorker::Rollout(
             agent,
             RolloutDriverConfig {
                 world,
@@ -281,7 +281,14 @@ mod tests {
             "LOCAL_RANK" => Some("1".to_string()),
             _ => None,
         };
-        let r = resolve(Role::Trainer, flags(), None, &torchrun, Some("t".into())).unwrap();
+        let r = resolve(
+            WorkerRole::Trainer,
+            flags(),
+            None,
+            &torchrun,
+            Some("t".into()),
+        )
+        .unwrap();
         let ResolvedWorker::Trainer(a, _) = r else {
             panic!()
         };
@@ -292,7 +299,7 @@ mod tests {
             "SLURM_NTASKS" => Some("8".to_string()),
             _ => None,
         };
-        let e = resolve(Role::Trainer, flags(), None, &slurm, Some("t".into())).unwrap_err();
+        let e = resolve(WorkerRole::Trainer, flags(), None, &slurm, Some("t".into())).unwrap_err();
         assert!(e.0.contains("world size is 8"), "{e}");
     }
 
@@ -306,14 +313,21 @@ mod tests {
             rank: Some(2),
             ..Default::default()
         };
-        let r = resolve(Role::Rollout, f, Some(file), &|_| None, Some("t".into())).unwrap();
+        let r = resolve(
+            WorkerRole::Rollout,
+            f,
+            Some(file),
+            &|_| None,
+            Some("t".into()),
+        )
+        .unwrap();
         let ResolvedWorker::Rollout(a, _) = r else {
             panic!()
         };
         assert_eq!(a.id, WorkerId::rollout(2));
         assert_eq!(a.controller, "10.0.0.1:7000");
         let e = resolve(
-            Role::Trainer,
+            WorkerRole::Trainer,
             WorkerSettings::default(),
             None,
             &|_| None,
@@ -321,7 +335,7 @@ mod tests {
         )
         .unwrap_err();
         assert!(e.0.contains("rank"), "{e}");
-        let e = resolve(Role::Trainer, flags(), None, &|_| None, None).unwrap_err();
+        let e = resolve(WorkerRole::Trainer, flags(), None, &|_| None, None).unwrap_err();
         assert!(e.0.contains("rank") || e.0.contains("token"), "{e}");
         assert!(toml::from_str::<WorkerSettings>("bogus = 1").is_err());
         assert!(parse_source("nfs:/x").is_err());

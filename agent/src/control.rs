@@ -1,0 +1,346 @@
+//! The control-channel client: connect, authenticate, register, heartbeat, and forward the
+//! version protocol to the driver loop (`driver_loop`).
+//!
+//! Three tasks keep an agent responsive while a long step runs: a reader (frames → inbox), this
+//! session loop (heartbeats, outbox → frames, inbox → driver commands) and the driver task, which
+//! runs one step at a time and drops a step the moment the controller aborts its sync.
+//! Heartbeats go out on their own clock, so a busy worker never looks dead, and a dead one is
+//! noticed within the controller's timeout.
+//!
+//! If the controller goes away, the agent reconnects and registers again (up to
+//! `reconnect_for`), keeping its registered memory: a restarted controller re-plans and carries on.
+
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::TcpStream;
+use tokio::sync::{mpsc, watch};
+use weightsync_common::protocol::{
+    auth, read_frame, write_frame, ControlFrameError, FromWorker, Registration, ToWorker, WorkerId,
+    WorldSpec, DEFAULT_MAX_FRAME,
+};
+
+use crate::driver::{DriverInfo, Outcome, SyncDriver, SyncRef};
+use crate::driver_loop::{drive, DriverCmd};
+
+/// How an agent reaches its controller and who it is.
+#[derive(Debug, Clone)]
+pub struct AgentConfig {
+    /// Control-channel address of the controller, `host:port`.
+    pub controller: String,
+    /// Job token.
+    pub job_token: String,
+    /// Role and rank.
+    pub id: WorkerId,
+    /// Host name to report.
+    pub host: String,
+    /// The job, as this worker was launched with it.
+    pub world: WorldSpec,
+    /// Keep trying to reach the controller (at start, and after losing it) for this long.
+    pub reconnect_for: Duration,
+    /// Largest control frame accepted.
+    pub max_frame: u32,
+}
+
+/// Why an agent stopped.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum AgentError {
+    /// The controller could not be reached for `reconnect_for`.
+    #[error("cannot reach the controller at {addr}: {last}")]
+    Unreachable {
+        /// Address tried.
+        addr: String,
+        /// Last error.
+        last: String,
+    },
+    /// The controller refused this worker.
+    #[error("the controller refused {id}: {reason}")]
+    Rejected {
+        /// This worker.
+        id: WorkerId,
+        /// Its reason.
+        reason: String,
+    },
+    /// The control protocol was violated.
+    #[error("control protocol: {0}")]
+    Protocol(String),
+}
+
+/// How a session with the controller ended.
+enum SessionEnd {
+    Shutdown,
+    Lost(String),
+}
+
+fn unix_ns() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0)
+}
+
+/// Runs an agent until the controller says `Shutdown` (Ok) or cannot be reached (Err).
+pub async fn run_agent<D: SyncDriver>(cfg: AgentConfig, driver: D) -> Result<(), AgentError> {
+    let (cmd_tx, cmd_rx) = mpsc::channel::<DriverCmd>(64);
+    let (abort_tx, abort_rx) = watch::channel::<u64>(0);
+    let (out_tx, mut out_rx) = mpsc::channel::<FromWorker>(256);
+    let info = driver.info();
+    let driver_task = tokio::spawn(drive(driver, cfg.id.role, cmd_rx, abort_rx, out_tx));
+    let mut first = true;
+    let result = loop {
+        let stream = match connect(&cfg, first).await {
+            Ok(s) => s,
+            Err(e) => break Err(e),
+        };
+        first = false;
+        match session(&cfg, &info, stream, &cmd_tx, &abort_tx, &mut out_rx).await {
+            Ok(SessionEnd::Shutdown) => break Ok(()),
+            Ok(SessionEnd::Lost(why)) => {
+                tracing::warn!("{}: lost the controller ({why}); reconnecting", cfg.id);
+                // Whatever sync was running is void: the controller will not commit it.
+                let _ = abort_tx.send(u64::MAX);
+                let _ = cmd_tx.send(DriverCmd::AbortAll).await;
+            }
+            Err(e) => break Err(e),
+        }
+    };
+    drop(cmd_tx);
+    let _ = driver_task.await;
+    result
+}
+
+async fn connect(cfg: &AgentConfig, first: bool) -> Result<TcpStream, AgentError> {
+    let deadline = Instant::now() + cfg.reconnect_for;
+    let mut delay = Duration::from_millis(50);
+    loop {
+        match TcpStream::connect(&cfg.controller).await {
+            Ok(s) => {
+                let _ = s.set_nodelay(true);
+                return Ok(s);
+            }
+            Err(e) => {
+                if Instant::now() >= deadline {
+                    return Err(AgentError::Unreachable {
+                        addr: cfg.controller.clone(),
+                        last: e.to_string(),
+                    });
+                }
+                if first {
+                    tracing::debug!("{}: controller not up yet ({e})", cfg.id);
+                }
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_secs(1));
+            }
+        }
+    }
+}
+
+/// What a session answers a controller message with.
+enum Next {
+    /// Hand this to the driver loop.
+    Cmd(DriverCmd),
+    /// Nothing to do.
+    Nothing,
+    /// The session is over.
+    End(SessionEnd),
+}
+
+/// The registration handshake: challenge, proof and registration, welcome. Returns the
+/// heartbeat interval the controller asked for.
+async fn register(
+    cfg: &AgentConfig,
+    info: &DriverInfo,
+    rd: &mut OwnedReadHalf,
+    wr: &mut OwnedWriteHalf,
+) -> Result<Result<u64, SessionEnd>, AgentError> {
+    let max = cfg.max_frame;
+    let lost = |e: ControlFrameError| Ok(Err(SessionEnd::Lost(e.to_string())));
+    let nonce = match read_frame::<_, ToWorker>(rd, max).await {
+        Ok(Some(ToWorker::Challenge { nonce })) => nonce,
+        Ok(Some(other)) => {
+            return Err(AgentError::Protocol(format!(
+                "expected a challenge, got {other:?}"
+            )))
+        }
+        Ok(None) => return Ok(Err(SessionEnd::Lost("closed before the challenge".into()))),
+        Err(e) => return lost(e),
+    };
+    let proof = auth::prove(&cfg.job_token, &nonce);
+    let reg = Registration {
+        id: cfg.id,
+        host: cfg.host.clone(),
+        pid: std::process::id(),
+        world: cfg.world.clone(),
+        fabric_endpoint: info.fabric_endpoint.clone(),
+        regions: info.regions.clone(),
+        tensors: info.tensors.clone(),
+    };
+    for msg in [
+        FromWorker::Hello { proof },
+        FromWorker::Register(Box::new(reg)),
+    ] {
+        if let Err(e) = write_frame(wr, &msg, max).await {
+            return lost(e);
+        }
+    }
+    match read_frame::<_, ToWorker>(rd, max).await {
+        Ok(Some(ToWorker::Welcome { heartbeat_ms })) => Ok(Ok(heartbeat_ms.max(10))),
+        Ok(Some(ToWorker::Rejected { reason })) => Err(AgentError::Rejected { id: cfg.id, reason }),
+        Ok(Some(other)) => Err(AgentError::Protocol(format!(
+            "expected Welcome, got {other:?}"
+        ))),
+        Ok(None) => Err(AgentError::Rejected {
+            id: cfg.id,
+            reason: "connection closed during registration (wrong job token?)".into(),
+        }),
+        Err(e) => lost(e),
+    }
+}
+
+/// Reads frames into a channel until the stream ends or fails (the last item says why).
+fn spawn_reader(
+    mut rd: OwnedReadHalf,
+    max: u32,
+) -> (
+    tokio::task::JoinHandle<()>,
+    mpsc::Receiver<Result<ToWorker, String>>,
+) {
+    let (in_tx, in_rx) = mpsc::channel::<Result<ToWorker, String>>(256);
+    let reader = tokio::spawn(async move {
+        loop {
+            let msg = match read_frame::<_, ToWorker>(&mut rd, max).await {
+                Ok(Some(m)) => Ok(m),
+                Ok(None) => Err("controller closed the connection".to_string()),
+                Err(e) => Err(e.to_string()),
+            };
+            let end = msg.is_err();
+            if in_tx.send(msg).await.is_err() || end {
+                break;
+            }
+        }
+    });
+    (reader, in_rx)
+}
+
+/// What a controller message means for the driver loop. `current` is the sync last prepared;
+/// `abort_tx` cancels a step of an aborted sync at once, before its `Abort` command is read.
+fn next_for(
+    cfg: &AgentConfig,
+    msg: ToWorker,
+    current: &mut Option<SyncRef>,
+    abort_tx: &watch::Sender<u64>,
+) -> Next {
+    let of_current = |sync_id: u64| current.filter(|s| s.sync_id == sync_id);
+    let cmd = match msg {
+        ToWorker::Assign(a) => Some(DriverCmd::Assign(Box::new(a))),
+        ToWorker::Peers { plan_id, peers } => Some(DriverCmd::Peers(plan_id, peers)),
+        ToWorker::Prepare { sync_id, version } => {
+            let s = SyncRef {
+                sync_id,
+                version,
+                reference: Instant::now(),
+                reference_unix_ns: unix_ns(),
+            };
+            *current = Some(s);
+            // A new sync: earlier aborts (and ids of a restarted controller) no longer apply.
+            abort_tx.send_replace(0);
+            Some(DriverCmd::Prepare(s))
+        }
+        ToWorker::Start { sync_id, .. } => of_current(sync_id).map(DriverCmd::Run),
+        ToWorker::Verify {
+            sync_id, checksums, ..
+        } => of_current(sync_id).map(|s| DriverCmd::Verify(s, checksums)),
+        ToWorker::Commit { sync_id, .. } => {
+            of_current(sync_id).map(|s| DriverCmd::Finish(s, Outcome::Committed))
+        }
+        ToWorker::Abort {
+            sync_id,
+            version,
+            reason,
+        } => {
+            tracing::warn!(
+                "{}: sync {sync_id} (version {version}) aborted: {reason}",
+                cfg.id
+            );
+            let _ = abort_tx.send(sync_id);
+            // Always answered (with Drained), also for a sync this worker never saw.
+            Some(DriverCmd::Abort {
+                sync: of_current(sync_id),
+                sync_id,
+                version,
+            })
+        }
+        ToWorker::Shutdown => return Next::End(SessionEnd::Shutdown),
+        ToWorker::Rejected { reason } => {
+            return Next::End(SessionEnd::Lost(format!("rejected: {reason}")))
+        }
+        ToWorker::Heartbeat { .. } | ToWorker::Welcome { .. } | ToWorker::Challenge { .. } => None,
+    };
+    cmd.map_or(Next::Nothing, Next::Cmd)
+}
+
+/// One connection to the controller: register, then heartbeats, the driver's answers out and
+/// the controller's messages in, until one side ends it.
+async fn session(
+    cfg: &AgentConfig,
+    info: &DriverInfo,
+    stream: TcpStream,
+    cmd_tx: &mpsc::Sender<DriverCmd>,
+    abort_tx: &watch::Sender<u64>,
+    out_rx: &mut mpsc::Receiver<FromWorker>,
+) -> Result<SessionEnd, AgentError> {
+    let max = cfg.max_frame;
+    let (mut rd, mut wr) = stream.into_split();
+    let heartbeat_ms = match register(cfg, info, &mut rd, &mut wr).await? {
+        Ok(ms) => ms,
+        Err(end) => return Ok(end),
+    };
+    tracing::info!(
+        "{} registered with the controller at {}",
+        cfg.id,
+        cfg.controller
+    );
+    let (reader, mut in_rx) = spawn_reader(rd, max);
+    let mut beat = tokio::time::interval(Duration::from_millis(heartbeat_ms));
+    beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut seq = 0u64;
+    let mut current: Option<SyncRef> = None;
+    let end = loop {
+        tokio::select! {
+            _ = beat.tick() => {
+                seq += 1;
+                if let Err(e) = write_frame(&mut wr, &FromWorker::Heartbeat { seq }, max).await {
+                    break SessionEnd::Lost(e.to_string());
+                }
+            }
+            out = out_rx.recv() => {
+                let Some(out) = out else { break SessionEnd::Lost("driver stopped".into()) };
+                if let Err(e) = write_frame(&mut wr, &out, max).await {
+                    break SessionEnd::Lost(e.to_string());
+                }
+            }
+            msg = in_rx.recv() => {
+                let msg = match msg {
+                    Some(Ok(m)) => m,
+                    Some(Err(e)) => break SessionEnd::Lost(e),
+                    None => break SessionEnd::Lost("reader stopped".into()),
+                };
+                match next_for(cfg, msg, &mut current, abort_tx) {
+                    Next::Cmd(cmd) => {
+                        if cmd_tx.send(cmd).await.is_err() {
+                            break SessionEnd::Lost("driver stopped".into());
+                        }
+                    }
+                    Next::Nothing => {}
+                    Next::End(end) => break end,
+                }
+            }
+        }
+    };
+    reader.abort();
+    Ok(end)
+}
+
+/// A default control frame limit for agents.
+pub const AGENT_MAX_FRAME: u32 = DEFAULT_MAX_FRAME;

@@ -1,0 +1,123 @@
+//! The production drivers with no controller: what a trainer builds is what its slice says, and a
+//! rollout's own layout is the table's (only the expectations come with the assignment).
+
+use std::time::Duration;
+
+use weightsync_common::fabric::FabricConfig;
+use weightsync_common::protocol::{Assignment, Blob, WorldSpec};
+use weightsync_common::DType;
+use weightsync_schedules::job::{plan_job, Job};
+
+use crate::driver::SyncDriver;
+use crate::rollout::{RolloutDriver, RolloutDriverConfig};
+use crate::source::SourceSpec;
+use crate::trainer::{TrainerDriver, TrainerDriverConfig};
+
+/// Two layers of a small Qwen3, 128-wide heads (so fp8 blocks straddle fsdp=4 shards).
+const TINY: &str = r#"{
+  "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "torch_dtype": "bfloat16",
+  "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128,
+  "vocab_size": 1024, "tie_word_embeddings": false
+}"#;
+
+/// The tiny job, its config written where the world's `model` points.
+fn job(dir: &std::path::Path) -> (WorldSpec, Job) {
+    let path = dir.join("tiny.json");
+    std::fs::write(&path, TINY).unwrap();
+    let world = WorldSpec {
+        model: path.display().to_string(),
+        train: "fsdp=4".into(),
+        infer: "tp=2,dp=2".into(),
+        dtype: DType::F8E4M3,
+        verify: true,
+    };
+    let job = plan_job(&world, Some(TINY)).unwrap();
+    (world, job)
+}
+
+fn blob<T: serde::Serialize>(v: &T) -> Blob {
+    Blob(bincode::serialize(v).unwrap())
+}
+
+#[tokio::test]
+async fn a_trainer_executes_the_slice_it_is_sent_and_refuses_another_ranks() {
+    let dir = tempfile::tempdir().unwrap();
+    let (world, job) = job(dir.path());
+    let mut d = TrainerDriver::new(TrainerDriverConfig {
+        world,
+        rank: 1,
+        fabric: FabricConfig::loopback("driver-tests", 1),
+        watermark_bytes: 4 << 20,
+        source: SourceSpec::Demo { seed: 3 },
+    })
+    .await
+    .unwrap();
+    let info = d.info();
+    assert!(info.regions.is_empty() && info.tensors.is_empty());
+    assert!(
+        d.plan().is_none(),
+        "nothing is planned before the assignment"
+    );
+
+    let slice = job.table.slice(1).unwrap();
+    assert!(
+        slice.gather_arena_bytes > 0,
+        "the tiny job gathers straddling fp8 blocks"
+    );
+    let accepted = d
+        .assign(Assignment::Trainer {
+            plan_id: 1,
+            slice: blob(&slice),
+        })
+        .await
+        .unwrap();
+    let plan = slice.expand().unwrap();
+    assert_eq!(d.plan(), Some(&plan), "it executes its slice, expanded");
+    assert_eq!(accepted.regions.len(), 1, "its gather arena's descriptor");
+    assert_eq!(accepted.tensors.len(), plan.shards.len());
+
+    let other = job.table.slice(2).unwrap();
+    let e = d
+        .assign(Assignment::Trainer {
+            plan_id: 2,
+            slice: blob(&other),
+        })
+        .await
+        .unwrap_err();
+    assert!(e.cause.contains("training rank 2's, this is rank 1"), "{e}");
+    assert_eq!(d.plan(), Some(&plan), "the refused slice replaced nothing");
+}
+
+#[tokio::test]
+async fn a_rollout_lays_out_what_the_table_does_and_takes_only_its_expectations() {
+    let dir = tempfile::tempdir().unwrap();
+    let (world, job) = job(dir.path());
+    let mut d = RolloutDriver::new(RolloutDriverConfig {
+        world,
+        rank: 2,
+        fabric: FabricConfig::loopback("driver-tests", 1),
+        land_timeout: Duration::from_secs(5),
+        demo_check_seed: None,
+    })
+    .await
+    .unwrap();
+    let planned = &job.table.rollout(2).unwrap();
+    assert!(d.worker().plan().expect.is_empty(), "no table yet");
+    assert_eq!(d.worker().layout(), &planned.tensors[..]);
+    assert_eq!(d.info().regions.len(), planned.mr_bytes.len());
+
+    let assign = |plan: &weightsync_schedules::table::RolloutPlan| Assignment::Rollout {
+        plan_id: 1,
+        expected: blob(plan),
+        expected_writes: 0,
+        expected_bytes: 0,
+    };
+    let e = d
+        .assign(assign(&job.table.rollout(0).unwrap()))
+        .await
+        .unwrap_err();
+    assert!(e.cause.contains("another layout"), "{e}");
+    d.assign(assign(planned)).await.unwrap();
+    assert_eq!(d.worker().plan(), planned);
+}

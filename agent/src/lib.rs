@@ -1,0 +1,39 @@
+//! weightsync-agent: the worker sidecars, the part of weightsync that runs beside a training
+//! rank or an inference rank.
+//!
+//! An agent connects to the controller, proves it knows the job token, registers what its
+//! [`SyncDriver`] holds, and then follows the version protocol: `Assign` → driver.assign;
+//! `Prepare N` → driver.prepare, answer `Prepared` (rollouts then wait for N to land and answer
+//! `Landed`); `Start N` → driver.run, answer `Written`; `Verify` → driver.verify, answer
+//! `Verified`; `Commit` → driver.finish; `Abort` → driver.finish and driver.drain, answer
+//! `Drained` (nothing of the aborted sync can land later).
+//!
+//! This crate is what an engine plugin or the Python package embeds: it depends on the worker
+//! library, the planner's types and the protocol, never on the controller service, the CLI or
+//! the benchmarks.
+//!
+//! # Layout
+//! - [`control`]: the control-channel client ([`run_agent`]) and [`AgentConfig`].
+//! - `driver_loop`: one step at a time, cancelled when the controller aborts its sync.
+//! - [`driver`]: the [`SyncDriver`] trait, the seam between the protocol and the worker library.
+//! - [`trainer`], [`rollout`]: the production drivers over `weightsync_worker`; `source`: where
+//!   a trainer's weights come from ([`trainer::SourceSpec`]), attached once its slice arrives.
+//! - [`demo_weights`]: the deterministic weights the demo trains with, and their recomputation.
+//! - [`config`]: flags, env vars (torchrun, Slurm) and TOML, resolved into a worker.
+//! - [`api_client`]: a minimal client of the controller's HTTP API (a training loop's trigger).
+#![deny(missing_docs)]
+
+pub mod api_client;
+pub mod config;
+pub mod control;
+pub mod demo_weights;
+pub mod driver;
+mod driver_loop;
+#[cfg(test)]
+mod driver_tests;
+pub mod rollout;
+mod source;
+pub mod trainer;
+
+pub use control::{run_agent, AgentConfig, AgentError, AGENT_MAX_FRAME};
+pub use driver::{Accepted, DriverError, DriverInfo, Outcome, SyncDriver, SyncRef};

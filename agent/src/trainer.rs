@@ -1,0 +1,349 @@
+//! The trainer driver: a `weightsync_worker::TrainerWorker` behind the agent.
+//!
+//! It plans nothing: the controller's assignment carries this rank's compact slice of the routing
+//! table ([`TrainerSlice`]), which it expands into the explicit plan it executes (checked and
+//! bounded: a slice is not trusted). Until then it holds only its fabric endpoint, which it
+//! registers with. On `Assign` it attaches its source (the slice says the arena's size),
+//! builds the worker (registering the staging arena and, when fp8 blocks straddle shards, the
+//! gather arena whose size only the slice knows) and answers `Ready` with the gather arena's
+//! descriptor; a re-plan with the same slice keeps what it built. On `Peers` it learns where
+//! every write goes.
+//!
+//! Each sync runs in its own task, so that an abort can cancel it and wait until it has stopped
+//! posting; draining then resets the fabric's lanes, discarding whatever of the aborted sync is
+//! still queued (after a partition heals, TCP would otherwise deliver it during the next sync).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use parking_lot::RwLock;
+use tokio::sync::oneshot;
+use weightsync_common::fabric::{Fabric, FabricBackend, FabricConfig, RegionDescriptor};
+use weightsync_common::protocol::{
+    Assignment, Blob, PeerInfo, RunChecksum, Stage, TensorMeta, TimelineEvent, WorkerId,
+    WorkerReport, WorkerRole, WorldSpec, WHOLE_SYNC,
+};
+use weightsync_schedules::table::TrainerPlan;
+use weightsync_schedules::TrainerSlice;
+use weightsync_worker::{
+    Destinations, SyncId, SyncReport, TrainerConfig, TrainerWorker, WorkerError,
+};
+
+use crate::demo_weights::fill_trainer_arena;
+use crate::driver::{Accepted, DriverError, DriverInfo, Outcome, SyncDriver, SyncRef};
+pub use crate::source::SourceSpec;
+
+/// Settings of a trainer driver.
+#[derive(Debug, Clone)]
+pub struct TrainerDriverConfig {
+    /// The job.
+    pub world: WorldSpec,
+    /// Training rank.
+    pub rank: u32,
+    /// Fabric settings.
+    pub fabric: FabricConfig,
+    /// Staging watermark, bytes.
+    pub watermark_bytes: u64,
+    /// Source.
+    pub source: SourceSpec,
+}
+
+/// Drives a [`TrainerWorker`].
+#[derive(Debug)]
+pub struct TrainerDriver {
+    cfg: TrainerDriverConfig,
+    fabric: Fabric,
+    /// What the last assignment built (`None` before the first).
+    built: Option<Built>,
+    /// The sync whose task is running (kept when the agent drops `run` on an abort).
+    in_flight: Option<InFlight>,
+}
+
+/// The worker built for one slice, and the demo's source arena.
+#[derive(Debug)]
+struct Built {
+    /// The slice it was built from (a re-plan sending the same one keeps what was built).
+    slice: TrainerSlice,
+    worker: Arc<TrainerWorker<Fabric>>,
+    demo_arena: Option<Arc<RwLock<Vec<u8>>>>,
+}
+
+/// A sync running in its own task.
+#[derive(Debug)]
+struct InFlight {
+    /// Dropping it cancels the sync.
+    cancel: oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<Result<SyncReport, WorkerError>>,
+}
+
+fn err(e: impl std::fmt::Display) -> DriverError {
+    DriverError::new(e.to_string())
+}
+
+/// Encodes a fabric value for the control channel.
+pub fn blob<T: serde::Serialize>(v: &T) -> Blob {
+    Blob(bincode::serialize(v).unwrap_or_default())
+}
+
+fn ns_since(t: Instant, since: Instant) -> u64 {
+    t.saturating_duration_since(since).as_nanos() as u64
+}
+
+/// The shards a plan says this rank holds, for the dashboard.
+fn shard_tensors(plan: &TrainerPlan) -> Vec<TensorMeta> {
+    plan.shards
+        .iter()
+        .map(|s| TensorMeta {
+            name: plan
+                .params
+                .get(s.param as usize)
+                .map_or_else(String::new, |p| p.name.to_string()),
+            shape: s.global.len[..s.global.ndim as usize]
+                .iter()
+                .map(|&d| u64::from(d))
+                .collect(),
+            dtype: s.dtype,
+            bytes: s.bytes(),
+        })
+        .collect()
+}
+
+fn report(r: &SyncReport, sync: &SyncRef) -> WorkerReport {
+    WorkerReport {
+        bytes: r.bytes_written,
+        writes: r.writes_posted,
+        peak_staging_bytes: r.peak_staging_bytes,
+        events: r.timeline.relative_to(sync.reference_unix_ns),
+        checksums: r.checksums.clone(),
+    }
+}
+
+/// Where every write of the plan goes: this trainer's own gather arena and the peers'.
+fn destinations(
+    me: u32,
+    own_gather: Option<RegionDescriptor>,
+    peers: Vec<PeerInfo>,
+) -> Result<Destinations, DriverError> {
+    let mut dsts = Destinations::default();
+    if let Some(g) = own_gather {
+        dsts.trainers.insert(me, g);
+    }
+    for p in peers {
+        let regions = p
+            .regions
+            .iter()
+            .map(|b| bincode::deserialize::<RegionDescriptor>(&b.0))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| DriverError::new(format!("{}: undecodable region: {e}", p.id)))?;
+        match p.id.role {
+            WorkerRole::Rollout => {
+                dsts.rollouts.insert(p.id.rank, regions);
+            }
+            WorkerRole::Trainer => {
+                if let Some(g) = regions.into_iter().next() {
+                    dsts.trainers.insert(p.id.rank, g);
+                }
+            }
+        }
+    }
+    Ok(dsts)
+}
+
+impl TrainerDriver {
+    /// Starts the fabric. Nothing else is known before the assignment.
+    pub async fn new(cfg: TrainerDriverConfig) -> Result<TrainerDriver, DriverError> {
+        let fabric = Fabric::start(&cfg.fabric).await.map_err(err)?;
+        Ok(TrainerDriver {
+            cfg,
+            fabric,
+            built: None,
+            in_flight: None,
+        })
+    }
+
+    /// The plan this trainer executes, its slice expanded (`None` before its first assignment).
+    pub fn plan(&self) -> Option<&TrainerPlan> {
+        self.built.as_ref().map(|b| b.worker.plan())
+    }
+
+    fn built(&self) -> Result<&Built, DriverError> {
+        self.built
+            .as_ref()
+            .ok_or_else(|| DriverError::new("no assignment yet: the controller sent none"))
+    }
+
+    /// Cancels the running sync, if any, and waits until it posts nothing more.
+    async fn stop_in_flight(&mut self) {
+        if let Some(InFlight { cancel, task }) = self.in_flight.take() {
+            drop(cancel);
+            match task.await {
+                Ok(Err(WorkerError::Cancelled)) | Ok(Ok(_)) => {}
+                Ok(Err(e)) => tracing::debug!("the stopped sync had failed: {e}"),
+                Err(e) => tracing::warn!("the stopped sync's task ended abnormally: {e}"),
+            }
+        }
+    }
+
+    /// Expands `slice`, attaches the source for its plan and builds the worker (registering its
+    /// arenas).
+    fn build(&self, slice: TrainerSlice) -> Result<Built, DriverError> {
+        let started = Instant::now();
+        let plan = slice
+            .expand()
+            .map_err(|e| DriverError::new(format!("the plan slice does not expand: {e}")))?;
+        tracing::info!(
+            "trainer {}: slice expanded to {} tasks, {} writes in {:.3} s",
+            self.cfg.rank,
+            plan.tasks.len(),
+            plan.writes.len(),
+            started.elapsed().as_secs_f64()
+        );
+        let started = Instant::now();
+        let source = self.cfg.source.attach(&plan)?;
+        let attached = started.elapsed();
+        let name = WorkerId::trainer(self.cfg.rank).to_string();
+        let mut tc = TrainerConfig::new(name.clone(), self.cfg.watermark_bytes);
+        tc.verify = self.cfg.world.verify;
+        let (tasks, gather) = (plan.tasks.len(), plan.gather_arena_bytes);
+        let worker = TrainerWorker::new(self.fabric.clone(), source.view, plan, tc).map_err(err)?;
+        tracing::info!(
+            "{name}: source attached in {:.3} s; worker built for {tasks} tasks in {} pieces \
+             (staging {} B, gather arena {gather} B) in {:.3} s",
+            attached.as_secs_f64(),
+            worker.pieces(),
+            self.cfg.watermark_bytes,
+            (started.elapsed() - attached).as_secs_f64()
+        );
+        Ok(Built {
+            slice,
+            worker: Arc::new(worker),
+            demo_arena: source.demo_arena,
+        })
+    }
+}
+
+impl SyncDriver for TrainerDriver {
+    fn info(&self) -> DriverInfo {
+        DriverInfo {
+            fabric_endpoint: blob(self.fabric.endpoint()),
+            regions: Vec::new(),
+            tensors: Vec::new(),
+        }
+    }
+
+    async fn assign(&mut self, a: Assignment) -> Result<Accepted, DriverError> {
+        let Assignment::Trainer { slice, .. } = a else {
+            return Err(DriverError::new("a trainer got a rollout's assignment"));
+        };
+        let slice = TrainerSlice::from_bincode(&slice.0)
+            .map_err(|e| DriverError::new(format!("undecodable plan slice: {e}")))?;
+        if slice.rank != self.cfg.rank {
+            return Err(DriverError::new(format!(
+                "the slice is training rank {}'s, this is rank {}",
+                slice.rank, self.cfg.rank
+            )));
+        }
+        self.stop_in_flight().await;
+        if self.built.as_ref().map(|b| &b.slice) != Some(&slice) {
+            // Release the old arenas before registering new ones.
+            self.built = None;
+            self.built = Some(self.build(slice)?);
+        }
+        let worker = &self.built()?.worker;
+        Ok(Accepted {
+            regions: worker.gather_descriptor().iter().map(blob).collect(),
+            tensors: shard_tensors(worker.plan()),
+        })
+    }
+
+    async fn peers(&mut self, _plan_id: u64, peers: Vec<PeerInfo>) -> Result<(), DriverError> {
+        self.stop_in_flight().await;
+        let me = self.cfg.rank;
+        let built = self
+            .built
+            .as_mut()
+            .ok_or_else(|| DriverError::new("peers before any assignment"))?;
+        let dsts = destinations(me, built.worker.gather_descriptor(), peers)?;
+        Arc::get_mut(&mut built.worker)
+            .ok_or_else(|| DriverError::new("destinations cannot change while a sync runs"))?
+            .set_destinations(&dsts)
+            .map_err(err)
+    }
+
+    async fn prepare(&mut self, sync: SyncRef) -> Result<WorkerReport, DriverError> {
+        let mut rep = WorkerReport::default();
+        let built = self.built()?;
+        if let (SourceSpec::Demo { seed }, Some(arena)) = (&self.cfg.source, &built.demo_arena) {
+            // A training step changed the weights: regenerate this rank's shards for N.
+            let start = Instant::now();
+            let (arena, plan, seed, version) = (
+                arena.clone(),
+                built.worker.plan().clone(),
+                *seed,
+                sync.version,
+            );
+            let bytes = tokio::task::spawn_blocking(move || {
+                let mut a = arena.write();
+                fill_trainer_arena(&plan, seed, version, &mut a);
+                a.len() as u64
+            })
+            .await
+            .map_err(err)?;
+            rep.events.push(TimelineEvent {
+                task: WHOLE_SYNC,
+                piece: 0,
+                stage: Stage::Source,
+                start_ns: ns_since(start, sync.reference),
+                end_ns: ns_since(Instant::now(), sync.reference),
+                bytes,
+            });
+        }
+        Ok(rep)
+    }
+
+    async fn run(&mut self, sync: SyncRef) -> Result<(Option<bool>, WorkerReport), DriverError> {
+        self.stop_in_flight().await;
+        let worker = self.built()?.worker.clone();
+        let (cancel, cancelled) = oneshot::channel::<()>();
+        let id = SyncId {
+            version: sync.version,
+            epoch: sync.sync_id,
+        };
+        let task = tokio::spawn(async move {
+            let cancelled = async move {
+                // Resolves when the sender is dropped: `stop_in_flight`, or the driver going away.
+                let _ = cancelled.await;
+            };
+            worker.run_sync_until(id, cancelled).await
+        });
+        // If this future is dropped here (an abort), the task keeps running until `drain`
+        // cancels it and waits for it.
+        let flight = self.in_flight.insert(InFlight { cancel, task });
+        let joined = (&mut flight.task).await;
+        self.in_flight = None;
+        let r = joined
+            .map_err(|e| DriverError::new(format!("the sync task ended abnormally: {e}")))?
+            .map_err(err)?;
+        Ok((None, report(&r, &sync)))
+    }
+
+    async fn verify(
+        &mut self,
+        _sync: SyncRef,
+        _checksums: Vec<RunChecksum>,
+    ) -> Result<WorkerReport, DriverError> {
+        Err(DriverError::new("trainers do not verify"))
+    }
+
+    async fn finish(&mut self, _sync: SyncRef, _outcome: Outcome) {}
+
+    async fn drain(&mut self) {
+        self.stop_in_flight().await;
+        // Whatever the stopped sync posted and was not acknowledged is discarded here.
+        self.fabric.reset_connections().await;
+        tracing::info!(
+            "{}: drained (sync stopped, fabric lanes reset)",
+            WorkerId::trainer(self.cfg.rank)
+        );
+    }
+}

@@ -1,0 +1,207 @@
+//! One handler per message a registered worker sends. A message about a sync other than the
+//! running one (a late answer, a sync still queued behind a drain that nobody was told of) is
+//! ignored; so is an answer the sync is not waiting for.
+
+use weightsync_common::protocol::{
+    Failure, FromWorker, ToWorker, WorkerId, WorkerReport, WorkerRole,
+};
+
+use super::{ConnId, Coordinator, Effects, Now};
+use crate::sync_record::{SyncRecord, SyncState};
+
+impl Coordinator {
+    /// A message from a registered connection.
+    pub fn message(&mut self, conn: ConnId, msg: FromWorker, now: Now) -> Effects {
+        let Some(id) = self.member_on(conn) else {
+            return Effects::default();
+        };
+        if let Some(m) = self.members.get_mut(&id) {
+            m.last_seen = now.at;
+        }
+        match msg {
+            FromWorker::Heartbeat { seq } => Effects {
+                send: vec![(conn, ToWorker::Heartbeat { seq })],
+                ..Effects::default()
+            },
+            FromWorker::Hello { .. } | FromWorker::Register(_) => {
+                let mut fx = self.disconnect(conn, "protocol error: registered twice", now);
+                fx.close.push(conn);
+                fx
+            }
+            FromWorker::Ready {
+                plan_id,
+                regions,
+                tensors,
+            } => self.on_ready(id, plan_id, regions, tensors, now),
+            FromWorker::Drained { sync_id, .. } => self.on_drained(id, sync_id, now),
+            FromWorker::Prepared {
+                sync_id, report, ..
+            } => self.on_prepared(id, sync_id, &report, now),
+            FromWorker::Written {
+                sync_id, report, ..
+            } => self.on_written(id, sync_id, report, now),
+            FromWorker::Landed {
+                sync_id,
+                verified,
+                report,
+                ..
+            } => self.on_landed(id, sync_id, verified, &report, now),
+            FromWorker::Verified {
+                sync_id, report, ..
+            } => self.on_verified(id, sync_id, &report, now),
+            FromWorker::Failed {
+                sync_id, failure, ..
+            } => self.on_failed(id, sync_id, failure, now),
+        }
+    }
+
+    /// The running sync `sync_id` (not one still queued behind a drain: nobody has heard of it).
+    pub(super) fn active_sync(&mut self, sync_id: u64) -> Option<&mut SyncRecord> {
+        if self.active != Some(sync_id) {
+            return None;
+        }
+        self.syncs
+            .get_mut(&sync_id)
+            .filter(|s| s.queued_behind.is_none())
+    }
+
+    /// `Prepared`: the last one starts the sync (trainers get `Start`).
+    fn on_prepared(
+        &mut self,
+        id: WorkerId,
+        sync_id: u64,
+        report: &WorkerReport,
+        now: Now,
+    ) -> Effects {
+        let mut fx = Effects::default();
+        let Some(s) = self.active_sync(sync_id) else {
+            return fx;
+        };
+        if s.state != SyncState::Pending || !s.awaiting_prepared.remove(&id) {
+            return fx;
+        }
+        let t = s.since(now.at);
+        let origin = s.prepare_sent_ns;
+        if !report.events.is_empty() {
+            s.add_report(id, origin, report, t);
+            // Preparation is not the worker's whole part: clear its done mark.
+            if let Some(l) = s.lanes.get_mut(&id) {
+                l.done_ns = None;
+            }
+        }
+        if !s.awaiting_prepared.is_empty() {
+            return fx;
+        }
+        s.state = SyncState::Running;
+        s.start_sent_ns = Some(t);
+        let (sid, version) = (s.id, s.version);
+        let trainers: Vec<WorkerId> = s
+            .members
+            .iter()
+            .copied()
+            .filter(|w| w.role == WorkerRole::Trainer)
+            .collect();
+        self.send_to(&mut fx, trainers, |_| ToWorker::Start {
+            sync_id: sid,
+            version,
+        });
+        fx
+    }
+
+    /// `Written`: a trainer's part is done; its checksums are kept for verification.
+    fn on_written(
+        &mut self,
+        id: WorkerId,
+        sync_id: u64,
+        report: WorkerReport,
+        now: Now,
+    ) -> Effects {
+        let Some(s) = self.active_sync(sync_id) else {
+            return Effects::default();
+        };
+        if s.state != SyncState::Running || !s.awaiting_written.remove(&id) {
+            return Effects::default();
+        }
+        s.add_part_report(id, &report, now.at);
+        s.sent_checksums.extend(report.checksums);
+        self.maybe_commit(sync_id, now)
+    }
+
+    /// `Landed`: a rollout counted every expected write (a local verification failure fails the
+    /// sync).
+    fn on_landed(
+        &mut self,
+        id: WorkerId,
+        sync_id: u64,
+        verified: Option<bool>,
+        report: &WorkerReport,
+        now: Now,
+    ) -> Effects {
+        let Some(s) = self.active_sync(sync_id) else {
+            return Effects::default();
+        };
+        if s.state != SyncState::Running || !s.awaiting_landed.remove(&id) {
+            return Effects::default();
+        }
+        s.add_part_report(id, report, now.at);
+        if verified == Some(false) {
+            let failure = Failure {
+                worker: id,
+                tensor: None,
+                cause: "verification of what landed failed".into(),
+            };
+            return self.fail(sync_id, failure, now);
+        }
+        self.maybe_commit(sync_id, now)
+    }
+
+    /// `Verified`: what landed on a rollout matches the trainers' checksums.
+    fn on_verified(
+        &mut self,
+        id: WorkerId,
+        sync_id: u64,
+        report: &WorkerReport,
+        now: Now,
+    ) -> Effects {
+        let Some(s) = self.active_sync(sync_id) else {
+            return Effects::default();
+        };
+        if s.verify_sent_ns.is_none() || !s.awaiting_verified.remove(&id) {
+            return Effects::default();
+        }
+        let t = s.since(now.at);
+        let origin = s.prepare_sent_ns;
+        // The verification span's bytes are what was checked, not what landed.
+        let bytes = s.lanes.get(&id).map_or(0, |l| l.bytes);
+        s.add_report(id, origin, report, t);
+        if let Some(l) = s.lanes.get_mut(&id) {
+            l.bytes = bytes;
+        }
+        self.maybe_commit(sync_id, now)
+    }
+
+    /// `Failed`: with sync id 0 the worker could not follow its plan; otherwise the sync fails,
+    /// at once or after the failure grace (a peer's disconnect, the likelier root cause, may
+    /// still arrive and is named instead).
+    fn on_failed(&mut self, id: WorkerId, sync_id: u64, mut failure: Failure, now: Now) -> Effects {
+        // An agent leaves its own id as a placeholder: the connection says who it is.
+        if failure.worker.rank == u32::MAX {
+            failure.worker = id;
+        }
+        if sync_id == 0 {
+            self.plan_refused(id, &failure.cause, now);
+            return Effects::default();
+        }
+        let grace = self.cfg.failure_grace;
+        let Some(s) = self.active_sync(sync_id) else {
+            return Effects::default();
+        };
+        if grace.is_zero() {
+            return self.fail(sync_id, failure, now);
+        }
+        if s.reported.is_none() {
+            s.reported = Some((failure, now.at));
+        }
+        Effects::default()
+    }
+}

@@ -1,0 +1,44 @@
+//! [`run`]: the controller served, its HTTP API and dashboard, its control channel and its clock
+//! over one shared state, until a shutdown future resolves. It sits above both the service
+//! ([`crate::service`]) and the router ([`crate::http`]), which do not know each other's
+//! modules beyond [`AppState`].
+
+use std::future::Future;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+use crate::control_channel::{serve_control, tick};
+use crate::service::AppState;
+
+/// Runs the controller: the HTTP API and dashboard on `http`, the control channel on `control`,
+/// and the timeout clock, until `shutdown` resolves.
+pub async fn run(
+    http: TcpListener,
+    control: TcpListener,
+    state: AppState,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let control_task = tokio::spawn(serve_control(control, state.clone(), stop_rx.clone()));
+    let tick_task = tokio::spawn(tick(state.clone(), stop_rx.clone()));
+    let mut http_stop = stop_rx.clone();
+    let app = crate::http::app(state.clone());
+    let server = axum::serve(http, app).with_graceful_shutdown(async move {
+        let _ = http_stop.changed().await;
+    });
+    let server = tokio::spawn(async move { server.await });
+    shutdown.await;
+    if state.config().shutdown_workers {
+        state.shutdown_workers();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let _ = stop_tx.send(true);
+    let _ = control_task.await;
+    let _ = tick_task.await;
+    match tokio::time::timeout(Duration::from_secs(5), server).await {
+        Ok(Ok(r)) => r,
+        _ => Ok(()),
+    }
+}

@@ -1,0 +1,244 @@
+//! The job: what a [`WorldSpec`] (the statement every process of a job shares) means to the
+//! planner.
+//!
+//! Why here and not in the controller: three kinds of process read a `WorldSpec` and each needs a
+//! different, pure part of it. The controller builds the whole [`Job`] and plans it once; a
+//! rollout needs only its own tensors ([`rollout_layout`]: names, shapes, offsets, region sizes,
+//! all from the inference layout, no planning) so that it can register its memory before it
+//! registers with the controller; and a launcher checks a rank against the world's size
+//! ([`world_size`], from the layout strings alone). None of them reads a file here: when the
+//! model is a `config.json` path, the caller reads it and passes the text in.
+
+use weightsync_common::protocol::WorldSpec;
+use weightsync_common::DType;
+
+use crate::cost::CostModel;
+use crate::error::PlanError;
+use crate::layout_infer::{InferDType, InferSpec, InferenceLayout};
+use crate::layout_train::{TrainSpec, TrainingLayout};
+use crate::model::Model;
+use crate::planner::plan;
+use crate::table::{RolloutPlan, RoutingTable};
+
+/// Why a job's statement cannot be used: which part was wrong, and the planner's reason.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum JobError {
+    /// The model, a layout string or the plan itself was refused.
+    #[error("{part}: {source}")]
+    Spec {
+        /// `model`, `training layout`, `inference layout` or `planning`.
+        part: &'static str,
+        /// The planner's error.
+        #[source]
+        source: PlanError,
+    },
+    /// The inference dtype is neither bf16 nor fp8.
+    #[error("inference dtype {0} is not supported (bf16 or fp8)")]
+    InferDType(DType),
+}
+
+fn part(part: &'static str) -> impl Fn(PlanError) -> JobError {
+    move |source| JobError::Spec { part, source }
+}
+
+/// A job's model and both layouts: everything but the routing table.
+#[derive(Debug, Clone)]
+pub struct JobLayouts {
+    /// Logical parameters.
+    pub model: Model,
+    /// Every training rank's shards.
+    pub train: TrainingLayout,
+    /// Every inference rank's tensors.
+    pub infer: InferenceLayout,
+    /// The parsed inference spec.
+    pub infer_spec: InferSpec,
+}
+
+/// A planned job: its layouts, the cost model it was planned with, and the routing table.
+#[derive(Debug, Clone)]
+pub struct Job {
+    /// Model and layouts.
+    pub layouts: JobLayouts,
+    /// Cost model.
+    pub cost: CostModel,
+    /// The routing table.
+    pub table: RoutingTable,
+}
+
+/// The training spec of a job.
+pub fn train_spec(world: &WorldSpec) -> Result<TrainSpec, JobError> {
+    world.train.parse().map_err(part("training layout"))
+}
+
+/// The inference spec of a job, with its dtype.
+pub fn infer_spec(world: &WorldSpec) -> Result<InferSpec, JobError> {
+    let mut spec: InferSpec = world.infer.parse().map_err(part("inference layout"))?;
+    spec.dtype = match world.dtype {
+        DType::F8E4M3 => InferDType::Fp8,
+        DType::BF16 => InferDType::Bf16,
+        other => return Err(JobError::InferDType(other)),
+    };
+    Ok(spec)
+}
+
+/// The job's model: `model_config` is the text of the `config.json` that `world.model` names
+/// when it is a path (the caller reads it); `None` takes `world.model` as a preset name.
+pub fn model(
+    world: &WorldSpec,
+    model_config: Option<&str>,
+    train: &TrainSpec,
+) -> Result<Model, JobError> {
+    match model_config {
+        Some(text) => Model::from_config_json(&world.model, text, train.experts),
+        None => Model::preset(&world.model, train.experts),
+    }
+    .map_err(part("model"))
+}
+
+/// Builds the model and both layouts of a job (no planning).
+pub fn layouts(world: &WorldSpec, model_config: Option<&str>) -> Result<JobLayouts, JobError> {
+    let tspec = train_spec(world)?;
+    let model = model(world, model_config, &tspec)?;
+    let infer_spec = infer_spec(world)?;
+    let train = TrainingLayout::build(&model, &tspec).map_err(part("training layout"))?;
+    let infer = InferenceLayout::build(&model, &infer_spec).map_err(part("inference layout"))?;
+    Ok(JobLayouts {
+        model,
+        train,
+        infer,
+        infer_spec,
+    })
+}
+
+/// The model and the inference layout alone (what a rollout needs to lay out its tensors; the
+/// training layout, which a rollout never reads, is not built).
+pub fn inference_layout(
+    world: &WorldSpec,
+    model_config: Option<&str>,
+) -> Result<(Model, InferenceLayout), JobError> {
+    let model = model(world, model_config, &train_spec(world)?)?;
+    let infer =
+        InferenceLayout::build(&model, &infer_spec(world)?).map_err(part("inference layout"))?;
+    Ok((model, infer))
+}
+
+/// Builds and plans a job with the default cost model.
+pub fn plan_job(world: &WorldSpec, model_config: Option<&str>) -> Result<Job, JobError> {
+    let layouts = layouts(world, model_config)?;
+    let cost = CostModel::default();
+    let table =
+        plan(&layouts.model, &layouts.train, &layouts.infer, &cost).map_err(part("planning"))?;
+    Ok(Job {
+        layouts,
+        cost,
+        table,
+    })
+}
+
+/// Number of training and inference ranks a job has, from its layout strings alone (no model,
+/// no layout built): what a launcher checks a rank against.
+pub fn world_size(world: &WorldSpec) -> Result<(u32, u32), JobError> {
+    let trainers = train_spec(world)?
+        .world()
+        .map_err(part("training layout"))?;
+    let i = infer_spec(world)?;
+    let rollouts = i
+        .engine_ranks()
+        .checked_mul(i.dp)
+        .ok_or_else(|| JobError::Spec {
+            part: "inference layout",
+            source: PlanError::TooLarge(format!("inference world size of {i}")),
+        })?;
+    Ok((trainers, rollouts))
+}
+
+/// One inference rank's tensors and region sizes, as the planner will lay them out, with no
+/// expectations yet (`expect` is empty: how many writes land per sync comes only with the
+/// table, in the controller's assignment). A rollout allocates and registers this before it
+/// registers with the controller.
+pub fn rollout_layout(infer: &InferenceLayout, rank: u32) -> Result<RolloutPlan, JobError> {
+    let r = infer.ranks.get(rank as usize).ok_or(JobError::Spec {
+        part: "inference layout",
+        source: PlanError::NoSuchRank {
+            side: "inference",
+            rank,
+            ranks: infer.ranks.len() as u32,
+        },
+    })?;
+    Ok(RolloutPlan {
+        rank: r.rank,
+        engine: r.engine,
+        local_rank: r.local_rank,
+        mr_bytes: r.mr_bytes.clone(),
+        tensors: r.tensors.clone(),
+        expect: Vec::new(),
+    })
+}
+
+/// Whether `plan` (from the table) lays out exactly the tensors of `layout` (computed by the
+/// rollout itself): same rank, regions and tensors; only the expectations may differ.
+pub fn same_rollout_layout(layout: &RolloutPlan, plan: &RolloutPlan) -> bool {
+    layout.rank == plan.rank
+        && layout.engine == plan.engine
+        && layout.local_rank == plan.local_rank
+        && layout.mr_bytes == plan.mr_bytes
+        && layout.tensors == plan.tensors
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn world(model: &str, train: &str, infer: &str, dtype: DType) -> WorldSpec {
+        WorldSpec {
+            model: model.into(),
+            train: train.into(),
+            infer: infer.into(),
+            dtype,
+            verify: true,
+        }
+    }
+
+    #[test]
+    fn world_size_from_the_strings_matches_the_built_layouts() {
+        for (m, t, i) in [
+            ("qwen3-0.6b", "fsdp=4", "tp=2,dp=2"),
+            ("qwen3-30b-a3b", "pp=2,ep=2,fsdp=2", "tp=2,ep=4,dp=2"),
+            ("qwen3-8b", "dp=2,fsdp=2,tp=2", "tp=4"),
+        ] {
+            let w = world(m, t, i, DType::F8E4M3);
+            let l = layouts(&w, None).unwrap();
+            assert_eq!(
+                world_size(&w).unwrap(),
+                (l.train.ranks, l.infer.ranks.len() as u32),
+                "{m} {t} {i}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_rollouts_own_layout_is_the_tables_without_expectations() {
+        let w = world("qwen3-0.6b", "fsdp=4", "tp=2,dp=2", DType::F8E4M3);
+        let job = plan_job(&w, None).unwrap();
+        for (rank, planned) in job.table.rollout_plans().enumerate() {
+            let own = rollout_layout(&job.layouts.infer, rank as u32).unwrap();
+            assert!(own.expect.is_empty());
+            assert!(same_rollout_layout(&own, &planned), "rank {rank}");
+        }
+        let e = rollout_layout(&job.layouts.infer, 4).unwrap_err();
+        assert!(e.to_string().contains("no inference rank 4"), "{e}");
+    }
+
+    #[test]
+    fn bad_statements_name_the_part() {
+        let e = layouts(&world("qwen3-0.6b", "fsdp=x", "tp=1", DType::BF16), None).unwrap_err();
+        assert!(e.to_string().starts_with("training layout"), "{e}");
+        let e = layouts(&world("nope", "fsdp=1", "tp=1", DType::BF16), None).unwrap_err();
+        assert!(e.to_string().starts_with("model"), "{e}");
+        let e = world_size(&world("qwen3-0.6b", "fsdp=1", "tp=1", DType::F32)).unwrap_err();
+        assert_eq!(e, JobError::InferDType(DType::F32));
+        let e = layouts(&world("m", "fsdp=1", "tp=1", DType::BF16), Some("{")).unwrap_err();
+        assert!(e.to_string().starts_with("model: bad model config"), "{e}");
+    }
+}
