@@ -27,6 +27,16 @@ fn cpu_s() -> f64 {
     u + s
 }
 
+/// Peak resident memory so far, MB (VmHWM from /proc; 0 where there is none).
+fn peak_mb() -> f64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+        .map_or(0.0, |kb| kb / 1e3)
+}
+
 fn sys_s() -> f64 {
     cpu_times().1
 }
@@ -48,11 +58,13 @@ fn main() -> Result<(), PlanError> {
     let mut ispec: InferSpec = infer.parse()?;
     ispec.dtype = dtype.parse()?;
     let i = InferenceLayout::build(&m, &ispec)?;
+    let m1 = peak_mb();
     let t1 = Instant::now();
     let c1 = cpu_s();
     let s1 = sys_s();
     let cost = CostModel::default();
     let table = plan(&m, &t, &i, &cost)?;
+    let m2 = peak_mb();
     let t2 = Instant::now();
     let c2 = cpu_s();
     let s2 = sys_s();
@@ -91,6 +103,18 @@ fn main() -> Result<(), PlanError> {
     } else {
         table.to_bincode().len()
     };
+    let largest_slice = if std::env::var_os("SLICES").is_some() {
+        (0..table.trainers.len() as u32)
+            .map(|r| table.slice(r).map_or(0, |s| s.to_bincode().len()))
+            .max()
+            .unwrap_or(0)
+    } else {
+        0
+    };
+    println!(
+        "peak memory: after inputs {m1:.0} MB, after planning {m2:.0} MB; largest slice {:.2} MB",
+        largest_slice as f64 / 1e6
+    );
     println!(
         "cpu: inputs {:.2} s, plan {:.2} s (system {:.2} s: page faults); wall: inputs {:.3} s, plan {:.3} s, summary {:.3} s, bincode {:.1} MB",
         c1 - c0,
