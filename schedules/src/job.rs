@@ -171,7 +171,7 @@ pub fn rollout_layout(infer: &InferenceLayout, rank: u32) -> Result<RolloutPlan,
         engine: r.engine,
         local_rank: r.local_rank,
         mr_bytes: r.mr_bytes.clone(),
-        tensors: r.tensors.clone(),
+        tensors: r.tensors.to_vec(),
         expect: Vec::new(),
     })
 }

@@ -18,8 +18,8 @@ use crate::layout_train::{align_up, ShardSpec};
 use crate::packed::Packed;
 use crate::runs::for_each_run;
 use crate::table::{
-    CompactTrainer, LocalShard, ParamRef, RolloutEntry, RolloutLayouts, RoutingTable, Source,
-    TensorBox, Transform, UnitExpect, GROUP_FIELDS, MAX_WRITE_BYTES, TRAINER_GATHER_MR,
+    CompactTrainer, DstTensor, LocalShard, ParamRef, RolloutEntry, RolloutLayouts, RoutingTable,
+    Source, TensorBox, Transform, UnitExpect, GROUP_FIELDS, MAX_WRITE_BYTES, TRAINER_GATHER_MR,
 };
 
 /// A trainer's part under construction.
@@ -402,6 +402,9 @@ impl Planner<'_> {
         rollout_writes: &[u64],
     ) -> (Vec<crate::table::RolloutLayout>, Vec<RolloutEntry>) {
         let mut layouts = RolloutLayouts::default();
+        // Ranks sharing their tensors (the same rank of every engine) share a layout without
+        // comparing tensor by tensor.
+        let mut shared: Vec<(&std::sync::Arc<[DstTensor]>, &[u64], u32)> = Vec::new();
         let entries = self
             .infer
             .ranks
@@ -410,7 +413,16 @@ impl Planner<'_> {
                 rank: r.rank,
                 engine: r.engine,
                 local_rank: r.local_rank,
-                layout: layouts.intern(&r.mr_bytes, &r.tensors),
+                layout: match shared.iter().find(|(t, m, _)| {
+                    std::sync::Arc::ptr_eq(t, &r.tensors) && *m == &r.mr_bytes[..]
+                }) {
+                    Some(&(_, _, id)) => id,
+                    None => {
+                        let id = layouts.intern(&r.mr_bytes, &r.tensors);
+                        shared.push((&r.tensors, &r.mr_bytes, id));
+                        id
+                    }
+                },
                 expect: vec![UnitExpect {
                     unit: 0,
                     writes: rollout_writes[r.rank as usize],

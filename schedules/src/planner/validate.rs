@@ -68,7 +68,7 @@ fn check_ranks(infer: &InferenceLayout) -> Result<(), PlanError> {
                 reason: format!("listed at index {i} but says rank {}", r.rank),
             });
         }
-        for t in &r.tensors {
+        for t in r.tensors.iter() {
             if t.len != t.shape.numel() * t.dtype.size() as u64
                 || r.mr_bytes
                     .get(t.mr as usize)
