@@ -13,11 +13,13 @@
 //! # Layout
 //! - this file: [`Config`], [`Report`], [`run`], [`E2eError`], and planning a configuration;
 //! - `loopback`: a whole deployment (fabrics, trainers, rollouts) in one process;
-//! - `tcp_limit`: the plain-TCP limit; `broadcast`: the broadcast baseline;
+//! - `tcp_limit`: the plain-TCP limit; `fabric_limit`: the fabric alone on the same pairs and
+//!   lanes; `broadcast`: the broadcast baseline;
 //! - [`calibrate`]: the simulator's calibration against these real syncs.
 
 mod broadcast;
 pub mod calibrate;
+mod fabric_limit;
 mod loopback;
 mod tcp_limit;
 
@@ -168,12 +170,17 @@ pub struct Report {
     pub weightsync: Method,
     /// The same pair bytes over bare TCP.
     pub tcp_limit: Method,
+    /// The same pair bytes written by the same fabric (same lanes) in large blocks, nothing else.
+    pub fabric_limit: Method,
     /// Gather + broadcast + reload through the same fabric.
     pub broadcast: Method,
     /// Bytes the broadcast baseline moves over the fabric per sync.
     pub broadcast_fabric_bytes: u64,
     /// weightsync GB/s over the plain-TCP GB/s (same landed bytes).
     pub ratio_vs_tcp_limit: f64,
+    /// weightsync GB/s over the fabric limit's GB/s (same landed bytes, same lanes, same run):
+    /// what the pipeline between the table and the wire keeps of the fabric's rate.
+    pub ratio_vs_fabric: f64,
     /// Broadcast seconds over weightsync seconds.
     pub speedup_vs_broadcast: f64,
 }
@@ -192,6 +199,7 @@ impl Report {
         for (name, m) in [
             ("weightsync", &self.weightsync),
             ("plain TCP limit", &self.tcp_limit),
+            ("fabric limit", &self.fabric_limit),
             ("broadcast", &self.broadcast),
         ] {
             s += &format!(
@@ -200,8 +208,8 @@ impl Report {
             );
         }
         s += &format!(
-            "  ratio_vs_tcp_limit {:.2}   speedup_vs_broadcast {:.2}\n",
-            self.ratio_vs_tcp_limit, self.speedup_vs_broadcast
+            "  ratio_vs_tcp_limit {:.2}   ratio_vs_fabric {:.2}   speedup_vs_broadcast {:.2}\n",
+            self.ratio_vs_tcp_limit, self.ratio_vs_fabric, self.speedup_vs_broadcast
         );
         s
     }
@@ -239,10 +247,14 @@ pub fn run_table(table: &RoutingTable, cfg: &Config) -> Result<Report, E2eError>
         let mut ws = LoopbackCluster::start(&table, &cfg.workers).await?;
         let bc =
             BroadcastBaseline::start(&table, cfg.bucket_bytes, cfg.workers.lanes_per_peer).await?;
+        let fl =
+            fabric_limit::FabricLimit::start(&pairs, loopback::TOKEN, cfg.workers.lanes_per_peer)
+                .await?;
         // Warm-up: lanes connect lazily, pages fault in.
         ws.sync().await?;
         bc.sync().await?;
-        let (mut a, mut b, mut c) = (Vec::new(), Vec::new(), Vec::new());
+        fl.sync().await?;
+        let (mut a, mut b, mut c, mut d) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for _ in 0..cfg.syncs {
             a.push(ws.sync().await?.seconds);
             let p = pairs.clone();
@@ -252,10 +264,12 @@ pub fn run_table(table: &RoutingTable, cfg: &Config) -> Result<Report, E2eError>
                     .map_err(|e| E2eError::Sync(format!("plain TCP panicked: {e}")))??,
             );
             c.push(bc.sync().await?);
+            d.push(fl.sync().await?);
         }
         let weightsync = Method::of(a, landed);
         let tcp_limit = Method::of(b, landed);
         let broadcast = Method::of(c, landed);
+        let fabric_limit = Method::of(d, landed);
         Ok(Report {
             bench: "e2e",
             setup: cfg.setup.clone(),
@@ -264,10 +278,12 @@ pub fn run_table(table: &RoutingTable, cfg: &Config) -> Result<Report, E2eError>
             landed_bytes: landed,
             syncs: cfg.syncs,
             ratio_vs_tcp_limit: weightsync.gbps / tcp_limit.gbps,
+            ratio_vs_fabric: weightsync.gbps / fabric_limit.gbps,
             speedup_vs_broadcast: broadcast.seconds_per_sync / weightsync.seconds_per_sync,
             broadcast_fabric_bytes: bc.fabric_bytes(),
             weightsync,
             tcp_limit,
+            fabric_limit,
             broadcast,
         })
     })
@@ -330,6 +346,7 @@ mod tests {
             assert!(m.seconds_per_sync > 0.0 && m.gbps > 0.0);
         }
         assert!(r.ratio_vs_tcp_limit > 0.0 && r.speedup_vs_broadcast > 0.0);
+        assert!(r.fabric_limit.seconds_per_sync > 0.0 && r.ratio_vs_fabric > 0.0);
         let pairs = tcp_limit::pair_bytes(&table).unwrap();
         assert_eq!(pairs.iter().map(|p| p.2).sum::<u64>(), r.landed_bytes);
     }

@@ -79,6 +79,9 @@ pub struct StageDurations {
     pub verify_ms: Option<f64>,
     /// Creation to the end (commit or failure).
     pub total_ms: Option<f64>,
+    /// The last rollout's "landed" to the end: what committing costs once every byte is in
+    /// place (verification, the control round trips). Kept small against `land_ms`.
+    pub after_landing_ms: Option<f64>,
 }
 
 /// Everything about one sync.
@@ -223,6 +226,11 @@ impl SyncRecord {
                 _ => None,
             },
             total_ms: self.ended_ns.map(ms),
+            after_landing_ms: match (all_landed, self.ended_ns) {
+                (true, Some(end)) => last(weightsync_common::protocol::WorkerRole::Rollout)
+                    .map(|landed| ms(end.saturating_sub(landed))),
+                _ => None,
+            },
         }
     }
 

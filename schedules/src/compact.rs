@@ -334,31 +334,13 @@ impl RoutesBuilder {
             }
         };
         let keep = |c: &&(u32, u32, u32, u32, u32)| c.1 > 0 && c.4 > 0;
-        let mut h = mix(0, gather as u64);
-        for w in [
-            region.ndim as u64,
-            region.start[0] as u64,
-            region.start[1] as u64,
-            region.start[2] as u64,
-            region.len[0] as u64,
-            region.len[1] as u64,
-            region.len[2] as u64,
-            transform_code(transform),
-        ] {
-            h = mix(h, w);
-        }
-        for w in writes {
-            h = mix(
-                h,
-                (w.to_trainer as u64) << 48 | (w.mr as u64) << 32 | w.len as u64,
-            );
-            h = mix(h, w.src_offset);
-        }
-        for c in copies.iter().filter(keep).map(rel) {
-            h = mix(h, (c.from as u64) << 32 | c.num as u64);
-            h = mix(h, (c.rank_offset as u64) << 32 | c.stride as u64);
-            h = mix(h, c.count as u64);
-        }
+        let h = pattern_hash(
+            region,
+            transform,
+            gather,
+            writes,
+            copies.iter().filter(keep).map(rel),
+        );
         let routes = &self.routes;
         let same = |id: &u32| {
             let p = &routes.patterns[*id as usize];
@@ -430,6 +412,42 @@ impl RoutesBuilder {
         self.flush();
         self.routes
     }
+}
+
+/// The hash [`RoutesBuilder`] finds a task's pattern by: everything a pattern holds.
+fn pattern_hash(
+    region: TensorBox,
+    transform: Transform,
+    gather: bool,
+    writes: &[TaskWrite],
+    copies: impl Iterator<Item = PatternCopy>,
+) -> u64 {
+    let mut h = mix(0, gather as u64);
+    for w in [
+        region.ndim as u64,
+        region.start[0] as u64,
+        region.start[1] as u64,
+        region.start[2] as u64,
+        region.len[0] as u64,
+        region.len[1] as u64,
+        region.len[2] as u64,
+        transform_code(transform),
+    ] {
+        h = mix(h, w);
+    }
+    for w in writes {
+        h = mix(
+            h,
+            (w.to_trainer as u64) << 48 | (w.mr as u64) << 32 | w.len as u64,
+        );
+        h = mix(h, w.src_offset);
+    }
+    for c in copies {
+        h = mix(h, (c.from as u64) << 32 | c.num as u64);
+        h = mix(h, (c.rank_offset as u64) << 32 | c.stride as u64);
+        h = mix(h, c.count as u64);
+    }
+    h
 }
 
 /// A transform as one word (for hashing).

@@ -12,7 +12,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::compact::{TrainerRoutes, BASE_FIELDS, TASK_FIELDS};
+use crate::compact::{TaskPattern, TrainerRoutes, BASE_FIELDS, TASK_FIELDS};
 use crate::error::PlanError;
 use crate::packed::Packed;
 use crate::table::{
@@ -84,28 +84,7 @@ impl TrainerSlice {
             task: task.min(u32::MAX as u64) as u32,
             reason,
         };
-        let too_large = |what: String| {
-            PlanError::TooLarge(format!(
-                "the slice of training rank {} would expand to {what}",
-                self.rank
-            ))
-        };
-        for (packed, width, what) in [
-            (&r.tasks, TASK_FIELDS, "tasks"),
-            (&r.bases, BASE_FIELDS, "bases"),
-            (&r.shards, crate::compact::SHARD_FIELDS, "shards"),
-        ] {
-            packed
-                .check(width)
-                .map_err(|e| bad(0, format!("its packed {what}: {e}")))?;
-        }
-        let ntasks = r.tasks.len();
-        let nshards = r.shards.len();
-        for (n, what) in [(ntasks, "tasks"), (nshards, "shards")] {
-            if n > limits.tasks {
-                return Err(too_large(format!("{n} {what} (at most {})", limits.tasks)));
-            }
-        }
+        let ntasks = self.check_sizes(limits, &bad)?;
         let nwrites = self.count_writes(limits, &bad)?;
         let units = self.group_units(ntasks, &bad)?;
         let shards = r.local_shards().map_err(|e| bad(0, format!("its {e}")))?;
@@ -132,48 +111,9 @@ impl TrainerSlice {
                     .ok_or_else(|| bad(i, format!("shard {} of {}", t.source, shards.len())))?;
                 Source::Shard { shard }
             };
-            let pw = r.pattern_writes(p);
-            if pw.len() != p.num_writes as usize || t.bases.len() != pw.len() {
-                return Err(bad(i, "its writes lie beyond the plan's".into()));
-            }
             let first_write = writes.len() as u32;
-            for (w, b) in pw.iter().zip(t.bases) {
-                let w = crate::compact::write_of(w, b, unit)
-                    .ok_or_else(|| bad(i, format!("a write goes to rank {}", b[0])))?;
-                if let WriteTarget::Rollout(rk) = w.dst {
-                    if rk >= self.rollout_ranks {
-                        return Err(bad(i, self.no_rollout(rk)));
-                    }
-                }
-                writes.push(w);
-            }
-            for c in r.pattern_copies(p) {
-                let (a, n) = (c.from as usize, c.num as usize);
-                if a + n > pw.len() {
-                    return Err(bad(
-                        i,
-                        format!(
-                            "a copy repeats writes {a}..{} of a task with {}",
-                            a + n,
-                            pw.len()
-                        ),
-                    ));
-                }
-                let start = first_write as usize + a;
-                let base = t.bases.get(a).map_or(0, |b| b[0] as u32);
-                for rk in c.ranks(base) {
-                    if rk >= self.rollout_ranks {
-                        return Err(bad(i, self.no_rollout(rk)));
-                    }
-                    for k in start..start + n {
-                        let w = writes[k];
-                        writes.push(Write {
-                            dst: WriteTarget::Rollout(rk),
-                            ..w
-                        });
-                    }
-                }
-            }
+            self.push_writes(p, t.bases, unit, &mut writes)
+                .map_err(|reason| bad(i, reason))?;
             tasks.push(Task {
                 param,
                 region: p.region,
@@ -200,6 +140,84 @@ impl TrainerSlice {
             writes,
             copies: Vec::new(),
         })
+    }
+
+    /// Checks the packed lists' fields and their lengths against `limits`; the number of tasks.
+    fn check_sizes(
+        &self,
+        limits: &ExpandLimits,
+        bad: &dyn Fn(u64, String) -> PlanError,
+    ) -> Result<u64, PlanError> {
+        let r = &self.routes;
+        for (packed, width, what) in [
+            (&r.tasks, TASK_FIELDS, "tasks"),
+            (&r.bases, BASE_FIELDS, "bases"),
+            (&r.shards, crate::compact::SHARD_FIELDS, "shards"),
+        ] {
+            packed
+                .check(width)
+                .map_err(|e| bad(0, format!("its packed {what}: {e}")))?;
+        }
+        for (n, what) in [(r.tasks.len(), "tasks"), (r.shards.len(), "shards")] {
+            if n > limits.tasks {
+                return Err(PlanError::TooLarge(format!(
+                    "the slice of training rank {} would expand to {n} {what} (at most {})",
+                    self.rank, limits.tasks
+                )));
+            }
+        }
+        Ok(r.tasks.len())
+    }
+
+    /// Appends the explicit writes of a task of pattern `p` whose writes land at `bases`, in
+    /// group `unit`: its pattern's writes, then each copy's; else why not.
+    fn push_writes(
+        &self,
+        p: &TaskPattern,
+        bases: &[[u64; BASE_FIELDS]],
+        unit: u16,
+        writes: &mut Vec<Write>,
+    ) -> Result<(), String> {
+        let pw = self.routes.pattern_writes(p);
+        if pw.len() != p.num_writes as usize || bases.len() != pw.len() {
+            return Err("its writes lie beyond the plan's".into());
+        }
+        let first_write = writes.len();
+        for (w, b) in pw.iter().zip(bases) {
+            let w = crate::compact::write_of(w, b, unit)
+                .ok_or_else(|| format!("a write goes to rank {}", b[0]))?;
+            if let WriteTarget::Rollout(rk) = w.dst {
+                if rk >= self.rollout_ranks {
+                    return Err(self.no_rollout(rk));
+                }
+            }
+            writes.push(w);
+        }
+        for c in self.routes.pattern_copies(p) {
+            let (a, n) = (c.from as usize, c.num as usize);
+            if a + n > pw.len() {
+                return Err(format!(
+                    "a copy repeats writes {a}..{} of a task with {}",
+                    a + n,
+                    pw.len()
+                ));
+            }
+            let start = first_write + a;
+            let base = bases.get(a).map_or(0, |b| b[0] as u32);
+            for rk in c.ranks(base) {
+                if rk >= self.rollout_ranks {
+                    return Err(self.no_rollout(rk));
+                }
+                for k in start..start + n {
+                    let w = writes[k];
+                    writes.push(Write {
+                        dst: WriteTarget::Rollout(rk),
+                        ..w
+                    });
+                }
+            }
+        }
+        Ok(())
     }
 
     fn no_rollout(&self, rank: u32) -> String {

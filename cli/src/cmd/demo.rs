@@ -59,6 +59,10 @@ pub struct Args {
     /// Print one JSON summary on stdout (progress and logs go to stderr).
     #[arg(long)]
     pub json: bool,
+    /// Rollouts skip the independent recomputation of every tensor after each sync (the
+    /// trainers' checksums are still verified): what a production sync's commit costs.
+    #[arg(long)]
+    pub no_recompute: bool,
 }
 
 /// Worker processes, killed on drop.
@@ -317,7 +321,7 @@ fn spawn_workers(args: &Args, ctl: &ServedDemo, logs: &std::path::Path) -> anyho
             if role == "trainer" {
                 cmd.args(["--source", &format!("demo:{}", args.seed)])
                     .args(["--watermark-mib", &args.watermark_mib.to_string()]);
-            } else {
+            } else if !args.no_recompute {
                 cmd.args(["--demo-check-seed", &args.seed.to_string()]);
             }
             let child = cmd.spawn().with_context(|| format!("starting {name}"))?;
@@ -486,6 +490,8 @@ fn summarise(
     let per_sync = |f: &dyn Fn(&Value) -> f64| results.iter().map(f).collect::<Vec<f64>>();
     let secs = per_sync(&|v| v["stages"]["total_ms"].as_f64().unwrap_or(0.0) / 1e3);
     let transfer = per_sync(&|v| v["stages"]["land_ms"].as_f64().unwrap_or(0.0) / 1e3);
+    let after_landing =
+        per_sync(&|v| v["stages"]["after_landing_ms"].as_f64().unwrap_or(0.0) / 1e3);
     let gbps = per_sync(&|v| v["gbps"].as_f64().unwrap_or(0.0));
     let mean = |x: &[f64]| x.iter().sum::<f64>() / x.len().max(1) as f64;
     let bytes_per_sync = results
@@ -505,6 +511,9 @@ fn summarise(
         "bytes_per_sync": bytes_per_sync,
         "seconds_per_sync": secs,
         "transfer_seconds_per_sync": transfer,
+        "after_landing_seconds_per_sync": after_landing,
+        "after_landing_ratio": mean(&after_landing) / mean(&transfer).max(f64::MIN_POSITIVE),
+        "recompute": !args.no_recompute,
         "gbps_per_sync": gbps,
         "mean_seconds_per_sync": mean(&secs),
         "mean_gbps": mean(&gbps),

@@ -44,7 +44,8 @@ pub struct Args {
     /// Write the simulated timeline as a Chrome trace (the dashboard's trace format).
     #[arg(long)]
     pub trace: Option<PathBuf>,
-    /// NIC bandwidth per GPU, Gb/s.
+    /// Bandwidth of one NIC, Gb/s (a GPU with several NICs stripes over them: see
+    /// --nics-per-node).
     #[arg(long, default_value_t = 400.0)]
     pub nic_gbps: f64,
     /// Cost of one work request, microseconds.
@@ -62,7 +63,8 @@ pub struct Args {
     /// GPUs per node.
     #[arg(long, default_value_t = 8)]
     pub gpus_per_node: u32,
-    /// NICs per node (fewer than GPUs: GPUs share NICs).
+    /// NICs per node (fewer than GPUs: GPUs share NICs; a whole multiple of the GPUs: each GPU
+    /// stripes over its own, e.g. 16 for 2 x 200 Gb/s per GPU on 8-GPU nodes).
     #[arg(long, default_value_t = 8)]
     pub nics_per_node: u32,
     /// Staging watermark per trainer, MiB.
@@ -94,10 +96,20 @@ impl Args {
             dtype: self.dtype.clone(),
             json: true,
             out: None,
-            nic_gbps: self.nic_gbps,
+            // The planner balances per GPU: a GPU's NICs together.
+            nic_gbps: self.nic_gbps * self.nics_per_gpu() as f64,
             per_wr_us: self.per_wr_us,
             h2d_gbs: self.h2d_gbs,
             prep_gbs: self.prep_gbs,
+        }
+    }
+
+    /// NICs each GPU stripes over (1 when GPUs share NICs).
+    fn nics_per_gpu(&self) -> u32 {
+        if self.gpus_per_node > 0 && self.nics_per_node > self.gpus_per_node {
+            self.nics_per_node / self.gpus_per_node
+        } else {
+            1
         }
     }
 
@@ -107,6 +119,8 @@ impl Args {
             barrier_s: self.barrier_us * 1e-6,
             ..cost
         });
+        // The planner's cost is per GPU (its NICs together); the cluster's is per NIC.
+        c.cost.nic_bytes_per_s = self.nic_gbps * 1e9 / 8.0;
         c.gpus_per_node = self.gpus_per_node;
         c.nics_per_node = self.nics_per_node;
         c.watermark_bytes = self.watermark_mib << 20;

@@ -117,18 +117,20 @@ pub struct ModelBytes {
     pub(crate) rollout_nodes: Vec<u32>,
 }
 
-/// Reads the model's tensors, their holders and formats off a routing table.
-pub fn model_bytes(table: &RoutingTable, cluster: &ClusterModel) -> ModelBytes {
+/// Per parameter id: its shape, dtype size, whether it is quantised, its mesh group and the
+/// shard bytes each node holds.
+struct Acc {
+    numel: u64,
+    dims: Vec<u32>,
+    size: u64,
+    quantised: bool,
+    group: u16,
+    held: BTreeMap<u32, u64>,
+}
+
+/// What every trainer's slice holds, per parameter id (see [`Acc`]).
+fn held_params(table: &RoutingTable, cluster: &ClusterModel) -> BTreeMap<u32, Acc> {
     let nt = table.trainers.len() as u32;
-    // param id -> (shape, dtype size, quantised, group, holders: node -> shard bytes).
-    struct Acc {
-        numel: u64,
-        dims: Vec<u32>,
-        size: u64,
-        quantised: bool,
-        group: u16,
-        held: BTreeMap<u32, u64>,
-    }
     let mut acc: BTreeMap<u32, Acc> = BTreeMap::new();
     for plan in &table.trainers {
         let node = cluster.node_of(plan.rank, nt);
@@ -169,6 +171,13 @@ pub fn model_bytes(table: &RoutingTable, cluster: &ClusterModel) -> ModelBytes {
             }
         }
     }
+    acc
+}
+
+/// Reads the model's tensors, their holders and formats off a routing table.
+pub fn model_bytes(table: &RoutingTable, cluster: &ClusterModel) -> ModelBytes {
+    let nt = table.trainers.len() as u32;
+    let acc = held_params(table, cluster);
     let mut params = Vec::with_capacity(acc.len());
     let (mut full_bytes, mut checkpoint_bytes) = (0u64, 0u64);
     for a in acc.into_values() {
@@ -257,8 +266,8 @@ pub(crate) fn ring_hops(
             }
             hops.push(Hop {
                 local: false,
-                from: node_nic(cluster, prev, i),
-                to: node_nic(cluster, n, i),
+                from: one_nic(node_nic(cluster, prev, i)),
+                to: one_nic(node_nic(cluster, n, i)),
                 to_node: n,
                 bytes: share,
                 wrs,
@@ -287,8 +296,8 @@ pub(crate) fn gather_hops(
         for i in 0..rings {
             hops.push(Hop {
                 local: false,
-                from: node_nic(cluster, n, i),
-                to: node_nic(cluster, root, i),
+                from: one_nic(node_nic(cluster, n, i)),
+                to: one_nic(node_nic(cluster, root, i)),
                 to_node: root,
                 bytes: share,
                 wrs,
@@ -296,6 +305,11 @@ pub(crate) fn gather_hops(
         }
     }
     hops
+}
+
+/// A hop's NIC range for one NIC (NCCL rings: one ring per NIC).
+fn one_nic(nic: u32) -> std::ops::Range<u32> {
+    nic..nic + 1
 }
 
 /// Plans and simulates a baseline on the same cluster model as weightsync.

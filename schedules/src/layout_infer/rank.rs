@@ -91,23 +91,7 @@ impl RankBuilder<'_> {
         let nd = shape.ndim as usize;
         let (rd, cd) = (nd - 2, nd - 1);
         if self.hf() {
-            // transformers' scales are the tensor's own block grid: a part placed off it would
-            // share a block with its neighbour.
-            if let Some(p) = parts.iter().find(|p| {
-                !p.dst_start[rd].is_multiple_of(FP8_BLOCK)
-                    || !p.dst_start[cd].is_multiple_of(FP8_BLOCK)
-            }) {
-                let param = &self.model.params[p.param as usize];
-                return Err(self.refuse(
-                    &name,
-                    format!(
-                        "its {FP8_BLOCK}x{FP8_BLOCK} fp8 blocks are the tensor's own, but the part \
-                         from {} starts at row {} / column {}, inside a block it would share with \
-                         another training tensor",
-                        param.name, p.dst_start[rd], p.dst_start[cd]
-                    ),
-                ));
-            }
+            self.check_hf_block_grid(&name, &parts, rd, cd)?;
         }
         // Scale rows: per lead coordinate, parts' ceil(rows/128) in row order.
         let mut scale_rows: Vec<(Vec<u32>, u32)> = Vec::new();
@@ -165,6 +149,32 @@ impl RankBuilder<'_> {
                 dst_start: p.dst_start,
                 scale: Some(ScalePlace { tensor: st, start }),
             });
+        }
+        Ok(())
+    }
+
+    /// In hf, transformers' scales are the tensor's own block grid: a part placed off it would
+    /// share a block with its neighbour.
+    fn check_hf_block_grid(
+        &self,
+        name: &str,
+        parts: &[Part],
+        rd: usize,
+        cd: usize,
+    ) -> Result<(), PlanError> {
+        if let Some(p) = parts.iter().find(|p| {
+            !p.dst_start[rd].is_multiple_of(FP8_BLOCK) || !p.dst_start[cd].is_multiple_of(FP8_BLOCK)
+        }) {
+            let param = &self.model.params[p.param as usize];
+            return Err(self.refuse(
+                name,
+                format!(
+                    "its {FP8_BLOCK}x{FP8_BLOCK} fp8 blocks are the tensor's own, but the part \
+                     from {} starts at row {} / column {}, inside a block it would share with \
+                     another training tensor",
+                    param.name, p.dst_start[rd], p.dst_start[cd]
+                ),
+            ));
         }
         Ok(())
     }

@@ -14,12 +14,13 @@ use super::targets::TargetPlan;
 use super::{Assign, Planner, Region};
 use crate::compact::{RoutesBuilder, TaskWrite};
 use crate::error::PlanError;
+use crate::layout_infer::InferRank;
 use crate::layout_train::{align_up, ShardSpec};
 use crate::packed::Packed;
 use crate::runs::for_each_run;
 use crate::table::{
-    CompactTrainer, DstTensor, LocalShard, ParamRef, RolloutEntry, RolloutLayouts, RoutingTable,
-    Source, TensorBox, Transform, UnitExpect, GROUP_FIELDS, MAX_WRITE_BYTES, TRAINER_GATHER_MR,
+    CompactTrainer, LocalShard, ParamRef, RolloutEntry, RolloutLayouts, RoutingTable, Source,
+    TensorBox, Transform, UnitExpect, GROUP_FIELDS, MAX_WRITE_BYTES, TRAINER_GATHER_MR,
 };
 
 /// A trainer's part under construction.
@@ -404,7 +405,7 @@ impl Planner<'_> {
         let mut layouts = RolloutLayouts::default();
         // Ranks sharing their tensors (the same rank of every engine) share a layout without
         // comparing tensor by tensor.
-        let mut shared: Vec<(&std::sync::Arc<[DstTensor]>, &[u64], u32)> = Vec::new();
+        let mut shared: Vec<(&InferRank, u32)> = Vec::new();
         let entries = self
             .infer
             .ranks
@@ -413,13 +414,13 @@ impl Planner<'_> {
                 rank: r.rank,
                 engine: r.engine,
                 local_rank: r.local_rank,
-                layout: match shared.iter().find(|(t, m, _)| {
-                    std::sync::Arc::ptr_eq(t, &r.tensors) && *m == &r.mr_bytes[..]
+                layout: match shared.iter().find(|(s, _)| {
+                    std::sync::Arc::ptr_eq(&s.tensors, &r.tensors) && s.mr_bytes == r.mr_bytes
                 }) {
-                    Some(&(_, _, id)) => id,
+                    Some(&(_, id)) => id,
                     None => {
                         let id = layouts.intern(&r.mr_bytes, &r.tensors);
-                        shared.push((&r.tensors, &r.mr_bytes, id));
+                        shared.push((r, id));
                         id
                     }
                 },

@@ -14,7 +14,10 @@
 //! `ceil(T / gpus_per_node) + r / gpus_per_node`; with [`Placement::Colocated`] GPU `g` is on
 //! node `g / gpus_per_node` (the loopback calibration: everything on one machine). Each node has
 //! `nics_per_node` NICs, and GPU `g` with local index `l` uses NIC `l * nics_per_node /
-//! gpus_per_node` of its node: with fewer NICs than GPUs, GPUs share a NIC.
+//! gpus_per_node` of its node: with fewer NICs than GPUs, GPUs share a NIC. With more (a whole
+//! multiple: Kimi-K2 deployments with 2 x 200 Gb/s per GPU), GPU `l` owns NICs
+//! `l * k .. (l + 1) * k` for `k = nics_per_node / gpus_per_node`, and its transfers stripe evenly
+//! over them, as the fabric's lanes stripe over a worker's devices.
 //!
 //! A NIC is full duplex: it sends at [`CostModel::nic_bytes_per_s`] and receives at the same rate
 //! at once. A write costs its NIC `max(bytes / bandwidth, work_requests * per_wr_s)` on each side.
@@ -185,9 +188,12 @@ impl ClusterModel {
                 self.gpus_per_node, self.nics_per_node
             )));
         }
-        if self.nics_per_node > self.gpus_per_node {
+        if self.nics_per_node > self.gpus_per_node
+            && !self.nics_per_node.is_multiple_of(self.gpus_per_node)
+        {
             return Err(SimError::BadCluster(format!(
-                "nics_per_node ({}) above gpus_per_node ({}): a GPU uses one NIC here",
+                "nics_per_node ({}) above gpus_per_node ({}) must be a whole multiple of it \
+                 (each GPU owns the same number of NICs)",
                 self.nics_per_node, self.gpus_per_node
             )));
         }
@@ -210,16 +216,33 @@ impl ClusterModel {
         }
     }
 
-    /// The global NIC index GPU `gpu` uses.
+    /// The global index of the (first) NIC GPU `gpu` uses.
     pub fn nic_of(&self, gpu: u32, trainers: u32) -> u32 {
+        self.nics_of(gpu, trainers).start
+    }
+
+    /// NICs per GPU: 1 unless the node has a whole multiple of its GPUs.
+    pub fn nics_per_gpu(&self) -> u32 {
+        if self.nics_per_node > self.gpus_per_node {
+            self.nics_per_node / self.gpus_per_node
+        } else {
+            1
+        }
+    }
+
+    /// The global indices of the NICs GPU `gpu` stripes over (one, possibly shared, unless the
+    /// node has several NICs per GPU).
+    pub fn nics_of(&self, gpu: u32, trainers: u32) -> std::ops::Range<u32> {
         let g = self.gpus_per_node;
         let local = match self.placement {
             Placement::Colocated => gpu % g,
             Placement::Separate if gpu < trainers => gpu % g,
             Placement::Separate => (gpu - trainers) % g,
         };
-        self.node_of(gpu, trainers) * self.nics_per_node
-            + (local as u64 * self.nics_per_node as u64 / g as u64) as u32
+        let k = self.nics_per_gpu();
+        let first = self.node_of(gpu, trainers) * self.nics_per_node
+            + (local as u64 * self.nics_per_node as u64 / g as u64) as u32;
+        first..first + k
     }
 }
 
@@ -243,6 +266,11 @@ mod tests {
         c.gpus_per_node = 6;
         c.nics_per_node = 1;
         assert!((0..6).all(|g| c.nic_of(g, 4) == 0));
+        c.gpus_per_node = 8;
+        c.nics_per_node = 16;
+        assert_eq!(c.nics_per_gpu(), 2);
+        assert_eq!(c.nics_of(3, 16), 6..8);
+        assert_eq!(c.nics_of(9, 16), 18..20);
     }
 
     #[test]

@@ -109,14 +109,14 @@ pub(crate) struct NicLoad {
 
 /// One hop of a transfer: bytes from one NIC into another (a loopback through one NIC when
 /// `from == to`), or a local copy on one GPU (`local`), which costs no NIC.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(crate) struct Hop {
     /// Same GPU: no NIC involved.
     pub local: bool,
-    /// Sending NIC.
-    pub from: u32,
-    /// Receiving NIC.
-    pub to: u32,
+    /// Sending NICs (the bytes stripe evenly over them).
+    pub from: std::ops::Range<u32>,
+    /// Receiving NICs (likewise).
+    pub to: std::ops::Range<u32>,
     /// Node of the receiving NIC.
     pub to_node: u32,
     /// Bytes.
@@ -241,12 +241,18 @@ impl SimPlan {
                 continue;
             }
             net_bytes += h.bytes;
-            let t = tx.entry(h.from).or_default();
-            t.0 += h.bytes;
-            t.1 += h.wrs;
-            let r = rx.entry(h.to).or_insert((0.0, 0.0, h.to_node));
-            r.0 += h.bytes;
-            r.1 += h.wrs;
+            let share = 1.0 / h.from.len().max(1) as f64;
+            for nic in h.from.clone() {
+                let t = tx.entry(nic).or_default();
+                t.0 += h.bytes * share;
+                t.1 += h.wrs * share;
+            }
+            let share = 1.0 / h.to.len().max(1) as f64;
+            for nic in h.to.clone() {
+                let r = rx.entry(nic).or_insert((0.0, 0.0, h.to_node));
+                r.0 += h.bytes * share;
+                r.1 += h.wrs * share;
+            }
         }
         let mut uses = Vec::with_capacity(tx.len() + rx.len() + 1);
         if total > 0.0 {

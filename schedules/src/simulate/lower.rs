@@ -128,7 +128,7 @@ struct TrainerLane {
     t: u32,
     lane: u32,
     gpu_node: u32,
-    my_nic: u32,
+    my_nics: std::ops::Range<u32>,
     /// Staging bytes per piece.
     budget: u64,
     pool: u32,
@@ -227,7 +227,7 @@ impl<'c> Lowering<'c> {
             t,
             lane: self.out.trainer_lanes[t as usize],
             gpu_node,
-            my_nic: cluster.nic_of(t, nt),
+            my_nics: cluster.nics_of(t, nt),
             budget,
             pool,
             h2d_res,
@@ -376,11 +376,11 @@ impl<'c> Lowering<'c> {
             .iter()
             .map(|&(gpu, bytes, wrs)| Hop {
                 local: gpu == t,
-                from: if gpu == t { u32::MAX } else { tr.my_nic },
+                from: if gpu == t { 0..0 } else { tr.my_nics.clone() },
                 to: if gpu == t {
-                    u32::MAX
+                    0..0
                 } else {
-                    cluster.nic_of(gpu, nt)
+                    cluster.nics_of(gpu, nt)
                 },
                 to_node: cluster.node_of(gpu, nt),
                 bytes,

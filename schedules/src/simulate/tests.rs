@@ -174,6 +174,45 @@ fn faster_nics_never_make_a_sync_slower() {
 }
 
 #[test]
+fn two_nics_per_gpu_stripe_a_sync() {
+    // Network-bound: two NICs of half the rate per GPU move a sync as fast as one NIC of the
+    // full rate, and two of the full rate nearly twice as fast as one.
+    let table = copy_table(4, 2, 12, 700_000, |t, k| (t + k) % 2);
+    let cluster = |gbit: f64, nics_per_gpu: u32| {
+        let mut c = balanced_cluster().with_nic_gbit(gbit);
+        c.cost.h2d_bytes_per_s = 1e12;
+        c.cost.prep_bytes_per_s = 1e12;
+        c.nics_per_node = c.gpus_per_node * nics_per_gpu;
+        c
+    };
+    let (one, two_half, two_full) = (cluster(8.0, 1), cluster(4.0, 2), cluster(8.0, 2));
+    let (a, b, c) = (
+        simulate(&table, &one).unwrap(),
+        simulate(&table, &two_half).unwrap(),
+        simulate(&table, &two_full).unwrap(),
+    );
+    assert!(
+        (b.predicted_s / a.predicted_s - 1.0).abs() < 0.05,
+        "2 x half {} vs 1 x full {}",
+        b.predicted_s,
+        a.predicted_s
+    );
+    assert!(
+        c.predicted_s < a.predicted_s * 0.6,
+        "2 x full {} vs 1 x full {}",
+        c.predicted_s,
+        a.predicted_s
+    );
+    // Several NICs per GPU must be the same number for every GPU.
+    let mut odd = balanced_cluster();
+    odd.nics_per_node = odd.gpus_per_node * 2 + 1;
+    assert!(simulate(&table, &odd)
+        .unwrap_err()
+        .to_string()
+        .contains("whole multiple"));
+}
+
+#[test]
 fn message_rate_bounds_tiny_writes() {
     // 1000 writes of 1 KB at 10 us each: 10 ms of message cost, 1 ms of bytes.
     let table = copy_table(1, 1, 1000, 1000, |_, _| 0);

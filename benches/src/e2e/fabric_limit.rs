@@ -1,0 +1,123 @@
+//! The fabric limit: the same bytes between the same pairs as a sync, written by the same fabric
+//! with the same lanes, and nothing else (no routing table, no staging, no preparation, no
+//! immediates, no barrier): large blocks from one registered buffer per trainer into one
+//! registered region per rollout, every pair at once, a few writes in flight per pair.
+//!
+//! Why: `ratio_vs_tcp_limit` mixes two losses, the fabric's own and the sync's. Measured beside
+//! a sync in the same run, `ratio_vs_fabric` (sync landing rate over this) isolates the second:
+//! what the pipeline between the table and the wire costs.
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use weightsync_common::fabric::{
+    Access, FabricBackend, FabricConfig, Region, RegionDescriptor, TcpFabric, WriteOp,
+};
+
+use super::E2eError;
+
+/// Bytes per write: large enough that per-write costs vanish on every backend.
+const BLOCK: u64 = 4 << 20;
+/// Writes in flight per pair.
+const WINDOW: usize = 4;
+/// Size of each source buffer and destination region (blocks cycle through it).
+const REGION: u64 = BLOCK * WINDOW as u64;
+
+/// One fabric per trainer and per rollout, connected, with their buffers registered.
+pub(crate) struct FabricLimit {
+    trainers: BTreeMap<u32, (TcpFabric, Region)>,
+    rollouts: BTreeMap<u32, (TcpFabric, Region, RegionDescriptor)>,
+    pairs: Vec<(u32, u32, u64)>,
+}
+
+impl FabricLimit {
+    /// Starts the fabrics for `pairs` (trainer, rollout, bytes) with `lanes` lanes per peer.
+    pub(crate) async fn start(
+        pairs: &[(u32, u32, u64)],
+        token: &str,
+        lanes: usize,
+    ) -> Result<FabricLimit, E2eError> {
+        let setup = |what: &str, e: weightsync_common::fabric::FabricError| {
+            E2eError::Setup(format!("fabric limit: {what}: {e}"))
+        };
+        let start = || async {
+            TcpFabric::start(&FabricConfig::loopback(token, lanes))
+                .await
+                .map_err(|e| setup("starting a fabric", e))
+        };
+        let mut trainers = BTreeMap::new();
+        let mut rollouts = BTreeMap::new();
+        for &(t, r, _) in pairs {
+            if let std::collections::btree_map::Entry::Vacant(slot) = trainers.entry(t) {
+                let f = start().await?;
+                let src = f
+                    .alloc(REGION as usize, Access::SOURCE)
+                    .map_err(|e| setup("registering a source", e))?;
+                slot.insert((f, src));
+            }
+            if let std::collections::btree_map::Entry::Vacant(slot) = rollouts.entry(r) {
+                let f = start().await?;
+                let dst = f
+                    .alloc(REGION as usize, Access::RECEIVE)
+                    .map_err(|e| setup("registering a destination", e))?;
+                let d = dst.descriptor().clone();
+                slot.insert((f, dst, d));
+            }
+        }
+        Ok(FabricLimit {
+            trainers,
+            rollouts,
+            pairs: pairs.to_vec(),
+        })
+    }
+
+    /// Moves every pair's bytes once, all pairs at once; returns the seconds it took.
+    pub(crate) async fn sync(&self) -> Result<f64, E2eError> {
+        let t0 = Instant::now();
+        let mut pairs = Vec::with_capacity(self.pairs.len());
+        for &(t, r, bytes) in &self.pairs {
+            let (fabric, src) = &self.trainers[&t];
+            let dst = &self.rollouts[&r].2;
+            pairs.push(pair(fabric.clone(), src.clone(), dst.clone(), bytes));
+        }
+        futures::future::try_join_all(pairs).await?;
+        Ok(t0.elapsed().as_secs_f64())
+    }
+}
+
+/// One pair's bytes in [`BLOCK`]s, [`WINDOW`] in flight.
+async fn pair(
+    fabric: TcpFabric,
+    src: Region,
+    dst: RegionDescriptor,
+    bytes: u64,
+) -> Result<(), E2eError> {
+    type Pending = std::pin::Pin<
+        Box<dyn std::future::Future<Output = weightsync_common::fabric::Result<()>> + Send>,
+    >;
+    let mut in_flight: std::collections::VecDeque<Pending> =
+        std::collections::VecDeque::with_capacity(WINDOW);
+    let mut sent = 0u64;
+    let mut i = 0u64;
+    while sent < bytes {
+        let len = BLOCK.min(bytes - sent);
+        let off = (i % WINDOW as u64) * BLOCK;
+        if in_flight.len() == WINDOW {
+            let f = in_flight.pop_front().expect("window is full");
+            f.await.map_err(fabric_error)?;
+        }
+        in_flight.push_back(Box::pin(
+            fabric.write(WriteOp::new(&src, off, &dst, off, len)),
+        ));
+        sent += len;
+        i += 1;
+    }
+    for f in in_flight {
+        f.await.map_err(fabric_error)?;
+    }
+    Ok(())
+}
+
+fn fabric_error(e: weightsync_common::fabric::FabricError) -> E2eError {
+    E2eError::Sync(format!("fabric limit: {e}"))
+}
