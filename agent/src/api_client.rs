@@ -25,6 +25,117 @@ pub enum ClientError {
     /// The answer is not HTTP.
     #[error("malformed HTTP response from {0}")]
     Malformed(String),
+    /// The controller refused the request (the status and its message).
+    #[error("the controller at {addr} answered {status}: {message}")]
+    Refused {
+        /// Address.
+        addr: String,
+        /// HTTP status.
+        status: u16,
+        /// The error message of its JSON body (or the body).
+        message: String,
+    },
+}
+
+/// Why a sync failed, as the controller reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SyncFailure {
+    /// The worker to blame, e.g. `rollout-1`.
+    pub worker: String,
+    /// The tensor, when known.
+    pub tensor: Option<String>,
+    /// Why.
+    pub cause: String,
+}
+
+/// A sync as `POST /v1/syncs` reports it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SyncResult {
+    /// The sync's id.
+    pub sync_id: u64,
+    /// Its version.
+    pub version: u64,
+    /// `pending`, `running`, `committed` or `failed`.
+    pub state: String,
+    /// Whether this call created it (false: it existed, the trigger is idempotent).
+    pub created: bool,
+    /// Bytes written by trainers.
+    pub bytes: u64,
+    /// Source bytes trainers copied into staging before writing.
+    pub staged_bytes: u64,
+    /// Bytes trainers wrote straight from their registered tensors.
+    pub direct_bytes: u64,
+    /// Creation to the end, seconds (when it ended).
+    pub seconds: Option<f64>,
+    /// Per stage as the controller saw it (`prepare`, `write`, `land`, `verify`, `total`),
+    /// seconds.
+    pub stages: Vec<(String, f64)>,
+    /// Why it failed.
+    pub failure: Option<SyncFailure>,
+}
+
+impl SyncResult {
+    fn from_json(v: &serde_json::Value) -> Option<SyncResult> {
+        let stages: Vec<(String, f64)> = v["stages"]
+            .as_object()
+            .map(|m| {
+                m.iter()
+                    .filter_map(|(k, x)| {
+                        Some((k.trim_end_matches("_ms").to_string(), x.as_f64()? / 1e3))
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        let failure = v["failure"].as_object().map(|f| SyncFailure {
+            worker: f["worker"].as_str().unwrap_or_default().to_string(),
+            tensor: f["tensor"].as_str().map(str::to_string),
+            cause: f["cause"].as_str().unwrap_or_default().to_string(),
+        });
+        Some(SyncResult {
+            sync_id: v["sync_id"].as_u64()?,
+            version: v["version"].as_u64()?,
+            state: v["state"].as_str()?.to_string(),
+            created: v["created"].as_bool().unwrap_or(false),
+            bytes: v["bytes"].as_u64().unwrap_or(0),
+            staged_bytes: v["staged_bytes"].as_u64().unwrap_or(0),
+            direct_bytes: v["direct_bytes"].as_u64().unwrap_or(0),
+            seconds: v["stages"]["total_ms"].as_f64().map(|ms| ms / 1e3),
+            stages,
+            failure,
+        })
+    }
+}
+
+/// `POST /v1/syncs` for `version` (`wait`: until it ends), typed. A sync that failed is an
+/// `Ok` whose `state` is `failed` and whose `failure` names the worker; a refused trigger
+/// (another sync running, a stale version, the world not ready, a wrong token) is
+/// [`ClientError::Refused`] with the controller's message.
+pub async fn sync(
+    addr: &str,
+    token: &str,
+    version: u64,
+    wait: bool,
+    timeout: Duration,
+) -> Result<SyncResult, ClientError> {
+    let path = if wait {
+        "/v1/syncs?wait=true"
+    } else {
+        "/v1/syncs"
+    };
+    let body = format!("{{\"version\": {version}}}");
+    let r = request(addr, "POST", path, Some(token), Some(&body), timeout).await?;
+    let json = r.json();
+    if !(200..300).contains(&r.status) {
+        let message = json["error"]["message"]
+            .as_str()
+            .map_or_else(|| r.body.clone(), str::to_string);
+        return Err(ClientError::Refused {
+            addr: addr.to_string(),
+            status: r.status,
+            message,
+        });
+    }
+    SyncResult::from_json(&json).ok_or_else(|| ClientError::Malformed(addr.to_string()))
 }
 
 /// A response: status and body text.

@@ -9,6 +9,12 @@
 //!
 //! If the controller goes away, the agent reconnects and registers again (up to
 //! `reconnect_for`), keeping its registered memory: a restarted controller re-plans and carries on.
+//!
+//! After the job-token proof the controller says the job (`Job`); an agent launched with a job
+//! of its own stops with [`AgentError::OtherJob`] naming what differs, before it registers. An
+//! in-process worker learns the job first ([`fetch_job`]) and runs its agent with an
+//! [`AgentLink`]: messages of its own (a trainer's `Push`) and the ends of syncs
+//! ([`AgentEvent`]), which its handles wait on.
 
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -16,8 +22,8 @@ use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, watch};
 use weightsync_common::protocol::{
-    auth, read_frame, write_frame, ControlFrameError, FromWorker, Registration, ToWorker, WorkerId,
-    WorldSpec, DEFAULT_MAX_FRAME,
+    auth, read_frame, write_frame, ControlFrameError, Failure, FromWorker, Registration, ToWorker,
+    WorkerId, WorldSpec, DEFAULT_MAX_FRAME,
 };
 
 use crate::driver::{DriverInfo, Outcome, SyncDriver, SyncRef};
@@ -40,6 +46,47 @@ pub struct AgentConfig {
     pub reconnect_for: Duration,
     /// Largest control frame accepted.
     pub max_frame: u32,
+}
+
+/// What an embedding (an in-process trainer or engine) exchanges with a running agent besides
+/// the driver: messages of its own to send (a trainer's `Push`), and the ends of syncs as the
+/// controller announced them.
+#[derive(Debug, Default)]
+pub struct AgentLink {
+    /// Extra messages to send to the controller (after registration).
+    pub outbox: Option<mpsc::Receiver<FromWorker>>,
+    /// Where the ends of syncs are announced.
+    pub events: Option<mpsc::UnboundedSender<AgentEvent>>,
+}
+
+/// The end of a sync as the controller announced it to this worker.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AgentEvent {
+    /// Registered with the controller (again, after a reconnect).
+    Registered,
+    /// `Commit N`.
+    Committed {
+        /// Sync id.
+        sync_id: u64,
+        /// Version.
+        version: u64,
+    },
+    /// `Abort N` (sync id 0: a pushed version that cannot be synced).
+    Aborted {
+        /// Sync id.
+        sync_id: u64,
+        /// Version.
+        version: u64,
+        /// Why.
+        reason: String,
+        /// The failure, naming the worker that failed, when one did.
+        failure: Option<Failure>,
+    },
+    /// The agent stopped (shutdown, refused, or the controller could not be reached).
+    Stopped {
+        /// Why.
+        reason: String,
+    },
 }
 
 /// Why an agent stopped.
@@ -65,6 +112,14 @@ pub enum AgentError {
     /// The control protocol was violated.
     #[error("control protocol: {0}")]
     Protocol(String),
+    /// The controller runs another job than the one this worker was launched with.
+    #[error("{id} states a different job than the controller's: {detail}")]
+    OtherJob {
+        /// This worker.
+        id: WorkerId,
+        /// What differs.
+        detail: String,
+    },
 }
 
 /// How a session with the controller ended.
@@ -82,9 +137,47 @@ fn unix_ns() -> u64 {
 
 /// Runs an agent until the controller says `Shutdown` (Ok) or cannot be reached (Err).
 pub async fn run_agent<D: SyncDriver>(cfg: AgentConfig, driver: D) -> Result<(), AgentError> {
+    run_agent_with(cfg, driver, AgentLink::default()).await
+}
+
+/// [`run_agent`] with an embedding's [`AgentLink`].
+pub async fn run_agent_with<D: SyncDriver>(
+    cfg: AgentConfig,
+    driver: D,
+    link: AgentLink,
+) -> Result<(), AgentError> {
+    let events = link.events.clone();
+    let result = run_linked(cfg, driver, link).await;
+    if let Some(ev) = events {
+        let reason = match &result {
+            Ok(()) => "the controller said shutdown".to_string(),
+            Err(e) => e.to_string(),
+        };
+        let _ = ev.send(AgentEvent::Stopped { reason });
+    }
+    result
+}
+
+async fn run_linked<D: SyncDriver>(
+    cfg: AgentConfig,
+    driver: D,
+    link: AgentLink,
+) -> Result<(), AgentError> {
     let (cmd_tx, cmd_rx) = mpsc::channel::<DriverCmd>(64);
     let (abort_tx, abort_rx) = watch::channel::<u64>(0);
     let (out_tx, mut out_rx) = mpsc::channel::<FromWorker>(256);
+    if let Some(mut extra) = link.outbox {
+        // The embedding's messages join the driver's on the way out.
+        let out = out_tx.clone();
+        tokio::spawn(async move {
+            while let Some(m) = extra.recv().await {
+                if out.send(m).await.is_err() {
+                    break;
+                }
+            }
+        });
+    }
+    let events = link.events;
     let info = driver.info();
     let driver_task = tokio::spawn(drive(driver, cfg.id.role, cmd_rx, abort_rx, out_tx));
     let mut first = true;
@@ -94,7 +187,12 @@ pub async fn run_agent<D: SyncDriver>(cfg: AgentConfig, driver: D) -> Result<(),
             Err(e) => break Err(e),
         };
         first = false;
-        match session(&cfg, &info, stream, &cmd_tx, &abort_tx, &mut out_rx).await {
+        let ends = Ends {
+            cmd_tx: &cmd_tx,
+            abort_tx: &abort_tx,
+            events: events.as_ref(),
+        };
+        match session(&cfg, &info, stream, &ends, &mut out_rx).await {
             Ok(SessionEnd::Shutdown) => break Ok(()),
             Ok(SessionEnd::Lost(why)) => {
                 tracing::warn!("{}: lost the controller ({why}); reconnecting", cfg.id);
@@ -167,6 +265,33 @@ async fn register(
         Err(e) => return lost(e),
     };
     let proof = auth::prove(&cfg.job_token, &nonce);
+    if let Err(e) = write_frame(wr, &FromWorker::Hello { proof }, max).await {
+        return lost(e);
+    }
+    match read_frame::<_, ToWorker>(rd, max).await {
+        Ok(Some(ToWorker::Job { world, .. })) if world == cfg.world => {}
+        Ok(Some(ToWorker::Job { world, .. })) => {
+            return Err(AgentError::OtherJob {
+                id: cfg.id,
+                detail: job_difference(&cfg.world, &world),
+            })
+        }
+        Ok(Some(ToWorker::Rejected { reason })) => {
+            return Err(AgentError::Rejected { id: cfg.id, reason })
+        }
+        Ok(Some(other)) => {
+            return Err(AgentError::Protocol(format!(
+                "expected the job, got {other:?}"
+            )))
+        }
+        Ok(None) => {
+            return Err(AgentError::Rejected {
+                id: cfg.id,
+                reason: "connection closed after the proof (wrong job token?)".into(),
+            })
+        }
+        Err(e) => return lost(e),
+    }
     let reg = Registration {
         id: cfg.id,
         host: cfg.host.clone(),
@@ -175,14 +300,10 @@ async fn register(
         fabric_endpoint: info.fabric_endpoint.clone(),
         regions: info.regions.clone(),
         tensors: info.tensors.clone(),
+        placement: info.placement.clone(),
     };
-    for msg in [
-        FromWorker::Hello { proof },
-        FromWorker::Register(Box::new(reg)),
-    ] {
-        if let Err(e) = write_frame(wr, &msg, max).await {
-            return lost(e);
-        }
+    if let Err(e) = write_frame(wr, &FromWorker::Register(Box::new(reg)), max).await {
+        return lost(e);
     }
     match read_frame::<_, ToWorker>(rd, max).await {
         Ok(Some(ToWorker::Welcome { heartbeat_ms })) => Ok(Ok(heartbeat_ms.max(10))),
@@ -195,6 +316,72 @@ async fn register(
             reason: "connection closed during registration (wrong job token?)".into(),
         }),
         Err(e) => lost(e),
+    }
+}
+
+/// What differs between the job a worker was launched with and the controller's.
+fn job_difference(mine: &WorldSpec, theirs: &WorldSpec) -> String {
+    let fields = [
+        ("model", mine.model.clone(), theirs.model.clone()),
+        ("train", mine.train.clone(), theirs.train.clone()),
+        ("infer", mine.infer.clone(), theirs.infer.clone()),
+        ("dtype", mine.dtype.to_string(), theirs.dtype.to_string()),
+        ("verify", mine.verify.to_string(), theirs.verify.to_string()),
+    ];
+    fields
+        .iter()
+        .filter(|(_, a, b)| a != b)
+        .map(|(k, a, b)| format!("{k}: this worker {a:?}, the controller {b:?}"))
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// Learns the job from the controller at `controller` without registering: challenge, proof,
+/// the `Job` message, then the connection closes. What an in-process worker does first, to lay
+/// out its own side before it registers its memory. Returns the job and the text of the
+/// model's `config.json` when the controller read one.
+pub async fn fetch_job(
+    controller: &str,
+    job_token: &str,
+    max_frame: u32,
+) -> Result<(WorldSpec, Option<String>), AgentError> {
+    let unreachable = |e: &dyn std::fmt::Display| AgentError::Unreachable {
+        addr: controller.to_string(),
+        last: e.to_string(),
+    };
+    let stream = TcpStream::connect(controller)
+        .await
+        .map_err(|e| unreachable(&e))?;
+    let _ = stream.set_nodelay(true);
+    let (mut rd, mut wr) = stream.into_split();
+    let nonce = match read_frame::<_, ToWorker>(&mut rd, max_frame).await {
+        Ok(Some(ToWorker::Challenge { nonce })) => nonce,
+        Ok(other) => {
+            return Err(AgentError::Protocol(format!(
+                "expected a challenge, got {other:?}"
+            )))
+        }
+        Err(e) => return Err(unreachable(&e)),
+    };
+    let proof = auth::prove(job_token, &nonce);
+    write_frame(&mut wr, &FromWorker::Hello { proof }, max_frame)
+        .await
+        .map_err(|e| unreachable(&e))?;
+    match read_frame::<_, ToWorker>(&mut rd, max_frame).await {
+        Ok(Some(ToWorker::Job {
+            world,
+            model_config,
+        })) => Ok((world, model_config)),
+        Ok(Some(ToWorker::Rejected { reason })) => Err(AgentError::Protocol(format!(
+            "the controller refused the proof: {reason}"
+        ))),
+        Ok(None) => Err(AgentError::Protocol(
+            "the controller closed the connection after the proof (wrong job token?)".into(),
+        )),
+        Ok(Some(other)) => Err(AgentError::Protocol(format!(
+            "expected the job, got {other:?}"
+        ))),
+        Err(e) => Err(unreachable(&e)),
     }
 }
 
@@ -223,14 +410,26 @@ fn spawn_reader(
     (reader, in_rx)
 }
 
-/// What a controller message means for the driver loop. `current` is the sync last prepared;
-/// `abort_tx` cancels a step of an aborted sync at once, before its `Abort` command is read.
-fn next_for(
-    cfg: &AgentConfig,
-    msg: ToWorker,
-    current: &mut Option<SyncRef>,
-    abort_tx: &watch::Sender<u64>,
-) -> Next {
+/// Where a session hands what it reads: the driver loop's commands, the abort signal that
+/// cancels a step of an aborted sync at once (before its `Abort` command is read), and the
+/// embedding's events.
+struct Ends<'a> {
+    cmd_tx: &'a mpsc::Sender<DriverCmd>,
+    abort_tx: &'a watch::Sender<u64>,
+    events: Option<&'a mpsc::UnboundedSender<AgentEvent>>,
+}
+
+impl Ends<'_> {
+    fn event(&self, ev: AgentEvent) {
+        if let Some(tx) = self.events {
+            let _ = tx.send(ev);
+        }
+    }
+}
+
+/// What a controller message means for the driver loop. `current` is the sync last prepared.
+fn next_for(cfg: &AgentConfig, msg: ToWorker, current: &mut Option<SyncRef>, ends: &Ends) -> Next {
+    let abort_tx = ends.abort_tx;
     let of_current = |sync_id: u64| current.filter(|s| s.sync_id == sync_id);
     let cmd = match msg {
         ToWorker::Assign(a) => Some(DriverCmd::Assign(Box::new(a))),
@@ -251,31 +450,48 @@ fn next_for(
         ToWorker::Verify {
             sync_id, checksums, ..
         } => of_current(sync_id).map(|s| DriverCmd::Verify(s, checksums)),
-        ToWorker::Commit { sync_id, .. } => {
-            of_current(sync_id).map(|s| DriverCmd::Finish(s, Outcome::Committed))
+        ToWorker::Commit { sync_id, version } => {
+            let cmd = of_current(sync_id).map(|s| DriverCmd::Finish(s, Outcome::Committed));
+            ends.event(AgentEvent::Committed { sync_id, version });
+            cmd
         }
         ToWorker::Abort {
             sync_id,
             version,
             reason,
+            failure,
         } => {
             tracing::warn!(
                 "{}: sync {sync_id} (version {version}) aborted: {reason}",
                 cfg.id
             );
+            ends.event(AgentEvent::Aborted {
+                sync_id,
+                version,
+                reason: reason.clone(),
+                failure,
+            });
+            if sync_id == 0 {
+                // A pushed version refused before any sync started: nothing to drain.
+                return Next::Nothing;
+            }
             let _ = abort_tx.send(sync_id);
             // Always answered (with Drained), also for a sync this worker never saw.
             Some(DriverCmd::Abort {
                 sync: of_current(sync_id),
                 sync_id,
                 version,
+                reason,
             })
         }
         ToWorker::Shutdown => return Next::End(SessionEnd::Shutdown),
         ToWorker::Rejected { reason } => {
             return Next::End(SessionEnd::Lost(format!("rejected: {reason}")))
         }
-        ToWorker::Heartbeat { .. } | ToWorker::Welcome { .. } | ToWorker::Challenge { .. } => None,
+        ToWorker::Heartbeat { .. }
+        | ToWorker::Welcome { .. }
+        | ToWorker::Challenge { .. }
+        | ToWorker::Job { .. } => None,
     };
     cmd.map_or(Next::Nothing, Next::Cmd)
 }
@@ -286,8 +502,7 @@ async fn session(
     cfg: &AgentConfig,
     info: &DriverInfo,
     stream: TcpStream,
-    cmd_tx: &mpsc::Sender<DriverCmd>,
-    abort_tx: &watch::Sender<u64>,
+    ends: &Ends<'_>,
     out_rx: &mut mpsc::Receiver<FromWorker>,
 ) -> Result<SessionEnd, AgentError> {
     let max = cfg.max_frame;
@@ -301,6 +516,7 @@ async fn session(
         cfg.id,
         cfg.controller
     );
+    ends.event(AgentEvent::Registered);
     let (reader, mut in_rx) = spawn_reader(rd, max);
     let mut beat = tokio::time::interval(Duration::from_millis(heartbeat_ms));
     beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -326,9 +542,9 @@ async fn session(
                     Some(Err(e)) => break SessionEnd::Lost(e),
                     None => break SessionEnd::Lost("reader stopped".into()),
                 };
-                match next_for(cfg, msg, &mut current, abort_tx) {
+                match next_for(cfg, msg, &mut current, ends) {
                     Next::Cmd(cmd) => {
-                        if cmd_tx.send(cmd).await.is_err() {
+                        if ends.cmd_tx.send(cmd).await.is_err() {
                             break SessionEnd::Lost("driver stopped".into());
                         }
                     }

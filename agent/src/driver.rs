@@ -55,6 +55,9 @@ pub struct DriverInfo {
     pub regions: Vec<Blob>,
     /// Tensors held.
     pub tensors: Vec<TensorMeta>,
+    /// Where the planned tensors lie in `regions` when they are not laid out as planned (a
+    /// rollout over an engine's own tensors); `None`: as planned.
+    pub placement: Option<Blob>,
 }
 
 /// What a worker built for its assignment, sent back in `Ready`.
@@ -123,6 +126,13 @@ pub trait SyncDriver: Send + 'static {
         sync: SyncRef,
         checksums: Vec<RunChecksum>,
     ) -> impl Future<Output = Result<WorkerReport, DriverError>> + Send;
+
+    /// Why the controller aborted `sync`: called just before [`SyncDriver::finish`] with
+    /// [`Outcome::Aborted`] (an engine keeps it as the cause of its invalid state). The default
+    /// ignores it.
+    fn aborted_because(&mut self, sync: SyncRef, reason: &str) {
+        let _ = (sync, reason);
+    }
 
     /// The sync ended (commit or abort).
     fn finish(&mut self, sync: SyncRef, outcome: Outcome) -> impl Future<Output = ()> + Send;

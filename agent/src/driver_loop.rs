@@ -29,6 +29,7 @@ pub(crate) enum DriverCmd {
         sync: Option<SyncRef>,
         sync_id: u64,
         version: u64,
+        reason: String,
     },
     /// The controller was lost: drop whatever runs, drain.
     AbortAll,
@@ -110,7 +111,8 @@ pub(crate) async fn drive<D: SyncDriver>(
                 sync,
                 sync_id,
                 version,
-            } => l.abort(sync, sync_id, version).await,
+                reason,
+            } => l.abort(sync, sync_id, version, &reason).await,
             DriverCmd::AbortAll => l.abort_all().await,
         }
     }
@@ -257,8 +259,9 @@ impl<D: SyncDriver> DriverLoop<D> {
     }
 
     /// `Abort N`: answered by `Drained`, also for a sync this worker never saw.
-    async fn abort(&mut self, sync: Option<SyncRef>, sync_id: u64, version: u64) {
+    async fn abort(&mut self, sync: Option<SyncRef>, sync_id: u64, version: u64, reason: &str) {
         if let Some(s) = sync {
+            self.driver.aborted_because(s, reason);
             self.driver.finish(s, Outcome::Aborted).await;
         }
         if self.last.is_some_and(|l| l.sync_id == sync_id) {

@@ -21,6 +21,8 @@
 //! - [`demo_weights`]: the deterministic weights the demo trains with, and their recomputation.
 //! - [`config`]: flags, env vars (torchrun, Slurm) and TOML, resolved into a worker.
 //! - [`api_client`]: a minimal client of the controller's HTTP API (a training loop's trigger).
+//! - [`embed`]: in-process trainers and engines over caller-owned tensors (what the Python
+//!   package binds): [`embed::TrainerHandle`], [`embed::EngineHandle`].
 #![deny(missing_docs)]
 
 pub mod api_client;
@@ -31,9 +33,13 @@ pub mod driver;
 mod driver_loop;
 #[cfg(test)]
 mod driver_tests;
+pub mod embed;
 pub mod rollout;
 mod source;
 pub mod trainer;
 
-pub use control::{run_agent, AgentConfig, AgentError, AGENT_MAX_FRAME};
+pub use control::{
+    fetch_job, run_agent, run_agent_with, AgentConfig, AgentError, AgentEvent, AgentLink,
+    AGENT_MAX_FRAME,
+};
 pub use driver::{Accepted, DriverError, DriverInfo, Outcome, SyncDriver, SyncRef};

@@ -60,6 +60,23 @@ fn ns_since(t: Instant, since: Instant) -> u64 {
 }
 
 impl RolloutDriver {
+    /// A driver over a receiver already built (an engine's own tensors, see
+    /// `RolloutWorker::with_regions`) on `fabric`. No demo check.
+    pub fn over(
+        cfg: RolloutDriverConfig,
+        fabric: Fabric,
+        worker: RolloutWorker<Fabric>,
+    ) -> RolloutDriver {
+        let bytes = worker.layout().iter().map(|t| t.len).sum();
+        RolloutDriver {
+            cfg,
+            fabric,
+            worker: Arc::new(worker),
+            demo: None,
+            bytes,
+        }
+    }
+
     /// Lays out its tensors from the inference layout, allocates and registers them.
     pub async fn new(cfg: RolloutDriverConfig) -> Result<RolloutDriver, DriverError> {
         let fabric = Fabric::start(&cfg.fabric).await.map_err(err)?;
@@ -106,6 +123,7 @@ impl SyncDriver for RolloutDriver {
                     bytes: t.len,
                 })
                 .collect(),
+            placement: self.worker.placement().map(blob),
         }
     }
 
@@ -165,6 +183,8 @@ impl SyncDriver for RolloutDriver {
                 bytes: self.bytes,
                 writes: landed.writes,
                 peak_staging_bytes: 0,
+                staged_bytes: 0,
+                direct_bytes: 0,
                 events: evs,
                 checksums: Vec::new(),
             },

@@ -6,7 +6,9 @@ use std::sync::Arc;
 
 use parking_lot::RwLock;
 use weightsync_schedules::table::TrainerPlan;
-use weightsync_worker::{arena_tensors, SafetensorsSource, ShmSource, SourceMemory, SourceView};
+use weightsync_worker::{
+    arena_tensors, SafetensorsSource, ShmSource, SourceMemory, SourceView, TensorSet,
+};
 
 use crate::demo_weights::fill_trainer_arena;
 use crate::driver::DriverError;
@@ -24,6 +26,8 @@ pub enum SourceSpec {
     Shm(PathBuf),
     /// A safetensors file holding this rank's shards.
     Safetensors(PathBuf),
+    /// Tensors the training process registered in place (an in-process trainer).
+    Tensors(Arc<TensorSet>),
 }
 
 /// A source attached for one slice: what the worker reads, and for the demo the arena the
@@ -69,6 +73,10 @@ impl SourceSpec {
                     demo_arena: None,
                 }
             }
+            SourceSpec::Tensors(set) => AttachedSource {
+                view: Arc::new(set.for_plan(plan).map_err(err)?),
+                demo_arena: None,
+            },
         })
     }
 }

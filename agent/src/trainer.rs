@@ -7,7 +7,8 @@
 //! builds the worker (registering the staging arena and, when fp8 blocks straddle shards, the
 //! gather arena whose size only the slice knows) and answers `Ready` with the gather arena's
 //! descriptor; a re-plan with the same slice keeps what it built. On `Peers` it learns where
-//! every write goes.
+//! every write of the expanded plan goes (relocated into the engine's own regions for a rollout
+//! that registered a placement).
 //!
 //! Each sync runs in its own task, so that an abort can cancel it and wait until it has stopped
 //! posting; draining then resets the fabric's lanes, discarding whatever of the aborted sync is
@@ -57,7 +58,12 @@ pub struct TrainerDriver {
     built: Option<Built>,
     /// The sync whose task is running (kept when the agent drops `run` on an abort).
     in_flight: Option<InFlight>,
+    /// Where the last sync's report is kept for an embedding (see [`TrainerDriver::keep_reports`]).
+    reports: Option<ReportSlot>,
 }
+
+/// The last sync's version and report, for an embedding that reports it when the sync commits.
+pub type ReportSlot = Arc<parking_lot::Mutex<Option<(u64, SyncReport)>>>;
 
 /// The worker built for one slice, and the demo's source arena.
 #[derive(Debug)]
@@ -113,6 +119,8 @@ fn report(r: &SyncReport, sync: &SyncRef) -> WorkerReport {
         bytes: r.bytes_written,
         writes: r.writes_posted,
         peak_staging_bytes: r.peak_staging_bytes,
+        staged_bytes: r.staged_bytes,
+        direct_bytes: r.direct_bytes,
         events: r.timeline.relative_to(sync.reference_unix_ns),
         checksums: r.checksums.clone(),
     }
@@ -137,6 +145,12 @@ fn destinations(
             .map_err(|e| DriverError::new(format!("{}: undecodable region: {e}", p.id)))?;
         match p.id.role {
             WorkerRole::Rollout => {
+                if let Some(b) = &p.placement {
+                    let placement = bincode::deserialize(&b.0).map_err(|e| {
+                        DriverError::new(format!("{}: undecodable placement: {e}", p.id))
+                    })?;
+                    dsts.placements.insert(p.id.rank, placement);
+                }
                 dsts.rollouts.insert(p.id.rank, regions);
             }
             WorkerRole::Trainer => {
@@ -153,12 +167,23 @@ impl TrainerDriver {
     /// Starts the fabric. Nothing else is known before the assignment.
     pub async fn new(cfg: TrainerDriverConfig) -> Result<TrainerDriver, DriverError> {
         let fabric = Fabric::start(&cfg.fabric).await.map_err(err)?;
-        Ok(TrainerDriver {
+        Ok(TrainerDriver::with_fabric(cfg, fabric))
+    }
+
+    /// A driver over a fabric already started (the one its source tensors are registered with).
+    pub fn with_fabric(cfg: TrainerDriverConfig, fabric: Fabric) -> TrainerDriver {
+        TrainerDriver {
             cfg,
             fabric,
             built: None,
             in_flight: None,
-        })
+            reports: None,
+        }
+    }
+
+    /// Keeps each successful sync's report in the returned slot (before `Written` is sent).
+    pub fn keep_reports(&mut self) -> ReportSlot {
+        self.reports.get_or_insert_with(Default::default).clone()
     }
 
     /// The plan this trainer executes, its slice expanded (`None` before its first assignment).
@@ -228,6 +253,7 @@ impl SyncDriver for TrainerDriver {
             fabric_endpoint: blob(self.fabric.endpoint()),
             regions: Vec::new(),
             tensors: Vec::new(),
+            placement: None,
         }
     }
 
@@ -324,7 +350,11 @@ impl SyncDriver for TrainerDriver {
         let r = joined
             .map_err(|e| DriverError::new(format!("the sync task ended abnormally: {e}")))?
             .map_err(err)?;
-        Ok((None, report(&r, &sync)))
+        let rep = report(&r, &sync);
+        if let Some(slot) = &self.reports {
+            *slot.lock() = Some((sync.version, r));
+        }
+        Ok((None, rep))
     }
 
     async fn verify(

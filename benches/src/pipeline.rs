@@ -207,6 +207,11 @@ pub struct Report {
     pub cpu_bound_ceiling_effective: f64,
     /// The most staging in flight in any pipelined sync.
     pub peak_staging_bytes: u64,
+    /// Source bytes copied into staging per sync (this bench's source is an arena nobody
+    /// registered, so every byte is staged).
+    pub staged_bytes: u64,
+    /// Bytes written straight from registered source memory per sync.
+    pub direct_bytes: u64,
     /// The watermark.
     pub watermark_bytes: u64,
     /// `peak_staging_bytes <= watermark_bytes`.
@@ -749,6 +754,8 @@ async fn run_async(cfg: &Config) -> Result<Report, BenchError> {
         cpu_bound_ceiling_effective: sum / slowest.max(sum / effective_cores.max(1e-3)),
         serialised_stages: ss,
         peak_staging_bytes: peak,
+        staged_bytes: piped_report.staged_bytes,
+        direct_bytes: piped_report.direct_bytes,
         watermark_bytes: watermark,
         peak_within_watermark: peak <= watermark,
         verified,

@@ -28,6 +28,8 @@ fn report() -> WorkerReport {
         bytes: 1 << 20,
         writes: 3,
         peak_staging_bytes: 1 << 16,
+        staged_bytes: 1 << 19,
+        direct_bytes: 1 << 19,
         events: vec![
             TimelineEvent {
                 task: 0,
@@ -78,6 +80,7 @@ fn from_worker() -> Vec<FromWorker> {
                 dtype: DType::BF16,
                 bytes: 256,
             }],
+            placement: Some(Blob(vec![6; 32])),
         })),
         FromWorker::Ready {
             plan_id: 1,
@@ -121,6 +124,7 @@ fn from_worker() -> Vec<FromWorker> {
         },
         FromWorker::Heartbeat { seq: 9 },
         FromWorker::Drained { sync_id, version },
+        FromWorker::Push { version },
     ];
     // Adding a variant must add a sample here (and a seed): this match stops compiling.
     for m in &msgs {
@@ -134,7 +138,8 @@ fn from_worker() -> Vec<FromWorker> {
             | FromWorker::Verified { .. }
             | FromWorker::Failed { .. }
             | FromWorker::Heartbeat { .. }
-            | FromWorker::Drained { .. } => {}
+            | FromWorker::Drained { .. }
+            | FromWorker::Push { .. } => {}
         }
     }
     msgs
@@ -166,11 +171,13 @@ fn to_worker() -> Vec<ToWorker> {
                     id: WorkerId::rollout(0),
                     fabric_endpoint: Blob(b"10.0.0.2:5000".to_vec()),
                     regions: vec![Blob(vec![9; 24])],
+                    placement: Some(Blob(vec![7; 16])),
                 },
                 PeerInfo {
                     id: WorkerId::trainer(1),
                     fabric_endpoint: Blob(b"10.0.0.1:5001".to_vec()),
                     regions: vec![Blob(vec![8; 24])],
+                    placement: None,
                 },
             ],
         },
@@ -181,6 +188,15 @@ fn to_worker() -> Vec<ToWorker> {
             sync_id,
             version,
             reason: "rollout-1: connection closed".into(),
+            failure: Some(Failure {
+                worker: WorkerId::rollout(1),
+                tensor: None,
+                cause: "connection closed".into(),
+            }),
+        },
+        ToWorker::Job {
+            world: world(),
+            model_config: Some("{\"hidden_size\": 128}".into()),
         },
         ToWorker::Verify {
             sync_id,
@@ -201,6 +217,7 @@ fn to_worker() -> Vec<ToWorker> {
             | ToWorker::Start { .. }
             | ToWorker::Commit { .. }
             | ToWorker::Abort { .. }
+            | ToWorker::Job { .. }
             | ToWorker::Verify { .. }
             | ToWorker::Heartbeat { .. }
             | ToWorker::Shutdown => {}

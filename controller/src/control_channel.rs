@@ -63,6 +63,9 @@ enum ConnectionError {
     /// The coordinator refused the registration.
     #[error(transparent)]
     Refused(#[from] Refused),
+    /// The peer closed after learning the job (an in-process worker's first look).
+    #[error("closed after learning the job")]
+    JobOnly,
 }
 
 /// One worker's connection: handshake, registration, then its frames in and its outbox out,
@@ -75,6 +78,7 @@ async fn handle_connection(stream: TcpStream, state: AppState) -> Result<(), Con
     let handshake = tokio::time::timeout(cfg.handshake_timeout, handshake(&mut rd, &mut wr, &cfg));
     let reg = match handshake.await {
         Ok(Ok(reg)) => reg,
+        Ok(Err(ConnectionError::JobOnly)) => return Ok(()),
         Ok(Err(e)) => return Err(reject(&mut wr, max, e).await),
         Err(_) => {
             let e = ConnectionError::Handshake("handshake timed out".into());
@@ -134,8 +138,15 @@ async fn handshake(
             ))
         }
     }
+    let job = ToWorker::Job {
+        world: cfg.coordinator.world.clone(),
+        model_config: cfg.model_config.clone(),
+    };
+    write_frame(wr, &job, max).await?;
     match read_frame::<_, FromWorker>(rd, max).await? {
         Some(FromWorker::Register(reg)) => Ok(*reg),
+        // An in-process worker asking for the job before it registers its memory.
+        None => Err(ConnectionError::JobOnly),
         _ => Err(ConnectionError::Handshake(
             "expected Register after Hello".into(),
         )),

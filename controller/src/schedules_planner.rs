@@ -63,7 +63,9 @@ impl Planner for SchedulesPlanner {
                     let r = t.rollout(id.rank).ok_or_else(|| {
                         AssignmentError(format!("{id}: the table has no such inference rank"))
                     })?;
-                    if reg.regions.len() != r.mr_bytes.len() {
+                    // A rollout over an engine's own tensors has its own regions and says where
+                    // each planned tensor is (its placement, checked by the trainers).
+                    if reg.placement.is_none() && reg.regions.len() != r.mr_bytes.len() {
                         return Err(AssignmentError(format!(
                             "{id} registered {} regions but its layout has {}",
                             reg.regions.len(),

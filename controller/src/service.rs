@@ -41,6 +41,9 @@ pub struct ControllerConfig {
     pub handshake_timeout: Duration,
     /// Whether workers are told to exit when the controller shuts down (the demo does this).
     pub shutdown_workers: bool,
+    /// The text of the model's `config.json` when the job's model names a file (read once at
+    /// start): sent to every worker with the job, so an in-process worker need not read it.
+    pub model_config: Option<String>,
 }
 
 impl ControllerConfig {
@@ -58,7 +61,7 @@ impl ControllerConfig {
     ) -> Result<ControllerConfig, JobConfigError> {
         let text = world.read_model_config()?;
         let layouts = weightsync_schedules::job::layouts(&world, text.as_deref())?;
-        Ok(ControllerConfig::new(
+        let mut cfg = ControllerConfig::new(
             CoordinatorConfig {
                 world,
                 trainers: layouts.train.ranks,
@@ -71,7 +74,9 @@ impl ControllerConfig {
             },
             job_token,
             api_token,
-        ))
+        );
+        cfg.model_config = text;
+        Ok(cfg)
     }
 
     /// Defaults for everything but the job.
@@ -84,6 +89,7 @@ impl ControllerConfig {
             tick: Duration::from_millis(100),
             handshake_timeout: Duration::from_secs(10),
             shutdown_workers: false,
+            model_config: None,
         }
     }
 }
@@ -152,13 +158,42 @@ impl AppState {
     }
 
     /// Runs `f` on the coordinator under its lock, then carries out the effects it returns.
+    /// Its messages reach the outboxes before the lock is released (a non-blocking hand-off),
+    /// so every connection gets them in the order the coordinator produced them: a `Welcome`
+    /// can never be overtaken by the assignment of a plan that a concurrent registration asked
+    /// for.
     pub fn step<R>(&self, f: impl FnOnce(&mut Coordinator) -> (R, Effects)) -> R {
-        let (r, fx) = {
+        let (r, fx, overflow) = {
             let mut c = self.0.coord.lock();
-            f(&mut c)
+            let (r, mut fx) = f(&mut c);
+            if fx.is_empty() {
+                return r;
+            }
+            let overflow = self.deliver(&mut fx);
+            (r, fx, overflow)
         };
-        self.apply(fx);
+        self.apply(fx, overflow);
         r
+    }
+
+    /// Hands the effects' messages and closes to the connections' outboxes; returns the
+    /// connections whose outbox is full.
+    fn deliver(&self, fx: &mut Effects) -> Vec<ConnId> {
+        let mut overflow = Vec::new();
+        let conns = self.0.conns.lock();
+        for (conn, msg) in fx.send.drain(..) {
+            if let Some(tx) = conns.get(&conn) {
+                if tx.try_send(Outgoing::Msg(msg)).is_err() {
+                    overflow.push(conn);
+                }
+            }
+        }
+        for conn in fx.close.drain(..) {
+            if let Some(tx) = conns.get(&conn) {
+                let _ = tx.try_send(Outgoing::Close);
+            }
+        }
+        overflow
     }
 
     /// Reads the coordinator.
@@ -181,26 +216,8 @@ impl AppState {
         self.0.changed.subscribe()
     }
 
-    fn apply(&self, fx: Effects) {
-        if fx.is_empty() {
-            return;
-        }
-        let mut overflow = Vec::new();
-        {
-            let conns = self.0.conns.lock();
-            for (conn, msg) in fx.send {
-                if let Some(tx) = conns.get(&conn) {
-                    if tx.try_send(Outgoing::Msg(msg)).is_err() {
-                        overflow.push(conn);
-                    }
-                }
-            }
-            for conn in fx.close {
-                if let Some(tx) = conns.get(&conn) {
-                    let _ = tx.try_send(Outgoing::Close);
-                }
-            }
-        }
+    /// The rest of the effects (of a step that had any), after their messages were delivered.
+    fn apply(&self, fx: Effects, overflow: Vec<ConnId>) {
         if !fx.finished.is_empty() {
             let c = self.0.coord.lock();
             for id in &fx.finished {

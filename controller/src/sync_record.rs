@@ -58,6 +58,10 @@ pub struct Lane {
     pub writes: u64,
     /// Peak staging bytes (trainers).
     pub peak_staging_bytes: u64,
+    /// Source bytes copied into staging (trainers).
+    pub staged_bytes: u64,
+    /// Bytes written straight from registered source memory (trainers).
+    pub direct_bytes: u64,
     /// When this worker's last report arrived, ns since creation.
     pub done_ns: Option<u64>,
     /// When it reported its main part done (trainer: written; rollout: landed).
@@ -164,6 +168,8 @@ impl SyncRecord {
         lane.bytes = lane.bytes.max(report.bytes);
         lane.writes = lane.writes.max(report.writes);
         lane.peak_staging_bytes = lane.peak_staging_bytes.max(report.peak_staging_bytes);
+        lane.staged_bytes = lane.staged_bytes.max(report.staged_bytes);
+        lane.direct_bytes = lane.direct_bytes.max(report.direct_bytes);
         lane.done_ns = Some(done_ns);
     }
 
@@ -184,10 +190,15 @@ impl SyncRecord {
 
     /// Bytes the trainers wrote.
     pub fn bytes_written(&self) -> u64 {
+        self.trainer_sum(|l| l.bytes)
+    }
+
+    /// `f` of every trainer's lane, summed.
+    fn trainer_sum(&self, f: impl Fn(&Lane) -> u64) -> u64 {
         self.lanes
             .iter()
             .filter(|(w, _)| w.role == weightsync_common::protocol::WorkerRole::Trainer)
-            .map(|(_, l)| l.bytes)
+            .map(|(_, l)| f(l))
             .sum()
     }
 
@@ -293,6 +304,8 @@ impl SyncRecord {
             created_unix_ms: self.created_unix_ms,
             stages: self.durations(),
             bytes: self.bytes_written(),
+            staged_bytes: self.trainer_sum(|l| l.staged_bytes),
+            direct_bytes: self.trainer_sum(|l| l.direct_bytes),
             gbps: self.gbps(),
             verified: self.verified,
             failure: self.failure.as_ref().map(|f| FailureView {
@@ -354,6 +367,11 @@ pub struct SyncView {
     pub stages: StageDurations,
     /// Bytes written by trainers.
     pub bytes: u64,
+    /// Source bytes trainers copied into staging before writing (casts, fp8, strided boxes,
+    /// arenas nobody registered).
+    pub staged_bytes: u64,
+    /// Bytes trainers wrote straight from registered source memory (no copy but the fabric's).
+    pub direct_bytes: u64,
     /// Transfer rate, GB/s (1e9 bytes per second).
     pub gbps: Option<f64>,
     /// Verification result.

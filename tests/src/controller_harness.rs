@@ -85,6 +85,7 @@ pub fn registration(id: WorkerId, verify: bool) -> Registration {
             dtype: DType::BF16,
             bytes: 128,
         }],
+        placement: None,
     }
 }
 
@@ -155,6 +156,8 @@ pub fn report(bytes: u64, stages: &[Stage]) -> WorkerReport {
         bytes,
         writes: 4,
         peak_staging_bytes: 0,
+        staged_bytes: 0,
+        direct_bytes: 0,
         events: stages
             .iter()
             .enumerate()
@@ -338,6 +341,7 @@ impl SyncDriver for ScriptedDriver {
             fabric_endpoint: Blob(b"scripted".to_vec()),
             regions: vec![Blob(SECRET_RKEY_MARKER.to_vec())],
             tensors: Vec::new(),
+            placement: None,
         }
     }
 
@@ -364,6 +368,8 @@ impl SyncDriver for ScriptedDriver {
                 bytes: self.bytes,
                 writes: 1,
                 peak_staging_bytes: 0,
+                staged_bytes: 0,
+                direct_bytes: 0,
                 events: vec![TimelineEvent {
                     task: 0,
                     piece: 0,

@@ -152,8 +152,17 @@ async fn raw_worker(
         DEFAULT_MAX_FRAME,
     )
     .await;
-    let reply = read_frame(&mut s, DEFAULT_MAX_FRAME).await.ok().flatten();
+    let reply = reply_after_job(&mut s).await;
     (s, reply)
+}
+
+/// The controller's answer to a registration, after the `Job` it sends to a worker that proved
+/// the token.
+async fn reply_after_job(s: &mut tokio::net::TcpStream) -> Option<ToWorker> {
+    match read_frame(s, DEFAULT_MAX_FRAME).await.ok().flatten() {
+        Some(ToWorker::Job { .. }) => read_frame(s, DEFAULT_MAX_FRAME).await.ok().flatten(),
+        other => other,
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -202,10 +211,7 @@ async fn wrong_token_duplicate_and_contradicting_registrations_are_refused() {
     )
     .await
     .unwrap();
-    match read_frame::<_, ToWorker>(&mut s, DEFAULT_MAX_FRAME)
-        .await
-        .unwrap()
-    {
+    match reply_after_job(&mut s).await {
         Some(ToWorker::Rejected { reason }) => assert!(reason.contains("tp=4"), "{reason}"),
         other => panic!("expected rejection, got {other:?}"),
     }
@@ -273,4 +279,36 @@ async fn a_silent_worker_fails_the_running_sync_within_the_heartbeat_timeout() {
     );
     assert!(failure.cause.contains("heartbeat"), "{failure}");
     ctl.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sidecar_launched_for_another_job_stops_naming_what_differs() {
+    let ctl = ServedController::start(state(1, 1, false)).await;
+    let mut cfg = agent_config(ctl.control, WorkerId::rollout(0), false);
+    cfg.world.infer = "tp=4".into();
+    let err = run_agent(cfg, ScriptedDriver::new()).await.unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        msg.contains("rollout-0") && msg.contains("infer") && msg.contains("tp=4"),
+        "{msg}"
+    );
+    // The job it would have learned is the controller's.
+    let (world, model_config) = weightsync_agent::fetch_job(
+        &ctl.control.to_string(),
+        JOB_TOKEN,
+        weightsync_agent::AGENT_MAX_FRAME,
+    )
+    .await
+    .unwrap();
+    assert_eq!((world, model_config), (world_of(&ctl), None));
+    assert!(
+        weightsync_agent::fetch_job(&ctl.control.to_string(), "wrong", 1 << 20)
+            .await
+            .is_err()
+    );
+    ctl.stop().await;
+}
+
+fn world_of(ctl: &ServedController) -> weightsync_common::protocol::WorldSpec {
+    ctl.state.config().coordinator.world.clone()
 }

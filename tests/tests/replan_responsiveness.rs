@@ -61,6 +61,7 @@ fn registration(id: WorkerId) -> Registration {
             WorkerRole::Trainer => Vec::new(),
         },
         tensors: Vec::new(),
+        placement: None,
     }
 }
 

@@ -110,6 +110,7 @@ async fn fake_worker(control: SocketAddr, id: WorkerId) {
             Vec::new()
         },
         tensors: Vec::new(),
+        placement: None,
     };
     for msg in [
         FromWorker::Hello {

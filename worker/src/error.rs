@@ -116,6 +116,9 @@ pub enum WorkerError {
         /// What is off.
         detail: String,
     },
+    /// A source does not hold what the plan reads (a tensor missing, of another dtype or shape).
+    #[error(transparent)]
+    Source(#[from] crate::source::SourceError),
     /// A call out of protocol order (await before arm, a second arm...).
     #[error("{0}")]
     Protocol(String),

@@ -14,12 +14,15 @@
 //! # Layout
 //! - `trainer/`: [`TrainerWorker`] and its pipeline (`piece`: watermark-sized pieces of tasks;
 //!   `stages`: H2D and prepare of one piece; `staging`: the registered staging arena;
-//!   `pipeline`: the scheduler that overlaps the stages, and the barrier).
-//! - `rollout/`: [`RolloutWorker`], the receiver.
+//!   `direct`: the same-dtype copies written straight from registered source memory, zero
+//!   copy; `pipeline`: the scheduler that overlaps the stages, and the barrier).
+//! - `rollout/`: [`RolloutWorker`], the receiver, over memory it allocates or over an engine's
+//!   own tensors ([`RolloutWorker::with_regions`]) with a [`Placement`] of the planned tensors.
 //! - `prepare/`: the CPU preparation kernels ([`cast`], [`gather_box`], [`quantise_fp8`]) and
 //!   their scalar conversions (`convert`), with an AVX-512 fp8 path.
-//! - `source/`: the trainer's source arena wherever it lives ([`SourceMemory`]: a shared-memory
-//!   export, a safetensors file, host memory).
+//! - `source/`: the trainer's source wherever it lives ([`SourceMemory`]: an arena in a
+//!   shared-memory export, a safetensors file, host memory; [`TensorSet`]: the training job's
+//!   own tensors registered in place, from [`HostMemory`], the one entry for foreign memory).
 //! - `watermark`: the staging budget; `imm_tag`: immediates that carry the sync's epoch;
 //!   `checksum`: the xxh3 of write runs; `timeline`: per-stage spans of a sync.
 //! - `gpu` (feature `cuda`): CUDA staging, NVRTC kernels bit-identical to the CPU ones, GPU
@@ -54,10 +57,10 @@ pub use prepare::{
     cast, gather_box, quantise_fp8, quantise_fp8_block_rows, Fp8Shape, PrepareError, Threads,
     FP8_AMAX_FLOOR,
 };
-pub use rollout::{Landed, RolloutWorker, Verified};
+pub use rollout::{Landed, Placed, Placement, RolloutWorker, Verified};
 pub use source::{
-    arena_tensors, check_layout, ArenaTensor, HostSource, SafetensorsSource, ShmSource,
-    SourceError, SourceMemory,
+    arena_tensors, check_layout, shard_names, ArenaTensor, HostMemory, HostSource, PlanTensors,
+    SafetensorsSource, ShmSource, SourceError, SourceMemory, SourceTensor, TensorSet,
 };
 pub use timeline::{Timeline, TimelineRecorder};
 pub use trainer::{

@@ -494,10 +494,8 @@ fn summarise(
         per_sync(&|v| v["stages"]["after_landing_ms"].as_f64().unwrap_or(0.0) / 1e3);
     let gbps = per_sync(&|v| v["gbps"].as_f64().unwrap_or(0.0));
     let mean = |x: &[f64]| x.iter().sum::<f64>() / x.len().max(1) as f64;
-    let bytes_per_sync = results
-        .first()
-        .and_then(|v| v["bytes"].as_u64())
-        .unwrap_or(0);
+    let first = |k: &str| results.first().and_then(|v| v[k].as_u64()).unwrap_or(0);
+    let bytes_per_sync = first("bytes");
     let w = &ctl.world;
     let summary = json!({
         "model": w.model,
@@ -509,6 +507,8 @@ fn summarise(
         "syncs": args.syncs,
         "committed": committed.len(),
         "bytes_per_sync": bytes_per_sync,
+        "staged_bytes_per_sync": first("staged_bytes"),
+        "direct_bytes_per_sync": first("direct_bytes"),
         "seconds_per_sync": secs,
         "transfer_seconds_per_sync": transfer,
         "after_landing_seconds_per_sync": after_landing,

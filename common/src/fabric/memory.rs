@@ -120,12 +120,28 @@ pub enum MemoryLocation {
     },
 }
 
-/// A raw memory range the caller keeps alive (see [`RawMemory::new`]).
-#[derive(Debug)]
+/// What keeps a raw range's memory alive (see [`RawMemory::owning`]).
+pub type MemoryOwner = Box<dyn std::any::Any + Send + Sync>;
+
+/// A raw memory range the caller keeps alive (see [`RawMemory::new`]), or that an owner it
+/// carries keeps alive (see [`RawMemory::owning`]).
 pub struct RawMemory {
     ptr: *mut u8,
     len: usize,
     location: MemoryLocation,
+    /// Dropped with the registration (after every clone of its region and every write from it).
+    _owner: Option<MemoryOwner>,
+}
+
+impl std::fmt::Debug for RawMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RawMemory")
+            .field("ptr", &self.ptr)
+            .field("len", &self.len)
+            .field("location", &self.location)
+            .field("owned", &self._owner.is_some())
+            .finish()
+    }
 }
 
 // SAFETY: the creator of a RawMemory promised (in `new`'s contract) that the range is valid for
@@ -145,7 +161,33 @@ impl RawMemory {
     /// [`Access::REMOTE_WRITE`](super::Access::REMOTE_WRITE), peers may change its bytes at any
     /// time; the caller must not hold Rust references to it across that time.
     pub unsafe fn new(ptr: *mut u8, len: usize, location: MemoryLocation) -> Self {
-        RawMemory { ptr, len, location }
+        RawMemory {
+            ptr,
+            len,
+            location,
+            _owner: None,
+        }
+    }
+
+    /// Wraps a memory range that `owner` keeps alive (e.g. a reference to the Python object of
+    /// a tensor): the registration holds `owner` and drops it only after the last clone of its
+    /// region (in-flight writes included) is gone.
+    ///
+    /// # Safety
+    /// As for [`RawMemory::new`], except that the range must stay valid (not freed, not moved,
+    /// not unmapped) while `owner` is alive, rather than until the region is dropped.
+    pub unsafe fn owning(
+        ptr: *mut u8,
+        len: usize,
+        location: MemoryLocation,
+        owner: MemoryOwner,
+    ) -> Self {
+        RawMemory {
+            ptr,
+            len,
+            location,
+            _owner: Some(owner),
+        }
     }
 
     /// Pointer to the first byte.

@@ -58,7 +58,7 @@ pub use config::{BackendKind, FabricConfig, GidFamily, JobToken, VerbsConfig};
 pub use descriptor::{Access, Endpoint, RegionDescriptor};
 pub use error::{FabricError, RemoteAccessKind, Result};
 pub use imm_counter::{ImmCounter, ImmStats, ImmWait};
-pub use memory::{Memory, MemoryLocation, PageAlignedBuffer, RawMemory, PAGE_SIZE};
+pub use memory::{Memory, MemoryLocation, MemoryOwner, PageAlignedBuffer, RawMemory, PAGE_SIZE};
 pub use op::{merge_contiguous, place, stripe, WriteOp};
 pub use region::{DeregisterHook, LiveMemory, Region, RegisteredMemory};
 pub use tcp::TcpFabric;

@@ -28,7 +28,10 @@ pub const MAGIC: [u8; 4] = *b"WSYC";
 /// a `RunChecksum` (memory region as `u16`); trainers learn their peers in a round of their own
 /// (`Assign` → `Ready` with the gather arena's descriptor → `Peers`), and no worker plans the
 /// whole job.
-pub const PROTOCOL_VERSION: u16 = 4;
+/// 5: in-process workers: the controller tells a worker the job (`Job`) after its proof; trainers
+/// `Push` a version; rollouts whose regions are an engine's own tensors send a placement (also
+/// forwarded in `PeerInfo`); `Abort` carries the structured failure.
+pub const PROTOCOL_VERSION: u16 = 5;
 /// Bytes in a frame header.
 pub const FRAME_HEADER_LEN: usize = 12;
 /// Default maximum body size: 256 MiB (a trainer's plan slice for a 1T-parameter model fits).
@@ -223,6 +226,7 @@ mod tests {
                 dtype: DType::BF16,
                 bytes: 32,
             }],
+            placement: None,
         }))
     }
 
@@ -241,6 +245,7 @@ mod tests {
             sync_id: 1,
             version: 2,
             reason: "x".into(),
+            failure: None,
         };
         write_frame(&mut a, &msg, DEFAULT_MAX_FRAME).await.unwrap();
         drop(a);

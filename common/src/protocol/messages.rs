@@ -174,6 +174,10 @@ pub struct Registration {
     pub regions: Vec<Blob>,
     /// Tensors it holds, for consistency checks and the dashboard.
     pub tensors: Vec<TensorMeta>,
+    /// Rollouts whose regions are the engine's own tensors: where each planned tensor lies in
+    /// them (backend-neutral, encoded by the worker library; forwarded to trainers with the
+    /// regions). `None`: the regions are laid out exactly as planned (the identity).
+    pub placement: Option<Blob>,
 }
 
 /// A peer a trainer will write to: its endpoint and registered regions (a rollout's tensors, or
@@ -186,6 +190,8 @@ pub struct PeerInfo {
     pub fabric_endpoint: Blob,
     /// Its region descriptors, in the order it registered them.
     pub regions: Vec<Blob>,
+    /// Where each planned tensor lies in those regions (see [`Registration::placement`]).
+    pub placement: Option<Blob>,
 }
 
 /// What a worker must do each sync, sent once per plan (and again after a re-plan). A worker
@@ -329,6 +335,11 @@ pub struct WorkerReport {
     pub writes: u64,
     /// Peak staging bytes held at once (trainers).
     pub peak_staging_bytes: u64,
+    /// Source bytes copied into staging before being written (trainers).
+    pub staged_bytes: u64,
+    /// Bytes written straight from registered source memory, copied by nobody but the fabric
+    /// (trainers).
+    pub direct_bytes: u64,
     /// Spans, in any order.
     pub events: Vec<TimelineEvent>,
     /// Checksums of prepared (trainer) or landed (rollout) units, when verification is on.
@@ -368,6 +379,16 @@ pub enum ToWorker {
     Welcome {
         /// Heartbeat interval the worker should keep, ms.
         heartbeat_ms: u64,
+    },
+    /// After a correct proof of the job token, before the worker registers: the job as the
+    /// controller runs it. An in-process worker learns the job from it; a sidecar launched with a
+    /// job of its own checks that it is the same.
+    Job {
+        /// The job.
+        world: WorldSpec,
+        /// The text of the model's `config.json` when [`WorldSpec::model`] names a file the
+        /// controller read (`None` for a preset).
+        model_config: Option<String>,
     },
     /// Registration refused; the connection closes.
     Rejected {
@@ -415,6 +436,9 @@ pub enum ToWorker {
         version: u64,
         /// Why.
         reason: String,
+        /// The failure, naming the worker that failed (`None` when no worker is to blame, e.g.
+        /// a pushed version that is not newer than the last committed one).
+        failure: Option<Failure>,
     },
     /// Rollouts: every trainer wrote and every rollout landed version N; check what landed
     /// against the trainers' checksums of what they prepared. Answered by
@@ -511,6 +535,13 @@ pub enum FromWorker {
     Heartbeat {
         /// Increasing sequence number.
         seq: u64,
+    },
+    /// A trainer's tensors hold version N and stay put until N ends: the controller starts the
+    /// sync of N once every trainer pushed it (idempotent, like `POST /v1/syncs`). Answered by
+    /// the sync's `Commit` or `Abort` (an `Abort` with sync id 0 when N cannot be synced).
+    Push {
+        /// Version.
+        version: u64,
     },
     /// Answer to [`ToWorker::Abort`]: the worker stopped its part of sync N and reset its fabric
     /// connections, so nothing it posted for N can still land. The controller starts the next

@@ -18,6 +18,13 @@ impl Coordinator {
         if let Some(m) = self.members.get_mut(&id) {
             m.last_seen = now.at;
         }
+        let mut fx = self.handle(id, conn, msg, now);
+        // Whatever this changed may let a pushed version start.
+        fx.merge(self.start_pushed(now));
+        fx
+    }
+
+    fn handle(&mut self, id: WorkerId, conn: ConnId, msg: FromWorker, now: Now) -> Effects {
         match msg {
             FromWorker::Heartbeat { seq } => Effects {
                 send: vec![(conn, ToWorker::Heartbeat { seq })],
@@ -52,6 +59,7 @@ impl Coordinator {
             FromWorker::Failed {
                 sync_id, failure, ..
             } => self.on_failed(id, sync_id, failure, now),
+            FromWorker::Push { version } => self.on_push(id, version, now),
         }
     }
 

@@ -46,6 +46,7 @@
 //! - [`plan_round`]: asking for a plan, its result, `Ready` and `Peers`.
 //! - [`messages`]: one handler per worker message.
 //! - [`version`]: triggers, commit and failure of a sync.
+//! - `push`: versions pushed by in-process trainers (`Push N`), started once every trainer did.
 //! - [`drain`]: the drain gate between a failed sync and the next.
 //! - [`timeouts`]: the clock tick: silent workers, slow drains, held failure reports, the sync
 //!   timeout.
@@ -55,6 +56,7 @@ mod drain;
 mod membership;
 mod messages;
 mod plan_round;
+mod push;
 mod timeouts;
 mod version;
 mod views;
@@ -190,6 +192,8 @@ pub struct Coordinator {
     log: VecDeque<LogLine>,
     departed: BTreeSet<WorkerId>,
     drain: Option<drain::Drain>,
+    /// Versions pushed by trainers and not yet started, with who pushed them.
+    pushed: BTreeMap<u64, BTreeSet<WorkerId>>,
 }
 
 impl Coordinator {
@@ -210,6 +214,7 @@ impl Coordinator {
             log: VecDeque::new(),
             departed: BTreeSet::new(),
             drain: None,
+            pushed: BTreeMap::new(),
         }
     }
 

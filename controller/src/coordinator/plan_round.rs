@@ -201,6 +201,7 @@ impl Coordinator {
                 id: *w,
                 fabric_endpoint: m.reg.fabric_endpoint.clone(),
                 regions: regions_of(w, &m.reg),
+                placement: m.reg.placement.clone(),
             })
             .collect();
         let trainers = self

@@ -109,6 +109,7 @@ fn registration(id: WorkerId) -> Registration {
             WorkerRole::Trainer => Vec::new(),
         },
         tensors: Vec::new(),
+        placement: None,
     }
 }
 
@@ -539,4 +540,57 @@ fn a_re_plan_asks_every_worker_for_ready_again() {
     let fx = c.message(3, ready(req.plan_id, Vec::new()), t);
     assert_eq!(fx.send.len(), 1, "Peers to the trainer");
     assert!(c.trigger(1, t).is_ok());
+}
+
+#[test]
+fn a_pushed_version_starts_once_every_trainer_pushed_it_and_the_plan_is_in_force() {
+    let mut c = Coordinator::new(config(2, 0));
+    let t = Now::wall();
+    let push = |version| FromWorker::Push { version };
+    let mut fx = Effects::default();
+    for (conn, id) in [
+        (1, WorkerId::trainer(0)),
+        (3, WorkerId::trainer(1)),
+        (2, WorkerId::rollout(0)),
+    ] {
+        fx.merge(c.register(conn, registration(id), t).unwrap());
+    }
+    // Pushed before the plan is in force: it waits.
+    assert_eq!(prepares(&c.message(1, push(1), t)), 0);
+    assert_eq!(prepares(&c.message(3, push(1), t)), 0);
+    let fx = plan_round(&mut c, fx, t);
+    assert_eq!(prepares(&fx), 3, "the plan's last Ready starts it: {fx:?}");
+    let id = c.active().unwrap();
+    assert_eq!(c.sync(id).unwrap().version, 1);
+    // Idempotent while it runs; a next version waits for it to end, and for every trainer.
+    assert!(c.message(1, push(1), t).send.is_empty());
+    assert_eq!(prepares(&c.message(1, push(2), t)), 0);
+    assert_eq!(prepares(&c.message(3, push(2), t)), 0);
+    // A rollout's push is ignored.
+    assert!(c.message(2, push(3), t).send.is_empty());
+    let fx = c.message(
+        1,
+        FromWorker::Failed {
+            sync_id: id,
+            version: 1,
+            failure: Failure {
+                worker: WorkerId::trainer(u32::MAX),
+                tensor: None,
+                cause: "boom".into(),
+            },
+        },
+        t,
+    );
+    let aborts: Vec<_> = fx
+        .send
+        .iter()
+        .filter_map(|(_, m)| match m {
+            ToWorker::Abort { failure, .. } => failure.clone(),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(aborts.len(), 3, "{fx:?}");
+    assert!(aborts.iter().all(|f| f.worker == WorkerId::trainer(0)));
+    assert_eq!(prepares(&fx), 3, "version 2 starts once 1 ended: {fx:?}");
+    assert_eq!(c.sync(c.active().unwrap()).unwrap().version, 2);
 }

@@ -16,6 +16,7 @@ impl Coordinator {
         fx.merge(self.drop_undrained(now));
         fx.merge(self.fail_reported(now));
         fx.merge(self.fail_overdue(now));
+        fx.merge(self.start_pushed(now));
         fx
     }
 

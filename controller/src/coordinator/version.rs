@@ -232,7 +232,7 @@ impl Coordinator {
         s.ended_ns = Some(s.since(now.at));
         s.mark_critical();
         let reason = failure.to_string();
-        s.failure = Some(failure);
+        s.failure = Some(failure.clone());
         let queued = s.queued_behind.take().is_some();
         s.awaiting_drain.clear();
         let (version, members, started) = (s.version, s.members.clone(), s.start_sent_ns.is_some());
@@ -246,6 +246,7 @@ impl Coordinator {
             sync_id,
             version,
             reason: reason.clone(),
+            failure: Some(failure.clone()),
         });
         // Trainers write only after `Start`: before it, nothing of this sync can be in flight.
         let writers: BTreeSet<WorkerId> = members

@@ -14,6 +14,15 @@
 //! of an earlier, aborted epoch can never count (different immediate, retired by
 //! [`abort`](RolloutWorker::abort)). Optional verification compares xxh3 checksums of every run
 //! against what landed and names the tensor on a mismatch (see [`crate::checksum`]).
+//!
+//! An engine that lands weights in its own parameters builds the receiver over the regions it
+//! registered ([`RolloutWorker::with_regions`]) with a [`Placement`]; the receiver then holds its
+//! tensors in those actual coordinates, and reading, coverage and verification work on them
+//! unchanged.
+
+mod placement;
+
+pub use placement::{Placed, Placement};
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -71,7 +80,11 @@ pub struct Verified {
 pub struct RolloutWorker<F: FabricBackend> {
     fabric: F,
     name: String,
+    /// The layout as planned (what the controller's expectations are compared with).
+    planned: RolloutPlan,
+    /// The same tensors where they actually are (equal to `planned` without a placement).
     plan: RolloutPlan,
+    placement: Option<Placement>,
     regions: Vec<Region>,
     armed: Mutex<Option<Armed>>,
 }
@@ -111,17 +124,77 @@ impl<F: FabricBackend> RolloutWorker<F> {
         Ok(RolloutWorker {
             fabric,
             name: name.into(),
+            planned: plan.clone(),
             plan,
+            placement: None,
             regions,
             armed: Mutex::new(None),
         })
+    }
+
+    /// A receiver over memory the caller owns (an engine's own tensors): registers each of
+    /// `regions` once, and holds `plan`'s tensors where `placement` says they are. Every planned
+    /// tensor must be placed inside one region.
+    pub fn with_regions(
+        fabric: F,
+        name: impl Into<String>,
+        plan: RolloutPlan,
+        regions: Vec<crate::HostMemory>,
+        placement: Placement,
+    ) -> Result<RolloutWorker<F>> {
+        let name = name.into();
+        let lens: Vec<u64> = regions.iter().map(|r| r.len() as u64).collect();
+        let mut actual = plan.clone();
+        actual.mr_bytes = lens.clone();
+        for t in &mut actual.tensors {
+            let placed = placement
+                .relocate(t.mr, t.offset, t.len)
+                .filter(|&(r, off)| lens.get(r as usize).is_some_and(|&l| off + t.len <= l));
+            let Some((region, offset)) = placed else {
+                return Err(WorkerError::InvalidPlan(format!(
+                    "{name}: tensor {} ({} bytes at MR {} offset {}) is not placed inside one                      registered region",
+                    t.name, t.len, t.mr, t.offset
+                )));
+            };
+            (t.mr, t.offset) = (region, offset);
+        }
+        actual.tensors.sort_by_key(|t| (t.mr, t.offset));
+        let regions = regions
+            .into_iter()
+            .enumerate()
+            .map(|(i, m)| {
+                let len = m.len();
+                fabric
+                    .register(m.into_memory(), Access::RECEIVE)
+                    .map_err(|e| {
+                        WorkerError::fabric(
+                            format!("{name}: registering region {i} ({len} bytes)"),
+                            e,
+                        )
+                    })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(RolloutWorker {
+            fabric,
+            name,
+            planned: plan,
+            plan: actual,
+            placement: Some(placement),
+            regions,
+            armed: Mutex::new(None),
+        })
+    }
+
+    /// Where the planned tensors are, when not where planned (see [`Placement`]).
+    pub fn placement(&self) -> Option<&Placement> {
+        self.placement.as_ref()
     }
 
     /// Takes the controller's expectations (how many writes land per unit per sync): `plan`
     /// must lay out exactly the tensors this receiver registered (same rank, regions and
     /// tensors); only its `expect` is new. Refused while a sync is armed.
     pub fn set_expectations(&mut self, plan: RolloutPlan) -> Result<()> {
-        if !same_rollout_layout(&self.plan, &plan) {
+        if !same_rollout_layout(&self.planned, &plan) {
             return Err(WorkerError::InvalidPlan(format!(
                 "{}: the expectations are for another layout (rank {}, {} tensors in {:?} bytes) \
                  than the one registered (rank {}, {} tensors in {:?} bytes)",
@@ -129,9 +202,9 @@ impl<F: FabricBackend> RolloutWorker<F> {
                 plan.rank,
                 plan.tensors.len(),
                 plan.mr_bytes,
-                self.plan.rank,
-                self.plan.tensors.len(),
-                self.plan.mr_bytes
+                self.planned.rank,
+                self.planned.tensors.len(),
+                self.planned.mr_bytes
             )));
         }
         if let Some(a) = self.armed.get_mut().as_ref() {
@@ -140,7 +213,8 @@ impl<F: FabricBackend> RolloutWorker<F> {
                 self.name, a.sync.version
             )));
         }
-        self.plan = plan;
+        self.plan.expect = plan.expect.clone();
+        self.planned = plan;
         Ok(())
     }
 
@@ -152,7 +226,7 @@ impl<F: FabricBackend> RolloutWorker<F> {
             .collect()
     }
 
-    /// The tensors and where they live.
+    /// The tensors and where they live (actual coordinates: the regions registered).
     pub fn layout(&self) -> &[DstTensor] {
         &self.plan.tensors
     }

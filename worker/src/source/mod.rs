@@ -11,6 +11,8 @@
 //! - [`host`]: memory handed to the worker (owned, rewritable between syncs).
 //! - [`shm`]: a shared-memory file attached read-only (memmap2).
 //! - [`safetensors_file`]: a safetensors file whose tensors are placed at their arena offsets.
+//! - [`tensor_set`]: caller-owned tensors registered in place (an in-process trainer), read
+//!   shard by shard and written straight from where they lie when nothing needs preparing.
 //! - `crate::gpu::GpuSource` (feature `cuda`): device memory, including a CUDA IPC handle.
 //!
 //! [`LocalShard::offset`]: weightsync_schedules::table::LocalShard
@@ -18,10 +20,12 @@
 pub mod host;
 pub mod safetensors_file;
 pub mod shm;
+pub mod tensor_set;
 
 pub use host::HostSource;
 pub use safetensors_file::SafetensorsSource;
 pub use shm::ShmSource;
+pub use tensor_set::{HostMemory, PlanTensors, SourceTensor, TensorSet};
 
 use std::path::PathBuf;
 
@@ -127,18 +131,14 @@ impl ArenaTensor {
     }
 }
 
-/// The arena layout a trainer's plan expects: one [`ArenaTensor`] per local shard, named after
-/// its parameter. A parameter with several shards on this rank gets `name#k` for its k-th shard
-/// after the first (k = 1, 2, ...), in plan order.
-pub fn arena_tensors(plan: &TrainerPlan) -> Vec<ArenaTensor> {
+/// The names of a rank's shards, given each shard's parameter name in order: the parameter's
+/// name, and `name#k` for its k-th shard after the first (k = 1, 2, ...) when a parameter has
+/// several shards on the rank.
+pub fn shard_names<'a>(params: impl IntoIterator<Item = &'a str>) -> Vec<String> {
     let mut seen = std::collections::BTreeMap::<&str, usize>::new();
-    plan.shards
-        .iter()
-        .map(|s| {
-            let base = plan
-                .params
-                .get(s.param as usize)
-                .map_or("<unknown parameter>", |p| &*p.name);
+    params
+        .into_iter()
+        .map(|base| {
             let k = seen.entry(base).or_insert(0);
             let name = if *k == 0 {
                 base.to_string()
@@ -146,15 +146,30 @@ pub fn arena_tensors(plan: &TrainerPlan) -> Vec<ArenaTensor> {
                 format!("{base}#{k}")
             };
             *k += 1;
-            ArenaTensor {
-                name,
-                dtype: s.dtype,
-                shape: s.global.len[..s.global.ndim as usize]
-                    .iter()
-                    .map(|&d| d as usize)
-                    .collect(),
-                offset: s.offset,
-            }
+            name
+        })
+        .collect()
+}
+
+/// The arena layout a trainer's plan expects: one [`ArenaTensor`] per local shard, named after
+/// its parameter ([`shard_names`]).
+pub fn arena_tensors(plan: &TrainerPlan) -> Vec<ArenaTensor> {
+    let names = shard_names(plan.shards.iter().map(|s| {
+        plan.params
+            .get(s.param as usize)
+            .map_or("<unknown parameter>", |p| &*p.name)
+    }));
+    plan.shards
+        .iter()
+        .zip(names)
+        .map(|(s, name)| ArenaTensor {
+            name,
+            dtype: s.dtype,
+            shape: s.global.len[..s.global.ndim as usize]
+                .iter()
+                .map(|&d| d as usize)
+                .collect(),
+            offset: s.offset,
         })
         .collect()
 }

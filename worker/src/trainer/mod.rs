@@ -10,10 +10,12 @@
 //!
 //! # Layout
 //! - [`piece`]: cutting tasks into watermark-sized pieces, mapping writes onto them.
+//! - [`direct`]: which tasks are written straight from registered source memory (zero copy).
 //! - [`stages`]: the H2D and prepare work of one piece.
 //! - [`staging`]: the registered staging arena and its leases.
 //! - [`pipeline`]: the scheduler that overlaps the stages, immediates, the barrier.
 
+mod direct;
 mod piece;
 mod pipeline;
 mod stages;
@@ -38,13 +40,19 @@ use crate::timeline::Timeline;
 use piece::{plan_pieces, TaskPiece, TaskShape};
 use staging::StagingArena;
 
-/// A host-visible view of the trainer's source arena (its training shards, laid out as the plan's
-/// [`LocalShard`](weightsync_schedules::table::LocalShard)s say).
+/// A host-visible view of the trainer's source: its training shards, one by one.
+///
+/// The pipeline asks for a shard's bytes ([`SourceView::read_shard`]) and, for a write it can
+/// post straight from the source, where the shard lies in registered memory
+/// ([`SourceView::registered_shard`]). The default methods read a flat arena laid out as the
+/// plan's [`LocalShard`](weightsync_schedules::table::LocalShard)s say (every shard at its
+/// offset): what the sidecars' sources are. A set of caller-registered tensors
+/// ([`crate::TensorSet`]) overrides them.
 ///
 /// The bytes must not change while a sync runs (the training loop triggers a sync after its
 /// optimizer step and before the next one writes the weights).
 pub trait SourceView: Send + Sync + std::fmt::Debug + 'static {
-    /// Length of the arena in bytes.
+    /// Length of the arena in bytes (0 for a source that is no arena).
     fn len(&self) -> u64;
     /// Whether the arena is empty.
     fn is_empty(&self) -> bool {
@@ -52,6 +60,43 @@ pub trait SourceView: Send + Sync + std::fmt::Debug + 'static {
     }
     /// Calls `f` with the arena's bytes.
     fn read(&self, f: &mut dyn FnMut(&[u8]));
+
+    /// Refuses a source that does not hold every shard of `plan` (an arena: too short).
+    fn check_plan(&self, plan: &TrainerPlan) -> Result<()> {
+        check_source(plan, self.len())
+    }
+
+    /// Calls `f` with shard `shard`'s bytes (dense, row-major over its box).
+    fn read_shard(
+        &self,
+        plan: &TrainerPlan,
+        shard: u32,
+        f: &mut dyn FnMut(&[u8]) -> Result<()>,
+    ) -> Result<()> {
+        let s = plan.shards.get(shard as usize).ok_or_else(|| {
+            WorkerError::InvalidPlan(format!("shard {shard} of {}", plan.shards.len()))
+        })?;
+        let mut result = Ok(());
+        self.read(&mut |bytes: &[u8]| {
+            let lo = s.offset as usize;
+            result = match bytes.get(lo..lo + s.bytes() as usize) {
+                Some(tensor) => f(tensor),
+                None => Err(WorkerError::SourceTooShort {
+                    what: format!("shard of {}", piece::param_name(plan, s.param)),
+                    need: s.offset + s.bytes(),
+                    have: bytes.len() as u64,
+                }),
+            };
+        });
+        result
+    }
+
+    /// The registered memory holding shard `shard` and the shard's byte offset in it, when
+    /// the fabric can write straight from the source (`None`: copy it through staging).
+    fn registered_shard(&self, shard: u32) -> Option<(Region, u64)> {
+        let _ = shard;
+        None
+    }
 }
 
 impl SourceView for Vec<u8> {
@@ -152,6 +197,19 @@ pub struct Destinations {
     pub rollouts: BTreeMap<u32, Vec<RegionDescriptor>>,
     /// Per training rank, its gather arena's descriptor.
     pub trainers: BTreeMap<u32, RegionDescriptor>,
+    /// Per rollout rank whose regions are an engine's own tensors, where each planned tensor
+    /// lies in them (a rollout without one holds its tensors as planned).
+    pub placements: BTreeMap<u32, crate::rollout::Placement>,
+}
+
+/// Where one write of the plan goes: the destination region and the actual offset of the
+/// write's first byte there (the planned one, or relocated by the rollout's placement).
+#[derive(Debug, Clone)]
+pub(crate) struct WriteDst {
+    pub desc: RegionDescriptor,
+    /// The region's index on its worker (for checksums).
+    pub mr: u16,
+    pub offset: u64,
 }
 
 /// Identifies one sync: the weights' version and the attempt's epoch (distinct for every
@@ -183,6 +241,10 @@ pub struct SyncReport {
     pub watermark_bytes: u64,
     /// Checksums of the runs written to rollouts (empty unless `verify`).
     pub checksums: Vec<RunChecksum>,
+    /// Source bytes copied into staging (H2D) before being prepared and written.
+    pub staged_bytes: u64,
+    /// Bytes written straight from registered source memory, copied by nobody but the fabric.
+    pub direct_bytes: u64,
 }
 
 /// Everything fixed at build time, shared by every sync.
@@ -195,8 +257,11 @@ pub(crate) struct TrainerState {
     pub staging: StagingArena,
     pub gather: Option<Region>,
     pub source: Arc<dyn SourceView>,
-    /// Per write of the plan, the destination's descriptor (set by `set_destinations`).
-    pub write_dst: Vec<RegionDescriptor>,
+    /// Per write of the plan, where it goes (set by `set_destinations`).
+    pub write_dst: Vec<WriteDst>,
+    /// Per task, when it is written straight from registered source memory (see
+    /// [`direct::direct_source`]): that registration and the byte offset of the task's box in it.
+    pub direct: Vec<Option<(Region, u64)>>,
 }
 
 /// A trainer worker (see the module docs).
@@ -224,7 +289,7 @@ impl<F: FabricBackend> TrainerWorker<F> {
             plan.expanded()
                 .map_err(|e| WorkerError::InvalidPlan(e.to_string()))?
         };
-        check_source(&plan, source.len())?;
+        source.check_plan(&plan)?;
         check_units(&plan)?;
         let shapes = plan
             .tasks
@@ -249,6 +314,11 @@ impl<F: FabricBackend> TrainerWorker<F> {
         } else {
             None
         };
+        let direct = plan
+            .tasks
+            .iter()
+            .map(|t| direct::direct_source(&plan, t, source.as_ref(), gather.as_ref()))
+            .collect();
         Ok(TrainerWorker {
             fabric,
             state: Arc::new(TrainerState {
@@ -260,6 +330,7 @@ impl<F: FabricBackend> TrainerWorker<F> {
                 gather,
                 source,
                 write_dst: Vec::new(),
+                direct,
             }),
             running: tokio::sync::Mutex::new(()),
         })
@@ -287,13 +358,22 @@ impl<F: FabricBackend> TrainerWorker<F> {
         let plan = &self.state.plan;
         let mut write_dst = Vec::with_capacity(plan.writes.len());
         for (i, w) in plan.writes.iter().enumerate() {
+            let (mr, offset) = match w.dst {
+                WriteTarget::Rollout(r) => match dsts.placements.get(&r) {
+                    Some(p) => p
+                        .relocate(w.mr, w.dst_offset, w.len as u64)
+                        .ok_or_else(|| unplaced_write(plan, i, r))?,
+                    None => (w.mr, w.dst_offset),
+                },
+                WriteTarget::Trainer(_) => (w.mr, w.dst_offset),
+            };
             let desc = match w.dst {
                 WriteTarget::Rollout(r) => dsts
                     .rollouts
                     .get(&r)
-                    .and_then(|mrs| mrs.get(w.mr as usize))
+                    .and_then(|mrs| mrs.get(mr as usize))
                     .ok_or_else(|| {
-                        WorkerError::MissingDestination(format!("rollout rank {r} MR {}", w.mr))
+                        WorkerError::MissingDestination(format!("rollout rank {r} MR {mr}"))
                     })?,
                 WriteTarget::Trainer(t) => dsts.trainers.get(&t).ok_or_else(|| {
                     WorkerError::MissingDestination(format!(
@@ -301,7 +381,7 @@ impl<F: FabricBackend> TrainerWorker<F> {
                     ))
                 })?,
             };
-            if !desc.contains(w.dst_offset, w.len as u64) {
+            if !desc.contains(offset, w.len as u64) {
                 return Err(WorkerError::InvalidPlan(format!(
                     "write {i} to {:?} MR {} bytes {}..{} lies outside the registered {} bytes",
                     w.dst,
@@ -311,7 +391,11 @@ impl<F: FabricBackend> TrainerWorker<F> {
                     desc.len
                 )));
             }
-            write_dst.push(desc.clone());
+            write_dst.push(WriteDst {
+                desc: desc.clone(),
+                mr,
+                offset,
+            });
         }
         let state = Arc::get_mut(&mut self.state).ok_or_else(|| {
             WorkerError::Protocol("destinations cannot change while a sync runs".into())
@@ -352,9 +436,26 @@ impl<F: FabricBackend> TrainerWorker<F> {
     }
 }
 
-/// Whether the source holds every shard the plan reads. A decoded plan is not trusted: each
-/// shard is sized without overflowing or panicking.
-fn check_source(plan: &TrainerPlan, have: u64) -> Result<()> {
+/// A write to rollout `r` that its placement puts in no single tensor: names the parameter.
+fn unplaced_write(plan: &TrainerPlan, i: usize, r: u32) -> WorkerError {
+    let w = &plan.writes[i];
+    let param = plan
+        .tasks
+        .iter()
+        .find(|t| (t.first_write as usize..(t.first_write + t.num_writes) as usize).contains(&i))
+        .map_or_else(|| "?".to_string(), |t| piece::param_name(plan, t.param));
+    WorkerError::InvalidPlan(format!(
+        "write {i} (of {param}) to rollout rank {r} MR {} bytes {}..{} lies in no single tensor \
+         of that rollout's placement",
+        w.mr,
+        w.dst_offset,
+        w.dst_offset + w.len as u64
+    ))
+}
+
+/// Whether an arena of `have` bytes holds every shard the plan reads. A decoded plan is not
+/// trusted: each shard is sized without overflowing or panicking.
+pub(crate) fn check_source(plan: &TrainerPlan, have: u64) -> Result<()> {
     if have < plan.source_arena_bytes {
         return Err(WorkerError::SourceTooShort {
             what: format!("the source arena of training rank {}", plan.rank),

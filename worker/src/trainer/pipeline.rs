@@ -35,7 +35,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
-use weightsync_common::fabric::{FabricBackend, WriteOp};
+use weightsync_common::fabric::{FabricBackend, Region, WriteOp};
 use weightsync_schedules::table::{MeshGroup, WriteTarget};
 
 use super::piece::TaskPiece;
@@ -63,6 +63,8 @@ struct SyncRun<F: FabricBackend> {
     checksums: Mutex<Vec<RunChecksum>>,
     bytes_written: AtomicU64,
     writes_posted: AtomicU64,
+    staged_bytes: AtomicU64,
+    direct_bytes: AtomicU64,
 }
 
 impl<F: FabricBackend> SyncRun<F> {
@@ -81,6 +83,8 @@ impl<F: FabricBackend> SyncRun<F> {
             checksums: Mutex::new(Vec::new()),
             bytes_written: AtomicU64::new(0),
             writes_posted: AtomicU64::new(0),
+            staged_bytes: AtomicU64::new(0),
+            direct_bytes: AtomicU64::new(0),
         }
     }
 
@@ -97,6 +101,8 @@ impl<F: FabricBackend> SyncRun<F> {
             peak_staging_bytes: watermark.peak(),
             watermark_bytes: watermark.capacity(),
             checksums,
+            staged_bytes: self.staged_bytes.load(Ordering::Relaxed),
+            direct_bytes: self.direct_bytes.load(Ordering::Relaxed),
         }
     }
 
@@ -148,11 +154,15 @@ pub(crate) async fn run<F: FabricBackend>(
                         break 'groups;
                     }
                     let need = state.pieces[t as usize][p].layout.total;
-                    let lease = match watermark.acquire(need).await {
-                        Ok(lease) => lease,
-                        Err(e) => {
-                            run.fail(e.into());
-                            break 'groups;
+                    let lease = if state.direct[t as usize].is_some() {
+                        None // written from the source: no staging
+                    } else {
+                        match watermark.acquire(need).await {
+                            Ok(lease) => Some(lease),
+                            Err(e) => {
+                                run.fail(e.into());
+                                break 'groups;
+                            }
                         }
                     };
                     pieces += 1;
@@ -263,14 +273,18 @@ fn stage_panic(stage: &'static str, e: tokio::task::JoinError) -> WorkerError {
     }
 }
 
-/// One piece through every stage. The lease is returned when this returns. A stage that finds
-/// the sync failed elsewhere stops the piece quietly (the first error is already recorded).
+/// One piece through every stage (`None` lease: a piece written straight from the source, see
+/// [`super::direct`]). The lease is returned when this returns. A stage that finds the sync
+/// failed elsewhere stops the piece quietly (the first error is already recorded).
 async fn run_piece<F: FabricBackend>(
     run: Arc<SyncRun<F>>,
     t: u32,
     p: usize,
-    lease: Lease,
+    lease: Option<Lease>,
 ) -> Result<()> {
+    let Some(lease) = lease else {
+        return piece_direct(&run, t, p).await;
+    };
     let Some(lease) = piece_h2d(&run, t, p, lease).await? else {
         return Ok(());
     };
@@ -280,7 +294,74 @@ async fn run_piece<F: FabricBackend>(
     if run.failed() {
         return Ok(());
     }
-    piece_write(&run, t, p, &lease).await
+    let region = run.state.staging.region().clone();
+    piece_write(&run, t, p, &region, lease.offset()).await
+}
+
+/// A piece of a task written straight from registered source memory: its checksums (from the
+/// source bytes, when verifying), then its writes.
+async fn piece_direct<F: FabricBackend>(run: &Arc<SyncRun<F>>, t: u32, p: usize) -> Result<()> {
+    if run.failed() {
+        return Ok(());
+    }
+    let st = &run.state;
+    let Some((region, base)) = st.direct[t as usize].clone() else {
+        return Err(WorkerError::InvalidPlan(format!(
+            "task {t} has no registered source"
+        )));
+    };
+    let piece = &st.pieces[t as usize][p];
+    let shape = &st.shapes[t as usize];
+    // A Copy's prepared bytes are its box's: the piece starts this far into the box.
+    let at = base + shape.grain.elems_before(piece.u0) * shape.out_size;
+    if st.config.verify {
+        let job = run.clone();
+        let sums = tokio::task::spawn_blocking(move || direct_checksums(&job, t, p, at))
+            .await
+            .map_err(|e| stage_panic("checksum", e))??;
+        run.checksums.lock().extend(sums);
+    }
+    piece_write(run, t, p, &region, at).await?;
+    run.direct_bytes
+        .fetch_add(piece.layout.input, Ordering::Relaxed);
+    Ok(())
+}
+
+/// The checksums of a direct piece's runs, read where the source holds them.
+fn direct_checksums<F: FabricBackend>(
+    run: &SyncRun<F>,
+    t: u32,
+    p: usize,
+    at: u64,
+) -> Result<Vec<RunChecksum>> {
+    let st = &run.state;
+    let piece = &st.pieces[t as usize][p];
+    let shard = match st.plan.tasks[t as usize].source {
+        weightsync_schedules::table::Source::Shard { shard } => shard,
+        weightsync_schedules::table::Source::Gather { .. } => {
+            // Gathered rows are few; the checksum reads a copy of them.
+            let Some((region, _)) = &st.direct[t as usize] else {
+                return Ok(Vec::new());
+            };
+            let bytes = region
+                .copy_to_vec(at, piece.layout.input as usize)
+                .map_err(|e| {
+                    WorkerError::fabric(format!("task {t}: reading the gather arena"), e)
+                })?;
+            return Ok(run_checksums(st, piece, &bytes));
+        }
+    };
+    let Some((_, shard_at)) = st.source.registered_shard(shard) else {
+        return Ok(Vec::new());
+    };
+    let mut sums = Vec::new();
+    st.source.read_shard(&st.plan, shard, &mut |bytes: &[u8]| {
+        let start = (at - shard_at) as usize;
+        let piece_bytes = &bytes[start.min(bytes.len())..];
+        sums = run_checksums(st, piece, piece_bytes);
+        Ok(())
+    })?;
+    Ok(sums)
 }
 
 /// H2D: the piece's source into its staging lease (`None`: the sync failed meanwhile).
@@ -317,6 +398,7 @@ async fn piece_h2d<F: FabricBackend>(
     res?;
     let bytes = run.state.pieces[t as usize][p].layout.input;
     run.rec.record(t, p as u32, Stage::H2d, start, bytes);
+    run.staged_bytes.fetch_add(bytes, Ordering::Relaxed);
     Ok(Some(lease))
 }
 
@@ -373,10 +455,11 @@ fn run_checksums(st: &TrainerState, piece: &TaskPiece, buf: &[u8]) -> Vec<RunChe
                 return None;
             };
             let a = part.staging_offset as usize;
+            let dst = &st.write_dst[part.write as usize];
             Some(RunChecksum {
                 rollout,
-                mr: w.mr,
-                offset: part.dst_offset,
+                mr: dst.mr,
+                offset: dst.offset + (part.dst_offset - w.dst_offset),
                 len: part.len,
                 xxh3: xxh3(&buf[a..a + part.len as usize]),
             })
@@ -390,19 +473,20 @@ async fn piece_write<F: FabricBackend>(
     run: &Arc<SyncRun<F>>,
     t: u32,
     p: usize,
-    lease: &Lease,
+    region: &Region,
+    base: u64,
 ) -> Result<()> {
     let start = run.rec.now_ns();
     let st = &run.state;
     let piece = &st.pieces[t as usize][p];
-    let region = st.staging.region();
     let op_of = |part: &super::piece::Part, with_imm: bool| -> Result<WriteOp> {
         let w = st.plan.writes[part.write as usize];
+        let dst = &st.write_dst[part.write as usize];
         let op = WriteOp::new(
             region,
-            lease.offset() + part.staging_offset,
-            &st.write_dst[part.write as usize],
-            part.dst_offset,
+            base + part.staging_offset,
+            &dst.desc,
+            dst.offset + (part.dst_offset - w.dst_offset),
             part.len,
         );
         Ok(if with_imm {

@@ -173,18 +173,15 @@ fn stage_from_shard(
         .map(|&d| d as usize)
         .collect();
     let copies = piece_copies(shape, piece, &sub, input.len());
-    let mut result = Ok(());
-    source.read(&mut |bytes: &[u8]| {
-        let lo = s.offset as usize;
-        let Some(tensor) = bytes.get(lo..lo + s.bytes() as usize) else {
-            result = Err(WorkerError::SourceTooShort {
+    source.read_shard(plan, shard, &mut |tensor: &[u8]| {
+        if tensor.len() as u64 != s.bytes() {
+            return Err(WorkerError::SourceTooShort {
                 what: format!("shard of {}", param_name(plan, s.param)),
-                need: s.offset + s.bytes(),
-                have: bytes.len() as u64,
+                need: s.bytes(),
+                have: tensor.len() as u64,
             });
-            return;
-        };
-        result = copies.iter().try_for_each(|c| {
+        }
+        copies.iter().try_for_each(|c| {
             gather_box(
                 tensor,
                 shape.in_size as usize,
@@ -195,9 +192,8 @@ fn stage_from_shard(
                 Threads::One,
             )
             .map_err(|e| prepare_err(plan, t, task, e))
-        });
-    });
-    result
+        })
+    })
 }
 
 /// Prepare: turns the staged input into the piece's prepared values (and scales) in `buf`, the

@@ -1,0 +1,232 @@
+//! [`EngineHandle`]: an inference rank whose own parameter tensors are the destinations.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use tokio::runtime::Runtime;
+use weightsync_common::fabric::Fabric;
+use weightsync_common::protocol::{WorkerId, WorldSpec};
+use weightsync_schedules::job;
+use weightsync_schedules::table::RolloutPlan;
+use weightsync_worker::RolloutWorker;
+
+pub use super::engine_driver::Hook;
+use super::engine_driver::{EngineDriver, EngineShared};
+use super::regions::place;
+use super::session::{run_session, start, Reach, Session};
+use super::{DstTensor, DstTensorInfo, EmbedError, EngineState, EngineStatus};
+use crate::rollout::{RolloutDriver, RolloutDriverConfig};
+
+/// How an inference rank reaches its controller.
+#[derive(Debug, Clone, Default)]
+pub struct EngineOptions {
+    /// The controller's control-channel address, `host:port`.
+    pub controller: String,
+    /// Global inference rank.
+    pub rank: u32,
+    /// Job token (default: `$WEIGHTSYNC_JOB_TOKEN`, else none).
+    pub job_token: Option<String>,
+    /// Fabric listen address (default `127.0.0.1:0`).
+    pub listen: Option<String>,
+    /// Worker id (default `rollout-{rank}`).
+    pub worker_id: Option<String>,
+}
+
+impl EngineOptions {
+    /// Options with every default.
+    pub fn new(controller: impl Into<String>, rank: u32) -> EngineOptions {
+        EngineOptions {
+            controller: controller.into(),
+            rank,
+            ..Default::default()
+        }
+    }
+}
+
+/// An in-process engine (see the module docs of [`super`]).
+pub struct EngineHandle {
+    reach: Reach,
+    rank: u32,
+    world: WorldSpec,
+    planned: RolloutPlan,
+    fabric: Fabric,
+    shared: Arc<EngineShared>,
+    rt: Mutex<Option<Runtime>>,
+    session: Mutex<Option<Session>>,
+}
+
+impl std::fmt::Debug for EngineHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineHandle")
+            .field("worker", &self.reach.name)
+            .finish_non_exhaustive()
+    }
+}
+
+impl EngineHandle {
+    /// Learns the job from the controller, lays out this rank's tensors from the inference
+    /// layout, and starts the fabric.
+    pub fn connect(opts: EngineOptions) -> Result<EngineHandle, EmbedError> {
+        let reach = Reach::new(
+            &opts.controller,
+            opts.job_token.as_deref(),
+            opts.listen.as_deref(),
+            WorkerId::rollout(opts.rank),
+            opts.worker_id.as_deref(),
+        );
+        let st = start(&reach)?;
+        let planned = job::inference_layout(&st.world, st.model_config.as_deref())
+            .and_then(|(_, infer)| job::rollout_layout(&infer, opts.rank))
+            .map_err(|e| reach.connect_error(e))?;
+        Ok(EngineHandle {
+            reach,
+            rank: opts.rank,
+            world: st.world,
+            planned,
+            fabric: st.fabric,
+            shared: Arc::default(),
+            rt: Mutex::new(Some(st.rt)),
+            session: Mutex::new(None),
+        })
+    }
+
+    /// This worker's id.
+    pub fn worker_id(&self) -> &str {
+        &self.reach.name
+    }
+
+    /// Every tensor of this inference rank, as planned.
+    pub fn layout(&self) -> Vec<DstTensorInfo> {
+        self.planned
+            .tensors
+            .iter()
+            .map(|t| DstTensorInfo {
+                name: t.name.clone(),
+                dtype: t.dtype,
+                shape: t.shape.dims().iter().map(|&d| d as u64).collect(),
+            })
+            .collect()
+    }
+
+    /// Sets the hooks (replacing earlier ones): `before_landing(N)` before any byte of N lands,
+    /// `after_commit(N)` once N is committed.
+    pub fn set_hooks(&self, before_landing: Option<Hook>, after_commit: Option<Hook>) {
+        let mut h = self.shared.hooks.lock();
+        h.before_landing = before_landing.map(Arc::new);
+        h.after_commit = after_commit.map(Arc::new);
+    }
+
+    /// Registers the engine's tensors (once): checks them against the planned layout (name,
+    /// shape, dtype), merges adjacent ones into regions, registers those, and joins the job.
+    pub fn register(&self, tensors: Vec<DstTensor>) -> Result<(), EmbedError> {
+        let name = self.reach.name.clone();
+        let rt_guard = self.rt.lock();
+        let rt = rt_guard.as_ref().ok_or_else(|| EmbedError::Closed {
+            worker: name.clone(),
+        })?;
+        let mut session = self.session.lock();
+        if session.is_some() {
+            return Err(EmbedError::Registration {
+                worker: name,
+                tensor: None,
+                reason: "already registered (register once per handle)".into(),
+            });
+        }
+        let placed = place(&name, &self.planned, tensors)?;
+        let _in_rt = rt.enter();
+        let worker = RolloutWorker::with_regions(
+            self.fabric.clone(),
+            name.clone(),
+            self.planned.clone(),
+            placed.regions,
+            placed.placement,
+        )
+        .map_err(|e| EmbedError::Registration {
+            worker: name.clone(),
+            tensor: None,
+            reason: e.to_string(),
+        })?;
+        let cfg = RolloutDriverConfig {
+            world: self.world.clone(),
+            rank: self.rank,
+            fabric: self.reach.fabric_config(),
+            land_timeout: Duration::from_secs(120),
+            demo_check_seed: None,
+        };
+        let driver = EngineDriver {
+            inner: RolloutDriver::over(cfg, self.fabric.clone(), worker),
+            shared: self.shared.clone(),
+            name: name.clone(),
+            abort_cause: None,
+        };
+        let within = Duration::from_secs(60);
+        *session = Some(run_session(
+            rt,
+            &self.reach,
+            self.world.clone(),
+            driver,
+            within,
+        )?);
+        Ok(())
+    }
+
+    /// The engine's state now.
+    pub fn state(&self) -> EngineState {
+        self.shared.state.lock().state.clone()
+    }
+
+    /// Blocks until a version `>= version` committed (its state), or the engine turned invalid
+    /// for one (`SyncFailed` naming this engine), or `timeout` passed (`Timeout`, retryable).
+    pub fn wait_for_version(
+        &self,
+        version: u64,
+        timeout: Option<Duration>,
+    ) -> Result<EngineState, EmbedError> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let mut w = self.shared.state.lock();
+        loop {
+            if w.state.version.is_some_and(|v| v >= version)
+                && w.state.status == EngineStatus::Committed
+            {
+                return Ok(w.state.clone());
+            }
+            if let (EngineStatus::Invalid, Some(f)) = (w.state.status, w.failed) {
+                if f >= version {
+                    return Err(EmbedError::SyncFailed {
+                        version: f,
+                        worker: self.reach.name.clone(),
+                        cause: w.state.cause.clone().unwrap_or_default(),
+                    });
+                }
+            }
+            match deadline {
+                Some(d) => {
+                    if self.shared.changed.wait_until(&mut w, d).timed_out() {
+                        return Err(EmbedError::Timeout {
+                            what: format!("version {version} on {}", self.reach.name),
+                        });
+                    }
+                }
+                None => self.shared.changed.wait(&mut w),
+            }
+        }
+    }
+
+    /// Leaves the job: the session and the fabric stop (idempotent; also on drop); the
+    /// controller sees this engine leave (a running sync fails naming it).
+    pub fn close(&self) {
+        self.session.lock().take();
+        if let Some(rt) = self.rt.lock().take() {
+            // Waits (a bounded time) until the session's tasks are dropped, so the registrations
+            // go and the tensors' owners are released.
+            rt.shutdown_timeout(Duration::from_millis(500));
+        }
+    }
+}
+
+impl Drop for EngineHandle {
+    fn drop(&mut self) {
+        self.close();
+    }
+}

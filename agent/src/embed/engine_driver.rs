@@ -1,0 +1,171 @@
+//! The engine's driver: the rollout driver over the engine's own tensors, with the engine's
+//! hooks and its visible state.
+//!
+//! `Prepare N` calls `before_landing(N)` first (the engine stops reading its weights) and only
+//! then arms the counters and answers `Prepared`, so no byte lands while the engine still
+//! reads; state `landing`. `Commit N` calls `after_commit(N)`, then the state is `committed`
+//! with version N. `Abort N` of a version that was landing leaves the state `invalid` with the
+//! controller's reason, until a later version commits. A hook that fails fails the sync (at
+//! `Prepare`) naming the engine, or (at `Commit`, too late to fail it) leaves it invalid.
+
+use std::sync::Arc;
+
+use parking_lot::{Condvar, Mutex};
+use weightsync_common::protocol::{Assignment, RunChecksum, WorkerReport};
+
+use super::{EngineState, EngineStatus};
+use crate::driver::{Accepted, DriverError, DriverInfo, Outcome, SyncDriver, SyncRef};
+use crate::rollout::RolloutDriver;
+
+/// A hook called with the version: an error fails (or invalidates) it.
+pub type Hook = Box<dyn Fn(u64) -> Result<(), String> + Send + Sync>;
+
+/// The engine's state and hooks, shared by its handle and its driver.
+#[derive(Default)]
+pub(crate) struct EngineShared {
+    pub state: Mutex<Watched>,
+    pub changed: Condvar,
+    pub hooks: Mutex<Hooks>,
+}
+
+/// The visible state, and the version it is invalid for.
+#[derive(Debug, Clone)]
+pub(crate) struct Watched {
+    pub state: EngineState,
+    pub landing: Option<u64>,
+    pub failed: Option<u64>,
+}
+
+impl Default for Watched {
+    fn default() -> Self {
+        Watched {
+            state: EngineState {
+                version: None,
+                status: EngineStatus::Idle,
+                cause: None,
+            },
+            landing: None,
+            failed: None,
+        }
+    }
+}
+
+/// The engine's hooks.
+#[derive(Default)]
+pub(crate) struct Hooks {
+    pub before_landing: Option<Arc<Hook>>,
+    pub after_commit: Option<Arc<Hook>>,
+}
+
+impl EngineShared {
+    fn update(&self, f: impl FnOnce(&mut Watched)) {
+        f(&mut self.state.lock());
+        self.changed.notify_all();
+    }
+
+    fn invalidate(&self, version: u64, cause: String) {
+        self.update(|w| {
+            w.state.status = EngineStatus::Invalid;
+            w.state.cause = Some(cause);
+            w.landing = None;
+            w.failed = Some(version);
+        });
+    }
+}
+
+/// Runs `hook(version)` off the runtime's threads (it may take the GIL, or block).
+async fn call(hook: Option<Arc<Hook>>, version: u64) -> Result<(), String> {
+    let Some(hook) = hook else {
+        return Ok(());
+    };
+    tokio::task::spawn_blocking(move || hook(version))
+        .await
+        .map_err(|e| format!("the hook panicked: {e}"))?
+}
+
+/// The rollout driver with the engine's hooks and state.
+pub(crate) struct EngineDriver {
+    pub inner: RolloutDriver,
+    pub shared: Arc<EngineShared>,
+    pub name: String,
+    pub abort_cause: Option<String>,
+}
+
+impl SyncDriver for EngineDriver {
+    fn info(&self) -> DriverInfo {
+        self.inner.info()
+    }
+
+    async fn assign(&mut self, a: Assignment) -> Result<Accepted, DriverError> {
+        self.inner.assign(a).await
+    }
+
+    async fn prepare(&mut self, sync: SyncRef) -> Result<WorkerReport, DriverError> {
+        let v = sync.version;
+        let hook = self.shared.hooks.lock().before_landing.clone();
+        if let Err(e) = call(hook, v).await {
+            let cause = format!("engine {}: before_landing({v}) failed: {e}", self.name);
+            self.shared.invalidate(v, cause.clone());
+            return Err(DriverError::new(cause));
+        }
+        self.shared.update(|w| {
+            w.state.status = EngineStatus::Landing;
+            w.landing = Some(v);
+        });
+        self.inner.prepare(sync).await
+    }
+
+    async fn run(&mut self, sync: SyncRef) -> Result<(Option<bool>, WorkerReport), DriverError> {
+        self.inner.run(sync).await
+    }
+
+    async fn verify(
+        &mut self,
+        sync: SyncRef,
+        checksums: Vec<RunChecksum>,
+    ) -> Result<WorkerReport, DriverError> {
+        self.inner.verify(sync, checksums).await
+    }
+
+    fn aborted_because(&mut self, _sync: SyncRef, reason: &str) {
+        self.abort_cause = Some(reason.to_string());
+    }
+
+    async fn finish(&mut self, sync: SyncRef, outcome: Outcome) {
+        self.inner.finish(sync, outcome).await;
+        let v = sync.version;
+        match outcome {
+            Outcome::Committed => {
+                let hook = self.shared.hooks.lock().after_commit.clone();
+                match call(hook, v).await {
+                    Ok(()) => self.shared.update(|w| {
+                        w.state = EngineState {
+                            version: Some(v),
+                            status: EngineStatus::Committed,
+                            cause: None,
+                        };
+                        w.landing = None;
+                        w.failed = None;
+                    }),
+                    Err(e) => {
+                        let cause = format!("engine {}: after_commit({v}) failed: {e}", self.name);
+                        self.shared.invalidate(v, cause);
+                    }
+                }
+            }
+            Outcome::Aborted => {
+                let cause = self
+                    .abort_cause
+                    .take()
+                    .unwrap_or_else(|| format!("the sync of version {v} was aborted"));
+                if self.shared.state.lock().landing == Some(v) {
+                    self.shared.invalidate(v, cause);
+                }
+            }
+        }
+    }
+
+    async fn drain(&mut self) {
+        self.inner.drain().await
+    }
+}

@@ -1,0 +1,226 @@
+//! In-process workers: what the Python package (and any program that holds its own tensors)
+//! embeds. A training rank's [`TrainerHandle`] registers the rank's parameter shards in place and
+//! pushes versions; an inference rank's [`EngineHandle`] registers the engine's own parameter
+//! tensors as the destinations, with hooks around each version. Neither restates the job: both
+//! learn it from the controller ([`crate::fetch_job`]) and lay out their own side from it.
+//!
+//! Every call blocks; each handle owns a small tokio runtime, its fabric and its agent session
+//! (the same control loop and drivers the sidecars use, over caller-owned memory: a
+//! [`weightsync_worker::TensorSet`] as the trainer's source, a receiver built over the engine's
+//! regions with a placement map). Errors are [`EmbedError`]s that name the worker and, where
+//! there is one, the tensor.
+//!
+//! # A job to run it against
+//! The controller is the `weightsync` binary:
+//! ```text
+//! export WEIGHTSYNC_JOB_TOKEN=secret WEIGHTSYNC_API_TOKEN=api
+//! weightsync controller --control 127.0.0.1:7070 --http 127.0.0.1:8080 \
+//!     --model path/to/config.json --train fsdp=2,experts=transformers --infer tp=1,dp=2,format=hf --dtype bf16
+//! ```
+//! `--model` takes a preset name or a Hugging Face `config.json` (a transformers Qwen3 or
+//! Qwen3-MoE config as `save_pretrained` writes it; the controller reads it and sends its text
+//! to every worker with the job). The training layout must name parameters as the training
+//! model's `named_parameters()` does (`experts=transformers` for transformers' stacked experts,
+//! see `weightsync_schedules::job`), and `format=hf` lays the engines out as transformers holds
+//! its weights. Then, in every training rank and every inference rank:
+//! ```text
+//! let t = TrainerHandle::connect(TrainerOptions::new("127.0.0.1:7070", rank))?;
+//! t.register(tensors_matching(t.layout()))?;          // once
+//! loop { step(); t.push(version)?.wait(None)?; }
+//! let e = EngineHandle::connect(EngineOptions::new("127.0.0.1:7070", rank))?;
+//! e.set_hooks(Some(pause), Some(resume));
+//! e.register(engine_tensors_matching(e.layout()))?;   // once
+//! ```
+//!
+//! # Layout
+//! - this file: the shared types and [`EmbedError`].
+//! - `session`: the runtime, learning the job, starting the agent, and the ends of syncs.
+//! - `trainer`: [`TrainerHandle`], [`PushHandle`].
+//! - `engine`: [`EngineHandle`] and its driver (hooks, state).
+//! - `client`: [`ApiClient`], the HTTP trigger as a blocking call.
+//! - `regions`: an engine's tensors checked against its planned layout and merged into regions.
+
+mod client;
+mod engine;
+mod engine_driver;
+mod regions;
+mod session;
+mod trainer;
+
+use weightsync_common::protocol::Failure;
+
+pub use crate::api_client::{ClientError, SyncFailure, SyncResult};
+pub use client::ApiClient;
+pub use engine::{EngineHandle, EngineOptions, Hook};
+pub use trainer::{PushHandle, TrainerHandle, TrainerOptions};
+pub use weightsync_common::DType;
+pub use weightsync_worker::{HostMemory, SourceTensor};
+
+/// One shard a training rank must register: the parameter, its global shape, and the rank's
+/// local box of it (`offset`, `shape`: torch.chunk semantics along the sharded dims).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShardInfo {
+    /// The parameter's name (`name#k` for its k-th shard after the first on this rank).
+    pub name: String,
+    /// Element type.
+    pub dtype: DType,
+    /// The parameter's global shape.
+    pub global_shape: Vec<u64>,
+    /// Where the local box starts in the global tensor.
+    pub offset: Vec<u64>,
+    /// The local box's extents: the shape of the tensor to register.
+    pub shape: Vec<u64>,
+}
+
+/// One tensor of an inference rank, as planned.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DstTensorInfo {
+    /// The engine's name for it.
+    pub name: String,
+    /// Element type.
+    pub dtype: DType,
+    /// Shape.
+    pub shape: Vec<u64>,
+}
+
+/// One of the engine's own tensors, registered as a destination.
+#[derive(Debug)]
+pub struct DstTensor {
+    /// The engine's name for it.
+    pub name: String,
+    /// Element type.
+    pub dtype: DType,
+    /// Shape.
+    pub shape: Vec<u64>,
+    /// Its memory (writable).
+    pub memory: HostMemory,
+}
+
+/// What a committed version cost this trainer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SyncOutcome {
+    /// The version.
+    pub version: u64,
+    /// Bytes this trainer wrote.
+    pub bytes: u64,
+    /// Source bytes copied into staging before being written.
+    pub staged_bytes: u64,
+    /// Bytes written straight from the registered tensors.
+    pub direct_bytes: u64,
+    /// From `push` to the controller's commit, seconds.
+    pub seconds: f64,
+    /// Per stage of this trainer's part, its span in seconds (first start to last end).
+    pub stages: Vec<(String, f64)>,
+}
+
+/// Where an engine's weights stand.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EngineStatus {
+    /// Nothing has landed yet.
+    Idle,
+    /// A version is landing: the engine must not read its weights.
+    Landing,
+    /// The last version landed, was verified and committed.
+    Committed,
+    /// A sync failed while landing: the weights are a mix; invalid until a later version commits.
+    Invalid,
+}
+
+/// An engine's state: its last committed version, its status, and why it is invalid.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EngineState {
+    /// The last committed version.
+    pub version: Option<u64>,
+    /// Status.
+    pub status: EngineStatus,
+    /// Why it is invalid (or why the last sync failed).
+    pub cause: Option<String>,
+}
+
+/// Why an embedded worker's call failed. Each names the worker and, where there is one, the
+/// tensor.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum EmbedError {
+    /// The controller could not be reached, or refused the job-token proof.
+    #[error("{worker}: cannot reach the controller: {reason}")]
+    Connect {
+        /// This worker.
+        worker: String,
+        /// Why.
+        reason: String,
+    },
+    /// Registration failed (the tensors, the fabric, or the controller refused it).
+    #[error("{worker}: registration failed{}: {reason}", tensor.as_ref().map(|t| format!(" (tensor {t})")).unwrap_or_default())]
+    Registration {
+        /// This worker.
+        worker: String,
+        /// The tensor, when one is to blame.
+        tensor: Option<String>,
+        /// Why.
+        reason: String,
+    },
+    /// A tensor differs from what the job's layout expects.
+    #[error("{worker}: tensor {tensor}: expected {expected}, got {actual}")]
+    LayoutMismatch {
+        /// This worker.
+        worker: String,
+        /// The tensor.
+        tensor: String,
+        /// What the layout expects.
+        expected: String,
+        /// What was registered.
+        actual: String,
+    },
+    /// A registered tensor's storage moved since registration.
+    #[error(
+        "{worker}: tensor {tensor} moved since it was registered; re-register with register()"
+    )]
+    StaleTensor {
+        /// This worker.
+        worker: String,
+        /// The tensor.
+        tensor: String,
+    },
+    /// The sync of a version failed.
+    #[error("version {version} failed on {worker}: {cause}")]
+    SyncFailed {
+        /// The version.
+        version: u64,
+        /// The worker that failed (e.g. `rollout-1`), or `controller`.
+        worker: String,
+        /// Why (naming the tensor when one is to blame).
+        cause: String,
+    },
+    /// A wait ran out of time (retryable).
+    #[error("timed out waiting for {what}")]
+    Timeout {
+        /// What was waited for.
+        what: String,
+    },
+    /// The worker was closed, or its session with the controller ended.
+    #[error("{worker} is closed")]
+    Closed {
+        /// This worker.
+        worker: String,
+    },
+}
+
+/// The [`EmbedError::SyncFailed`] of `version` from the controller's abort.
+fn sync_failed(version: u64, reason: &str, failure: Option<&Failure>) -> EmbedError {
+    match failure {
+        Some(f) => EmbedError::SyncFailed {
+            version,
+            worker: f.worker.to_string(),
+            cause: match &f.tensor {
+                Some(t) => format!("{} (tensor {t})", f.cause),
+                None => f.cause.clone(),
+            },
+        },
+        None => EmbedError::SyncFailed {
+            version,
+            worker: "controller".into(),
+            cause: reason.to_string(),
+        },
+    }
+}

@@ -1,0 +1,243 @@
+//! What both embedded workers share: their runtime, learning the job, the agent session they
+//! start once their memory is registered, and the ends of syncs as the controller announces
+//! them (kept per version, so a waiter finds its answer whenever it looks).
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
+use tokio::runtime::Runtime;
+use tokio::sync::mpsc;
+use weightsync_common::fabric::{Fabric, FabricConfig};
+use weightsync_common::protocol::{Failure, FromWorker, WorkerId, WorldSpec};
+
+use super::EmbedError;
+use crate::control::{fetch_job, run_agent_with, AgentConfig, AgentEvent, AgentLink};
+use crate::driver::SyncDriver;
+
+/// How an embedded worker reaches its controller.
+#[derive(Debug, Clone)]
+pub(crate) struct Reach {
+    pub controller: String,
+    pub token: String,
+    pub listen: Option<String>,
+    pub id: WorkerId,
+    pub name: String,
+}
+
+impl Reach {
+    pub(crate) fn new(
+        controller: &str,
+        token: Option<&str>,
+        listen: Option<&str>,
+        id: WorkerId,
+        name: Option<&str>,
+    ) -> Reach {
+        let token = token
+            .map(str::to_string)
+            .or_else(|| std::env::var("WEIGHTSYNC_JOB_TOKEN").ok())
+            .unwrap_or_default();
+        Reach {
+            controller: controller.to_string(),
+            token,
+            listen: listen.map(str::to_string),
+            id,
+            name: name.map_or_else(|| id.to_string(), str::to_string),
+        }
+    }
+
+    pub(crate) fn connect_error(&self, reason: impl std::fmt::Display) -> EmbedError {
+        EmbedError::Connect {
+            worker: self.name.clone(),
+            reason: reason.to_string(),
+        }
+    }
+
+    pub(crate) fn fabric_config(&self) -> FabricConfig {
+        let mut cfg = FabricConfig::loopback(&self.token, 2);
+        if let Some(l) = &self.listen {
+            cfg.listen = l.clone();
+        }
+        cfg
+    }
+}
+
+/// The job as learned from the controller, and this worker's runtime and fabric.
+pub(crate) struct Started {
+    pub rt: Runtime,
+    pub world: WorldSpec,
+    pub model_config: Option<String>,
+    pub fabric: Fabric,
+}
+
+/// Starts the runtime, learns the job, starts the fabric.
+pub(crate) fn start(reach: &Reach) -> Result<Started, EmbedError> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name(format!("weightsync-{}", reach.name))
+        .enable_all()
+        .build()
+        .map_err(|e| reach.connect_error(format!("cannot start a runtime: {e}")))?;
+    let (world, model_config) = rt
+        .block_on(fetch_job(
+            &reach.controller,
+            &reach.token,
+            crate::AGENT_MAX_FRAME,
+        ))
+        .map_err(|e| reach.connect_error(e))?;
+    let fabric = rt
+        .block_on(Fabric::start(&reach.fabric_config()))
+        .map_err(|e| reach.connect_error(format!("cannot start the fabric: {e}")))?;
+    Ok(Started {
+        rt,
+        world,
+        model_config,
+        fabric,
+    })
+}
+
+/// How a sync of one version ended, as announced.
+#[derive(Debug, Clone)]
+pub(crate) enum End {
+    Committed {
+        at: Instant,
+    },
+    Aborted {
+        reason: String,
+        failure: Option<Failure>,
+    },
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct EndsState {
+    pub registered: bool,
+    pub by_version: BTreeMap<u64, End>,
+    pub stopped: Option<String>,
+}
+
+/// The ends of syncs and the session's life, with a condition variable to wait on.
+#[derive(Debug, Default)]
+pub(crate) struct Ends {
+    pub state: Mutex<EndsState>,
+    pub changed: Condvar,
+}
+
+impl Ends {
+    /// Waits until `ready` gives an answer, or `timeout` passes (`None`).
+    pub(crate) fn wait<T>(
+        &self,
+        timeout: Option<Duration>,
+        mut ready: impl FnMut(&EndsState) -> Option<T>,
+    ) -> Option<T> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let mut st = self.state.lock();
+        loop {
+            if let Some(r) = ready(&st) {
+                return Some(r);
+            }
+            match deadline {
+                Some(d) => {
+                    if self.changed.wait_until(&mut st, d).timed_out() {
+                        return ready(&st);
+                    }
+                }
+                None => self.changed.wait(&mut st),
+            }
+        }
+    }
+
+    fn record(&self, ev: AgentEvent) {
+        let mut st = self.state.lock();
+        match ev {
+            AgentEvent::Registered => st.registered = true,
+            AgentEvent::Committed { version, .. } => {
+                let at = Instant::now();
+                st.by_version.insert(version, End::Committed { at });
+            }
+            AgentEvent::Aborted {
+                version,
+                reason,
+                failure,
+                ..
+            } => {
+                st.by_version
+                    .insert(version, End::Aborted { reason, failure });
+            }
+            AgentEvent::Stopped { reason } => st.stopped = Some(reason),
+        }
+        // Old versions are kept a while: a waiter may look late.
+        while st.by_version.len() > 1024 {
+            st.by_version.pop_first();
+        }
+        drop(st);
+        self.changed.notify_all();
+    }
+}
+
+/// A running agent session: where to send extra messages, and the ends it announces.
+pub(crate) struct Session {
+    pub outbox: mpsc::Sender<FromWorker>,
+    pub ends: std::sync::Arc<Ends>,
+}
+
+/// Starts the agent with `driver` on `rt` and waits (up to `within`) until it registered.
+pub(crate) fn run_session<D: SyncDriver>(
+    rt: &Runtime,
+    reach: &Reach,
+    world: WorldSpec,
+    driver: D,
+    within: Duration,
+) -> Result<Session, EmbedError> {
+    let cfg = AgentConfig {
+        controller: reach.controller.clone(),
+        job_token: reach.token.clone(),
+        id: reach.id,
+        host: std::env::var("HOSTNAME").unwrap_or_else(|_| "localhost".into()),
+        world,
+        reconnect_for: Duration::from_secs(60),
+        max_frame: crate::AGENT_MAX_FRAME,
+    };
+    let (out_tx, out_rx) = mpsc::channel(256);
+    let (ev_tx, mut ev_rx) = mpsc::unbounded_channel();
+    let ends = std::sync::Arc::new(Ends::default());
+    let link = AgentLink {
+        outbox: Some(out_rx),
+        events: Some(ev_tx),
+    };
+    spawn_quiet(rt, run_agent_with(cfg, driver, link));
+    let pump = ends.clone();
+    rt.spawn(async move {
+        while let Some(ev) = ev_rx.recv().await {
+            pump.record(ev);
+        }
+    });
+    let joined = ends.wait(Some(within), |st| {
+        if st.registered {
+            Some(Ok(()))
+        } else {
+            st.stopped.clone().map(Err)
+        }
+    });
+    match joined {
+        Some(Ok(())) => Ok(Session {
+            outbox: out_tx,
+            ends,
+        }),
+        Some(Err(reason)) => Err(EmbedError::Registration {
+            worker: reach.name.clone(),
+            tensor: None,
+            reason,
+        }),
+        None => Err(EmbedError::Timeout {
+            what: format!("{} to register with the controller", reach.name),
+        }),
+    }
+}
+
+/// Runs an agent whose result the events already report.
+fn spawn_quiet<T: Send + 'static>(rt: &Runtime, fut: impl Future<Output = T> + Send + 'static) {
+    rt.spawn(async move {
+        let _ = fut.await;
+    });
+}

@@ -1,0 +1,349 @@
+//! [`TrainerHandle`]: a training rank's shards, registered in place, pushed version by version.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use tokio::runtime::Runtime;
+use weightsync_common::fabric::Fabric;
+use weightsync_common::protocol::{FromWorker, WorkerId, WorldSpec};
+use weightsync_schedules::job;
+use weightsync_worker::{shard_names, ArenaTensor, SourceError, SyncReport, TensorSet};
+
+use super::session::{run_session, start, End, Ends, Reach, Session};
+use super::{sync_failed, EmbedError, ShardInfo, SourceTensor, SyncOutcome};
+use crate::trainer::{ReportSlot, SourceSpec, TrainerDriver, TrainerDriverConfig};
+
+/// How a training rank reaches its controller.
+#[derive(Debug, Clone, Default)]
+pub struct TrainerOptions {
+    /// The controller's control-channel address, `host:port`.
+    pub controller: String,
+    /// Training rank.
+    pub rank: u32,
+    /// Job token (default: `$WEIGHTSYNC_JOB_TOKEN`, else none).
+    pub job_token: Option<String>,
+    /// Fabric listen address (default `127.0.0.1:0`).
+    pub listen: Option<String>,
+    /// Worker id (default `trainer-{rank}`).
+    pub worker_id: Option<String>,
+}
+
+impl TrainerOptions {
+    /// Options with every default.
+    pub fn new(controller: impl Into<String>, rank: u32) -> TrainerOptions {
+        TrainerOptions {
+            controller: controller.into(),
+            rank,
+            ..Default::default()
+        }
+    }
+}
+
+/// Staging for what cannot be written straight from the tensors (casts, fp8, strided boxes).
+const WATERMARK_BYTES: u64 = 64 << 20;
+
+/// An in-process trainer (see the module docs of [`super`]).
+pub struct TrainerHandle {
+    reach: Reach,
+    rank: u32,
+    world: WorldSpec,
+    layout: Vec<ShardInfo>,
+    expected: Vec<ArenaTensor>,
+    fabric: Fabric,
+    rt: Mutex<Option<Runtime>>,
+    session: Mutex<Option<(Session, ReportSlot)>>,
+}
+
+impl std::fmt::Debug for TrainerHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TrainerHandle")
+            .field("worker", &self.reach.name)
+            .finish_non_exhaustive()
+    }
+}
+
+/// This rank's shards in the job's training layout.
+fn rank_shards(
+    world: &WorldSpec,
+    model_config: Option<&str>,
+    rank: u32,
+) -> Result<(Vec<ShardInfo>, Vec<ArenaTensor>), String> {
+    let layouts = job::layouts(world, model_config).map_err(|e| e.to_string())?;
+    if rank >= layouts.train.ranks {
+        return Err(format!(
+            "training rank {rank} is outside the job's {} ranks ({})",
+            layouts.train.ranks, world.train
+        ));
+    }
+    let mine: Vec<_> = layouts
+        .train
+        .shards
+        .iter()
+        .filter(|s| s.rank == rank)
+        .collect();
+    let params = &layouts.model.params;
+    let names = shard_names(mine.iter().map(|s| &*params[s.param as usize].name));
+    let mut infos = Vec::new();
+    let mut arena = Vec::new();
+    for (s, name) in mine.iter().zip(names) {
+        let n = s.global.ndim as usize;
+        let shape: Vec<u64> = s.global.len[..n].iter().map(|&d| d as u64).collect();
+        arena.push(ArenaTensor {
+            name: name.clone(),
+            dtype: s.dtype,
+            shape: shape.iter().map(|&d| d as usize).collect(),
+            offset: s.offset,
+        });
+        if shape.iter().product::<u64>() == 0 {
+            continue;
+        }
+        let global = params[s.param as usize].shape;
+        infos.push(ShardInfo {
+            name,
+            dtype: s.dtype,
+            global_shape: global.dims().iter().map(|&d| d as u64).collect(),
+            offset: s.global.start[..n].iter().map(|&d| d as u64).collect(),
+            shape,
+        });
+    }
+    Ok((infos, arena))
+}
+
+/// A source error as the embedding's error: a mismatch names the tensor, expected and actual.
+pub(crate) fn source_error(worker: &str, e: SourceError) -> EmbedError {
+    let worker = worker.to_string();
+    match e {
+        SourceError::DTypeMismatch {
+            name,
+            expected,
+            found,
+        } => EmbedError::LayoutMismatch {
+            worker,
+            tensor: name,
+            expected: format!("dtype {expected}"),
+            actual: format!("dtype {found}"),
+        },
+        SourceError::ShapeMismatch {
+            name,
+            expected,
+            found,
+        } => EmbedError::LayoutMismatch {
+            worker,
+            tensor: name,
+            expected: format!("local shard shape {expected:?}"),
+            actual: format!("shape {found:?}"),
+        },
+        other => EmbedError::Registration {
+            worker,
+            tensor: None,
+            reason: other.to_string(),
+        },
+    }
+}
+
+impl TrainerHandle {
+    /// Learns the job from the controller and starts this rank's fabric.
+    pub fn connect(opts: TrainerOptions) -> Result<TrainerHandle, EmbedError> {
+        let id = WorkerId::trainer(opts.rank);
+        let reach = Reach::new(
+            &opts.controller,
+            opts.job_token.as_deref(),
+            opts.listen.as_deref(),
+            id,
+            opts.worker_id.as_deref(),
+        );
+        let st = start(&reach)?;
+        let (layout, expected) = rank_shards(&st.world, st.model_config.as_deref(), opts.rank)
+            .map_err(|e| reach.connect_error(e))?;
+        Ok(TrainerHandle {
+            reach,
+            rank: opts.rank,
+            world: st.world,
+            layout,
+            expected,
+            fabric: st.fabric,
+            rt: Mutex::new(Some(st.rt)),
+            session: Mutex::new(None),
+        })
+    }
+
+    /// This worker's id.
+    pub fn worker_id(&self) -> &str {
+        &self.reach.name
+    }
+
+    /// The shards this rank must register (non-empty ones).
+    pub fn layout(&self) -> Vec<ShardInfo> {
+        self.layout.clone()
+    }
+
+    /// Registers the rank's tensors (once): checks them against the layout (name, dtype, local
+    /// shape), registers them with the fabric in place, and joins the job.
+    pub fn register(&self, tensors: Vec<SourceTensor>) -> Result<(), EmbedError> {
+        let name = &self.reach.name;
+        let rt_guard = self.rt.lock();
+        let rt = rt_guard.as_ref().ok_or_else(|| EmbedError::Closed {
+            worker: name.clone(),
+        })?;
+        let mut session = self.session.lock();
+        if session.is_some() {
+            return Err(EmbedError::Registration {
+                worker: name.clone(),
+                tensor: None,
+                reason: "already registered (register once per handle)".into(),
+            });
+        }
+        let _in_rt = rt.enter();
+        let set = TensorSet::register(&self.fabric, tensors).map_err(|e| match e {
+            weightsync_worker::WorkerError::Source(s) => source_error(name, s),
+            other => EmbedError::Registration {
+                worker: name.clone(),
+                tensor: None,
+                reason: other.to_string(),
+            },
+        })?;
+        set.check(&self.expected)
+            .map_err(|e| source_error(name, e))?;
+        let cfg = TrainerDriverConfig {
+            world: self.world.clone(),
+            rank: self.rank,
+            fabric: self.reach.fabric_config(),
+            watermark_bytes: WATERMARK_BYTES,
+            source: SourceSpec::Tensors(Arc::new(set)),
+        };
+        let mut driver = TrainerDriver::with_fabric(cfg, self.fabric.clone());
+        let reports = driver.keep_reports();
+        let s = run_session(
+            rt,
+            &self.reach,
+            self.world.clone(),
+            driver,
+            Duration::from_secs(60),
+        )?;
+        *session = Some((s, reports));
+        Ok(())
+    }
+
+    /// Says that the registered tensors hold `version` and stay put until it ends: the sync
+    /// starts once every trainer pushed it. Wait on the handle for its end.
+    pub fn push(&self, version: u64) -> Result<PushHandle, EmbedError> {
+        let name = self.reach.name.clone();
+        let session = self.session.lock();
+        let Some((s, reports)) = session.as_ref() else {
+            return Err(EmbedError::Registration {
+                worker: name,
+                tensor: None,
+                reason: "push before register".into(),
+            });
+        };
+        // A retried version waits for its new attempt, not the old end.
+        s.ends.state.lock().by_version.remove(&version);
+        s.outbox
+            .try_send(FromWorker::Push { version })
+            .map_err(|_| EmbedError::Closed {
+                worker: name.clone(),
+            })?;
+        Ok(PushHandle {
+            version,
+            worker: name,
+            pushed: Instant::now(),
+            ends: s.ends.clone(),
+            reports: reports.clone(),
+        })
+    }
+
+    /// Leaves the job: the session and the fabric stop (idempotent; also on drop).
+    pub fn close(&self) {
+        self.session.lock().take();
+        if let Some(rt) = self.rt.lock().take() {
+            // Waits (a bounded time) until the session's tasks are dropped, so the registrations
+            // go and the tensors' owners are released.
+            rt.shutdown_timeout(Duration::from_millis(500));
+        }
+    }
+}
+
+impl Drop for TrainerHandle {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+/// The sync of one pushed version.
+#[derive(Debug)]
+pub struct PushHandle {
+    version: u64,
+    worker: String,
+    pushed: Instant,
+    ends: Arc<Ends>,
+    reports: ReportSlot,
+}
+
+/// Per stage, the span from its first start to its last end, seconds.
+fn stage_spans(r: &SyncReport) -> Vec<(String, f64)> {
+    let mut spans: BTreeMap<&'static str, (u64, u64)> = BTreeMap::new();
+    for e in &r.timeline.events {
+        let s = spans
+            .entry(e.stage.name())
+            .or_insert((e.start_ns, e.end_ns));
+        s.0 = s.0.min(e.start_ns);
+        s.1 = s.1.max(e.end_ns);
+    }
+    spans
+        .into_iter()
+        .map(|(k, (a, b))| (k.to_string(), b.saturating_sub(a) as f64 / 1e9))
+        .collect()
+}
+
+impl PushHandle {
+    /// The version pushed.
+    pub fn version(&self) -> u64 {
+        self.version
+    }
+
+    /// Waits until the sync of the version committed (its outcome) or failed (the failure,
+    /// naming the worker that failed). [`EmbedError::Timeout`] when `timeout` passes first; it
+    /// may be called again.
+    pub fn wait(&self, timeout: Option<Duration>) -> Result<SyncOutcome, EmbedError> {
+        let v = self.version;
+        let end = self.ends.wait(timeout, |st| match st.by_version.get(&v) {
+            Some(end) => Some(Ok(end.clone())),
+            None => st.stopped.clone().map(Err),
+        });
+        match end {
+            None => Err(EmbedError::Timeout {
+                what: format!("version {v} on {}", self.worker),
+            }),
+            Some(Err(_)) => Err(EmbedError::Closed {
+                worker: self.worker.clone(),
+            }),
+            Some(Ok(End::Aborted { reason, failure })) => {
+                Err(sync_failed(v, &reason, failure.as_ref()))
+            }
+            Some(Ok(End::Committed { at })) => Ok(self.outcome(at)),
+        }
+    }
+
+    fn outcome(&self, at: Instant) -> SyncOutcome {
+        let v = self.version;
+        let mut out = SyncOutcome {
+            version: v,
+            bytes: 0,
+            staged_bytes: 0,
+            direct_bytes: 0,
+            seconds: at.saturating_duration_since(self.pushed).as_secs_f64(),
+            stages: Vec::new(),
+        };
+        if let Some((rv, r)) = self.reports.lock().as_ref() {
+            if *rv == v {
+                out.bytes = r.bytes_written;
+                out.staged_bytes = r.staged_bytes;
+                out.direct_bytes = r.direct_bytes;
+                out.stages = stage_spans(r);
+            }
+        }
+        out
+    }
+}

@@ -1,0 +1,554 @@
+//! In-process trainers and engines (`weightsync_agent::embed`, what the Python package binds)
+//! over Vec-backed tensors, against a real controller served on loopback: uneven FSDP trainers
+//! (3 ranks) push several versions into two engines in the Hugging Face layout, and every engine
+//! tensor equals the trainers' full parameter byte for byte; a plain bf16 -> bf16 job is written
+//! straight from the registered tensors (no staging); a failing engine makes the push fail
+//! naming it and leaves the other invalid until a later version commits; a layout mismatch
+//! names the tensor.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use weightsync_agent::embed::{
+    ApiClient, DstTensor, EmbedError, EngineHandle, EngineOptions, EngineStatus, HostMemory,
+    ShardInfo, SourceTensor, TrainerHandle, TrainerOptions,
+};
+use weightsync_common::protocol::WorldSpec;
+use weightsync_common::DType;
+use weightsync_controller::{AppState, ControllerConfig, SchedulesPlanner};
+use weightsync_tests::controller_harness::{ServedController, API_TOKEN, JOB_TOKEN};
+
+/// A small dense Qwen3: row counts that 3 FSDP ranks split unevenly (256 = 86 + 86 + 84).
+const CONFIG: &str = r#"{"model_type":"qwen3","hidden_size":256,"intermediate_size":512,
+ "num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":64,
+ "vocab_size":320}"#;
+
+const WAIT: Option<Duration> = Some(Duration::from_secs(15));
+
+/// One tensor's memory, owned here and registered in place: bytes `at..at + len` of a vector
+/// that the owner object keeps alive for as long as the registration lives.
+struct Buffer {
+    bytes: Arc<Vec<u8>>,
+    at: usize,
+    len: usize,
+}
+
+impl Buffer {
+    fn zeroed(len: usize) -> Buffer {
+        Buffer {
+            bytes: Arc::new(vec![0u8; len]),
+            at: 0,
+            len,
+        }
+    }
+
+    /// Tensors of `lens` bytes back to back in one allocation, the last first (so where each
+    /// lies differs from the planned layout's order).
+    fn carved(lens: &[usize]) -> Vec<Buffer> {
+        let bytes = Arc::new(vec![0u8; lens.iter().sum()]);
+        let mut at = lens.iter().sum::<usize>();
+        lens.iter()
+            .map(|&len| {
+                at -= len;
+                Buffer {
+                    bytes: bytes.clone(),
+                    at,
+                    len,
+                }
+            })
+            .collect()
+    }
+
+    fn ptr(&self) -> *mut u8 {
+        self.bytes[self.at..].as_ptr() as *mut u8
+    }
+
+    fn memory(&self) -> HostMemory {
+        // SAFETY: heap memory inside the vector that never moves; the registration keeps a
+        // clone of the Arc, so it outlives every read and write; the test writes it (`fill`)
+        // only between syncs and reads it (`read`) only after a commit.
+        unsafe { HostMemory::from_raw(self.ptr(), self.len, Box::new(self.bytes.clone())) }
+    }
+
+    /// The owner rewriting its tensor between syncs (as an optimizer step does).
+    fn fill(&self, data: &[u8]) {
+        assert_eq!(data.len(), self.len);
+        // SAFETY: the range lies in the vector; no sync runs (the test fills before it pushes),
+        // so nothing reads these bytes meanwhile.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr(), data.len()) };
+    }
+
+    /// A copy of what landed.
+    fn read(&self) -> Vec<u8> {
+        let mut out = vec![0u8; self.len];
+        // SAFETY: read after the version committed: no write to these bytes is in flight.
+        unsafe { std::ptr::copy_nonoverlapping(self.ptr(), out.as_mut_ptr(), out.len()) };
+        out
+    }
+}
+
+/// The value of element `flat` of parameter `name` at `version` (a bf16 bit pattern).
+fn value(name: &str, flat: u64, version: u64) -> [u8; 2] {
+    let h = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
+    });
+    let x = h ^ flat.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ version.wrapping_mul(0x85eb_ca6b);
+    ((x >> 17) as u16 & 0x3fff).to_le_bytes()
+}
+
+/// A shard's bytes at `version`: each local element's value at its global position.
+fn shard_bytes(s: &ShardInfo, version: u64) -> Vec<u8> {
+    let n: u64 = s.shape.iter().product();
+    let mut out = Vec::with_capacity(n as usize * 2);
+    for local in 0..n {
+        let (mut rest, mut global) = (local, 0u64);
+        let mut stride = 1u64;
+        let mut coords = vec![0u64; s.shape.len()];
+        for d in (0..s.shape.len()).rev() {
+            coords[d] = rest % s.shape[d] + s.offset[d];
+            rest /= s.shape[d];
+        }
+        for d in (0..s.shape.len()).rev() {
+            global += coords[d] * stride;
+            stride *= s.global_shape[d];
+        }
+        out.extend_from_slice(&value(&s.name, global, version));
+    }
+    out
+}
+
+/// A full parameter's bytes at `version`.
+fn full_bytes(name: &str, shape: &[u64], version: u64) -> Vec<u8> {
+    let n: u64 = shape.iter().product();
+    (0..n).flat_map(|i| value(name, i, version)).collect()
+}
+
+struct Trainer {
+    handle: TrainerHandle,
+    shards: Vec<(ShardInfo, Buffer)>,
+}
+
+impl Trainer {
+    fn join(control: &str, rank: u32) -> Trainer {
+        let handle = TrainerHandle::connect(TrainerOptions::new(control, rank)).unwrap();
+        let shards: Vec<_> = handle
+            .layout()
+            .into_iter()
+            .map(|s| {
+                let b = Buffer::zeroed(s.shape.iter().product::<u64>() as usize * 2);
+                (s, b)
+            })
+            .collect();
+        let tensors = shards
+            .iter()
+            .map(|(s, b)| SourceTensor {
+                name: s.name.clone(),
+                dtype: s.dtype,
+                shape: s.shape.clone(),
+                memory: b.memory(),
+            })
+            .collect();
+        handle.register(tensors).unwrap();
+        Trainer { handle, shards }
+    }
+
+    fn step(&self, version: u64) {
+        for (s, b) in &self.shards {
+            b.fill(&shard_bytes(s, version));
+        }
+    }
+}
+
+struct Engine {
+    handle: EngineHandle,
+    tensors: Vec<(String, Vec<u64>, DType, Buffer)>,
+}
+
+impl Engine {
+    fn join(control: &str, rank: u32, fail_before: Option<Arc<AtomicBool>>) -> Engine {
+        Engine::join_with(control, rank, fail_before, false)
+    }
+
+    /// `one_allocation`: every tensor carved out of one vector (one region once merged).
+    fn join_with(
+        control: &str,
+        rank: u32,
+        fail_before: Option<Arc<AtomicBool>>,
+        one_allocation: bool,
+    ) -> Engine {
+        let handle = EngineHandle::connect(EngineOptions::new(control, rank)).unwrap();
+        if let Some(fail) = fail_before {
+            handle.set_hooks(
+                Some(Box::new(move |v| {
+                    if fail.load(Ordering::SeqCst) {
+                        Err(format!("refusing version {v}"))
+                    } else {
+                        Ok(())
+                    }
+                })),
+                None,
+            );
+        }
+        let layout = handle.layout();
+        let lens: Vec<usize> = layout
+            .iter()
+            .map(|t| t.shape.iter().product::<u64>() as usize * t.dtype.size())
+            .collect();
+        let buffers = if one_allocation {
+            Buffer::carved(&lens)
+        } else {
+            lens.iter().map(|&l| Buffer::zeroed(l)).collect()
+        };
+        let tensors: Vec<_> = layout
+            .into_iter()
+            .zip(buffers)
+            .map(|(t, b)| (t.name, t.shape, t.dtype, b))
+            .collect();
+        let dst = tensors
+            .iter()
+            .map(|(name, shape, dtype, b)| DstTensor {
+                name: name.clone(),
+                dtype: *dtype,
+                shape: shape.clone(),
+                memory: b.memory(),
+            })
+            .collect();
+        handle.register(dst).unwrap();
+        Engine { handle, tensors }
+    }
+
+    /// Every tensor equals the trainers' full parameter of its name at `version`.
+    fn check(&self, version: u64) {
+        for (name, shape, _, b) in &self.tensors {
+            assert!(
+                b.read() == full_bytes(name, shape, version),
+                "{}: {name} differs from the trainers' version {version}",
+                self.handle.worker_id()
+            );
+        }
+    }
+}
+
+/// A small Qwen3-MoE as transformers 5 holds it (stacked experts): 4 experts over 3 FSDP ranks
+/// are 2, 2 and none.
+const MOE_CONFIG: &str = r#"{"model_type":"qwen3_moe","hidden_size":128,"intermediate_size":256,
+ "moe_intermediate_size":64,"num_experts":4,"num_experts_per_tok":2,"num_hidden_layers":2,
+ "num_attention_heads":4,"num_key_value_heads":2,"head_dim":32,"vocab_size":256}"#;
+
+/// A controller of the job served on loopback, on its own runtime.
+fn controller(dir: &tempfile::TempDir, train: &str) -> (tokio::runtime::Runtime, ServedController) {
+    controller_of(dir, CONFIG, train)
+}
+
+fn controller_of(
+    dir: &tempfile::TempDir,
+    config: &str,
+    train: &str,
+) -> (tokio::runtime::Runtime, ServedController) {
+    controller_with(dir, config, train, DType::BF16)
+}
+
+fn controller_with(
+    dir: &tempfile::TempDir,
+    config: &str,
+    train: &str,
+    dtype: DType,
+) -> (tokio::runtime::Runtime, ServedController) {
+    std::env::set_var("WEIGHTSYNC_JOB_TOKEN", JOB_TOKEN);
+    let path = dir.path().join("config.json");
+    std::fs::write(&path, config).unwrap();
+    let world = WorldSpec {
+        model: path.to_string_lossy().into_owned(),
+        train: train.into(),
+        infer: "tp=1,dp=2,format=hf".into(),
+        dtype,
+        verify: true,
+    };
+    let cfg = ControllerConfig::for_job(
+        world,
+        JOB_TOKEN.into(),
+        API_TOKEN.into(),
+        Duration::from_secs(3),
+        Duration::from_secs(30),
+        64,
+    )
+    .unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let ctl = rt.block_on(ServedController::start(AppState::new(
+        cfg,
+        Box::new(SchedulesPlanner),
+    )));
+    (rt, ctl)
+}
+
+/// Pushes `version` from every trainer and waits for each.
+fn push_all(
+    trainers: &[Trainer],
+    version: u64,
+) -> Vec<Result<weightsync_agent::embed::SyncOutcome, EmbedError>> {
+    for t in trainers {
+        t.step(version);
+    }
+    let handles: Vec<_> = trainers
+        .iter()
+        .map(|t| t.handle.push(version).unwrap())
+        .collect();
+    handles.iter().map(|h| h.wait(WAIT)).collect()
+}
+
+#[test]
+fn uneven_fsdp_trainers_land_every_version_in_two_hf_engines_without_staging() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_rt, ctl) = controller(&dir, "fsdp=3");
+    let control = ctl.control.to_string();
+    // rollout-0's tensors share one allocation (one region, offsets unlike the plan's).
+    let engines: Vec<Engine> = (0..2)
+        .map(|r| Engine::join_with(&control, r, None, r == 0))
+        .collect();
+    let trainers: Vec<Trainer> = (0..3).map(|r| Trainer::join(&control, r)).collect();
+    // torch.chunk over 3 ranks: 86, 86, 84 rows of a 256-row parameter.
+    let q = |t: &Trainer| {
+        t.shards
+            .iter()
+            .find(|(s, _)| s.name == "model.layers.0.self_attn.q_proj.weight")
+            .map(|(s, _)| s.shape.clone())
+            .unwrap()
+    };
+    assert_eq!(q(&trainers[2]), vec![84, 256]);
+    for version in 1..=3 {
+        for (rank, r) in push_all(&trainers, version).into_iter().enumerate() {
+            let out = r.unwrap_or_else(|e| {
+                let why = ctl.state.read(|c| {
+                    format!(
+                        "plan error {:?}, plan {:?}, active {:?}, ready {}",
+                        c.plan_error(),
+                        c.latest_plan().map(|p| (p.id, p.awaiting_ready.clone())),
+                        c.active().and_then(|a| c.sync(a)).map(|s| format!("{s:?}")),
+                        c.plan_ready()
+                    )
+                });
+                panic!("trainer-{rank} version {version}: {e}; controller: {why}")
+            });
+            assert_eq!(out.version, version);
+            assert!(out.direct_bytes > 0 && out.staged_bytes == 0, "{out:?}");
+            // Each shard goes to both engines (dp=2); small boxes also to their gatherer.
+            assert!(out.bytes >= out.direct_bytes, "{out:?}");
+        }
+        for e in &engines {
+            let st = e.handle.wait_for_version(version, WAIT).unwrap();
+            assert_eq!(
+                (st.version, st.status),
+                (Some(version), EngineStatus::Committed)
+            );
+            e.check(version);
+        }
+    }
+    // The HTTP trigger moves whatever the registered tensors hold (a driver outside the loop).
+    for t in &trainers {
+        t.step(4);
+    }
+    let client = ApiClient::new(&format!("http://{}", ctl.http), Some(API_TOKEN)).unwrap();
+    let r = client.sync(4, true, Duration::from_secs(60)).unwrap();
+    assert_eq!(
+        (r.version, r.state.as_str(), &r.failure),
+        (4, "committed", &None)
+    );
+    assert!(r.bytes > 0 && r.seconds.is_some_and(|s| s > 0.0), "{r:?}");
+    assert!(r.direct_bytes > 0 && r.staged_bytes == 0, "{r:?}");
+    for e in &engines {
+        e.handle.wait_for_version(4, WAIT).unwrap();
+        e.check(4);
+    }
+    // Idempotent for a committed version; an older one never synced is refused.
+    let again = client.sync(2, false, Duration::from_secs(10)).unwrap();
+    assert_eq!((again.state.as_str(), again.created), ("committed", false));
+    let stale = client.sync(0, false, Duration::from_secs(10)).unwrap_err();
+    assert!(stale.to_string().contains("409"), "{stale}");
+}
+
+#[test]
+fn stacked_moe_experts_over_uneven_fsdp_land_in_hf_engines() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_rt, ctl) = controller_of(&dir, MOE_CONFIG, "fsdp=3,experts=transformers");
+    let control = ctl.control.to_string();
+    let engines: Vec<Engine> = (0..2).map(|r| Engine::join(&control, r, None)).collect();
+    let trainers: Vec<Trainer> = (0..3).map(|r| Trainer::join(&control, r)).collect();
+    let experts = "model.layers.0.mlp.experts.gate_up_proj";
+    let held: Vec<Option<Vec<u64>>> = trainers
+        .iter()
+        .map(|t| {
+            t.shards
+                .iter()
+                .find(|(s, _)| s.name == experts)
+                .map(|(s, _)| s.shape.clone())
+        })
+        .collect();
+    assert_eq!(
+        held,
+        vec![Some(vec![2, 128, 128]), Some(vec![2, 128, 128]), None],
+        "rank 2's expert shard is empty and needs no tensor"
+    );
+    for version in 1..=2 {
+        for r in push_all(&trainers, version) {
+            let out = r.unwrap();
+            assert_eq!(out.staged_bytes, 0, "{out:?}");
+        }
+        for e in &engines {
+            e.handle.wait_for_version(version, WAIT).unwrap();
+            e.check(version);
+        }
+    }
+}
+
+/// The failing worker of a failed push.
+fn failing_worker(r: &Result<weightsync_agent::embed::SyncOutcome, EmbedError>) -> String {
+    match r {
+        Err(EmbedError::SyncFailed { worker, .. }) => worker.clone(),
+        other => panic!("expected a failed sync, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_failing_engine_fails_the_push_naming_it_and_a_later_version_commits() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_rt, ctl) = controller(&dir, "fsdp=2");
+    let control = ctl.control.to_string();
+    let refuse = Arc::new(AtomicBool::new(false));
+    let e0 = Engine::join(&control, 0, None);
+    let mut e1 = Engine::join(&control, 1, Some(refuse.clone()));
+    let trainers: Vec<Trainer> = (0..2).map(|r| Trainer::join(&control, r)).collect();
+    for r in push_all(&trainers, 1) {
+        r.unwrap();
+    }
+    e0.check(1);
+
+    // rollout-1's before_landing hook refuses version 2.
+    refuse.store(true, Ordering::SeqCst);
+    for r in push_all(&trainers, 2) {
+        assert_eq!(failing_worker(&r), "rollout-1");
+        assert!(r.unwrap_err().to_string().contains("before_landing(2)"));
+    }
+    let err = e0.handle.wait_for_version(2, WAIT).unwrap_err();
+    assert!(
+        matches!(err, EmbedError::SyncFailed { version: 2, .. }),
+        "{err}"
+    );
+    let st = e0.handle.state();
+    assert_eq!((st.status, st.version), (EngineStatus::Invalid, Some(1)));
+    assert!(
+        st.cause.unwrap().contains("rollout-1"),
+        "the cause names the engine"
+    );
+    refuse.store(false, Ordering::SeqCst);
+    for r in push_all(&trainers, 3) {
+        r.unwrap();
+    }
+    for e in [&e0, &e1] {
+        e.handle.wait_for_version(3, WAIT).unwrap();
+        e.check(3);
+    }
+
+    // rollout-1 closes while version 4 is landing: the push fails naming it, rollout-0 is left
+    // invalid; once rollout-1 is back (a new engine registering its tensors), version 5 commits.
+    let (landing_tx, landing) = std::sync::mpsc::channel();
+    e1.handle.set_hooks(
+        Some(Box::new(move |v| {
+            let _ = landing_tx.send(v);
+            std::thread::sleep(Duration::from_millis(1500));
+            Ok(())
+        })),
+        None,
+    );
+    for t in &trainers {
+        t.step(4);
+    }
+    let pushes: Vec<_> = trainers.iter().map(|t| t.handle.push(4).unwrap()).collect();
+    assert_eq!(landing.recv_timeout(Duration::from_secs(30)).unwrap(), 4);
+    e1.handle.close();
+    for p in &pushes {
+        assert_eq!(failing_worker(&p.wait(WAIT)), "rollout-1");
+    }
+    assert!(e0.handle.wait_for_version(4, WAIT).is_err());
+    assert_eq!(e0.handle.state().status, EngineStatus::Invalid);
+    e1 = Engine::join(&control, 1, None);
+    for r in push_all(&trainers, 5) {
+        r.unwrap();
+    }
+    for e in [&e0, &e1] {
+        let st = e.handle.wait_for_version(5, WAIT).unwrap();
+        assert_eq!((st.status, st.cause), (EngineStatus::Committed, None));
+        e.check(5);
+    }
+}
+
+#[test]
+fn tensors_that_differ_from_the_layout_are_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_rt, ctl) = controller(&dir, "fsdp=2");
+    let control = ctl.control.to_string();
+    // A trainer whose q_proj shard has the unsharded shape.
+    let t = TrainerHandle::connect(TrainerOptions::new(&control, 1)).unwrap();
+    let buffers: Vec<(ShardInfo, Buffer)> = t
+        .layout()
+        .into_iter()
+        .map(|mut s| {
+            if s.name == "model.layers.1.self_attn.q_proj.weight" {
+                s.shape = s.global_shape.clone();
+            }
+            let b = Buffer::zeroed(s.shape.iter().product::<u64>() as usize * 2);
+            (s, b)
+        })
+        .collect();
+    let tensors = buffers
+        .iter()
+        .map(|(s, b)| SourceTensor {
+            name: s.name.clone(),
+            dtype: s.dtype,
+            shape: s.shape.clone(),
+            memory: b.memory(),
+        })
+        .collect();
+    match t.register(tensors) {
+        Err(EmbedError::LayoutMismatch {
+            worker,
+            tensor,
+            expected,
+            actual,
+        }) => {
+            assert_eq!(worker, "trainer-1");
+            assert_eq!(tensor, "model.layers.1.self_attn.q_proj.weight");
+            assert!(expected.contains("[128, 256]") && actual.contains("[256, 256]"));
+        }
+        other => panic!("expected a layout mismatch, got {other:?}"),
+    }
+    // An engine whose lm_head is f32.
+    let e = EngineHandle::connect(EngineOptions::new(&control, 0)).unwrap();
+    let buffers: Vec<_> = e
+        .layout()
+        .into_iter()
+        .map(|t| {
+            let f32_head = t.name == "lm_head.weight";
+            let dtype = if f32_head { DType::F32 } else { t.dtype };
+            let len = t.shape.iter().product::<u64>() as usize * dtype.size();
+            (t, dtype, Buffer::zeroed(len))
+        })
+        .collect();
+    let dst = buffers
+        .iter()
+        .map(|(t, dtype, b)| DstTensor {
+            name: t.name.clone(),
+            dtype: *dtype,
+            shape: t.shape.clone(),
+            memory: b.memory(),
+        })
+        .collect();
+    let err = e.register(dst).unwrap_err();
+    assert!(
+        matches!(&err, EmbedError::LayoutMismatch { tensor, .. } if tensor == "lm_head.weight"),
+        "{err}"
+    );
+    assert!(err.to_string().contains("rollout-0") && err.to_string().contains("f32"));
+    // Neither joined the job.
+    assert!(ctl.state.read(|c| c.missing_workers().len()) == 4);
+}

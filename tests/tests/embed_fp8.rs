@@ -1,0 +1,199 @@
+//! In-process trainers registering their shards in place, feeding fp8 engines in the Hugging
+//! Face layout: quantisation, fp8 blocks straddling uneven FSDP shards (gathered between
+//! trainers) and plain bf16 copies in one job. Every engine tensor (fp8 weights, f32
+//! `weight_scale_inv`, bf16 norms and embeddings) equals the demo's independent recomputation
+//! (`weightsync_agent::demo_weights::expected_rollout`: the scalar reference quantiser on the
+//! logical tensors), byte for byte.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use weightsync_agent::demo_weights::{expected_rollout, fill_shard};
+use weightsync_agent::embed::{
+    DstTensor, DstTensorInfo, EngineHandle, EngineOptions, HostMemory, ShardInfo, SourceTensor,
+    TrainerHandle, TrainerOptions,
+};
+use weightsync_common::protocol::WorldSpec;
+use weightsync_common::DType;
+use weightsync_controller::{AppState, ControllerConfig, SchedulesPlanner};
+use weightsync_schedules::job::{self, JobLayouts};
+use weightsync_schedules::table::{LocalShard, ParamRef, TensorBox};
+use weightsync_tests::controller_harness::{ServedController, API_TOKEN, JOB_TOKEN};
+
+const CONFIG: &str = r#"{"model_type":"qwen3","hidden_size":256,"intermediate_size":512,
+ "num_hidden_layers":1,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":64,
+ "vocab_size":320}"#;
+const SEED: u64 = 7;
+
+/// A vector registered in place; the registration keeps a clone of the Arc.
+fn memory(bytes: &Arc<Vec<u8>>) -> HostMemory {
+    // SAFETY: heap memory of this length that never moves, kept alive by the owner passed
+    // along; written by the test only between syncs, read only after a commit.
+    unsafe {
+        HostMemory::from_raw(
+            bytes.as_ptr() as *mut u8,
+            bytes.len(),
+            Box::new(bytes.clone()),
+        )
+    }
+}
+
+fn write(bytes: &Arc<Vec<u8>>, data: &[u8]) {
+    assert_eq!(bytes.len(), data.len());
+    // SAFETY: as in `memory`; no sync runs while the test writes.
+    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), bytes.as_ptr() as *mut u8, data.len()) };
+}
+
+fn read(bytes: &Arc<Vec<u8>>) -> Vec<u8> {
+    let mut out = vec![0u8; bytes.len()];
+    // SAFETY: read after the version committed.
+    unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), out.as_mut_ptr(), out.len()) };
+    out
+}
+
+type Buffers<T> = Vec<(T, Arc<Vec<u8>>)>;
+
+/// The controller of the fp8 job, served on loopback, and the job's layouts.
+fn serve(dir: &tempfile::TempDir) -> (tokio::runtime::Runtime, ServedController, JobLayouts) {
+    std::env::set_var("WEIGHTSYNC_JOB_TOKEN", JOB_TOKEN);
+    let path = dir.path().join("config.json");
+    std::fs::write(&path, CONFIG).unwrap();
+    let world = WorldSpec {
+        model: path.to_string_lossy().into_owned(),
+        train: "fsdp=3".into(),
+        infer: "tp=1,dp=2,format=hf".into(),
+        dtype: DType::F8E4M3,
+        verify: true,
+    };
+    let layouts = job::layouts(&world, Some(CONFIG)).unwrap();
+    let cfg = ControllerConfig::for_job(
+        world,
+        JOB_TOKEN.into(),
+        API_TOKEN.into(),
+        Duration::from_secs(3),
+        Duration::from_secs(30),
+        16,
+    )
+    .unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let state = AppState::new(cfg, Box::new(SchedulesPlanner));
+    let ctl = rt.block_on(ServedController::start(state));
+    (rt, ctl, layouts)
+}
+
+/// An engine registering zeroed tensors of its planned layout.
+fn engine(control: &str, rank: u32) -> (EngineHandle, Buffers<DstTensorInfo>) {
+    let e = EngineHandle::connect(EngineOptions::new(control, rank)).unwrap();
+    let bufs: Vec<_> = e
+        .layout()
+        .into_iter()
+        .map(|t| {
+            let len = t.shape.iter().product::<u64>() as usize * t.dtype.size();
+            (t, Arc::new(vec![0u8; len]))
+        })
+        .collect();
+    let dst = bufs
+        .iter()
+        .map(|(t, b)| DstTensor {
+            name: t.name.clone(),
+            dtype: t.dtype,
+            shape: t.shape.clone(),
+            memory: memory(b),
+        })
+        .collect();
+    e.register(dst).unwrap();
+    (e, bufs)
+}
+
+/// A trainer registering zeroed shards of its layout.
+fn trainer(control: &str, rank: u32) -> (TrainerHandle, Buffers<ShardInfo>) {
+    let t = TrainerHandle::connect(TrainerOptions::new(control, rank)).unwrap();
+    let shards: Vec<_> = t
+        .layout()
+        .into_iter()
+        .map(|s| {
+            let len = s.shape.iter().product::<u64>() as usize * s.dtype.size();
+            (s, Arc::new(vec![0u8; len]))
+        })
+        .collect();
+    let tensors = shards
+        .iter()
+        .map(|(s, b)| SourceTensor {
+            name: s.name.clone(),
+            dtype: s.dtype,
+            shape: s.shape.clone(),
+            memory: memory(b),
+        })
+        .collect();
+    t.register(tensors).unwrap();
+    (t, shards)
+}
+
+/// A training step: every shard takes the demo values of `version`.
+fn step(layouts: &JobLayouts, shards: &Buffers<ShardInfo>, version: u64) {
+    let params = &layouts.model.params;
+    for (s, b) in shards {
+        let id = params.iter().position(|p| *p.name == *s.name).unwrap() as u32;
+        let p = &params[id as usize];
+        let start: Vec<u32> = s.offset.iter().map(|&d| d as u32).collect();
+        let len: Vec<u32> = s.shape.iter().map(|&d| d as u32).collect();
+        let shard = LocalShard {
+            param: id,
+            global: TensorBox::new(&start, &len),
+            dtype: s.dtype,
+            offset: 0,
+        };
+        let param = ParamRef {
+            id,
+            name: p.name.clone(),
+            shape: p.shape,
+        };
+        let mut data = vec![0u8; b.len()];
+        fill_shard(&mut data, &shard, &param, SEED, version);
+        write(b, &data);
+    }
+}
+
+/// Every tensor of inference rank `rank` equals the reference of `version`.
+fn check(layouts: &JobLayouts, rank: u32, bufs: &Buffers<DstTensorInfo>, version: u64) {
+    let want = expected_rollout(&layouts.model, &layouts.infer, rank, SEED, version);
+    let planned = job::rollout_layout(&layouts.infer, rank).unwrap();
+    for (t, b) in bufs {
+        let p = planned.tensors.iter().find(|p| p.name == t.name).unwrap();
+        let (a, z) = (p.offset as usize, (p.offset + p.len) as usize);
+        assert!(
+            read(b) == want[p.mr as usize][a..z],
+            "rollout-{rank}: {} ({}) differs from the reference at version {version}",
+            t.name,
+            t.dtype
+        );
+    }
+}
+
+#[test]
+fn fp8_engines_hold_the_reference_quantisation_of_registered_shards() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_rt, ctl, layouts) = serve(&dir);
+    let control = ctl.control.to_string();
+    let engines: Vec<_> = (0..2).map(|r| engine(&control, r)).collect();
+    let trainers: Vec<_> = (0..3).map(|r| trainer(&control, r)).collect();
+    let wait = Some(Duration::from_secs(60));
+    for version in 1..=2 {
+        for (_, shards) in &trainers {
+            step(&layouts, shards, version);
+        }
+        let pushes: Vec<_> = trainers
+            .iter()
+            .map(|(t, _)| t.push(version).unwrap())
+            .collect();
+        for p in &pushes {
+            let o = p.wait(wait).unwrap();
+            // fp8 weights are quantised through staging; bf16 norms and embeddings go direct.
+            assert!(o.staged_bytes > 0 && o.direct_bytes > 0, "{o:?}");
+        }
+        for (rank, (e, bufs)) in engines.iter().enumerate() {
+            e.wait_for_version(version, wait).unwrap();
+            check(&layouts, rank as u32, bufs, version);
+        }
+    }
+}
