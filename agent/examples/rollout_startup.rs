@@ -51,7 +51,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let t = Instant::now();
     let layout = match mode.as_str() {
         "own" => rollout_layout(&inference_layout(&world, None)?.1, 0)?,
-        "whole" => plan_job(&world, None)?.table.rollouts[0].clone(),
+        "whole" => plan_job(&world, None)?
+            .table
+            .rollout(0)
+            .ok_or("the table has no inference rank 0")?,
         other => return Err(format!("unknown mode {other:?} (own or whole)").into()),
     };
     let wall = t.elapsed().as_secs_f64();

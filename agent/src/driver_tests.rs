@@ -72,9 +72,10 @@ async fn a_trainer_executes_the_slice_it_is_sent_and_refuses_another_ranks() {
         })
         .await
         .unwrap();
-    assert_eq!(d.plan(), Some(&slice));
+    let plan = slice.expand().unwrap();
+    assert_eq!(d.plan(), Some(&plan), "it executes its slice, expanded");
     assert_eq!(accepted.regions.len(), 1, "its gather arena's descriptor");
-    assert_eq!(accepted.tensors.len(), slice.shards.len());
+    assert_eq!(accepted.tensors.len(), plan.shards.len());
 
     let other = job.table.slice(2).unwrap();
     let e = d
@@ -85,7 +86,7 @@ async fn a_trainer_executes_the_slice_it_is_sent_and_refuses_another_ranks() {
         .await
         .unwrap_err();
     assert!(e.cause.contains("training rank 2's, this is rank 1"), "{e}");
-    assert_eq!(d.plan(), Some(&slice), "the refused slice replaced nothing");
+    assert_eq!(d.plan(), Some(&plan), "the refused slice replaced nothing");
 }
 
 #[tokio::test]
@@ -101,7 +102,7 @@ async fn a_rollout_lays_out_what_the_table_does_and_takes_only_its_expectations(
     })
     .await
     .unwrap();
-    let planned = &job.table.rollouts[2];
+    let planned = &job.table.rollout(2).unwrap();
     assert!(d.worker().plan().expect.is_empty(), "no table yet");
     assert_eq!(d.worker().layout(), &planned.tensors[..]);
     assert_eq!(d.info().regions.len(), planned.mr_bytes.len());
@@ -112,7 +113,10 @@ async fn a_rollout_lays_out_what_the_table_does_and_takes_only_its_expectations(
         expected_writes: 0,
         expected_bytes: 0,
     };
-    let e = d.assign(assign(&job.table.rollouts[0])).await.unwrap_err();
+    let e = d
+        .assign(assign(&job.table.rollout(0).unwrap()))
+        .await
+        .unwrap_err();
     assert!(e.cause.contains("another layout"), "{e}");
     d.assign(assign(planned)).await.unwrap();
     assert_eq!(d.worker().plan(), planned);

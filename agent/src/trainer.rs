@@ -1,12 +1,14 @@
 //! The trainer driver: a `weightsync_worker::TrainerWorker` behind the agent.
 //!
-//! It plans nothing: the controller's assignment carries this rank's slice of the routing table,
-//! and the slice is what it executes. Until then it holds only its fabric endpoint, which it
+//! It plans nothing: the controller's assignment carries this rank's compact slice of the routing
+//! table ([`TrainerSlice`]), which it expands into the explicit plan it executes (checked and
+//! bounded: a slice is not trusted). Until then it holds only its fabric endpoint, which it
 //! registers with. On `Assign` it attaches its source (the slice says the arena's size),
 //! builds the worker (registering the staging arena and, when fp8 blocks straddle shards, the
 //! gather arena whose size only the slice knows) and answers `Ready` with the gather arena's
 //! descriptor; a re-plan with the same slice keeps what it built. On `Peers` it learns where
-//! every write goes.
+//! every write of the expanded plan goes (relocated into the engine's own regions for a rollout
+//! that registered a placement).
 //!
 //! Each sync runs in its own task, so that an abort can cancel it and wait until it has stopped
 //! posting; draining then resets the fabric's lanes, discarding whatever of the aborted sync is
@@ -23,6 +25,7 @@ use weightsync_common::protocol::{
     WorkerReport, WorkerRole, WorldSpec, WHOLE_SYNC,
 };
 use weightsync_schedules::table::TrainerPlan;
+use weightsync_schedules::TrainerSlice;
 use weightsync_worker::{
     Destinations, SyncId, SyncReport, TrainerConfig, TrainerWorker, WorkerError,
 };
@@ -65,6 +68,8 @@ pub type ReportSlot = Arc<parking_lot::Mutex<Option<(u64, SyncReport)>>>;
 /// The worker built for one slice, and the demo's source arena.
 #[derive(Debug)]
 struct Built {
+    /// The slice it was built from (a re-plan sending the same one keeps what was built).
+    slice: TrainerSlice,
     worker: Arc<TrainerWorker<Fabric>>,
     demo_arena: Option<Arc<RwLock<Vec<u8>>>>,
 }
@@ -181,7 +186,7 @@ impl TrainerDriver {
         self.reports.get_or_insert_with(Default::default).clone()
     }
 
-    /// The slice this trainer executes (`None` before its first assignment).
+    /// The plan this trainer executes, its slice expanded (`None` before its first assignment).
     pub fn plan(&self) -> Option<&TrainerPlan> {
         self.built.as_ref().map(|b| b.worker.plan())
     }
@@ -204,8 +209,20 @@ impl TrainerDriver {
         }
     }
 
-    /// Attaches the source for `plan` and builds the worker (registering its arenas).
-    fn build(&self, plan: TrainerPlan) -> Result<Built, DriverError> {
+    /// Expands `slice`, attaches the source for its plan and builds the worker (registering its
+    /// arenas).
+    fn build(&self, slice: TrainerSlice) -> Result<Built, DriverError> {
+        let started = Instant::now();
+        let plan = slice
+            .expand()
+            .map_err(|e| DriverError::new(format!("the plan slice does not expand: {e}")))?;
+        tracing::info!(
+            "trainer {}: slice expanded to {} tasks, {} writes in {:.3} s",
+            self.cfg.rank,
+            plan.tasks.len(),
+            plan.writes.len(),
+            started.elapsed().as_secs_f64()
+        );
         let started = Instant::now();
         let source = self.cfg.source.attach(&plan)?;
         let attached = started.elapsed();
@@ -223,6 +240,7 @@ impl TrainerDriver {
             (started.elapsed() - attached).as_secs_f64()
         );
         Ok(Built {
+            slice,
             worker: Arc::new(worker),
             demo_arena: source.demo_arena,
         })
@@ -243,19 +261,19 @@ impl SyncDriver for TrainerDriver {
         let Assignment::Trainer { slice, .. } = a else {
             return Err(DriverError::new("a trainer got a rollout's assignment"));
         };
-        let plan: TrainerPlan = bincode::deserialize(&slice.0)
+        let slice = TrainerSlice::from_bincode(&slice.0)
             .map_err(|e| DriverError::new(format!("undecodable plan slice: {e}")))?;
-        if plan.rank != self.cfg.rank {
+        if slice.rank != self.cfg.rank {
             return Err(DriverError::new(format!(
                 "the slice is training rank {}'s, this is rank {}",
-                plan.rank, self.cfg.rank
+                slice.rank, self.cfg.rank
             )));
         }
         self.stop_in_flight().await;
-        if self.plan() != Some(&plan) {
+        if self.built.as_ref().map(|b| &b.slice) != Some(&slice) {
             // Release the old arenas before registering new ones.
             self.built = None;
-            self.built = Some(self.build(plan)?);
+            self.built = Some(self.build(slice)?);
         }
         let worker = &self.built()?.worker;
         Ok(Accepted {

@@ -241,7 +241,7 @@ pub fn run_table(table: &RoutingTable, cfg: &Config) -> Result<Report, E2eError>
     }
     let table = table.clone();
     let landed = loopback::landed_bytes(&table);
-    let pairs = tcp_limit::pair_bytes(&table);
+    let pairs = tcp_limit::pair_bytes(&table)?;
     let rt = runtime()?;
     rt.block_on(async {
         let mut ws = LoopbackCluster::start(&table, &cfg.workers).await?;
@@ -331,9 +331,8 @@ mod tests {
         assert_eq!(r.trainers, 4);
         assert_eq!(r.rollouts, 4);
         let held: u64 = table
-            .rollouts
-            .iter()
-            .flat_map(|r| &r.tensors)
+            .rollout_plans()
+            .flat_map(|r| r.tensors)
             .map(|t| t.len)
             .sum();
         assert_eq!(
@@ -348,7 +347,7 @@ mod tests {
         }
         assert!(r.ratio_vs_tcp_limit > 0.0 && r.speedup_vs_broadcast > 0.0);
         assert!(r.fabric_limit.seconds_per_sync > 0.0 && r.ratio_vs_fabric > 0.0);
-        let pairs = tcp_limit::pair_bytes(&table);
+        let pairs = tcp_limit::pair_bytes(&table).unwrap();
         assert_eq!(pairs.iter().map(|p| p.2).sum::<u64>(), r.landed_bytes);
     }
 
@@ -356,7 +355,7 @@ mod tests {
     fn tiny_model_bytes(table: &RoutingTable) -> (u64, u64) {
         let mut seen = std::collections::BTreeSet::new();
         let (mut all, mut others) = (0, 0);
-        for t in &table.trainers {
+        for t in &table.trainer_plans().unwrap() {
             for s in &t.shards {
                 let id = t.params[s.param as usize].id;
                 if seen.insert((id, s.global)) {

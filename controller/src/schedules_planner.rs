@@ -1,5 +1,7 @@
 //! The production [`Planner`]: the job's routing table from `weightsync_schedules`, cut into one
-//! assignment per worker, and the registrations checked against it.
+//! assignment per worker, and the registrations checked against it. A trainer gets its compact
+//! slice ([`weightsync_schedules::TrainerSlice`]) and expands it itself: the controller never
+//! holds every trainer's explicit writes.
 
 use std::collections::BTreeMap;
 
@@ -54,14 +56,11 @@ impl Planner for SchedulesPlanner {
                         .map_err(|e| AssignmentError(format!("{id}: {e}")))?;
                     Assignment::Trainer {
                         plan_id,
-                        slice: Blob(
-                            bincode::serialize(&slice)
-                                .map_err(|e| AssignmentError(e.to_string()))?,
-                        ),
+                        slice: Blob(slice.to_bincode()),
                     }
                 }
                 WorkerRole::Rollout => {
-                    let r = t.rollouts.get(id.rank as usize).ok_or_else(|| {
+                    let r = t.rollout(id.rank).ok_or_else(|| {
                         AssignmentError(format!("{id}: the table has no such inference rank"))
                     })?;
                     // A rollout over an engine's own tensors has its own regions and says where
@@ -76,7 +75,7 @@ impl Planner for SchedulesPlanner {
                     Assignment::Rollout {
                         plan_id,
                         expected: Blob(
-                            bincode::serialize(r).map_err(|e| AssignmentError(e.to_string()))?,
+                            bincode::serialize(&r).map_err(|e| AssignmentError(e.to_string()))?,
                         ),
                         expected_writes: r.expect.iter().map(|e| e.writes).sum(),
                         expected_bytes: r.tensors.iter().map(|t| t.len).sum(),

@@ -27,6 +27,16 @@ fn cpu_s() -> f64 {
     u + s
 }
 
+/// Peak resident memory so far, MB (VmHWM from /proc; 0 where there is none).
+fn peak_mb() -> f64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+        .map_or(0.0, |kb| kb / 1e3)
+}
+
 fn sys_s() -> f64 {
     cpu_times().1
 }
@@ -48,11 +58,13 @@ fn main() -> Result<(), PlanError> {
     let mut ispec: InferSpec = infer.parse()?;
     ispec.dtype = dtype.parse()?;
     let i = InferenceLayout::build(&m, &ispec)?;
+    let m1 = peak_mb();
     let t1 = Instant::now();
     let c1 = cpu_s();
     let s1 = sys_s();
     let cost = CostModel::default();
     let table = plan(&m, &t, &i, &cost)?;
+    let m2 = peak_mb();
     let t2 = Instant::now();
     let c2 = cpu_s();
     let s2 = sys_s();
@@ -62,17 +74,23 @@ fn main() -> Result<(), PlanError> {
         senders(&table);
     }
     if std::env::var_os("STORED").is_some() {
-        let w: usize = table.trainers.iter().map(|t| t.writes.len()).sum();
-        let c: usize = table.trainers.iter().map(|t| t.copies.len()).sum();
-        let k: usize = table.trainers.iter().map(|t| t.tasks.len()).sum();
-        let rt: usize = table.rollouts.iter().map(|r| r.tensors.len()).sum();
-        let ps: usize = table
-            .trainers
-            .iter()
-            .map(|t| t.params.len() + t.shards.len())
-            .sum();
+        use weightsync_schedules::compact::{BASE_FIELDS, SHARD_FIELDS, TASK_FIELDS};
+        let sum = |f: &dyn Fn(&weightsync_schedules::table::CompactTrainer) -> usize| -> usize {
+            table.trainers.iter().map(f).sum()
+        };
         println!(
-            "stored: {k} tasks, {w} writes, {c} copies, {rt} rollout tensors, {ps} params+shards; inputs: {} pieces, {} shards",
+            "stored: {} patterns ({} writes, {} copies), {} task records for {} tasks, {} base \
+             records, {} shard records for {} shards, {} rollout layouts; inputs: {} pieces, {} \
+             shards",
+            sum(&|t| t.routes.patterns.len()),
+            sum(&|t| t.routes.writes.len()),
+            sum(&|t| t.routes.copies.len()),
+            sum(&|t| t.routes.tasks.stored(TASK_FIELDS)),
+            sum(&|t| t.routes.tasks.len() as usize),
+            sum(&|t| t.routes.bases.stored(BASE_FIELDS)),
+            sum(&|t| t.routes.shards.stored(SHARD_FIELDS)),
+            sum(&|t| t.routes.shards.len() as usize),
+            table.rollout_layouts.len(),
             i.pieces.len(),
             t.shards.len()
         );
@@ -85,6 +103,18 @@ fn main() -> Result<(), PlanError> {
     } else {
         table.to_bincode().len()
     };
+    let largest_slice = if std::env::var_os("SLICES").is_some() {
+        (0..table.trainers.len() as u32)
+            .map(|r| table.slice(r).map_or(0, |s| s.to_bincode().len()))
+            .max()
+            .unwrap_or(0)
+    } else {
+        0
+    };
+    println!(
+        "peak memory: after inputs {m1:.0} MB, after planning {m2:.0} MB; largest slice {:.2} MB",
+        largest_slice as f64 / 1e6
+    );
     println!(
         "cpu: inputs {:.2} s, plan {:.2} s (system {:.2} s: page faults); wall: inputs {:.3} s, plan {:.3} s, summary {:.3} s, bincode {:.1} MB",
         c1 - c0,
@@ -106,9 +136,10 @@ fn main() -> Result<(), PlanError> {
 #[allow(dead_code)]
 fn writes_by_kind(table: &RoutingTable) {
     use std::collections::BTreeMap;
-    let r0 = &table.rollouts[0];
+    let r0 = table.rollout(0).expect("rank 0");
     let mut by: BTreeMap<String, u64> = BTreeMap::new();
-    for t in &table.trainers {
+    for r in 0..table.trainers.len() as u32 {
+        let t = table.trainer_plan(r).expect("slice expands");
         for w in t.all_writes() {
             if w.dst == weightsync_schedules::table::WriteTarget::Rollout(0) {
                 let i = r0.tensors.partition_point(|x| x.offset <= w.dst_offset) - 1;
@@ -127,14 +158,16 @@ fn writes_by_kind(table: &RoutingTable) {
 #[allow(dead_code)]
 fn senders(table: &RoutingTable) {
     use std::collections::BTreeMap;
-    let mut tx: Vec<(u64, u32)> = table
-        .trainers
+    let plans: Vec<_> = (0..table.trainers.len() as u32)
+        .map(|r| table.trainer_plan(r).expect("slice expands"))
+        .collect();
+    let mut tx: Vec<(u64, u32)> = plans
         .iter()
         .map(|t| (t.all_writes().map(|w| w.len as u64).sum(), t.rank))
         .collect();
     tx.sort_unstable();
     for &(b, r) in tx.iter().rev().take(3).chain(tx.iter().take(2)) {
-        let t = &table.trainers[r as usize];
+        let t = &plans[r as usize];
         let mut by: BTreeMap<String, u64> = BTreeMap::new();
         for task in &t.tasks {
             let name = &t.params[task.param as usize].name;

@@ -1,9 +1,10 @@
 //! Write copies, read back: every write of a task, and the expanded plan a worker executes.
 //!
-//! The planner stores a box's writes once and names the further identically laid-out rollout
-//! ranks as [`WriteCopies`] (see the table's module docs for why). Everything that needs the
-//! individual writes (the worker, the simulator, the summary, the tests) reads them through
-//! [`TrainerPlan::task_writes`] or gets an expanded plan from [`TrainerPlan::expanded`]. A table
+//! An explicit plan may name the further identically laid-out rollout ranks of a task's writes
+//! as [`WriteCopies`] rather than listing them (the routing table's compact form does the same
+//! with [`crate::compact::PatternCopy`]; what [`crate::slice::TrainerSlice::expand`] returns
+//! has none). Whatever needs the individual writes reads them through
+//! [`TrainerPlan::task_writes`] or gets an expanded plan from [`TrainerPlan::expanded`]. A plan
 //! decoded from bytes may be malformed: expansion checks every index and never panics.
 
 use crate::error::PlanError;
@@ -195,95 +196,100 @@ impl TrainerPlan {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{plan, CostModel, ExpertForm, InferenceLayout, Model, TrainingLayout};
+    use crate::table::{LocalShard, MeshGroup, ParamRef, Shape, Source, TensorBox, Transform};
+    use weightsync_common::DType;
 
-    fn table(infer: &str) -> crate::RoutingTable {
-        let m = Model::preset("qwen3-0.6b", ExpertForm::PerExpert).unwrap();
-        let t = TrainingLayout::build(&m, &"fsdp=4".parse().unwrap()).unwrap();
-        let i = InferenceLayout::build(&m, &infer.parse().unwrap()).unwrap();
-        plan(&m, &t, &i, &CostModel::default()).unwrap()
+    /// One task of two writes (to rank 0), repeated to ranks 2, 4 and 6.
+    fn plan() -> TrainerPlan {
+        let w = |len: u32, src: u64, dst: u64| Write {
+            dst: WriteTarget::Rollout(0),
+            mr: 0,
+            unit: 0,
+            len,
+            src_offset: src,
+            dst_offset: dst,
+        };
+        TrainerPlan {
+            rank: 0,
+            params: vec![ParamRef {
+                id: 0,
+                name: "w".into(),
+                shape: Shape::new(&[4, 8]),
+            }],
+            shards: vec![LocalShard {
+                param: 0,
+                global: TensorBox::new(&[0, 0], &[4, 8]),
+                dtype: DType::BF16,
+                offset: 0,
+            }],
+            source_arena_bytes: 64,
+            gather_arena_bytes: 0,
+            groups: vec![MeshGroup {
+                id: 0,
+                name: "g".into(),
+                first_task: 0,
+                num_tasks: 1,
+                gather_sends: 0,
+                local_tasks: 1,
+                gather_expect: 0,
+            }],
+            tasks: vec![Task {
+                param: 0,
+                region: TensorBox::new(&[0, 0], &[4, 8]),
+                source: Source::Shard { shard: 0 },
+                transform: Transform::Copy { dtype: DType::BF16 },
+                first_write: 0,
+                num_writes: 2,
+                first_copy: 0,
+                num_copies: 1,
+            }],
+            writes: vec![w(32, 0, 100), w(32, 32, 300)],
+            copies: vec![WriteCopies {
+                from: 0,
+                num: 2,
+                first_rank: 2,
+                stride: 2,
+                count: 3,
+            }],
+        }
     }
 
     #[test]
-    fn engines_are_stored_once_and_expand_to_every_rank() {
-        let one = table("tp=2,dp=1");
-        let four = table("tp=2,dp=4");
-        let sum = |t: &crate::RoutingTable, f: &dyn Fn(&TrainerPlan) -> u64| -> u64 {
-            t.trainers.iter().map(f).sum()
-        };
-        let to_rollouts = |p: &TrainerPlan| {
-            p.all_writes()
-                .filter(|w| matches!(w.dst, WriteTarget::Rollout(_)))
-                .count() as u64
-        };
-        // Four engines store as many writes as one engine, plus copy entries...
-        assert_eq!(
-            sum(&one, &|p| p.writes.len() as u64),
-            sum(&four, &|p| p.writes.len() as u64)
-        );
-        // ...which stand for three more engines' writes, with ranks two apart (tp=2).
-        assert_eq!(sum(&four, &to_rollouts), 4 * sum(&one, &to_rollouts));
-        for p in &four.trainers {
-            assert!(p.copies.iter().all(|c| c.stride > 0 && c.count > 0));
-            let x = p.expanded().unwrap();
-            assert!(x.copies.is_empty());
-            assert_eq!(x.writes, p.all_writes().collect::<Vec<_>>());
-            // Every engine gets engine 0's writes with only the rank moved by 2 per engine.
-            for task in &x.tasks {
-                let ws: Vec<Write> = x.task_writes(task).collect();
-                let engine0: Vec<&Write> = ws
-                    .iter()
-                    .filter(|w| matches!(w.dst, WriteTarget::Rollout(r) if r < 2))
-                    .collect();
-                for e in 1..4u32 {
-                    for w in &engine0 {
-                        let WriteTarget::Rollout(r) = w.dst else {
-                            unreachable!()
-                        };
-                        let moved = Write {
-                            dst: WriteTarget::Rollout(r + 2 * e),
-                            ..**w
-                        };
-                        assert!(ws.contains(&moved), "{moved:?} missing");
-                    }
-                }
-            }
-        }
+    fn copies_expand_rank_by_rank_after_the_stored_writes() {
+        let p = plan();
+        assert_eq!(p.num_writes(), 8);
+        let x = p.expanded().unwrap();
+        assert!(x.copies.is_empty());
+        assert_eq!(x.writes, p.all_writes().collect::<Vec<_>>());
+        let ranks: Vec<WriteTarget> = x.writes.iter().map(|w| w.dst).collect();
+        let r = WriteTarget::Rollout;
+        assert_eq!(ranks, [r(0), r(0), r(2), r(2), r(4), r(4), r(6), r(6)]);
+        assert!(x
+            .writes
+            .chunks(2)
+            .all(|c| c[0].dst_offset == 100 && c[1].dst_offset == 300));
     }
 
     #[test]
     fn malformed_copies_are_refused_naming_the_task() {
-        let t = table("tp=2,dp=2");
-        let r = (0..t.trainers.len())
-            .find(|&r| !t.trainers[r].copies.is_empty())
-            .unwrap();
-        let task = t.trainers[r]
-            .tasks
-            .iter()
-            .position(|k| k.num_copies > 0)
-            .unwrap();
-        let first = t.trainers[r].tasks[task].first_copy as usize;
         type Spoil = fn(&mut WriteCopies);
         let cases: [(&str, Spoil); 3] = [
             ("repeats writes", |c| c.num += 1_000_000),
-            ("reaches rollout rank", |c| c.first_rank = 1 << 20),
+            ("reaches rollout rank", |c| c.first_rank = u32::MAX),
             ("ranks", |c| {
                 c.stride = 0;
-                c.count = 5
+                c.count = MAX_COPY_RANKS as u32 + 1
             }),
         ];
         for (want, spoil) in cases {
-            let mut bad = t.clone();
-            spoil(&mut bad.trainers[r].copies[first]);
-            let e = bad.slice(r as u32).unwrap_err().to_string();
-            assert!(
-                e.contains(want) && e.contains(&format!("task {task}")),
-                "{e}"
-            );
+            let mut bad = plan();
+            spoil(&mut bad.copies[0]);
+            let e = bad.expanded().unwrap_err().to_string();
+            assert!(e.contains(want) && e.contains("task 0"), "{e}");
         }
-        let mut bad = t.clone();
-        bad.trainers[r].tasks[task].num_copies = u32::MAX;
-        let e = bad.slice(r as u32).unwrap_err().to_string();
+        let mut bad = plan();
+        bad.tasks[0].num_copies = u32::MAX;
+        let e = bad.expanded().unwrap_err().to_string();
         assert!(e.contains("beyond"), "{e}");
     }
 }

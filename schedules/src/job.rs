@@ -171,7 +171,7 @@ pub fn rollout_layout(infer: &InferenceLayout, rank: u32) -> Result<RolloutPlan,
         engine: r.engine,
         local_rank: r.local_rank,
         mr_bytes: r.mr_bytes.clone(),
-        tensors: r.tensors.clone(),
+        tensors: r.tensors.to_vec(),
         expect: Vec::new(),
     })
 }
@@ -221,10 +221,10 @@ mod tests {
     fn a_rollouts_own_layout_is_the_tables_without_expectations() {
         let w = world("qwen3-0.6b", "fsdp=4", "tp=2,dp=2", DType::F8E4M3);
         let job = plan_job(&w, None).unwrap();
-        for (rank, planned) in job.table.rollouts.iter().enumerate() {
+        for (rank, planned) in job.table.rollout_plans().enumerate() {
             let own = rollout_layout(&job.layouts.infer, rank as u32).unwrap();
             assert!(own.expect.is_empty());
-            assert!(same_rollout_layout(&own, planned), "rank {rank}");
+            assert!(same_rollout_layout(&own, &planned), "rank {rank}");
         }
         let e = rollout_layout(&job.layouts.infer, 4).unwrap_err();
         assert!(e.to_string().contains("no inference rank 4"), "{e}");

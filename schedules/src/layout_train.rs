@@ -308,10 +308,9 @@ impl TrainingLayout {
                 }
             }
         }
-        shards.sort_by_key(|s| (s.rank, s.offset));
         Ok(TrainingLayout {
             ranks: world,
-            shards,
+            shards: by_rank(shards, world),
         })
     }
 
@@ -366,6 +365,29 @@ impl TrainingLayout {
         }
         Ok(())
     }
+}
+
+/// `shards` (each rank's in offset order, ranks interleaved) in (rank, offset) order: a counting
+/// sort by rank, which keeps each rank's order. (A comparison sort of the million shards of a
+/// large model cost more than planning's whole first pass.)
+fn by_rank(shards: Vec<ShardSpec>, ranks: u32) -> Vec<ShardSpec> {
+    let mut first = vec![0usize; ranks as usize + 1];
+    for s in &shards {
+        first[s.rank as usize + 1] += 1;
+    }
+    for r in 0..ranks as usize {
+        first[r + 1] += first[r];
+    }
+    let Some(&fill) = shards.first() else {
+        return shards;
+    };
+    // Every slot is written once: the counts above are the shards' own.
+    let mut out = vec![fill; shards.len()];
+    for s in &shards {
+        out[first[s.rank as usize]] = *s;
+        first[s.rank as usize] += 1;
+    }
+    out
 }
 
 /// Refuses a spec the model cannot be laid out by: another expert form than the model's, more

@@ -6,7 +6,9 @@
 //!
 //! # Layout
 //! - [`table`]: the output ([`RoutingTable`]) and the memory/execution contract with workers;
-//!   [`fanout`] reads its compact write copies back as individual writes.
+//!   [`compact`]: a trainer's tasks stored as shapes ([`compact::TaskPattern`]) and
+//!   [`packed`] progressions; [`slice`]: one trainer's part ([`TrainerSlice`]) and the explicit
+//!   plan it expands to; [`fanout`] reads an explicit plan's write copies back as writes.
 //! - [`model`]: logical parameters from a Hugging Face config.json; [`presets`] of public ones.
 //! - [`layout_train`]: training layouts (`pp=2,ep=8,fsdp=16`) as shard lists.
 //! - [`layout_infer`]: inference layouts (`tp=8,ep=32,dp=4`, bf16 or fp8) as engine tensors,
@@ -24,13 +26,14 @@
 //! let train = TrainingLayout::build(&model, &"fsdp=4".parse().unwrap()).unwrap();
 //! let infer = InferenceLayout::build(&model, &"tp=2,dp=2".parse().unwrap()).unwrap();
 //! let table = plan(&model, &train, &infer, &CostModel::default()).unwrap();
-//! let mine = table.slice(0).unwrap();
+//! let mine = table.slice(0).unwrap().expand().unwrap();
 //! assert!(!mine.tasks.is_empty());
 //! ```
 #![deny(missing_docs)]
 
 pub mod balance;
 pub mod baseline;
+pub mod compact;
 pub mod cost;
 pub mod error;
 pub mod fanout;
@@ -38,10 +41,12 @@ pub mod job;
 pub mod layout_infer;
 pub mod layout_train;
 pub mod model;
+pub mod packed;
 pub mod planner;
 pub mod presets;
 pub mod runs;
 pub mod simulate;
+pub mod slice;
 pub mod summary;
 pub mod table;
 
@@ -51,5 +56,6 @@ pub use layout_infer::{InferDType, InferFormat, InferSpec, InferenceLayout};
 pub use layout_train::{TrainSpec, TrainingLayout};
 pub use model::{ExpertForm, Model};
 pub use planner::{plan, plan_with_progress};
+pub use slice::{ExpandLimits, TrainerSlice};
 pub use summary::Summary;
 pub use table::RoutingTable;

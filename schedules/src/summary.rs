@@ -16,7 +16,10 @@
 use serde::{Deserialize, Serialize};
 
 use crate::cost::CostModel;
-use crate::table::{RoutingTable, Source, WriteTarget};
+use std::collections::BTreeMap;
+
+use crate::compact::{TaskPattern, TrainerRoutes};
+use crate::table::RoutingTable;
 
 /// Max and mean of one side's NICs.
 #[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
@@ -94,57 +97,185 @@ fn stats(bytes: &[u64], wrs: &[u64], cost: &CostModel) -> NicStats {
     }
 }
 
+/// Per rollout rank, bytes and writes received, summed from arithmetic progressions of ranks
+/// without visiting each rank: one difference array per stride.
+#[derive(Default)]
+struct Received {
+    /// Per stride: added (bytes, writes) at the progression's first rank, taken away past its
+    /// last; summed along the stride at the end.
+    by_stride: BTreeMap<u32, (Vec<u64>, Vec<u64>)>,
+}
+
+impl Received {
+    /// Adds `bytes` and `wrs` to ranks `first + i * stride`, `i < count`, that are below `nr`.
+    fn add(&mut self, nr: usize, first: u32, stride: u32, count: u32, bytes: u64, wrs: u64) {
+        let first = first as u64;
+        if count == 0 || first >= nr as u64 {
+            return;
+        }
+        // Stride 0: one rank, `count` times over.
+        let (count, stride, bytes, wrs) = if stride == 0 {
+            (1, 1, bytes * count as u64, wrs * count as u64)
+        } else {
+            let fit = (nr as u64 - 1 - first) / stride as u64 + 1;
+            (
+                count.min(fit.min(u32::MAX as u64) as u32),
+                stride,
+                bytes,
+                wrs,
+            )
+        };
+        let (b, w) = self
+            .by_stride
+            .entry(stride)
+            .or_insert_with(|| (vec![0; nr], vec![0; nr]));
+        b[first as usize] = b[first as usize].wrapping_add(bytes);
+        w[first as usize] = w[first as usize].wrapping_add(wrs);
+        let end = first + count as u64 * stride as u64;
+        if end < nr as u64 {
+            b[end as usize] = b[end as usize].wrapping_sub(bytes);
+            w[end as usize] = w[end as usize].wrapping_sub(wrs);
+        }
+    }
+
+    /// Adds everything received into `rx` and `rx_wrs`.
+    fn sum_into(self, rx: &mut [u64], rx_wrs: &mut [u64]) {
+        for (stride, (mut b, mut w)) in self.by_stride {
+            let s = stride as usize;
+            for r in s..b.len() {
+                b[r] = b[r].wrapping_add(b[r - s]);
+                w[r] = w[r].wrapping_add(w[r - s]);
+            }
+            for r in 0..b.len() {
+                rx[r] += b[r];
+                rx_wrs[r] += w[r];
+            }
+        }
+    }
+}
+
+/// What [`Summary::of`] counts, task by task.
+struct Counts {
+    /// Per trainer: bytes and work requests sent, gather bytes received.
+    tx: Vec<u64>,
+    tx_wrs: Vec<u64>,
+    grx: Vec<u64>,
+    /// Per rollout: bytes and work requests of listed writes received.
+    rx: Vec<u64>,
+    rx_wrs: Vec<u64>,
+    /// What write copies deliver, by progressions of ranks.
+    copied: Received,
+    routes: u64,
+    tasks: u64,
+    gather: u64,
+    gather_wrs: u64,
+    gather_local: u64,
+}
+
+impl Counts {
+    fn new(nt: usize, nr: usize) -> Counts {
+        Counts {
+            tx: vec![0; nt],
+            tx_wrs: vec![0; nt],
+            grx: vec![0; nt],
+            rx: vec![0; nr],
+            rx_wrs: vec![0; nr],
+            copied: Received::default(),
+            routes: 0,
+            tasks: 0,
+            gather: 0,
+            gather_wrs: 0,
+            gather_local: 0,
+        }
+    }
+
+    /// Counts one task of trainer `me`, of pattern `p`, whose writes land at `bases`.
+    fn task(&mut self, me: usize, r: &TrainerRoutes, p: &TaskPattern, bases: &[[u64; 2]]) {
+        let (nt, nr) = (self.tx.len(), self.rx.len());
+        self.tasks += 1;
+        let pw = r.pattern_writes(p);
+        let mut last: Option<u32> = None;
+        for (w, b) in pw.iter().zip(bases) {
+            let (rank, len) = (b[0] as usize, w.len as u64);
+            if !w.to_trainer {
+                self.tx[me] += len;
+                self.tx_wrs[me] += 1;
+                if rank < nr {
+                    self.rx[rank] += len;
+                    self.rx_wrs[rank] += 1;
+                }
+                if last != Some(rank as u32) {
+                    self.routes += 1;
+                    last = Some(rank as u32);
+                }
+            } else if rank == me {
+                self.gather_local += len;
+            } else {
+                self.tx[me] += len;
+                self.tx_wrs[me] += 1;
+                if rank < nt {
+                    self.grx[rank] += len;
+                }
+                self.gather += len;
+                self.gather_wrs += 1;
+            }
+        }
+        for c in r.pattern_copies(p) {
+            let (a, n) = (c.from as usize, c.num as usize);
+            let (Some(part), Some(base)) = (pw.get(a..a + n), bases.get(a)) else {
+                continue;
+            };
+            if n == 0 || c.count == 0 {
+                continue;
+            }
+            let bytes: u64 = part.iter().map(|w| w.len as u64).sum();
+            let first = (base[0] as u32).wrapping_add(c.rank_offset);
+            self.tx[me] += bytes * c.count as u64;
+            self.tx_wrs[me] += n as u64 * c.count as u64;
+            self.copied
+                .add(nr, first, c.stride, c.count, bytes, n as u64);
+            // Ranks in a progression differ from one to the next (none when the stride is 0):
+            // a route each, but for a first rank equal to the last one.
+            let lastr = first.wrapping_add((c.count - 1).wrapping_mul(c.stride));
+            if c.stride == 0 {
+                self.routes += (last != Some(first)) as u64;
+            } else {
+                self.routes += c.count as u64 - (last == Some(first)) as u64;
+            }
+            last = Some(lastr);
+        }
+    }
+}
+
 impl Summary {
-    /// Computes the summary of a table under a cost model.
+    /// Computes the summary of a table under a cost model, from its compact form: each task
+    /// once, each write copy as a progression of ranks (never write by write).
     pub fn of(table: &RoutingTable, cost: &CostModel) -> Summary {
         let nt = table.trainers.len();
         let nr = table.rollouts.len();
-        let mut tx = vec![0u64; nt];
-        let mut tx_wrs = vec![0u64; nt];
-        let mut grx = vec![0u64; nt];
-        let mut rx = vec![0u64; nr];
-        let mut rx_wrs = vec![0u64; nr];
-        let (mut routes, mut tasks, mut gather, mut gather_wrs, mut gather_local) = (0, 0, 0, 0, 0);
+        let mut c = Counts::new(nt, nr);
         let mut worst_trainer = (0.0f64, "");
-        for t in &table.trainers {
-            let me = t.rank as usize;
+        for (me, t) in table.trainers.iter().enumerate() {
+            let r = &t.routes;
             let (mut h2d, mut prep, mut fill) = (0u64, 0u64, 0.0f64);
-            for task in &t.tasks {
-                tasks += 1;
-                let input = task.source_bytes();
-                if let Source::Shard { .. } = task.source {
+            let mut cursor = r.cursor();
+            while let Some(task) = cursor.next() {
+                let Some(p) = r.patterns.get(task.pattern as usize) else {
+                    continue;
+                };
+                let input = task_input_bytes(p);
+                if !p.gather {
                     h2d += input;
                 }
                 prep += input;
                 fill = fill.max(
                     input as f64 / cost.h2d_bytes_per_s + input as f64 / cost.prep_bytes_per_s,
                 );
-                let mut last: Option<u32> = None;
-                for w in t.task_writes(task) {
-                    match w.dst {
-                        WriteTarget::Rollout(r) => {
-                            tx[me] += w.len as u64;
-                            tx_wrs[me] += 1;
-                            rx[r as usize] += w.len as u64;
-                            rx_wrs[r as usize] += 1;
-                            if last != Some(r) {
-                                routes += 1;
-                                last = Some(r);
-                            }
-                        }
-                        WriteTarget::Trainer(o) if o as usize == me => gather_local += w.len as u64,
-                        WriteTarget::Trainer(o) => {
-                            tx[me] += w.len as u64;
-                            tx_wrs[me] += 1;
-                            grx[o as usize] += w.len as u64;
-                            gather += w.len as u64;
-                            gather_wrs += 1;
-                        }
-                    }
-                }
+                c.task(me, r, p, task.bases);
             }
+            let (tx, tx_wrs) = (c.tx[me], c.tx_wrs[me]);
             let terms = [
-                (cost.nic_time(tx[me], tx_wrs[me]), "trainer NIC"),
+                (cost.nic_time(tx, tx_wrs), "trainer NIC"),
                 (h2d as f64 / cost.h2d_bytes_per_s, "host-to-device copies"),
                 (prep as f64 / cost.prep_bytes_per_s, "preparation"),
             ];
@@ -154,6 +285,20 @@ impl Summary {
                 }
             }
         }
+        let Counts {
+            tx,
+            tx_wrs,
+            grx,
+            mut rx,
+            mut rx_wrs,
+            copied,
+            routes,
+            tasks,
+            gather,
+            gather_wrs,
+            gather_local,
+        } = c;
+        copied.sum_into(&mut rx, &mut rx_wrs);
         let sender = stats(&tx, &tx_wrs, cost);
         let receiver = stats(&rx, &rx_wrs, cost);
         let (predicted, bottleneck) = if receiver.max_time_s > worst_trainer.0 {
@@ -190,4 +335,9 @@ impl Summary {
             bottleneck: bottleneck.to_string(),
         }
     }
+}
+
+/// Bytes a task of pattern `p` reads (its region in the transform's input dtype).
+fn task_input_bytes(p: &TaskPattern) -> u64 {
+    p.region.numel() * p.transform.input_dtype().size() as u64
 }

@@ -68,7 +68,9 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 use weightsync_common::DType;
 
+use crate::compact::TrainerRoutes;
 use crate::error::PlanError;
+use crate::packed::Packed;
 
 /// Most dimensions a tensor may have here: experts stacked over a 2-D weight (and their fp8
 /// scales) need 3, and no supported family has more. Every box and shape in the table carries
@@ -571,7 +573,58 @@ pub struct RolloutPlan {
     pub expect: Vec<UnitExpect>,
 }
 
-/// The planner's output: per trainer plans and per rollout layouts.
+/// One trainer's part of a [`RoutingTable`], compact: what [`RoutingTable::slice`] hands out
+/// (with the names of its parameters and groups) and [`crate::slice::TrainerSlice::expand`]
+/// turns into the [`TrainerPlan`] a worker executes.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct CompactTrainer {
+    /// Training rank.
+    pub rank: u32,
+    /// Size the source arena must have.
+    pub source_arena_bytes: u64,
+    /// Size of the gather arena; 0 when no gathers land here.
+    pub gather_arena_bytes: u64,
+    /// Model indices of the parameters the plan refers to, in the order its records number them
+    /// (sorted), packed (1 field).
+    pub params: Packed,
+    /// Mesh groups in execution order, each `[id, tasks, gather sends, local tasks, gather
+    /// writes expected]`, packed ([`GROUP_FIELDS`] fields); names in
+    /// [`RoutingTable::group_names`], first tasks implied (groups tile the tasks).
+    pub groups: Packed,
+    /// Shards and tasks.
+    pub routes: TrainerRoutes,
+}
+
+/// Fields of a mesh group record in [`CompactTrainer::groups`].
+pub const GROUP_FIELDS: usize = 5;
+
+/// The tensors and region sizes of a rollout rank, stored once for every rank laid out alike
+/// (every engine holds the same tensors).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct RolloutLayout {
+    /// Size in bytes of each MR (index = MR id).
+    pub mr_bytes: Vec<u64>,
+    /// Destination tensors, sorted by (mr, offset).
+    pub tensors: Vec<DstTensor>,
+}
+
+/// A rollout rank in a [`RoutingTable`]: who it is, its layout and what to expect.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct RolloutEntry {
+    /// Global inference rank.
+    pub rank: u32,
+    /// Engine (dp replica) index.
+    pub engine: u32,
+    /// Rank within the engine.
+    pub local_rank: u32,
+    /// Index in [`RoutingTable::rollout_layouts`].
+    pub layout: u32,
+    /// Writes to expect per unit per sync.
+    pub expect: Vec<UnitExpect>,
+}
+
+/// The planner's output: every trainer's part, compact, and every rollout's layout and
+/// expectations. [`RoutingTable::slice`] and [`RoutingTable::rollout`] give one worker its part.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct RoutingTable {
     /// Model name.
@@ -580,42 +633,84 @@ pub struct RoutingTable {
     pub num_params: u64,
     /// Number of parameter elements in the model.
     pub num_elements: u64,
+    /// The parameters trainers refer to, by model index (`params[i].id == i`): names and shapes
+    /// are stored once here, not per trainer.
+    pub params: Vec<ParamRef>,
+    /// Mesh group names, by group id.
+    pub group_names: Vec<String>,
     /// Per training rank, indexed by rank.
-    pub trainers: Vec<TrainerPlan>,
+    pub trainers: Vec<CompactTrainer>,
+    /// The distinct rollout layouts.
+    pub rollout_layouts: Vec<RolloutLayout>,
     /// Per inference rank, indexed by global inference rank.
-    pub rollouts: Vec<RolloutPlan>,
+    pub rollouts: Vec<RolloutEntry>,
+}
+
+/// Rollout layouts, each stored once: what [`RoutingTable::rollout_layouts`] is built from.
+#[derive(Debug, Default)]
+pub(crate) struct RolloutLayouts {
+    layouts: Vec<RolloutLayout>,
+    /// Layout indices by the hash of their content.
+    by_hash: std::collections::HashMap<u64, smallvec::SmallVec<[u32; 1]>>,
+}
+
+impl RolloutLayouts {
+    /// The index of the layout `(mr_bytes, tensors)`, added if new.
+    pub(crate) fn intern(&mut self, mr_bytes: &[u64], tensors: &[DstTensor]) -> u32 {
+        use std::hash::{Hash, Hasher};
+        // SipHash with fixed keys: the same everywhere (only used to find equal layouts).
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        mr_bytes.hash(&mut h);
+        tensors.hash(&mut h);
+        let ids = self.by_hash.entry(h.finish()).or_default();
+        let layouts = &mut self.layouts;
+        if let Some(&id) = ids.iter().find(|&&id| {
+            let l = &layouts[id as usize];
+            l.mr_bytes == mr_bytes && l.tensors == tensors
+        }) {
+            return id;
+        }
+        let id = layouts.len() as u32;
+        layouts.push(RolloutLayout {
+            mr_bytes: mr_bytes.to_vec(),
+            tensors: tensors.to_vec(),
+        });
+        ids.push(id);
+        id
+    }
+
+    /// The layouts, by index.
+    pub(crate) fn into_layouts(self) -> Vec<RolloutLayout> {
+        self.layouts
+    }
 }
 
 impl RoutingTable {
-    /// The plan of one trainer, expanded (every write explicit: what a worker executes).
-    /// Copies naming a rollout rank the table does not have are an error.
-    pub fn slice(&self, trainer_rank: u32) -> Result<TrainerPlan, PlanError> {
-        let plan = self
-            .trainers
-            .get(trainer_rank as usize)
-            .ok_or(PlanError::NoSuchRank {
-                side: "training",
-                rank: trainer_rank,
-                ranks: self.trainers.len() as u32,
-            })?;
-        for (i, t) in plan.tasks.iter().enumerate() {
-            if let Some(c) = plan
-                .task_copies(t)
-                .iter()
-                .find(|c| c.count > 0 && c.last_rank() >= self.rollouts.len() as u64)
-            {
-                return Err(PlanError::BadTable {
-                    rank: trainer_rank,
-                    task: i as u32,
-                    reason: format!(
-                        "a copy reaches rollout rank {} of {}",
-                        c.last_rank(),
-                        self.rollouts.len()
-                    ),
-                });
-            }
-        }
-        plan.expanded_within(self.rollouts.len() as u64)
+    /// The whole plan of inference rank `rank` (its layout's tensors copied out), or `None`
+    /// when there is no such rank or its layout is missing.
+    pub fn rollout(&self, rank: u32) -> Option<RolloutPlan> {
+        let e = self.rollouts.get(rank as usize)?;
+        let l = self.rollout_layouts.get(e.layout as usize)?;
+        Some(RolloutPlan {
+            rank: e.rank,
+            engine: e.engine,
+            local_rank: e.local_rank,
+            mr_bytes: l.mr_bytes.clone(),
+            tensors: l.tensors.clone(),
+            expect: e.expect.clone(),
+        })
+    }
+
+    /// Every rollout's plan, in rank order (see [`RoutingTable::rollout`]; entries with a
+    /// missing layout are left out).
+    pub fn rollout_plans(&self) -> impl Iterator<Item = RolloutPlan> + '_ {
+        (0..self.rollouts.len() as u32).filter_map(|r| self.rollout(r))
+    }
+
+    /// The layout of inference rank `rank`.
+    pub fn rollout_layout(&self, rank: u32) -> Option<&RolloutLayout> {
+        let e = self.rollouts.get(rank as usize)?;
+        self.rollout_layouts.get(e.layout as usize)
     }
 
     /// Serialise with bincode (deterministic: same table, same bytes).
@@ -639,8 +734,12 @@ impl RoutingTable {
             WriteTarget::Trainer(t) => self
                 .trainers
                 .get(t as usize)
-                .and_then(|p| p.groups.iter().find(|g| g.id == unit))
-                .map_or(0, |g| g.gather_expect as u64),
+                .and_then(|p| {
+                    p.groups
+                        .iter::<GROUP_FIELDS>()
+                        .find(|g| g[0] == unit as u64)
+                })
+                .map_or(0, |g| g[4]),
         }
     }
 }
@@ -664,13 +763,7 @@ mod tests {
 
     #[test]
     fn slice_of_missing_rank_is_an_error() {
-        let t = RoutingTable {
-            model: "m".into(),
-            num_params: 0,
-            num_elements: 0,
-            trainers: vec![],
-            rollouts: vec![],
-        };
+        let t = RoutingTable::from_plans("m", 0, 0, &[], &[]).unwrap();
         let e = t.slice(3).unwrap_err();
         assert!(e.to_string().contains('3'), "{e}");
         let bytes = t.to_bincode();

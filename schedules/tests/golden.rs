@@ -17,7 +17,7 @@ use weightsync_schedules::*;
 fn dump(table: &RoutingTable, summary: &Summary) -> String {
     let mut s = String::new();
     let _ = writeln!(s, "model {} ({} params)", table.model, table.num_params);
-    for t in &table.trainers {
+    for t in &plans(table) {
         let _ = writeln!(
             s,
             "trainer {}: source {} B, gather arena {} B, {} shards",
@@ -74,7 +74,7 @@ fn dump(table: &RoutingTable, summary: &Summary) -> String {
             }
         }
     }
-    for r in &table.rollouts {
+    for r in &rollouts(table) {
         let _ = writeln!(
             s,
             "rollout {} (engine {} rank {}): {} B, expects {} writes",
@@ -196,7 +196,7 @@ fn routing_table_fuzz_seeds_decode_in_the_current_format() {
         let table = RoutingTable::from_bincode(&std::fs::read(&path).unwrap())
             .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         for rank in 0..table.trainers.len() as u32 {
-            table.slice(rank).unwrap();
+            table.slice(rank).unwrap().expand().unwrap();
         }
         checked += 1;
     }

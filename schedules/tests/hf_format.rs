@@ -184,7 +184,7 @@ fn hf_tp_and_ep_ranks_hold_their_slices_of_the_same_tensors() {
         );
         assert_eq!(shape("model.layers.1.mlp.experts.down_proj"), [1, 128, 192]);
         // Every name is a transformers name.
-        for t in &r.tensors {
+        for t in r.tensors.iter() {
             assert!(case.bf16.contains_key(&t.name), "{}", t.name);
         }
     }

@@ -1,6 +1,7 @@
 //! Properties over random small models and layouts: every destination byte written exactly
-//! once, bytes conserved, tables deterministic, replicas balanced within 5% of the best
-//! possible (computed here by an independent max-flow over replica sets).
+//! once, bytes conserved, tables deterministic, the compact form expanding to explicit plans
+//! that compact back to it, the summary's counts those of the explicit writes, replicas balanced
+//! within 5% of the best possible (computed here by an independent max-flow over replica sets).
 
 mod common;
 
@@ -8,7 +9,10 @@ use std::collections::BTreeMap;
 
 use common::*;
 use proptest::prelude::*;
-use weightsync_schedules::table::{RoutingTable, Source, Transform, WriteTarget, MAX_DIMS};
+use weightsync_schedules::compact::TrainerRoutes;
+use weightsync_schedules::table::{
+    RoutingTable, Source, TrainerPlan, Transform, WriteTarget, MAX_DIMS,
+};
 use weightsync_schedules::*;
 
 /// A random small model config (always valid) and expert form.
@@ -110,7 +114,7 @@ fn inputs(c: &Case) -> Option<(Model, TrainingLayout, InferenceLayout)> {
 fn check_writes_tile_tensors(table: &RoutingTable) {
     let mut coverage = vec![Vec::new(); table.rollouts.len()];
     let mut received = vec![0u64; table.rollouts.len()];
-    for t in &table.trainers {
+    for t in &plans(table) {
         for w in t.all_writes() {
             if let WriteTarget::Rollout(r) = w.dst {
                 coverage[r as usize].push((w.dst_offset, w.len as u64));
@@ -129,14 +133,14 @@ fn check_writes_tile_tensors(table: &RoutingTable) {
 /// Every task delivers its whole prepared output (values and scales) to each destination rank
 /// it writes to, and gathers deliver each gathered region whole.
 fn check_conservation(table: &RoutingTable) {
-    let dst_total: u64 = table
-        .rollouts
+    let dst_total: u64 = rollouts(table)
         .iter()
         .flat_map(|r| r.tensors.iter().map(|t| t.len))
         .sum();
     let mut written = 0u64;
     let mut gathered: BTreeMap<(u32, u64), u64> = BTreeMap::new();
-    for t in &table.trainers {
+    let trainers = plans(table);
+    for t in &trainers {
         for task in &t.tasks {
             let payload = match task.transform {
                 // Values and one f32 per 128x128 block of each matrix (no padding).
@@ -168,7 +172,7 @@ fn check_conservation(table: &RoutingTable) {
     }
     assert_eq!(written, dst_total, "bytes written vs destination bytes");
     // What gather-sourced tasks read equals what was gathered into each trainer.
-    for t in &table.trainers {
+    for t in &trainers {
         let need: u64 = t
             .tasks
             .iter()
@@ -179,6 +183,58 @@ fn check_conservation(table: &RoutingTable) {
             .sum();
         assert_eq!(need, gathered.get(&(t.rank, 0)).copied().unwrap_or(0));
     }
+}
+
+/// The summary's counts, recomputed write by write from the explicit plans.
+fn check_summary_figures(table: &RoutingTable, explicit: &[TrainerPlan], cost: &CostModel) {
+    let s = Summary::of(table, cost);
+    let nr = table.rollouts.len();
+    let (mut tasks, mut wrs, mut routes, mut gather, mut gather_wrs, mut local) =
+        (0, 0, 0, 0, 0, 0);
+    let mut rx = vec![0u64; nr];
+    let mut rx_wrs = vec![0u64; nr];
+    let mut tx_max = 0u64;
+    for t in explicit {
+        let mut tx = 0u64;
+        for task in &t.tasks {
+            tasks += 1;
+            let mut last = None;
+            for w in t.task_writes(task) {
+                match w.dst {
+                    WriteTarget::Rollout(r) => {
+                        wrs += 1;
+                        tx += w.len as u64;
+                        rx[r as usize] += w.len as u64;
+                        rx_wrs[r as usize] += 1;
+                        routes += (last != Some(r)) as u64;
+                        last = Some(r);
+                    }
+                    WriteTarget::Trainer(o) if o == t.rank => local += w.len as u64,
+                    WriteTarget::Trainer(_) => {
+                        wrs += 1;
+                        tx += w.len as u64;
+                        gather += w.len as u64;
+                        gather_wrs += 1;
+                    }
+                }
+            }
+        }
+        tx_max = tx_max.max(tx);
+    }
+    assert_eq!(s.tasks, tasks);
+    assert_eq!(s.work_requests, wrs);
+    assert_eq!(s.routes, routes);
+    assert_eq!(s.bytes_to_move, rx.iter().sum::<u64>());
+    assert_eq!(s.receiver.max_bytes, rx.iter().copied().max().unwrap_or(0));
+    assert_eq!(
+        s.receiver.max_wrs,
+        rx_wrs.iter().copied().max().unwrap_or(0)
+    );
+    assert_eq!(s.sender.max_bytes, tx_max);
+    assert_eq!(
+        (s.gather_bytes, s.gather_work_requests, s.gather_local_bytes),
+        (gather, gather_wrs, local)
+    );
 }
 
 /// The best possible maximum sender load (bytes), by binary search and an Edmonds-Karp max
@@ -292,17 +348,33 @@ proptest! {
         shuffled.shards.reverse();
         let third = plan(&m, &shuffled, &i, &cost).unwrap();
         prop_assert!(table.to_bincode() == third.to_bincode());
-        // Slices are the per-trainer plans, expanded (every copy written out, nothing else
-        // changed), and round-trip through bincode.
+        // The table round-trips through bincode; each slice expands to an explicit plan (no
+        // copies left) whose compact form is the slice's own routes again.
         let back = RoutingTable::from_bincode(&table.to_bincode()).unwrap();
-        for (r, compact) in table.trainers.iter().enumerate() {
-            let slice = back.slice(r as u32).unwrap();
-            prop_assert!(slice.copies.is_empty());
-            prop_assert_eq!(&slice.writes, &compact.all_writes().collect::<Vec<_>>());
-            prop_assert_eq!(slice.num_writes(), compact.num_writes());
-            prop_assert_eq!(slice.tasks.len(), compact.tasks.len());
-            prop_assert_eq!(&slice.groups, &compact.groups);
+        prop_assert_eq!(&back, &table);
+        let explicit = plans(&table);
+        for (r, x) in explicit.iter().enumerate() {
+            prop_assert!(x.copies.is_empty());
+            prop_assert_eq!(x.rank as usize, r);
+            let again = TrainerRoutes::from_plan(x).unwrap();
+            let mut slice = table.slice(r as u32).unwrap();
+            slice.routes = again;
+            prop_assert_eq!(&slice.expand().unwrap(), x);
         }
+        // The summary, counted on the compact form, is what the explicit writes add up to.
+        check_summary_figures(&table, &explicit, &cost);
+        // A table made from the explicit plans is the same table, but for how its tasks are
+        // grouped into patterns (which may be finer: copies become explicit writes).
+        let rebuilt = RoutingTable::from_plans(
+            &table.model,
+            table.num_params,
+            table.num_elements,
+            &explicit,
+            &rollouts(&table),
+        )
+        .unwrap();
+        prop_assert_eq!(&plans(&rebuilt), &explicit);
+        prop_assert_eq!(Summary::of(&rebuilt, &cost), Summary::of(&table, &cost));
     }
 
     #[test]

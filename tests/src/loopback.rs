@@ -71,12 +71,16 @@ where
 {
     let mut trainers = Vec::new();
     let mut sources = Vec::new();
-    for plan in &table.trainers {
+    for rank in 0..table.trainers.len() as u32 {
+        // What a trainer is sent: its compact slice, which it expands itself.
+        let plan = table
+            .trainer_plan(rank)
+            .map_err(|e| WorkerError::Protocol(format!("training rank {rank}'s slice: {e}")))?;
         let source = Arc::new(RwLock::new(vec![0u8; plan.source_arena_bytes as usize]));
         let config = TrainerConfig::new(format!("trainer-{}", plan.rank), watermark);
-        let t = TrainerWorker::new(fabric().await?, source.clone(), plan.clone(), config)?;
+        let t = TrainerWorker::new(fabric().await?, source.clone(), plan, config)?;
         if let Some(d) = t.gather_descriptor() {
-            dsts.trainers.insert(plan.rank, d);
+            dsts.trainers.insert(rank, d);
         }
         trainers.push(t);
         sources.push(source);
@@ -100,13 +104,10 @@ impl LoopbackCluster {
     ) -> Result<LoopbackCluster, WorkerError> {
         let mut rollouts = Vec::new();
         let mut dsts = Destinations::default();
-        for plan in &table.rollouts {
-            let r = RolloutWorker::new(
-                fabric(lanes).await?,
-                format!("rollout-{}", plan.rank),
-                plan.clone(),
-            )?;
-            dsts.rollouts.insert(plan.rank, r.descriptors());
+        for plan in table.rollout_plans() {
+            let rank = plan.rank;
+            let r = RolloutWorker::new(fabric(lanes).await?, format!("rollout-{rank}"), plan)?;
+            dsts.rollouts.insert(rank, r.descriptors());
             rollouts.push(Arc::new(r));
         }
         let (trainers, sources) = start_trainers(table, watermark, dsts, || fabric(lanes)).await?;

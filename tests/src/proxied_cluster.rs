@@ -105,7 +105,7 @@ impl ProxiedCluster {
         let mut rollouts = Vec::new();
         let mut proxies = Vec::new();
         let mut dsts = Destinations::default();
-        for p in &table.rollouts {
+        for p in table.rollout_plans() {
             let f = fabric(config).await?;
             let target =
                 f.endpoint().as_str().parse().map_err(|e| {

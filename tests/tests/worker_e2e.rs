@@ -62,8 +62,9 @@ fn load_weights(
     step: u64,
 ) -> LogicalWeights {
     let w = LogicalWeights::random(model, 1000 + step);
-    for (plan, src) in table.trainers.iter().zip(&cluster.sources) {
-        w.fill_source(plan, &mut src.write().unwrap()).unwrap();
+    assert_eq!(table.trainers.len(), cluster.trainers.len());
+    for (t, src) in cluster.trainers.iter().zip(&cluster.sources) {
+        w.fill_source(t.plan(), &mut src.write().unwrap()).unwrap();
     }
     w
 }
@@ -106,7 +107,11 @@ async fn four_fsdp_trainers_to_two_tp2_engines_fp8() {
     let cluster = LoopbackCluster::start(&table, 160 << 10, 2).await.unwrap();
     assert!(
         cluster.trainers.iter().map(|t| t.pieces()).sum::<usize>()
-            > table.trainers.iter().map(|t| t.tasks.len()).sum::<usize>()
+            > cluster
+                .trainers
+                .iter()
+                .map(|t| t.plan().tasks.len())
+                .sum::<usize>()
     );
 
     for step in 0..3u64 {

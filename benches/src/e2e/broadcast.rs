@@ -71,7 +71,10 @@ fn fab_err(what: &str) -> impl Fn(weightsync_common::fabric::FabricError) -> E2e
 /// The model's full tensors, with the shards that make them, from the table.
 fn full_tensors(table: &RoutingTable) -> Result<Vec<FullTensor>, E2eError> {
     let mut by_id: BTreeMap<u32, FullTensor> = BTreeMap::new();
-    for plan in &table.trainers {
+    let plans = table
+        .trainer_plans()
+        .map_err(|e| E2eError::Setup(format!("broadcast baseline, expanding the slices: {e}")))?;
+    for plan in &plans {
         for s in &plan.shards {
             let p = &plan.params[s.param as usize];
             let dims = p.shape.dims();
@@ -162,9 +165,13 @@ impl BroadcastBaseline {
             .collect::<Result<Vec<_>, _>>()
             .map_err(fab_err("rank 0 buffers"))?;
         let mut engine_total: BTreeMap<u32, u64> = BTreeMap::new();
+        let held = |rank: u32| -> u64 {
+            table
+                .rollout_layout(rank)
+                .map_or(0, |l| l.tensors.iter().map(|t| t.len).sum())
+        };
         for r in &table.rollouts {
-            *engine_total.entry(r.engine).or_default() +=
-                r.tensors.iter().map(|t| t.len).sum::<u64>();
+            *engine_total.entry(r.engine).or_default() += held(r.rank);
         }
         let mut rollouts = Vec::new();
         for r in &table.rollouts {
@@ -173,7 +180,7 @@ impl BroadcastBaseline {
                 .map(|_| f.alloc(bucket_bytes as usize, Access::RECEIVE))
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(fab_err("receive buffers"))?;
-            let mine: u64 = r.tensors.iter().map(|t| t.len).sum();
+            let mine = held(r.rank);
             let share = mine as f64 / engine_total[&r.engine].max(1) as f64;
             rollouts.push((f, slots, share.min(1.0)));
         }

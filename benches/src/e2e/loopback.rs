@@ -8,7 +8,6 @@ use std::time::{Duration, Instant};
 
 use rayon::prelude::*;
 use weightsync_common::fabric::{FabricConfig, TcpFabric};
-use weightsync_schedules::table::WriteTarget;
 use weightsync_schedules::RoutingTable;
 use weightsync_worker::RolloutWorker;
 use weightsync_worker::{
@@ -88,15 +87,11 @@ pub struct SyncTime {
     pub landed_bytes: u64,
 }
 
-/// Bytes every sync lands in rollouts.
+/// Bytes every sync lands in rollouts: what the trainers' writes to rollouts carry, counted on
+/// the compact table (the summary's count, equal to the explicit writes' by the planner's tests).
 pub(crate) fn landed_bytes(table: &RoutingTable) -> u64 {
-    table
-        .trainers
-        .iter()
-        .flat_map(|t| t.all_writes())
-        .filter(|w| matches!(w.dst, WriteTarget::Rollout(_)))
-        .map(|w| w.len as u64)
-        .sum()
+    weightsync_schedules::Summary::of(table, &weightsync_schedules::CostModel::default())
+        .bytes_to_move
 }
 
 impl LoopbackCluster {
@@ -110,14 +105,19 @@ impl LoopbackCluster {
         };
         let mut rollouts = Vec::new();
         let mut dsts = Destinations::default();
-        for r in &table.rollouts {
-            let w = RolloutWorker::new(fabric().await?, format!("rollout-{}", r.rank), r.clone())
-                .map_err(|e| E2eError::Setup(format!("rollout {}: {e}", r.rank)))?;
-            dsts.rollouts.insert(r.rank, w.descriptors());
+        for r in table.rollout_plans() {
+            let rank = r.rank;
+            let w = RolloutWorker::new(fabric().await?, format!("rollout-{rank}"), r)
+                .map_err(|e| E2eError::Setup(format!("rollout {rank}: {e}")))?;
+            dsts.rollouts.insert(rank, w.descriptors());
             rollouts.push(Arc::new(w));
         }
         let mut trainers = Vec::new();
-        for plan in &table.trainers {
+        for rank in 0..table.trainers.len() as u32 {
+            // What a trainer is sent: its compact slice, which it expands itself.
+            let plan = table
+                .trainer_plan(rank)
+                .map_err(|e| E2eError::Setup(format!("trainer {rank}'s slice: {e}")))?;
             let source: Arc<dyn SourceView> =
                 Arc::new(weights(plan.source_arena_bytes, plan.rank as u64 + 1));
             let mut cfg =
@@ -125,10 +125,10 @@ impl LoopbackCluster {
             cfg.verify = opts.verify;
             cfg.prepare_all_threads = opts.prepare_all_threads;
             cfg.mode = opts.mode;
-            let w = TrainerWorker::new(fabric().await?, source, plan.clone(), cfg)
-                .map_err(|e| E2eError::Setup(format!("trainer {}: {e}", plan.rank)))?;
+            let w = TrainerWorker::new(fabric().await?, source, plan, cfg)
+                .map_err(|e| E2eError::Setup(format!("trainer {rank}: {e}")))?;
             if let Some(d) = w.gather_descriptor() {
-                dsts.trainers.insert(plan.rank, d);
+                dsts.trainers.insert(rank, d);
             }
             trainers.push(w);
         }

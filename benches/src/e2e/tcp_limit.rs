@@ -15,10 +15,13 @@ use super::E2eError;
 /// Chunk per `write` / `read` call.
 const CHUNK: usize = 1 << 20;
 
-/// Bytes each (trainer, rollout) pair carries per sync.
-pub(crate) fn pair_bytes(table: &RoutingTable) -> Vec<(u32, u32, u64)> {
+/// Bytes each (trainer, rollout) pair carries per sync, from every trainer's explicit plan.
+pub(crate) fn pair_bytes(table: &RoutingTable) -> Result<Vec<(u32, u32, u64)>, E2eError> {
+    let plans = table
+        .trainer_plans()
+        .map_err(|e| E2eError::Setup(format!("expanding the slices: {e}")))?;
     let mut out = Vec::new();
-    for t in &table.trainers {
+    for t in &plans {
         let mut per = std::collections::BTreeMap::<u32, u64>::new();
         for w in t.all_writes() {
             if let WriteTarget::Rollout(r) = w.dst {
@@ -27,7 +30,7 @@ pub(crate) fn pair_bytes(table: &RoutingTable) -> Vec<(u32, u32, u64)> {
         }
         out.extend(per.into_iter().map(|(r, b)| (t.rank, r, b)));
     }
-    out
+    Ok(out)
 }
 
 /// Moves `pairs` over plain TCP at once; returns the seconds from the first byte sent to the

@@ -117,23 +117,32 @@ pub struct ModelBytes {
     pub(crate) rollout_nodes: Vec<u32>,
 }
 
-/// Reads the model's tensors, their holders and formats off a routing table.
-pub fn model_bytes(table: &RoutingTable, cluster: &ClusterModel) -> ModelBytes {
+/// Per parameter id: its shape, dtype size, whether it is quantised, its mesh group and the
+/// shard bytes each node holds.
+struct Acc {
+    numel: u64,
+    dims: Vec<u32>,
+    size: u64,
+    quantised: bool,
+    group: u16,
+    held: BTreeMap<u32, u64>,
+}
+
+/// What every trainer's slice holds, per parameter id (see [`Acc`]).
+fn held_params(table: &RoutingTable, cluster: &ClusterModel) -> BTreeMap<u32, Acc> {
     let nt = table.trainers.len() as u32;
-    // param id -> (shape, dtype size, quantised, group, holders: node -> shard bytes).
-    struct Acc {
-        numel: u64,
-        dims: Vec<u32>,
-        size: u64,
-        quantised: bool,
-        group: u16,
-        held: BTreeMap<u32, u64>,
-    }
     let mut acc: BTreeMap<u32, Acc> = BTreeMap::new();
     for plan in &table.trainers {
         let node = cluster.node_of(plan.rank, nt);
-        for s in &plan.shards {
-            let p = &plan.params[s.param as usize];
+        let ids: Vec<u64> = plan.params.iter::<1>().map(|[id]| id).collect();
+        let param = |local: u64| {
+            let id = *ids.get(local as usize)?;
+            table.params.get(id as usize)
+        };
+        for s in plan.routes.local_shards().unwrap_or_default() {
+            let Some(p) = param(s.param as u64) else {
+                continue;
+            };
             let a = acc.entry(p.id).or_insert_with(|| Acc {
                 numel: p.shape.numel(),
                 dims: p.shape.dims().to_vec(),
@@ -144,18 +153,31 @@ pub fn model_bytes(table: &RoutingTable, cluster: &ClusterModel) -> ModelBytes {
             });
             *a.held.entry(node).or_default() += s.bytes();
         }
-        for g in &plan.groups {
-            for t in plan.group_tasks(g) {
-                let id = plan.params[t.param as usize].id;
+        let mut tasks = plan.routes.tasks.iter::<{ crate::compact::TASK_FIELDS }>();
+        for [g, num, ..] in plan.groups.iter::<{ crate::table::GROUP_FIELDS }>() {
+            for [pattern, local, _] in tasks.by_ref().take(num as usize) {
+                let Some(id) = param(local).map(|p| p.id) else {
+                    continue;
+                };
+                let fp8 = plan
+                    .routes
+                    .patterns
+                    .get(pattern as usize)
+                    .is_some_and(|p| matches!(p.transform, Transform::Fp8Block { .. }));
                 if let Some(a) = acc.get_mut(&id) {
-                    a.group = g.id;
-                    if matches!(t.transform, Transform::Fp8Block { .. }) {
-                        a.quantised = true;
-                    }
+                    a.group = g as u16;
+                    a.quantised |= fp8;
                 }
             }
         }
     }
+    acc
+}
+
+/// Reads the model's tensors, their holders and formats off a routing table.
+pub fn model_bytes(table: &RoutingTable, cluster: &ClusterModel) -> ModelBytes {
+    let nt = table.trainers.len() as u32;
+    let acc = held_params(table, cluster);
     let mut params = Vec::with_capacity(acc.len());
     let (mut full_bytes, mut checkpoint_bytes) = (0u64, 0u64);
     for a in acc.into_values() {
@@ -191,16 +213,19 @@ pub fn model_bytes(table: &RoutingTable, cluster: &ClusterModel) -> ModelBytes {
     }
     // Largest share of one engine's bytes on one rank.
     let mut engine_total: BTreeMap<u32, u64> = BTreeMap::new();
+    let held = |r: &crate::table::RolloutEntry| -> u64 {
+        table
+            .rollout_layouts
+            .get(r.layout as usize)
+            .map_or(0, |l| l.tensors.iter().map(|t| t.len).sum())
+    };
     for r in &table.rollouts {
-        *engine_total.entry(r.engine).or_default() += r.tensors.iter().map(|t| t.len).sum::<u64>();
+        *engine_total.entry(r.engine).or_default() += held(r);
     }
     let max_rank_share = table
         .rollouts
         .iter()
-        .map(|r| {
-            let mine: u64 = r.tensors.iter().map(|t| t.len).sum();
-            mine as f64 / engine_total[&r.engine].max(1) as f64
-        })
+        .map(|r| held(r) as f64 / engine_total[&r.engine].max(1) as f64)
         .fold(0.0, f64::max);
     let mut rollout_nodes: Vec<u32> = (0..table.rollouts.len() as u32)
         .map(|r| cluster.node_of(nt + r, nt))

@@ -88,6 +88,7 @@ mod rank;
 mod tests;
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
@@ -137,8 +138,9 @@ pub struct InferRank {
     pub engine: u32,
     /// Rank within the engine.
     pub local_rank: u32,
-    /// Tensors, in arena order.
-    pub tensors: Vec<DstTensor>,
+    /// Tensors, in arena order. Shared by the ranks of every engine that hold the same ones
+    /// (every engine is laid out alike): at 64 engines, one copy instead of 64.
+    pub tensors: Arc<[DstTensor]>,
     /// Bytes per MR.
     pub mr_bytes: Vec<u64>,
 }
@@ -317,7 +319,7 @@ impl InferenceLayout {
         let n = spec.engine_ranks();
         let mut ranks = Vec::with_capacity((n * spec.dp) as usize);
         let mut pieces = Vec::new();
-        let mut engine0: Vec<(Vec<DstTensor>, Vec<Piece>, u64)> = Vec::new();
+        let mut engine0: Vec<(Arc<[DstTensor]>, Vec<Piece>, u64)> = Vec::new();
         for r in 0..n {
             let mut b = RankBuilder {
                 model,
@@ -332,7 +334,7 @@ impl InferenceLayout {
                 next: 0,
             };
             b.build_rank()?;
-            engine0.push((b.tensors, b.pieces, b.next));
+            engine0.push((b.tensors.into(), b.pieces, b.next));
         }
         for e in 0..spec.dp {
             for (r, (tensors, ps, bytes)) in engine0.iter().enumerate() {
@@ -341,7 +343,7 @@ impl InferenceLayout {
                     rank: g,
                     engine: e,
                     local_rank: r as u32,
-                    tensors: tensors.clone(),
+                    tensors: Arc::clone(tensors),
                     mr_bytes: vec![*bytes],
                 });
                 pieces.extend(ps.iter().map(|p| Piece { rank: g, ..*p }));

@@ -6,14 +6,15 @@
 //! later step walks dgroups, never pieces.
 
 use super::DGroup;
-use crate::layout_infer::{InferenceLayout, Piece};
+use crate::layout_infer::InferenceLayout;
 
-/// The pieces sorted by (param, box, rank, tensor), the dgroups (runs of equal (param, box) in
-/// that order) and, per param, the first of its dgroups (`np + 1` entries).
+/// The indices of the pieces sorted by (param, box, rank, tensor), the dgroups (runs of equal
+/// (param, box) in that order) and, per param, the first of its dgroups (`np + 1` entries).
+/// Indices, not a sorted copy of the pieces: at 10,240 GPUs the pieces are 450 MB.
 pub(super) fn destination_groups(
     np: usize,
     infer: &InferenceLayout,
-) -> (Vec<Piece>, Vec<DGroup>, Vec<u32>) {
+) -> (Vec<u32>, Vec<DGroup>, Vec<u32>) {
     let order = pieces_by_param_and_box(np, infer);
     let mut dgroups = Vec::new();
     let mut dgroup_first = vec![0u32; np + 1];
@@ -41,8 +42,7 @@ pub(super) fn destination_groups(
     for k in 0..np {
         dgroup_first[k + 1] += dgroup_first[k];
     }
-    let sorted = order.iter().map(|&i| infer.pieces[i as usize]).collect();
-    (sorted, dgroups, dgroup_first)
+    (order, dgroups, dgroup_first)
 }
 
 /// Indices of the pieces by param (a counting sort), then by (box, rank, tensor) within a param.

@@ -12,62 +12,71 @@ use weightsync_common::DType;
 use super::place::{dst_box, scale_box};
 use super::targets::TargetPlan;
 use super::{Assign, Planner, Region};
+use crate::compact::{RoutesBuilder, TaskWrite};
 use crate::error::PlanError;
+use crate::layout_infer::InferRank;
 use crate::layout_train::{align_up, ShardSpec};
+use crate::packed::Packed;
 use crate::runs::for_each_run;
 use crate::table::{
-    LocalShard, MeshGroup, ParamRef, RolloutPlan, RoutingTable, Source, Task, TensorBox,
-    TrainerPlan, Transform, UnitExpect, Write, WriteCopies, WriteTarget, MAX_WRITE_BYTES,
-    TRAINER_GATHER_MR,
+    CompactTrainer, LocalShard, ParamRef, RolloutEntry, RolloutLayouts, RoutingTable, Source,
+    TensorBox, Transform, UnitExpect, GROUP_FIELDS, MAX_WRITE_BYTES, TRAINER_GATHER_MR,
 };
 
-/// A trainer's plan under construction.
+/// A trainer's part under construction.
 struct TrainerBuilder {
-    plan: TrainerPlan,
-    /// Index in the layout's shard list of this rank's first shard.
-    first_shard: usize,
+    rank: u32,
+    /// Model indices of its params, sorted.
+    params: Vec<u32>,
+    source_arena_bytes: u64,
+    gather_arena_bytes: u64,
+    /// Its mesh groups so far (see [`CompactTrainer::groups`]).
+    groups: Vec<[u64; GROUP_FIELDS]>,
+    routes: RoutesBuilder,
     /// Gather writes into this trainer in the current group.
     gather_expect: u32,
 }
 
-/// What emission builds: the trainers' plans and the rollouts' expected counts.
+/// What emission builds: the trainers' parts and the rollouts' expected counts.
 struct Emission {
     builders: Vec<TrainerBuilder>,
-    /// Shard position -> index in its rank's `plan.shards`.
+    /// Shard position -> index in its rank's shards.
     shard_local: Vec<u32>,
-    /// Shard position -> index of its param in its rank's `plan.params`.
+    /// Shard position -> index of its param in its rank's params.
     shard_param: Vec<u32>,
     /// Writes each rollout rank receives per sync.
     rollout_writes: Vec<u64>,
     /// The target plan of the dgroup last emitted (tasks of a dgroup come together).
     targets: TargetPlan,
     /// Per trainer, where the current mesh group's three classes of tasks start.
-    starts: Vec<[u32; 3]>,
+    starts: Vec<[u64; 3]>,
+    /// The current task's writes and copies (scratch).
+    writes: Vec<TaskWrite>,
+    copies: Vec<(u32, u32, u32, u32, u32)>,
 }
 
 impl Emission {
     /// Records where task class `class` of the current group starts on every trainer.
     fn mark_class_start(&mut self, class: usize) {
         for (r, b) in self.builders.iter().enumerate() {
-            self.starts[r][class] = b.plan.tasks.len() as u32;
+            self.starts[r][class] = b.routes.num_tasks;
         }
     }
 
-    /// Closes mesh group `id` on every trainer: its [`MeshGroup`] entry.
-    fn close_group(&mut self, id: u16, name: String) {
+    /// Closes mesh group `id` on every trainer: its group record; packs its tasks.
+    fn close_group(&mut self, id: u16) {
         for (r, b) in self.builders.iter_mut().enumerate() {
-            let end = b.plan.tasks.len() as u32;
+            let end = b.routes.num_tasks;
             let [s0, s1, s2] = self.starts[r];
-            b.plan.groups.push(MeshGroup {
-                id,
-                name: name.clone(),
-                first_task: s0,
-                num_tasks: end - s0,
-                gather_sends: s1 - s0,
-                local_tasks: s2 - s1,
-                gather_expect: b.gather_expect,
-            });
+            b.groups.push([
+                id as u64,
+                end - s0,
+                s1 - s0,
+                s2 - s1,
+                b.gather_expect as u64,
+            ]);
             b.gather_expect = 0;
+            b.routes.flush();
         }
     }
 }
@@ -108,32 +117,38 @@ impl Planner<'_> {
             self.emit_group(&mut out, g, &by_group[g0..gi], gathers, &mut gather_offs);
         }
         out.targets.flush(&mut out.rollout_writes);
-        let rollouts = self.rollout_plans(&out.rollout_writes);
-        let trainers = trainer_plans(out.builders)?;
+        let (rollout_layouts, rollouts) = self.rollout_entries(&out.rollout_writes);
+        let trainers = trainer_parts(out.builders)?;
         progress(2 * np as u64, 2 * np as u64);
         Ok(RoutingTable {
             model: model.name.clone(),
             num_params: np as u64,
             num_elements: model.num_elements(),
+            params: model
+                .params
+                .iter()
+                .enumerate()
+                .map(|(i, p)| ParamRef {
+                    id: i as u32,
+                    name: p.name.clone(),
+                    shape: p.shape,
+                })
+                .collect(),
+            group_names: (0..ngroups).map(|g| model.mesh_group_name(g)).collect(),
             trainers,
+            rollout_layouts,
             rollouts,
         })
     }
 
-    /// The empty plans of every trainer, and the shard lookups emission needs.
+    /// The empty parts of every trainer, and the shard lookups emission needs.
     fn emission(&self) -> Emission {
-        let builders = self.trainer_builders();
+        let (builders, by_index) = self.trainer_builders();
         // Shard position -> (index in its rank's shard list, index of its param in the rank's
         // params): looked up once per task, so dense arrays in position order.
-        let mut by_index = vec![0u32; self.train.shards.len()];
-        for b in &builders {
-            for (i, sh) in b.plan.shards.iter().enumerate() {
-                by_index[b.first_shard + i] = sh.param;
-            }
-        }
-        let mut first_shard = vec![0u32; builders.len()];
-        for b in &builders {
-            first_shard[b.plan.rank as usize] = b.first_shard as u32;
+        let mut first_shard = vec![0u32; self.train.ranks as usize];
+        for (i, s) in self.train.shards.iter().enumerate().rev() {
+            first_shard[s.rank as usize] = i as u32;
         }
         let (shard_local, shard_param) = self
             .shard_order
@@ -142,18 +157,20 @@ impl Planner<'_> {
             .map(|(&g, sh)| (g - first_shard[sh.rank as usize], by_index[g as usize]))
             .unzip();
         Emission {
-            starts: vec![[0u32; 3]; builders.len()],
+            starts: vec![[0u64; 3]; builders.len()],
             builders,
             shard_local,
             shard_param,
             rollout_writes: vec![0u64; self.infer.ranks.len()],
             targets: TargetPlan::none(),
+            writes: Vec::new(),
+            copies: Vec::new(),
         }
     }
 
-    /// Per trainer, its plan with its params and shards (`train.shards` is sorted by rank,
-    /// offset) and room for the tasks and writes pass 2 expects.
-    fn trainer_builders(&self) -> Vec<TrainerBuilder> {
+    /// Per trainer, its part with its params and shards (`train.shards` is sorted by rank,
+    /// offset); and per shard (layout order) the index of its param in its rank's params.
+    fn trainer_builders(&self) -> (Vec<TrainerBuilder>, Vec<u32>) {
         let nt = self.train.ranks as usize;
         let mut rank_first = vec![0usize; nt + 1];
         for s in &self.train.shards {
@@ -164,12 +181,12 @@ impl Planner<'_> {
         }
         // Param id -> index in the current rank's params (valid for the rank's own params).
         let mut local_param = vec![0u32; self.model.params.len()];
-        let mut pids: Vec<u32> = Vec::new();
-        (0..nt)
+        let mut by_index = vec![0u32; self.train.shards.len()];
+        let mut local: Vec<LocalShard> = Vec::new();
+        let builders = (0..nt)
             .map(|r| {
                 let shards = &self.train.shards[rank_first[r]..rank_first[r + 1]];
-                pids.clear();
-                pids.extend(shards.iter().map(|s| s.param));
+                let mut pids: Vec<u32> = shards.iter().map(|s| s.param).collect();
                 if !pids.is_sorted() {
                     pids.sort_unstable();
                 }
@@ -177,53 +194,28 @@ impl Planner<'_> {
                 for (i, &p) in pids.iter().enumerate() {
                     local_param[p as usize] = i as u32;
                 }
-                TrainerBuilder {
-                    plan: self.empty_trainer_plan(r, shards, &pids, &local_param),
-                    first_shard: rank_first[r],
-                    gather_expect: 0,
-                }
-            })
-            .collect()
-    }
-
-    /// Trainer `r`'s plan before emission: its params `pids` (sorted), its `shards` (their
-    /// params numbered by `local_param`), its arenas' sizes and capacity for its tasks.
-    fn empty_trainer_plan(
-        &self,
-        r: usize,
-        shards: &[ShardSpec],
-        pids: &[u32],
-        local_param: &[u32],
-    ) -> TrainerPlan {
-        let model = self.model;
-        TrainerPlan {
-            rank: r as u32,
-            params: pids
-                .iter()
-                .map(|&p| ParamRef {
-                    id: p,
-                    name: model.params[p as usize].name.clone(),
-                    shape: model.params[p as usize].shape,
-                })
-                .collect(),
-            shards: shards
-                .iter()
-                .map(|s| LocalShard {
+                local.clear();
+                local.extend(shards.iter().map(|s| LocalShard {
                     param: local_param[s.param as usize],
                     global: s.global,
                     dtype: s.dtype,
                     offset: s.offset,
-                })
-                .collect(),
-            source_arena_bytes: shards
-                .last()
-                .map_or(0, |s| s.offset + s.global.numel() * s.dtype.size() as u64),
-            gather_arena_bytes: 0,
-            groups: Vec::with_capacity(model.num_mesh_groups() as usize),
-            tasks: Vec::with_capacity(self.est_tasks[r] as usize),
-            writes: Vec::with_capacity(self.est_writes[r] as usize),
-            copies: Vec::with_capacity(self.est_tasks[r] as usize),
-        }
+                }));
+                for (i, l) in local.iter().enumerate() {
+                    by_index[rank_first[r] + i] = l.param;
+                }
+                TrainerBuilder {
+                    rank: r as u32,
+                    params: pids,
+                    source_arena_bytes: arena_end(shards),
+                    gather_arena_bytes: 0,
+                    groups: Vec::with_capacity(self.model.num_mesh_groups() as usize),
+                    routes: RoutesBuilder::new(&local),
+                    gather_expect: 0,
+                }
+            })
+            .collect();
+        (builders, by_index)
     }
 
     /// Emits mesh group `g` on every trainer: gather sends of `gathers` (its gather regions),
@@ -281,7 +273,7 @@ impl Planner<'_> {
                 self.emit_task(out, reg, &reg.bx, owner_shard, Some(off));
             }
         }
-        out.close_group(g, self.model.mesh_group_name(g));
+        out.close_group(g);
     }
 
     /// Emits the Copy tasks that assemble gather region `reg` in its owner's gather arena;
@@ -297,44 +289,39 @@ impl Planner<'_> {
         let owner = self.shard(owner_shard);
         let elem = owner.dtype.size() as u64;
         let ob = &mut out.builders[owner.rank as usize];
-        let goff = ob.plan.gather_arena_bytes;
-        ob.plan.gather_arena_bytes = align_up(goff + reg.bx.numel() * elem);
+        let goff = ob.gather_arena_bytes;
+        ob.gather_arena_bytes = align_up(goff + reg.bx.numel() * elem);
         let shape = reg.bx.shape();
         let mut received = 0;
         for &(part, s) in parts {
             let sh = self.shard(s);
-            let b = &mut out.builders[sh.rank as usize];
-            let first_write = b.plan.writes.len() as u32;
             let rel = part.relative_to(&reg.bx);
-            let mut nw = 0u32;
-            let writes = &mut b.plan.writes;
+            let writes = &mut out.writes;
+            writes.clear();
             for_each_run(&rel, &shape, elem, |so, d, len| {
                 push_split(
                     writes,
-                    &mut nw,
-                    WriteTarget::Trainer(owner.rank),
+                    true,
+                    owner.rank,
                     TRAINER_GATHER_MR,
-                    g,
                     so,
                     goff + d,
                     len,
                 );
             });
-            let task = Task {
-                param: out.shard_param[s as usize],
-                region: part,
-                source: Source::Shard {
+            received += writes.len() as u32;
+            out.builders[sh.rank as usize].routes.push_task(
+                out.shard_param[s as usize],
+                part,
+                Source::Shard {
                     shard: out.shard_local[s as usize],
                 },
-                transform: Transform::Copy { dtype: sh.dtype },
-                first_write,
-                num_writes: nw,
-                first_copy: b.plan.copies.len() as u32,
-                num_copies: 0,
-            };
-            b.plan.tasks.push(task);
-            received += nw;
+                Transform::Copy { dtype: sh.dtype },
+                writes,
+                &[],
+            );
         }
+        debug_assert!(g < self.model.num_mesh_groups());
         out.builders[owner.rank as usize].gather_expect += received;
         goff
     }
@@ -356,50 +343,42 @@ impl Planner<'_> {
         let dg = &self.dgroups[reg.dgroup as usize];
         let pn = bx.ndim as usize;
         let transform = transform_for(dg.fp8, sh.dtype, dg.dtype);
-        let b = &mut out.builders[sh.rank as usize];
-        let first_write = b.plan.writes.len() as u32;
-        let first_copy = b.plan.copies.len() as u32;
-        let writes = &mut b.plan.writes;
-        let mut nw = 0u32;
+        let writes = &mut out.writes;
+        writes.clear();
         // Where the scales sit in the prepared output (Task::fp8_scales).
         let scale_offset = bx.numel().div_ceil(16) * 16;
         for l in out.targets.listed.iter_mut() {
             let pc = &l.piece;
-            let before = nw;
-            let dst = WriteTarget::Rollout(pc.rank);
+            let before = writes.len() as u32;
             let db = dst_box(pc, bx, l.shape.ndim as usize);
             for_each_run(&db, &l.shape, l.elem, |so, d, len| {
-                push_split(writes, &mut nw, dst, l.mr, 0, so, l.offset + d, len);
+                push_split(writes, false, pc.rank, l.mr, so, l.offset + d, len);
             });
             if let Some((shape, mr, offset)) = l.scales {
                 let sb = scale_box(pc, bx, shape.ndim as usize, pn);
                 for_each_run(&sb, &shape, 4, |so, d, len| {
                     push_split(
                         writes,
-                        &mut nw,
-                        dst,
+                        false,
+                        pc.rank,
                         mr,
-                        0,
                         scale_offset + so,
                         offset + d,
                         len,
                     );
                 });
             }
-            out.rollout_writes[pc.rank as usize] += (nw - before) as u64;
-            l.task_writes = (before, nw - before);
+            let n = writes.len() as u32 - before;
+            out.rollout_writes[pc.rank as usize] += n as u64;
+            l.task_writes = (before, n);
         }
+        out.copies.clear();
         for c in out.targets.copies.iter_mut() {
             let (from, num) = out.targets.listed[c.base as usize].task_writes;
             // Counted toward each rank when the dgroup's tasks are done (TargetPlan::flush).
             c.writes += num as u64;
-            b.plan.copies.push(WriteCopies {
-                from,
-                num,
-                first_rank: c.first_rank,
-                stride: c.stride,
-                count: c.count,
-            });
+            out.copies
+                .push((from, num, c.first_rank, c.stride, c.count));
         }
         let source = match gather {
             Some(offset) => Source::Gather { offset },
@@ -407,50 +386,80 @@ impl Planner<'_> {
                 shard: out.shard_local[s as usize],
             },
         };
-        let task = Task {
-            param: out.shard_param[s as usize],
-            region: *bx,
+        out.builders[sh.rank as usize].routes.push_task(
+            out.shard_param[s as usize],
+            *bx,
             source,
             transform,
-            first_write,
-            num_writes: nw,
-            first_copy,
-            num_copies: out.targets.copies.len() as u32,
-        };
-        b.plan.tasks.push(task);
+            &out.writes,
+            &out.copies,
+        );
     }
 
-    /// Every rollout rank's plan: its tensors and the writes it receives.
-    fn rollout_plans(&self, rollout_writes: &[u64]) -> Vec<RolloutPlan> {
-        self.infer
+    /// Every rollout rank's entry (each distinct layout stored once) with the writes it
+    /// receives.
+    fn rollout_entries(
+        &self,
+        rollout_writes: &[u64],
+    ) -> (Vec<crate::table::RolloutLayout>, Vec<RolloutEntry>) {
+        let mut layouts = RolloutLayouts::default();
+        // Ranks sharing their tensors (the same rank of every engine) share a layout without
+        // comparing tensor by tensor.
+        let mut shared: Vec<(&InferRank, u32)> = Vec::new();
+        let entries = self
+            .infer
             .ranks
             .iter()
-            .map(|r| RolloutPlan {
+            .map(|r| RolloutEntry {
                 rank: r.rank,
                 engine: r.engine,
                 local_rank: r.local_rank,
-                mr_bytes: r.mr_bytes.clone(),
-                tensors: r.tensors.clone(),
+                layout: match shared.iter().find(|(s, _)| {
+                    std::sync::Arc::ptr_eq(&s.tensors, &r.tensors) && s.mr_bytes == r.mr_bytes
+                }) {
+                    Some(&(_, id)) => id,
+                    None => {
+                        let id = layouts.intern(&r.mr_bytes, &r.tensors);
+                        shared.push((r, id));
+                        id
+                    }
+                },
                 expect: vec![UnitExpect {
                     unit: 0,
                     writes: rollout_writes[r.rank as usize],
                 }],
             })
-            .collect()
+            .collect();
+        (layouts.into_layouts(), entries)
     }
 }
 
-/// The finished trainer plans; refused when one would number its writes or tasks past `u32`.
-fn trainer_plans(builders: Vec<TrainerBuilder>) -> Result<Vec<TrainerPlan>, PlanError> {
+/// End of the last of a rank's `shards` (sorted by offset): the size of its source arena.
+fn arena_end(shards: &[ShardSpec]) -> u64 {
+    shards
+        .last()
+        .map_or(0, |s| s.offset + s.global.numel() * s.dtype.size() as u64)
+}
+
+/// The finished trainer parts; refused when one would number its tasks past `u32`.
+fn trainer_parts(builders: Vec<TrainerBuilder>) -> Result<Vec<CompactTrainer>, PlanError> {
     let mut trainers = Vec::with_capacity(builders.len());
     for b in builders {
-        if b.plan.writes.len() > u32::MAX as usize || b.plan.tasks.len() > u32::MAX as usize {
+        if b.routes.num_tasks > u32::MAX as u64 {
             return Err(PlanError::TooLarge(format!(
-                "training rank {} would have more than 2^32 writes",
-                b.plan.rank
+                "training rank {} would have more than 2^32 tasks",
+                b.rank
             )));
         }
-        trainers.push(b.plan);
+        let params: Vec<[u64; 1]> = b.params.iter().map(|&p| [p as u64]).collect();
+        trainers.push(CompactTrainer {
+            rank: b.rank,
+            source_arena_bytes: b.source_arena_bytes,
+            gather_arena_bytes: b.gather_arena_bytes,
+            params: Packed::of(&params),
+            groups: Packed::of(&b.groups),
+            routes: b.routes.finish(),
+        });
     }
     Ok(trainers)
 }
@@ -467,14 +476,12 @@ fn transform_for(fp8: bool, from: DType, to: DType) -> Transform {
 }
 
 /// Pushes one run as writes of at most [`MAX_WRITE_BYTES`].
-#[allow(clippy::too_many_arguments)]
 #[inline]
 fn push_split(
-    out: &mut Vec<Write>,
-    count: &mut u32,
-    dst: WriteTarget,
+    out: &mut Vec<TaskWrite>,
+    to_trainer: bool,
+    rank: u32,
     mr: u16,
-    unit: u16,
     src: u64,
     dst_off: u64,
     len: u64,
@@ -482,15 +489,14 @@ fn push_split(
     let mut done = 0;
     while done < len {
         let n = (len - done).min(MAX_WRITE_BYTES);
-        out.push(Write {
-            dst,
+        out.push(TaskWrite {
+            to_trainer,
+            rank,
             mr,
-            unit,
             len: n as u32,
             src_offset: src + done,
             dst_offset: dst_off + done,
         });
-        *count += 1;
         done += n;
     }
 }

@@ -136,8 +136,8 @@ struct Planner<'a> {
     train: &'a TrainingLayout,
     infer: &'a InferenceLayout,
     cost: &'a CostModel,
-    /// Pieces sorted by (param, box, rank, tensor).
-    sorted: Vec<Piece>,
+    /// Indices of the pieces sorted by (param, box, rank, tensor).
+    sorted: Vec<u32>,
     dgroups: Vec<DGroup>,
     /// Per param, its dgroups range.
     dgroup_first: Vec<u32>,
@@ -231,7 +231,7 @@ impl<'a> Planner<'a> {
     /// Target `k` of a dgroup (its pieces are in rank, then tensor order).
     #[inline]
     fn target_piece(&self, dg: &DGroup, k: u32) -> &Piece {
-        &self.sorted[(dg.first + k) as usize]
+        &self.infer.pieces[self.sorted[(dg.first + k) as usize] as usize]
     }
 
     /// The parameter of a dgroup.

@@ -145,10 +145,14 @@ pub(super) fn layout_classes(infer: &InferenceLayout) -> Vec<u32> {
     let mut reps: Vec<usize> = Vec::new();
     let same = |a: &InferRank, b: &InferRank| {
         a.mr_bytes == b.mr_bytes
-            && a.tensors.len() == b.tensors.len()
-            && a.tensors.iter().zip(&b.tensors).all(|(x, y)| {
-                x.shape == y.shape && x.dtype == y.dtype && x.mr == y.mr && x.offset == y.offset
-            })
+            && (std::sync::Arc::ptr_eq(&a.tensors, &b.tensors)
+                || a.tensors.len() == b.tensors.len()
+                    && a.tensors.iter().zip(b.tensors.iter()).all(|(x, y)| {
+                        x.shape == y.shape
+                            && x.dtype == y.dtype
+                            && x.mr == y.mr
+                            && x.offset == y.offset
+                    }))
     };
     infer
         .ranks

@@ -14,24 +14,46 @@ use crate::layout_infer::{InferRank, InferenceLayout, Piece};
 use crate::model::{Model, Param};
 use crate::table::{DstTensor, Shape, TensorBox, FP8_BLOCK};
 
-/// Checks `infer` against `model` (see the module docs).
+/// Checks `infer` against `model` (see the module docs). Rank by rank: the boxes placed in
+/// one rank's tensors are all that is held at once (at 10,240 GPUs every rank's at once would be
+/// a gigabyte).
 pub(super) fn validate_infer(model: &Model, infer: &InferenceLayout) -> Result<(), PlanError> {
     check_ranks(infer)?;
-    let tensor_first = number_tensors(infer)?;
-    let mut placed: Vec<Placed> = Vec::with_capacity(2 * infer.pieces.len());
+    let nranks = infer.ranks.len() as u32;
+    // Piece indices by rank (a counting sort; a rank a piece names must exist).
+    let mut piece_first = vec![0u32; infer.ranks.len() + 1];
     for pc in &infer.pieces {
-        place_piece(model, infer, &tensor_first, pc, &mut placed)?;
-    }
-    let ntensors = tensor_first[infer.ranks.len()] as usize;
-    let (first, mut by_tensor) = group_by_tensor(placed, ntensors);
-    let mut rank = 0usize;
-    for k in 0..ntensors {
-        while tensor_first[rank + 1] as usize <= k {
-            rank += 1;
+        if pc.rank >= nranks {
+            return Err(PlanError::NoSuchRank {
+                side: "inference",
+                rank: pc.rank,
+                ranks: nranks,
+            });
         }
-        let t = &infer.ranks[rank].tensors[k - tensor_first[rank] as usize];
-        let boxes = &mut by_tensor[first[k] as usize..first[k + 1] as usize];
-        check_tensor_filled(model, rank as u32, t, boxes)?;
+        piece_first[pc.rank as usize + 1] += 1;
+    }
+    for r in 0..infer.ranks.len() {
+        piece_first[r + 1] += piece_first[r];
+    }
+    let mut by_rank = vec![0u32; infer.pieces.len()];
+    let mut next = piece_first.clone();
+    for (i, pc) in infer.pieces.iter().enumerate() {
+        by_rank[next[pc.rank as usize] as usize] = i as u32;
+        next[pc.rank as usize] += 1;
+    }
+    let mut placed: Vec<Placed> = Vec::new();
+    let mut grouped: (Vec<u32>, Vec<Placed>) = Default::default();
+    for (rank, r) in infer.ranks.iter().enumerate() {
+        placed.clear();
+        for &i in &by_rank[piece_first[rank] as usize..piece_first[rank + 1] as usize] {
+            place_piece(model, infer, &infer.pieces[i as usize], &mut placed)?;
+        }
+        group_by_tensor(&placed, r.tensors.len(), &mut grouped);
+        let (first, by_tensor) = (&grouped.0, &mut grouped.1);
+        for (k, t) in r.tensors.iter().enumerate() {
+            let boxes = &mut by_tensor[first[k] as usize..first[k + 1] as usize];
+            check_tensor_filled(model, rank as u32, t, boxes)?;
+        }
     }
     Ok(())
 }
@@ -46,7 +68,7 @@ fn check_ranks(infer: &InferenceLayout) -> Result<(), PlanError> {
                 reason: format!("listed at index {i} but says rank {}", r.rank),
             });
         }
-        for t in &r.tensors {
+        for t in r.tensors.iter() {
             if t.len != t.shape.numel() * t.dtype.size() as u64
                 || r.mr_bytes
                     .get(t.mr as usize)
@@ -65,29 +87,12 @@ fn check_ranks(infer: &InferenceLayout) -> Result<(), PlanError> {
     Ok(())
 }
 
-/// Destination tensors numbered rank by rank: tensor `t` of rank `r` is `tensor_first[r] + t`
-/// (one more entry at the end: the number of tensors).
-fn number_tensors(infer: &InferenceLayout) -> Result<Vec<u32>, PlanError> {
-    let mut tensor_first = Vec::with_capacity(infer.ranks.len() + 1);
-    tensor_first.push(0u32);
-    for r in &infer.ranks {
-        let n = tensor_first[tensor_first.len() - 1] as u64 + r.tensors.len() as u64;
-        if n > u32::MAX as u64 {
-            return Err(PlanError::TooLarge(
-                "more than 2^32 destination tensors".into(),
-            ));
-        }
-        tensor_first.push(n as u32);
-    }
-    Ok(tensor_first)
-}
-
-/// Checks one piece (its rank, parameter, box, tensor, fp8 alignment and scales) and appends
-/// the boxes it fills: in its tensor and, for fp8, in its scale tensor.
+/// Checks one piece (its parameter, box, tensor, fp8 alignment and scales; its rank exists)
+/// and appends the boxes it fills: in its tensor and, for fp8, in its scale tensor (tensors
+/// numbered within the rank).
 fn place_piece(
     model: &Model,
     infer: &InferenceLayout,
-    tensor_first: &[u32],
     pc: &Piece,
     placed: &mut Vec<Placed>,
 ) -> Result<(), PlanError> {
@@ -144,11 +149,10 @@ fn place_piece(
             if pc.scale.is_some() { "" } else { "no" }
         )));
     }
-    let base = tensor_first[pc.rank as usize];
-    placed.push(Placed::new(base + pc.tensor, db, t.shape, pc.param));
+    placed.push(Placed::new(pc.tensor, db, t.shape, pc.param));
     if let Some(sc) = pc.scale {
         let (st, sb) = scale_placement(r, p, pc, sc.tensor).map_err(bad)?;
-        placed.push(Placed::new(base + sc.tensor, sb, st.shape, pc.param));
+        placed.push(Placed::new(sc.tensor, sb, st.shape, pc.param));
     }
     Ok(())
 }
@@ -193,23 +197,25 @@ fn scale_placement<'r>(
     Ok((st, sb))
 }
 
-/// The placed boxes grouped by destination tensor (a counting sort): tensor `k`'s are
-/// `by_tensor[first[k]..first[k + 1]]`, in the order they were placed.
-fn group_by_tensor(placed: Vec<Placed>, ntensors: usize) -> (Vec<u32>, Vec<Placed>) {
-    let mut first = vec![0u32; ntensors + 1];
-    for x in &placed {
+/// The placed boxes grouped by destination tensor (a counting sort) into `out`: tensor `k`'s
+/// are `out.1[out.0[k]..out.0[k + 1]]`, in the order they were placed.
+fn group_by_tensor(placed: &[Placed], ntensors: usize, out: &mut (Vec<u32>, Vec<Placed>)) {
+    let (first, by_tensor) = out;
+    first.clear();
+    first.resize(ntensors + 1, 0);
+    for x in placed {
         first[x.tensor as usize + 1] += 1;
     }
     for k in 0..ntensors {
         first[k + 1] += first[k];
     }
-    let mut by_tensor = vec![Placed::default(); placed.len()];
+    by_tensor.clear();
+    by_tensor.resize(placed.len(), Placed::default());
     let mut next = first.clone();
-    for x in &placed {
+    for x in placed {
         by_tensor[next[x.tensor as usize] as usize] = *x;
         next[x.tensor as usize] += 1;
     }
-    (first, by_tensor)
 }
 
 /// The boxes placed in tensor `t` of `rank` fill it exactly once: some box, no two overlapping,
@@ -265,7 +271,7 @@ fn check_tensor_filled(
 /// A box a piece fills in a destination tensor.
 #[derive(Clone, Copy, Default)]
 struct Placed {
-    /// The tensor, numbered across ranks.
+    /// The tensor, by its index in its rank's tensors.
     tensor: u32,
     /// Row-major index of the box's first element: sorting by it sorts by start.
     at: u64,

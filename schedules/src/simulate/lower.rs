@@ -22,6 +22,7 @@ use std::collections::{BTreeMap, VecDeque};
 
 use weightsync_common::protocol::Stage;
 
+use crate::error::PlanError;
 use crate::simulate::cluster::ClusterModel;
 use crate::simulate::engine::{Hop, OpId, ResId, ResKind, SimPlan, NONE};
 use crate::table::{RoutingTable, Task, TrainerPlan, Transform, WriteTarget};
@@ -96,12 +97,13 @@ fn gpu_of(dst: WriteTarget, trainers: u32) -> u32 {
 }
 
 /// Lowers `table` on `cluster` into engine operations.
-pub(crate) fn lower(table: &RoutingTable, cluster: &ClusterModel) -> Lowered {
+/// Trainers' parts are expanded one at a time (only one explicit plan is held at once).
+pub(crate) fn lower(table: &RoutingTable, cluster: &ClusterModel) -> Result<Lowered, PlanError> {
     let mut l = Lowering::new(table, cluster);
-    for (t, plan) in table.trainers.iter().enumerate() {
-        l.trainer(t as u32, plan);
+    for t in 0..table.trainers.len() as u32 {
+        l.trainer(t, &table.trainer_plan(t)?);
     }
-    l.finish()
+    Ok(l.finish())
 }
 
 /// One lowering in progress: the plan being built, and what links ops across trainers.

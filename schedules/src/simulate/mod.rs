@@ -51,6 +51,9 @@ pub enum SimError {
     /// The table has nothing to simulate.
     #[error("the routing table has no {0}")]
     Empty(&'static str),
+    /// A trainer's part of the table does not expand.
+    #[error("the routing table: {0}")]
+    BadTable(#[from] crate::error::PlanError),
 }
 
 /// Simulates one sync of `table` on `cluster`.
@@ -62,7 +65,7 @@ pub fn simulate(table: &RoutingTable, cluster: &ClusterModel) -> Result<SimRepor
     if table.rollouts.is_empty() {
         return Err(SimError::Empty("inference ranks"));
     }
-    let low = lower::lower(table, cluster);
+    let low = lower::lower(table, cluster)?;
     let out = engine::run(&low.plan)?;
     Ok(report::build(
         "weightsync",

@@ -30,7 +30,7 @@ fn copy_table(
             expect: vec![UnitExpect { unit: 0, writes: 0 }],
         })
         .collect();
-    let trainers = (0..trainers)
+    let trainers: Vec<TrainerPlan> = (0..trainers)
         .map(|t| {
             let mut p = TrainerPlan {
                 rank: t,
@@ -90,13 +90,8 @@ fn copy_table(
             p
         })
         .collect();
-    RoutingTable {
-        model: "synthetic".into(),
-        num_params: tasks as u64,
-        num_elements: 0,
-        trainers,
-        rollouts: rolls,
-    }
+    RoutingTable::from_plans("synthetic", tasks as u64, 0, &trainers, &rolls)
+        .expect("a well-formed synthetic table")
 }
 
 /// A cluster where one MB takes 1 ms on the NIC, in H2D and in preparation.
@@ -289,9 +284,8 @@ fn planned_small_model_obeys_the_bound_and_is_deterministic() {
     assert_eq!(a.trainers, 4);
     assert_eq!(a.rollouts, 4);
     let rolled: u64 = table
-        .rollouts
-        .iter()
-        .flat_map(|r| &r.tensors)
+        .rollout_plans()
+        .flat_map(|r| r.tensors)
         .map(|t| t.len)
         .sum();
     let received: u64 = a.nics.iter().map(|n| n.rx_bytes).sum();
@@ -346,8 +340,8 @@ fn kimi_k2_256_to_128() {
         }
     };
     let planned = t0.elapsed();
-    for t in [0usize, 100, 128, 255] {
-        let p = &table.trainers[t];
+    for t in [0u32, 100, 128, 255] {
+        let p = table.trainer_plan(t).unwrap();
         let gs = p.groups.iter().filter(|g| g.gather_sends > 0).count();
         let ge = p.groups.iter().filter(|g| g.gather_expect > 0).count();
         eprintln!(
@@ -361,7 +355,7 @@ fn kimi_k2_256_to_128() {
     }
     let c = ClusterModel::default();
     let t1 = std::time::Instant::now();
-    let low = super::lower::lower(&table, &c);
+    let low = super::lower::lower(&table, &c).unwrap();
     let t2 = std::time::Instant::now();
     let out = super::engine::run(&low.plan).unwrap();
     eprintln!(

@@ -8,8 +8,9 @@ use std::collections::HashMap;
 use weightsync_common::DType;
 use weightsync_schedules::layout_infer::InferFormat;
 use weightsync_schedules::table::{
-    RoutingTable, Source, Task, TrainerPlan, Transform, WriteTarget, FP8_BLOCK,
+    RolloutPlan, RoutingTable, Source, Task, TrainerPlan, Transform, WriteTarget, FP8_BLOCK,
 };
+use weightsync_schedules::TrainerSlice;
 use weightsync_schedules::{ExpertForm, InferDType, InferSpec, Model};
 
 /// Dense Qwen3-like: GQA (4 q heads, 2 kv heads of 128), q/k norms.
@@ -233,25 +234,41 @@ pub struct Landed {
     pub received: Vec<u64>,
 }
 
+/// Every trainer's explicit plan, as a worker gets it: its slice, through bincode, expanded.
+pub fn plans(table: &RoutingTable) -> Vec<TrainerPlan> {
+    (0..table.trainers.len() as u32)
+        .map(|r| {
+            let bytes = table.slice(r).unwrap().to_bincode();
+            TrainerSlice::from_bincode(&bytes)
+                .unwrap()
+                .expand()
+                .unwrap()
+        })
+        .collect()
+}
+
+/// Every rollout's plan.
+pub fn rollouts(table: &RoutingTable) -> Vec<RolloutPlan> {
+    table.rollout_plans().collect()
+}
+
 /// Executes a table with plain reference code: fills each trainer's source arena from the full
 /// model, runs every mesh group (gather sends of all trainers, check the gather counts, then
 /// all other tasks), prepares with the reference cast / fp8, and performs the writes.
 pub fn execute(table: &RoutingTable, model: &Model, full: &[Vec<u8>]) -> Landed {
-    let nt = table.trainers.len();
+    let trainers = plans(table);
+    let nt = trainers.len();
     let mut ex = Execution {
-        sources: table
-            .trainers
+        sources: trainers
             .iter()
             .map(|t| source_arena(t, model, full))
             .collect(),
-        gathers: table
-            .trainers
+        gathers: trainers
             .iter()
             .map(|t| vec![0u8; t.gather_arena_bytes as usize])
             .collect(),
         landed: Landed {
-            arenas: table
-                .rollouts
+            arenas: rollouts(table)
                 .iter()
                 .map(|r| vec![0u8; r.mr_bytes[0] as usize])
                 .collect(),
@@ -260,11 +277,11 @@ pub fn execute(table: &RoutingTable, model: &Model, full: &[Vec<u8>]) -> Landed 
         },
         gather_rx: vec![0u32; nt],
     };
-    let ngroups = table.trainers[0].groups.len();
+    let ngroups = trainers[0].groups.len();
     for gi in 0..ngroups {
         ex.gather_rx.fill(0);
         for phase in 0..2 {
-            for t in &table.trainers {
+            for t in &trainers {
                 let g = &t.groups[gi];
                 let tasks = t.group_tasks(g);
                 let (a, b) = if phase == 0 {
@@ -420,7 +437,7 @@ fn prepare(
 /// Every destination byte written exactly once, nothing outside tensors, expected counts met:
 /// the sorted writes of each rank must tile its tensors exactly.
 pub fn check_coverage(table: &RoutingTable, landed: &Landed) {
-    for (r, plan) in table.rollouts.iter().enumerate() {
+    for (r, plan) in rollouts(table).iter().enumerate() {
         let mut writes = landed.coverage[r].clone();
         writes.sort_unstable();
         let mut tensors: Vec<_> = plan.tensors.iter().collect();
@@ -838,7 +855,7 @@ impl<'a> Expected<'a> {
 /// Builds every inference rank's tensors independently and compares with what landed.
 pub fn compare_all(table: &RoutingTable, landed: &Landed, exp: &mut Expected) -> usize {
     let mut checked = 0;
-    for (r, plan) in table.rollouts.iter().enumerate() {
+    for (r, plan) in rollouts(table).iter().enumerate() {
         for t in &plan.tensors {
             let want = exp.tensor(&t.name, plan.local_rank);
             assert_eq!(want.len() as u64, t.len, "rank {r} tensor {} size", t.name);
