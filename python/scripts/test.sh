@@ -57,9 +57,12 @@ else
     export SSL_CERT_FILE=${SSL_CERT_FILE:-${PIP_CERT:-/etc/ssl/certs/ca-certificates.crt}}
     UV_EXTRA=()
     [[ ${#TORCH_ARGS[@]} -gt 0 ]] && UV_EXTRA=(--index-strategy unsafe-best-match "${TORCH_ARGS[@]}")
-    "$VENV/bin/uv" pip install --python "$VENV/bin/python" "${UV_EXTRA[@]}" "${PINS[@]}"
+    if ! "$VENV/bin/uv" pip install --python "$VENV/bin/python" ${UV_EXTRA[@]+"${UV_EXTRA[@]}"} "${PINS[@]}"; then
+      step "uv failed; installing with pip instead"
+      "${PIP[@]}" ${TORCH_ARGS[@]+"${TORCH_ARGS[@]}"} "${PINS[@]}"
+    fi
   else
-    "${PIP[@]}" "${TORCH_ARGS[@]}" "${PINS[@]}"
+    "${PIP[@]}" ${TORCH_ARGS[@]+"${TORCH_ARGS[@]}"} "${PINS[@]}"
   fi
   step "packages installed"
   "$VENV/bin/python" -c 'import torch, transformers, numpy; print("torch", torch.__version__, "transformers", transformers.__version__)'

@@ -171,13 +171,15 @@ def test_vllm_staged_trainer_killed_mid_sync(tmp_path: Path, procs: Procs) -> No
     # Trainer rank 1 is killed as version 2 starts landing (rank 0's writes land, its never do).
     out, _ = run(tmp_path, procs, "staged", steps=2, kill_trainer_at=2)
     failed = torch.load(out / "vllm_r0_failed_v2.pt")
-    # update() raised: SyncFailedError when weightsync reports the failure to the engine, else
-    # its timeout (the engine saw before_landing(2) and no commit; see the README).
-    assert failed["error"] and ("SyncFailed" in failed["error"] or "TimeoutError" in failed["error"]), failed["error"]
+    # update() raised SyncFailedError: the engine was told to stop reading for version 2 (its
+    # before_landing ran), so the abort of 2 reaches it even though 2 never started landing.
+    assert failed["error"] and "SyncFailed" in failed["error"], failed["error"]
     assert failed["weight_version"] == "1", failed["weight_version"]
     st = failed["status"]
     assert st["loaded_version"] == 1 and st["engine_version"] == 1, st
-    assert st["arena_version"] is None  # the arena may hold part of version 2: never loaded
+    # The arena holds version 1 (no write of 2 landed) or is marked dirty (the hook, still
+    # running when the abort came, went on); either way version 2 was never loaded.
+    assert st["arena_version"] in (None, 1), st
     v1 = torch.load(out / "trainer_v1.pt")["params"]
     expect_weights(failed["params"], v1, "after the failed sync")
     hf = tiny.build(str(tmp_path / "model"), seed=0).eval()
