@@ -364,14 +364,20 @@ fn direct_checksums<F: FabricBackend>(
     Ok(sums)
 }
 
-/// H2D: the piece's source into its staging lease (`None`: the sync failed meanwhile).
-async fn piece_h2d<F: FabricBackend>(
+/// Runs `work` on a piece's staging bytes off the runtime's threads, holding `stage` (one piece
+/// per stage at a time). `None`: the sync failed meanwhile; else the lease and when work began.
+async fn in_staging<F, W>(
     run: &Arc<SyncRun<F>>,
-    t: u32,
-    p: usize,
+    stage: &tokio::sync::Mutex<()>,
+    name: &'static str,
     lease: Lease,
-) -> Result<Option<Lease>> {
-    let _stage = run.h2d.lock().await;
+    work: W,
+) -> Result<Option<(Lease, u64)>>
+where
+    F: FabricBackend,
+    W: FnOnce(&SyncRun<F>, &mut [u8]) -> Result<()> + Send + 'static,
+{
+    let _stage = stage.lock().await;
     if run.failed() {
         return Ok(None);
     }
@@ -379,23 +385,42 @@ async fn piece_h2d<F: FabricBackend>(
     let job = run.clone();
     let (lease, res) = tokio::task::spawn_blocking(move || {
         let mut lease = lease;
-        let st = &job.state;
-        let piece = &st.pieces[t as usize][p];
-        let res = st.staging.bytes_mut(&mut lease).and_then(|buf| {
-            stage_input(
-                &st.plan,
-                &st.shapes[t as usize],
-                piece,
-                st.source.as_ref(),
-                st.gather.as_ref(),
-                &mut buf[..piece.layout.input as usize],
-            )
-        });
+        let res = job
+            .state
+            .staging
+            .bytes_mut(&mut lease)
+            .and_then(|buf| work(&job, buf));
         (lease, res)
     })
     .await
-    .map_err(|e| stage_panic("h2d", e))?;
+    .map_err(|e| stage_panic(name, e))?;
     res?;
+    Ok(Some((lease, start)))
+}
+
+/// H2D: the piece's source into its staging lease (`None`: the sync failed meanwhile).
+async fn piece_h2d<F: FabricBackend>(
+    run: &Arc<SyncRun<F>>,
+    t: u32,
+    p: usize,
+    lease: Lease,
+) -> Result<Option<Lease>> {
+    let staged = in_staging(run, &run.h2d, "h2d", lease, move |job, buf| {
+        let st = &job.state;
+        let piece = &st.pieces[t as usize][p];
+        stage_input(
+            &st.plan,
+            &st.shapes[t as usize],
+            piece,
+            st.source.as_ref(),
+            st.gather.as_ref(),
+            &mut buf[..piece.layout.input as usize],
+        )
+    })
+    .await?;
+    let Some((lease, start)) = staged else {
+        return Ok(None);
+    };
     let bytes = run.state.pieces[t as usize][p].layout.input;
     run.rec.record(t, p as u32, Stage::H2d, start, bytes);
     run.staged_bytes.fetch_add(bytes, Ordering::Relaxed);
@@ -410,34 +435,25 @@ async fn piece_prepare<F: FabricBackend>(
     p: usize,
     lease: Lease,
 ) -> Result<Option<Lease>> {
-    let _stage = run.prepare.lock().await;
-    if run.failed() {
-        return Ok(None);
-    }
-    let start = run.rec.now_ns();
-    let job = run.clone();
-    let (lease, res) = tokio::task::spawn_blocking(move || {
-        let mut lease = lease;
+    let prepared = in_staging(run, &run.prepare, "prepare", lease, move |job, buf| {
         let st = &job.state;
         let piece = &st.pieces[t as usize][p];
-        let res = st.staging.bytes_mut(&mut lease).and_then(|buf| {
-            prepare_piece(
-                &st.plan,
-                &st.shapes[t as usize],
-                piece,
-                buf,
-                st.config.threads(),
-            )?;
-            if st.config.verify {
-                job.checksums.lock().extend(run_checksums(st, piece, buf));
-            }
-            Ok(())
-        });
-        (lease, res)
+        prepare_piece(
+            &st.plan,
+            &st.shapes[t as usize],
+            piece,
+            buf,
+            st.config.threads(),
+        )?;
+        if st.config.verify {
+            job.checksums.lock().extend(run_checksums(st, piece, buf));
+        }
+        Ok(())
     })
-    .await
-    .map_err(|e| stage_panic("prepare", e))?;
-    res?;
+    .await?;
+    let Some((lease, start)) = prepared else {
+        return Ok(None);
+    };
     let lay = run.state.pieces[t as usize][p].layout;
     run.rec
         .record(t, p as u32, Stage::Prepare, start, lay.values + lay.scales);
