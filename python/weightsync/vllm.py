@@ -10,6 +10,9 @@ Import this module in the engine process before the model loads (naming it as th
     ...
     timings = weightsync.vllm.update(llm, step)   # after the trainers pushed `step`
 
+A vLLM *server* is driven the same way over its HTTP routes by
+:class:`weightsync.vllm_server.VllmServer` (no vLLM needed in the caller).
+
 Each vLLM worker process holds one :class:`weightsync.Engine` (inference rank = the worker's
 global rank ``dp_index * world_size + rank`` unless ``init_info`` names it).
 
@@ -315,15 +318,45 @@ class WorkerExtension:
     def weightsync_status(self) -> dict[str, Any]:
         return self._ws_engine().status()
 
-    def weightsync_ready(self, version: int) -> dict[str, Any]:
+    def weightsync_ready(self, version: int | str) -> dict[str, Any]:
         """Returns at once: may ``update_weights(version)`` start without holding the engine
-        waiting? (staged: a whole version >= ``version`` is in the arena; direct: its landing
-        waits for the engine; either: the engine turned invalid, so update_weights will raise.)"""
+        waiting? Yes when a whole version >= ``version`` is in the arena (staged) or its landing
+        waits for the engine (direct), when the engine already committed one, or when the sync
+        of a version >= ``version`` failed (``update_weights`` will raise at once). An older
+        failure does not count: after a failed sync the engine waits for the next version
+        while it serves (``version`` may come as a string: vLLM's HTTP ``/collective_rpc``
+        passes only strings)."""
+        version = int(version)
         eng = self._ws_engine()
-        gate, st = eng.gate, eng._require_engine().status()
+        engine, gate = eng._require_engine(), eng.gate
         have, waiting = gate.arena_version, gate.waiting
         ready = (have is not None and have >= version) or (waiting is not None and waiting >= version)
-        return {"ready": ready or st.state == "invalid", "state": st.state, "cause": st.cause}
+        if not ready:
+            try:
+                engine.wait_for_version(version, timeout=0)
+                ready = True
+            except SyncFailedError:
+                ready = True
+            except TimeoutError:
+                pass
+        st = engine.status()
+        return {"ready": ready, "state": st.state, "cause": st.cause}
+
+    def weightsync_digests(self) -> dict[str, dict[str, str]]:
+        """SHA-256 of the bytes of every parameter vLLM holds and of every arena tensor
+        (``{"params": {name: hex}, "arena": {name: hex}}``): what vLLM's HTTP
+        ``/collective_rpc`` can return (JSON), for checks from another process. An empty
+        (kernel-packed) parameter digests to the empty string."""
+        import hashlib
+
+        def digest(t: torch.Tensor) -> str:
+            if t.numel() == 0:
+                return ""
+            return hashlib.sha256(t.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        return {"params": {n: digest(p) for n, p in model.named_parameters()},
+                "arena": {n: digest(t) for n, t in self._ws_engine().arena.items()}}
 
     def weightsync_params(self) -> dict[str, torch.Tensor]:
         """A copy of every parameter vLLM holds (empty ones stay empty)."""

@@ -3,6 +3,9 @@ tests/test_vllm.py): after each step's push and record it waits for the engine's
 ``OUT/vllm_r{r}_v{step}.done`` of every engine ``r`` before training on, as an on-policy RL loop waits for its rollouts.
 
     torchrun --nproc-per-node 2 train_lockstep.py --model DIR --controller HOST:PORT --steps 3 --out OUT
+
+``--first-step N`` starts at step N: a trainer restarted after a crash rejoins the job (same
+ranks) and pushes from there.
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--controller", required=True)
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=3, help="the last step")
+    ap.add_argument("--first-step", type=int, default=1,
+                    help="a restarted trainer's first step (it trains from the initial weights)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--wait-s", type=float, default=600)
     ap.add_argument("--engines", type=int, default=1)
@@ -48,7 +53,7 @@ def main() -> None:
             f.write(str(os.getpid()))
     trainer = weightsync.Trainer(controller=args.controller)
     trainer.register(model)
-    for step in range(1, args.steps + 1):
+    for step in range(args.first_step, args.steps + 1):
         batch = torch.randint(0, model.config.vocab_size, (2, 32), generator=g)
         model(input_ids=batch, labels=batch).loss.backward()
         optimizer.step()
