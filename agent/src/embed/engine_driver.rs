@@ -4,9 +4,9 @@
 //! `Prepare N` remembers the sync of N (its id and the instant `Prepare` arrived, the zero of
 //! the engine's own stages of N), calls `before_landing(N)` (the engine stops reading its
 //! weights) and only then arms the counters and answers `Prepared`, so no byte lands while the
-//! engine still reads; state `landing`. `Commit N` calls `after_commit(N)`, then the state is `committed`
-//! with version N. `Abort N` of a version that was landing leaves the state `invalid` with the
-//! controller's reason, until a later version commits. A hook that fails fails the sync (at
+//! engine still reads; state `landing`. `Commit N` calls `after_commit(N)`, then the state is
+//! `committed` with version N. `Abort N` of a version that was landing leaves the state
+//! `invalid` with the controller's reason, until a later version commits. A hook that fails fails the sync (at
 //! `Prepare`) naming the engine, or (at `Commit`, too late to fail it) leaves it invalid.
 
 use std::collections::BTreeMap;
