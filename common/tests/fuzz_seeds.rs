@@ -125,6 +125,36 @@ fn from_worker() -> Vec<FromWorker> {
         FromWorker::Heartbeat { seq: 9 },
         FromWorker::Drained { sync_id, version },
         FromWorker::Push { version },
+        FromWorker::EngineStages {
+            sync_id,
+            version,
+            events: vec![
+                TimelineEvent {
+                    task: WHOLE_SYNC,
+                    piece: 0,
+                    stage: Stage::Pause,
+                    start_ns: 1_000,
+                    end_ns: 9_000,
+                    bytes: 0,
+                },
+                TimelineEvent {
+                    task: WHOLE_SYNC,
+                    piece: 0,
+                    stage: Stage::Load,
+                    start_ns: 2_000,
+                    end_ns: 7_000,
+                    bytes: 1 << 20,
+                },
+                TimelineEvent {
+                    task: WHOLE_SYNC,
+                    piece: 0,
+                    stage: Stage::Resume,
+                    start_ns: 7_000,
+                    end_ns: 9_000,
+                    bytes: 0,
+                },
+            ],
+        },
     ];
     // Adding a variant must add a sample here (and a seed): this match stops compiling.
     for m in &msgs {
@@ -139,7 +169,8 @@ fn from_worker() -> Vec<FromWorker> {
             | FromWorker::Failed { .. }
             | FromWorker::Heartbeat { .. }
             | FromWorker::Drained { .. }
-            | FromWorker::Push { .. } => {}
+            | FromWorker::Push { .. }
+            | FromWorker::EngineStages { .. } => {}
         }
     }
     msgs

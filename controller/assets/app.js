@@ -6,7 +6,11 @@ const STAGE_COLORS = {
   source: "#a3a3a3", arm: "#94a3b8", gather_send: "#c084fc", gather_wait: "#e9d5ff",
   h2d: "#60a5fa", prepare: "#f59e0b", write: "#22c55e", barrier: "#ef4444",
   land: "#14b8a6", verify: "#8b5cf6",
+  // an engine's own stages, reported by the engine after the version landed
+  pause: "#f472b6", load: "#0ea5e9", resume: "#a3e635",
 };
+// Stages outside a lane's transfer window (its rate leaves them out).
+const NOT_TRANSFER = ["source", "verify", "arm", "pause", "load", "resume"];
 const SVG_NS = "http://www.w3.org/2000/svg";
 let selected = null;      // sync id chosen by the user (null: follow the newest)
 let lastList = [];
@@ -169,7 +173,7 @@ function drawTimeline(s) {
   lanes.forEach((l, i) => {
     const y = top + i * laneH;
     const g = el("g", { class: "lane" + (l.critical ? " critical" : ""), "data-worker": l.worker });
-    const xfer = l.spans.filter(p => !["source", "verify", "arm"].includes(p.stage));
+    const xfer = l.spans.filter(p => !NOT_TRANSFER.includes(p.stage));
     const busy = xfer.length && l.part_done_ns ? l.part_done_ns - Math.min(...xfer.map(p => p.start_ns)) : 0;
     const rate = busy > 0 && l.bytes ? fmtRate(l.bytes / busy) : "";
     g.appendChild(el("text", { x: 4, y: y + 16, class: "lane-label" + (l.critical ? " critical" : "") },

@@ -9,7 +9,9 @@
 use serde::Serialize;
 use std::collections::{BTreeMap, BTreeSet};
 
-use weightsync_common::protocol::{Failure, RunChecksum, Stage, WorkerId, WorkerReport};
+use weightsync_common::protocol::{
+    Failure, RunChecksum, Stage, TimelineEvent, WorkerId, WorkerReport,
+};
 
 /// Where a sync is in the version protocol.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -171,6 +173,21 @@ impl SyncRecord {
         lane.staged_bytes = lane.staged_bytes.max(report.staged_bytes);
         lane.direct_bytes = lane.direct_bytes.max(report.direct_bytes);
         lane.done_ns = Some(done_ns);
+    }
+
+    /// Adds an engine's own spans (pause, load, resume; checked by the coordinator) to its lane,
+    /// shifting them by `origin_ns`. They leave the lane's counts and done marks alone: they
+    /// are not part of the version protocol, and come after the worker's part ended.
+    pub fn add_engine_spans(&mut self, worker: WorkerId, origin_ns: u64, events: &[TimelineEvent]) {
+        let lane = self.lanes.entry(worker).or_default();
+        lane.spans.extend(events.iter().map(|e| Span {
+            stage: e.stage,
+            task: e.task,
+            start_ns: origin_ns.saturating_add(e.start_ns),
+            end_ns: origin_ns.saturating_add(e.end_ns.max(e.start_ns)),
+            bytes: e.bytes,
+        }));
+        lane.spans.sort_by_key(|s| (s.start_ns, s.end_ns));
     }
 
     /// Adds the report that ends a worker's part of the sync (`Written`, `Landed`), timed from
@@ -391,13 +408,16 @@ pub struct SyncView {
 }
 
 /// A lane's rate: its bytes over its transfer window (first transfer-side span to its
-/// written / landed report), leaving out source refresh, arming and verification.
+/// written / landed report), leaving out source refresh, arming, verification and the engine's
+/// own stages (a direct engine's pause may begin before the first write).
 pub fn lane_gbps(s: &SyncRecord, w: &WorkerId) -> Option<f64> {
     let l = s.lanes.get(w)?;
     let start = l
         .spans
         .iter()
-        .filter(|x| !matches!(x.stage, Stage::Source | Stage::Verify | Stage::Arm))
+        .filter(|x| {
+            !matches!(x.stage, Stage::Source | Stage::Verify | Stage::Arm) && !x.stage.is_engine()
+        })
         .map(|x| x.start_ns)
         .min()?;
     let end = l.part_done_ns.or(l.done_ns)?;

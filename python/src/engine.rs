@@ -2,9 +2,10 @@
 //! [`weightsync_agent::EngineHandle`]. The public `weightsync.Engine` (Python) walks models and
 //! wraps the hooks with its own checks.
 
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use weightsync_agent::embed::{
-    DstTensor, EngineHandle, EngineOptions, EngineState, EngineStatus, Hook,
+    DstTensor, EngineHandle, EngineOptions, EngineState, EngineStatus, Hook, Stage,
 };
 
 use crate::errors::embed_error;
@@ -141,8 +142,56 @@ impl EngineCore {
         .map(state)
     }
 
+    /// Nanoseconds on this engine's clock (monotonic; zero when it connected).
+    fn now_ns(&self) -> u64 {
+        self.inner.now_ns()
+    }
+
+    /// Reports this engine's own stages of `version`: `(stage, start_ns, end_ns)` with stage
+    /// `pause`, `load` or `resume` and times from `now_ns()`. ValueError names what is wrong.
+    fn report_stages(
+        &self,
+        py: Python<'_>,
+        version: u64,
+        spans: Vec<(String, i64, i64)>,
+    ) -> PyResult<()> {
+        let worker = self.inner.worker_id();
+        let spans = spans
+            .iter()
+            .enumerate()
+            .map(|(i, (name, start, end))| engine_span(worker, i, name, *start, *end))
+            .collect::<PyResult<Vec<_>>>()?;
+        self.inner
+            .report_stages(version, &spans)
+            .map_err(|e| embed_error(py, e))
+    }
+
     /// Leaves the job (idempotent).
     fn close(&self, py: Python<'_>) {
         py.detach(|| self.inner.close());
     }
+}
+
+/// `spans[i]` of `report_stages` as a stage and two times, or a ValueError naming what is wrong.
+fn engine_span(
+    worker: &str,
+    i: usize,
+    name: &str,
+    start: i64,
+    end: i64,
+) -> PyResult<(Stage, u64, u64)> {
+    let bad = |what: String| PyValueError::new_err(format!("{worker}: spans[{i}]: {what}"));
+    let stage = name
+        .parse::<Stage>()
+        .ok()
+        .filter(|s| s.is_engine())
+        .ok_or_else(|| {
+            bad(format!(
+                "stage {name:?} is not one an engine reports (\"pause\", \"load\" or \"resume\")"
+            ))
+        })?;
+    let time = |what: &str, t: i64| {
+        u64::try_from(t).map_err(|_| bad(format!("{what} {t} is negative (use now_ns())")))
+    };
+    Ok((stage, time("start_ns", start)?, time("end_ns", end)?))
 }

@@ -5,6 +5,7 @@
 //! The exception classes are plain Python (documented, picklable, subclassable); this module
 //! only imports and raises them.
 
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use weightsync_agent::embed::EmbedError;
@@ -100,6 +101,8 @@ pub(crate) fn embed_error(py: Python<'_>, e: EmbedError) -> PyErr {
         EmbedError::Closed { worker } => {
             raise(py, "ClosedError", message, &[("worker", s(py, worker))])
         }
+        // A caller's bad argument, as Python says it.
+        EmbedError::InvalidStageReport { .. } => PyValueError::new_err(message),
         #[allow(unreachable_patterns)]
         _ => raise(py, "SyncError", message, &[]),
     }

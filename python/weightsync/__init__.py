@@ -23,7 +23,7 @@ the GIL and Ctrl-C interrupts it. torch is never imported by this package.
 from __future__ import annotations
 
 from .client import Client, Failure, SyncResult
-from .engine import Engine, EngineState, TensorInfo
+from .engine import Engine, EngineStage, EngineState, TensorInfo
 from .errors import (
     ClientError,
     ClosedError,
@@ -46,6 +46,7 @@ __all__ = [
     "ShardInfo",
     "Engine",
     "EngineState",
+    "EngineStage",
     "TensorInfo",
     "Client",
     "SyncResult",

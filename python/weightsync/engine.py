@@ -6,12 +6,18 @@ process: ``before_landing(version)`` (stop reading the weights: they are about t
 nothing lands before it returns) and ``after_commit(version)`` (every write of the version was
 counted and verified). A failed sync leaves the engine ``invalid``, with its cause, until a later
 version commits.
+
+What only the engine knows (how long it held its requests, its own load, its resume) it reports
+with :meth:`Engine.report_stages`, stamped with :meth:`Engine.now_ns`: the controller draws them
+as ``pause``, ``load`` and ``resume`` on this engine's lane of the version's sync, on the
+dashboard and in the trace.
 """
 
 from __future__ import annotations
 
 import os
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -20,10 +26,11 @@ from ._hooks import Hook
 from ._tensors import TensorSource, current_ptr, named_tensors, shape_of, split_dtype
 from .errors import LayoutMismatchError, RegistrationError, StaleTensorError
 
-__all__ = ["Engine", "EngineState", "TensorInfo"]
+__all__ = ["Engine", "EngineState", "TensorInfo", "EngineStage"]
 
 State = Literal["idle", "landing", "committed", "invalid"]
 Format = Literal["hf", "fused"]
+EngineStage = Literal["pause", "load", "resume"]
 
 
 @dataclass(frozen=True)
@@ -235,6 +242,42 @@ class Engine:
         """
         v, state, cause = self._core.wait_for_version(version, timeout)
         return EngineState(v, state, cause)  # type: ignore[arg-type]
+
+    def now_ns(self) -> int:
+        """Nanoseconds on this engine's clock: monotonic, zero when the engine connected. Stamp
+        the spans of :meth:`report_stages` with it."""
+        return self._core.now_ns()
+
+    def report_stages(self, version: int, spans: Iterable[tuple[EngineStage, int, int]]) -> None:
+        """Reports this engine's own stages of ``version``, so the dashboard's timeline and the
+        trace show them on this engine's lane of the version's sync, beside its landing.
+
+        ``spans`` are ``(stage, start_ns, end_ns)`` with ``stage`` one of ``"pause"`` (the
+        engine served no requests), ``"load"`` (its own loading path: load_weights,
+        post-processing) and ``"resume"`` (finishing the update, resetting the prefix cache),
+        and times from :meth:`now_ns`. Call it once they are known, usually after
+        :meth:`wait_for_version` returned or in ``after_commit``; it does not wait for the
+        controller. weightsync moves the spans to the sync's time base (a pause that began before
+        this engine was told of the version is drawn from the sync's start). The controller
+        drops, and logs, a report for a version whose sync failed.
+
+        Raises:
+            ValueError: naming the span: a stage other than those three, a negative time, a span
+                that ends before it starts, in the future or before this engine was told to
+                prepare ``version``, a version this engine was never told to prepare (or too
+                many versions ago), or more than 64 spans.
+            ClosedError: the engine was closed.
+        """
+        items: list[tuple[str, int, int]] = []
+        for i, span in enumerate(spans):
+            try:
+                stage, start_ns, end_ns = span
+            except (TypeError, ValueError):
+                raise ValueError(
+                    f"{self.worker_id}: spans[{i}] is {span!r}, not (stage, start_ns, end_ns)"
+                ) from None
+            items.append((stage, start_ns, end_ns))
+        self._core.report_stages(version, items)
 
     def close(self) -> None:
         """Leaves the job (idempotent)."""

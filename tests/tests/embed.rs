@@ -4,20 +4,23 @@
 //! tensor equals the trainers' full parameter byte for byte; a plain bf16 -> bf16 job is written
 //! straight from the registered tensors (no staging); a failing engine makes the push fail
 //! naming it and leaves the other invalid until a later version commits; a layout mismatch
-//! names the tensor.
+//! names the tensor; an engine's own pause, load and resume show on its lane of the sync in the
+//! controller's views and trace, and a bad report of them changes nothing.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use serde_json::Value;
 use weightsync_agent::embed::{
     ApiClient, DstTensor, EmbedError, EngineHandle, EngineOptions, EngineStatus, HostMemory,
-    ShardInfo, SourceTensor, TrainerHandle, TrainerOptions,
+    ShardInfo, SourceTensor, Stage, TrainerHandle, TrainerOptions,
 };
 use weightsync_common::protocol::WorldSpec;
 use weightsync_common::DType;
 use weightsync_controller::{AppState, ControllerConfig, SchedulesPlanner};
 use weightsync_tests::controller_harness::{ServedController, API_TOKEN, JOB_TOKEN};
+use weightsync_tests::http_raw;
 
 /// A small dense Qwen3: row counts that 3 FSDP ranks split unevenly (256 = 86 + 86 + 84).
 const CONFIG: &str = r#"{"model_type":"qwen3","hidden_size":256,"intermediate_size":512,
@@ -572,4 +575,237 @@ fn tensors_that_differ_from_the_layout_are_refused_by_name() {
     assert!(err.to_string().contains("rollout-0") && err.to_string().contains("f32"));
     // Neither joined the job.
     assert!(ctl.state.read(|c| c.missing_workers().len()) == 4);
+}
+
+/// `GET path` from the controller's HTTP API, as JSON.
+fn get_json(ctl: &ServedController, path: &str) -> Value {
+    let r = http_raw::send(ctl.http, "GET", path, None, b"").unwrap();
+    assert_eq!(r.status, 200, "GET {path}: {}", r.text());
+    r.json().unwrap()
+}
+
+/// The id of the (last) sync of `version`, from the history.
+fn sync_id_of(ctl: &ServedController, version: u64) -> u64 {
+    let list = get_json(ctl, "/v1/syncs");
+    list["syncs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["version"] == version)
+        .and_then(|s| s["id"].as_u64())
+        .unwrap_or_else(|| panic!("no sync of version {version}: {list}"))
+}
+
+/// `(stage, start_ns, end_ns)` of every span on `worker`'s lane of a sync view, in lane order.
+fn lane_spans(view: &Value, worker: &str) -> Vec<(String, u64, u64)> {
+    let lane = view["lanes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|l| l["worker"] == worker)
+        .unwrap_or_else(|| panic!("no lane of {worker}: {view}"));
+    lane["spans"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| {
+            (
+                x["stage"].as_str().unwrap().to_string(),
+                x["start_ns"].as_u64().unwrap(),
+                x["end_ns"].as_u64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+const ENGINE_STAGES: [&str; 3] = ["pause", "load", "resume"];
+
+/// The engine stages on `worker`'s lane of a sync view.
+fn engine_spans(view: &Value, worker: &str) -> Vec<(String, u64, u64)> {
+    lane_spans(view, worker)
+        .into_iter()
+        .filter(|(s, _, _)| ENGINE_STAGES.contains(&s.as_str()))
+        .collect()
+}
+
+/// Polls sync `id`'s view until `worker`'s lane holds `n` engine spans (the report travels on
+/// its own, unanswered); the view then.
+fn view_with_engine_spans(ctl: &ServedController, id: u64, worker: &str, n: usize) -> Value {
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        let view = get_json(ctl, &format!("/v1/syncs/{id}"));
+        let have = engine_spans(&view, worker).len();
+        assert!(
+            have <= n,
+            "{worker} has {have} engine spans, expected {n}: {view}"
+        );
+        if have == n {
+            return view;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{worker}'s engine spans never reached sync {id}: {view}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// An engine's part after a commit, as a staged engine does it: held, loads, resumes; the
+/// spans on its own clock, `(pause, load, resume)`.
+fn pause_load_resume(e: &EngineHandle) -> [(Stage, u64, u64); 3] {
+    let paused = e.now_ns();
+    std::thread::sleep(Duration::from_millis(2));
+    let load = e.now_ns();
+    std::thread::sleep(Duration::from_millis(20));
+    let loaded = e.now_ns();
+    std::thread::sleep(Duration::from_millis(5));
+    let resumed = e.now_ns();
+    [
+        (Stage::Pause, paused, resumed),
+        (Stage::Load, load, loaded),
+        (Stage::Resume, loaded, resumed),
+    ]
+}
+
+#[test]
+fn an_engines_pause_load_and_resume_show_on_its_lane_of_the_sync_and_in_the_trace() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_rt, ctl) = controller(&dir, "fsdp=2");
+    let control = ctl.control.to_string();
+    let engines: Vec<Engine> = (0..2).map(|r| Engine::join(&control, r, None)).collect();
+    let trainers: Vec<Trainer> = (0..2).map(|r| Trainer::join(&control, r)).collect();
+    let e0 = &engines[0].handle;
+    for r in push_all(&trainers, 1) {
+        r.unwrap();
+    }
+    e0.wait_for_version(1, WAIT).unwrap();
+    let spans = pause_load_resume(e0);
+    e0.report_stages(1, &spans).unwrap();
+    let id = sync_id_of(&ctl, 1);
+    let view = view_with_engine_spans(&ctl, id, "rollout-0", 3);
+    assert_eq!(view["state"], "committed");
+
+    // On rollout-0's lane, after its landing, in start order; rollout-1 reported none.
+    let lane = lane_spans(&view, "rollout-0");
+    let land_end = lane
+        .iter()
+        .filter(|(s, _, _)| s == "land")
+        .map(|&(_, _, e)| e)
+        .max()
+        .expect("a land span");
+    let mine = engine_spans(&view, "rollout-0");
+    let names: Vec<&str> = mine.iter().map(|(s, _, _)| s.as_str()).collect();
+    assert_eq!(names, ENGINE_STAGES, "{view}");
+    let (pause, load, resume) = (&mine[0], &mine[1], &mine[2]);
+    assert!(pause.1 >= land_end, "paused after it landed: {lane:?}");
+    assert!(
+        pause.1 < load.1 && load.2 <= resume.1 && resume.2 == pause.2,
+        "{mine:?}"
+    );
+    // The spans keep their lengths on the sync's axis.
+    let len = |s: &(String, u64, u64)| s.2 - s.1;
+    assert_eq!(len(load), spans[1].2 - spans[1].1);
+    assert!(len(load) >= 20_000_000, "{mine:?}");
+    assert!(engine_spans(&view, "rollout-1").is_empty(), "{view}");
+
+    // The trace shows the same spans on rollout-0's thread (microseconds).
+    let trace = get_json(&ctl, &format!("/v1/syncs/{id}/trace"));
+    let events = trace["traceEvents"].as_array().unwrap();
+    let tid = events
+        .iter()
+        .find(|e| {
+            e["name"] == "thread_name"
+                && e["args"]["name"]
+                    .as_str()
+                    .is_some_and(|n| n.starts_with("rollout-0"))
+        })
+        .map(|e| e["tid"].clone())
+        .unwrap();
+    let traced: Vec<(String, u64)> = events
+        .iter()
+        .filter(|e| e["ph"] == "X" && e["tid"] == tid)
+        .filter(|e| ENGINE_STAGES.contains(&e["name"].as_str().unwrap()))
+        .map(|e| {
+            let ts = e["ts"].as_f64().unwrap();
+            (
+                e["name"].as_str().unwrap().to_string(),
+                (ts * 1e3).round() as u64,
+            )
+        })
+        .collect();
+    let want: Vec<(String, u64)> = mine.iter().map(|(s, a, _)| (s.clone(), *a)).collect();
+    assert_eq!(traced, want);
+
+    // The next version's stages go to the next sync; the first keeps its own.
+    for r in push_all(&trainers, 2) {
+        r.unwrap();
+    }
+    e0.wait_for_version(2, WAIT).unwrap();
+    e0.report_stages(2, &pause_load_resume(e0)).unwrap();
+    let id2 = sync_id_of(&ctl, 2);
+    assert_ne!(id2, id);
+    view_with_engine_spans(&ctl, id2, "rollout-0", 3);
+    let first = get_json(&ctl, &format!("/v1/syncs/{id}"));
+    assert_eq!(engine_spans(&first, "rollout-0"), mine);
+    engines[1].check(2);
+}
+
+#[test]
+fn a_bad_stage_report_changes_nothing_and_the_engine_keeps_syncing() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_rt, ctl) = controller(&dir, "fsdp=2");
+    let control = ctl.control.to_string();
+    let refuse = Arc::new(AtomicBool::new(false));
+    let e0 = Engine::join(&control, 0, None);
+    let _e1 = Engine::join(&control, 1, Some(refuse.clone()));
+    let trainers: Vec<Trainer> = (0..2).map(|r| Trainer::join(&control, r)).collect();
+    for r in push_all(&trainers, 1) {
+        r.unwrap();
+    }
+    let h = &e0.handle;
+    h.wait_for_version(1, WAIT).unwrap();
+    let id1 = sync_id_of(&ctl, 1);
+    let before = get_json(&ctl, &format!("/v1/syncs/{id1}"));
+
+    // Refused before anything is sent, naming what was wrong.
+    let now = h.now_ns();
+    let refusal = |r: Result<(), EmbedError>| match r {
+        Err(e @ EmbedError::InvalidStageReport { .. }) => e.to_string(),
+        other => panic!("expected a refused report, got {other:?}"),
+    };
+    let never = refusal(h.report_stages(9, &[(Stage::Pause, now - 10, now)]));
+    assert!(never.contains("never told to prepare version 9"), "{never}");
+    let backwards = refusal(h.report_stages(1, &[(Stage::Load, now, now - 10)]));
+    assert!(backwards.contains("ends before it starts"), "{backwards}");
+    let not_mine = refusal(h.report_stages(1, &[(Stage::Land, now - 10, now)]));
+    assert!(
+        not_mine.contains("land is not a stage an engine reports"),
+        "{not_mine}"
+    );
+
+    // Version 2 fails (rollout-1 refuses it): rollout-0 prepared it, so its report is sent,
+    // and the controller refuses it.
+    refuse.store(true, Ordering::SeqCst);
+    for r in push_all(&trainers, 2) {
+        assert_eq!(failing_worker(&r), "rollout-1");
+    }
+    assert!(h.wait_for_version(2, WAIT).is_err());
+    let id2 = sync_id_of(&ctl, 2);
+    h.report_stages(2, &pause_load_resume(h)).unwrap();
+
+    // The engine keeps syncing, and its next report lands; the same connection carried the
+    // refused one first, so by now the controller has dealt with it.
+    refuse.store(false, Ordering::SeqCst);
+    for r in push_all(&trainers, 3) {
+        r.unwrap();
+    }
+    h.wait_for_version(3, WAIT).unwrap();
+    e0.check(3);
+    h.report_stages(3, &pause_load_resume(h)).unwrap();
+    let id3 = sync_id_of(&ctl, 3);
+    view_with_engine_spans(&ctl, id3, "rollout-0", 3);
+    let failed = get_json(&ctl, &format!("/v1/syncs/{id2}"));
+    assert_eq!(failed["state"], "failed");
+    assert!(engine_spans(&failed, "rollout-0").is_empty(), "{failed}");
+    assert_eq!(get_json(&ctl, &format!("/v1/syncs/{id1}")), before);
 }

@@ -6,13 +6,14 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 use tokio::runtime::Runtime;
 use weightsync_common::fabric::Fabric;
-use weightsync_common::protocol::{WorkerId, WorldSpec};
+use weightsync_common::protocol::{FromWorker, Stage, WorkerId, WorldSpec};
 use weightsync_schedules::job;
 use weightsync_schedules::table::RolloutPlan;
 use weightsync_worker::RolloutWorker;
 
 pub use super::engine_driver::Hook;
 use super::engine_driver::{EngineDriver, EngineShared};
+use super::engine_stages::sync_events;
 use super::regions::place;
 use super::session::{run_session, start, Reach, Session};
 use super::{DstTensor, DstTensorInfo, EmbedError, EngineState, EngineStatus};
@@ -54,6 +55,8 @@ pub struct EngineHandle {
     shared: Arc<EngineShared>,
     rt: Mutex<Option<Runtime>>,
     session: Mutex<Option<Session>>,
+    /// The zero of [`EngineHandle::now_ns`].
+    clock: Instant,
 }
 
 impl std::fmt::Debug for EngineHandle {
@@ -68,6 +71,7 @@ impl EngineHandle {
     /// Learns the job from the controller, lays out this rank's tensors from the inference
     /// layout, and starts the fabric.
     pub fn connect(opts: EngineOptions) -> Result<EngineHandle, EmbedError> {
+        let clock = Instant::now();
         let reach = Reach::new(
             &opts.controller,
             opts.job_token.as_deref(),
@@ -88,6 +92,7 @@ impl EngineHandle {
             shared: Arc::default(),
             rt: Mutex::new(Some(st.rt)),
             session: Mutex::new(None),
+            clock,
         })
     }
 
@@ -214,6 +219,75 @@ impl EngineHandle {
         }
     }
 
+    /// Nanoseconds on this engine's clock: monotonic, zero when the handle connected. Stamp the
+    /// spans of [`EngineHandle::report_stages`] with it.
+    pub fn now_ns(&self) -> u64 {
+        ns_between(self.clock, Instant::now())
+    }
+
+    /// Reports this engine's own stages of `version` ([`Stage::Pause`], [`Stage::Load`],
+    /// [`Stage::Resume`]) as `(stage, start_ns, end_ns)` on the [`now_ns`](Self::now_ns)
+    /// clock: the controller adds them to this engine's lane of the version's sync, so the
+    /// dashboard's timeline and the trace show them beside the landing. Call it once the spans
+    /// are known (usually after the version committed); it does not wait for the controller.
+    ///
+    /// The spans are moved to the sync's time base here (ns since this engine received the
+    /// sync's `Prepare`; one that began earlier starts there). Refused at once, sending
+    /// nothing ([`EmbedError::InvalidStageReport`], naming the span): a version this engine
+    /// was never told to prepare (or that many versions ago), a stage other than those three, a
+    /// span that ends before it starts, after now, or before the sync's `Prepare` arrived, more
+    /// than [`weightsync_common::protocol::MAX_ENGINE_STAGE_EVENTS`] spans. The controller
+    /// refuses (and logs) a report for a version whose sync failed. With no spans it does
+    /// nothing.
+    pub fn report_stages(
+        &self,
+        version: u64,
+        spans: &[(Stage, u64, u64)],
+    ) -> Result<(), EmbedError> {
+        let name = &self.reach.name;
+        let now_ns = self.now_ns();
+        let sync = self.shared.syncs.lock().get(&version).copied();
+        let Some(sync) = sync else {
+            let known: Vec<u64> = self.shared.syncs.lock().keys().copied().collect();
+            return Err(EmbedError::InvalidStageReport {
+                worker: name.clone(),
+                version,
+                reason: format!(
+                    "this engine was never told to prepare version {version} (recent versions: \
+                     {known:?})"
+                ),
+            });
+        };
+        let events = sync_events(
+            name,
+            version,
+            ns_between(self.clock, sync.reference),
+            now_ns,
+            spans,
+        )?;
+        if events.is_empty() {
+            return Ok(());
+        }
+        let session = self.session.lock();
+        let s = session.as_ref().ok_or_else(|| EmbedError::Closed {
+            worker: name.clone(),
+        })?;
+        s.outbox
+            .try_send(FromWorker::EngineStages {
+                sync_id: sync.sync_id,
+                version,
+                events,
+            })
+            .map_err(|e| match e {
+                tokio::sync::mpsc::error::TrySendError::Full(_) => EmbedError::Timeout {
+                    what: format!("room in {name}'s queue of messages to the controller"),
+                },
+                tokio::sync::mpsc::error::TrySendError::Closed(_) => EmbedError::Closed {
+                    worker: name.clone(),
+                },
+            })
+    }
+
     /// Leaves the job: the session and the fabric stop (idempotent; also on drop); the
     /// controller sees this engine leave (a running sync fails naming it).
     pub fn close(&self) {
@@ -224,6 +298,11 @@ impl EngineHandle {
             rt.shutdown_timeout(Duration::from_millis(500));
         }
     }
+}
+
+/// Nanoseconds from `from` to `to` (zero when `to` is earlier).
+fn ns_between(from: Instant, to: Instant) -> u64 {
+    u64::try_from(to.saturating_duration_since(from).as_nanos()).unwrap_or(u64::MAX)
 }
 
 impl Drop for EngineHandle {

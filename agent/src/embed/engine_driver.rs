@@ -1,13 +1,15 @@
 //! The engine's driver: the rollout driver over the engine's own tensors, with the engine's
 //! hooks and its visible state.
 //!
-//! `Prepare N` calls `before_landing(N)` first (the engine stops reading its weights) and only
-//! then arms the counters and answers `Prepared`, so no byte lands while the engine still
-//! reads; state `landing`. `Commit N` calls `after_commit(N)`, then the state is `committed`
-//! with version N. `Abort N` of a version that was landing leaves the state `invalid` with the
-//! controller's reason, until a later version commits. A hook that fails fails the sync (at
+//! `Prepare N` remembers the sync of N (its id and the instant `Prepare` arrived, the zero of
+//! the engine's own stages of N), calls `before_landing(N)` (the engine stops reading its
+//! weights) and only then arms the counters and answers `Prepared`, so no byte lands while the
+//! engine still reads; state `landing`. `Commit N` calls `after_commit(N)`, then the state is
+//! `committed` with version N. `Abort N` of a version that was landing leaves the state
+//! `invalid` with the controller's reason, until a later version commits. A hook that fails fails the sync (at
 //! `Prepare`) naming the engine, or (at `Commit`, too late to fail it) leaves it invalid.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use parking_lot::{Condvar, Mutex};
@@ -20,12 +22,19 @@ use crate::rollout::RolloutDriver;
 /// A hook called with the version: an error fails (or invalidates) it.
 pub type Hook = Box<dyn Fn(u64) -> Result<(), String> + Send + Sync>;
 
+/// Versions whose sync this engine remembers (for its own stages, reported later).
+const REMEMBERED_SYNCS: usize = 64;
+
 /// The engine's state and hooks, shared by its handle and its driver.
 #[derive(Default)]
 pub(crate) struct EngineShared {
     pub state: Mutex<Watched>,
     pub changed: Condvar,
     pub hooks: Mutex<Hooks>,
+    /// The last sync of each recent version this engine was told to prepare (its id and the
+    /// instant `Prepare` arrived, the zero of its spans), for the engine's own stages
+    /// ([`super::EngineHandle::report_stages`]).
+    pub syncs: Mutex<BTreeMap<u64, SyncRef>>,
 }
 
 /// The visible state, and the version it is invalid for.
@@ -61,6 +70,15 @@ impl EngineShared {
     fn update(&self, f: impl FnOnce(&mut Watched)) {
         f(&mut self.state.lock());
         self.changed.notify_all();
+    }
+
+    /// Remembers `sync` as the sync of its version (a retried version: the latest attempt).
+    fn remember(&self, sync: SyncRef) {
+        let mut syncs = self.syncs.lock();
+        syncs.insert(sync.version, sync);
+        while syncs.len() > REMEMBERED_SYNCS {
+            syncs.pop_first();
+        }
     }
 
     fn invalidate(&self, version: u64, cause: String) {
@@ -105,6 +123,8 @@ impl SyncDriver for EngineDriver {
 
     async fn prepare(&mut self, sync: SyncRef) -> Result<WorkerReport, DriverError> {
         let v = sync.version;
+        // Before the hook: an engine may time its pause from inside it.
+        self.shared.remember(sync);
         let hook = self.shared.hooks.lock().before_landing.clone();
         self.hooked = Some(v);
         if let Err(e) = call(hook, v).await {

@@ -30,6 +30,10 @@
 //! let e = EngineHandle::connect(EngineOptions::new("127.0.0.1:7070", rank))?;
 //! e.set_hooks(Some(pause), Some(resume));
 //! e.register(engine_tensors_matching(e.layout()))?;   // once
+//! // per version, once its spans are known: what the dashboard and the trace show beside the
+//! // landing (times from e.now_ns())
+//! let spans = [(Stage::Pause, t0, t3), (Stage::Load, t1, t2), (Stage::Resume, t2, t3)];
+//! e.report_stages(version, &spans)?;
 //! ```
 //!
 //! # Layout
@@ -37,12 +41,15 @@
 //! - `session`: the runtime, learning the job, starting the agent, and the ends of syncs.
 //! - `trainer`: [`TrainerHandle`], [`PushHandle`].
 //! - `engine`: [`EngineHandle`] and its driver (hooks, state).
+//! - `engine_stages`: an engine's own stages (pause, load, resume), checked and put on the time
+//!   base of their sync before they go to the controller.
 //! - `client`: [`ApiClient`], the HTTP trigger as a blocking call.
 //! - `regions`: an engine's tensors checked against its planned layout and merged into regions.
 
 mod client;
 mod engine;
 mod engine_driver;
+mod engine_stages;
 mod regions;
 mod session;
 mod trainer;
@@ -53,6 +60,7 @@ pub use crate::api_client::{ClientError, SyncFailure, SyncResult};
 pub use client::ApiClient;
 pub use engine::{EngineHandle, EngineOptions, Hook};
 pub use trainer::{PushHandle, TrainerHandle, TrainerOptions};
+pub use weightsync_common::protocol::Stage;
 pub use weightsync_common::DType;
 pub use weightsync_worker::{HostMemory, SourceTensor};
 
@@ -203,6 +211,18 @@ pub enum EmbedError {
     Closed {
         /// This worker.
         worker: String,
+    },
+    /// An engine's report of its own stages was refused before it was sent: a stage it does
+    /// not report, a span ending before it starts or in the future, a version it never
+    /// prepared.
+    #[error("{worker}: stages of version {version} refused: {reason}")]
+    InvalidStageReport {
+        /// This worker.
+        worker: String,
+        /// The version the report named.
+        version: u64,
+        /// What was wrong, naming the span.
+        reason: String,
     },
 }
 

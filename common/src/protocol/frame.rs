@@ -31,7 +31,9 @@ pub const MAGIC: [u8; 4] = *b"WSYC";
 /// 5: in-process workers: the controller tells a worker the job (`Job`) after its proof; trainers
 /// `Push` a version; rollouts whose regions are an engine's own tensors send a placement (also
 /// forwarded in `PeerInfo`); `Abort` carries the structured failure.
-pub const PROTOCOL_VERSION: u16 = 5;
+/// 6: engines report their own stages (`EngineStages`: pause, load, resume) after a version
+/// landed; `Stage` gains `Pause`, `Load` and `Resume`.
+pub const PROTOCOL_VERSION: u16 = 6;
 /// Bytes in a frame header.
 pub const FRAME_HEADER_LEN: usize = 12;
 /// Default maximum body size: 256 MiB (a trainer's plan slice for a 1T-parameter model fits).

@@ -252,6 +252,15 @@ pub enum Stage {
     GatherSend,
     /// Trainer: waiting for rows of a straddling fp8 block from other trainers.
     GatherWait,
+    /// Engine: held (serving no requests) for a version. Reported by the engine itself with
+    /// [`FromWorker::EngineStages`].
+    Pause,
+    /// Engine: loading the version through its own loading path (post-processing, repacking).
+    /// Reported by the engine itself.
+    Load,
+    /// Engine: resuming after a version (finishing the update, resetting the prefix cache).
+    /// Reported by the engine itself.
+    Resume,
 }
 
 impl Stage {
@@ -268,7 +277,46 @@ impl Stage {
             Stage::Source => "source",
             Stage::GatherSend => "gather_send",
             Stage::GatherWait => "gather_wait",
+            Stage::Pause => "pause",
+            Stage::Load => "load",
+            Stage::Resume => "resume",
         }
+    }
+
+    /// Every stage, in the order a sync meets them.
+    pub const ALL: [Stage; 13] = [
+        Stage::Source,
+        Stage::Arm,
+        Stage::H2d,
+        Stage::Prepare,
+        Stage::GatherSend,
+        Stage::GatherWait,
+        Stage::Write,
+        Stage::Barrier,
+        Stage::Land,
+        Stage::Verify,
+        Stage::Pause,
+        Stage::Load,
+        Stage::Resume,
+    ];
+
+    /// Whether an engine reports this stage itself ([`FromWorker::EngineStages`]) rather than
+    /// the worker library recording it.
+    pub const fn is_engine(self) -> bool {
+        matches!(self, Stage::Pause | Stage::Load | Stage::Resume)
+    }
+}
+
+impl std::str::FromStr for Stage {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Stage::ALL
+            .into_iter()
+            .find(|st| st.name() == s)
+            .ok_or_else(|| {
+                let names: Vec<&str> = Stage::ALL.iter().map(|st| st.name()).collect();
+                format!("unknown stage {s:?} (expected one of {})", names.join(", "))
+            })
     }
 }
 
@@ -306,8 +354,14 @@ impl TimelineEvent {
     }
 }
 
-/// Task index of whole-sync events (the barrier, arming, verification, a source refresh).
+/// Task index of whole-sync events (the barrier, arming, verification, a source refresh, an
+/// engine's pause, load and resume).
 pub const WHOLE_SYNC: u32 = u32::MAX;
+
+/// Most spans one [`FromWorker::EngineStages`] may carry, and most engine spans one worker's
+/// lane of one sync may hold: an engine reports a handful per version, so more is a bug the
+/// controller refuses rather than stores.
+pub const MAX_ENGINE_STAGE_EVENTS: usize = 64;
 
 /// The xxh3 of one write run: the bytes of one posted write, `[offset, offset + len)` of a
 /// rollout's memory region. A trainer hashes what it prepared, a rollout what landed; both
@@ -552,4 +606,67 @@ pub enum FromWorker {
         /// Version.
         version: u64,
     },
+    /// An engine's own stages of a sync it took part in ([`Stage::Pause`], [`Stage::Load`],
+    /// [`Stage::Resume`]), measured by the engine around the version's landing and commit, so
+    /// sent after `Landed` (usually after `Commit`). Times are relative to the instant this
+    /// worker received the sync's `Prepare`, like every other span. Not answered: the controller
+    /// adds them to this worker's lane of the sync, or refuses them with a logged reason (a sync
+    /// it does not know or that failed, a worker that is not one of its engines, a stage an
+    /// engine does not report, a span that ends before it starts, more than
+    /// [`MAX_ENGINE_STAGE_EVENTS`]).
+    EngineStages {
+        /// Sync id.
+        sync_id: u64,
+        /// Version.
+        version: u64,
+        /// The spans (task [`WHOLE_SYNC`]).
+        events: Vec<TimelineEvent>,
+    },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Stage;
+
+    #[test]
+    fn every_stage_is_listed_once_and_parses_back_from_its_name() {
+        // Adding a variant must list it in `Stage::ALL`: this match stops compiling until the
+        // count below is updated too.
+        let listed = |s: Stage| match s {
+            Stage::H2d
+            | Stage::Prepare
+            | Stage::Write
+            | Stage::Barrier
+            | Stage::Arm
+            | Stage::Land
+            | Stage::Verify
+            | Stage::Source
+            | Stage::GatherSend
+            | Stage::GatherWait
+            | Stage::Pause
+            | Stage::Load
+            | Stage::Resume => Stage::ALL.contains(&s),
+        };
+        assert_eq!(Stage::ALL.len(), 13);
+        for s in Stage::ALL {
+            assert!(listed(s));
+            assert_eq!(s.name().parse::<Stage>(), Ok(s));
+            // JSON (the views, the dashboard) says the same name as traces.
+            assert_eq!(
+                serde_json::to_string(&s).unwrap(),
+                format!("\"{}\"", s.name())
+            );
+        }
+        let mut names: Vec<&str> = Stage::ALL.iter().map(|s| s.name()).collect();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), Stage::ALL.len(), "two stages share a name");
+        let engine: Vec<Stage> = Stage::ALL.into_iter().filter(|s| s.is_engine()).collect();
+        assert_eq!(engine, [Stage::Pause, Stage::Load, Stage::Resume]);
+        let err = "pauses".parse::<Stage>().unwrap_err();
+        assert!(
+            err.contains("\"pauses\"") && err.contains("resume"),
+            "{err}"
+        );
+    }
 }

@@ -1,6 +1,7 @@
 //! One handler per message a registered worker sends. A message about a sync other than the
 //! running one (a late answer, a sync still queued behind a drain that nobody was told of) is
-//! ignored; so is an answer the sync is not waiting for.
+//! ignored; so is an answer the sync is not waiting for. (An engine's own stages may name an
+//! ended sync: see `engine_stages`.)
 
 use weightsync_common::protocol::{
     Failure, FromWorker, ToWorker, WorkerId, WorkerReport, WorkerRole,
@@ -60,6 +61,11 @@ impl Coordinator {
                 sync_id, failure, ..
             } => self.on_failed(id, sync_id, failure, now),
             FromWorker::Push { version } => self.on_push(id, version, now),
+            FromWorker::EngineStages {
+                sync_id,
+                version,
+                events,
+            } => self.on_engine_stages(id, sync_id, version, &events, now),
         }
     }
 

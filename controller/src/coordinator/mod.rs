@@ -45,6 +45,8 @@
 //! - [`membership`]: registration, disconnection, who is missing.
 //! - [`plan_round`]: asking for a plan, its result, `Ready` and `Peers`.
 //! - [`messages`]: one handler per worker message.
+//! - [`engine_stages`]: an engine's own stages (pause, load, resume), checked and added to its
+//!   lane of a sync, also after the sync ended.
 //! - [`version`]: triggers, commit and failure of a sync.
 //! - `push`: versions pushed by in-process trainers (`Push N`), started once every trainer did.
 //! - [`drain`]: the drain gate between a failed sync and the next.
@@ -53,6 +55,7 @@
 //! - [`views`]: what the HTTP API reads (workers, history, the membership log).
 
 mod drain;
+mod engine_stages;
 mod membership;
 mod messages;
 mod plan_round;
@@ -64,6 +67,9 @@ mod views;
 #[cfg(test)]
 mod tests;
 
+#[cfg(test)]
+mod engine_stages_tests;
+
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -71,6 +77,7 @@ use weightsync_common::protocol::{Registration, ToWorker, WorkerId, WorkerRole, 
 
 use crate::sync_record::SyncRecord;
 
+pub use engine_stages::EngineStagesRefused;
 pub use membership::Refused;
 pub use plan_round::{PlanRecord, PlanRequest};
 pub use version::{TriggerError, Triggered};

@@ -33,7 +33,7 @@ fn config(trainers: u32, grace_ms: u64) -> CoordinatorConfig {
 }
 
 /// Trainer-0 on connection 1 and rollout-0 on connection 2, with a plan in force.
-fn coordinator(grace_ms: u64) -> Coordinator {
+pub(super) fn coordinator(grace_ms: u64) -> Coordinator {
     let mut c = Coordinator::new(config(1, grace_ms));
     let now = Now::wall();
     let mut fx = Effects::default();
@@ -85,12 +85,12 @@ fn failed(c: &mut Coordinator, conn: u64, id: u64, cause: &str, now: Now) -> Eff
     )
 }
 
-fn failed_by_trainer(c: &mut Coordinator, id: u64, now: Now) {
+pub(super) fn failed_by_trainer(c: &mut Coordinator, id: u64, now: Now) {
     failed(c, 1, id, "write to rollout-0 failed: disconnected", now);
 }
 
 /// Triggers `version`, which must create a new sync; its id.
-fn created(c: &mut Coordinator, version: u64, t: Now) -> u64 {
+pub(super) fn created(c: &mut Coordinator, version: u64, t: Now) -> u64 {
     let (Triggered::Created(id), _) = c.trigger(version, t).unwrap() else {
         panic!("not created")
     };
@@ -114,7 +114,7 @@ fn registration(id: WorkerId) -> Registration {
 }
 
 /// Triggers `version` and answers `Prepared` from both workers: trainers got `Start`.
-fn running(c: &mut Coordinator, version: u64, t: Now) -> u64 {
+pub(super) fn running(c: &mut Coordinator, version: u64, t: Now) -> u64 {
     let id = created(c, version, t);
     let mut starts = 0;
     for conn in [1, 2] {

@@ -1,6 +1,7 @@
 //! A sync's timeline as a Chrome trace (the JSON Perfetto and chrome://tracing open): one thread
 //! per worker, one complete event (`ph: "X"`) per span, times in microseconds since the sync was
-//! triggered.
+//! triggered. An engine's own stages (pause, load, resume) are spans on its thread like the
+//! others; they may lie after the sync's end mark (a staged engine loads once it committed).
 
 use serde_json::{json, Value};
 
