@@ -58,7 +58,7 @@ def vllm_env(tmp: Path) -> dict[str, str]:
 
 
 def run(tmp_path: Path, procs: Procs, mode: str, steps: int = 3,
-        kill_trainer_at: int | None = None, dp: int = 1, sleep_after: int | None = None) -> tuple[Path, list[int]]:
+        kill_trainer_at: int | None = None, dp: int = 1, sleep_after: int | None = None) -> tuple[Path, list[int], Controller]:
     folder = tmp_path / "model"
     tiny.write_config(str(folder), "dense")
     tiny.build(str(folder), seed=100).save_pretrained(str(folder))  # vLLM's version 0
@@ -87,7 +87,7 @@ def run(tmp_path: Path, procs: Procs, mode: str, steps: int = 3,
         tr = start_trainer(procs, folder, c, out, steps, dp, first_step=kill_trainer_at + 1)
     for p in (*engines, tr):
         wait(procs, p, deadline)
-    return out, versions
+    return out, versions, c
 
 
 def start_trainer(procs: Procs, folder: Path, c: Controller, out: Path, steps: int, engines: int,
@@ -186,7 +186,7 @@ def test_vllm_direct_with_sleep_and_wake(tmp_path: Path, procs: Procs) -> None:
     # (as a GPU wake-up may move them), it registers them again and the controller re-plans.
     # Versions 2 and 3 land in the new memory; the memory registered before the sleep is never
     # written again.
-    out, versions = run(tmp_path, procs, "direct", sleep_after=1)
+    out, versions, _ = run(tmp_path, procs, "direct", sleep_after=1)
     FIGURES["vllm direct (fsdp=2 -> vLLM fused params), sleep and wake after v1"] = check(
         tmp_path, out, versions, "direct")
     slept = torch.load(out / "vllm_r0_slept.pt")
@@ -201,7 +201,7 @@ def test_vllm_direct_with_sleep_and_wake(tmp_path: Path, procs: Procs) -> None:
 def test_vllm_staged_trainer_killed_mid_sync(tmp_path: Path, procs: Procs) -> None:
     # Trainer rank 1 is killed as version 2 starts landing (rank 0's writes land, its never do);
     # a restarted trainer pushes version 3, which commits.
-    out, _ = run(tmp_path, procs, "staged", steps=3, kill_trainer_at=2)
+    out, _, _ = run(tmp_path, procs, "staged", steps=3, kill_trainer_at=2)
     failed = torch.load(out / "vllm_r0_failed_v2.pt")
     # update() raised SyncFailedError: the engine was told to stop reading for version 2 (its
     # before_landing ran), so the abort of 2 reaches it even though 2 never started landing.
@@ -228,10 +228,29 @@ def test_vllm_staged_trainer_killed_mid_sync(tmp_path: Path, procs: Procs) -> No
 def test_vllm_staged_two_engines(tmp_path: Path, procs: Procs) -> None:
     # Staged landing, unpatched vLLM; dp=2: two vLLM engine processes synced at once from the
     # same trainer, each checked as above.
-    out, versions = run(tmp_path, procs, "staged", dp=2)
+    out, versions, c = run(tmp_path, procs, "staged", dp=2)
     for r in (0, 1):
         FIGURES[f"vllm staged (fsdp=2 -> vLLM hf arena) dp=2, engine {r}"] = check(
             tmp_path, out, versions, "staged", rank=r)
+    expect_engine_stages(c, versions, ["rollout-0", "rollout-1"])
+
+
+def expect_engine_stages(c: Controller, versions: list[int], engines: list[str]) -> None:
+    """Each engine's pause, load and resume of each version are on its lane of that version's
+    sync in the controller's view (what the dashboard and the trace draw), in that order."""
+    syncs = c.get("/v1/syncs")["syncs"]
+    for v in versions:
+        ids = [s["id"] for s in syncs if s["version"] == v and s["state"] == "committed"]
+        assert ids, f"no committed sync of version {v}: {syncs}"
+        view = c.get(f"/v1/syncs/{ids[-1]}")
+        for worker in engines:
+            lane = next((ln for ln in view["lanes"] if ln["worker"] == worker), None)
+            assert lane is not None, f"v{v}: no lane of {worker}: {view}"
+            spans = {x["stage"]: (x["start_ns"], x["end_ns"]) for x in lane["spans"]}
+            missing = {"land", "pause", "load", "resume"} - set(spans)
+            assert not missing, f"v{v}: {worker}'s lane lacks {missing}: {lane['spans']}"
+            pause, load, resume = spans["pause"], spans["load"], spans["resume"]
+            assert pause[0] <= load[0] <= load[1] <= pause[1] <= resume[0] <= resume[1], (v, worker, spans)
 
 
 def digest(t: Any) -> str:

@@ -43,6 +43,8 @@ Two landing modes (``init_info["mode"]``):
 
 After the load: :func:`update` resets the prefix cache (stale KV of the old weights would
 otherwise be served: ``finish_weight_update`` does not reset it) and sets ``weight_version``.
+The pause, the load and the resume are also stages on this engine's lane of the sync on the
+controller's dashboard and trace (``Engine.report_stages``).
 Timings of each sync (pause, land, load, resume) come back from :func:`update` and are logged
 as one JSON line on the ``weightsync.vllm`` logger.
 """
@@ -64,8 +66,8 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from ._landing import ArenaNotCommitted, LandingGate
-from .engine import Engine
-from .errors import RegistrationError, SyncFailedError, TimeoutError
+from .engine import Engine, EngineStage
+from .errors import ClosedError, RegistrationError, SyncFailedError, TimeoutError
 
 __all__ = ["BACKEND", "WeightsyncInitInfo", "WeightsyncUpdateInfo", "WeightsyncTransferEngine",
            "WorkerExtension", "update", "sleep", "wake_up", "torch_dtype"]
@@ -123,9 +125,13 @@ class _Sync:
     load_parts_s: dict[str, float] = field(default_factory=dict)
     pause_s: float = 0.0         # engine-core thread held by update_weights (no forward passes)
     loaded_version: int | None = None
+    # The same spans on the engine's clock (Engine.now_ns), for the controller's timeline.
+    pause_ns: tuple[int, int] | None = None
+    load_ns: tuple[int, int] | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
+        return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.__dict__.items()
+                if not k.endswith("_ns")}
 
 
 class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdateInfo]):
@@ -214,7 +220,7 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
     def receive_weights(self, update_info: WeightsyncUpdateInfo) -> None:
         engine = self._require_engine()
         sync = _Sync(version=update_info.version, mode=self.mode)
-        t_enter = time.perf_counter()
+        t_enter, n_enter = time.perf_counter(), engine.now_ns()
         try:
             if self.mode == "staged":
                 t = time.perf_counter()
@@ -231,9 +237,33 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
                 self.loaded_version = sync.loaded_version
         finally:
             sync.pause_s = time.perf_counter() - t_enter
+            sync.pause_ns = (n_enter, engine.now_ns())
             sync.land_s = self.gate.land_s.get(sync.loaded_version or -1)
             self.syncs.append(sync)
         log.info(json.dumps({"weightsync": "sync", "worker": engine.worker_id, **sync.as_dict()}))
+        spans: list[tuple[EngineStage, int, int]] = [("pause", *sync.pause_ns)]
+        if sync.load_ns is not None:
+            spans.append(("load", *sync.load_ns))
+        self._report(sync.loaded_version, spans)
+
+    def resumed(self) -> None:
+        """The engine serves again (``finish_weight_update`` and the prefix-cache reset are
+        done): reports the resume span, from the end of the pause until now."""
+        engine, last = self._require_engine(), self.syncs[-1] if self.syncs else None
+        if last is None or last.pause_ns is None or last.loaded_version is None:
+            return
+        self._report(last.loaded_version, [("resume", last.pause_ns[1], engine.now_ns())])
+
+    def _report(self, version: int | None, spans: list[tuple[EngineStage, int, int]]) -> None:
+        """Sends this worker's stages of ``version`` to the controller's timeline. Never fails
+        the sync: a refused report is logged."""
+        if version is None or self.engine is None:
+            return
+        try:
+            self.engine.report_stages(version, spans)
+        except (ValueError, ClosedError) as e:
+            log.warning(json.dumps({"weightsync": "stage report refused", "worker": self.engine.worker_id,
+                                    "version": version, "error": str(e)}))
 
     def _wait_direct(self, engine: Engine, update_info: WeightsyncUpdateInfo) -> int:
         """Waits for ``version`` (or newer) to commit into the live parameters. A sync that
@@ -285,18 +315,19 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
         try:
             # Keeps the next version's writes out of the arena while vLLM reads it.
             with self.gate.committed(version) as have:
-                t0 = time.perf_counter()
+                t0, n0 = time.perf_counter(), engine.now_ns()
                 initialize_layerwise_reload(self.model)
                 t1 = time.perf_counter()
                 self.model.load_weights(iter(self.arena.items()))  # type: ignore[operator]
                 t2 = time.perf_counter()
                 finalize_layerwise_reload(self.model, self.model_config)  # type: ignore[no-untyped-call]
-                t3 = time.perf_counter()
+                t3, n3 = time.perf_counter(), engine.now_ns()
         except ArenaNotCommitted as e:
             raise SyncFailedError(f"{engine.worker_id}: {e}; vLLM keeps serving version {self.loaded_version}",
                                   version=version, worker=engine.worker_id, cause=str(e)) from None
         sync.load_parts_s = {"init": t1 - t0, "load_weights": t2 - t1, "finalize": t3 - t2}
         sync.load_s = t3 - t0
+        sync.load_ns = (n0, n3)
         sync.loaded_version = have
         self.loaded_version = have
 
@@ -390,6 +421,9 @@ class WorkerExtension:
         return {"params": {n: digest(p) for n, p in model.named_parameters()},
                 "arena": {n: digest(t) for n, t in self._ws_engine().arena.items()}}
 
+    def weightsync_resumed(self) -> None:
+        self._ws_engine().resumed()
+
     def weightsync_leave(self) -> None:
         self._ws_engine().leave()
 
@@ -438,6 +472,7 @@ def update(llm: Any, version: int, *, timeout_s: float = 600.0, reset_prefix_cac
     if reset_prefix_cache:
         llm.reset_prefix_cache()
     t4 = time.perf_counter()
+    llm.collective_rpc("weightsync_resumed")  # the resume span, to the controller's timeline
     workers = [s["syncs"][-1] for s in llm.collective_rpc("weightsync_status")]
     out = {"version": version, "ready_wait_s": t0 - tw, "start_s": t1 - t0, "update_s": t2 - t1, "finish_s": t3 - t2,
            "reset_prefix_cache_s": t4 - t3, "resume_s": t4 - t2, "workers": workers,

@@ -145,6 +145,7 @@ class VllmServer:
                                        f"(requests kept holding blocks)", version=version)
                 time.sleep(poll_s)
         t4 = time.perf_counter()
+        self._rpc("weightsync_resumed")  # the resume span, to the controller's timeline
         workers = [s["syncs"][-1] for s in self.status()]
         return {"version": version, "ready_wait_s": t0 - tw, "start_s": t1 - t0, "update_s": t2 - t1,
                 "finish_s": t3 - t2, "reset_prefix_cache_s": t4 - t3, "resume_s": t4 - t2,
