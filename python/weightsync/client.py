@@ -130,6 +130,13 @@ class Client:
         """One sync by id."""
         return SyncResult.from_json(self._request("GET", f"/v1/syncs/{sync_id}"))
 
+    def of_version(self, version: int) -> SyncResult | None:
+        """The newest sync of ``version`` in the controller's history, or None."""
+        rows = [r for r in self._request("GET", "/v1/syncs").get("syncs", []) if int(r["version"]) == version]
+        if not rows:
+            return None
+        return self.get(max(int(r["id"]) for r in rows))
+
     def healthz(self) -> dict[str, Any]:
         """The controller's health (``/healthz``)."""
         return self._request("GET", "/healthz")

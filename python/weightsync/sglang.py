@@ -28,29 +28,51 @@ waits until a whole, verified version >= ``version`` is in the arena, then, hold
 A failed sync never reaches SGLang: the arena is dirty from the first write of a version and
 ``update`` raises; SGLang keeps serving its last loaded version.
 
-Only the staged mode: writing straight into SGLang's parameters needs code inside its
-scheduler process (where the model's memory is), which this driver-side hook is not.
 ``engine`` is anything with those methods: ``sglang.Engine`` itself, or a small HTTP adapter
 posting to ``/pause_generation``, ``/begin_weight_update``, ``/update_weights_from_tensor``,
 ``/end_weight_update``, ``/flush_cache``, ``/continue_generation``.
 
+**Direct** (:class:`DirectSync`, job ``format=fused``: SGLang's own parameter names, as vLLM's):
+the writes go straight into SGLang's parameters, which live in its scheduler (TP worker)
+processes. SGLang runs user code there through a *custom weight loader*: start it with
+``--custom-weight-loader weightsync.sglang.land_direct`` (``custom_weight_loader=[...]`` for
+``sglang.Engine``), and :class:`DirectSync` calls ``update_weights_from_tensor`` with
+``load_format="weightsync.sglang.land_direct"`` and one small control tensor naming what to
+do. Inside each TP worker, :func:`land_direct` ``join`` s the job once (a
+:class:`weightsync.Engine` of rank ``rank + tp_rank`` registering ``model.named_parameters()``;
+parameters a kernel packed or emptied are refused by name) and, per version, ``land`` s it:
+holds the landing gate open (generation is paused: SGLang runs the loader between batches,
+after ``pause_generation``) and waits until the version committed into the parameters.
+SGLang's loader path does not catch exceptions (one would stop its scheduler), so
+:func:`land_direct` never raises for a failed sync: it logs, and :class:`DirectSync` learns the
+outcome from the controller's HTTP API (:meth:`weightsync.Client.of_version`). A failed sync
+leaves SGLang paused (its parameters are half-written) and :meth:`DirectSync.update` raises
+naming the cause; the next version that commits resumes it. After a commit:
+``end_weight_update`` (post-processing), ``flush_cache``, ``update_weight_version``,
+``continue_generation``.
+
 What was run: SGLang has no CPU build on the package registry that shares an environment with
-vLLM here, so this hook ran only against a recording stand-in in tests/test_sglang.py (a unit
-test of the call order and the failure paths), never against a real SGLang.
+vLLM here, so neither mode ran against a real SGLang. tests/test_sglang.py drives both against a
+stand-in with SGLang's method names: the staged logic against a recording stand-in, and direct
+landing for real (a controller, two trainers, a torch model with SGLang's fused parameter names
+whose parameters :func:`land_direct` registers and into which the versions land), with the
+stand-in calling :func:`land_direct` as SGLang's model runner does.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from typing import Any
 
 from ._landing import ArenaNotCommitted, LandingGate
+from .client import Client
 from .engine import Engine
-from .errors import SyncFailedError
+from .errors import RegistrationError, SyncFailedError, TimeoutError
 
-__all__ = ["StagedSync", "PAUSE_MODES"]
+__all__ = ["StagedSync", "DirectSync", "land_direct", "LOADER", "PAUSE_MODES"]
 
 log = logging.getLogger("weightsync.sglang")
 
@@ -135,3 +157,199 @@ class StagedSync:
                "pause_call_s": t1 - t0, "load_s": t2 - t1, "resume_s": t3 - t2}
         log.info(json.dumps({"weightsync": "sglang update", **out}))
         return out
+
+
+#: The custom weight loader SGLang must allow (``--custom-weight-loader``) for :class:`DirectSync`.
+LOADER = "weightsync.sglang.land_direct"
+#: The name of the control tensor :class:`DirectSync` sends through ``update_weights_from_tensor``.
+CONTROL = "__weightsync__"
+
+
+class _DirectLanding:
+    """One TP worker's part of direct landing: its engine and its landing gate."""
+
+    def __init__(self, engine: Engine, gate: LandingGate) -> None:
+        self.engine = engine
+        self.gate = gate
+
+
+#: The TP worker's direct landing, keyed by id(model) (one model per SGLang scheduler process).
+_LANDINGS: dict[int, _DirectLanding] = {}
+_LANDINGS_LOCK = threading.Lock()
+
+
+def _tp_rank() -> int:
+    try:
+        from sglang.srt.distributed import get_tensor_model_parallel_rank  # type: ignore[import-not-found]
+    except ImportError:
+        return 0
+    try:
+        return int(get_tensor_model_parallel_rank())
+    except (AssertionError, RuntimeError):  # no model-parallel group: a single worker
+        return 0
+
+
+def land_direct(model: Any, named_tensors: list[tuple[str, Any]]) -> None:
+    """SGLang custom weight loader (``--custom-weight-loader weightsync.sglang.land_direct``),
+    run by SGLang in each TP worker with its model. ``named_tensors`` holds one control tensor
+    (:data:`CONTROL`: UTF-8 JSON) from :class:`DirectSync`:
+
+    - ``{"op": "join", "controller", "rank", "job_token", "landing_wait_s"}``: connect a
+      :class:`weightsync.Engine` of rank ``rank + tp_rank`` and register the model's parameters
+      (format ``fused``). Raises :class:`weightsync.RegistrationError` for an empty parameter
+      (a kernel reads a packed copy; use :class:`StagedSync`): a setup error, before any sync.
+    - ``{"op": "land", "version", "timeout_s"}``: hold the landing gate open until ``version``
+      (or a newer one) committed into the parameters, the sync failed, or ``timeout_s`` passed.
+      Never raises for those (an exception would stop SGLang's scheduler): it logs, and the
+      driver asks the controller.
+    - ``{"op": "leave"}``: close the engine (before SGLang frees or moves its weights).
+    """
+    req = _control(named_tensors)
+    op = req.get("op")
+    key = id(model)
+    if op == "join":
+        with _LANDINGS_LOCK:
+            if key in _LANDINGS:
+                return
+            rank = int(req["rank"]) + _tp_rank()
+            gate = LandingGate(direct=True, landing_wait_s=float(req.get("landing_wait_s", 300.0)))
+            engine = Engine(controller=str(req["controller"]), rank=rank, job_token=req.get("job_token"),
+                            before_landing=gate.before_landing, after_commit=gate.after_commit)
+            try:
+                params = dict(model.named_parameters())
+                for name, p in params.items():
+                    if p.numel() == 0 or p.data_ptr() == 0:
+                        raise RegistrationError(
+                            f"{engine.worker_id}: direct landing refused: SGLang's parameter {name} is "
+                            f"empty (shape {tuple(p.shape)}): its kernel reads a packed copy. Use StagedSync.",
+                            worker=engine.worker_id, tensor=name)
+                engine.register({n: p.data for n, p in params.items()}, format="fused")
+            except BaseException:
+                engine.close()
+                raise
+            _LANDINGS[key] = _DirectLanding(engine, gate)
+            log.info(json.dumps({"weightsync": "sglang direct join", "worker": engine.worker_id,
+                                 "tensors": len(params)}))
+    elif op == "land":
+        landing = _LANDINGS.get(key)
+        if landing is None:
+            log.error(json.dumps({"weightsync": "sglang direct land before join"}))
+            return
+        version, timeout_s = int(req["version"]), float(req.get("timeout_s", 600.0))
+        t0 = time.perf_counter()
+        with landing.gate.held():
+            try:
+                state = landing.engine.wait_for_version(version, timeout=timeout_s)
+                log.info(json.dumps({"weightsync": "sglang direct landed", "worker": landing.engine.worker_id,
+                                     "version": state.version, "held_s": round(time.perf_counter() - t0, 6)}))
+            except (SyncFailedError, TimeoutError) as e:
+                log.warning(json.dumps({"weightsync": "sglang direct landing failed; parameters may be "
+                                        "half-written, SGLang stays paused", "worker": landing.engine.worker_id,
+                                        "version": version, "error": str(e)}))
+    elif op == "leave":
+        with _LANDINGS_LOCK:
+            landing = _LANDINGS.pop(key, None)
+        if landing is not None:
+            landing.engine.close()
+    else:
+        log.error(json.dumps({"weightsync": "sglang direct: unknown request", "request": req}))
+
+
+def _control(named_tensors: list[tuple[str, Any]]) -> dict[str, Any]:
+    for name, t in named_tensors:
+        if name == CONTROL:
+            body = json.loads(bytes(t.detach().to("cpu").contiguous().numpy().tobytes()).decode())
+            if not isinstance(body, dict):
+                raise ValueError(f"{CONTROL}: expected a JSON object, got {body!r:.100}")
+            return body
+    raise ValueError(f"{LOADER} called without its control tensor {CONTROL!r} "
+                     f"(got {[n for n, _ in named_tensors][:5]})")
+
+
+class DirectSync:
+    """One SGLang engine fed by weightsync straight into its parameters (see the module doc).
+
+    Args:
+        engine: ``sglang.Engine`` (started with ``custom_weight_loader=[weightsync.sglang.LOADER]``)
+            or an HTTP adapter with the same methods.
+        controller: the controller's control address ``host:port`` (the TP workers connect).
+        api: the controller's HTTP API (``http://host:port``) and ``api_token``: where this
+            driver reads each sync's outcome.
+        rank: the inference rank of this engine's TP rank 0 (``dp_rank * tp``).
+        pause_mode: ``retract`` (default) or ``abort``.
+    """
+
+    def __init__(self, engine: Any, controller: str, api: str, rank: int = 0, *, api_token: str | None = None,
+                 pause_mode: str = "retract", job_token: str | None = None, landing_wait_s: float = 300.0) -> None:
+        if pause_mode not in PAUSE_MODES:
+            raise ValueError(f"pause_mode {pause_mode!r}: expected one of {PAUSE_MODES}")
+        for method in ("pause_generation", "continue_generation", "update_weights_from_tensor", "flush_cache"):
+            if not callable(getattr(engine, method, None)):
+                raise TypeError(f"engine {type(engine).__name__} has no {method}(): not an SGLang engine")
+        self.sglang = engine
+        self.pause_mode = pause_mode
+        self.client = Client(api, api_token)
+        self.loaded_version: int | None = None
+        self.paused_by_failure = False
+        self._request({"op": "join", "controller": controller, "rank": rank, "job_token": job_token,
+                       "landing_wait_s": landing_wait_s})
+
+    def _request(self, body: dict[str, Any]) -> None:
+        import torch
+
+        t = torch.frombuffer(bytearray(json.dumps(body).encode()), dtype=torch.uint8)
+        out = self.sglang.update_weights_from_tensor(named_tensors=[(CONTROL, t)], load_format=LOADER,
+                                                     flush_cache=False)
+        if isinstance(out, tuple) and out and out[0] is False:
+            raise SyncFailedError(f"SGLang refused {LOADER} ({body.get('op')}): {out[1] if len(out) > 1 else out}",
+                                  version=body.get("version"), cause=str(out))
+
+    def update(self, version: int, *, timeout_s: float = 600.0) -> dict[str, Any]:
+        """Pauses SGLang, lets ``version`` land into its parameters, then post-processes,
+        flushes the cache, sets the weight version and resumes; returns the timings.
+
+        Raises:
+            SyncFailedError: the sync failed; SGLang stays paused (its parameters are
+                half-written) until a later :meth:`update` commits.
+            TimeoutError: the version did not commit in ``timeout_s``; SGLang stays paused.
+        """
+        e = self.sglang
+        t0 = time.perf_counter()
+        e.pause_generation(mode=self.pause_mode)
+        t1 = time.perf_counter()
+        if callable(getattr(e, "begin_weight_update", None)):
+            e.begin_weight_update()
+        self._request({"op": "land", "version": version, "timeout_s": timeout_s})
+        t2 = time.perf_counter()
+        result = self.client.of_version(version)
+        if result is None or result.state != "committed":
+            self.paused_by_failure = True
+            f = result.failure if result is not None else None
+            if result is not None and result.state == "failed":
+                raise SyncFailedError(
+                    f"version {version} failed" + (f" at {f.worker}: {f.cause}" if f else "")
+                    + f"; SGLang stays paused (parameters half-written) until a later version commits",
+                    version=version, worker=f.worker if f else None, tensor=f.tensor if f else None,
+                    cause=f.cause if f else None)
+            raise TimeoutError(f"version {version} did not commit in {timeout_s} s (controller: "
+                               f"{result.state if result else 'no sync of it'}); SGLang stays paused",
+                               version=version)
+        if callable(getattr(e, "end_weight_update", None)):
+            e.end_weight_update()
+        e.flush_cache()
+        if callable(getattr(e, "update_weight_version", None)):
+            e.update_weight_version(str(version))
+        t3 = time.perf_counter()
+        e.continue_generation()
+        t4 = time.perf_counter()
+        self.loaded_version, self.paused_by_failure = version, False
+        out = {"version": version, "pause_s": t4 - t0, "pause_call_s": t1 - t0, "land_s": t2 - t1,
+               "load_s": t3 - t2, "resume_s": t4 - t3}
+        log.info(json.dumps({"weightsync": "sglang direct update", **out}))
+        return out
+
+    def leave(self) -> None:
+        """Before SGLang frees or moves its weights (``release_memory_occupation``): the TP
+        workers leave the job. Join again by making a new :class:`DirectSync` after
+        ``resume_memory_occupation``."""
+        self._request({"op": "leave"})
