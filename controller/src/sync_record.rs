@@ -49,6 +49,20 @@ pub struct Span {
     pub bytes: u64,
 }
 
+impl Span {
+    /// A worker's event (timed from its own origin) on the sync's axis, `origin_ns` later; an
+    /// end before the start is drawn as an instant.
+    fn shifted(origin_ns: u64, e: &TimelineEvent) -> Self {
+        Span {
+            stage: e.stage,
+            task: e.task,
+            start_ns: origin_ns.saturating_add(e.start_ns),
+            end_ns: origin_ns.saturating_add(e.end_ns.max(e.start_ns)),
+            bytes: e.bytes,
+        }
+    }
+}
+
 /// One worker's lane in a sync.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct Lane {
@@ -157,15 +171,8 @@ impl SyncRecord {
         done_ns: u64,
     ) {
         let lane = self.lanes.entry(worker).or_default();
-        for e in &report.events {
-            lane.spans.push(Span {
-                stage: e.stage,
-                task: e.task,
-                start_ns: origin_ns.saturating_add(e.start_ns),
-                end_ns: origin_ns.saturating_add(e.end_ns.max(e.start_ns)),
-                bytes: e.bytes,
-            });
-        }
+        lane.spans
+            .extend(report.events.iter().map(|e| Span::shifted(origin_ns, e)));
         lane.spans.sort_by_key(|s| (s.start_ns, s.end_ns));
         lane.bytes = lane.bytes.max(report.bytes);
         lane.writes = lane.writes.max(report.writes);
@@ -180,13 +187,8 @@ impl SyncRecord {
     /// are not part of the version protocol, and come after the worker's part ended.
     pub fn add_engine_spans(&mut self, worker: WorkerId, origin_ns: u64, events: &[TimelineEvent]) {
         let lane = self.lanes.entry(worker).or_default();
-        lane.spans.extend(events.iter().map(|e| Span {
-            stage: e.stage,
-            task: e.task,
-            start_ns: origin_ns.saturating_add(e.start_ns),
-            end_ns: origin_ns.saturating_add(e.end_ns.max(e.start_ns)),
-            bytes: e.bytes,
-        }));
+        lane.spans
+            .extend(events.iter().map(|e| Span::shifted(origin_ns, e)));
         lane.spans.sort_by_key(|s| (s.start_ns, s.end_ns));
     }
 

@@ -66,6 +66,7 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from ._landing import ArenaNotCommitted, LandingGate
+from ._update import drive
 from .engine import Engine, EngineStage
 from .errors import ClosedError, RegistrationError, SyncFailedError, TimeoutError
 
@@ -449,38 +450,43 @@ def update(llm: Any, version: int, *, timeout_s: float = 600.0, reset_prefix_cac
     is whole in every arena (staged) or its landing waits for the engine (direct), so vLLM
     serves while the trainers write and is held only for the load (staged) or the landing
     (direct)."""
-    tw = time.perf_counter()
-    deadline = time.monotonic() + timeout_s
-    while True:
-        states = llm.collective_rpc("weightsync_ready", args=(version,))
-        if all(r["ready"] for r in states):
-            break
-        if time.monotonic() > deadline:
-            raise TimeoutError(
-                f"version {version} did not reach every vLLM worker in {timeout_s} s (worker states "
-                f"{[(r['state'], r['cause']) for r in states]}); vLLM keeps serving "
-                f"{llm.get_weight_version()!r}", version=version)
-        time.sleep(poll_s)
-    t0 = time.perf_counter()
-    llm.start_weight_update()
-    t1 = time.perf_counter()
-    # Raises when the sync failed (vLLM ended the session; staged: nothing was loaded).
-    llm.update_weights({"update_info": {"version": version, "timeout_s": max(1.0, deadline - time.monotonic())}})
-    t2 = time.perf_counter()
-    llm.finish_weight_update(weight_version=str(version))
-    t3 = time.perf_counter()
-    if reset_prefix_cache:
-        llm.reset_prefix_cache()
-    t4 = time.perf_counter()
-    llm.collective_rpc("weightsync_resumed")  # the resume span, to the controller's timeline
-    workers = [s["syncs"][-1] for s in llm.collective_rpc("weightsync_status")]
-    out = {"version": version, "ready_wait_s": t0 - tw, "start_s": t1 - t0, "update_s": t2 - t1, "finish_s": t3 - t2,
-           "reset_prefix_cache_s": t4 - t3, "resume_s": t4 - t2, "workers": workers,
-           "pause_s": max(w["pause_s"] for w in workers),
-           "land_s": max((w["land_s"] or 0.0) for w in workers),
-           "load_s": max(w["load_s"] for w in workers)}
-    log.info(json.dumps({"weightsync": "update", **{k: v for k, v in out.items() if k != "workers"}}))
-    return out
+    return drive(_OfflineCalls(llm), version, timeout_s=timeout_s, reset_prefix_cache=reset_prefix_cache,
+                 poll_s=poll_s)
+
+
+class _OfflineCalls:
+    """:class:`weightsync._update.UpdateCalls` over an offline ``vllm.LLM``."""
+
+    where = "vLLM"
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+
+    def ready(self, version: int) -> list[dict[str, Any]]:
+        return list(self.llm.collective_rpc("weightsync_ready", args=(version,)))
+
+    def start(self) -> None:
+        self.llm.start_weight_update()
+
+    def update(self, version: int, timeout_s: float) -> None:
+        # Raises when the sync failed (vLLM ended the session; staged: nothing was loaded).
+        self.llm.update_weights({"update_info": {"version": version, "timeout_s": timeout_s}})
+
+    def finish(self, version: int) -> None:
+        self.llm.finish_weight_update(weight_version=str(version))
+
+    def reset_prefix_cache(self, deadline: float) -> None:
+        self.llm.reset_prefix_cache()
+
+    def resumed(self) -> None:
+        self.llm.collective_rpc("weightsync_resumed")
+
+    def status(self) -> list[dict[str, Any]]:
+        return list(self.llm.collective_rpc("weightsync_status"))
+
+    def weight_version(self) -> str | None:
+        v = self.llm.get_weight_version()
+        return None if v is None else str(v)
 
 
 def sleep(llm: Any, level: int = 1, mode: str = "abort") -> None:

@@ -29,6 +29,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+from ._update import drive
 from .errors import ClientError, SyncFailedError, TimeoutError
 
 __all__ = ["VllmServer"]
@@ -108,51 +109,55 @@ class VllmServer:
             SyncFailedError: the sync failed (staged: nothing was loaded, the server keeps
                 serving its last version).
         """
-        tw = time.perf_counter()
-        deadline = time.monotonic() + timeout_s
-        while True:
-            states = self.ready(version)
-            if states and all(r["ready"] for r in states):
-                break
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"version {version} did not reach every worker of {self.url} in {timeout_s} s "
-                    f"(worker states {[(r['state'], r['cause']) for r in states]}); it keeps "
-                    f"serving {self.weight_version()!r}", version=version)
-            time.sleep(poll_s)
-        t0 = time.perf_counter()
-        self._call("POST", "/start_weight_update", {})
-        t1 = time.perf_counter()
-        try:
-            self._call("POST", "/update_weights", {"update_info": {
-                "version": version, "timeout_s": max(1.0, deadline - time.monotonic())}})
-        except ClientError as e:
-            # vLLM ended the session; the worker's status says why.
-            st = self.status()
-            causes = [f"{s.get('worker')}: {s.get('state')} ({s.get('cause')})" for s in st]
-            raise SyncFailedError(
-                f"{self.url}: update to version {version} failed ({e}); workers: {causes}; it keeps "
-                f"serving {self.weight_version()!r}", version=version,
-                cause="; ".join(str(s.get("cause")) for s in st)) from None
-        t2 = time.perf_counter()
-        self._call("POST", "/finish_weight_update", {"weight_version": str(version)})
-        t3 = time.perf_counter()
-        if reset_prefix_cache:
-            # Retried: the reset fails while a running request holds blocks.
-            while not self._call("POST", "/reset_prefix_cache").get("success", False):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{self.url}: the prefix cache could not be reset "
-                                       f"(requests kept holding blocks)", version=version)
-                time.sleep(poll_s)
-        t4 = time.perf_counter()
-        self._rpc("weightsync_resumed")  # the resume span, to the controller's timeline
-        workers = [s["syncs"][-1] for s in self.status()]
-        return {"version": version, "ready_wait_s": t0 - tw, "start_s": t1 - t0, "update_s": t2 - t1,
-                "finish_s": t3 - t2, "reset_prefix_cache_s": t4 - t3, "resume_s": t4 - t2,
-                "workers": workers, "pause_s": max(w["pause_s"] for w in workers),
-                "land_s": max((w["land_s"] or 0.0) for w in workers),
-                "load_s": max(w["load_s"] for w in workers)}
+        return drive(_ServerCalls(self), version, timeout_s=timeout_s, reset_prefix_cache=reset_prefix_cache,
+                     poll_s=poll_s)
 
     def shutdown(self) -> None:
         """``/shutdown_weight_transfer_engine``: each worker leaves the job."""
         self._call("POST", "/shutdown_weight_transfer_engine", {})
+
+
+class _ServerCalls:
+    """:class:`weightsync._update.UpdateCalls` over a server's HTTP routes."""
+
+    def __init__(self, srv: VllmServer) -> None:
+        self.srv = srv
+        self.where = srv.url
+
+    def ready(self, version: int) -> list[dict[str, Any]]:
+        return self.srv.ready(version)
+
+    def start(self) -> None:
+        self.srv._call("POST", "/start_weight_update", {})
+
+    def update(self, version: int, timeout_s: float) -> None:
+        try:
+            self.srv._call("POST", "/update_weights", {"update_info": {"version": version, "timeout_s": timeout_s}})
+        except ClientError as e:
+            # vLLM ended the session; the workers' status says why.
+            st = self.srv.status()
+            causes = [f"{s.get('worker')}: {s.get('state')} ({s.get('cause')})" for s in st]
+            raise SyncFailedError(
+                f"{self.where}: update to version {version} failed ({e}); workers: {causes}; it keeps "
+                f"serving {self.srv.weight_version()!r}", version=version,
+                cause="; ".join(str(s.get("cause")) for s in st)) from None
+
+    def finish(self, version: int) -> None:
+        self.srv._call("POST", "/finish_weight_update", {"weight_version": str(version)})
+
+    def reset_prefix_cache(self, deadline: float) -> None:
+        # Retried: the reset fails while a running request holds blocks.
+        while not self.srv._call("POST", "/reset_prefix_cache").get("success", False):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.where}: the prefix cache could not be reset (requests kept "
+                                   "holding blocks)")
+            time.sleep(0.01)
+
+    def resumed(self) -> None:
+        self.srv._rpc("weightsync_resumed")  # the resume span, to the controller's timeline
+
+    def status(self) -> list[dict[str, Any]]:
+        return self.srv.status()
+
+    def weight_version(self) -> str | None:
+        return self.srv.weight_version()

@@ -1,0 +1,83 @@
+"""The driver's side of one vLLM weight update, shared by the offline ``LLM``
+(:func:`weightsync.vllm.update`) and the HTTP server (:meth:`weightsync.vllm_server.VllmServer.update`):
+the same four phases over two transports.
+
+1. poll every worker's ``weightsync_ready(version)`` until the version is whole in its arena
+   (staged) or its landing waits for the engine (direct), so vLLM serves while the trainers
+   write;
+2. ``start_weight_update`` -> ``update_weights`` (the worker's pause: the load, or the landing)
+   -> ``finish_weight_update(weight_version)``;
+3. reset the prefix cache (stale KV of the old weights would be served otherwise);
+4. ``weightsync_resumed`` (the resume span goes to the controller's timeline) and the timings.
+
+No vLLM import here: the server's driver need not have vLLM installed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any, Protocol
+
+from .errors import TimeoutError
+
+log = logging.getLogger("weightsync.vllm")
+
+
+class UpdateCalls(Protocol):
+    """One transport's calls; ``where`` names the engine in errors."""
+
+    where: str
+
+    def ready(self, version: int) -> list[dict[str, Any]]: ...
+    def start(self) -> None: ...
+    def update(self, version: int, timeout_s: float) -> None: ...
+    def finish(self, version: int) -> None: ...
+    def reset_prefix_cache(self, deadline: float) -> None: ...
+    def resumed(self) -> None: ...
+    def status(self) -> list[dict[str, Any]]: ...
+    def weight_version(self) -> str | None: ...
+
+
+def drive(calls: UpdateCalls, version: int, *, timeout_s: float, reset_prefix_cache: bool,
+          poll_s: float) -> dict[str, Any]:
+    """Runs the update (see the module doc); returns the driver's timings and each worker's.
+
+    Raises:
+        TimeoutError: the version did not reach every worker in ``timeout_s`` (the engine keeps
+            serving its last version).
+        SyncFailedError: (from ``calls.update``) the sync failed.
+    """
+    tw = time.perf_counter()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = calls.ready(version)
+        if states and all(r["ready"] for r in states):
+            break
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"version {version} did not reach every worker of {calls.where} in {timeout_s} s (worker "
+                f"states {[(r['state'], r['cause']) for r in states]}); it keeps serving "
+                f"{calls.weight_version()!r}", version=version)
+        time.sleep(poll_s)
+    t0 = time.perf_counter()
+    calls.start()
+    t1 = time.perf_counter()
+    calls.update(version, max(1.0, deadline - time.monotonic()))
+    t2 = time.perf_counter()
+    calls.finish(version)
+    t3 = time.perf_counter()
+    if reset_prefix_cache:
+        calls.reset_prefix_cache(deadline)
+    t4 = time.perf_counter()
+    calls.resumed()
+    workers = [s["syncs"][-1] for s in calls.status()]
+    out = {"version": version, "ready_wait_s": t0 - tw, "start_s": t1 - t0, "update_s": t2 - t1,
+           "finish_s": t3 - t2, "reset_prefix_cache_s": t4 - t3, "resume_s": t4 - t2, "workers": workers,
+           "pause_s": max(w["pause_s"] for w in workers),
+           "land_s": max((w["land_s"] or 0.0) for w in workers),
+           "load_s": max(w["load_s"] for w in workers)}
+    log.info(json.dumps({"weightsync": "update", "where": calls.where,
+                         **{k: v for k, v in out.items() if k != "workers"}}))
+    return out
