@@ -210,8 +210,11 @@ def test_moved_tensor_is_refused_by_name(tmp_path: Path, procs: Procs) -> None:
 
 def test_wait_releases_the_gil_and_ctrl_c_interrupts(tmp_path: Path, procs: Procs) -> None:
     c = controller(tmp_path, procs)
+    # The child installs Python's own SIGINT handler: a process started in the background by a
+    # non-interactive shell inherits SIGINT ignored, and Python then leaves it ignored.
     script = textwrap.dedent(f"""
-        import sys, threading, numpy as np, weightsync
+        import signal, sys, threading, numpy as np, weightsync
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         t = weightsync.Trainer({c.control!r}, 0, job_token={c.job_token!r})
         t.register({{s.name: (np.zeros(s.shape, np.uint16), "bf16") for s in t.layout()}})
         count = [0]
@@ -228,6 +231,9 @@ def test_wait_releases_the_gil_and_ctrl_c_interrupts(tmp_path: Path, procs: Proc
     p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True, cwd=tmp_path)
     assert p.stdout is not None
+    # A child that never answers fails the test instead of hanging it.
+    watchdog = threading.Timer(60, p.kill)
+    watchdog.start()
     assert p.stdout.readline().strip() == "waiting", p.stderr.read() if p.stderr else ""
     time.sleep(1.0)
     sent = time.monotonic()
@@ -235,6 +241,7 @@ def test_wait_releases_the_gil_and_ctrl_c_interrupts(tmp_path: Path, procs: Proc
     line = p.stdout.readline().split()
     latency = time.monotonic() - sent
     p.wait(timeout=30)
+    watchdog.cancel()
     assert line and line[0] == "interrupted", line
     assert int(line[1]) > 1000, "the other Python thread did not run while the wait held the GIL"
     assert latency < 2.0, latency
