@@ -214,6 +214,11 @@ impl SyncDriver for RolloutDriver {
                     cause: e.to_string(),
                 }
             })?;
+            tracing::debug!(
+                "version {version}: {} bytes verified, {} of them hashed while they landed",
+                v.bytes,
+                v.early_bytes
+            );
             if let (Some(seed), Some(demo)) = (seed, demo) {
                 let (model, infer) = &*demo;
                 independent_check(&worker, model, infer, rank, seed, version)?;

@@ -102,6 +102,13 @@ pub struct StageDurations {
     /// The last rollout's "landed" to the end: what committing costs once every byte is in
     /// place (verification, the control round trips). Kept small against `land_ms`.
     pub after_landing_ms: Option<f64>,
+    /// Of `after_landing_ms`: the last rollout's "landed" to `Verify` going out (the trainers'
+    /// last "written" still to come), when verification is on.
+    pub after_landing_wait_ms: Option<f64>,
+    /// Of `after_landing_ms`: the longest rollout's pass over what landed (its verify span).
+    pub after_landing_check_ms: Option<f64>,
+    /// Of `after_landing_ms`: the rest, the control messages around the check and the commit.
+    pub after_landing_control_ms: Option<f64>,
 }
 
 /// Everything about one sync.
@@ -235,6 +242,19 @@ impl SyncRecord {
         let start = self.start_sent_ns.unwrap_or(0);
         let all_written = self.awaiting_written.is_empty() && self.start_sent_ns.is_some();
         let all_landed = self.awaiting_landed.is_empty() && self.start_sent_ns.is_some();
+        let last_landed =
+            last(weightsync_common::protocol::WorkerRole::Rollout).filter(|_| all_landed);
+        let after_landing = match (last_landed, self.ended_ns) {
+            (Some(landed), Some(end)) => Some(end.saturating_sub(landed)),
+            _ => None,
+        };
+        let wait = after_landing
+            .and(last_landed)
+            .zip(self.verify_sent_ns)
+            .map(|(landed, sent)| sent.saturating_sub(landed));
+        let check = after_landing
+            .and(self.verify_sent_ns)
+            .and_then(|_| self.longest_rollout_span(Stage::Verify));
         StageDurations {
             prepare_ms: prepared.map(ms),
             write_ms: if all_written {
@@ -256,12 +276,23 @@ impl SyncRecord {
                 _ => None,
             },
             total_ms: self.ended_ns.map(ms),
-            after_landing_ms: match (all_landed, self.ended_ns) {
-                (true, Some(end)) => last(weightsync_common::protocol::WorkerRole::Rollout)
-                    .map(|landed| ms(end.saturating_sub(landed))),
-                _ => None,
-            },
+            after_landing_ms: after_landing.map(ms),
+            after_landing_wait_ms: wait.map(ms),
+            after_landing_check_ms: check.map(ms),
+            after_landing_control_ms: after_landing
+                .map(|a| ms(a.saturating_sub(wait.unwrap_or(0) + check.unwrap_or(0)))),
         }
+    }
+
+    /// The longest span of `stage` on a rollout lane, ns.
+    fn longest_rollout_span(&self, stage: Stage) -> Option<u64> {
+        self.lanes
+            .iter()
+            .filter(|(w, _)| w.role == weightsync_common::protocol::WorkerRole::Rollout)
+            .flat_map(|(_, l)| l.spans.iter())
+            .filter(|s| s.stage == stage)
+            .map(|s| s.end_ns.saturating_sub(s.start_ns))
+            .max()
     }
 
     /// Bytes per second from `Start` to the last rollout landing (the transfer window).

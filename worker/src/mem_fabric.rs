@@ -1,7 +1,7 @@
 //! An in-process fabric for the worker's unit tests: writes are copies between registered regions
 //! of "processes" that share one switch, immediates are counted like a NIC would. It keeps the
 //! backend contract (count only after the bytes landed, refuse unknown rkeys and out-of-bounds
-//! ranges) and can corrupt chosen writes, so pipeline and receiver logic are tested without
+//! ranges, report every landing to the owner's landing log) and can corrupt chosen writes, so pipeline and receiver logic are tested without
 //! sockets. The end-to-end suite uses the real TCP backend.
 
 use std::collections::HashMap;
@@ -98,7 +98,11 @@ impl MemFabric {
                 bytes[0] ^= 0x5a;
             }
         }
-        dst.write_at(op.dst_offset, &bytes)?;
+        {
+            // Like the TCP receiver: the owner's landing log sees the write begin and end.
+            let _logged = dst.memory().landing(op.dst_offset, op.len);
+            dst.write_at(op.dst_offset, &bytes)?;
+        }
         if let Some(imm) = op.imm {
             let counter = self.switch.counters.lock().get(&op.dst.endpoint).cloned();
             if let Some(c) = counter {
@@ -120,7 +124,7 @@ impl FabricBackend for MemFabric {
 
     fn register(&self, memory: Memory, access: Access) -> Result<Region> {
         let rkey = self.switch.next_rkey.fetch_add(1, Ordering::Relaxed) + 1;
-        let mem = RegisteredMemory::new(memory);
+        let mem = RegisteredMemory::new_reporting_landings(memory);
         let desc = RegionDescriptor {
             endpoint: self.endpoint.clone(),
             base: mem.as_ptr() as u64,

@@ -437,9 +437,14 @@ async fn run_syncs(
         let total_s = v["stages"]["total_ms"].as_f64().unwrap_or(0.0) / 1e3;
         let land_s = v["stages"]["land_ms"].as_f64().unwrap_or(0.0) / 1e3;
         let gbps = v["gbps"].as_f64().unwrap_or(0.0);
+        let after_s = v["stages"]["after_landing_ms"].as_f64().unwrap_or(0.0) / 1e3;
+        let check_s = v["stages"]["after_landing_check_ms"]
+            .as_f64()
+            .unwrap_or(0.0)
+            / 1e3;
         if v["state"] == "committed" {
             eprintln!(
-                "  sync {version}: committed in {total_s:.2} s (writes landed in {land_s:.2} s: {gbps:.2} GB/s, {:.2}x one TCP stream), verified: {}",
+                "  sync {version}: committed in {total_s:.2} s (writes landed in {land_s:.2} s: {gbps:.2} GB/s, {:.2}x one TCP stream; committed {after_s:.3} s after landing, {check_s:.3} s of it checking), verified: {}",
                 gbps / tcp_gbps,
                 v["verified"]
             );
@@ -492,6 +497,9 @@ fn summarise(
     let transfer = per_sync(&|v| v["stages"]["land_ms"].as_f64().unwrap_or(0.0) / 1e3);
     let after_landing =
         per_sync(&|v| v["stages"]["after_landing_ms"].as_f64().unwrap_or(0.0) / 1e3);
+    let part = |key: &'static str| {
+        per_sync(&move |v: &Value| v["stages"][key].as_f64().unwrap_or(0.0) / 1e3)
+    };
     let gbps = per_sync(&|v| v["gbps"].as_f64().unwrap_or(0.0));
     let mean = |x: &[f64]| x.iter().sum::<f64>() / x.len().max(1) as f64;
     let first = |k: &str| results.first().and_then(|v| v[k].as_u64()).unwrap_or(0);
@@ -513,6 +521,11 @@ fn summarise(
         "transfer_seconds_per_sync": transfer,
         "after_landing_seconds_per_sync": after_landing,
         "after_landing_ratio": mean(&after_landing) / mean(&transfer).max(f64::MIN_POSITIVE),
+        "after_landing_split_seconds_per_sync": {
+            "wait": part("after_landing_wait_ms"),
+            "check": part("after_landing_check_ms"),
+            "control": part("after_landing_control_ms"),
+        },
         "recompute": !args.no_recompute,
         "gbps_per_sync": gbps,
         "mean_seconds_per_sync": mean(&secs),

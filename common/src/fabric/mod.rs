@@ -39,6 +39,7 @@
 //! - `region`: [`Region`], [`RegisteredMemory`] (revocable access for backends).
 //! - `op`: [`WriteOp`], [`merge_contiguous`], [`stripe`], [`place`].
 //! - `imm_counter`: [`ImmCounter`].
+//! - `landing_log`: [`LandingLog`], what landed when, for backends that see writes land.
 //! - `config`: [`FabricConfig`]. `error`: [`FabricError`].
 
 use std::future::Future;
@@ -47,6 +48,7 @@ mod config;
 mod descriptor;
 mod error;
 mod imm_counter;
+pub mod landing_log;
 mod memory;
 mod op;
 mod region;
@@ -58,6 +60,7 @@ pub use config::{BackendKind, FabricConfig, GidFamily, JobToken, VerbsConfig};
 pub use descriptor::{Access, Endpoint, RegionDescriptor};
 pub use error::{FabricError, RemoteAccessKind, Result};
 pub use imm_counter::{ImmCounter, ImmStats, ImmWait};
+pub use landing_log::{LandingLog, LandingTicket, LogSnapshot};
 pub use memory::{Memory, MemoryLocation, MemoryOwner, PageAlignedBuffer, RawMemory, PAGE_SIZE};
 pub use op::{merge_contiguous, place, stripe, WriteOp};
 pub use region::{DeregisterHook, LiveMemory, Region, RegisteredMemory};

@@ -19,12 +19,13 @@
 //! valid so no undefined value is ever produced. A borrowed view is offered only as `unsafe`
 //! ([`Region::as_slice`]).
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use parking_lot::{Mutex, RwLock, RwLockReadGuard};
 
 use super::descriptor::{Access, RegionDescriptor};
 use super::error::{FabricError, Result};
+use super::landing_log::{LandingLog, LandingTicket, LogAttachment};
 use super::memory::{Memory, MemoryLocation};
 
 /// The memory of one registration plus the lock that revokes the backend's access to it.
@@ -32,6 +33,10 @@ use super::memory::{Memory, MemoryLocation};
 pub struct RegisteredMemory {
     memory: Memory,
     live: RwLock<bool>,
+    /// The backend reports every frame landing here through [`RegisteredMemory::landing`].
+    reports_landings: bool,
+    /// The owner's landing log, once attached ([`Region::log_landings`]).
+    log: OnceLock<LogAttachment>,
 }
 
 /// Proof that a registration is live; the backend may touch the bytes while holding it.
@@ -67,7 +72,27 @@ impl RegisteredMemory {
         Arc::new(RegisteredMemory {
             memory,
             live: RwLock::new(true),
+            reports_landings: false,
+            log: OnceLock::new(),
         })
+    }
+
+    /// Wraps memory for a backend whose receive path calls [`landing`](Self::landing) for every
+    /// frame it lands here, so that the owner may log what lands ([`Region::log_landings`]).
+    pub fn new_reporting_landings(memory: Memory) -> Arc<Self> {
+        Arc::new(RegisteredMemory {
+            memory,
+            live: RwLock::new(true),
+            reports_landings: true,
+            log: OnceLock::new(),
+        })
+    }
+
+    /// A frame of `len` bytes is about to land at `offset` (before its first byte touches the
+    /// memory): logged when the owner attached a log; the frame's end is logged when the ticket
+    /// is dropped, after its last byte landed or it stopped.
+    pub fn landing(&self, offset: u64, len: u64) -> Option<LandingTicket> {
+        self.log.get().map(|a| a.begin(offset, len))
     }
 
     /// Returns a guard if the registration is still live.
@@ -215,6 +240,29 @@ impl Region {
     /// and writes using it as a source fail. The memory stays readable through this handle.
     pub fn deregister(&self) {
         self.inner.deregister();
+    }
+
+    /// Logs every frame that lands here from now on in `log`, under `tag` (see
+    /// [`super::landing_log`]); call it before any peer may write. Refused when the backend
+    /// cannot see writes land (an RDMA NIC places them without the receiver's CPU) or when the
+    /// region already logs elsewhere.
+    pub fn log_landings(&self, log: &Arc<LandingLog>, tag: u16) -> Result<()> {
+        let memory = &self.inner.memory;
+        if !memory.reports_landings {
+            return Err(FabricError::Unsupported(
+                "this backend does not see writes land, so it cannot log them".into(),
+            ));
+        }
+        let attached = memory.log.get_or_init(|| LogAttachment {
+            log: log.clone(),
+            tag,
+        });
+        if !Arc::ptr_eq(&attached.log, log) || attached.tag != tag {
+            return Err(FabricError::Unsupported(
+                "the region already logs its landings elsewhere".into(),
+            ));
+        }
+        Ok(())
     }
 
     /// Whether two handles are clones of the same registration.

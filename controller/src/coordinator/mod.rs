@@ -70,6 +70,9 @@ mod tests;
 #[cfg(test)]
 mod engine_stages_tests;
 
+#[cfg(test)]
+mod after_landing_tests;
+
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 

@@ -9,19 +9,19 @@ use super::*;
 use crate::planning::{NullPlanner, Planner};
 use crate::sync_record::SyncState;
 
-fn world() -> WorldSpec {
+fn world(verify: bool) -> WorldSpec {
     WorldSpec {
         model: "m".into(),
         train: "fsdp=1".into(),
         infer: "tp=1".into(),
         dtype: DType::BF16,
-        verify: false,
+        verify,
     }
 }
 
 fn config(trainers: u32, grace_ms: u64) -> CoordinatorConfig {
     CoordinatorConfig {
-        world: world(),
+        world: world(false),
         trainers,
         rollouts: 1,
         heartbeat_interval: Duration::from_millis(100),
@@ -34,11 +34,27 @@ fn config(trainers: u32, grace_ms: u64) -> CoordinatorConfig {
 
 /// Trainer-0 on connection 1 and rollout-0 on connection 2, with a plan in force.
 pub(super) fn coordinator(grace_ms: u64) -> Coordinator {
-    let mut c = Coordinator::new(config(1, grace_ms));
+    coordinator_with(config(1, grace_ms))
+}
+
+/// [`coordinator`] for a job that verifies what landed.
+pub(super) fn verifying_coordinator() -> Coordinator {
+    let mut cfg = config(1, 0);
+    cfg.world = world(true);
+    coordinator_with(cfg)
+}
+
+fn coordinator_with(cfg: CoordinatorConfig) -> Coordinator {
+    let world = cfg.world.clone();
+    let mut c = Coordinator::new(cfg);
     let now = Now::wall();
     let mut fx = Effects::default();
     for (conn, id) in [(1, WorkerId::trainer(0)), (2, WorkerId::rollout(0))] {
-        fx.merge(c.register(conn, registration(id), now).unwrap());
+        let reg = Registration {
+            world: world.clone(),
+            ..registration(id)
+        };
+        fx.merge(c.register(conn, reg, now).unwrap());
     }
     plan_round(&mut c, fx, now);
     c
@@ -102,7 +118,7 @@ fn registration(id: WorkerId) -> Registration {
         id,
         host: "h".into(),
         pid: 1,
-        world: world(),
+        world: world(false),
         fabric_endpoint: Blob(id.to_string().into_bytes()),
         regions: match id.role {
             WorkerRole::Rollout => vec![Blob(format!("{id} MR 0").into_bytes())],

@@ -13,28 +13,40 @@
 //! reported landed, so a version is never reported while a write is still in flight, and a write
 //! of an earlier, aborted epoch can never count (different immediate, retired by
 //! [`abort`](RolloutWorker::abort)). Optional verification compares xxh3 checksums of every run
-//! against what landed and names the tensor on a mismatch (see [`crate::checksum`]).
+//! against what landed and names the tensor on a mismatch (see [`crate::checksum`]). When the
+//! fabric logs what lands (the TCP backend does) and a round was verified, the next rounds'
+//! runs are hashed while the rest still lands, and verification uses those hashes for the runs
+//! no frame touched since (see `early_check`): committing then costs little more than the
+//! control round trips.
 //!
 //! An engine that lands weights in its own parameters builds the receiver over the regions it
 //! registered ([`RolloutWorker::with_regions`]) with a [`Placement`]; the receiver then holds its
 //! tensors in those actual coordinates, and reading, coverage and verification work on them
 //! unchanged.
 
+mod early_check;
 mod placement;
 
 pub use placement::{Placed, Placement};
 
+use early_check::{EarlyCheck, EarlyHashes, RunKey};
+
+use std::cell::RefCell;
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::Mutex;
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
-use weightsync_common::fabric::{Access, FabricBackend, ImmWait, Region, RegionDescriptor};
+use weightsync_common::fabric::{
+    Access, FabricBackend, ImmWait, LandingLog, Region, RegionDescriptor,
+};
 use weightsync_schedules::job::same_rollout_layout;
 use weightsync_schedules::table::{DstTensor, RolloutPlan};
 
-use crate::checksum::{xxh3, RunChecksum};
+use crate::checksum::{xxh3_in_region, RunChecksum};
 use crate::error::{Result, WorkerError};
 use crate::imm_tag::imm_for;
 use crate::timeline::{Timeline, TimelineRecorder};
@@ -73,6 +85,9 @@ pub struct Verified {
     pub runs: u64,
     /// Bytes hashed.
     pub bytes: u64,
+    /// Of `bytes`: those hashed while the round was still landing and untouched since (see
+    /// `early_check`); the rest were hashed by `verify` itself.
+    pub early_bytes: u64,
 }
 
 /// One inference rank's receiver (see the module docs).
@@ -87,6 +102,39 @@ pub struct RolloutWorker<F: FabricBackend> {
     placement: Option<Placement>,
     regions: Vec<Region>,
     armed: Mutex<Option<Armed>>,
+    /// What lands in the regions, when the backend sees writes land.
+    landing: Option<Arc<LandingLog>>,
+    /// The runs of the last verified round (sorted by region and offset): what the next round's
+    /// early check follows. Empty until a round was verified.
+    runs: Mutex<Arc<Vec<RunKey>>>,
+    /// The round's early check: running, or the hashes it took once `verify` stopped it.
+    early: Mutex<Early>,
+}
+
+/// The state of the current round's early check.
+#[derive(Debug, Default)]
+enum Early {
+    /// None (no runs known yet, no log, or aborted).
+    #[default]
+    Off,
+    /// Hashing runs as they land.
+    Running(EarlyCheck),
+    /// Stopped by `verify`: what it hashed.
+    Done(Arc<EarlyHashes>),
+}
+
+/// Attaches one landing log to every region (tagged with its index), or `None` when the backend
+/// cannot see writes land.
+fn log_landings(regions: &[Region]) -> Option<Arc<LandingLog>> {
+    let log = LandingLog::new();
+    for (i, r) in regions.iter().enumerate() {
+        let tag = u16::try_from(i).ok()?;
+        if let Err(e) = r.log_landings(&log, tag) {
+            tracing::debug!("what lands is checked after each round only: {e}");
+            return None;
+        }
+    }
+    Some(log)
 }
 
 impl<F: FabricBackend> RolloutWorker<F> {
@@ -127,8 +175,11 @@ impl<F: FabricBackend> RolloutWorker<F> {
             planned: plan.clone(),
             plan,
             placement: None,
+            landing: log_landings(&regions),
             regions,
             armed: Mutex::new(None),
+            runs: Mutex::default(),
+            early: Mutex::default(),
         })
     }
 
@@ -180,8 +231,11 @@ impl<F: FabricBackend> RolloutWorker<F> {
             planned: plan,
             plan: actual,
             placement: Some(placement),
+            landing: log_landings(&regions),
             regions,
             armed: Mutex::new(None),
+            runs: Mutex::default(),
+            early: Mutex::default(),
         })
     }
 
@@ -215,6 +269,9 @@ impl<F: FabricBackend> RolloutWorker<F> {
         }
         self.plan.expect = plan.expect.clone();
         self.planned = plan;
+        // A new plan may cut the trainers' runs differently: learn them again.
+        *self.runs.get_mut() = Arc::default();
+        *self.early.get_mut() = Early::Off;
         Ok(())
     }
 
@@ -279,7 +336,55 @@ impl<F: FabricBackend> RolloutWorker<F> {
             rec: TimelineRecorder::start(&self.name),
             waits,
         });
+        self.start_early_check();
         Ok(())
+    }
+
+    /// Starts this round's early check (see `early_check`) when the backend logs landings and
+    /// a verified round taught the runs; stops the previous round's first.
+    fn start_early_check(&self) {
+        let mut early = self.early.lock();
+        *early = Early::Off;
+        let Some(log) = &self.landing else {
+            return;
+        };
+        log.restart();
+        let runs = self.runs.lock().clone();
+        if runs.is_empty() {
+            return;
+        }
+        match EarlyCheck::start(&self.name, self.regions.clone(), log.clone(), runs) {
+            Ok(check) => *early = Early::Running(check),
+            Err(e) => tracing::warn!(
+                "{}: no early check this round (cannot start its thread: {e})",
+                self.name
+            ),
+        }
+    }
+
+    /// The hashes the round's early check took (stopping it if it still runs).
+    fn early_hashes(&self) -> Option<Arc<EarlyHashes>> {
+        let mut early = self.early.lock();
+        if let Early::Running(_) = &*early {
+            let Early::Running(check) = std::mem::take(&mut *early) else {
+                unreachable!("matched just above");
+            };
+            *early = Early::Done(Arc::new(check.finish()));
+        }
+        match &*early {
+            Early::Done(h) => Some(h.clone()),
+            _ => None,
+        }
+    }
+
+    /// Bytes the running early check hashed so far (tests wait for it).
+    #[cfg(test)]
+    pub(crate) fn early_hashed_bytes(&self) -> u64 {
+        match &*self.early.lock() {
+            Early::Running(c) => c.hashed_bytes(),
+            Early::Done(h) => h.keys().map(|k| k.2).sum(),
+            Early::Off => 0,
+        }
     }
 
     /// The sync currently armed, if any.
@@ -354,6 +459,7 @@ impl<F: FabricBackend> RolloutWorker<F> {
     /// Aborts the armed sync (if any): its immediates are retired, so writes of it that are
     /// still in flight can never count toward a later sync.
     pub fn abort(&self) -> Option<SyncId> {
+        *self.early.lock() = Early::Off;
         let armed = self.armed.lock().take()?;
         let counter = self.fabric.imm_counter();
         for (_, _, imm, wait) in armed.waits {
@@ -375,11 +481,37 @@ impl<F: FabricBackend> RolloutWorker<F> {
             .collect();
         mine.sort();
         self.check_coverage(&mine)?;
+        let runs: Vec<RunKey> = mine.iter().map(|c| (c.mr, c.offset, c.len)).collect();
+        if **self.runs.lock() != runs {
+            *self.runs.lock() = Arc::new(runs);
+        }
+        // A run hashed while the round landed counts only if no frame touched it since (see
+        // `early_check`); every other run is read now where it landed, through a chunk buffer
+        // each rayon thread keeps (see `crate::checksum`).
+        let early = self.early_hashes();
+        let log = self.landing.as_ref().map(|l| l.snapshot());
+        let early_hash = |c: &RunChecksum| {
+            let (h, seq) = *early.as_ref()?.get(&(c.mr, c.offset, c.len))?;
+            log.as_ref()?
+                .unchanged_since(c.mr, c.offset, c.len, seq)
+                .then_some(h)
+        };
+        thread_local! {
+            static SCRATCH: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+        }
+        let early_bytes = AtomicU64::new(0);
         let mismatch = mine.par_iter().find_map_first(|c| {
-            let region = self.regions.get(c.mr as usize)?;
-            let actual = match region.copy_to_vec(c.offset, c.len as usize) {
-                Ok(bytes) => xxh3(&bytes),
-                Err(_) => return Some((*c, 0)),
+            let actual = if let Some(h) = early_hash(c) {
+                early_bytes.fetch_add(c.len, Ordering::Relaxed);
+                h
+            } else {
+                let region = self.regions.get(c.mr as usize)?;
+                let hashed = SCRATCH
+                    .with_borrow_mut(|scratch| xxh3_in_region(region, c.offset, c.len, scratch));
+                match hashed {
+                    Ok(h) => h,
+                    Err(_) => return Some((*c, 0)),
+                }
             };
             (actual != c.xxh3).then_some((*c, actual))
         });
@@ -397,6 +529,7 @@ impl<F: FabricBackend> RolloutWorker<F> {
         Ok(Verified {
             runs: mine.len() as u64,
             bytes: mine.iter().map(|c| c.len).sum(),
+            early_bytes: early_bytes.into_inner(),
         })
     }
 

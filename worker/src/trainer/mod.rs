@@ -16,6 +16,8 @@
 //! - [`pipeline`]: the scheduler that overlaps the stages, immediates, the barrier.
 
 mod direct;
+#[cfg(test)]
+mod early_check_tests;
 mod piece;
 mod pipeline;
 mod stages;

@@ -161,7 +161,7 @@ fn plans() -> (TrainerPlan, RolloutPlan) {
 }
 
 /// Source bytes for step `step`: w as bf16, b as f32, values varying with the step.
-fn source_bytes(step: u32) -> Vec<u8> {
+pub(super) fn source_bytes(step: u32) -> Vec<u8> {
     let mut out = Vec::new();
     for i in 0..W_ROWS * W_COLS {
         let x = ((i * 7 + step * 13) % 1001) as f32 / 100.0 - 5.0;
@@ -175,7 +175,7 @@ fn source_bytes(step: u32) -> Vec<u8> {
 }
 
 /// What the rollout must hold, computed from whole tensors with the kernels directly.
-fn expected(src: &[u8]) -> Vec<u8> {
+pub(super) fn expected(src: &[u8]) -> Vec<u8> {
     let w_bytes = (W_ROWS * W_COLS * 2) as usize;
     let shape = Fp8Shape {
         rows: W_ROWS as usize,
@@ -208,9 +208,9 @@ fn expected(src: &[u8]) -> Vec<u8> {
     out
 }
 
-type SharedSource = Arc<parking_lot::RwLock<Vec<u8>>>;
+pub(super) type SharedSource = Arc<parking_lot::RwLock<Vec<u8>>>;
 
-fn setup(
+pub(super) fn setup(
     watermark: u64,
     mode: PipelineMode,
 ) -> (

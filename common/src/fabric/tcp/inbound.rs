@@ -118,13 +118,15 @@ impl<'a> InboundLane<'a> {
 
     /// Receives `len` payload bytes into `memory` at `offset` (checked against the registration
     /// by the caller). If the region is revoked part-way, stops writing to it at once, drains
-    /// the rest and returns `Revoked`.
+    /// the rest and returns `Revoked`. The owner's landing log, if any, sees the frame begin
+    /// before its first byte and end after its last (or when it stopped).
     pub fn land(
         &mut self,
         memory: &RegisteredMemory,
         offset: u64,
         len: u64,
     ) -> Result<Landing, IoFail> {
+        let _logged = memory.landing(offset, len);
         let landing = self.land_bytes(memory, offset, len);
         self.set_wake(1)?;
         landing

@@ -404,7 +404,8 @@ impl FabricBackend for TcpFabric {
                 "the TCP backend registers host memory only".into(),
             ));
         }
-        let mem = RegisteredMemory::new(memory);
+        // The receive threads land every frame themselves, so they can report each one.
+        let mem = RegisteredMemory::new_reporting_landings(memory);
         let rkey = self.inner.shared.table.insert(mem.clone(), access);
         let descriptor = RegionDescriptor {
             endpoint: self.inner.endpoint.clone(),
