@@ -70,9 +70,9 @@ fn one_box(model: &Model, shape: Shape, pieces: &[super::Piece]) -> Option<Param
         return None;
     }
     let mut offset = [0u32; MAX_DIMS];
-    for d in 0..nd {
-        offset[d] = first.src.start[d].checked_sub(first.dst_start[d])?;
-        if offset[d].checked_add(shape.dims[d])? > global.dims[d] {
+    for (d, off) in offset.iter_mut().enumerate().take(nd) {
+        *off = first.src.start[d].checked_sub(first.dst_start[d])?;
+        if off.checked_add(shape.dims[d])? > global.dims[d] {
             return None;
         }
     }
