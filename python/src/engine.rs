@@ -20,6 +20,9 @@ pub(crate) struct EngineCore {
     inner: EngineHandle,
 }
 
+/// One tensor of the rank's layout: `(name, dtype, shape, global_shape, offset)`.
+pub(crate) type LayoutEntry = (String, String, Vec<u64>, Option<Vec<u64>>, Option<Vec<u64>>);
+
 /// `(version, state, cause)` with state one of idle / landing / committed / invalid.
 pub(crate) type State = (Option<u64>, &'static str, Option<String>);
 
@@ -80,12 +83,21 @@ impl EngineCore {
         self.inner.worker_id().to_string()
     }
 
-    /// The tensors this rank must register: `(name, dtype, shape)`.
-    fn layout(&self) -> Vec<(String, String, Vec<u64>)> {
+    /// The tensors this rank must register: `(name, dtype, shape, global_shape, offset)`, the
+    /// last two None for a tensor that is not one box of one training parameter.
+    fn layout(&self) -> Vec<LayoutEntry> {
         self.inner
             .layout()
             .into_iter()
-            .map(|t| (t.name, t.dtype.name().to_string(), t.shape))
+            .map(|t| {
+                (
+                    t.name,
+                    t.dtype.name().to_string(),
+                    t.shape,
+                    t.global_shape,
+                    t.offset,
+                )
+            })
             .collect()
     }
 

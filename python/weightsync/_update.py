@@ -30,7 +30,7 @@ class UpdateCalls(Protocol):
 
     where: str
 
-    def ready(self, version: int) -> list[dict[str, Any]]: ...
+    def ready(self, version: int, wait_s: float) -> list[dict[str, Any]]: ...
     def start(self) -> None: ...
     def update(self, version: int, timeout_s: float) -> None: ...
     def finish(self, version: int) -> None: ...
@@ -41,8 +41,13 @@ class UpdateCalls(Protocol):
 
 
 def drive(calls: UpdateCalls, version: int, *, timeout_s: float, reset_prefix_cache: bool,
-          poll_s: float) -> dict[str, Any]:
+          poll_s: float, worker_wait_s: float = 0.0) -> dict[str, Any]:
     """Runs the update (see the module doc); returns the driver's timings and each worker's.
+
+    With more than one worker, each poll after the first waits inside the workers for up to
+    ``worker_wait_s`` (asleep) instead of polling every ``poll_s``: vLLM's worker processes
+    busy-wait on their message queue for a while after every message, so quick polls would keep
+    every worker spinning a CPU for as long as the trainers take.
 
     Raises:
         TimeoutError: the version did not reach every worker in ``timeout_s`` (the engine keeps
@@ -51,16 +56,20 @@ def drive(calls: UpdateCalls, version: int, *, timeout_s: float, reset_prefix_ca
     """
     tw = time.perf_counter()
     deadline = time.monotonic() + timeout_s
+    wait_s = 0.0
     while True:
-        states = calls.ready(version)
+        states = calls.ready(version, wait_s)
         if states and all(r["ready"] for r in states):
             break
+        if len(states) > 1:
+            wait_s = max(0.0, min(worker_wait_s, deadline - time.monotonic()))
         if time.monotonic() > deadline:
             raise TimeoutError(
                 f"version {version} did not reach every worker of {calls.where} in {timeout_s} s (worker "
                 f"states {[(r['state'], r['cause']) for r in states]}); it keeps serving "
                 f"{calls.weight_version()!r}", version=version)
-        time.sleep(poll_s)
+        if wait_s == 0:
+            time.sleep(poll_s)
     t0 = time.perf_counter()
     calls.start()
     t1 = time.perf_counter()

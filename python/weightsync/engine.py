@@ -35,11 +35,26 @@ EngineStage = Literal["pause", "load", "resume"]
 
 @dataclass(frozen=True)
 class TensorInfo:
-    """One tensor of this inference rank in the job's inference layout."""
+    """One tensor of this inference rank in the job's inference layout.
+
+    ``global_shape`` and ``offset`` place it in the training parameter (the whole Hugging Face
+    tensor) it is cut from, as :class:`weightsync.ShardInfo` places a trainer's shard: the
+    parameter's whole shape and where this rank's box starts in it (``shape`` and zeros for a
+    tensor the rank holds whole). Both are None for a tensor that is not one box of one
+    parameter: a fused tensor (``qkv_proj``, ``gate_up_proj``, ``w13_weight``), an fp8
+    block-scale tensor, a packed expert tensor split by tensor parallelism.
+    """
 
     name: str
     dtype: str
     shape: tuple[int, ...]
+    global_shape: tuple[int, ...] | None = None
+    offset: tuple[int, ...] | None = None
+
+    @property
+    def sharded(self) -> bool:
+        """Whether this rank holds only part of the parameter (a box smaller than the whole)."""
+        return self.global_shape is not None and self.global_shape != self.shape
 
 
 @dataclass(frozen=True)
@@ -111,7 +126,10 @@ class Engine:
 
     def layout(self) -> list[TensorInfo]:
         """Every tensor this rank must register, as the job plans it."""
-        return [TensorInfo(n, d, tuple(s)) for n, d, s in self._core.layout()]
+        return [
+            TensorInfo(n, d, tuple(s), None if g is None else tuple(g), None if o is None else tuple(o))
+            for n, d, s, g, o in self._core.layout()
+        ]
 
     def set_hooks(self, *, before_landing: Hook | None = None, after_commit: Hook | None = None) -> None:
         """Sets both hooks (None clears one). Each is called with the version, in this process,

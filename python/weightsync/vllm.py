@@ -13,8 +13,9 @@ Import this module in the engine process before the model loads (naming it as th
 A vLLM *server* is driven the same way over its HTTP routes by
 :class:`weightsync.vllm_server.VllmServer` (no vLLM needed in the caller).
 
-Each vLLM worker process holds one :class:`weightsync.Engine` (inference rank = the worker's
-global rank ``dp_index * world_size + rank`` unless ``init_info`` names it).
+Each vLLM worker process holds one :class:`weightsync.Engine`: its inference rank is the
+worker's global rank ``dp_index * world_size + rank`` by default, or ``init_info["rank"]`` (the
+inference rank of the engine's first worker) plus the worker's rank within the engine.
 
 Why the load happens inside ``update_weights`` and not in the ``after_commit`` hook: the hook
 runs on weightsync's thread, while vLLM's forward passes run on the engine-core thread; vLLM
@@ -32,9 +33,11 @@ Two landing modes (``init_info["mode"]``):
   any kernel format (packed oneDNN weights, fp8 scale layouts, repacks) comes out right. The
   engine is paused only for that load. A failed sync never reaches the model: the arena is
   marked dirty from the first write, ``update_weights`` raises, vLLM keeps serving its last
-  loaded version. With tensor parallelism each worker's arena is its own shard (the job's
-  ``--infer tp=N,format=hf`` layout gives rank ``r`` only its slice), and vLLM's loaders take a
-  rank's shard when ``tp`` matches (``load_weights`` of a pre-sharded tensor: see the README).
+  loaded version. With tensor parallelism (``tensor_parallel_size=N``, job
+  ``--infer tp=N,format=hf``) each worker's arena holds only its rank's box of each tensor, and
+  at load each sharded tensor reaches vLLM's loader as a whole-shaped tensor holding only that
+  box, which is all the loader reads; at init each box is checked against the one vLLM's
+  loader narrows to, and a mismatch is refused naming the tensor (``weightsync._vllm_shards``).
 - ``direct`` (job ``format=fused``, vLLM's own parameter names): the writes go straight into
   vLLM's parameters. Only when those are what the kernels read: a parameter emptied by
   kernel packing (``numel() == 0``, e.g. the CPU backend's oneDNN handles on AVX-512 hosts) is
@@ -51,6 +54,7 @@ as one JSON line on the ``weightsync.vllm`` logger.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -67,7 +71,8 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from ._landing import ArenaNotCommitted, LandingGate
 from ._update import drive
-from .engine import Engine, EngineStage
+from ._vllm_shards import check_boxes, loader_items
+from .engine import Engine, EngineStage, TensorInfo
 from .errors import ClosedError, RegistrationError, SyncFailedError, TimeoutError
 
 __all__ = ["BACKEND", "WeightsyncInitInfo", "WeightsyncUpdateInfo", "WeightsyncTransferEngine",
@@ -91,7 +96,8 @@ def torch_dtype(name: str) -> torch.dtype:
 @dataclass
 class WeightsyncInitInfo(WeightTransferInitInfo):
     """``controller``: the controller's control address ``host:port``; ``mode``: ``staged`` or
-    ``direct``; ``rank``: the inference rank (default: the worker's global rank);
+    ``direct``; ``rank``: the inference rank of the engine's first worker (each worker adds its
+    rank within the engine; default: the worker's global rank);
     ``job_token`` / ``listen`` / ``worker_id`` as for :class:`weightsync.Engine`;
     ``landing_wait_s``: how long a direct-mode landing waits for ``update_weights`` to pause
     the engine before it fails the sync."""
@@ -147,6 +153,8 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
         self.engine: Engine | None = None
         self.mode = "staged"
         self.arena: dict[str, torch.Tensor] = {}
+        # Staged, tp > 1: the arena tensors that hold only this rank's box (by name).
+        self.sharded: dict[str, TensorInfo] = {}
         self.gate = LandingGate(direct=False)
         self.loaded_version: int | None = None
         self.syncs: list[_Sync] = []
@@ -164,18 +172,21 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
             raise ValueError(f"init_info.mode {init_info.mode!r}: expected 'staged' or 'direct'")
         self.mode = init_info.mode
         self.gate = LandingGate(direct=self.mode == "direct", landing_wait_s=float(init_info.landing_wait_s))
-        rank = init_info.rank
-        if rank is None:
-            pc = self.parallel_config
+        pc = self.parallel_config
+        if init_info.rank is None:
             rank = pc.data_parallel_index * pc.world_size + pc.rank
+        else:
+            rank = init_info.rank + pc.rank
         engine = Engine(controller=init_info.controller, rank=rank, job_token=init_info.job_token,
                         listen=init_info.listen, worker_id=init_info.worker_id,
                         before_landing=self.gate.before_landing, after_commit=self.gate.after_commit)
         try:
             if self.mode == "staged":
-                self.arena = {t.name: torch.empty(t.shape, dtype=torch_dtype(t.dtype))
-                              for t in engine.layout()}
+                layout = engine.layout()
+                sharded = check_boxes(self.model, layout, engine.worker_id, pc.tensor_parallel_size)
+                self.arena = {t.name: torch.empty(t.shape, dtype=torch_dtype(t.dtype)) for t in layout}
                 engine.register(self.arena, format="hf")
+                self.sharded = {t.name: t for t in sharded}
             else:
                 engine.register(self._direct_params(engine.worker_id), format="fused")
         except BaseException:
@@ -185,8 +196,9 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
         self._init_info = init_info
         self.epochs += 1
         log.info(json.dumps({"weightsync": "init", "worker": engine.worker_id, "mode": self.mode,
-                             "registration": self.epochs,
-                             "tensors": len(self.arena) if self.mode == "staged" else None}))
+                             "registration": self.epochs, "tp": pc.tensor_parallel_size,
+                             "tensors": len(self.arena) if self.mode == "staged" else None,
+                             "sharded": len(self.sharded) if self.mode == "staged" else None}))
 
     # ---- sleep / wake ---------------------------------------------------------------------
 
@@ -200,6 +212,7 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
         engine.close()
         self.engine = None
         self.arena = {}
+        self.sharded = {}
         self.gate = LandingGate(direct=self.mode == "direct", landing_wait_s=self.gate.landing_wait_s)
         log.info(json.dumps({"weightsync": "left for sleep", "worker": engine.worker_id}))
 
@@ -319,7 +332,10 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
                 t0, n0 = time.perf_counter(), engine.now_ns()
                 initialize_layerwise_reload(self.model)
                 t1 = time.perf_counter()
-                self.model.load_weights(iter(self.arena.items()))  # type: ignore[operator]
+                # tp > 1: sharded tensors go in whole-shaped, holding only this rank's box.
+                whole_s = [0.0]
+                items = loader_items(self.arena, self.sharded, whole_s) if self.sharded else iter(self.arena.items())
+                self.model.load_weights(items)  # type: ignore[operator]
                 t2 = time.perf_counter()
                 finalize_layerwise_reload(self.model, self.model_config)  # type: ignore[no-untyped-call]
                 t3, n3 = time.perf_counter(), engine.now_ns()
@@ -327,6 +343,8 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
             raise SyncFailedError(f"{engine.worker_id}: {e}; vLLM keeps serving version {self.loaded_version}",
                                   version=version, worker=engine.worker_id, cause=str(e)) from None
         sync.load_parts_s = {"init": t1 - t0, "load_weights": t2 - t1, "finalize": t3 - t2}
+        if self.sharded:
+            sync.load_parts_s["whole_shaped"] = whole_s[0]  # part of load_weights
         sync.load_s = t3 - t0
         sync.load_ns = (n0, n3)
         sync.loaded_version = have
@@ -356,6 +374,7 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
         e = self.engine
         st = e.status() if e is not None else None
         return {"worker": e.worker_id if e else None, "mode": self.mode, "registrations": self.epochs,
+                "tp": self.parallel_config.tensor_parallel_size, "sharded": sorted(self.sharded),
                 "loaded_version": self.loaded_version, "arena_version": self.gate.arena_version,
                 "engine_version": st.version if st else None, "state": st.state if st else None,
                 "cause": st.cause if st else None,
@@ -382,27 +401,34 @@ class WorkerExtension:
     def weightsync_status(self) -> dict[str, Any]:
         return self._ws_engine().status()
 
-    def weightsync_ready(self, version: int | str) -> dict[str, Any]:
-        """Returns at once: may ``update_weights(version)`` start without holding the engine
-        waiting? Yes when a whole version >= ``version`` is in the arena (staged) or its landing
-        waits for the engine (direct), when the engine already committed one, or when the sync
-        of a version >= ``version`` failed (``update_weights`` will raise at once). An older
-        failure does not count: after a failed sync the engine waits for the next version
-        while it serves (``version`` may come as a string: vLLM's HTTP ``/collective_rpc``
-        passes only strings)."""
+    def weightsync_ready(self, version: int | str, wait_s: float | str = 0.0) -> dict[str, Any]:
+        """May ``update_weights(version)`` start without holding the engine waiting? Yes when
+        a whole version >= ``version`` is in the arena (staged) or its landing waits for the
+        engine (direct), when the engine already committed one, or when the sync of a version
+        >= ``version`` failed (``update_weights`` will raise at once). An older failure does not
+        count: after a failed sync the engine waits for the next version while it serves
+        (``version`` may come as a string: vLLM's HTTP ``/collective_rpc`` passes only strings).
+
+        Returns at once with ``wait_s == 0``; else sleeps (in steps of 5 ms, holding this
+        worker's engine-core thread) until the answer is yes or ``wait_s`` passed."""
         version = int(version)
+        deadline = time.monotonic() + float(wait_s)
         eng = self._ws_engine()
         engine, gate = eng._require_engine(), eng.gate
-        have, waiting = gate.arena_version, gate.waiting
-        ready = (have is not None and have >= version) or (waiting is not None and waiting >= version)
-        if not ready:
-            try:
-                engine.wait_for_version(version, timeout=0)
-                ready = True
-            except SyncFailedError:
-                ready = True
-            except TimeoutError:
-                pass
+        while True:
+            have, waiting = gate.arena_version, gate.waiting
+            ready = (have is not None and have >= version) or (waiting is not None and waiting >= version)
+            if not ready:
+                try:
+                    engine.wait_for_version(version, timeout=0)
+                    ready = True
+                except SyncFailedError:
+                    ready = True
+                except TimeoutError:
+                    pass
+            if ready or time.monotonic() >= deadline:
+                break
+            time.sleep(0.005)
         st = engine.status()
         return {"ready": ready, "state": st.state, "cause": st.cause}
 
@@ -439,9 +465,15 @@ class WorkerExtension:
     def weightsync_arena(self) -> dict[str, torch.Tensor]:
         return {n: t.clone() for n, t in self._ws_engine().arena.items()}
 
+    def weightsync_layout(self) -> list[dict[str, Any]]:
+        """This worker's tensors in the job's layout (name, dtype, shape, and the box in the
+        whole tensor: ``global_shape``, ``offset``), as JSON-able dicts."""
+        engine = self._ws_engine()._require_engine()
+        return [dataclasses.asdict(t) for t in engine.layout()]
+
 
 def update(llm: Any, version: int, *, timeout_s: float = 600.0, reset_prefix_cache: bool = True,
-           poll_s: float = 0.005) -> dict[str, Any]:
+           poll_s: float = 0.005, worker_wait_s: float = 0.5) -> dict[str, Any]:
     """Brings an offline ``vllm.LLM`` to ``version`` (or a newer committed one) through the
     weight-transfer API, resets its prefix cache and sets its ``weight_version``; returns the
     timings (driver side plus each worker's).
@@ -449,9 +481,17 @@ def update(llm: Any, version: int, *, timeout_s: float = 600.0, reset_prefix_cac
     It first polls the workers (a quick ``collective_rpc`` every ``poll_s``) until the version
     is whole in every arena (staged) or its landing waits for the engine (direct), so vLLM
     serves while the trainers write and is held only for the load (staged) or the landing
-    (direct)."""
+    (direct).
+
+    With several worker processes (tensor parallelism: vLLM's multiprocess executor) each poll
+    waits in the workers instead, up to ``worker_wait_s``, asleep: those workers busy-wait on
+    their message queue for a second after every message, so a poll every few milliseconds
+    would keep each of them spinning a CPU at 100% for as long as the trainers take (on a
+    shared 2-core host it starved a 2-rank trainer: no step in 10 minutes). Nothing is
+    served meanwhile that would otherwise be: an offline ``LLM`` serves only inside its own
+    ``generate`` calls."""
     return drive(_OfflineCalls(llm), version, timeout_s=timeout_s, reset_prefix_cache=reset_prefix_cache,
-                 poll_s=poll_s)
+                 poll_s=poll_s, worker_wait_s=worker_wait_s)
 
 
 class _OfflineCalls:
@@ -462,8 +502,8 @@ class _OfflineCalls:
     def __init__(self, llm: Any) -> None:
         self.llm = llm
 
-    def ready(self, version: int) -> list[dict[str, Any]]:
-        return list(self.llm.collective_rpc("weightsync_ready", args=(version,)))
+    def ready(self, version: int, wait_s: float) -> list[dict[str, Any]]:
+        return list(self.llm.collective_rpc("weightsync_ready", args=(version, wait_s)))
 
     def start(self) -> None:
         self.llm.start_weight_update()

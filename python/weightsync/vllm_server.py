@@ -82,9 +82,11 @@ class VllmServer:
             info["job_token"] = job_token
         self._call("POST", "/init_weight_transfer_engine", {"init_info": info})
 
-    def ready(self, version: int) -> list[dict[str, Any]]:
-        """Each worker's ``weightsync_ready(version)`` (see :class:`weightsync.vllm.WorkerExtension`)."""
-        return self._rpc("weightsync_ready", str(int(version)))
+    def ready(self, version: int, wait_s: float = 0.0) -> list[dict[str, Any]]:
+        """Each worker's ``weightsync_ready(version, wait_s)`` (see
+        :class:`weightsync.vllm.WorkerExtension`): with ``wait_s`` > 0 each worker waits up to
+        that long for the answer to become yes."""
+        return self._rpc("weightsync_ready", str(int(version)), str(float(wait_s)))
 
     def status(self) -> list[dict[str, Any]]:
         """Each worker's backend status (mode, loaded version, engine state, per-sync timings)."""
@@ -99,7 +101,7 @@ class VllmServer:
         return None if out is None else out.get("weight_version")
 
     def update(self, version: int, *, timeout_s: float = 600.0, reset_prefix_cache: bool = True,
-               poll_s: float = 0.01) -> dict[str, Any]:
+               poll_s: float = 0.01, worker_wait_s: float = 0.5) -> dict[str, Any]:
         """Brings the server to ``version`` (or a newer committed one); returns the timings
         (driver side plus each worker's), as :func:`weightsync.vllm.update`.
 
@@ -110,7 +112,7 @@ class VllmServer:
                 serving its last version).
         """
         return drive(_ServerCalls(self), version, timeout_s=timeout_s, reset_prefix_cache=reset_prefix_cache,
-                     poll_s=poll_s)
+                     poll_s=poll_s, worker_wait_s=worker_wait_s)
 
     def shutdown(self) -> None:
         """``/shutdown_weight_transfer_engine``: each worker leaves the job."""
@@ -124,8 +126,8 @@ class _ServerCalls:
         self.srv = srv
         self.where = srv.url
 
-    def ready(self, version: int) -> list[dict[str, Any]]:
-        return self.srv.ready(version)
+    def ready(self, version: int, wait_s: float) -> list[dict[str, Any]]:
+        return self.srv.ready(version, wait_s)
 
     def start(self) -> None:
         self.srv._call("POST", "/start_weight_update", {})

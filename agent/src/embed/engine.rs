@@ -8,6 +8,7 @@ use tokio::runtime::Runtime;
 use weightsync_common::fabric::Fabric;
 use weightsync_common::protocol::{FromWorker, Stage, WorkerId, WorldSpec};
 use weightsync_schedules::job;
+use weightsync_schedules::layout_infer::ParamBox;
 use weightsync_schedules::table::RolloutPlan;
 use weightsync_worker::RolloutWorker;
 
@@ -51,6 +52,8 @@ pub struct EngineHandle {
     rank: u32,
     world: WorldSpec,
     planned: RolloutPlan,
+    /// Each planned tensor's box in its training parameter (`planned.tensors`' order).
+    boxes: Vec<Option<ParamBox>>,
     fabric: Fabric,
     shared: Arc<EngineShared>,
     rt: Mutex<Option<Runtime>>,
@@ -80,14 +83,18 @@ impl EngineHandle {
             opts.worker_id.as_deref(),
         );
         let st = start(&reach)?;
-        let planned = job::inference_layout(&st.world, st.model_config.as_deref())
-            .and_then(|(_, infer)| job::rollout_layout(&infer, opts.rank))
+        let (model, infer) = job::inference_layout(&st.world, st.model_config.as_deref())
+            .map_err(|e| reach.connect_error(e))?;
+        let planned = job::rollout_layout(&infer, opts.rank).map_err(|e| reach.connect_error(e))?;
+        let boxes = infer
+            .param_boxes(&model, opts.rank)
             .map_err(|e| reach.connect_error(e))?;
         Ok(EngineHandle {
             reach,
             rank: opts.rank,
             world: st.world,
             planned,
+            boxes,
             fabric: st.fabric,
             shared: Arc::default(),
             rt: Mutex::new(Some(st.rt)),
@@ -101,15 +108,20 @@ impl EngineHandle {
         &self.reach.name
     }
 
-    /// Every tensor of this inference rank, as planned.
+    /// Every tensor of this inference rank, as planned, with its place in the training
+    /// parameter it is cut from where it is one box of one (see [`DstTensorInfo`]).
     pub fn layout(&self) -> Vec<DstTensorInfo> {
+        let dims = |d: &[u32]| d.iter().map(|&d| d as u64).collect::<Vec<u64>>();
         self.planned
             .tensors
             .iter()
-            .map(|t| DstTensorInfo {
+            .zip(&self.boxes)
+            .map(|(t, b)| DstTensorInfo {
                 name: t.name.clone(),
                 dtype: t.dtype,
-                shape: t.shape.dims().iter().map(|&d| d as u64).collect(),
+                shape: dims(t.shape.dims()),
+                global_shape: b.map(|b| dims(b.global.dims())),
+                offset: b.map(|b| dims(&b.offset[..b.global.ndim as usize])),
             })
             .collect()
     }

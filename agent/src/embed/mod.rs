@@ -81,6 +81,13 @@ pub struct ShardInfo {
 }
 
 /// One tensor of an inference rank, as planned.
+///
+/// `global_shape` and `offset` place it in the training parameter it is cut from (named as
+/// [`ShardInfo`] names a trainer's box): the parameter's whole shape and where the tensor
+/// starts in it; `shape` and zeros for a tensor the rank holds whole. Both are `None` when the
+/// tensor is not one box of one parameter: a fused tensor (`qkv_proj`, `gate_up_proj`,
+/// `w13_weight`), an fp8 block-scale tensor, a tp-split packed expert tensor (see
+/// [`weightsync_schedules::layout_infer::ParamBox`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DstTensorInfo {
     /// The engine's name for it.
@@ -89,6 +96,10 @@ pub struct DstTensorInfo {
     pub dtype: DType,
     /// Shape.
     pub shape: Vec<u64>,
+    /// The whole shape of the parameter it is a box of.
+    pub global_shape: Option<Vec<u64>>,
+    /// Where the box starts in that parameter.
+    pub offset: Option<Vec<u64>>,
 }
 
 /// One of the engine's own tensors, registered as a destination.

@@ -6,10 +6,13 @@
 One offline ``vllm.LLM`` (CPU, enforce_eager, prefix caching on) over ``DIR`` (config and a
 random initial checkpoint), ``weight_transfer_config={"backend": "weightsync"}``. For each
 version: serve the long prompt (so its KV is cached under the old weights), bring the engine to
-the version with ``weightsync.vllm.update``, then record vLLM's own parameters, its
+the version with ``weightsync.vllm.update``, then record vLLM's own parameters (a list: one dict
+per vLLM worker, in tp rank order), each worker's arena and layout (staged), its
 ``weight_version``, its greedy tokens for the short and the long prompt (twice: the second
-serve comes from the prefix cache) and the sync's timings to ``OUT/vllm_r{R}_v{V}.pt`` (R: ``--rank``, the
-inference rank), then touch ``OUT/vllm_r{R}_v{V}.done`` (the lockstep trainer waits for it before its next step).
+serve comes from the prefix cache) and the sync's timings to ``OUT/vllm_r{R}_v{V}.pt`` (R: the
+engine's index, ``--rank`` / ``--tp``; ``--rank`` is the inference rank of its first worker), then touch ``OUT/vllm_r{R}_v{V}.done`` (the lockstep trainer waits for it before its next step).
+``--tp N``: ``tensor_parallel_size=N`` (vLLM's workers are then processes of their own; the
+records come from them through ``collective_rpc`` of ``WorkerExtension`` methods).
 ``--kill-trainer-at V``: when version V starts landing (in the engine's ``before_landing``, so
 no byte of it has landed yet) the engine SIGKILLs trainer rank 1 (pid from
 ``OUT/trainer_r1.pid``): the sync fails mid-way; the engine records what it serves then to
@@ -21,6 +24,7 @@ after the wake-up). vLLM's CPU build ignores sleep, so in direct mode the engine
 parameter to new memory between the two, as a GPU wake-up may; the memory registered before
 the sleep (old parameters, or the old arena) is kept and its bytes are compared after the next
 version landed: ``OUT/vllm_r{R}_slept.pt``.
+``--kill-trainer-at`` and ``--sleep-after`` reach into the in-process worker: tp=1 only.
 ``--torch-linear``: the test switch for direct landing on CPU hosts whose linear kernels pack
 the weights (AVX-512): every linear layer reads its live parameter with torch's linear.
 """
@@ -98,9 +102,14 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--torch-linear", action="store_true")
     ap.add_argument("--kill-trainer-at", type=int, default=None)
-    ap.add_argument("--rank", type=int, default=0, help="inference rank (dp engines: 0, 1, ...)")
+    ap.add_argument("--rank", type=int, default=0,
+                    help="inference rank of the engine's first worker (engine e: e * tp)")
     ap.add_argument("--sleep-after", type=int, default=None)
+    ap.add_argument("--tp", type=int, default=1, help="vLLM's tensor_parallel_size")
     args = ap.parse_args()
+    if args.tp > 1 and (args.kill_trainer_at is not None or args.sleep_after is not None):
+        ap.error("--kill-trainer-at and --sleep-after need the in-process worker (--tp 1)")
+    engine = args.rank // args.tp  # the engine's index (dp replica): names its files
     if args.torch_linear:
         torch_linear_switch()
 
@@ -111,7 +120,7 @@ def main() -> None:
     t = time.perf_counter()
     llm = LLM(model=args.model, dtype="bfloat16", skip_tokenizer_init=True, enforce_eager=True,
               max_model_len=512, max_num_seqs=4, seed=0, enable_prefix_caching=True,
-              weight_transfer_config={"backend": wv.BACKEND},
+              tensor_parallel_size=args.tp, weight_transfer_config={"backend": wv.BACKEND},
               worker_extension_cls="weightsync.vllm.WorkerExtension")
     start_s = time.perf_counter() - t
     llm.init_weight_transfer_engine({"init_info": {"controller": args.controller, "mode": args.mode,
@@ -139,32 +148,33 @@ def main() -> None:
             torch.save({"error": error, "weight_version": llm.get_weight_version(),
                         "params": llm.collective_rpc("weightsync_params")[0],
                         "short": gen(tiny.PROMPT), "status": llm.collective_rpc("weightsync_status")[0]},
-                       os.path.join(args.out, f"vllm_r{args.rank}_failed_v{v}.pt"))
+                       os.path.join(args.out, f"vllm_r{engine}_failed_v{v}.pt"))
             print(f"version {v}: {error}", flush=True)
             continue  # the next version (from a restarted trainer) must commit
         timings = wv.update(llm, v)
         rec = {
             "timings": timings,
             "weight_version": llm.get_weight_version(),
-            "params": llm.collective_rpc("weightsync_params")[0],
-            "arena": llm.collective_rpc("weightsync_arena")[0] if args.mode == "staged" else None,
+            "params": llm.collective_rpc("weightsync_params"),
+            "arena": llm.collective_rpc("weightsync_arena") if args.mode == "staged" else None,
+            "layout": llm.collective_rpc("weightsync_layout") if args.mode == "staged" else None,
             "short": gen(tiny.PROMPT),
             "long_first": gen(LONG_PROMPT),
             "long_cached": gen(LONG_PROMPT),
-            "status": llm.collective_rpc("weightsync_status")[0],
+            "status": llm.collective_rpc("weightsync_status"),
         }
-        torch.save(rec, os.path.join(args.out, f"vllm_r{args.rank}_v{v}.pt"))
+        torch.save(rec, os.path.join(args.out, f"vllm_r{engine}_v{v}.pt"))
         print(json.dumps({"version": v, **{k: timings[k] for k in ("pause_s", "land_s", "load_s", "resume_s")}}),
               flush=True)
         if slept is not None:
             old, snapshot = slept
             torch.save({"old": {n: t.clone() for n, t in old.items()}, "before": snapshot, "after_version": v,
-                        "status": rec["status"]}, os.path.join(args.out, f"vllm_r{args.rank}_slept.pt"))
+                        "status": rec["status"][0]}, os.path.join(args.out, f"vllm_r{engine}_slept.pt"))
             slept = None
         if v == args.sleep_after:
             slept = sleep_and_wake(llm, args.mode, wv)
             print(f"slept and woke after version {v}", flush=True)
-        open(os.path.join(args.out, f"vllm_r{args.rank}_v{v}.done"), "w").close()
+        open(os.path.join(args.out, f"vllm_r{engine}_v{v}.done"), "w").close()
     llm.collective_rpc("shutdown_weight_transfer_engine")
 
 

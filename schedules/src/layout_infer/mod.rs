@@ -75,7 +75,8 @@
 //! # Files
 //! `mod.rs` the types, the spec and [`InferenceLayout::build`]; `check` the degree checks run
 //! first; `rank` one rank's builder (tensors from parts, refusals); `layer` a decoder layer's
-//! tensors in either format.
+//! tensors in either format; `param_box` where a rank's tensor sits in the parameter it is cut
+//! from ([`InferenceLayout::param_boxes`]).
 //!
 //! # Arena
 //! Each rank's tensors are placed in MR 0 in the order listed, each at the next 256-byte aligned
@@ -83,6 +84,7 @@
 
 mod check;
 mod layer;
+mod param_box;
 mod rank;
 #[cfg(test)]
 mod tests;
@@ -97,6 +99,7 @@ use crate::layout_train::{parse_degree, parse_kv};
 use crate::model::{Model, Role};
 use crate::table::{DstTensor, TensorBox, MAX_DIMS};
 use check::check_divisible;
+pub use param_box::ParamBox;
 use rank::RankBuilder;
 
 /// Where the fp8 scales of a piece go.

@@ -51,3 +51,120 @@ fn gqa_kv_heads_are_replicated_when_tp_exceeds_them() {
     let e = InferenceLayout::build(&m, &"tp=3".parse().unwrap()).unwrap_err();
     assert!(e.to_string().contains("num_attention_heads"), "{e}");
 }
+
+/// `(name, box)` of every tensor of `rank`.
+fn boxes_of(m: &Model, spec: &str, rank: u32) -> Vec<(String, Option<ParamBox>)> {
+    let l = InferenceLayout::build(m, &spec.parse().unwrap()).unwrap();
+    let b = l.param_boxes(m, rank).unwrap();
+    l.ranks[rank as usize]
+        .tensors
+        .iter()
+        .map(|t| t.name.clone())
+        .zip(b)
+        .collect()
+}
+
+fn box_of<'a>(boxes: &'a [(String, Option<ParamBox>)], name: &str) -> &'a Option<ParamBox> {
+    &boxes.iter().find(|(n, _)| n == name).unwrap().1
+}
+
+/// `(global dims, offset dims)` of a box.
+fn dims(b: &Option<ParamBox>) -> (Vec<u32>, Vec<u32>) {
+    let b = b.as_ref().expect("a box");
+    let n = b.global.ndim as usize;
+    (b.global.dims().to_vec(), b.offset[..n].to_vec())
+}
+
+#[test]
+fn hf_tp2_boxes_are_the_ranks_slices_of_the_whole_tensors() {
+    // Qwen3-8B: H 4096, 32 heads, 8 kv heads, D 128, I 12288, V 151936, lm_head untied.
+    let m = Model::preset("qwen3-8b", ExpertForm::PerExpert).unwrap();
+    let b = boxes_of(&m, "tp=2,dp=2,format=hf", 3); // engine 1, tp rank 1
+    assert!(
+        b.iter().all(|(_, x)| x.is_some()),
+        "every hf tensor is one box: {b:?}"
+    );
+    let l = "model.layers.5.";
+    let at = |n: &str| dims(box_of(&b, &format!("{l}{n}")));
+    assert_eq!(
+        at("self_attn.q_proj.weight"),
+        (vec![4096, 4096], vec![2048, 0])
+    );
+    assert_eq!(
+        at("self_attn.k_proj.weight"),
+        (vec![1024, 4096], vec![512, 0])
+    );
+    assert_eq!(
+        at("self_attn.v_proj.weight"),
+        (vec![1024, 4096], vec![512, 0])
+    );
+    assert_eq!(
+        at("self_attn.o_proj.weight"),
+        (vec![4096, 4096], vec![0, 2048])
+    );
+    assert_eq!(at("self_attn.q_norm.weight"), (vec![128], vec![0]));
+    assert_eq!(
+        at("mlp.gate_proj.weight"),
+        (vec![12288, 4096], vec![6144, 0])
+    );
+    assert_eq!(at("mlp.up_proj.weight"), (vec![12288, 4096], vec![6144, 0]));
+    assert_eq!(
+        at("mlp.down_proj.weight"),
+        (vec![4096, 12288], vec![0, 6144])
+    );
+    assert_eq!(at("input_layernorm.weight"), (vec![4096], vec![0]));
+    // transformers keeps the embedding whole; lm_head is vocab-split (torch.chunk).
+    let emb = dims(box_of(&b, "model.embed_tokens.weight"));
+    assert_eq!(emb, (vec![151936, 4096], vec![0, 0]));
+    let lm = dims(box_of(&b, "lm_head.weight"));
+    assert_eq!(lm, (vec![151936, 4096], vec![75968, 0]));
+    // Every box's parameter is the tensor's namesake.
+    for (n, x) in &b {
+        assert_eq!(&*m.params[x.unwrap().param as usize].name, n);
+    }
+}
+
+#[test]
+fn fused_kv_replicated_and_fp8_boxes() {
+    let m = Model::preset("qwen3-0.6b", ExpertForm::PerExpert).unwrap();
+    // Fused: qkv_proj and gate_up_proj are not one box; the unfused tensors are.
+    let f = boxes_of(&m, "tp=2", 1);
+    let l = "model.layers.0.";
+    assert!(box_of(&f, &format!("{l}self_attn.qkv_proj.weight")).is_none());
+    assert!(box_of(&f, &format!("{l}mlp.gate_up_proj.weight")).is_none());
+    let o = dims(box_of(&f, &format!("{l}self_attn.o_proj.weight")));
+    assert_eq!(o, (vec![1024, 2048], vec![0, 1024]));
+    // tp=16 > 8 kv heads: tp ranks 6 and 7 both hold kv head 3, whole.
+    let h = boxes_of(&m, "tp=16,format=hf", 7);
+    let k = dims(box_of(&h, &format!("{l}self_attn.k_proj.weight")));
+    assert_eq!(k, (vec![1024, 1024], vec![384, 0]));
+    // fp8: the weights are boxes, their block scales are not.
+    let q = boxes_of(&m, "tp=2,dtype=fp8,format=hf", 1);
+    let w = dims(box_of(&q, &format!("{l}self_attn.q_proj.weight")));
+    assert_eq!(w, (vec![2048, 1024], vec![1024, 0]));
+    assert!(box_of(&q, &format!("{l}self_attn.q_proj.weight_scale_inv")).is_none());
+    let l = InferenceLayout::build(&m, &"tp=2".parse().unwrap()).unwrap();
+    assert!(matches!(
+        l.param_boxes(&m, 2),
+        Err(PlanError::NoSuchRank {
+            rank: 2,
+            ranks: 2,
+            ..
+        })
+    ));
+}
+
+#[test]
+fn hf_packed_experts_split_by_tp_are_two_boxes() {
+    let m = Model::preset("qwen3-30b-a3b", ExpertForm::StackedGateUp).unwrap();
+    let b = boxes_of(&m, "tp=2,format=hf", 1);
+    let l = "model.layers.0.mlp.experts.";
+    // Per expert the rank's gate rows and its up rows: not one box of [E, 2I, H].
+    assert!(box_of(&b, &format!("{l}gate_up_proj")).is_none());
+    let down = dims(box_of(&b, &format!("{l}down_proj")));
+    assert_eq!(down, (vec![128, 2048, 768], vec![0, 0, 384]));
+    // With ep, whole experts: one box.
+    let e = boxes_of(&m, "tp=2,ep=2,format=hf", 1);
+    let gu = dims(box_of(&e, &format!("{l}gate_up_proj")));
+    assert_eq!(gu, (vec![128, 1536, 2048], vec![64, 0, 0]));
+}
