@@ -30,7 +30,7 @@ use weightsync_schedules::{
 };
 
 pub use broadcast::BroadcastBaseline;
-pub use loopback::{LoopbackCluster, SyncTime, WorkerOptions};
+pub use loopback::{AddressTraffic, LoopbackCluster, SyncTime, WorkerOptions, MAX_ADDRESSES};
 
 /// Why an end-to-end run failed.
 #[derive(Debug, thiserror::Error)]
@@ -183,6 +183,11 @@ pub struct Report {
     pub ratio_vs_fabric: f64,
     /// Broadcast seconds over weightsync seconds.
     pub speedup_vs_broadcast: f64,
+    /// Local addresses (NICs) per fabric.
+    pub addresses: usize,
+    /// What each local address carried during weightsync's timed syncs, summed over every
+    /// worker (with several addresses: how the sync striped over the NICs).
+    pub address_traffic: Vec<AddressTraffic>,
 }
 
 impl Report {
@@ -211,6 +216,18 @@ impl Report {
             "  ratio_vs_tcp_limit {:.2}   ratio_vs_fabric {:.2}   speedup_vs_broadcast {:.2}\n",
             self.ratio_vs_tcp_limit, self.ratio_vs_fabric, self.speedup_vs_broadcast
         );
+        if self.address_traffic.len() > 1 {
+            let sent: u64 = self.address_traffic.iter().map(|a| a.bytes_sent).sum();
+            for a in &self.address_traffic {
+                s += &format!(
+                    "  address {:<12} {:>9.1} MB sent ({:>4.1}%)  {:>9.1} MB received\n",
+                    a.ip,
+                    a.bytes_sent as f64 / 1e6,
+                    100.0 * a.bytes_sent as f64 / sent.max(1) as f64,
+                    a.bytes_received as f64 / 1e6
+                );
+            }
+        }
         s
     }
 }
@@ -239,6 +256,7 @@ pub fn run_table(table: &RoutingTable, cfg: &Config) -> Result<Report, E2eError>
     if cfg.syncs == 0 {
         return Err(E2eError::Options("syncs must be at least 1".into()));
     }
+    cfg.workers.check()?;
     let table = table.clone();
     let landed = loopback::landed_bytes(&table);
     let pairs = tcp_limit::pair_bytes(&table)?;
@@ -247,13 +265,12 @@ pub fn run_table(table: &RoutingTable, cfg: &Config) -> Result<Report, E2eError>
         let mut ws = LoopbackCluster::start(&table, &cfg.workers).await?;
         let bc =
             BroadcastBaseline::start(&table, cfg.bucket_bytes, cfg.workers.lanes_per_peer).await?;
-        let fl =
-            fabric_limit::FabricLimit::start(&pairs, loopback::TOKEN, cfg.workers.lanes_per_peer)
-                .await?;
+        let fl = fabric_limit::FabricLimit::start(&pairs, &cfg.workers.fabric_config()).await?;
         // Warm-up: lanes connect lazily, pages fault in.
         ws.sync().await?;
         bc.sync().await?;
         fl.sync().await?;
+        let before = ws.address_traffic();
         let (mut a, mut b, mut c, mut d) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for _ in 0..cfg.syncs {
             a.push(ws.sync().await?.seconds);
@@ -266,6 +283,16 @@ pub fn run_table(table: &RoutingTable, cfg: &Config) -> Result<Report, E2eError>
             c.push(bc.sync().await?);
             d.push(fl.sync().await?);
         }
+        let address_traffic = ws
+            .address_traffic()
+            .into_iter()
+            .zip(before)
+            .map(|(end, start)| AddressTraffic {
+                ip: end.ip,
+                bytes_sent: end.bytes_sent - start.bytes_sent,
+                bytes_received: end.bytes_received - start.bytes_received,
+            })
+            .collect();
         let weightsync = Method::of(a, landed);
         let tcp_limit = Method::of(b, landed);
         let broadcast = Method::of(c, landed);
@@ -281,6 +308,8 @@ pub fn run_table(table: &RoutingTable, cfg: &Config) -> Result<Report, E2eError>
             ratio_vs_fabric: weightsync.gbps / fabric_limit.gbps,
             speedup_vs_broadcast: broadcast.seconds_per_sync / weightsync.seconds_per_sync,
             broadcast_fabric_bytes: bc.fabric_bytes(),
+            addresses: cfg.workers.addresses,
+            address_traffic,
             weightsync,
             tcp_limit,
             fabric_limit,
@@ -367,6 +396,67 @@ mod tests {
             }
         }
         (all, others)
+    }
+
+    #[test]
+    fn a_sync_over_two_addresses_stripes_across_both() {
+        let table = tiny_table();
+        let cfg = Config {
+            syncs: 2,
+            workers: WorkerOptions {
+                watermark_bytes: 1 << 20,
+                lanes_per_peer: 2,
+                addresses: 2,
+                ..Default::default()
+            },
+            bucket_bytes: 256 << 10,
+            ..Default::default()
+        };
+        let r = run_table(&table, &cfg).unwrap();
+        let ips: Vec<&str> = r.address_traffic.iter().map(|a| a.ip.as_str()).collect();
+        assert_eq!(ips, ["127.0.0.1", "127.0.0.2"]);
+        // Every landed byte came in through one of the two addresses (trainers' gather writes
+        // come on top), and neither address was left idle.
+        let received: u64 = r.address_traffic.iter().map(|a| a.bytes_received).sum();
+        assert!(
+            received >= r.landed_bytes * cfg.syncs as u64,
+            "{received} received over both addresses < {} landed",
+            r.landed_bytes * cfg.syncs as u64
+        );
+        for a in &r.address_traffic {
+            assert!(
+                a.bytes_sent * 10 >= received && a.bytes_received * 10 >= received,
+                "address {} carried under a tenth of the sync: {:?}",
+                a.ip,
+                r.address_traffic
+            );
+        }
+        assert!(r.human().contains("address 127.0.0.2"));
+    }
+
+    #[test]
+    fn addresses_without_a_lane_each_are_refused() {
+        let cfg = Config {
+            workers: WorkerOptions {
+                lanes_per_peer: 1,
+                addresses: 2,
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        let err = run_table(&tiny_table(), &cfg).unwrap_err().to_string();
+        assert!(err.contains("addresses 2") && err.contains("lane"), "{err}");
+        let cfg = Config {
+            workers: WorkerOptions {
+                addresses: 0,
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        assert!(run_table(&tiny_table(), &cfg)
+            .unwrap_err()
+            .to_string()
+            .contains("addresses 0"));
     }
 
     #[test]

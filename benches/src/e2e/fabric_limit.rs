@@ -31,17 +31,17 @@ pub(crate) struct FabricLimit {
 }
 
 impl FabricLimit {
-    /// Starts the fabrics for `pairs` (trainer, rollout, bytes) with `lanes` lanes per peer.
+    /// Starts the fabrics for `pairs` (trainer, rollout, bytes), each configured as `config`
+    /// (the sync's own: same lanes, same local addresses).
     pub(crate) async fn start(
         pairs: &[(u32, u32, u64)],
-        token: &str,
-        lanes: usize,
+        config: &FabricConfig,
     ) -> Result<FabricLimit, E2eError> {
         let setup = |what: &str, e: weightsync_common::fabric::FabricError| {
             E2eError::Setup(format!("fabric limit: {what}: {e}"))
         };
         let start = || async {
-            TcpFabric::start(&FabricConfig::loopback(token, lanes))
+            TcpFabric::start(config)
                 .await
                 .map_err(|e| setup("starting a fabric", e))
         };

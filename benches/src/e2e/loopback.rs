@@ -23,6 +23,10 @@ pub struct WorkerOptions {
     pub watermark_bytes: u64,
     /// Lanes per peer of every fabric.
     pub lanes_per_peer: usize,
+    /// Local addresses (NICs) per fabric: 127.0.0.1, 127.0.0.2, ... (every one is loopback on
+    /// Linux). Lane `i` to a peer leaves from address `i mod addresses`, so a sync stripes over
+    /// all of them when `lanes_per_peer >= addresses`.
+    pub addresses: usize,
     /// Checksums on (trainers hash what they write; costs host CPU).
     pub verify: bool,
     /// Prepare on every rayon thread.
@@ -36,6 +40,7 @@ impl Default for WorkerOptions {
         WorkerOptions {
             watermark_bytes: 256 << 20,
             lanes_per_peer: 2,
+            addresses: 1,
             verify: false,
             prepare_all_threads: true,
             mode: PipelineMode::Pipelined,
@@ -45,6 +50,50 @@ impl Default for WorkerOptions {
 
 /// Job token shared by every fabric of a bench run.
 pub(crate) const TOKEN: &str = "weightsync-bench-e2e";
+
+/// Most local addresses per fabric the bench lays out (127.0.0.1 ..= 127.0.0.8).
+pub const MAX_ADDRESSES: usize = 8;
+
+impl WorkerOptions {
+    /// Checks the options that a fabric would otherwise refuse later, or silently not use.
+    pub fn check(&self) -> Result<(), E2eError> {
+        if self.addresses == 0 || self.addresses > MAX_ADDRESSES {
+            return Err(E2eError::Options(format!(
+                "addresses {}: expected 1 to {MAX_ADDRESSES}",
+                self.addresses
+            )));
+        }
+        if self.lanes_per_peer < self.addresses {
+            return Err(E2eError::Options(format!(
+                "addresses {} with {} lane(s) per peer: lane i leaves from address i mod {}, so \
+                 every address needs a lane (give at least {} lanes)",
+                self.addresses, self.lanes_per_peer, self.addresses, self.addresses
+            )));
+        }
+        Ok(())
+    }
+
+    /// The fabric configuration of every worker (and of the fabric limit beside it).
+    pub(crate) fn fabric_config(&self) -> FabricConfig {
+        FabricConfig {
+            extra_listen: (2..=self.addresses)
+                .map(|k| format!("127.0.0.{k}:0"))
+                .collect(),
+            ..FabricConfig::loopback(TOKEN, self.lanes_per_peer)
+        }
+    }
+}
+
+/// Bytes one local address (NIC) carried, summed over every fabric of a cluster.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct AddressTraffic {
+    /// The address's IP (every fabric of the bench uses the same IPs, each its own port).
+    pub ip: String,
+    /// Bytes sent from it (frame headers included).
+    pub bytes_sent: u64,
+    /// Payload bytes received on it.
+    pub bytes_received: u64,
+}
 
 /// Bytes of plausible bf16 weights (values in about [-2, 2]), deterministic in `seed`.
 pub(crate) fn weights(len: u64, seed: u64) -> Vec<u8> {
@@ -72,6 +121,8 @@ pub(crate) fn weights(len: u64, seed: u64) -> Vec<u8> {
 /// Trainers and rollouts of one table, wired together.
 #[derive(Debug)]
 pub struct LoopbackCluster {
+    /// Every worker's fabric (clones), for the per-address byte counts.
+    fabrics: Vec<TcpFabric>,
     trainers: Vec<Arc<TrainerWorker<TcpFabric>>>,
     rollouts: Vec<Arc<RolloutWorker<TcpFabric>>>,
     landed_bytes: u64,
@@ -94,21 +145,35 @@ pub(crate) fn landed_bytes(table: &RoutingTable) -> u64 {
         .bytes_to_move
 }
 
+/// Starts one worker's fabric and keeps a clone in `all`.
+async fn start_fabric(
+    config: &FabricConfig,
+    all: &mut Vec<TcpFabric>,
+) -> Result<TcpFabric, E2eError> {
+    let f = TcpFabric::start(config)
+        .await
+        .map_err(|e| E2eError::Setup(format!("starting a loopback fabric: {e}")))?;
+    all.push(f.clone());
+    Ok(f)
+}
+
 impl LoopbackCluster {
     /// Starts a fabric per worker, builds every worker from its slice of `table` with random
     /// weights, and exchanges descriptors.
     pub async fn start(table: &RoutingTable, opts: &WorkerOptions) -> Result<Self, E2eError> {
-        let fabric = || async {
-            TcpFabric::start(&FabricConfig::loopback(TOKEN, opts.lanes_per_peer))
-                .await
-                .map_err(|e| E2eError::Setup(format!("starting a loopback fabric: {e}")))
-        };
+        opts.check()?;
+        let config = opts.fabric_config();
+        let mut fabrics = Vec::new();
         let mut rollouts = Vec::new();
         let mut dsts = Destinations::default();
         for r in table.rollout_plans() {
             let rank = r.rank;
-            let w = RolloutWorker::new(fabric().await?, format!("rollout-{rank}"), r)
-                .map_err(|e| E2eError::Setup(format!("rollout {rank}: {e}")))?;
+            let w = RolloutWorker::new(
+                start_fabric(&config, &mut fabrics).await?,
+                format!("rollout-{rank}"),
+                r,
+            )
+            .map_err(|e| E2eError::Setup(format!("rollout {rank}: {e}")))?;
             dsts.rollouts.insert(rank, w.descriptors());
             rollouts.push(Arc::new(w));
         }
@@ -125,8 +190,13 @@ impl LoopbackCluster {
             cfg.verify = opts.verify;
             cfg.prepare_all_threads = opts.prepare_all_threads;
             cfg.mode = opts.mode;
-            let w = TrainerWorker::new(fabric().await?, source, plan, cfg)
-                .map_err(|e| E2eError::Setup(format!("trainer {rank}: {e}")))?;
+            let w = TrainerWorker::new(
+                start_fabric(&config, &mut fabrics).await?,
+                source,
+                plan,
+                cfg,
+            )
+            .map_err(|e| E2eError::Setup(format!("trainer {rank}: {e}")))?;
             if let Some(d) = w.gather_descriptor() {
                 dsts.trainers.insert(rank, d);
             }
@@ -141,11 +211,35 @@ impl LoopbackCluster {
             })
             .collect::<Result<Vec<_>, E2eError>>()?;
         Ok(LoopbackCluster {
+            fabrics,
             trainers,
             rollouts,
             landed_bytes: landed_bytes(table),
             epoch: 0,
         })
+    }
+
+    /// Bytes each local address carried so far, summed over every worker's fabric, in the
+    /// order of the fabrics' addresses (127.0.0.1 first).
+    pub fn address_traffic(&self) -> Vec<AddressTraffic> {
+        let mut out: Vec<AddressTraffic> = Vec::new();
+        for f in &self.fabrics {
+            for (i, a) in f.address_stats().into_iter().enumerate() {
+                if out.len() <= i {
+                    let ip = a
+                        .address
+                        .rsplit_once(':')
+                        .map_or(a.address.as_str(), |p| p.0);
+                    out.push(AddressTraffic {
+                        ip: ip.to_string(),
+                        ..Default::default()
+                    });
+                }
+                out[i].bytes_sent += a.bytes_sent;
+                out[i].bytes_received += a.bytes_received;
+            }
+        }
+        out
     }
 
     /// Runs one sync end to end (arm, write, land) and times it.

@@ -84,6 +84,10 @@ pub enum Which {
         /// Fabric lanes per peer.
         #[arg(long, default_value_t = 2)]
         lanes: usize,
+        /// Local addresses (NICs) per worker: 127.0.0.1, 127.0.0.2, ...; lanes stripe over them
+        /// and the report counts the bytes each carried. Needs at least as many lanes.
+        #[arg(long, default_value_t = 1)]
+        addresses: usize,
         /// Bucket size of the broadcast baseline, MiB.
         #[arg(long, default_value_t = 64)]
         bucket_mib: u64,
@@ -162,6 +166,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             syncs,
             watermark_mib,
             lanes,
+            addresses,
             bucket_mib,
             verify,
         } => {
@@ -172,6 +177,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 workers: e2e::WorkerOptions {
                     watermark_bytes: watermark_mib << 20,
                     lanes_per_peer: lanes,
+                    addresses,
                     verify,
                     ..Default::default()
                 },
