@@ -14,12 +14,14 @@
 //! - [`stages`]: the H2D and prepare work of one piece.
 //! - [`staging`]: the registered staging arena and its leases.
 //! - [`pipeline`]: the scheduler that overlaps the stages, immediates, the barrier.
+//! - [`split_meter`]: where the sync's wall went (wire, idle, overhead: [`SyncReport::split`]).
 
 mod direct;
 #[cfg(test)]
 mod early_check_tests;
 mod piece;
 mod pipeline;
+mod split_meter;
 mod stages;
 mod staging;
 #[cfg(test)]
@@ -31,6 +33,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use weightsync_common::fabric::{Access, FabricBackend, Region, RegionDescriptor};
+use weightsync_common::protocol::TimeSplit;
 use weightsync_schedules::table::{TrainerPlan, WriteTarget, MAX_DIMS};
 
 use crate::checksum::RunChecksum;
@@ -225,7 +228,7 @@ pub struct SyncId {
 }
 
 /// What one trainer did in one sync.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SyncReport {
     /// The sync.
     pub sync: SyncId,
@@ -247,6 +250,12 @@ pub struct SyncReport {
     pub staged_bytes: u64,
     /// Bytes written straight from registered source memory, copied by nobody but the fabric.
     pub direct_bytes: u64,
+    /// Where the sync's wall went: wire, idle, overhead (they add up to `split.wall_ns`; see
+    /// [`TimeSplit`] for exactly what each covers).
+    pub split: TimeSplit,
+    /// Writes in flight on average while any was: how many writes kept the wire busy during
+    /// `split.wire_ns` (a wire busy with one write at a time is under-used).
+    pub mean_writes_in_flight: f64,
 }
 
 /// Everything fixed at build time, shared by every sync.
