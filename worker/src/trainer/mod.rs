@@ -246,7 +246,8 @@ pub struct SyncReport {
     pub watermark_bytes: u64,
     /// Checksums of the runs written to rollouts (empty unless `verify`).
     pub checksums: Vec<RunChecksum>,
-    /// Source bytes copied into staging (H2D) before being prepared and written.
+    /// Source bytes that went through staging: copied into it (H2D) and prepared there, or
+    /// prepared into it reading the source in place (casts and fp8 of contiguous boxes).
     pub staged_bytes: u64,
     /// Bytes written straight from registered source memory, copied by nobody but the fabric.
     pub direct_bytes: u64,
@@ -273,6 +274,9 @@ pub(crate) struct TrainerState {
     /// Per task, when it is written straight from registered source memory (see
     /// [`direct::direct_source`]): that registration and the byte offset of the task's box in it.
     pub direct: Vec<Option<(Region, u64)>>,
+    /// Per task, when it is prepared reading its shard in place (no H2D copy, see
+    /// [`direct::in_place_source`]): the byte offset of the task's box in its shard.
+    pub in_place: Vec<Option<u64>>,
 }
 
 /// A trainer worker (see the module docs).
@@ -330,6 +334,11 @@ impl<F: FabricBackend> TrainerWorker<F> {
             .iter()
             .map(|t| direct::direct_source(&plan, t, source.as_ref(), gather.as_ref()))
             .collect();
+        let in_place = plan
+            .tasks
+            .iter()
+            .map(|t| direct::in_place_source(&plan, t))
+            .collect();
         Ok(TrainerWorker {
             fabric,
             state: Arc::new(TrainerState {
@@ -342,6 +351,7 @@ impl<F: FabricBackend> TrainerWorker<F> {
                 source,
                 write_dst: Vec::new(),
                 direct,
+                in_place,
             }),
             running: tokio::sync::Mutex::new(()),
         })

@@ -40,7 +40,7 @@ use weightsync_schedules::table::{MeshGroup, WriteTarget};
 
 use super::piece::TaskPiece;
 use super::split_meter::{Activity, SplitMeter};
-use super::stages::{prepare_piece, stage_input};
+use super::stages::{prepare_from_source, prepare_piece, stage_input};
 use super::{PipelineMode, SyncId, SyncReport, TrainerState};
 use crate::checksum::{xxh3, RunChecksum};
 use crate::error::{Result, WorkerError};
@@ -293,8 +293,14 @@ async fn run_piece<F: FabricBackend>(
     let Some(lease) = lease else {
         return piece_direct(&run, t, p).await;
     };
-    let Some(lease) = piece_h2d(&run, t, p, lease).await? else {
-        return Ok(());
+    // A piece prepared reading its source in place has nothing to copy first.
+    let lease = if run.state.in_place[t as usize].is_some() {
+        lease
+    } else {
+        let Some(lease) = piece_h2d(&run, t, p, lease).await? else {
+            return Ok(());
+        };
+        lease
     };
     let Some(lease) = piece_prepare(&run, t, p, lease).await? else {
         return Ok(());
@@ -448,13 +454,23 @@ async fn piece_prepare<F: FabricBackend>(
     let prepared = in_staging(run, &run.prepare, "prepare", lease, move |job, buf| {
         let st = &job.state;
         let piece = &st.pieces[t as usize][p];
-        prepare_piece(
-            &st.plan,
-            &st.shapes[t as usize],
-            piece,
-            buf,
-            st.config.threads(),
-        )?;
+        let shape = &st.shapes[t as usize];
+        match st.in_place[t as usize] {
+            Some(box_at) => {
+                prepare_from_source(
+                    &st.plan,
+                    shape,
+                    piece,
+                    st.source.as_ref(),
+                    box_at,
+                    buf,
+                    st.config.threads(),
+                )?;
+                job.staged_bytes
+                    .fetch_add(piece.layout.input, Ordering::Relaxed);
+            }
+            None => prepare_piece(&st.plan, shape, piece, buf, st.config.threads())?,
+        }
         if st.config.verify {
             job.checksums.lock().extend(run_checksums(st, piece, buf));
         }

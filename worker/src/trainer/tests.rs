@@ -261,13 +261,32 @@ async fn several_syncs_land_exact_bytes_under_the_watermark() {
             assert!(report.peak_staging_bytes <= watermark);
             assert!(report.peak_staging_bytes > 0);
             let tl = &report.timeline;
-            for stage in [Stage::H2d, Stage::Prepare, Stage::Write] {
+            for stage in [Stage::Prepare, Stage::Write] {
                 assert_eq!(
                     tl.events.iter().filter(|e| e.stage == stage).count() as u64,
                     report.pieces,
                     "{stage}"
                 );
             }
+            // Pieces of contiguous boxes are prepared reading the source in place: no H2D.
+            let st = &trainer.state;
+            let copied: usize = (0..st.pieces.len())
+                .filter(|&t| st.in_place[t].is_none())
+                .map(|t| st.pieces[t].len())
+                .sum();
+            assert_eq!(
+                tl.events.iter().filter(|e| e.stage == Stage::H2d).count(),
+                copied
+            );
+            assert!(st.in_place.iter().any(Option::is_some));
+            assert_eq!(
+                report.staged_bytes,
+                st.pieces
+                    .iter()
+                    .flatten()
+                    .map(|p| p.layout.input)
+                    .sum::<u64>()
+            );
             assert_eq!(
                 tl.events
                     .iter()
