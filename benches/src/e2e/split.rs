@@ -7,7 +7,7 @@
 //! see `mean_writes_in_flight`) from one that is simply not busy (idle, overhead).
 
 use serde::Serialize;
-use weightsync_common::protocol::{TimeSplit, TimeSplitSeconds};
+use weightsync_common::protocol::{Stage, TimeSplit, TimeSplitSeconds};
 use weightsync_worker::SyncReport;
 
 /// One trainer's part of one sync.
@@ -34,6 +34,11 @@ pub struct TrainerSplit {
     pub mean_writes_in_flight: f64,
     /// `bytes` over `wire_s`, GB/s: the rate while the wire was busy with this trainer.
     pub wire_gbps: f64,
+    /// Time spent copying into staging (H2D), summed over pieces, seconds (overlaps the wire
+    /// or falls in `overhead_s`).
+    pub h2d_busy_s: f64,
+    /// Time spent preparing (casts, fp8) and checksumming, summed over pieces, seconds.
+    pub prepare_busy_s: f64,
 }
 
 impl TrainerSplit {
@@ -60,6 +65,8 @@ impl TrainerSplit {
             } else {
                 0.0
             },
+            h2d_busy_s: r.timeline.busy_ns(Stage::H2d) as f64 / 1e9,
+            prepare_busy_s: r.timeline.busy_ns(Stage::Prepare) as f64 / 1e9,
         }
     }
 
@@ -106,9 +113,9 @@ impl SplitReport {
         );
         for t in &self.per_trainer {
             s += &format!(
-                "    trainer-{:<3} {:>7.3} = {:>7.3} + {:>7.3} + {:>7.3} s  {:>6} writes  {:>5} pieces  {:>4.1} in flight  {:>5.2} GB/s on the wire\n",
+                "    trainer-{:<3} {:>7.3} = {:>7.3} + {:>7.3} + {:>7.3} s  {:>6} writes  {:>5} pieces  {:>4.1} in flight  {:>5.2} GB/s on the wire  (h2d {:.3} s, prepare {:.3} s busy)\n",
                 t.trainer, t.wall_s, t.wire_s, t.idle_s, t.overhead_s, t.writes, t.pieces,
-                t.mean_writes_in_flight, t.wire_gbps
+                t.mean_writes_in_flight, t.wire_gbps, t.h2d_busy_s, t.prepare_busy_s
             );
         }
         s += &format!(
