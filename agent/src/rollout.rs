@@ -185,6 +185,7 @@ impl SyncDriver for RolloutDriver {
                 peak_staging_bytes: 0,
                 staged_bytes: 0,
                 direct_bytes: 0,
+                split: Default::default(),
                 events: evs,
                 checksums: Vec::new(),
             },

@@ -123,6 +123,7 @@ fn report(r: &SyncReport, sync: &SyncRef) -> WorkerReport {
         direct_bytes: r.direct_bytes,
         events: r.timeline.relative_to(sync.reference_unix_ns),
         checksums: r.checksums.clone(),
+        split: r.split,
     }
 }
 

@@ -13,6 +13,7 @@
 //! # Layout
 //! - this file: [`Config`], [`Report`], [`run`], [`E2eError`], and planning a configuration;
 //! - `loopback`: a whole deployment (fabrics, trainers, rollouts) in one process;
+//! - [`split`]: where each trainer's sync went (wire, idle, overhead);
 //! - `tcp_limit`: the plain-TCP limit; `fabric_limit`: the fabric alone on the same pairs and
 //!   lanes; `broadcast`: the broadcast baseline;
 //! - [`calibrate`]: the simulator's calibration against these real syncs.
@@ -21,6 +22,7 @@ mod broadcast;
 pub mod calibrate;
 mod fabric_limit;
 mod loopback;
+pub mod split;
 mod tcp_limit;
 
 use serde::Serialize;
@@ -188,6 +190,8 @@ pub struct Report {
     /// What each local address carried during weightsync's timed syncs, summed over every
     /// worker (with several addresses: how the sync striped over the NICs).
     pub address_traffic: Vec<AddressTraffic>,
+    /// Where each trainer's wall went in the median weightsync sync (wire, idle, overhead).
+    pub split: split::SplitReport,
 }
 
 impl Report {
@@ -228,6 +232,7 @@ impl Report {
                 );
             }
         }
+        s += &self.split.human();
         s
     }
 }
@@ -272,8 +277,11 @@ pub fn run_table(table: &RoutingTable, cfg: &Config) -> Result<Report, E2eError>
         fl.sync().await?;
         let before = ws.address_traffic();
         let (mut a, mut b, mut c, mut d) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let mut splits = Vec::new();
         for _ in 0..cfg.syncs {
-            a.push(ws.sync().await?.seconds);
+            let s = ws.sync().await?;
+            a.push(s.seconds);
+            splits.push(s);
             let p = pairs.clone();
             b.push(
                 tokio::task::spawn_blocking(move || tcp_limit::run(&p))
@@ -293,6 +301,10 @@ pub fn run_table(table: &RoutingTable, cfg: &Config) -> Result<Report, E2eError>
                 bytes_received: end.bytes_received - start.bytes_received,
             })
             .collect();
+        // The median sync's split (the one `Method::of` reports).
+        splits.sort_by(|x, y| x.seconds.total_cmp(&y.seconds));
+        let median = splits.swap_remove(splits.len() / 2);
+        let split = split::SplitReport::of(median.seconds, median.trainers);
         let weightsync = Method::of(a, landed);
         let tcp_limit = Method::of(b, landed);
         let broadcast = Method::of(c, landed);
@@ -314,6 +326,7 @@ pub fn run_table(table: &RoutingTable, cfg: &Config) -> Result<Report, E2eError>
             tcp_limit,
             fabric_limit,
             broadcast,
+            split,
         })
     })
 }
@@ -376,6 +389,21 @@ mod tests {
         }
         assert!(r.ratio_vs_tcp_limit > 0.0 && r.speedup_vs_broadcast > 0.0);
         assert!(r.fabric_limit.seconds_per_sync > 0.0 && r.ratio_vs_fabric > 0.0);
+        // The split: every trainer, its parts adding up to its wall, bytes on the wire.
+        assert_eq!(r.split.per_trainer.len(), 4);
+        for t in &r.split.per_trainer {
+            assert!(
+                (t.wire_s + t.idle_s + t.overhead_s - t.wall_s).abs() < 1e-6,
+                "{t:?}"
+            );
+            assert!(t.wire_s > 0.0 && t.bytes > 0 && t.wire_gbps > 0.0, "{t:?}");
+            assert!(t.wall_s <= r.split.sync_seconds + 1e-6, "{t:?}");
+        }
+        let s = &r.split.sum;
+        assert!(
+            (s.wire_s + s.idle_s + s.overhead_s - s.wall_s).abs() < 1e-6,
+            "{s:?}"
+        );
         let pairs = tcp_limit::pair_bytes(&table).unwrap();
         assert_eq!(pairs.iter().map(|p| p.2).sum::<u64>(), r.landed_bytes);
     }

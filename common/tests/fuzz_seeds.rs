@@ -8,8 +8,8 @@
 
 use weightsync_common::protocol::{
     decode_frame, encode_frame, Assignment, Blob, Failure, FromWorker, PeerInfo, Registration,
-    RunChecksum, Stage, TensorMeta, TimelineEvent, ToWorker, WorkerId, WorkerReport, WorldSpec,
-    DEFAULT_MAX_FRAME, WHOLE_SYNC,
+    RunChecksum, Stage, TensorMeta, TimeSplit, TimelineEvent, ToWorker, WorkerId, WorkerReport,
+    WorldSpec, DEFAULT_MAX_FRAME, WHOLE_SYNC,
 };
 use weightsync_common::DType;
 
@@ -49,6 +49,12 @@ fn report() -> WorkerReport {
             },
         ],
         checksums: vec![checksum()],
+        split: TimeSplit {
+            wall_ns: 100,
+            wire_ns: 60,
+            idle_ns: 15,
+            overhead_ns: 25,
+        },
     }
 }
 

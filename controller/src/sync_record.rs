@@ -10,7 +10,7 @@ use serde::Serialize;
 use std::collections::{BTreeMap, BTreeSet};
 
 use weightsync_common::protocol::{
-    Failure, RunChecksum, Stage, TimelineEvent, WorkerId, WorkerReport,
+    Failure, RunChecksum, Stage, TimeSplit, TimeSplitSeconds, TimelineEvent, WorkerId, WorkerReport,
 };
 
 /// Where a sync is in the version protocol.
@@ -78,6 +78,8 @@ pub struct Lane {
     pub staged_bytes: u64,
     /// Bytes written straight from registered source memory (trainers).
     pub direct_bytes: u64,
+    /// Where the trainer's sync wall went: wire, idle, overhead (trainers, once written).
+    pub split: Option<TimeSplit>,
     /// When this worker's last report arrived, ns since creation.
     pub done_ns: Option<u64>,
     /// When it reported its main part done (trainer: written; rollout: landed).
@@ -186,6 +188,9 @@ impl SyncRecord {
         lane.peak_staging_bytes = lane.peak_staging_bytes.max(report.peak_staging_bytes);
         lane.staged_bytes = lane.staged_bytes.max(report.staged_bytes);
         lane.direct_bytes = lane.direct_bytes.max(report.direct_bytes);
+        if report.split.wall_ns > 0 {
+            lane.split = Some(report.split);
+        }
         lane.done_ns = Some(done_ns);
     }
 
@@ -226,6 +231,24 @@ impl SyncRecord {
             .filter(|(w, _)| w.role == weightsync_common::protocol::WorkerRole::Trainer)
             .map(|(_, l)| f(l))
             .sum()
+    }
+
+    /// The trainers' time splits, per trainer and summed (`None` before any trainer reported
+    /// one).
+    pub fn time_split(&self) -> Option<TimeSplitView> {
+        let per: BTreeMap<String, TimeSplit> = self
+            .lanes
+            .iter()
+            .filter_map(|(w, l)| l.split.map(|s| (w.to_string(), s)))
+            .collect();
+        if per.is_empty() {
+            return None;
+        }
+        let sum = per.values().fold(TimeSplit::default(), |a, &s| a.plus(s));
+        Some(TimeSplitView {
+            per_trainer: per.into_iter().map(|(w, s)| (w, s.seconds())).collect(),
+            sum: sum.seconds(),
+        })
     }
 
     /// Per-stage durations.
@@ -356,6 +379,7 @@ impl SyncRecord {
             bytes: self.bytes_written(),
             staged_bytes: self.trainer_sum(|l| l.staged_bytes),
             direct_bytes: self.trainer_sum(|l| l.direct_bytes),
+            time_split: self.time_split(),
             gbps: self.gbps(),
             verified: self.verified,
             failure: self.failure.as_ref().map(|f| FailureView {
@@ -377,6 +401,15 @@ impl SyncRecord {
             }),
         }
     }
+}
+
+/// The trainers' time splits, for JSON: per trainer (by worker id) and summed over trainers.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TimeSplitView {
+    /// Per trainer, e.g. `trainer-0`.
+    pub per_trainer: BTreeMap<String, TimeSplitSeconds>,
+    /// Summed over trainers.
+    pub sum: TimeSplitSeconds,
 }
 
 /// A failure, for JSON.
@@ -422,6 +455,8 @@ pub struct SyncView {
     pub staged_bytes: u64,
     /// Bytes trainers wrote straight from registered source memory (no copy but the fabric's).
     pub direct_bytes: u64,
+    /// Where each trainer's sync wall went (wire, idle, overhead), once trainers reported.
+    pub time_split: Option<TimeSplitView>,
     /// Transfer rate, GB/s (1e9 bytes per second).
     pub gbps: Option<f64>,
     /// Verification result.

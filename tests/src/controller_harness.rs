@@ -158,6 +158,7 @@ pub fn report(bytes: u64, stages: &[Stage]) -> WorkerReport {
         peak_staging_bytes: 0,
         staged_bytes: 0,
         direct_bytes: 0,
+        split: Default::default(),
         events: stages
             .iter()
             .enumerate()
@@ -370,6 +371,7 @@ impl SyncDriver for ScriptedDriver {
                 peak_staging_bytes: 0,
                 staged_bytes: 0,
                 direct_bytes: 0,
+                split: Default::default(),
                 events: vec![TimelineEvent {
                     task: 0,
                     piece: 0,

@@ -14,6 +14,7 @@ use weightsync_worker::{
     Destinations, PipelineMode, SourceView, SyncId, TrainerConfig, TrainerWorker,
 };
 
+use super::split::TrainerSplit;
 use super::E2eError;
 
 /// How the workers run.
@@ -130,12 +131,14 @@ pub struct LoopbackCluster {
 }
 
 /// One measured sync.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct SyncTime {
     /// From starting the trainers to the last rollout landed, seconds.
     pub seconds: f64,
     /// Bytes that landed in rollouts.
     pub landed_bytes: u64,
+    /// Where each trainer's wall went, by rank.
+    pub trainers: Vec<TrainerSplit>,
 }
 
 /// Bytes every sync lands in rollouts: what the trainers' writes to rollouts carry, counted on
@@ -255,21 +258,30 @@ impl LoopbackCluster {
         }
         let t0 = Instant::now();
         let mut jobs = tokio::task::JoinSet::new();
-        for t in &self.trainers {
+        for (rank, t) in self.trainers.iter().enumerate() {
             let t = t.clone();
-            jobs.spawn(async move { t.run_sync(sync).await.map(|_| ()) });
+            jobs.spawn(async move {
+                let r = t.run_sync(sync).await?;
+                Ok(Some(TrainerSplit::of(rank as u32, &r)))
+            });
         }
         for r in &self.rollouts {
             let r = r.clone();
-            jobs.spawn(async move { r.await_landed(Duration::from_secs(300)).await.map(|_| ()) });
+            jobs.spawn(async move { r.await_landed(Duration::from_secs(300)).await.map(|_| None) });
         }
+        let mut trainers = Vec::with_capacity(self.trainers.len());
         while let Some(j) = jobs.join_next().await {
-            j.map_err(|e| E2eError::Sync(format!("a worker task panicked: {e}")))?
-                .map_err(|e| E2eError::Sync(e.to_string()))?;
+            let done = j
+                .map_err(|e| E2eError::Sync(format!("a worker task panicked: {e}")))?
+                .map_err(|e: weightsync_worker::WorkerError| E2eError::Sync(e.to_string()))?;
+            trainers.extend(done);
         }
+        let seconds = t0.elapsed().as_secs_f64();
+        trainers.sort_by_key(|t| t.trainer);
         Ok(SyncTime {
-            seconds: t0.elapsed().as_secs_f64(),
+            seconds,
             landed_bytes: self.landed_bytes,
+            trainers,
         })
     }
 }

@@ -448,6 +448,15 @@ async fn run_syncs(
                 gbps / tcp_gbps,
                 v["verified"]
             );
+            let sum = &v["time_split"]["sum"];
+            let sec = |k: &str| sum[k].as_f64().unwrap_or(0.0);
+            eprintln!(
+                "    trainers' wall {:.2} s = wire {:.2} + idle {:.2} + overhead {:.2} (summed over trainers)",
+                sec("wall_s"),
+                sec("wire_s"),
+                sec("idle_s"),
+                sec("overhead_s")
+            );
         } else {
             eprintln!("  sync {version}: {} : {}", v["state"], v["failure"]);
             failed.push(version);
@@ -502,6 +511,11 @@ fn summarise(
     };
     let gbps = per_sync(&|v| v["gbps"].as_f64().unwrap_or(0.0));
     let mean = |x: &[f64]| x.iter().sum::<f64>() / x.len().max(1) as f64;
+    let split_sum = |key: &'static str| {
+        mean(&per_sync(&move |v: &Value| {
+            v["time_split"]["sum"][key].as_f64().unwrap_or(0.0)
+        }))
+    };
     let first = |k: &str| results.first().and_then(|v| v[k].as_u64()).unwrap_or(0);
     let bytes_per_sync = first("bytes");
     let w = &ctl.world;
@@ -525,6 +539,13 @@ fn summarise(
             "wait": part("after_landing_wait_ms"),
             "check": part("after_landing_check_ms"),
             "control": part("after_landing_control_ms"),
+        },
+        "time_split_per_sync": results.iter().map(|v| v["time_split"].clone()).collect::<Vec<_>>(),
+        "time_split_sum_mean_seconds": {
+            "wall_s": split_sum("wall_s"),
+            "wire_s": split_sum("wire_s"),
+            "idle_s": split_sum("idle_s"),
+            "overhead_s": split_sum("overhead_s"),
         },
         "recompute": !args.no_recompute,
         "gbps_per_sync": gbps,

@@ -33,7 +33,8 @@ pub const MAGIC: [u8; 4] = *b"WSYC";
 /// forwarded in `PeerInfo`); `Abort` carries the structured failure.
 /// 6: engines report their own stages (`EngineStages`: pause, load, resume) after a version
 /// landed; `Stage` gains `Pause`, `Load` and `Resume`.
-pub const PROTOCOL_VERSION: u16 = 6;
+/// 7: a worker report carries the trainer's `TimeSplit` (wire, idle, overhead of its sync).
+pub const PROTOCOL_VERSION: u16 = 7;
 /// Bytes in a frame header.
 pub const FRAME_HEADER_LEN: usize = 12;
 /// Default maximum body size: 256 MiB (a trainer's plan slice for a 1T-parameter model fits).

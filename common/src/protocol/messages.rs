@@ -398,6 +398,74 @@ pub struct WorkerReport {
     pub events: Vec<TimelineEvent>,
     /// Checksums of prepared (trainer) or landed (rollout) units, when verification is on.
     pub checksums: Vec<RunChecksum>,
+    /// Where the trainer's sync wall time went (zero for rollouts).
+    pub split: TimeSplit,
+}
+
+/// Where one trainer's sync wall time went, measured inside its pipeline; the three parts add
+/// up to `wall_ns` exactly.
+///
+/// The wall is the trainer's own run of the sync: from the pipeline starting its first piece to
+/// its last write acknowledged (this worker's half of the barrier). Every instant of it is
+/// charged to exactly one part, in this order of precedence:
+/// - `wire_ns`: at least one of this trainer's writes is on the fabric (posted, not yet
+///   acknowledged by its destination), whatever else happens meanwhile: the fabric is busy with
+///   this trainer's bytes. Preparation hidden behind writes is counted here.
+/// - `overhead_ns`: no write in flight and the trainer itself is working or between steps:
+///   copying into staging (H2D), preparing (casts, fp8 quantisation), checksumming, splitting
+///   pieces, spawning and scheduling piece jobs, building write lists: the per-piece and
+///   per-task costs of getting bytes to the wire.
+/// - `idle_ns`: no write in flight, no work running, and the trainer waits for something outside
+///   itself: a watermark lease, the straddling fp8 rows other trainers gather into it.
+///
+/// Arming the rollouts and the control messages before and after a sync lie outside the wall;
+/// the controller's stage durations and `after_landing_ms` cover them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct TimeSplit {
+    /// The trainer's sync wall time, ns.
+    pub wall_ns: u64,
+    /// Of the wall: some write on the fabric, ns.
+    pub wire_ns: u64,
+    /// Of the wall: waiting with nothing in flight and nothing to do, ns.
+    pub idle_ns: u64,
+    /// Of the wall: the trainer's own work with nothing in flight, ns.
+    pub overhead_ns: u64,
+}
+
+impl TimeSplit {
+    /// The sum of two splits (e.g. over trainers).
+    pub fn plus(self, o: TimeSplit) -> TimeSplit {
+        TimeSplit {
+            wall_ns: self.wall_ns + o.wall_ns,
+            wire_ns: self.wire_ns + o.wire_ns,
+            idle_ns: self.idle_ns + o.idle_ns,
+            overhead_ns: self.overhead_ns + o.overhead_ns,
+        }
+    }
+
+    /// The four figures in seconds.
+    pub fn seconds(&self) -> TimeSplitSeconds {
+        let s = |ns: u64| ns as f64 / 1e9;
+        TimeSplitSeconds {
+            wall_s: s(self.wall_ns),
+            wire_s: s(self.wire_ns),
+            idle_s: s(self.idle_ns),
+            overhead_s: s(self.overhead_ns),
+        }
+    }
+}
+
+/// A [`TimeSplit`] in seconds, as JSON reports show it.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+pub struct TimeSplitSeconds {
+    /// The trainer's sync wall time (`wire_s + idle_s + overhead_s`).
+    pub wall_s: f64,
+    /// Some write on the fabric.
+    pub wire_s: f64,
+    /// Waiting with nothing in flight and nothing to do.
+    pub idle_s: f64,
+    /// The trainer's own work with nothing in flight.
+    pub overhead_s: f64,
 }
 
 /// Why a worker failed a sync: the cause, and the tensor when one is to blame.

@@ -9,6 +9,12 @@
 //! else (casts, fp8, a box that strides through its shard, an arena nobody registered) goes
 //! through staging as before. The report counts both (`staged_bytes`, `direct_bytes`), which is
 //! how a caller knows that a bf16 -> bf16 parameter was copied by nobody but the fabric.
+//!
+//! The same contiguity saves a copy for tasks that do need preparing: a cast or an fp8 task whose
+//! box is one contiguous byte range of its shard ([`in_place_source`]) is prepared reading the
+//! source where it lies, straight into the staging lease; its H2D copy into staging is skipped
+//! (host sources in this build: the copy would be a memcpy of the same bytes the kernel then
+//! reads once more). A box that strides through its shard is still gathered by H2D first.
 
 use weightsync_common::fabric::Region;
 use weightsync_schedules::table::{Source, Task, TensorBox, TrainerPlan, Transform};
@@ -63,6 +69,26 @@ pub(crate) fn direct_source(
     let offset = at + first_element(&sub, dims.dims()) * dtype.size() as u64;
     let end = offset + sub.numel() * dtype.size() as u64;
     (end <= region.len()).then_some((region, offset))
+}
+
+/// Where a cast or fp8 task reads its input in place (see the module docs): the byte offset of
+/// its box in its shard, when the box is one contiguous range of a shard of the input dtype.
+pub(crate) fn in_place_source(plan: &TrainerPlan, task: &Task) -> Option<u64> {
+    let from = match task.transform {
+        Transform::Cast { from, .. } | Transform::Fp8Block { from, .. } => from,
+        Transform::Copy { .. } => return None,
+    };
+    let Source::Shard { shard } = task.source else {
+        return None;
+    };
+    let s = plan.shards.get(shard as usize)?;
+    let sub = plan.source_box(task)?;
+    let dims = s.global.shape();
+    if s.dtype != from || !is_contiguous(&sub, dims.dims()) {
+        return None;
+    }
+    let offset = first_element(&sub, dims.dims()) * from.size() as u64;
+    (offset + sub.numel() * from.size() as u64 <= s.bytes()).then_some(offset)
 }
 
 #[cfg(test)]

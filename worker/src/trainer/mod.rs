@@ -14,12 +14,14 @@
 //! - [`stages`]: the H2D and prepare work of one piece.
 //! - [`staging`]: the registered staging arena and its leases.
 //! - [`pipeline`]: the scheduler that overlaps the stages, immediates, the barrier.
+//! - [`split_meter`]: where the sync's wall went (wire, idle, overhead: [`SyncReport::split`]).
 
 mod direct;
 #[cfg(test)]
 mod early_check_tests;
 mod piece;
 mod pipeline;
+mod split_meter;
 mod stages;
 mod staging;
 #[cfg(test)]
@@ -31,6 +33,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use weightsync_common::fabric::{Access, FabricBackend, Region, RegionDescriptor};
+use weightsync_common::protocol::TimeSplit;
 use weightsync_schedules::table::{TrainerPlan, WriteTarget, MAX_DIMS};
 
 use crate::checksum::RunChecksum;
@@ -225,7 +228,7 @@ pub struct SyncId {
 }
 
 /// What one trainer did in one sync.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SyncReport {
     /// The sync.
     pub sync: SyncId,
@@ -243,10 +246,17 @@ pub struct SyncReport {
     pub watermark_bytes: u64,
     /// Checksums of the runs written to rollouts (empty unless `verify`).
     pub checksums: Vec<RunChecksum>,
-    /// Source bytes copied into staging (H2D) before being prepared and written.
+    /// Source bytes that went through staging: copied into it (H2D) and prepared there, or
+    /// prepared into it reading the source in place (casts and fp8 of contiguous boxes).
     pub staged_bytes: u64,
     /// Bytes written straight from registered source memory, copied by nobody but the fabric.
     pub direct_bytes: u64,
+    /// Where the sync's wall went: wire, idle, overhead (they add up to `split.wall_ns`; see
+    /// [`TimeSplit`] for exactly what each covers).
+    pub split: TimeSplit,
+    /// Writes in flight on average while any was: how many writes kept the wire busy during
+    /// `split.wire_ns` (a wire busy with one write at a time is under-used).
+    pub mean_writes_in_flight: f64,
 }
 
 /// Everything fixed at build time, shared by every sync.
@@ -264,6 +274,9 @@ pub(crate) struct TrainerState {
     /// Per task, when it is written straight from registered source memory (see
     /// [`direct::direct_source`]): that registration and the byte offset of the task's box in it.
     pub direct: Vec<Option<(Region, u64)>>,
+    /// Per task, when it is prepared reading its shard in place (no H2D copy, see
+    /// [`direct::in_place_source`]): the byte offset of the task's box in its shard.
+    pub in_place: Vec<Option<u64>>,
 }
 
 /// A trainer worker (see the module docs).
@@ -321,6 +334,11 @@ impl<F: FabricBackend> TrainerWorker<F> {
             .iter()
             .map(|t| direct::direct_source(&plan, t, source.as_ref(), gather.as_ref()))
             .collect();
+        let in_place = plan
+            .tasks
+            .iter()
+            .map(|t| direct::in_place_source(&plan, t))
+            .collect();
         Ok(TrainerWorker {
             fabric,
             state: Arc::new(TrainerState {
@@ -333,6 +351,7 @@ impl<F: FabricBackend> TrainerWorker<F> {
                 source,
                 write_dst: Vec::new(),
                 direct,
+                in_place,
             }),
             running: tokio::sync::Mutex::new(()),
         })

@@ -39,7 +39,8 @@ use weightsync_common::fabric::{FabricBackend, Region, WriteOp};
 use weightsync_schedules::table::{MeshGroup, WriteTarget};
 
 use super::piece::TaskPiece;
-use super::stages::{prepare_piece, stage_input};
+use super::split_meter::{Activity, SplitMeter};
+use super::stages::{prepare_from_source, prepare_piece, stage_input};
 use super::{PipelineMode, SyncId, SyncReport, TrainerState};
 use crate::checksum::{xxh3, RunChecksum};
 use crate::error::{Result, WorkerError};
@@ -65,6 +66,8 @@ struct SyncRun<F: FabricBackend> {
     writes_posted: AtomicU64,
     staged_bytes: AtomicU64,
     direct_bytes: AtomicU64,
+    /// Where the wall goes: wire, idle, overhead.
+    meter: SplitMeter,
 }
 
 impl<F: FabricBackend> SyncRun<F> {
@@ -85,6 +88,7 @@ impl<F: FabricBackend> SyncRun<F> {
             writes_posted: AtomicU64::new(0),
             staged_bytes: AtomicU64::new(0),
             direct_bytes: AtomicU64::new(0),
+            meter: SplitMeter::start(),
         }
     }
 
@@ -103,6 +107,8 @@ impl<F: FabricBackend> SyncRun<F> {
             checksums,
             staged_bytes: self.staged_bytes.load(Ordering::Relaxed),
             direct_bytes: self.direct_bytes.load(Ordering::Relaxed),
+            split: self.meter.finish(),
+            mean_writes_in_flight: self.meter.mean_writes_in_flight(),
         }
     }
 
@@ -157,6 +163,7 @@ pub(crate) async fn run<F: FabricBackend>(
                     let lease = if state.direct[t as usize].is_some() {
                         None // written from the source: no staging
                     } else {
+                        let _idle = run.meter.begin(Activity::Wait, 1);
                         match watermark.acquire(need).await {
                             Ok(lease) => Some(lease),
                             Err(e) => {
@@ -235,6 +242,7 @@ async fn wait_for_gathers<F: FabricBackend>(
     t: u32,
 ) -> Result<()> {
     let start = run.rec.now_ns();
+    let _idle = run.meter.begin(Activity::Wait, 1);
     let imm = imm_for(run.sync.epoch, group.id as u32)?;
     let wait = run.fabric.imm_counter().expect_within(
         imm,
@@ -285,8 +293,14 @@ async fn run_piece<F: FabricBackend>(
     let Some(lease) = lease else {
         return piece_direct(&run, t, p).await;
     };
-    let Some(lease) = piece_h2d(&run, t, p, lease).await? else {
-        return Ok(());
+    // A piece prepared reading its source in place has nothing to copy first.
+    let lease = if run.state.in_place[t as usize].is_some() {
+        lease
+    } else {
+        let Some(lease) = piece_h2d(&run, t, p, lease).await? else {
+            return Ok(());
+        };
+        lease
     };
     let Some(lease) = piece_prepare(&run, t, p, lease).await? else {
         return Ok(());
@@ -316,6 +330,7 @@ async fn piece_direct<F: FabricBackend>(run: &Arc<SyncRun<F>>, t: u32, p: usize)
     let at = base + shape.grain.elems_before(piece.u0) * shape.out_size;
     if st.config.verify {
         let job = run.clone();
+        let _work = run.meter.begin(Activity::Work, 1);
         let sums = tokio::task::spawn_blocking(move || direct_checksums(&job, t, p, at))
             .await
             .map_err(|e| stage_panic("checksum", e))??;
@@ -383,6 +398,7 @@ where
     }
     let start = run.rec.now_ns();
     let job = run.clone();
+    let _work = run.meter.begin(Activity::Work, 1);
     let (lease, res) = tokio::task::spawn_blocking(move || {
         let mut lease = lease;
         let res = job
@@ -438,13 +454,23 @@ async fn piece_prepare<F: FabricBackend>(
     let prepared = in_staging(run, &run.prepare, "prepare", lease, move |job, buf| {
         let st = &job.state;
         let piece = &st.pieces[t as usize][p];
-        prepare_piece(
-            &st.plan,
-            &st.shapes[t as usize],
-            piece,
-            buf,
-            st.config.threads(),
-        )?;
+        let shape = &st.shapes[t as usize];
+        match st.in_place[t as usize] {
+            Some(box_at) => {
+                prepare_from_source(
+                    &st.plan,
+                    shape,
+                    piece,
+                    st.source.as_ref(),
+                    box_at,
+                    buf,
+                    st.config.threads(),
+                )?;
+                job.staged_bytes
+                    .fetch_add(piece.layout.input, Ordering::Relaxed);
+            }
+            None => prepare_piece(&st.plan, shape, piece, buf, st.config.threads())?,
+        }
         if st.config.verify {
             job.checksums.lock().extend(run_checksums(st, piece, buf));
         }
@@ -527,6 +553,7 @@ async fn piece_write<F: FabricBackend>(
         bytes += now.iter().map(|o| o.len).sum::<u64>();
         run.writes_posted
             .fetch_add(now.len() as u64, Ordering::Relaxed);
+        let _wire = run.meter.begin(Activity::Write, now.len() as u64);
         run.fabric
             .write_batch(now)
             .await
@@ -543,6 +570,7 @@ async fn piece_write<F: FabricBackend>(
         // The last part of a split write: wait until every earlier part landed, then post it
         // with the immediate.
         if let Some(gate) = &run.gates[part.write as usize] {
+            let _idle = run.meter.begin(Activity::Wait, 1);
             match gate.acquire_many(part.parts - 1).await {
                 Ok(permits) => permits.forget(),
                 Err(_) => return Ok(()), // the sync failed elsewhere
@@ -550,6 +578,7 @@ async fn piece_write<F: FabricBackend>(
         }
         bytes += op.len;
         run.writes_posted.fetch_add(1, Ordering::Relaxed);
+        let _wire = run.meter.begin(Activity::Write, 1);
         run.fabric.write(op).await.map_err(|e| {
             WorkerError::fabric(format!("task {t} piece {p}: writing the last part"), e)
         })?;

@@ -205,6 +205,54 @@ pub(crate) fn prepare_piece(
     buf: &mut [u8],
     threads: Threads,
 ) -> Result<()> {
+    let (input, out) = buf.split_at_mut(piece.layout.values_at as usize);
+    prepare_into(plan, shape, piece, input, out, threads)
+}
+
+/// Prepare reading the source in place: the piece's input is the range of shard `shard` that
+/// starts `box_at` bytes into it (the task's contiguous box, see
+/// [`super::direct::in_place_source`]) and the piece's units further; the prepared bytes go to
+/// `buf`, the whole lease, as [`prepare_piece`] puts them (its input range is left untouched).
+pub(crate) fn prepare_from_source(
+    plan: &TrainerPlan,
+    shape: &TaskShape,
+    piece: &TaskPiece,
+    source: &dyn SourceView,
+    box_at: u64,
+    buf: &mut [u8],
+    threads: Threads,
+) -> Result<()> {
+    let t = piece.task;
+    let Source::Shard { shard } = plan.tasks[t as usize].source else {
+        return Err(WorkerError::InvalidPlan(format!(
+            "task {t}: prepared in place but not read from a shard"
+        )));
+    };
+    let lo = (box_at + shape.grain.elems_before(piece.u0) * shape.in_size) as usize;
+    let len = piece.layout.input as usize;
+    let out = &mut buf[piece.layout.values_at as usize..];
+    source.read_shard(plan, shard, &mut |bytes: &[u8]| {
+        let input = bytes
+            .get(lo..lo + len)
+            .ok_or_else(|| WorkerError::SourceTooShort {
+                what: format!("shard of task {t}"),
+                need: (lo + len) as u64,
+                have: bytes.len() as u64,
+            })?;
+        prepare_into(plan, shape, piece, input, out, threads)
+    })
+}
+
+/// Prepares the piece's `input` (at least `layout.input` bytes, dense) into `out`, the lease
+/// from `layout.values_at` on.
+fn prepare_into(
+    plan: &TrainerPlan,
+    shape: &TaskShape,
+    piece: &TaskPiece,
+    input: &[u8],
+    out: &mut [u8],
+    threads: Threads,
+) -> Result<()> {
     let t = piece.task;
     let task = &plan.tasks[t as usize];
     let lay = piece.layout;
@@ -212,8 +260,7 @@ pub(crate) fn prepare_piece(
     match task.transform {
         Transform::Copy { .. } => Ok(()),
         Transform::Cast { from, to } => {
-            let (input, rest) = buf.split_at_mut(lay.values_at as usize);
-            let values = &mut rest[..lay.values as usize];
+            let values = &mut out[..lay.values as usize];
             cast(&input[..lay.input as usize], from, values, to, threads).map_err(err)
         }
         Transform::Fp8Block { from, .. } => {
@@ -222,8 +269,7 @@ pub(crate) fn prepare_piece(
                     "task {t}: fp8 without block strips"
                 )));
             };
-            let (input, rest) = buf.split_at_mut(lay.values_at as usize);
-            let (values, rest) = rest.split_at_mut((lay.scales_at - lay.values_at) as usize);
+            let (values, rest) = out.split_at_mut((lay.scales_at - lay.values_at) as usize);
             let scales = &mut rest[..lay.scales as usize];
             let fshape = Fp8Shape {
                 rows: rows as usize,

@@ -261,13 +261,32 @@ async fn several_syncs_land_exact_bytes_under_the_watermark() {
             assert!(report.peak_staging_bytes <= watermark);
             assert!(report.peak_staging_bytes > 0);
             let tl = &report.timeline;
-            for stage in [Stage::H2d, Stage::Prepare, Stage::Write] {
+            for stage in [Stage::Prepare, Stage::Write] {
                 assert_eq!(
                     tl.events.iter().filter(|e| e.stage == stage).count() as u64,
                     report.pieces,
                     "{stage}"
                 );
             }
+            // Pieces of contiguous boxes are prepared reading the source in place: no H2D.
+            let st = &trainer.state;
+            let copied: usize = (0..st.pieces.len())
+                .filter(|&t| st.in_place[t].is_none())
+                .map(|t| st.pieces[t].len())
+                .sum();
+            assert_eq!(
+                tl.events.iter().filter(|e| e.stage == Stage::H2d).count(),
+                copied
+            );
+            assert!(st.in_place.iter().any(Option::is_some));
+            assert_eq!(
+                report.staged_bytes,
+                st.pieces
+                    .iter()
+                    .flatten()
+                    .map(|p| p.layout.input)
+                    .sum::<u64>()
+            );
             assert_eq!(
                 tl.events
                     .iter()
@@ -276,6 +295,39 @@ async fn several_syncs_land_exact_bytes_under_the_watermark() {
                 1
             );
         }
+    }
+}
+
+/// The report's split tiles the trainer's wall (wire + idle + overhead = wall, within the
+/// rounding of nothing: the meter charges every nanosecond once), its wall lies within the
+/// caller's own measurement of the sync, and a sync that moved bytes spent time on the wire.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_time_split_adds_up_to_the_wall_and_counts_the_wire() {
+    for mode in [PipelineMode::Pipelined, PipelineMode::Serialised] {
+        let (trainer, rollout, _, _) = setup(200 << 10, mode);
+        let sync = SyncId {
+            version: 1,
+            epoch: 1,
+        };
+        rollout.arm(sync).unwrap();
+        let t0 = std::time::Instant::now();
+        let report = trainer.run_sync(sync).await.unwrap();
+        let outside = t0.elapsed().as_nanos() as u64;
+        rollout.await_landed(Duration::from_secs(10)).await.unwrap();
+        let s = report.split;
+        assert!(report.bytes_written > 0);
+        assert_eq!(s.wire_ns + s.idle_ns + s.overhead_ns, s.wall_ns, "{s:?}");
+        assert!(
+            s.wall_ns > 0 && s.wall_ns <= outside,
+            "{s:?} vs {outside} ns"
+        );
+        assert!(s.wire_ns > 0, "bytes moved but no wire time: {s:?}");
+        // Staging and preparing with nothing in flight (the first piece at least) is overhead.
+        assert!(s.overhead_ns > 0, "{s:?}");
+        assert!(report.mean_writes_in_flight >= 1.0, "{report:?}");
+        // The protocol's report carries the same split.
+        let secs = s.seconds();
+        assert!((secs.wire_s + secs.idle_s + secs.overhead_s - secs.wall_s).abs() < 1e-9);
     }
 }
 
