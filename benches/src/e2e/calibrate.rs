@@ -12,7 +12,9 @@
 //!   so a WRITE's share of the host is its CPU time, not the whole host for `1 / rate`);
 //! - H2D (a memcpy on one thread: the CPU build's stand-in for the copy engine; its host share
 //!   from a memcpy on every core at once, since memory bandwidth does not scale with cores);
-//! - fp8 block quantisation and casts over the whole rayon pool.
+//! - fp8 block quantisation (on the configuration's own fp8 task shapes, up to 64 MiB of them:
+//!   a layer's tensors quantise slower than one large grid) and casts over the whole rayon
+//!   pool;
 //!
 //! - the per-sync fixed costs and the per-task cost, from near-empty syncs on the same loopback
 //!   cluster shape ([`fixed`]: a regression over two task counts of a synthetic table of tiny
@@ -35,7 +37,8 @@ use weightsync_common::DType;
 use weightsync_schedules::simulate::{
     simulate, ClusterModel, FixedCosts, HostModel, Placement, PrepRates,
 };
-use weightsync_schedules::CostModel;
+use weightsync_schedules::table::Transform;
+use weightsync_schedules::{CostModel, RoutingTable};
 use weightsync_worker::{cast, quantise_fp8, Fp8Shape, Threads};
 
 use super::fabric_limit::FabricLimit;
@@ -95,7 +98,8 @@ pub struct Rates {
     pub memcpy_1t_bytes_per_s: f64,
     /// memcpy over the whole pool at once.
     pub memcpy_all_bytes_per_s: f64,
-    /// fp8 block quantisation over the pool, bf16 input bytes per second.
+    /// fp8 block quantisation over the pool on the configuration's fp8 task shapes (one large
+    /// tensor when it has none), bf16 input bytes per second.
     pub fp8_all_bytes_per_s: f64,
     /// f32 -> bf16 cast over the pool, input bytes per second.
     pub cast_all_bytes_per_s: f64,
@@ -114,7 +118,7 @@ pub struct Check {
     pub landed_bytes: u64,
     /// Simulated seconds (median over the rounds).
     pub predicted_s: f64,
-    /// The same without the fixed costs (per-sync and per-task at 0): what they add.
+    /// The same without the fixed costs (per sync, per task and per write at 0): what they add.
     pub predicted_without_fixed_s: f64,
     /// Measured seconds (median).
     pub measured_s: f64,
@@ -170,12 +174,12 @@ impl Report {
         );
         s = s.replacen(
             " error\n",
-            " error  (fabric GB/s, per sync / per task fixed costs)\n",
+            " error  (fabric GB/s, fixed costs per sync / task / write)\n",
             1,
         );
         for c in &self.checks {
             s += &format!(
-                "{:<44} {:>9.3}s {:>9.3}s {:>+7.1}% {} ({:.2}, {:.1} ms / {:.0} us)\n",
+                "{:<44} {:>9.3}s {:>9.3}s {:>+7.1}% {} ({:.2}, {:.1} ms / {:.0} us / {:.0} us)\n",
                 c.setup.label(),
                 c.predicted_s,
                 c.measured_s,
@@ -183,7 +187,8 @@ impl Report {
                 if c.within_tolerance { "ok" } else { "OFF" },
                 c.rates.fabric_bytes_per_s / 1e9,
                 (c.fixed.costs.start_s + c.fixed.costs.after_landing_s) * 1e3,
-                c.fixed.task_overhead_s * 1e6
+                c.fixed.task_overhead_s * 1e6,
+                c.fixed.write_s * 1e6
             );
         }
         s += &format!(
@@ -219,8 +224,36 @@ fn median_of<F: FnMut()>(reps: usize, mut f: F) -> f64 {
 /// milliseconds, which one scheduling hiccup of the shared machine can double.
 const KERNEL_REPS: usize = 5;
 
-/// Kernel rates: memcpy on one thread and over the pool, fp8 and cast over the pool.
-fn kernel_rates(bytes: u64) -> Result<KernelRates, E2eError> {
+/// The shapes of a configuration's fp8 tasks, in table order on trainer 0, until `bytes` of
+/// input: the fp8 rate is measured on them, since a layer's tensors quantise slower than one
+/// large block grid (each call fans out over the pool and waits for it).
+fn fp8_task_shapes(table: &RoutingTable, bytes: u64) -> Result<Vec<Fp8Shape>, E2eError> {
+    let plan = table
+        .trainer_plan(0)
+        .map_err(|e| E2eError::Setup(format!("trainer 0's slice: {e}")))?;
+    let mut shapes = Vec::new();
+    let mut total = 0u64;
+    for t in &plan.tasks {
+        let n = t.region.ndim as usize;
+        if !matches!(t.transform, Transform::Fp8Block { .. }) || n < 2 {
+            continue;
+        }
+        let cols = t.region.len[n - 1] as usize;
+        let rows = (t.region.numel() / cols.max(1) as u64) as usize;
+        let input = t.source_bytes();
+        if total + input > bytes {
+            break;
+        }
+        total += input;
+        shapes.push(Fp8Shape { rows, cols });
+    }
+    Ok(shapes)
+}
+
+/// Kernel rates: memcpy on one thread and over the pool, fp8 and cast over the pool. The fp8
+/// rate is over `fp8_tasks` one after another when there are any (see [`fp8_task_shapes`]),
+/// else over one tensor of `bytes`.
+fn kernel_rates(bytes: u64, fp8_tasks: &[Fp8Shape]) -> Result<KernelRates, E2eError> {
     let n = bytes as usize;
     let src = weights(bytes, 7);
     let mut dst = vec![0u8; n];
@@ -235,25 +268,48 @@ fn kernel_rates(bytes: u64) -> Result<KernelRates, E2eError> {
                 .for_each(|(d, s)| d.copy_from_slice(s))
         });
     let cols = 4096usize;
-    let shape = Fp8Shape {
+    let whole = [Fp8Shape {
         rows: n / 2 / cols,
         cols,
+    }];
+    let shapes = if fp8_tasks.is_empty() {
+        &whole[..]
+    } else {
+        fp8_tasks
     };
-    let mut values = vec![0u8; shape.rows * shape.cols];
-    let mut scales = vec![0u8; shape.row_blocks() * shape.col_blocks() * 4];
-    let input = &src[..shape.rows * shape.cols * 2];
+    // Each shape reads its own part of the input and writes its own part of the output, one
+    // after another, as a trainer's tasks do: reading one cache-hot prefix for every shape
+    // would measure the cache, not the kernel on a layer's worth of tensors.
+    let elems = |s: &Fp8Shape| s.rows * s.cols;
+    let scale_bytes = |s: &Fp8Shape| s.row_blocks() * s.col_blocks() * 4;
+    let mut fit = Vec::with_capacity(shapes.len());
+    let (mut e_total, mut s_total) = (0usize, 0usize);
+    for sh in shapes {
+        if (e_total + elems(sh)) * 2 > n {
+            break;
+        }
+        fit.push((*sh, e_total, s_total));
+        e_total += elems(sh);
+        s_total += scale_bytes(sh);
+    }
+    let mut values = vec![0u8; e_total];
+    let mut scales = vec![0u8; s_total];
+    let fp8_in = e_total * 2;
     let mut err = None;
-    let fp8 = input.len() as f64
+    let fp8 = fp8_in as f64
         / median_of(KERNEL_REPS, || {
-            if let Err(e) = quantise_fp8(
-                input,
-                DType::BF16,
-                shape,
-                &mut values,
-                &mut scales,
-                Threads::All,
-            ) {
-                err = Some(e);
+            for &(shape, e0, s0) in &fit {
+                let e = elems(&shape);
+                if let Err(x) = quantise_fp8(
+                    &src[e0 * 2..(e0 + e) * 2],
+                    DType::BF16,
+                    shape,
+                    &mut values[e0..e0 + e],
+                    &mut scales[s0..s0 + scale_bytes(&shape)],
+                    Threads::All,
+                ) {
+                    err = Some(x);
+                }
             }
         });
     // f32 -> bf16 over `n` input bytes.
@@ -330,6 +386,7 @@ pub fn host_cluster(
     workers: &WorkerOptions,
     gpus: u32,
     task_overhead_s: f64,
+    write_s: f64,
     fixed: FixedCosts,
 ) -> ClusterModel {
     let cost = CostModel {
@@ -364,14 +421,22 @@ pub fn host_cluster(
         // The host is `cores` CPU-seconds per second; a WRITE takes what it burns, never more
         // than the whole host for as long as the fabric needs.
         net_s_per_byte: (rates.fabric_cpu_s_per_byte / cores).min(1.0 / rates.fabric_bytes_per_s),
+        // Measured from near-empty syncs (see `fixed`).
+        net_s_per_write: write_s,
     });
     c
 }
 
 /// Kernel rates now, and the fabric's from one pass of `limit`.
-async fn measure(cfg: &Config, limit: &FabricLimit, landed: u64) -> Result<Rates, E2eError> {
+async fn measure(
+    cfg: &Config,
+    limit: &FabricLimit,
+    landed: u64,
+    fp8_tasks: &[Fp8Shape],
+) -> Result<Rates, E2eError> {
     let kernel_bytes = cfg.kernel_bytes;
-    let k = tokio::task::spawn_blocking(move || kernel_rates(kernel_bytes))
+    let shapes = fp8_tasks.to_vec();
+    let k = tokio::task::spawn_blocking(move || kernel_rates(kernel_bytes, &shapes))
         .await
         .map_err(|e| E2eError::Setup(format!("measuring kernels panicked: {e}")))??;
     let fabric = fabric_rate(limit, landed).await?;
@@ -408,6 +473,7 @@ pub fn run(cfg: &Config) -> Result<Report, E2eError> {
         let (nt, nr) = (table.trainers.len() as u32, table.rollouts.len() as u32);
         let landed = super::loopback::landed_bytes(&table);
         let pairs = tcp_limit::pair_bytes(&table)?;
+        let shapes = fp8_task_shapes(&table, cfg.kernel_bytes)?;
         let gpus = nt + nr;
         let mut max_tasks = 0u32;
         for t in 0..nt {
@@ -429,11 +495,12 @@ pub fn run(cfg: &Config) -> Result<Report, E2eError> {
             // Warm-up: lanes connect lazily, pages fault in.
             c.sync().await?;
             limit.sync().await?;
-            let rates = measure(cfg, &limit, landed).await?;
+            let rates = measure(cfg, &limit, landed, &shapes).await?;
             let fixed = near_empty.derive(&host_cluster(
                 &rates,
                 &cfg.workers,
                 gpus,
+                0.0,
                 0.0,
                 FixedCosts::default(),
             ))?;
@@ -442,7 +509,7 @@ pub fn run(cfg: &Config) -> Result<Report, E2eError> {
                 let rates = if round == 0 {
                     rates.clone()
                 } else {
-                    measure(cfg, &limit, landed).await?
+                    measure(cfg, &limit, landed, &shapes).await?
                 };
                 let secs = c.sync().await?.seconds;
                 rounds.push((rates, secs));
@@ -459,6 +526,7 @@ pub fn run(cfg: &Config) -> Result<Report, E2eError> {
                 &cfg.workers,
                 gpus,
                 fixed.task_overhead_s,
+                fixed.write_s,
                 fixed.costs,
             );
             let r = sim(&c)?;
@@ -469,6 +537,7 @@ pub fn run(cfg: &Config) -> Result<Report, E2eError> {
                     rates,
                     &cfg.workers,
                     gpus,
+                    0.0,
                     0.0,
                     FixedCosts::default(),
                 ))?

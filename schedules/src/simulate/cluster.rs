@@ -83,6 +83,10 @@ pub struct HostModel {
     pub prep_s_per_byte: PrepRates,
     /// Per byte written through the fabric (both ends of a loopback transfer together).
     pub net_s_per_byte: f64,
+    /// Per write (work request) through the fabric beyond its bytes: posting it, its frame,
+    /// its completion and the thread wake-ups around them (0 when not measured).
+    #[serde(default)]
+    pub net_s_per_write: f64,
 }
 
 /// What every sync pays beyond its bytes and tasks (see the module docs), seconds.
@@ -200,6 +204,7 @@ impl ClusterModel {
                 ("host.prep.cast", h.prep_s_per_byte.cast),
                 ("host.prep.fp8", h.prep_s_per_byte.fp8),
                 ("host.net_s_per_byte", h.net_s_per_byte),
+                ("host.net_s_per_write", h.net_s_per_write),
             ];
             for (name, v) in costs {
                 if !(v.is_finite() && v >= 0.0) {

@@ -413,7 +413,9 @@ impl<'c> Lowering<'c> {
             tr.gpu_node,
             cluster.cost.nic_bytes_per_s,
             cluster.cost.per_wr_s,
-            cluster.host.map(|h| (tr.gpu_node, h.net_s_per_byte)),
+            cluster
+                .host
+                .map(|h| (tr.gpu_node, h.net_s_per_byte, h.net_s_per_write)),
         )
     }
 

@@ -170,6 +170,7 @@ fn fixed_costs_add_to_the_predicted_time_as_documented() {
         h2d_s_per_byte: 0.5e-9,
         prep_s_per_byte: PrepRates::uniform(0.5e-9),
         net_s_per_byte: 0.5e-9,
+        net_s_per_write: 0.0,
     };
     let (mut h0, mut h1) = (balanced_cluster(), c);
     h0.host = Some(host);
@@ -323,10 +324,28 @@ fn a_shared_host_serialises_what_a_gpu_cluster_overlaps() {
         h2d_s_per_byte: 1e-9,
         prep_s_per_byte: PrepRates::uniform(1e-9),
         net_s_per_byte: 1e-9,
+        net_s_per_write: 0.0,
     });
     let r = simulate(&table, &c).unwrap();
     // Every stage needs the whole host: 3 x 20 ms, no overlap possible.
     assert!(close(r.predicted_s, 0.060, 1e-6), "{}", r.predicted_s);
+}
+
+#[test]
+fn a_host_cost_per_write_is_paid_per_work_request() {
+    // 20 one-write tasks; the host pays only 2 ms per write (no per-byte costs): writes go one
+    // at a time at 2 ms after 2 ms of fill (H2D, prepare of the first piece).
+    let table = copy_table(1, 1, 20, 1_000_000, |_, _| 0);
+    let mut c = balanced_cluster();
+    c.host = Some(HostModel {
+        h2d_s_per_byte: 0.0,
+        prep_s_per_byte: PrepRates::uniform(0.0),
+        net_s_per_byte: 0.0,
+        net_s_per_write: 2e-3,
+    });
+    let r = simulate(&table, &c).unwrap();
+    assert!(close(r.predicted_s, 0.042, 1e-6), "{}", r.predicted_s);
+    assert!(r.dominated_by.contains("host CPU"), "{}", r.dominated_by);
 }
 
 #[test]

@@ -7,14 +7,16 @@
 //!
 //! How, without fitting the runs being checked: the same loopback cluster shape (as many
 //! trainers and rollouts as the configuration, the same worker options) runs a synthetic table
-//! of tiny tasks ([`TASK_BYTES`] each, every trainer's task `k` written whole to rollout
-//! `(t + k) % R`: bytes cost nothing here) at two task counts: the configuration's most tasks
-//! on one trainer (`n_large`) and an eighth of it (`n_small`). Each is the median of
-//! [`SYNCS`] syncs after a warm-up. The two sizes of the same configuration are a regression:
-//! - the per-task cost is the one that makes the simulator, given this machine's measured
-//!   rates, reproduce the measured difference `m(n_large) - m(n_small)`: the simulator is
-//!   linear in it on such tables, so two simulations per size (with the cost at 0 and at a
-//!   probe) solve for it exactly;
+//! of tiny tasks ([`TASK_BYTES`] each, every trainer's task `k` written to rollout
+//! `(t + k) % R`, or split in two writes to that rollout and the next: bytes cost nothing here)
+//! three times: the configuration's most tasks on one trainer (`n_large`) with one write per
+//! task and with two, and an eighth of the tasks (`n_small`) with one. Each is the median of
+//! [`SYNCS`] syncs after a warm-up. They are a regression over sizes of the same
+//! configuration, solved on the simulator itself (given this machine's measured rates, it is
+//! piecewise linear in each cost on such tables; secant steps find each one):
+//! - the per-write host cost (`HostModel::net_s_per_write`) is the one that reproduces the
+//!   measured difference between two writes per task and one at `n_large`;
+//! - with it, the per-task cost is the one that reproduces `m(n_large) - m(n_small)`;
 //! - the per-sync cost is what is left of `m(n_small)` beyond the simulation of that table with
 //!   the per-task cost found: the sync start, the landing notices and the driver's joins. The
 //!   loopback driver has no controller, so there is no commit round trip or verification pass
@@ -39,7 +41,7 @@ use super::super::E2eError;
 pub const TASK_BYTES: u64 = 4096;
 
 /// Timed syncs per size (median), after one warm-up.
-pub const SYNCS: usize = 5;
+pub const SYNCS: usize = 7;
 
 /// Per-task cost the search for it starts from (beside 0), seconds.
 const PROBE_S: f64 = 100e-6;
@@ -47,25 +49,31 @@ const PROBE_S: f64 = 100e-6;
 /// What the near-empty syncs measured and the fixed costs derived from them.
 #[derive(Debug, Clone, Serialize)]
 pub struct Fixed {
-    /// Tasks per trainer of the small and large near-empty syncs.
+    /// Tasks per trainer of the small and large near-empty syncs (the third has as many as the
+    /// large one, two writes each).
     pub tasks: [u32; 2],
-    /// Their measured seconds (medians).
-    pub measured_s: [f64; 2],
+    /// Their measured seconds (medians): small, large, large with two writes per task.
+    pub measured_s: [f64; 3],
     /// Every timed sync of each.
-    pub all_measured_s: [Vec<f64>; 2],
+    pub all_measured_s: [Vec<f64>; 3],
     /// Per-task cost found (the model's `task_overhead_s`), seconds.
     pub task_overhead_s: f64,
+    /// Host cost per write found (the model's `HostModel::net_s_per_write`), seconds.
+    pub write_s: f64,
     /// Per-sync costs found.
     pub costs: FixedCosts,
 }
 
 /// A table where each of `trainers` trainers copies `tasks` tiny bf16 tasks, task `k` of
-/// trainer `t` written whole to rollout `(t + k) % rollouts`.
+/// trainer `t` cut in `writes` equal writes, write `j` to rollout `(t + k + j) % rollouts`.
 pub fn near_empty_table(
     trainers: u32,
     rollouts: u32,
     tasks: u32,
+    writes: u32,
 ) -> Result<RoutingTable, E2eError> {
+    let writes = writes.max(1);
+    let write_len = TASK_BYTES / writes as u64;
     let elems = (TASK_BYTES / 2) as u32;
     let mut rolls: Vec<RolloutPlan> = (0..rollouts)
         .map(|r| RolloutPlan {
@@ -110,25 +118,27 @@ pub fn near_empty_table(
                 dtype: DType::BF16,
                 offset: k as u64 * TASK_BYTES,
             });
-            let r = (t + k) % rollouts;
-            let roll = &mut rolls[r as usize];
-            p.writes.push(Write {
-                dst: WriteTarget::Rollout(r),
-                mr: 0,
-                unit: 0,
-                len: TASK_BYTES as u32,
-                src_offset: 0,
-                dst_offset: roll.mr_bytes[0],
-            });
-            roll.mr_bytes[0] += TASK_BYTES;
-            roll.expect[0].writes += 1;
+            for j in 0..writes {
+                let r = (t + k + j) % rollouts;
+                let roll = &mut rolls[r as usize];
+                p.writes.push(Write {
+                    dst: WriteTarget::Rollout(r),
+                    mr: 0,
+                    unit: 0,
+                    len: write_len as u32,
+                    src_offset: j as u64 * write_len,
+                    dst_offset: roll.mr_bytes[0],
+                });
+                roll.mr_bytes[0] += write_len;
+                roll.expect[0].writes += 1;
+            }
             p.tasks.push(Task {
                 param: k,
                 region: TensorBox::new(&[0], &[elems]),
                 source: Source::Shard { shard: k },
                 transform: Transform::Copy { dtype: DType::BF16 },
-                first_write: k,
-                num_writes: 1,
+                first_write: k * writes,
+                num_writes: writes,
                 first_copy: 0,
                 num_copies: 0,
             });
@@ -139,24 +149,10 @@ pub fn near_empty_table(
         .map_err(|e| E2eError::Setup(format!("the near-empty table: {e}")))
 }
 
-/// Median seconds of [`SYNCS`] syncs of `table` after a warm-up, and every one.
-async fn time_syncs(
-    table: &RoutingTable,
-    workers: &WorkerOptions,
-) -> Result<(f64, Vec<f64>), E2eError> {
-    let mut c = LoopbackCluster::start(table, workers).await?;
-    c.sync().await?;
-    let mut v = Vec::with_capacity(SYNCS);
-    for _ in 0..SYNCS {
-        v.push(c.sync().await?.seconds);
-    }
-    let mut s = v.clone();
-    s.sort_by(f64::total_cmp);
-    Ok((s[s.len() / 2], v))
-}
-
-/// Runs the two near-empty syncs for `trainers` x `rollouts` with `max_tasks` tasks on the
-/// busiest trainer (at least 8 per rollout, and an eighth of it).
+/// Runs the three near-empty syncs for `trainers` x `rollouts` with `max_tasks` tasks on the
+/// busiest trainer (at least 8 per rollout, and an eighth of it). The three clusters run one
+/// sync each in turn, so a load spike of the shared machine hits all three alike rather than
+/// one of them.
 pub async fn measure_syncs(
     trainers: u32,
     rollouts: u32,
@@ -167,75 +163,101 @@ pub async fn measure_syncs(
     let large = max_tasks.max(8 * rollouts);
     let small = (large / 8).max(rollouts);
     let tables = [
-        near_empty_table(trainers, rollouts, small)?,
-        near_empty_table(trainers, rollouts, large)?,
+        near_empty_table(trainers, rollouts, small, 1)?,
+        near_empty_table(trainers, rollouts, large, 1)?,
+        near_empty_table(trainers, rollouts, large, 2)?,
     ];
-    let (a, b) = (
-        time_syncs(&tables[0], workers).await?,
-        time_syncs(&tables[1], workers).await?,
-    );
+    let mut clusters = Vec::with_capacity(tables.len());
+    for t in &tables {
+        let mut c = LoopbackCluster::start(t, workers).await?;
+        c.sync().await?; // warm-up
+        clusters.push(c);
+    }
+    let mut all: [Vec<f64>; 3] = Default::default();
+    for _ in 0..SYNCS {
+        for (c, v) in clusters.iter_mut().zip(all.iter_mut()) {
+            v.push(c.sync().await?.seconds);
+        }
+    }
+    let median = |v: &[f64]| {
+        let mut s = v.to_vec();
+        s.sort_by(f64::total_cmp);
+        s[s.len() / 2]
+    };
     Ok(Measured {
         tables,
         tasks: [small, large],
-        measured_s: [a.0, b.0],
-        all_measured_s: [a.1, b.1],
+        measured_s: [median(&all[0]), median(&all[1]), median(&all[2])],
+        all_measured_s: all,
     })
 }
 
 /// The near-empty syncs as measured, before the costs are derived.
 #[derive(Debug)]
 pub struct Measured {
-    tables: [RoutingTable; 2],
+    tables: [RoutingTable; 3],
     tasks: [u32; 2],
-    measured_s: [f64; 2],
-    all_measured_s: [Vec<f64>; 2],
+    measured_s: [f64; 3],
+    all_measured_s: [Vec<f64>; 3],
 }
 
 impl Measured {
     /// Derives the per-task and per-sync costs on `cluster` (the host model of this machine's
     /// measured rates; its own fixed costs are ignored). See the module docs.
     pub fn derive(self, cluster: &ClusterModel) -> Result<Fixed, E2eError> {
-        let sim = |table: &RoutingTable, task_s: f64| -> Result<f64, E2eError> {
+        let sim = |table: &RoutingTable, task_s: f64, write_s: f64| -> Result<f64, E2eError> {
             let mut c = *cluster;
             c.task_overhead_s = task_s;
             c.fixed = FixedCosts::default();
+            if let Some(h) = c.host.as_mut() {
+                h.net_s_per_write = write_s;
+            }
             simulate(table, &c)
                 .map(|r| r.predicted_s)
                 .map_err(|e| E2eError::Setup(format!("simulating a near-empty sync: {e}")))
         };
-        let [small, large] = &self.tables;
-        let [ms, ml] = self.measured_s;
-        // How far the simulated difference between the sizes falls short of the measured one
-        // at a per-task cost `x`; piecewise linear and rising in `x`: secant steps from 0 and
-        // the probe find its root.
-        let gap =
-            |x: f64| -> Result<f64, E2eError> { Ok((sim(large, x)? - sim(small, x)?) - (ml - ms)) };
-        let (mut x0, mut g0) = (0.0, gap(0.0)?);
-        let (mut x1, mut g1) = (PROBE_S, gap(PROBE_S)?);
-        for _ in 0..8 {
-            if (g1 - g0).abs() <= f64::EPSILON * g1.abs().max(1e-12) {
-                break;
-            }
-            let x2 = (x1 - g1 * (x1 - x0) / (g1 - g0)).max(0.0);
-            (x0, g0) = (x1, g1);
-            (x1, g1) = (x2, gap(x2)?);
-            if g1.abs() < 1e-9 {
-                break;
-            }
-        }
-        let task_overhead_s = x1.max(0.0);
-        let start_s = (ms - sim(small, task_overhead_s)?).max(0.0);
+        let [small, large, split] = &self.tables;
+        let [ms, ml, m2] = self.measured_s;
+        // Per write: how far the simulated two-writes-minus-one-write difference falls short
+        // of the measured one (the per-task cost is the same in both and left at 0).
+        let write_s = solve(|y| Ok((sim(split, 0.0, y)? - sim(large, 0.0, y)?) - (m2 - ml)))?;
+        let task_overhead_s =
+            solve(|x| Ok((sim(large, x, write_s)? - sim(small, x, write_s)?) - (ml - ms)))?;
+        let start_s = (ms - sim(small, task_overhead_s, write_s)?).max(0.0);
         Ok(Fixed {
             tasks: self.tasks,
             measured_s: self.measured_s,
             all_measured_s: self.all_measured_s,
             task_overhead_s,
+            write_s,
             costs: FixedCosts {
                 start_s,
                 after_landing_s: 0.0,
             },
         })
     }
+}
+
+/// The non-negative root of `gap`, rising and piecewise linear: secant steps from 0 and
+/// [`PROBE_S`] (0 when even 0 overshoots).
+fn solve(gap: impl Fn(f64) -> Result<f64, E2eError>) -> Result<f64, E2eError> {
+    let (mut x0, mut g0) = (0.0, gap(0.0)?);
+    if g0 >= 0.0 {
+        return Ok(0.0);
+    }
+    let (mut x1, mut g1) = (PROBE_S, gap(PROBE_S)?);
+    for _ in 0..8 {
+        if (g1 - g0).abs() <= f64::EPSILON * g1.abs().max(1e-12) {
+            break;
+        }
+        let x2 = (x1 - g1 * (x1 - x0) / (g1 - g0)).max(0.0);
+        (x0, g0) = (x1, g1);
+        (x1, g1) = (x2, gap(x2)?);
+        if g1.abs() < 1e-9 {
+            break;
+        }
+    }
+    Ok(x1.max(0.0))
 }
 
 #[cfg(test)]
@@ -245,12 +267,17 @@ mod tests {
 
     #[test]
     fn near_empty_tables_spread_tiny_tasks_over_every_rollout() {
-        let t = near_empty_table(4, 2, 10).unwrap();
+        let t = near_empty_table(4, 2, 10, 1).unwrap();
         assert_eq!((t.trainers.len(), t.rollouts.len()), (4, 2));
         let p = t.trainer_plan(3).unwrap();
         assert_eq!(p.tasks.len(), 10);
         assert!(p.writes.iter().all(|w| w.len as u64 == TASK_BYTES));
         let received: u64 = t.rollout_plans().map(|r| r.mr_bytes[0]).sum();
+        assert_eq!(received, 4 * 10 * TASK_BYTES);
+        let two = near_empty_table(4, 2, 10, 2).unwrap();
+        let p = two.trainer_plan(1).unwrap();
+        assert_eq!((p.tasks.len(), p.writes.len()), (10, 20));
+        let received: u64 = two.rollout_plans().map(|r| r.mr_bytes[0]).sum();
         assert_eq!(received, 4 * 10 * TASK_BYTES);
     }
 
@@ -262,6 +289,7 @@ mod tests {
             h2d_s_per_byte: 1e-10,
             prep_s_per_byte: PrepRates::uniform(1e-10),
             net_s_per_byte: 1e-10,
+            net_s_per_write: 0.0,
         });
         c.gpus_per_node = 6;
         c.nics_per_node = 1;
@@ -282,6 +310,7 @@ mod tests {
         }
         .derive(&c)
         .unwrap();
+        assert!((f.write_s - 30e-6).abs() < 1e-8, "{f:?}");
         assert!((f.task_overhead_s - 80e-6).abs() < 1e-8, "{f:?}");
         assert!((f.costs.start_s - 3e-3).abs() < 1e-6, "{f:?}");
         assert_eq!(f.costs.after_landing_s, 0.0);
