@@ -284,29 +284,35 @@ mod tests {
     #[test]
     fn derive_recovers_the_costs_a_known_model_produces() {
         // Measurements made by the simulator itself with known costs come back as those costs.
-        let mut c = ClusterModel::default();
-        c.host = Some(HostModel {
-            h2d_s_per_byte: 1e-10,
-            prep_s_per_byte: PrepRates::uniform(1e-10),
-            net_s_per_byte: 1e-10,
-            net_s_per_write: 0.0,
-        });
-        c.gpus_per_node = 6;
-        c.nics_per_node = 1;
+        let c = ClusterModel {
+            host: Some(HostModel {
+                h2d_s_per_byte: 1e-10,
+                prep_s_per_byte: PrepRates::uniform(1e-10),
+                net_s_per_byte: 1e-10,
+                net_s_per_write: 0.0,
+            }),
+            gpus_per_node: 6,
+            nics_per_node: 1,
+            ..ClusterModel::default()
+        };
         let tables = [
-            near_empty_table(4, 2, 5).unwrap(),
-            near_empty_table(4, 2, 40).unwrap(),
+            near_empty_table(4, 2, 5, 1).unwrap(),
+            near_empty_table(4, 2, 40, 1).unwrap(),
+            near_empty_table(4, 2, 40, 2).unwrap(),
         ];
         let mut truth = c;
         truth.task_overhead_s = 80e-6;
         truth.fixed.start_s = 3e-3;
+        if let Some(h) = truth.host.as_mut() {
+            h.net_s_per_write = 30e-6;
+        }
         let m = |t: &RoutingTable| simulate(t, &truth).unwrap().predicted_s;
-        let measured_s = [m(&tables[0]), m(&tables[1])];
+        let measured_s = [m(&tables[0]), m(&tables[1]), m(&tables[2])];
         let f = Measured {
             tables,
             tasks: [5, 40],
             measured_s,
-            all_measured_s: [vec![measured_s[0]], vec![measured_s[1]]],
+            all_measured_s: measured_s.map(|x| vec![x]),
         }
         .derive(&c)
         .unwrap();
