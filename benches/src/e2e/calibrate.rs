@@ -12,42 +12,55 @@
 //!   so a WRITE's share of the host is its CPU time, not the whole host for `1 / rate`);
 //! - H2D (a memcpy on one thread: the CPU build's stand-in for the copy engine; its host share
 //!   from a memcpy on every core at once, since memory bandwidth does not scale with cores);
-//! - fp8 block quantisation and casts over the whole rayon pool.
+//! - fp8 block quantisation (on the configuration's own fp8 task shapes, up to 64 MiB of them:
+//!   a layer's tensors quantise slower than one large grid) and casts over the whole rayon
+//!   pool;
 //!
-//! Then, for several configurations, the simulator predicts a sync from those rates alone, the
-//! same sync runs for real ([`LoopbackCluster`]), and the report gives predicted vs measured and
-//! the relative error (the check: within 20%). Every rate is a median of three timed runs after
-//! a warm-up, as the measured sync is: a best-of peak is what a loaded machine rarely holds.
+//! - the per-sync fixed costs and the per-task cost, from near-empty syncs on the same loopback
+//!   cluster shape ([`fixed`]: a regression over two task counts of a synthetic table of tiny
+//!   tasks), never from the syncs being checked.
+//!
+//! Then, for several configurations, the simulator predicts a sync from those figures alone
+//! (the fixed costs as the cluster model's `FixedCosts` and `task_overhead_s`), the same sync
+//! runs for real ([`LoopbackCluster`]), and the report gives predicted vs measured and the
+//! relative error (the check: within 10%). The machine is shared and its load drifts, so rates
+//! and syncs are interleaved: each round measures the rates, predicts from them and runs one
+//! sync right after; the check compares the median prediction with the median sync. Kernel
+//! rates are medians of five timed runs after a warm-up (a best-of peak is what a loaded
+//! machine rarely holds).
 
 use std::time::Instant;
 
 use rayon::prelude::*;
 use serde::Serialize;
-use weightsync_common::fabric::{Access, FabricBackend, FabricConfig, TcpFabric, WriteOp};
 use weightsync_common::DType;
-use weightsync_schedules::simulate::{simulate, ClusterModel, HostModel, Placement, PrepRates};
-use weightsync_schedules::CostModel;
+use weightsync_schedules::simulate::{
+    simulate, ClusterModel, FixedCosts, HostModel, Placement, PrepRates,
+};
+use weightsync_schedules::table::Transform;
+use weightsync_schedules::{CostModel, RoutingTable};
 use weightsync_worker::{cast, quantise_fp8, Fp8Shape, Threads};
 
+use super::fabric_limit::FabricLimit;
 use super::loopback::{weights, LoopbackCluster, WorkerOptions, TOKEN};
-use super::{runtime, E2eError, Setup};
+use super::{runtime, tcp_limit, E2eError, Setup};
+
+pub mod fixed;
+
+pub use fixed::Fixed;
 
 /// What to run.
 #[derive(Debug, Clone)]
 pub struct Config {
     /// Configurations predicted and measured.
     pub setups: Vec<Setup>,
-    /// Timed syncs per configuration (median), after one warm-up.
+    /// Rounds per configuration (rates measured, a prediction, one timed sync; medians), after
+    /// one warm-up sync.
     pub syncs: usize,
     /// Workers.
     pub workers: WorkerOptions,
-    /// Fewest bytes in all the fabric measurement moves (it moves as many as the sync lands
-    /// when that is more), spread over the (trainer, rollout) pairs.
-    pub fabric_pair_bytes: u64,
     /// Bytes per kernel measurement.
     pub kernel_bytes: u64,
-    /// Fixed cost per task (scheduling hops), seconds (an assumption, not measured).
-    pub task_overhead_s: f64,
     /// Allowed relative error.
     pub tolerance: f64,
 }
@@ -61,12 +74,10 @@ impl Default for Config {
                 Setup::new("qwen3-0.6b", "fsdp=2", "tp=1,dp=1", "bf16"),
                 Setup::new("qwen3-0.6b", "fsdp=2", "tp=2,dp=2", "bf16"),
             ],
-            syncs: 3,
+            syncs: 5,
             workers: WorkerOptions::default(),
-            fabric_pair_bytes: 48 << 20,
             kernel_bytes: 64 << 20,
-            task_overhead_s: 20e-6,
-            tolerance: 0.20,
+            tolerance: 0.10,
         }
     }
 }
@@ -76,7 +87,8 @@ impl Default for Config {
 pub struct Rates {
     /// Cores the host has.
     pub cores: usize,
-    /// Loopback fabric, all writers to all readers at once, bytes landed per second.
+    /// Loopback fabric moving the configuration's own (trainer, rollout) bytes, every pair at
+    /// once in 4 MiB writes (the `bench e2e` fabric limit), bytes landed per second.
     pub fabric_bytes_per_s: f64,
     /// CPU seconds (all threads, user + system) the loopback fabric burns per byte landed:
     /// the host share a WRITE takes, which on loopback is less than the whole host for
@@ -86,7 +98,8 @@ pub struct Rates {
     pub memcpy_1t_bytes_per_s: f64,
     /// memcpy over the whole pool at once.
     pub memcpy_all_bytes_per_s: f64,
-    /// fp8 block quantisation over the pool, bf16 input bytes per second.
+    /// fp8 block quantisation over the pool on the configuration's fp8 task shapes (one large
+    /// tensor when it has none), bf16 input bytes per second.
     pub fp8_all_bytes_per_s: f64,
     /// f32 -> bf16 cast over the pool, input bytes per second.
     pub cast_all_bytes_per_s: f64,
@@ -103,19 +116,25 @@ pub struct Check {
     pub rollouts: u32,
     /// Bytes landed per sync.
     pub landed_bytes: u64,
-    /// Simulated seconds.
+    /// Simulated seconds (median over the rounds).
     pub predicted_s: f64,
+    /// The same without the fixed costs (per sync, per task and per write at 0): what they add.
+    pub predicted_without_fixed_s: f64,
     /// Measured seconds (median).
     pub measured_s: f64,
-    /// Every measured sync.
+    /// Every round's prediction.
+    pub all_predicted_s: Vec<f64>,
+    /// Every measured sync (round by round, beside `all_predicted_s`).
     pub all_measured_s: Vec<f64>,
+    /// The fixed costs measured for this configuration's shape.
+    pub fixed: Fixed,
     /// `(predicted - measured) / measured`.
     pub error: f64,
     /// `|error| <= tolerance`.
     pub within_tolerance: bool,
     /// What the simulator says dominates.
     pub dominated_by: String,
-    /// The rates measured just before this configuration ran.
+    /// The rates of the first round.
     pub rates: Rates,
 }
 
@@ -124,7 +143,7 @@ pub struct Check {
 pub struct Report {
     /// Always "calibrate".
     pub bench: &'static str,
-    /// Rates measured before the first configuration (each check has its own).
+    /// Rates of the first configuration's first round (each check has its own).
     pub rates: Rates,
     /// The cluster model built from them.
     pub cluster: ClusterModel,
@@ -153,16 +172,23 @@ impl Report {
             "measured",
             "error"
         );
-        s = s.replacen(" error\n", " error  (fabric GB/s then)\n", 1);
+        s = s.replacen(
+            " error\n",
+            " error  (fabric GB/s, fixed costs per sync / task / write)\n",
+            1,
+        );
         for c in &self.checks {
             s += &format!(
-                "{:<44} {:>9.3}s {:>9.3}s {:>+7.1}% {} ({:.2})\n",
+                "{:<44} {:>9.3}s {:>9.3}s {:>+7.1}% {} ({:.2}, {:.1} ms / {:.0} us / {:.0} us)\n",
                 c.setup.label(),
                 c.predicted_s,
                 c.measured_s,
                 c.error * 100.0,
                 if c.within_tolerance { "ok" } else { "OFF" },
-                c.rates.fabric_bytes_per_s / 1e9
+                c.rates.fabric_bytes_per_s / 1e9,
+                (c.fixed.costs.start_s + c.fixed.costs.after_landing_s) * 1e3,
+                c.fixed.task_overhead_s * 1e6,
+                c.fixed.write_s * 1e6
             );
         }
         s += &format!(
@@ -194,41 +220,96 @@ fn median_of<F: FnMut()>(reps: usize, mut f: F) -> f64 {
     v[v.len() / 2]
 }
 
-/// Kernel rates: memcpy on one thread and over the pool, fp8 and cast over the pool.
-fn kernel_rates(bytes: u64) -> Result<KernelRates, E2eError> {
+/// Timed runs per kernel rate (median), after a warm-up: a 64 MiB copy takes a few
+/// milliseconds, which one scheduling hiccup of the shared machine can double.
+const KERNEL_REPS: usize = 5;
+
+/// The shapes of a configuration's fp8 tasks, in table order on trainer 0, until `bytes` of
+/// input: the fp8 rate is measured on them, since a layer's tensors quantise slower than one
+/// large block grid (each call fans out over the pool and waits for it).
+fn fp8_task_shapes(table: &RoutingTable, bytes: u64) -> Result<Vec<Fp8Shape>, E2eError> {
+    let plan = table
+        .trainer_plan(0)
+        .map_err(|e| E2eError::Setup(format!("trainer 0's slice: {e}")))?;
+    let mut shapes = Vec::new();
+    let mut total = 0u64;
+    for t in &plan.tasks {
+        let n = t.region.ndim as usize;
+        if !matches!(t.transform, Transform::Fp8Block { .. }) || n < 2 {
+            continue;
+        }
+        let cols = t.region.len[n - 1] as usize;
+        let rows = (t.region.numel() / cols.max(1) as u64) as usize;
+        let input = t.source_bytes();
+        if total + input > bytes {
+            break;
+        }
+        total += input;
+        shapes.push(Fp8Shape { rows, cols });
+    }
+    Ok(shapes)
+}
+
+/// Kernel rates: memcpy on one thread and over the pool, fp8 and cast over the pool. The fp8
+/// rate is over `fp8_tasks` one after another when there are any (see [`fp8_task_shapes`]),
+/// else over one tensor of `bytes`.
+fn kernel_rates(bytes: u64, fp8_tasks: &[Fp8Shape]) -> Result<KernelRates, E2eError> {
     let n = bytes as usize;
     let src = weights(bytes, 7);
     let mut dst = vec![0u8; n];
-    let memcpy = n as f64 / median_of(3, || dst.copy_from_slice(&src));
+    let memcpy = n as f64 / median_of(KERNEL_REPS, || dst.copy_from_slice(&src));
     // Every core copying at once: what the host pays per byte when several trainers stage at
     // the same time (memory bandwidth does not grow with the cores the way one core's copy
     // rate times the core count would suggest).
     let memcpy_all = n as f64
-        / median_of(3, || {
+        / median_of(KERNEL_REPS, || {
             dst.par_chunks_mut(1 << 20)
                 .zip(src.par_chunks(1 << 20))
                 .for_each(|(d, s)| d.copy_from_slice(s))
         });
     let cols = 4096usize;
-    let shape = Fp8Shape {
+    let whole = [Fp8Shape {
         rows: n / 2 / cols,
         cols,
+    }];
+    let shapes = if fp8_tasks.is_empty() {
+        &whole[..]
+    } else {
+        fp8_tasks
     };
-    let mut values = vec![0u8; shape.rows * shape.cols];
-    let mut scales = vec![0u8; shape.row_blocks() * shape.col_blocks() * 4];
-    let input = &src[..shape.rows * shape.cols * 2];
+    // Each shape reads its own part of the input and writes its own part of the output, one
+    // after another, as a trainer's tasks do: reading one cache-hot prefix for every shape
+    // would measure the cache, not the kernel on a layer's worth of tensors.
+    let elems = |s: &Fp8Shape| s.rows * s.cols;
+    let scale_bytes = |s: &Fp8Shape| s.row_blocks() * s.col_blocks() * 4;
+    let mut fit = Vec::with_capacity(shapes.len());
+    let (mut e_total, mut s_total) = (0usize, 0usize);
+    for sh in shapes {
+        if (e_total + elems(sh)) * 2 > n {
+            break;
+        }
+        fit.push((*sh, e_total, s_total));
+        e_total += elems(sh);
+        s_total += scale_bytes(sh);
+    }
+    let mut values = vec![0u8; e_total];
+    let mut scales = vec![0u8; s_total];
+    let fp8_in = e_total * 2;
     let mut err = None;
-    let fp8 = input.len() as f64
-        / median_of(3, || {
-            if let Err(e) = quantise_fp8(
-                input,
-                DType::BF16,
-                shape,
-                &mut values,
-                &mut scales,
-                Threads::All,
-            ) {
-                err = Some(e);
+    let fp8 = fp8_in as f64
+        / median_of(KERNEL_REPS, || {
+            for &(shape, e0, s0) in &fit {
+                let e = elems(&shape);
+                if let Err(x) = quantise_fp8(
+                    &src[e0 * 2..(e0 + e) * 2],
+                    DType::BF16,
+                    shape,
+                    &mut values[e0..e0 + e],
+                    &mut scales[s0..s0 + scale_bytes(&shape)],
+                    Threads::All,
+                ) {
+                    err = Some(x);
+                }
             }
         });
     // f32 -> bf16 over `n` input bytes.
@@ -242,7 +323,7 @@ fn kernel_rates(bytes: u64) -> Result<KernelRates, E2eError> {
         .collect();
     let mut out = vec![0u8; f32_in.len() / 2];
     let castr = f32_in.len() as f64
-        / median_of(3, || {
+        / median_of(KERNEL_REPS, || {
             if let Err(e) = cast(&f32_in, DType::F32, &mut out, DType::BF16, Threads::All) {
                 err = Some(e);
             }
@@ -266,60 +347,16 @@ struct KernelRates {
     castr: f64,
 }
 
-/// Loopback fabric rate: `writers` fabrics each writing `pair_bytes` to each of `readers`
-/// fabrics, all at once; bytes landed per second (best of three after a warm-up).
-async fn fabric_rate(
-    writers: usize,
-    readers: usize,
-    pair_bytes: u64,
-    lanes: usize,
-) -> Result<FabricRate, E2eError> {
-    let err = |e: weightsync_common::fabric::FabricError| E2eError::Setup(format!("fabric: {e}"));
-    let cfg = FabricConfig::loopback(TOKEN, lanes);
-    let mut srcs = Vec::new();
-    for i in 0..writers {
-        let f = TcpFabric::start(&cfg).await.map_err(err)?;
-        let r = f.alloc(pair_bytes as usize, Access::SOURCE).map_err(err)?;
-        r.write_at(0, &weights(pair_bytes, i as u64)).map_err(err)?;
-        srcs.push((f, r));
-    }
-    let mut dsts = Vec::new();
-    for _ in 0..readers {
-        let f = TcpFabric::start(&cfg).await.map_err(err)?;
-        let r = f
-            .alloc((pair_bytes * writers as u64) as usize, Access::RECEIVE)
-            .map_err(err)?;
-        dsts.push((f, r));
-    }
-    let mut times = Vec::new();
-    let mut cpu_s = 0.0;
-    for rep in 0..4 {
-        let cpu0 = process_cpu_s();
-        let t = Instant::now();
-        let mut jobs = tokio::task::JoinSet::new();
-        for (w, (f, src)) in srcs.iter().enumerate() {
-            let ops: Vec<WriteOp> = dsts
-                .iter()
-                .map(|(_, d)| {
-                    WriteOp::new(src, 0, d.descriptor(), w as u64 * pair_bytes, pair_bytes)
-                })
-                .collect();
-            jobs.spawn(f.write_batch(ops));
-        }
-        while let Some(j) = jobs.join_next().await {
-            j.map_err(|e| E2eError::Setup(format!("fabric writer panicked: {e}")))?
-                .map_err(err)?;
-        }
-        if rep > 0 {
-            times.push(t.elapsed().as_secs_f64());
-            cpu_s += process_cpu_s() - cpu0;
-        }
-    }
-    times.sort_by(f64::total_cmp);
-    let bytes = (writers * readers) as f64 * pair_bytes as f64;
+/// The loopback fabric in the configuration's shape: one pass of `limit` (its own pairs and
+/// bytes, every pair at once), wall-clock rate and the CPU it burns per byte.
+async fn fabric_rate(limit: &FabricLimit, landed: u64) -> Result<FabricRate, E2eError> {
+    let cpu0 = process_cpu_s();
+    let secs = limit.sync().await?;
+    let cpu_s = process_cpu_s() - cpu0;
+    let bytes = landed.max(1) as f64;
     Ok(FabricRate {
-        bytes_per_s: bytes / times[times.len() / 2],
-        cpu_s_per_byte: cpu_s / (bytes * times.len() as f64),
+        bytes_per_s: bytes / secs,
+        cpu_s_per_byte: cpu_s / bytes,
     })
 }
 
@@ -349,6 +386,8 @@ pub fn host_cluster(
     workers: &WorkerOptions,
     gpus: u32,
     task_overhead_s: f64,
+    write_s: f64,
+    fixed: FixedCosts,
 ) -> ClusterModel {
     let cost = CostModel {
         nic_bytes_per_s: rates.fabric_bytes_per_s,
@@ -371,6 +410,7 @@ pub fn host_cluster(
     c.watermark_bytes = workers.watermark_bytes;
     c.piece_bytes = None;
     c.task_overhead_s = task_overhead_s;
+    c.fixed = fixed;
     c.host = Some(HostModel {
         h2d_s_per_byte: 1.0 / rates.memcpy_all_bytes_per_s,
         prep_s_per_byte: PrepRates {
@@ -381,8 +421,40 @@ pub fn host_cluster(
         // The host is `cores` CPU-seconds per second; a WRITE takes what it burns, never more
         // than the whole host for as long as the fabric needs.
         net_s_per_byte: (rates.fabric_cpu_s_per_byte / cores).min(1.0 / rates.fabric_bytes_per_s),
+        // Measured from near-empty syncs (see `fixed`).
+        net_s_per_write: write_s,
     });
     c
+}
+
+/// Kernel rates now, and the fabric's from one pass of `limit`.
+async fn measure(
+    cfg: &Config,
+    limit: &FabricLimit,
+    landed: u64,
+    fp8_tasks: &[Fp8Shape],
+) -> Result<Rates, E2eError> {
+    let kernel_bytes = cfg.kernel_bytes;
+    let shapes = fp8_tasks.to_vec();
+    let k = tokio::task::spawn_blocking(move || kernel_rates(kernel_bytes, &shapes))
+        .await
+        .map_err(|e| E2eError::Setup(format!("measuring kernels panicked: {e}")))??;
+    let fabric = fabric_rate(limit, landed).await?;
+    Ok(Rates {
+        cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        fabric_bytes_per_s: fabric.bytes_per_s,
+        fabric_cpu_s_per_byte: fabric.cpu_s_per_byte,
+        memcpy_1t_bytes_per_s: k.memcpy,
+        memcpy_all_bytes_per_s: k.memcpy_all,
+        fp8_all_bytes_per_s: k.fp8,
+        cast_all_bytes_per_s: k.castr,
+    })
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    s[s.len() / 2]
 }
 
 /// Runs the calibration.
@@ -393,80 +465,109 @@ pub fn run(cfg: &Config) -> Result<Report, E2eError> {
         ));
     }
     let rt = runtime()?;
-    // Rates are measured again right before each configuration runs: the machine is shared and
-    // its load drifts, and a prediction is only fair against rates of the same moment.
-    // The fabric is measured in the shape the sync uses it: every trainer of the configuration
-    // writing to every rollout at once, same lanes, and as many bytes in all as the sync lands
-    // (spread evenly over the pairs; at least `fabric_pair_bytes` in all). A fixed 4 x 4 peak
-    // overstates what, say, two trainers reach into one receiver, and a short transfer on this
-    // shared machine measures its load of the moment more than the loopback.
-    let measure = |rt: &tokio::runtime::Runtime,
-                   writers: usize,
-                   readers: usize,
-                   landed: u64|
-     -> Result<Rates, E2eError> {
-        let k = kernel_rates(cfg.kernel_bytes)?;
-        let pairs = (writers * readers).max(1) as u64;
-        let pair_bytes = (landed.max(cfg.fabric_pair_bytes) / pairs).max(1 << 20);
-        let fabric = rt.block_on(fabric_rate(
-            writers.max(1),
-            readers.max(1),
-            pair_bytes,
-            cfg.workers.lanes_per_peer,
-        ))?;
-        Ok(Rates {
-            cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
-            fabric_bytes_per_s: fabric.bytes_per_s,
-            fabric_cpu_s_per_byte: fabric.cpu_s_per_byte,
-            memcpy_1t_bytes_per_s: k.memcpy,
-            memcpy_all_bytes_per_s: k.memcpy_all,
-            fp8_all_bytes_per_s: k.fp8,
-            cast_all_bytes_per_s: k.castr,
-        })
-    };
     let mut checks = Vec::new();
     let mut last_cluster = None;
     let mut first_rates = None;
     for setup in &cfg.setups {
         let table = setup.plan(&CostModel::default())?;
-        let rates = measure(
-            &rt,
-            table.trainers.len(),
-            table.rollouts.len(),
-            super::loopback::landed_bytes(&table),
-        )?;
-        let gpus = (table.trainers.len() + table.rollouts.len()) as u32;
-        let cluster = host_cluster(&rates, &cfg.workers, gpus, cfg.task_overhead_s);
-        let sim = simulate(&table, &cluster)
-            .map_err(|e| E2eError::Setup(format!("simulating {}: {e}", setup.label())))?;
-        let mut secs = rt.block_on(async {
+        let (nt, nr) = (table.trainers.len() as u32, table.rollouts.len() as u32);
+        let landed = super::loopback::landed_bytes(&table);
+        let pairs = tcp_limit::pair_bytes(&table)?;
+        let shapes = fp8_task_shapes(&table, cfg.kernel_bytes)?;
+        let gpus = nt + nr;
+        let mut max_tasks = 0u32;
+        for t in 0..nt {
+            let plan = table
+                .trainer_plan(t)
+                .map_err(|e| E2eError::Setup(format!("trainer {t}'s slice: {e}")))?;
+            max_tasks = max_tasks.max(plan.tasks.len() as u32);
+        }
+        let label = setup.label();
+        let sim = |cluster: &ClusterModel| {
+            simulate(&table, cluster)
+                .map_err(|e| E2eError::Setup(format!("simulating {label}: {e}")))
+        };
+        let (fixed, rounds) = rt.block_on(async {
+            // The fixed costs first, on the same cluster shape with nothing else running.
+            let near_empty = fixed::measure_syncs(nt, nr, max_tasks, &cfg.workers).await?;
+            let limit = FabricLimit::start(&pairs, TOKEN, cfg.workers.lanes_per_peer).await?;
             let mut c = LoopbackCluster::start(&table, &cfg.workers).await?;
+            // Warm-up: lanes connect lazily, pages fault in.
             c.sync().await?;
-            let mut v = Vec::new();
-            for _ in 0..cfg.syncs {
-                v.push(c.sync().await?.seconds);
+            limit.sync().await?;
+            let rates = measure(cfg, &limit, landed, &shapes).await?;
+            let fixed = near_empty.derive(&host_cluster(
+                &rates,
+                &cfg.workers,
+                gpus,
+                0.0,
+                0.0,
+                FixedCosts::default(),
+            ))?;
+            let mut rounds = Vec::with_capacity(cfg.syncs);
+            for round in 0..cfg.syncs {
+                let rates = if round == 0 {
+                    rates.clone()
+                } else {
+                    measure(cfg, &limit, landed, &shapes).await?
+                };
+                let secs = c.sync().await?.seconds;
+                rounds.push((rates, secs));
             }
-            Ok::<_, E2eError>(v)
+            Ok::<_, E2eError>((fixed, rounds))
         })?;
-        let all = secs.clone();
-        secs.sort_by(f64::total_cmp);
-        let measured = secs[secs.len() / 2];
-        let error = (sim.predicted_s - measured) / measured;
+        let mut predicted = Vec::with_capacity(rounds.len());
+        let mut without = Vec::with_capacity(rounds.len());
+        let mut dominated_by = String::new();
+        let mut cluster = None;
+        for (rates, _) in &rounds {
+            let c = host_cluster(
+                rates,
+                &cfg.workers,
+                gpus,
+                fixed.task_overhead_s,
+                fixed.write_s,
+                fixed.costs,
+            );
+            let r = sim(&c)?;
+            predicted.push(r.predicted_s);
+            dominated_by = r.dominated_by;
+            without.push(
+                sim(&host_cluster(
+                    rates,
+                    &cfg.workers,
+                    gpus,
+                    0.0,
+                    0.0,
+                    FixedCosts::default(),
+                ))?
+                .predicted_s,
+            );
+            cluster = Some(c);
+        }
+        let all: Vec<f64> = rounds.iter().map(|r| r.1).collect();
+        let measured = median(&all);
+        let predicted_s = median(&predicted);
+        let error = (predicted_s - measured) / measured;
+        let rates = rounds[0].0.clone();
         checks.push(Check {
             setup: setup.clone(),
-            trainers: table.trainers.len() as u32,
-            rollouts: table.rollouts.len() as u32,
-            landed_bytes: super::loopback::landed_bytes(&table),
-            predicted_s: sim.predicted_s,
+            trainers: nt,
+            rollouts: nr,
+            landed_bytes: landed,
+            predicted_s,
+            predicted_without_fixed_s: median(&without),
             measured_s: measured,
+            all_predicted_s: predicted,
             all_measured_s: all,
+            fixed,
             error,
             within_tolerance: error.abs() <= cfg.tolerance,
-            dominated_by: sim.dominated_by.clone(),
+            dominated_by,
             rates: rates.clone(),
         });
         first_rates.get_or_insert(rates);
-        last_cluster = Some(cluster);
+        last_cluster = cluster;
     }
     let all_within_tolerance = checks.iter().all(|c| c.within_tolerance);
     Ok(Report {

@@ -8,9 +8,11 @@
 //! trace the dashboard serves for a real sync.
 //!
 //! `--calibrate` checks the simulator against reality on this machine: it measures the loopback
-//! fabric and the preparation kernels, predicts several end-to-end loopback syncs with a host
-//! model built from those rates alone, runs the same syncs for real, and prints predicted vs
-//! measured (each must be within 20%).
+//! fabric, the preparation kernels and the per-sync and per-task fixed costs (from near-empty
+//! syncs), predicts several end-to-end loopback syncs with a host model built from those figures
+//! alone, runs the same syncs for real, and prints predicted vs measured (each must be within
+//! 10%). At cluster scale the fixed costs are inputs: `--sync-start-us`, `--after-landing-us`,
+//! `--task-overhead-us`.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -73,6 +75,13 @@ pub struct Args {
     /// Fixed cost per task in the prepare stage, microseconds.
     #[arg(long, default_value_t = 10.0)]
     pub task_overhead_us: f64,
+    /// Fixed cost of starting a sync (until every trainer begins), microseconds.
+    #[arg(long, default_value_t = 0.0)]
+    pub sync_start_us: f64,
+    /// Fixed cost after the last write landed (landing notices, barrier and commit round
+    /// trips, verification), microseconds; added to --barrier-us.
+    #[arg(long, default_value_t = 0.0)]
+    pub after_landing_us: f64,
     /// Bucket size of the bucketed-broadcast baseline, MiB.
     #[arg(long, default_value_t = 2048)]
     pub bucket_mib: u64,
@@ -82,8 +91,9 @@ pub struct Args {
     /// Instead: calibrate the simulator against real loopback syncs on this machine.
     #[arg(long)]
     pub calibrate: bool,
-    /// Calibration: timed syncs per configuration (the median is kept).
-    #[arg(long, default_value_t = 3)]
+    /// Calibration: rounds per configuration (rates, a prediction and one timed sync each; the
+    /// medians are compared).
+    #[arg(long, default_value_t = 5)]
     pub syncs: usize,
 }
 
@@ -125,6 +135,10 @@ impl Args {
         c.nics_per_node = self.nics_per_node;
         c.watermark_bytes = self.watermark_mib << 20;
         c.task_overhead_s = self.task_overhead_us * 1e-6;
+        c.fixed = weightsync_schedules::simulate::FixedCosts {
+            start_s: self.sync_start_us * 1e-6,
+            after_landing_s: self.after_landing_us * 1e-6,
+        };
         c
     }
 }

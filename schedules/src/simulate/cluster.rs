@@ -19,6 +19,16 @@
 //! `l * k .. (l + 1) * k` for `k = nics_per_node / gpus_per_node`, and its transfers stripe evenly
 //! over them, as the fabric's lanes stripe over a worker's devices.
 //!
+//! # Fixed costs
+//! [`FixedCosts`] are what a sync pays whatever its bytes: from the sync's start until the
+//! trainers begin (`start_s`: the start message's fan-out, each trainer's per-sync setup) and
+//! from the last byte landed until the sync is done (`after_landing_s`: landing notices, the
+//! barrier and commit round trips, a verification pass). The per-task cost is
+//! [`ClusterModel::task_overhead_s`]. All three default to what a GPU cluster is assumed to pay
+//! (0, 0 and 10 us); `weightsync simulate --calibrate` measures them on this machine from
+//! near-empty syncs (see `benches/src/e2e/calibrate/fixed.rs`), and `weightsync simulate` takes
+//! them as `--sync-start-us`, `--after-landing-us` and `--task-overhead-us`.
+//!
 //! A NIC is full duplex: it sends at [`CostModel::nic_bytes_per_s`] and receives at the same rate
 //! at once. A write costs its NIC `max(bytes / bandwidth, work_requests * per_wr_s)` on each side.
 
@@ -73,6 +83,21 @@ pub struct HostModel {
     pub prep_s_per_byte: PrepRates,
     /// Per byte written through the fabric (both ends of a loopback transfer together).
     pub net_s_per_byte: f64,
+    /// Per write (work request) through the fabric beyond its bytes: posting it, its frame,
+    /// its completion and the thread wake-ups around them (0 when not measured).
+    #[serde(default)]
+    pub net_s_per_write: f64,
+}
+
+/// What every sync pays beyond its bytes and tasks (see the module docs), seconds.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+pub struct FixedCosts {
+    /// From the sync's start until the trainers begin their first piece: a latency before
+    /// every trainer's first op.
+    pub start_s: f64,
+    /// From the last write landed until the sync is done: added to the final barrier's
+    /// latency (`cost.barrier_s`).
+    pub after_landing_s: f64,
 }
 
 /// Everything the simulator assumes about a cluster.
@@ -94,6 +119,9 @@ pub struct ClusterModel {
     pub piece_bytes: Option<u64>,
     /// Fixed cost of one task in the prepare stage (a kernel launch, a scheduler hop), seconds.
     pub task_overhead_s: f64,
+    /// Per-sync fixed costs (start, after landing).
+    #[serde(default)]
+    pub fixed: FixedCosts,
     /// Pieces whose writes a trainer keeps in flight at once (0: as many as the watermark
     /// allows, as the worker does).
     pub writes_in_flight: u32,
@@ -120,6 +148,7 @@ impl ClusterModel {
             watermark_bytes: 2 << 30,
             piece_bytes: None,
             task_overhead_s: 10e-6,
+            fixed: FixedCosts::default(),
             writes_in_flight: 0,
             host: None,
         }
@@ -158,6 +187,8 @@ impl ClusterModel {
             ("per_wr_s", self.cost.per_wr_s),
             ("barrier_s", self.cost.barrier_s),
             ("task_overhead_s", self.task_overhead_s),
+            ("fixed.start_s", self.fixed.start_s),
+            ("fixed.after_landing_s", self.fixed.after_landing_s),
         ];
         for (name, v) in times {
             if !(v.is_finite() && v >= 0.0) {
@@ -173,6 +204,7 @@ impl ClusterModel {
                 ("host.prep.cast", h.prep_s_per_byte.cast),
                 ("host.prep.fp8", h.prep_s_per_byte.fp8),
                 ("host.net_s_per_byte", h.net_s_per_byte),
+                ("host.net_s_per_write", h.net_s_per_write),
             ];
             for (name, v) in costs {
                 if !(v.is_finite() && v >= 0.0) {
@@ -288,6 +320,10 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("nics_per_node"));
+        let mut c = ClusterModel::default();
+        c.fixed.after_landing_s = -1.0;
+        let e = c.validate().unwrap_err();
+        assert!(e.to_string().contains("fixed.after_landing_s"), "{e}");
         assert!(ClusterModel::default().validate().is_ok());
     }
 }

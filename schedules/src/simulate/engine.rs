@@ -216,8 +216,9 @@ impl SimPlan {
 
     /// A transfer over `hops` as one flow whose work is `total` bytes: every NIC involved is
     /// charged `max(bytes / bw, wrs * per_wr)` for its share, summed over the hops it takes part
-    /// in; a `local` hop (same GPU) costs no NIC. `host` adds host-CPU
-    /// seconds per byte on the sending nodes (`(node, s_per_byte)`).
+    /// in; a `local` hop (same GPU) costs no NIC. `host` adds host-CPU seconds per byte and
+    /// per work request that crosses a NIC, on the sending node (`(node, s_per_byte,
+    /// s_per_write)`).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn transfer(
         &mut self,
@@ -228,19 +229,21 @@ impl SimPlan {
         from_node: u32,
         nic_bytes_per_s: f64,
         per_wr_s: f64,
-        host: Option<(u32, f64)>,
+        host: Option<(u32, f64, f64)>,
     ) -> OpId {
         // Per NIC and direction: (bytes, wrs).
         let mut tx: BTreeMap<u32, (f64, f64)> = BTreeMap::new();
         let mut rx: BTreeMap<u32, (f64, f64, u32)> = BTreeMap::new();
         let mut total = 0.0;
         let mut net_bytes = 0.0;
+        let mut net_wrs = 0.0;
         for h in hops {
             total += h.bytes;
             if h.local {
                 continue;
             }
             net_bytes += h.bytes;
+            net_wrs += h.wrs;
             let share = 1.0 / h.from.len().max(1) as f64;
             for nic in h.from.clone() {
                 let t = tx.entry(nic).or_default();
@@ -272,9 +275,9 @@ impl SimPlan {
                 let r = self.resource(ResKind::NicRx(nic));
                 uses.push((r, (b / nic_bytes_per_s).max(w * per_wr_s) / total));
             }
-            if let Some((node, s_per_byte)) = host {
+            if let Some((node, s_per_byte, s_per_write)) = host {
                 let r = self.resource(ResKind::Host(node));
-                uses.push((r, s_per_byte * net_bytes / total));
+                uses.push((r, (s_per_byte * net_bytes + s_per_write * net_wrs) / total));
             }
         }
         self.op(lane, stage, task, total as u64, 0.0, total, &uses)

@@ -16,7 +16,11 @@
 //!
 //! Mesh groups keep their order; before a group's first piece that reads the gather arena, a
 //! **gather wait** op waits for every gather send into this trainer's group. The sync ends with
-//! one **barrier** after the last write anywhere.
+//! one **barrier** after the last write anywhere, whose latency is `cost.barrier_s` plus the
+//! cluster's `fixed.after_landing_s`. With `fixed.start_s` above zero, a **sync start** op of
+//! that latency on the controller's lane comes before every trainer's first op (the stage drawn
+//! is `Arm`: the controller starting the sync), so both fixed costs add to the predicted time
+//! exactly when nothing else changes.
 
 use std::collections::{BTreeMap, VecDeque};
 
@@ -121,6 +125,8 @@ struct Lowering<'c> {
     all_writes: Vec<OpId>,
     /// Per GPU, its index in the current piece's destinations (u32::MAX: none yet).
     slots: Vec<u32>,
+    /// The sync start op every trainer's first op waits for (`NONE`: no start cost).
+    start: OpId,
 }
 
 /// A trainer's lane, pool and resources, and the last op of each of its stages.
@@ -151,6 +157,11 @@ impl<'c> Lowering<'c> {
         out.trainer_lanes = (0..nt).map(|t| p.lane(format!("trainer-{t}"))).collect();
         out.rollout_lanes = (0..nr).map(|r| p.lane(format!("rollout-{r}"))).collect();
         let ctl = p.lane("controller".into());
+        let start = if cluster.fixed.start_s > 0.0 {
+            p.op(ctl, Stage::Arm, 0, 0, cluster.fixed.start_s, 0.0, &[])
+        } else {
+            NONE
+        };
         Lowering {
             cluster,
             nt,
@@ -160,6 +171,7 @@ impl<'c> Lowering<'c> {
             waits: Vec::new(),
             all_writes: Vec::new(),
             slots: vec![u32::MAX; (nt + nr) as usize],
+            start,
         }
     }
 
@@ -233,7 +245,8 @@ impl<'c> Lowering<'c> {
             h2d_res,
             prep_res,
             host_res,
-            prev_h2d: NONE,
+            // The first H2D (or gather wait) waits for the sync start.
+            prev_h2d: self.start,
             prev_prep: NONE,
             in_flight: VecDeque::new(),
         }
@@ -400,7 +413,9 @@ impl<'c> Lowering<'c> {
             tr.gpu_node,
             cluster.cost.nic_bytes_per_s,
             cluster.cost.per_wr_s,
-            cluster.host.map(|h| (tr.gpu_node, h.net_s_per_byte)),
+            cluster
+                .host
+                .map(|h| (tr.gpu_node, h.net_s_per_byte, h.net_s_per_write)),
         )
     }
 
@@ -419,10 +434,12 @@ impl<'c> Lowering<'c> {
             Stage::Barrier,
             0,
             0,
-            self.cluster.cost.barrier_s,
+            self.cluster.cost.barrier_s + self.cluster.fixed.after_landing_s,
             0.0,
             &[],
         );
+        // A table with no writes still pays the start.
+        p.after(self.start, barrier);
         for w in self.all_writes {
             p.after(w, barrier);
         }

@@ -12,7 +12,7 @@
 //!
 //! # Layout
 //! - [`cluster`]: [`ClusterModel`] (the planner's [`CostModel`](crate::cost::CostModel) plus
-//!   topology, watermark, overheads and an optional shared host).
+//!   topology, watermark, overheads, the per-sync [`FixedCosts`] and an optional shared host).
 //! - `engine`: operations, staging pools and max-min fair flows; the event loop.
 //! - `lower`: a routing table as pipeline pieces and operations.
 //! - [`report`]: [`SimReport`]: predicted time, bound, NIC utilisation, critical path, timeline.
@@ -24,7 +24,7 @@ pub mod report;
 
 use thiserror::Error;
 
-pub use cluster::{ClusterModel, HostModel, Placement, PrepRates};
+pub use cluster::{ClusterModel, FixedCosts, HostModel, Placement, PrepRates};
 pub use report::{
     CriticalShare, CriticalStep, NicUse, SideSummary, SimEvent, SimReport, StageTotal,
 };

@@ -164,6 +164,7 @@ fn limit_of(plan: &SimPlan, out: &Outcome, o: OpId) -> (String, String) {
         Stage::H2d => "H2D copy",
         Stage::Prepare => "preparation",
         Stage::Barrier => "barrier latency",
+        Stage::Arm => "sync start latency",
         Stage::GatherWait => "gather wait",
         Stage::Land => "engine reload",
         _ if op.work > 0.0 => "fair share (no single bottleneck)",

@@ -137,6 +137,68 @@ fn pipelined_stages_overlap_and_serialised_ones_add_up() {
 }
 
 #[test]
+fn fixed_costs_add_to_the_predicted_time_as_documented() {
+    // The pipelined case above (0.032 s) with a 5 ms start and 2 ms after landing: both are
+    // latencies on the controller's lane, before every trainer's first op and in the final
+    // barrier, so they add exactly.
+    let table = copy_table(2, 2, 30, 1_000_000, |t, _| t);
+    let base = simulate(&table, &balanced_cluster()).unwrap();
+    assert!(close(base.predicted_s, 0.032, 1e-6), "{}", base.predicted_s);
+    let mut c = balanced_cluster();
+    c.fixed = FixedCosts {
+        start_s: 5e-3,
+        after_landing_s: 2e-3,
+    };
+    let r = simulate(&table, &c).unwrap();
+    assert!(close(r.predicted_s, 0.039, 1e-6), "{}", r.predicted_s);
+    let first = r.critical_path.first().unwrap();
+    assert_eq!(
+        (first.stage, first.worker.as_str()),
+        (Stage::Arm, "controller")
+    );
+    assert!(close(first.end_s, 5e-3, 1e-9), "{first:?}");
+    let share = |class: &str| {
+        r.critical_breakdown
+            .iter()
+            .find(|c| c.class == class)
+            .map_or(0.0, |c| c.seconds)
+    };
+    assert!(close(share("sync start latency"), 5e-3, 1e-9));
+    assert!(close(share("barrier latency"), 2e-3, 1e-9));
+    // They are latencies, not work: on a shared host they take no CPU and still add exactly.
+    let host = HostModel {
+        h2d_s_per_byte: 0.5e-9,
+        prep_s_per_byte: PrepRates::uniform(0.5e-9),
+        net_s_per_byte: 0.5e-9,
+        net_s_per_write: 0.0,
+    };
+    let (mut h0, mut h1) = (balanced_cluster(), c);
+    h0.host = Some(host);
+    h1.host = Some(host);
+    let (a, b) = (
+        simulate(&table, &h0).unwrap(),
+        simulate(&table, &h1).unwrap(),
+    );
+    assert!(
+        close(b.predicted_s - a.predicted_s, 7e-3, 1e-6),
+        "{} -> {}",
+        a.predicted_s,
+        b.predicted_s
+    );
+}
+
+#[test]
+fn task_overhead_is_paid_per_task_in_the_prepare_stage() {
+    // 30 one-piece tasks, 1 ms per stage, plus 1 ms per task: preparation (2 ms a piece) is
+    // the bottleneck: 1 ms of fill, 30 x 2 ms, 1 ms for the last write.
+    let table = copy_table(1, 1, 30, 1_000_000, |_, _| 0);
+    let mut c = balanced_cluster();
+    c.task_overhead_s = 1e-3;
+    let r = simulate(&table, &c).unwrap();
+    assert!(close(r.predicted_s, 0.062, 1e-6), "{}", r.predicted_s);
+}
+
+#[test]
 fn receivers_shared_by_many_senders_take_longer() {
     // 4 trainers x 10 MB each. Into one rollout: its NIC takes 40 MB. Into four: 10 MB each.
     let c = balanced_cluster();
@@ -262,10 +324,28 @@ fn a_shared_host_serialises_what_a_gpu_cluster_overlaps() {
         h2d_s_per_byte: 1e-9,
         prep_s_per_byte: PrepRates::uniform(1e-9),
         net_s_per_byte: 1e-9,
+        net_s_per_write: 0.0,
     });
     let r = simulate(&table, &c).unwrap();
     // Every stage needs the whole host: 3 x 20 ms, no overlap possible.
     assert!(close(r.predicted_s, 0.060, 1e-6), "{}", r.predicted_s);
+}
+
+#[test]
+fn a_host_cost_per_write_is_paid_per_work_request() {
+    // 20 one-write tasks; the host pays only 2 ms per write (no per-byte costs): writes go one
+    // at a time at 2 ms after 2 ms of fill (H2D, prepare of the first piece).
+    let table = copy_table(1, 1, 20, 1_000_000, |_, _| 0);
+    let mut c = balanced_cluster();
+    c.host = Some(HostModel {
+        h2d_s_per_byte: 0.0,
+        prep_s_per_byte: PrepRates::uniform(0.0),
+        net_s_per_byte: 0.0,
+        net_s_per_write: 2e-3,
+    });
+    let r = simulate(&table, &c).unwrap();
+    assert!(close(r.predicted_s, 0.042, 1e-6), "{}", r.predicted_s);
+    assert!(r.dominated_by.contains("host CPU"), "{}", r.dominated_by);
 }
 
 #[test]
