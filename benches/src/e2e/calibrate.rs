@@ -42,7 +42,7 @@ use weightsync_schedules::{CostModel, RoutingTable};
 use weightsync_worker::{cast, quantise_fp8, Fp8Shape, Threads};
 
 use super::fabric_limit::FabricLimit;
-use super::loopback::{weights, LoopbackCluster, WorkerOptions, TOKEN};
+use super::loopback::{weights, LoopbackCluster, WorkerOptions};
 use super::{runtime, tcp_limit, E2eError, Setup};
 
 pub mod fixed;
@@ -490,7 +490,7 @@ pub fn run(cfg: &Config) -> Result<Report, E2eError> {
         let (fixed, rounds) = rt.block_on(async {
             // The fixed costs first, on the same cluster shape with nothing else running.
             let near_empty = fixed::measure_syncs(nt, nr, max_tasks, &cfg.workers).await?;
-            let limit = FabricLimit::start(&pairs, TOKEN, cfg.workers.lanes_per_peer).await?;
+            let limit = FabricLimit::start(&pairs, &cfg.workers.fabric_config()).await?;
             let mut c = LoopbackCluster::start(&table, &cfg.workers).await?;
             // Warm-up: lanes connect lazily, pages fault in.
             c.sync().await?;
