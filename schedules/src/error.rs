@@ -17,6 +17,9 @@ pub enum PlanError {
         /// How many there are.
         ranks: u32,
     },
+    /// A hand-built table shape ([`crate::synthetic`]) that cannot be laid out.
+    #[error("synthetic table: {0}")]
+    Synthetic(String),
     /// A table could not be decoded.
     #[error("routing table does not decode: {0}")]
     Decode(String),

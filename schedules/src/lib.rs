@@ -48,6 +48,7 @@ pub mod runs;
 pub mod simulate;
 pub mod slice;
 pub mod summary;
+pub mod synthetic;
 pub mod table;
 
 pub use cost::CostModel;

@@ -19,79 +19,15 @@ fn copy_table(
     task_bytes: u64,
     dst: impl Fn(u32, u32) -> u32,
 ) -> RoutingTable {
-    let elems = (task_bytes / 2) as u32;
-    let mut rolls: Vec<RolloutPlan> = (0..rollouts)
-        .map(|r| RolloutPlan {
-            rank: r,
-            engine: 0,
-            local_rank: r,
-            mr_bytes: vec![0],
-            tensors: vec![],
-            expect: vec![UnitExpect { unit: 0, writes: 0 }],
-        })
-        .collect();
-    let trainers: Vec<TrainerPlan> = (0..trainers)
-        .map(|t| {
-            let mut p = TrainerPlan {
-                rank: t,
-                params: vec![],
-                shards: vec![],
-                source_arena_bytes: 0,
-                gather_arena_bytes: 0,
-                groups: vec![MeshGroup {
-                    id: 0,
-                    name: "all".into(),
-                    first_task: 0,
-                    num_tasks: tasks,
-                    gather_sends: 0,
-                    local_tasks: tasks,
-                    gather_expect: 0,
-                }],
-                tasks: vec![],
-                copies: Vec::new(),
-                writes: vec![],
-            };
-            for k in 0..tasks {
-                p.params.push(ParamRef {
-                    id: k,
-                    name: format!("p{k}").into(),
-                    shape: Shape::new(&[elems]),
-                });
-                p.shards.push(LocalShard {
-                    param: k,
-                    global: TensorBox::new(&[0], &[elems]),
-                    dtype: DType::BF16,
-                    offset: k as u64 * task_bytes,
-                });
-                let r = dst(t, k);
-                let roll = &mut rolls[r as usize];
-                p.writes.push(Write {
-                    dst: WriteTarget::Rollout(r),
-                    mr: 0,
-                    unit: 0,
-                    len: task_bytes as u32,
-                    src_offset: 0,
-                    dst_offset: roll.mr_bytes[0],
-                });
-                roll.mr_bytes[0] += task_bytes;
-                roll.expect[0].writes += 1;
-                p.tasks.push(Task {
-                    param: k,
-                    region: TensorBox::new(&[0], &[elems]),
-                    source: Source::Shard { shard: k },
-                    transform: Transform::Copy { dtype: DType::BF16 },
-                    first_write: k,
-                    num_writes: 1,
-                    first_copy: 0,
-                    num_copies: 0,
-                });
-            }
-            p.source_arena_bytes = tasks as u64 * task_bytes;
-            p
-        })
-        .collect();
-    RoutingTable::from_plans("synthetic", tasks as u64, 0, &trainers, &rolls)
-        .expect("a well-formed synthetic table")
+    crate::synthetic::CopyTable {
+        trainers,
+        rollouts,
+        tasks,
+        task_bytes,
+        writes: 1,
+    }
+    .build("synthetic", |t, k, _| dst(t, k))
+    .expect("a well-formed synthetic table")
 }
 
 /// A cluster where one MB takes 1 ms on the NIC, in H2D and in preparation.

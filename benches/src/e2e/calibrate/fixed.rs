@@ -25,12 +25,8 @@
 //!   figure).
 
 use serde::Serialize;
-use weightsync_common::DType;
 use weightsync_schedules::simulate::{simulate, ClusterModel, FixedCosts};
-use weightsync_schedules::table::{
-    LocalShard, MeshGroup, ParamRef, RolloutPlan, Shape, Source, Task, TensorBox, TrainerPlan,
-    Transform, UnitExpect, Write, WriteTarget,
-};
+use weightsync_schedules::synthetic::CopyTable;
 use weightsync_schedules::RoutingTable;
 
 use super::super::loopback::{LoopbackCluster, WorkerOptions};
@@ -72,81 +68,15 @@ pub fn near_empty_table(
     tasks: u32,
     writes: u32,
 ) -> Result<RoutingTable, E2eError> {
-    let writes = writes.max(1);
-    let write_len = TASK_BYTES / writes as u64;
-    let elems = (TASK_BYTES / 2) as u32;
-    let mut rolls: Vec<RolloutPlan> = (0..rollouts)
-        .map(|r| RolloutPlan {
-            rank: r,
-            engine: 0,
-            local_rank: r,
-            mr_bytes: vec![0],
-            tensors: vec![],
-            expect: vec![UnitExpect { unit: 0, writes: 0 }],
-        })
-        .collect();
-    let mut plans = Vec::with_capacity(trainers as usize);
-    for t in 0..trainers {
-        let mut p = TrainerPlan {
-            rank: t,
-            params: vec![],
-            shards: vec![],
-            source_arena_bytes: tasks as u64 * TASK_BYTES,
-            gather_arena_bytes: 0,
-            groups: vec![MeshGroup {
-                id: 0,
-                name: "near-empty".into(),
-                first_task: 0,
-                num_tasks: tasks,
-                gather_sends: 0,
-                local_tasks: tasks,
-                gather_expect: 0,
-            }],
-            tasks: vec![],
-            copies: Vec::new(),
-            writes: vec![],
-        };
-        for k in 0..tasks {
-            p.params.push(ParamRef {
-                id: k,
-                name: format!("p{k}").into(),
-                shape: Shape::new(&[elems]),
-            });
-            p.shards.push(LocalShard {
-                param: k,
-                global: TensorBox::new(&[0], &[elems]),
-                dtype: DType::BF16,
-                offset: k as u64 * TASK_BYTES,
-            });
-            for j in 0..writes {
-                let r = (t + k + j) % rollouts;
-                let roll = &mut rolls[r as usize];
-                p.writes.push(Write {
-                    dst: WriteTarget::Rollout(r),
-                    mr: 0,
-                    unit: 0,
-                    len: write_len as u32,
-                    src_offset: j as u64 * write_len,
-                    dst_offset: roll.mr_bytes[0],
-                });
-                roll.mr_bytes[0] += write_len;
-                roll.expect[0].writes += 1;
-            }
-            p.tasks.push(Task {
-                param: k,
-                region: TensorBox::new(&[0], &[elems]),
-                source: Source::Shard { shard: k },
-                transform: Transform::Copy { dtype: DType::BF16 },
-                first_write: k * writes,
-                num_writes: writes,
-                first_copy: 0,
-                num_copies: 0,
-            });
-        }
-        plans.push(p);
+    CopyTable {
+        trainers,
+        rollouts,
+        tasks,
+        task_bytes: TASK_BYTES,
+        writes: writes.max(1),
     }
-    RoutingTable::from_plans("near-empty", tasks as u64, 0, &plans, &rolls)
-        .map_err(|e| E2eError::Setup(format!("the near-empty table: {e}")))
+    .build("near-empty", |t, k, j| t + k + j)
+    .map_err(|e| E2eError::Setup(format!("the near-empty table: {e}")))
 }
 
 /// Runs the three near-empty syncs for `trainers` x `rollouts` with `max_tasks` tasks on the
