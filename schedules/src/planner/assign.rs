@@ -20,9 +20,12 @@ use crate::table::{FP8_BLOCK, MAX_DIMS};
 impl Planner<'_> {
     /// Pass 2: choose sources.
     pub(super) fn assign(&mut self) {
+        // Grids and region loads are only read here: freed before emission, which builds the
+        // table beside what remains.
         let grids = std::mem::take(&mut self.grids);
         self.assign_with(&grids);
-        self.grids = grids;
+        drop(grids);
+        self.region_loads = Vec::new();
     }
 
     fn assign_with(&mut self, grids: &[Grid]) {
@@ -31,7 +34,7 @@ impl Planner<'_> {
         // Gathers first (single holders were fixed by `analyse`), in region order.
         let open = std::mem::take(&mut self.open);
         for &ri in &open {
-            let reg = self.regions[ri as usize];
+            let reg = self.region(ri);
             if reg.cell == GATHER {
                 let grid = &grids[self.dgroup_param(reg.dgroup)];
                 self.assign_gather(ri, &reg, grid);
@@ -158,9 +161,9 @@ impl Planner<'_> {
 
     /// Small replicated regions: whole, to the least loaded replica, largest first.
     fn assign_small(&mut self, mut small: Vec<u32>, grids: &[Grid]) {
-        small.sort_by_key(|&ri| (std::cmp::Reverse(self.regions[ri as usize].weight), ri));
+        small.sort_by_key(|&ri| (std::cmp::Reverse(self.region_loads[ri as usize].weight), ri));
         for ri in small {
-            let reg = self.regions[ri as usize];
+            let reg = self.region(ri);
             let pid = self.dgroup_param(reg.dgroup);
             let s = self.least_loaded(grids[pid].holders(reg.cell));
             let r = self.shard(s).rank as usize;
@@ -197,7 +200,7 @@ impl Planner<'_> {
         let mut set_regions: Vec<Vec<u32>> = Vec::new();
         let mut key: Vec<u32> = Vec::new();
         for &ri in big {
-            let reg = self.regions[ri as usize];
+            let reg = self.region(ri);
             let pid = self.dgroup_param(reg.dgroup);
             let h = grids[pid].holders(reg.cell);
             key.clear();
@@ -229,7 +232,7 @@ impl Planner<'_> {
         cur: &mut usize,
         grids: &[Grid],
     ) {
-        let reg = self.regions[ri as usize];
+        let reg = self.region(ri);
         let fp8 = self.dgroups[reg.dgroup as usize].fp8;
         let pid = self.dgroup_param(reg.dgroup);
         let h = grids[pid].holders(reg.cell);

@@ -11,7 +11,7 @@ use weightsync_common::DType;
 
 use super::place::{dst_box, scale_box};
 use super::targets::TargetPlan;
-use super::{Assign, Planner, Region};
+use super::{Assign, Planner, RegionBox};
 use crate::compact::{RoutesBuilder, TaskWrite};
 use crate::error::PlanError;
 use crate::layout_infer::InferRank;
@@ -281,7 +281,7 @@ impl Planner<'_> {
     fn emit_gather_sends(
         &self,
         out: &mut Emission,
-        reg: &Region,
+        reg: &RegionBox,
         owner_shard: u32,
         parts: &[(TensorBox, u32)],
         g: u16,
@@ -331,7 +331,7 @@ impl Planner<'_> {
     fn emit_task(
         &self,
         out: &mut Emission,
-        reg: &Region,
+        reg: &RegionBox,
         bx: &TensorBox,
         s: u32,
         gather: Option<u64>,

@@ -197,6 +197,8 @@ impl Grid {
 /// Buffers [`Planner::build_grid`] reuses from param to param, and the grids it built last.
 #[derive(Default)]
 pub(super) struct GridScratch {
+    /// The current param's shards.
+    shards: Vec<ShardSpec>,
     cuts: Vec<u32>,
     pairs: Vec<(u32, u32)>,
     next: Vec<u32>,
@@ -237,7 +239,23 @@ impl Planner<'_> {
     ) -> Result<Grid, PlanError> {
         let p = &self.model.params[pid];
         let idx = self.param_shards(pid);
-        let shards = &self.shards[idx.start as usize..idx.end as usize];
+        // The param's shards, gathered from the layout (they lie on many ranks).
+        let mut gathered = std::mem::take(&mut scratch.shards);
+        gathered.clear();
+        gathered.extend(idx.clone().map(|s| *self.layout_shard(s)));
+        let grid = self.grid_of(p, idx.start, &gathered, scratch);
+        scratch.shards = gathered;
+        grid
+    }
+
+    /// The grid of parameter `p` with shards `shards` (planner positions from `first` on).
+    fn grid_of(
+        &self,
+        p: &Param,
+        first: u32,
+        shards: &[ShardSpec],
+        scratch: &mut GridScratch,
+    ) -> Result<Grid, PlanError> {
         if let Some(sh) = shards.iter().find(|s| s.dtype != shards[0].dtype) {
             return Err(PlanError::DtypeMismatch {
                 param: p.name.to_string(),
@@ -264,7 +282,7 @@ impl Planner<'_> {
                 c
             }
         };
-        let holders = cells.local.iter().map(|&j| idx.start + j).collect();
+        let holders = cells.local.iter().map(|&j| first + j).collect();
         Ok(Grid { cells, holders })
     }
 }

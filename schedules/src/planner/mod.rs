@@ -104,7 +104,8 @@ struct DGroup {
     dtype: DType,
 }
 
-/// One region: a box inside one destination group, inside one cell (or a gather region).
+/// One region: a box inside one destination group, inside one cell (or a gather region), with
+/// what sourcing it weighs ([`Planner::region`] assembles it from the two lists that hold it).
 #[derive(Clone, Copy)]
 struct Region {
     dgroup: u32,
@@ -113,6 +114,31 @@ struct Region {
     /// Writes to destinations (all targets).
     writes: u32,
     weight: u64,
+}
+
+/// What emission needs of a region: its destination group and box. Kept apart from its
+/// [`RegionLoad`] so the loads, which only sourcing reads, are freed before emission.
+#[derive(Clone, Copy)]
+struct RegionBox {
+    dgroup: u32,
+    bx: TensorBox,
+}
+
+/// What sourcing a region needs beyond its box: its cell (or GATHER) and its weight.
+#[derive(Clone, Copy)]
+struct RegionLoad {
+    cell: u32,
+    /// Writes to destinations (all targets).
+    writes: u32,
+    weight: u64,
+}
+
+/// What assignment and emission need of a planner shard: its rank and element type (the
+/// boxes are read from the layout while grids are built, param by param).
+#[derive(Clone, Copy)]
+struct SourceShard {
+    rank: u32,
+    dtype: DType,
 }
 
 /// How a region is sourced.
@@ -141,16 +167,19 @@ struct Planner<'a> {
     dgroups: Vec<DGroup>,
     /// Per param, its dgroups range.
     dgroup_first: Vec<u32>,
-    /// The layout's shards in (param, index) order: planning visits them param by param, so
-    /// this copy keeps those visits sequential in memory. Planner-internal shard numbers
-    /// (grid holders, assignments) are positions in this list.
-    shards: Vec<ShardSpec>,
+    /// The layout's shards in (param, index) order, as rank and element type (a full copy of
+    /// a million shards would cost as much as the layout). Planner-internal shard numbers (grid
+    /// holders, assignments) are positions in this list.
+    shards: Vec<SourceShard>,
     /// Position -> index in the layout's shard list.
     shard_order: Vec<u32>,
     /// Per param, its first position.
     shard_first: Vec<u32>,
+    /// Per param, its grid (built by `analyse`, read by `assign`, then freed).
     grids: Vec<Grid>,
-    regions: Vec<Region>,
+    regions: Vec<RegionBox>,
+    /// Per region, its cell and weight (built by `analyse`, read by `assign`, then freed).
+    region_loads: Vec<RegionLoad>,
     region_first: Vec<u32>,
     /// Per region, its source (fixed by `analyse` for single holders, by `assign` otherwise).
     assign: Vec<Assign>,
@@ -196,12 +225,19 @@ impl<'a> Planner<'a> {
             dgroup_first,
             shards: shard_order
                 .iter()
-                .map(|&i| train.shards[i as usize])
+                .map(|&i| {
+                    let s = &train.shards[i as usize];
+                    SourceShard {
+                        rank: s.rank,
+                        dtype: s.dtype,
+                    }
+                })
                 .collect(),
             shard_order,
             shard_first,
             grids: Vec::with_capacity(np),
             regions: Vec::new(),
+            region_loads: Vec::new(),
             region_first: vec![0; np + 1],
             assign: Vec::new(),
             open: Vec::new(),
@@ -224,8 +260,32 @@ impl<'a> Planner<'a> {
 
     /// The shard at a position.
     #[inline]
-    fn shard(&self, s: u32) -> &ShardSpec {
+    fn shard(&self, s: u32) -> &SourceShard {
         &self.shards[s as usize]
+    }
+
+    /// The layout's shard at a position.
+    #[inline]
+    fn layout_shard(&self, s: u32) -> &ShardSpec {
+        &self.train.shards[self.shard_order[s as usize] as usize]
+    }
+
+    /// Region `ri` with its load (while `assign` runs; the loads are freed after it).
+    #[inline]
+    fn region(&self, ri: u32) -> Region {
+        let RegionBox { dgroup, bx } = self.regions[ri as usize];
+        let RegionLoad {
+            cell,
+            writes,
+            weight,
+        } = self.region_loads[ri as usize];
+        Region {
+            dgroup,
+            bx,
+            cell,
+            writes,
+            weight,
+        }
     }
 
     /// Target `k` of a dgroup (its pieces are in rank, then tensor order).

@@ -12,7 +12,7 @@
 
 use super::grid::{Grid, GridScratch};
 use super::place::{dst_box, scale_box};
-use super::{Assign, DGroup, Planner, Region, GATHER};
+use super::{Assign, DGroup, Planner, RegionBox, RegionLoad, GATHER};
 use crate::error::PlanError;
 use crate::layout_infer::Piece;
 use crate::runs::count_runs;
@@ -86,9 +86,8 @@ impl Planner<'_> {
             let (w, wrs) = self.weight(&reach, &bx);
             self.open.push(self.regions.len() as u32);
             self.assign.push(Assign::Shard(0));
-            self.regions.push(Region {
-                dgroup: dgi,
-                bx,
+            self.regions.push(RegionBox { dgroup: dgi, bx });
+            self.region_loads.push(RegionLoad {
                 cell: GATHER,
                 writes: wrs as u32,
                 weight: w,
@@ -144,9 +143,8 @@ impl Planner<'_> {
                 self.assign.push(Assign::Shard(0));
             }
         }
-        self.regions.push(Region {
-            dgroup: dgi,
-            bx: r,
+        self.regions.push(RegionBox { dgroup: dgi, bx: r });
+        self.region_loads.push(RegionLoad {
             cell,
             writes: wrs as u32,
             weight: w,
