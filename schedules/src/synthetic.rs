@@ -41,8 +41,8 @@ impl CopyTable {
     ) -> Result<RoutingTable, PlanError> {
         let writes = self.writes.max(1);
         if self.task_bytes == 0
-            || self.task_bytes % 2 != 0
-            || self.task_bytes % writes as u64 != 0
+            || !self.task_bytes.is_multiple_of(2)
+            || !self.task_bytes.is_multiple_of(writes as u64)
             || self.task_bytes / writes as u64 > u32::MAX as u64
             || self.rollouts == 0
         {
@@ -156,7 +156,7 @@ mod tests {
             }
         }
         for r in table.rollout_plans() {
-            assert_eq!(r.expect[0].writes as u64, per_rollout[r.rank as usize]);
+            assert_eq!(r.expect[0].writes, per_rollout[r.rank as usize]);
             assert_eq!(r.mr_bytes[0], per_rollout[r.rank as usize] * 2048);
         }
     }

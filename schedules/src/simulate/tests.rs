@@ -1,14 +1,9 @@
 //! Simulator invariants on hand-built tables (exact answers) and on planned ones.
 
 use weightsync_common::protocol::Stage;
-use weightsync_common::DType;
 
 use super::*;
 use crate::cost::CostModel;
-use crate::table::{
-    LocalShard, MeshGroup, ParamRef, RolloutPlan, Shape, Source, Task, TensorBox, TrainerPlan,
-    Transform, UnitExpect, Write, WriteTarget,
-};
 
 /// A table where each trainer copies `tasks` tasks of `task_bytes` bf16 bytes, task `k` of
 /// trainer `t` written whole to rollout `dst(t, k)`.
