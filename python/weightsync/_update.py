@@ -24,6 +24,9 @@ from .errors import TimeoutError
 
 log = logging.getLogger("weightsync.vllm")
 
+#: Longest pause between two polls of the workers (they start ``poll_s`` apart and back off).
+MAX_POLL_S = 0.2
+
 
 class UpdateCalls(Protocol):
     """One transport's calls; ``where`` names the engine in errors."""
@@ -44,7 +47,8 @@ def drive(calls: UpdateCalls, version: int, *, timeout_s: float, reset_prefix_ca
           poll_s: float, worker_wait_s: float = 0.0) -> dict[str, Any]:
     """Runs the update (see the module doc); returns the driver's timings and each worker's.
 
-    With more than one worker, each poll after the first waits inside the workers for up to
+    Polls start ``poll_s`` apart and back off to :data:`MAX_POLL_S`. With more than one worker,
+    each poll after the first waits inside the workers for up to
     ``worker_wait_s`` (asleep) instead of polling every ``poll_s``: vLLM's worker processes
     busy-wait on their message queue for a while after every message, so quick polls would keep
     every worker spinning a CPU for as long as the trainers take.
@@ -57,6 +61,7 @@ def drive(calls: UpdateCalls, version: int, *, timeout_s: float, reset_prefix_ca
     tw = time.perf_counter()
     deadline = time.monotonic() + timeout_s
     wait_s = 0.0
+    sleep_s = poll_s
     while True:
         states = calls.ready(version, wait_s)
         if states and all(r["ready"] for r in states):
@@ -69,7 +74,11 @@ def drive(calls: UpdateCalls, version: int, *, timeout_s: float, reset_prefix_ca
                 f"states {[(r['state'], r['cause']) for r in states]}); it keeps serving "
                 f"{calls.weight_version()!r}", version=version)
         if wait_s == 0:
-            time.sleep(poll_s)
+            time.sleep(sleep_s)
+            # Back off while the trainers take long: each poll is a round trip through the
+            # engine (an HTTP request and an engine-core message for a server), and on a busy
+            # host a poll every few milliseconds takes CPU from the very trainers being waited for.
+            sleep_s = min(2 * sleep_s, max(poll_s, MAX_POLL_S))
     t0 = time.perf_counter()
     calls.start()
     t1 = time.perf_counter()
