@@ -7,7 +7,7 @@
 #     transformers, numpy, pytest, maturin and mypy at the pins below. Idempotent: a stamp in
 #     the venv records the pins; when it matches, this step takes under a second. A changed pin
 #     rebuilds the venv. uv installs it when uv can be had (about 0.6x pip's time here), else pip.
-#  2. the `weightsync` binary (the tests start a controller): cargo build --release -p weightsync-cli.
+#  2. the `weightsync` binary (the tests start a controller): cargo build -p weightsync-cli (debug).
 #  3. `pip install ./python` (maturin, with its own target dir target/maturin so it and cargo
 #     do not rebuild each other).
 #  4. pytest python/tests "$@" (e.g. `-m "not e2e"` for the fast tests only).
@@ -107,9 +107,12 @@ PY
 fi
 
 cd "$ROOT"
-cargo build --release -p weightsync-cli
-export WEIGHTSYNC_BIN="$ROOT/target/release/weightsync"
-step "weightsync binary built"
+# The tests start only its controller (planning small models, HTTP, the barrier): the debug
+# build is enough, and after `cargo test --workspace` (the README's command) it is already built.
+# The package below, which moves the bytes, is built in release.
+cargo build -p weightsync-cli
+export WEIGHTSYNC_BIN="$ROOT/target/debug/weightsync"
+step "weightsync binary built (debug)"
 # maturin's build backend runs the `maturin` binary from PATH: the venv's.
 export PATH="$VENV/bin:$PATH"
 CARGO_TARGET_DIR="$ROOT/target/maturin" "$VENV/bin/python" -m pip install \
