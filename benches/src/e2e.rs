@@ -14,12 +14,15 @@
 //! - this file: [`Config`], [`Report`], [`run`], [`E2eError`], and planning a configuration;
 //! - `loopback`: a whole deployment (fabrics, trainers, rollouts) in one process;
 //! - [`split`]: where each trainer's sync went (wire, idle, overhead);
+//! - `cpu_time`: the CPU seconds each method spends per sync (what bounds a sync beside its
+//!   fabric on a machine whose cores do the copies a NIC and a GPU would do);
 //! - `tcp_limit`: the plain-TCP limit; `fabric_limit`: the fabric alone on the same pairs and
 //!   lanes; `broadcast`: the broadcast baseline;
 //! - [`calibrate`]: the simulator's calibration against these real syncs.
 
 mod broadcast;
 pub mod calibrate;
+mod cpu_time;
 mod fabric_limit;
 mod loopback;
 pub mod split;
@@ -138,10 +141,13 @@ pub struct Method {
     pub gbps: f64,
     /// Every timed sync, seconds.
     pub all_seconds: Vec<f64>,
+    /// Median CPU seconds the whole process (every thread) spent per sync, `None` where the
+    /// process's CPU time cannot be read.
+    pub cpu_s_per_sync: Option<f64>,
 }
 
 impl Method {
-    fn of(mut secs: Vec<f64>, landed: u64) -> Method {
+    fn of(mut secs: Vec<f64>, cpu: &[Option<f64>], landed: u64) -> Method {
         let all = secs.clone();
         secs.sort_by(f64::total_cmp);
         let med = secs[secs.len() / 2];
@@ -149,8 +155,19 @@ impl Method {
             seconds_per_sync: med,
             gbps: landed as f64 / med / 1e9,
             all_seconds: all,
+            cpu_s_per_sync: cpu_time::median(cpu),
         }
     }
+}
+
+/// Runs `f` and returns its result with the process CPU seconds it took (`None`: no reading).
+async fn with_cpu<T, F: std::future::Future<Output = T>>(f: F) -> (T, Option<f64>) {
+    let before = cpu_time::process_cpu_s();
+    let out = f.await;
+    let cpu = cpu_time::process_cpu_s()
+        .zip(before)
+        .map(|(after, before)| after - before);
+    (out, cpu)
 }
 
 /// The whole report (the `--json` object).
@@ -185,6 +202,16 @@ pub struct Report {
     pub ratio_vs_fabric: f64,
     /// Broadcast seconds over weightsync seconds.
     pub speedup_vs_broadcast: f64,
+    /// Cores this process may run on.
+    pub cores: usize,
+    /// weightsync's CPU seconds per sync over the fabric limit's (same landed bytes): the CPU
+    /// work a sync adds to the fabric's (staging, preparation, checksums, scheduling).
+    pub cpu_vs_fabric: Option<f64>,
+    /// The highest `ratio_vs_fabric` weightsync's CPU seconds allow on `cores` cores: the fabric
+    /// limit's seconds over (weightsync's CPU seconds / `cores`). On loopback both are bound by
+    /// the cores; where `ratio_vs_fabric` is near this, what is left of the gap is CPU work,
+    /// which a GPU and a NIC take off the host on a real deployment.
+    pub cpu_ceiling_vs_fabric: Option<f64>,
     /// Local addresses (NICs) per fabric.
     pub addresses: usize,
     /// What each local address carried during weightsync's timed syncs, summed over every
@@ -220,6 +247,13 @@ impl Report {
             "  ratio_vs_tcp_limit {:.2}   ratio_vs_fabric {:.2}   speedup_vs_broadcast {:.2}\n",
             self.ratio_vs_tcp_limit, self.ratio_vs_fabric, self.speedup_vs_broadcast
         );
+        if let (Some(cpu), Some(ceiling)) = (self.cpu_vs_fabric, self.cpu_ceiling_vs_fabric) {
+            s += &format!(
+                "  cpu_vs_fabric {cpu:.2} (CPU seconds per sync over the fabric limit's)   \
+                 cpu_ceiling_vs_fabric {ceiling:.2} (on {} cores)\n",
+                self.cores
+            );
+        }
         if self.address_traffic.len() > 1 {
             let sent: u64 = self.address_traffic.iter().map(|a| a.bytes_sent).sum();
             for a in &self.address_traffic {
@@ -277,19 +311,25 @@ pub fn run_table(table: &RoutingTable, cfg: &Config) -> Result<Report, E2eError>
         fl.sync().await?;
         let before = ws.address_traffic();
         let (mut a, mut b, mut c, mut d) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        // CPU seconds per sync of each method, in the same order.
+        let mut cpu: [Vec<Option<f64>>; 4] = Default::default();
         let mut splits = Vec::new();
         for _ in 0..cfg.syncs {
-            let s = ws.sync().await?;
+            let (s, t) = with_cpu(ws.sync()).await;
+            let s = s?;
             a.push(s.seconds);
+            cpu[0].push(t);
             splits.push(s);
             let p = pairs.clone();
-            b.push(
-                tokio::task::spawn_blocking(move || tcp_limit::run(&p))
-                    .await
-                    .map_err(|e| E2eError::Sync(format!("plain TCP panicked: {e}")))??,
-            );
-            c.push(bc.sync().await?);
-            d.push(fl.sync().await?);
+            let (s, t) = with_cpu(tokio::task::spawn_blocking(move || tcp_limit::run(&p))).await;
+            b.push(s.map_err(|e| E2eError::Sync(format!("plain TCP panicked: {e}")))??);
+            cpu[1].push(t);
+            let (s, t) = with_cpu(bc.sync()).await;
+            c.push(s?);
+            cpu[2].push(t);
+            let (s, t) = with_cpu(fl.sync()).await;
+            d.push(s?);
+            cpu[3].push(t);
         }
         let address_traffic = ws
             .address_traffic()
@@ -305,10 +345,20 @@ pub fn run_table(table: &RoutingTable, cfg: &Config) -> Result<Report, E2eError>
         splits.sort_by(|x, y| x.seconds.total_cmp(&y.seconds));
         let median = splits.swap_remove(splits.len() / 2);
         let split = split::SplitReport::of(median.seconds, median.trainers);
-        let weightsync = Method::of(a, landed);
-        let tcp_limit = Method::of(b, landed);
-        let broadcast = Method::of(c, landed);
-        let fabric_limit = Method::of(d, landed);
+        let weightsync = Method::of(a, &cpu[0], landed);
+        let tcp_limit = Method::of(b, &cpu[1], landed);
+        let broadcast = Method::of(c, &cpu[2], landed);
+        let fabric_limit = Method::of(d, &cpu[3], landed);
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let cpu_vs_fabric = weightsync
+            .cpu_s_per_sync
+            .zip(fabric_limit.cpu_s_per_sync)
+            .filter(|&(_, f)| f > 0.0)
+            .map(|(w, f)| w / f);
+        let cpu_ceiling_vs_fabric = weightsync
+            .cpu_s_per_sync
+            .filter(|&w| w > 0.0)
+            .map(|w| fabric_limit.seconds_per_sync / (w / cores as f64));
         Ok(Report {
             bench: "e2e",
             setup: cfg.setup.clone(),
@@ -319,6 +369,9 @@ pub fn run_table(table: &RoutingTable, cfg: &Config) -> Result<Report, E2eError>
             ratio_vs_tcp_limit: weightsync.gbps / tcp_limit.gbps,
             ratio_vs_fabric: weightsync.gbps / fabric_limit.gbps,
             speedup_vs_broadcast: broadcast.seconds_per_sync / weightsync.seconds_per_sync,
+            cores,
+            cpu_vs_fabric,
+            cpu_ceiling_vs_fabric,
             broadcast_fabric_bytes: bc.fabric_bytes(),
             addresses: cfg.workers.addresses,
             address_traffic,
@@ -389,6 +442,14 @@ mod tests {
         }
         assert!(r.ratio_vs_tcp_limit > 0.0 && r.speedup_vs_broadcast > 0.0);
         assert!(r.fabric_limit.seconds_per_sync > 0.0 && r.ratio_vs_fabric > 0.0);
+        // CPU per sync is read for every method wherever /proc is (zero is possible for a tiny
+        // sync under the 10 ms tick); the ratios need both readings.
+        if std::path::Path::new("/proc/self/stat").exists() {
+            for m in [&r.weightsync, &r.tcp_limit, &r.broadcast, &r.fabric_limit] {
+                assert!(m.cpu_s_per_sync.is_some_and(|c| c >= 0.0), "{m:?}");
+            }
+        }
+        assert!(r.cores >= 1);
         // The split: every trainer, its parts adding up to its wall, bytes on the wire.
         assert_eq!(r.split.per_trainer.len(), 4);
         for t in &r.split.per_trainer {
