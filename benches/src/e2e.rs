@@ -13,6 +13,8 @@
 //! # Layout
 //! - this file: [`Config`], [`Report`], [`run`], [`E2eError`], and planning a configuration;
 //! - `loopback`: a whole deployment (fabrics, trainers, rollouts) in one process;
+//! - `registered_source`: trainers' weights registered with their fabric, as the Python package
+//!   registers a training job's tensors (zero-copy writes of what needs no preparing);
 //! - [`split`]: where each trainer's sync went (wire, idle, overhead);
 //! - `cpu_time`: the CPU seconds each method spends per sync (what bounds a sync beside its
 //!   fabric on a machine whose cores do the copies a NIC and a GPU would do);
@@ -25,6 +27,7 @@ pub mod calibrate;
 mod cpu_time;
 mod fabric_limit;
 mod loopback;
+mod registered_source;
 pub mod split;
 mod tcp_limit;
 
@@ -214,6 +217,9 @@ pub struct Report {
     pub cpu_ceiling_vs_fabric: Option<f64>,
     /// Local addresses (NICs) per fabric.
     pub addresses: usize,
+    /// Trainers' weights registered with their fabric (zero-copy writes of what needs no
+    /// preparing), as the Python package does; `false`: a plain arena, all staged.
+    pub registered_sources: bool,
     /// What each local address carried during weightsync's timed syncs, summed over every
     /// worker (with several addresses: how the sync striped over the NICs).
     pub address_traffic: Vec<AddressTraffic>,
@@ -374,6 +380,7 @@ pub fn run_table(table: &RoutingTable, cfg: &Config) -> Result<Report, E2eError>
             cpu_ceiling_vs_fabric,
             broadcast_fabric_bytes: bc.fabric_bytes(),
             addresses: cfg.workers.addresses,
+            registered_sources: cfg.workers.registered_sources,
             address_traffic,
             weightsync,
             tcp_limit,
@@ -450,6 +457,12 @@ mod tests {
             }
         }
         assert!(r.cores >= 1);
+        // Registered sources (the default): what needs no preparing (the bf16 norms, whole
+        // rows of each trainer's shard) is written straight from the weights.
+        assert!(r.registered_sources);
+        let direct: u64 = r.split.per_trainer.iter().map(|t| t.direct_bytes).sum();
+        let staged: u64 = r.split.per_trainer.iter().map(|t| t.staged_bytes).sum();
+        assert!(direct > 0 && staged > 0, "direct {direct}, staged {staged}");
         // The split: every trainer, its parts adding up to its wall, bytes on the wire.
         assert_eq!(r.split.per_trainer.len(), 4);
         for t in &r.split.per_trainer {

@@ -14,6 +14,7 @@ use weightsync_worker::{
     Destinations, PipelineMode, SourceView, SyncId, TrainerConfig, TrainerWorker,
 };
 
+use super::registered_source::RegisteredSource;
 use super::split::TrainerSplit;
 use super::E2eError;
 
@@ -34,6 +35,11 @@ pub struct WorkerOptions {
     pub prepare_all_threads: bool,
     /// Pipelined or serialised stages.
     pub mode: PipelineMode,
+    /// Trainers' weights registered with their fabric as write sources (as the Python package
+    /// registers a training job's tensors), so same-dtype copies of contiguous boxes are
+    /// written straight from them; `false`: a plain arena, everything staged (the sidecar's
+    /// path). See `registered_source`.
+    pub registered_sources: bool,
 }
 
 impl Default for WorkerOptions {
@@ -45,6 +51,7 @@ impl Default for WorkerOptions {
             verify: false,
             prepare_all_threads: true,
             mode: PipelineMode::Pipelined,
+            registered_sources: true,
         }
     }
 }
@@ -186,20 +193,20 @@ impl LoopbackCluster {
             let plan = table
                 .trainer_plan(rank)
                 .map_err(|e| E2eError::Setup(format!("trainer {rank}'s slice: {e}")))?;
-            let source: Arc<dyn SourceView> =
-                Arc::new(weights(plan.source_arena_bytes, plan.rank as u64 + 1));
+            let bytes = weights(plan.source_arena_bytes, plan.rank as u64 + 1);
+            let fabric = start_fabric(&config, &mut fabrics).await?;
+            let source: Arc<dyn SourceView> = if opts.registered_sources {
+                Arc::new(RegisteredSource::register(&fabric, &plan, bytes)?)
+            } else {
+                Arc::new(bytes)
+            };
             let mut cfg =
                 TrainerConfig::new(format!("trainer-{}", plan.rank), opts.watermark_bytes);
             cfg.verify = opts.verify;
             cfg.prepare_all_threads = opts.prepare_all_threads;
             cfg.mode = opts.mode;
-            let w = TrainerWorker::new(
-                start_fabric(&config, &mut fabrics).await?,
-                source,
-                plan,
-                cfg,
-            )
-            .map_err(|e| E2eError::Setup(format!("trainer {rank}: {e}")))?;
+            let w = TrainerWorker::new(fabric, source, plan, cfg)
+                .map_err(|e| E2eError::Setup(format!("trainer {rank}: {e}")))?;
             if let Some(d) = w.gather_descriptor() {
                 dsts.trainers.insert(rank, d);
             }

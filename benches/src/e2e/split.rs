@@ -39,6 +39,10 @@ pub struct TrainerSplit {
     pub h2d_busy_s: f64,
     /// Time spent preparing (casts, fp8) and checksumming, summed over pieces, seconds.
     pub prepare_busy_s: f64,
+    /// Source bytes that went through staging (copied into it and prepared there).
+    pub staged_bytes: u64,
+    /// Source bytes written straight from registered source memory (zero copy).
+    pub direct_bytes: u64,
 }
 
 impl TrainerSplit {
@@ -67,6 +71,8 @@ impl TrainerSplit {
             },
             h2d_busy_s: r.timeline.busy_ns(Stage::H2d) as f64 / 1e9,
             prepare_busy_s: r.timeline.busy_ns(Stage::Prepare) as f64 / 1e9,
+            staged_bytes: r.staged_bytes,
+            direct_bytes: r.direct_bytes,
         }
     }
 
@@ -113,9 +119,10 @@ impl SplitReport {
         );
         for t in &self.per_trainer {
             s += &format!(
-                "    trainer-{:<3} {:>7.3} = {:>7.3} + {:>7.3} + {:>7.3} s  {:>6} writes  {:>5} pieces  {:>4.1} in flight  {:>5.2} GB/s on the wire  (h2d {:.3} s, prepare {:.3} s busy)\n",
+                "    trainer-{:<3} {:>7.3} = {:>7.3} + {:>7.3} + {:>7.3} s  {:>6} writes  {:>5} pieces  {:>4.1} in flight  {:>5.2} GB/s on the wire  (h2d {:.3} s, prepare {:.3} s busy; {:.0} MB staged, {:.0} MB direct)\n",
                 t.trainer, t.wall_s, t.wire_s, t.idle_s, t.overhead_s, t.writes, t.pieces,
-                t.mean_writes_in_flight, t.wire_gbps, t.h2d_busy_s, t.prepare_busy_s
+                t.mean_writes_in_flight, t.wire_gbps, t.h2d_busy_s, t.prepare_busy_s,
+                t.staged_bytes as f64 / 1e6, t.direct_bytes as f64 / 1e6
             );
         }
         s += &format!(

@@ -94,6 +94,11 @@ pub enum Which {
         /// Trainers compute checksums of what they write.
         #[arg(long)]
         verify: bool,
+        /// Trainers hand the pipeline a plain arena of weights (the sidecar's path: everything
+        /// staged) instead of registering them with the fabric as the Python package does
+        /// (same-dtype copies of contiguous boxes written straight from the weights).
+        #[arg(long)]
+        staged_sources: bool,
     },
     /// Preparation kernels (gather, casts, fp8 block quantisation) beside memcpy.
     Prepare {
@@ -169,6 +174,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             addresses,
             bucket_mib,
             verify,
+            staged_sources,
         } => {
             use weightsync_benches::e2e;
             let cfg = e2e::Config {
@@ -179,6 +185,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                     lanes_per_peer: lanes,
                     addresses,
                     verify,
+                    registered_sources: !staged_sources,
                     ..Default::default()
                 },
                 bucket_bytes: bucket_mib << 20,

@@ -1,0 +1,77 @@
+//! A bench trainer's weights registered with its fabric as a write source, as the Python package
+//! registers a training job's own tensors (`weightsync.Trainer.register`).
+//!
+//! Why: with the source registered, a same-dtype copy of a box that is one contiguous range of
+//! its shard needs no staging at all: the fabric writes it straight from the weights (the
+//! worker's zero-copy path, `direct_bytes` in its report). A bench whose trainers only hand
+//! the pipeline a plain byte arena measures the sidecar's staged path instead, which copies
+//! every such box into staging first. `--staged-sources` keeps that path measurable.
+//!
+//! The pipeline reads what it prepares through [`SourceView::read`] (a Rust slice) and the
+//! fabric writes direct tasks from the registered buffer, so the weights are held twice, byte
+//! for byte the same and never changed after registration: reading a registered buffer as a
+//! slice would need `unsafe` outside the fabric's own module, and the bench's timing does not
+//! depend on which of two equal copies a byte comes from.
+
+use weightsync_common::fabric::{Access, FabricBackend, Memory, PageAlignedBuffer, Region};
+use weightsync_schedules::table::TrainerPlan;
+use weightsync_worker::SourceView;
+
+use super::E2eError;
+
+/// A trainer's arena of weights, also registered (see the module docs).
+#[derive(Debug)]
+pub(crate) struct RegisteredSource {
+    bytes: Vec<u8>,
+    /// The registered copy; `None` for an empty arena (nothing to register).
+    region: Option<Region>,
+    /// Each shard's byte offset in the arena, by shard index.
+    shard_offsets: Vec<u64>,
+}
+
+impl RegisteredSource {
+    /// Registers a copy of `bytes` (the arena `plan` describes) with `fabric` as a write source.
+    pub(crate) fn register<F: FabricBackend>(
+        fabric: &F,
+        plan: &TrainerPlan,
+        bytes: Vec<u8>,
+    ) -> Result<Self, E2eError> {
+        let region = if bytes.is_empty() {
+            None
+        } else {
+            let mut buf = PageAlignedBuffer::new(bytes.len()).map_err(|e| {
+                E2eError::Setup(format!("trainer {}: source buffer: {e}", plan.rank))
+            })?;
+            buf.as_mut_slice().copy_from_slice(&bytes);
+            let region = fabric
+                .register(Memory::from(buf), Access::SOURCE)
+                .map_err(|e| {
+                    E2eError::Setup(format!(
+                        "trainer {}: registering its source: {e}",
+                        plan.rank
+                    ))
+                })?;
+            Some(region)
+        };
+        Ok(RegisteredSource {
+            bytes,
+            region,
+            shard_offsets: plan.shards.iter().map(|s| s.offset).collect(),
+        })
+    }
+}
+
+impl SourceView for RegisteredSource {
+    fn len(&self) -> u64 {
+        self.bytes.len() as u64
+    }
+
+    fn read(&self, f: &mut dyn FnMut(&[u8])) {
+        f(&self.bytes)
+    }
+
+    fn registered_shard(&self, shard: u32) -> Option<(Region, u64)> {
+        let at = *self.shard_offsets.get(shard as usize)?;
+        Some((self.region.clone()?, at))
+    }
+}
