@@ -21,7 +21,7 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{sys, CudaContext, CudaSlice, DevicePtrMut};
+use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
 use super::pending::PendingCopies;
 use super::{GpuDevice, GpuError};
@@ -263,6 +263,56 @@ impl GpuSource {
         }
         pending.record(stream)?;
         Ok(())
+    }
+}
+
+impl GpuSource {
+    /// The context the arena belongs to.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        match self {
+            GpuSource::Owned(b) => b.context(),
+            GpuSource::Ipc(m) => &m.ctx,
+            GpuSource::Borrowed(b) => &b.ctx,
+        }
+    }
+
+    /// Runs `queue` with the device address of `[offset, offset + len)` of the arena, for it to
+    /// queue reads of that range on `stream` (raw copies), and tracks them: an owned buffer
+    /// orders them after its earlier writers (cudarc's events), a mapped or borrowed arena
+    /// records an event its Drop waits for before unmapping or handing the memory back.
+    pub(crate) fn read_on<R>(
+        &self,
+        stream: &Arc<CudaStream>,
+        offset: usize,
+        len: usize,
+        queue: impl FnOnce(sys::CUdeviceptr) -> Result<R, GpuError>,
+    ) -> Result<R, GpuError> {
+        if offset.checked_add(len).is_none_or(|e| e > self.len()) {
+            return Err(GpuError::OutOfBounds {
+                what: "gpu source arena",
+                offset,
+                len,
+                have: self.len(),
+            });
+        }
+        if **self.context() != **stream.context() {
+            return Err(GpuError::WrongContext {
+                what: "gpu source arena",
+            });
+        }
+        stream.context().bind_to_thread()?;
+        let (base, pending) = match self {
+            GpuSource::Owned(b) => {
+                let (ptr, _read) = b.device_ptr(stream);
+                return queue(ptr + offset as u64);
+            }
+            GpuSource::Ipc(m) => (m.arena, &m.pending),
+            GpuSource::Borrowed(b) => (b.ptr, &b.pending),
+        };
+        let out = queue(base + offset as u64);
+        // Recorded whether or not every copy was queued: those that were must be waited for.
+        pending.record(stream)?;
+        out
     }
 }
 
