@@ -58,6 +58,8 @@ pub use prepare::{
     FP8_AMAX_FLOOR,
 };
 pub use rollout::{Landed, Placed, Placement, RolloutWorker, Verified};
+#[cfg(feature = "cuda")]
+pub use source::DeviceTensor;
 pub use source::{
     arena_tensors, check_layout, shard_names, ArenaTensor, HostMemory, HostSource, PlanTensors,
     SafetensorsSource, ShmSource, SourceError, SourceMemory, SourceTensor, TensorSet,

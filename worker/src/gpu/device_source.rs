@@ -1,4 +1,6 @@
-//! [`DeviceSource`]: a trainer's source arena in device memory, run through the one pipeline.
+//! [`DeviceSource`]: a trainer's source in device memory, run through the one pipeline: an arena
+//! laid out as the plan's shards say, or one device tensor per shard (a training process's own
+//! CUDA tensors, registered in place: [`crate::TensorSet::register_device`]).
 //!
 //! The pipeline's stages describe their work as data ([`crate::trainer::device_stages`]); this
 //! module executes those descriptions on a GPU:
@@ -35,8 +37,7 @@ use crate::prepare::Fp8Shape;
 use crate::trainer::device_stages::{DeviceStages, PrepareJob, PrepareKind, StridedCopy};
 use crate::trainer::SourceView;
 
-/// A trainer source in device memory (see the module docs): the arena, laid out as the plan's
-/// shards say, on `device`.
+/// A trainer source in device memory (see the module docs).
 #[derive(Debug, Clone)]
 pub struct DeviceSource {
     inner: Arc<Inner>,
@@ -45,7 +46,16 @@ pub struct DeviceSource {
 #[derive(Debug)]
 struct Inner {
     device: Arc<GpuDevice>,
-    arena: GpuSource,
+    layout: Layout,
+}
+
+/// Where the shards lie.
+#[derive(Debug)]
+enum Layout {
+    /// One arena, every shard at its plan offset.
+    Arena(GpuSource),
+    /// One memory per shard of the plan, in its order (`None`: an empty shard).
+    Shards(Vec<Option<Arc<GpuSource>>>),
 }
 
 impl DeviceSource {
@@ -57,7 +67,33 @@ impl DeviceSource {
             });
         }
         Ok(DeviceSource {
-            inner: Arc::new(Inner { device, arena }),
+            inner: Arc::new(Inner {
+                device,
+                layout: Layout::Arena(arena),
+            }),
+        })
+    }
+
+    /// One memory per shard of a plan, in the plan's shard order (`None` for an empty shard),
+    /// all on `device`.
+    pub fn shards(
+        device: Arc<GpuDevice>,
+        shards: Vec<Option<Arc<GpuSource>>>,
+    ) -> Result<DeviceSource, GpuError> {
+        if shards
+            .iter()
+            .flatten()
+            .any(|s| **s.context() != **device.context())
+        {
+            return Err(GpuError::WrongContext {
+                what: "a source tensor",
+            });
+        }
+        Ok(DeviceSource {
+            inner: Arc::new(Inner {
+                device,
+                layout: Layout::Shards(shards),
+            }),
         })
     }
 
@@ -83,9 +119,12 @@ impl DeviceSource {
         &self.inner.device
     }
 
-    /// Arena bytes.
+    /// Arena bytes (0 for one memory per shard).
     pub fn len(&self) -> usize {
-        self.inner.arena.len()
+        match &self.inner.layout {
+            Layout::Arena(a) => a.len(),
+            Layout::Shards(_) => 0,
+        }
     }
 
     /// Whether the arena is empty.
@@ -94,9 +133,56 @@ impl DeviceSource {
     }
 }
 
+impl Inner {
+    /// Shard `shard`'s memory and where the shard starts in it, checked to hold the shard.
+    fn shard(&self, plan: &TrainerPlan, shard: u32) -> Result<(&GpuSource, usize, usize)> {
+        let s = plan.shards.get(shard as usize).ok_or_else(|| {
+            WorkerError::InvalidPlan(format!("shard {shard} of {}", plan.shards.len()))
+        })?;
+        let (memory, at) = match &self.layout {
+            Layout::Arena(a) => (a, s.offset as usize),
+            Layout::Shards(v) => match v.get(shard as usize) {
+                Some(Some(m)) => (&**m, 0),
+                _ => {
+                    return Err(WorkerError::InvalidPlan(format!(
+                        "shard {shard} has no device tensor"
+                    )))
+                }
+            },
+        };
+        let len = s.bytes() as usize;
+        if at + len > memory.len() {
+            return Err(WorkerError::SourceTooShort {
+                what: format!("shard {shard} of the device source"),
+                need: (at + len) as u64,
+                have: memory.len() as u64,
+            });
+        }
+        Ok((memory, at, len))
+    }
+}
+
 impl SourceView for DeviceSource {
     fn len(&self) -> u64 {
-        self.inner.arena.len() as u64
+        DeviceSource::len(self) as u64
+    }
+
+    fn check_plan(&self, plan: &TrainerPlan) -> Result<()> {
+        match &self.inner.layout {
+            Layout::Arena(a) => crate::trainer::check_source(plan, a.len() as u64),
+            Layout::Shards(v) => {
+                if v.len() != plan.shards.len() {
+                    return Err(WorkerError::InvalidPlan(format!(
+                        "the device tensors were bound to a plan of {} shards, this one has {}",
+                        v.len(),
+                        plan.shards.len()
+                    )));
+                }
+                (0..v.len() as u32)
+                    .filter(|&i| plan.shards[i as usize].bytes() > 0)
+                    .try_for_each(|i| self.inner.shard(plan, i).map(|_| ()))
+            }
+        }
     }
 
     fn read(&self, f: &mut dyn FnMut(&[u8])) {
@@ -169,14 +255,6 @@ struct SourceStages {
     pinned: PinnedRegion,
 }
 
-/// Where shard `shard` lies in the arena: `(offset, bytes)`.
-fn shard_range(plan: &TrainerPlan, shard: u32) -> Result<(usize, usize)> {
-    let s = plan.shards.get(shard as usize).ok_or_else(|| {
-        WorkerError::InvalidPlan(format!("shard {shard} of {}", plan.shards.len()))
-    })?;
-    Ok((s.offset as usize, s.bytes() as usize))
-}
-
 /// Waits for an event recorded on `stream` now: the end of this step's work there.
 fn finish(stream: &CudaStream) -> Result<(), GpuError> {
     stream.record_event(None)?.synchronize()?;
@@ -186,6 +264,7 @@ fn finish(stream: &CudaStream) -> Result<(), GpuError> {
 impl SourceStages {
     fn fill_rows(
         &self,
+        memory: &GpuSource,
         at: usize,
         shard_len: usize,
         copies: &[StridedCopy],
@@ -203,30 +282,27 @@ impl SourceStages {
             }
         }
         let dst = input.as_mut_ptr();
-        let queued = self
-            .source
-            .arena
-            .read_on(&self.copy, at, shard_len, |shard| {
-                for c in copies {
-                    // SAFETY: the rows lie inside the shard and the input (checked above); the
-                    // shard is device memory of the copy stream's context (checked by `read_on`,
-                    // which also bound the context), read-only during a sync by the source's
-                    // contract; `input` is borrowed mutably for this call, and `finish` below waits
-                    // for the copies before it returns.
-                    unsafe {
-                        dma::d2h_rows(
-                            &self.copy,
-                            shard + c.src,
-                            c.pitch as usize,
-                            dst.add(c.dst as usize),
-                            c.width as usize,
-                            c.rows as usize,
-                            self.max_pitch,
-                        )?
-                    };
-                }
-                Ok(())
-            });
+        let queued = memory.read_on(&self.copy, at, shard_len, |shard| {
+            for c in copies {
+                // SAFETY: the rows lie inside the shard and the input (checked above); the
+                // shard is device memory of the copy stream's context (checked by `read_on`,
+                // which also bound the context), read-only during a sync by the source's
+                // contract; `input` is borrowed mutably for this call, and `finish` below waits
+                // for the copies before it returns.
+                unsafe {
+                    dma::d2h_rows(
+                        &self.copy,
+                        shard + c.src,
+                        c.pitch as usize,
+                        dst.add(c.dst as usize),
+                        c.width as usize,
+                        c.rows as usize,
+                        self.max_pitch,
+                    )?
+                };
+            }
+            Ok(())
+        });
         // Wait also when queuing failed half-way: what was queued writes `input`.
         let done = finish(&self.copy);
         queued.and(done)
@@ -234,6 +310,7 @@ impl SourceStages {
 
     fn prepare_on_device(
         &self,
+        memory: &GpuSource,
         at: usize,
         job: &PrepareJob,
         lease_offset: usize,
@@ -270,7 +347,7 @@ impl SourceStages {
         let work = (|| {
             {
                 let (dst, _write) = input_view.device_ptr_mut(&stream);
-                self.source.arena.read_on(&stream, at, input, |src| {
+                memory.read_on(&stream, at, input, |src| {
                     // SAFETY: `src..+input` is the piece's input inside the arena (bounds and
                     // context checked by `read_on`, which bound the context); `dst` is the
                     // lease's input range of the mirror, used by this step only (the mirror is
@@ -330,12 +407,12 @@ impl DeviceStages for SourceStages {
         copies: &[StridedCopy],
         input: &mut [u8],
     ) -> Result<()> {
-        let (at, len) = shard_range(plan, shard)?;
+        let (memory, at, len) = self.source.shard(plan, shard)?;
         debug_assert!(
             self.pinned.contains(input),
             "staging outside the pinned arena"
         );
-        self.fill_rows(at, len, copies, input)
+        self.fill_rows(memory, at, len, copies, input)
             .map_err(|source| WorkerError::Gpu {
                 context: format!("copying shard {shard} of the device source into staging"),
                 source,
@@ -351,7 +428,7 @@ impl DeviceStages for SourceStages {
         lease_offset: u64,
         lease: &mut [u8],
     ) -> Result<()> {
-        let (at, len) = shard_range(plan, shard)?;
+        let (memory, at, len) = self.source.shard(plan, shard)?;
         if input_at + job.input > len as u64 {
             return Err(WorkerError::SourceTooShort {
                 what: format!("shard {shard} of the device source"),
@@ -363,11 +440,17 @@ impl DeviceStages for SourceStages {
             self.pinned.contains(lease),
             "staging outside the pinned arena"
         );
-        self.prepare_on_device(at + input_at as usize, job, lease_offset as usize, lease)
-            .map_err(|source| WorkerError::Gpu {
-                context: format!("preparing a piece of shard {shard} on the device"),
-                source,
-            })
+        self.prepare_on_device(
+            memory,
+            at + input_at as usize,
+            job,
+            lease_offset as usize,
+            lease,
+        )
+        .map_err(|source| WorkerError::Gpu {
+            context: format!("preparing a piece of shard {shard} on the device"),
+            source,
+        })
     }
 }
 
@@ -383,6 +466,43 @@ mod tests {
         // SAFETY: without a driver nothing is dereferenced: open fails first.
         let err = unsafe { DeviceSource::borrowed(0, 0x1000, 64) }.unwrap_err();
         assert!(matches!(err, GpuError::NoDriver), "{err}");
+        assert!(err.to_string().contains("libcuda"), "{err}");
+    }
+
+    fn tensor(name: &str, ordinal: usize) -> crate::DeviceTensor {
+        crate::DeviceTensor {
+            name: name.into(),
+            dtype: weightsync_common::DType::BF16,
+            shape: vec![2, 2],
+            // SAFETY: never dereferenced: registration fails before (no driver, two GPUs).
+            memory: unsafe {
+                super::super::DeviceMemory::from_raw(ordinal, 0x1000, 8, Box::new(()))
+            },
+        }
+    }
+
+    #[test]
+    fn device_tensors_are_clean_errors_without_a_driver_or_on_two_gpus() {
+        let err =
+            crate::TensorSet::register_device(vec![tensor("a", 0), tensor("b", 1)]).unwrap_err();
+        assert!(err.to_string().contains("GPUs {0, 1}"), "{err}");
+        let err = crate::TensorSet::register_device(Vec::new()).unwrap_err();
+        assert!(err.to_string().contains("no tensors"), "{err}");
+        if super::super::driver_present() {
+            return; // the device check covers the machine with a driver
+        }
+        let err = crate::TensorSet::register_device(vec![tensor("a", 0)]).unwrap_err();
+        assert!(
+            matches!(
+                &err,
+                WorkerError::Gpu {
+                    source: GpuError::NoDriver,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert!(err.to_string().contains("GPU 0"), "{err}");
         assert!(err.to_string().contains("libcuda"), "{err}");
     }
 }

@@ -45,7 +45,9 @@ mod check;
 pub use device::{DeviceInfo, E4m3Conversion, GpuDevice, SelftestReport};
 pub use device_source::DeviceSource;
 pub use host_pin::PinnedRegion;
-pub use source::{BorrowedDevice, GpuSource, IpcExport, IpcMapping, IPC_HANDLE_BYTES};
+pub use source::{
+    BorrowedDevice, DeviceMemory, GpuSource, IpcExport, IpcMapping, IPC_HANDLE_BYTES,
+};
 pub use staging::{DeviceStaging, PinnedStaging};
 
 use crate::prepare::PrepareError;

@@ -22,6 +22,7 @@
 use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use weightsync_common::fabric::MemoryOwner;
 
 use super::pending::PendingCopies;
 use super::{GpuDevice, GpuError};
@@ -130,6 +131,8 @@ pub struct BorrowedDevice {
     ptr: sys::CUdeviceptr,
     len: usize,
     pending: PendingCopies,
+    /// What keeps the memory alive (a Python tensor), released after Drop waited.
+    owner: Option<MemoryOwner>,
 }
 
 impl BorrowedDevice {
@@ -162,7 +165,14 @@ impl BorrowedDevice {
             ptr,
             len,
             pending: PendingCopies::default(),
+            owner: None,
         })
+    }
+
+    /// Keeps `owner` (what keeps the memory alive) until this is dropped, after its copies.
+    pub fn with_owner(mut self, owner: MemoryOwner) -> BorrowedDevice {
+        self.owner = Some(owner);
+        self
     }
 }
 
@@ -170,6 +180,66 @@ impl Drop for BorrowedDevice {
     fn drop(&mut self) {
         // Errors are ignored: a failed copy no longer reads the memory.
         let _ = self.pending.wait();
+        // Only now may the owner free the memory.
+        drop(self.owner.take());
+    }
+}
+
+/// Device memory owned by someone else in this process (a torch CUDA tensor's storage), kept
+/// alive by an owner object: what a caller hands over to register a tensor in device memory
+/// ([`crate::TensorSet::register_device`]). Nothing is checked or opened until registration.
+#[derive(Debug)]
+pub struct DeviceMemory {
+    pub(crate) ordinal: usize,
+    pub(crate) ptr: sys::CUdeviceptr,
+    pub(crate) len: usize,
+    pub(crate) owner: MemoryOwner,
+}
+
+impl DeviceMemory {
+    /// Wraps `len` bytes at device address `ptr` of GPU `ordinal`, kept alive by `owner`.
+    ///
+    /// # Safety
+    /// `ptr..ptr + len` must be device memory of GPU `ordinal`'s primary context that stays
+    /// allocated while `owner` is alive, and is not written while a sync reads it. Work that
+    /// wrote it on other streams must have completed before a sync starts (the caller
+    /// synchronises its stream first).
+    pub unsafe fn from_raw(
+        ordinal: usize,
+        ptr: sys::CUdeviceptr,
+        len: usize,
+        owner: MemoryOwner,
+    ) -> DeviceMemory {
+        DeviceMemory {
+            ordinal,
+            ptr,
+            len,
+            owner,
+        }
+    }
+
+    /// The GPU.
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    /// Bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Borrows the memory on `dev` (checked to lie in one allocation of its context).
+    pub(crate) fn borrow_on(self, dev: &GpuDevice) -> Result<GpuSource, GpuError> {
+        // SAFETY: `from_raw`'s contract: the range stays allocated while the owner lives, and
+        // the owner moves into the BorrowedDevice, released only after its Drop waited for
+        // every copy queued from the range; nobody writes it while a sync reads it.
+        let b = unsafe { BorrowedDevice::new(dev, self.ptr, self.len) }?;
+        Ok(GpuSource::Borrowed(b.with_owner(self.owner)))
     }
 }
 

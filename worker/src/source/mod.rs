@@ -26,6 +26,8 @@ pub mod tensor_set;
 pub use host::HostSource;
 pub use safetensors_file::SafetensorsSource;
 pub use shm::ShmSource;
+#[cfg(feature = "cuda")]
+pub use tensor_set::DeviceTensor;
 pub use tensor_set::{HostMemory, PlanTensors, SourceTensor, TensorSet};
 
 use std::path::PathBuf;
