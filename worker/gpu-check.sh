@@ -33,12 +33,13 @@
 #            (The NVRTC compile tests and the CPU emulation of kernels.cu need no GPU: --build
 #            runs them here, before packaging.)
 #   sync     (b) a full sync over TCP loopback from a device-memory source (an owned buffer,
-#            then a borrowed cuMemAlloc range) through the one pipeline: fp8 and casts prepared
-#            by the kernels on the device, copies and a strided column band DMA'd into the
-#            pinned staging; every landed byte compared with the CPU kernels' result and the
-#            checksums verified; ratio_vs_d2d and the stage timeline in its record. Not yet as
-#            the issue asks: the destination is host memory (device destinations, item 2, are
-#            not built) and both ends run in one process (two fabrics over loopback).
+#            then a borrowed cuMemAlloc range) through the one pipeline into a device-memory
+#            destination: fp8 and casts prepared by the kernels on the device, copies and a
+#            strided column band DMA'd into the pinned staging; the receiver's pinned bounce
+#            buffers copied H2D before the sync counts as landed; every byte of the device
+#            destination compared with the CPU kernels' result, checksums verified (on the
+#            bounce buffers); ratio_vs_d2d and the stage timeline in its record. Not yet as the
+#            issue asks: both ends run in one process (two fabrics over loopback).
 #   overlap  (c) the same plan serialised and pipelined: overlap_speedup (target >= 2.2) with
 #            real DMA, kernel and network stages.
 # A step in another binary adds it to BUILD (name|cargo test target selection).

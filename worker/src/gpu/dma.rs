@@ -1,10 +1,10 @@
 //! Raw asynchronous copies between device memory and host memory the safe types own: the rows
 //! of a strided box (`cuMemcpy2DAsync`), plain ranges (`cuMemcpyDtoHAsync`,
-//! `cuMemcpyDtoDAsync`).
+//! `cuMemcpyDtoDAsync`, `cuMemcpyHtoDAsync`).
 //!
 //! Why raw: the trainer's staging is one registered host arena leased in ranges, and a source
 //! in device memory may be a mapping or a borrowed pointer, none of which are cudarc buffers.
-//! The callers ([`super::device_source`]) own the memory, check every range
+//! The callers ([`super::device_source`], [`super::device_destination`]) own the memory, check every range
 //! before calling, and wait for an event recorded after the copies before the memory is used or
 //! released; these functions only state that contract and queue the copies.
 
@@ -105,5 +105,25 @@ pub(crate) unsafe fn d2d(
     }
     // SAFETY: the caller's contract.
     unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, len, stream.cu_stream()) }.result()?;
+    Ok(())
+}
+
+/// Queues a copy of `len` bytes of host memory at `src` to device memory at `dst`.
+///
+/// # Safety
+/// `src .. src + len` must be host memory that stays allocated and unwritten until the copy
+/// completed; `dst .. dst + len` device memory of `stream`'s context that nobody else reads or
+/// writes until then. The context must be bound to the calling thread.
+pub(crate) unsafe fn h2d(
+    stream: &CudaStream,
+    dst: sys::CUdeviceptr,
+    src: *const u8,
+    len: usize,
+) -> Result<(), GpuError> {
+    if len == 0 {
+        return Ok(());
+    }
+    // SAFETY: the caller's contract.
+    unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src.cast(), len, stream.cu_stream()) }.result()?;
     Ok(())
 }

@@ -24,12 +24,15 @@
 //! - [`source`]: [`GpuSource`], the trainer's arena in device memory, and [`IpcExport`].
 //! - [`device_source`]: [`DeviceSource`], a [`GpuSource`] as a trainer source: the pipeline's
 //!   fill (strided D2H into the pinned lease) and prepare (NVRTC kernels, then D2H) steps.
+//! - [`device_destination`]: [`DeviceDestination`], a receiver's regions as pinned bounce
+//!   buffers copied to device memory before a version counts as landed (TCP).
 //! - [`host_pin`]: [`PinnedRegion`], a fabric registration page-locked for DMA.
 //! - `dma`: the raw async copies those use.
 //! - `kernels.cu`: the CUDA source, mirroring `prepare::convert` step for step.
 //! - `check/` (tests): the device checks `worker/gpu-check.sh` runs on a GPU machine.
 
 pub mod device;
+pub mod device_destination;
 pub mod device_source;
 mod dma;
 pub mod host_pin;
@@ -43,6 +46,7 @@ pub mod staging;
 mod check;
 
 pub use device::{DeviceInfo, E4m3Conversion, GpuDevice, SelftestReport};
+pub use device_destination::DeviceDestination;
 pub use device_source::DeviceSource;
 pub use host_pin::PinnedRegion;
 pub use source::{

@@ -19,6 +19,7 @@ use super::*;
 use crate::mem_fabric::MemFabric;
 use crate::prepare::{quantise_fp8, Fp8Shape, Threads};
 use crate::rollout::RolloutWorker;
+use weightsync_common::protocol::Stage;
 
 /// Host bytes posing as device memory: no host view, only the device stages.
 #[derive(Debug)]
@@ -241,4 +242,60 @@ async fn device_sources_gather_a_straddling_block() {
     let fills = c0.fills.load(Ordering::Relaxed) + c1.fills.load(Ordering::Relaxed);
     assert!(fills > 0, "the gather sends were staged by the device fill");
     assert!(c1.prepares.load(Ordering::Relaxed) > 0);
+}
+
+/// A device destination's stand-in: what it was handed when the sync counted as landed.
+#[derive(Debug, Default)]
+struct RecordingLanding {
+    copies: parking_lot::Mutex<Vec<Vec<u8>>>,
+}
+
+impl crate::rollout::DeviceLanding for RecordingLanding {
+    fn landed(&self, regions: &[Region]) -> Result<()> {
+        let mut copies = self.copies.lock();
+        copies.clear();
+        for r in regions {
+            copies.push(r.copy_to_vec(0, r.len() as usize).unwrap());
+        }
+        Ok(())
+    }
+}
+
+/// A receiver with a device landing hands it every landed byte before `await_landed` returns,
+/// once per sync, from a device source to a device destination through the one pipeline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_device_destination_gets_every_landed_byte_before_landed() {
+    let (tp, rp) = plans();
+    let fab = MemFabric::new_switch("trainer-0");
+    let mut rollout = RolloutWorker::new(fab.peer("rollout-0"), "rollout-0", rp).unwrap();
+    let landing = Arc::new(RecordingLanding::default());
+    rollout.set_device_landing(landing.clone());
+    for step in 0..2u32 {
+        let bytes = source_bytes(step);
+        let (src, _) = OffHost::new(bytes.clone());
+        let mut t = TrainerWorker::new(
+            fab.clone(),
+            src,
+            tp.clone(),
+            TrainerConfig::new("t", 200 << 10),
+        )
+        .unwrap();
+        let mut dsts = Destinations::default();
+        dsts.rollouts.insert(0, rollout.descriptors());
+        t.set_destinations(&dsts).unwrap();
+        let sync = SyncId {
+            version: step as u64,
+            epoch: step as u64 + 1,
+        };
+        rollout.arm(sync).unwrap();
+        let report = t.run_sync(sync).await.unwrap();
+        let landed = rollout.await_landed(Duration::from_secs(10)).await.unwrap();
+        assert!(landed.timeline.events.iter().any(|e| e.stage == Stage::H2d));
+        assert_eq!(
+            *landing.copies.lock(),
+            vec![expected(&bytes)],
+            "step {step}"
+        );
+        rollout.verify(&report.checksums).unwrap();
+    }
 }
