@@ -32,11 +32,17 @@
 #            hardware-conversion self-test; pinned staging, source copies, IPC across processes.
 #            (The NVRTC compile tests and the CPU emulation of kernels.cu need no GPU: --build
 #            runs them here, before packaging.)
-#   sync     (b) phase 2 hook: a full sync over TCP loopback from device-memory sources into
-#            device-memory destinations (two processes, one GPU), every byte verified.
-#   overlap  (c) phase 3 hook: the pipeline's overlap speedup with real DMA/kernel/network stages.
-# A later phase adds its binary to BUILD (name|cargo test target selection) and fills its
-# STEPS command.
+#   sync     (b) a full sync over TCP loopback from a device-memory source (an owned buffer,
+#            then a borrowed cuMemAlloc range) through the one pipeline into a device-memory
+#            destination: fp8 and casts prepared by the kernels on the device, copies and a
+#            strided column band DMA'd into the pinned staging; the receiver's pinned bounce
+#            buffers copied H2D before the sync counts as landed; every byte of the device
+#            destination compared with the CPU kernels' result, checksums verified (on the
+#            bounce buffers); ratio_vs_d2d and the stage timeline in its record. Not yet as the
+#            issue asks: both ends run in one process (two fabrics over loopback).
+#   overlap  (c) the same plan serialised and pipelined: overlap_speedup (target >= 2.2) with
+#            real DMA, kernel and network stages.
+# A step in another binary adds it to BUILD (name|cargo test target selection).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bundle=target/gpu-check
@@ -46,9 +52,9 @@ BUILD=(
   "worker-lib-tests|-p weightsync-worker --lib"
 )
 STEPS=(
-  "kernels|worker-lib-tests|--include-ignored --test-threads=1 --nocapture --skip gpu::check::host gpu::check gpu::tests"
-  "sync||"
-  "overlap||"
+  "kernels|worker-lib-tests|--include-ignored --test-threads=1 --nocapture --skip gpu::check::host --skip gpu::check::sync gpu::check gpu::tests gpu::device_source"
+  "sync|worker-lib-tests|--include-ignored --test-threads=1 --nocapture gpu::check::sync::device_source_sync_lands_every_byte"
+  "overlap|worker-lib-tests|--include-ignored --test-threads=1 --nocapture gpu::check::sync::device_source_pipeline_overlaps_its_stages"
 )
 STEP_TIMEOUT_S=240
 
@@ -161,6 +167,14 @@ for line in open(sys.argv[1]):
         ops = {o["op"]: round(o["ratio_vs_d2d"], 3) for o in r["ops"]}
         print(f'gpu-check: fp8 {r["dtype"]}: exact {r["bit_exact_with_cpu"]}, ratio_vs_d2d '
               f'{r["ratio_vs_d2d"]:.3f} (target {r["target_ratio_vs_d2d"]}), all ops {ops}')
+    elif r.get("check") == "device_sync":
+        print(f'gpu-check: sync from {r["source"]} device memory: every byte equal '
+              f'{r["every_byte_equal"]}, checksums {r["checksums_verified"]}, '
+              f'{r["sync_gb_per_s"]:.2f} GB/s, ratio_vs_d2d {r["ratio_vs_d2d"]:.4f}')
+    elif r.get("check") == "device_overlap":
+        print(f'gpu-check: overlap_speedup {r["overlap_speedup"]:.2f} '
+              f'(target {r["target_overlap_speedup"]}), serialised {r["serialised_s"]:.3f} s, '
+              f'pipelined {r["pipelined_s"]:.3f} s')
     elif r.get("check") == "device":
         print(f'gpu-check: {r["device"]["name"]} sm_{r["device"]["arch"]}, {r["target"]}, '
               f'NVRTC {r["nvrtc"]["version"]}, fp8 conversion {r["fp8_conversion"]}, '

@@ -125,7 +125,7 @@ impl EngineCore {
                 name: n.name,
                 dtype: n.tensor.dtype(),
                 shape: n.tensor.shape().to_vec(),
-                memory: n.tensor.into_host_memory(),
+                memory: n.tensor.into_host_memory()?,
             });
         }
         py.detach(|| self.inner.register(dsts))

@@ -13,7 +13,9 @@
 //! The ways in, tried in this order, none of which imports torch:
 //! 1. torch tensors (`data_ptr`, `untyped_storage`): parameters require grad, and torch refuses
 //!    to export those through DLPack, so they are read through their methods. A `DTensor` is
-//!    replaced by its `to_local()` shard.
+//!    replaced by its `to_local()` shard. A CUDA tensor (a trainer's source only) is described
+//!    the same way, with its device index: registering it needs the extension built with the
+//!    `cuda` feature (the trainer then reads it by DMA), and is refused by name otherwise.
 //! 2. `__dlpack__` (versioned capsule first, then the legacy one): numpy, jax, cupy, ...
 //! 3. the buffer protocol: numpy, `bytearray`, `memoryview`, `mmap`.
 //!
@@ -65,6 +67,8 @@ pub(crate) struct ForeignTensor {
     dtype: DType,
     shape: Vec<u64>,
     kind: &'static str,
+    /// The CUDA device index of a tensor in GPU memory (`None`: host memory).
+    cuda: Option<usize>,
     keepalive: Keepalive,
 }
 
@@ -76,6 +80,7 @@ impl std::fmt::Debug for ForeignTensor {
             .field("dtype", &self.dtype)
             .field("shape", &self.shape)
             .field("kind", &self.kind)
+            .field("cuda", &self.cuda)
             .finish()
     }
 }
@@ -89,7 +94,7 @@ impl ForeignTensor {
         access: Access,
     ) -> PyResult<ForeignTensor> {
         let found = if is_torch_tensor(obj)? {
-            from_torch(obj)?
+            from_torch(obj, access)?
         } else if obj.hasattr("__dlpack__")? {
             from_dlpack(obj, access)?
         } else {
@@ -118,13 +123,51 @@ impl ForeignTensor {
         &self.shape
     }
 
-    /// How the memory was found: `torch`, `dlpack` or `buffer`.
+    /// How the memory was found: `torch`, `torch-cuda`, `dlpack` or `buffer`.
     pub(crate) fn kind(&self) -> &'static str {
         self.kind
     }
 
-    /// Hands the memory to weightsync, with everything that keeps it alive.
-    pub(crate) fn into_host_memory(self) -> HostMemory {
+    /// The CUDA device index of a tensor in GPU memory (`None`: host memory).
+    pub(crate) fn cuda(&self) -> Option<usize> {
+        self.cuda
+    }
+
+    /// Hands the memory of a CUDA tensor to weightsync, with everything that keeps it alive.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn into_device_memory(self) -> PyResult<weightsync_agent::embed::DeviceMemory> {
+        let ForeignTensor {
+            ptr,
+            len,
+            cuda,
+            keepalive,
+            ..
+        } = self;
+        let ordinal = cuda.ok_or_else(|| PyValueError::new_err("not a CUDA tensor"))?;
+        // SAFETY: `ptr..ptr+len` was checked to lie inside the tensor's CUDA storage on device
+        // `ordinal` when this value was built, and `keepalive` holds the tensor and its owner,
+        // so the storage stays allocated until the DeviceMemory (and its keepalive) is dropped.
+        // The Python layer synchronises the device before each push, so no write by torch is
+        // still in flight when a sync reads it, and the caller does not step the optimizer
+        // until the sync ended.
+        Ok(unsafe {
+            weightsync_agent::embed::DeviceMemory::from_raw(
+                ordinal,
+                ptr as u64,
+                len,
+                Box::new(keepalive),
+            )
+        })
+    }
+
+    /// Hands the memory to weightsync, with everything that keeps it alive (host memory only:
+    /// a CUDA tensor is refused).
+    pub(crate) fn into_host_memory(self) -> PyResult<HostMemory> {
+        if let Some(d) = self.cuda {
+            return Err(PyValueError::new_err(format!(
+                "a tensor on cuda:{d} where host memory is needed"
+            )));
+        }
         let ForeignTensor {
             ptr,
             len,
@@ -137,7 +180,7 @@ impl ForeignTensor {
         // tensor owning the memory and the export that pins it, so the bytes stay valid until
         // the HostMemory (and with it the keepalive) is dropped. Moves by re-assignment keep
         // the old storage alive through the same references.
-        unsafe { HostMemory::from_raw(ptr as *mut u8, len, Box::new(keepalive)) }
+        Ok(unsafe { HostMemory::from_raw(ptr as *mut u8, len, Box::new(keepalive)) })
     }
 }
 
@@ -193,7 +236,7 @@ fn torch_dtype(name: &str) -> Option<DType> {
     })
 }
 
-fn from_torch(obj: &Bound<'_, PyAny>) -> PyResult<Found> {
+fn from_torch(obj: &Bound<'_, PyAny>, access: Access) -> PyResult<Found> {
     // A DTensor: its local shard owns the memory.
     let (local, owner) = if obj.hasattr("to_local")? {
         let local = obj.call_method0("to_local")?;
@@ -201,13 +244,28 @@ fn from_torch(obj: &Bound<'_, PyAny>) -> PyResult<Found> {
     } else {
         (obj.clone(), None)
     };
-    let device: String = local.getattr("device")?.getattr("type")?.extract()?;
-    if device != "cpu" {
-        return Err(PyValueError::new_err(format!(
-            "a tensor on device {device:?}: only CPU memory is wired in yet (GPU memory comes \
-             with the GPU issue)"
-        )));
-    }
+    let device = local.getattr("device")?;
+    let device_type: String = device.getattr("type")?.extract()?;
+    let cuda =
+        match device_type.as_str() {
+            "cpu" => None,
+            "cuda" if access == Access::Read => {
+                let index: Option<usize> = device.getattr("index")?.extract()?;
+                Some(match index {
+                    Some(i) => i,
+                    None => local.call_method0("get_device")?.extract()?,
+                })
+            }
+            "cuda" => return Err(PyValueError::new_err(
+                "a CUDA tensor as a destination: an engine's tensors must be in CPU memory for \
+                 now (device destinations are not built yet); trainers may register CUDA tensors",
+            )),
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "a tensor on device {other:?}: weightsync reads CPU or CUDA memory"
+                )))
+            }
+        };
     if !local.call_method0("is_contiguous")?.extract::<bool>()? {
         return Err(PyValueError::new_err(
             "a non-contiguous tensor: weightsync registers one contiguous byte range; pass \
@@ -232,7 +290,12 @@ fn from_torch(obj: &Bound<'_, PyAny>) -> PyResult<Found> {
         len,
         dtype: DType::BF16, // settled by `Found::resolve`
         shape,
-        kind: "torch",
+        kind: if cuda.is_some() {
+            "torch-cuda"
+        } else {
+            "torch"
+        },
+        cuda,
         keepalive: Keepalive {
             _object: obj.clone().unbind(),
             _owner: owner,
@@ -436,6 +499,7 @@ fn from_dlpack(obj: &Bound<'_, PyAny>, access: Access) -> PyResult<Found> {
         dtype: DType::BF16, // settled by `Found::resolve`
         shape,
         kind: "dlpack",
+        cuda: None,
         keepalive: Keepalive {
             _object: obj.clone().unbind(),
             _owner: None,
@@ -498,6 +562,7 @@ fn from_buffer(obj: &Bound<'_, PyAny>, access: Access) -> PyResult<Found> {
         dtype: DType::BF16, // settled by `Found::resolve`
         shape,
         kind: "buffer",
+        cuda: None,
         keepalive: Keepalive {
             _object: obj.clone().unbind(),
             _owner: None,

@@ -3,8 +3,10 @@
 //! checks placements and storage moves, and calls this.
 
 use pyo3::prelude::*;
+#[cfg(feature = "cuda")]
+use weightsync_agent::embed::DeviceTensor;
 use weightsync_agent::embed::{
-    PushHandle, SourceTensor, SyncOutcome, TrainerHandle, TrainerOptions,
+    EmbedError, PushHandle, SourceTensor, SyncOutcome, TrainerHandle, TrainerOptions,
 };
 
 use crate::errors::embed_error;
@@ -73,20 +75,76 @@ impl TrainerCore {
     fn register(&self, py: Python<'_>, tensors: Vec<Entry<'_>>) -> PyResult<Vec<Registered>> {
         let worker = self.inner.worker_id().to_string();
         let named = tensor_list::read(py, &worker, tensors, Access::Read)?;
-        let mut registered = Vec::with_capacity(named.len());
-        let mut sources = Vec::with_capacity(named.len());
-        for n in named {
-            registered.push((
-                n.name.clone(),
-                n.tensor.ptr(),
-                n.tensor.len(),
-                n.tensor.kind(),
+        let registered: Vec<Registered> = named
+            .iter()
+            .map(|n| {
+                (
+                    n.name.clone(),
+                    n.tensor.ptr(),
+                    n.tensor.len(),
+                    n.tensor.kind(),
+                )
+            })
+            .collect();
+        let (on_gpu, on_host): (Vec<_>, Vec<_>) =
+            named.into_iter().partition(|n| n.tensor.cuda().is_some());
+        let refuse = |tensor: &str, reason: String| {
+            embed_error(
+                py,
+                EmbedError::Registration {
+                    worker: worker.clone(),
+                    tensor: Some(tensor.to_string()),
+                    reason,
+                },
+            )
+        };
+        if let (Some(g), Some(h)) = (on_gpu.first(), on_host.first()) {
+            return Err(refuse(
+                &g.name,
+                format!(
+                    "on cuda:{} while {} is in CPU memory: register the tensors of one device",
+                    g.tensor.cuda().unwrap_or(0),
+                    h.name
+                ),
             ));
+        }
+        if let Some(g) = on_gpu.first() {
+            #[cfg(feature = "cuda")]
+            {
+                let _ = g;
+                let mut sources = Vec::with_capacity(on_gpu.len());
+                for n in on_gpu {
+                    let (name, dtype, shape) =
+                        (n.name, n.tensor.dtype(), n.tensor.shape().to_vec());
+                    let memory = n.tensor.into_device_memory()?;
+                    sources.push(DeviceTensor {
+                        name,
+                        dtype,
+                        shape,
+                        memory,
+                    });
+                }
+                py.detach(|| self.inner.register_device(sources))
+                    .map_err(|e| embed_error(py, e))?;
+                return Ok(registered);
+            }
+            #[cfg(not(feature = "cuda"))]
+            return Err(refuse(
+                &g.name,
+                format!(
+                    "a CUDA tensor (cuda:{}): this build of weightsync has no CUDA support; \
+                     build the extension with the `cuda` feature, or register CPU tensors",
+                    g.tensor.cuda().unwrap_or(0)
+                ),
+            ));
+        }
+        let mut sources = Vec::with_capacity(on_host.len());
+        for n in on_host {
             sources.push(SourceTensor {
                 name: n.name,
                 dtype: n.tensor.dtype(),
                 shape: n.tensor.shape().to_vec(),
-                memory: n.tensor.into_host_memory(),
+                memory: n.tensor.into_host_memory()?,
             });
         }
         py.detach(|| self.inner.register(sources))

@@ -194,6 +194,71 @@ def test_registration_errors_name_the_tensor(tmp_path: Path, procs: Procs) -> No
     e2.close()
 
 
+class FakeCudaTensor:
+    """What the native module reads of a torch CUDA tensor (no GPU here): duck-typed, never
+    dereferenced, since registration refuses it before any copy."""
+
+    class _Device:
+        type = "cuda"
+        index = 0
+
+    class _Storage:
+        def __init__(self, nbytes: int) -> None:
+            self._nbytes = nbytes
+
+        def data_ptr(self) -> int:
+            return 0x7F00_0000_0000
+
+        def nbytes(self) -> int:
+            return self._nbytes
+
+    dtype = "torch.bfloat16"
+    device = _Device()
+
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        self.shape = shape
+
+    def numel(self) -> int:
+        return int(np.prod(self.shape))
+
+    def element_size(self) -> int:
+        return 2
+
+    def data_ptr(self) -> int:
+        return 0x7F00_0000_0000
+
+    def untyped_storage(self) -> FakeCudaTensor._Storage:
+        return FakeCudaTensor._Storage(self.numel() * 2)
+
+    def is_contiguous(self) -> bool:
+        return True
+
+
+def test_cuda_tensors_go_through_the_same_register_call(tmp_path: Path, procs: Procs) -> None:
+    from weightsync import _native
+
+    info = _native.tensor_info(FakeCudaTensor((4, 8)))
+    assert info[2:] == ("bf16", [4, 8], "torch-cuda"), info
+    with pytest.raises(ValueError, match="CUDA tensor as a destination"):
+        _native.tensor_info(FakeCudaTensor((4, 8)), None, True)
+    c = controller(tmp_path, procs)
+    t = weightsync.Trainer(c.control, 0, job_token=c.job_token)
+    shards = t.layout()
+    mixed = {s.name: (np.zeros(s.shape, np.uint16), "bf16") for s in shards}
+    mixed[shards[0].name] = FakeCudaTensor(tuple(shards[0].shape))
+    with pytest.raises(weightsync.RegistrationError, match="one device") as e:
+        t.register(mixed)
+    assert e.value.tensor == shards[0].name
+    on_gpu = {s.name: FakeCudaTensor(tuple(s.shape)) for s in shards}
+    with pytest.raises(weightsync.RegistrationError) as e:
+        t.register(on_gpu)
+    # A build without `cuda` says so; one with it opens the GPU and, without a driver here,
+    # names the missing driver library. Either way the tensor is named.
+    assert "no CUDA support" in str(e.value) or "libcuda" in str(e.value), e.value
+    assert e.value.tensor in on_gpu or e.value.tensor is None, e.value
+    t.close()
+
+
 def test_moved_tensor_is_refused_by_name(tmp_path: Path, procs: Procs) -> None:
     torch = pytest.importorskip("torch")
     c = controller(tmp_path, procs)

@@ -101,6 +101,7 @@ class Trainer:
         self._registered: dict[str, int] = {}
         self._origins: dict[str, Any] = {}
         self._source: Any = None
+        self._cuda_devices: set[int] = set()
 
     @property
     def worker_id(self) -> str:
@@ -122,6 +123,11 @@ class Trainer:
         it is sharded on dim 0 and that its global and local shapes are the layout's; empty
         shards (FSDP2 gives them shape ``(0, ...)``) are skipped. Returns the registered address
         of each tensor.
+
+        The tensors may be torch CUDA tensors, all on one GPU, where the extension was built with
+        the ``cuda`` feature: the sync then reads them by DMA and prepares casts and fp8 on that
+        GPU, and :meth:`push` synchronises the GPU first. A build without it refuses them by name
+        (:class:`RegistrationError`), as it refuses CPU and CUDA tensors mixed.
 
         Raises:
             LayoutMismatchError: a shape, dtype or placement differs from the layout (names the
@@ -147,6 +153,11 @@ class Trainer:
             origins[name] = obj
         registered = self._core.register(entries)
         self._registered = {name: ptr for name, ptr, _len, _kind in registered}
+        self._cuda_devices = {
+            int(getattr(obj.device, "index", None) or 0)
+            for _name, obj, _dtype in entries
+            if getattr(getattr(obj, "device", None), "type", None) == "cuda"
+        }
         self._origins = origins
         self._source = tensors if hasattr(tensors, "named_parameters") else None
         return dict(self._registered)
@@ -203,6 +214,13 @@ class Trainer:
         ends (do not step the optimizer before :meth:`PushHandle.wait` returns). The sync
         starts once every training rank pushed ``version``."""
         self.check_storage()
+        if self._cuda_devices:
+            # The optimizer's kernels may still be running on torch's streams; the sync reads
+            # the tensors on its own streams, so everything queued must have finished first.
+            import torch
+
+            for device in sorted(self._cuda_devices):
+                torch.cuda.synchronize(device)
         return PushHandle(self._core.push(version))
 
     def close(self) -> None:

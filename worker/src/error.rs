@@ -126,6 +126,16 @@ pub enum WorkerError {
     /// no piece task is left and nothing more will be posted for it.
     #[error("the sync was cancelled before it finished")]
     Cancelled,
+    /// A CUDA operation of a source or destination in device memory failed (feature `cuda`).
+    #[cfg(feature = "cuda")]
+    #[error("{context}: {source}")]
+    Gpu {
+        /// What the worker was doing.
+        context: String,
+        /// The driver's (or the kernels') error.
+        #[source]
+        source: crate::gpu::GpuError,
+    },
     /// A stage's thread died (a bug, reported rather than hidden).
     #[error("pipeline stage {stage} failed: {detail}")]
     Stage {

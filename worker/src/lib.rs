@@ -57,7 +57,9 @@ pub use prepare::{
     cast, gather_box, quantise_fp8, quantise_fp8_block_rows, Fp8Shape, PrepareError, Threads,
     FP8_AMAX_FLOOR,
 };
-pub use rollout::{Landed, Placed, Placement, RolloutWorker, Verified};
+pub use rollout::{DeviceLanding, Landed, Placed, Placement, RolloutWorker, Verified};
+#[cfg(feature = "cuda")]
+pub use source::DeviceTensor;
 pub use source::{
     arena_tensors, check_layout, shard_names, ArenaTensor, HostMemory, HostSource, PlanTensors,
     SafetensorsSource, ShmSource, SourceError, SourceMemory, SourceTensor, TensorSet,

@@ -62,6 +62,8 @@ pub use engine::{EngineHandle, EngineOptions, Hook};
 pub use trainer::{PushHandle, TrainerHandle, TrainerOptions};
 pub use weightsync_common::protocol::Stage;
 pub use weightsync_common::DType;
+#[cfg(feature = "cuda")]
+pub use weightsync_worker::{gpu::DeviceMemory, DeviceTensor};
 pub use weightsync_worker::{HostMemory, SourceTensor};
 
 /// One shard a training rank must register: the parameter, its global shape, and the rank's

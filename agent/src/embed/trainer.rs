@@ -182,6 +182,24 @@ impl TrainerHandle {
     /// Registers the rank's tensors (once): checks them against the layout (name, dtype, local
     /// shape), registers them with the fabric in place, and joins the job.
     pub fn register(&self, tensors: Vec<SourceTensor>) -> Result<(), EmbedError> {
+        self.join_with(|fabric| TensorSet::register(fabric, tensors))
+    }
+
+    /// [`register`](Self::register) for tensors in device memory, all on one GPU (feature
+    /// `cuda`): the pipeline copies them by DMA into its pinned staging and prepares casts and
+    /// fp8 on that GPU. The caller synchronises the stream that wrote them before each push.
+    #[cfg(feature = "cuda")]
+    pub fn register_device(
+        &self,
+        tensors: Vec<weightsync_worker::DeviceTensor>,
+    ) -> Result<(), EmbedError> {
+        self.join_with(|_| TensorSet::register_device(tensors))
+    }
+
+    fn join_with(
+        &self,
+        make_set: impl FnOnce(&Fabric) -> Result<TensorSet, weightsync_worker::WorkerError>,
+    ) -> Result<(), EmbedError> {
         let name = &self.reach.name;
         let rt_guard = self.rt.lock();
         let rt = rt_guard.as_ref().ok_or_else(|| EmbedError::Closed {
@@ -196,7 +214,7 @@ impl TrainerHandle {
             });
         }
         let _in_rt = rt.enter();
-        let set = TensorSet::register(&self.fabric, tensors).map_err(|e| match e {
+        let set = make_set(&self.fabric).map_err(|e| match e {
             weightsync_worker::WorkerError::Source(s) => source_error(name, s),
             other => EmbedError::Registration {
                 worker: name.clone(),

@@ -10,9 +10,10 @@
 //! [`nvrtc`]) when a kernel is first launched, and a miss is [`GpuError::NoNvrtc`]; pinned
 //! staging, copies and IPC work without it.
 //!
-//! Not yet here (issue 15, wiring the pipeline): a copy stream beside the compute stream, and
-//! per-lease events in place of cudarc's per-allocation event tracking, which would serialise
-//! pieces leased from one staging arena (review G6). Everything runs on one stream per device.
+//! The trainer pipeline uses two streams per device source (review G6): the source-to-staging
+//! copies on a copy stream, the preparation (device-to-device input copy, kernel, D2H of the
+//! result) on the device's stream; each lease's work ends with an event of its own that the
+//! stage waits on, never a whole-stream or whole-buffer wait (see [`device_source`]).
 //!
 //! # Layout
 //! - [`device`]: [`GpuDevice`] (context, stream, lazily compiled kernels) and the launches.
@@ -21,10 +22,20 @@
 //! - [`staging`]: pinned host staging and device staging with async copies of ranges.
 //! - `pending`: events of queued copies that memory must outlive.
 //! - [`source`]: [`GpuSource`], the trainer's arena in device memory, and [`IpcExport`].
+//! - [`device_source`]: [`DeviceSource`], a [`GpuSource`] as a trainer source: the pipeline's
+//!   fill (strided D2H into the pinned lease) and prepare (NVRTC kernels, then D2H) steps.
+//! - [`device_destination`]: [`DeviceDestination`], a receiver's regions as pinned bounce
+//!   buffers copied to device memory before a version counts as landed (TCP).
+//! - [`host_pin`]: [`PinnedRegion`], a fabric registration page-locked for DMA.
+//! - `dma`: the raw async copies those use.
 //! - `kernels.cu`: the CUDA source, mirroring `prepare::convert` step for step.
 //! - `check/` (tests): the device checks `worker/gpu-check.sh` runs on a GPU machine.
 
 pub mod device;
+pub mod device_destination;
+pub mod device_source;
+mod dma;
+pub mod host_pin;
 pub mod kernels;
 pub mod nvrtc;
 mod pending;
@@ -35,7 +46,12 @@ pub mod staging;
 mod check;
 
 pub use device::{DeviceInfo, E4m3Conversion, GpuDevice, SelftestReport};
-pub use source::{BorrowedDevice, GpuSource, IpcExport, IpcMapping, IPC_HANDLE_BYTES};
+pub use device_destination::DeviceDestination;
+pub use device_source::DeviceSource;
+pub use host_pin::PinnedRegion;
+pub use source::{
+    BorrowedDevice, DeviceMemory, GpuSource, IpcExport, IpcMapping, IPC_HANDLE_BYTES,
+};
 pub use staging::{DeviceStaging, PinnedStaging};
 
 use crate::prepare::PrepareError;
@@ -119,6 +135,20 @@ pub enum GpuError {
     WrongContext {
         /// Which buffer.
         what: &'static str,
+    },
+    /// Memory that must be host memory is not (e.g. a device region handed to page-locking).
+    #[error("{what} is not host memory")]
+    NotHostMemory {
+        /// Which memory.
+        what: &'static str,
+    },
+    /// The driver refused to page-lock host memory (`cuMemHostRegister`).
+    #[error("page-locking {len} bytes of host staging with the CUDA driver failed: {source}")]
+    PinHost {
+        /// Bytes.
+        len: usize,
+        /// The driver's error.
+        source: cudarc::driver::DriverError,
     },
     /// The hardware e4m3 conversion was asked for where it is not known to be exact.
     #[error("the hardware e4m3 conversion is not usable here: {0}")]

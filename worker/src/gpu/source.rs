@@ -21,7 +21,8 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{sys, CudaContext, CudaSlice, DevicePtrMut};
+use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use weightsync_common::fabric::MemoryOwner;
 
 use super::pending::PendingCopies;
 use super::{GpuDevice, GpuError};
@@ -130,6 +131,8 @@ pub struct BorrowedDevice {
     ptr: sys::CUdeviceptr,
     len: usize,
     pending: PendingCopies,
+    /// What keeps the memory alive (a Python tensor), released after Drop waited.
+    owner: Option<MemoryOwner>,
 }
 
 impl BorrowedDevice {
@@ -162,7 +165,14 @@ impl BorrowedDevice {
             ptr,
             len,
             pending: PendingCopies::default(),
+            owner: None,
         })
+    }
+
+    /// Keeps `owner` (what keeps the memory alive) until this is dropped, after its copies.
+    pub fn with_owner(mut self, owner: MemoryOwner) -> BorrowedDevice {
+        self.owner = Some(owner);
+        self
     }
 }
 
@@ -170,6 +180,66 @@ impl Drop for BorrowedDevice {
     fn drop(&mut self) {
         // Errors are ignored: a failed copy no longer reads the memory.
         let _ = self.pending.wait();
+        // Only now may the owner free the memory.
+        drop(self.owner.take());
+    }
+}
+
+/// Device memory owned by someone else in this process (a torch CUDA tensor's storage), kept
+/// alive by an owner object: what a caller hands over to register a tensor in device memory
+/// ([`crate::TensorSet::register_device`]). Nothing is checked or opened until registration.
+#[derive(Debug)]
+pub struct DeviceMemory {
+    pub(crate) ordinal: usize,
+    pub(crate) ptr: sys::CUdeviceptr,
+    pub(crate) len: usize,
+    pub(crate) owner: MemoryOwner,
+}
+
+impl DeviceMemory {
+    /// Wraps `len` bytes at device address `ptr` of GPU `ordinal`, kept alive by `owner`.
+    ///
+    /// # Safety
+    /// `ptr..ptr + len` must be device memory of GPU `ordinal`'s primary context that stays
+    /// allocated while `owner` is alive, and is not written while a sync reads it. Work that
+    /// wrote it on other streams must have completed before a sync starts (the caller
+    /// synchronises its stream first).
+    pub unsafe fn from_raw(
+        ordinal: usize,
+        ptr: sys::CUdeviceptr,
+        len: usize,
+        owner: MemoryOwner,
+    ) -> DeviceMemory {
+        DeviceMemory {
+            ordinal,
+            ptr,
+            len,
+            owner,
+        }
+    }
+
+    /// The GPU.
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    /// Bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Borrows the memory on `dev` (checked to lie in one allocation of its context).
+    pub(crate) fn borrow_on(self, dev: &GpuDevice) -> Result<GpuSource, GpuError> {
+        // SAFETY: `from_raw`'s contract: the range stays allocated while the owner lives, and
+        // the owner moves into the BorrowedDevice, released only after its Drop waited for
+        // every copy queued from the range; nobody writes it while a sync reads it.
+        let b = unsafe { BorrowedDevice::new(dev, self.ptr, self.len) }?;
+        Ok(GpuSource::Borrowed(b.with_owner(self.owner)))
     }
 }
 
@@ -263,6 +333,56 @@ impl GpuSource {
         }
         pending.record(stream)?;
         Ok(())
+    }
+}
+
+impl GpuSource {
+    /// The context the arena belongs to.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        match self {
+            GpuSource::Owned(b) => b.context(),
+            GpuSource::Ipc(m) => &m.ctx,
+            GpuSource::Borrowed(b) => &b.ctx,
+        }
+    }
+
+    /// Runs `queue` with the device address of `[offset, offset + len)` of the arena, for it to
+    /// queue reads of that range on `stream` (raw copies), and tracks them: an owned buffer
+    /// orders them after its earlier writers (cudarc's events), a mapped or borrowed arena
+    /// records an event its Drop waits for before unmapping or handing the memory back.
+    pub(crate) fn read_on<R>(
+        &self,
+        stream: &Arc<CudaStream>,
+        offset: usize,
+        len: usize,
+        queue: impl FnOnce(sys::CUdeviceptr) -> Result<R, GpuError>,
+    ) -> Result<R, GpuError> {
+        if offset.checked_add(len).is_none_or(|e| e > self.len()) {
+            return Err(GpuError::OutOfBounds {
+                what: "gpu source arena",
+                offset,
+                len,
+                have: self.len(),
+            });
+        }
+        if **self.context() != **stream.context() {
+            return Err(GpuError::WrongContext {
+                what: "gpu source arena",
+            });
+        }
+        stream.context().bind_to_thread()?;
+        let (base, pending) = match self {
+            GpuSource::Owned(b) => {
+                let (ptr, _read) = b.device_ptr(stream);
+                return queue(ptr + offset as u64);
+            }
+            GpuSource::Ipc(m) => (m.arena, &m.pending),
+            GpuSource::Borrowed(b) => (b.ptr, &b.pending),
+        };
+        let out = queue(base + offset as u64);
+        // Recorded whether or not every copy was queued: those that were must be waited for.
+        pending.record(stream)?;
+        out
     }
 }
 

@@ -23,10 +23,16 @@
 //! registered ([`RolloutWorker::with_regions`]) with a [`Placement`]; the receiver then holds its
 //! tensors in those actual coordinates, and reading, coverage and verification work on them
 //! unchanged.
+//!
+//! A destination in device memory behind a fabric that writes host memory (TCP) keeps the
+//! regions as pinned bounce buffers and copies them to the device before a version counts as
+//! landed ([`RolloutWorker::set_device_landing`], [`DeviceLanding`]).
 
+mod device_landing;
 mod early_check;
 mod placement;
 
+pub use device_landing::DeviceLanding;
 pub use placement::{Placed, Placement};
 
 use early_check::{EarlyCheck, EarlyHashes, RunKey};
@@ -109,6 +115,8 @@ pub struct RolloutWorker<F: FabricBackend> {
     runs: Mutex<Arc<Vec<RunKey>>>,
     /// The round's early check: running, or the hashes it took once `verify` stopped it.
     early: Mutex<Early>,
+    /// Where landed bytes go next when the destination is device memory.
+    device: Option<Arc<dyn DeviceLanding>>,
 }
 
 /// The state of the current round's early check.
@@ -180,6 +188,7 @@ impl<F: FabricBackend> RolloutWorker<F> {
             armed: Mutex::new(None),
             runs: Mutex::default(),
             early: Mutex::default(),
+            device: None,
         })
     }
 
@@ -236,6 +245,7 @@ impl<F: FabricBackend> RolloutWorker<F> {
             armed: Mutex::new(None),
             runs: Mutex::default(),
             early: Mutex::default(),
+            device: None,
         })
     }
 
@@ -392,7 +402,19 @@ impl<F: FabricBackend> RolloutWorker<F> {
         self.armed.lock().as_ref().map(|a| a.sync)
     }
 
-    /// Waits until every expected write of the armed sync has landed. On timeout the sync is
+    /// Copies every landed sync to device memory before it counts as landed (see
+    /// [`DeviceLanding`]); the regions stay the bounce buffers the fabric writes.
+    pub fn set_device_landing(&mut self, device: Arc<dyn DeviceLanding>) {
+        self.device = Some(device);
+    }
+
+    /// The receiver's regions, in MR order (for binding a [`DeviceLanding`] to them).
+    pub fn regions(&self) -> &[Region] {
+        &self.regions
+    }
+
+    /// Waits until every expected write of the armed sync has landed (and, with a
+    /// [`DeviceLanding`], was copied to the device). On timeout the sync is
     /// aborted (its immediates retired) and the error says which unit got how many writes.
     pub async fn await_landed(&self, timeout: Duration) -> Result<Landed> {
         let armed = self.armed.lock().take().ok_or_else(|| {
@@ -408,6 +430,18 @@ impl<F: FabricBackend> RolloutWorker<F> {
         match outcome {
             Ok(Ok(_)) => {
                 rec.record(WHOLE_SYNC, 0, Stage::Barrier, start, expected);
+                if let Some(device) = &self.device {
+                    let start = rec.now_ns();
+                    let (device, regions) = (device.clone(), self.regions.clone());
+                    let bytes: u64 = regions.iter().map(Region::len).sum();
+                    tokio::task::spawn_blocking(move || device.landed(&regions))
+                        .await
+                        .map_err(|e| WorkerError::Stage {
+                            stage: "device landing",
+                            detail: e.to_string(),
+                        })??;
+                    rec.record(WHOLE_SYNC, 0, Stage::H2d, start, bytes);
+                }
                 Ok(Landed {
                     sync,
                     writes: expected,

@@ -13,7 +13,8 @@
 //! - [`safetensors_file`]: a safetensors file whose tensors are placed at their arena offsets.
 //! - [`tensor_set`]: caller-owned tensors registered in place (an in-process trainer), read
 //!   shard by shard and written straight from where they lie when nothing needs preparing.
-//! - `crate::gpu::GpuSource` (feature `cuda`): device memory, including a CUDA IPC handle.
+//! - `crate::gpu::DeviceSource` (feature `cuda`): device memory (owned, a CUDA IPC mapping, or
+//!   borrowed), read by the pipeline through its device stages (DMA into pinned staging).
 //!
 //! [`LocalShard::offset`]: weightsync_schedules::table::LocalShard
 
@@ -25,6 +26,8 @@ pub mod tensor_set;
 pub use host::HostSource;
 pub use safetensors_file::SafetensorsSource;
 pub use shm::ShmSource;
+#[cfg(feature = "cuda")]
+pub use tensor_set::DeviceTensor;
 pub use tensor_set::{HostMemory, PlanTensors, SourceTensor, TensorSet};
 
 use std::path::PathBuf;
@@ -184,9 +187,9 @@ pub enum SourceMemory {
     Shm(ShmSource),
     /// A safetensors file, placed at the arena offsets.
     Safetensors(SafetensorsSource),
-    /// GPU memory (feature `cuda`).
+    /// GPU memory (feature `cuda`), with the device it is on.
     #[cfg(feature = "cuda")]
-    Gpu(crate::gpu::GpuSource),
+    Gpu(crate::gpu::DeviceSource),
 }
 
 impl SourceMemory {
@@ -281,15 +284,28 @@ pub fn check_layout(tensors: &[ArenaTensor], arena_len: u64) -> Result<(), Sourc
     Ok(())
 }
 
-/// Lets the trainer pipeline read any host-visible source.
+/// Lets the trainer pipeline read any source: host bytes, or a GPU arena through its device
+/// stages.
 impl crate::trainer::SourceView for SourceMemory {
     fn len(&self) -> u64 {
         SourceMemory::len(self)
     }
     fn read(&self, f: &mut dyn FnMut(&[u8])) {
-        // A GPU source has no host view; the pipeline's device path reads it instead, and an
-        // empty slice makes any host read fail its own bounds check with a clear error.
+        // A GPU source has no host view; the pipeline reads it through its device stages, and
+        // an empty slice makes any host read fail its own bounds check with a clear error.
         f(self.as_host().unwrap_or(&[]))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn device_stages(
+        &self,
+        plan: &TrainerPlan,
+        staging: &weightsync_common::fabric::Region,
+    ) -> crate::error::Result<Option<Box<dyn crate::trainer::DeviceStages>>> {
+        match self {
+            SourceMemory::Gpu(g) => crate::trainer::SourceView::device_stages(g, plan, staging),
+            _ => Ok(None),
+        }
     }
 }
 

@@ -7,6 +7,11 @@
 //! pipeline read each shard where it lies, and lets the fabric write a shard's bytes straight
 //! from it when nothing needs preparing (a same-dtype copy of a contiguous box).
 //!
+//! Tensors in device memory (feature `cuda`: a training job's CUDA parameters) register through
+//! [`TensorSet::register_device`] instead: they are not registered with the fabric (TCP cannot
+//! read device memory), and the pipeline reads them through the device stages of a
+//! [`crate::gpu::DeviceSource`] (strided DMA into pinned staging, the NVRTC kernels).
+//!
 //! [`HostMemory`] is the one entry for foreign memory: an `unsafe` constructor takes a pointer,
 //! a length and an owner that keeps the memory alive (the Python package passes the tensor
 //! object). Each tensor is registered with the fabric as [`Access::SOURCE`]; the registration
@@ -103,18 +108,48 @@ pub struct SourceTensor {
     pub memory: HostMemory,
 }
 
+/// One tensor in device memory a caller registers as a source (feature `cuda`).
+#[cfg(feature = "cuda")]
+#[derive(Debug)]
+pub struct DeviceTensor {
+    /// The parameter's name (as [`SourceTensor::name`]).
+    pub name: String,
+    /// Element type.
+    pub dtype: DType,
+    /// Local shape.
+    pub shape: Vec<u64>,
+    /// Its bytes on the GPU (`numel * dtype size`).
+    pub memory: crate::gpu::DeviceMemory,
+}
+
 #[derive(Debug)]
 struct Held {
     dtype: DType,
     shape: Vec<u64>,
-    /// `None` for an empty tensor (nothing to register).
+    /// `None` for an empty tensor (nothing to register) or one in device memory.
     region: Option<Region>,
+    /// The tensor in device memory (`None` for host memory or an empty tensor).
+    #[cfg(feature = "cuda")]
+    device: Option<Arc<crate::gpu::GpuSource>>,
+}
+
+impl Held {
+    fn holds_bytes(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        if self.device.is_some() {
+            return true;
+        }
+        self.region.is_some()
+    }
 }
 
 /// A trainer's registered tensors, by name (see the module docs).
 #[derive(Debug)]
 pub struct TensorSet {
     tensors: BTreeMap<String, Held>,
+    /// The GPU the tensors are on, when they were registered in device memory.
+    #[cfg(feature = "cuda")]
+    device: Option<Arc<crate::gpu::GpuDevice>>,
 }
 
 impl TensorSet {
@@ -146,6 +181,8 @@ impl TensorSet {
                 dtype: t.dtype,
                 shape: t.shape,
                 region,
+                #[cfg(feature = "cuda")]
+                device: None,
             };
             if held.insert(t.name.clone(), entry).is_some() {
                 return Err(
@@ -153,7 +190,71 @@ impl TensorSet {
                 );
             }
         }
-        Ok(TensorSet { tensors: held })
+        Ok(TensorSet {
+            tensors: held,
+            #[cfg(feature = "cuda")]
+            device: None,
+        })
+    }
+
+    /// Takes tensors in device memory, all on one GPU (feature `cuda`): opens that GPU (a
+    /// clean [`crate::gpu::GpuError::NoDriver`] without a driver) and checks that each tensor
+    /// lies inside one allocation of it. Refuses a duplicate name, a tensor whose byte length is
+    /// not its shape's, and tensors on several GPUs (one trainer reads one GPU).
+    #[cfg(feature = "cuda")]
+    pub fn register_device(tensors: Vec<DeviceTensor>) -> Result<Self> {
+        let ordinals: std::collections::BTreeSet<usize> =
+            tensors.iter().map(|t| t.memory.ordinal()).collect();
+        let ordinal = match ordinals.len() {
+            0 => return Err(SourceError::Layout("no tensors to register".into()).into()),
+            1 => ordinals.into_iter().next().unwrap_or(0),
+            _ => {
+                return Err(SourceError::Layout(format!(
+                    "tensors on GPUs {ordinals:?}: a trainer reads the tensors of one GPU"
+                ))
+                .into())
+            }
+        };
+        let gpu = |context: String| move |source| WorkerError::Gpu { context, source };
+        let dev = Arc::new(
+            crate::gpu::GpuDevice::open(ordinal)
+                .map_err(gpu(format!("opening GPU {ordinal} for the source tensors")))?,
+        );
+        let mut held = BTreeMap::new();
+        for t in tensors {
+            let want = t.shape.iter().product::<u64>() * t.dtype.size() as u64;
+            if t.memory.len() as u64 != want {
+                return Err(SourceError::Layout(format!(
+                    "tensor {:?} ({} {:?}) should hold {want} bytes, its memory has {}",
+                    t.name,
+                    t.dtype,
+                    t.shape,
+                    t.memory.len()
+                ))
+                .into());
+            }
+            let device = if want == 0 {
+                None
+            } else {
+                let what = format!("tensor {:?} at GPU {ordinal}", t.name);
+                Some(Arc::new(t.memory.borrow_on(&dev).map_err(gpu(what))?))
+            };
+            let entry = Held {
+                dtype: t.dtype,
+                shape: t.shape,
+                region: None,
+                device,
+            };
+            if held.insert(t.name.clone(), entry).is_some() {
+                return Err(
+                    SourceError::Layout(format!("tensor {:?} appears twice", t.name)).into(),
+                );
+            }
+        }
+        Ok(TensorSet {
+            tensors: held,
+            device: Some(dev),
+        })
     }
 
     /// Checks the tensors against the shards `expected` (a rank's layout): every non-empty
@@ -188,7 +289,7 @@ impl TensorSet {
         let extra: Vec<&str> = self
             .tensors
             .iter()
-            .filter(|(n, t)| !used.contains(n.as_str()) && t.region.is_some())
+            .filter(|(n, t)| !used.contains(n.as_str()) && t.holds_bytes())
             .map(|(n, _)| n.as_str())
             .collect();
         if !extra.is_empty() {
@@ -213,9 +314,34 @@ impl TensorSet {
                     .filter(|_| e.bytes() > 0)
             })
             .collect();
+        #[cfg(feature = "cuda")]
+        let device = match &self.device {
+            None => None,
+            Some(dev) => {
+                let shards = expected
+                    .iter()
+                    .map(|e| {
+                        self.tensors
+                            .get(&e.name)
+                            .and_then(|t| t.device.clone())
+                            .filter(|_| e.bytes() > 0)
+                    })
+                    .collect();
+                let source =
+                    crate::gpu::DeviceSource::shards(dev.clone(), shards).map_err(|source| {
+                        WorkerError::Gpu {
+                            context: "binding the source tensors to the plan".into(),
+                            source,
+                        }
+                    })?;
+                Some(source)
+            }
+        };
         Ok(PlanTensors {
             _set: self.clone(),
             shards,
+            #[cfg(feature = "cuda")]
+            device,
         })
     }
 }
@@ -224,8 +350,12 @@ impl TensorSet {
 #[derive(Debug)]
 pub struct PlanTensors {
     _set: Arc<TensorSet>,
-    /// Per shard of the plan, its tensor's registration (`None`: an empty shard).
+    /// Per shard of the plan, its tensor's registration (`None`: an empty shard, or tensors in
+    /// device memory).
     shards: Vec<Option<Region>>,
+    /// The tensors in device memory, as the plan's shards (feature `cuda`).
+    #[cfg(feature = "cuda")]
+    device: Option<crate::gpu::DeviceSource>,
 }
 
 impl SourceView for PlanTensors {
@@ -273,5 +403,17 @@ impl SourceView for PlanTensors {
 
     fn registered_shard(&self, shard: u32) -> Option<(Region, u64)> {
         self.shards.get(shard as usize)?.clone().map(|r| (r, 0))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn device_stages(
+        &self,
+        plan: &TrainerPlan,
+        staging: &Region,
+    ) -> Result<Option<Box<dyn crate::trainer::DeviceStages>>> {
+        match &self.device {
+            Some(d) => d.device_stages(plan, staging),
+            None => Ok(None),
+        }
     }
 }

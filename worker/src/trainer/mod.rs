@@ -11,11 +11,16 @@
 //! # Layout
 //! - [`piece`]: cutting tasks into watermark-sized pieces, mapping writes onto them.
 //! - [`direct`]: which tasks are written straight from registered source memory (zero copy).
-//! - [`stages`]: the H2D and prepare work of one piece.
+//! - [`stages`]: the H2D ("source to staging") and prepare work of one piece.
+//! - [`device_stages`]: the same two steps described as data, for a source in device memory
+//!   to run ([`DeviceStages`]).
 //! - [`staging`]: the registered staging arena and its leases.
 //! - [`pipeline`]: the scheduler that overlaps the stages, immediates, the barrier.
 //! - [`split_meter`]: where the sync's wall went (wire, idle, overhead: [`SyncReport::split`]).
 
+pub mod device_stages;
+#[cfg(test)]
+mod device_stages_tests;
 mod direct;
 #[cfg(test)]
 mod early_check_tests;
@@ -42,6 +47,7 @@ use crate::imm_tag::MAX_UNITS;
 use crate::prepare::Threads;
 use crate::timeline::Timeline;
 
+pub use device_stages::DeviceStages;
 use piece::{plan_pieces, TaskPiece, TaskShape};
 use staging::StagingArena;
 
@@ -101,6 +107,19 @@ pub trait SourceView: Send + Sync + std::fmt::Debug + 'static {
     fn registered_shard(&self, shard: u32) -> Option<(Region, u64)> {
         let _ = shard;
         None
+    }
+
+    /// For a source the host cannot read (device memory): its fill and prepare steps, bound
+    /// to the trainer's staging arena `staging` (e.g. registered with the driver for DMA for
+    /// as long as they live). `None` (the default): a host source, read by the host stages.
+    /// Called once, when the trainer is built; an error refuses the trainer.
+    fn device_stages(
+        &self,
+        plan: &TrainerPlan,
+        staging: &Region,
+    ) -> Result<Option<Box<dyn DeviceStages>>> {
+        let _ = (plan, staging);
+        Ok(None)
     }
 }
 
@@ -266,6 +285,9 @@ pub(crate) struct TrainerState {
     pub plan: TrainerPlan,
     pub shapes: Vec<TaskShape>,
     pub pieces: Vec<Vec<TaskPiece>>,
+    /// The source's own fill and prepare steps (a source in device memory), bound to
+    /// `staging`; `None` for host sources.
+    pub device: Option<Box<dyn DeviceStages>>,
     pub staging: StagingArena,
     pub gather: Option<Region>,
     pub source: Arc<dyn SourceView>,
@@ -320,6 +342,7 @@ impl<F: FabricBackend> TrainerWorker<F> {
             config.watermark_bytes,
         )?;
         let staging = StagingArena::new(&fabric, config.watermark_bytes)?;
+        let device = source.device_stages(&plan, staging.region())?;
         let gather = if plan.gather_arena_bytes > 0 {
             Some(
                 fabric
@@ -346,6 +369,7 @@ impl<F: FabricBackend> TrainerWorker<F> {
                 plan,
                 shapes,
                 pieces,
+                device,
                 staging,
                 gather,
                 source,

@@ -1,5 +1,10 @@
 //! The scheduler of one sync: pieces flow through H2D -> prepare -> WRITE, stages overlapping.
 //!
+//! One scheduler for every source: "H2D" is the source-to-staging stage, a host gather for host
+//! memory and DMA into the pinned lease for device memory (the source's
+//! [`DeviceStages`](super::DeviceStages), called by [`super::stages`]); nothing here depends on
+//! where the source lives.
+//!
 //! Each piece is a small async job: it takes the H2D stage (one piece at a time: the copy
 //! engine), then the prepare stage (one piece at a time, the kernel itself using every rayon
 //! thread), then posts its writes, which run concurrently with everything else (the fabric's
@@ -390,7 +395,7 @@ async fn in_staging<F, W>(
 ) -> Result<Option<(Lease, u64)>>
 where
     F: FabricBackend,
-    W: FnOnce(&SyncRun<F>, &mut [u8]) -> Result<()> + Send + 'static,
+    W: FnOnce(&SyncRun<F>, u64, &mut [u8]) -> Result<()> + Send + 'static,
 {
     let _stage = stage.lock().await;
     if run.failed() {
@@ -401,11 +406,12 @@ where
     let _work = run.meter.begin(Activity::Work, 1);
     let (lease, res) = tokio::task::spawn_blocking(move || {
         let mut lease = lease;
+        let offset = lease.offset();
         let res = job
             .state
             .staging
             .bytes_mut(&mut lease)
-            .and_then(|buf| work(&job, buf));
+            .and_then(|buf| work(&job, offset, buf));
         (lease, res)
     })
     .await
@@ -421,7 +427,7 @@ async fn piece_h2d<F: FabricBackend>(
     p: usize,
     lease: Lease,
 ) -> Result<Option<Lease>> {
-    let staged = in_staging(run, &run.h2d, "h2d", lease, move |job, buf| {
+    let staged = in_staging(run, &run.h2d, "h2d", lease, move |job, _, buf| {
         let st = &job.state;
         let piece = &st.pieces[t as usize][p];
         stage_input(
@@ -429,6 +435,7 @@ async fn piece_h2d<F: FabricBackend>(
             &st.shapes[t as usize],
             piece,
             st.source.as_ref(),
+            st.device.as_deref(),
             st.gather.as_ref(),
             &mut buf[..piece.layout.input as usize],
         )
@@ -451,31 +458,39 @@ async fn piece_prepare<F: FabricBackend>(
     p: usize,
     lease: Lease,
 ) -> Result<Option<Lease>> {
-    let prepared = in_staging(run, &run.prepare, "prepare", lease, move |job, buf| {
-        let st = &job.state;
-        let piece = &st.pieces[t as usize][p];
-        let shape = &st.shapes[t as usize];
-        match st.in_place[t as usize] {
-            Some(box_at) => {
-                prepare_from_source(
-                    &st.plan,
-                    shape,
-                    piece,
-                    st.source.as_ref(),
-                    box_at,
-                    buf,
-                    st.config.threads(),
-                )?;
-                job.staged_bytes
-                    .fetch_add(piece.layout.input, Ordering::Relaxed);
+    let prepared = in_staging(
+        run,
+        &run.prepare,
+        "prepare",
+        lease,
+        move |job, offset, buf| {
+            let st = &job.state;
+            let piece = &st.pieces[t as usize][p];
+            let shape = &st.shapes[t as usize];
+            match st.in_place[t as usize] {
+                Some(box_at) => {
+                    prepare_from_source(
+                        &st.plan,
+                        shape,
+                        piece,
+                        st.source.as_ref(),
+                        st.device.as_deref(),
+                        box_at,
+                        offset,
+                        buf,
+                        st.config.threads(),
+                    )?;
+                    job.staged_bytes
+                        .fetch_add(piece.layout.input, Ordering::Relaxed);
+                }
+                None => prepare_piece(&st.plan, shape, piece, buf, st.config.threads())?,
             }
-            None => prepare_piece(&st.plan, shape, piece, buf, st.config.threads())?,
-        }
-        if st.config.verify {
-            job.checksums.lock().extend(run_checksums(st, piece, buf));
-        }
-        Ok(())
-    })
+            if st.config.verify {
+                job.checksums.lock().extend(run_checksums(st, piece, buf));
+            }
+            Ok(())
+        },
+    )
     .await?;
     let Some((lease, start)) = prepared else {
         return Ok(None);

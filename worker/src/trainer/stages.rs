@@ -1,14 +1,21 @@
-//! The work of the H2D and prepare stages for one piece (run on blocking threads).
+//! The work of the "source to staging" (H2D) and prepare stages for one piece (run on blocking
+//! threads), whatever the source is.
 //!
-//! H2D copies the piece's part of the source box into the lease's input range, dense and
-//! row-major (a strided gather out of the shard: in CPU builds this is the host-side stand-in for
-//! the pinned-memory-to-device copy). Prepare turns that input into the piece's exact prepared
-//! bytes with the kernels of [`crate::prepare`]: nothing for Copy (the staged input is already the
-//! output), a cast, or fp8 block quantisation per matrix and block strip.
+//! Source to staging copies the piece's part of the source box into the lease's input range,
+//! dense and row-major: the host gathers it out of a host shard; a source in device memory
+//! copies the same rows ([`strided_copies`]) by DMA into the pinned lease
+//! ([`DeviceStages::fill`]). Prepare turns that input into the piece's exact prepared bytes as
+//! one [`PrepareJob`]: nothing for Copy (the staged input is already the output), a cast, or fp8
+//! block quantisation per matrix and block strip, run with the CPU kernels of
+//! [`crate::prepare`], or, for a piece read in place from device memory, by the source's
+//! [`DeviceStages::prepare`] (the NVRTC kernels, then D2H into the lease).
 
 use weightsync_common::fabric::Region;
 use weightsync_schedules::table::{Source, Task, TensorBox, TrainerPlan, Transform, FP8_BLOCK};
 
+use super::device_stages::{
+    strided_copies, DeviceStages, Fp8Strips, PrepareJob, PrepareKind, StridedCopy,
+};
 use super::piece::{param_name, Grain, TaskPiece, TaskShape};
 use super::SourceView;
 use crate::error::{Result, WorkerError};
@@ -55,12 +62,14 @@ fn prepare_err(
     }
 }
 
-/// H2D: fills `input` (exactly `piece.layout.input` bytes) from the source or the gather arena.
+/// H2D: fills `input` (exactly `piece.layout.input` bytes) from the source (through `device`
+/// when the source is device memory) or the gather arena.
 pub(crate) fn stage_input(
     plan: &TrainerPlan,
     shape: &TaskShape,
     piece: &TaskPiece,
     source: &dyn SourceView,
+    device: Option<&dyn DeviceStages>,
     gather: Option<&Region>,
     input: &mut [u8],
 ) -> Result<()> {
@@ -78,7 +87,9 @@ pub(crate) fn stage_input(
                 .read_at(at, input)
                 .map_err(|e| WorkerError::fabric(format!("task {t}: reading the gather arena"), e))
         }
-        Source::Shard { shard } => stage_from_shard(plan, shape, piece, shard, source, input),
+        Source::Shard { shard } => {
+            stage_from_shard(plan, shape, piece, shard, source, device, input)
+        }
     }
 }
 
@@ -149,13 +160,15 @@ fn piece_copies(
     }
 }
 
-/// H2D from one of the trainer's own shards: the piece's boxes gathered out of the shard.
+/// H2D from one of the trainer's own shards: the piece's boxes gathered out of the shard by
+/// the host, or copied as strided rows by the source's device stages.
 fn stage_from_shard(
     plan: &TrainerPlan,
     shape: &TaskShape,
     piece: &TaskPiece,
     shard: u32,
     source: &dyn SourceView,
+    device: Option<&dyn DeviceStages>,
     input: &mut [u8],
 ) -> Result<()> {
     let t = piece.task;
@@ -173,6 +186,21 @@ fn stage_from_shard(
         .map(|&d| d as usize)
         .collect();
     let copies = piece_copies(shape, piece, &sub, input.len());
+    if let Some(device) = device {
+        let rows: Vec<StridedCopy> = copies
+            .iter()
+            .flat_map(|c| {
+                strided_copies(
+                    &dims,
+                    shape.in_size as usize,
+                    &c.start,
+                    &c.extent,
+                    c.out.start as u64,
+                )
+            })
+            .collect();
+        return device.fill(plan, shard, &rows, input);
+    }
     source.read_shard(plan, shard, &mut |tensor: &[u8]| {
         if tensor.len() as u64 != s.bytes() {
             return Err(WorkerError::SourceTooShort {
@@ -205,20 +233,26 @@ pub(crate) fn prepare_piece(
     buf: &mut [u8],
     threads: Threads,
 ) -> Result<()> {
-    let (input, out) = buf.split_at_mut(piece.layout.values_at as usize);
-    prepare_into(plan, shape, piece, input, out, threads)
+    let values_at = piece.layout.values_at;
+    let job = prepare_job(plan, shape, piece)?;
+    let (input, out) = buf.split_at_mut(values_at as usize);
+    run_job(plan, piece.task, &job, input, out, values_at, threads)
 }
 
 /// Prepare reading the source in place: the piece's input is the range of shard `shard` that
 /// starts `box_at` bytes into it (the task's contiguous box, see
 /// [`super::direct::in_place_source`]) and the piece's units further; the prepared bytes go to
-/// `buf`, the whole lease, as [`prepare_piece`] puts them (its input range is left untouched).
+/// `buf`, the whole lease (at `lease_offset` of the staging arena), as [`prepare_piece`] puts
+/// them (its input range is left untouched). A device source runs the same job on the device.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn prepare_from_source(
     plan: &TrainerPlan,
     shape: &TaskShape,
     piece: &TaskPiece,
     source: &dyn SourceView,
+    device: Option<&dyn DeviceStages>,
     box_at: u64,
+    lease_offset: u64,
     buf: &mut [u8],
     threads: Threads,
 ) -> Result<()> {
@@ -230,7 +264,12 @@ pub(crate) fn prepare_from_source(
     };
     let lo = (box_at + shape.grain.elems_before(piece.u0) * shape.in_size) as usize;
     let len = piece.layout.input as usize;
-    let out = &mut buf[piece.layout.values_at as usize..];
+    let job = prepare_job(plan, shape, piece)?;
+    if let Some(device) = device {
+        return device.prepare(plan, shard, lo as u64, &job, lease_offset, buf);
+    }
+    let values_at = piece.layout.values_at;
+    let out = &mut buf[values_at as usize..];
     source.read_shard(plan, shard, &mut |bytes: &[u8]| {
         let input = bytes
             .get(lo..lo + len)
@@ -239,58 +278,102 @@ pub(crate) fn prepare_from_source(
                 need: (lo + len) as u64,
                 have: bytes.len() as u64,
             })?;
-        prepare_into(plan, shape, piece, input, out, threads)
+        run_job(plan, t, &job, input, out, values_at, threads)
     })
 }
 
-/// Prepares the piece's `input` (at least `layout.input` bytes, dense) into `out`, the lease
-/// from `layout.values_at` on.
-fn prepare_into(
+/// What preparing `piece` computes: its transform, and where each part of its output goes in
+/// its lease (the one description the host and a device both run).
+pub(crate) fn prepare_job(
     plan: &TrainerPlan,
     shape: &TaskShape,
     piece: &TaskPiece,
-    input: &[u8],
-    out: &mut [u8],
-    threads: Threads,
-) -> Result<()> {
+) -> Result<PrepareJob> {
     let t = piece.task;
     let task = &plan.tasks[t as usize];
     let lay = piece.layout;
-    let err = |e| prepare_err(plan, t, task, e);
-    match task.transform {
-        Transform::Copy { .. } => Ok(()),
-        Transform::Cast { from, to } => {
-            let values = &mut out[..lay.values as usize];
-            cast(&input[..lay.input as usize], from, values, to, threads).map_err(err)
-        }
+    let kind = match task.transform {
+        Transform::Copy { .. } => PrepareKind::Copy,
+        Transform::Cast { from, to } => PrepareKind::Cast {
+            from,
+            to,
+            values: lay.values_at..lay.values_at + lay.values,
+        },
         Transform::Fp8Block { from, .. } => {
             let Grain::Strips { rows, cols, .. } = shape.grain else {
                 return Err(WorkerError::InvalidPlan(format!(
                     "task {t}: fp8 without block strips"
                 )));
             };
-            let (values, rest) = out.split_at_mut((lay.scales_at - lay.values_at) as usize);
-            let scales = &mut rest[..lay.scales as usize];
-            let fshape = Fp8Shape {
-                rows: rows as usize,
-                cols: cols as usize,
-            };
             let e0 = shape.grain.elems_before(piece.u0);
             let s0 = shape.grain.scales_before(piece.u0);
-            for (_, ja, jb, first) in matrices(&shape.grain, piece.u0, piece.u1) {
-                let last = first + (jb - ja);
-                let ea = (shape.grain.elems_before(first) - e0) as usize;
-                let eb = (shape.grain.elems_before(last) - e0) as usize;
-                let sa = ((shape.grain.scales_before(first) - s0) * 4) as usize;
-                let sb = ((shape.grain.scales_before(last) - s0) * 4) as usize;
-                let in_size = shape.in_size as usize;
+            let strips = matrices(&shape.grain, piece.u0, piece.u1)
+                .into_iter()
+                .map(|(_, ja, jb, first)| {
+                    let last = first + (jb - ja);
+                    let ea = shape.grain.elems_before(first) - e0;
+                    let eb = shape.grain.elems_before(last) - e0;
+                    let sa = (shape.grain.scales_before(first) - s0) * 4;
+                    let sb = (shape.grain.scales_before(last) - s0) * 4;
+                    Fp8Strips {
+                        matrix_rows: rows,
+                        blocks: ja..jb,
+                        input: ea * shape.in_size..eb * shape.in_size,
+                        values: lay.values_at + ea..lay.values_at + eb,
+                        scales: lay.scales_at + sa..lay.scales_at + sb,
+                    }
+                })
+                .collect();
+            PrepareKind::Fp8 { from, cols, strips }
+        }
+    };
+    Ok(PrepareJob {
+        input: lay.input,
+        kind,
+    })
+}
+
+/// Runs `job` of task `t` on the host: reads `input` (at least `job.input` bytes, dense) and
+/// writes `out`, the lease from byte `out_at` on.
+fn run_job(
+    plan: &TrainerPlan,
+    t: u32,
+    job: &PrepareJob,
+    input: &[u8],
+    out: &mut [u8],
+    out_at: u64,
+    threads: Threads,
+) -> Result<()> {
+    let task = &plan.tasks[t as usize];
+    let err = |e| prepare_err(plan, t, task, e);
+    let at = |r: &std::ops::Range<u64>| (r.start - out_at) as usize..(r.end - out_at) as usize;
+    match &job.kind {
+        PrepareKind::Copy => Ok(()),
+        PrepareKind::Cast { from, to, values } => cast(
+            &input[..job.input as usize],
+            *from,
+            &mut out[at(values)],
+            *to,
+            threads,
+        )
+        .map_err(err),
+        PrepareKind::Fp8 { from, cols, strips } => {
+            for s in strips {
+                let fshape = Fp8Shape {
+                    rows: s.matrix_rows as usize,
+                    cols: *cols as usize,
+                };
+                // Values and scales are disjoint ranges of `out`, values first.
+                let (values, rest) = out.split_at_mut(at(&s.values).end);
+                let scales_at = at(&s.scales);
+                let shift = values.len();
                 quantise_fp8_block_rows(
-                    &input[ea * in_size..eb * in_size],
-                    from,
+                    &input[s.input.start as usize..s.input.end as usize],
+                    *from,
                     fshape,
-                    ja as usize..jb as usize,
-                    &mut values[ea..eb],
-                    &mut scales[sa..sb],
+                    s.blocks.start as usize..s.blocks.end as usize,
+                    &mut values[at(&s.values)],
+                    &mut rest[scales_at.start - shift..scales_at.end - shift],
                     threads,
                 )
                 .map_err(err)?;

@@ -23,7 +23,7 @@ const B_COLS: u32 = 64;
 
 /// Trainer 0 holds `w` [300, 256] bf16 (fp8 on the rollout) and `b` [100, 64] f32 (bf16 on the
 /// rollout); rollout 0 holds `w`, `w_scale_inv` and `b` in one MR.
-fn plans() -> (TrainerPlan, RolloutPlan) {
+pub(super) fn plans() -> (TrainerPlan, RolloutPlan) {
     let w_shape = Shape::new(&[W_ROWS, W_COLS]);
     let b_shape = Shape::new(&[B_ROWS, B_COLS]);
     let w_bytes = w_shape.numel() * 2;
@@ -487,7 +487,7 @@ async fn bad_input_is_refused_before_anything_is_written() {
 /// the first 128-row fp8 block straddles them. Trainer 0 owns that block: both trainers first copy
 /// their rows of it into trainer 0's gather arena, and trainer 0 quantises it from there after
 /// its gather count arrived; trainer 1 quantises the second block from its own shard.
-fn gather_plans() -> (TrainerPlan, TrainerPlan, RolloutPlan) {
+pub(super) fn gather_plans() -> (TrainerPlan, TrainerPlan, RolloutPlan) {
     let full = Shape::new(&[256, 256]);
     let row = 256 * 2u64; // bf16 bytes per row
     let param = vec![ParamRef {
@@ -749,7 +749,7 @@ async fn a_refused_write_fails_the_sync_naming_the_task() {
 }
 
 /// Trainer 0 copies rows 4..12 of its [16, 8] bf16 `w` to rollout 0's `w` [8, 8].
-fn one_copy_plans() -> (TrainerPlan, RolloutPlan) {
+pub(super) fn one_copy_plans() -> (TrainerPlan, RolloutPlan) {
     let shape = Shape::new(&[16, 8]);
     let region = TensorBox::new(&[4, 0], &[8, 8]);
     let len = region.numel() * 2;

@@ -12,12 +12,16 @@
 //!   (`ratio_vs_d2d`, target 0.7), timed with CUDA events over back-to-back launches.
 //! - [`memory`]: pinned staging round trips, source copies (owned, borrowed), and an IPC
 //!   mapping of another process's memory.
+//! - [`sync`]: whole syncs from a source in device memory through the pipeline over TCP
+//!   loopback, every byte verified (`device_sync`), and the pipeline's overlap speedup with real
+//!   DMA, kernel and network stages (`device_overlap`).
 //! - [`host`] (no GPU; needs a C++20 compiler): `kernels.cu` run on the CPU under an emulation of
 //!   the CUDA built-ins, against the CPU kernels.
 
 mod exact;
 mod host;
 mod memory;
+mod sync;
 mod throughput;
 
 use rand::{Rng, SeedableRng};
