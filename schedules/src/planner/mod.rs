@@ -37,6 +37,7 @@ mod emit;
 mod grid;
 mod place;
 mod regions;
+mod shapes;
 mod targets;
 mod validate;
 
