@@ -127,6 +127,11 @@ impl Planner<'_> {
             self.emit_group(&mut out, g, &by_group[g0..gi], gathers, &mut gather_offs);
         }
         out.targets.flush(&mut out.rollout_writes);
+        // The shapes are only needed while tasks are added: freed before the table is finished.
+        out.shapes = ShapeMemo::default();
+        for b in &mut out.builders {
+            b.known = KnownShapes::default();
+        }
         let (rollout_layouts, rollouts) = self.rollout_entries(&out.rollout_writes);
         let trainers = trainer_parts(out.builders)?;
         progress(2 * np as u64, 2 * np as u64);
