@@ -73,11 +73,17 @@ impl Emission {
         }
     }
 
-    /// Closes mesh group `id` on every trainer: its group record; packs its tasks.
+    /// Closes mesh group `id` on every trainer: its group record; packs its tasks. A trainer
+    /// with no task in the group (another pipeline stage's) forgets its shapes: at 16 stages
+    /// most trainers are idle in most groups, and what it forgets it finds again by content
+    /// (the same patterns) should it get tasks later.
     fn close_group(&mut self, id: u16) {
         for (r, b) in self.builders.iter_mut().enumerate() {
             let end = b.routes.num_tasks;
             let [s0, s1, s2] = self.starts[r];
+            if end == s0 {
+                b.known = KnownShapes::default();
+            }
             b.groups.push([
                 id as u64,
                 end - s0,
