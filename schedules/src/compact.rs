@@ -309,7 +309,8 @@ impl RoutesBuilder {
 
     /// Adds a task: its region, source, transform, writes (in order) and copies (`from`,
     /// `num`, first rank, stride, count; each repeating writes of one rank). Copies repeating
-    /// nothing are left out (they stand for no write).
+    /// nothing are left out (they stand for no write). Returns the id of the task's pattern,
+    /// which [`RoutesBuilder::push_known`] takes for further tasks of the same shape.
     pub(crate) fn push_task(
         &mut self,
         param: u32,
@@ -318,7 +319,7 @@ impl RoutesBuilder {
         transform: Transform,
         writes: &[TaskWrite],
         copies: &[(u32, u32, u32, u32, u32)],
-    ) {
+    ) -> u32 {
         let (gather, src) = match source {
             Source::Shard { shard } => (false, shard as u64),
             Source::Gather { offset } => (true, offset),
@@ -396,6 +397,29 @@ impl RoutesBuilder {
         self.tasks.push([id as u64, param as u64, src]);
         self.bases
             .extend(writes.iter().map(|w| [w.rank as u64, w.dst_offset]));
+        self.num_tasks += 1;
+        id
+    }
+
+    /// Adds a task of pattern `id`, which [`RoutesBuilder::push_task`] returned for a task of
+    /// the same region, transform, writes (but for their ranks and destination offsets) and
+    /// copies: `source` is the shard index or gather offset, `bases` the `(rank, dst_offset)`
+    /// of each of the pattern's writes, in order.
+    pub(crate) fn push_known(
+        &mut self,
+        id: u32,
+        param: u32,
+        source: u64,
+        bases: impl Iterator<Item = [u64; BASE_FIELDS]>,
+    ) {
+        debug_assert!((id as usize) < self.routes.patterns.len());
+        self.tasks.push([id as u64, param as u64, source]);
+        let before = self.bases.len();
+        self.bases.extend(bases);
+        debug_assert_eq!(
+            self.bases.len() - before,
+            self.routes.patterns[id as usize].num_writes as usize
+        );
         self.num_tasks += 1;
     }
 

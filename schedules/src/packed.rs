@@ -156,9 +156,18 @@ impl Packed {
 
 /// The longest run starting at record `i`: `(period, repetitions)`, the shortest period on ties;
 /// repetitions below [`MIN_REPEATS`] when there is none worth storing.
+///
+/// Periods are tried in increasing order, and a period's run is not walked again where a
+/// divisor's run already covers it: records that repeat with period `d` for `c` repetitions
+/// also repeat with period `m * d` for `c / m` repetitions, so the walk for `m * d` starts
+/// there (the experts of a layer repeat with period 3 for 48 repetitions, and periods 6, 9 and
+/// 12 would walk the same records again). The result is the same as walking every period from
+/// its start.
 fn best_run<const W: usize>(records: &[[u64; W]], i: usize) -> (usize, usize) {
     let n = records.len();
     let mut best = (1, 1);
+    // Per period tried: the records its run covers from `i` (0: not a run).
+    let mut covered = [0usize; MAX_PERIOD + 1];
     for p in 1..=MAX_PERIOD.min((n - i) / MIN_REPEATS) {
         // Three terms of a progression in the first record, before checking the whole period.
         let (a, b, c) = (&records[i], &records[i + p], &records[i + 2 * p]);
@@ -176,10 +185,16 @@ fn best_run<const W: usize>(records: &[[u64; W]], i: usize) -> (usize, usize) {
                 (0..W).all(|f| z[f].wrapping_sub(w[f]) == y[f].wrapping_sub(x[f]))
             })
         };
-        let mut count = 2;
+        let known = (1..p)
+            .filter(|d| p.is_multiple_of(*d))
+            .map(|d| covered[d] / p)
+            .max()
+            .unwrap_or(0);
+        let mut count = known.max(2);
         while i + (count + 1) * p <= n && steps_hold(count) {
             count += 1;
         }
+        covered[p] = count * p;
         if count >= MIN_REPEATS && count * p > best.0 * best.1 {
             best = (p, count);
         }
@@ -299,6 +314,79 @@ mod tests {
         q.push(&[[4, 4]]);
         assert_eq!(q.runs.last().unwrap().period, 3);
         assert_eq!(q.len(), 16);
+    }
+
+    /// [`best_run`] as it was before it reused divisors' runs: every period walked from its
+    /// start.
+    fn best_run_walking_every_period<const W: usize>(
+        records: &[[u64; W]],
+        i: usize,
+    ) -> (usize, usize) {
+        let n = records.len();
+        let mut best = (1, 1);
+        for p in 1..=MAX_PERIOD.min((n - i) / MIN_REPEATS) {
+            let (a, b, c) = (&records[i], &records[i + p], &records[i + 2 * p]);
+            if (0..W).any(|f| c[f].wrapping_sub(b[f]) != b[f].wrapping_sub(a[f])) {
+                continue;
+            }
+            let mut count = 2;
+            while i + (count + 1) * p <= n
+                && (0..p).all(|j| {
+                    (0..W).all(|f| {
+                        records[i + count * p + j][f]
+                            .wrapping_sub(records[i + (count - 1) * p + j][f])
+                            == records[i + p + j][f].wrapping_sub(records[i + j][f])
+                    })
+                })
+            {
+                count += 1;
+            }
+            if count >= MIN_REPEATS && count * p > best.0 * best.1 {
+                best = (p, count);
+            }
+        }
+        best
+    }
+
+    #[test]
+    fn runs_found_by_reusing_divisors_are_the_runs_found_by_walking() {
+        // Pieces of progressions of periods 1 to 12 (some repeated past a multiple, some cut
+        // short, some with a broken record), with literal records between them.
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        for _ in 0..200 {
+            let mut recs: Vec<[u64; 2]> = Vec::new();
+            while recs.len() < 300 {
+                let p = (next() % 12 + 1) as usize;
+                let reps = (next() % 30) as usize;
+                let first: Vec<[u64; 2]> = (0..p).map(|_| [next() % 5, next() % 1000]).collect();
+                let step: Vec<[u64; 2]> = (0..p).map(|_| [next() % 3, next() % 7]).collect();
+                for r in 0..reps as u64 {
+                    for j in 0..p {
+                        recs.push([
+                            first[j][0].wrapping_add(r.wrapping_mul(step[j][0])),
+                            first[j][1].wrapping_add(r.wrapping_mul(step[j][1])),
+                        ]);
+                    }
+                }
+                if next() % 4 == 0 {
+                    recs.push([next() % 5, next() % 5]);
+                }
+            }
+            for i in 0..recs.len() {
+                assert_eq!(
+                    best_run(&recs, i),
+                    best_run_walking_every_period(&recs, i),
+                    "at record {i}"
+                );
+            }
+            round_trip(&recs);
+        }
     }
 
     #[test]

@@ -10,7 +10,8 @@
 use weightsync_common::DType;
 
 use super::place::{dst_box, scale_box};
-use super::targets::TargetPlan;
+use super::shapes::{Cursor, GatherKey, KnownShapes, ShapeMemo, ShapeWrite};
+use super::targets::{ListedDst, TargetPlan};
 use super::{Assign, Planner, RegionBox};
 use crate::compact::{RoutesBuilder, TaskWrite};
 use crate::error::PlanError;
@@ -33,6 +34,8 @@ struct TrainerBuilder {
     /// Its mesh groups so far (see [`CompactTrainer::groups`]).
     groups: Vec<[u64; GROUP_FIELDS]>,
     routes: RoutesBuilder,
+    /// Its pattern of each shape it has sent a task of.
+    known: KnownShapes,
     /// Gather writes into this trainer in the current group.
     gather_expect: u32,
 }
@@ -46,8 +49,15 @@ struct Emission {
     shard_param: Vec<u32>,
     /// Writes each rollout rank receives per sync.
     rollout_writes: Vec<u64>,
-    /// The target plan of the dgroup last emitted (tasks of a dgroup come together).
+    /// The target plan of the dgroup last emitted (tasks of a dgroup come together), and its
+    /// class in `shapes`.
     targets: TargetPlan,
+    class: u32,
+    /// The task shapes met so far, with their writes, and where the next task's and the next
+    /// gather send's shapes are guessed to be.
+    shapes: ShapeMemo,
+    task_cursor: Cursor,
+    gather_cursor: Cursor,
     /// Per trainer, where the current mesh group's three classes of tasks start.
     starts: Vec<[u64; 3]>,
     /// The current task's writes and copies (scratch).
@@ -63,11 +73,17 @@ impl Emission {
         }
     }
 
-    /// Closes mesh group `id` on every trainer: its group record; packs its tasks.
+    /// Closes mesh group `id` on every trainer: its group record; packs its tasks. A trainer
+    /// with no task in the group (another pipeline stage's) forgets its shapes: at 16 stages
+    /// most trainers are idle in most groups, and what it forgets it finds again by content
+    /// (the same patterns) should it get tasks later.
     fn close_group(&mut self, id: u16) {
         for (r, b) in self.builders.iter_mut().enumerate() {
             let end = b.routes.num_tasks;
             let [s0, s1, s2] = self.starts[r];
+            if end == s0 {
+                b.known = KnownShapes::default();
+            }
             b.groups.push([
                 id as u64,
                 end - s0,
@@ -117,6 +133,11 @@ impl Planner<'_> {
             self.emit_group(&mut out, g, &by_group[g0..gi], gathers, &mut gather_offs);
         }
         out.targets.flush(&mut out.rollout_writes);
+        // The shapes are only needed while tasks are added: freed before the table is finished.
+        out.shapes = ShapeMemo::default();
+        for b in &mut out.builders {
+            b.known = KnownShapes::default();
+        }
         let (rollout_layouts, rollouts) = self.rollout_entries(&out.rollout_writes);
         let trainers = trainer_parts(out.builders)?;
         progress(2 * np as u64, 2 * np as u64);
@@ -163,6 +184,10 @@ impl Planner<'_> {
             shard_param,
             rollout_writes: vec![0u64; self.infer.ranks.len()],
             targets: TargetPlan::none(),
+            class: 0,
+            shapes: ShapeMemo::default(),
+            task_cursor: Cursor::default(),
+            gather_cursor: Cursor::default(),
             writes: Vec::new(),
             copies: Vec::new(),
         }
@@ -211,6 +236,7 @@ impl Planner<'_> {
                     gather_arena_bytes: 0,
                     groups: Vec::with_capacity(self.model.num_mesh_groups() as usize),
                     routes: RoutesBuilder::new(&local),
+                    known: KnownShapes::default(),
                     gather_expect: 0,
                 }
             })
@@ -295,31 +321,52 @@ impl Planner<'_> {
         let mut received = 0;
         for &(part, s) in parts {
             let sh = self.shard(s);
-            let rel = part.relative_to(&reg.bx);
-            let writes = &mut out.writes;
-            writes.clear();
-            for_each_run(&rel, &shape, elem, |so, d, len| {
-                push_split(
-                    writes,
-                    true,
-                    owner.rank,
-                    TRAINER_GATHER_MR,
-                    so,
-                    goff + d,
-                    len,
-                );
-            });
-            received += writes.len() as u32;
-            out.builders[sh.rank as usize].routes.push_task(
-                out.shard_param[s as usize],
+            let key = GatherKey {
                 part,
-                Source::Shard {
-                    shard: out.shard_local[s as usize],
-                },
-                Transform::Copy { dtype: sh.dtype },
-                writes,
-                &[],
-            );
+                region: reg.bx,
+                owner: owner.dtype,
+                sender: sh.dtype,
+            };
+            let id = out
+                .shapes
+                .gather_shape(key, &mut out.gather_cursor, |writes, _| {
+                    let rel = part.relative_to(&reg.bx);
+                    for_each_run(&rel, &shape, elem, |so, d, len| {
+                        push_split(writes, 0, false, TRAINER_GATHER_MR, so, d, len);
+                    });
+                });
+            let ws = out.shapes.writes(id);
+            received += ws.len() as u32;
+            let shard = out.shard_local[s as usize];
+            let param = out.shard_param[s as usize];
+            let b = &mut out.builders[sh.rank as usize];
+            let base = |w: &ShapeWrite| [owner.rank as u64, goff + w.dst];
+            match b.known.get(&id) {
+                Some(&pattern) => {
+                    b.routes
+                        .push_known(pattern, param, shard as u64, ws.iter().map(base))
+                }
+                None => {
+                    out.writes.clear();
+                    out.writes.extend(ws.iter().map(|w| TaskWrite {
+                        to_trainer: true,
+                        rank: owner.rank,
+                        mr: w.mr,
+                        len: w.len,
+                        src_offset: w.src_offset,
+                        dst_offset: goff + w.dst,
+                    }));
+                    let pattern = b.routes.push_task(
+                        param,
+                        part,
+                        Source::Shard { shard },
+                        Transform::Copy { dtype: sh.dtype },
+                        &out.writes,
+                        &[],
+                    );
+                    b.known.insert(id, pattern);
+                }
+            }
         }
         debug_assert!(g < self.model.num_mesh_groups());
         out.builders[owner.rank as usize].gather_expect += received;
@@ -328,6 +375,8 @@ impl Planner<'_> {
 
     /// Emits the task that prepares box `bx` of region `reg` (from shard `s`, or from the
     /// gather arena at `gather` on `s`'s rank) and writes it to every target of its group.
+    /// Its writes are cut once per shape ([`ShapeMemo`]), and a trainer's pattern for the shape
+    /// found by content once.
     fn emit_task(
         &self,
         out: &mut Emission,
@@ -338,62 +387,82 @@ impl Planner<'_> {
     ) {
         if out.targets.dgroup != reg.dgroup {
             self.target_plan(reg.dgroup, &mut out.targets, &mut out.rollout_writes);
+            out.class = out.shapes.class_of(&out.targets);
+            out.task_cursor = Cursor::default();
         }
         let sh = self.shard(s);
         let dg = &self.dgroups[reg.dgroup as usize];
-        let pn = bx.ndim as usize;
         let transform = transform_for(dg.fp8, sh.dtype, dg.dtype);
-        let writes = &mut out.writes;
-        writes.clear();
-        // Where the scales sit in the prepared output (Task::fp8_scales).
-        let scale_offset = bx.numel().div_ceil(16) * 16;
-        for l in out.targets.listed.iter_mut() {
-            let pc = &l.piece;
-            let before = writes.len() as u32;
-            let db = dst_box(pc, bx, l.shape.ndim as usize);
-            for_each_run(&db, &l.shape, l.elem, |so, d, len| {
-                push_split(writes, false, pc.rank, l.mr, so, l.offset + d, len);
-            });
-            if let Some((shape, mr, offset)) = l.scales {
-                let sb = scale_box(pc, bx, shape.ndim as usize, pn);
-                for_each_run(&sb, &shape, 4, |so, d, len| {
-                    push_split(
-                        writes,
-                        false,
-                        pc.rank,
-                        mr,
-                        scale_offset + so,
-                        offset + d,
-                        len,
-                    );
-                });
-            }
-            let n = writes.len() as u32 - before;
-            out.rollout_writes[pc.rank as usize] += n as u64;
-            l.task_writes = (before, n);
-        }
-        out.copies.clear();
-        for c in out.targets.copies.iter_mut() {
-            let (from, num) = out.targets.listed[c.base as usize].task_writes;
-            // Counted toward each rank when the dgroup's tasks are done (TargetPlan::flush).
-            c.writes += num as u64;
-            out.copies
-                .push((from, num, c.first_rank, c.stride, c.count));
-        }
-        let source = match gather {
-            Some(offset) => Source::Gather { offset },
-            None => Source::Shard {
-                shard: out.shard_local[s as usize],
-            },
-        };
-        out.builders[sh.rank as usize].routes.push_task(
-            out.shard_param[s as usize],
+        let TargetPlan { listed, copies, .. } = &mut out.targets;
+        let id = out.shapes.task_shape(
+            out.class,
             *bx,
-            source,
             transform,
-            &out.writes,
-            &out.copies,
+            gather.is_some(),
+            &mut out.task_cursor,
+            |writes, counts| cut_task(listed, bx, writes, counts),
         );
+        for (l, &(from, n)) in listed.iter_mut().zip(out.shapes.listed(id)) {
+            out.rollout_writes[l.piece.rank as usize] += n as u64;
+            l.task_writes = (from, n);
+        }
+        for c in copies.iter_mut() {
+            // Counted toward each rank when the dgroup's tasks are done (TargetPlan::flush).
+            c.writes += listed[c.base as usize].task_writes.1 as u64;
+        }
+        let (src, source) = match gather {
+            Some(offset) => (offset, Source::Gather { offset }),
+            None => {
+                let shard = out.shard_local[s as usize];
+                (shard as u64, Source::Shard { shard })
+            }
+        };
+        let param = out.shard_param[s as usize];
+        let ws = out.shapes.writes(id);
+        let at = |w: &ShapeWrite| {
+            let l = &listed[w.listed as usize];
+            let tensor = if w.scale {
+                l.scales.map_or(0, |(_, _, offset)| offset)
+            } else {
+                l.offset
+            };
+            (l.piece.rank, tensor + w.dst)
+        };
+        let b = &mut out.builders[sh.rank as usize];
+        match b.known.get(&id) {
+            Some(&pattern) => b.routes.push_known(
+                pattern,
+                param,
+                src,
+                ws.iter().map(|w| {
+                    let (rank, dst) = at(w);
+                    [rank as u64, dst]
+                }),
+            ),
+            None => {
+                out.writes.clear();
+                out.writes.extend(ws.iter().map(|w| {
+                    let (rank, dst_offset) = at(w);
+                    TaskWrite {
+                        to_trainer: false,
+                        rank,
+                        mr: w.mr,
+                        len: w.len,
+                        src_offset: w.src_offset,
+                        dst_offset,
+                    }
+                }));
+                out.copies.clear();
+                out.copies.extend(copies.iter().map(|c| {
+                    let (from, num) = listed[c.base as usize].task_writes;
+                    (from, num, c.first_rank, c.stride, c.count)
+                }));
+                let pattern =
+                    b.routes
+                        .push_task(param, *bx, source, transform, &out.writes, &out.copies);
+                b.known.insert(id, pattern);
+            }
+        }
     }
 
     /// Every rollout rank's entry (each distinct layout stored once) with the writes it
@@ -475,27 +544,57 @@ fn transform_for(fp8: bool, from: DType, to: DType) -> Transform {
     }
 }
 
-/// Pushes one run as writes of at most [`MAX_WRITE_BYTES`].
+/// The writes of box `bx` to the `listed` targets of its dgroup, relative to their tensors'
+/// offsets; per target, where its writes start (relative to the task's first) and how many.
+fn cut_task(
+    listed: &[ListedDst],
+    bx: &TensorBox,
+    writes: &mut Vec<ShapeWrite>,
+    counts: &mut Vec<(u32, u32)>,
+) {
+    let pn = bx.ndim as usize;
+    // Where the scales sit in the prepared output (Task::fp8_scales).
+    let scale_offset = bx.numel().div_ceil(16) * 16;
+    let first = writes.len();
+    for (i, l) in listed.iter().enumerate() {
+        let pc = &l.piece;
+        let before = writes.len();
+        let db = dst_box(pc, bx, l.shape.ndim as usize);
+        for_each_run(&db, &l.shape, l.elem, |so, d, len| {
+            push_split(writes, i as u32, false, l.mr, so, d, len);
+        });
+        if let Some((shape, mr, _)) = l.scales {
+            let sb = scale_box(pc, bx, shape.ndim as usize, pn);
+            for_each_run(&sb, &shape, 4, |so, d, len| {
+                push_split(writes, i as u32, true, mr, scale_offset + so, d, len);
+            });
+        }
+        counts.push(((before - first) as u32, (writes.len() - before) as u32));
+    }
+}
+
+/// Pushes one run as writes of at most [`MAX_WRITE_BYTES`], to listed target `listed` (its
+/// scale tensor with `scale`) at `dst` from the start of its tensor.
 #[inline]
 fn push_split(
-    out: &mut Vec<TaskWrite>,
-    to_trainer: bool,
-    rank: u32,
+    out: &mut Vec<ShapeWrite>,
+    listed: u32,
+    scale: bool,
     mr: u16,
     src: u64,
-    dst_off: u64,
+    dst: u64,
     len: u64,
 ) {
     let mut done = 0;
     while done < len {
         let n = (len - done).min(MAX_WRITE_BYTES);
-        out.push(TaskWrite {
-            to_trainer,
-            rank,
+        out.push(ShapeWrite {
+            listed,
+            scale,
             mr,
             len: n as u32,
             src_offset: src + done,
-            dst_offset: dst_off + done,
+            dst: dst + done,
         });
         done += n;
     }

@@ -28,7 +28,8 @@
 //! each step is a file adding its methods to `Planner`:
 //! - `validate`: the inference layout checked before any step (not a step: it only refuses).
 //! - `dgroups` (1), `grid` (2), `regions` (3, pass 1 `analyse`), `assign` (4, pass 2),
-//!   `emit` (5, pass 3) with `targets` (which targets get listed writes, which copies).
+//!   `emit` (5, pass 3) with `targets` (which targets get listed writes, which copies) and
+//!   `shapes` (each task shape's writes cut once, not once per task).
 //! - `place`: where a parameter box lands in a piece's tensors (validation, regions, emission).
 
 mod assign;
@@ -37,6 +38,7 @@ mod emit;
 mod grid;
 mod place;
 mod regions;
+mod shapes;
 mod targets;
 mod validate;
 
