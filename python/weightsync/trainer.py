@@ -154,7 +154,7 @@ class Trainer:
         registered = self._core.register(entries)
         self._registered = {name: ptr for name, ptr, _len, _kind in registered}
         self._cuda_devices = {
-            int(getattr(obj.device, "index", None) or 0)
+            int(getattr(getattr(obj, "device", None), "index", None) or 0)
             for _name, obj, _dtype in entries
             if getattr(getattr(obj, "device", None), "type", None) == "cuda"
         }

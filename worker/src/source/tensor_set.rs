@@ -152,23 +152,26 @@ pub struct TensorSet {
     device: Option<Arc<crate::gpu::GpuDevice>>,
 }
 
+/// The bytes a tensor of `dtype` and `shape` holds, or an error naming it when its memory
+/// (`have` bytes) is not that long.
+fn shape_bytes(name: &str, dtype: DType, shape: &[u64], have: u64) -> Result<u64> {
+    let want = shape.iter().product::<u64>() * dtype.size() as u64;
+    if have != want {
+        return Err(SourceError::Layout(format!(
+            "tensor {name:?} ({dtype} {shape:?}) should hold {want} bytes, its memory has {have}"
+        ))
+        .into());
+    }
+    Ok(want)
+}
+
 impl TensorSet {
     /// Registers every non-empty tensor with `fabric` as a write source. Refuses a duplicate
     /// name or a tensor whose byte length is not its shape's.
     pub fn register<F: FabricBackend>(fabric: &F, tensors: Vec<SourceTensor>) -> Result<Self> {
         let mut held = BTreeMap::new();
         for t in tensors {
-            let want = t.shape.iter().product::<u64>() * t.dtype.size() as u64;
-            if t.memory.len() as u64 != want {
-                return Err(SourceError::Layout(format!(
-                    "tensor {:?} ({} {:?}) should hold {want} bytes, its memory has {}",
-                    t.name,
-                    t.dtype,
-                    t.shape,
-                    t.memory.len()
-                ))
-                .into());
-            }
+            let want = shape_bytes(&t.name, t.dtype, &t.shape, t.memory.len() as u64)?;
             let region = if want == 0 {
                 None
             } else {
@@ -222,17 +225,7 @@ impl TensorSet {
         );
         let mut held = BTreeMap::new();
         for t in tensors {
-            let want = t.shape.iter().product::<u64>() * t.dtype.size() as u64;
-            if t.memory.len() as u64 != want {
-                return Err(SourceError::Layout(format!(
-                    "tensor {:?} ({} {:?}) should hold {want} bytes, its memory has {}",
-                    t.name,
-                    t.dtype,
-                    t.shape,
-                    t.memory.len()
-                ))
-                .into());
-            }
+            let want = shape_bytes(&t.name, t.dtype, &t.shape, t.memory.len() as u64)?;
             let device = if want == 0 {
                 None
             } else {
