@@ -40,9 +40,10 @@ use rayon::prelude::*;
 use weightsync_common::DType;
 
 use super::convert::{bf16_to_f32, f16_to_f32, f32_to_e4m3_saturating, E4M3_MAX};
-use super::isa::{vectorised, Avx512, Kernel};
+use super::isa::{vectorised, Avx2, Avx512, Kernel};
 use super::{expect_len, PrepareError, Threads};
 
+mod avx2;
 // The AVX-512 intrinsics are stable since Rust 1.89: why the workspace's `rust-version` is 1.89.
 mod avx512;
 
@@ -189,6 +190,10 @@ enum Path {
     /// Plain Rust built for the baseline ISA: the reference the fast paths are tested against.
     #[cfg_attr(not(test), allow(dead_code))]
     Portable,
+    /// The hand-written AVX2 code even where AVX-512 is present (plain Rust where the CPU
+    /// lacks AVX2), so tests cover it on every x86 machine.
+    #[cfg_attr(not(test), allow(dead_code))]
+    Avx2,
 }
 
 /// Elements per inner chunk: a fixed trip count over a fixed-size array lets LLVM drop the
@@ -315,6 +320,7 @@ impl Job {
     fn run<E: Elem>(self, src: &[u8], values: &mut [u8], scales: &mut [u8])
     where
         Avx512: RowOps<E>,
+        Avx2: RowOps<E>,
     {
         let cols = self.cols;
         let ncb = cols.div_ceil(FP8_BLOCK);
@@ -362,6 +368,7 @@ fn block_row<E: Elem>(
     path: Path,
 ) where
     Avx512: RowOps<E>,
+    Avx2: RowOps<E>,
 {
     let ncb = cols.div_ceil(FP8_BLOCK);
     let rows = values.len() / cols;
@@ -408,6 +415,11 @@ fn block_row<E: Elem>(
         match path {
             Path::Best => vectorised(group),
             Path::Portable => group.run(),
+            #[cfg(test)]
+            Path::Avx2 => super::isa::with_avx2(group)
+                .expect("tests pick Path::Avx2 only on a CPU with AVX2 and F16C"),
+            #[cfg(not(test))]
+            Path::Avx2 => vectorised(group),
         }
     };
     let segments = segments
@@ -446,6 +458,7 @@ struct Group<'a, 'o, E> {
 impl<E: Elem> Kernel for Group<'_, '_, E>
 where
     Avx512: RowOps<E>,
+    Avx2: RowOps<E>,
 {
     type Out = Vec<f32>;
     #[inline(always)]
@@ -460,6 +473,19 @@ where
             ..
         } = self;
         group::<E, _>(Portable, src, cols, c0, width, ahead, out_rows)
+    }
+    #[inline(always)]
+    fn run_avx2(self, isa: Avx2) -> Vec<f32> {
+        let Group {
+            src,
+            cols,
+            c0,
+            width,
+            ahead,
+            out_rows,
+            ..
+        } = self;
+        group::<E, _>(isa, src, cols, c0, width, ahead, out_rows)
     }
     #[inline(always)]
     fn run_avx512(self, isa: Avx512) -> Vec<f32> {

@@ -10,8 +10,9 @@
 //!
 //! Where plain Rust does not vectorise well enough (the fp8 quantiser: a per-lane select
 //! between two rounding paths, a 32-to-8-bit narrowing store), a kernel may also supply
-//! hand-written AVX-512 code through [`Kernel::run_avx512`]; the [`Avx512`] token it receives
-//! can only be made here, after the CPU was checked, which is what makes those intrinsics sound.
+//! hand-written AVX-512 or AVX2 code through [`Kernel::run_avx512`] / [`Kernel::run_avx2`]; the
+//! [`Avx512`] and [`Avx2`] tokens they receive can only be made here, after the CPU was checked,
+//! which is what makes those intrinsics sound.
 
 /// One piece of kernel work. Implementations must mark `run` `#[inline(always)]`.
 pub(crate) trait Kernel {
@@ -27,6 +28,23 @@ pub(crate) trait Kernel {
     {
         self.run()
     }
+    /// Does the work on a CPU with AVX2 and F16C but not AVX-512: the plain `run` (compiled
+    /// for AVX2) unless overridden.
+    #[inline(always)]
+    fn run_avx2(self, _isa: Avx2) -> Self::Out
+    where
+        Self: Sized,
+    {
+        self.run()
+    }
+}
+
+/// Proof that this CPU has AVX2 and F16C: only [`vectorised`] (and, in tests, [`with_avx2`])
+/// makes one, after checking.
+#[derive(Debug, Clone, Copy)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+pub(crate) struct Avx2 {
+    _checked: (),
 }
 
 /// Proof that this CPU has AVX-512 F, BW and VL (and AVX2): only [`vectorised`] makes one,
@@ -54,6 +72,11 @@ pub(crate) fn vectorised<K: Kernel>(k: K) -> K::Out {
             // SAFETY: `avx512` only enables features that were detected on this CPU just above.
             return unsafe { avx512(k) };
         }
+        if has!("avx2") && has!("f16c") {
+            // SAFETY: `avx2_f16c` only enables features that were detected on this CPU just
+            // above.
+            return unsafe { avx2_f16c(k) };
+        }
         if has!("avx2") {
             // SAFETY: `avx2` only enables a feature that was detected on this CPU just above.
             return unsafe { avx2(k) };
@@ -69,7 +92,41 @@ fn avx512<K: Kernel>(k: K) -> K::Out {
 }
 
 #[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,f16c")]
+fn avx2_f16c<K: Kernel>(k: K) -> K::Out {
+    k.run_avx2(Avx2 { _checked: () })
+}
+
+#[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 fn avx2<K: Kernel>(k: K) -> K::Out {
     k.run()
+}
+
+/// Whether [`with_avx2`] runs anything on this CPU.
+#[cfg(test)]
+pub(crate) fn avx2_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::is_x86_feature_detected as has;
+        has!("avx2") && has!("f16c")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// Runs `k` through its AVX2 code even on a CPU that also has AVX-512 (so tests cover the AVX2
+/// path wherever they run); `None` when the CPU lacks AVX2 or F16C.
+#[cfg(test)]
+pub(crate) fn with_avx2<K: Kernel>(k: K) -> Option<K::Out> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::is_x86_feature_detected as has;
+        if has!("avx2") && has!("f16c") {
+            // SAFETY: `avx2_f16c` only enables features that were detected just above.
+            return Some(unsafe { avx2_f16c(k) });
+        }
+    }
+    let _ = k;
+    None
 }

@@ -1,5 +1,5 @@
 //! Tests of the fp8 block quantiser: block rows against the whole tensor, error bounds, the
-//! fast and portable paths bit for bit against an independent scalar reference (every 16-bit
+//! fast (AVX-512, AVX2) and portable paths bit for bit against an independent scalar reference (every 16-bit
 //! pattern included), the floor scale of a zero block, and refused input.
 
 use super::*;
@@ -14,6 +14,16 @@ fn random_bf16(n: usize, seed: u64) -> Vec<u8> {
             half::bf16::from_f32(x).to_le_bytes()
         })
         .collect()
+}
+
+/// The code paths every exactness test runs: the best for this CPU, the portable reference, and
+/// the hand-written AVX2 code where the CPU has it (even beside AVX-512).
+fn paths() -> Vec<Path> {
+    let mut p = vec![Path::Best, Path::Portable];
+    if crate::prepare::isa::avx2_available() {
+        p.push(Path::Avx2);
+    }
+    p
 }
 
 #[test]
@@ -205,7 +215,7 @@ fn fast_and_portable_paths_equal_an_independent_reference_on_random_data() {
             let shape = Fp8Shape { rows, cols };
             let src = random_elements(dtype, rows * cols, &mut rng);
             let (want_v, want_s) = reference(&src, dtype, shape);
-            for path in [Path::Best, Path::Portable] {
+            for path in paths() {
                 for threads in [Threads::One, Threads::All] {
                     let mut v = vec![0xAAu8; rows * cols];
                     let mut s = vec![0xAAu8; want_s.len()];
@@ -239,7 +249,7 @@ fn fast_and_portable_paths_equal_an_independent_reference_on_random_data() {
             }
         }
     }
-    assert_eq!(cases, 3 * 12 * 4);
+    assert_eq!(cases, 3 * 12 * 2 * paths().len());
 }
 
 #[test]
@@ -253,15 +263,28 @@ fn fast_path_equals_the_reference_for_every_16_bit_pattern() {
         };
         let src: Vec<u8> = (0..=u16::MAX).flat_map(|h| h.to_le_bytes()).collect();
         let (want_v, want_s) = reference(&src, dtype, shape);
-        let mut v = vec![0u8; 512 * 128];
-        let mut s = vec![0u8; 16];
-        quantise_fp8(&src, dtype, shape, &mut v, &mut s, Threads::One).unwrap();
-        assert_eq!(s, want_s, "{dtype} scales");
-        if let Some(i) = (0..v.len()).find(|&i| v[i] != want_v[i]) {
-            panic!(
-                "{dtype} pattern {i:#06x}: {:#04x}, want {:#04x}",
-                v[i], want_v[i]
-            );
+        for path in paths() {
+            let mut v = vec![0u8; 512 * 128];
+            let mut s = vec![0u8; 16];
+            let blocks = 0..shape.row_blocks();
+            quantise_on_path(
+                &src,
+                dtype,
+                shape,
+                blocks,
+                &mut v,
+                &mut s,
+                Threads::One,
+                path,
+            )
+            .unwrap();
+            assert_eq!(s, want_s, "{dtype} {path:?} scales");
+            if let Some(i) = (0..v.len()).find(|&i| v[i] != want_v[i]) {
+                panic!(
+                    "{dtype} {path:?} pattern {i:#06x}: {:#04x}, want {:#04x}",
+                    v[i], want_v[i]
+                );
+            }
         }
     }
 }
