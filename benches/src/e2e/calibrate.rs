@@ -24,8 +24,10 @@
 //! (the fixed costs as the cluster model's `FixedCosts` and `task_overhead_s`), the same sync
 //! runs for real ([`LoopbackCluster`]), and the report gives predicted vs measured and the
 //! relative error (the check: within 10%). The machine is shared and its load drifts, so rates
-//! and syncs are interleaved: each round measures the rates, predicts from them and runs one
-//! sync right after; the check compares the median prediction with the median sync. Kernel
+//! and syncs are interleaved: the rates are measured before the first sync and again after
+//! every sync, each sync's prediction is the mean of the predictions from the measurements on
+//! either side of it (the load it met lies between them), and the check compares the median
+//! prediction with the median sync. Kernel
 //! rates are medians of five timed runs after a warm-up (a best-of peak is what a loaded
 //! machine rarely holds).
 
@@ -54,8 +56,8 @@ pub use fixed::Fixed;
 pub struct Config {
     /// Configurations predicted and measured.
     pub setups: Vec<Setup>,
-    /// Rounds per configuration (rates measured, a prediction, one timed sync; medians), after
-    /// one warm-up sync.
+    /// Timed syncs per configuration, each between two measurements of the rates (medians),
+    /// after one warm-up sync.
     pub syncs: usize,
     /// Workers.
     pub workers: WorkerOptions,
@@ -127,7 +129,7 @@ pub struct Check {
     pub predicted_without_fixed_s: f64,
     /// Measured seconds (median).
     pub measured_s: f64,
-    /// Every round's prediction.
+    /// Every sync's prediction (from the rates measured before and after it).
     pub all_predicted_s: Vec<f64>,
     /// Every measured sync (round by round, beside `all_predicted_s`).
     pub all_measured_s: Vec<f64>,
@@ -139,7 +141,7 @@ pub struct Check {
     pub within_tolerance: bool,
     /// What the simulator says dominates.
     pub dominated_by: String,
-    /// The rates of the first round.
+    /// The rates measured before the first timed sync.
     pub rates: Rates,
 }
 
@@ -492,7 +494,7 @@ pub fn run(cfg: &Config) -> Result<Report, E2eError> {
             simulate(&table, cluster)
                 .map_err(|e| E2eError::Setup(format!("simulating {label}: {e}")))
         };
-        let (fixed, rounds) = rt.block_on(async {
+        let (fixed, rates_at, secs) = rt.block_on(async {
             // The fixed costs first, on the same cluster shape with nothing else running.
             let near_empty = fixed::measure_syncs(nt, nr, max_tasks, &cfg.workers).await?;
             let limit = FabricLimit::start(&pairs, &cfg.workers.fabric_config()).await?;
@@ -509,36 +511,41 @@ pub fn run(cfg: &Config) -> Result<Report, E2eError> {
                 0.0,
                 FixedCosts::default(),
             ))?;
-            let mut rounds = Vec::with_capacity(cfg.syncs);
-            for round in 0..cfg.syncs {
-                let rates = if round == 0 {
-                    rates.clone()
-                } else {
-                    measure(cfg, &limit, landed, &shapes).await?
-                };
-                let secs = c.sync().await?.seconds;
-                rounds.push((rates, secs));
+            // Rates are measured before the first sync and after every sync, so each sync
+            // lies between two measurements of the load around it (`rates[i]` before sync i,
+            // `rates[i + 1]` after it).
+            let mut rates_at = Vec::with_capacity(cfg.syncs + 1);
+            rates_at.push(rates);
+            let mut secs = Vec::with_capacity(cfg.syncs);
+            for _ in 0..cfg.syncs {
+                secs.push(c.sync().await?.seconds);
+                rates_at.push(measure(cfg, &limit, landed, &shapes).await?);
             }
-            Ok::<_, E2eError>((fixed, rounds))
+            Ok::<_, E2eError>((fixed, rates_at, secs))
         })?;
-        let mut predicted = Vec::with_capacity(rounds.len());
-        let mut without = Vec::with_capacity(rounds.len());
+        let mut predicted = Vec::with_capacity(secs.len());
+        let mut without = Vec::with_capacity(secs.len());
         let mut dominated_by = String::new();
         let mut cluster = None;
-        for (rates, _) in &rounds {
-            let c = host_cluster(
-                rates,
-                &cfg.workers,
-                gpus,
-                fixed.task_overhead_s,
-                fixed.write_s,
-                fixed.costs,
-            );
-            let r = sim(&c)?;
-            predicted.push(r.predicted_s);
-            dominated_by = r.dominated_by;
-            without.push(
-                sim(&host_cluster(
+        // A sync's prediction is the mean of the predictions from the rates measured just
+        // before and just after it: the machine's load drifts, and the two bracket the load the
+        // sync met.
+        for pair in rates_at.windows(2) {
+            let mut with = 0.0;
+            let mut bare = 0.0;
+            for rates in pair {
+                let c = host_cluster(
+                    rates,
+                    &cfg.workers,
+                    gpus,
+                    fixed.task_overhead_s,
+                    fixed.write_s,
+                    fixed.costs,
+                );
+                let r = sim(&c)?;
+                with += r.predicted_s / 2.0;
+                dominated_by = r.dominated_by;
+                bare += sim(&host_cluster(
                     rates,
                     &cfg.workers,
                     gpus,
@@ -546,15 +553,18 @@ pub fn run(cfg: &Config) -> Result<Report, E2eError> {
                     0.0,
                     FixedCosts::default(),
                 ))?
-                .predicted_s,
-            );
-            cluster = Some(c);
+                .predicted_s
+                    / 2.0;
+                cluster = Some(c);
+            }
+            predicted.push(with);
+            without.push(bare);
         }
-        let all: Vec<f64> = rounds.iter().map(|r| r.1).collect();
+        let all = secs;
         let measured = median(&all);
         let predicted_s = median(&predicted);
         let error = (predicted_s - measured) / measured;
-        let rates = rounds[0].0.clone();
+        let rates = rates_at[0].clone();
         checks.push(Check {
             setup: setup.clone(),
             trainers: nt,
