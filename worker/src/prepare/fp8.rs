@@ -44,6 +44,7 @@ use super::isa::{vectorised, Avx2, Avx512, Kernel};
 use super::{expect_len, PrepareError, Threads};
 
 mod avx2;
+mod row_loops;
 // The AVX-512 intrinsics are stable since Rust 1.89: why the workspace's `rust-version` is 1.89.
 mod avx512;
 
@@ -455,6 +456,23 @@ struct Group<'a, 'o, E> {
     elem: PhantomData<E>,
 }
 
+impl<E: Elem> Group<'_, '_, E> {
+    /// Runs the group with the row loops of `ops`.
+    #[inline(always)]
+    fn with<R: RowOps<E>>(self, ops: R) -> Vec<f32> {
+        let Group {
+            src,
+            cols,
+            c0,
+            width,
+            ahead,
+            out_rows,
+            ..
+        } = self;
+        group::<E, _>(ops, src, cols, c0, width, ahead, out_rows)
+    }
+}
+
 impl<E: Elem> Kernel for Group<'_, '_, E>
 where
     Avx512: RowOps<E>,
@@ -463,42 +481,15 @@ where
     type Out = Vec<f32>;
     #[inline(always)]
     fn run(self) -> Vec<f32> {
-        let Group {
-            src,
-            cols,
-            c0,
-            width,
-            ahead,
-            out_rows,
-            ..
-        } = self;
-        group::<E, _>(Portable, src, cols, c0, width, ahead, out_rows)
+        self.with(Portable)
     }
     #[inline(always)]
     fn run_avx2(self, isa: Avx2) -> Vec<f32> {
-        let Group {
-            src,
-            cols,
-            c0,
-            width,
-            ahead,
-            out_rows,
-            ..
-        } = self;
-        group::<E, _>(isa, src, cols, c0, width, ahead, out_rows)
+        self.with(isa)
     }
     #[inline(always)]
     fn run_avx512(self, isa: Avx512) -> Vec<f32> {
-        let Group {
-            src,
-            cols,
-            c0,
-            width,
-            ahead,
-            out_rows,
-            ..
-        } = self;
-        group::<E, _>(isa, src, cols, c0, width, ahead, out_rows)
+        self.with(isa)
     }
 }
 

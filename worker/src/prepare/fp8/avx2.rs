@@ -19,94 +19,25 @@
 //! [`Avx2`] token only exists on a CPU that has AVX2 and F16C, or a load/store through a pointer
 //! whose range is checked against the slice right beside it.
 
-#[cfg(not(target_arch = "x86_64"))]
-use super::{Elem, Portable};
+use super::row_loops::portable_stand_in;
 use super::{RowOps, F16, F32};
 use crate::prepare::isa::Avx2;
 
-#[cfg(not(target_arch = "x86_64"))]
-impl<E: Elem> RowOps<E> for Avx2 {
-    // No such CPU here: an `Avx2` is never made, so this only has to type-check.
-    type Acc = <Portable as RowOps<E>>::Acc;
-    fn acc_new(self) -> Self::Acc {
-        Portable.acc_new()
-    }
-    fn acc_row(self, acc: Self::Acc, seg: &[u8]) -> Self::Acc {
-        Portable.acc_row(acc, seg)
-    }
-    fn acc_key(self, acc: Self::Acc) -> E::Key {
-        Portable.acc_key(acc)
-    }
-    fn quantise(self, seg: &[u8], inv: f32, out: &mut [u8]) {
-        Portable.quantise(seg, inv, out)
-    }
-}
+portable_stand_in!(Avx2);
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
 
+    use super::super::row_loops::{row_ops, Widen};
     use super::super::Bf16;
     use super::{Avx2, RowOps, F16, F32};
     use crate::prepare::convert::f32_to_e4m3_saturating;
     use crate::prepare::fp8::Elem;
 
-    /// How a segment's elements become f32 lanes.
-    #[derive(Clone, Copy, PartialEq, Eq)]
-    enum Widen {
-        Bf16,
-        F16,
-        F32,
-    }
-
-    /// Implements [`RowOps`] for one element type with 16-bit or 32-bit keys.
-    macro_rules! row_ops {
-        ($elem:ty, $widen:expr, $max:ident, $limit:expr, $reduce:ident) => {
-            impl RowOps<$elem> for Avx2 {
-                type Acc = __m256i;
-                #[inline(always)]
-                fn acc_new(self) -> __m256i {
-                    // SAFETY: AVX2 is present (the token).
-                    unsafe { zero() }
-                }
-                #[inline(always)]
-                fn acc_row(self, acc: __m256i, seg: &[u8]) -> __m256i {
-                    // SAFETY: AVX2 is present (the token).
-                    unsafe { $max(acc, seg, $limit) }
-                }
-                #[inline(always)]
-                fn acc_key(self, acc: __m256i) -> <$elem as Elem>::Key {
-                    // SAFETY: AVX2 is present (the token).
-                    unsafe { $reduce(acc) }
-                }
-                #[inline(always)]
-                fn quantise(self, seg: &[u8], inv: f32, out: &mut [u8]) {
-                    // SAFETY: AVX2 and F16C are present (the token).
-                    unsafe { quantise_row::<{ $widen as u8 }>(seg, inv, out) }
-                }
-                #[inline(always)]
-                fn prefetch(self, seg: &[u8], ahead: usize) {
-                    prefetch_lines(seg, ahead)
-                }
-            }
-        };
-    }
-
-    row_ops!(Bf16, Widen::Bf16, max16, 0x7f80, reduce16);
-    row_ops!(F16, Widen::F16, max16, 0x7c00, reduce16);
-    row_ops!(F32, Widen::F32, max32, 0x7f80_0000, reduce32);
-
-    /// Prefetches, into L2, the cache lines `ahead` bytes past those of `seg`.
-    #[inline(always)]
-    fn prefetch_lines(seg: &[u8], ahead: usize) {
-        let p = seg.as_ptr().wrapping_add(ahead);
-        for off in (0..seg.len()).step_by(64) {
-            // SAFETY: a prefetch is a hint: it neither faults nor reads memory as far as the
-            // program is concerned, whatever the address (computed without `add`, so no
-            // out-of-bounds pointer arithmetic is claimed either).
-            unsafe { _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(off).cast()) };
-        }
-    }
+    row_ops!(Avx2, __m256i, Bf16, Widen::Bf16, max16, 0x7f80, reduce16);
+    row_ops!(Avx2, __m256i, F16, Widen::F16, max16, 0x7c00, reduce16);
+    row_ops!(Avx2, __m256i, F32, Widen::F32, max32, 0x7f80_0000, reduce32);
 
     #[inline]
     #[target_feature(enable = "avx2")]
@@ -114,8 +45,8 @@ mod x86 {
         _mm256_setzero_si256()
     }
 
-    /// The last `tail` (< one vector) bytes of `seg`, zero-padded to 32 bytes: key 0 is the
-    /// max of nothing, so the padding never raises a block's amax.
+    /// The bytes of `seg` from `from` on (fewer than one vector), zero-padded to 32 bytes: key
+    /// 0 is the max of nothing, so the padding never raises a block's amax.
     #[inline(always)]
     fn padded(seg: &[u8], from: usize) -> [u8; 32] {
         let mut t = [0u8; 32];

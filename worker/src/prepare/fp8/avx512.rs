@@ -16,93 +16,32 @@
 //! [`Avx512`] token only exists on a CPU that has those features, or a load/store through a
 //! pointer whose range is checked against the slice right beside it.
 
-#[cfg(not(target_arch = "x86_64"))]
-use super::{Elem, Portable};
+use super::row_loops::portable_stand_in;
 use super::{RowOps, F16, F32};
 use crate::prepare::isa::Avx512;
 
-#[cfg(not(target_arch = "x86_64"))]
-impl<E: Elem> RowOps<E> for Avx512 {
-    // No such CPU here: an `Avx512` is never made, so this only has to type-check.
-    type Acc = <Portable as RowOps<E>>::Acc;
-    fn acc_new(self) -> Self::Acc {
-        Portable.acc_new()
-    }
-    fn acc_row(self, acc: Self::Acc, seg: &[u8]) -> Self::Acc {
-        Portable.acc_row(acc, seg)
-    }
-    fn acc_key(self, acc: Self::Acc) -> E::Key {
-        Portable.acc_key(acc)
-    }
-    fn quantise(self, seg: &[u8], inv: f32, out: &mut [u8]) {
-        Portable.quantise(seg, inv, out)
-    }
-}
+portable_stand_in!(Avx512);
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
 
+    use super::super::row_loops::{row_ops, Widen};
     use super::super::Bf16;
     use super::{Avx512, RowOps, F16, F32};
     use crate::prepare::fp8::Elem;
 
-    /// How a segment's elements become f32 lanes.
-    #[derive(Clone, Copy, PartialEq, Eq)]
-    enum Widen {
-        Bf16,
-        F16,
+    row_ops!(Avx512, __m512i, Bf16, Widen::Bf16, max16, 0x7f80, reduce16);
+    row_ops!(Avx512, __m512i, F16, Widen::F16, max16, 0x7c00, reduce16);
+    row_ops!(
+        Avx512,
+        __m512i,
         F32,
-    }
-
-    /// Implements [`RowOps`] for one element type with 16-bit or 32-bit keys.
-    macro_rules! row_ops {
-        ($elem:ty, $widen:expr, $max:ident, $limit:expr, $reduce:ident) => {
-            impl RowOps<$elem> for Avx512 {
-                type Acc = __m512i;
-                #[inline(always)]
-                fn acc_new(self) -> __m512i {
-                    // SAFETY: AVX-512 F is present (the token).
-                    unsafe { zero() }
-                }
-                #[inline(always)]
-                fn acc_row(self, acc: __m512i, seg: &[u8]) -> __m512i {
-                    // SAFETY: AVX-512 F and BW are present (the token).
-                    unsafe { $max(acc, seg, $limit) }
-                }
-                #[inline(always)]
-                fn acc_key(self, acc: __m512i) -> <$elem as Elem>::Key {
-                    // SAFETY: AVX-512 F is present (the token).
-                    unsafe { $reduce(acc) }
-                }
-                #[inline(always)]
-                fn quantise(self, seg: &[u8], inv: f32, out: &mut [u8]) {
-                    // SAFETY: AVX-512 F, BW and VL are present (the token).
-                    unsafe { quantise_row::<{ $widen as u8 }>(seg, inv, out) }
-                }
-                #[inline(always)]
-                fn prefetch(self, seg: &[u8], ahead: usize) {
-                    prefetch_lines(seg, ahead)
-                }
-            }
-        };
-    }
-
-    row_ops!(Bf16, Widen::Bf16, max16, 0x7f80, reduce16);
-    row_ops!(F16, Widen::F16, max16, 0x7c00, reduce16);
-    row_ops!(F32, Widen::F32, max32, 0x7f80_0000, reduce32);
-
-    /// Prefetches, into L2, the cache lines `ahead` bytes past those of `seg`.
-    #[inline(always)]
-    fn prefetch_lines(seg: &[u8], ahead: usize) {
-        let p = seg.as_ptr().wrapping_add(ahead);
-        for off in (0..seg.len()).step_by(64) {
-            // SAFETY: a prefetch is a hint: it neither faults nor reads memory as far as the
-            // program is concerned, whatever the address (computed without `add`, so no
-            // out-of-bounds pointer arithmetic is claimed either).
-            unsafe { _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(off).cast()) };
-        }
-    }
+        Widen::F32,
+        max32,
+        0x7f80_0000,
+        reduce32
+    );
 
     #[inline]
     #[target_feature(enable = "avx512f")]
