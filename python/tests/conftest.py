@@ -42,6 +42,58 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children first found, then theirs), read from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        # The command name may hold spaces and parentheses: the fields follow its last ')'.
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kernel_stacks(popen: subprocess.Popen[bytes]) -> str:
+    """The kernel stack of a child and of every process below it (readable as root), to say
+    where a stalled start-up waits."""
+    out = []
+    for pid in [popen.pid, *descendants(popen.pid)]:
+        try:
+            stack = Path(f"/proc/{pid}/stack").read_text().strip()
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        out.append(f"pid {pid} ({cmd[:120]}):\n{stack}")
+    return "\n".join(out)
+
+
+def kill_tree(popen: subprocess.Popen[bytes]) -> None:
+    """SIGKILLs a child started in its own session, its process group and every process below
+    it: torchrun starts its ranks in sessions of their own, which killing its group misses."""
+    if popen.poll() is None:
+        below = descendants(popen.pid)
+        try:
+            os.killpg(popen.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        for pid in below:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        popen.wait()
+
+
 @dataclass
 class Proc:
     name: str
@@ -78,12 +130,7 @@ class Procs:
 
     def kill_all(self) -> None:
         for p in self.procs:
-            if p.popen.poll() is None:
-                try:
-                    os.killpg(p.popen.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                p.popen.wait()
+            kill_tree(p.popen)
 
 
 @pytest.fixture

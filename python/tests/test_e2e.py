@@ -21,7 +21,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from conftest import FIGURES, JOBS, Procs, free_port, start_controller  # noqa: E402
+from conftest import FIGURES, JOBS, Procs, start_controller  # noqa: E402
 
 sys.path.insert(0, str(JOBS))
 import tiny  # noqa: E402
@@ -31,9 +31,10 @@ TIMEOUT_S = 600
 
 
 def torchrun(procs: Procs, nproc: int, args: list[str], env: dict[str, str]) -> Any:
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-            str(JOBS / "train_fsdp.py"), *args]
+    # --standalone: torchrun binds its rendezvous store to a port of its own choosing, so no port
+    # picked here can be taken by another process before torchrun listens on it.
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            "--nproc-per-node", str(nproc), str(JOBS / "train_fsdp.py"), *args]
     return procs.start("torchrun", argv, env=env)
 
 

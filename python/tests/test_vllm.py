@@ -29,7 +29,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -43,7 +42,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("vllm")
 
-from conftest import FIGURES, JOBS, Controller, Proc, Procs, free_port, start_controller  # noqa: E402
+from conftest import (FIGURES, JOBS, Controller, Proc, Procs, free_port, kernel_stacks,  # noqa: E402
+                      kill_tree, start_controller)
 
 sys.path.insert(0, str(JOBS))
 import tiny  # noqa: E402
@@ -107,9 +107,12 @@ def run(tmp_path: Path, procs: Procs, mode: str, steps: int = 3, kill_trainer_at
 
 def start_trainer(procs: Procs, folder: Path, c: Controller, out: Path, steps: int, engines: int,
             first_step: int = 1) -> Proc:
+    # --standalone: torchrun binds its rendezvous store to a port of its own choosing. A port
+    # picked here (bound, closed, handed over) could be taken by the already running vLLM server's
+    # processes before torchrun listens on it, and the ranks would then wait on the wrong listener.
     return procs.start(f"torchrun-from-{first_step}", [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-        "--master-port", str(free_port()), str(JOBS / "train_lockstep.py"), "--model", str(folder),
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        str(JOBS / "train_lockstep.py"), "--model", str(folder),
         "--controller", c.control, "--steps", str(steps), "--first-step", str(first_step), "--out", str(out),
         "--engines", str(engines)], env=c.env())
 
@@ -123,11 +126,15 @@ def start_trainer_until_registered(procs: Procs, folder: Path, c: Controller, ou
                                    engines: int) -> tuple[Proc, int]:
     """``start_trainer``, relaunched once when its ranks never register with the controller.
 
-    In this test (and only here, twice in about ten runs) both ranks of the trainer have hung in
-    ``dist.init_process_group("gloo")``, each waiting in ``ProcessGroupGloo`` for the other's
-    address, before any weightsync call; the cause (inside torch's rendezvous) is not found.
-    A relaunch is counted in the test's figures (``trainer_launches``), never hidden, and a
-    second hang fails the test.
+    In this test the trainer has stalled at start-up, before any weightsync call (twice in about
+    ten runs, then twice in a row), starved of CPU: while the driver polls the server for the
+    version, vLLM's worker process busy-waits on its message queue (``sched_yield`` for a second
+    after every message, and the polls come every 0.2 s at most), a whole CPU of this 2-CPU
+    host; a rank seen stuck for minutes in ``sched_setaffinity`` (``import torch`` moves each
+    process across the CPUs), another process making no progress on the spinner's CPU. The
+    test therefore starts the trainer before the driver; a relaunch is counted in the test's
+    figures (``trainer_launches``), never hidden; the kernel stacks of a stalled launch are
+    printed; a second stall fails the test.
     """
     for launch in (1, 2):
         tr = start_trainer(procs, folder, c, out, steps, engines)
@@ -138,11 +145,10 @@ def start_trainer_until_registered(procs: Procs, folder: Path, c: Controller, ou
             time.sleep(1.0)
         if registered_trainers(c) >= 2:
             return tr, launch
-        if tr.popen.poll() is None:
-            os.killpg(tr.popen.pid, signal.SIGKILL)
-            tr.popen.wait()
+        stacks = kernel_stacks(tr.popen)
+        kill_tree(tr.popen)
         print(f"trainer launch {launch}: no rank registered within {REGISTER_WITHIN_S} s "
-              f"(rc {tr.popen.returncode}):\n{tr.tail()}", file=sys.stderr)
+              f"(rc {tr.popen.returncode}):\n{tr.tail()}\nkernel stacks:\n{stacks}", file=sys.stderr)
     pytest.fail(f"the trainer never registered in two launches\n{procs.logs()}")
 
 
@@ -407,10 +413,12 @@ def test_vllm_server_http_routes(tmp_path: Path, procs: Procs) -> None:
     url = start_server(procs, tmp_path, folder, c)
     versions = [1, 2, 3]
     deadline = time.monotonic() + TIMEOUT_S
+    # The trainer first: the driver's polls keep vLLM's worker spinning a CPU (see
+    # start_trainer_until_registered), which starved the trainer's start-up on this host.
+    tr, launches = start_trainer_until_registered(procs, folder, c, out, 3, 1)
     driver = procs.start("driver", [sys.executable, str(JOBS / "drive_vllm_server.py"), "--url", url,
                                     "--model-name", "tiny", "--controller", c.control, "--out", str(out),
                                     "--versions", *map(str, versions)], env=c.env())
-    tr, launches = start_trainer_until_registered(procs, folder, c, out, 3, 1)
     for p in (driver, tr):
         wait(procs, p, deadline)
     hf = tiny.build(str(folder), seed=0).eval()
