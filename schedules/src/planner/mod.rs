@@ -113,8 +113,6 @@ struct Region {
     dgroup: u32,
     bx: TensorBox,
     cell: u32,
-    /// Writes to destinations (all targets).
-    writes: u32,
     weight: u64,
 }
 
@@ -130,8 +128,6 @@ struct RegionBox {
 #[derive(Clone, Copy)]
 struct RegionLoad {
     cell: u32,
-    /// Writes to destinations (all targets).
-    writes: u32,
     weight: u64,
 }
 
@@ -196,9 +192,6 @@ struct Planner<'a> {
     layout_class: Vec<u32>,
     /// What one work request costs, in bytes of bandwidth ([`CostModel::wr_equiv_bytes`]).
     wr_bytes: u64,
-    /// Expected tasks and writes per trainer (capacity hints).
-    est_tasks: Vec<u64>,
-    est_writes: Vec<u64>,
 }
 
 impl<'a> Planner<'a> {
@@ -247,8 +240,6 @@ impl<'a> Planner<'a> {
             splits: Vec::new(),
             gather_parts: Vec::new(),
             loads: vec![0; train.ranks as usize],
-            est_tasks: vec![0; train.ranks as usize],
-            est_writes: vec![0; train.ranks as usize],
             layout_class: targets::layout_classes(infer),
             wr_bytes: cost.wr_equiv_bytes(),
         })
@@ -278,14 +269,12 @@ impl<'a> Planner<'a> {
         let RegionBox { dgroup, bx } = self.regions[ri as usize];
         let RegionLoad {
             cell,
-            writes,
             weight,
         } = self.region_loads[ri as usize];
         Region {
             dgroup,
             bx,
             cell,
-            writes,
             weight,
         }
     }

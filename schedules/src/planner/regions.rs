@@ -52,10 +52,8 @@ struct Analysed {
     region_loads: Vec<RegionLoad>,
     assign: Vec<Assign>,
     open: Vec<u32>,
-    /// Per training rank: what its single-holder regions add to its load, tasks and writes.
+    /// Per training rank: what its single-holder regions add to its load.
     loads: Vec<u64>,
-    est_tasks: Vec<u64>,
-    est_writes: Vec<u64>,
 }
 
 /// Params analysed together between progress reports; split among rayon's threads.
@@ -92,8 +90,6 @@ impl Planner<'_> {
         let nt = self.train.ranks as usize;
         let mut out = Analysed {
             loads: vec![0; nt],
-            est_tasks: vec![0; nt],
-            est_writes: vec![0; nt],
             ..Analysed::default()
         };
         let mut segs: Vec<Vec<Seg>> = vec![Vec::new(); MAX_DIMS];
@@ -128,14 +124,8 @@ impl Planner<'_> {
         self.region_loads.extend_from_slice(&a.region_loads);
         self.assign.extend_from_slice(&a.assign);
         self.open.extend(a.open.iter().map(|&ri| base + ri));
-        for (mine, theirs) in [
-            (&mut self.loads, &a.loads),
-            (&mut self.est_tasks, &a.est_tasks),
-            (&mut self.est_writes, &a.est_writes),
-        ] {
-            for (x, y) in mine.iter_mut().zip(theirs) {
-                *x += y;
-            }
+        for (x, y) in self.loads.iter_mut().zip(&a.loads) {
+            *x += y;
         }
     }
 
@@ -164,13 +154,12 @@ impl Planner<'_> {
         let out_bytes = bx.numel() * dg.dtype.size() as u64;
         let src_bytes = bx.numel() * self.model.params[pid].dtype.size() as u64;
         if nregions > 1 && out_bytes / (nregions as u64) < wr && src_bytes <= 64 * wr {
-            let (w, wrs) = self.weight(&reach, &bx);
+            let w = self.weight(&reach, &bx);
             out.open.push(out.regions.len() as u32);
             out.assign.push(Assign::Shard(0));
             out.regions.push(RegionBox { dgroup: dgi, bx });
             out.region_loads.push(RegionLoad {
                 cell: GATHER,
-                writes: wrs as u32,
                 weight: w,
             });
             return;
@@ -218,13 +207,11 @@ impl Planner<'_> {
         cell: u32,
         out: &mut Analysed,
     ) {
-        let (w, wrs) = self.weight(reach, &r);
+        let w = self.weight(reach, &r);
         match (cell != GATHER).then(|| grid.holders(cell)) {
             Some(&[only]) => {
                 let rank = self.shard(only).rank as usize;
                 out.loads[rank] += w;
-                out.est_tasks[rank] += 1;
-                out.est_writes[rank] += wrs;
                 out.assign.push(Assign::Shard(only));
             }
             _ => {
@@ -235,7 +222,6 @@ impl Planner<'_> {
         out.regions.push(RegionBox { dgroup: dgi, bx: r });
         out.region_loads.push(RegionLoad {
             cell,
-            writes: wrs as u32,
             weight: w,
         });
     }
@@ -258,10 +244,10 @@ impl Planner<'_> {
         }
     }
 
-    /// Load weight of sending region `r` to all the targets of a dgroup, and the number of
-    /// writes.
+    /// Load weight of sending region `r` to all the targets of a dgroup: bytes plus work
+    /// requests at [`CostModel::wr_equiv_bytes`](crate::CostModel::wr_equiv_bytes) each.
     #[inline]
-    fn weight(&self, reach: &Reach, r: &TensorBox) -> (u64, u64) {
+    fn weight(&self, reach: &Reach, r: &TensorBox) -> u64 {
         let pc = &reach.pc;
         let db = dst_box(pc, r, reach.shape.ndim as usize);
         let mut wrs = count_runs(&db, &reach.shape);
@@ -271,7 +257,7 @@ impl Planner<'_> {
             wrs += count_runs(&sb, &ss);
             bytes += sb.numel() * 4;
         }
-        ((bytes + wrs * self.wr_bytes) * reach.n, wrs * reach.n)
+        (bytes + wrs * self.wr_bytes) * reach.n
     }
 }
 
