@@ -32,8 +32,10 @@ struct TrainerBuilder {
     params: Vec<u32>,
     source_arena_bytes: u64,
     gather_arena_bytes: u64,
-    /// Its mesh groups so far (see [`CompactTrainer::groups`]).
-    groups: Vec<[u64; GROUP_FIELDS]>,
+    /// Its mesh groups so far (see [`CompactTrainer::groups`]), in 32 bits while emission
+    /// runs (thousands of trainers keep a record per group; counts past `u32` are refused
+    /// with the trainer's total, [`trainer_parts`]).
+    groups: Vec<[u32; GROUP_FIELDS]>,
     routes: RoutesBuilder,
     /// Its pattern of each shape it has sent a task of.
     known: KnownShapes,
@@ -113,12 +115,13 @@ impl Emission<'_> {
             if end == s0 {
                 b.known = KnownShapes::default();
             }
+            let small = |n: u64| n.min(u32::MAX as u64) as u32;
             b.groups.push([
-                id as u64,
-                end - s0,
-                s1 - s0,
-                s2 - s1,
-                b.gather_expect as u64,
+                id as u32,
+                small(end - s0),
+                small(s1 - s0),
+                small(s2 - s1),
+                b.gather_expect,
             ]);
             b.gather_expect = 0;
             b.routes.flush();
@@ -647,12 +650,14 @@ fn trainer_parts(builders: Vec<TrainerBuilder>) -> Result<Vec<CompactTrainer>, P
         .into_par_iter()
         .map(|b| {
             let params: Vec<[u64; 1]> = b.params.iter().map(|&p| [p as u64]).collect();
+            let groups: Vec<[u64; GROUP_FIELDS]> =
+                b.groups.iter().map(|g| g.map(u64::from)).collect();
             CompactTrainer {
                 rank: b.rank,
                 source_arena_bytes: b.source_arena_bytes,
                 gather_arena_bytes: b.gather_arena_bytes,
                 params: Packed::of(&params),
-                groups: Packed::of(&b.groups),
+                groups: Packed::of(&groups),
                 routes: b.routes.finish(),
             }
         })
