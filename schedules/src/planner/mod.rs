@@ -21,7 +21,17 @@
 //! 5. **Emission.** Tasks per trainer in mesh-group order (gather sends, local tasks,
 //!    gather-sourced tasks), each with its writes as maximal contiguous runs.
 //!
-//! Pure and deterministic: no hash-map iteration, no clock, no threads.
+//! Pure and deterministic: no hash-map iteration, no clock, and threads only where the result
+//! cannot depend on them (rayon; the table is the same with one thread or many):
+//! - validation compares ranks laid out alike in parallel, then checks in rank order;
+//! - step 1 sorts each parameter's pieces on their own, in parallel;
+//! - steps 2-3 (`analyse`) take ranges of parameters in parallel and append what each range
+//!   found in parameter order; the single-holder loads they add are sums;
+//! - step 4 (sourcing) stays sequential: each choice depends on the loads of those before it;
+//! - step 5 deals the trainers into parts (rank `r` to part `r % parts`); each part walks every
+//!   region in the same order and emits only its own trainers' tasks, so each trainer gets the
+//!   same tasks in the same order as with one part, and the writes each rollout receives are
+//!   summed over the parts. The trainers' parts are built and finished in parallel.
 //!
 //! # Layout
 //! This file holds [`plan`], the `Planner` state the steps share and the order they run in;
