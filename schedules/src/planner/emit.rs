@@ -182,9 +182,8 @@ impl Planner<'_> {
             }
             by_part.push(builders.into_iter());
         }
-        let builders: Vec<TrainerBuilder> = (0..nt)
-            .filter_map(|r| by_part[r % parts].next())
-            .collect();
+        let builders: Vec<TrainerBuilder> =
+            (0..nt).filter_map(|r| by_part[r % parts].next()).collect();
         let (rollout_layouts, rollouts) = self.rollout_entries(&rollout_writes);
         let trainers = trainer_parts(builders)?;
         progress(2 * np as u64, 2 * np as u64);

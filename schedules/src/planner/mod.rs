@@ -277,10 +277,7 @@ impl<'a> Planner<'a> {
     #[inline]
     fn region(&self, ri: u32) -> Region {
         let RegionBox { dgroup, bx } = self.regions[ri as usize];
-        let RegionLoad {
-            cell,
-            weight,
-        } = self.region_loads[ri as usize];
+        let RegionLoad { cell, weight } = self.region_loads[ri as usize];
         Region {
             dgroup,
             bx,

@@ -114,10 +114,8 @@ impl Planner<'_> {
     /// Appends what pass 1 found for the params after those already analysed.
     fn append(&mut self, a: Analysed) {
         let base = self.regions.len() as u32;
-        let mut pid = self.grids.len();
-        for n in a.counts {
+        for (pid, n) in (self.grids.len()..).zip(a.counts) {
             self.region_first[pid + 1] = self.region_first[pid] + n;
-            pid += 1;
         }
         self.grids.extend(a.grids);
         self.regions.extend_from_slice(&a.regions);
@@ -220,10 +218,7 @@ impl Planner<'_> {
             }
         }
         out.regions.push(RegionBox { dgroup: dgi, bx: r });
-        out.region_loads.push(RegionLoad {
-            cell,
-            weight: w,
-        });
+        out.region_loads.push(RegionLoad { cell, weight: w });
     }
 
     /// What the load of a region of dgroup `dg` depends on: its first target's tensors (every
