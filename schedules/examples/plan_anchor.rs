@@ -1,6 +1,7 @@
 //! Plans the anchor case (Kimi-K2, `pp=2,ep=8,fsdp=16` -> `tp=8,ep=32,dp=4` fp8) once and
 //! prints how long each step took and the summary, for `/usr/bin/time -v` (peak memory) and a
-//! quick look without the whole `weightsync` binary. Arguments override the case:
+//! quick look without the whole `weightsync` binary
+//! (`TABLE_OUT=path` also writes the table's bincode there). Arguments override the case:
 //! `cargo run --release -p weightsync-schedules --example plan_anchor -- MODEL TRAIN INFER DTYPE`.
 
 use std::time::Instant;
@@ -101,7 +102,12 @@ fn main() -> Result<(), PlanError> {
     let bytes = if std::env::var_os("NO_BINCODE").is_some() {
         0
     } else {
-        table.to_bincode().len()
+        let b = table.to_bincode();
+        // The table itself, to compare planners byte for byte.
+        if let Some(path) = std::env::var_os("TABLE_OUT") {
+            std::fs::write(path, &b).expect("writing TABLE_OUT");
+        }
+        b.len()
     };
     let largest_slice = if std::env::var_os("SLICES").is_some() {
         (0..table.trainers.len() as u32)

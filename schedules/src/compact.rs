@@ -423,17 +423,23 @@ impl RoutesBuilder {
         self.num_tasks += 1;
     }
 
-    /// Packs the tasks added since the last flush (runs never span a flush).
+    /// Packs the tasks added since the last flush (runs never span a flush), and frees what
+    /// held them: a planner keeps thousands of builders open at once, each busy in only some
+    /// of its flushes, and kept buffers would add up to tens of megabytes.
     pub(crate) fn flush(&mut self) {
-        self.routes.tasks.push(&self.tasks);
-        self.routes.bases.push(&self.bases);
-        self.tasks.clear();
-        self.bases.clear();
+        self.routes.tasks.push(&std::mem::take(&mut self.tasks));
+        self.routes.bases.push(&std::mem::take(&mut self.bases));
     }
 
     /// The finished routes.
     pub(crate) fn finish(mut self) -> TrainerRoutes {
         self.flush();
+        let r = &mut self.routes;
+        r.tasks.shrink_to_fit();
+        r.bases.shrink_to_fit();
+        r.patterns.shrink_to_fit();
+        r.writes.shrink_to_fit();
+        r.copies.shrink_to_fit();
         self.routes
     }
 }

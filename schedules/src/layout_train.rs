@@ -47,6 +47,7 @@
 //! 6. **Arena.** Each rank's shards are placed in parameter order, each at the next 256-byte
 //!    aligned offset; empty shards take no space and are not listed.
 
+use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use weightsync_common::DType;
 
@@ -269,48 +270,95 @@ impl TrainSpec {
 
 impl TrainingLayout {
     /// Builds the layout a [`TrainSpec`] describes (see the module docs).
+    ///
+    /// Rank by rank, in parallel: a rank holds a box of each parameter of its stage (of its ep
+    /// group's experts), in parameter order, one after the other in its arena; the ranks'
+    /// lists are then joined in rank order.
     pub fn build(model: &Model, spec: &TrainSpec) -> Result<TrainingLayout, PlanError> {
         let world = spec.world()?;
         check_spec_fits(model, spec)?;
-        let mut shards: Vec<ShardSpec> = Vec::new();
-        let mut next = vec![0u64; world as usize];
         let per_stage = spec.dp * spec.ep * spec.fsdp * spec.tp;
-        for (pid, p) in model.params.iter().enumerate() {
-            let sharding = Sharding::of(model, spec, p)?;
+        let shardings = model
+            .params
+            .iter()
+            .map(|p| Sharding::of(model, spec, p))
+            .collect::<Result<Vec<Sharding>, PlanError>>()?;
+        // Per (stage, ep group): the params its ranks may hold, in order.
+        let mut held: Vec<Vec<u32>> = vec![Vec::new(); (spec.pp * spec.ep) as usize];
+        for (pid, (p, sharding)) in model.params.iter().zip(&shardings).enumerate() {
             let stage = spec.stage_of(model, p.role);
-            let full = TensorBox::full(p.shape);
-            for dp_i in 0..spec.dp {
-                for ep_i in 0..spec.ep {
-                    if sharding.expert_group.is_some_and(|g| g != ep_i) {
-                        continue;
-                    }
-                    for fsdp_i in 0..spec.fsdp {
-                        for tp_i in 0..spec.tp {
-                            let rank = stage * per_stage
-                                + ((dp_i * spec.ep + ep_i) * spec.fsdp + fsdp_i) * spec.tp
-                                + tp_i;
-                            let mut b = full;
-                            sharding.cut(&mut b, spec, ep_i, fsdp_i, tp_i);
-                            if b.is_empty() {
-                                continue;
-                            }
-                            let off = next[rank as usize];
-                            next[rank as usize] = align_up(off + b.numel() * p.dtype.size() as u64);
-                            shards.push(ShardSpec {
-                                rank,
-                                param: pid as u32,
-                                global: b,
-                                dtype: p.dtype,
-                                offset: off,
-                            });
-                        }
-                    }
+            for ep_i in 0..spec.ep {
+                if sharding.expert_group.is_none_or(|g| g == ep_i) {
+                    held[(stage * spec.ep + ep_i) as usize].push(pid as u32);
                 }
             }
         }
+        // A rank's place in the mesh, and its shards (in parameter order) with their arena
+        // offsets, as `f(shard)`.
+        let for_each_shard = |rank: u32, f: &mut dyn FnMut(ShardSpec)| {
+            // rank = stage * per_stage + ((dp_i * ep + ep_i) * fsdp + fsdp_i) * tp + tp_i
+            let (stage, within) = (rank / per_stage, rank % per_stage);
+            let tp_i = within % spec.tp;
+            let fsdp_i = within / spec.tp % spec.fsdp;
+            let ep_i = within / (spec.tp * spec.fsdp) % spec.ep;
+            let mut next = 0u64;
+            for &pid in &held[(stage * spec.ep + ep_i) as usize] {
+                let p = &model.params[pid as usize];
+                let mut b = TensorBox::full(p.shape);
+                shardings[pid as usize].cut(&mut b, spec, ep_i, fsdp_i, tp_i);
+                if b.is_empty() {
+                    continue;
+                }
+                f(ShardSpec {
+                    rank,
+                    param: pid,
+                    global: b,
+                    dtype: p.dtype,
+                    offset: next,
+                });
+                next = align_up(next + b.numel() * p.dtype.size() as u64);
+            }
+        };
+        // Counted first, then written in place: one list, allocated once, by this thread (a
+        // list per rank, allocated by rayon's threads, left their memory fragmented).
+        let counts: Vec<usize> = (0..world)
+            .into_par_iter()
+            .map(|rank| {
+                let mut n = 0;
+                for_each_shard(rank, &mut |_| n += 1);
+                n
+            })
+            .collect();
+        let Some(fill) = (0..world).find_map(|rank| {
+            let mut first = None;
+            for_each_shard(rank, &mut |s| {
+                first.get_or_insert(s);
+            });
+            first
+        }) else {
+            return Ok(TrainingLayout {
+                ranks: world,
+                shards: Vec::new(),
+            });
+        };
+        let mut shards = vec![fill; counts.iter().sum()];
+        let mut mine: Vec<&mut [ShardSpec]> = Vec::with_capacity(world as usize);
+        let mut rest = shards.as_mut_slice();
+        for &n in &counts {
+            let (a, b) = rest.split_at_mut(n);
+            mine.push(a);
+            rest = b;
+        }
+        mine.into_par_iter().enumerate().for_each(|(rank, out)| {
+            let mut k = 0;
+            for_each_shard(rank as u32, &mut |s| {
+                out[k] = s;
+                k += 1;
+            });
+        });
         Ok(TrainingLayout {
             ranks: world,
-            shards: by_rank(shards, world),
+            shards,
         })
     }
 
@@ -365,29 +413,6 @@ impl TrainingLayout {
         }
         Ok(())
     }
-}
-
-/// `shards` (each rank's in offset order, ranks interleaved) in (rank, offset) order: a counting
-/// sort by rank, which keeps each rank's order. (A comparison sort of the million shards of a
-/// large model cost more than planning's whole first pass.)
-fn by_rank(shards: Vec<ShardSpec>, ranks: u32) -> Vec<ShardSpec> {
-    let mut first = vec![0usize; ranks as usize + 1];
-    for s in &shards {
-        first[s.rank as usize + 1] += 1;
-    }
-    for r in 0..ranks as usize {
-        first[r + 1] += first[r];
-    }
-    let Some(&fill) = shards.first() else {
-        return shards;
-    };
-    // Every slot is written once: the counts above are the shards' own.
-    let mut out = vec![fill; shards.len()];
-    for s in &shards {
-        out[first[s.rank as usize]] = *s;
-        first[s.rank as usize] += 1;
-    }
-    out
 }
 
 /// Refuses a spec the model cannot be laid out by: another expert form than the model's, more

@@ -1,8 +1,11 @@
 //! weightsync-schedules: the pure planner.
 //!
-//! `(model, training layout, inference layout, cost model) -> RoutingTable`, with no I/O, no
-//! clock and no threads, so the same inputs always give the same (byte-identical) table and every
-//! rule the table obeys can be checked by tests.
+//! `(model, training layout, inference layout, cost model) -> RoutingTable`, with no I/O and no
+//! clock, so the same inputs always give the same (byte-identical) table and every rule the
+//! table obeys can be checked by tests. Independent work runs on rayon's threads (the layouts'
+//! ranks, the planner's params and trainers, the summary's trainers) and is put back together
+//! in a fixed order, or summed, so the table does not depend on the number of threads or on
+//! which thread did what (see [`planner`]).
 //!
 //! # Layout
 //! - [`table`]: the output ([`RoutingTable`]) and the memory/execution contract with workers;

@@ -67,7 +67,14 @@ impl Packed {
     pub fn of<const W: usize>(records: &[[u64; W]]) -> Packed {
         let mut p = Packed::default();
         p.push(records);
+        p.shrink_to_fit();
         p
+    }
+
+    /// Gives back the room the lists grew into beyond what they hold (a finished list).
+    pub fn shrink_to_fit(&mut self) {
+        self.runs.shrink_to_fit();
+        self.fields.shrink_to_fit();
     }
 
     /// Number of records (saturating: a decoded list may claim more than `u64` counts).

@@ -18,6 +18,8 @@ use serde::{Deserialize, Serialize};
 use crate::cost::CostModel;
 use std::collections::BTreeMap;
 
+use rayon::prelude::*;
+
 use crate::compact::{TaskPattern, TrainerRoutes};
 use crate::table::RoutingTable;
 
@@ -138,6 +140,26 @@ impl Received {
         }
     }
 
+    /// Adds what `other` holds (differences add up, in wrapping arithmetic, in any order).
+    fn add_all(&mut self, other: Received) {
+        for (stride, (ob, ow)) in other.by_stride {
+            match self.by_stride.entry(stride) {
+                std::collections::btree_map::Entry::Vacant(v) => {
+                    v.insert((ob, ow));
+                }
+                std::collections::btree_map::Entry::Occupied(mut o) => {
+                    let (b, w) = o.get_mut();
+                    for (x, y) in b.iter_mut().zip(&ob) {
+                        *x = x.wrapping_add(*y);
+                    }
+                    for (x, y) in w.iter_mut().zip(&ow) {
+                        *x = x.wrapping_add(*y);
+                    }
+                }
+            }
+        }
+    }
+
     /// Adds everything received into `rx` and `rx_wrs`.
     fn sum_into(self, rx: &mut [u64], rx_wrs: &mut [u64]) {
         for (stride, (mut b, mut w)) in self.by_stride {
@@ -187,6 +209,27 @@ impl Counts {
             gather_wrs: 0,
             gather_local: 0,
         }
+    }
+
+    /// Adds what `other` counted.
+    fn add(&mut self, other: Counts) {
+        for (a, b) in [
+            (&mut self.tx, &other.tx),
+            (&mut self.tx_wrs, &other.tx_wrs),
+            (&mut self.grx, &other.grx),
+            (&mut self.rx, &other.rx),
+            (&mut self.rx_wrs, &other.rx_wrs),
+        ] {
+            for (x, y) in a.iter_mut().zip(b) {
+                *x += y;
+            }
+        }
+        self.copied.add_all(other.copied);
+        self.routes += other.routes;
+        self.tasks += other.tasks;
+        self.gather += other.gather;
+        self.gather_wrs += other.gather_wrs;
+        self.gather_local += other.gather_local;
     }
 
     /// Counts one task of trainer `me`, of pattern `p`, whose writes land at `bases`.
@@ -250,38 +293,38 @@ impl Counts {
 impl Summary {
     /// Computes the summary of a table under a cost model, from its compact form: each task
     /// once, each write copy as a progression of ranks (never write by write).
+    ///
+    /// Trainers are counted in parallel (rayon), each into the counts of the thread that takes
+    /// it; the counts are integer sums, so adding them up in any order gives the same figures,
+    /// and the slowest trainer is picked afterwards in rank order, as one thread would.
     pub fn of(table: &RoutingTable, cost: &CostModel) -> Summary {
         let nt = table.trainers.len();
         let nr = table.rollouts.len();
-        let mut c = Counts::new(nt, nr);
+        let (c, mut trainer_terms) = table
+            .trainers
+            .par_iter()
+            .enumerate()
+            .fold(
+                || (Counts::new(nt, nr), Vec::new()),
+                |(mut c, mut terms), (me, t)| {
+                    terms.push((me, trainer_terms(&mut c, me, &t.routes, cost)));
+                    (c, terms)
+                },
+            )
+            .reduce(
+                || (Counts::new(nt, nr), Vec::new()),
+                |(mut a, mut at), (b, bt)| {
+                    a.add(b);
+                    at.extend(bt);
+                    (a, at)
+                },
+            );
+        trainer_terms.sort_unstable_by_key(|&(me, _)| me);
         let mut worst_trainer = (0.0f64, "");
-        for (me, t) in table.trainers.iter().enumerate() {
-            let r = &t.routes;
-            let (mut h2d, mut prep, mut fill) = (0u64, 0u64, 0.0f64);
-            let mut cursor = r.cursor();
-            while let Some(task) = cursor.next() {
-                let Some(p) = r.patterns.get(task.pattern as usize) else {
-                    continue;
-                };
-                let input = task_input_bytes(p);
-                if !p.gather {
-                    h2d += input;
-                }
-                prep += input;
-                fill = fill.max(
-                    input as f64 / cost.h2d_bytes_per_s + input as f64 / cost.prep_bytes_per_s,
-                );
-                c.task(me, r, p, task.bases);
-            }
-            let (tx, tx_wrs) = (c.tx[me], c.tx_wrs[me]);
-            let terms = [
-                (cost.nic_time(tx, tx_wrs), "trainer NIC"),
-                (h2d as f64 / cost.h2d_bytes_per_s, "host-to-device copies"),
-                (prep as f64 / cost.prep_bytes_per_s, "preparation"),
-            ];
+        for (_, terms) in trainer_terms {
             for (s, what) in terms {
-                if s + fill > worst_trainer.0 {
-                    worst_trainer = (s + fill, what);
+                if s > worst_trainer.0 {
+                    worst_trainer = (s, what);
                 }
             }
         }
@@ -335,6 +378,39 @@ impl Summary {
             bottleneck: bottleneck.to_string(),
         }
     }
+}
+
+/// Counts trainer `me`'s tasks into `c`; returns its time under the cost model by what limits
+/// it (its NIC, its host-to-device copies, its preparation), each with the pipeline's fill.
+fn trainer_terms(
+    c: &mut Counts,
+    me: usize,
+    r: &TrainerRoutes,
+    cost: &CostModel,
+) -> [(f64, &'static str); 3] {
+    let (mut h2d, mut prep, mut fill) = (0u64, 0u64, 0.0f64);
+    let mut cursor = r.cursor();
+    while let Some(task) = cursor.next() {
+        let Some(p) = r.patterns.get(task.pattern as usize) else {
+            continue;
+        };
+        let input = task_input_bytes(p);
+        if !p.gather {
+            h2d += input;
+        }
+        prep += input;
+        fill = fill.max(input as f64 / cost.h2d_bytes_per_s + input as f64 / cost.prep_bytes_per_s);
+        c.task(me, r, p, task.bases);
+    }
+    let (tx, tx_wrs) = (c.tx[me], c.tx_wrs[me]);
+    [
+        (cost.nic_time(tx, tx_wrs) + fill, "trainer NIC"),
+        (
+            h2d as f64 / cost.h2d_bytes_per_s + fill,
+            "host-to-device copies",
+        ),
+        (prep as f64 / cost.prep_bytes_per_s + fill, "preparation"),
+    ]
 }
 
 /// Bytes a task of pattern `p` reads (its region in the transform's input dtype).

@@ -105,7 +105,25 @@ fn check(name: &str, json: &str, train: &str, infer: &str, dtype: InferDType) {
         let seed = std::path::Path::new(&dir).join(format!("{name}.bin"));
         std::fs::write(&seed, table.to_bincode()).unwrap();
     }
-    let text = dump(&table, &Summary::of(&table, &cost));
+    let summary = Summary::of(&table, &cost);
+    // The same table and figures on one thread and on three as on rayon's default pool.
+    for threads in [1, 3] {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        let (t, s) = pool.install(|| {
+            let t = TrainingLayout::build(&m, &tspec).unwrap();
+            let table = plan(&m, &t, &i, &cost).unwrap();
+            let s = Summary::of(&table, &cost);
+            (table, s)
+        });
+        assert!(
+            t.to_bincode() == table.to_bincode() && s == summary,
+            "{name}: planned on {threads} threads, the table or its summary differs"
+        );
+    }
+    let text = dump(&table, &summary);
     let path = format!("{}/tests/golden/{name}.txt", env!("CARGO_MANIFEST_DIR"));
     if std::env::var_os("UPDATE_GOLDEN").is_some() {
         std::fs::write(&path, &text).unwrap();

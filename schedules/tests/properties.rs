@@ -348,6 +348,17 @@ proptest! {
         shuffled.shards.reverse();
         let third = plan(&m, &shuffled, &i, &cost).unwrap();
         prop_assert!(table.to_bincode() == third.to_bincode());
+        // Nor does the number of threads planning it (layouts, analysis, emission, summary).
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
+        let (l3, t3, s3) = pool.install(|| {
+            let (_, t, _) = inputs(&c).unwrap();
+            let table = plan(&m, &t, &i, &cost).unwrap();
+            let s = Summary::of(&table, &cost);
+            (t, table, s)
+        });
+        prop_assert_eq!(&l3, &t);
+        prop_assert!(table.to_bincode() == t3.to_bincode());
+        prop_assert_eq!(Summary::of(&table, &cost), s3);
         // The table round-trips through bincode; each slice expands to an explicit plan (no
         // copies left) whose compact form is the slice's own routes again.
         let back = RoutingTable::from_bincode(&table.to_bincode()).unwrap();

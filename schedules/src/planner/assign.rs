@@ -68,8 +68,6 @@ impl Planner<'_> {
         let owner_shard = self.gather_owner(grid, first, big_cell);
         let owner = self.shard(owner_shard).rank;
         self.loads[owner as usize] += reg.weight;
-        self.est_tasks[owner as usize] += 1;
-        self.est_writes[owner as usize] += reg.writes as u64;
         let n = self.gather_parts.len() as u32 - first;
         self.choose_part_senders(reg, grid, owner_shard, first, n);
         self.assign[ri as usize] = Assign::Gather {
@@ -150,8 +148,6 @@ impl Planner<'_> {
                 .unwrap_or_else(|| self.least_loaded(h));
             let srank = self.shard(sender).rank;
             let runs = count_runs(&part.relative_to(&reg.bx), &reg.bx.shape());
-            self.est_tasks[srank as usize] += 1;
-            self.est_writes[srank as usize] += runs;
             if srank != owner {
                 self.loads[srank as usize] += part.numel() * elem + runs * wr;
             }
@@ -168,8 +164,6 @@ impl Planner<'_> {
             let s = self.least_loaded(grids[pid].holders(reg.cell));
             let r = self.shard(s).rank as usize;
             self.loads[r] += reg.weight;
-            self.est_tasks[r] += 1;
-            self.est_writes[r] += reg.writes as u64;
             self.assign[ri as usize] = Assign::Shard(s);
         }
     }
@@ -262,8 +256,6 @@ impl Planner<'_> {
             sub.start[sd] = reg.bx.start[sd] + done * unit;
             sub.len[sd] = ((done + k) * unit).min(reg.bx.len[sd]) - done * unit;
             self.splits.push((sub, shard_of(ranks[*cur])));
-            self.est_tasks[ranks[*cur] as usize] += 1;
-            self.est_writes[ranks[*cur] as usize] += reg.writes as u64;
             quota[*cur] -= k as i128 * per_unit;
             done += k;
         }

@@ -5,6 +5,8 @@
 //! Its own file because the grouping is the planner's view of the destination side: every
 //! later step walks dgroups, never pieces.
 
+use rayon::prelude::*;
+
 use super::DGroup;
 use crate::layout_infer::InferenceLayout;
 
@@ -60,11 +62,19 @@ fn pieces_by_param_and_box(np: usize, infer: &InferenceLayout) -> Vec<u32> {
         order[next[p.param as usize]] = i as u32;
         next[p.param as usize] += 1;
     }
+    // Each param's pieces sorted on their own, params in parallel.
+    let mut by_param: Vec<&mut [u32]> = Vec::with_capacity(np);
+    let mut rest = order.as_mut_slice();
     for k in 0..np {
-        order[piece_first[k]..piece_first[k + 1]].sort_unstable_by_key(|&i| {
+        let (mine, after) = rest.split_at_mut(piece_first[k + 1] - piece_first[k]);
+        by_param.push(mine);
+        rest = after;
+    }
+    by_param.into_par_iter().for_each(|pieces| {
+        pieces.sort_unstable_by_key(|&i| {
             let p = &infer.pieces[i as usize];
             (p.src.start, p.src.len, p.rank, p.tensor)
-        });
-    }
+        })
+    });
     order
 }

@@ -7,6 +7,7 @@
 //! Its own file because it is the only step that writes the table: the others decide, this one
 //! spells the decisions out in the format workers execute ([`crate::table`]).
 
+use rayon::prelude::*;
 use weightsync_common::DType;
 
 use super::place::{dst_box, scale_box};
@@ -31,8 +32,10 @@ struct TrainerBuilder {
     params: Vec<u32>,
     source_arena_bytes: u64,
     gather_arena_bytes: u64,
-    /// Its mesh groups so far (see [`CompactTrainer::groups`]).
-    groups: Vec<[u64; GROUP_FIELDS]>,
+    /// Its mesh groups so far (see [`CompactTrainer::groups`]), in 32 bits while emission
+    /// runs (thousands of trainers keep a record per group; counts past `u32` are refused
+    /// with the trainer's total, [`trainer_parts`]).
+    groups: Vec<[u32; GROUP_FIELDS]>,
     routes: RoutesBuilder,
     /// Its pattern of each shape it has sent a task of.
     known: KnownShapes,
@@ -40,14 +43,35 @@ struct TrainerBuilder {
     gather_expect: u32,
 }
 
-/// What emission builds: the trainers' parts and the rollouts' expected counts.
-struct Emission {
-    builders: Vec<TrainerBuilder>,
+/// What every part of emission reads: the shard lookups and the order params and gather
+/// regions are emitted in.
+struct EmissionPlan {
     /// Shard position -> index in its rank's shards.
     shard_local: Vec<u32>,
     /// Shard position -> index of its param in its rank's params.
     shard_param: Vec<u32>,
-    /// Writes each rollout rank receives per sync.
+    /// Params in (mesh group, id) order, and per mesh group where its params start there
+    /// (`ngroups + 1` entries).
+    by_group: Vec<u32>,
+    group_first: Vec<usize>,
+    /// Gather regions by mesh group, in region (so param) order.
+    group_gathers: Vec<Vec<u32>>,
+}
+
+/// What a part of emission built: its trainers, and the writes each rollout receives from them.
+type PartEmitted = (Vec<TrainerBuilder>, Vec<u64>);
+
+/// One part of emission: the trainers `part`, `part + parts`, ... (see [`Planner::emit`]).
+struct Emission<'e> {
+    plan: &'e EmissionPlan,
+    part: usize,
+    parts: usize,
+    /// This part's trainers, in rank order: rank `part + i * parts` at `i`.
+    builders: Vec<TrainerBuilder>,
+    /// Per trainer (every one, as every part allocates every gather region): the end of its
+    /// gather arena so far.
+    gather_arena: Vec<u64>,
+    /// Writes each rollout rank receives per sync from this part's trainers.
     rollout_writes: Vec<u64>,
     /// The target plan of the dgroup last emitted (tasks of a dgroup come together), and its
     /// class in `shapes`.
@@ -58,14 +82,21 @@ struct Emission {
     shapes: ShapeMemo,
     task_cursor: Cursor,
     gather_cursor: Cursor,
-    /// Per trainer, where the current mesh group's three classes of tasks start.
+    /// Per trainer of this part, where the current mesh group's three classes of tasks start.
     starts: Vec<[u64; 3]>,
     /// The current task's writes and copies (scratch).
     writes: Vec<TaskWrite>,
     copies: Vec<(u32, u32, u32, u32, u32)>,
 }
 
-impl Emission {
+impl Emission<'_> {
+    /// Where trainer `rank` is in `builders`, if this part builds it.
+    #[inline]
+    fn local(&self, rank: u32) -> Option<usize> {
+        let r = rank as usize;
+        (r % self.parts == self.part).then_some(r / self.parts)
+    }
+
     /// Records where task class `class` of the current group starts on every trainer.
     fn mark_class_start(&mut self, class: usize) {
         for (r, b) in self.builders.iter().enumerate() {
@@ -84,12 +115,13 @@ impl Emission {
             if end == s0 {
                 b.known = KnownShapes::default();
             }
+            let small = |n: u64| n.min(u32::MAX as u64) as u32;
             b.groups.push([
-                id as u64,
-                end - s0,
-                s1 - s0,
-                s2 - s1,
-                b.gather_expect as u64,
+                id as u32,
+                small(end - s0),
+                small(s1 - s0),
+                small(s2 - s1),
+                b.gather_expect,
             ]);
             b.gather_expect = 0;
             b.routes.flush();
@@ -100,6 +132,14 @@ impl Emission {
 impl Planner<'_> {
     /// Pass 3: tasks and writes, appended to each trainer's plan directly in execution order:
     /// per mesh group, gather sends, then local tasks, then gather-sourced tasks.
+    ///
+    /// In parallel: trainers are dealt into as many parts as rayon has threads (rank `r` to
+    /// part `r % parts`), and each part walks every mesh group, region and gather region in
+    /// the same order, building only its own trainers' tasks. A trainer's tasks, patterns and
+    /// runs depend only on the tasks it is given, in order, so each comes out as if emitted
+    /// alone; what all trainers share is summed (the writes each rollout receives) or worked
+    /// out the same way by every part (where each gather region lies in its owner's arena).
+    /// The table is the same whatever the number of threads.
     pub(super) fn emit(
         &self,
         progress: &mut dyn FnMut(u64, u64),
@@ -107,39 +147,45 @@ impl Planner<'_> {
         let model = self.model;
         let np = model.params.len();
         let ngroups = model.num_mesh_groups();
-        let mut out = self.emission();
-        // Params in (mesh group, id) order.
-        let mut by_group: Vec<u32> = (0..np as u32).collect();
-        by_group.sort_by_key(|&p| (model.mesh_group(model.params[p as usize].role), p));
-        // Gather regions by mesh group, in region (so param) order.
-        let mut group_gathers: Vec<Vec<u32>> = vec![Vec::new(); ngroups as usize];
-        for &ri in &self.gathers {
-            let pid = self.dgroup_param(self.regions[ri as usize].dgroup);
-            group_gathers[model.mesh_group(model.params[pid].role) as usize].push(ri);
+        let nt = self.train.ranks as usize;
+        let parts = rayon::current_num_threads().clamp(1, nt.max(1));
+        let (builders, plan) = self.emission_plan();
+        let mut dealt: Vec<Vec<TrainerBuilder>> = (0..parts)
+            .map(|_| Vec::with_capacity(nt.div_ceil(parts)))
+            .collect();
+        for (r, b) in builders.into_iter().enumerate() {
+            dealt[r % parts].push(b);
         }
-        let mut gather_offs: Vec<u64> = Vec::new();
-        let mut gi = 0usize;
-        for g in 0..ngroups {
-            let g0 = gi;
-            while gi < by_group.len()
-                && model.mesh_group(model.params[by_group[gi] as usize].role) == g
-            {
-                gi += 1;
+        let mut dealt = dealt.into_iter();
+        let first = dealt.next().unwrap_or_default();
+        let mut others: Vec<(Vec<TrainerBuilder>, Option<PartEmitted>)> =
+            dealt.map(|b| (b, None)).collect();
+        let mut mine = None;
+        rayon::in_place_scope(|s| {
+            for (k, (builders, slot)) in others.iter_mut().enumerate() {
+                let (plan, builders) = (&plan, std::mem::take(builders));
+                s.spawn(move |_| {
+                    *slot = Some(self.emit_part(plan, k + 1, parts, builders, &mut |_, _| {}));
+                });
             }
-            if gi / 4096 != g0 / 4096 {
-                progress((np + gi) as u64, 2 * np as u64);
+            mine = Some(self.emit_part(&plan, 0, parts, first, progress));
+        });
+        drop(plan);
+        let mut done: Vec<PartEmitted> = mine.into_iter().collect();
+        done.extend(others.into_iter().filter_map(|(_, e)| e));
+        // Every rollout's writes from every part; every trainer back in rank order.
+        let mut rollout_writes = vec![0u64; self.infer.ranks.len()];
+        let mut by_part: Vec<std::vec::IntoIter<TrainerBuilder>> = Vec::with_capacity(parts);
+        for (builders, writes) in done {
+            for (sum, w) in rollout_writes.iter_mut().zip(&writes) {
+                *sum += w;
             }
-            let gathers = &group_gathers[g as usize];
-            self.emit_group(&mut out, g, &by_group[g0..gi], gathers, &mut gather_offs);
+            by_part.push(builders.into_iter());
         }
-        out.targets.flush(&mut out.rollout_writes);
-        // The shapes are only needed while tasks are added: freed before the table is finished.
-        out.shapes = ShapeMemo::default();
-        for b in &mut out.builders {
-            b.known = KnownShapes::default();
-        }
-        let (rollout_layouts, rollouts) = self.rollout_entries(&out.rollout_writes);
-        let trainers = trainer_parts(out.builders)?;
+        let builders: Vec<TrainerBuilder> =
+            (0..nt).filter_map(|r| by_part[r % parts].next()).collect();
+        let (rollout_layouts, rollouts) = self.rollout_entries(&rollout_writes);
+        let trainers = trainer_parts(builders)?;
         progress(2 * np as u64, 2 * np as u64);
         Ok(RoutingTable {
             model: model.name.clone(),
@@ -162,8 +208,57 @@ impl Planner<'_> {
         })
     }
 
-    /// The empty parts of every trainer, and the shard lookups emission needs.
-    fn emission(&self) -> Emission {
+    /// Emits every mesh group for the trainers of part `part` of `parts` (`builders`, in rank
+    /// order); returns them with what they send to each rollout. Only part 0 reports progress.
+    fn emit_part(
+        &self,
+        plan: &EmissionPlan,
+        part: usize,
+        parts: usize,
+        builders: Vec<TrainerBuilder>,
+        progress: &mut dyn FnMut(u64, u64),
+    ) -> PartEmitted {
+        let np = self.model.params.len();
+        let mut out = Emission {
+            plan,
+            part,
+            parts,
+            starts: vec![[0u64; 3]; builders.len()],
+            builders,
+            gather_arena: vec![0u64; self.train.ranks as usize],
+            rollout_writes: vec![0u64; self.infer.ranks.len()],
+            targets: TargetPlan::none(),
+            class: 0,
+            shapes: ShapeMemo::default(),
+            task_cursor: Cursor::default(),
+            gather_cursor: Cursor::default(),
+            writes: Vec::new(),
+            copies: Vec::new(),
+        };
+        let mut gather_offs: Vec<u64> = Vec::new();
+        for (g, gathers) in plan.group_gathers.iter().enumerate() {
+            let (g0, gi) = (plan.group_first[g], plan.group_first[g + 1]);
+            if gi / 4096 != g0 / 4096 {
+                progress((np + gi) as u64, 2 * np as u64);
+            }
+            let params = &plan.by_group[g0..gi];
+            self.emit_group(&mut out, g as u16, params, gathers, &mut gather_offs);
+        }
+        out.targets.flush(&mut out.rollout_writes);
+        // The shapes are only needed while tasks are added: freed before the table is finished.
+        out.shapes = ShapeMemo::default();
+        for b in &mut out.builders {
+            b.known = KnownShapes::default();
+            b.gather_arena_bytes = out.gather_arena[b.rank as usize];
+        }
+        (out.builders, out.rollout_writes)
+    }
+
+    /// The empty parts of every trainer, and what every part of emission reads.
+    fn emission_plan(&self) -> (Vec<TrainerBuilder>, EmissionPlan) {
+        let model = self.model;
+        let np = model.params.len();
+        let ngroups = model.num_mesh_groups() as usize;
         let (builders, by_index) = self.trainer_builders();
         // Shard position -> (index in its rank's shard list, index of its param in the rank's
         // params): looked up once per task, so dense arrays in position order.
@@ -177,20 +272,29 @@ impl Planner<'_> {
             .zip(&self.shards)
             .map(|(&g, sh)| (g - first_shard[sh.rank as usize], by_index[g as usize]))
             .unzip();
-        Emission {
-            starts: vec![[0u64; 3]; builders.len()],
-            builders,
+        let group_of = |p: u32| model.mesh_group(model.params[p as usize].role) as usize;
+        let mut by_group: Vec<u32> = (0..np as u32).collect();
+        by_group.sort_by_key(|&p| (group_of(p), p));
+        let mut group_first = vec![0usize; ngroups + 1];
+        for &p in &by_group {
+            group_first[group_of(p) + 1] += 1;
+        }
+        for g in 0..ngroups {
+            group_first[g + 1] += group_first[g];
+        }
+        let mut group_gathers: Vec<Vec<u32>> = vec![Vec::new(); ngroups];
+        for &ri in &self.gathers {
+            let pid = self.dgroup_param(self.regions[ri as usize].dgroup);
+            group_gathers[group_of(pid as u32)].push(ri);
+        }
+        let plan = EmissionPlan {
             shard_local,
             shard_param,
-            rollout_writes: vec![0u64; self.infer.ranks.len()],
-            targets: TargetPlan::none(),
-            class: 0,
-            shapes: ShapeMemo::default(),
-            task_cursor: Cursor::default(),
-            gather_cursor: Cursor::default(),
-            writes: Vec::new(),
-            copies: Vec::new(),
-        }
+            by_group,
+            group_first,
+            group_gathers,
+        };
+        (builders, plan)
     }
 
     /// Per trainer, its part with its params and shards (`train.shards` is sorted by rank,
@@ -204,30 +308,36 @@ impl Planner<'_> {
         for r in 0..nt {
             rank_first[r + 1] += rank_first[r];
         }
-        // Param id -> index in the current rank's params (valid for the rank's own params).
-        let mut local_param = vec![0u32; self.model.params.len()];
+        // Per rank in parallel (each writes its own part of `by_index`).
         let mut by_index = vec![0u32; self.train.shards.len()];
-        let mut local: Vec<LocalShard> = Vec::new();
-        let builders = (0..nt)
-            .map(|r| {
+        let mut parts: Vec<&mut [u32]> = Vec::with_capacity(nt);
+        let mut rest = by_index.as_mut_slice();
+        for r in 0..nt {
+            let (mine, after) = rest.split_at_mut(rank_first[r + 1] - rank_first[r]);
+            parts.push(mine);
+            rest = after;
+        }
+        let builders = parts
+            .into_par_iter()
+            .enumerate()
+            .map(|(r, by_index)| {
                 let shards = &self.train.shards[rank_first[r]..rank_first[r + 1]];
                 let mut pids: Vec<u32> = shards.iter().map(|s| s.param).collect();
                 if !pids.is_sorted() {
                     pids.sort_unstable();
                 }
                 pids.dedup();
-                for (i, &p) in pids.iter().enumerate() {
-                    local_param[p as usize] = i as u32;
-                }
-                local.clear();
-                local.extend(shards.iter().map(|s| LocalShard {
-                    param: local_param[s.param as usize],
-                    global: s.global,
-                    dtype: s.dtype,
-                    offset: s.offset,
-                }));
-                for (i, l) in local.iter().enumerate() {
-                    by_index[rank_first[r] + i] = l.param;
+                let local: Vec<LocalShard> = shards
+                    .iter()
+                    .map(|s| LocalShard {
+                        param: pids.partition_point(|&p| p < s.param) as u32,
+                        global: s.global,
+                        dtype: s.dtype,
+                        offset: s.offset,
+                    })
+                    .collect();
+                for (x, l) in by_index.iter_mut().zip(&local) {
+                    *x = l.param;
                 }
                 TrainerBuilder {
                     rank: r as u32,
@@ -314,13 +424,18 @@ impl Planner<'_> {
     ) -> u64 {
         let owner = self.shard(owner_shard);
         let elem = owner.dtype.size() as u64;
-        let ob = &mut out.builders[owner.rank as usize];
-        let goff = ob.gather_arena_bytes;
-        ob.gather_arena_bytes = align_up(goff + reg.bx.numel() * elem);
+        // Every part allocates every region, so all agree where each lies.
+        let goff = out.gather_arena[owner.rank as usize];
+        out.gather_arena[owner.rank as usize] = align_up(goff + reg.bx.numel() * elem);
+        let owner_local = out.local(owner.rank);
         let shape = reg.bx.shape();
         let mut received = 0;
         for &(part, s) in parts {
             let sh = self.shard(s);
+            let sender_local = out.local(sh.rank);
+            if sender_local.is_none() && owner_local.is_none() {
+                continue;
+            }
             let key = GatherKey {
                 part,
                 region: reg.bx,
@@ -337,9 +452,12 @@ impl Planner<'_> {
                 });
             let ws = out.shapes.writes(id);
             received += ws.len() as u32;
-            let shard = out.shard_local[s as usize];
-            let param = out.shard_param[s as usize];
-            let b = &mut out.builders[sh.rank as usize];
+            let Some(bi) = sender_local else {
+                continue;
+            };
+            let shard = out.plan.shard_local[s as usize];
+            let param = out.plan.shard_param[s as usize];
+            let b = &mut out.builders[bi];
             let base = |w: &ShapeWrite| [owner.rank as u64, goff + w.dst];
             match b.known.get(&id) {
                 Some(&pattern) => {
@@ -369,7 +487,9 @@ impl Planner<'_> {
             }
         }
         debug_assert!(g < self.model.num_mesh_groups());
-        out.builders[owner.rank as usize].gather_expect += received;
+        if let Some(oi) = owner_local {
+            out.builders[oi].gather_expect += received;
+        }
         goff
     }
 
@@ -385,12 +505,16 @@ impl Planner<'_> {
         s: u32,
         gather: Option<u64>,
     ) {
+        let sh = self.shard(s);
+        // Another part's trainer: that part emits it (and counts its writes).
+        let Some(bi) = out.local(sh.rank) else {
+            return;
+        };
         if out.targets.dgroup != reg.dgroup {
             self.target_plan(reg.dgroup, &mut out.targets, &mut out.rollout_writes);
             out.class = out.shapes.class_of(&out.targets);
             out.task_cursor = Cursor::default();
         }
-        let sh = self.shard(s);
         let dg = &self.dgroups[reg.dgroup as usize];
         let transform = transform_for(dg.fp8, sh.dtype, dg.dtype);
         let TargetPlan { listed, copies, .. } = &mut out.targets;
@@ -413,11 +537,11 @@ impl Planner<'_> {
         let (src, source) = match gather {
             Some(offset) => (offset, Source::Gather { offset }),
             None => {
-                let shard = out.shard_local[s as usize];
+                let shard = out.plan.shard_local[s as usize];
                 (shard as u64, Source::Shard { shard })
             }
         };
-        let param = out.shard_param[s as usize];
+        let param = out.plan.shard_param[s as usize];
         let ws = out.shapes.writes(id);
         let at = |w: &ShapeWrite| {
             let l = &listed[w.listed as usize];
@@ -428,7 +552,7 @@ impl Planner<'_> {
             };
             (l.piece.rank, tensor + w.dst)
         };
-        let b = &mut out.builders[sh.rank as usize];
+        let b = &mut out.builders[bi];
         match b.known.get(&id) {
             Some(&pattern) => b.routes.push_known(
                 pattern,
@@ -512,25 +636,31 @@ fn arena_end(shards: &[ShardSpec]) -> u64 {
 
 /// The finished trainer parts; refused when one would number its tasks past `u32`.
 fn trainer_parts(builders: Vec<TrainerBuilder>) -> Result<Vec<CompactTrainer>, PlanError> {
-    let mut trainers = Vec::with_capacity(builders.len());
-    for b in builders {
-        if b.routes.num_tasks > u32::MAX as u64 {
-            return Err(PlanError::TooLarge(format!(
-                "training rank {} would have more than 2^32 tasks",
-                b.rank
-            )));
-        }
-        let params: Vec<[u64; 1]> = b.params.iter().map(|&p| [p as u64]).collect();
-        trainers.push(CompactTrainer {
-            rank: b.rank,
-            source_arena_bytes: b.source_arena_bytes,
-            gather_arena_bytes: b.gather_arena_bytes,
-            params: Packed::of(&params),
-            groups: Packed::of(&b.groups),
-            routes: b.routes.finish(),
-        });
+    if let Some(b) = builders
+        .iter()
+        .find(|b| b.routes.num_tasks > u32::MAX as u64)
+    {
+        return Err(PlanError::TooLarge(format!(
+            "training rank {} would have more than 2^32 tasks",
+            b.rank
+        )));
     }
-    Ok(trainers)
+    Ok(builders
+        .into_par_iter()
+        .map(|b| {
+            let params: Vec<[u64; 1]> = b.params.iter().map(|&p| [p as u64]).collect();
+            let groups: Vec<[u64; GROUP_FIELDS]> =
+                b.groups.iter().map(|g| g.map(u64::from)).collect();
+            CompactTrainer {
+                rank: b.rank,
+                source_arena_bytes: b.source_arena_bytes,
+                gather_arena_bytes: b.gather_arena_bytes,
+                params: Packed::of(&params),
+                groups: Packed::of(&groups),
+                routes: b.routes.finish(),
+            }
+        })
+        .collect())
 }
 
 /// The transform for a region from `from` to a destination of `to` (fp8: block-quantised).

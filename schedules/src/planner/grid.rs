@@ -6,7 +6,7 @@
 //! param in one pass, so the few shardings a model repeats (every expert of a layer, every
 //! layer) are built once and shared ([`GridScratch::recent`]).
 
-use std::rc::Rc;
+use std::sync::Arc;
 
 use super::Planner;
 use crate::error::PlanError;
@@ -19,7 +19,7 @@ use crate::table::{Shape, TensorBox, MAX_DIMS};
 pub(super) struct Grid {
     /// Where the shards cut the parameter. Parameters whose shards have the same boxes (the
     /// experts of a layer, the layers of a model) share one.
-    pub(super) cells: Rc<GridCells>,
+    pub(super) cells: Arc<GridCells>,
     /// Holders of each cell (planner shard positions), grouped as `cells.holder_first` says.
     holders: Vec<u32>,
 }
@@ -203,7 +203,7 @@ pub(super) struct GridScratch {
     pairs: Vec<(u32, u32)>,
     next: Vec<u32>,
     /// Recently built cells, most recent first (a model repeats a handful of shardings).
-    recent: Vec<Rc<GridCells>>,
+    recent: Vec<Arc<GridCells>>,
 }
 
 /// How many recent grids [`GridScratch`] keeps.
@@ -276,7 +276,7 @@ impl Planner<'_> {
                 c
             }
             None => {
-                let c = Rc::new(grid_cells(p, shards, scratch)?);
+                let c = Arc::new(grid_cells(p, shards, scratch)?);
                 scratch.recent.insert(0, c.clone());
                 scratch.recent.truncate(RECENT_GRIDS);
                 c

@@ -21,7 +21,17 @@
 //! 5. **Emission.** Tasks per trainer in mesh-group order (gather sends, local tasks,
 //!    gather-sourced tasks), each with its writes as maximal contiguous runs.
 //!
-//! Pure and deterministic: no hash-map iteration, no clock, no threads.
+//! Pure and deterministic: no hash-map iteration, no clock, and threads only where the result
+//! cannot depend on them (rayon; the table is the same with one thread or many):
+//! - validation compares ranks laid out alike in parallel, then checks in rank order;
+//! - step 1 sorts each parameter's pieces on their own, in parallel;
+//! - steps 2-3 (`analyse`) take ranges of parameters in parallel and append what each range
+//!   found in parameter order; the single-holder loads they add are sums;
+//! - step 4 (sourcing) stays sequential: each choice depends on the loads of those before it;
+//! - step 5 deals the trainers into parts (rank `r` to part `r % parts`); each part walks every
+//!   region in the same order and emits only its own trainers' tasks, so each trainer gets the
+//!   same tasks in the same order as with one part, and the writes each rollout receives are
+//!   summed over the parts. The trainers' parts are built and finished in parallel.
 //!
 //! # Layout
 //! This file holds [`plan`], the `Planner` state the steps share and the order they run in;
@@ -113,8 +123,6 @@ struct Region {
     dgroup: u32,
     bx: TensorBox,
     cell: u32,
-    /// Writes to destinations (all targets).
-    writes: u32,
     weight: u64,
 }
 
@@ -130,8 +138,6 @@ struct RegionBox {
 #[derive(Clone, Copy)]
 struct RegionLoad {
     cell: u32,
-    /// Writes to destinations (all targets).
-    writes: u32,
     weight: u64,
 }
 
@@ -196,9 +202,6 @@ struct Planner<'a> {
     layout_class: Vec<u32>,
     /// What one work request costs, in bytes of bandwidth ([`CostModel::wr_equiv_bytes`]).
     wr_bytes: u64,
-    /// Expected tasks and writes per trainer (capacity hints).
-    est_tasks: Vec<u64>,
-    est_writes: Vec<u64>,
 }
 
 impl<'a> Planner<'a> {
@@ -247,8 +250,6 @@ impl<'a> Planner<'a> {
             splits: Vec::new(),
             gather_parts: Vec::new(),
             loads: vec![0; train.ranks as usize],
-            est_tasks: vec![0; train.ranks as usize],
-            est_writes: vec![0; train.ranks as usize],
             layout_class: targets::layout_classes(infer),
             wr_bytes: cost.wr_equiv_bytes(),
         })
@@ -276,16 +277,11 @@ impl<'a> Planner<'a> {
     #[inline]
     fn region(&self, ri: u32) -> Region {
         let RegionBox { dgroup, bx } = self.regions[ri as usize];
-        let RegionLoad {
-            cell,
-            writes,
-            weight,
-        } = self.region_loads[ri as usize];
+        let RegionLoad { cell, weight } = self.region_loads[ri as usize];
         Region {
             dgroup,
             bx,
             cell,
-            writes,
             weight,
         }
     }

@@ -10,6 +10,8 @@
 //! Its own file because this is the pass over every parameter: grids (step 2) are built here,
 //! one parameter at a time, and the regions it leaves are all the later steps see.
 
+use rayon::prelude::*;
+
 use super::grid::{Grid, GridScratch};
 use super::place::{dst_box, scale_box};
 use super::{Assign, DGroup, Planner, RegionBox, RegionLoad, GATHER};
@@ -39,35 +41,102 @@ struct Seg {
     cell: u32,
 }
 
+/// What pass 1 finds for a range of params, to be appended in param order to the planner's
+/// lists (region numbers in `open` are relative to the range's first region).
+#[derive(Default)]
+struct Analysed {
+    grids: Vec<Grid>,
+    /// Per param of the range, its number of regions.
+    counts: Vec<u32>,
+    regions: Vec<RegionBox>,
+    region_loads: Vec<RegionLoad>,
+    assign: Vec<Assign>,
+    open: Vec<u32>,
+    /// Per training rank: what its single-holder regions add to its load.
+    loads: Vec<u64>,
+}
+
+/// Params analysed together between progress reports; split among rayon's threads.
+const PARAMS_PER_BATCH: usize = 4096;
+
 impl Planner<'_> {
     /// Pass 1: grids and regions; single-replica loads.
+    ///
+    /// Params are independent here (a grid and regions each, and loads that add up), so they
+    /// are analysed in parallel, a batch at a time, in ranges whose findings are appended in
+    /// param order: the lists come out as if the params were analysed one after the other.
     pub(super) fn analyse(&mut self, progress: &mut dyn FnMut(u64, u64)) -> Result<(), PlanError> {
         let np = self.model.params.len();
-        let mut segs: Vec<Vec<Seg>> = vec![Vec::new(); MAX_DIMS];
-        let mut scratch = GridScratch::default();
-        for pid in 0..np {
-            if pid % 4096 == 0 {
-                progress(pid as u64, 2 * np as u64);
+        let per_range = PARAMS_PER_BATCH.div_ceil(rayon::current_num_threads().max(1));
+        for batch in (0..np).step_by(PARAMS_PER_BATCH) {
+            progress(batch as u64, 2 * np as u64);
+            let end = (batch + PARAMS_PER_BATCH).min(np);
+            let this: &Planner = self;
+            let found: Vec<Result<Analysed, PlanError>> = (batch..end)
+                .step_by(per_range)
+                .collect::<Vec<usize>>()
+                .into_par_iter()
+                .map(|a| this.analyse_range(a..(a + per_range).min(end)))
+                .collect();
+            for f in found {
+                self.append(f?);
             }
-            let (d0, d1) = (self.dgroup_first[pid], self.dgroup_first[pid + 1]);
-            if d0 == d1 {
-                self.grids.push(Grid::default());
-                self.region_first[pid + 1] = self.regions.len() as u32;
-                continue;
-            }
-            let grid = self.build_grid(pid, &mut scratch)?;
-            for dgi in d0..d1 {
-                self.cut_dgroup(pid, dgi, &grid, &mut segs);
-            }
-            self.grids.push(grid);
-            self.region_first[pid + 1] = self.regions.len() as u32;
         }
         Ok(())
     }
 
+    /// Pass 1 for params `pids`.
+    fn analyse_range(&self, pids: std::ops::Range<usize>) -> Result<Analysed, PlanError> {
+        let nt = self.train.ranks as usize;
+        let mut out = Analysed {
+            loads: vec![0; nt],
+            ..Analysed::default()
+        };
+        let mut segs: Vec<Vec<Seg>> = vec![Vec::new(); MAX_DIMS];
+        let mut scratch = GridScratch::default();
+        for pid in pids {
+            let before = out.regions.len();
+            let (d0, d1) = (self.dgroup_first[pid], self.dgroup_first[pid + 1]);
+            if d0 == d1 {
+                out.grids.push(Grid::default());
+            } else {
+                let grid = self.build_grid(pid, &mut scratch)?;
+                for dgi in d0..d1 {
+                    self.cut_dgroup(pid, dgi, &grid, &mut segs, &mut out);
+                }
+                out.grids.push(grid);
+            }
+            out.counts.push((out.regions.len() - before) as u32);
+        }
+        Ok(out)
+    }
+
+    /// Appends what pass 1 found for the params after those already analysed.
+    fn append(&mut self, a: Analysed) {
+        let base = self.regions.len() as u32;
+        for (pid, n) in (self.grids.len()..).zip(a.counts) {
+            self.region_first[pid + 1] = self.region_first[pid] + n;
+        }
+        self.grids.extend(a.grids);
+        self.regions.extend_from_slice(&a.regions);
+        self.region_loads.extend_from_slice(&a.region_loads);
+        self.assign.extend_from_slice(&a.assign);
+        self.open.extend(a.open.iter().map(|&ri| base + ri));
+        for (x, y) in self.loads.iter_mut().zip(&a.loads) {
+            *x += y;
+        }
+    }
+
     /// Cuts dgroup `dgi` (of param `pid`) into regions along `grid`, or makes it one gather
     /// region when those would be tiny. `segs` is scratch, one list per dim.
-    fn cut_dgroup(&mut self, pid: usize, dgi: u32, grid: &Grid, segs: &mut [Vec<Seg>]) {
+    fn cut_dgroup(
+        &self,
+        pid: usize,
+        dgi: u32,
+        grid: &Grid,
+        segs: &mut [Vec<Seg>],
+        out: &mut Analysed,
+    ) {
         let nd = grid.cells.ndim;
         let dg = &self.dgroups[dgi as usize];
         let reach = self.reach(dg);
@@ -83,13 +152,12 @@ impl Planner<'_> {
         let out_bytes = bx.numel() * dg.dtype.size() as u64;
         let src_bytes = bx.numel() * self.model.params[pid].dtype.size() as u64;
         if nregions > 1 && out_bytes / (nregions as u64) < wr && src_bytes <= 64 * wr {
-            let (w, wrs) = self.weight(&reach, &bx);
-            self.open.push(self.regions.len() as u32);
-            self.assign.push(Assign::Shard(0));
-            self.regions.push(RegionBox { dgroup: dgi, bx });
-            self.region_loads.push(RegionLoad {
+            let w = self.weight(&reach, &bx);
+            out.open.push(out.regions.len() as u32);
+            out.assign.push(Assign::Shard(0));
+            out.regions.push(RegionBox { dgroup: dgi, bx });
+            out.region_loads.push(RegionLoad {
                 cell: GATHER,
-                writes: wrs as u32,
                 weight: w,
             });
             return;
@@ -109,7 +177,7 @@ impl Planner<'_> {
                     cell += s.cell * grid.cells.strides[d];
                 }
             }
-            self.push_region(dgi, &reach, grid, r, cell);
+            self.push_region(dgi, &reach, grid, r, cell, out);
             let mut d = nd;
             loop {
                 if d == 0 {
@@ -128,27 +196,29 @@ impl Planner<'_> {
     /// Adds region `r` of dgroup `dgi` in `cell` (or GATHER). One holder: its source is fixed
     /// and its load counted now; the rest wait for every load (step 4).
     #[inline]
-    fn push_region(&mut self, dgi: u32, reach: &Reach, grid: &Grid, r: TensorBox, cell: u32) {
-        let (w, wrs) = self.weight(reach, &r);
+    fn push_region(
+        &self,
+        dgi: u32,
+        reach: &Reach,
+        grid: &Grid,
+        r: TensorBox,
+        cell: u32,
+        out: &mut Analysed,
+    ) {
+        let w = self.weight(reach, &r);
         match (cell != GATHER).then(|| grid.holders(cell)) {
             Some(&[only]) => {
                 let rank = self.shard(only).rank as usize;
-                self.loads[rank] += w;
-                self.est_tasks[rank] += 1;
-                self.est_writes[rank] += wrs;
-                self.assign.push(Assign::Shard(only));
+                out.loads[rank] += w;
+                out.assign.push(Assign::Shard(only));
             }
             _ => {
-                self.open.push(self.regions.len() as u32);
-                self.assign.push(Assign::Shard(0));
+                out.open.push(out.regions.len() as u32);
+                out.assign.push(Assign::Shard(0));
             }
         }
-        self.regions.push(RegionBox { dgroup: dgi, bx: r });
-        self.region_loads.push(RegionLoad {
-            cell,
-            writes: wrs as u32,
-            weight: w,
-        });
+        out.regions.push(RegionBox { dgroup: dgi, bx: r });
+        out.region_loads.push(RegionLoad { cell, weight: w });
     }
 
     /// What the load of a region of dgroup `dg` depends on: its first target's tensors (every
@@ -169,10 +239,10 @@ impl Planner<'_> {
         }
     }
 
-    /// Load weight of sending region `r` to all the targets of a dgroup, and the number of
-    /// writes.
+    /// Load weight of sending region `r` to all the targets of a dgroup: bytes plus work
+    /// requests at [`CostModel::wr_equiv_bytes`](crate::CostModel::wr_equiv_bytes) each.
     #[inline]
-    fn weight(&self, reach: &Reach, r: &TensorBox) -> (u64, u64) {
+    fn weight(&self, reach: &Reach, r: &TensorBox) -> u64 {
         let pc = &reach.pc;
         let db = dst_box(pc, r, reach.shape.ndim as usize);
         let mut wrs = count_runs(&db, &reach.shape);
@@ -182,7 +252,7 @@ impl Planner<'_> {
             wrs += count_runs(&sb, &ss);
             bytes += sb.numel() * 4;
         }
-        ((bytes + wrs * self.wr_bytes) * reach.n, wrs * reach.n)
+        (bytes + wrs * self.wr_bytes) * reach.n
     }
 }
 

@@ -213,11 +213,9 @@ impl ShapeMemo {
             gather,
         };
         let list = &self.class_shapes[class as usize];
-        if let Some(&(k, id)) = list.get(cursor.0 as usize) {
-            if k == key {
-                cursor.0 += 1;
-                return id;
-            }
+        if let Some((pos, id)) = guess(list, cursor, &key) {
+            cursor.0 = pos + 1;
+            return id;
         }
         if let Some(&(id, pos)) = self.tasks.get(&(class, key)) {
             cursor.0 = pos + 1;
@@ -240,11 +238,9 @@ impl ShapeMemo {
         cursor: &mut Cursor,
         cut: impl FnOnce(&mut Vec<ShapeWrite>, &mut Vec<(u32, u32)>),
     ) -> u32 {
-        if let Some(&(k, id)) = self.gather_shapes.get(cursor.0 as usize) {
-            if k == key {
-                cursor.0 += 1;
-                return id;
-            }
+        if let Some((pos, id)) = guess(&self.gather_shapes, cursor, &key) {
+            cursor.0 = pos + 1;
+            return id;
         }
         if let Some(&(id, pos)) = self.gathers.get(&key) {
             cursor.0 = pos + 1;
@@ -288,6 +284,23 @@ impl ShapeMemo {
 /// Where the next shape is guessed to be in its list ([`ShapeMemo`]).
 #[derive(Default, Clone, Copy)]
 pub(super) struct Cursor(u32);
+
+/// How far past the cursor a lookup looks before it hashes: a part of emission that skips
+/// other parts' tasks ([`Planner::emit`](super::Planner)) finds its next shape a few places on.
+const GUESS_AHEAD: usize = 4;
+
+/// The position and id of `key` among the few shapes of `list` at and after `cursor` (a key is
+/// in its list once).
+#[inline]
+fn guess<K: PartialEq>(list: &[(K, u32)], cursor: &Cursor, key: &K) -> Option<(u32, u32)> {
+    let at = cursor.0 as usize;
+    let ahead = list.get(at..)?;
+    ahead
+        .iter()
+        .take(GUESS_AHEAD)
+        .position(|(k, _)| k == key)
+        .map(|i| ((at + i) as u32, ahead[i].1))
+}
 
 /// A trainer's pattern for each shape it has sent a task of.
 pub(super) type KnownShapes = KeyMap<u32, u32>;

@@ -6,6 +6,7 @@
 //! steps may index without checking and a bad layout (a hand-written one, a fuzzer's) gets an
 //! error naming the rank, the tensor and what is wrong instead of a wrong table or a panic.
 
+use rayon::prelude::*;
 use weightsync_common::DType;
 
 use super::place::{dst_box, scale_box};
@@ -45,13 +46,38 @@ pub(super) fn validate_infer(model: &Model, infer: &InferenceLayout) -> Result<(
     let mut grouped: (Vec<u32>, Vec<Placed>) = Default::default();
     let pieces_of =
         |rank: usize| &by_rank[piece_first[rank] as usize..piece_first[rank + 1] as usize];
-    // Ranks checked in full, one per way of being laid out.
+    // Ranks checked in full, one per way of being laid out. Comparing every rank's pieces with
+    // a checked rank's is most of the work at 64 engines, so it is done in parallel first
+    // against the first rank sharing the rank's tensors (always a checked one: no rank before
+    // it has those tensors); a rank laid out otherwise is compared with every checked rank in
+    // order, as when all are compared one by one.
+    let mut first_sharing: Vec<usize> = Vec::with_capacity(infer.ranks.len());
+    let mut firsts: Vec<usize> = Vec::new();
+    for (rank, r) in infer.ranks.iter().enumerate() {
+        let same = |f: &&usize| std::sync::Arc::ptr_eq(&infer.ranks[**f].tensors, &r.tensors);
+        let f = match firsts.iter().find(same) {
+            Some(&f) => f,
+            None => {
+                firsts.push(rank);
+                rank
+            }
+        };
+        first_sharing.push(f);
+    }
+    let alike_first: Vec<bool> = (0..infer.ranks.len())
+        .into_par_iter()
+        .map(|rank| {
+            let f = first_sharing[rank];
+            f != rank && laid_out_alike(infer, f, pieces_of(f), rank, pieces_of(rank))
+        })
+        .collect();
     let mut checked: Vec<usize> = Vec::new();
     for (rank, r) in infer.ranks.iter().enumerate() {
         let mine = pieces_of(rank);
-        if checked
-            .iter()
-            .any(|&c| laid_out_alike(infer, c, pieces_of(c), rank, mine))
+        if alike_first[rank]
+            || checked
+                .iter()
+                .any(|&c| laid_out_alike(infer, c, pieces_of(c), rank, mine))
         {
             continue;
         }
