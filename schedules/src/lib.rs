@@ -44,6 +44,7 @@ pub mod job;
 pub mod layout_infer;
 pub mod layout_train;
 pub mod model;
+pub mod model_bounds;
 pub mod packed;
 pub mod planner;
 pub mod presets;

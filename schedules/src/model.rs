@@ -266,6 +266,13 @@ impl ModelConfig {
         let heads = field_u32(&v, "num_attention_heads")?;
         let kv_heads = opt_u32(&v, "num_key_value_heads")?.unwrap_or(heads);
         let layers = field_u32(&v, "num_hidden_layers")?;
+        // Before the per-layer lists below are allocated.
+        if layers > crate::model_bounds::MAX_LAYERS {
+            return Err(PlanError::BadConfig(format!(
+                "num_hidden_layers = {layers} is more than the {} layers a model may have",
+                crate::model_bounds::MAX_LAYERS
+            )));
+        }
         let head_dim = match opt_u32(&v, "head_dim")? {
             Some(d) => d,
             None => {
@@ -302,7 +309,7 @@ impl ModelConfig {
         } else {
             opt_u32(&v, "intermediate_size")?.unwrap_or(0)
         };
-        Ok(ModelConfig {
+        let config = ModelConfig {
             family,
             hidden,
             intermediate,
@@ -317,7 +324,9 @@ impl ModelConfig {
             moe,
             mla,
             dtype,
-        })
+        };
+        config.check_bounds()?;
+        Ok(config)
     }
 }
 
@@ -393,10 +402,10 @@ fn deepseek_moe(v: &Value, layers: u32) -> Result<Option<MoeConfig>, PlanError> 
     Ok(Some(MoeConfig {
         experts,
         intermediate: field_u32(v, "moe_intermediate_size")?,
-        shared: v
-            .get("n_shared_experts")
-            .and_then(Value::as_u64)
-            .unwrap_or(0) as u32,
+        shared: match v.get("n_shared_experts").and_then(Value::as_u64) {
+            None | Some(0) => 0,
+            Some(_) => field_u32(v, "n_shared_experts")?,
+        },
         moe_layers,
         score_bias: v.get("topk_method").and_then(Value::as_str) == Some("noaux_tc"),
     }))
