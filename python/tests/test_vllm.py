@@ -413,12 +413,14 @@ def test_vllm_server_http_routes(tmp_path: Path, procs: Procs) -> None:
     url = start_server(procs, tmp_path, folder, c)
     versions = [1, 2, 3]
     deadline = time.monotonic() + TIMEOUT_S
-    # The trainer first: the driver's polls keep vLLM's worker spinning a CPU (see
-    # start_trainer_until_registered), which starved the trainer's start-up on this host.
+    # The trainer first: polling the server keeps vLLM's worker spinning a CPU (see
+    # start_trainer_until_registered), which starved the trainer's start-up on this host. The
+    # driver now waits on the controller instead (``VllmServer(controller=...)``): the server's
+    # worker is asked about each version at most a few times (checked below).
     tr, launches = start_trainer_until_registered(procs, folder, c, out, 3, 1)
     driver = procs.start("driver", [sys.executable, str(JOBS / "drive_vllm_server.py"), "--url", url,
-                                    "--model-name", "tiny", "--controller", c.control, "--out", str(out),
-                                    "--versions", *map(str, versions)], env=c.env())
+                                    "--model-name", "tiny", "--controller", c.control, "--controller-http",
+                                    c.http, "--out", str(out), "--versions", *map(str, versions)], env=c.env())
     for p in (driver, tr):
         wait(procs, p, deadline)
     hf = tiny.build(str(folder), seed=0).eval()
@@ -449,4 +451,9 @@ def test_vllm_server_http_routes(tmp_path: Path, procs: Procs) -> None:
         for k in ("pause_s", "land_s", "load_s", "resume_s"):
             fig[k].append(round(rec["timings"][k], 4))
         fig["max_deficit"].append(round(worst, 5))
+        # Once before the long poll of the controller, once after it (waiting for the news);
+        # a third only if that news took longer than worker_wait_s to reach the worker.
+        polls = rec["timings"]["ready_polls"]
+        assert 1 <= polls <= 3, f"v{v}: the server's workers were asked {polls} times whether v{v} was ready"
+        fig.setdefault("ready_polls", []).append(polls)
     FIGURES["vllm server over HTTP, staged (fsdp=2 -> vLLM hf arena)"] = fig

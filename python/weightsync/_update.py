@@ -2,9 +2,13 @@
 (:func:`weightsync.vllm.update`) and the HTTP server (:meth:`weightsync.vllm_server.VllmServer.update`):
 the same four phases over two transports.
 
-1. poll every worker's ``weightsync_ready(version)`` until the version is whole in its arena
-   (staged) or its landing waits for the engine (direct), so vLLM serves while the trainers
-   write;
+1. wait until every worker's ``weightsync_ready(version)`` says yes: the version is whole in
+   its arena (staged) or its landing waits for the engine (direct), so vLLM serves while the
+   trainers write. Given the controller (its HTTP API), the wait is a long poll there
+   (``GET /v1/versions/{v}``) and the workers are asked once before and once after it: each
+   question to a worker is a message through the engine, which holds its loop (a waiting
+   poll) or leaves the worker process spinning on its message queue (vLLM's workers
+   busy-wait a second after every message). Without it, the workers are polled;
 2. ``start_weight_update`` -> ``update_weights`` (the worker's pause: the load, or the landing)
    -> ``finish_weight_update(weight_version)``;
 3. reset the prefix cache (stale KV of the old weights would be served otherwise);
@@ -43,12 +47,54 @@ class UpdateCalls(Protocol):
     def weight_version(self) -> str | None: ...
 
 
-def drive(calls: UpdateCalls, version: int, *, timeout_s: float, reset_prefix_cache: bool,
-          poll_s: float, worker_wait_s: float = 0.0) -> dict[str, Any]:
-    """Runs the update (see the module doc); returns the driver's timings and each worker's.
+class VersionSource(Protocol):
+    """Where a version stands, from the controller (:meth:`weightsync.Client.version`)."""
 
-    Polls start ``poll_s`` apart and back off to :data:`MAX_POLL_S`. With more than one worker,
-    each poll after the first waits inside the workers for up to
+    def version(self, version: int, *, until: str = "ended", wait_s: float = 0.0) -> dict[str, Any]: ...
+
+
+#: Longest single long poll of the controller (it caps one at 60 s itself).
+MAX_LONG_POLL_S = 30.0
+
+
+def wait_on_controller(controller: VersionSource, version: int, first: list[dict[str, Any]],
+                       deadline: float, where: str) -> dict[str, Any]:
+    """Long-polls the controller until the sync of ``version`` (or a newer one) reached what
+    the workers' first answers (``first``, with their ``mode``) need before they can say yes:
+    ``ended`` for staged workers (the version is whole in every arena when the controller
+    commits it, or it failed), ``started`` when every worker lands directly (their landing
+    waits for the engine once the sync exists). Returns the controller's last answer.
+
+    Raises:
+        TimeoutError: ``deadline`` (``time.monotonic()``) passed first.
+    """
+    until = "started" if first and all(r.get("mode") == "direct" for r in first) else "ended"
+    while True:
+        left = deadline - time.monotonic()
+        answer = controller.version(version, until=until, wait_s=max(0.0, min(MAX_LONG_POLL_S, left)))
+        if answer.get("reached"):
+            return answer
+        if time.monotonic() >= deadline:
+            sync = answer.get("sync") or {}
+            raise TimeoutError(
+                f"version {version} did not reach every worker of {where} in time: by the controller, "
+                f"no sync of a version >= {version} has {until} (latest committed "
+                f"{answer.get('latest_committed')!r}; sync of version {sync.get('version')!r}: "
+                f"{sync.get('state')!r}, waiting on {sync.get('waiting_on')!r})",
+                version=version)
+
+
+def drive(calls: UpdateCalls, version: int, *, timeout_s: float, reset_prefix_cache: bool,
+          poll_s: float, worker_wait_s: float = 0.0,
+          controller: VersionSource | None = None) -> dict[str, Any]:
+    """Runs the update (see the module doc); returns the driver's timings and each worker's
+    (``ready_polls``: how many times the workers were asked whether they were ready).
+
+    With ``controller``, the workers are asked once, then the controller is long-polled
+    (:func:`wait_on_controller`), then the workers are asked again, waiting inside them up to
+    ``worker_wait_s`` for the news the controller already has. Without it (or if that last
+    answer is still no), polls start ``poll_s`` apart and back off to :data:`MAX_POLL_S`; with
+    more than one worker, each poll after the first waits inside the workers for up to
     ``worker_wait_s`` (asleep) instead of polling every ``poll_s``: vLLM's worker processes
     busy-wait on their message queue for a while after every message, so quick polls would keep
     every worker spinning a CPU for as long as the trainers take.
@@ -62,10 +108,18 @@ def drive(calls: UpdateCalls, version: int, *, timeout_s: float, reset_prefix_ca
     deadline = time.monotonic() + timeout_s
     wait_s = 0.0
     sleep_s = poll_s
+    polls = 0
     while True:
         states = calls.ready(version, wait_s)
+        polls += 1
         if states and all(r["ready"] for r in states):
             break
+        if controller is not None and polls == 1:
+            wait_on_controller(controller, version, states, deadline, calls.where)
+            # The workers hear the controller's news a moment later: wait for it inside them
+            # (asleep, answered as soon as it comes), however many they are.
+            wait_s = max(0.0, min(worker_wait_s, deadline - time.monotonic()))
+            continue
         if len(states) > 1:
             wait_s = max(0.0, min(worker_wait_s, deadline - time.monotonic()))
         if time.monotonic() > deadline:
@@ -93,6 +147,7 @@ def drive(calls: UpdateCalls, version: int, *, timeout_s: float, reset_prefix_ca
     workers = [s["syncs"][-1] for s in calls.status()]
     out = {"version": version, "ready_wait_s": t0 - tw, "start_s": t1 - t0, "update_s": t2 - t1,
            "finish_s": t3 - t2, "reset_prefix_cache_s": t4 - t3, "resume_s": t4 - t2, "workers": workers,
+           "ready_polls": polls,
            "pause_s": max(w["pause_s"] for w in workers),
            "land_s": max((w["land_s"] or 0.0) for w in workers),
            "load_s": max(w["load_s"] for w in workers)}

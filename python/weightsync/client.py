@@ -137,6 +137,19 @@ class Client:
             return None
         return self.get(max(int(r["id"]) for r in rows))
 
+    def version(self, version: int, *, until: str = "ended", wait_s: float = 0.0) -> dict[str, Any]:
+        """Where ``version`` stands (``GET /v1/versions/{version}``): ``started`` (a sync of a
+        version >= it exists), ``ended`` (one committed or failed), ``latest_committed``,
+        ``sync`` (the newest attempt of the smallest such version) and ``reached``, after
+        waiting up to ``wait_s`` seconds (the controller caps one wait at 60) for ``until``
+        (``"started"`` or ``"ended"``). What an inference engine's driver waits on instead of
+        polling the engine (``weightsync.vllm_server.VllmServer(controller=...)``)."""
+        if until not in ("started", "ended"):
+            raise ValueError(f"until={until!r}: expected 'started' or 'ended'")
+        if not wait_s >= 0:
+            raise ValueError(f"wait_s={wait_s!r}: expected a non-negative number of seconds")
+        return self._request("GET", f"/v1/versions/{int(version)}?until={until}&wait_s={float(wait_s)}")
+
     def healthz(self) -> dict[str, Any]:
         """The controller's health (``/healthz``)."""
         return self._request("GET", "/healthz")

@@ -71,6 +71,7 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from ._landing import ArenaNotCommitted, LandingGate
 from ._update import drive
+from .client import Client
 from ._vllm_shards import check_boxes, loader_items
 from .engine import Engine, EngineStage, TensorInfo
 from .errors import ClosedError, RegistrationError, SyncFailedError, TimeoutError
@@ -430,7 +431,7 @@ class WorkerExtension:
                 break
             time.sleep(0.005)
         st = engine.status()
-        return {"ready": ready, "state": st.state, "cause": st.cause}
+        return {"ready": ready, "state": st.state, "cause": st.cause, "mode": eng.mode}
 
     def weightsync_digests(self) -> dict[str, dict[str, str]]:
         """SHA-256 of the bytes of every parameter vLLM holds and of every arena tensor
@@ -473,7 +474,8 @@ class WorkerExtension:
 
 
 def update(llm: Any, version: int, *, timeout_s: float = 600.0, reset_prefix_cache: bool = True,
-           poll_s: float = 0.005, worker_wait_s: float = 0.5) -> dict[str, Any]:
+           poll_s: float = 0.005, worker_wait_s: float = 0.5,
+           controller: Client | str | None = None) -> dict[str, Any]:
     """Brings an offline ``vllm.LLM`` to ``version`` (or a newer committed one) through the
     weight-transfer API, resets its prefix cache and sets its ``weight_version``; returns the
     timings (driver side plus each worker's).
@@ -489,9 +491,15 @@ def update(llm: Any, version: int, *, timeout_s: float = 600.0, reset_prefix_cac
     would keep each of them spinning a CPU at 100% for as long as the trainers take (on a
     shared 2-core host it starved a 2-rank trainer: no step in 10 minutes). Nothing is
     served meanwhile that would otherwise be: an offline ``LLM`` serves only inside its own
-    ``generate`` calls."""
+    ``generate`` calls.
+
+    Given the controller's HTTP API (``controller``: its URL or a :class:`weightsync.Client`),
+    the wait is a long poll there instead and the workers are asked once before and once
+    after it."""
+    if isinstance(controller, str):
+        controller = Client(controller)
     return drive(_OfflineCalls(llm), version, timeout_s=timeout_s, reset_prefix_cache=reset_prefix_cache,
-                 poll_s=poll_s, worker_wait_s=worker_wait_s)
+                 poll_s=poll_s, worker_wait_s=worker_wait_s, controller=controller)
 
 
 class _OfflineCalls:

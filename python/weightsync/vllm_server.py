@@ -7,16 +7,19 @@ The server runs with ``VLLM_SERVER_DEV_MODE=1`` (vLLM exposes the weight-transfe
 ``--worker-extension-cls weightsync.vllm.WorkerExtension`` (which loads the backend inside the
 spawned EngineCore)::
 
-    srv = VllmServer("http://10.0.0.2:8000")
+    srv = VllmServer("http://10.0.0.2:8000", controller="http://10.0.0.1:8080")
     srv.init(controller="10.0.0.1:7070", mode="staged")   # once: registers the arena
     ...                                                    # trainers push step N
     timings = srv.update(N)                                # the same four phases as offline
 
 :meth:`VllmServer.update` does what :func:`weightsync.vllm.update` does for an offline ``LLM``,
 through the four routes (``/start_weight_update``, ``/update_weights``,
-``/finish_weight_update``, then ``/reset_prefix_cache``): it first polls the workers'
-``weightsync_ready`` through ``/collective_rpc`` so the engine keeps serving until the version is
-whole in its arena (staged) and is held only for the load.
+``/finish_weight_update``, then ``/reset_prefix_cache``): it first waits until the version is
+whole in the workers' arenas (staged), so the engine keeps serving meanwhile and is held only
+for the load. Given the controller's HTTP API (``VllmServer(url, controller=...)``), that wait is
+a long poll of the controller and the workers are asked (``weightsync_ready`` through
+``/collective_rpc``) once before and once after it; without it they are polled, and a server
+with one worker process then keeps that process spinning on its message queue between polls.
 
 Plain ``urllib`` (as :class:`weightsync.Client`): a few small JSON calls.
 """
@@ -30,6 +33,7 @@ import urllib.request
 from typing import Any
 
 from ._update import drive
+from .client import Client
 from .errors import ClientError, SyncFailedError, TimeoutError
 
 __all__ = ["VllmServer"]
@@ -37,13 +41,18 @@ __all__ = ["VllmServer"]
 
 class VllmServer:
     """One vLLM server's ``weightsync`` backend. ``url``: the server's base URL;
-    ``request_timeout_s``: how long one HTTP call may take (``update_weights`` waits for the
-    load, so keep it above a load's time)."""
+    ``controller``: the controller's HTTP API (its URL, or a :class:`weightsync.Client`), which
+    :meth:`update` then long-polls while the trainers write instead of polling the server's
+    workers (recommended: see :func:`weightsync._update.drive`); ``request_timeout_s``: how
+    long one HTTP call may take (``update_weights`` waits for the load, so keep it above a
+    load's time)."""
 
-    def __init__(self, url: str, *, request_timeout_s: float = 600.0) -> None:
+    def __init__(self, url: str, *, controller: Client | str | None = None,
+                 request_timeout_s: float = 600.0) -> None:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"url {url!r}: expected http://host:port")
         self.url = url.rstrip("/")
+        self.controller = Client(controller) if isinstance(controller, str) else controller
         self.request_timeout_s = request_timeout_s
 
     # ---- HTTP -------------------------------------------------------------------------------
@@ -112,7 +121,7 @@ class VllmServer:
                 serving its last version).
         """
         return drive(_ServerCalls(self), version, timeout_s=timeout_s, reset_prefix_cache=reset_prefix_cache,
-                     poll_s=poll_s, worker_wait_s=worker_wait_s)
+                     poll_s=poll_s, worker_wait_s=worker_wait_s, controller=self.controller)
 
     def shutdown(self) -> None:
         """``/shutdown_weight_transfer_engine``: each worker leaves the job."""

@@ -2,8 +2,9 @@
 //!
 //! Input: one selector byte (endpoint, method, whether the bearer token and a JSON content type
 //! are present), then the body; for the `{id}` endpoints the body is also used as the path
-//! segment when it forms a valid URI. No request may panic the controller, and none may get a
-//! 500: bad input is the client's fault (4xx), and the only 5xx allowed is 503 (world not
+//! segment when it forms a valid URI, and as the query of `/v1/versions/1` unless it could
+//! name a wait (a fuzz run must not sleep). No request may panic the controller, and none may
+//! get a 500: bad input is the client's fault (4xx), and the only 5xx allowed is 503 (world not
 //! complete yet) or 504 (a waited sync timed out).
 #![no_main]
 
@@ -64,6 +65,16 @@ fuzz_target!(|data: &[u8]| {
                 .all(|b| b.is_ascii_graphic() && b != b'/' && b != b'?' && b != b'#')
     });
     let (method, uri) = match sel & 7 {
+        // The long poll, its path and its query (without a wait: a fuzz run must not sleep).
+        _ if sel & 0x80 != 0 => match segment {
+            Some(q) if sel & 0x08 != 0 && !q.contains("wait") && !q.contains('%') => {
+                (Method::GET, format!("/v1/versions/1?{q}"))
+            }
+            _ => (
+                Method::GET,
+                format!("/v1/versions/{}", segment.unwrap_or("1")),
+            ),
+        },
         0 => (Method::POST, "/v1/syncs".to_owned()),
         1 => (Method::POST, "/v1/syncs?wait=true".to_owned()),
         2 => (Method::GET, format!("/v1/syncs/{}", segment.unwrap_or("1"))),

@@ -84,7 +84,7 @@ pub use engine_stages::EngineStagesRefused;
 pub use membership::Refused;
 pub use plan_round::{PlanRecord, PlanRequest};
 pub use version::{TriggerError, Triggered};
-pub use views::{LogLine, WorkerView};
+pub use views::{LogLine, VersionView, WorkerView};
 
 /// Identifies one control connection (a worker that reconnects gets a new one).
 pub type ConnId = u64;

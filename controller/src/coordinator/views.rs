@@ -72,3 +72,44 @@ impl Coordinator {
             .collect()
     }
 }
+
+/// Where a weight version stands, as an inference engine's driver asks before it pauses the
+/// engine (`GET /v1/versions/{v}`): asking the controller costs the engine nothing, where
+/// polling the engine's workers holds (or wakes) them.
+///
+/// "A version >= v" everywhere, as an engine sees it: an engine asked for v may load a newer
+/// one, and a failed sync of v or newer ends the wait (the engine's update then fails at once).
+#[derive(Debug, Clone, Serialize)]
+pub struct VersionView {
+    /// The version asked about.
+    pub version: u64,
+    /// A sync of a version >= `version` exists (trainers' pushes completed or a trigger), in
+    /// any state: its rollouts have been told to prepare (a direct-mode engine may pause now).
+    pub started: bool,
+    /// A sync of a version >= `version` committed or failed: a staged engine holds it whole in
+    /// its arena (or will be told it failed).
+    pub ended: bool,
+    /// The newest committed version.
+    pub latest_committed: Option<u64>,
+    /// The newest attempt of the smallest version >= `version` that has a sync.
+    pub sync: Option<SyncView>,
+}
+
+impl Coordinator {
+    /// Where `version` stands (see [`VersionView`]).
+    pub fn version_view(&self, version: u64) -> VersionView {
+        let committed = self.latest_committed.filter(|&v| v >= version);
+        let newer = || {
+            self.by_version
+                .range(version..)
+                .filter_map(|(_, id)| self.syncs.get(id))
+        };
+        VersionView {
+            version,
+            started: committed.is_some() || newer().next().is_some(),
+            ended: committed.is_some() || newer().any(|s| s.state.is_terminal()),
+            latest_committed: self.latest_committed,
+            sync: newer().next().map(|s| s.view(false)),
+        }
+    }
+}

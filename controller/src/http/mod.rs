@@ -10,6 +10,7 @@
 //! | GET | `/v1/syncs` | history, newest first |
 //! | GET | `/v1/syncs/{id}` | state, stage durations, bytes, GB/s, failure, lanes |
 //! | GET | `/v1/syncs/{id}/trace` | Chrome trace / Perfetto JSON |
+//! | GET | `/v1/versions/{v}` (`?until=started\|ended&wait_s=S`) | whether a version >= v started / ended; waits up to S s (at most 60) for `until` |
 //! | GET | `/v1/plan` | plan summary and membership log |
 //! | GET | `/v1/workers` | registered workers |
 //! | GET | `/healthz` | liveness and readiness |
@@ -50,6 +51,7 @@ pub fn app(state: AppState) -> Router {
         .route("/v1/syncs", post(trigger).get(list_syncs))
         .route("/v1/syncs/{id}", get(get_sync))
         .route("/v1/syncs/{id}/trace", get(get_trace))
+        .route("/v1/versions/{version}", get(get_version))
         .route("/v1/plan", get(get_plan))
         .route("/v1/workers", get(get_workers))
         .fallback(not_found)
@@ -249,6 +251,79 @@ async fn get_trace(
 async fn list_syncs(State(state): State<AppState>) -> Response {
     let (syncs, running) = state.read(|c| (c.history(), c.active()));
     Json(serde_json::json!({ "running": running, "syncs": syncs })).into_response()
+}
+
+/// Longest wait of one `GET /v1/versions/{v}` (a client that needs longer asks again, so a
+/// connection is never held past proxies' idle timeouts).
+pub const MAX_VERSION_WAIT_S: f64 = 60.0;
+
+/// What `GET /v1/versions/{v}` waits for.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum VersionUntil {
+    /// A sync of a version >= v exists.
+    Started,
+    /// A sync of a version >= v committed or failed.
+    #[default]
+    Ended,
+}
+
+/// Query of `GET /v1/versions/{v}`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VersionQuery {
+    /// What to wait for (default `ended`).
+    #[serde(default)]
+    pub until: VersionUntil,
+    /// Seconds to wait for it (default 0: answer at once; at most [`MAX_VERSION_WAIT_S`]).
+    #[serde(default)]
+    pub wait_s: f64,
+}
+
+/// `GET /v1/versions/{v}`: where version `v` stands ([`crate::coordinator::VersionView`]),
+/// after waiting up to `wait_s` for `until`; `reached` says whether it came. An inference
+/// engine's driver long-polls this instead of its engine's workers while the trainers write.
+async fn get_version(
+    State(state): State<AppState>,
+    version: Result<Path<u64>, PathRejection>,
+    query: Result<Query<VersionQuery>, QueryRejection>,
+) -> Result<Response, ApiError> {
+    let version = version.map(|Path(v)| v).map_err(|_| {
+        ApiError::BadRequest("version must be a non-negative integer, e.g. /v1/versions/3".into())
+    })?;
+    let Query(query) = query.map_err(|e| {
+        ApiError::BadRequest(format!(
+            "{} (query parameters: until=started|ended, wait_s=<seconds>)",
+            e.body_text()
+        ))
+    })?;
+    if !query.wait_s.is_finite() || query.wait_s < 0.0 {
+        return Err(ApiError::BadRequest(format!(
+            "wait_s={} must be a non-negative number of seconds",
+            query.wait_s
+        )));
+    }
+    let reached = |v: &crate::coordinator::VersionView| match query.until {
+        VersionUntil::Started => v.started,
+        VersionUntil::Ended => v.ended,
+    };
+    let mut rx = state.subscribe();
+    let deadline =
+        tokio::time::Instant::now() + Duration::from_secs_f64(query.wait_s.min(MAX_VERSION_WAIT_S));
+    let view = loop {
+        let view = state.read(|c| c.version_view(version));
+        if reached(&view) {
+            break view;
+        }
+        match tokio::time::timeout_at(deadline, rx.changed()).await {
+            Ok(Ok(())) => {}
+            // Shutting down or the wait is over: answer with what is known.
+            Ok(Err(_)) | Err(_) => break state.read(|c| c.version_view(version)),
+        }
+    };
+    let mut body = serde_json::to_value(&view).unwrap_or_default();
+    body["reached"] = reached(&view).into();
+    Ok(Json(body).into_response())
 }
 
 async fn get_plan(State(state): State<AppState>) -> Result<Response, ApiError> {

@@ -6,7 +6,8 @@ tests/test_vllm.py): what an RL orchestrator does next to ``vllm serve``.
 
 ``weightsync.vllm_server.VllmServer`` joins the server to the job (``/init_weight_transfer_engine``),
 then for each version: serves the long prompt (its KV is cached under the old weights), brings
-the server to the version (``update``: ``/collective_rpc weightsync_ready`` polls, then
+the server to the version (``update``: ``/collective_rpc weightsync_ready`` around a long poll of
+the controller's ``/v1/versions/{v}`` with ``--controller-http``, polls without; then
 ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``,
 ``/reset_prefix_cache``), and records to ``OUT/vllm_r0_v{V}.json`` what the server says over
 HTTP: ``/weight_info``, its parameters' and arena's SHA-256 (``/collective_rpc
@@ -47,11 +48,12 @@ def main() -> None:
     ap.add_argument("--url", required=True)
     ap.add_argument("--model-name", required=True)
     ap.add_argument("--controller", required=True)
+    ap.add_argument("--controller-http", help="the controller's HTTP API: update() waits there, not on the server")
     ap.add_argument("--mode", choices=["staged", "direct"], default="staged")
     ap.add_argument("--versions", type=int, nargs="+", required=True)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    srv = VllmServer(args.url)
+    srv = VllmServer(args.url, controller=args.controller_http)
     srv.init(args.controller, mode=args.mode, rank=0)
     print("server joined the job", flush=True)
     for v in args.versions:
