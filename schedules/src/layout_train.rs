@@ -242,13 +242,25 @@ pub(crate) fn train_tp_split(role: Role) -> TpSplit {
     }
 }
 
+/// Most ranks one side of a job may have (training ranks; inference ranks over all engines):
+/// a hundred times the largest jobs planned here (10,240 GPUs), and far below what would make
+/// the per-rank lists of a layout exhaust memory.
+pub const MAX_RANKS: u32 = 1 << 20;
+
 impl TrainSpec {
-    /// Number of training ranks.
+    /// Number of training ranks (at most [`MAX_RANKS`]).
     pub fn world(&self) -> Result<u32, PlanError> {
-        [self.pp, self.dp, self.ep, self.fsdp, self.tp]
+        let world = [self.pp, self.dp, self.ep, self.fsdp, self.tp]
             .iter()
-            .try_fold(1u32, |a, &b| a.checked_mul(b))
-            .ok_or_else(|| PlanError::TooLarge(format!("training world size of {self}")))
+            .try_fold(1u64, |a, &b| a.checked_mul(u64::from(b)))
+            .filter(|&w| w <= u64::from(MAX_RANKS))
+            .ok_or_else(|| {
+                PlanError::TooLarge(format!(
+                    "training world of {self}: pp * dp * ep * fsdp * tp is more than the \
+                     {MAX_RANKS} ranks a job may have"
+                ))
+            })?;
+        Ok(world as u32)
     }
 
     /// The stage of a parameter.

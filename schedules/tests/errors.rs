@@ -71,6 +71,43 @@ fn unknown_family_and_bad_specs() {
 }
 
 #[test]
+fn worlds_past_a_million_ranks_are_refused_before_anything_is_allocated() {
+    // fsdp=4294967295 used to abort allocating 34 GB for the per-rank lists.
+    for spec in ["fsdp=4294967295", "pp=1024,fsdp=1025", "pp=65536,dp=65536"] {
+        let e = spec.parse::<TrainSpec>().unwrap_err();
+        let msg = e.to_string();
+        assert!(
+            msg.contains("1048576 ranks") && msg.contains("pp * dp * ep * fsdp * tp"),
+            "{spec}: {msg}"
+        );
+    }
+    assert_eq!(
+        "pp=1024,fsdp=1024"
+            .parse::<TrainSpec>()
+            .unwrap()
+            .world()
+            .unwrap(),
+        1 << 20
+    );
+    let e = "tp=65536,dp=65536".parse::<InferSpec>().unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("max(tp, ep) * dp = 4294967296 inference ranks"),
+        "{e}"
+    );
+    assert!("tp=8,ep=64,dp=16384".parse::<InferSpec>().is_ok());
+    // A spec that parses but whose layout would not fit: refused by its piece count.
+    let m = Model::preset("qwen3-0.6b", ExpertForm::PerExpert).unwrap();
+    let Err(e) = InferenceLayout::build(&m, &"tp=1,dp=1048576".parse().unwrap()) else {
+        panic!("a layout of 1048576 engines of 310 pieces was built");
+    };
+    assert!(
+        e.to_string().contains("pieces per engine times dp=1048576"),
+        "{e}"
+    );
+}
+
+#[test]
 fn fp8_shard_off_the_block_grid_is_refused() {
     // MQA kv head of 64 rows split over tp=... is fine; an intermediate of 384 over tp=2
     // (192 rows per rank) is not.

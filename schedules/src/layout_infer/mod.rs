@@ -278,6 +278,16 @@ impl std::str::FromStr for InferSpec {
                 reason: format!("ep={} must be 1 or a multiple of tp={}", s.ep, s.tp),
             });
         }
+        let ranks = u64::from(s.engine_ranks()) * u64::from(s.dp);
+        if ranks > u64::from(crate::layout_train::MAX_RANKS) {
+            return Err(PlanError::BadSpec {
+                spec: spec.to_string(),
+                reason: format!(
+                    "max(tp, ep) * dp = {ranks} inference ranks, more than the {} a job may have",
+                    crate::layout_train::MAX_RANKS
+                ),
+            });
+        }
         Ok(s)
     }
 }
@@ -309,6 +319,12 @@ impl InferSpec {
     }
 }
 
+/// Most destination pieces (a tensor's box on one inference rank) one layout may hold: 5.4 times
+/// Kimi-K2 on 2,048 inference ranks (6.2 M pieces, the 10,240-GPU job), about 2.4 GB of pieces
+/// and several times that while planning; past it a plan would exhaust a controller's memory
+/// rather than fail with a reason.
+pub const MAX_PIECES: u64 = 1 << 25;
+
 impl InferenceLayout {
     /// Builds the layout an [`InferSpec`] describes (see the module docs).
     pub fn build(model: &Model, spec: &InferSpec) -> Result<InferenceLayout, PlanError> {
@@ -338,6 +354,14 @@ impl InferenceLayout {
             };
             b.build_rank()?;
             engine0.push((b.tensors.into(), b.pieces, b.next));
+        }
+        let per_engine: u64 = engine0.iter().map(|(_, ps, _)| ps.len() as u64).sum();
+        if per_engine * u64::from(spec.dp) > MAX_PIECES {
+            return Err(PlanError::TooLarge(format!(
+                "the inference layout {spec} of {} would hold {per_engine} pieces per engine \
+                 times dp={} engines, more than the {MAX_PIECES} one plan may hold",
+                model.name, spec.dp
+            )));
         }
         for e in 0..spec.dp {
             for (r, (tensors, ps, bytes)) in engine0.iter().enumerate() {
