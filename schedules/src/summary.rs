@@ -542,7 +542,7 @@ impl Counts {
             (reps, None)
         } else {
             let bv = bases.run_ahead()?;
-            if bv.step.is_empty() || per_rep % bv.period as u64 != 0 {
+            if bv.step.is_empty() || !per_rep.is_multiple_of(bv.period as u64) {
                 return None;
             }
             (reps.min(bv.left() / per_rep), Some(bv))
