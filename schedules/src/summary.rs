@@ -478,26 +478,29 @@ fn trainer_terms(
     let mut bases = r.bases.iter::<BASE_FIELDS>();
     let mut buf: Vec<[u64; BASE_FIELDS]> = Vec::new();
     let mut pats: Vec<&TaskPattern> = Vec::new();
-    loop {
-        if let Some((n_tasks, n_bases)) =
-            c.chunk(me, r, &mut tasks, &mut bases, &mut pats, &mut load, cost)
-        {
-            tasks.skip_in_run(n_tasks);
-            bases.skip_in_run(n_bases);
-            continue;
-        }
-        // One task, as the cursor deals it.
-        let Some([pattern, _, _]) = tasks.next() else {
-            break;
+    'tasks: loop {
+        let one_by_one = match c.chunk(me, r, &mut tasks, &mut bases, &mut pats, &mut load, cost) {
+            Ok((n_tasks, n_bases)) => {
+                tasks.skip_in_run(n_tasks);
+                bases.skip_in_run(n_bases);
+                continue;
+            }
+            Err(k) => k,
         };
-        let p = usize::try_from(pattern)
-            .ok()
-            .and_then(|i| r.patterns.get(i));
-        buf.clear();
-        buf.extend(bases.by_ref().take(p.map_or(0, |p| p.num_writes) as usize));
-        if let Some(p) = p {
-            load.add(p, 1, cost);
-            c.task(me, r, p, &buf);
+        for _ in 0..one_by_one {
+            // One task, as the cursor deals it.
+            let Some([pattern, _, _]) = tasks.next() else {
+                break 'tasks;
+            };
+            let p = usize::try_from(pattern)
+                .ok()
+                .and_then(|i| r.patterns.get(i));
+            buf.clear();
+            buf.extend(bases.by_ref().take(p.map_or(0, |p| p.num_writes) as usize));
+            if let Some(p) = p {
+                load.add(p, 1, cost);
+                c.task(me, r, p, &buf);
+            }
         }
     }
     load.terms(c.tx[me], c.tx_wrs[me], cost)
@@ -505,8 +508,10 @@ fn trainer_terms(
 
 impl Counts {
     /// Counts, at once, the repetitions of the task run ahead that line up with a run of base
-    /// records (see [`trainer_terms`]); returns the tasks and base records counted, or `None`
-    /// when the next task is not the start of at least two such repetitions.
+    /// records (see [`trainer_terms`]); returns the tasks and base records counted, or, when
+    /// the next task is not the start of at least two such repetitions, how many tasks to count
+    /// one by one before trying again (the rest of a run that cannot line up: a literal one,
+    /// one whose patterns step; else the rest of the repetition; at least one).
     #[allow(clippy::too_many_arguments)]
     fn chunk<'r>(
         &mut self,
@@ -517,21 +522,25 @@ impl Counts {
         pats: &mut Vec<&'r TaskPattern>,
         load: &mut DeviceLoad,
         cost: &CostModel,
-    ) -> Option<(u64, u64)> {
-        let tv = tasks.run_ahead()?;
-        if tv.step.is_empty() || tv.j != 0 {
-            return None;
+    ) -> Result<(u64, u64), u64> {
+        let tv = tasks.run_ahead().ok_or(1u64)?;
+        if tv.step.is_empty() {
+            return Err(tv.left().max(1));
+        }
+        let rest_of_rep = (tv.period - tv.j) as u64;
+        if tv.j != 0 {
+            return Err(rest_of_rep);
         }
         // The repetition's patterns, the same in every repetition.
         pats.clear();
         let mut per_rep = 0u64;
         for j in 0..tv.period as usize {
-            if tv.step[j * TASK_FIELDS] != 0 {
-                return None;
-            }
             let p = usize::try_from(tv.first[j * TASK_FIELDS])
                 .ok()
-                .and_then(|i| r.patterns.get(i))?;
+                .and_then(|i| r.patterns.get(i));
+            let Some(p) = p.filter(|_| tv.step[j * TASK_FIELDS] == 0) else {
+                return Err(tv.left().max(1));
+            };
             per_rep += p.num_writes as u64;
             pats.push(p);
         }
@@ -541,14 +550,14 @@ impl Counts {
         let (n, bv) = if per_rep == 0 {
             (reps, None)
         } else {
-            let bv = bases.run_ahead()?;
+            let bv = bases.run_ahead().ok_or(rest_of_rep)?;
             if bv.step.is_empty() || !per_rep.is_multiple_of(bv.period as u64) {
-                return None;
+                return Err(rest_of_rep);
             }
             (reps.min(bv.left() / per_rep), Some(bv))
         };
         if n < 2 {
-            return None;
+            return Err(rest_of_rep);
         }
         #[cfg(test)]
         tests::CHUNKS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -638,7 +647,7 @@ impl Counts {
             };
             first_base += nw;
         }
-        Some((n * tv.period as u64, n * per_rep))
+        Ok((n * tv.period as u64, n * per_rep))
     }
 
     /// Adds `len` bytes in one write to ranks `a + i * s` (wrapping), `i < n`, those below
