@@ -175,22 +175,28 @@ fn best_run<const W: usize>(records: &[[u64; W]], i: usize) -> (usize, usize) {
     let mut best = (1, 1);
     // Per period tried: the records its run covers from `i` (0: not a run).
     let mut covered = [0usize; MAX_PERIOD + 1];
+    let mut steps = [[0u64; W]; MAX_PERIOD];
     for p in 1..=MAX_PERIOD.min((n - i) / MIN_REPEATS) {
         // Three terms of a progression in the first record, before checking the whole period.
         let (a, b, c) = (&records[i], &records[i + p], &records[i + 2 * p]);
         if (0..W).any(|f| c[f].wrapping_sub(b[f]) != b[f].wrapping_sub(a[f])) {
             continue;
         }
+        // The steps of the first repetition, once; repetition `k` holds when it is repetition
+        // `k - 1` plus those steps.
+        for (s, (x, y)) in steps
+            .iter_mut()
+            .zip(records[i..i + p].iter().zip(&records[i + p..i + 2 * p]))
+        {
+            *s = std::array::from_fn(|f| y[f].wrapping_sub(x[f]));
+        }
+        let steps = &steps[..p];
         let steps_hold = |k: usize| {
-            (0..p).all(|j| {
-                let (x, y, z) = (
-                    &records[i + j],
-                    &records[i + p + j],
-                    &records[i + k * p + j],
-                );
-                let w = &records[i + (k - 1) * p + j];
-                (0..W).all(|f| z[f].wrapping_sub(w[f]) == y[f].wrapping_sub(x[f]))
-            })
+            let (prev, cur) = records[i + (k - 1) * p..i + (k + 1) * p].split_at(p);
+            steps
+                .iter()
+                .zip(prev.iter().zip(cur))
+                .all(|(s, (w, z))| (0..W).all(|f| z[f].wrapping_sub(w[f]) == s[f]))
         };
         let known = (1..p)
             .filter(|d| p.is_multiple_of(*d))
