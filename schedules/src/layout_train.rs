@@ -331,16 +331,11 @@ impl TrainingLayout {
                 next = align_up(next + b.numel() * p.dtype.size() as u64);
             }
         };
-        // Counted first, then written in place: one list, allocated once, by this thread (a
-        // list per rank, allocated by rayon's threads, left their memory fragmented).
-        let counts: Vec<usize> = (0..world)
-            .into_par_iter()
-            .map(|rank| {
-                let mut n = 0;
-                for_each_shard(rank, &mut |_| n += 1);
-                n
-            })
-            .collect();
+        // Written in place into one list, allocated once by this thread (a list per rank,
+        // allocated by rayon's threads, left their memory fragmented): each rank gets room for
+        // a shard of every param its place may hold (a cut may be empty), writes its shards
+        // there in parallel, and the ranks' shards are then moved together in rank order. One
+        // walk of the shards, where counting them first took two.
         let Some(fill) = (0..world).find_map(|rank| {
             let mut first = None;
             for_each_shard(rank, &mut |s| {
@@ -353,21 +348,44 @@ impl TrainingLayout {
                 shards: Vec::new(),
             });
         };
-        let mut shards = vec![fill; counts.iter().sum()];
+        let room = |rank: u32| {
+            let (stage, within) = (rank / per_stage, rank % per_stage);
+            let ep_i = within / (spec.tp * spec.fsdp) % spec.ep;
+            held[(stage * spec.ep + ep_i) as usize].len()
+        };
+        let mut shards = vec![fill; (0..world).map(room).sum()];
         let mut mine: Vec<&mut [ShardSpec]> = Vec::with_capacity(world as usize);
         let mut rest = shards.as_mut_slice();
-        for &n in &counts {
-            let (a, b) = rest.split_at_mut(n);
+        for rank in 0..world {
+            let (a, b) = rest.split_at_mut(room(rank));
             mine.push(a);
             rest = b;
         }
-        mine.into_par_iter().enumerate().for_each(|(rank, out)| {
-            let mut k = 0;
-            for_each_shard(rank as u32, &mut |s| {
-                out[k] = s;
-                k += 1;
-            });
-        });
+        let counts: Vec<usize> = mine
+            .into_par_iter()
+            .enumerate()
+            .map(|(rank, out)| {
+                let mut k = 0;
+                for_each_shard(rank as u32, &mut |s| {
+                    out[k] = s;
+                    k += 1;
+                });
+                k
+            })
+            .collect();
+        let (mut from, mut to) = (0usize, 0usize);
+        for (rank, &n) in counts.iter().enumerate() {
+            if from != to {
+                shards.copy_within(from..from + n, to);
+            }
+            from += room(rank as u32);
+            to += n;
+        }
+        shards.truncate(to);
+        if shards.capacity() - to > to / 8 {
+            // Many empty cuts: give their room back.
+            shards.shrink_to_fit();
+        }
         Ok(TrainingLayout {
             ranks: world,
             shards,
@@ -605,5 +623,24 @@ mod tests {
         l.validate(&m).unwrap();
         let total: u64 = l.shards.iter().map(|s| s.global.numel()).sum();
         assert_eq!(total, m.num_elements());
+    }
+
+    #[test]
+    fn ranks_with_empty_cuts_list_only_their_shards() {
+        // Non-expert params chunked over ep x fsdp = 256: the 128-long q and k norms leave
+        // half the ranks an empty cut (room kept for it, then closed up).
+        let m = Model::preset("qwen3-30b-a3b", ExpertForm::PerExpert).unwrap();
+        let spec: TrainSpec = "ep=8,fsdp=32".parse().unwrap();
+        let l = TrainingLayout::build(&m, &spec).unwrap();
+        l.validate(&m).unwrap();
+        assert!(l.shards.iter().all(|s| s.global.numel() > 0));
+        assert!(l
+            .shards
+            .windows(2)
+            .all(|w| (w[0].rank, w[0].param) < (w[1].rank, w[1].param)));
+        let total: u64 = l.shards.iter().map(|s| s.global.numel()).sum();
+        assert_eq!(total, m.num_elements());
+        let norms = m.params.iter().filter(|p| p.shape.dims()[0] == 128).count();
+        assert!(norms > 0, "the case has params shorter than 256 rows");
     }
 }

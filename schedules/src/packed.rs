@@ -175,22 +175,28 @@ fn best_run<const W: usize>(records: &[[u64; W]], i: usize) -> (usize, usize) {
     let mut best = (1, 1);
     // Per period tried: the records its run covers from `i` (0: not a run).
     let mut covered = [0usize; MAX_PERIOD + 1];
+    let mut steps = [[0u64; W]; MAX_PERIOD];
     for p in 1..=MAX_PERIOD.min((n - i) / MIN_REPEATS) {
         // Three terms of a progression in the first record, before checking the whole period.
         let (a, b, c) = (&records[i], &records[i + p], &records[i + 2 * p]);
         if (0..W).any(|f| c[f].wrapping_sub(b[f]) != b[f].wrapping_sub(a[f])) {
             continue;
         }
+        // The steps of the first repetition, once; repetition `k` holds when it is repetition
+        // `k - 1` plus those steps.
+        for (s, (x, y)) in steps
+            .iter_mut()
+            .zip(records[i..i + p].iter().zip(&records[i + p..i + 2 * p]))
+        {
+            *s = std::array::from_fn(|f| y[f].wrapping_sub(x[f]));
+        }
+        let steps = &steps[..p];
         let steps_hold = |k: usize| {
-            (0..p).all(|j| {
-                let (x, y, z) = (
-                    &records[i + j],
-                    &records[i + p + j],
-                    &records[i + k * p + j],
-                );
-                let w = &records[i + (k - 1) * p + j];
-                (0..W).all(|f| z[f].wrapping_sub(w[f]) == y[f].wrapping_sub(x[f]))
-            })
+            let (prev, cur) = records[i + (k - 1) * p..i + (k + 1) * p].split_at(p);
+            steps
+                .iter()
+                .zip(prev.iter().zip(cur))
+                .all(|(s, (w, z))| (0..W).all(|f| z[f].wrapping_sub(w[f]) == s[f]))
         };
         let known = (1..p)
             .filter(|d| p.is_multiple_of(*d))
@@ -220,6 +226,100 @@ pub struct Records<'a, const W: usize> {
     /// Record within the repetition, and repetition.
     j: u32,
     r: u32,
+}
+
+/// The run the next record of a [`Records`] walk is in, where that record is in it, and the
+/// run's stored fields: what lets a reader take many records of a run at once
+/// ([`Records::run_ahead`], [`Records::skip_in_run`]) rather than one by one.
+#[derive(Debug, Clone, Copy)]
+pub struct RunAhead<'a, const W: usize> {
+    /// Records in one repetition.
+    pub period: u32,
+    /// Repetitions of the run.
+    pub count: u32,
+    /// The next record's place in its repetition.
+    pub j: u32,
+    /// The next record's repetition.
+    pub r: u32,
+    /// The first repetition's records (`period * W` fields).
+    pub first: &'a [u64],
+    /// Per record of a repetition, its step (`period * W` fields); empty when the run does not
+    /// repeat (`count == 1`).
+    pub step: &'a [u64],
+}
+
+impl<const W: usize> RunAhead<'_, W> {
+    /// Records left in the run from the next one on.
+    pub fn left(&self) -> u64 {
+        (self.count - self.r) as u64 * self.period as u64 - self.j as u64
+    }
+
+    /// Field `f` of the run's record `i` (counted from the run's start): `first + (i / period)
+    /// * step`, wrapping, as the walk yields it. `i` must be below the run's length.
+    #[inline]
+    pub fn field(&self, i: u64, f: usize) -> u64 {
+        let (rep, j) = (i / self.period as u64, (i % self.period as u64) as usize);
+        let x = self.first[j * W + f];
+        if self.step.is_empty() {
+            x
+        } else {
+            x.wrapping_add(self.step[j * W + f].wrapping_mul(rep))
+        }
+    }
+
+    /// Where the next record is from the run's start.
+    pub fn at(&self) -> u64 {
+        self.r as u64 * self.period as u64 + self.j as u64
+    }
+}
+
+impl<'a, const W: usize> Records<'a, W> {
+    /// The run the next record is in, if its stored fields are all there (a malformed list's
+    /// last run may lack some: then `None`, and [`Iterator::next`] says what it still yields).
+    /// `None` at the end too.
+    pub fn run_ahead(&mut self) -> Option<RunAhead<'a, W>> {
+        loop {
+            let run = *self.packed.runs.get(self.run)?;
+            if self.r >= run.count || run.period == 0 {
+                self.run += 1;
+                self.at = self
+                    .at
+                    .saturating_add((run.stored() as usize).saturating_mul(W));
+                self.j = 0;
+                self.r = 0;
+                continue;
+            }
+            let n = (run.period as usize).checked_mul(W)?;
+            let fields: &'a [u64] = &self.packed.fields;
+            let first = fields.get(self.at..self.at.checked_add(n)?)?;
+            let step = if run.count > 1 {
+                fields.get(self.at + n..self.at.checked_add(2 * n)?)?
+            } else {
+                &[]
+            };
+            return Some(RunAhead {
+                period: run.period,
+                count: run.count,
+                j: self.j,
+                r: self.r,
+                first,
+                step,
+            });
+        }
+    }
+
+    /// Skips `n` records of the current run, as `n` calls of [`Iterator::next`] would, when
+    /// [`Records::run_ahead`] just gave the run and `n` is at most its [`RunAhead::left`].
+    pub fn skip_in_run(&mut self, n: u64) {
+        let Some(run) = self.packed.runs.get(self.run) else {
+            return;
+        };
+        let p = run.period as u64;
+        let at = self.r as u64 * p + self.j as u64 + n;
+        debug_assert!(at <= run.len());
+        self.r = (at / p) as u32;
+        self.j = (at % p) as u32;
+    }
 }
 
 impl<const W: usize> Iterator for Records<'_, W> {

@@ -20,7 +20,10 @@ use std::collections::BTreeMap;
 
 use rayon::prelude::*;
 
-use crate::compact::{TaskPattern, TrainerRoutes};
+use crate::compact::{
+    PatternCopy, PatternWrite, TaskPattern, TrainerRoutes, BASE_FIELDS, TASK_FIELDS,
+};
+use crate::packed::Records;
 use crate::table::RoutingTable;
 
 /// Max and mean of one side's NICs.
@@ -291,13 +294,25 @@ impl Counts {
 }
 
 impl Summary {
-    /// Computes the summary of a table under a cost model, from its compact form: each task
-    /// once, each write copy as a progression of ranks (never write by write).
+    /// Computes the summary of a table under a cost model, from its compact form: a run of
+    /// tasks of the same patterns whose base records progress in step at once, in closed form
+    /// (see [`trainer_terms`]), other tasks one by one, each write copy as a progression of
+    /// ranks (never write by write). Exactly [`Summary::of_each_task`]'s figures.
     ///
     /// Trainers are counted in parallel (rayon), each into the counts of the thread that takes
     /// it; the counts are integer sums, so adding them up in any order gives the same figures,
     /// and the slowest trainer is picked afterwards in rank order, as one thread would.
     pub fn of(table: &RoutingTable, cost: &CostModel) -> Summary {
+        Summary::of_with(table, cost, trainer_terms)
+    }
+
+    /// [`Summary::of`] counted task by task (each task's base records decoded and walked): the
+    /// reference the run-by-run count is tested against.
+    pub fn of_each_task(table: &RoutingTable, cost: &CostModel) -> Summary {
+        Summary::of_with(table, cost, trainer_terms_each_task)
+    }
+
+    fn of_with(table: &RoutingTable, cost: &CostModel, count: CountTrainer) -> Summary {
         let nt = table.trainers.len();
         let nr = table.rollouts.len();
         let (c, mut trainer_terms) = table
@@ -307,7 +322,7 @@ impl Summary {
             .fold(
                 || (Counts::new(nt, nr), Vec::new()),
                 |(mut c, mut terms), (me, t)| {
-                    terms.push((me, trainer_terms(&mut c, me, &t.routes, cost)));
+                    terms.push((me, count(&mut c, me, &t.routes, cost)));
                     (c, terms)
                 },
             )
@@ -380,40 +395,563 @@ impl Summary {
     }
 }
 
-/// Counts trainer `me`'s tasks into `c`; returns its time under the cost model by what limits
-/// it (its NIC, its host-to-device copies, its preparation), each with the pipeline's fill.
+/// Counts one trainer's tasks into the counts; returns its time terms ([`trainer_terms`]).
+type CountTrainer = fn(&mut Counts, usize, &TrainerRoutes, &CostModel) -> [(f64, &'static str); 3];
+
+/// What a trainer's tasks need of the device side: bytes copied host-to-device, bytes
+/// prepared, and the pipeline's fill (its largest task's copy and preparation).
+#[derive(Default)]
+struct DeviceLoad {
+    h2d: u64,
+    prep: u64,
+    fill: f64,
+}
+
+impl DeviceLoad {
+    /// Adds `n` tasks of pattern `p` (`n > 0`).
+    fn add(&mut self, p: &TaskPattern, n: u64, cost: &CostModel) {
+        let input = task_input_bytes(p);
+        if !p.gather {
+            self.h2d += n * input;
+        }
+        self.prep += n * input;
+        self.fill = self
+            .fill
+            .max(input as f64 / cost.h2d_bytes_per_s + input as f64 / cost.prep_bytes_per_s);
+    }
+
+    /// The trainer's time under the cost model by what limits it (its NIC, sending `tx` bytes
+    /// in `tx_wrs` work requests; its host-to-device copies; its preparation), each with the
+    /// pipeline's fill.
+    fn terms(&self, tx: u64, tx_wrs: u64, cost: &CostModel) -> [(f64, &'static str); 3] {
+        [
+            (cost.nic_time(tx, tx_wrs) + self.fill, "trainer NIC"),
+            (
+                self.h2d as f64 / cost.h2d_bytes_per_s + self.fill,
+                "host-to-device copies",
+            ),
+            (
+                self.prep as f64 / cost.prep_bytes_per_s + self.fill,
+                "preparation",
+            ),
+        ]
+    }
+}
+
+/// Counts trainer `me`'s tasks into `c` task by task; returns its time under the cost model
+/// by what limits it (its NIC, its host-to-device copies, its preparation), each with the
+/// pipeline's fill.
+fn trainer_terms_each_task(
+    c: &mut Counts,
+    me: usize,
+    r: &TrainerRoutes,
+    cost: &CostModel,
+) -> [(f64, &'static str); 3] {
+    let mut load = DeviceLoad::default();
+    let mut cursor = r.cursor();
+    while let Some(task) = cursor.next() {
+        let Some(p) = r.patterns.get(task.pattern as usize) else {
+            continue;
+        };
+        load.add(p, 1, cost);
+        c.task(me, r, p, task.bases);
+    }
+    load.terms(c.tx[me], c.tx_wrs[me], cost)
+}
+
+/// [`trainer_terms_each_task`]'s figures, counted a run at a time where the packed lists allow:
+/// a repeating run of tasks whose patterns do not step (the same shapes, repetition after
+/// repetition) over base records that progress with the repetitions (a repeating base run
+/// whose period divides the bases of one repetition of tasks). There write `k`'s rank at
+/// repetition `i` is `a_k + i * s_k`, so what a write sends and what it lands on are
+/// progressions ([`Runs::chunk`]). Elsewhere (literal runs, runs of tasks that do not line up
+/// with their bases, malformed lists) tasks are counted one by one, decoded exactly as
+/// [`TrainerRoutes::cursor`] deals them.
 fn trainer_terms(
     c: &mut Counts,
     me: usize,
     r: &TrainerRoutes,
     cost: &CostModel,
 ) -> [(f64, &'static str); 3] {
-    let (mut h2d, mut prep, mut fill) = (0u64, 0u64, 0.0f64);
-    let mut cursor = r.cursor();
-    while let Some(task) = cursor.next() {
-        let Some(p) = r.patterns.get(task.pattern as usize) else {
-            continue;
+    let mut load = DeviceLoad::default();
+    let mut tasks = r.tasks.iter::<TASK_FIELDS>();
+    let mut bases = r.bases.iter::<BASE_FIELDS>();
+    let mut buf: Vec<[u64; BASE_FIELDS]> = Vec::new();
+    let mut pats: Vec<&TaskPattern> = Vec::new();
+    'tasks: loop {
+        let one_by_one = match c.chunk(me, r, &mut tasks, &mut bases, &mut pats, &mut load, cost) {
+            Ok((n_tasks, n_bases)) => {
+                tasks.skip_in_run(n_tasks);
+                bases.skip_in_run(n_bases);
+                continue;
+            }
+            Err(k) => k,
         };
-        let input = task_input_bytes(p);
-        if !p.gather {
-            h2d += input;
+        for _ in 0..one_by_one {
+            // One task, as the cursor deals it.
+            let Some([pattern, _, _]) = tasks.next() else {
+                break 'tasks;
+            };
+            let p = usize::try_from(pattern)
+                .ok()
+                .and_then(|i| r.patterns.get(i));
+            buf.clear();
+            buf.extend(bases.by_ref().take(p.map_or(0, |p| p.num_writes) as usize));
+            if let Some(p) = p {
+                load.add(p, 1, cost);
+                c.task(me, r, p, &buf);
+            }
         }
-        prep += input;
-        fill = fill.max(input as f64 / cost.h2d_bytes_per_s + input as f64 / cost.prep_bytes_per_s);
-        c.task(me, r, p, task.bases);
     }
-    let (tx, tx_wrs) = (c.tx[me], c.tx_wrs[me]);
-    [
-        (cost.nic_time(tx, tx_wrs) + fill, "trainer NIC"),
-        (
-            h2d as f64 / cost.h2d_bytes_per_s + fill,
-            "host-to-device copies",
-        ),
-        (prep as f64 / cost.prep_bytes_per_s + fill, "preparation"),
-    ]
+    load.terms(c.tx[me], c.tx_wrs[me], cost)
+}
+
+impl Counts {
+    /// Counts, at once, the repetitions of the task run ahead that line up with a run of base
+    /// records (see [`trainer_terms`]); returns the tasks and base records counted, or, when
+    /// the next task is not the start of at least two such repetitions, how many tasks to count
+    /// one by one before trying again (the rest of a run that cannot line up: a literal one,
+    /// one whose patterns step; else the rest of the repetition; at least one).
+    #[allow(clippy::too_many_arguments)]
+    fn chunk<'r>(
+        &mut self,
+        me: usize,
+        r: &'r TrainerRoutes,
+        tasks: &mut Records<'r, TASK_FIELDS>,
+        bases: &mut Records<'r, BASE_FIELDS>,
+        pats: &mut Vec<&'r TaskPattern>,
+        load: &mut DeviceLoad,
+        cost: &CostModel,
+    ) -> Result<(u64, u64), u64> {
+        let tv = tasks.run_ahead().ok_or(1u64)?;
+        if tv.step.is_empty() {
+            return Err(tv.left().max(1));
+        }
+        let rest_of_rep = (tv.period - tv.j) as u64;
+        if tv.j != 0 {
+            return Err(rest_of_rep);
+        }
+        // The repetition's patterns, the same in every repetition.
+        pats.clear();
+        let mut per_rep = 0u64;
+        for j in 0..tv.period as usize {
+            let p = usize::try_from(tv.first[j * TASK_FIELDS])
+                .ok()
+                .and_then(|i| r.patterns.get(i));
+            let Some(p) = p.filter(|_| tv.step[j * TASK_FIELDS] == 0) else {
+                return Err(tv.left().max(1));
+            };
+            per_rep += p.num_writes as u64;
+            pats.push(p);
+        }
+        let reps = (tv.count - tv.r) as u64;
+        // The bases: `at` the first one's place in its run; rank of base `i` of the chunk at
+        // repetition 0, and its step from one repetition to the next.
+        let (n, bv) = if per_rep == 0 {
+            (reps, None)
+        } else {
+            let bv = bases.run_ahead().ok_or(rest_of_rep)?;
+            if bv.step.is_empty() || !per_rep.is_multiple_of(bv.period as u64) {
+                return Err(rest_of_rep);
+            }
+            (reps.min(bv.left() / per_rep), Some(bv))
+        };
+        if n < 2 {
+            return Err(rest_of_rep);
+        }
+        #[cfg(test)]
+        tests::CHUNKS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let rank_of = |i: u64| -> (u64, u64) {
+            let bv = bv.as_ref().expect("a task with writes has bases");
+            let at = bv.at() + i;
+            let a = bv.field(at, 0);
+            (a, bv.field(at + per_rep, 0).wrapping_sub(a))
+        };
+        let (nt, nr) = (self.tx.len(), self.rx.len());
+        let mut first_base = 0u64;
+        for p in pats.iter() {
+            load.add(p, n, cost);
+            self.tasks += n;
+            let pw = r.pattern_writes(p);
+            let cp = r.pattern_copies(p);
+            let nw = p.num_writes as u64;
+            // Whether every route-making rank moves by the same step: then which ranks equal
+            // their predecessors is the same in every repetition.
+            let mut same_step: Option<u32> = None;
+            let mut uniform = true;
+            let mut step_seen = |s: u64| match same_step {
+                None => same_step = Some(s as u32),
+                Some(t) => uniform &= t == s as u32,
+            };
+            for (k, w) in pw.iter().enumerate() {
+                let (a, s) = rank_of(first_base + k as u64);
+                let len = w.len as u64;
+                if !w.to_trainer {
+                    self.tx[me] += n * len;
+                    self.tx_wrs[me] += n;
+                    self.listed_progression(a, s, n, len);
+                    step_seen(s);
+                } else {
+                    for i in 0..if s == 0 { 1 } else { n } {
+                        let rank = a.wrapping_add(s.wrapping_mul(i)) as usize;
+                        let times = if s == 0 { n } else { 1 };
+                        if rank == me {
+                            self.gather_local += times * len;
+                        } else {
+                            self.tx[me] += times * len;
+                            self.tx_wrs[me] += times;
+                            if rank < nt {
+                                self.grx[rank] += times * len;
+                            }
+                            self.gather += times * len;
+                            self.gather_wrs += times;
+                        }
+                    }
+                }
+            }
+            for cpy in cp {
+                let (a, num) = (cpy.from as usize, cpy.num as usize);
+                let Some(part) = pw.get(a..a + num) else {
+                    continue;
+                };
+                if a as u64 >= nw || num == 0 || cpy.count == 0 {
+                    continue;
+                }
+                let bytes: u64 = part.iter().map(|w| w.len as u64).sum();
+                self.tx[me] += n * bytes * cpy.count as u64;
+                self.tx_wrs[me] += n * num as u64 * cpy.count as u64;
+                let (ra, s) = rank_of(first_base + a as u64);
+                step_seen(s);
+                let first = (ra as u32).wrapping_add(cpy.rank_offset);
+                if s as u32 == 0 {
+                    let (b, w) = (n * bytes, n * num as u64);
+                    self.copied.add(nr, first, cpy.stride, cpy.count, b, w);
+                } else {
+                    for i in 0..n {
+                        let f = first.wrapping_add((s as u32).wrapping_mul(i as u32));
+                        self.copied
+                            .add(nr, f, cpy.stride, cpy.count, bytes, num as u64);
+                    }
+                }
+            }
+            let routes_at = |i: u64| {
+                task_routes(pw, cp, nw, |k| {
+                    let (a, s) = rank_of(first_base + k as u64);
+                    a.wrapping_add(s.wrapping_mul(i)) as u32
+                })
+            };
+            self.routes += if uniform {
+                n * routes_at(0)
+            } else {
+                (0..n).map(routes_at).sum::<u64>()
+            };
+            first_base += nw;
+        }
+        Ok((n * tv.period as u64, n * per_rep))
+    }
+
+    /// Adds `len` bytes in one write to ranks `a + i * s` (wrapping), `i < n`, those below
+    /// the number of rollouts.
+    fn listed_progression(&mut self, a: u64, s: u64, n: u64, len: u64) {
+        let nr = self.rx.len() as u64;
+        let (lo, stride) = if s == 0 {
+            (Some(a), 0)
+        } else if (s as i64) > 0 {
+            // Upward: no wrap when the last rank fits.
+            let last = (n - 1).checked_mul(s).and_then(|d| a.checked_add(d));
+            (last.map(|_| a), s)
+        } else {
+            let d = s.wrapping_neg();
+            ((n - 1).checked_mul(d).and_then(|x| a.checked_sub(x)), d)
+        };
+        match lo {
+            Some(lo) if stride == 0 => {
+                if lo < nr {
+                    self.rx[lo as usize] += n * len;
+                    self.rx_wrs[lo as usize] += n;
+                }
+            }
+            Some(lo) if lo >= nr => {}
+            // Only the lowest rank can be a rollout.
+            Some(lo) if stride >= nr => {
+                self.rx[lo as usize] += len;
+                self.rx_wrs[lo as usize] += 1;
+            }
+            Some(lo) => self
+                .copied
+                .add(nr as usize, lo as u32, stride as u32, n as u32, len, 1),
+            // Ranks that wrap around: one by one.
+            None => {
+                for i in 0..n {
+                    let rank = a.wrapping_add(s.wrapping_mul(i));
+                    if rank < nr {
+                        self.rx[rank as usize] += len;
+                        self.rx_wrs[rank as usize] += 1;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The routes of one task of writes `pw` and copies `cp` (`nw` base records) whose write `k`
+/// goes to rank `rank(k)`: what [`Counts::task`] counts.
+fn task_routes(
+    pw: &[PatternWrite],
+    cp: &[PatternCopy],
+    nw: u64,
+    rank: impl Fn(usize) -> u32,
+) -> u64 {
+    let mut routes = 0;
+    let mut last: Option<u32> = None;
+    for (k, w) in pw.iter().enumerate() {
+        if !w.to_trainer {
+            let r = rank(k);
+            if last != Some(r) {
+                routes += 1;
+                last = Some(r);
+            }
+        }
+    }
+    for c in cp {
+        let (a, n) = (c.from as usize, c.num as usize);
+        if pw.get(a..a + n).is_none() || a as u64 >= nw || n == 0 || c.count == 0 {
+            continue;
+        }
+        let first = rank(a).wrapping_add(c.rank_offset);
+        let lastr = first.wrapping_add((c.count - 1).wrapping_mul(c.stride));
+        if c.stride == 0 {
+            routes += (last != Some(first)) as u64;
+        } else {
+            routes += c.count as u64 - (last == Some(first)) as u64;
+        }
+        last = Some(lastr);
+    }
+    routes
 }
 
 /// Bytes a task of pattern `p` reads (its region in the transform's input dtype).
 fn task_input_bytes(p: &TaskPattern) -> u64 {
     p.region.numel() * p.transform.input_dtype().size() as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::compact::PatternWrite;
+    use crate::packed::Packed;
+    use crate::table::{CompactTrainer, RolloutEntry, TensorBox, Transform};
+    use weightsync_common::DType;
+
+    /// Runs counted at once ([`Counts::chunk`]), so the tests can tell the fast path ran.
+    pub(super) static CHUNKS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+    /// A tiny xorshift generator (tests only).
+    struct Rng(u64);
+
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+        fn below(&mut self, n: u64) -> u64 {
+            self.next() % n
+        }
+    }
+
+    /// Records of `w` fields: pieces of progressions of random periods and steps (some
+    /// negative, some huge), some records literal.
+    fn progressions<const W: usize>(
+        rng: &mut Rng,
+        n: usize,
+        field: impl Fn(&mut Rng, usize) -> u64,
+    ) -> Vec<[u64; W]> {
+        let mut out = Vec::new();
+        while out.len() < n {
+            let p = rng.below(6) as usize + 1;
+            let reps = rng.below(12);
+            let first: Vec<[u64; W]> = (0..p)
+                .map(|_| std::array::from_fn(|f| field(rng, f)))
+                .collect();
+            let step: Vec<[u64; W]> = (0..p)
+                .map(|_| {
+                    std::array::from_fn(|_| match rng.below(8) {
+                        0..=3 => 0,
+                        4 => 1,
+                        5 => 1u64.wrapping_neg(),
+                        6 => rng.below(5),
+                        _ => 1 << (32 + rng.below(32)),
+                    })
+                })
+                .collect();
+            for r in 0..reps {
+                for j in 0..p {
+                    out.push(std::array::from_fn(|f| {
+                        first[j][f].wrapping_add(step[j][f].wrapping_mul(r))
+                    }));
+                }
+            }
+            if rng.below(3) == 0 {
+                out.push(std::array::from_fn(|f| field(rng, f)));
+            }
+        }
+        out.truncate(n);
+        out
+    }
+
+    /// A trainer's routes with random patterns, tasks and bases (the bases not necessarily as
+    /// many as the tasks need, the pattern fields not always a pattern).
+    fn random_routes(rng: &mut Rng, nt: u64, nr: u64) -> TrainerRoutes {
+        let mut r = TrainerRoutes::default();
+        let npat = rng.below(5) + 1;
+        for _ in 0..npat {
+            let nw = rng.below(5) as u32;
+            let first_write = r.writes.len() as u32;
+            for _ in 0..nw {
+                r.writes.push(PatternWrite {
+                    to_trainer: rng.below(4) == 0,
+                    mr: 0,
+                    len: rng.below(1000) as u32 + 1,
+                    src_offset: 0,
+                });
+            }
+            let first_copy = r.copies.len() as u32;
+            for _ in 0..rng.below(3) {
+                r.copies.push(PatternCopy {
+                    from: rng.below(nw as u64 + 1) as u32,
+                    num: rng.below(3) as u32,
+                    rank_offset: (rng.below(2 * nr) as u32).wrapping_sub(nr as u32),
+                    stride: rng.below(4) as u32,
+                    count: rng.below(4) as u32,
+                });
+            }
+            r.patterns.push(TaskPattern {
+                region: TensorBox::new(&[0, 0], &[rng.below(64) as u32 + 1, 128]),
+                transform: Transform::Fp8Block { from: DType::BF16 },
+                gather: rng.below(3) == 0,
+                first_write,
+                num_writes: nw,
+                first_copy,
+                num_copies: r.copies.len() as u32 - first_copy,
+            });
+        }
+        let ntasks = rng.below(200) as usize;
+        let mut tasks: Vec<[u64; TASK_FIELDS]> = Vec::new();
+        let mut bases: Vec<[u64; BASE_FIELDS]> = Vec::new();
+        let rank = |rng: &mut Rng| match rng.below(10) {
+            0 => rng.next(),
+            _ => rng.below(nt.max(nr) + 2),
+        };
+        let step = |rng: &mut Rng| match rng.below(8) {
+            0..=3 => 0,
+            4 => 1,
+            5 => 1u64.wrapping_neg(),
+            6 => rng.below(5),
+            _ => 1 << (32 + rng.below(32)),
+        };
+        while tasks.len() < ntasks {
+            if rng.below(2) == 0 {
+                // Tasks of fixed patterns repeated, their bases moving with the repetitions.
+                let p = rng.below(4) as usize + 1;
+                let pats: Vec<u64> = (0..p).map(|_| rng.below(npat)).collect();
+                let per_rep: u64 = pats
+                    .iter()
+                    .map(|&i| r.patterns[i as usize].num_writes as u64)
+                    .sum();
+                let first: Vec<u64> = (0..per_rep).map(|_| rank(rng)).collect();
+                let steps: Vec<u64> = (0..per_rep).map(|_| step(rng)).collect();
+                for rep in 0..rng.below(12) {
+                    tasks.extend(pats.iter().map(|&i| [i, rep, rep]));
+                    for (a, s) in first.iter().zip(&steps) {
+                        bases.push([a.wrapping_add(s.wrapping_mul(rep)), rep]);
+                    }
+                }
+            } else {
+                let more = progressions::<TASK_FIELDS>(rng, 20, |rng, f| match f {
+                    0 => {
+                        let extra = (rng.below(10) == 0) as u64;
+                        rng.below(npat + extra)
+                    }
+                    _ => rng.below(1000),
+                });
+                let need: u64 = more
+                    .iter()
+                    .map(|t| {
+                        r.patterns
+                            .get(t[0] as usize)
+                            .map_or(0, |p| p.num_writes as u64)
+                    })
+                    .sum();
+                bases.extend(progressions::<BASE_FIELDS>(
+                    rng,
+                    need as usize,
+                    |rng, f| match f {
+                        0 => rank(rng),
+                        _ => rng.below(1 << 20),
+                    },
+                ));
+                tasks.extend(more);
+            }
+        }
+        if rng.below(8) == 0 {
+            // Fewer bases than the tasks need.
+            let keep = rng.below(bases.len() as u64 + 1) as usize;
+            bases.truncate(keep);
+        }
+        r.tasks = Packed::of(&tasks);
+        r.bases = Packed::of(&bases);
+        if rng.below(10) == 0 {
+            // Lists whose last stored fields are missing.
+            r.bases
+                .fields
+                .truncate(r.bases.fields.len().saturating_sub(3));
+        }
+        r
+    }
+
+    #[test]
+    fn counted_by_runs_the_figures_are_those_counted_task_by_task() {
+        let mut rng = Rng(0x2545_f491_4f6c_dd1d);
+        let cost = CostModel::default();
+        for case in 0..300 {
+            let (nt, nr) = (rng.below(6) + 1, rng.below(40) + 1);
+            let table = RoutingTable {
+                model: "random".into(),
+                num_params: 0,
+                num_elements: 0,
+                params: Vec::new(),
+                group_names: Vec::new(),
+                trainers: (0..nt)
+                    .map(|rank| CompactTrainer {
+                        rank: rank as u32,
+                        source_arena_bytes: 0,
+                        gather_arena_bytes: 0,
+                        params: Packed::default(),
+                        groups: Packed::default(),
+                        routes: random_routes(&mut rng, nt, nr),
+                    })
+                    .collect(),
+                rollout_layouts: Vec::new(),
+                rollouts: (0..nr)
+                    .map(|rank| RolloutEntry {
+                        rank: rank as u32,
+                        engine: 0,
+                        local_rank: rank as u32,
+                        layout: 0,
+                        expect: Vec::new(),
+                    })
+                    .collect(),
+            };
+            assert_eq!(
+                Summary::of(&table, &cost),
+                Summary::of_each_task(&table, &cost),
+                "case {case}"
+            );
+        }
+        // Most cases have runs counted at once (the rest of the tasks one by one).
+        let chunks = CHUNKS.load(std::sync::atomic::Ordering::Relaxed);
+        assert!(chunks > 1000, "only {chunks} runs counted at once");
+    }
 }

@@ -106,6 +106,8 @@ fn check(name: &str, json: &str, train: &str, infer: &str, dtype: InferDType) {
         std::fs::write(&seed, table.to_bincode()).unwrap();
     }
     let summary = Summary::of(&table, &cost);
+    // Counted run by run, the figures are those counted task by task.
+    assert_eq!(summary, Summary::of_each_task(&table, &cost), "{name}");
     // The same table and figures on one thread and on three as on rayon's default pool.
     for threads in [1, 3] {
         let pool = rayon::ThreadPoolBuilder::new()

@@ -188,6 +188,11 @@ fn check_conservation(table: &RoutingTable) {
 /// The summary's counts, recomputed write by write from the explicit plans.
 fn check_summary_figures(table: &RoutingTable, explicit: &[TrainerPlan], cost: &CostModel) {
     let s = Summary::of(table, cost);
+    assert_eq!(
+        s,
+        Summary::of_each_task(table, cost),
+        "run by run or task by task"
+    );
     let nr = table.rollouts.len();
     let (mut tasks, mut wrs, mut routes, mut gather, mut gather_wrs, mut local) =
         (0, 0, 0, 0, 0, 0);

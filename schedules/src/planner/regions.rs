@@ -56,6 +56,20 @@ struct Analysed {
     loads: Vec<u64>,
 }
 
+impl Analysed {
+    /// Empties the lists (keeping their room), with `nt` zero loads.
+    fn clear(&mut self, nt: usize) {
+        self.grids.clear();
+        self.counts.clear();
+        self.regions.clear();
+        self.region_loads.clear();
+        self.assign.clear();
+        self.open.clear();
+        self.loads.clear();
+        self.loads.resize(nt, 0);
+    }
+}
+
 /// Params analysed together between progress reports; split among rayon's threads.
 const PARAMS_PER_BATCH: usize = 4096;
 
@@ -68,30 +82,37 @@ impl Planner<'_> {
     pub(super) fn analyse(&mut self, progress: &mut dyn FnMut(u64, u64)) -> Result<(), PlanError> {
         let np = self.model.params.len();
         let per_range = PARAMS_PER_BATCH.div_ceil(rayon::current_num_threads().max(1));
+        // Each range's lists, kept from batch to batch: grown once, not once per batch.
+        let mut found: Vec<Analysed> = Vec::new();
         for batch in (0..np).step_by(PARAMS_PER_BATCH) {
             progress(batch as u64, 2 * np as u64);
             let end = (batch + PARAMS_PER_BATCH).min(np);
             let this: &Planner = self;
-            let found: Vec<Result<Analysed, PlanError>> = (batch..end)
-                .step_by(per_range)
-                .collect::<Vec<usize>>()
+            let ranges: Vec<usize> = (batch..end).step_by(per_range).collect();
+            if found.len() < ranges.len() {
+                found.resize_with(ranges.len(), Analysed::default);
+            }
+            let done: Vec<Result<(), PlanError>> = ranges
                 .into_par_iter()
-                .map(|a| this.analyse_range(a..(a + per_range).min(end)))
+                .zip(found.par_iter_mut())
+                .map(|(a, out)| this.analyse_range(a..(a + per_range).min(end), out))
                 .collect();
-            for f in found {
-                self.append(f?);
+            for (d, f) in done.into_iter().zip(&mut found) {
+                d?;
+                self.append(f);
             }
         }
         Ok(())
     }
 
-    /// Pass 1 for params `pids`.
-    fn analyse_range(&self, pids: std::ops::Range<usize>) -> Result<Analysed, PlanError> {
+    /// Pass 1 for params `pids`, into `out` (emptied first).
+    fn analyse_range(
+        &self,
+        pids: std::ops::Range<usize>,
+        out: &mut Analysed,
+    ) -> Result<(), PlanError> {
         let nt = self.train.ranks as usize;
-        let mut out = Analysed {
-            loads: vec![0; nt],
-            ..Analysed::default()
-        };
+        out.clear(nt);
         let mut segs: Vec<Vec<Seg>> = vec![Vec::new(); MAX_DIMS];
         let mut scratch = GridScratch::default();
         for pid in pids {
@@ -102,22 +123,23 @@ impl Planner<'_> {
             } else {
                 let grid = self.build_grid(pid, &mut scratch)?;
                 for dgi in d0..d1 {
-                    self.cut_dgroup(pid, dgi, &grid, &mut segs, &mut out);
+                    self.cut_dgroup(pid, dgi, &grid, &mut segs, out);
                 }
                 out.grids.push(grid);
             }
             out.counts.push((out.regions.len() - before) as u32);
         }
-        Ok(out)
+        Ok(())
     }
 
-    /// Appends what pass 1 found for the params after those already analysed.
-    fn append(&mut self, a: Analysed) {
+    /// Appends what pass 1 found for the params after those already analysed, and empties
+    /// `a` (keeping its room for the next batch).
+    fn append(&mut self, a: &mut Analysed) {
         let base = self.regions.len() as u32;
-        for (pid, n) in (self.grids.len()..).zip(a.counts) {
+        for (pid, &n) in (self.grids.len()..).zip(&a.counts) {
             self.region_first[pid + 1] = self.region_first[pid] + n;
         }
-        self.grids.extend(a.grids);
+        self.grids.append(&mut a.grids);
         self.regions.extend_from_slice(&a.regions);
         self.region_loads.extend_from_slice(&a.region_loads);
         self.assign.extend_from_slice(&a.assign);
@@ -125,6 +147,7 @@ impl Planner<'_> {
         for (x, y) in self.loads.iter_mut().zip(&a.loads) {
             *x += y;
         }
+        a.clear(0);
     }
 
     /// Cuts dgroup `dgi` (of param `pid`) into regions along `grid`, or makes it one gather
