@@ -278,33 +278,39 @@ impl<'a, const W: usize> Records<'a, W> {
     /// last run may lack some: then `None`, and [`Iterator::next`] says what it still yields).
     /// `None` at the end too.
     pub fn run_ahead(&mut self) -> Option<RunAhead<'a, W>> {
+        let run = self.enter_run()?;
+        let n = (run.period as usize).checked_mul(W)?;
+        let fields: &'a [u64] = &self.packed.fields;
+        let first = fields.get(self.at..self.at.checked_add(n)?)?;
+        let step = if run.count > 1 {
+            fields.get(self.at + n..self.at.checked_add(2 * n)?)?
+        } else {
+            &[]
+        };
+        Some(RunAhead {
+            period: run.period,
+            count: run.count,
+            j: self.j,
+            r: self.r,
+            first,
+            step,
+        })
+    }
+
+    /// The run the next record is in, after moving past the runs used up (and empty ones);
+    /// `None` at the end.
+    fn enter_run(&mut self) -> Option<Run> {
         loop {
             let run = *self.packed.runs.get(self.run)?;
-            if self.r >= run.count || run.period == 0 {
-                self.run += 1;
-                self.at = self
-                    .at
-                    .saturating_add((run.stored() as usize).saturating_mul(W));
-                self.j = 0;
-                self.r = 0;
-                continue;
+            if self.r < run.count && run.period != 0 {
+                return Some(run);
             }
-            let n = (run.period as usize).checked_mul(W)?;
-            let fields: &'a [u64] = &self.packed.fields;
-            let first = fields.get(self.at..self.at.checked_add(n)?)?;
-            let step = if run.count > 1 {
-                fields.get(self.at + n..self.at.checked_add(2 * n)?)?
-            } else {
-                &[]
-            };
-            return Some(RunAhead {
-                period: run.period,
-                count: run.count,
-                j: self.j,
-                r: self.r,
-                first,
-                step,
-            });
+            self.run += 1;
+            self.at = self
+                .at
+                .saturating_add((run.stored() as usize).saturating_mul(W));
+            self.j = 0;
+            self.r = 0;
         }
     }
 
@@ -326,35 +332,24 @@ impl<const W: usize> Iterator for Records<'_, W> {
     type Item = [u64; W];
 
     fn next(&mut self) -> Option<[u64; W]> {
-        loop {
-            let run = *self.packed.runs.get(self.run)?;
-            if self.r >= run.count || run.period == 0 {
-                self.run += 1;
-                self.at = self
-                    .at
-                    .saturating_add((run.stored() as usize).saturating_mul(W));
-                self.j = 0;
-                self.r = 0;
-                continue;
+        let run = self.enter_run()?;
+        let fields = &self.packed.fields;
+        let first = self.at.checked_add(self.j as usize * W)?;
+        let mut out = [0u64; W];
+        out.copy_from_slice(fields.get(first..first.checked_add(W)?)?);
+        if run.count > 1 {
+            let step = first.checked_add((run.period as usize).checked_mul(W)?)?;
+            let step = fields.get(step..step.checked_add(W)?)?;
+            for f in 0..W {
+                out[f] = out[f].wrapping_add(step[f].wrapping_mul(self.r as u64));
             }
-            let fields = &self.packed.fields;
-            let first = self.at.checked_add(self.j as usize * W)?;
-            let mut out = [0u64; W];
-            out.copy_from_slice(fields.get(first..first.checked_add(W)?)?);
-            if run.count > 1 {
-                let step = first.checked_add((run.period as usize).checked_mul(W)?)?;
-                let step = fields.get(step..step.checked_add(W)?)?;
-                for f in 0..W {
-                    out[f] = out[f].wrapping_add(step[f].wrapping_mul(self.r as u64));
-                }
-            }
-            self.j += 1;
-            if self.j == run.period {
-                self.j = 0;
-                self.r += 1;
-            }
-            return Some(out);
         }
+        self.j += 1;
+        if self.j == run.period {
+            self.j = 0;
+            self.r += 1;
+        }
+        Some(out)
     }
 }
 
