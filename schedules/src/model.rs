@@ -267,12 +267,7 @@ impl ModelConfig {
         let kv_heads = opt_u32(&v, "num_key_value_heads")?.unwrap_or(heads);
         let layers = field_u32(&v, "num_hidden_layers")?;
         // Before the per-layer lists below are allocated.
-        if layers > crate::model_bounds::MAX_LAYERS {
-            return Err(PlanError::BadConfig(format!(
-                "num_hidden_layers = {layers} is more than the {} layers a model may have",
-                crate::model_bounds::MAX_LAYERS
-            )));
-        }
+        crate::model_bounds::check_layers(layers)?;
         let head_dim = match opt_u32(&v, "head_dim")? {
             Some(d) => d,
             None => {

@@ -35,6 +35,17 @@ pub struct ModelSize {
     pub elements: u128,
 }
 
+/// `num_hidden_layers` at most [`MAX_LAYERS`] (checked by `from_json` before any per-layer
+/// list is allocated, and again with the rest).
+pub(crate) fn check_layers(layers: u32) -> Result<(), PlanError> {
+    if layers > MAX_LAYERS {
+        return Err(PlanError::BadConfig(format!(
+            "num_hidden_layers = {layers} is more than the {MAX_LAYERS} layers a model may have"
+        )));
+    }
+    Ok(())
+}
+
 /// `a * b` (or a sum) as a tensor dimension: it must fit `u32`.
 fn dim(value: u64, what: &str) -> Result<u64, PlanError> {
     if value > u32::MAX as u64 {
@@ -107,12 +118,7 @@ impl ModelConfig {
     /// Checks the bounds in this module's docs and returns the model's size, or names the
     /// field (or product of fields) that is out of range.
     pub fn check_bounds(&self) -> Result<ModelSize, PlanError> {
-        if self.layers > MAX_LAYERS {
-            return Err(PlanError::BadConfig(format!(
-                "num_hidden_layers = {} is more than the {MAX_LAYERS} layers a model may have",
-                self.layers
-            )));
-        }
+        check_layers(self.layers)?;
         let h = self.hidden as u128;
         let (attn_tensors, attn_elements) = match &self.mla {
             Some(m) => mla_attention(self, m)?,
