@@ -76,13 +76,16 @@ def vllm_env(tmp: Path, tp: int = 1) -> dict[str, str]:
 
 
 def run(tmp_path: Path, procs: Procs, mode: str, steps: int = 3, kill_trainer_at: int | None = None,
-        dp: int = 1, sleep_after: int | None = None, tp: int = 1) -> tuple[Path, list[int], Controller]:
+        dp: int = 1, sleep_after: int | None = None, tp: int = 1,
+        embed: str | None = None) -> tuple[Path, list[int], Controller]:
     folder = tmp_path / "model"
     tiny.write_config(str(folder), "dense")
     tiny.build(str(folder), seed=100).save_pretrained(str(folder))  # vLLM's version 0
     out = tmp_path / "out"
     out.mkdir()
     infer = f"tp={tp},dp={dp},format=" + ("hf" if mode == "staged" else "fused")
+    if embed is not None:
+        infer += f",embed={embed}"
     c = start_controller(procs, str(folder / "config.json"), "fsdp=2", infer)
     versions = list(range(1, steps + 1))
     engines = []
@@ -222,7 +225,7 @@ def expect_weights(rec_params: dict[str, Any], full: dict[str, Any], what: str, 
 
 
 def expect_arena(arena: dict[str, Any], layout: list[dict[str, Any]], full: dict[str, Any], what: str,
-                 rank: int, tp: int) -> int:
+                 rank: int, tp: int, embed_whole: bool = True) -> int:
     """Tp rank ``rank``'s arena holds only its box of each trainer tensor, where its layout says
     (``global_shape``, ``offset``), and that box is vLLM's part; returns the arena's bytes."""
     assert sorted(arena) == sorted(full), f"{what}: arena names differ from the trainer's"
@@ -233,12 +236,13 @@ def expect_arena(arena: dict[str, Any], layout: list[dict[str, Any]], full: dict
         assert tuple(info["global_shape"]) == tuple(full[n].shape), (what, info)
         box = full[n][tuple(slice(o, o + k) for o, k in zip(info["offset"], info["shape"]))]
         assert bytes_equal(t, box), f"{what}: arena {n} differs from its box {info} of the trainer's full_tensor()"
-        assert bytes_equal(t, tp_slice(n, full[n], rank, tp, embed_whole=True)), f"{what}: arena {n} is not tp rank {rank}'s part"
+        assert bytes_equal(t, tp_slice(n, full[n], rank, tp, embed_whole)), f"{what}: arena {n} is not tp rank {rank}'s part"
         nbytes += t.numel() * t.element_size()
     return nbytes
 
 
-def check(tmp_path: Path, out: Path, versions: list[int], mode: str, rank: int = 0) -> dict[str, Any]:
+def check(tmp_path: Path, out: Path, versions: list[int], mode: str, rank: int = 0,
+          embed_whole: bool = True) -> dict[str, Any]:
     hf = tiny.build(str(tmp_path / "model"), seed=0).eval()
     fig: dict[str, Any] = {"pause_s": [], "land_s": [], "load_s": [], "resume_s": [], "max_deficit": [],
                            "packed_params_skipped": 0}
@@ -253,7 +257,8 @@ def check(tmp_path: Path, out: Path, versions: list[int], mode: str, rank: int =
             assert st["tp"] == tp, st
             assert st["loaded_version"] == v and st["engine_version"] == v and st["state"] == "committed", st
             if mode == "staged":
-                nbytes = expect_arena(rec["arena"][w], rec["layout"][w], full, f"v{v} tp rank {w}", w, tp)
+                nbytes = expect_arena(rec["arena"][w], rec["layout"][w], full, f"v{v} tp rank {w}", w, tp,
+                                      embed_whole)
                 if v == versions[0]:
                     fig.setdefault("arena_bytes_per_rank", []).append(nbytes)
             fig["packed_params_skipped"] += expect_weights(rec["params"][w], full, f"v{v}", w, tp)
@@ -325,15 +330,18 @@ def test_vllm_staged_trainer_killed_mid_sync(tmp_path: Path, procs: Procs) -> No
 @pytest.mark.e2e
 def test_vllm_staged_tensor_parallel(tmp_path: Path, procs: Procs) -> None:
     # Staged landing, unpatched vLLM, one engine with tensor_parallel_size=2 (its two workers
-    # are processes of their own): the job's `--infer tp=2,dp=1,format=hf` gives each worker
-    # only its box of each tensor; vLLM's loader reads exactly that box from a whole-shaped
-    # tensor. Each worker's arena holds only its shard, its parameters are its part of the
-    # trainer's tensors, and the tokens are the trainer's weights' argmax.
-    out, versions, c = run(tmp_path, procs, "staged", tp=2)
-    fig = check(tmp_path, out, versions, "staged")
-    # check() compared each arena tensor with the rank's part alone: the embedding and the
-    # norms whole (format=hf keeps the embedding whole, as transformers does), the rest halved.
-    assert all(b < fig["trainer_bytes"] for b in fig["arena_bytes_per_rank"]), fig
+    # are processes of their own): the job's `--infer tp=2,dp=1,format=hf,embed=vocab` gives
+    # each worker only its box of each tensor, the embedding's vocabulary rows included; vLLM's
+    # loader reads exactly that box from a whole-shaped tensor. Each worker's arena holds only
+    # its shard, its parameters are its part of the trainer's tensors, and the tokens are the
+    # trainer's weights' argmax.
+    out, versions, c = run(tmp_path, procs, "staged", tp=2, embed="vocab")
+    fig = check(tmp_path, out, versions, "staged", embed_whole=False)
+    # check() compared each arena tensor with the rank's part alone: the norms whole, the rest
+    # (the embedding too) halved, so each rank's arena is half the trainer's bytes plus a norm's.
+    full = torch.load(out / f"trainer_v{versions[0]}.pt")["params"]
+    norms = sum(t.numel() * t.element_size() for t in full.values() if t.dim() == 1)
+    assert fig["arena_bytes_per_rank"] == [(fig["trainer_bytes"] - norms) // 2 + norms] * 2, (fig, norms)
     assert all(p["whole_shaped"] >= 0 for p in fig["load_parts_s"]), fig
     FIGURES["vllm staged (fsdp=2 -> vLLM hf arena) tp=2"] = fig
     expect_engine_stages(c, versions, ["rollout-0", "rollout-1"])

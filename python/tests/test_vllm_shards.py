@@ -94,10 +94,11 @@ def planned(name: str, global_shape: tuple[int, ...], dim: int | None, tp: int, 
     return TensorInfo(name, "bf16", tuple(shape), global_shape, tuple(offset))
 
 
-def layout(tp: int, rank: int, vocab: int) -> list[TensorInfo]:
+def layout(tp: int, rank: int, vocab: int, embed_split: bool = False) -> list[TensorInfo]:
+    """``embed_split``: the job says ``embed=vocab`` (else format=hf keeps the embedding whole)."""
     pre = "model.layers.0."
     return [
-        planned("model.embed_tokens.weight", (vocab, H), None, tp, rank),  # whole in format=hf
+        planned("model.embed_tokens.weight", (vocab, H), 0 if embed_split else None, tp, rank),
         planned(pre + "input_layernorm.weight", (H,), None, tp, rank),
         planned(pre + "self_attn.q_proj.weight", (HEADS * D, H), 0, tp, rank),
         planned(pre + "self_attn.k_proj.weight", (KV * D, H), 0, tp, rank, kv_heads=KV),
@@ -127,6 +128,24 @@ def test_vllm_narrowing_matches_the_planners_boxes() -> None:
     assert vllm_box(m, "model.layers.0.mlp.up_proj.weight", (256, 128)) == ((192, 0), (64, 128))
     assert vllm_box(m, "lm_head.weight", (1024, 128)) == ((768, 0), (256, 128))
     assert check_boxes(m, [TensorInfo("x", "bf16", (3,))], "rollout-0", 1) == []  # tp=1: nothing to check
+
+
+def test_a_vocab_split_embedding_is_checked_like_lm_head() -> None:
+    # The job's `embed=vocab`: each rank's arena holds only its vocabulary rows of the
+    # embedding, which vLLM's VocabParallelEmbedding loader narrows to the same rows.
+    for tp in (2, 4):
+        for rank in range(tp):
+            infos = layout(tp, rank, vocab=1024, embed_split=True)
+            sharded = check_boxes(model(tp, rank, 1024), infos, f"rollout-{rank}", tp)
+            assert sharded[0].name == "model.embed_tokens.weight"
+            assert [t.name for t in sharded] == [infos[0].name, *(t.name for t in infos[2:])]
+            emb = sharded[0]
+            assert vllm_box(model(tp, rank, 1024), emb.name, emb.global_shape or ()) == (emb.offset, emb.shape)
+    # Vocabulary 1000 at tp=2: vLLM's padded split reads rows the arena does not hold; refused
+    # naming the embedding (the first tensor), as lm_head would be.
+    with pytest.raises(RegistrationError, match=r"embed_tokens\.weight.*shape \[512, 128\]") as e:
+        check_boxes(model(2, 0, 1000), layout(2, 0, 1000, embed_split=True), "rollout-0", 2)
+    assert e.value.tensor == "model.embed_tokens.weight"
 
 
 def test_refusals_name_the_tensor() -> None:

@@ -12,7 +12,8 @@ is never written (on CPU its pages are never touched: ``torch.empty`` of a large
 memory lazily), and the tensor goes as soon as vLLM's layerwise reload has loaded its layer
 (it keeps a layer's loaded tensors until the layer is complete, so at most one layer's
 whole-shaped tensors exist at a time). A tensor held whole (norms; the embedding, which
-``format=hf`` keeps whole as transformers does) goes to vLLM as the arena's own view, as at tp=1.
+``format=hf`` keeps whole as transformers does unless the job says ``embed=vocab``) goes to
+vLLM as the arena's own view, as at tp=1.
 
 That is right only where vLLM's narrowing reads inside the arena's box. :func:`check_boxes`
 works out at init, for every sharded tensor, the box vLLM's loader reads on this worker from

@@ -38,6 +38,9 @@ Two landing modes (``init_info["mode"]``):
   at load each sharded tensor reaches vLLM's loader as a whole-shaped tensor holding only that
   box, which is all the loader reads; at init each box is checked against the one vLLM's
   loader narrows to, and a mismatch is refused naming the tensor (``weightsync._vllm_shards``).
+  ``format=hf`` keeps the embedding whole on every rank, as transformers does; vLLM splits it
+  by vocabulary rows, so give the job ``embed=vocab`` (``--infer tp=N,format=hf,embed=vocab``)
+  and each rank receives only its rows (a hint is logged at init when it would).
 - ``direct`` (job ``format=fused``, vLLM's own parameter names): the writes go straight into
   vLLM's parameters. Only when those are what the kernels read: a parameter emptied by
   kernel packing (``numel() == 0``, e.g. the CPU backend's oneDNN handles on AVX-512 hosts) is
@@ -189,6 +192,7 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
             if self.mode == "staged":
                 layout = engine.layout()
                 sharded = check_boxes(self.model, layout, engine.worker_id, pc.tensor_parallel_size)
+                _hint_whole_embedding(layout, engine.worker_id, pc.tensor_parallel_size)
                 self.arena = {t.name: torch.empty(t.shape, dtype=torch_dtype(t.dtype)) for t in layout}
                 engine.register(self.arena, format="hf")
                 self.sharded = {t.name: t for t in sharded}
@@ -558,3 +562,14 @@ def wake_up(llm: Any, tags: list[str] | None = None) -> None:
     llm.wake_up(tags=tags)
     if tags is None or "weights" in tags:
         llm.collective_rpc("weightsync_rejoin")
+
+
+def _hint_whole_embedding(layout: list[TensorInfo], worker: str, tp: int) -> None:
+    """With tp > 1, says when the job sends this rank the whole embedding although vLLM reads
+    only its vocabulary rows (the job's ``embed=vocab`` sends only those)."""
+    emb = next((t for t in layout if t.name == "model.embed_tokens.weight"), None)
+    if tp > 1 and emb is not None and not emb.sharded:
+        log.info(json.dumps({"weightsync": "hint", "worker": worker, "tensor": emb.name, "tp": tp,
+                             "shape": list(emb.shape),
+                             "hint": "the embedding arrives whole on every tp rank and vLLM reads 1/tp "
+                                     "of it: embed=vocab in the job's --infer sends each rank only its rows"}))

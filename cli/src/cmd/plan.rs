@@ -21,7 +21,7 @@ pub struct Args {
     /// Training layout, e.g. `pp=2,ep=8,fsdp=16` (keys pp, dp, ep, fsdp, tp, experts=stacked).
     #[arg(long, default_value = "fsdp=8")]
     pub train: String,
-    /// Inference layout, e.g. `tp=8,ep=32,dp=4` (keys tp, ep, dp).
+    /// Inference layout, e.g. `tp=8,ep=32,dp=4` (keys tp, ep, dp, dtype, format=fused|hf, embed=vocab).
     #[arg(long, default_value = "tp=8")]
     pub infer: String,
     /// Inference weight format: bf16 or fp8 (e4m3, 128x128 block scales).

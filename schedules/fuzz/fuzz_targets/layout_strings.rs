@@ -33,6 +33,11 @@ fuzz_target!(|data: &[u8]| {
         .parse()
         .expect("a TrainSpec's Display parses");
     assert_eq!(again.world().ok(), train.world().ok());
+    let again: InferSpec = infer
+        .to_string()
+        .parse()
+        .expect("an InferSpec's Display parses");
+    assert_eq!(again, infer, "an InferSpec's Display names the same layout");
     let small = train.world().is_ok_and(|w| w <= 64)
         && u64::from(infer.engine_ranks()) * u64::from(infer.dp) <= 64;
     if !small {

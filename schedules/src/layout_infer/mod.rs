@@ -1,7 +1,7 @@
 //! The inference layout: every inference rank's tensors in the engine's own format, and which
 //! box of which logical parameter lands where in them ([`Piece`]).
 //!
-//! # Layout strings ([`InferSpec`]): `tp=8,ep=32,dp=4[,dtype=bf16|fp8][,format=fused|hf]`
+//! # Layout strings ([`InferSpec`]): `tp=8,ep=32,dp=4[,dtype=bf16|fp8][,format=fused|hf][,embed=vocab]`
 //! An engine has `max(tp, ep)` ranks; `dp` engines each hold the whole model, so there are
 //! `dp * max(tp, ep)` inference ranks, engine-major. With `ep > 1`, `ep` must be a multiple of
 //! `tp`: attention and dense weights are tensor-parallel over `tp` (rank `r` of the engine has
@@ -32,7 +32,8 @@
 //! The names, shapes and dtypes of `named_parameters()` of a transformers 5.x model of the
 //! family (checked against transformers 5.19 by `tests/hf_format.rs`), each rank holding its
 //! slice as transformers' own tensor-parallel plan (`base_model_tp_plan`) cuts it:
-//! - `model.embed_tokens.weight` whole on every rank (transformers does not split it);
+//! - `model.embed_tokens.weight` whole on every rank (transformers does not split it; with
+//!   `embed=vocab` split by vocab rows as `lm_head` is, for engines that split it themselves);
 //!   `lm_head.weight` rows `[t*c, min(V,(t+1)*c))`, `c = ceil(V/tp)` (torch.chunk; a rank
 //!   whose chunk is empty holds no lm_head); no lm_head when the embeddings are tied.
 //! - dense attention unfused: `self_attn.q_proj.weight` `[nh/tp*D, H]`, `k_proj.weight` and
@@ -218,6 +219,20 @@ impl std::str::FromStr for InferFormat {
     }
 }
 
+/// How the embedding lies over an engine's tensor-parallel ranks (`embed=...`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+pub enum EmbedLayout {
+    /// The format's own: vocab-parallel in `fused`, whole on every rank in `hf` (transformers'
+    /// tensor-parallel plan does not split it).
+    #[default]
+    FormatDefault,
+    /// Vocab-parallel in `hf` too (`embed=vocab`): rank `t` holds rows `[t*c, min(V,(t+1)*c))`,
+    /// `c = ceil(V/tp)`, as for `lm_head`. For engines that take transformers' tensors but split
+    /// the embedding themselves (vLLM's loader narrows it to its rank's rows): each rank then
+    /// receives `1/tp` of it instead of all of it, every sync.
+    Vocab,
+}
+
 /// A structured inference layout (see the module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct InferSpec {
@@ -231,6 +246,9 @@ pub struct InferSpec {
     pub dtype: InferDType,
     /// Tensor names and fusion.
     pub format: InferFormat,
+    /// The embedding's split (`hf` only; `fused` always splits it by vocab).
+    #[serde(default)]
+    pub embed: EmbedLayout,
 }
 
 impl Default for InferSpec {
@@ -241,6 +259,7 @@ impl Default for InferSpec {
             dp: 1,
             dtype: InferDType::Bf16,
             format: InferFormat::Fused,
+            embed: EmbedLayout::FormatDefault,
         }
     }
 }
@@ -264,13 +283,36 @@ impl std::str::FromStr for InferSpec {
                         other => other,
                     })?
                 }
+                "embed" => {
+                    s.embed = match v.to_ascii_lowercase().as_str() {
+                        "vocab" => EmbedLayout::Vocab,
+                        "default" => EmbedLayout::FormatDefault,
+                        other => {
+                            return Err(PlanError::BadSpec {
+                                spec: spec.to_string(),
+                                reason: format!(
+                                    "embed {other:?}: expected vocab (each tp rank holds its \
+                                     vocabulary rows, as with format=hf engines that split the \
+                                     embedding themselves) or default (the format's own)"
+                                ),
+                            })
+                        }
+                    }
+                }
                 _ => {
                     return Err(PlanError::BadSpec {
                         spec: spec.to_string(),
-                        reason: format!("unknown key {k:?} (known: tp, ep, dp, dtype, format)"),
+                        reason: format!(
+                            "unknown key {k:?} (known: tp, ep, dp, dtype, format, embed)"
+                        ),
                     })
                 }
             }
+        }
+        if s.format == InferFormat::Fused {
+            // The fused format splits the embedding by vocab already: one spelling per layout,
+            // so that workers stating the same job agree.
+            s.embed = EmbedLayout::FormatDefault;
         }
         if s.ep > 1 && s.ep % s.tp != 0 {
             return Err(PlanError::BadSpec {
@@ -307,6 +349,9 @@ impl std::fmt::Display for InferSpec {
         )?;
         if self.format != InferFormat::Fused {
             write!(f, ",format={}", self.format.name())?;
+        }
+        if self.embed == EmbedLayout::Vocab {
+            write!(f, ",embed=vocab")?;
         }
         Ok(())
     }

@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use weightsync_common::DType;
 
 use super::layer::LayerTensors;
-use super::{InferDType, InferFormat, InferSpec, Piece, ScalePlace};
+use super::{EmbedLayout, InferDType, InferFormat, InferSpec, Piece, ScalePlace};
 use crate::error::PlanError;
 use crate::layout_train::align_up;
 use crate::model::{Model, Role};
@@ -255,7 +255,7 @@ impl RankBuilder<'_> {
         let h = c.hidden;
         let emb = self.param(Role::Embed);
         // transformers' tp plan leaves the embedding whole; engines split it by vocab.
-        let (bx, n) = if self.hf() {
+        let (bx, n) = if self.hf() && self.spec.embed != EmbedLayout::Vocab {
             (TensorBox::full(self.shape(emb)), c.vocab)
         } else {
             self.vocab_rows(emb)

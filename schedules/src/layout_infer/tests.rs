@@ -125,6 +125,66 @@ fn hf_tp2_boxes_are_the_ranks_slices_of_the_whole_tensors() {
 }
 
 #[test]
+fn hf_embed_vocab_splits_the_embedding_like_lm_head() {
+    // Qwen3-8B at tp=8: V 151936 = 8 x 18992.
+    let m = Model::preset("qwen3-8b", ExpertForm::PerExpert).unwrap();
+    let whole = boxes_of(&m, "tp=8,format=hf", 3);
+    let split = boxes_of(&m, "tp=8,format=hf,embed=vocab", 3);
+    let emb = "model.embed_tokens.weight";
+    assert_eq!(dims(box_of(&whole, emb)), (vec![151936, 4096], vec![0, 0]));
+    assert_eq!(
+        dims(box_of(&split, emb)),
+        (vec![151936, 4096], vec![3 * 18992, 0])
+    );
+    let layout = |spec: &str| InferenceLayout::build(&m, &spec.parse().unwrap()).unwrap();
+    let l = layout("tp=8,format=hf,embed=vocab");
+    let t = l.ranks[3].tensors.iter().find(|t| t.name == emb).unwrap();
+    assert_eq!(t.shape.dims(), &[18992, 4096]);
+    // Only the embedding changes: every other tensor is the same box in both.
+    assert_eq!(whole.len(), split.len());
+    for ((n, a), (n2, b)) in whole.iter().zip(&split) {
+        assert_eq!(n, n2);
+        if n != emb {
+            assert_eq!(a, b, "{n}");
+        }
+    }
+    // Each rank receives 1/tp of the embedding instead of all of it.
+    let bytes = |spec: &str| -> u64 {
+        let l = layout(spec);
+        l.ranks
+            .iter()
+            .flat_map(|r| r.tensors.iter())
+            .map(|t| t.len)
+            .sum()
+    };
+    let saved = bytes("tp=8,format=hf") - bytes("tp=8,format=hf,embed=vocab");
+    assert_eq!(saved, 7 * 151936 * 4096 * 2);
+}
+
+#[test]
+fn embed_key_parses_prints_and_is_refused_by_name() {
+    let s: InferSpec = "tp=2,format=hf,embed=vocab".parse().unwrap();
+    assert_eq!(s.embed, EmbedLayout::Vocab);
+    assert_eq!(
+        s.to_string(),
+        "tp=2,ep=1,dp=1,dtype=bf16,format=hf,embed=vocab"
+    );
+    assert_eq!(s.to_string().parse::<InferSpec>().unwrap(), s);
+    // fused splits the embedding already: one spelling of that layout.
+    let f: InferSpec = "tp=2,embed=vocab".parse().unwrap();
+    assert_eq!(f, "tp=2".parse().unwrap());
+    assert_eq!(f.to_string(), "tp=2,ep=1,dp=1,dtype=bf16");
+    let e = "tp=2,format=hf,embed=rows"
+        .parse::<InferSpec>()
+        .unwrap_err();
+    assert!(e.to_string().contains("embed \"rows\""), "{e}");
+    let e = "tp=2,format=hf,embedding=vocab"
+        .parse::<InferSpec>()
+        .unwrap_err();
+    assert!(e.to_string().contains("embed)"), "{e}");
+}
+
+#[test]
 fn fused_kv_replicated_and_fp8_boxes() {
     let m = Model::preset("qwen3-0.6b", ExpertForm::PerExpert).unwrap();
     // Fused: qkv_proj and gate_up_proj are not one box; the unfused tensors are.
