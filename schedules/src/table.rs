@@ -651,15 +651,15 @@ pub struct RoutingTable {
 pub(crate) struct RolloutLayouts {
     layouts: Vec<RolloutLayout>,
     /// Layout indices by the hash of their content.
-    by_hash: std::collections::HashMap<u64, smallvec::SmallVec<[u32; 1]>>,
+    by_hash: rustc_hash::FxHashMap<u64, smallvec::SmallVec<[u32; 1]>>,
 }
 
 impl RolloutLayouts {
     /// The index of the layout `(mr_bytes, tensors)`, added if new.
     pub(crate) fn intern(&mut self, mr_bytes: &[u64], tensors: &[DstTensor]) -> u32 {
         use std::hash::{Hash, Hasher};
-        // SipHash with fixed keys: the same everywhere (only used to find equal layouts).
-        let mut h = std::collections::hash_map::DefaultHasher::new();
+        // FxHash: deterministic, and only used to find equal layouts (compared in full).
+        let mut h = rustc_hash::FxHasher::default();
         mr_bytes.hash(&mut h);
         tensors.hash(&mut h);
         let ids = self.by_hash.entry(h.finish()).or_default();

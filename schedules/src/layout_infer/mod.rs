@@ -90,7 +90,7 @@ mod rank;
 #[cfg(test)]
 mod tests;
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap;
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
@@ -374,7 +374,8 @@ impl InferenceLayout {
     /// Builds the layout an [`InferSpec`] describes (see the module docs).
     pub fn build(model: &Model, spec: &InferSpec) -> Result<InferenceLayout, PlanError> {
         check_divisible(model, spec)?;
-        let index: HashMap<Role, u32> = model
+        // FxHash: looked up once per tensor part (SipHash here was 2 % of planning Kimi-K2).
+        let index: FxHashMap<Role, u32> = model
             .params
             .iter()
             .enumerate()

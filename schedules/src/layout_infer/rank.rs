@@ -3,7 +3,7 @@
 //! tensor from parts, `refuse` with an error naming it) lives here; the decoder layers are in
 //! `layer`, the divisibility checks that run before any rank is built in `check`.
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap;
 
 use weightsync_common::DType;
 
@@ -35,7 +35,7 @@ pub(super) fn part(param: u32, src: TensorBox, dst_start: &[u32]) -> Part {
 pub(super) struct RankBuilder<'m> {
     pub(super) model: &'m Model,
     /// Parameter index by role.
-    pub(super) index: &'m HashMap<Role, u32>,
+    pub(super) index: &'m FxHashMap<Role, u32>,
     /// Rank within the engine.
     pub(super) rank: u32,
     pub(super) tp: u32,
