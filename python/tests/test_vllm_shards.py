@@ -148,6 +148,18 @@ def test_a_vocab_split_embedding_is_checked_like_lm_head() -> None:
     assert e.value.tensor == "model.embed_tokens.weight"
 
 
+def test_a_whole_embedding_at_tp_is_hinted(caplog: pytest.LogCaptureFixture) -> None:
+    from weightsync.vllm import _hint_whole_embedding
+
+    with caplog.at_level("INFO", logger="weightsync.vllm"):
+        _hint_whole_embedding(layout(2, 0, 1024), "rollout-0", 2)
+        assert "embed=vocab" in caplog.text and "rollout-0" in caplog.text
+        caplog.clear()
+        _hint_whole_embedding(layout(2, 0, 1024, embed_split=True), "rollout-0", 2)
+        _hint_whole_embedding(layout(1, 0, 1024), "rollout-0", 1)
+        assert caplog.text == ""
+
+
 def test_refusals_name_the_tensor() -> None:
     # Vocabulary 1000, tp=2: vLLM pads it to 1024 and gives rank 0 rows [0, 512); the planner's
     # torch.chunk split gives it [0, 500): vLLM would read 12 rows the arena does not hold.
