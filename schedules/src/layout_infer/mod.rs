@@ -291,9 +291,9 @@ impl std::str::FromStr for InferSpec {
                             return Err(PlanError::BadSpec {
                                 spec: spec.to_string(),
                                 reason: format!(
-                                    "embed {other:?}: expected vocab (each tp rank holds its \
-                                     vocabulary rows, as with format=hf engines that split the \
-                                     embedding themselves) or default (the format's own)"
+                                    "embed {other:?}: expected vocab (each tp rank holds only \
+                                     its vocabulary rows, for engines such as vLLM that split \
+                                     the embedding themselves) or default (the format's own)"
                                 ),
                             })
                         }
