@@ -269,7 +269,8 @@ async fn register(
         return lost(e);
     }
     match read_frame::<_, ToWorker>(rd, max).await {
-        Ok(Some(ToWorker::Job { world, .. })) if world == cfg.world => {}
+        Ok(Some(ToWorker::Job { world, .. }))
+            if weightsync_schedules::job::same_job(&world, &cfg.world) => {}
         Ok(Some(ToWorker::Job { world, .. })) => {
             return Err(AgentError::OtherJob {
                 id: cfg.id,

@@ -153,6 +153,30 @@ pub fn world_size(world: &WorldSpec) -> Result<(u32, u32), JobError> {
     Ok((trainers, rollouts))
 }
 
+/// Whether two statements are the same job: the same model, dtype and verification, and layout
+/// strings that parse to the same layouts (`tp=2,dp=2` is `dp=2,tp=2`, `format=transformers` is
+/// `format=hf`, `embed=vocab` with `format=fused` is `format=fused`). A layout string that does
+/// not parse is the same only as itself, letter for letter. What the controller checks a
+/// worker's statement against and a worker checks the controller's against, so that two
+/// spellings of one job do not refuse each other.
+pub fn same_job(a: &WorldSpec, b: &WorldSpec) -> bool {
+    fn same<T: std::str::FromStr + PartialEq>(x: &str, y: &str) -> bool {
+        x == y || matches!((x.parse::<T>(), y.parse::<T>()), (Ok(p), Ok(q)) if p == q)
+    }
+    let WorldSpec {
+        model,
+        train,
+        infer,
+        dtype,
+        verify,
+    } = a;
+    *model == b.model
+        && *dtype == b.dtype
+        && *verify == b.verify
+        && same::<TrainSpec>(train, &b.train)
+        && same::<InferSpec>(infer, &b.infer)
+}
+
 /// One inference rank's tensors and region sizes, as the planner will lay them out, with no
 /// expectations yet (`expect` is empty: how many writes land per sync comes only with the
 /// table, in the controller's assignment). A rollout allocates and registers this before it
@@ -198,6 +222,48 @@ mod tests {
             dtype,
             verify: true,
         }
+    }
+
+    #[test]
+    fn same_job_compares_what_the_strings_mean() {
+        let w = world("qwen3-8b", "dp=2,fsdp=2", "tp=2,format=hf", DType::BF16);
+        let spelled = world(
+            "qwen3-8b",
+            "fsdp=2,dp=2,tp=1",
+            "format=transformers,tp=2,dp=1",
+            DType::BF16,
+        );
+        assert!(same_job(&w, &spelled) && same_job(&spelled, &w));
+        // fused splits the embedding already: embed=vocab changes nothing there.
+        let fused = world("qwen3-8b", "fsdp=4", "tp=2", DType::BF16);
+        assert!(same_job(
+            &fused,
+            &world("qwen3-8b", "fsdp=4", "tp=2,embed=vocab", DType::BF16)
+        ));
+        for other in [
+            world(
+                "qwen3-8b",
+                "dp=2,fsdp=2",
+                "tp=2,format=hf,embed=vocab",
+                DType::BF16,
+            ),
+            world("qwen3-8b", "fsdp=4", "tp=2,format=hf", DType::BF16),
+            world("qwen3-0.6b", "dp=2,fsdp=2", "tp=2,format=hf", DType::BF16),
+            world("qwen3-8b", "dp=2,fsdp=2", "tp=2,format=hf", DType::F8E4M3),
+            WorldSpec {
+                verify: false,
+                ..w.clone()
+            },
+        ] {
+            assert!(!same_job(&w, &other), "{other:?}");
+        }
+        // A string that does not parse is the same only as itself.
+        let bad = world("qwen3-8b", "dp=2,fsdp=2", "tp=two", DType::BF16);
+        assert!(same_job(&bad, &bad.clone()));
+        assert!(!same_job(
+            &bad,
+            &world("qwen3-8b", "dp=2,fsdp=2", "tp=two ", DType::BF16)
+        ));
     }
 
     #[test]

@@ -42,7 +42,7 @@ impl Coordinator {
     /// Why `reg` on `conn` cannot join, if it cannot.
     fn refusal(&self, conn: ConnId, reg: &Registration) -> Option<Refused> {
         let id = reg.id;
-        if reg.world != self.cfg.world {
+        if !weightsync_schedules::job::same_job(&reg.world, &self.cfg.world) {
             return Some(Refused(format!(
                 "{id} states a different job ({}) than the controller ({})",
                 describe_world(&reg.world),

@@ -610,3 +610,40 @@ fn a_pushed_version_starts_once_every_trainer_pushed_it_and_the_plan_is_in_force
     assert_eq!(prepares(&fx), 3, "version 2 starts once 1 ended: {fx:?}");
     assert_eq!(c.sync(c.active().unwrap()).unwrap().version, 2);
 }
+
+#[test]
+fn a_job_spelled_differently_is_the_same_job_and_another_job_is_refused() {
+    let mut cfg = config(1, 0);
+    cfg.world.train = "fsdp=2".into();
+    cfg.world.infer = "tp=2,format=hf,embed=vocab".into();
+    cfg.rollouts = 2;
+    let mut c = Coordinator::new(cfg.clone());
+    let now = Now::wall();
+    // The same layouts, keys in another order and the format by its other name.
+    let same = WorldSpec {
+        train: "fsdp=2,pp=1".into(),
+        infer: "embed=vocab,format=transformers,tp=2".into(),
+        ..cfg.world.clone()
+    };
+    let reg = Registration {
+        world: same,
+        ..registration(WorkerId::rollout(0))
+    };
+    c.register(1, reg, now)
+        .expect("the same job, spelled differently");
+    // The whole embedding is another layout: refused, both statements named.
+    let other = WorldSpec {
+        infer: "tp=2,format=hf".into(),
+        ..cfg.world.clone()
+    };
+    let reg = Registration {
+        world: other,
+        ..registration(WorkerId::rollout(1))
+    };
+    let e = c.register(2, reg, now).unwrap_err();
+    assert!(e.0.contains("states a different job"), "{e}");
+    assert!(
+        e.0.contains("infer=tp=2,format=hf ") && e.0.contains("embed=vocab"),
+        "{e}"
+    );
+}
