@@ -322,16 +322,8 @@ async fn register(
 
 /// What differs between the job a worker was launched with and the controller's.
 fn job_difference(mine: &WorldSpec, theirs: &WorldSpec) -> String {
-    let fields = [
-        ("model", mine.model.clone(), theirs.model.clone()),
-        ("train", mine.train.clone(), theirs.train.clone()),
-        ("infer", mine.infer.clone(), theirs.infer.clone()),
-        ("dtype", mine.dtype.to_string(), theirs.dtype.to_string()),
-        ("verify", mine.verify.to_string(), theirs.verify.to_string()),
-    ];
-    fields
+    weightsync_schedules::job::job_differences(mine, theirs)
         .iter()
-        .filter(|(_, a, b)| a != b)
         .map(|(k, a, b)| format!("{k}: this worker {a:?}, the controller {b:?}"))
         .collect::<Vec<_>>()
         .join("; ")

@@ -160,6 +160,12 @@ pub fn world_size(world: &WorldSpec) -> Result<(u32, u32), JobError> {
 /// worker's statement against and a worker checks the controller's against, so that two
 /// spellings of one job do not refuse each other.
 pub fn same_job(a: &WorldSpec, b: &WorldSpec) -> bool {
+    job_differences(a, b).is_empty()
+}
+
+/// The fields in which two statements describe different jobs (see [`same_job`]), each as
+/// `(field, a's text, b's text)`: `model`, `train`, `infer`, `dtype`, `verify`.
+pub fn job_differences(a: &WorldSpec, b: &WorldSpec) -> Vec<(&'static str, String, String)> {
     fn same<T: std::str::FromStr + PartialEq>(x: &str, y: &str) -> bool {
         x == y || matches!((x.parse::<T>(), y.parse::<T>()), (Ok(p), Ok(q)) if p == q)
     }
@@ -170,11 +176,38 @@ pub fn same_job(a: &WorldSpec, b: &WorldSpec) -> bool {
         dtype,
         verify,
     } = a;
-    *model == b.model
-        && *dtype == b.dtype
-        && *verify == b.verify
-        && same::<TrainSpec>(train, &b.train)
-        && same::<InferSpec>(infer, &b.infer)
+    let fields = [
+        ("model", *model == b.model, model.clone(), b.model.clone()),
+        (
+            "train",
+            same::<TrainSpec>(train, &b.train),
+            train.clone(),
+            b.train.clone(),
+        ),
+        (
+            "infer",
+            same::<InferSpec>(infer, &b.infer),
+            infer.clone(),
+            b.infer.clone(),
+        ),
+        (
+            "dtype",
+            *dtype == b.dtype,
+            dtype.to_string(),
+            b.dtype.to_string(),
+        ),
+        (
+            "verify",
+            *verify == b.verify,
+            verify.to_string(),
+            b.verify.to_string(),
+        ),
+    ];
+    fields
+        .into_iter()
+        .filter(|(_, same, _, _)| !same)
+        .map(|(field, _, x, y)| (field, x, y))
+        .collect()
 }
 
 /// One inference rank's tensors and region sizes, as the planner will lay them out, with no
@@ -257,6 +290,13 @@ mod tests {
         ] {
             assert!(!same_job(&w, &other), "{other:?}");
         }
+        // Only the fields that differ in meaning are named.
+        let other = world("qwen3-8b", "fsdp=2,dp=2", "tp=4,format=hf", DType::BF16);
+        let d = job_differences(&w, &other);
+        assert_eq!(
+            d,
+            vec![("infer", "tp=2,format=hf".into(), "tp=4,format=hf".into())]
+        );
         // A string that does not parse is the same only as itself.
         let bad = world("qwen3-8b", "dp=2,fsdp=2", "tp=two", DType::BF16);
         assert!(same_job(&bad, &bad.clone()));
