@@ -101,8 +101,13 @@ pub fn layouts(world: &WorldSpec, model_config: Option<&str>) -> Result<JobLayou
     let tspec = train_spec(world)?;
     let model = model(world, model_config, &tspec)?;
     let infer_spec = infer_spec(world)?;
-    let train = TrainingLayout::build(&model, &tspec).map_err(part("training layout"))?;
-    let infer = InferenceLayout::build(&model, &infer_spec).map_err(part("inference layout"))?;
+    // The two layouts are independent: built at once (the training side's error first).
+    let (train, infer) = rayon::join(
+        || TrainingLayout::build(&model, &tspec),
+        || InferenceLayout::build(&model, &infer_spec),
+    );
+    let train = train.map_err(part("training layout"))?;
+    let infer = infer.map_err(part("inference layout"))?;
     Ok(JobLayouts {
         model,
         train,

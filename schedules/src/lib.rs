@@ -57,7 +57,9 @@ pub mod table;
 
 pub use cost::CostModel;
 pub use error::PlanError;
-pub use layout_infer::{EmbedLayout, InferDType, InferFormat, InferSpec, InferenceLayout};
+pub use layout_infer::{
+    EmbedLayout, EnginePeriod, InferDType, InferFormat, InferSpec, InferenceLayout,
+};
 pub use layout_train::{TrainSpec, TrainingLayout};
 pub use model::{ExpertForm, Model};
 pub use planner::{plan, plan_with_progress};

@@ -75,7 +75,7 @@ fn case() -> impl Strategy<Value = Case> {
     (
         config(),
         (1u32..3, 1u32..3, 1u32..3, 1u32..6, 1u32..3),
-        (1u32..3, prop::sample::select(vec![1u32, 2, 4]), 1u32..3),
+        (1u32..3, prop::sample::select(vec![1u32, 2, 4]), 1u32..4),
         any::<bool>(),
         prop::sample::select(vec!["fused", "hf"]),
     )
@@ -353,6 +353,16 @@ proptest! {
         shuffled.shards.reverse();
         let third = plan(&m, &shuffled, &i, &cost).unwrap();
         prop_assert!(table.to_bincode() == third.to_bincode());
+        // Nor whether the engines are planned as repeats of engine 0: with the last engine's
+        // pieces listed in reverse the layout is no longer one engine repeated
+        // (`engine_period` is None) and is planned piece by piece, to the same table.
+        if let Some(p) = i.engine_period().filter(|p| p.engines > 1 && p.pieces > 1) {
+            let mut unperiodic = i.clone();
+            unperiodic.pieces[(p.engines as usize - 1) * p.pieces..].reverse();
+            prop_assert_eq!(unperiodic.engine_period(), None);
+            let fourth = plan(&m, &t, &unperiodic, &cost).unwrap();
+            prop_assert!(table.to_bincode() == fourth.to_bincode());
+        }
         // Nor does the number of threads planning it (layouts, analysis, emission, summary).
         let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
         let (l3, t3, s3) = pool.install(|| {

@@ -92,8 +92,12 @@ pub fn build(args: &Args, progress: &mut dyn FnMut(u64, u64)) -> anyhow::Result<
     let mut infer: InferSpec = args.infer.parse()?;
     infer.dtype = args.dtype.parse::<InferDType>()?;
     let model = load_model(&args.model, train.experts)?;
-    let tl = TrainingLayout::build(&model, &train)?;
-    let il = InferenceLayout::build(&model, &infer)?;
+    // The two layouts are independent: built at once.
+    let (tl, il) = rayon::join(
+        || TrainingLayout::build(&model, &train),
+        || InferenceLayout::build(&model, &infer),
+    );
+    let (tl, il) = (tl?, il?);
     let cost = args.cost_model();
     let table = plan_with_progress(&model, &tl, &il, &cost, progress)?;
     let summary = Summary::of(&table, &cost);

@@ -77,7 +77,8 @@
 //! `mod.rs` the types, the spec and [`InferenceLayout::build`]; `check` the degree checks run
 //! first; `rank` one rank's builder (tensors from parts, refusals); `layer` a decoder layer's
 //! tensors in either format; `param_box` where a rank's tensor sits in the parameter it is cut
-//! from ([`InferenceLayout::param_boxes`]).
+//! from ([`InferenceLayout::param_boxes`]); `period` whether the engines repeat the first one
+//! ([`InferenceLayout::engine_period`]).
 //!
 //! # Arena
 //! Each rank's tensors are placed in MR 0 in the order listed, each at the next 256-byte aligned
@@ -86,10 +87,12 @@
 mod check;
 mod layer;
 mod param_box;
+mod period;
 mod rank;
 #[cfg(test)]
 mod tests;
 
+use rayon::prelude::*;
 use rustc_hash::FxHashMap;
 use std::sync::Arc;
 
@@ -101,6 +104,7 @@ use crate::model::{Model, Role};
 use crate::table::{DstTensor, TensorBox, MAX_DIMS};
 use check::check_divisible;
 pub use param_box::ParamBox;
+pub use period::EnginePeriod;
 use rank::RankBuilder;
 
 /// Where the fp8 scales of a piece go.
@@ -370,6 +374,14 @@ impl InferSpec {
 /// rather than fail with a reason.
 pub const MAX_PIECES: u64 = 1 << 25;
 
+/// One rank of engine 0 as its builder left it: every engine's rank of the same local rank
+/// holds the same tensors and pieces (only the global rank differs).
+struct EngineRank {
+    tensors: Arc<[DstTensor]>,
+    pieces: Vec<Piece>,
+    bytes: u64,
+}
+
 impl InferenceLayout {
     /// Builds the layout an [`InferSpec`] describes (see the module docs).
     pub fn build(model: &Model, spec: &InferSpec) -> Result<InferenceLayout, PlanError> {
@@ -382,26 +394,33 @@ impl InferenceLayout {
             .map(|(i, p)| (p.role, i as u32))
             .collect();
         let n = spec.engine_ranks();
-        let mut ranks = Vec::with_capacity((n * spec.dp) as usize);
-        let mut pieces = Vec::new();
-        let mut engine0: Vec<(Arc<[DstTensor]>, Vec<Piece>, u64)> = Vec::new();
-        for r in 0..n {
-            let mut b = RankBuilder {
-                model,
-                index: &index,
-                rank: r,
-                tp: spec.tp,
-                ep: spec.ep,
-                fp8: spec.dtype == InferDType::Fp8,
-                spec: *spec,
-                tensors: Vec::new(),
-                pieces: Vec::new(),
-                next: 0,
-            };
-            b.build_rank()?;
-            engine0.push((b.tensors.into(), b.pieces, b.next));
-        }
-        let per_engine: u64 = engine0.iter().map(|(_, ps, _)| ps.len() as u64).sum();
+        // Engine 0's ranks are built on their own, in parallel; the first error in rank order
+        // is the one reported, as when they were built one after another.
+        let built: Vec<Result<EngineRank, PlanError>> = (0..n)
+            .into_par_iter()
+            .map(|r| {
+                let mut b = RankBuilder {
+                    model,
+                    index: &index,
+                    rank: r,
+                    tp: spec.tp,
+                    ep: spec.ep,
+                    fp8: spec.dtype == InferDType::Fp8,
+                    spec: *spec,
+                    tensors: Vec::new(),
+                    pieces: Vec::new(),
+                    next: 0,
+                };
+                b.build_rank()?;
+                Ok(EngineRank {
+                    tensors: b.tensors.into(),
+                    pieces: b.pieces,
+                    bytes: b.next,
+                })
+            })
+            .collect();
+        let engine0 = built.into_iter().collect::<Result<Vec<_>, _>>()?;
+        let per_engine: u64 = engine0.iter().map(|r| r.pieces.len() as u64).sum();
         if per_engine * u64::from(spec.dp) > MAX_PIECES {
             return Err(PlanError::TooLarge(format!(
                 "the inference layout {spec} of {} would hold {per_engine} pieces per engine \
@@ -409,19 +428,34 @@ impl InferenceLayout {
                 model.name, spec.dp
             )));
         }
+        let mut ranks = Vec::with_capacity((n * spec.dp) as usize);
         for e in 0..spec.dp {
-            for (r, (tensors, ps, bytes)) in engine0.iter().enumerate() {
-                let g = e * n + r as u32;
+            for (r, er) in engine0.iter().enumerate() {
                 ranks.push(InferRank {
-                    rank: g,
+                    rank: e * n + r as u32,
                     engine: e,
                     local_rank: r as u32,
-                    tensors: Arc::clone(tensors),
-                    mr_bytes: vec![*bytes],
+                    tensors: Arc::clone(&er.tensors),
+                    mr_bytes: vec![er.bytes],
                 });
-                pieces.extend(ps.iter().map(|p| Piece { rank: g, ..*p }));
             }
         }
+        // Every engine's pieces are engine 0's with the rank moved by `e * n`; they are written
+        // straight into one list of the final size, engines in parallel (at 64 engines the
+        // pieces are 445 MB, written once, not grown and copied).
+        let first: Vec<Piece> = engine0.into_iter().flat_map(|r| r.pieces).collect();
+        let per = first.len();
+        let mut pieces = Vec::with_capacity(per * spec.dp as usize);
+        (0..per * spec.dp as usize)
+            .into_par_iter()
+            .map(|i| {
+                let p = &first[i % per];
+                Piece {
+                    rank: (i / per) as u32 * n + p.rank,
+                    ..*p
+                }
+            })
+            .collect_into_vec(&mut pieces);
         Ok(InferenceLayout { ranks, pieces })
     }
 }

@@ -8,24 +8,34 @@
 use rayon::prelude::*;
 
 use super::DGroup;
-use crate::layout_infer::InferenceLayout;
+use crate::layout_infer::{EnginePeriod, InferenceLayout, Piece};
 
 /// The indices of the pieces sorted by (param, box, rank, tensor), the dgroups (runs of equal
 /// (param, box) in that order) and, per param, the first of its dgroups (`np + 1` entries).
 /// Indices, not a sorted copy of the pieces: at 10,240 GPUs the pieces are 450 MB.
+///
+/// With `period` (engines repeating engine 0) only engine 0's pieces are sorted and grouped:
+/// a dgroup's targets in (rank, tensor) order are its engine-0 targets, then the same in
+/// engine 1 (each rank moved by an engine), and so on, so a dgroup is its engine-0 run
+/// (`engine_n` targets) taken `engines` times ([`super::Planner::target_piece`]).
 pub(super) fn destination_groups(
     np: usize,
     infer: &InferenceLayout,
+    period: Option<EnginePeriod>,
 ) -> (Vec<u32>, Vec<DGroup>, Vec<u32>) {
-    let order = pieces_by_param_and_box(np, infer);
+    let (pieces, engines) = match period {
+        Some(p) => (&infer.pieces[..p.pieces], p.engines),
+        None => (&infer.pieces[..], 1),
+    };
+    let order = pieces_by_param_and_box(np, pieces);
     let mut dgroups = Vec::new();
     let mut dgroup_first = vec![0u32; np + 1];
     let mut i = 0;
     while i < order.len() {
-        let p = &infer.pieces[order[i] as usize];
+        let p = &pieces[order[i] as usize];
         let mut j = i + 1;
         while j < order.len() {
-            let q = &infer.pieces[order[j] as usize];
+            let q = &pieces[order[j] as usize];
             if q.param != p.param || q.src != p.src {
                 break;
             }
@@ -35,7 +45,8 @@ pub(super) fn destination_groups(
         dgroups.push(DGroup {
             bx: p.src,
             first: i as u32,
-            n: (j - i) as u32,
+            n: (j - i) as u32 * engines,
+            engine_n: (j - i) as u32,
             fp8: p.scale.is_some(),
             dtype: infer.ranks[p.rank as usize].tensors[p.tensor as usize].dtype,
         });
@@ -48,17 +59,17 @@ pub(super) fn destination_groups(
 }
 
 /// Indices of the pieces by param (a counting sort), then by (box, rank, tensor) within a param.
-fn pieces_by_param_and_box(np: usize, infer: &InferenceLayout) -> Vec<u32> {
+fn pieces_by_param_and_box(np: usize, pieces: &[Piece]) -> Vec<u32> {
     let mut piece_first = vec![0usize; np + 1];
-    for p in &infer.pieces {
+    for p in pieces {
         piece_first[p.param as usize + 1] += 1;
     }
     for k in 0..np {
         piece_first[k + 1] += piece_first[k];
     }
-    let mut order = vec![0u32; infer.pieces.len()];
+    let mut order = vec![0u32; pieces.len()];
     let mut next = piece_first.clone();
-    for (i, p) in infer.pieces.iter().enumerate() {
+    for (i, p) in pieces.iter().enumerate() {
         order[next[p.param as usize]] = i as u32;
         next[p.param as usize] += 1;
     }
@@ -70,9 +81,9 @@ fn pieces_by_param_and_box(np: usize, infer: &InferenceLayout) -> Vec<u32> {
         by_param.push(mine);
         rest = after;
     }
-    by_param.into_par_iter().for_each(|pieces| {
-        pieces.sort_unstable_by_key(|&i| {
-            let p = &infer.pieces[i as usize];
+    by_param.into_par_iter().for_each(|mine| {
+        mine.sort_unstable_by_key(|&i| {
+            let p = &pieces[i as usize];
             (p.src.start, p.src.len, p.rank, p.tensor)
         })
     });

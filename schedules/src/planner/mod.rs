@@ -23,8 +23,12 @@
 //!
 //! Pure and deterministic: no hash-map iteration, no clock, and threads only where the result
 //! cannot depend on them (rayon; the table is the same with one thread or many):
-//! - validation compares ranks laid out alike in parallel, then checks in rank order;
-//! - step 1 sorts each parameter's pieces on their own, in parallel;
+//! - both layouts are validated at once; the inference side compares ranks laid out alike in
+//!   parallel, then checks in rank order;
+//! - step 1 sorts each parameter's pieces on their own, in parallel, beside the shards' order;
+//! - where the engines repeat engine 0 ([`InferenceLayout::engine_period`]), validation, step 1
+//!   and every later step read engine 0's pieces only: another engine's target is engine 0's
+//!   with its rank moved ([`Planner::target_piece`]), so 64 engines cost what one does;
 //! - steps 2-3 (`analyse`) take ranges of parameters in parallel and append what each range
 //!   found in parameter order; the single-holder loads they add are sums;
 //! - step 4 (sourcing) stays sequential: each choice depends on the loads of those before it;
@@ -58,7 +62,7 @@ use self::grid::Grid;
 use self::validate::validate_infer;
 use crate::cost::CostModel;
 use crate::error::PlanError;
-use crate::layout_infer::{InferenceLayout, Piece};
+use crate::layout_infer::{EnginePeriod, InferenceLayout, Piece};
 use crate::layout_train::{ShardSpec, TrainingLayout};
 use crate::model::Model;
 use crate::table::{RoutingTable, TensorBox};
@@ -82,8 +86,16 @@ pub fn plan_with_progress(
     cost: &CostModel,
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<RoutingTable, PlanError> {
-    train.validate(model)?;
-    validate_infer(model, infer)?;
+    // Engines repeating engine 0 are checked and grouped as engine 0 (see `EnginePeriod`).
+    let period = infer.engine_period().filter(|p| p.engines > 1);
+    // Both sides are checked at once; the training side's error is the one reported when
+    // both are wrong, as when they were checked one after the other.
+    let (trained, inferred) = rayon::join(
+        || train.validate(model),
+        || validate_infer(model, infer, period),
+    );
+    trained?;
+    inferred?;
     let sorted;
     let train = if train
         .shards
@@ -97,7 +109,7 @@ pub fn plan_with_progress(
         sorted = t;
         &sorted
     };
-    let mut p = Planner::new(model, train, infer, cost)?;
+    let mut p = Planner::new(model, train, infer, cost, period)?;
     p.analyse(progress)?;
     p.assign();
     p.emit(progress)
@@ -110,7 +122,11 @@ const GATHER: u32 = u32::MAX;
 struct DGroup {
     bx: TensorBox,
     first: u32,
+    /// Its targets, in every engine.
     n: u32,
+    /// Its targets in one engine: `sorted[first..first + engine_n]` (all of them, `n`, when
+    /// the engines are not planned as repeats of engine 0).
+    engine_n: u32,
     fp8: bool,
     /// Destination element type (of the weight tensor).
     dtype: DType,
@@ -202,6 +218,9 @@ struct Planner<'a> {
     layout_class: Vec<u32>,
     /// What one work request costs, in bytes of bandwidth ([`CostModel::wr_equiv_bytes`]).
     wr_bytes: u64,
+    /// Ranks per engine when the engines are planned as repeats of engine 0 (`sorted` then
+    /// holds engine 0's pieces only), else 0.
+    engine_ranks: u32,
 }
 
 impl<'a> Planner<'a> {
@@ -211,15 +230,26 @@ impl<'a> Planner<'a> {
         train: &'a TrainingLayout,
         infer: &'a InferenceLayout,
         cost: &'a CostModel,
+        period: Option<EnginePeriod>,
     ) -> Result<Planner<'a>, PlanError> {
         let np = model.params.len();
-        let (sorted, dgroups, dgroup_first) = dgroups::destination_groups(np, infer);
-        let (shard_first, shard_order) = grid::shards_by_param(np, train);
         if train.shards.len() > u32::MAX as usize || infer.pieces.len() > u32::MAX as usize {
             return Err(PlanError::TooLarge(
                 "more than 2^32 shards or pieces".into(),
             ));
         }
+        // The destination side's grouping and the source side's order are independent: built
+        // at once.
+        let ((sorted, dgroups, dgroup_first), ((shard_first, shard_order), layout_class)) =
+            rayon::join(
+                || dgroups::destination_groups(np, infer, period),
+                || {
+                    (
+                        grid::shards_by_param(np, train),
+                        targets::layout_classes(infer),
+                    )
+                },
+            );
         Ok(Planner {
             model,
             train,
@@ -250,7 +280,8 @@ impl<'a> Planner<'a> {
             splits: Vec::new(),
             gather_parts: Vec::new(),
             loads: vec![0; train.ranks as usize],
-            layout_class: targets::layout_classes(infer),
+            layout_class,
+            engine_ranks: period.map_or(0, |p| p.ranks),
             wr_bytes: cost.wr_equiv_bytes(),
         })
     }
@@ -286,10 +317,18 @@ impl<'a> Planner<'a> {
         }
     }
 
-    /// Target `k` of a dgroup (its pieces are in rank, then tensor order).
+    /// Target `k` of a dgroup (its pieces are in rank, then tensor order): engine `k / engine_n`'s
+    /// copy of engine 0's target `k % engine_n` (the target itself when the dgroup is all of its
+    /// targets, `engine_n == n`). Engine 0's piece with the rank moved: the other engines' pieces
+    /// are never read (at 64 engines they are 445 MB, and reading them was a cache miss each).
     #[inline]
-    fn target_piece(&self, dg: &DGroup, k: u32) -> &Piece {
-        &self.infer.pieces[self.sorted[(dg.first + k) as usize] as usize]
+    fn target_piece(&self, dg: &DGroup, k: u32) -> Piece {
+        let (e, k) = (k / dg.engine_n, k % dg.engine_n);
+        let p = &self.infer.pieces[self.sorted[(dg.first + k) as usize] as usize];
+        Piece {
+            rank: p.rank + e * self.engine_ranks,
+            ..*p
+        }
     }
 
     /// The parameter of a dgroup.

@@ -247,7 +247,7 @@ impl Planner<'_> {
     /// What the load of a region of dgroup `dg` depends on: its first target's tensors (every
     /// target is laid out alike). Looked up once per dgroup, not once per region.
     fn reach(&self, dg: &DGroup) -> Reach {
-        let pc = *self.target_piece(dg, 0);
+        let pc = self.target_piece(dg, 0);
         let rank = &self.infer.ranks[pc.rank as usize];
         let t = &rank.tensors[pc.tensor as usize];
         Reach {

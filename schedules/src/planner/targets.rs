@@ -93,7 +93,7 @@ impl Planner<'_> {
                     && bp.scale == pc.scale
             });
             let Some(base) = same else {
-                plan.listed.push(self.listed_dst(pc));
+                plan.listed.push(self.listed_dst(&pc));
                 open.push(None);
                 continue;
             };

@@ -11,19 +11,36 @@ use weightsync_common::DType;
 
 use super::place::{dst_box, scale_box};
 use crate::error::PlanError;
-use crate::layout_infer::{InferRank, InferenceLayout, Piece};
+use crate::layout_infer::{EnginePeriod, InferRank, InferenceLayout, Piece};
 use crate::model::{Model, Param};
 use crate::table::{DstTensor, Shape, TensorBox, FP8_BLOCK};
 
 /// Checks `infer` against `model` (see the module docs). Rank by rank: the boxes placed in
 /// one rank's tensors are all that is held at once (at 10,240 GPUs every rank's at once would be
-/// a gigabyte).
-pub(super) fn validate_infer(model: &Model, infer: &InferenceLayout) -> Result<(), PlanError> {
+/// a gigabyte). When the engines repeat engine 0 (`period`, from
+/// [`InferenceLayout::engine_period`]), every rank is still checked for its place and its
+/// tensors' fit, but pieces only in engine 0: the others' are the same pieces in the same
+/// tensors, so they would fail where engine 0's do, and engine 0's ranks come first.
+pub(super) fn validate_infer(
+    model: &Model,
+    infer: &InferenceLayout,
+    period: Option<EnginePeriod>,
+) -> Result<(), PlanError> {
     check_ranks(infer)?;
+    let infer = match period {
+        Some(p) => View {
+            ranks: &infer.ranks[..p.ranks as usize],
+            pieces: &infer.pieces[..p.pieces],
+        },
+        None => View {
+            ranks: &infer.ranks,
+            pieces: &infer.pieces,
+        },
+    };
     let nranks = infer.ranks.len() as u32;
     // Piece indices by rank (a counting sort; a rank a piece names must exist).
     let mut piece_first = vec![0u32; infer.ranks.len() + 1];
-    for pc in &infer.pieces {
+    for pc in infer.pieces {
         if pc.rank >= nranks {
             return Err(PlanError::NoSuchRank {
                 side: "inference",
@@ -100,13 +117,7 @@ pub(super) fn validate_infer(model: &Model, infer: &InferenceLayout) -> Result<(
 /// same list, as every engine's same rank shares it) and MRs, and the same pieces in the same
 /// order but for their rank. Then checking `b` would find what checking `a` found (the checks
 /// read nothing else of a rank), so at 64 engines each rank is checked once, not 64 times.
-fn laid_out_alike(
-    infer: &InferenceLayout,
-    a: usize,
-    a_pieces: &[u32],
-    b: usize,
-    b_pieces: &[u32],
-) -> bool {
+fn laid_out_alike(infer: View<'_>, a: usize, a_pieces: &[u32], b: usize, b_pieces: &[u32]) -> bool {
     let (ra, rb) = (&infer.ranks[a], &infer.ranks[b]);
     std::sync::Arc::ptr_eq(&ra.tensors, &rb.tensors)
         && ra.mr_bytes == rb.mr_bytes
@@ -115,6 +126,13 @@ fn laid_out_alike(
             let (x, y) = (&infer.pieces[i as usize], &infer.pieces[j as usize]);
             Piece { rank: y.rank, ..*x } == *y
         })
+}
+
+/// The ranks and pieces being checked: the whole layout, or its engine 0.
+#[derive(Clone, Copy)]
+struct View<'a> {
+    ranks: &'a [InferRank],
+    pieces: &'a [Piece],
 }
 
 /// Every rank is listed at its own index; every tensor's length matches its shape and fits
@@ -151,7 +169,7 @@ fn check_ranks(infer: &InferenceLayout) -> Result<(), PlanError> {
 /// numbered within the rank).
 fn place_piece(
     model: &Model,
-    infer: &InferenceLayout,
+    infer: View<'_>,
     pc: &Piece,
     placed: &mut Vec<Placed>,
 ) -> Result<(), PlanError> {
