@@ -64,6 +64,11 @@ impl FabricLimit {
                 slot.insert((f, dst, d));
             }
         }
+        // Each trainer's fabric told its peers, as a sync's trainer tells its own
+        // (`TrainerWorker::set_destinations`), so that both open the same lanes.
+        for (t, (f, _)) in &trainers {
+            f.expect_peers(pairs.iter().filter(|p| p.0 == *t).count());
+        }
         Ok(FabricLimit {
             trainers,
             rollouts,

@@ -91,6 +91,13 @@ pub trait FabricBackend: Clone + Send + Sync + std::fmt::Debug + 'static {
     /// Lanes (connections / queue pairs) used per peer.
     fn lanes_per_peer(&self) -> usize;
 
+    /// Says how many peers this process is about to write to (a trainer once it knows its
+    /// destinations), so that a backend whose lanes cost threads spreads the machine's lanes
+    /// over them instead of opening `lanes_per_peer` to each: TCP lanes to peers met after the
+    /// call ([`FabricConfig::lanes_for_peers`]). The default ignores it (a queue pair costs no
+    /// thread).
+    fn expect_peers(&self, _peers: usize) {}
+
     /// Registers memory. The returned region deregisters when its last clone drops.
     fn register(&self, memory: Memory, access: Access) -> Result<Region>;
 
@@ -172,6 +179,10 @@ impl FabricBackend for Fabric {
 
     fn lanes_per_peer(&self) -> usize {
         dispatch!(self, f => f.lanes_per_peer())
+    }
+
+    fn expect_peers(&self, peers: usize) {
+        dispatch!(self, f => f.expect_peers(peers))
     }
 
     fn register(&self, memory: Memory, access: Access) -> Result<Region> {

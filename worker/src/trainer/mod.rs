@@ -37,7 +37,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-use weightsync_common::fabric::{Access, FabricBackend, Region, RegionDescriptor};
+use weightsync_common::fabric::{Access, Endpoint, FabricBackend, Region, RegionDescriptor};
 use weightsync_common::protocol::TimeSplit;
 use weightsync_schedules::table::{TrainerPlan, WriteTarget, MAX_DIMS};
 
@@ -445,6 +445,10 @@ impl<F: FabricBackend> TrainerWorker<F> {
         let state = Arc::get_mut(&mut self.state).ok_or_else(|| {
             WorkerError::Protocol("destinations cannot change while a sync runs".into())
         })?;
+        // The peers this trainer writes to, so that the fabric shares its lanes out over them.
+        let peers: std::collections::BTreeSet<&Endpoint> =
+            write_dst.iter().map(|d| &d.desc.endpoint).collect();
+        self.fabric.expect_peers(peers.len());
         state.write_dst = write_dst;
         Ok(())
     }

@@ -117,6 +117,9 @@ pub(super) struct Shared {
     stats: Counters,
     /// The addresses listened on and written from (`listen` first), with their counters.
     local: Vec<LocalAddress>,
+    /// How many peers this process said it writes to ([`FabricBackend::expect_peers`]; 0:
+    /// not said), which bounds the lanes opened to each peer met afterwards.
+    expected_peers: std::sync::atomic::AtomicUsize,
 }
 
 /// The frames of one batch bound for one peer, per lane.
@@ -175,6 +178,7 @@ impl TcpFabric {
             assembly: Mutex::default(),
             stats: Counters::default(),
             local: addrs.iter().map(|&a| LocalAddress::new(a)).collect(),
+            expected_peers: std::sync::atomic::AtomicUsize::new(0),
         });
         // From here on the handle owns the threads: dropping it (also on an error below) stops
         // every accept thread already started.
@@ -398,6 +402,13 @@ impl FabricBackend for TcpFabric {
         self.inner.shared.config.lanes_per_peer
     }
 
+    fn expect_peers(&self, peers: usize) {
+        self.inner
+            .shared
+            .expected_peers
+            .store(peers, Ordering::Relaxed);
+    }
+
     fn register(&self, memory: Memory, access: Access) -> Result<Region> {
         if memory.location() != MemoryLocation::Host {
             return Err(FabricError::Unsupported(
@@ -516,6 +527,35 @@ mod tests {
         assert_eq!(dst.to_vec().unwrap(), vec![8u8; 4096]);
         assert!(a.stats().lanes_opened >= 2);
         assert_eq!(a.stats().lane_failures, 0, "a reset is not a lane failure");
+    }
+
+    #[tokio::test]
+    async fn a_writer_told_its_peers_shares_its_lanes_out_over_them() {
+        let a = TcpFabric::start(&FabricConfig::loopback("unit", 8))
+            .await
+            .unwrap();
+        let b = TcpFabric::start(&FabricConfig::loopback("unit", 8))
+            .await
+            .unwrap();
+        let c = TcpFabric::start(&FabricConfig::loopback("unit", 8))
+            .await
+            .unwrap();
+        // Not told: every peer gets the configured lanes.
+        assert_eq!(a.peer(b.endpoint()).len(), 8);
+        // Told of 4 peers: peers met afterwards get the machine's share, and writes to them land.
+        a.expect_peers(4);
+        let share = FabricConfig::lanes_for_peers(8, 1, 4);
+        assert!(share < 8);
+        assert_eq!(a.peer(c.endpoint()).len(), share);
+        let len = 1 << 20;
+        let src = a.alloc(len, Access::SOURCE).unwrap();
+        src.write_at(0, &vec![3u8; len]).unwrap();
+        let dst = c.alloc(len, Access::RECEIVE).unwrap();
+        a.write(WriteOp::new(&src, 0, dst.descriptor(), 0, len as u64).with_imm(1))
+            .await
+            .unwrap();
+        assert_eq!(dst.to_vec().unwrap(), vec![3u8; len]);
+        assert!(a.stats().lanes_opened as usize <= share);
     }
 
     #[tokio::test]

@@ -15,6 +15,7 @@ use parking_lot::Mutex;
 use super::addresses::{address_count, LaneRoute};
 use super::lane::{Lane, LaneJob};
 use super::Shared;
+use crate::fabric::config::FabricConfig;
 use crate::fabric::descriptor::Endpoint;
 use crate::fabric::error::FabricError;
 
@@ -45,11 +46,14 @@ pub(super) struct PeerLanes {
 impl PeerLanes {
     pub fn new(endpoint: &Endpoint, shared: &Shared) -> PeerLanes {
         let remotes = address_count(endpoint);
-        let lanes = shared
-            .config
-            .lanes_per_peer
-            .max(remotes)
-            .max(shared.local.len());
+        let expected = shared.expected_peers.load(Ordering::Relaxed);
+        let lanes = FabricConfig::lanes_for_peers(
+            shared.config.lanes_per_peer,
+            shared.local.len(),
+            expected,
+        )
+        .max(remotes)
+        .max(shared.local.len());
         PeerLanes {
             endpoint: endpoint.clone(),
             slots: (0..lanes).map(|_| Mutex::new(None)).collect(),
