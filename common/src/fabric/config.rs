@@ -118,7 +118,8 @@ pub struct FabricConfig {
     pub extra_listen: Vec<String>,
     /// Lanes (TCP connections or queue pairs) per peer. The default is chosen from the machine
     /// ([`FabricConfig::machine_lanes_per_peer`]); TCP opens at least one lane per address of
-    /// either side.
+    /// either side, and once a writer said how many peers it writes to, at most its share of
+    /// the machine's lanes ([`FabricConfig::lanes_for_peers`]).
     pub lanes_per_peer: usize,
     /// Writes longer than this may be split over the lanes to their peer (into pieces of at
     /// least this size); TCP splits one only where that makes it land sooner, i.e. over lanes
