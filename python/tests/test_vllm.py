@@ -69,8 +69,8 @@ def vllm_env(tmp: Path, tp: int = 1) -> dict[str, str]:
                 ",".join(map(str, cpus[i * per:(i + 1) * per])) for i in range(tp))
         else:
             env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
-        # vLLM's default, stated: the workers are forked from the engine process, so the
-        # test-only --torch-linear switch (set there before the LLM is built) reaches them.
+        # vLLM's default, stated. Its CPU platform spawns the workers all the same, so the
+        # test-only --torch-linear switch reaches them through jobs/spawned/sitecustomize.py.
         env["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
     return env
 

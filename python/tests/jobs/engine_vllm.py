@@ -46,7 +46,12 @@ LONG_PROMPT = [(7 * i + 3) % 1000 + 1 for i in range(144)]  # > one CPU KV block
 
 
 def torch_linear_switch() -> None:
-    """Test-only: stands in for GPU kernels that read the parameter directly."""
+    """Test-only: stands in for GPU kernels that read the parameter directly. In this process,
+    and in the workers vLLM's CPU platform spawns for tensor parallelism (it forces ``spawn``):
+    they import ``spawned/sitecustomize.py``, which makes the same patch."""
+    spawned = os.path.join(os.path.dirname(os.path.abspath(__file__)), "spawned")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (spawned, os.environ.get("PYTHONPATH")) if p)
+    os.environ["WEIGHTSYNC_TEST_TORCH_LINEAR"] = "1"
     import vllm.model_executor.layers.utils as lu
 
     def dispatch(layer: torch.nn.Module, remove_weight: bool = True) -> None:
