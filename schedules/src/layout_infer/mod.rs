@@ -444,6 +444,12 @@ impl InferenceLayout {
         // straight into one list of the final size, engines in parallel (at 64 engines the
         // pieces are 445 MB, written once, not grown and copied).
         let first: Vec<Piece> = engine0.into_iter().flat_map(|r| r.pieces).collect();
+        if spec.dp == 1 {
+            return Ok(InferenceLayout {
+                ranks,
+                pieces: first,
+            });
+        }
         let per = first.len();
         let mut pieces = Vec::with_capacity(per * spec.dp as usize);
         (0..per * spec.dp as usize)

@@ -531,15 +531,12 @@ mod tests {
 
     #[tokio::test]
     async fn a_writer_told_its_peers_shares_its_lanes_out_over_them() {
-        let a = TcpFabric::start(&FabricConfig::loopback("unit", 8))
-            .await
-            .unwrap();
-        let b = TcpFabric::start(&FabricConfig::loopback("unit", 8))
-            .await
-            .unwrap();
-        let c = TcpFabric::start(&FabricConfig::loopback("unit", 8))
-            .await
-            .unwrap();
+        let config = FabricConfig::loopback("unit", 8);
+        let (a, b, c) = (
+            TcpFabric::start(&config).await.unwrap(),
+            TcpFabric::start(&config).await.unwrap(),
+            TcpFabric::start(&config).await.unwrap(),
+        );
         // Not told: every peer gets the configured lanes.
         assert_eq!(a.peer(b.endpoint()).len(), 8);
         // Told of 4 peers: peers met afterwards get the machine's share, and writes to them land.
