@@ -20,8 +20,16 @@ use super::E2eError;
 const BLOCK: u64 = 4 << 20;
 /// Writes in flight per pair.
 const WINDOW: usize = 4;
-/// Size of each source buffer and destination region (blocks cycle through it).
-const REGION: u64 = BLOCK * WINDOW as u64;
+/// Most bytes of each source buffer and destination region (blocks cycle through it): the
+/// fabric bench's, larger than the caches. A sync reads its weights from memory and lands them
+/// in memory; a limit cycling through a few cache-hot blocks would be one no sync can reach.
+/// An endpoint moving less gets what it moves (rounded up to whole blocks).
+const REGION: u64 = crate::fabric::REGION_BYTES as u64;
+
+/// Bytes of the buffer of an endpoint moving `bytes` in all.
+fn region_bytes(bytes: u64) -> u64 {
+    bytes.div_ceil(BLOCK).clamp(WINDOW as u64, REGION / BLOCK) * BLOCK
+}
 
 /// One fabric per trainer and per rollout, connected, with their buffers registered.
 pub(crate) struct FabricLimit {
@@ -45,20 +53,25 @@ impl FabricLimit {
                 .await
                 .map_err(|e| setup("starting a fabric", e))
         };
+        let mut moved: BTreeMap<(bool, u32), u64> = BTreeMap::new();
+        for &(t, r, bytes) in pairs {
+            *moved.entry((true, t)).or_default() += bytes;
+            *moved.entry((false, r)).or_default() += bytes;
+        }
         let mut trainers = BTreeMap::new();
         let mut rollouts = BTreeMap::new();
         for &(t, r, _) in pairs {
             if let std::collections::btree_map::Entry::Vacant(slot) = trainers.entry(t) {
                 let f = start().await?;
                 let src = f
-                    .alloc(REGION as usize, Access::SOURCE)
+                    .alloc(region_bytes(moved[&(true, t)]) as usize, Access::SOURCE)
                     .map_err(|e| setup("registering a source", e))?;
                 slot.insert((f, src));
             }
             if let std::collections::btree_map::Entry::Vacant(slot) = rollouts.entry(r) {
                 let f = start().await?;
                 let dst = f
-                    .alloc(REGION as usize, Access::RECEIVE)
+                    .alloc(region_bytes(moved[&(false, r)]) as usize, Access::RECEIVE)
                     .map_err(|e| setup("registering a destination", e))?;
                 let d = dst.descriptor().clone();
                 slot.insert((f, dst, d));
@@ -80,22 +93,36 @@ impl FabricLimit {
     pub(crate) async fn sync(&self) -> Result<f64, E2eError> {
         let t0 = Instant::now();
         let mut pairs = Vec::with_capacity(self.pairs.len());
-        for &(t, r, bytes) in &self.pairs {
+        for (k, &(t, r, bytes)) in self.pairs.iter().enumerate() {
             let (fabric, src) = &self.trainers[&t];
             let dst = &self.rollouts[&r].2;
-            pairs.push(pair(fabric.clone(), src.clone(), dst.clone(), bytes));
+            let slots = src.len().min(dst.len) / BLOCK;
+            // Pairs start at different blocks, so that no two read or write the same memory
+            // at once (one would find it in cache).
+            let first = k as u64 * slots / self.pairs.len() as u64;
+            pairs.push(pair(
+                fabric.clone(),
+                src.clone(),
+                dst.clone(),
+                bytes,
+                first,
+                slots,
+            ));
         }
         futures::future::try_join_all(pairs).await?;
         Ok(t0.elapsed().as_secs_f64())
     }
 }
 
-/// One pair's bytes in [`BLOCK`]s, [`WINDOW`] in flight.
+/// One pair's bytes in [`BLOCK`]s, [`WINDOW`] in flight, cycling through the first `slots`
+/// blocks of the regions from block `first`.
 async fn pair(
     fabric: TcpFabric,
     src: Region,
     dst: RegionDescriptor,
     bytes: u64,
+    first: u64,
+    slots: u64,
 ) -> Result<(), E2eError> {
     type Pending = std::pin::Pin<
         Box<dyn std::future::Future<Output = weightsync_common::fabric::Result<()>> + Send>,
@@ -106,7 +133,7 @@ async fn pair(
     let mut i = 0u64;
     while sent < bytes {
         let len = BLOCK.min(bytes - sent);
-        let off = (i % WINDOW as u64) * BLOCK;
+        let off = ((first + i) % slots) * BLOCK;
         if in_flight.len() == WINDOW {
             let f = in_flight.pop_front().expect("window is full");
             f.await.map_err(fabric_error)?;
@@ -125,4 +152,17 @@ async fn pair(
 
 fn fabric_error(e: weightsync_common::fabric::FabricError) -> E2eError {
     E2eError::Sync(format!("fabric limit: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_endpoint_gets_what_it_moves_in_whole_blocks_within_the_bench_region() {
+        assert_eq!(region_bytes(1), WINDOW as u64 * BLOCK);
+        assert_eq!(region_bytes(10 * BLOCK + 1), 11 * BLOCK);
+        assert_eq!(region_bytes(10 * REGION), REGION);
+        assert_eq!(REGION % BLOCK, 0);
+    }
 }

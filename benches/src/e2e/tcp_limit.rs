@@ -2,6 +2,10 @@
 //! streams with nothing else to do (no framing, no preparation, no registration), one stream per
 //! (trainer, rollout) pair, every pair at once. No transport on this machine can land the sync's
 //! bytes faster, so weightsync's `ratio_vs_tcp_limit` says how much of the wire it uses.
+//!
+//! It is a kind limit on purpose: each stream sends from and receives into one cache-hot
+//! [`CHUNK`], where a sync (and the fabric limit, `fabric_limit`) reads and writes memory far
+//! larger than the caches. An upper bound may flatter the wire; it must not flatter weightsync.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
