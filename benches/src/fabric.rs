@@ -20,6 +20,10 @@
 //! (10^9 bytes per second). `default_lanes` is the lane count a fabric picks on this machine
 //! when none is configured.
 
+mod in_process;
+
+pub use in_process::best_rate_gbps;
+
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};

@@ -201,20 +201,28 @@ async fn demo(args: Args) -> anyhow::Result<()> {
     let mut workers = spawn_workers(&args, &ctl, &logs)?;
     wait_planned(&ctl, &mut workers, &logs).await?;
     let tcp_gbps = measure_tcp().await?;
+    let fabric_gbps = measure_fabric(args.lanes).await?;
     let (results, failed) = run_syncs(&args, &ctl, &mut workers, tcp_gbps).await?;
-    let (summary, verified) = summarise(&args, &ctl, &results, &failed, tcp_gbps, &dashboard);
+    let yardsticks = Yardsticks {
+        tcp_gbps,
+        fabric_gbps,
+    };
+    let (summary, verified) = summarise(&args, &ctl, &results, &failed, yardsticks, &dashboard);
     if args.json {
         println!("{summary}");
     } else {
         eprintln!(
             "\nsummary: {} of {} syncs committed and verified byte for byte; {:.1} MB per sync;\n  \
-             {:.2} s per sync end to end, writes landed at {:.2} GB/s = {:.2}x one plain TCP stream ({tcp_gbps:.2} GB/s)",
+             {:.2} s per sync end to end, writes landed at {:.2} GB/s = {:.2}x one plain TCP stream ({tcp_gbps:.2} GB/s)\n  \
+             = {:.2}x the fabric's best rate with {} lanes ({fabric_gbps:.2} GB/s)",
             summary["committed"],
             args.syncs,
             summary["bytes_per_sync"].as_f64().unwrap_or(0.0) / 1e6,
             summary["mean_seconds_per_sync"].as_f64().unwrap_or(0.0),
             summary["mean_gbps"].as_f64().unwrap_or(0.0),
             summary["ratio_vs_tcp"].as_f64().unwrap_or(0.0),
+            summary["ratio_vs_fabric"].as_f64().unwrap_or(0.0),
+            args.lanes,
         );
     }
     if !args.exit {
@@ -394,6 +402,28 @@ async fn measure_tcp() -> anyhow::Result<f64> {
     Ok(runs[1])
 }
 
+/// The fabric bench's best rate for the demo's lanes, measured in this process before the
+/// syncs (`weightsync_benches::fabric::best_rate_gbps`), GB/s: the yardstick of
+/// `ratio_vs_fabric`.
+async fn measure_fabric(lanes: usize) -> anyhow::Result<f64> {
+    let pb = spinner(format!(
+        "measuring the fabric alone with {lanes} lanes (the other yardstick)"
+    ));
+    let gbps = weightsync_benches::fabric::best_rate_gbps(lanes, 3).await?;
+    pb.finish_and_clear();
+    eprintln!("  fabric, {lanes} lanes: {gbps:.2} GB/s");
+    Ok(gbps)
+}
+
+/// What the syncs' landing rate is compared with, measured in the same run.
+#[derive(Debug, Clone, Copy)]
+struct Yardsticks {
+    /// One plain TCP stream on loopback, GB/s.
+    tcp_gbps: f64,
+    /// The fabric bench's best rate for the demo's lanes, GB/s.
+    fabric_gbps: f64,
+}
+
 /// The training loop: one `POST /v1/syncs?wait=true` per version; each sync's view, and the
 /// versions that did not commit.
 async fn run_syncs(
@@ -491,9 +521,13 @@ fn summarise(
     ctl: &ServedDemo,
     results: &[Value],
     failed: &[u64],
-    tcp_gbps: f64,
+    yardsticks: Yardsticks,
     dashboard: &str,
 ) -> (Value, bool) {
+    let Yardsticks {
+        tcp_gbps,
+        fabric_gbps,
+    } = yardsticks;
     let committed: Vec<&Value> = results
         .iter()
         .filter(|v| v["state"] == "committed")
@@ -553,6 +587,9 @@ fn summarise(
         "mean_gbps": mean(&gbps),
         "tcp_gbps": tcp_gbps,
         "ratio_vs_tcp": mean(&gbps) / tcp_gbps,
+        "fabric_gbps": fabric_gbps,
+        "fabric_lanes": args.lanes,
+        "ratio_vs_fabric": mean(&gbps) / fabric_gbps,
         "verified": verified,
         "dashboard": dashboard,
     });
