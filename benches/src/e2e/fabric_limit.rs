@@ -53,10 +53,11 @@ impl FabricLimit {
                 .await
                 .map_err(|e| setup("starting a fabric", e))
         };
-        let mut moved: BTreeMap<(bool, u32), u64> = BTreeMap::new();
+        let mut sent: BTreeMap<u32, u64> = BTreeMap::new();
+        let mut received: BTreeMap<u32, u64> = BTreeMap::new();
         for &(t, r, bytes) in pairs {
-            *moved.entry((true, t)).or_default() += bytes;
-            *moved.entry((false, r)).or_default() += bytes;
+            *sent.entry(t).or_default() += bytes;
+            *received.entry(r).or_default() += bytes;
         }
         let mut trainers = BTreeMap::new();
         let mut rollouts = BTreeMap::new();
@@ -64,14 +65,14 @@ impl FabricLimit {
             if let std::collections::btree_map::Entry::Vacant(slot) = trainers.entry(t) {
                 let f = start().await?;
                 let src = f
-                    .alloc(region_bytes(moved[&(true, t)]) as usize, Access::SOURCE)
+                    .alloc(region_bytes(sent[&t]) as usize, Access::SOURCE)
                     .map_err(|e| setup("registering a source", e))?;
                 slot.insert((f, src));
             }
             if let std::collections::btree_map::Entry::Vacant(slot) = rollouts.entry(r) {
                 let f = start().await?;
                 let dst = f
-                    .alloc(region_bytes(moved[&(false, r)]) as usize, Access::RECEIVE)
+                    .alloc(region_bytes(received[&r]) as usize, Access::RECEIVE)
                     .map_err(|e| setup("registering a destination", e))?;
                 let d = dst.descriptor().clone();
                 slot.insert((f, dst, d));
