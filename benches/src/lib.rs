@@ -8,6 +8,7 @@
 //! - [`fabric`]: one-sided writes between two processes beside one TCP stream and memcpy.
 //! - [`prepare`]: each preparation kernel beside a memcpy of the same bytes.
 //! - [`pipeline`]: the trainer pipeline overlapped beside serialised, same tasks.
+//! - [`plan`]: whole `weightsync plan` processes beside a baseline binary, alternately.
 //! - [`e2e`]: a real model's job on loopback beside gather-and-broadcast and the TCP limit; the
 //!   simulator's calibration against it.
 //! - `benches/`: criterion benches of the kernels and the planner.
@@ -16,4 +17,5 @@
 pub mod e2e;
 pub mod fabric;
 pub mod pipeline;
+pub mod plan;
 pub mod prepare;

@@ -100,6 +100,39 @@ pub enum Which {
         #[arg(long)]
         staged_sources: bool,
     },
+    /// Planning as a whole process (`weightsync plan --json`, one fresh process per run): wall,
+    /// CPU and peak RSS beside a baseline binary run alternately, against the planning goals.
+    Plan {
+        /// Print one JSON object instead of text.
+        #[arg(long)]
+        json: bool,
+        /// Timed runs per binary and case (median reported), after one warm-up each.
+        #[arg(long, default_value_t = 5)]
+        runs: usize,
+        /// Another `weightsync` binary to compare with (e.g. the previous commit's build),
+        /// run alternately with this one; their JSON outputs are compared too.
+        #[arg(long)]
+        baseline: Option<std::path::PathBuf>,
+        /// Named cases (comma-separated): `anchor` (Kimi-K2 256 -> 128 GPUs fp8), `10240`
+        /// (Kimi-K2 on 10,240 GPUs). Ignored with --model.
+        #[arg(long, value_delimiter = ',', default_value = "anchor,10240")]
+        cases: Vec<String>,
+        /// One case of your own instead (with --train, --infer, --dtype; no goals).
+        #[arg(long)]
+        model: Option<String>,
+        /// Training layout of the --model case.
+        #[arg(long, default_value = "fsdp=8")]
+        train: String,
+        /// Inference layout of the --model case.
+        #[arg(long, default_value = "tp=8")]
+        infer: String,
+        /// Inference weight format of the --model case.
+        #[arg(long, default_value = "bf16")]
+        dtype: String,
+        /// Skip measuring the largest trainer slice (planned once more in this process).
+        #[arg(long)]
+        no_slices: bool,
+    },
     /// Preparation kernels (gather, casts, fp8 block quantisation) beside memcpy.
     Prepare {
         /// Print one JSON object instead of a table.
@@ -191,6 +224,41 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 bucket_bytes: bucket_mib << 20,
             };
             let report = e2e::run(&cfg)?;
+            if json {
+                println!("{}", serde_json::to_string(&report)?);
+            } else {
+                print!("{}", report.human());
+            }
+            Ok(())
+        }
+        Which::Plan {
+            json,
+            runs,
+            baseline,
+            cases,
+            model,
+            train,
+            infer,
+            dtype,
+            no_slices,
+        } => {
+            use weightsync_benches::plan;
+            let cases = match model {
+                Some(m) => vec![plan::Case::custom(&m, &train, &infer, &dtype)],
+                None => cases
+                    .iter()
+                    .map(|c| plan::Case::named(c.trim()))
+                    .collect::<anyhow::Result<_>>()?,
+            };
+            let cfg = plan::Config {
+                exe: std::env::current_exe()
+                    .map_err(|e| anyhow::anyhow!("locating the weightsync binary: {e}"))?,
+                baseline,
+                cases,
+                runs,
+                slices: !no_slices,
+            };
+            let report = plan::run(&cfg)?;
             if json {
                 println!("{}", serde_json::to_string(&report)?);
             } else {
