@@ -313,6 +313,19 @@ impl Region {
         Ok(())
     }
 
+    /// Copies `len` bytes at `src_offset` of `src` (host memory, possibly this region) to
+    /// `offset` here: one copy, as a collective's local step does, with no buffer between.
+    pub fn copy_from(&self, offset: u64, src: &Region, src_offset: u64, len: usize) -> Result<()> {
+        let from = src.host_range("copy_from (source)", src_offset, len)?;
+        let to = self.host_range("copy_from", offset, len)?;
+        // SAFETY: both ranges are valid for `len` bytes of host memory (bounds checked above;
+        // each memory lives as long as its handle). They may be the same region, so the copy is
+        // `copy` (overlap allowed), not `copy_nonoverlapping`. Concurrent remote writes to the
+        // same bytes behave like DMA: plain u8 values, last writer wins.
+        unsafe { std::ptr::copy(from, to, len) };
+        Ok(())
+    }
+
     /// Copies `len` bytes at `offset` into a new vector.
     pub fn copy_to_vec(&self, offset: u64, len: usize) -> Result<Vec<u8>> {
         let mut out = vec![0u8; len];
@@ -377,6 +390,28 @@ mod tests {
             Err(FabricError::LocalOutOfBounds { .. })
         ));
         assert!(r.read_at(u64::MAX, &mut [0; 2]).is_err());
+    }
+
+    #[test]
+    fn copy_from_another_region_and_within_one_with_bounds() {
+        let a = region(64, Arc::default());
+        let b = region(32, Arc::default());
+        a.write_at(8, &[1, 2, 3, 4, 5]).unwrap();
+        b.copy_from(30, &a, 8, 2).unwrap();
+        assert_eq!(b.copy_to_vec(29, 3).unwrap(), vec![0, 1, 2]);
+        // Overlapping, within one region: as memmove.
+        a.copy_from(10, &a, 8, 5).unwrap();
+        assert_eq!(a.copy_to_vec(8, 7).unwrap(), vec![1, 2, 1, 2, 3, 4, 5]);
+        // Either side out of bounds: refused, nothing written.
+        assert!(matches!(
+            b.copy_from(31, &a, 0, 2),
+            Err(FabricError::LocalOutOfBounds { .. })
+        ));
+        assert!(matches!(
+            b.copy_from(0, &a, 63, 2),
+            Err(FabricError::LocalOutOfBounds { .. })
+        ));
+        assert_eq!(b.copy_to_vec(0, 2).unwrap(), vec![0, 0]);
     }
 
     #[test]
