@@ -33,8 +33,7 @@ mod tcp_limit;
 
 use serde::Serialize;
 use weightsync_schedules::{
-    plan, ExpertForm, InferDType, InferSpec, InferenceLayout, Model, RoutingTable, TrainSpec,
-    TrainingLayout,
+    plan, InferDType, InferSpec, InferenceLayout, Model, RoutingTable, TrainSpec, TrainingLayout,
 };
 
 pub use broadcast::BroadcastBaseline;
@@ -104,7 +103,7 @@ impl Setup {
         let train: TrainSpec = self.train.parse().map_err(err)?;
         let mut infer: InferSpec = self.infer.parse().map_err(err)?;
         infer.dtype = self.dtype.parse::<InferDType>().map_err(err)?;
-        let model = Model::preset(&self.model, ExpertForm::PerExpert).map_err(err)?;
+        let model = Model::preset(&self.model, train.experts).map_err(err)?;
         let tl = TrainingLayout::build(&model, &train).map_err(err)?;
         let il = InferenceLayout::build(&model, &infer).map_err(err)?;
         plan(&model, &tl, &il, cost).map_err(err)
@@ -394,6 +393,7 @@ pub fn run_table(table: &RoutingTable, cfg: &Config) -> Result<Report, E2eError>
 #[cfg(test)]
 mod tests {
     use super::*;
+    use weightsync_schedules::ExpertForm;
 
     /// A tiny Qwen3 (two layers, hidden 256): the same code paths as a real one, in milliseconds.
     fn tiny_table() -> RoutingTable {

@@ -16,11 +16,11 @@
 
 use std::path::PathBuf;
 
-use anyhow::{bail, Context};
+use anyhow::bail;
 use serde::Serialize;
-use weightsync_schedules::{
-    plan, CostModel, InferDType, InferSpec, InferenceLayout, Model, TrainSpec, TrainingLayout,
-};
+use weightsync_schedules::CostModel;
+
+use crate::e2e::Setup;
 
 pub mod process;
 
@@ -300,14 +300,8 @@ fn run_case(cfg: &Config, case: &Case) -> anyhow::Result<CaseReport> {
 
 /// Plans the case here and encodes every trainer's slice: the largest, in bytes.
 fn largest_slice(case: &Case) -> anyhow::Result<u64> {
-    let train: TrainSpec = case.train.parse()?;
-    let mut infer: InferSpec = case.infer.parse()?;
-    infer.dtype = case.dtype.parse::<InferDType>()?;
-    let model = Model::preset(&case.model, train.experts)
-        .with_context(|| format!("model {:?} (slices are measured on presets)", case.model))?;
-    let tl = TrainingLayout::build(&model, &train)?;
-    let il = InferenceLayout::build(&model, &infer)?;
-    let table = plan(&model, &tl, &il, &CostModel::default())?;
+    let setup = Setup::new(&case.model, &case.train, &case.infer, &case.dtype);
+    let table = setup.plan(&CostModel::default())?;
     let mut largest = 0u64;
     for r in 0..table.trainers.len() as u32 {
         largest = largest.max(table.slice(r)?.to_bincode().len() as u64);
@@ -410,6 +404,7 @@ impl Report {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use weightsync_schedules::{InferSpec, TrainSpec};
 
     #[test]
     fn the_named_cases_are_the_issues_and_others_are_refused() {

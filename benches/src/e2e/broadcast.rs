@@ -64,12 +64,23 @@ pub struct BroadcastBaseline {
     trainers: Vec<(TcpFabric, Region)>,
     /// Rank 0's bucket buffers.
     root_slots: Vec<Region>,
-    /// Per inference rank: fabric, receive buffers, share of an engine.
-    rollouts: Vec<(TcpFabric, Vec<Region>, f64)>,
-    /// Per inference rank and slot: its reload's buffers.
-    scratch: Vec<Vec<Arc<Mutex<ReloadScratch>>>>,
+    /// Per inference rank.
+    rollouts: Vec<Rollout>,
     buckets: Vec<Vec<(FullTensor, u64)>>,
     bucket_bytes: u64,
+}
+
+/// One inference rank of the baseline.
+#[derive(Debug)]
+struct Rollout {
+    /// Kept alive for its receive buffers.
+    _fabric: TcpFabric,
+    /// Receive buffers, one per slot.
+    slots: Vec<Region>,
+    /// Its share of an engine.
+    share: f64,
+    /// Per slot, its reload's buffers.
+    scratch: Vec<Arc<Mutex<ReloadScratch>>>,
 }
 
 fn fab_err(what: &str) -> impl Fn(weightsync_common::fabric::FabricError) -> E2eError + '_ {
@@ -190,16 +201,16 @@ impl BroadcastBaseline {
                 .map_err(fab_err("receive buffers"))?;
             let mine = held(r.rank);
             let share = mine as f64 / engine_total[&r.engine].max(1) as f64;
-            rollouts.push((f, slots, share.min(1.0)));
+            rollouts.push(Rollout {
+                _fabric: f,
+                slots,
+                share: share.min(1.0),
+                scratch: (0..SLOTS).map(|_| Arc::default()).collect(),
+            });
         }
-        let scratch = rollouts
-            .iter()
-            .map(|_| (0..SLOTS).map(|_| Arc::default()).collect())
-            .collect();
         Ok(BroadcastBaseline {
             trainers,
             root_slots,
-            scratch,
             rollouts,
             buckets,
             bucket_bytes,
@@ -273,11 +284,11 @@ impl BroadcastBaseline {
             let sends: Vec<_> = self
                 .rollouts
                 .iter()
-                .map(|(_, slots, _)| {
+                .map(|r| {
                     root.write_batch(vec![WriteOp::new(
                         root_buf,
                         0,
-                        slots[slot].descriptor(),
+                        r.slots[slot].descriptor(),
                         0,
                         used,
                     )])
@@ -285,11 +296,11 @@ impl BroadcastBaseline {
                 .collect();
             all_landed("broadcast", sends).await?;
             // 3. Every rank reloads its share, in the background.
-            for ((_, slots, share), scratch) in self.rollouts.iter().zip(&self.scratch) {
-                let buf = slots[slot].clone();
-                let share = *share;
+            for r in &self.rollouts {
+                let buf = r.slots[slot].clone();
+                let share = r.share;
                 let tensors: Vec<(FullTensor, u64)> = bucket.clone();
-                let scratch = scratch[slot].clone();
+                let scratch = r.scratch[slot].clone();
                 reloads[slot].push(tokio::task::spawn_blocking(move || {
                     // One reload per rank and slot at a time (the slot waits for it): the
                     // lock is never contended.
