@@ -429,6 +429,34 @@ fn send_window(
             ));
         }
     }
+    // The bytes are counted before they are handed to the socket, and what a failure left
+    // unsent is taken back: counted after `sendmsg`, a preempted sender thread could count them
+    // after the peer's completion for them was already seen, and a caller reading the counters
+    // right after its write completed would miss them.
+    let total: u64 = segs.iter().map(|&(_, len)| len as u64).sum();
+    shared.stats.bytes_sent.fetch_add(total, Ordering::Relaxed);
+    let local = &shared.local[state.route.local].bytes_sent;
+    local.fetch_add(total, Ordering::Relaxed);
+    let mut sent = 0u64;
+    let result = send_segments(peer, sock, &mut segs, src, state, shared, &mut sent);
+    if result.is_err() {
+        let unsent = total - sent;
+        shared.stats.bytes_sent.fetch_sub(unsent, Ordering::Relaxed);
+        local.fetch_sub(unsent, Ordering::Relaxed);
+    }
+    result
+}
+
+/// The `sendmsg` loop of [`send_window`]: `sent` is what the socket accepted before it returned.
+fn send_segments(
+    peer: &Endpoint,
+    sock: &LaneSocket,
+    segs: &mut [(*const u8, usize)],
+    src: &Region,
+    state: &LaneState,
+    shared: &Shared,
+    sent: &mut u64,
+) -> Result<()> {
     let mut cursor = 0;
     let timeout = shared.config.io_timeout();
     while cursor < segs.len() {
@@ -447,13 +475,7 @@ fn send_window(
         };
         match rc {
             Ok(mut n) => {
-                shared
-                    .stats
-                    .bytes_sent
-                    .fetch_add(n as u64, Ordering::Relaxed);
-                shared.local[state.route.local]
-                    .bytes_sent
-                    .fetch_add(n as u64, Ordering::Relaxed);
+                *sent += n as u64;
                 state.touch();
                 while n > 0 {
                     let (ptr, len) = segs[cursor];
