@@ -240,6 +240,28 @@ impl TensorBox {
         }
         out
     }
+
+    /// Whether this box of a dense row-major tensor of shape `dims` is one contiguous range of
+    /// its elements: every dim before some `d` has extent 1 and every dim after `d` is whole
+    /// (an empty box is, trivially).
+    pub fn is_contiguous_in(&self, dims: &[u32]) -> bool {
+        let n = self.ndim as usize;
+        if self.len[..n].contains(&0) {
+            return true;
+        }
+        let Some(d) = (0..n).find(|&i| self.len[i] != 1) else {
+            return true;
+        };
+        (d + 1..n).all(|i| self.start[i] == 0 && dims.get(i) == Some(&self.len[i]))
+    }
+
+    /// Row-major index of this box's first element in a tensor of shape `dims`.
+    pub fn first_element_in(&self, dims: &[u32]) -> u64 {
+        let n = self.ndim as usize;
+        (0..n).fold(0u64, |acc, i| {
+            acc * dims.get(i).copied().unwrap_or(1) as u64 + self.start[i] as u64
+        })
+    }
 }
 
 impl std::fmt::Display for TensorBox {
@@ -522,6 +544,30 @@ impl TrainerPlan {
         }
     }
 
+    /// Where a cast or fp8 task reads its input in place: the byte offset of its box in its
+    /// shard, when the box is one contiguous range of a shard already in the input dtype. Such
+    /// a task is prepared reading the shard where it lies, straight into its staging, with no
+    /// copy into staging first (what workers do, and what the simulator charges). `None` for a
+    /// plain copy (staged or written from the source as it is), a gathered input, or a box that
+    /// strides through its shard.
+    pub fn in_place_input(&self, task: &Task) -> Option<u64> {
+        let from = match task.transform {
+            Transform::Cast { from, .. } | Transform::Fp8Block { from, .. } => from,
+            Transform::Copy { .. } => return None,
+        };
+        let Source::Shard { shard } = task.source else {
+            return None;
+        };
+        let s = self.shards.get(shard as usize)?;
+        let sub = self.source_box(task)?;
+        let dims = s.global.shape();
+        if s.dtype != from || !sub.is_contiguous_in(dims.dims()) {
+            return None;
+        }
+        let offset = sub.first_element_in(dims.dims()) * from.size() as u64;
+        (offset + sub.numel() * from.size() as u64 <= s.bytes()).then_some(offset)
+    }
+
     /// The tasks of one group.
     pub fn group_tasks(&self, group: &MeshGroup) -> &[Task] {
         let a = group.first_task as usize;
@@ -747,6 +793,22 @@ impl RoutingTable {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn contiguous_boxes_are_rows_of_whole_trailing_dims() {
+        let dims = [4, 6, 8];
+        let contiguous =
+            |start: &[u32], len: &[u32]| TensorBox::new(start, len).is_contiguous_in(&dims);
+        assert!(contiguous(&[1, 0, 0], &[2, 6, 8]));
+        assert!(contiguous(&[1, 2, 0], &[1, 3, 8]));
+        assert!(contiguous(&[1, 2, 3], &[1, 1, 4]));
+        assert!(!contiguous(&[1, 2, 0], &[2, 3, 8]));
+        assert!(!contiguous(&[0, 0, 0], &[4, 6, 4]));
+        assert_eq!(
+            TensorBox::new(&[1, 2, 3], &[1, 1, 4]).first_element_in(&dims),
+            48 + 16 + 3
+        );
+    }
 
     #[test]
     fn boxes_intersect_and_contain() {

@@ -26,6 +26,8 @@ impl Planner<'_> {
         self.assign_with(&grids);
         drop(grids);
         self.region_loads = Vec::new();
+        self.gather_cells = Vec::new();
+        self.copied_open = Vec::new();
     }
 
     fn assign_with(&mut self, grids: &[Grid]) {
@@ -33,11 +35,24 @@ impl Planner<'_> {
         let mut big: Vec<u32> = Vec::new();
         // Gathers first (single holders were fixed by `analyse`), in region order.
         let open = std::mem::take(&mut self.open);
+        let copied = std::mem::take(&mut self.copied_open);
+        let mut copied = copied.iter().peekable();
         for &ri in &open {
             let reg = self.region(ri);
+            // The region it copies, when it is a copy (both lists are in region order).
+            let mut from = None;
+            while let Some(&&(at, f)) = copied.peek() {
+                if at > ri {
+                    break;
+                }
+                copied.next();
+                if at == ri {
+                    from = Some(f);
+                }
+            }
             if reg.cell == GATHER {
                 let grid = &grids[self.dgroup_param(reg.dgroup)];
-                self.assign_gather(ri, &reg, grid);
+                self.assign_gather(ri, &reg, grid, from);
             } else if reg.weight < self.cost.min_split_bytes() {
                 small.push(ri);
             } else {
@@ -62,9 +77,13 @@ impl Planner<'_> {
 
     /// Gather region `ri` (`reg`): its parts are the cells it touches; an owner assembles and
     /// prepares it, each part comes from the owner's own shard if it holds one, else from the
-    /// least loaded holder.
-    fn assign_gather(&mut self, ri: u32, reg: &Region, grid: &Grid) {
-        let (first, big_cell) = self.push_gather_parts(reg, grid);
+    /// least loaded holder. A region copied from another param's (`copy_of`, a repeat: the same
+    /// box in a grid of the same cells) has that one's parts, which are not cut again.
+    fn assign_gather(&mut self, ri: u32, reg: &Region, grid: &Grid, copy_of: Option<u32>) {
+        let (first, big_cell) = match copy_of.map(|f| self.assign[f as usize]) {
+            Some(Assign::Gather { first, n, .. }) => self.push_copied_parts(first, n),
+            _ => self.push_gather_parts(reg, grid),
+        };
         let owner_shard = self.gather_owner(grid, first, big_cell);
         let owner = self.shard(owner_shard).rank;
         self.loads[owner as usize] += reg.weight;
@@ -91,7 +110,7 @@ impl Planner<'_> {
         }
         let first = self.gather_parts.len() as u32;
         let mut best: Option<(u64, u32)> = None;
-        let parts = &mut self.gather_parts;
+        let (parts, cells) = (&mut self.gather_parts, &mut self.gather_cells);
         grid.cells.for_each_cell(lo, hi, |cell| {
             let part = grid
                 .cells
@@ -102,8 +121,27 @@ impl Planner<'_> {
                 best = Some((part.numel(), cell));
             }
             parts.push((part, cell));
+            cells.push(cell);
         });
         let (_, big_cell) = best.expect("a part");
+        (first, big_cell)
+    }
+
+    /// [`push_gather_parts`](Self::push_gather_parts) for a region whose parts are those at
+    /// `from..from + n` (another region's, of the same box in a grid of the same cells): the
+    /// same parts and cells in the same order, and the same largest.
+    fn push_copied_parts(&mut self, from: u32, n: u32) -> (u32, u32) {
+        let first = self.gather_parts.len() as u32;
+        let mut best: Option<(u64, u32)> = None;
+        for k in from as usize..(from + n) as usize {
+            let (part, cell) = (self.gather_parts[k].0, self.gather_cells[k]);
+            if best.is_none_or(|(m, _)| part.numel() > m) {
+                best = Some((part.numel(), cell));
+            }
+            self.gather_parts.push((part, cell));
+            self.gather_cells.push(cell);
+        }
+        let (_, big_cell) = best.expect("a gather region has a part");
         (first, big_cell)
     }
 

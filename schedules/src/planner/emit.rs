@@ -17,7 +17,8 @@ use super::{Assign, Planner, RegionBox};
 use crate::compact::{RoutesBuilder, TaskWrite};
 use crate::error::PlanError;
 use crate::layout_infer::InferRank;
-use crate::layout_train::{align_up, ShardSpec};
+use crate::layout_train::{align_up, ShardSpec, TrainingLayout};
+use crate::model::Model;
 use crate::packed::Packed;
 use crate::runs::for_each_run;
 use crate::table::{
@@ -142,6 +143,7 @@ impl Planner<'_> {
     /// The table is the same whatever the number of threads.
     pub(super) fn emit(
         &self,
+        start: EmissionStart,
         progress: &mut dyn FnMut(u64, u64),
     ) -> Result<RoutingTable, PlanError> {
         let model = self.model;
@@ -149,7 +151,9 @@ impl Planner<'_> {
         let ngroups = model.num_mesh_groups();
         let nt = self.train.ranks as usize;
         let parts = rayon::current_num_threads().clamp(1, nt.max(1));
-        let (builders, plan) = self.emission_plan();
+        let EmissionStart { builders, by_index } = start;
+        let plan = self.emission_plan(&by_index);
+        drop(by_index);
         let mut dealt: Vec<Vec<TrainerBuilder>> = (0..parts)
             .map(|_| Vec::with_capacity(nt.div_ceil(parts)))
             .collect();
@@ -254,12 +258,11 @@ impl Planner<'_> {
         (out.builders, out.rollout_writes)
     }
 
-    /// The empty parts of every trainer, and what every part of emission reads.
-    fn emission_plan(&self) -> (Vec<TrainerBuilder>, EmissionPlan) {
+    /// What every part of emission reads (`by_index`: [`EmissionStart::by_index`]).
+    fn emission_plan(&self, by_index: &[u32]) -> EmissionPlan {
         let model = self.model;
         let np = model.params.len();
         let ngroups = model.num_mesh_groups() as usize;
-        let (builders, by_index) = self.trainer_builders();
         // Shard position -> (index in its rank's shard list, index of its param in the rank's
         // params): looked up once per task, so dense arrays in position order.
         let mut first_shard = vec![0u32; self.train.ranks as usize];
@@ -287,29 +290,39 @@ impl Planner<'_> {
             let pid = self.dgroup_param(self.regions[ri as usize].dgroup);
             group_gathers[group_of(pid as u32)].push(ri);
         }
-        let plan = EmissionPlan {
+        EmissionPlan {
             shard_local,
             shard_param,
             by_group,
             group_first,
             group_gathers,
-        };
-        (builders, plan)
+        }
     }
+}
 
+/// What emission starts from that only the training layout decides: built while sources are
+/// chosen (`assign` is sequential, which leaves the other threads free; [`plan`](super::plan)).
+pub(super) struct EmissionStart {
+    /// Every trainer's empty part, with its params and shards.
+    builders: Vec<TrainerBuilder>,
+    /// Per shard (layout order), the index of its param in its rank's params.
+    by_index: Vec<u32>,
+}
+
+impl EmissionStart {
     /// Per trainer, its part with its params and shards (`train.shards` is sorted by rank,
-    /// offset); and per shard (layout order) the index of its param in its rank's params.
-    fn trainer_builders(&self) -> (Vec<TrainerBuilder>, Vec<u32>) {
-        let nt = self.train.ranks as usize;
+    /// offset); and per shard the index of its param in its rank's params.
+    pub(super) fn new(model: &Model, train: &TrainingLayout) -> EmissionStart {
+        let nt = train.ranks as usize;
         let mut rank_first = vec![0usize; nt + 1];
-        for s in &self.train.shards {
+        for s in &train.shards {
             rank_first[s.rank as usize + 1] += 1;
         }
         for r in 0..nt {
             rank_first[r + 1] += rank_first[r];
         }
         // Per rank in parallel (each writes its own part of `by_index`).
-        let mut by_index = vec![0u32; self.train.shards.len()];
+        let mut by_index = vec![0u32; train.shards.len()];
         let mut parts: Vec<&mut [u32]> = Vec::with_capacity(nt);
         let mut rest = by_index.as_mut_slice();
         for r in 0..nt {
@@ -321,7 +334,7 @@ impl Planner<'_> {
             .into_par_iter()
             .enumerate()
             .map(|(r, by_index)| {
-                let shards = &self.train.shards[rank_first[r]..rank_first[r + 1]];
+                let shards = &train.shards[rank_first[r]..rank_first[r + 1]];
                 let mut pids: Vec<u32> = shards.iter().map(|s| s.param).collect();
                 if !pids.is_sorted() {
                     pids.sort_unstable();
@@ -344,16 +357,18 @@ impl Planner<'_> {
                     params: pids,
                     source_arena_bytes: arena_end(shards),
                     gather_arena_bytes: 0,
-                    groups: Vec::with_capacity(self.model.num_mesh_groups() as usize),
+                    groups: Vec::with_capacity(model.num_mesh_groups() as usize),
                     routes: RoutesBuilder::new(&local),
                     known: KnownShapes::default(),
                     gather_expect: 0,
                 }
             })
             .collect();
-        (builders, by_index)
+        EmissionStart { builders, by_index }
     }
+}
 
+impl Planner<'_> {
     /// Emits mesh group `g` on every trainer: gather sends of `gathers` (its gather regions),
     /// tasks of `params` reading local shards, tasks reading the gather arena. `gather_offs`
     /// is scratch.
@@ -388,8 +403,21 @@ impl Planner<'_> {
         out.mark_class_start(1);
         // Class 1: tasks reading local shards.
         for &pid in params {
-            for ri in self.region_first[pid as usize]..self.region_first[pid as usize + 1] {
+            let (regions, moved_by) = self.param_regions(pid as usize);
+            for ri in regions {
                 let reg = &self.regions[ri as usize];
+                if let Some((dgroup_shift, shard_shift)) = moved_by {
+                    // A repeat: the regions of an earlier param, every one from one shard.
+                    debug_assert!(matches!(self.assign[ri as usize], Assign::Shard(_)));
+                    if let Assign::Shard(s) = self.assign[ri as usize] {
+                        let moved = RegionBox {
+                            dgroup: reg.dgroup + dgroup_shift,
+                            bx: reg.bx,
+                        };
+                        self.emit_task(out, &moved, &moved.bx, s + shard_shift, None);
+                    }
+                    continue;
+                }
                 match self.assign[ri as usize] {
                     Assign::Shard(s) => self.emit_task(out, reg, &reg.bx, s, None),
                     Assign::Split { first, n } => {

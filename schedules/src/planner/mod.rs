@@ -31,7 +31,13 @@
 //!   with its rank moved ([`Planner::target_piece`]), so 64 engines cost what one does;
 //! - steps 2-3 (`analyse`) take ranges of parameters in parallel and append what each range
 //!   found in parameter order; the single-holder loads they add are sums;
+//! - where parameters repeat one another (the experts of a layer: the same boxes on the same
+//!   trainers, placed alike), steps 2-3 run once for the first and the others reuse its regions
+//!   moved to themselves; those whose regions all have one holder store none of their own, and
+//!   emission reads the first's (`Planner::param_regions`; see `regions`);
 //! - step 4 (sourcing) stays sequential: each choice depends on the loads of those before it;
+//!   the trainers' empty parts that step 5 fills, which only the training layout decides, are
+//!   built beside it on the other threads;
 //! - step 5 deals the trainers into parts (rank `r` to part `r % parts`); each part walks every
 //!   region in the same order and emits only its own trainers' tasks, so each trainer gets the
 //!   same tasks in the same order as with one part, and the writes each rollout receives are
@@ -45,6 +51,7 @@
 //!   `emit` (5, pass 3) with `targets` (which targets get listed writes, which copies) and
 //!   `shapes` (each task shape's writes cut once, not once per task).
 //! - `place`: where a parameter box lands in a piece's tensors (validation, regions, emission).
+//! - `tests`: what the steps' shortcuts must not change (repeats reused or not, the same table).
 
 mod assign;
 mod dgroups;
@@ -54,10 +61,13 @@ mod place;
 mod regions;
 mod shapes;
 mod targets;
+#[cfg(test)]
+mod tests;
 mod validate;
 
 use weightsync_common::DType;
 
+use self::emit::EmissionStart;
 use self::grid::Grid;
 use self::validate::validate_infer;
 use crate::cost::CostModel;
@@ -86,6 +96,28 @@ pub fn plan_with_progress(
     cost: &CostModel,
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<RoutingTable, PlanError> {
+    plan_steps(model, train, infer, cost, progress, Reuse::Repeats).map(|(table, _)| table)
+}
+
+/// Whether `analyse` reuses the regions of parameters that repeat one another (see the
+/// `regions` module): always, but for the tests that check it changes nothing.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Reuse {
+    Repeats,
+    #[cfg_attr(not(test), allow(dead_code))]
+    Nothing,
+}
+
+/// The steps of [`plan_with_progress`], which also returns how many params reused another's
+/// regions.
+fn plan_steps(
+    model: &Model,
+    train: &TrainingLayout,
+    infer: &InferenceLayout,
+    cost: &CostModel,
+    progress: &mut dyn FnMut(u64, u64),
+    reuse: Reuse,
+) -> Result<(RoutingTable, usize), PlanError> {
     // Engines repeating engine 0 are checked and grouped as engine 0 (see `EnginePeriod`).
     let period = infer.engine_period().filter(|p| p.engines > 1);
     // Both sides are checked at once; the training side's error is the one reported when
@@ -110,13 +142,20 @@ pub fn plan_with_progress(
         &sorted
     };
     let mut p = Planner::new(model, train, infer, cost, period)?;
+    p.reuse = reuse;
     p.analyse(progress)?;
-    p.assign();
-    p.emit(progress)
+    // What emission starts from needs only the training layout: built while sources are
+    // chosen (a sequential step, so the other threads are free).
+    let ((), start) = rayon::join(|| p.assign(), || EmissionStart::new(model, train));
+    let reused = p.reused;
+    Ok((p.emit(start, progress)?, reused))
 }
 
 /// Marker for "gather region" in `Region::cell`.
 const GATHER: u32 = u32::MAX;
+
+/// Marker for "analysed in full" in `Planner::repeat_of`.
+const NO_REPEAT: u32 = u32::MAX;
 
 /// A group of destination pieces sharing one parameter box (step 1, `dgroups`).
 struct DGroup {
@@ -202,6 +241,9 @@ struct Planner<'a> {
     /// Per param, its grid (built by `analyse`, read by `assign`, then freed).
     grids: Vec<Grid>,
     regions: Vec<RegionBox>,
+    /// Per param, the param whose regions it repeats (it has none of its own), or
+    /// [`NO_REPEAT`] (see the `regions` module: repeats).
+    repeat_of: Vec<u32>,
     /// Per region, its cell and weight (built by `analyse`, read by `assign`, then freed).
     region_loads: Vec<RegionLoad>,
     region_first: Vec<u32>,
@@ -213,6 +255,12 @@ struct Planner<'a> {
     gathers: Vec<u32>,
     splits: Vec<(TensorBox, u32)>,
     gather_parts: Vec<(TensorBox, u32)>,
+    /// Per gather part, the cell it lies in (`gather_parts` holds its sender once `assign`
+    /// chose it): what a copy of its region reuses. Freed after `assign`.
+    gather_cells: Vec<u32>,
+    /// Open regions copied from an earlier param's, in region order: (region, the one it
+    /// copies), for `assign` to reuse the parts of copied gather regions. Freed after `assign`.
+    copied_open: Vec<(u32, u32)>,
     loads: Vec<u64>,
     /// Inference ranks with identical tensor layouts share a class (same id).
     layout_class: Vec<u32>,
@@ -221,6 +269,9 @@ struct Planner<'a> {
     /// Ranks per engine when the engines are planned as repeats of engine 0 (`sorted` then
     /// holds engine 0's pieces only), else 0.
     engine_ranks: u32,
+    /// Whether `analyse` reuses repeated params' regions, and how many did.
+    reuse: Reuse,
+    reused: usize,
 }
 
 impl<'a> Planner<'a> {
@@ -272,6 +323,7 @@ impl<'a> Planner<'a> {
             shard_first,
             grids: Vec::with_capacity(np),
             regions: Vec::new(),
+            repeat_of: Vec::with_capacity(np),
             region_loads: Vec::new(),
             region_first: vec![0; np + 1],
             assign: Vec::new(),
@@ -279,9 +331,13 @@ impl<'a> Planner<'a> {
             gathers: Vec::new(),
             splits: Vec::new(),
             gather_parts: Vec::new(),
+            gather_cells: Vec::new(),
+            copied_open: Vec::new(),
             loads: vec![0; train.ranks as usize],
             layout_class,
             engine_ranks: period.map_or(0, |p| p.ranks),
+            reuse: Reuse::Repeats,
+            reused: 0,
             wr_bytes: cost.wr_equiv_bytes(),
         })
     }
@@ -328,6 +384,25 @@ impl<'a> Planner<'a> {
         Piece {
             rank: p.rank + e * self.engine_ranks,
             ..*p
+        }
+    }
+
+    /// Param `pid`'s regions: its own, or, for a repeat, those of the param it repeats with how
+    /// far their dgroups and single sources move to be its own.
+    #[inline]
+    fn param_regions(&self, pid: usize) -> (std::ops::Range<u32>, Option<(u32, u32)>) {
+        match self.repeat_of[pid] {
+            NO_REPEAT => (self.region_first[pid]..self.region_first[pid + 1], None),
+            q => {
+                let q = q as usize;
+                (
+                    self.region_first[q]..self.region_first[q + 1],
+                    Some((
+                        self.dgroup_first[pid] - self.dgroup_first[q],
+                        self.shard_first[pid] - self.shard_first[q],
+                    )),
+                )
+            }
         }
     }
 

@@ -9,12 +9,27 @@
 //!
 //! Its own file because this is the pass over every parameter: grids (step 2) are built here,
 //! one parameter at a time, and the regions it leaves are all the later steps see.
+//!
+//! **Repeats.** The experts of a layer are parameters sharded alike on the same trainers and
+//! placed alike on the same rollouts: their regions, weights and single holders are the same
+//! but for the parameter they belong to. A parameter that `Planner::repeats` one analysed
+//! shortly before it (in the same range) is not cut again; it adds that one's single-holder
+//! loads once more and
+//! - when those regions all have one holder, keeps no regions of its own: it records which
+//!   parameter it repeats, and emission reads that one's regions with the dgroups and shards
+//!   moved to its own (`Planner::param_regions`);
+//! - else copies them, moved to itself, with its open regions (gathers, replicas) open again:
+//!   their sources depend on the loads when `assign` reaches them.
+//!
+//! Every later step sees what analysing each parameter would have given (the tables are the
+//! same byte for byte), and a Kimi-K2 plan stores half of its 1.4 million regions and weighs a
+//! few percent of them.
 
 use rayon::prelude::*;
 
 use super::grid::{Grid, GridScratch};
 use super::place::{dst_box, scale_box};
-use super::{Assign, DGroup, Planner, RegionBox, RegionLoad, GATHER};
+use super::{Assign, DGroup, Planner, RegionBox, RegionLoad, Reuse, GATHER, NO_REPEAT};
 use crate::error::PlanError;
 use crate::layout_infer::Piece;
 use crate::runs::count_runs;
@@ -52,9 +67,29 @@ struct Analysed {
     region_loads: Vec<RegionLoad>,
     assign: Vec<Assign>,
     open: Vec<u32>,
+    /// Per param of the range: the param it repeats, or [`NO_REPEAT`].
+    repeats: Vec<u32>,
+    /// Params of the range that reused another's regions (repeats and copies).
+    reused: usize,
+    /// Per open region copied from another param's (in region order): (it, the one it copies).
+    copied_open: Vec<(u32, u32)>,
     /// Per training rank: what its single-holder regions add to its load.
     loads: Vec<u64>,
 }
+
+/// A param analysed in full (in the current range) that a later param may repeat.
+struct Repeatable {
+    pid: usize,
+    /// Its regions in the range's lists, and its open ones among the range's open regions.
+    regions: std::ops::Range<usize>,
+    open: std::ops::Range<usize>,
+    /// What its single-holder regions add to each rank's load, per rank it loads.
+    loads: Vec<(u32, u64)>,
+}
+
+/// Params analysed in full that a param is compared with before it is cut (most recent first):
+/// a layer's experts repeat with period 3 (gate, up, down), of which one or two qualify.
+const REPEAT_CANDIDATES: usize = 4;
 
 impl Analysed {
     /// Empties the lists (keeping their room), with `nt` zero loads.
@@ -65,6 +100,9 @@ impl Analysed {
         self.region_loads.clear();
         self.assign.clear();
         self.open.clear();
+        self.repeats.clear();
+        self.reused = 0;
+        self.copied_open.clear();
         self.loads.clear();
         self.loads.resize(nt, 0);
     }
@@ -115,21 +153,176 @@ impl Planner<'_> {
         out.clear(nt);
         let mut segs: Vec<Vec<Seg>> = vec![Vec::new(); MAX_DIMS];
         let mut scratch = GridScratch::default();
+        let mut recent: Vec<Repeatable> = Vec::with_capacity(REPEAT_CANDIDATES);
         for pid in pids {
             let before = out.regions.len();
+            let open_before = out.open.len();
             let (d0, d1) = (self.dgroup_first[pid], self.dgroup_first[pid + 1]);
             if d0 == d1 {
                 out.grids.push(Grid::default());
+                out.repeats.push(NO_REPEAT);
+            } else if let Some(k) = (self.reuse == Reuse::Repeats)
+                .then(|| recent.iter().position(|c| self.repeats(pid, c.pid)))
+                .flatten()
+            {
+                let c = recent.remove(k);
+                out.reused += 1;
+                for &(rank, w) in &c.loads {
+                    out.loads[rank as usize] += w;
+                }
+                if c.open.is_empty() {
+                    // Nothing for `assign` to choose: no regions of its own (see the module docs).
+                    out.grids.push(Grid::default());
+                    out.repeats.push(c.pid as u32);
+                } else {
+                    // Its open regions are sourced on their own: the regions are copied, moved
+                    // to this param, and its grid (their holders) built.
+                    let grid = self.build_grid(pid, &mut scratch)?;
+                    self.copy_regions(pid, &c, out);
+                    out.grids.push(grid);
+                    out.repeats.push(NO_REPEAT);
+                }
+                recent.insert(0, c);
             } else {
                 let grid = self.build_grid(pid, &mut scratch)?;
                 for dgi in d0..d1 {
                     self.cut_dgroup(pid, dgi, &grid, &mut segs, out);
                 }
                 out.grids.push(grid);
+                out.repeats.push(NO_REPEAT);
+                if out.regions.len() > before {
+                    recent.truncate(REPEAT_CANDIDATES - 1);
+                    recent.insert(
+                        0,
+                        Repeatable {
+                            pid,
+                            regions: before..out.regions.len(),
+                            open: open_before..out.open.len(),
+                            loads: self.region_loads_by_rank(out, before, open_before),
+                        },
+                    );
+                }
             }
             out.counts.push((out.regions.len() - before) as u32);
         }
         Ok(())
+    }
+
+    /// What the single-holder regions of `out` from `first` on (one param's; its open ones are
+    /// those listed in `out.open` from `open_first` on) add to each rank's load.
+    fn region_loads_by_rank(
+        &self,
+        out: &Analysed,
+        first: usize,
+        open_first: usize,
+    ) -> Vec<(u32, u64)> {
+        let mut open = out.open[open_first..]
+            .iter()
+            .map(|&ri| ri as usize)
+            .peekable();
+        let mut by_rank: Vec<(u32, u64)> = Vec::new();
+        for (ri, (a, l)) in
+            (first..).zip(out.assign[first..].iter().zip(&out.region_loads[first..]))
+        {
+            if open.peek() == Some(&ri) {
+                open.next();
+                continue;
+            }
+            let Assign::Shard(s) = *a else {
+                continue;
+            };
+            let rank = self.shard(s).rank;
+            match by_rank.iter_mut().find(|(r, _)| *r == rank) {
+                Some(e) => e.1 += l.weight,
+                None => by_rank.push((rank, l.weight)),
+            }
+        }
+        by_rank
+    }
+
+    /// Appends the regions of `c` (analysed in this range) as param `pid`'s, which
+    /// [`repeats`](Self::repeats) it: dgroups and single sources moved to `pid`'s, cells and
+    /// weights as they are, its open regions open again.
+    fn copy_regions(&self, pid: usize, c: &Repeatable, out: &mut Analysed) {
+        let q = c.pid;
+        let dgroup_shift = self.dgroup_first[pid] - self.dgroup_first[q];
+        let shard_shift = self.shard_first[pid] - self.shard_first[q];
+        let base = out.regions.len();
+        for ri in c.regions.clone() {
+            let r = out.regions[ri];
+            out.regions.push(RegionBox {
+                dgroup: r.dgroup + dgroup_shift,
+                bx: r.bx,
+            });
+            let load = out.region_loads[ri];
+            out.region_loads.push(load);
+            let a = match out.assign[ri] {
+                Assign::Shard(s) => Assign::Shard(s + shard_shift),
+                other => other,
+            };
+            out.assign.push(a);
+        }
+        for oi in c.open.clone() {
+            let from = out.open[oi] as usize;
+            let at = base + (from - c.regions.start);
+            out.assign[at] = Assign::Shard(0);
+            out.open.push(at as u32);
+            out.copied_open.push((at as u32, from as u32));
+        }
+    }
+
+    /// Whether analysing param `p` would give param `q`'s regions (dgroups and shards moved
+    /// to `p`'s), weights and single holders: the same shape and element type, the same shard
+    /// boxes on the same ranks in the same order (the same grid, holders moved), and dgroups of
+    /// the same boxes, targets and formats whose first targets lie in tensors of the same
+    /// shapes (what a region's weight reads). What `p`'s targets are does not matter here:
+    /// emission reads them from `p`'s own dgroups.
+    fn repeats(&self, p: usize, q: usize) -> bool {
+        let (mp, mq) = (&self.model.params[p], &self.model.params[q]);
+        if mp.shape != mq.shape || mp.dtype != mq.dtype {
+            return false;
+        }
+        let (sp, sq) = (self.param_shards(p), self.param_shards(q));
+        let (gp, gq) = (
+            self.dgroup_first[p]..self.dgroup_first[p + 1],
+            self.dgroup_first[q]..self.dgroup_first[q + 1],
+        );
+        if sp.len() != sq.len() || gp.len() != gq.len() {
+            return false;
+        }
+        let shards_alike = sp.zip(sq).all(|(a, b)| {
+            let (x, y) = (self.layout_shard(a), self.layout_shard(b));
+            x.global == y.global && x.rank == y.rank && x.dtype == y.dtype
+        });
+        shards_alike
+            && gp.zip(gq).all(|(a, b)| {
+                let (g, h) = (&self.dgroups[a as usize], &self.dgroups[b as usize]);
+                if (g.bx, g.n, g.engine_n, g.fp8, g.dtype)
+                    != (h.bx, h.n, h.engine_n, h.fp8, h.dtype)
+                {
+                    return false;
+                }
+                // Where a target sits in its tensor does not matter: a weight counts the runs of
+                // boxes that lie inside their tensors, which their lengths and the tensor's
+                // shape decide ([`count_runs`]; an expert's slot in a stacked tensor moves its
+                // box, not its runs).
+                let (x, y) = (self.reach(g), self.reach(h));
+                (
+                    x.pc.src,
+                    x.pc.scale.is_some(),
+                    x.shape,
+                    x.elem,
+                    x.scales,
+                    x.n,
+                ) == (
+                    y.pc.src,
+                    y.pc.scale.is_some(),
+                    y.shape,
+                    y.elem,
+                    y.scales,
+                    y.n,
+                )
+            })
     }
 
     /// Appends what pass 1 found for the params after those already analysed, and empties
@@ -144,6 +337,13 @@ impl Planner<'_> {
         self.region_loads.extend_from_slice(&a.region_loads);
         self.assign.extend_from_slice(&a.assign);
         self.open.extend(a.open.iter().map(|&ri| base + ri));
+        self.repeat_of.extend_from_slice(&a.repeats);
+        self.reused += a.reused;
+        self.copied_open.extend(
+            a.copied_open
+                .iter()
+                .map(|&(at, from)| (base + at, base + from)),
+        );
         for (x, y) in self.loads.iter_mut().zip(&a.loads) {
             *x += y;
         }

@@ -56,6 +56,9 @@ struct SimPiece {
     first_task: u32,
     tasks: f64,
     src_bytes: f64,
+    /// Of `src_bytes`, what is copied into staging first: a task prepared reading its shard in
+    /// place ([`TrainerPlan::in_place_input`]) has no H2D copy.
+    h2d_bytes: f64,
     staging: f64,
     prep_s: f64,
     host_prep_s: f64,
@@ -327,26 +330,29 @@ impl<'c> Lowering<'c> {
         self.all_writes.push(w);
     }
 
-    /// The piece's copy into staging at the PCIe rate (and the shared host's, if any).
+    /// The piece's copy into staging at the PCIe rate (and the shared host's, if any): of its
+    /// tasks' inputs, those not prepared in place. (The op stays when that is nothing: it is
+    /// where the piece takes its staging.)
     fn h2d_op(&mut self, tr: &TrainerLane, pc: &SimPiece) -> OpId {
         let cost = &self.cluster.cost;
         let p = &mut self.out.plan;
+        let bytes = pc.h2d_bytes;
         match (tr.h2d_res, tr.host_res, self.cluster.host) {
             (Some(hr), Some(hh), Some(h)) => p.op(
                 tr.lane,
                 Stage::H2d,
                 pc.first_task,
-                pc.src_bytes as u64,
+                bytes as u64,
                 0.0,
-                pc.src_bytes,
+                bytes,
                 &[(hr, 1.0 / cost.h2d_bytes_per_s), (hh, h.h2d_s_per_byte)],
             ),
             _ => p.op(
                 tr.lane,
                 Stage::H2d,
                 pc.first_task,
-                pc.src_bytes as u64,
-                pc.src_bytes / cost.h2d_bytes_per_s,
+                bytes as u64,
+                bytes / cost.h2d_bytes_per_s,
                 0.0,
                 &[],
             ),
@@ -484,6 +490,9 @@ fn add_task(
     let src = task.source_bytes() as f64 * frac;
     pc.tasks += frac;
     pc.src_bytes += src;
+    if plan.in_place_input(task).is_none() {
+        pc.h2d_bytes += src;
+    }
     pc.staging += task_staging(task) as f64 * frac;
     let (rate, host_cost) = match task.transform {
         Transform::Copy { .. } => (

@@ -4,6 +4,8 @@ use weightsync_common::protocol::Stage;
 
 use super::*;
 use crate::cost::CostModel;
+use crate::table::Transform;
+use weightsync_common::DType;
 
 /// A table where each trainer copies `tasks` tasks of `task_bytes` bf16 bytes, task `k` of
 /// trainer `t` written whole to rollout `dst(t, k)`.
@@ -395,4 +397,28 @@ fn kimi_k2_256_to_128() {
         eprintln!("{s:?}");
     }
     assert!(r.predicted_s >= r.bound_s);
+}
+
+#[test]
+fn tasks_prepared_in_place_pay_no_h2d() {
+    // One piece in flight, so the stages add up: a staged copy pays H2D, prepare and write
+    // (1 ms each per 1 MB task); a cast reading its whole shard in place skips the H2D.
+    let mut serial = balanced_cluster();
+    serial.watermark_bytes = 1_000_000;
+    let staged = copy_table(1, 1, 30, 1_000_000, |_, _| 0);
+    let mut in_place = staged.clone();
+    for trainer in &mut in_place.trainers {
+        for p in &mut trainer.routes.patterns {
+            p.transform = Transform::Cast {
+                from: DType::BF16,
+                to: DType::F16,
+            };
+        }
+    }
+    let plan = in_place.trainer_plan(0).unwrap();
+    assert!(plan.tasks.iter().all(|t| plan.in_place_input(t).is_some()));
+    let a = simulate(&staged, &serial).unwrap();
+    let b = simulate(&in_place, &serial).unwrap();
+    assert!(close(a.predicted_s, 0.090, 1e-6), "{}", a.predicted_s);
+    assert!(close(b.predicted_s, 0.060, 1e-6), "{}", b.predicted_s);
 }

@@ -11,34 +11,15 @@
 //! how a caller knows that a bf16 -> bf16 parameter was copied by nobody but the fabric.
 //!
 //! The same contiguity saves a copy for tasks that do need preparing: a cast or an fp8 task whose
-//! box is one contiguous byte range of its shard ([`in_place_source`]) is prepared reading the
-//! source where it lies, straight into the staging lease; its H2D copy into staging is skipped
+//! box is one contiguous byte range of its shard ([`TrainerPlan::in_place_input`]) is prepared
+//! reading the source where it lies, straight into the staging lease; its H2D copy into staging is skipped
 //! (host sources in this build: the copy would be a memcpy of the same bytes the kernel then
 //! reads once more). A box that strides through its shard is still gathered by H2D first.
 
 use weightsync_common::fabric::Region;
-use weightsync_schedules::table::{Source, Task, TensorBox, TrainerPlan, Transform};
+use weightsync_schedules::table::{Source, Task, TrainerPlan, Transform};
 
 use super::SourceView;
-
-/// Whether `b`, a box of a dense row-major tensor of shape `dims`, is one contiguous byte
-/// range: every dim before some `d` has extent 1 and every dim after `d` is whole.
-pub(crate) fn is_contiguous(b: &TensorBox, dims: &[u32]) -> bool {
-    let n = b.ndim as usize;
-    if b.len[..n].contains(&0) {
-        return true;
-    }
-    let Some(d) = (0..n).find(|&i| b.len[i] != 1) else {
-        return true;
-    };
-    (d + 1..n).all(|i| b.start[i] == 0 && b.len[i] == dims[i])
-}
-
-/// Row-major element index of `b`'s first element in a tensor of shape `dims`.
-fn first_element(b: &TensorBox, dims: &[u32]) -> u64 {
-    let n = b.ndim as usize;
-    (0..n).fold(0u64, |acc, i| acc * dims[i] as u64 + b.start[i] as u64)
-}
 
 /// Where task `task` can be written from without staging: the registration holding its shard
 /// and the byte offset of its box there (`None`: it goes through staging).
@@ -62,65 +43,11 @@ pub(crate) fn direct_source(
     let s = plan.shards.get(shard as usize)?;
     let sub = plan.source_box(task)?;
     let dims = s.global.shape();
-    if s.dtype != dtype || !is_contiguous(&sub, dims.dims()) {
+    if s.dtype != dtype || !sub.is_contiguous_in(dims.dims()) {
         return None;
     }
     let (region, at) = source.registered_shard(shard)?;
-    let offset = at + first_element(&sub, dims.dims()) * dtype.size() as u64;
+    let offset = at + sub.first_element_in(dims.dims()) * dtype.size() as u64;
     let end = offset + sub.numel() * dtype.size() as u64;
     (end <= region.len()).then_some((region, offset))
-}
-
-/// Where a cast or fp8 task reads its input in place (see the module docs): the byte offset of
-/// its box in its shard, when the box is one contiguous range of a shard of the input dtype.
-pub(crate) fn in_place_source(plan: &TrainerPlan, task: &Task) -> Option<u64> {
-    let from = match task.transform {
-        Transform::Cast { from, .. } | Transform::Fp8Block { from, .. } => from,
-        Transform::Copy { .. } => return None,
-    };
-    let Source::Shard { shard } = task.source else {
-        return None;
-    };
-    let s = plan.shards.get(shard as usize)?;
-    let sub = plan.source_box(task)?;
-    let dims = s.global.shape();
-    if s.dtype != from || !is_contiguous(&sub, dims.dims()) {
-        return None;
-    }
-    let offset = first_element(&sub, dims.dims()) * from.size() as u64;
-    (offset + sub.numel() * from.size() as u64 <= s.bytes()).then_some(offset)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn contiguous_boxes_are_rows_of_whole_trailing_dims() {
-        let dims = [4, 6, 8];
-        assert!(is_contiguous(
-            &TensorBox::new(&[1, 0, 0], &[2, 6, 8]),
-            &dims
-        ));
-        assert!(is_contiguous(
-            &TensorBox::new(&[1, 2, 0], &[1, 3, 8]),
-            &dims
-        ));
-        assert!(is_contiguous(
-            &TensorBox::new(&[1, 2, 3], &[1, 1, 4]),
-            &dims
-        ));
-        assert!(!is_contiguous(
-            &TensorBox::new(&[1, 2, 0], &[2, 3, 8]),
-            &dims
-        ));
-        assert!(!is_contiguous(
-            &TensorBox::new(&[0, 0, 0], &[4, 6, 4]),
-            &dims
-        ));
-        assert_eq!(
-            first_element(&TensorBox::new(&[1, 2, 3], &[1, 1, 4]), &dims),
-            48 + 16 + 3
-        );
-    }
 }

@@ -297,7 +297,7 @@ pub(crate) struct TrainerState {
     /// [`direct::direct_source`]): that registration and the byte offset of the task's box in it.
     pub direct: Vec<Option<(Region, u64)>>,
     /// Per task, when it is prepared reading its shard in place (no H2D copy, see
-    /// [`direct::in_place_source`]): the byte offset of the task's box in its shard.
+    /// [`TrainerPlan::in_place_input`]): the byte offset of the task's box in its shard.
     pub in_place: Vec<Option<u64>>,
 }
 
@@ -357,11 +357,7 @@ impl<F: FabricBackend> TrainerWorker<F> {
             .iter()
             .map(|t| direct::direct_source(&plan, t, source.as_ref(), gather.as_ref()))
             .collect();
-        let in_place = plan
-            .tasks
-            .iter()
-            .map(|t| direct::in_place_source(&plan, t))
-            .collect();
+        let in_place = plan.tasks.iter().map(|t| plan.in_place_input(t)).collect();
         Ok(TrainerWorker {
             fabric,
             state: Arc::new(TrainerState {

@@ -241,7 +241,7 @@ pub(crate) fn prepare_piece(
 
 /// Prepare reading the source in place: the piece's input is the range of shard `shard` that
 /// starts `box_at` bytes into it (the task's contiguous box, see
-/// [`super::direct::in_place_source`]) and the piece's units further; the prepared bytes go to
+/// [`TrainerPlan::in_place_input`]) and the piece's units further; the prepared bytes go to
 /// `buf`, the whole lease (at `lease_offset` of the staging arena), as [`prepare_piece`] puts
 /// them (its input range is left untouched). A device source runs the same job on the device.
 #[allow(clippy::too_many_arguments)]
