@@ -4,8 +4,12 @@ message that says why, raises its own exception types, and talks to a real contr
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -89,5 +93,53 @@ def test_client_against_a_controller(tmp_path: Path, procs: Procs) -> None:
     with pytest.raises(weightsync.ClientError) as e:
         weightsync.Client(c.http, c.api_token).sync(1)  # no worker registered yet
     assert e.value.code == "not_ready", e.value
+    t0 = time.monotonic()
+    with pytest.raises(weightsync.ClientError) as e:
+        weightsync.Client(c.http, c.api_token).sync(1, ready_timeout=0.5)  # still nobody
+    assert e.value.code == "not_ready" and time.monotonic() - t0 >= 0.5, e.value
+    t0 = time.monotonic()
+    with pytest.raises(weightsync.ClientError) as e:
+        weightsync.Client(c.http, "wrong").sync(1, ready_timeout=30)  # only not_ready is retried
+    assert e.value.code == "unauthorized" and time.monotonic() - t0 < 10, e.value
     with pytest.raises(weightsync.ClientError, match="Connection refused|refused"):
         weightsync.Client("127.0.0.1:1", c.api_token, timeout=5).sync(1)
+
+
+def test_client_sync_waits_out_not_ready() -> None:
+    """``ready_timeout``: the first sync of a training loop may come while the world is still
+    accepting its plan; the client retries the controller's ``not_ready`` answers (and only
+    those) until it takes the trigger, and sends the same request each time."""
+    bodies: list[dict[str, object]] = []
+
+    class Api(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+            bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            if len(bodies) <= 3:
+                status, body = 503, {"error": {"code": "not_ready", "message": "plan 1 is not in force yet"}}
+            else:
+                status, body = 200, {"sync_id": 7, "version": 5, "state": "committed", "bytes": 64,
+                                     "stages": {"total_ms": 12.0}, "created": True}
+            raw = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(raw)))
+            self.end_headers()
+            self.wfile.write(raw)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Api)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"127.0.0.1:{server.server_address[1]}"
+        with pytest.raises(weightsync.ClientError) as e:
+            weightsync.Client(url, "t").sync(5)  # default: refused at once
+        assert e.value.code == "not_ready" and len(bodies) == 1
+        r = weightsync.Client(url, "t").sync(5, ready_timeout=30)
+        assert (r.id, r.version, r.state, r.seconds) == (7, 5, "committed", 0.012)
+        assert bodies == [{"version": 5}] * 4
+        with pytest.raises(ValueError, match="ready_timeout"):
+            weightsync.Client(url, "t").sync(5, ready_timeout=-1)
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
@@ -103,15 +104,36 @@ class Client:
         except (urllib.error.URLError, OSError) as e:
             raise ClientError(f"{method} {self.url}{path}: {e}") from None
 
-    def sync(self, version: int, wait: bool = True) -> SyncResult:
+    def sync(self, version: int, wait: bool = True, *, ready_timeout: float = 0.0) -> SyncResult:
         """Triggers the sync of ``version`` (idempotent: a sync of it already running or done
         is answered). With ``wait``, returns when it ended and raises
         :class:`~weightsync.SyncFailedError` naming the failing worker if it failed.
 
+        ``ready_timeout``: seconds to keep retrying while the controller answers ``not_ready``
+        (workers still registering, a plan being computed or not yet accepted by every worker):
+        what a training loop wants for its first sync, which may come before the world it
+        started alongside is ready. ``0`` (the default) refuses at once.
+
         Raises:
             ClientError: the API refused (``code``: ``sync_running``, ``stale_version``,
-                ``not_ready``, ``unauthorized``, ...).
+                ``not_ready``, ``unauthorized``, ...); ``not_ready`` only once ``ready_timeout``
+                has passed, with the controller's last reason.
         """
+        if not ready_timeout >= 0:
+            raise ValueError(f"ready_timeout={ready_timeout!r}: expected a non-negative number of seconds")
+        deadline = time.monotonic() + ready_timeout
+        pause = 0.05
+        while True:
+            try:
+                return self._sync_once(version, wait)
+            except ClientError as e:
+                left = deadline - time.monotonic()
+                if e.code != "not_ready" or left <= 0:
+                    raise
+                time.sleep(min(pause, left))
+                pause = min(pause * 2, 1.0)
+
+    def _sync_once(self, version: int, wait: bool) -> SyncResult:
         path = "/v1/syncs?wait=true" if wait else "/v1/syncs"
         result = SyncResult.from_json(self._request("POST", path, {"version": version}))
         if wait and result.state == "failed":

@@ -83,7 +83,8 @@ def main() -> None:
                 # (push says so per rank; an outside trigger needs the barrier).
                 dist.barrier()
                 if client is not None:
-                    client.sync(step)
+                    # The first step may come before every worker accepted the plan.
+                    client.sync(step, ready_timeout=120)
                 dist.barrier()
             elif args.expect_failure_at is not None and step > args.expect_failure_at:
                 outcome = sync_with_retry(trainer, step)  # an engine may still be restarting
