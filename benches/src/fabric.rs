@@ -16,7 +16,12 @@
 //! with 2 and 4 lanes (`multi_address`), counting the bytes each of its addresses sent.
 //!
 //! Throughput is best-of-N, with the fabric and TCP measurements interleaved so that machine
-//! noise hits both alike; only the ratios mean anything on a shared machine. `gbps` is GB/s
+//! noise hits both alike; only the ratios mean anything on a shared machine. The plain stream
+//! is the noisier side: on two cores its sender and receiver share a core or not as the
+//! scheduler places them, and its rate swings by half from run to run where the fabric's
+//! barely moves, so `--rounds N` repeats the whole interleaved measurement N times and reports
+//! each row's median round (`ratio_vs_tcp` the median of the rounds' own ratios, every round's
+//! in `ratio_vs_tcp_rounds`). `gbps` is GB/s
 //! (10^9 bytes per second). `default_lanes` is the lane count a fabric picks on this machine
 //! when none is configured.
 
@@ -59,7 +64,13 @@ pub struct Config {
     pub quick: bool,
     /// Block sizes to measure (bytes); empty means 4 KiB, 64 KiB, 1 MiB and 64 MiB.
     pub blocks: Vec<usize>,
+    /// Rounds of the whole interleaved measurement per block size (medians reported; at least
+    /// 1, at most [`MAX_ROUNDS`]).
+    pub rounds: usize,
 }
+
+/// The most rounds one run takes (a round of the four block sizes is about 8 s here).
+pub const MAX_ROUNDS: usize = 20;
 
 /// One block size and lane count.
 #[derive(Debug, Clone, Serialize)]
@@ -68,12 +79,15 @@ pub struct Row {
     pub block_bytes: usize,
     /// Fabric lanes (connections) to the peer.
     pub lanes: usize,
-    /// Fabric throughput, GB/s.
+    /// Fabric throughput, GB/s (the median round's).
     pub gbps: f64,
-    /// One plain TCP stream moving the same bytes, GB/s.
+    /// One plain TCP stream moving the same bytes, GB/s (the median round's).
     pub tcp_gbps: f64,
-    /// `gbps / tcp_gbps`, measured side by side.
+    /// The fabric's rate over the plain stream's, measured side by side: the median of the
+    /// rounds' own ratios.
     pub ratio_vs_tcp: f64,
+    /// Every round's ratio, in order.
+    pub ratio_vs_tcp_rounds: Vec<f64>,
     /// memcpy of the same bytes, GB/s.
     pub memcpy_gbps: f64,
     /// Fabric write round trip, microseconds.
@@ -102,12 +116,14 @@ pub struct AddressRow {
     pub block_bytes: usize,
     /// Fabric lanes (connections) to the peer.
     pub lanes: usize,
-    /// Fabric throughput, GB/s.
+    /// Fabric throughput, GB/s (the median round's).
     pub gbps: f64,
     /// The one-TCP-stream baseline of the same block size (the same figure as in `rows`).
     pub tcp_gbps: f64,
-    /// `gbps / tcp_gbps`, measured side by side.
+    /// The median of the rounds' own ratios, as in `rows`.
     pub ratio_vs_tcp: f64,
+    /// Every round's ratio, in order.
+    pub ratio_vs_tcp_rounds: Vec<f64>,
     /// What each of the writer's addresses sent over the throughput measurements (headers
     /// included), in the endpoint's order.
     pub addresses: Vec<AddressShare>,
@@ -124,6 +140,8 @@ pub struct Report {
     pub rows: Vec<Row>,
     /// The lane count a fabric uses on this machine when none is configured.
     pub default_lanes: usize,
+    /// Rounds of the interleaved measurement behind each row.
+    pub rounds: usize,
     /// Both ends on two local addresses; empty when the second address could not be used
     /// (`multi_address_error` then says why).
     pub multi_address: Vec<AddressRow>,
@@ -321,6 +339,24 @@ fn gbps(bytes: u64, d: Duration) -> f64 {
     bytes as f64 / d.as_secs_f64().max(1e-9) / 1e9
 }
 
+/// The median of `v` (the mean of the middle two for an even count; 0 for none).
+fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    match s.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => s[n / 2],
+        n => (s[n / 2 - 1] + s[n / 2]) / 2.0,
+    }
+}
+
+/// A row's figures from its rounds: the median rate and the median of the rounds' ratios to
+/// the plain stream measured beside them.
+fn of_rounds(fabric: &[f64], tcp: &[f64]) -> (f64, f64, Vec<f64>) {
+    let ratios: Vec<f64> = fabric.iter().zip(tcp).map(|(f, t)| f / t).collect();
+    (median(fabric), median(&ratios), ratios)
+}
+
 fn percentile(samples: &mut [f64], p: f64) -> f64 {
     if samples.is_empty() {
         return 0.0;
@@ -458,6 +494,9 @@ fn memcpy_gbps(src: &[u8], dst: &mut [u8], block: usize, total: u64) -> f64 {
 
 /// Runs the benchmark (spawns the peer process).
 pub fn run(cfg: &Config) -> anyhow::Result<Report> {
+    if cfg.rounds == 0 || cfg.rounds > MAX_ROUNDS {
+        bail!("rounds must be 1..={MAX_ROUNDS}, not {}", cfg.rounds);
+    }
     let started = Instant::now();
     let token = format!("bench-fabric-{:016x}", rand::random::<u64>());
     let peer = Peer::spawn(&token)?;
@@ -499,25 +538,40 @@ pub fn run(cfg: &Config) -> anyhow::Result<Report> {
                 bail!("block size {block} must be 1..={REGION_BYTES} bytes");
             }
             let (total, samples) = plan(block, cfg.quick);
-            let mut best_tcp = Duration::MAX;
-            let mut best = vec![Duration::MAX; fabrics.len()];
+            let moved = total / block as u64 * block as u64;
+            // Per round: the best of `reps` interleaved runs of each.
+            let mut tcp_rounds = Vec::with_capacity(cfg.rounds);
+            let mut fabric_rounds = vec![Vec::with_capacity(cfg.rounds); fabrics.len()];
+            let mut multi_rounds = vec![Vec::with_capacity(cfg.rounds); multi.len()];
             let mut best_memcpy: f64 = 0.0;
-            let mut best_multi = vec![Duration::MAX; multi.len()];
             let before: Vec<Vec<u64>> = multi.iter().map(|w| w.sent()).collect();
-            for _ in 0..reps {
-                best_tcp = best_tcp.min(tcp_throughput(&mut tcp, &data, block, total)?);
-                for (k, (_, f, src)) in fabrics.iter().enumerate() {
-                    best[k] = best[k].min(fabric_throughput(f, src, dst, block, total).await?);
+            for _ in 0..cfg.rounds {
+                let mut best_tcp = Duration::MAX;
+                let mut best = vec![Duration::MAX; fabrics.len()];
+                let mut best_multi = vec![Duration::MAX; multi.len()];
+                for _ in 0..reps {
+                    best_tcp = best_tcp.min(tcp_throughput(&mut tcp, &data, block, total)?);
+                    for (k, (_, f, src)) in fabrics.iter().enumerate() {
+                        let t = fabric_throughput(f, src, dst, block, total).await?;
+                        best[k] = best[k].min(t);
+                    }
+                    for (k, w) in multi.iter().enumerate() {
+                        let t = fabric_throughput(&w.fabric, &w.src, &w.dst, block, total).await?;
+                        best_multi[k] = best_multi[k].min(t);
+                    }
+                    best_memcpy = best_memcpy.max(memcpy_gbps(&data, &mut scratch, block, total));
                 }
-                for (k, w) in multi.iter().enumerate() {
-                    let t = fabric_throughput(&w.fabric, &w.src, &w.dst, block, total).await?;
-                    best_multi[k] = best_multi[k].min(t);
+                tcp_rounds.push(gbps(moved, best_tcp));
+                for (r, d) in fabric_rounds.iter_mut().zip(&best) {
+                    r.push(gbps(moved, *d));
                 }
-                best_memcpy = best_memcpy.max(memcpy_gbps(&data, &mut scratch, block, total));
+                for (r, d) in multi_rounds.iter_mut().zip(&best_multi) {
+                    r.push(gbps(moved, *d));
+                }
             }
-            let tcp_gbps = gbps(total / block as u64 * block as u64, best_tcp);
-            for ((w, before), best) in multi.iter().zip(&before).zip(&best_multi) {
-                let g = gbps(total / block as u64 * block as u64, *best);
+            let tcp_gbps = median(&tcp_rounds);
+            for ((w, before), rounds) in multi.iter().zip(&before).zip(&multi_rounds) {
+                let (g, ratio, ratios) = of_rounds(rounds, &tcp_rounds);
                 let addresses = w
                     .fabric
                     .address_stats()
@@ -533,20 +587,22 @@ pub fn run(cfg: &Config) -> anyhow::Result<Report> {
                     lanes: w.lanes,
                     gbps: g,
                     tcp_gbps,
-                    ratio_vs_tcp: g / tcp_gbps,
+                    ratio_vs_tcp: ratio,
+                    ratio_vs_tcp_rounds: ratios,
                     addresses,
                 });
             }
             let mut tcp_lat = tcp_latency(&mut tcp, &data, block, samples)?;
-            for (k, (lanes, f, src)) in fabrics.iter().enumerate() {
+            for ((lanes, f, src), rounds) in fabrics.iter().zip(&fabric_rounds) {
                 let mut lat = fabric_latency(f, src, dst, block, samples).await?;
-                let g = gbps(total / block as u64 * block as u64, best[k]);
+                let (g, ratio, ratios) = of_rounds(rounds, &tcp_rounds);
                 rows.push(Row {
                     block_bytes: block,
                     lanes: *lanes,
                     gbps: g,
                     tcp_gbps,
-                    ratio_vs_tcp: g / tcp_gbps,
+                    ratio_vs_tcp: ratio,
+                    ratio_vs_tcp_rounds: ratios,
                     memcpy_gbps: best_memcpy,
                     p50_us: percentile(&mut lat, 0.5),
                     p99_us: percentile(&mut lat, 0.99),
@@ -569,6 +625,7 @@ pub fn run(cfg: &Config) -> anyhow::Result<Report> {
         units: "gbps = GB/s (1e9 bytes/s); latencies in microseconds",
         rows,
         default_lanes: FabricConfig::machine_lanes_per_peer(1),
+        rounds: cfg.rounds,
         multi_address,
         multi_address_error,
         elapsed_s: started.elapsed().as_secs_f64(),
@@ -617,4 +674,35 @@ async fn two_address_writers(
         });
     }
     Ok(writers)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rows_take_the_median_round_and_the_median_of_paired_ratios() {
+        assert_eq!(median(&[]), 0.0);
+        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&[4.0, 1.0, 3.0, 2.0]), 2.5);
+        // The plain stream's good round pairs with the fabric's good round: each round's ratio
+        // is taken first, so one lucky stream does not set the row's ratio alone.
+        let (g, ratio, ratios) = of_rounds(&[5.0, 5.5, 5.0], &[2.5, 5.5, 2.0]);
+        assert_eq!(g, 5.0);
+        assert_eq!(ratios, vec![2.0, 1.0, 2.5]);
+        assert_eq!(ratio, 2.0);
+    }
+
+    #[test]
+    fn rounds_out_of_range_are_refused_by_name_before_anything_starts() {
+        for rounds in [0, MAX_ROUNDS + 1] {
+            let cfg = Config {
+                quick: true,
+                blocks: Vec::new(),
+                rounds,
+            };
+            let err = run(&cfg).unwrap_err().to_string();
+            assert!(err.contains("rounds must be 1..=20"), "{err}");
+        }
+    }
 }

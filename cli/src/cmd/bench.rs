@@ -22,6 +22,10 @@ pub enum Which {
         /// Block sizes in bytes (comma-separated; default 4 KiB, 64 KiB, 1 MiB, 64 MiB).
         #[arg(long, value_delimiter = ',')]
         blocks: Vec<usize>,
+        /// Rounds of the whole interleaved measurement (1 to 20): each row reports its median
+        /// round, and its ratio the median of the rounds' ratios.
+        #[arg(long, default_value_t = 1)]
+        rounds: usize,
         /// Internal: run as the receiving peer process.
         #[arg(long, hide = true)]
         peer: bool,
@@ -155,9 +159,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             json,
             quick,
             blocks,
+            rounds,
             ..
         } => {
-            let cfg = weightsync_benches::fabric::Config { quick, blocks };
+            let cfg = weightsync_benches::fabric::Config {
+                quick,
+                blocks,
+                rounds,
+            };
             let report = weightsync_benches::fabric::run(&cfg)?;
             if json {
                 println!("{}", serde_json::to_string(&report)?);
