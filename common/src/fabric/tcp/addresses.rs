@@ -29,7 +29,8 @@ const SEPARATOR: char = ',';
 pub(super) struct LocalAddress {
     /// The bound listener's address (its port is where peers connect).
     pub addr: SocketAddr,
-    /// Bytes this process sent from this address (frame headers included).
+    /// Bytes this process sent from this address (frame headers included), counted as a lane
+    /// hands them to its socket: a write's bytes are all counted before its completion.
     pub bytes_sent: AtomicU64,
     /// Payload bytes that landed here through lanes accepted on this address.
     pub bytes_received: AtomicU64,
