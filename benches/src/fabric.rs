@@ -685,11 +685,11 @@ mod tests {
         assert_eq!(median(&[]), 0.0);
         assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
         assert_eq!(median(&[4.0, 1.0, 3.0, 2.0]), 2.5);
-        // The plain stream's good round pairs with the fabric's good round: each round's ratio
-        // is taken first, so one lucky stream does not set the row's ratio alone.
-        let (g, ratio, ratios) = of_rounds(&[5.0, 5.5, 5.0], &[2.5, 5.5, 2.0]);
+        // Each round's ratio is taken first, so a round is compared with the stream measured
+        // beside it: the median of those (2.0) is not the ratio of the medians (5 / 3).
+        let (g, ratio, ratios) = of_rounds(&[4.0, 6.0, 5.0], &[1.0, 3.0, 5.0]);
         assert_eq!(g, 5.0);
-        assert_eq!(ratios, vec![2.0, 1.0, 2.5]);
+        assert_eq!(ratios, vec![4.0, 2.0, 1.0]);
         assert_eq!(ratio, 2.0);
     }
 
