@@ -155,9 +155,16 @@ pub struct Report {
 impl Report {
     /// A human-readable table.
     pub fn human(&self) -> String {
-        let mut s = String::from(
-            "fabric (TCP backend) vs one TCP stream and memcpy, two processes on loopback\n\
-             block      lanes  fabric GB/s  tcp GB/s  ratio  memcpy GB/s  p50 us  p99 us  tcp p50  tcp p99\n",
+        let rounds = if self.rounds > 1 {
+            format!(" (each row its median of {} rounds)", self.rounds)
+        } else {
+            String::new()
+        };
+        let mut s = format!(
+            "fabric (TCP backend) vs one TCP stream and memcpy, two processes on loopback{rounds}\n"
+        );
+        s.push_str(
+            "block      lanes  fabric GB/s  tcp GB/s  ratio  memcpy GB/s  p50 us  p99 us  tcp p50  tcp p99\n",
         );
         for r in &self.rows {
             s.push_str(&format!(
