@@ -348,13 +348,7 @@ fn gbps(bytes: u64, d: Duration) -> f64 {
 
 /// The median of `v` (the mean of the middle two for an even count; 0 for none).
 fn median(v: &[f64]) -> f64 {
-    let mut s = v.to_vec();
-    s.sort_by(f64::total_cmp);
-    match s.len() {
-        0 => 0.0,
-        n if n % 2 == 1 => s[n / 2],
-        n => (s[n / 2 - 1] + s[n / 2]) / 2.0,
-    }
+    crate::plan::median(v.iter().copied())
 }
 
 /// A row's figures from its rounds: the median rate and the median of the rounds' ratios to

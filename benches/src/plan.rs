@@ -309,7 +309,8 @@ fn largest_slice(case: &Case) -> anyhow::Result<u64> {
     Ok(largest)
 }
 
-fn median(xs: impl Iterator<Item = f64>) -> f64 {
+/// The median of `xs` (the mean of the middle two for an even count; 0 for none).
+pub(crate) fn median(xs: impl Iterator<Item = f64>) -> f64 {
     let mut v: Vec<f64> = xs.collect();
     if v.is_empty() {
         return 0.0;
