@@ -18,6 +18,29 @@ use crate::control::AgentConfig;
 use crate::rollout::RolloutDriverConfig;
 use crate::trainer::{SourceSpec, TrainerDriverConfig};
 
+/// The environment variable that turns same-host pulls off (`false`) for a worker, and for the
+/// Python package's trainers and engines.
+pub const SAME_HOST_ENV: &str = "WEIGHTSYNC_SAME_HOST";
+
+/// Reads [`SAME_HOST_ENV`]: `None` when unset, else `true`/`1` or `false`/`0`; anything else is
+/// an error naming the variable.
+pub fn same_host_from_env() -> Result<Option<bool>, ConfigError> {
+    same_host_from(std::env::var(SAME_HOST_ENV).ok())
+}
+
+fn same_host_from(value: Option<String>) -> Result<Option<bool>, ConfigError> {
+    match value {
+        None => Ok(None),
+        Some(v) => match v.trim().to_ascii_lowercase().as_str() {
+            "true" | "1" => Ok(Some(true)),
+            "false" | "0" => Ok(Some(false)),
+            _ => Err(ConfigError(format!(
+                "{SAME_HOST_ENV} is {v:?}: say true or false"
+            ))),
+        },
+    }
+}
+
 /// Everything a worker can be told, each optional (the TOML file has the same keys).
 #[derive(Debug, Clone, Default, Deserialize, clap::Args)]
 #[serde(deny_unknown_fields)]
@@ -49,6 +72,10 @@ pub struct WorkerSettings {
     /// Fabric lanes (connections / QPs) per peer.
     #[arg(long)]
     pub lanes: Option<usize>,
+    /// Same-host pulls (true/false, default true): a fabric peer on this machine copies large
+    /// frames out of the writer's memory itself, once, instead of through the sockets.
+    #[arg(long, env = SAME_HOST_ENV)]
+    pub same_host: Option<bool>,
     /// Trainer: staging watermark in MiB.
     #[arg(long)]
     pub watermark_mib: Option<u64>,
@@ -82,6 +109,7 @@ impl WorkerSettings {
             verify: self.verify.or(other.verify),
             fabric_listen: self.fabric_listen.or(other.fabric_listen),
             lanes: self.lanes.or(other.lanes),
+            same_host: self.same_host.or(other.same_host),
             watermark_mib: self.watermark_mib.or(other.watermark_mib),
             source: self.source.or(other.source),
             demo_check_seed: self.demo_check_seed.or(other.demo_check_seed),
@@ -192,6 +220,9 @@ pub fn resolve(
     let mut fabric = FabricConfig::loopback(&job_token, s.lanes.unwrap_or(2));
     if let Some(l) = s.fabric_listen {
         fabric.listen = l;
+    }
+    if let Some(on) = s.same_host {
+        fabric.same_host = on;
     }
     let host = s
         .host
@@ -339,5 +370,38 @@ mod tests {
         assert!(e.0.contains("rank") || e.0.contains("token"), "{e}");
         assert!(toml::from_str::<WorkerSettings>("bogus = 1").is_err());
         assert!(parse_source("nfs:/x").is_err());
+    }
+
+    #[test]
+    fn same_host_pulls_are_on_unless_turned_off_and_bad_values_are_named() {
+        let resolved = |settings: WorkerSettings| match resolve(
+            WorkerRole::Trainer,
+            settings,
+            None,
+            &|_| None,
+            Some("t".into()),
+        )
+        .unwrap()
+        {
+            ResolvedWorker::Trainer(_, c) => c.fabric.same_host,
+            ResolvedWorker::Rollout(..) => unreachable!("asked for a trainer"),
+        };
+        let ranked = WorkerSettings {
+            rank: Some(0),
+            ..flags()
+        };
+        assert!(resolved(ranked.clone()));
+        let off = WorkerSettings {
+            same_host: Some(false),
+            ..ranked
+        };
+        assert!(!resolved(off));
+        let file: WorkerSettings = toml::from_str("same_host = false").unwrap();
+        assert_eq!(file.same_host, Some(false));
+        assert_eq!(same_host_from(None).unwrap(), None);
+        assert_eq!(same_host_from(Some("0".into())).unwrap(), Some(false));
+        assert_eq!(same_host_from(Some(" TRUE ".into())).unwrap(), Some(true));
+        let e = same_host_from(Some("maybe".into())).unwrap_err();
+        assert!(e.0.contains(SAME_HOST_ENV) && e.0.contains("maybe"), "{e}");
     }
 }

@@ -11,9 +11,17 @@
 //! - latency: one write at a time (p50/p99 of the round trip), against a TCP ping-pong of the
 //!   same block.
 //!
+//! Two paths: every lane count is measured twice, once as a same-host deployment gets it (the
+//! receiver pulls each large frame out of the writer's memory, one copy: `path` "pull") and once
+//! with same-host pulls off, the bytes on the sockets as between two machines (`path`
+//! "socket"). `socket_bytes_per_byte` says which path really carried a row's bytes: the bytes
+//! the writer handed to its sockets over the bytes it moved (about 1 on the socket path, a
+//! header's share on the pull path).
+//!
 //! Several NICs: the peer also runs a fabric on two loopback addresses (127.0.0.1 and 127.0.0.2,
 //! both served by Linux `lo`), and a writer on the same two addresses moves the same blocks to it
-//! with 2 and 4 lanes (`multi_address`), counting the bytes each of its addresses sent.
+//! with 2 and 4 lanes (`multi_address`), counting the bytes each of its addresses sent (same-host
+//! pulls off there: pulled bytes cross no address).
 //!
 //! Throughput is best-of-N, with the fabric and TCP measurements interleaved so that machine
 //! noise hits both alike; only the ratios mean anything on a shared machine. The plain stream
@@ -72,13 +80,43 @@ pub struct Config {
 /// The most rounds one run takes (a round of the four block sizes is about 8 s here).
 pub const MAX_ROUNDS: usize = 20;
 
-/// One block size and lane count.
+/// How a row's lanes carry the bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Path {
+    /// Same-host pulls on (the default): the receiver copies large frames out of the writer.
+    Pull,
+    /// Same-host pulls off: every byte through the sockets, as between machines.
+    Socket,
+}
+
+impl Path {
+    const BOTH: [Path; 2] = [Path::Pull, Path::Socket];
+
+    fn same_host(self) -> bool {
+        self == Path::Pull
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Path::Pull => "pull",
+            Path::Socket => "socket",
+        }
+    }
+}
+
+/// One block size, lane count and path.
 #[derive(Debug, Clone, Serialize)]
 pub struct Row {
     /// Bytes per write.
     pub block_bytes: usize,
     /// Fabric lanes (connections) to the peer.
     pub lanes: usize,
+    /// Whether same-host pulls were on.
+    pub path: Path,
+    /// Bytes the writer handed to its sockets (headers included) per byte it moved, over the
+    /// throughput measurements: which path really carried the bytes.
+    pub socket_bytes_per_byte: f64,
     /// Fabric throughput, GB/s (the median round's).
     pub gbps: f64,
     /// One plain TCP stream moving the same bytes, GB/s (the median round's).
@@ -164,13 +202,15 @@ impl Report {
             "fabric (TCP backend) vs one TCP stream and memcpy, two processes on loopback{rounds}\n"
         );
         s.push_str(
-            "block      lanes  fabric GB/s  tcp GB/s  ratio  memcpy GB/s  p50 us  p99 us  tcp p50  tcp p99\n",
+            "block      lanes  path    on wire  fabric GB/s  tcp GB/s  ratio  memcpy GB/s  p50 us  p99 us  tcp p50  tcp p99\n",
         );
         for r in &self.rows {
             s.push_str(&format!(
-                "{:>9}  {:>5}  {:>11.2}  {:>8.2}  {:>5.2}  {:>11.2}  {:>6.0}  {:>6.0}  {:>7.0}  {:>7.0}\n",
+                "{:>9}  {:>5}  {:<6}  {:>7.3}  {:>11.2}  {:>8.2}  {:>5.2}  {:>11.2}  {:>6.0}  {:>6.0}  {:>7.0}  {:>7.0}\n",
                 human_bytes(r.block_bytes),
                 r.lanes,
+                r.path.name(),
+                r.socket_bytes_per_byte,
                 r.gbps,
                 r.tcp_gbps,
                 r.ratio_vs_tcp,
@@ -230,10 +270,12 @@ struct PeerHello {
     tcp_sink: String,
 }
 
-/// A loopback fabric configuration on 127.0.0.1 and [`SECOND_ADDRESS`].
+/// A loopback fabric configuration on 127.0.0.1 and [`SECOND_ADDRESS`], same-host pulls off
+/// (these rows count the bytes that cross each address; pulled bytes cross none).
 fn two_address_config(token: &str, lanes: usize) -> FabricConfig {
     FabricConfig {
         extra_listen: vec![SECOND_ADDRESS.into()],
+        same_host: false,
         ..FabricConfig::loopback(token, lanes)
     }
 }
@@ -516,11 +558,17 @@ pub fn run(cfg: &Config) -> anyhow::Result<Report> {
     let (rows, multi_address, multi_address_error) = rt.block_on(async {
         let mut fabrics = Vec::new();
         for lanes in LANES {
-            let f = TcpFabric::start(&FabricConfig::loopback(&token, lanes)).await?;
-            f.connect(&peer.hello.region.endpoint).await?;
-            let src = f.alloc(REGION_BYTES, Access::SOURCE)?;
-            src.write_at(0, &data)?;
-            fabrics.push((lanes, f, src));
+            for path in Path::BOTH {
+                let config = FabricConfig {
+                    same_host: path.same_host(),
+                    ..FabricConfig::loopback(&token, lanes)
+                };
+                let f = TcpFabric::start(&config).await?;
+                f.connect(&peer.hello.region.endpoint).await?;
+                let src = f.alloc(REGION_BYTES, Access::SOURCE)?;
+                src.write_at(0, &data)?;
+                fabrics.push(((lanes, path), f, src));
+            }
         }
         let (multi, multi_error) = match two_address_writers(&peer.hello, &token, &data).await {
             Ok(m) => (m, None),
@@ -546,6 +594,8 @@ pub fn run(cfg: &Config) -> anyhow::Result<Report> {
             let mut multi_rounds = vec![Vec::with_capacity(cfg.rounds); multi.len()];
             let mut best_memcpy: f64 = 0.0;
             let before: Vec<Vec<u64>> = multi.iter().map(|w| w.sent()).collect();
+            let sent_before: Vec<u64> = fabrics.iter().map(|f| f.1.stats().bytes_sent).collect();
+            let mut fabric_moved = 0u64;
             for _ in 0..cfg.rounds {
                 let mut best_tcp = Duration::MAX;
                 let mut best = vec![Duration::MAX; fabrics.len()];
@@ -556,6 +606,7 @@ pub fn run(cfg: &Config) -> anyhow::Result<Report> {
                         let t = fabric_throughput(f, src, dst, block, total).await?;
                         best[k] = best[k].min(t);
                     }
+                    fabric_moved += moved;
                     for (k, w) in multi.iter().enumerate() {
                         let t = fabric_throughput(&w.fabric, &w.src, &w.dst, block, total).await?;
                         best_multi[k] = best_multi[k].min(t);
@@ -594,12 +645,17 @@ pub fn run(cfg: &Config) -> anyhow::Result<Report> {
                 });
             }
             let mut tcp_lat = tcp_latency(&mut tcp, &data, block, samples)?;
-            for ((lanes, f, src), rounds) in fabrics.iter().zip(&fabric_rounds) {
+            for (((lanes, path), f, src), (rounds, sent_before)) in
+                fabrics.iter().zip(fabric_rounds.iter().zip(&sent_before))
+            {
+                let on_wire = (f.stats().bytes_sent - sent_before) as f64 / fabric_moved as f64;
                 let mut lat = fabric_latency(f, src, dst, block, samples).await?;
                 let (g, ratio, ratios) = of_rounds(rounds, &tcp_rounds);
                 rows.push(Row {
                     block_bytes: block,
                     lanes: *lanes,
+                    path: *path,
+                    socket_bytes_per_byte: on_wire,
                     gbps: g,
                     tcp_gbps,
                     ratio_vs_tcp: ratio,

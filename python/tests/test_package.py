@@ -105,6 +105,13 @@ def test_client_against_a_controller(tmp_path: Path, procs: Procs) -> None:
         weightsync.Client("127.0.0.1:1", c.api_token, timeout=5).sync(1)
 
 
+def test_a_bad_same_host_setting_is_refused_by_name(procs: Procs, monkeypatch: pytest.MonkeyPatch) -> None:
+    c = start_controller(procs, "qwen3-0.6b", "fsdp=2", "tp=1,dp=2")
+    monkeypatch.setenv("WEIGHTSYNC_SAME_HOST", "maybe")
+    with pytest.raises(weightsync.ConnectError, match="WEIGHTSYNC_SAME_HOST.*maybe"):
+        weightsync.Trainer(controller=c.control, rank=0, job_token=c.job_token)
+
+
 def test_client_sync_waits_out_not_ready() -> None:
     """``ready_timeout``: the first sync of a training loop may come while the world is still
     accepting its plan; the client retries the controller's ``not_ready`` answers (and only

@@ -93,7 +93,9 @@ class Engine:
         controller: the controller's control-channel address, ``host:port``.
         rank: this inference rank (default ``$WEIGHTSYNC_ENGINE_RANK``, else ``$RANK``).
         job_token: the job's secret (default ``$WEIGHTSYNC_JOB_TOKEN``).
-        listen: the fabric's listen address (default ``127.0.0.1:0``).
+        listen: the fabric's listen address (default ``127.0.0.1:0``). Peers on this machine
+            copy large writes straight between the processes' memory (same-host pulls);
+            ``WEIGHTSYNC_SAME_HOST=false`` keeps every byte on the sockets.
         worker_id: this worker's name (default ``rollout-{rank}``).
         before_landing, after_commit: hooks (see :meth:`set_hooks`).
     """

@@ -82,7 +82,9 @@ class Trainer:
         controller: the controller's control-channel address, ``host:port``.
         rank: this training rank (default: ``$RANK``, as torchrun sets it).
         job_token: the job's secret (default: ``$WEIGHTSYNC_JOB_TOKEN``).
-        listen: the fabric's listen address (default ``127.0.0.1:0``).
+        listen: the fabric's listen address (default ``127.0.0.1:0``). Peers on this machine
+            copy large writes straight between the processes' memory (same-host pulls);
+            ``WEIGHTSYNC_SAME_HOST=false`` keeps every byte on the sockets.
         worker_id: this worker's name (default ``trainer-{rank}``).
     """
 

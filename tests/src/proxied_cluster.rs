@@ -85,7 +85,8 @@ pub struct ProxiedCluster {
 
 impl ProxiedCluster {
     /// Builds every worker of `table` with fabrics configured by `config` (its `listen` is
-    /// ignored: loopback, any port).
+    /// ignored: loopback, any port; and same-host pulls are off, since each proxy stands for the
+    /// network between two hosts, which every byte must cross).
     pub async fn start(
         table: &RoutingTable,
         watermark: u64,
@@ -94,6 +95,7 @@ impl ProxiedCluster {
         let fabric = |c: &FabricConfig| {
             let c = FabricConfig {
                 listen: "127.0.0.1:0".into(),
+                same_host: false,
                 ..c.clone()
             };
             async move {

@@ -12,7 +12,10 @@ use weightsync_common::fabric::{
 };
 use weightsync_tests::conformance::{self, BackendFactory};
 
-struct Tcp;
+/// The TCP backend, with same-host pulls on or off.
+struct Tcp {
+    same_host: bool,
+}
 
 impl BackendFactory for Tcp {
     type Backend = TcpFabric;
@@ -21,6 +24,7 @@ impl BackendFactory for Tcp {
         let config = FabricConfig {
             io_timeout_ms: 3_000,
             connect_timeout_ms: 3_000,
+            same_host: self.same_host,
             ..FabricConfig::loopback(job_token, lanes)
         };
         TcpFabric::start(&config).await
@@ -52,6 +56,7 @@ impl BackendFactory for Tcp {
                 rkey: dst.rkey,
                 addr: dst.base,
                 len,
+                source: None,
             };
             s.write_all(&header.encode()).unwrap();
             s.write_all(&vec![0xEE; (len / 2) as usize]).unwrap();
@@ -64,89 +69,105 @@ impl BackendFactory for Tcp {
     }
 }
 
-#[tokio::test]
-async fn bytes_land_exactly_one_lane() {
-    conformance::bytes_land_exactly(&Tcp, 1).await;
+/// The suite, once per way a same-host lane carries bytes: pulled by the receiver out of the
+/// writer's memory (the default where both run on one machine), and as payloads on the socket
+/// (what lanes between machines do).
+macro_rules! conformance_suite {
+    ($name:ident, $factory:expr) => {
+        mod $name {
+            use super::*;
+
+            const F: Tcp = $factory;
+
+            #[tokio::test]
+            async fn bytes_land_exactly_one_lane() {
+                conformance::bytes_land_exactly(&F, 1).await;
+            }
+
+            #[tokio::test]
+            async fn bytes_land_exactly_four_lanes() {
+                conformance::bytes_land_exactly(&F, 4).await;
+            }
+
+            #[tokio::test]
+            async fn immediates_counted_exactly_one_lane() {
+                conformance::immediates_counted_exactly(&F, 1).await;
+            }
+
+            #[tokio::test]
+            async fn immediates_counted_exactly_four_lanes() {
+                conformance::immediates_counted_exactly(&F, 4).await;
+            }
+
+            #[tokio::test]
+            async fn refused_writes_touch_nothing() {
+                conformance::refused_writes_touch_nothing(&F, 2).await;
+            }
+
+            #[tokio::test]
+            async fn unauthenticated_writer_refused() {
+                conformance::unauthenticated_writer_refused(&F).await;
+            }
+
+            #[tokio::test]
+            async fn deregistration_takes_effect_at_once() {
+                conformance::deregistration_takes_effect_at_once(&F, 2).await;
+            }
+
+            #[tokio::test]
+            async fn torn_write_never_counted() {
+                conformance::torn_write_never_counted(&F).await;
+            }
+
+            #[tokio::test]
+            async fn receiver_death_fails_writes() {
+                conformance::receiver_death_fails_writes(&F, 2).await;
+            }
+
+            #[tokio::test]
+            async fn lanes_recover() {
+                conformance::lanes_recover(&F, 2).await;
+            }
+
+            #[tokio::test]
+            async fn reset_discards_posted_writes_one_lane() {
+                conformance::reset_discards_posted_writes(&F, 1).await;
+            }
+
+            #[tokio::test]
+            async fn reset_discards_posted_writes_four_lanes() {
+                conformance::reset_discards_posted_writes(&F, 4).await;
+            }
+
+            #[tokio::test]
+            async fn immediates_at_most_once_under_cuts_one_lane() {
+                at_most_once_under_cuts(&F, 1).await;
+            }
+
+            #[tokio::test]
+            async fn immediates_at_most_once_under_cuts_two_lanes() {
+                at_most_once_under_cuts(&F, 2).await;
+            }
+
+            #[tokio::test]
+            async fn immediates_at_most_once_under_cuts_four_lanes() {
+                at_most_once_under_cuts(&F, 4).await;
+            }
+        }
+    };
 }
 
-#[tokio::test]
-async fn bytes_land_exactly_four_lanes() {
-    conformance::bytes_land_exactly(&Tcp, 4).await;
-}
-
-#[tokio::test]
-async fn immediates_counted_exactly_one_lane() {
-    conformance::immediates_counted_exactly(&Tcp, 1).await;
-}
-
-#[tokio::test]
-async fn immediates_counted_exactly_four_lanes() {
-    conformance::immediates_counted_exactly(&Tcp, 4).await;
-}
-
-#[tokio::test]
-async fn refused_writes_touch_nothing() {
-    conformance::refused_writes_touch_nothing(&Tcp, 2).await;
-}
-
-#[tokio::test]
-async fn unauthenticated_writer_refused() {
-    conformance::unauthenticated_writer_refused(&Tcp).await;
-}
-
-#[tokio::test]
-async fn deregistration_takes_effect_at_once() {
-    conformance::deregistration_takes_effect_at_once(&Tcp, 2).await;
-}
-
-#[tokio::test]
-async fn torn_write_never_counted() {
-    conformance::torn_write_never_counted(&Tcp).await;
-}
-
-#[tokio::test]
-async fn receiver_death_fails_writes() {
-    conformance::receiver_death_fails_writes(&Tcp, 2).await;
-}
-
-#[tokio::test]
-async fn lanes_recover() {
-    conformance::lanes_recover(&Tcp, 2).await;
-}
-
-#[tokio::test]
-async fn reset_discards_posted_writes_one_lane() {
-    conformance::reset_discards_posted_writes(&Tcp, 1).await;
-}
-
-#[tokio::test]
-async fn reset_discards_posted_writes_four_lanes() {
-    conformance::reset_discards_posted_writes(&Tcp, 4).await;
-}
+conformance_suite!(pulled, Tcp { same_host: true });
+conformance_suite!(payloads, Tcp { same_host: false });
 
 /// At most once under random cuts, 20 bursts per lane count (seeded, so a failure names the
 /// seed and burst that reproduce it).
-async fn at_most_once_under_cuts(lanes: usize) {
+async fn at_most_once_under_cuts(f: &Tcp, lanes: usize) {
     let stats =
-        conformance::immediates_at_most_once_under_cuts(&Tcp, lanes, 20, 0x17 + lanes as u64).await;
-    eprintln!("tcp, {lanes} lanes: {stats:?}");
+        conformance::immediates_at_most_once_under_cuts(f, lanes, 20, 0x17 + lanes as u64).await;
+    eprintln!("tcp (same_host {}), {lanes} lanes: {stats:?}", f.same_host);
     assert_eq!(stats.writes, 20 * u64::from(conformance::CUT_BURST_WRITES));
     assert!(stats.cuts >= 20, "every burst was cut: {stats:?}");
-}
-
-#[tokio::test]
-async fn immediates_at_most_once_under_cuts_one_lane() {
-    at_most_once_under_cuts(1).await;
-}
-
-#[tokio::test]
-async fn immediates_at_most_once_under_cuts_two_lanes() {
-    at_most_once_under_cuts(2).await;
-}
-
-#[tokio::test]
-async fn immediates_at_most_once_under_cuts_four_lanes() {
-    at_most_once_under_cuts(4).await;
 }
 
 /// A raw peer that authenticates and then stops reading until the returned sender is dropped;
@@ -166,7 +187,7 @@ fn stalled_peer<T: Send + 'static>(
         let (mut s, peer) = listener.accept().unwrap();
         s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
         let key = JobToken(conformance::TOKEN.into()).handshake_key();
-        server_handshake(&mut s, &key, &peer.into()).unwrap();
+        server_handshake(&mut s, &key, &peer.into(), false).unwrap();
         let _ = hold.recv();
         then(s)
     });

@@ -54,10 +54,16 @@ impl Reach {
         }
     }
 
+    /// The fabric settings of this worker: two lanes per peer, its listen address, and
+    /// same-host pulls unless `WEIGHTSYNC_SAME_HOST` turns them off ([`start`] refuses a value
+    /// that is neither true nor false, naming the variable).
     pub(crate) fn fabric_config(&self) -> FabricConfig {
         let mut cfg = FabricConfig::loopback(&self.token, 2);
         if let Some(l) = &self.listen {
             cfg.listen = l.clone();
+        }
+        if let Ok(Some(on)) = crate::config::same_host_from_env() {
+            cfg.same_host = on;
         }
         cfg
     }
@@ -86,6 +92,7 @@ pub(crate) fn start(reach: &Reach) -> Result<Started, EmbedError> {
             crate::AGENT_MAX_FRAME,
         ))
         .map_err(|e| reach.connect_error(e))?;
+    crate::config::same_host_from_env().map_err(|e| reach.connect_error(e))?;
     let fabric = rt
         .block_on(Fabric::start(&reach.fabric_config()))
         .map_err(|e| reach.connect_error(format!("cannot start the fabric: {e}")))?;

@@ -81,12 +81,15 @@ impl WorkerOptions {
         Ok(())
     }
 
-    /// The fabric configuration of every worker (and of the fabric limit beside it).
+    /// The fabric configuration of every worker (and of the fabric limit beside it). With
+    /// several addresses same-host pulls are off: that run measures the bytes each address
+    /// carries, and pulled bytes cross none.
     pub(crate) fn fabric_config(&self) -> FabricConfig {
         FabricConfig {
             extra_listen: (2..=self.addresses)
                 .map(|k| format!("127.0.0.{k}:0"))
                 .collect(),
+            same_host: self.addresses == 1,
             ..FabricConfig::loopback(TOKEN, self.lanes_per_peer)
         }
     }

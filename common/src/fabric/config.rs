@@ -141,6 +141,12 @@ pub struct FabricConfig {
     /// that a stream of small frames wakes both ends less often; a receiver that keeps up
     /// holds far less than this.
     pub receive_buffer_bytes: usize,
+    /// TCP: let a receiver on the writer's own machine copy each frame's bytes out of the
+    /// writer's memory itself (`process_vm_readv`, one copy) instead of the socket carrying
+    /// them (two copies): see `tcp::same_host`. Agreed per lane after authentication, only
+    /// where the receiver can prove the writer's pid and read its memory; elsewhere the lane
+    /// carries payloads. Both sides must allow it. Default on.
+    pub same_host: bool,
     /// Shared secret of the job.
     pub job_token: JobToken,
     /// ibverbs settings.
@@ -159,6 +165,7 @@ impl Default for FabricConfig {
             io_timeout_ms: 10_000,
             socket_buffer_bytes: 1 << 20,
             receive_buffer_bytes: 4 << 20,
+            same_host: true,
             job_token: JobToken(String::new()),
             verbs: VerbsConfig::default(),
         }
@@ -305,6 +312,10 @@ mod tests {
         assert_eq!(serde_json::from_str::<FabricConfig>(&json).unwrap(), c);
         let partial: FabricConfig = serde_json::from_str(r#"{"lanes_per_peer":4}"#).unwrap();
         assert_eq!(partial.lanes_per_peer, 4);
+        assert!(
+            partial.same_host,
+            "same-host pulls are on unless turned off"
+        );
         assert!(partial.extra_listen.is_empty());
     }
 

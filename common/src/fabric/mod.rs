@@ -27,7 +27,9 @@
 //! - [`tcp`] (default): a user-space emulation of an RDMA NIC. Frames carry op, rkey, remote
 //!   address, length, immediate and payload; the receiver validates against its registration table
 //!   before touching memory and reads the payload straight into the region. Lanes authenticate
-//!   with a challenge on the job token.
+//!   with a challenge on the job token. Between processes of one machine, a lane's large frames
+//!   carry no payload: the receiver copies the bytes out of the writer's memory itself, once
+//!   ([`tcp::same_host`]; [`FabricConfig::same_host`]).
 //! - `verbs` (feature `rdma`): ibverbs RC queue pairs, bootstrapped through the same endpoint.
 //!
 //! [`Fabric`] picks one at run time from a [`FabricConfig`]; code that wants to be generic (the
@@ -63,7 +65,7 @@ pub use imm_counter::{ImmCounter, ImmStats, ImmWait};
 pub use landing_log::{LandingLog, LandingTicket, LogSnapshot};
 pub use memory::{Memory, MemoryLocation, MemoryOwner, PageAlignedBuffer, RawMemory, PAGE_SIZE};
 pub use op::{merge_contiguous, place, stripe, WriteOp};
-pub use region::{DeregisterHook, LiveMemory, Region, RegisteredMemory};
+pub use region::{DeregisterHook, LiveMemory, Region, RegisteredMemory, SourcePin};
 pub use tcp::TcpFabric;
 
 /// What every backend offers. Small on purpose: register, write, count.

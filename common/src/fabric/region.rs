@@ -6,7 +6,10 @@
 //!   while holding a [`LiveMemory`] guard, and [`RegisteredMemory::revoke`] takes the lock
 //!   exclusively, so once revocation returns no byte will ever land again, even from a write that
 //!   was half-way through. That is how "deregistration takes effect at once" is made true without
-//!   trusting timing.
+//!   trusting timing. A *source* whose bytes another process on the same host copies out itself
+//!   (the TCP backend's same-host pulls) is held by [`SourcePin`]s instead, for as long as that
+//!   process may still read it: revocation also waits until every pin is dropped, so the memory
+//!   is never given back while a peer may be copying from it.
 //! - [`Region`], the owner's handle (cheap to clone; a [`WriteOp`](super::WriteOp) holds a clone of
 //!   its source). Dropping the last clone, or calling [`Region::deregister`], revokes the memory and
 //!   runs the backend's deregistration hook (remove the rkey from the TCP table, `ibv_dereg_mr`).
@@ -21,7 +24,7 @@
 
 use std::sync::{Arc, OnceLock};
 
-use parking_lot::{Mutex, RwLock, RwLockReadGuard};
+use parking_lot::{Condvar, Mutex, RwLock, RwLockReadGuard};
 
 use super::descriptor::{Access, RegionDescriptor};
 use super::error::{FabricError, Result};
@@ -37,6 +40,33 @@ pub struct RegisteredMemory {
     reports_landings: bool,
     /// The owner's landing log, once attached ([`Region::log_landings`]).
     log: OnceLock<LogAttachment>,
+    /// Pins held by peers that copy out of this memory: (revoked, pins).
+    pins: Mutex<(bool, usize)>,
+    unpinned: Condvar,
+}
+
+/// Keeps a registration's memory from being revoked while a peer process may still be copying
+/// out of it (see [`RegisteredMemory::pin`]). Dropping it releases the pin.
+#[derive(Debug)]
+pub struct SourcePin {
+    memory: Arc<RegisteredMemory>,
+}
+
+impl SourcePin {
+    /// The pinned memory.
+    pub fn memory(&self) -> &Arc<RegisteredMemory> {
+        &self.memory
+    }
+}
+
+impl Drop for SourcePin {
+    fn drop(&mut self) {
+        let mut pins = self.memory.pins.lock();
+        pins.1 -= 1;
+        if pins.1 == 0 {
+            self.memory.unpinned.notify_all();
+        }
+    }
 }
 
 /// Proof that a registration is live; the backend may touch the bytes while holding it.
@@ -74,6 +104,8 @@ impl RegisteredMemory {
             live: RwLock::new(true),
             reports_landings: false,
             log: OnceLock::new(),
+            pins: Mutex::new((false, 0)),
+            unpinned: Condvar::new(),
         })
     }
 
@@ -85,6 +117,8 @@ impl RegisteredMemory {
             live: RwLock::new(true),
             reports_landings: true,
             log: OnceLock::new(),
+            pins: Mutex::new((false, 0)),
+            unpinned: Condvar::new(),
         })
     }
 
@@ -108,10 +142,29 @@ impl RegisteredMemory {
         })
     }
 
+    /// Pins the memory for a peer that copies out of it outside any [`LiveMemory`] guard (a
+    /// same-host pull), until the pin is dropped; `None` once revoked.
+    pub fn pin(self: &Arc<Self>) -> Option<SourcePin> {
+        let mut pins = self.pins.lock();
+        if pins.0 {
+            return None;
+        }
+        pins.1 += 1;
+        Some(SourcePin {
+            memory: self.clone(),
+        })
+    }
+
     /// Revokes access: waits for every [`LiveMemory`] guard to be dropped, then marks the
-    /// registration dead so no further guard is handed out.
+    /// registration dead so no further guard or pin is handed out, then waits for every
+    /// [`SourcePin`] to be dropped (their holders drop them once the peer is done or cut off).
     pub fn revoke(&self) {
         *self.live.write() = false;
+        let mut pins = self.pins.lock();
+        pins.0 = true;
+        while pins.1 > 0 {
+            self.unpinned.wait(&mut pins);
+        }
     }
 
     /// Whether the registration is still live.
@@ -412,6 +465,29 @@ mod tests {
             Err(FabricError::LocalOutOfBounds { .. })
         ));
         assert_eq!(b.copy_to_vec(0, 2).unwrap(), vec![0, 0]);
+    }
+
+    #[test]
+    fn revocation_waits_for_pins_and_refuses_new_ones() {
+        let calls = Arc::new(AtomicUsize::new(0));
+        let r = region(16, calls.clone());
+        let pin = r.memory().pin().expect("live memory pins");
+        let released = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let deregistering = {
+            let (r, released) = (r.clone(), released.clone());
+            std::thread::spawn(move || {
+                r.deregister();
+                // Deregistration returned: the pin must have been released before.
+                assert!(released.load(Ordering::SeqCst), "revoked under a pin");
+            })
+        };
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        assert_eq!(calls.load(Ordering::SeqCst), 0, "deregistered under a pin");
+        released.store(true, Ordering::SeqCst);
+        drop(pin);
+        deregistering.join().unwrap();
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+        assert!(r.memory().pin().is_none(), "a revoked region pins nothing");
     }
 
     #[test]

@@ -187,7 +187,8 @@ async fn forged_writes_change_no_byte_and_a_permitted_one_only_its_own() {
 }
 
 /// A lane that authenticated (it knows the token) and then sends hand-made frames: out of
-/// bounds, overflowing addresses, a payload shorter than announced. Nothing lands.
+/// bounds, overflowing addresses, a payload shorter than announced, a PULL it did not agree
+/// on. Nothing lands.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hand_made_frames_on_an_authenticated_lane_change_nothing() {
     let s = setup().await;
@@ -212,6 +213,7 @@ async fn hand_made_frames_on_an_authenticated_lane_change_nothing() {
         rkey: a.rkey,
         addr: a.base + a.len - 63,
         len: 64,
+        source: None,
     };
     st.write_all(&h.encode()).expect("header");
     st.write_all(&[0x22; 64]).expect("payload");
@@ -235,6 +237,7 @@ async fn hand_made_frames_on_an_authenticated_lane_change_nothing() {
         rkey: a.rkey,
         addr: 0,
         len: 64,
+        source: None,
     }
     .encode();
     raw[16..24].copy_from_slice(&(u64::MAX - 8).to_le_bytes());
@@ -252,10 +255,29 @@ async fn hand_made_frames_on_an_authenticated_lane_change_nothing() {
         rkey: a.rkey,
         addr: a.base,
         len: 4096,
+        source: None,
     };
     st.write_all(&h.encode()).expect("header");
     st.write_all(&[0x44; 1000]).expect("partial payload");
     drop(st);
+
+    // A PULL frame on a lane that agreed no same-host pulls (`client_handshake` offers none),
+    // naming a source this very process holds (so a receiver that pulled anyway could read it):
+    // the lane is dropped, nothing lands.
+    let bait = vec![0x66u8; 64];
+    let mut st = connect();
+    let pull = FrameHeader {
+        signalled: true,
+        imm: Some(11),
+        part: None,
+        rkey: a.rkey,
+        addr: a.base + 200,
+        len: 64,
+        source: Some(bait.as_ptr() as u64),
+    };
+    st.write_all(&pull.encode()).expect("pull header");
+    let _ = st.read_to_end(&mut sink);
+    drop(bait);
 
     // Frames on a lane that never authenticated.
     let mut st = TcpStream::connect(peer.as_str()).expect("connect");

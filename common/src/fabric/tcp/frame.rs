@@ -1,10 +1,12 @@
 //! Wire format of the TCP backend's lanes: write frames one way, completions the other.
 //!
-//! A write frame is a fixed 40-byte little-endian header followed by `len` payload bytes:
+//! A write frame is a fixed 48-byte little-endian header, followed by `len` payload bytes for a
+//! WRITE and by nothing for a PULL (the receiver copies the bytes out of the writer's memory
+//! itself, see `same_host`):
 //!
 //! | bytes | field    | meaning                                                        |
 //! |-------|----------|----------------------------------------------------------------|
-//! | 0     | op       | `1` = WRITE                                                    |
+//! | 0     | op       | `1` = WRITE (payload follows), `2` = PULL (no payload)         |
 //! | 1     | flags    | bit 0 signalled, bit 1 has immediate, bit 2 one part of a split write |
 //! | 2..4  | parts    | number of parts of a split write (0 unless bit 2)              |
 //! | 4..8  | imm      | immediate (0 unless bit 1)                                     |
@@ -12,6 +14,9 @@
 //! | 16..24| addr     | remote address of the first payload byte                       |
 //! | 24..32| len      | payload length                                                 |
 //! | 32..40| write_id | id shared by the parts of one split write (0 otherwise)        |
+//! | 40..48| source   | PULL: the address of the first byte in the writer's memory; WRITE: 0 |
+//!
+//! A PULL is accepted only on a lane whose handshake agreed on same-host pulls.
 //!
 //! Only *signalled* frames are answered, with a 24-byte completion that covers every frame since
 //! the previous signalled one on the same lane (selective signalling, as on an RDMA send queue):
@@ -31,7 +36,7 @@
 use crate::fabric::error::RemoteAccessKind;
 
 /// Size of a write-frame header.
-pub const HEADER_LEN: usize = 40;
+pub const HEADER_LEN: usize = 48;
 /// Size of a completion.
 pub const COMPLETION_LEN: usize = 24;
 /// Largest payload of one frame (bigger writes are split into several frames).
@@ -40,6 +45,7 @@ pub const MAX_FRAME_PAYLOAD: u64 = 1 << 30;
 pub const MAX_PARTS: u16 = 1024;
 
 const OP_WRITE: u8 = 1;
+const OP_PULL: u8 = 2;
 const FLAG_SIGNALLED: u8 = 1;
 const FLAG_IMM: u8 = 2;
 const FLAG_PART: u8 = 4;
@@ -61,6 +67,10 @@ pub enum FrameError {
     BadParts { parts: u16, has_imm: bool },
     #[error("non-zero immediate {0:#x} without the immediate flag")]
     StrayImm(u32),
+    #[error("a WRITE frame names a source address ({0:#x}); only a PULL does")]
+    StraySource(u64),
+    #[error("pull source range overflows (source {start:#x}, len {len})")]
+    SourceOverflow { start: u64, len: u64 },
     #[error("bad completion status {status} / kind {kind}")]
     BadCompletion { status: u8, kind: u8 },
 }
@@ -89,13 +99,20 @@ pub struct FrameHeader {
     pub addr: u64,
     /// Payload length.
     pub len: u64,
+    /// Set for a PULL: where the bytes start in the writer's memory. No payload follows the
+    /// header; the receiver copies `len` bytes from there (same host only).
+    pub source: Option<u64>,
 }
 
 impl FrameHeader {
     /// Encodes the header.
     pub fn encode(&self) -> [u8; HEADER_LEN] {
         let mut b = [0u8; HEADER_LEN];
-        b[0] = OP_WRITE;
+        b[0] = if self.source.is_some() {
+            OP_PULL
+        } else {
+            OP_WRITE
+        };
         let mut flags = 0;
         if self.signalled {
             flags |= FLAG_SIGNALLED;
@@ -113,7 +130,17 @@ impl FrameHeader {
         b[16..24].copy_from_slice(&self.addr.to_le_bytes());
         b[24..32].copy_from_slice(&self.len.to_le_bytes());
         b[32..40].copy_from_slice(&self.part.map_or(0, |p| p.write_id).to_le_bytes());
+        b[40..48].copy_from_slice(&self.source.unwrap_or(0).to_le_bytes());
         b
+    }
+
+    /// Bytes that follow this header on the wire.
+    pub fn wire_payload(&self) -> u64 {
+        if self.source.is_some() {
+            0
+        } else {
+            self.len
+        }
     }
 
     /// Decodes and validates a header.
@@ -123,9 +150,11 @@ impl FrameHeader {
             a.copy_from_slice(&b[i..i + 8]);
             u64::from_le_bytes(a)
         };
-        if b[0] != OP_WRITE {
-            return Err(FrameError::UnknownOp(b[0]));
-        }
+        let pull = match b[0] {
+            OP_WRITE => false,
+            OP_PULL => true,
+            op => return Err(FrameError::UnknownOp(op)),
+        };
         let flags = b[1];
         if flags & !KNOWN_FLAGS != 0 {
             return Err(FrameError::UnknownFlags(flags & !KNOWN_FLAGS));
@@ -133,6 +162,20 @@ impl FrameHeader {
         let parts = u16::from_le_bytes([b[2], b[3]]);
         let imm_raw = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
         let (rkey, addr, len, write_id) = (u64_at(8), u64_at(16), u64_at(24), u64_at(32));
+        let source_raw = u64_at(40);
+        let source = if pull {
+            if source_raw.checked_add(len).is_none() {
+                return Err(FrameError::SourceOverflow {
+                    start: source_raw,
+                    len,
+                });
+            }
+            Some(source_raw)
+        } else if source_raw != 0 {
+            return Err(FrameError::StraySource(source_raw));
+        } else {
+            None
+        };
         let has_imm = flags & FLAG_IMM != 0;
         if !has_imm && imm_raw != 0 {
             return Err(FrameError::StrayImm(imm_raw));
@@ -161,6 +204,7 @@ impl FrameHeader {
             rkey,
             addr,
             len,
+            source,
         })
     }
 }
@@ -256,6 +300,7 @@ mod tests {
                 rkey: u64::MAX,
                 addr: 1 << 40,
                 len: 12345,
+                source: None,
             },
             FrameHeader {
                 signalled: false,
@@ -264,6 +309,7 @@ mod tests {
                 rkey: 1,
                 addr: 0,
                 len: 0,
+                source: None,
             },
             FrameHeader {
                 signalled: false,
@@ -272,6 +318,28 @@ mod tests {
                 rkey: 7,
                 addr: u64::MAX - MAX_FRAME_PAYLOAD,
                 len: MAX_FRAME_PAYLOAD,
+                source: None,
+            },
+            FrameHeader {
+                signalled: true,
+                imm: Some(3),
+                part: Some(Part {
+                    write_id: 5,
+                    parts: 2,
+                }),
+                rkey: 9,
+                addr: 4096,
+                len: 1 << 20,
+                source: Some(0x7f00_0000_1000),
+            },
+            FrameHeader {
+                signalled: false,
+                imm: None,
+                part: None,
+                rkey: 9,
+                addr: 4096,
+                len: 0,
+                source: Some(0),
             },
         ] {
             assert_eq!(FrameHeader::decode(&h.encode()), Ok(h));
@@ -287,11 +355,23 @@ mod tests {
             rkey: 1,
             addr: 100,
             len: 10,
+            source: None,
         }
         .encode();
         let mut b = good;
-        b[0] = 2;
-        assert_eq!(FrameHeader::decode(&b), Err(FrameError::UnknownOp(2)));
+        b[0] = 3;
+        assert_eq!(FrameHeader::decode(&b), Err(FrameError::UnknownOp(3)));
+        // A WRITE never names a source; a PULL's source range must not overflow.
+        let mut b = good;
+        b[40] = 1;
+        assert_eq!(FrameHeader::decode(&b), Err(FrameError::StraySource(1)));
+        let mut b = good;
+        b[0] = OP_PULL;
+        b[40..48].copy_from_slice(&(u64::MAX - 3).to_le_bytes());
+        assert!(matches!(
+            FrameHeader::decode(&b),
+            Err(FrameError::SourceOverflow { .. })
+        ));
         let mut b = good;
         b[1] |= 0x80;
         assert!(matches!(

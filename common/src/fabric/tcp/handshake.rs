@@ -5,22 +5,31 @@
 //! server -> client  ServerHello  magic, version, server nonce (32 B), server proof
 //! client -> server  client proof (32 B)
 //! server -> client  verdict (8 B: accepted or not)
+//! client -> server  pull offer (32 B: pid, boot id, probe address; or none)
+//! server -> client  pull answer (8 B: yes or no)
 //! ```
 //! Proofs are BLAKE3 keyed hashes under a key derived from the token, over a direction label and
 //! both nonces (and the instance id), so each is fresh per connection, cannot be replayed or
 //! reflected, and reveals nothing about the token. The server proves first so that a client never
 //! sends its proof to an impostor; the server accepts frames only after the client's proof
 //! checks. Comparisons are constant-time (`blake3::Hash` equality).
+//!
+//! The last exchange, only once both are authenticated, agrees on same-host pulls
+//! (`same_host`): the server reads the client's nonce out of the client's memory at the offered
+//! address, and pulls that lane's PULL frames only if it read the right bytes.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::Duration;
 
+use super::same_host::{
+    Declined, PullOffer, WriterProcess, ANSWER_LEN, ANSWER_NO, ANSWER_YES, OFFER_LEN,
+};
 use crate::fabric::descriptor::Endpoint;
 use crate::fabric::error::{FabricError, Result};
 
 const MAGIC: &[u8; 8] = b"WSFABRIC";
-const VERSION: u32 = 1;
+const VERSION: u32 = 2;
 /// Size of [`ClientHello`] on the wire.
 pub const CLIENT_HELLO_LEN: usize = 52;
 /// Size of [`ServerHello`] on the wire.
@@ -131,13 +140,26 @@ fn io_err(peer: &Endpoint, what: &str, e: std::io::Error, stream_timeout: Durati
     }
 }
 
-/// Runs the client side on a freshly connected stream (read timeouts set by the caller).
+/// Runs the client side on a freshly connected stream (read timeouts set by the caller),
+/// offering no same-host pulls: every frame on the lane carries its payload.
 pub fn client_handshake(
     stream: &mut TcpStream,
     key: &[u8; 32],
     instance: u64,
     peer: &Endpoint,
 ) -> Result<()> {
+    client_handshake_offering(stream, key, instance, peer, false).map(|_| ())
+}
+
+/// Runs the client side, offering same-host pulls when `offer_pulls`; returns whether the
+/// server agreed to pull this lane's PULL frames.
+pub fn client_handshake_offering(
+    stream: &mut TcpStream,
+    key: &[u8; 32],
+    instance: u64,
+    peer: &Endpoint,
+    offer_pulls: bool,
+) -> Result<bool> {
     let after = stream.read_timeout().ok().flatten().unwrap_or_default();
     let hello = ClientHello {
         nonce: rand::random(),
@@ -177,11 +199,42 @@ pub fn client_handshake(
             detail: "peer refused our proof of the job token".into(),
         });
     }
-    Ok(())
+    // The probe is `hello.nonce` itself, which stays where it is until the answer is read.
+    let offer = PullOffer::of_this_process(offer_pulls, &hello.nonce);
+    stream
+        .write_all(&offer.encode())
+        .map_err(|e| io_err(peer, "sending the pull offer", e, after))?;
+    let mut answer = [0u8; ANSWER_LEN];
+    stream
+        .read_exact(&mut answer)
+        .map_err(|e| io_err(peer, "reading the pull answer", e, after))?;
+    match answer {
+        ANSWER_YES if offer.offered => Ok(true),
+        ANSWER_NO => Ok(false),
+        _ => Err(FabricError::Protocol {
+            peer: peer.clone(),
+            detail: format!("bad pull answer {answer:?} to offer {offer:?}"),
+        }),
+    }
 }
 
-/// Runs the server side; returns the client's instance id once its proof checked.
-pub fn server_handshake(stream: &mut TcpStream, key: &[u8; 32], peer: &Endpoint) -> Result<u64> {
+/// What the server side learned of an authenticated client.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Accepted {
+    /// The client's instance id (scopes its split-write ids).
+    pub instance: u64,
+    /// The writer to pull PULL frames from, when both sides agreed on same-host pulls.
+    pub writer: Option<WriterProcess>,
+}
+
+/// Runs the server side; returns what it learned once the client's proof checked. Pulls are
+/// agreed only when `allow_pulls` and the client's offer verifies.
+pub fn server_handshake(
+    stream: &mut TcpStream,
+    key: &[u8; 32],
+    peer: &Endpoint,
+    allow_pulls: bool,
+) -> Result<Accepted> {
     let after = stream.read_timeout().ok().flatten().unwrap_or_default();
     let mut b = [0u8; CLIENT_HELLO_LEN];
     stream
@@ -213,7 +266,42 @@ pub fn server_handshake(stream: &mut TcpStream, key: &[u8; 32], peer: &Endpoint)
     stream
         .write_all(&VERDICT_ACCEPTED)
         .map_err(|e| io_err(peer, "sending verdict", e, after))?;
-    Ok(hello.instance)
+    let mut b = [0u8; OFFER_LEN];
+    stream
+        .read_exact(&mut b)
+        .map_err(|e| io_err(peer, "reading the pull offer", e, after))?;
+    let offer = PullOffer::decode(&b).map_err(|detail| FabricError::Protocol {
+        peer: peer.clone(),
+        detail,
+    })?;
+    let writer = match (allow_pulls, offer.offered) {
+        (true, true) => match WriterProcess::verify(&offer, &hello.nonce) {
+            Ok(w) => Some(w),
+            // Between machines this is every lane: nothing to report.
+            Err(why @ Declined::OtherMachine) => {
+                tracing::debug!(%peer, %why, "no same-host pulls");
+                None
+            }
+            // On one machine pulls were expected: say why they are not used.
+            Err(why) => {
+                tracing::info!(%peer, %why, "same-host pulls declined; the lane carries payloads");
+                None
+            }
+        },
+        _ => None,
+    };
+    let answer = if writer.is_some() {
+        ANSWER_YES
+    } else {
+        ANSWER_NO
+    };
+    stream
+        .write_all(&answer)
+        .map_err(|e| io_err(peer, "sending the pull answer", e, after))?;
+    Ok(Accepted {
+        instance: hello.instance,
+        writer,
+    })
 }
 
 #[cfg(test)]
@@ -221,28 +309,54 @@ mod tests {
     use super::*;
     use std::net::TcpListener;
 
-    fn pair(client_token: &str, server_token: &str) -> (Result<()>, Result<u64>) {
+    fn pair_with(
+        client_token: &str,
+        server_token: &str,
+        offer: bool,
+        allow: bool,
+    ) -> (Result<bool>, Result<Accepted>) {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
         let skey = crate::fabric::JobToken(server_token.into()).handshake_key();
         let server = std::thread::spawn(move || {
             let (mut s, _) = listener.accept().unwrap();
             s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-            server_handshake(&mut s, &skey, &"client".into())
+            server_handshake(&mut s, &skey, &"client".into(), allow)
         });
         let mut c = TcpStream::connect(addr).unwrap();
         c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
         let ckey = crate::fabric::JobToken(client_token.into()).handshake_key();
-        let cr = client_handshake(&mut c, &ckey, 42, &addr.into());
+        let cr = client_handshake_offering(&mut c, &ckey, 42, &addr.into(), offer);
         drop(c);
         (cr, server.join().unwrap())
+    }
+
+    fn pair(client_token: &str, server_token: &str) -> (Result<bool>, Result<Accepted>) {
+        pair_with(client_token, server_token, false, true)
     }
 
     #[test]
     fn same_token_authenticates_both_ways() {
         let (c, s) = pair("tok", "tok");
-        c.unwrap();
-        assert_eq!(s.unwrap(), 42);
+        assert!(!c.unwrap(), "no offer, no pulls");
+        let s = s.unwrap();
+        assert_eq!(s.instance, 42);
+        assert_eq!(s.writer, None);
+    }
+
+    #[test]
+    fn pulls_are_agreed_only_when_offered_allowed_and_verified() {
+        if super::super::same_host::boot_id().is_none() {
+            return; // no boot id here: pulls are never offered
+        }
+        // Offered and allowed: the server read the client's nonce out of its memory.
+        let (c, s) = pair_with("tok", "tok", true, true);
+        assert!(c.unwrap());
+        assert_eq!(s.unwrap().writer.map(|w| w.pid()), Some(std::process::id()));
+        // Offered, not allowed by the server: payloads.
+        let (c, s) = pair_with("tok", "tok", true, false);
+        assert!(!c.unwrap());
+        assert_eq!(s.unwrap().writer, None);
     }
 
     #[test]

@@ -22,6 +22,7 @@ use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
 use super::frame::{Completion, COMPLETION_LEN, HEADER_LEN};
+use super::same_host::{WriterProcess, PULL_CHUNK};
 use super::socket::{IoFail, LaneSocket, Readiness};
 use super::Shared;
 use crate::fabric::region::RegisteredMemory;
@@ -182,6 +183,50 @@ impl<'a> InboundLane<'a> {
                     self.sock
                         .wait(Readiness::Read, Some(self.timeout()), self.stop())?;
                 }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(IoFail::Os(e)),
+            }
+        }
+        Ok(Landing::Landed)
+    }
+
+    /// Lands a PULL frame: copies `len` bytes from `source` in the writer's memory into `memory`
+    /// at `offset` (checked against the registration by the caller), in chunks of at most
+    /// [`PULL_CHUNK`], each under the region's revocation guard and after checking that the
+    /// writer has not reset the lane (its source pin may be gone once it has). If the region is
+    /// revoked part-way, stops at once and returns `Revoked`; nothing is on the wire to drain.
+    pub fn pull(
+        &mut self,
+        memory: &RegisteredMemory,
+        offset: u64,
+        len: u64,
+        writer: WriterProcess,
+        source: u64,
+    ) -> Result<Landing, IoFail> {
+        let _logged = memory.landing(offset, len);
+        let mut done: u64 = 0;
+        while done < len {
+            if self.sock.reset_by_peer() {
+                return Err(IoFail::PeerReset);
+            }
+            let Some(live) = memory.live() else {
+                return Ok(Landing::Revoked);
+            };
+            let want = ((len - done) as usize).min(PULL_CHUNK);
+            // SAFETY: the registration table checked offset + len <= region length and done <
+            // len, so [offset + done, offset + done + want) lies inside the region; the live
+            // guard keeps revocation from happening during the call, and the memory outlives the
+            // guard (Arc). Only the writer's memory is read by the kernel.
+            let got = unsafe {
+                writer.pull_into(
+                    live.as_ptr().add((offset + done) as usize),
+                    source + done,
+                    want,
+                )
+            };
+            drop(live);
+            match got {
+                Ok(n) => done += n as u64,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(IoFail::Os(e)),
             }

@@ -7,6 +7,12 @@
 //! a completion, and since a lane is one ordered byte stream that one completion covers every
 //! frame before it (selective signalling).
 //!
+//! On a lane whose handshake agreed on same-host pulls (`same_host`), frames of at least
+//! [`PULL_MIN_BYTES`] go as PULL frames: the header alone, naming where the bytes are in this
+//! process, and the receiver copies them out itself. The job then holds a [`SourcePin`] on each
+//! source it pulls from until its completion arrives, or until the lane has been aborted when it
+//! fails, so that no source is revoked while the receiver may still be reading it.
+//!
 //! Failure is per lane, as with a queue pair going to the error state: a send error, a peer that
 //! stops reading for `io_timeout`, a closed connection or a malformed completion fails every job
 //! in flight on the lane (with that error), marks the lane broken, and the pool opens a fresh
@@ -23,13 +29,14 @@ use tokio::sync::{oneshot, watch};
 
 use super::addresses::{peer_address, LaneRoute};
 use super::frame::{Completion, FrameHeader, COMPLETION_LEN};
-use super::handshake::client_handshake;
+use super::handshake::client_handshake_offering;
 use super::peer::QueuedBytes;
+use super::same_host::PULL_MIN_BYTES;
 use super::socket::{IoFail, LaneSocket, Readiness};
 use super::Shared;
 use crate::fabric::descriptor::Endpoint;
 use crate::fabric::error::{FabricError, Result};
-use crate::fabric::region::Region;
+use crate::fabric::region::{Region, SourcePin};
 
 /// Frames sent per `sendmsg` at most (two segments each).
 const FRAMES_PER_SEND: usize = 32;
@@ -60,6 +67,8 @@ struct Pending {
     frames: u32,
     /// (rkey, addr, dst_base, len) per frame, to name a refused frame.
     ctx: Vec<(u64, u64, u64, u64)>,
+    /// The sources the receiver pulls this job's PULL frames from.
+    pins: Vec<SourcePin>,
     _queued: QueuedBytes,
 }
 
@@ -70,13 +79,20 @@ struct PendingQueue {
 }
 
 impl PendingQueue {
-    fn close(&mut self, err: FabricError) {
+    /// Fails every pending job with `err` and refuses later ones. Returns the jobs' source
+    /// pins, which the caller drops only once the lane is aborted (the receiver may be pulling
+    /// from those sources until it sees the reset).
+    #[must_use = "drop the pins after aborting the lane"]
+    fn close(&mut self, err: FabricError) -> Vec<SourcePin> {
         if self.closed.is_none() {
             self.closed = Some(err.clone());
         }
+        let mut pins = Vec::new();
         for p in self.items.drain(..) {
+            pins.extend(p.pins);
             let _ = p.done.send(Err(err.clone()));
         }
+        pins
     }
 }
 
@@ -179,7 +195,7 @@ impl Lane {
         self.state.reset.store(true, Ordering::SeqCst);
         self.state.broken.store(true, Ordering::SeqCst);
         // Closing the queue first: the sender thread checks it before it sends a job's frames.
-        self.state.pending.lock().close(err.clone());
+        let pins = self.state.pending.lock().close(err.clone());
         self.state.ready.send_if_modified(|r| {
             if r.is_some() {
                 return false;
@@ -192,6 +208,7 @@ impl Lane {
         if let Some(s) = self.state.socket.lock().as_ref() {
             s.abort();
         }
+        drop(pins);
     }
 
     /// Fault injection: shuts the connection down as if the cable were pulled.
@@ -202,7 +219,13 @@ impl Lane {
     }
 }
 
-fn connect(peer: &Endpoint, index: usize, route: LaneRoute, shared: &Shared) -> Result<LaneSocket> {
+/// Connects and authenticates a lane; also says whether the receiver pulls its PULL frames.
+fn connect(
+    peer: &Endpoint,
+    index: usize,
+    route: LaneRoute,
+    shared: &Shared,
+) -> Result<(LaneSocket, bool)> {
     let addr = peer_address(peer, route.remote)?;
     let timeout = shared.config.connect_timeout();
     let connected = match route.bind {
@@ -236,8 +259,16 @@ fn connect(peer: &Endpoint, index: usize, route: LaneRoute, shared: &Shared) -> 
     // counts as done only once the peer acknowledged it.
     super::socket::set_linger_abort(&stream)
         .map_err(|e| FabricError::io(format!("setting up a lane to {peer}"), e))?;
-    client_handshake(&mut stream, &shared.key, shared.instance, peer)?;
-    LaneSocket::new(stream).map_err(|e| FabricError::io(format!("setting up a lane to {peer}"), e))
+    let pulls = client_handshake_offering(
+        &mut stream,
+        &shared.key,
+        shared.instance,
+        peer,
+        shared.config.same_host,
+    )?;
+    let sock = LaneSocket::new(stream)
+        .map_err(|e| FabricError::io(format!("setting up a lane to {peer}"), e))?;
+    Ok((sock, pulls))
 }
 
 fn run_sender(
@@ -246,8 +277,8 @@ fn run_sender(
     state: Arc<LaneState>,
     shared: Arc<Shared>,
 ) {
-    let sock = match connect(&peer, state.index, state.route, &shared) {
-        Ok(s) => Arc::new(s),
+    let (sock, pulls) = match connect(&peer, state.index, state.route, &shared) {
+        Ok((s, pulls)) => (Arc::new(s), pulls),
         Err(e) => {
             tracing::warn!(%peer, lane = state.index, error = %e, "lane connect failed");
             state.broken.store(true, Ordering::SeqCst);
@@ -300,7 +331,7 @@ fn run_sender(
         *r = Some(Ok(()));
         true
     });
-    tracing::debug!(%peer, lane = state.index, "lane up");
+    tracing::debug!(%peer, lane = state.index, pulls, "lane up");
     let mut failure = None;
     while let Ok(job) = rx.recv() {
         // Take whatever else is queued (up to one sendmsg's worth of frames) along.
@@ -315,7 +346,7 @@ fn run_sender(
                 Err(_) => break,
             }
         }
-        if let Err(e) = send_jobs(&peer, &sock, jobs, &state.pending, &state, &shared) {
+        if let Err(e) = send_jobs(&peer, &sock, jobs, pulls, &state, &shared) {
             failure = Some(e);
             break;
         }
@@ -345,23 +376,25 @@ fn run_sender(
 }
 
 fn state_fail(sock: &LaneSocket, pending: &Mutex<PendingQueue>, err: &FabricError) {
-    pending.lock().close(err.clone());
+    let pins = pending.lock().close(err.clone());
     sock.abort();
+    drop(pins);
 }
 
 /// Registers the jobs' completions, then streams all their frames (several jobs per `sendmsg`
-/// when they are small: the doorbell batching of a real NIC).
+/// when they are small: the doorbell batching of a real NIC). With `pulls`, large frames become
+/// PULL frames and their jobs pin the sources.
 fn send_jobs(
     peer: &Endpoint,
     sock: &LaneSocket,
     jobs: Vec<LaneJob>,
-    pending: &Mutex<PendingQueue>,
+    pulls: bool,
     state: &LaneState,
     shared: &Shared,
 ) -> Result<()> {
     let mut all: Vec<OutFrame> = Vec::new();
     {
-        let mut q = pending.lock();
+        let mut q = state.pending.lock();
         for LaneJob {
             mut frames,
             done,
@@ -377,6 +410,11 @@ fn send_jobs(
                 continue;
             }
             last.header.signalled = true;
+            let pins = if pulls {
+                mark_pulls(&mut frames)
+            } else {
+                Vec::new()
+            };
             let ctx = frames
                 .iter()
                 .map(|f| (f.header.rkey, f.header.addr, f.dst_base, f.header.len))
@@ -385,6 +423,7 @@ fn send_jobs(
                 done,
                 frames: frames.len() as u32,
                 ctx,
+                pins,
                 _queued: queued,
             });
             all.append(&mut frames);
@@ -405,6 +444,28 @@ fn send_jobs(
     Ok(())
 }
 
+/// Turns the frames worth pulling into PULL frames (the source's address in this process) and
+/// returns the pins that keep their sources alive until the job is answered. A frame whose
+/// source is already revoked stays a payload frame, and sending it reports the revocation.
+fn mark_pulls(frames: &mut [OutFrame]) -> Vec<SourcePin> {
+    let mut pins: Vec<SourcePin> = Vec::new();
+    for f in frames.iter_mut() {
+        if f.header.len < PULL_MIN_BYTES {
+            continue;
+        }
+        let memory = f.src.memory();
+        let pinned = pins.iter().any(|p| Arc::ptr_eq(p.memory(), memory));
+        if !pinned {
+            match memory.pin() {
+                Some(pin) => pins.push(pin),
+                None => continue,
+            }
+        }
+        f.header.source = Some(memory.as_ptr() as u64 + f.src_offset);
+    }
+    pins
+}
+
 /// Sends frames that share one source registration, in as few `sendmsg` calls as the socket allows.
 fn send_window(
     peer: &Endpoint,
@@ -420,7 +481,7 @@ fn send_window(
     let mut segs: Vec<(*const u8, usize)> = Vec::with_capacity(frames.len() * 2);
     for (f, h) in frames.iter().zip(&headers) {
         segs.push((h.as_ptr(), h.len()));
-        if f.header.len > 0 {
+        if f.header.wire_payload() > 0 {
             // wrapping_add: the pointer is only dereferenced by sendmsg, under the live guard,
             // and the range was validated against the source region before queueing.
             segs.push((
@@ -566,7 +627,10 @@ fn complete_one(
             })
         }
     };
-    let _ = p.done.send(result);
+    // The receiver is done with the job's sources: release them before the caller hears.
+    let Pending { done, pins, .. } = p;
+    drop(pins);
+    let _ = done.send(result);
     Ok(())
 }
 

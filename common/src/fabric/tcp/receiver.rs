@@ -8,6 +8,10 @@
 //! (for a split write: after the last of its parts). Refused frames are drained into a small
 //! scratch buffer and reported in the next completion; malformed frames drop the lane.
 //!
+//! A PULL frame (agreed same-host pulls only) is checked the same way and landed by copying the
+//! bytes out of the writer's memory (`same_host`), under the same guard, in bounded chunks, with
+//! the same reset checks; a PULL on a lane that did not agree to pulls drops the lane.
+//!
 //! A writer that abandons its writes resets its lane (RST). The kernel still hands out the bytes
 //! that arrived before the RST, so before landing each chunk of payload, and again before
 //! counting an immediate, the thread checks whether the connection was reset, and if so stops:
@@ -18,7 +22,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use super::frame::{Completion, FrameHeader};
-use super::handshake::server_handshake;
+use super::handshake::{server_handshake, Accepted};
 use super::inbound::{InboundLane, Landing};
 use super::socket::{wait_fd, IoFail, LaneSocket, Readiness};
 use super::Shared;
@@ -76,8 +80,9 @@ fn serve_lane(stream: TcpStream, peer: Endpoint, local: usize, shared: Arc<Share
         return;
     }
     let mut stream = stream;
-    let instance = match server_handshake(&mut stream, &shared.key, &peer) {
-        Ok(i) => i,
+    let accepted = match server_handshake(&mut stream, &shared.key, &peer, shared.config.same_host)
+    {
+        Ok(a) => a,
         Err(e) => {
             shared.stats.auth_failures.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(%peer, error = %e, "inbound lane refused");
@@ -91,8 +96,8 @@ fn serve_lane(stream: TcpStream, peer: Endpoint, local: usize, shared: Arc<Share
             return;
         }
     };
-    tracing::debug!(%peer, "inbound lane up");
-    match receive_frames(&sock, instance, local, &shared) {
+    tracing::debug!(%peer, pulls = accepted.writer.is_some(), "inbound lane up");
+    match receive_frames(&sock, accepted, local, &shared) {
         Ok(()) | Err(IoFail::Shutdown) => tracing::debug!(%peer, "inbound lane closed"),
         Err(IoFail::PeerReset) => {
             tracing::debug!(%peer, "inbound lane reset by the writer; its queued frames dropped")
@@ -107,10 +112,11 @@ fn serve_lane(stream: TcpStream, peer: Endpoint, local: usize, shared: Arc<Share
 
 fn receive_frames(
     sock: &LaneSocket,
-    instance: u64,
+    accepted: Accepted,
     local: usize,
     shared: &Shared,
 ) -> Result<(), IoFail> {
+    let instance = accepted.instance;
     let mut lane = InboundLane::new(sock, shared);
     let mut since_signal: u32 = 0;
     let mut first_error: Option<(RemoteAccessKind, u64, u64)> = None;
@@ -128,52 +134,77 @@ fn receive_frames(
                 )))
             }
         };
+        let pull_from = match (header.source, accepted.writer) {
+            (None, _) => None,
+            (Some(source), Some(writer)) => Some((writer, source)),
+            (Some(_), None) => {
+                return Err(IoFail::Os(std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    "a PULL frame on a lane that did not agree to same-host pulls",
+                )))
+            }
+        };
         since_signal = since_signal.wrapping_add(1);
-        match shared
+        let checked = shared
             .table
-            .check_write(header.rkey, header.addr, header.len)
-        {
-            Ok((reg, offset)) => match lane.land(&reg.memory, offset, header.len) {
-                Ok(Landing::Landed) => {
-                    shared.stats.frames_received.fetch_add(1, Ordering::Relaxed);
-                    shared
-                        .stats
-                        .bytes_received
-                        .fetch_add(header.len, Ordering::Relaxed);
-                    shared.local[local]
-                        .bytes_received
-                        .fetch_add(header.len, Ordering::Relaxed);
-                    if header.imm.is_some() && sock.reset_by_peer() {
-                        // The writer abandoned this write; do not count it.
-                        if let Some(imm) = header.imm {
-                            shared.imm.record_torn(imm);
-                        }
-                        return Err(IoFail::PeerReset);
-                    }
-                    count_immediate(&header, instance, shared);
-                }
-                Ok(Landing::Revoked) => {
-                    if let Some(imm) = header.imm {
-                        shared.imm.record_torn(imm);
-                    }
-                    shared.stats.refused.fetch_add(1, Ordering::Relaxed);
-                    first_error.get_or_insert((
-                        RemoteAccessKind::Deregistered,
-                        header.rkey,
-                        header.addr,
-                    ));
-                }
-                Err(e) => {
-                    if let Some(imm) = header.imm {
-                        shared.imm.record_torn(imm);
-                    }
-                    return Err(e);
-                }
-            },
+            .check_write(header.rkey, header.addr, header.len);
+        let landing = match checked {
             Err(kind) => {
                 shared.stats.refused.fetch_add(1, Ordering::Relaxed);
                 first_error.get_or_insert((kind, header.rkey, header.addr));
-                lane.drain(header.len)?;
+                lane.drain(header.wire_payload())?;
+                None
+            }
+            Ok((reg, offset)) => Some(match pull_from {
+                None => lane.land(&reg.memory, offset, header.len),
+                Some((writer, source)) => {
+                    lane.pull(&reg.memory, offset, header.len, writer, source)
+                }
+            }),
+        };
+        match landing {
+            None => {}
+            Some(Ok(Landing::Landed)) => {
+                shared.stats.frames_received.fetch_add(1, Ordering::Relaxed);
+                shared
+                    .stats
+                    .bytes_received
+                    .fetch_add(header.len, Ordering::Relaxed);
+                if pull_from.is_some() {
+                    shared
+                        .stats
+                        .bytes_pulled
+                        .fetch_add(header.len, Ordering::Relaxed);
+                }
+                // What crossed this address: a pulled frame's bytes did not.
+                shared.local[local]
+                    .bytes_received
+                    .fetch_add(header.wire_payload(), Ordering::Relaxed);
+                if header.imm.is_some() && sock.reset_by_peer() {
+                    // The writer abandoned this write; do not count it.
+                    if let Some(imm) = header.imm {
+                        shared.imm.record_torn(imm);
+                    }
+                    return Err(IoFail::PeerReset);
+                }
+                count_immediate(&header, instance, shared);
+            }
+            Some(Ok(Landing::Revoked)) => {
+                if let Some(imm) = header.imm {
+                    shared.imm.record_torn(imm);
+                }
+                shared.stats.refused.fetch_add(1, Ordering::Relaxed);
+                first_error.get_or_insert((
+                    RemoteAccessKind::Deregistered,
+                    header.rkey,
+                    header.addr,
+                ));
+            }
+            Some(Err(e)) => {
+                if let Some(imm) = header.imm {
+                    shared.imm.record_torn(imm);
+                }
+                return Err(e);
             }
         }
         lane.count_landed(header.len);
