@@ -22,8 +22,9 @@ use crate::trainer::{SourceSpec, TrainerDriverConfig};
 /// Python package's trainers and engines.
 pub const SAME_HOST_ENV: &str = "WEIGHTSYNC_SAME_HOST";
 
-/// Reads [`SAME_HOST_ENV`]: `None` when unset, else `true`/`1` or `false`/`0`; anything else is
-/// an error naming the variable.
+/// Reads [`SAME_HOST_ENV`]: `None` when unset, else true (`true`, `1`, `yes`, `on`) or false
+/// (`false`, `0`, `no`, `off`), as the worker's flag reads it; anything else is an error naming
+/// the variable.
 pub fn same_host_from_env() -> Result<Option<bool>, ConfigError> {
     same_host_from(std::env::var(SAME_HOST_ENV).ok())
 }
@@ -32,8 +33,8 @@ fn same_host_from(value: Option<String>) -> Result<Option<bool>, ConfigError> {
     match value {
         None => Ok(None),
         Some(v) => match v.trim().to_ascii_lowercase().as_str() {
-            "true" | "1" => Ok(Some(true)),
-            "false" | "0" => Ok(Some(false)),
+            "true" | "1" | "yes" | "on" => Ok(Some(true)),
+            "false" | "0" | "no" | "off" => Ok(Some(false)),
             _ => Err(ConfigError(format!(
                 "{SAME_HOST_ENV} is {v:?}: say true or false"
             ))),
@@ -74,7 +75,7 @@ pub struct WorkerSettings {
     pub lanes: Option<usize>,
     /// Same-host pulls (true/false, default true): a fabric peer on this machine copies large
     /// frames out of the writer's memory itself, once, instead of through the sockets.
-    #[arg(long, env = SAME_HOST_ENV)]
+    #[arg(long, env = SAME_HOST_ENV, value_parser = clap::builder::BoolishValueParser::new())]
     pub same_host: Option<bool>,
     /// Trainer: staging watermark in MiB.
     #[arg(long)]
@@ -401,6 +402,18 @@ mod tests {
         assert_eq!(same_host_from(None).unwrap(), None);
         assert_eq!(same_host_from(Some("0".into())).unwrap(), Some(false));
         assert_eq!(same_host_from(Some(" TRUE ".into())).unwrap(), Some(true));
+        assert_eq!(same_host_from(Some("off".into())).unwrap(), Some(false));
+        // The worker's flag reads the same words from the same variable.
+        use clap::Parser;
+        #[derive(clap::Parser)]
+        struct Flags {
+            #[command(flatten)]
+            settings: WorkerSettings,
+        }
+        for (word, on) in [("0", false), ("off", false), ("yes", true), ("true", true)] {
+            let f = Flags::try_parse_from(["worker", "--same-host", word]).unwrap();
+            assert_eq!(f.settings.same_host, Some(on), "{word}");
+        }
         let e = same_host_from(Some("maybe".into())).unwrap_err();
         assert!(e.0.contains(SAME_HOST_ENV) && e.0.contains("maybe"), "{e}");
     }
