@@ -32,7 +32,8 @@ pub(super) struct LocalAddress {
     /// Bytes this process sent from this address (frame headers included), counted as a lane
     /// hands them to its socket: a write's bytes are all counted before its completion.
     pub bytes_sent: AtomicU64,
-    /// Payload bytes that landed here through lanes accepted on this address.
+    /// Payload bytes that landed here through lanes accepted on this address, read from their
+    /// sockets (bytes a same-host pull copied out of the writer crossed no address).
     pub bytes_received: AtomicU64,
 }
 
@@ -53,7 +54,7 @@ pub struct AddressBytes {
     pub address: String,
     /// Bytes sent from it (frame headers included).
     pub bytes_sent: u64,
-    /// Payload bytes received on it.
+    /// Payload bytes received on it (same-host pulls not counted: they cross no address).
     pub bytes_received: u64,
 }
 
