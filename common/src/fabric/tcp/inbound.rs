@@ -2,10 +2,17 @@
 //!
 //! What the receive thread's system calls are spent on decides how fast a lane is at small and
 //! middle-sized frames, so the reader keeps them few:
-//! - **The next header rides along with the payload.** The `recv` that can finish a payload
-//!   also asks for the next frame's header (a second buffer of the same `recvmsg`), so a stream
-//!   of frames costs one call per frame rather than two. Bytes beyond the payload never touch
-//!   the region: they land in the header buffer.
+//! - **Headers are read ahead.** A header `recv` takes whatever the socket holds, up to
+//!   [`AHEAD`] bytes, into a read-ahead buffer: a writer with a queue sends up to 32 frames per
+//!   `sendmsg`, and a run of PULL headers (48 bytes each, no payload) then costs one `recv`, not
+//!   one each. Payload bytes that came along are copied from the buffer into the region first.
+//! - **The next headers ride along with the payload.** The `recv` that can finish a payload
+//!   also asks for what follows (a second buffer of the same `recvmsg`: the read-ahead buffer),
+//!   so a stream of frames costs one call per frame rather than two. Bytes beyond the payload
+//!   never touch the region.
+//! - **Runs of pulls land in one call.** The PULL headers that are already in the read-ahead
+//!   buffer, checked one by one, land with one vectored `process_vm_readv` ([`PULL_RUN`] at
+//!   most), after one reset check.
 //! - **Wake once per good share of payload.** While it waits for more of a payload it raises the
 //!   socket's wake threshold (`SO_RCVLOWAT`) to what is still to come, capped at
 //!   [`WAKE_BYTES`]: without it, loopback wakes the thread for every 64 KiB segment (a `poll`, a
@@ -15,14 +22,15 @@
 //!   (by count or by bytes landed) that the writer should hear now.
 //!
 //! The safety rules of the receiver hold for every call: the region's revocation guard is held
-//! only for one non-blocking `recv`, never across a wait, and before each chunk of payload the
-//! reader checks that the writer has not reset the lane.
+//! only for one non-blocking `recv` or one pull (or one copy out of the read-ahead buffer), never
+//! across a wait, and before each chunk of payload or pull the reader checks that the writer has
+//! not reset the lane.
 
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use super::frame::{Completion, COMPLETION_LEN, HEADER_LEN};
-use super::same_host::{WriterProcess, PULL_CHUNK};
+use super::same_host::{WriterProcess, PULL_CHUNK, PULL_RUN};
 use super::socket::{IoFail, LaneSocket, Readiness};
 use super::Shared;
 use crate::fabric::region::RegisteredMemory;
@@ -34,12 +42,16 @@ const RECV_CHUNK: usize = 8 << 20;
 /// 256 KiB keeps one wake-up's copy within the L2 cache of this class of machine.
 const WAKE_BYTES: usize = 256 << 10;
 
+/// Bytes a header `recv` reads ahead at most: a run of [`PULL_RUN`] PULL headers.
+pub(super) const AHEAD: usize = PULL_RUN * HEADER_LEN;
+
 /// Completions sent at once at most (count), and payload bytes landed before the writer should
 /// hear of them.
 const ACK_BATCH: usize = 16;
 const ACK_BATCH_BYTES: u64 = 256 << 10;
 
 /// How a payload ended up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Landing {
     /// Every byte is in the region.
     Landed,
@@ -51,9 +63,11 @@ pub(super) enum Landing {
 pub(super) struct InboundLane<'a> {
     sock: &'a LaneSocket,
     shared: &'a Shared,
-    /// The next header, `next_got` bytes of it already read.
-    next: [u8; HEADER_LEN],
-    next_got: usize,
+    /// Bytes read ahead of the frame being handled: `ahead[pos..end]` is the stream's next
+    /// bytes (headers, and any payload that came along with them).
+    ahead: Box<[u8]>,
+    pos: usize,
+    end: usize,
     /// The socket's current `SO_RCVLOWAT`.
     wake_bytes: usize,
     /// Encoded completions not sent yet, and the payload bytes landed since the last flush.
@@ -67,8 +81,9 @@ impl<'a> InboundLane<'a> {
         InboundLane {
             sock,
             shared,
-            next: [0; HEADER_LEN],
-            next_got: 0,
+            ahead: vec![0; AHEAD].into_boxed_slice(),
+            pos: 0,
+            end: 0,
             wake_bytes: 1,
             acks: Vec::new(),
             landed: 0,
@@ -84,15 +99,21 @@ impl<'a> InboundLane<'a> {
         &self.shared.stop
     }
 
-    /// Reads the rest of the next frame header, flushing pending completions whenever the lane
-    /// runs dry. Returns `None` on a clean close before the header's first byte.
+    /// Reads the next frame header (and whatever follows it that has arrived, up to [`AHEAD`]
+    /// bytes), flushing pending completions whenever the lane runs dry. Returns `None` on a
+    /// clean close before the header's first byte.
     pub fn read_header(&mut self) -> Result<Option<[u8; HEADER_LEN]>, IoFail> {
-        while self.next_got < HEADER_LEN {
-            let got = self.next_got;
-            // SAFETY: next[got..] is a valid, exclusively borrowed byte range.
+        while self.end - self.pos < HEADER_LEN {
+            if self.pos > 0 {
+                self.ahead.copy_within(self.pos..self.end, 0);
+                self.end -= self.pos;
+                self.pos = 0;
+            }
+            let got = self.end;
+            // SAFETY: ahead[got..] is a valid, exclusively borrowed byte range.
             let rc = unsafe {
                 self.sock
-                    .recv_raw(self.next[got..].as_mut_ptr(), HEADER_LEN - got)
+                    .recv_raw(self.ahead[got..].as_mut_ptr(), AHEAD - got)
             };
             match rc {
                 Ok(0) if got == 0 => {
@@ -100,7 +121,7 @@ impl<'a> InboundLane<'a> {
                     return Ok(None);
                 }
                 Ok(0) => return Err(IoFail::Eof),
-                Ok(n) => self.next_got += n,
+                Ok(n) => self.end += n,
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                     if !self.acks.is_empty() {
                         self.flush_acks()?;
@@ -113,8 +134,39 @@ impl<'a> InboundLane<'a> {
                 Err(e) => return Err(IoFail::Os(e)),
             }
         }
-        self.next_got = 0;
-        Ok(Some(self.next))
+        let header = self.peek_header();
+        self.skip_header();
+        Ok(header)
+    }
+
+    /// The next frame header if it has already arrived whole (read ahead), without consuming
+    /// it and without a system call.
+    pub fn peek_header(&self) -> Option<[u8; HEADER_LEN]> {
+        self.ahead
+            .get(self.pos..self.pos + HEADER_LEN)
+            .filter(|_| self.end - self.pos >= HEADER_LEN)
+            .map(|h| h.try_into().expect("HEADER_LEN bytes"))
+    }
+
+    /// Consumes the header [`peek_header`](Self::peek_header) returned.
+    pub fn skip_header(&mut self) {
+        debug_assert!(self.end - self.pos >= HEADER_LEN);
+        self.pos += HEADER_LEN;
+        if self.pos == self.end {
+            (self.pos, self.end) = (0, 0);
+        }
+    }
+
+    /// Takes up to `len` read-ahead bytes off the front of the buffer (the start of a payload):
+    /// the range of `ahead` they are in.
+    fn take_ahead(&mut self, len: u64) -> std::ops::Range<usize> {
+        let n = ((self.end - self.pos) as u64).min(len) as usize;
+        let range = self.pos..self.pos + n;
+        self.pos += n;
+        if self.pos == self.end {
+            (self.pos, self.end) = (0, 0);
+        }
+        range
     }
 
     /// Receives `len` payload bytes into `memory` at `offset` (checked against the registration
@@ -140,6 +192,28 @@ impl<'a> InboundLane<'a> {
         len: u64,
     ) -> Result<Landing, IoFail> {
         let mut done: u64 = 0;
+        if self.end > self.pos && len > 0 {
+            if self.sock.reset_by_peer() {
+                return Err(IoFail::PeerReset);
+            }
+            let range = self.take_ahead(len);
+            let Some(live) = memory.live() else {
+                self.set_wake(1)?;
+                self.drain(len - range.len() as u64)?;
+                return Ok(Landing::Revoked);
+            };
+            // SAFETY: the registration table checked offset + len <= region length and the range
+            // holds at most len bytes, so the copy stays inside the region; the live guard keeps
+            // revocation from happening during it, and `ahead` is a separate allocation.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    self.ahead[range.clone()].as_ptr(),
+                    live.as_ptr().add(offset as usize),
+                    range.len(),
+                );
+            }
+            done = range.len() as u64;
+        }
         while done < len {
             if self.sock.reset_by_peer() {
                 return Err(IoFail::PeerReset);
@@ -155,13 +229,13 @@ impl<'a> InboundLane<'a> {
                 // done < len, so [offset + done, offset + done + want) lies inside the region.
                 // The live guard keeps revocation (and so the end of the backend's right to the
                 // memory) from happening during the call; the memory itself outlives the guard
-                // (Arc). The header buffer is exclusively borrowed and empty (next_got is 0
-                // between a header and its payload).
+                // (Arc). The read-ahead buffer is exclusively borrowed and empty (what it held
+                // of this payload was taken first).
                 unsafe {
                     let dst = live.as_ptr().add((offset + done) as usize);
                     if done + want as u64 == len {
                         self.sock
-                            .recv_two_raw((dst, want), (self.next.as_mut_ptr(), HEADER_LEN))
+                            .recv_two_raw((dst, want), (self.ahead.as_mut_ptr(), AHEAD))
                     } else {
                         self.sock.recv_raw(dst, want)
                     }
@@ -172,7 +246,7 @@ impl<'a> InboundLane<'a> {
                 Ok(n) => {
                     let rest = len - done;
                     if n as u64 > rest {
-                        self.next_got = n - rest as usize;
+                        (self.pos, self.end) = (0, n - rest as usize);
                         done = len;
                     } else {
                         done += n as u64;
@@ -190,58 +264,80 @@ impl<'a> InboundLane<'a> {
         Ok(Landing::Landed)
     }
 
-    /// Lands a PULL frame: copies `len` bytes from `source` in the writer's memory into `memory`
-    /// at `offset` (checked against the registration by the caller), in chunks of at most
-    /// [`PULL_CHUNK`], each under the region's revocation guard and after checking that the
-    /// writer has not reset the lane (its source pin may be gone once it has). If the region is
-    /// revoked part-way, stops at once and returns `Revoked`; nothing is on the wire to drain.
+    /// Lands a run of PULL frames into `memory`: `frames[i]` is `(offset, len, source)`, each
+    /// checked against the registration by the caller, copied from `source` in the writer's
+    /// memory. One `process_vm_readv` per [`PULL_CHUNK`] bytes and [`PULL_RUN`] frames at most,
+    /// each under the region's revocation guard and after checking that the writer has not
+    /// reset the lane (its source pins may be gone once it has). If the region is revoked
+    /// part-way, stops at once and returns `Revoked` for the run; nothing is on the wire to
+    /// drain.
     pub fn pull(
         &mut self,
         memory: &RegisteredMemory,
-        offset: u64,
-        len: u64,
+        frames: &[(u64, u64, u64)],
         writer: WriterProcess,
-        source: u64,
     ) -> Result<Landing, IoFail> {
-        let _logged = memory.landing(offset, len);
-        let mut done: u64 = 0;
-        while done < len {
+        let _logged: Vec<_> = frames
+            .iter()
+            .map(|&(offset, len, _)| memory.landing(offset, len))
+            .collect();
+        // Frame `at` has `done` of its bytes landed; every frame before it is whole.
+        let (mut at, mut done) = (0usize, 0u64);
+        let mut pieces = [(std::ptr::null_mut::<u8>(), 0u64, 0usize); PULL_RUN];
+        loop {
+            skip_whole(frames, &mut at, &mut done, 0);
+            if at == frames.len() {
+                return Ok(Landing::Landed);
+            }
             if self.sock.reset_by_peer() {
                 return Err(IoFail::PeerReset);
             }
             let Some(live) = memory.live() else {
                 return Ok(Landing::Revoked);
             };
-            let want = ((len - done) as usize).min(PULL_CHUNK);
-            // SAFETY: the registration table checked offset + len <= region length and done <
-            // len, so [offset + done, offset + done + want) lies inside the region; the live
-            // guard keeps revocation from happening during the call, and the memory outlives the
-            // guard (Arc). Only the writer's memory is read by the kernel.
-            let got = unsafe {
-                writer.pull_into(
-                    live.as_ptr().add((offset + done) as usize),
-                    source + done,
-                    want,
-                )
-            };
+            let (mut n, mut budget) = (0, PULL_CHUNK as u64);
+            let (mut i, mut d) = (at, done);
+            while i < frames.len() && n < PULL_RUN && budget > 0 {
+                let (offset, len, source) = frames[i];
+                let want = (len - d).min(budget);
+                if want > 0 {
+                    // SAFETY: the registration table checked offset + len <= region length and
+                    // d + want <= len, so the range lies inside the region; the live guard keeps
+                    // revocation from happening during the call below, and the memory outlives
+                    // the guard (Arc).
+                    let dst = unsafe { live.as_ptr().add((offset + d) as usize) };
+                    pieces[n] = (dst, source + d, want as usize);
+                    n += 1;
+                    budget -= want;
+                }
+                (i, d) = if d + want == len {
+                    (i + 1, 0)
+                } else {
+                    (i, d + want)
+                };
+            }
+            // SAFETY: each piece lies inside the live region (above) and no Rust reference to
+            // region memory exists; two frames aimed at the same bytes only mean that the later
+            // one's bytes win, as with two payloads. Only the writer's memory is read.
+            let got = unsafe { writer.pull_run(&pieces[..n]) };
             drop(live);
+            self.shared.stats.pull_calls.fetch_add(1, Ordering::Relaxed);
             match got {
-                Ok(n) => done += n as u64,
+                Ok(n) => skip_whole(frames, &mut at, &mut done, n as u64),
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(IoFail::Os(e)),
             }
         }
-        Ok(Landing::Landed)
     }
 
     /// Reads and discards `len` bytes (the payload of a refused frame, or the rest of one whose
     /// region was revoked).
     pub fn drain(&mut self, len: u64) -> Result<(), IoFail> {
-        if self.scratch.is_empty() {
+        let mut left = len - self.take_ahead(len).len() as u64;
+        if left > 0 && self.scratch.is_empty() {
             self.scratch.resize(64 << 10, 0);
         }
         let (timeout, stop) = (self.timeout(), self.stop());
-        let mut left = len;
         while left > 0 {
             let n = (left as usize).min(self.scratch.len());
             self.sock
@@ -256,9 +352,15 @@ impl<'a> InboundLane<'a> {
         self.landed += len;
     }
 
-    /// Queues a completion; sends the queue if enough has piled up.
-    pub fn complete(&mut self, completion: Completion) -> Result<(), IoFail> {
+    /// Queues a completion without sending anything: the caller flushes after the frame, or
+    /// after a run of pulls, whose completions go out together
+    /// ([`flush_if_due`](Self::flush_if_due)).
+    pub fn queue_completion(&mut self, completion: Completion) {
         self.acks.extend_from_slice(&completion.encode());
+    }
+
+    /// Sends the queued completions if enough have piled up.
+    pub fn flush_if_due(&mut self) -> Result<(), IoFail> {
         if self.acks.len() >= ACK_BATCH * COMPLETION_LEN || self.landed >= ACK_BATCH_BYTES {
             self.flush_acks()?;
         }
@@ -282,5 +384,19 @@ impl<'a> InboundLane<'a> {
             self.wake_bytes = bytes;
         }
         Ok(())
+    }
+}
+
+/// Moves the cursor (`at`, `done`: frame `at` has `done` bytes landed) `n` bytes further
+/// through `frames` (`(offset, len, source)`), past every frame that is then whole.
+fn skip_whole(frames: &[(u64, u64, u64)], at: &mut usize, done: &mut u64, mut n: u64) {
+    while *at < frames.len() {
+        let left = frames[*at].1 - *done;
+        if left > n {
+            *done += n;
+            return;
+        }
+        n -= left;
+        (*at, *done) = (*at + 1, 0);
     }
 }

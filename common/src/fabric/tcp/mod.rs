@@ -88,6 +88,7 @@ pub(super) struct Counters {
     frames_received: AtomicU64,
     bytes_received: AtomicU64,
     bytes_pulled: AtomicU64,
+    pull_calls: AtomicU64,
     refused: AtomicU64,
 }
 
@@ -111,6 +112,9 @@ pub struct TcpStats {
     /// Of `bytes_received`, those this process copied out of a same-host writer's memory
     /// itself (PULL frames, see [`same_host`]) rather than read from a socket.
     pub bytes_pulled: u64,
+    /// Copies out of same-host writers (`process_vm_readv` calls) that landed them: fewer than
+    /// the PULL frames landed when runs of them arrive together and land at once.
+    pub pull_calls: u64,
     /// Frames refused here (rkey, bounds, permission, deregistered).
     pub refused: u64,
 }
@@ -237,6 +241,7 @@ impl TcpFabric {
             frames_received: get(&c.frames_received),
             bytes_received: get(&c.bytes_received),
             bytes_pulled: get(&c.bytes_pulled),
+            pull_calls: get(&c.pull_calls),
             refused: get(&c.refused),
         }
     }
@@ -553,6 +558,102 @@ mod tests {
         assert!(a.stats().bytes_sent < small + 4096, "{:?}", a.stats());
         // The pins were released with the completions: the source deregisters at once.
         src.deregister();
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn pull_headers_that_arrive_together_land_in_runs() {
+        use std::io::{Read, Write};
+        if same_host::boot_id().is_none() {
+            return; // no boot id here: pulls are never offered
+        }
+        let config = FabricConfig::loopback("unit", 1);
+        let b = TcpFabric::start(&config).await.unwrap();
+        let (a, c) = (
+            b.alloc(1 << 20, Access::RECEIVE).unwrap(),
+            b.alloc(1 << 20, Access::RECEIVE).unwrap(),
+        );
+        let (a, c) = (a.descriptor().clone(), c.descriptor().clone());
+        // The writer's memory is this process's: the receiver pulls straight out of `src`.
+        let src: Vec<u8> = (0..200_000u32).map(|i| (i * 7 + i / 251) as u8).collect();
+        let at = |i: usize| src.as_ptr() as u64 + i as u64;
+        let peer = b.endpoint().clone();
+        let mut st = std::net::TcpStream::connect(peer.as_str()).unwrap();
+        st.set_read_timeout(Some(std::time::Duration::from_secs(10)))
+            .unwrap();
+        let agreed = handshake::client_handshake_offering(
+            &mut st,
+            &config.job_token.handshake_key(),
+            rand::random(),
+            &peer,
+            true,
+        )
+        .unwrap();
+        assert!(agreed, "this process can read itself");
+        let frame = |d: &RegionDescriptor, at_dst: u64, len: u64, source, signalled| FrameHeader {
+            signalled,
+            imm: Some(1),
+            part: None,
+            rkey: d.rkey,
+            addr: d.base + at_dst,
+            len,
+            source,
+        };
+        // One send: two pulls into A, a pull past A's end (refused), a payload frame into A,
+        // two pulls into C, one more into A.
+        let mut wire = Vec::new();
+        for h in [
+            frame(&a, 0, 20_000, Some(at(0)), false),
+            frame(&a, 20_000, 20_000, Some(at(20_000)), false),
+            frame(&a, a.len - 10, 20_000, Some(at(0)), true),
+            frame(&a, 40_000, 100, None, false),
+        ] {
+            wire.extend_from_slice(&h.encode());
+        }
+        wire.extend_from_slice(&src[150_000..150_100]);
+        for h in [
+            frame(&c, 0, 30_000, Some(at(40_000)), false),
+            frame(&c, 30_000, 30_000, Some(at(70_000)), false),
+            frame(&a, 50_000, 20_000, Some(at(100_000)), true),
+        ] {
+            wire.extend_from_slice(&h.encode());
+        }
+        st.write_all(&wire).unwrap();
+        let mut next = || {
+            let mut raw = [0u8; frame::COMPLETION_LEN];
+            st.read_exact(&mut raw).unwrap();
+            frame::Completion::decode(&raw).unwrap()
+        };
+        let (first, second) = (next(), next());
+        assert_eq!(first.frames, 3);
+        assert_eq!(
+            first.error.map(|e| e.0),
+            Some(crate::fabric::RemoteAccessKind::OutOfBounds)
+        );
+        assert_eq!((second.frames, second.error), (4, None));
+        // Every good frame landed where it was aimed, and counted its immediate.
+        b.imm_counter().expect(1, 6).await.unwrap();
+        let got = |d: &RegionDescriptor, off: u64, len: usize| {
+            let r = b
+                .inner
+                .shared
+                .table
+                .check_write(d.rkey, d.base, 1)
+                .unwrap()
+                .0;
+            let live = r.memory.live().unwrap();
+            // SAFETY: [off, off + len) lies inside the live region, which nothing writes now
+            // (every frame has completed).
+            unsafe { std::slice::from_raw_parts(live.as_ptr().add(off as usize), len) }.to_vec()
+        };
+        assert_eq!(got(&a, 0, 40_000), src[..40_000]);
+        assert_eq!(got(&a, 40_000, 100), src[150_000..150_100]);
+        assert_eq!(got(&a, 50_000, 20_000), src[100_000..120_000]);
+        assert_eq!(got(&c, 0, 60_000), src[40_000..100_000]);
+        let stats = b.stats();
+        assert_eq!(stats.bytes_pulled, 20_000 * 3 + 60_000);
+        assert_eq!(stats.refused, 1);
+        // The pulls landed as three runs: A's first two, C's two, A's last (another region).
+        assert_eq!(stats.pull_calls, 3, "{stats:?}");
     }
 
     #[tokio::test]

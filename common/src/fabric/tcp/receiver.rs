@@ -10,7 +10,11 @@
 //!
 //! A PULL frame (agreed same-host pulls only) is checked the same way and landed by copying the
 //! bytes out of the writer's memory (`same_host`), under the same guard, in bounded chunks, with
-//! the same reset checks; a PULL on a lane that did not agree to pulls drops the lane.
+//! the same reset checks; a PULL on a lane that did not agree to pulls drops the lane. The PULL
+//! frames whose headers arrived together land as one run (one copy call, one reset check, their
+//! completions sent together), each frame checked on its own first: a run ends at the first
+//! frame that is not a PULL, is refused, or aims at another registration, and that frame is
+//! handled on its own as before.
 //!
 //! A writer that abandons its writes resets its lane (RST). The kernel still hands out the bytes
 //! that arrived before the RST, so before landing each chunk of payload, and again before
@@ -24,6 +28,7 @@ use std::sync::Arc;
 use super::frame::{Completion, FrameHeader};
 use super::handshake::{server_handshake, Accepted};
 use super::inbound::{InboundLane, Landing};
+use super::same_host::{PULL_CHUNK, PULL_RUN};
 use super::socket::{wait_fd, IoFail, LaneSocket, Readiness};
 use super::Shared;
 use crate::fabric::descriptor::Endpoint;
@@ -116,24 +121,23 @@ fn receive_frames(
     local: usize,
     shared: &Shared,
 ) -> Result<(), IoFail> {
-    let instance = accepted.instance;
     let mut lane = InboundLane::new(sock, shared);
-    let mut since_signal: u32 = 0;
-    let mut first_error: Option<(RemoteAccessKind, u64, u64)> = None;
+    let mut ledger = Ledger {
+        instance: accepted.instance,
+        local,
+        since_signal: 0,
+        first_error: None,
+    };
+    // The PULL frames of one run: their headers, and (offset in the region, length, source in
+    // the writer) of each.
+    let mut run: Vec<FrameHeader> = Vec::with_capacity(PULL_RUN);
+    let mut ranges: Vec<(u64, u64, u64)> = Vec::with_capacity(PULL_RUN);
     loop {
         let Some(hdr) = lane.read_header()? else {
             // A clean close between frames is the normal end of a lane.
             return Ok(());
         };
-        let header = match FrameHeader::decode(&hdr) {
-            Ok(h) => h,
-            Err(e) => {
-                return Err(IoFail::Os(std::io::Error::new(
-                    std::io::ErrorKind::InvalidData,
-                    format!("malformed frame: {e}"),
-                )))
-            }
-        };
+        let header = decode(&hdr)?;
         let pull_from = match (header.source, accepted.writer) {
             (None, _) => None,
             (Some(source), Some(writer)) => Some((writer, source)),
@@ -144,76 +148,158 @@ fn receive_frames(
                 )))
             }
         };
-        since_signal = since_signal.wrapping_add(1);
         let checked = shared
             .table
             .check_write(header.rkey, header.addr, header.len);
-        let landing = match checked {
+        let (reg, offset) = match checked {
             Err(kind) => {
                 shared.stats.refused.fetch_add(1, Ordering::Relaxed);
-                first_error.get_or_insert((kind, header.rkey, header.addr));
+                ledger
+                    .first_error
+                    .get_or_insert((kind, header.rkey, header.addr));
                 lane.drain(header.wire_payload())?;
-                None
+                ledger.settle(&mut lane, &header, None, shared);
+                lane.flush_if_due()?;
+                continue;
             }
-            Ok((reg, offset)) => Some(match pull_from {
-                None => lane.land(&reg.memory, offset, header.len),
-                Some((writer, source)) => {
-                    lane.pull(&reg.memory, offset, header.len, writer, source)
-                }
-            }),
+            Ok(checked) => checked,
         };
+        let Some((writer, source)) = pull_from else {
+            let landing = lane.land(&reg.memory, offset, header.len);
+            let landing = landed_or_torn(landing, std::slice::from_ref(&header), sock, shared)?;
+            ledger.settle(&mut lane, &header, Some(landing), shared);
+            lane.flush_if_due()?;
+            continue;
+        };
+        // A run: the PULL frames into the same registration whose headers are already here.
+        run.clear();
+        ranges.clear();
+        run.push(header);
+        ranges.push((offset, header.len, source));
+        let mut bytes = header.len;
+        while run.len() < PULL_RUN {
+            let Some(next) = lane
+                .peek_header()
+                .and_then(|h| FrameHeader::decode(&h).ok())
+            else {
+                break;
+            };
+            let Some(source) = next.source else { break };
+            let Ok((r, offset)) = shared.table.check_write(next.rkey, next.addr, next.len) else {
+                break;
+            };
+            if !Arc::ptr_eq(&r.memory, &reg.memory) || bytes + next.len > PULL_CHUNK as u64 {
+                break;
+            }
+            lane.skip_header();
+            bytes += next.len;
+            run.push(next);
+            ranges.push((offset, next.len, source));
+        }
+        let landing = lane.pull(&reg.memory, &ranges, writer);
+        let landing = landed_or_torn(landing, &run, sock, shared)?;
+        for h in &run {
+            ledger.settle(&mut lane, h, Some(landing), shared);
+        }
+        lane.flush_if_due()?;
+    }
+}
+
+fn decode(raw: &[u8; super::frame::HEADER_LEN]) -> Result<FrameHeader, IoFail> {
+    FrameHeader::decode(raw).map_err(|e| {
+        IoFail::Os(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("malformed frame: {e}"),
+        ))
+    })
+}
+
+/// A landing's outcome for the frames it carried (one payload, or a run of pulls): on an
+/// error, or when the writer reset the lane before their immediates were counted, every
+/// immediate among them is recorded torn and the lane ends.
+fn landed_or_torn(
+    landing: Result<Landing, IoFail>,
+    frames: &[FrameHeader],
+    sock: &LaneSocket,
+    shared: &Shared,
+) -> Result<Landing, IoFail> {
+    let torn = |e| {
+        for imm in frames.iter().filter_map(|h| h.imm) {
+            shared.imm.record_torn(imm);
+        }
+        Err(e)
+    };
+    match landing {
+        // The writer abandoned these writes after they landed: do not count them.
+        Ok(Landing::Landed) if frames.iter().any(|h| h.imm.is_some()) && sock.reset_by_peer() => {
+            torn(IoFail::PeerReset)
+        }
+        Ok(l) => Ok(l),
+        Err(e) => torn(e),
+    }
+}
+
+/// What a lane owes its writer between completions.
+struct Ledger {
+    instance: u64,
+    local: usize,
+    /// Frames since the last signalled one.
+    since_signal: u32,
+    /// The first refused frame since the last completion.
+    first_error: Option<(RemoteAccessKind, u64, u64)>,
+}
+
+impl Ledger {
+    /// Accounts for one frame: its counters and immediate (`Landed`), or its refusal
+    /// (`Revoked`; `None`: refused before landing, already counted), and its completion if it
+    /// was signalled (queued; the caller flushes).
+    fn settle(
+        &mut self,
+        lane: &mut InboundLane<'_>,
+        header: &FrameHeader,
+        landing: Option<Landing>,
+        shared: &Shared,
+    ) {
+        self.since_signal = self.since_signal.wrapping_add(1);
         match landing {
             None => {}
-            Some(Ok(Landing::Landed)) => {
+            Some(Landing::Landed) => {
                 shared.stats.frames_received.fetch_add(1, Ordering::Relaxed);
                 shared
                     .stats
                     .bytes_received
                     .fetch_add(header.len, Ordering::Relaxed);
-                if pull_from.is_some() {
+                if header.source.is_some() {
                     shared
                         .stats
                         .bytes_pulled
                         .fetch_add(header.len, Ordering::Relaxed);
                 }
                 // What crossed this address: a pulled frame's bytes did not.
-                shared.local[local]
+                shared.local[self.local]
                     .bytes_received
                     .fetch_add(header.wire_payload(), Ordering::Relaxed);
-                if header.imm.is_some() && sock.reset_by_peer() {
-                    // The writer abandoned this write; do not count it.
-                    if let Some(imm) = header.imm {
-                        shared.imm.record_torn(imm);
-                    }
-                    return Err(IoFail::PeerReset);
-                }
-                count_immediate(&header, instance, shared);
+                count_immediate(header, self.instance, shared);
             }
-            Some(Ok(Landing::Revoked)) => {
+            Some(Landing::Revoked) => {
                 if let Some(imm) = header.imm {
                     shared.imm.record_torn(imm);
                 }
                 shared.stats.refused.fetch_add(1, Ordering::Relaxed);
-                first_error.get_or_insert((
+                self.first_error.get_or_insert((
                     RemoteAccessKind::Deregistered,
                     header.rkey,
                     header.addr,
                 ));
             }
-            Some(Err(e)) => {
-                if let Some(imm) = header.imm {
-                    shared.imm.record_torn(imm);
-                }
-                return Err(e);
-            }
         }
         lane.count_landed(header.len);
         if header.signalled {
-            lane.complete(Completion {
-                frames: since_signal,
-                error: first_error.take(),
-            })?;
-            since_signal = 0;
+            lane.queue_completion(Completion {
+                frames: self.since_signal,
+                error: self.first_error.take(),
+            });
+            self.since_signal = 0;
         }
     }
 }
