@@ -16,6 +16,9 @@
 //!   a layer's tensors quantise slower than one large grid) and casts over the whole rayon
 //!   pool;
 //!
+//! - what the host's concurrent stages get of it ([`overlap`]): the fabric pass run beside the
+//!   configuration's own kernel looping on the pool; every host cost per byte is divided by
+//!   that share (a lossless host would give 1);
 //! - the per-sync fixed costs and the per-task cost, from near-empty syncs on the same loopback
 //!   cluster shape ([`fixed`]: a regression over two task counts of a synthetic table of tiny
 //!   tasks), never from the syncs being checked.
@@ -48,8 +51,10 @@ use super::loopback::{weights, LoopbackCluster, WorkerOptions};
 use super::{runtime, tcp_limit, E2eError, Setup};
 
 pub mod fixed;
+pub mod overlap;
 
 pub use fixed::Fixed;
+pub use overlap::Overlap;
 
 /// What to run.
 #[derive(Debug, Clone)]
@@ -110,6 +115,9 @@ pub struct Rates {
     pub fp8_all_bytes_per_s: f64,
     /// f32 -> bf16 cast over the pool, input bytes per second.
     pub cast_all_bytes_per_s: f64,
+    /// The fabric beside the configuration's own kernel: the share of the host concurrent
+    /// stages get ([`overlap`]).
+    pub overlap: Overlap,
 }
 
 /// One configuration's check.
@@ -168,12 +176,14 @@ impl Report {
         let r = &self.rates;
         let mut s = format!(
             "calibration on this machine ({} cores): fabric {:.2} GB/s, memcpy(1t) {:.2} GB/s, \
-             fp8 quantise(all) {:.2} GB/s, cast(all) {:.2} GB/s\n{:<44} {:>10} {:>10} {:>8}\n",
+             fp8 quantise(all) {:.2} GB/s, cast(all) {:.2} GB/s, host share beside the \
+             fabric {:.2}\n{:<44} {:>10} {:>10} {:>8}\n",
             r.cores,
             r.fabric_bytes_per_s / 1e9,
             r.memcpy_1t_bytes_per_s / 1e9,
             r.fp8_all_bytes_per_s / 1e9,
             r.cast_all_bytes_per_s / 1e9,
+            r.overlap.efficiency,
             "configuration",
             "predicted",
             "measured",
@@ -387,6 +397,12 @@ fn process_cpu_s() -> f64 {
     tv(ru.ru_utime) + tv(ru.ru_stime)
 }
 
+/// The host share of one byte landed: the host is `cores` CPU-seconds per second; a WRITE
+/// takes what it burns, never more than the whole host for as long as the fabric needs.
+fn net_s_per_byte(cpu_s_per_byte: f64, bytes_per_s: f64, cores: usize) -> f64 {
+    (cpu_s_per_byte / cores.max(1) as f64).min(1.0 / bytes_per_s)
+}
+
 /// The one-node host model built from measured rates.
 pub fn host_cluster(
     rates: &Rates,
@@ -403,7 +419,6 @@ pub fn host_cluster(
         prep_bytes_per_s: rates.fp8_all_bytes_per_s,
         barrier_s: 0.0,
     };
-    let cores = rates.cores.max(1) as f64;
     let mut c = ClusterModel::from_cost(cost);
     c.prep = PrepRates {
         // A Copy task is written straight from its staged input: nothing to prepare.
@@ -418,16 +433,20 @@ pub fn host_cluster(
     c.piece_bytes = None;
     c.task_overhead_s = task_overhead_s;
     c.fixed = fixed;
+    // What concurrent stages get of the host: every host cost per byte is divided by it.
+    let share = rates.overlap.efficiency.clamp(0.25, 1.0);
     c.host = Some(HostModel {
-        h2d_s_per_byte: 1.0 / rates.memcpy_all_bytes_per_s,
+        h2d_s_per_byte: 1.0 / rates.memcpy_all_bytes_per_s / share,
         prep_s_per_byte: PrepRates {
             copy: 0.0,
-            cast: 1.0 / rates.cast_all_bytes_per_s,
-            fp8: 1.0 / rates.fp8_all_bytes_per_s,
+            cast: 1.0 / rates.cast_all_bytes_per_s / share,
+            fp8: 1.0 / rates.fp8_all_bytes_per_s / share,
         },
-        // The host is `cores` CPU-seconds per second; a WRITE takes what it burns, never more
-        // than the whole host for as long as the fabric needs.
-        net_s_per_byte: (rates.fabric_cpu_s_per_byte / cores).min(1.0 / rates.fabric_bytes_per_s),
+        net_s_per_byte: net_s_per_byte(
+            rates.fabric_cpu_s_per_byte,
+            rates.fabric_bytes_per_s,
+            rates.cores,
+        ) / share,
         // Measured from near-empty syncs (see `fixed`).
         net_s_per_write: write_s,
     });
@@ -447,14 +466,39 @@ async fn measure(
         .await
         .map_err(|e| E2eError::Setup(format!("measuring kernels panicked: {e}")))??;
     let fabric = fabric_rate(limit, landed).await?;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let (kernel, kernel_rate) = {
+        let shapes = fp8_tasks.to_vec();
+        let rate = if shapes.is_empty() {
+            k.memcpy_all
+        } else {
+            k.fp8
+        };
+        let kernel =
+            tokio::task::spawn_blocking(move || overlap::KernelLoop::new(kernel_bytes, &shapes))
+                .await
+                .map_err(|e| {
+                    E2eError::Setup(format!("preparing the overlap kernel panicked: {e}"))
+                })?;
+        (kernel, rate)
+    };
+    let (overlap, _) = overlap::measure(
+        limit,
+        landed,
+        net_s_per_byte(fabric.cpu_s_per_byte, fabric.bytes_per_s, cores),
+        kernel,
+        kernel_rate,
+    )
+    .await?;
     Ok(Rates {
-        cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        cores,
         fabric_bytes_per_s: fabric.bytes_per_s,
         fabric_cpu_s_per_byte: fabric.cpu_s_per_byte,
         memcpy_1t_bytes_per_s: k.memcpy,
         memcpy_all_bytes_per_s: k.memcpy_all,
         fp8_all_bytes_per_s: k.fp8,
         cast_all_bytes_per_s: k.castr,
+        overlap,
     })
 }
 

@@ -1,0 +1,237 @@
+//! How much of the host a sync's concurrent stages get, measured into the model.
+//!
+//! Why: the simulator's host CPU is a fluid resource that running flows share without loss:
+//! a second of fabric work and a second of quantising take two seconds of host together. The
+//! real host runs the fabric's lane threads, the pool's kernels and the pipelines' threads on
+//! the same cores, and loses part of it to their interleaving (context switches, wake-ups that
+//! wait for a core, caches the other stage evicted). Measured alone, each rate leaves that out,
+//! and a host-bound sync then runs longer than its prediction.
+//!
+//! How, without the syncs being checked: the configuration's fabric pass (the `bench e2e`
+//! fabric limit, the same one the fabric rate comes from) runs while the pool runs the
+//! configuration's own kernel in a loop: fp8 quantisation on its fp8 task shapes, or a copy
+//! over the pool when it has none (its staging copies). The host work the two did, each
+//! charged at the rate it was measured at alone, over the wall time they took together, is
+//! the share of the host concurrent stages get ([`Overlap::efficiency`], 1 for a lossless
+//! host). The model's host costs per byte are divided by it.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use rayon::prelude::*;
+use serde::Serialize;
+use weightsync_common::DType;
+use weightsync_worker::{quantise_fp8, Fp8Shape, Threads};
+
+use super::super::fabric_limit::FabricLimit;
+use super::super::loopback::weights;
+use super::super::E2eError;
+
+/// One measurement of the host shared by the fabric and a kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Overlap {
+    /// Wall seconds the two took together.
+    pub wall_s: f64,
+    /// Host seconds the fabric's bytes take at its rate alone.
+    pub fabric_host_s: f64,
+    /// Host seconds the kernel's bytes take at its rate alone.
+    pub kernel_host_s: f64,
+    /// `(fabric_host_s + kernel_host_s) / wall_s`, at most 1.
+    pub efficiency: f64,
+}
+
+/// The kernel looped beside the fabric: its buffers and what one pass does.
+pub(crate) struct KernelLoop {
+    src: Vec<u8>,
+    dst: Vec<u8>,
+    scales: Vec<u8>,
+    /// fp8 shapes with their element and scale offsets (empty: a copy over the pool).
+    fp8: Vec<(Fp8Shape, usize, usize)>,
+}
+
+impl std::fmt::Debug for KernelLoop {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KernelLoop")
+            .field("input_bytes", &self.src.len())
+            .field("fp8_shapes", &self.fp8.len())
+            .finish()
+    }
+}
+
+impl KernelLoop {
+    /// A loop over `bytes` of input: the fp8 `shapes` that fit, or a copy when there are none.
+    pub(crate) fn new(bytes: u64, shapes: &[Fp8Shape]) -> KernelLoop {
+        let n = bytes as usize;
+        let mut fp8 = Vec::new();
+        let (mut e, mut s) = (0usize, 0usize);
+        for sh in shapes {
+            let elems = sh.rows * sh.cols;
+            if (e + elems) * 2 > n {
+                break;
+            }
+            fp8.push((*sh, e, s));
+            e += elems;
+            s += sh.row_blocks() * sh.col_blocks() * 4;
+        }
+        KernelLoop {
+            src: weights(bytes, 11),
+            dst: vec![0u8; if fp8.is_empty() { n } else { e }],
+            scales: vec![0u8; s],
+            fp8,
+        }
+    }
+
+    /// Input bytes of one pass.
+    fn pass_bytes(&self) -> u64 {
+        if self.fp8.is_empty() {
+            self.src.len() as u64
+        } else {
+            self.dst.len() as u64 * 2
+        }
+    }
+
+    /// One pass over the pool.
+    fn pass(&mut self) -> Result<(), E2eError> {
+        if self.fp8.is_empty() {
+            self.dst
+                .par_chunks_mut(1 << 20)
+                .zip(self.src.par_chunks(1 << 20))
+                .for_each(|(d, s)| d.copy_from_slice(s));
+            return Ok(());
+        }
+        for &(shape, e0, s0) in &self.fp8 {
+            let e = shape.rows * shape.cols;
+            let sb = shape.row_blocks() * shape.col_blocks() * 4;
+            quantise_fp8(
+                &self.src[e0 * 2..(e0 + e) * 2],
+                DType::BF16,
+                shape,
+                &mut self.dst[e0..e0 + e],
+                &mut self.scales[s0..s0 + sb],
+                Threads::All,
+            )
+            .map_err(|x| E2eError::Setup(format!("quantising beside the fabric: {x}")))?;
+        }
+        Ok(())
+    }
+}
+
+/// Runs one fabric pass of `limit` (`landed` bytes) while `kernel` loops on the pool, and
+/// charges each at its rate alone: `fabric_host_s_per_byte` (the model's host share per byte
+/// landed) and `kernel_bytes_per_s` (the kernel over the whole pool).
+pub(crate) async fn measure(
+    limit: &FabricLimit,
+    landed: u64,
+    fabric_host_s_per_byte: f64,
+    kernel: KernelLoop,
+    kernel_bytes_per_s: f64,
+) -> Result<(Overlap, KernelLoop), E2eError> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let start = Instant::now();
+    let looping = {
+        let stop = stop.clone();
+        tokio::task::spawn_blocking(move || {
+            let mut kernel = kernel;
+            let mut bytes = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                kernel.pass()?;
+                bytes += kernel.pass_bytes();
+            }
+            Ok::<_, E2eError>((kernel, bytes, start.elapsed().as_secs_f64()))
+        })
+    };
+    let fabric = limit.sync().await;
+    stop.store(true, Ordering::Relaxed);
+    let (kernel, bytes, kernel_end) = looping
+        .await
+        .map_err(|e| E2eError::Setup(format!("the kernel beside the fabric panicked: {e}")))??;
+    fabric?;
+    let overlap = Overlap::of(
+        kernel_end,
+        landed as f64 * fabric_host_s_per_byte,
+        bytes as f64 / kernel_bytes_per_s.max(1.0),
+    );
+    Ok((overlap, kernel))
+}
+
+impl Overlap {
+    /// The figures of a run that took `wall_s` and did work worth the given host seconds.
+    pub fn of(wall_s: f64, fabric_host_s: f64, kernel_host_s: f64) -> Overlap {
+        let wall_s = wall_s.max(1e-9);
+        Overlap {
+            wall_s,
+            fabric_host_s,
+            kernel_host_s,
+            efficiency: ((fabric_host_s + kernel_host_s) / wall_s).min(1.0),
+        }
+    }
+
+    /// A lossless host (what the model assumed before this was measured).
+    pub const LOSSLESS: Overlap = Overlap {
+        wall_s: 0.0,
+        fabric_host_s: 0.0,
+        kernel_host_s: 0.0,
+        efficiency: 1.0,
+    };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_loop_quantises_the_shapes_that_fit_or_copies() {
+        let shapes = [
+            Fp8Shape {
+                rows: 256,
+                cols: 512,
+            },
+            Fp8Shape {
+                rows: 128,
+                cols: 256,
+            },
+            Fp8Shape {
+                rows: 4096,
+                cols: 4096,
+            },
+        ];
+        // 1 MiB of input: the first two shapes fit (256 KiB + 64 KiB of bf16), the third not.
+        let mut k = KernelLoop::new(1 << 20, &shapes);
+        assert_eq!(k.fp8.len(), 2);
+        assert_eq!(k.pass_bytes(), (256 * 512 + 128 * 256) * 2);
+        k.pass().unwrap();
+        // What one pass wrote is what quantising each shape on its own gives.
+        let scale_bytes = shapes[1].row_blocks() * shapes[1].col_blocks() * 4;
+        let (mut values, mut scales) = (vec![0u8; 128 * 256], vec![0u8; scale_bytes]);
+        let at = 256 * 512;
+        quantise_fp8(
+            &k.src[at * 2..(at + 128 * 256) * 2],
+            DType::BF16,
+            shapes[1],
+            &mut values,
+            &mut scales,
+            Threads::One,
+        )
+        .unwrap();
+        assert_eq!(k.dst[at..at + 128 * 256], values[..]);
+        let first_scales = shapes[0].row_blocks() * shapes[0].col_blocks() * 4;
+        assert_eq!(
+            k.scales[first_scales..first_scales + scale_bytes],
+            scales[..]
+        );
+        // No fp8 shapes: a copy of the whole buffer.
+        let mut c = KernelLoop::new(1 << 20, &[]);
+        assert_eq!(c.pass_bytes(), 1 << 20);
+        c.pass().unwrap();
+        assert_eq!(c.dst, c.src);
+    }
+
+    #[test]
+    fn efficiency_is_the_host_work_done_over_the_wall_time_at_most_one() {
+        let o = Overlap::of(0.5, 0.3, 0.1);
+        assert!((o.efficiency - 0.8).abs() < 1e-12, "{o:?}");
+        assert_eq!(Overlap::of(0.1, 0.3, 0.1).efficiency, 1.0);
+        assert_eq!(Overlap::of(0.0, 0.0, 0.0).efficiency, 0.0);
+    }
+}
