@@ -25,10 +25,11 @@ use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
+use super::frame::HEADER_LEN;
 use super::frame::{Completion, FrameHeader};
 use super::handshake::{server_handshake, Accepted};
-use super::inbound::{InboundLane, Landing};
-use super::same_host::{PULL_CHUNK, PULL_RUN};
+use super::inbound::{InboundLane, Landing, AHEAD};
+use super::same_host::{PULL_RUN, PULL_RUN_BYTES};
 use super::socket::{wait_fd, IoFail, LaneSocket, Readiness};
 use super::Shared;
 use crate::fabric::descriptor::Endpoint;
@@ -121,7 +122,12 @@ fn receive_frames(
     local: usize,
     shared: &Shared,
 ) -> Result<(), IoFail> {
-    let mut lane = InboundLane::new(sock, shared);
+    let read_ahead = if accepted.writer.is_some() {
+        AHEAD
+    } else {
+        HEADER_LEN
+    };
+    let mut lane = InboundLane::new(sock, shared, read_ahead);
     let mut ledger = Ledger {
         instance: accepted.instance,
         local,
@@ -188,7 +194,7 @@ fn receive_frames(
             let Ok((r, offset)) = shared.table.check_write(next.rkey, next.addr, next.len) else {
                 break;
             };
-            if !Arc::ptr_eq(&r.memory, &reg.memory) || bytes + next.len > PULL_CHUNK as u64 {
+            if !Arc::ptr_eq(&r.memory, &reg.memory) || bytes + next.len > PULL_RUN_BYTES {
                 break;
             }
             lane.skip_header();
@@ -205,7 +211,7 @@ fn receive_frames(
     }
 }
 
-fn decode(raw: &[u8; super::frame::HEADER_LEN]) -> Result<FrameHeader, IoFail> {
+fn decode(raw: &[u8; HEADER_LEN]) -> Result<FrameHeader, IoFail> {
     FrameHeader::decode(raw).map_err(|e| {
         IoFail::Os(std::io::Error::new(
             std::io::ErrorKind::InvalidData,

@@ -54,6 +54,12 @@ pub const PULL_CHUNK: usize = 8 << 20;
 /// pays one system call, one reset check and one completion flush per run, not per frame.
 pub const PULL_RUN: usize = 64;
 
+/// Most bytes of one run of PULL frames: a run's completions go out after its last byte, so a
+/// run of large frames would hold back the writer's window (frames of 1 MiB and more land one
+/// per call, as before runs; a run pays off for the smaller ones, whose per-call costs it
+/// shares).
+pub const PULL_RUN_BYTES: u64 = 1 << 20;
+
 /// Frames shorter than this travel as payloads even on a pulling lane: below it the system
 /// call's fixed cost (pinning the source pages) outweighs the copy it saves.
 pub const PULL_MIN_BYTES: u64 = 16 << 10;
