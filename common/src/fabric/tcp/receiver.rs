@@ -164,8 +164,9 @@ fn receive_frames(
                     .first_error
                     .get_or_insert((kind, header.rkey, header.addr));
                 lane.drain(header.wire_payload())?;
-                ledger.settle(&mut lane, &header, None, shared);
-                lane.flush_if_due()?;
+                if ledger.settle(&mut lane, &header, None, shared) {
+                    lane.flush_if_due()?;
+                }
                 continue;
             }
             Ok(checked) => checked,
@@ -173,8 +174,9 @@ fn receive_frames(
         let Some((writer, source)) = pull_from else {
             let landing = lane.land(&reg.memory, offset, header.len);
             let landing = landed_or_torn(landing, std::slice::from_ref(&header), sock, shared)?;
-            ledger.settle(&mut lane, &header, Some(landing), shared);
-            lane.flush_if_due()?;
+            if ledger.settle(&mut lane, &header, Some(landing), shared) {
+                lane.flush_if_due()?;
+            }
             continue;
         };
         // A run: the PULL frames into the same registration whose headers are already here.
@@ -204,10 +206,13 @@ fn receive_frames(
         }
         let landing = lane.pull(&reg.memory, &ranges, writer);
         let landing = landed_or_torn(landing, &run, sock, shared)?;
+        let mut signalled = false;
         for h in &run {
-            ledger.settle(&mut lane, h, Some(landing), shared);
+            signalled |= ledger.settle(&mut lane, h, Some(landing), shared);
         }
-        lane.flush_if_due()?;
+        if signalled {
+            lane.flush_if_due()?;
+        }
     }
 }
 
@@ -258,14 +263,15 @@ struct Ledger {
 impl Ledger {
     /// Accounts for one frame: its counters and immediate (`Landed`), or its refusal
     /// (`Revoked`; `None`: refused before landing, already counted), and its completion if it
-    /// was signalled (queued; the caller flushes).
+    /// was signalled (queued; the caller flushes when this returns true: a completion was
+    /// queued, as before every flush check).
     fn settle(
         &mut self,
         lane: &mut InboundLane<'_>,
         header: &FrameHeader,
         landing: Option<Landing>,
         shared: &Shared,
-    ) {
+    ) -> bool {
         self.since_signal = self.since_signal.wrapping_add(1);
         match landing {
             None => {}
@@ -307,6 +313,7 @@ impl Ledger {
             });
             self.since_signal = 0;
         }
+        header.signalled
     }
 }
 
