@@ -482,7 +482,7 @@ async fn measure(
                 })?;
         (kernel, rate)
     };
-    let (overlap, _) = overlap::measure(
+    let overlap = overlap::measure(
         limit,
         landed,
         net_s_per_byte(fabric.cpu_s_per_byte, fabric.bytes_per_s, cores),

@@ -126,7 +126,7 @@ pub(crate) async fn measure(
     fabric_host_s_per_byte: f64,
     kernel: KernelLoop,
     kernel_bytes_per_s: f64,
-) -> Result<(Overlap, KernelLoop), E2eError> {
+) -> Result<Overlap, E2eError> {
     let stop = Arc::new(AtomicBool::new(false));
     let start = Instant::now();
     let looping = {
@@ -138,21 +138,20 @@ pub(crate) async fn measure(
                 kernel.pass()?;
                 bytes += kernel.pass_bytes();
             }
-            Ok::<_, E2eError>((kernel, bytes, start.elapsed().as_secs_f64()))
+            Ok::<_, E2eError>((bytes, start.elapsed().as_secs_f64()))
         })
     };
     let fabric = limit.sync().await;
     stop.store(true, Ordering::Relaxed);
-    let (kernel, bytes, kernel_end) = looping
+    let (bytes, kernel_end) = looping
         .await
         .map_err(|e| E2eError::Setup(format!("the kernel beside the fabric panicked: {e}")))??;
     fabric?;
-    let overlap = Overlap::of(
+    Ok(Overlap::of(
         kernel_end,
         landed as f64 * fabric_host_s_per_byte,
         bytes as f64 / kernel_bytes_per_s.max(1.0),
-    );
-    Ok((overlap, kernel))
+    ))
 }
 
 impl Overlap {
@@ -166,14 +165,6 @@ impl Overlap {
             efficiency: ((fabric_host_s + kernel_host_s) / wall_s).min(1.0),
         }
     }
-
-    /// A lossless host (what the model assumed before this was measured).
-    pub const LOSSLESS: Overlap = Overlap {
-        wall_s: 0.0,
-        fabric_host_s: 0.0,
-        kernel_host_s: 0.0,
-        efficiency: 1.0,
-    };
 }
 
 #[cfg(test)]
@@ -225,6 +216,33 @@ mod tests {
         assert_eq!(c.pass_bytes(), 1 << 20);
         c.pass().unwrap();
         assert_eq!(c.dst, c.src);
+    }
+
+    #[test]
+    fn a_fabric_pass_beside_the_loop_charges_both_at_their_rates() {
+        let rt = super::super::super::runtime().unwrap();
+        rt.block_on(async {
+            let pairs = [(0, 0, 8u64 << 20), (1, 0, 8 << 20)];
+            let config = super::super::super::WorkerOptions::default().fabric_config();
+            let limit = FabricLimit::start(&pairs, &config).await.unwrap();
+            limit.sync().await.unwrap();
+            let kernel = KernelLoop::new(4 << 20, &[]);
+            let (fabric_rate, kernel_rate) = (1e-10, 5e9);
+            let o = measure(&limit, 16 << 20, fabric_rate, kernel, kernel_rate)
+                .await
+                .unwrap();
+            // The fabric is charged for the bytes it landed; the loop ran at least one pass of
+            // its 4 MiB; the share is what both were worth over the time they took.
+            assert!((o.fabric_host_s - (16u64 << 20) as f64 * fabric_rate).abs() < 1e-12);
+            let passes = o.kernel_host_s * kernel_rate / (4u64 << 20) as f64;
+            assert!(
+                passes >= 1.0 && (passes - passes.round()).abs() < 1e-6,
+                "{o:?}"
+            );
+            assert!(o.wall_s > 0.0 && o.efficiency > 0.0 && o.efficiency <= 1.0);
+            let expected = ((o.fabric_host_s + o.kernel_host_s) / o.wall_s).min(1.0);
+            assert!((o.efficiency - expected).abs() < 1e-12, "{o:?}");
+        });
     }
 
     #[test]
