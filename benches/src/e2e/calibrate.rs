@@ -36,7 +36,6 @@
 
 use std::time::Instant;
 
-use rayon::prelude::*;
 use serde::Serialize;
 use weightsync_common::DType;
 use weightsync_schedules::simulate::{
@@ -44,11 +43,12 @@ use weightsync_schedules::simulate::{
 };
 use weightsync_schedules::table::Transform;
 use weightsync_schedules::{CostModel, RoutingTable};
-use weightsync_worker::{cast, quantise_fp8, Fp8Shape, Threads};
+use weightsync_worker::{cast, Fp8Shape, Threads};
 
 use super::fabric_limit::FabricLimit;
 use super::loopback::{weights, LoopbackCluster, WorkerOptions};
 use super::{runtime, tcp_limit, E2eError, Setup};
+use overlap::KernelLoop;
 
 pub mod fixed;
 pub mod overlap;
@@ -275,60 +275,6 @@ fn kernel_rates(bytes: u64, fp8_tasks: &[Fp8Shape]) -> Result<KernelRates, E2eEr
     let src = weights(bytes, 7);
     let mut dst = vec![0u8; n];
     let memcpy = n as f64 / median_of(KERNEL_REPS, || dst.copy_from_slice(&src));
-    // Every core copying at once: what the host pays per byte when several trainers stage at
-    // the same time (memory bandwidth does not grow with the cores the way one core's copy
-    // rate times the core count would suggest).
-    let memcpy_all = n as f64
-        / median_of(KERNEL_REPS, || {
-            dst.par_chunks_mut(1 << 20)
-                .zip(src.par_chunks(1 << 20))
-                .for_each(|(d, s)| d.copy_from_slice(s))
-        });
-    let cols = 4096usize;
-    let whole = [Fp8Shape {
-        rows: n / 2 / cols,
-        cols,
-    }];
-    let shapes = if fp8_tasks.is_empty() {
-        &whole[..]
-    } else {
-        fp8_tasks
-    };
-    // Each shape reads its own part of the input and writes its own part of the output, one
-    // after another, as a trainer's tasks do: reading one cache-hot prefix for every shape
-    // would measure the cache, not the kernel on a layer's worth of tensors.
-    let elems = |s: &Fp8Shape| s.rows * s.cols;
-    let scale_bytes = |s: &Fp8Shape| s.row_blocks() * s.col_blocks() * 4;
-    let mut fit = Vec::with_capacity(shapes.len());
-    let (mut e_total, mut s_total) = (0usize, 0usize);
-    for sh in shapes {
-        if (e_total + elems(sh)) * 2 > n {
-            break;
-        }
-        fit.push((*sh, e_total, s_total));
-        e_total += elems(sh);
-        s_total += scale_bytes(sh);
-    }
-    let mut values = vec![0u8; e_total];
-    let mut scales = vec![0u8; s_total];
-    let fp8_in = e_total * 2;
-    let mut err = None;
-    let fp8 = fp8_in as f64
-        / median_of(KERNEL_REPS, || {
-            for &(shape, e0, s0) in &fit {
-                let e = elems(&shape);
-                if let Err(x) = quantise_fp8(
-                    &src[e0 * 2..(e0 + e) * 2],
-                    DType::BF16,
-                    shape,
-                    &mut values[e0..e0 + e],
-                    &mut scales[s0..s0 + scale_bytes(&shape)],
-                    Threads::All,
-                ) {
-                    err = Some(x);
-                }
-            }
-        });
     // f32 -> bf16 over `n` input bytes.
     let f32_in: Vec<u8> = src
         .chunks_exact(2)
@@ -339,21 +285,62 @@ fn kernel_rates(bytes: u64, fp8_tasks: &[Fp8Shape]) -> Result<KernelRates, E2eEr
         .take(n)
         .collect();
     let mut out = vec![0u8; f32_in.len() / 2];
+    let mut err = None;
     let castr = f32_in.len() as f64
         / median_of(KERNEL_REPS, || {
             if let Err(e) = cast(&f32_in, DType::F32, &mut out, DType::BF16, Threads::All) {
-                err = Some(e);
+                err = Some(E2eError::Setup(format!("measuring the cast: {e}")));
             }
         });
+    // Every core copying at once: what the host pays per byte when several trainers stage at
+    // the same time (memory bandwidth does not grow with the cores the way one core's copy
+    // rate times the core count would suggest).
+    let mut copy = KernelLoop::copy(src, dst);
+    let memcpy_all = pool_rate(&mut copy, &mut err);
+    let cols = 4096usize;
+    let whole = [Fp8Shape {
+        rows: n / 2 / cols,
+        cols,
+    }];
+    let shapes = if fp8_tasks.is_empty() {
+        &whole[..]
+    } else {
+        fp8_tasks
+    };
+    let mut fp8_loop = KernelLoop::fp8(copy.into_src(), shapes);
+    let fp8 = pool_rate(&mut fp8_loop, &mut err);
     if let Some(e) = err {
-        return Err(E2eError::Setup(format!("measuring kernels: {e}")));
+        return Err(e);
     }
+    // Beside the fabric ([`overlap`]): the configuration's own fp8 tasks, or a copy over the
+    // pool for one without any (its staging copies).
+    let beside_fabric = if fp8_tasks.is_empty() {
+        (
+            KernelLoop::copy(fp8_loop.into_src(), vec![0u8; n]),
+            memcpy_all,
+        )
+    } else {
+        (fp8_loop, fp8)
+    };
     Ok(KernelRates {
         memcpy,
         memcpy_all,
         fp8,
         castr,
+        beside_fabric,
     })
+}
+
+/// Input bytes per second of `kernel` over the pool (median of [`KERNEL_REPS`] passes after a
+/// warm-up); a pass's error goes to `err`.
+fn pool_rate(kernel: &mut KernelLoop, err: &mut Option<E2eError>) -> f64 {
+    let bytes = kernel.pass_bytes() as f64;
+    bytes
+        / median_of(KERNEL_REPS, || {
+            if let Err(e) = kernel.pass() {
+                *err = Some(e);
+            }
+        })
 }
 
 /// What [`kernel_rates`] measured, bytes per second.
@@ -362,6 +349,8 @@ struct KernelRates {
     memcpy_all: f64,
     fp8: f64,
     castr: f64,
+    /// The kernel to loop beside the fabric, and its rate alone.
+    beside_fabric: (KernelLoop, f64),
 }
 
 /// The loopback fabric in the configuration's shape: one pass of `limit` (its own pairs and
@@ -465,23 +454,9 @@ async fn measure(
     let k = tokio::task::spawn_blocking(move || kernel_rates(kernel_bytes, &shapes))
         .await
         .map_err(|e| E2eError::Setup(format!("measuring kernels panicked: {e}")))??;
+    let (kernel, kernel_rate) = k.beside_fabric;
     let fabric = fabric_rate(limit, landed).await?;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let (kernel, kernel_rate) = {
-        let shapes = fp8_tasks.to_vec();
-        let rate = if shapes.is_empty() {
-            k.memcpy_all
-        } else {
-            k.fp8
-        };
-        let kernel =
-            tokio::task::spawn_blocking(move || overlap::KernelLoop::new(kernel_bytes, &shapes))
-                .await
-                .map_err(|e| {
-                    E2eError::Setup(format!("preparing the overlap kernel panicked: {e}"))
-                })?;
-        (kernel, rate)
-    };
     let overlap = overlap::measure(
         limit,
         landed,

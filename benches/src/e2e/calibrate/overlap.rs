@@ -25,7 +25,6 @@ use weightsync_common::DType;
 use weightsync_worker::{quantise_fp8, Fp8Shape, Threads};
 
 use super::super::fabric_limit::FabricLimit;
-use super::super::loopback::weights;
 use super::super::E2eError;
 
 /// One measurement of the host shared by the fabric and a kernel.
@@ -41,13 +40,15 @@ pub struct Overlap {
     pub efficiency: f64,
 }
 
-/// The kernel looped beside the fabric: its buffers and what one pass does.
+/// A kernel over the pool, pass after pass on the same buffers: how the calibration times fp8
+/// quantisation and the copy over every core, and what it loops beside the fabric.
 pub(crate) struct KernelLoop {
     src: Vec<u8>,
     dst: Vec<u8>,
     scales: Vec<u8>,
-    /// fp8 shapes with their element and scale offsets (empty: a copy over the pool).
+    /// fp8 shapes with their element and scale offsets (a copy has none).
     fp8: Vec<(Fp8Shape, usize, usize)>,
+    copy: bool,
 }
 
 impl std::fmt::Debug for KernelLoop {
@@ -55,19 +56,34 @@ impl std::fmt::Debug for KernelLoop {
         f.debug_struct("KernelLoop")
             .field("input_bytes", &self.src.len())
             .field("fp8_shapes", &self.fp8.len())
+            .field("copy", &self.copy)
             .finish()
     }
 }
 
 impl KernelLoop {
-    /// A loop over `bytes` of input: the fp8 `shapes` that fit, or a copy when there are none.
-    pub(crate) fn new(bytes: u64, shapes: &[Fp8Shape]) -> KernelLoop {
-        let n = bytes as usize;
+    /// A copy of `src` into `dst` (as long) over the pool, 1 MiB per job.
+    pub(crate) fn copy(src: Vec<u8>, dst: Vec<u8>) -> KernelLoop {
+        debug_assert_eq!(src.len(), dst.len());
+        KernelLoop {
+            src,
+            dst,
+            scales: Vec::new(),
+            fp8: Vec::new(),
+            copy: true,
+        }
+    }
+
+    /// fp8 quantisation of the `shapes` that fit in `src` (bf16), one after another. Each shape
+    /// reads its own part of the input and writes its own part of the output, as a trainer's
+    /// tasks do: reading one cache-hot prefix for every shape would measure the cache, not the
+    /// kernel on a layer's worth of tensors.
+    pub(crate) fn fp8(src: Vec<u8>, shapes: &[Fp8Shape]) -> KernelLoop {
         let mut fp8 = Vec::new();
         let (mut e, mut s) = (0usize, 0usize);
         for sh in shapes {
             let elems = sh.rows * sh.cols;
-            if (e + elems) * 2 > n {
+            if (e + elems) * 2 > src.len() {
                 break;
             }
             fp8.push((*sh, e, s));
@@ -75,16 +91,22 @@ impl KernelLoop {
             s += sh.row_blocks() * sh.col_blocks() * 4;
         }
         KernelLoop {
-            src: weights(bytes, 11),
-            dst: vec![0u8; if fp8.is_empty() { n } else { e }],
+            src,
+            dst: vec![0u8; e],
             scales: vec![0u8; s],
             fp8,
+            copy: false,
         }
     }
 
+    /// The input buffer back.
+    pub(crate) fn into_src(self) -> Vec<u8> {
+        self.src
+    }
+
     /// Input bytes of one pass.
-    fn pass_bytes(&self) -> u64 {
-        if self.fp8.is_empty() {
+    pub(crate) fn pass_bytes(&self) -> u64 {
+        if self.copy {
             self.src.len() as u64
         } else {
             self.dst.len() as u64 * 2
@@ -92,8 +114,8 @@ impl KernelLoop {
     }
 
     /// One pass over the pool.
-    fn pass(&mut self) -> Result<(), E2eError> {
-        if self.fp8.is_empty() {
+    pub(crate) fn pass(&mut self) -> Result<(), E2eError> {
+        if self.copy {
             self.dst
                 .par_chunks_mut(1 << 20)
                 .zip(self.src.par_chunks(1 << 20))
@@ -111,7 +133,7 @@ impl KernelLoop {
                 &mut self.scales[s0..s0 + sb],
                 Threads::All,
             )
-            .map_err(|x| E2eError::Setup(format!("quantising beside the fabric: {x}")))?;
+            .map_err(|x| E2eError::Setup(format!("quantising {shape:?}: {x}")))?;
         }
         Ok(())
     }
@@ -169,6 +191,7 @@ impl Overlap {
 
 #[cfg(test)]
 mod tests {
+    use super::super::super::loopback::weights;
     use super::*;
 
     #[test]
@@ -188,7 +211,7 @@ mod tests {
             },
         ];
         // 1 MiB of input: the first two shapes fit (256 KiB + 64 KiB of bf16), the third not.
-        let mut k = KernelLoop::new(1 << 20, &shapes);
+        let mut k = KernelLoop::fp8(weights(1 << 20, 11), &shapes);
         assert_eq!(k.fp8.len(), 2);
         assert_eq!(k.pass_bytes(), (256 * 512 + 128 * 256) * 2);
         k.pass().unwrap();
@@ -212,7 +235,7 @@ mod tests {
             scales[..]
         );
         // No fp8 shapes: a copy of the whole buffer.
-        let mut c = KernelLoop::new(1 << 20, &[]);
+        let mut c = KernelLoop::copy(weights(1 << 20, 11), vec![0u8; 1 << 20]);
         assert_eq!(c.pass_bytes(), 1 << 20);
         c.pass().unwrap();
         assert_eq!(c.dst, c.src);
@@ -226,7 +249,7 @@ mod tests {
             let config = super::super::super::WorkerOptions::default().fabric_config();
             let limit = FabricLimit::start(&pairs, &config).await.unwrap();
             limit.sync().await.unwrap();
-            let kernel = KernelLoop::new(4 << 20, &[]);
+            let kernel = KernelLoop::copy(weights(4 << 20, 11), vec![0u8; 4 << 20]);
             let (fabric_rate, kernel_rate) = (1e-10, 5e9);
             let o = measure(&limit, 16 << 20, fabric_rate, kernel, kernel_rate)
                 .await

@@ -148,10 +148,11 @@ impl<'a> InboundLane<'a> {
     /// The next frame header if it has already arrived whole (read ahead), without consuming
     /// it and without a system call.
     pub fn peek_header(&self) -> Option<[u8; HEADER_LEN]> {
-        self.ahead
-            .get(self.pos..self.pos + HEADER_LEN)
-            .filter(|_| self.end - self.pos >= HEADER_LEN)
-            .map(|h| h.try_into().expect("HEADER_LEN bytes"))
+        (self.end - self.pos >= HEADER_LEN).then(|| {
+            self.ahead[self.pos..self.pos + HEADER_LEN]
+                .try_into()
+                .expect("HEADER_LEN bytes")
+        })
     }
 
     /// Consumes the header [`peek_header`](Self::peek_header) returned.
@@ -282,9 +283,10 @@ impl<'a> InboundLane<'a> {
         frames: &[(u64, u64, u64)],
         writer: WriterProcess,
     ) -> Result<Landing, IoFail> {
+        // Landing tickets only where the owner keeps a landing log (no allocation otherwise).
         let _logged: Vec<_> = frames
             .iter()
-            .map(|&(offset, len, _)| memory.landing(offset, len))
+            .filter_map(|&(offset, len, _)| memory.landing(offset, len))
             .collect();
         // Frame `at` has `done` of its bytes landed; every frame before it is whole.
         let (mut at, mut done) = (0usize, 0u64);

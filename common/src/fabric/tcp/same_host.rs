@@ -358,11 +358,15 @@ mod tests {
         assert_eq!(PullOffer::of_this_process(false, &nonce), PullOffer::NONE);
     }
 
+    /// This process as a writer it may pull from (`None` where pulls are never agreed).
+    fn this_process() -> Option<WriterProcess> {
+        let nonce: [u8; 32] = rand::random();
+        WriterProcess::verify(&PullOffer::of_this_process(true, &nonce), &nonce).ok()
+    }
+
     #[test]
     fn pulls_copy_from_the_writer_and_refuse_unmapped_sources() {
-        let nonce: [u8; 32] = rand::random();
-        let offer = PullOffer::of_this_process(true, &nonce);
-        let Ok(writer) = WriterProcess::verify(&offer, &nonce) else {
+        let Some(writer) = this_process() else {
             return; // no boot id here: nothing to pull with
         };
         let src: Vec<u8> = (0..100_000u32).map(|i| (i * 31) as u8).collect();
@@ -378,9 +382,7 @@ mod tests {
 
     #[test]
     fn a_run_fills_its_pieces_in_order_and_stops_at_an_unreadable_one() {
-        let nonce: [u8; 32] = rand::random();
-        let offer = PullOffer::of_this_process(true, &nonce);
-        let Ok(writer) = WriterProcess::verify(&offer, &nonce) else {
+        let Some(writer) = this_process() else {
             return; // no boot id here: nothing to pull with
         };
         let src: Vec<u8> = (0..100_000u32).map(|i| (i * 17 + 3) as u8).collect();
