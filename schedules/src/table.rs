@@ -255,6 +255,31 @@ impl TensorBox {
         (d + 1..n).all(|i| self.start[i] == 0 && dims.get(i) == Some(&self.len[i]))
     }
 
+    /// This box of a dense row-major tensor of shape `dims` as equal runs at one stride:
+    /// `(run, stride)` in elements, such that the box's element `k` (row-major) lies at
+    /// [`first_element_in`](Self::first_element_in)` + (k / run) * stride + k % run`. A
+    /// contiguous box is one run (`stride == run`). `None` for an empty box, or one whose runs
+    /// are not evenly spaced (a box cut in two dims besides its last partial one, e.g. rows
+    /// `2..4` and columns `0..4` of each of several matrices).
+    pub fn strided_in(&self, dims: &[u32]) -> Option<(u64, u64)> {
+        let n = self.ndim as usize;
+        if dims.len() != n || self.len[..n].contains(&0) {
+            return None;
+        }
+        let whole = |d: usize| self.start[d] == 0 && self.len[d] == dims[d];
+        let after = |d: usize| dims[d + 1..].iter().map(|&x| u64::from(x)).product::<u64>();
+        let numel = self.numel();
+        let Some(d) = (0..n).rev().find(|&d| !whole(d)) else {
+            return Some((numel, numel));
+        };
+        let run = u64::from(self.len[d]) * after(d);
+        let outer: Vec<usize> = (0..d).filter(|&k| self.len[k] > 1).collect();
+        let (Some(&k0), Some(&m)) = (outer.first(), outer.last()) else {
+            return Some((run, run));
+        };
+        (k0 + 1..=m).all(whole).then(|| (run, after(m)))
+    }
+
     /// Row-major index of this box's first element in a tensor of shape `dims`.
     pub fn first_element_in(&self, dims: &[u32]) -> u64 {
         let n = self.ndim as usize;
@@ -808,6 +833,40 @@ mod tests {
             TensorBox::new(&[1, 2, 3], &[1, 1, 4]).first_element_in(&dims),
             48 + 16 + 3
         );
+    }
+
+    #[test]
+    fn strided_boxes_are_evenly_spaced_runs() {
+        let dims = [4u32, 6, 8];
+        let strided = |start: &[u32], len: &[u32]| TensorBox::new(start, len).strided_in(&dims);
+        // Every element of each box, by the formula, equals a direct enumeration.
+        for (start, len) in [
+            ([0u32, 0, 0], [4u32, 6, 4]),
+            ([1, 2, 0], [2, 3, 8]),
+            ([1, 2, 3], [1, 1, 4]),
+            ([2, 0, 1], [1, 6, 5]),
+            ([0, 0, 0], [4, 6, 8]),
+            ([0, 3, 0], [4, 1, 8]),
+        ] {
+            let b = TensorBox::new(&start, &len);
+            let (run, stride) = b.strided_in(&dims).expect("evenly spaced");
+            let first = b.first_element_in(&dims);
+            let mut k = 0u64;
+            for i in start[0]..start[0] + len[0] {
+                for j in start[1]..start[1] + len[1] {
+                    for l in start[2]..start[2] + len[2] {
+                        let at = u64::from((i * 6 + j) * 8 + l);
+                        assert_eq!(first + (k / run) * stride + k % run, at, "{b} k {k}");
+                        k += 1;
+                    }
+                }
+            }
+        }
+        assert_eq!(strided(&[0, 0, 0], &[4, 6, 8]), Some((192, 192)));
+        assert_eq!(strided(&[1, 2, 0], &[2, 3, 8]), Some((24, 48)));
+        // Cut in rows and columns of several matrices: runs not evenly spaced.
+        assert_eq!(strided(&[0, 1, 2], &[2, 2, 4]), None);
+        assert_eq!(strided(&[0, 0, 0], &[0, 6, 8]), None);
     }
 
     #[test]

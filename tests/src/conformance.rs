@@ -7,6 +7,8 @@
 //!
 //! What is checked (the contract documented on `FabricBackend`):
 //! - bytes land byte-exact, at odd offsets and sizes, with writes split over lanes;
+//! - a write from a strided source lands its runs in order, small and large, starting part-way
+//!   into a run, its immediate counted once ([`strided_sources_land_gathered`]);
 //! - immediates are counted exactly (many writes, several immediates, several lanes, arbitrary
 //!   completion order), and never more than once for a split write;
 //! - refused writes (wrong rkey, out of bounds, no write permission, deregistered, unauthenticated
@@ -33,7 +35,7 @@ use rand::{Rng, SeedableRng};
 
 use weightsync_common::fabric::{
     Access, Endpoint, FabricBackend, FabricError, Memory, MemoryLocation, RawMemory, Region,
-    RegionDescriptor, RemoteAccessKind, WriteOp,
+    RegionDescriptor, RemoteAccessKind, Stride, WriteOp,
 };
 
 /// The job token the suite uses for instances that should trust each other.
@@ -241,6 +243,69 @@ pub async fn bytes_land_exactly<F: BackendFactory>(f: &F, lanes: usize) {
     expected[5_100_000..5_164_000].copy_from_slice(&data[5_000_000..5_064_000]);
     assert!(dst.bytes() == expected, "batch: bytes differ");
     dst.assert_canaries("bytes_land_exactly");
+}
+
+/// Writes from strided sources (runs at a constant stride, as a column slice of a row-major
+/// matrix lies in memory) land their runs back to back, byte-exact, whatever size and start:
+/// small (one payload), large (pulled, or split over lanes and WRs), starting part-way into a
+/// run, in a batch with plain writes; each immediate counts once.
+pub async fn strided_sources_land_gathered<F: BackendFactory>(f: &F, lanes: usize) {
+    let (a, b) = pair(f, lanes).await;
+    let len = 8 << 20;
+    let dst = CanaryRegion::new(&b, len, Access::RECEIVE);
+    let data = pattern(len, 3);
+    let src = source(&a, &data);
+    let d = dst.descriptor();
+    let counter = b.imm_counter().clone();
+    let mut expected = vec![0u8; len];
+    // (source offset of the first byte, run, stride, head, destination offset, bytes)
+    let cases: &[(u64, u64, u64, u64, u64, u64)] = &[
+        (0, 3072, 6144, 0, 0, 3072 * 4),
+        (100 + 1000, 3000, 8192, 1000, 20_000, 40_000),
+        (7, 1, 2, 0, 70_001, 999),
+        (1 << 20, 6144, 12_288, 0, 100_000, 3 << 20),
+        ((4 << 20) + 5, 4096, 4160, 5, (4 << 20) + 3, (1 << 20) + 11),
+    ];
+    let mut ops = Vec::new();
+    for (i, &(so, run, stride, head, doff, n)) in cases.iter().enumerate() {
+        let layout = Stride { run, stride, head };
+        let op = WriteOp::new(&src, so, &d, doff, n)
+            .with_stride(layout)
+            .with_imm(300);
+        let mut at = doff as usize;
+        for (o, k) in layout.segments(so, n) {
+            expected[at..at + k as usize].copy_from_slice(&data[o as usize..(o + k) as usize]);
+            at += k as usize;
+        }
+        if i % 2 == 0 {
+            guarded("strided write", a.write(op))
+                .await
+                .unwrap_or_else(|e| panic!("strided write {i}: {e}"));
+        } else {
+            ops.push(op);
+        }
+    }
+    // A plain write in the same batch.
+    ops.push(WriteOp::new(&src, 0, &d, 7 << 20, 5000).with_imm(300));
+    expected[7 << 20..(7 << 20) + 5000].copy_from_slice(&data[..5000]);
+    guarded("strided batch", a.write_batch(ops))
+        .await
+        .unwrap_or_else(|e| panic!("strided batch: {e}"));
+    let writes = cases.len() as u64 + 1;
+    guarded("expect(300)", counter.expect(300, writes))
+        .await
+        .unwrap_or_else(|e| panic!("expect(300, {writes}): {e}"));
+    assert_eq!(counter.unclaimed(300), 0, "strided immediates over-counted");
+    assert!(dst.bytes() == expected, "strided writes: bytes differ");
+    dst.assert_canaries("strided_sources_land_gathered");
+    // A layout that reads past the source is refused before anything is sent.
+    let past =
+        WriteOp::new(&src, (len - 100) as u64, &d, 0, 200).with_stride(Stride::new(100, 200));
+    let err = a
+        .write(past)
+        .await
+        .expect_err("a strided source past its region");
+    assert!(err.to_string().contains("write source"), "{err}");
 }
 
 /// Immediates are counted exactly: many concurrent writes with several immediates, some large

@@ -468,6 +468,17 @@ fn a_failing_engine_fails_the_push_naming_it_and_a_later_version_commits() {
     }
     let pushes: Vec<_> = trainers.iter().map(|t| t.handle.push(4).unwrap()).collect();
     assert_eq!(landing.recv_timeout(Duration::from_secs(30)).unwrap(), 4);
+    // rollout-0 is landing version 4 too before rollout-1 goes: the controller prepares the
+    // two independently, and closing rollout-1 first would abort a sync rollout-0 never began.
+    let began = std::time::Instant::now();
+    while e0.handle.state().status != EngineStatus::Landing {
+        assert!(
+            began.elapsed() < Duration::from_secs(30),
+            "rollout-0 never began landing version 4: {:?}",
+            e0.handle.state()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
     e1.handle.close();
     for p in &pushes {
         assert_eq!(failing_worker(&p.wait(WAIT)), "rollout-1");

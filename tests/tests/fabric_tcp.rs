@@ -57,6 +57,7 @@ impl BackendFactory for Tcp {
                 addr: dst.base,
                 len,
                 source: None,
+                stride: None,
             };
             s.write_all(&header.encode()).unwrap();
             s.write_all(&vec![0xEE; (len / 2) as usize]).unwrap();
@@ -87,6 +88,16 @@ macro_rules! conformance_suite {
             #[tokio::test]
             async fn bytes_land_exactly_four_lanes() {
                 conformance::bytes_land_exactly(&F, 4).await;
+            }
+
+            #[tokio::test]
+            async fn strided_sources_land_gathered_one_lane() {
+                conformance::strided_sources_land_gathered(&F, 1).await;
+            }
+
+            #[tokio::test]
+            async fn strided_sources_land_gathered_four_lanes() {
+                conformance::strided_sources_land_gathered(&F, 4).await;
             }
 
             #[tokio::test]

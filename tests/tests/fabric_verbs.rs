@@ -95,6 +95,20 @@ async fn bytes_land_exactly_four_lanes() {
 
 #[tokio::test]
 #[ignore = "requires an RDMA device: set WEIGHTSYNC_RDMA_DEVICE (e.g. rxe0)"]
+async fn strided_sources_land_gathered_one_lane() {
+    require_device();
+    conformance::strided_sources_land_gathered(&Verbs, 1).await;
+}
+
+#[tokio::test]
+#[ignore = "requires an RDMA device: set WEIGHTSYNC_RDMA_DEVICE (e.g. rxe0)"]
+async fn strided_sources_land_gathered_four_lanes() {
+    require_device();
+    conformance::strided_sources_land_gathered(&Verbs, 4).await;
+}
+
+#[tokio::test]
+#[ignore = "requires an RDMA device: set WEIGHTSYNC_RDMA_DEVICE (e.g. rxe0)"]
 async fn immediates_counted_exactly_one_lane() {
     require_device();
     conformance::immediates_counted_exactly(&Verbs, 1).await;

@@ -88,7 +88,16 @@ impl MemFabric {
                 len: op.len,
             });
         }
-        let mut bytes = op.src.copy_to_vec(op.src_offset, op.len as usize)?;
+        let mut bytes = match op.src_stride {
+            None => op.src.copy_to_vec(op.src_offset, op.len as usize)?,
+            Some(s) => {
+                let mut gathered = Vec::with_capacity(op.len as usize);
+                for (at, n) in s.segments(op.src_offset, op.len) {
+                    gathered.extend(op.src.copy_to_vec(at, n as usize)?);
+                }
+                gathered
+            }
+        };
         if let Some((ep, rkey, off)) = self.switch.corrupt.lock().clone() {
             if ep == op.dst.endpoint
                 && rkey == op.dst.rkey

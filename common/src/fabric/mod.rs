@@ -40,6 +40,7 @@
 //! - `memory`: [`Memory`], [`PageAlignedBuffer`], [`RawMemory`].
 //! - `region`: [`Region`], [`RegisteredMemory`] (revocable access for backends).
 //! - `op`: [`WriteOp`], [`merge_contiguous`], [`stripe`], [`place`].
+//! - `stride`: [`Stride`], a write's source as equal runs at a constant stride.
 //! - `imm_counter`: [`ImmCounter`].
 //! - `landing_log`: [`LandingLog`], what landed when, for backends that see writes land.
 //! - `config`: [`FabricConfig`]. `error`: [`FabricError`].
@@ -54,6 +55,7 @@ pub mod landing_log;
 mod memory;
 mod op;
 mod region;
+mod stride;
 pub mod tcp;
 #[cfg(feature = "rdma")]
 pub mod verbs;
@@ -66,6 +68,7 @@ pub use landing_log::{LandingLog, LandingTicket, LogSnapshot};
 pub use memory::{Memory, MemoryLocation, MemoryOwner, PageAlignedBuffer, RawMemory, PAGE_SIZE};
 pub use op::{merge_contiguous, place, stripe, WriteOp};
 pub use region::{DeregisterHook, LiveMemory, Region, RegisteredMemory, SourcePin};
+pub use stride::{Segments, Stride};
 pub use tcp::TcpFabric;
 
 /// What every backend offers. Small on purpose: register, write, count.
@@ -122,6 +125,15 @@ pub trait FabricBackend: Clone + Send + Sync + std::fmt::Debug + 'static {
 
     /// The counter of immediates received by this process.
     fn imm_counter(&self) -> &ImmCounter;
+
+    /// The shortest run for which a write from a strided source ([`WriteOp::with_stride`])
+    /// costs this backend less than gathering the runs into contiguous memory first and
+    /// writing that. Every backend takes strided sources of any run; this only says which
+    /// are worth it (a caller with shorter runs gathers them itself). By default every run is:
+    /// a NIC reads each scatter/gather entry as it reads a contiguous source.
+    fn min_strided_run(&self) -> u64 {
+        1
+    }
 
     /// Resets every lane this endpoint opened to write, so that nothing it posted before can
     /// land anywhere later: what is still queued (in user space, in the kernel's send queue, in
@@ -209,6 +221,10 @@ impl FabricBackend for Fabric {
 
     fn imm_counter(&self) -> &ImmCounter {
         dispatch!(self, f => f.imm_counter())
+    }
+
+    fn min_strided_run(&self) -> u64 {
+        dispatch!(self, f => f.min_strided_run())
     }
 
     fn reset_connections(&self) -> impl Future<Output = ()> + Send + 'static {

@@ -10,6 +10,10 @@
 //!    each write on the lanes that will carry it soonest ([`place`]), splitting it only where that
 //!    makes it land sooner.
 //!
+//! A write's source may be strided ([`Stride`]: equal runs at a constant stride, gathered by the
+//! backend as it copies); such a write is split like any other (each piece's source follows
+//! from [`WriteOp::source_at`]) but never merged.
+//!
 //! Immediates survive both steps with their meaning intact: "this write has fully landed". A run
 //! is merged only while no write before its last carries an immediate, so the merged write carries
 //! at most one (the last one's). A split write still counts once: each backend must count the
@@ -19,6 +23,7 @@
 use super::descriptor::RegionDescriptor;
 use super::error::{FabricError, Result};
 use super::region::Region;
+use super::stride::Stride;
 
 /// Write `len` bytes from `src` at `src_offset` into the remote region `dst` at `dst_offset`,
 /// optionally carrying a 32-bit immediate the receiver counts once the bytes have landed.
@@ -36,6 +41,9 @@ pub struct WriteOp {
     pub dst_offset: u64,
     /// Immediate counted by the receiver's [`ImmCounter`](super::ImmCounter).
     pub imm: Option<u32>,
+    /// How the source bytes lie when they are not one contiguous range from `src_offset`
+    /// (`src_offset` is then the first byte's offset; see [`Stride`]).
+    pub src_stride: Option<Stride>,
 }
 
 impl WriteOp {
@@ -54,6 +62,34 @@ impl WriteOp {
             dst: dst.clone(),
             dst_offset,
             imm: None,
+            src_stride: None,
+        }
+    }
+
+    /// The same write reading its source as `stride` describes (a contiguous layout, one run
+    /// as long as the write, stays plain).
+    pub fn with_stride(mut self, stride: Stride) -> WriteOp {
+        let contiguous = stride.head + self.len <= stride.run;
+        self.src_stride = (!contiguous).then_some(stride);
+        self
+    }
+
+    /// Where the bytes `n` into this write start in the source, and how they lie from there.
+    pub fn source_at(&self, n: u64) -> (u64, Option<Stride>) {
+        match self.src_stride {
+            None => (self.src_offset + n, None),
+            Some(s) => {
+                let (at, s) = s.advance(self.src_offset, n);
+                (at, Some(s))
+            }
+        }
+    }
+
+    /// One past the last source byte this write reads; `None` when that overflows.
+    pub fn source_end(&self) -> Option<u64> {
+        match self.src_stride {
+            None => self.src_offset.checked_add(self.len),
+            Some(s) => s.end(self.src_offset, self.len),
         }
     }
 
@@ -67,11 +103,12 @@ impl WriteOp {
     /// this only catches mistakes early, with a clear message).
     pub fn validate(&self) -> Result<()> {
         let src_len = self.src.len();
-        if self
-            .src_offset
-            .checked_add(self.len)
-            .is_none_or(|end| end > src_len)
-        {
+        if let Some(problem) = self.src_stride.and_then(|s| s.problem()) {
+            return Err(FabricError::Unsupported(format!(
+                "write source layout: {problem}"
+            )));
+        }
+        if self.source_end().is_none_or(|end| end > src_len) {
             return Err(FabricError::LocalOutOfBounds {
                 what: "write source",
                 offset: self.src_offset,
@@ -100,6 +137,8 @@ impl WriteOp {
     /// Whether `next` continues this write on both sides and may be merged into it.
     pub fn can_absorb(&self, next: &WriteOp) -> bool {
         self.imm.is_none()
+            && self.src_stride.is_none()
+            && next.src_stride.is_none()
             && self.src.same_registration(&next.src)
             && self.src_offset.checked_add(self.len) == Some(next.src_offset)
             && self.dst.rkey == next.dst.rkey

@@ -214,6 +214,7 @@ async fn hand_made_frames_on_an_authenticated_lane_change_nothing() {
         addr: a.base + a.len - 63,
         len: 64,
         source: None,
+        stride: None,
     };
     st.write_all(&h.encode()).expect("header");
     st.write_all(&[0x22; 64]).expect("payload");
@@ -238,6 +239,7 @@ async fn hand_made_frames_on_an_authenticated_lane_change_nothing() {
         addr: 0,
         len: 64,
         source: None,
+        stride: None,
     }
     .encode();
     raw[16..24].copy_from_slice(&(u64::MAX - 8).to_le_bytes());
@@ -256,6 +258,7 @@ async fn hand_made_frames_on_an_authenticated_lane_change_nothing() {
         addr: a.base,
         len: 4096,
         source: None,
+        stride: None,
     };
     st.write_all(&h.encode()).expect("header");
     st.write_all(&[0x44; 1000]).expect("partial payload");
@@ -274,6 +277,7 @@ async fn hand_made_frames_on_an_authenticated_lane_change_nothing() {
         addr: a.base + 200,
         len: 64,
         source: Some(bait.as_ptr() as u64),
+        stride: None,
     };
     st.write_all(&pull.encode()).expect("pull header");
     let _ = st.read_to_end(&mut sink);

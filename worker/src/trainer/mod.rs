@@ -294,8 +294,8 @@ pub(crate) struct TrainerState {
     /// Per write of the plan, where it goes (set by `set_destinations`).
     pub write_dst: Vec<WriteDst>,
     /// Per task, when it is written straight from registered source memory (see
-    /// [`direct::direct_source`]): that registration and the byte offset of the task's box in it.
-    pub direct: Vec<Option<(Region, u64)>>,
+    /// [`direct::direct_source`]): that registration and where the task's box lies in it.
+    pub direct: Vec<Option<direct::DirectSource>>,
     /// Per task, when it is prepared reading its shard in place (no H2D copy, see
     /// [`TrainerPlan::in_place_input`]): the byte offset of the task's box in its shard.
     pub in_place: Vec<Option<u64>>,
@@ -352,10 +352,11 @@ impl<F: FabricBackend> TrainerWorker<F> {
         } else {
             None
         };
+        let min_run = fabric.min_strided_run();
         let direct = plan
             .tasks
             .iter()
-            .map(|t| direct::direct_source(&plan, t, source.as_ref(), gather.as_ref()))
+            .map(|t| direct::direct_source(&plan, t, source.as_ref(), gather.as_ref(), min_run))
             .collect();
         let in_place = plan.tasks.iter().map(|t| plan.in_place_input(t)).collect();
         Ok(TrainerWorker {

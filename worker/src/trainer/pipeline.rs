@@ -40,9 +40,10 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
-use weightsync_common::fabric::{FabricBackend, Region, WriteOp};
+use weightsync_common::fabric::{FabricBackend, Region, RegionDescriptor, WriteOp};
 use weightsync_schedules::table::{MeshGroup, WriteTarget};
 
+use super::direct::DirectSource;
 use super::piece::TaskPiece;
 use super::split_meter::{Activity, SplitMeter};
 use super::stages::{prepare_from_source, prepare_piece, stage_input};
@@ -313,8 +314,11 @@ async fn run_piece<F: FabricBackend>(
     if run.failed() {
         return Ok(());
     }
-    let region = run.state.staging.region().clone();
-    piece_write(&run, t, p, &region, lease.offset()).await
+    let source = PieceSource::Staged {
+        region: run.state.staging.region().clone(),
+        at: lease.offset(),
+    };
+    piece_write(&run, t, p, &source).await
 }
 
 /// A piece of a task written straight from registered source memory: its checksums (from the
@@ -324,7 +328,7 @@ async fn piece_direct<F: FabricBackend>(run: &Arc<SyncRun<F>>, t: u32, p: usize)
         return Ok(());
     }
     let st = &run.state;
-    let Some((region, base)) = st.direct[t as usize].clone() else {
+    let Some(direct) = st.direct[t as usize].clone() else {
         return Err(WorkerError::InvalidPlan(format!(
             "task {t} has no registered source"
         )));
@@ -332,42 +336,43 @@ async fn piece_direct<F: FabricBackend>(run: &Arc<SyncRun<F>>, t: u32, p: usize)
     let piece = &st.pieces[t as usize][p];
     let shape = &st.shapes[t as usize];
     // A Copy's prepared bytes are its box's: the piece starts this far into the box.
-    let at = base + shape.grain.elems_before(piece.u0) * shape.out_size;
+    let from = shape.grain.elems_before(piece.u0) * shape.out_size;
     if st.config.verify {
         let job = run.clone();
+        let at = direct.clone();
         let _work = run.meter.begin(Activity::Work, 1);
-        let sums = tokio::task::spawn_blocking(move || direct_checksums(&job, t, p, at))
+        let sums = tokio::task::spawn_blocking(move || direct_checksums(&job, t, p, &at, from))
             .await
             .map_err(|e| stage_panic("checksum", e))??;
         run.checksums.lock().extend(sums);
     }
-    piece_write(run, t, p, &region, at).await?;
+    let source = PieceSource::Direct { direct, from };
+    piece_write(run, t, p, &source).await?;
     run.direct_bytes
         .fetch_add(piece.layout.input, Ordering::Relaxed);
     Ok(())
 }
 
-/// The checksums of a direct piece's runs, read where the source holds them.
+/// The checksums of a direct piece's runs, read where the source holds them (gathered into a
+/// buffer first when the box strides through its shard: checksums are a verification mode).
 fn direct_checksums<F: FabricBackend>(
     run: &SyncRun<F>,
     t: u32,
     p: usize,
-    at: u64,
+    direct: &DirectSource,
+    from: u64,
 ) -> Result<Vec<RunChecksum>> {
     let st = &run.state;
     let piece = &st.pieces[t as usize][p];
+    let len = piece.layout.input;
     let shard = match st.plan.tasks[t as usize].source {
         weightsync_schedules::table::Source::Shard { shard } => shard,
         weightsync_schedules::table::Source::Gather { .. } => {
             // Gathered rows are few; the checksum reads a copy of them.
-            let Some((region, _)) = &st.direct[t as usize] else {
-                return Ok(Vec::new());
-            };
-            let bytes = region
-                .copy_to_vec(at, piece.layout.input as usize)
-                .map_err(|e| {
-                    WorkerError::fabric(format!("task {t}: reading the gather arena"), e)
-                })?;
+            let (at, _) = direct.at(from);
+            let bytes = direct.region.copy_to_vec(at, len as usize).map_err(|e| {
+                WorkerError::fabric(format!("task {t}: reading the gather arena"), e)
+            })?;
             return Ok(run_checksums(st, piece, &bytes));
         }
     };
@@ -376,9 +381,22 @@ fn direct_checksums<F: FabricBackend>(
     };
     let mut sums = Vec::new();
     st.source.read_shard(&st.plan, shard, &mut |bytes: &[u8]| {
+        let (at, stride) = direct.at(from);
         let start = (at - shard_at) as usize;
-        let piece_bytes = &bytes[start.min(bytes.len())..];
-        sums = run_checksums(st, piece, piece_bytes);
+        match stride {
+            Some(s) if s.head + len > s.run => {
+                let mut gathered = Vec::with_capacity(len as usize);
+                for (o, n) in s.segments(start as u64, len) {
+                    let range = o as usize..(o + n) as usize;
+                    gathered.extend_from_slice(bytes.get(range).unwrap_or(&[]));
+                }
+                sums = run_checksums(st, piece, &gathered);
+            }
+            _ => {
+                let piece_bytes = &bytes[start.min(bytes.len())..];
+                sums = run_checksums(st, piece, piece_bytes);
+            }
+        }
         Ok(())
     })?;
     Ok(sums)
@@ -524,14 +542,41 @@ fn run_checksums(st: &TrainerState, piece: &TaskPiece, buf: &[u8]) -> Vec<RunChe
         .collect()
 }
 
+/// Where a piece's prepared bytes are when it is written.
+enum PieceSource {
+    /// In a staging lease, dense from `at`.
+    Staged { region: Region, at: u64 },
+    /// In registered source memory, starting at byte `from` of the task's output.
+    Direct { direct: DirectSource, from: u64 },
+}
+
+impl PieceSource {
+    /// A write of `len` bytes at `offset` into the piece's prepared bytes, to `dst` at
+    /// `dst_offset`.
+    fn op(&self, offset: u64, dst: &RegionDescriptor, dst_offset: u64, len: u64) -> WriteOp {
+        match self {
+            PieceSource::Staged { region, at } => {
+                WriteOp::new(region, at + offset, dst, dst_offset, len)
+            }
+            PieceSource::Direct { direct, from } => {
+                let (at, stride) = direct.at(from + offset);
+                let op = WriteOp::new(&direct.region, at, dst, dst_offset, len);
+                match stride {
+                    Some(s) => op.with_stride(s),
+                    None => op,
+                }
+            }
+        }
+    }
+}
+
 /// WRITE: every part of the piece, each until acknowledged. The last part of a write split over
 /// several pieces carries the immediate and goes only after every earlier part landed.
 async fn piece_write<F: FabricBackend>(
     run: &Arc<SyncRun<F>>,
     t: u32,
     p: usize,
-    region: &Region,
-    base: u64,
+    source: &PieceSource,
 ) -> Result<()> {
     let start = run.rec.now_ns();
     let st = &run.state;
@@ -539,9 +584,8 @@ async fn piece_write<F: FabricBackend>(
     let op_of = |part: &super::piece::Part, with_imm: bool| -> Result<WriteOp> {
         let w = st.plan.writes[part.write as usize];
         let dst = &st.write_dst[part.write as usize];
-        let op = WriteOp::new(
-            region,
-            base + part.staging_offset,
+        let op = source.op(
+            part.staging_offset,
             &dst.desc,
             dst.offset + (part.dst_offset - w.dst_offset),
             part.len,

@@ -1,6 +1,6 @@
 //! Wire format of the TCP backend's lanes: write frames one way, completions the other.
 //!
-//! A write frame is a fixed 48-byte little-endian header, followed by `len` payload bytes for a
+//! A write frame is a fixed 64-byte little-endian header, followed by `len` payload bytes for a
 //! WRITE and by nothing for a PULL (the receiver copies the bytes out of the writer's memory
 //! itself, see `same_host`):
 //!
@@ -15,8 +15,13 @@
 //! | 24..32| len      | payload length                                                 |
 //! | 32..40| write_id | id shared by the parts of one split write (0 otherwise)        |
 //! | 40..48| source   | PULL: the address of the first byte in the writer's memory; WRITE: 0 |
+//! | 48..52| run      | PULL from a strided source: bytes per run; otherwise 0         |
+//! | 52..56| head     | PULL from a strided source: the first byte's place in its run; otherwise 0 |
+//! | 56..64| stride   | PULL from a strided source: bytes from run to run; otherwise 0 |
 //!
-//! A PULL is accepted only on a lane whose handshake agreed on same-host pulls.
+//! A PULL is accepted only on a lane whose handshake agreed on same-host pulls. A PULL whose
+//! source is strided ([`Stride`]) names its layout so that the receiver gathers the runs itself;
+//! a WRITE's payload is already gathered by the writer's `sendmsg`, so it never carries one.
 //!
 //! Only *signalled* frames are answered, with a 24-byte completion that covers every frame since
 //! the previous signalled one on the same lane (selective signalling, as on an RDMA send queue):
@@ -30,13 +35,14 @@
 //! | 8..16 | rkey   | rkey of the first refused frame (0 when status is 0)     |
 //! | 16..24| addr   | address of the first refused frame                       |
 //!
-//! The decoders are total: any 40 or 24 bytes give either a valid value or a [`FrameError`],
+//! The decoders are total: any 64 or 24 bytes give either a valid value or a [`FrameError`],
 //! never a panic (a fuzz target in `common/fuzz` checks this).
 
 use crate::fabric::error::RemoteAccessKind;
+use crate::fabric::stride::Stride;
 
 /// Size of a write-frame header.
-pub const HEADER_LEN: usize = 48;
+pub const HEADER_LEN: usize = 64;
 /// Size of a completion.
 pub const COMPLETION_LEN: usize = 24;
 /// Largest payload of one frame (bigger writes are split into several frames).
@@ -71,6 +77,13 @@ pub enum FrameError {
     StraySource(u64),
     #[error("pull source range overflows (source {start:#x}, len {len})")]
     SourceOverflow { start: u64, len: u64 },
+    #[error("bad strided source (run {run}, head {head}, stride {stride}){why}")]
+    BadStride {
+        run: u32,
+        head: u32,
+        stride: u64,
+        why: &'static str,
+    },
     #[error("bad completion status {status} / kind {kind}")]
     BadCompletion { status: u8, kind: u8 },
 }
@@ -102,6 +115,9 @@ pub struct FrameHeader {
     /// Set for a PULL: where the bytes start in the writer's memory. No payload follows the
     /// header; the receiver copies `len` bytes from there (same host only).
     pub source: Option<u64>,
+    /// Set for a PULL whose source bytes lie as runs at a stride from `source` (never for a
+    /// WRITE: its payload travels gathered).
+    pub stride: Option<Stride>,
 }
 
 impl FrameHeader {
@@ -131,6 +147,12 @@ impl FrameHeader {
         b[24..32].copy_from_slice(&self.len.to_le_bytes());
         b[32..40].copy_from_slice(&self.part.map_or(0, |p| p.write_id).to_le_bytes());
         b[40..48].copy_from_slice(&self.source.unwrap_or(0).to_le_bytes());
+        if let Some(s) = self.stride {
+            // Runs fit 32 bits and the head is inside its run (WriteOp::validate).
+            b[48..52].copy_from_slice(&(s.run as u32).to_le_bytes());
+            b[52..56].copy_from_slice(&(s.head as u32).to_le_bytes());
+            b[56..64].copy_from_slice(&s.stride.to_le_bytes());
+        }
         b
     }
 
@@ -163,8 +185,13 @@ impl FrameHeader {
         let imm_raw = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
         let (rkey, addr, len, write_id) = (u64_at(8), u64_at(16), u64_at(24), u64_at(32));
         let source_raw = u64_at(40);
+        let stride = decode_stride(b, pull)?;
         let source = if pull {
-            if source_raw.checked_add(len).is_none() {
+            let end = match stride {
+                None => source_raw.checked_add(len),
+                Some(s) => s.end(source_raw, len),
+            };
+            if end.is_none() {
                 return Err(FrameError::SourceOverflow {
                     start: source_raw,
                     len,
@@ -205,7 +232,42 @@ impl FrameHeader {
             addr,
             len,
             source,
+            stride,
         })
+    }
+}
+
+/// The strided-source fields of a header: all zero, or (on a PULL only) a valid layout.
+fn decode_stride(b: &[u8; HEADER_LEN], pull: bool) -> Result<Option<Stride>, FrameError> {
+    let run = u32::from_le_bytes([b[48], b[49], b[50], b[51]]);
+    let head = u32::from_le_bytes([b[52], b[53], b[54], b[55]]);
+    let mut a = [0u8; 8];
+    a.copy_from_slice(&b[56..64]);
+    let stride = u64::from_le_bytes(a);
+    let bad = |why| FrameError::BadStride {
+        run,
+        head,
+        stride,
+        why,
+    };
+    if run == 0 {
+        return if head == 0 && stride == 0 {
+            Ok(None)
+        } else {
+            Err(bad(": fields without a run"))
+        };
+    }
+    if !pull {
+        return Err(bad(": only a PULL names its source's layout"));
+    }
+    let s = Stride {
+        run: run.into(),
+        stride,
+        head: head.into(),
+    };
+    match s.problem() {
+        None => Ok(Some(s)),
+        Some(_) => Err(bad("")),
     }
 }
 
@@ -301,6 +363,7 @@ mod tests {
                 addr: 1 << 40,
                 len: 12345,
                 source: None,
+                stride: None,
             },
             FrameHeader {
                 signalled: false,
@@ -310,6 +373,7 @@ mod tests {
                 addr: 0,
                 len: 0,
                 source: None,
+                stride: None,
             },
             FrameHeader {
                 signalled: false,
@@ -319,6 +383,7 @@ mod tests {
                 addr: u64::MAX - MAX_FRAME_PAYLOAD,
                 len: MAX_FRAME_PAYLOAD,
                 source: None,
+                stride: None,
             },
             FrameHeader {
                 signalled: true,
@@ -331,6 +396,7 @@ mod tests {
                 addr: 4096,
                 len: 1 << 20,
                 source: Some(0x7f00_0000_1000),
+                stride: None,
             },
             FrameHeader {
                 signalled: false,
@@ -340,6 +406,7 @@ mod tests {
                 addr: 4096,
                 len: 0,
                 source: Some(0),
+                stride: None,
             },
         ] {
             assert_eq!(FrameHeader::decode(&h.encode()), Ok(h));
@@ -356,6 +423,7 @@ mod tests {
             addr: 100,
             len: 10,
             source: None,
+            stride: None,
         }
         .encode();
         let mut b = good;
@@ -401,6 +469,63 @@ mod tests {
         assert!(matches!(
             FrameHeader::decode(&b),
             Err(FrameError::StrayImm(5))
+        ));
+    }
+
+    #[test]
+    fn strided_pulls_round_trip_and_bad_layouts_are_refused() {
+        let pull = FrameHeader {
+            signalled: false,
+            imm: Some(1),
+            part: None,
+            rkey: 9,
+            addr: 4096,
+            len: 10_000,
+            source: Some(0x7f00_0000_0010),
+            stride: Some(Stride {
+                run: 3072,
+                stride: 6144,
+                head: 16,
+            }),
+        };
+        assert_eq!(FrameHeader::decode(&pull.encode()), Ok(pull));
+        let good = pull.encode();
+        // A WRITE never names a layout.
+        let mut b = good;
+        b[0] = OP_WRITE;
+        b[40..48].fill(0);
+        assert!(matches!(
+            FrameHeader::decode(&b),
+            Err(FrameError::BadStride { .. })
+        ));
+        // Head outside its run, stride shorter than the run, fields without a run.
+        for (at, value) in [(52usize, 3072u64), (56, 3071)] {
+            let mut b = good;
+            let n = if at == 52 { 4 } else { 8 };
+            b[at..at + n].copy_from_slice(&value.to_le_bytes()[..n]);
+            assert!(
+                matches!(FrameHeader::decode(&b), Err(FrameError::BadStride { .. })),
+                "field at {at}"
+            );
+        }
+        let mut b = good;
+        b[48..52].fill(0);
+        assert!(matches!(
+            FrameHeader::decode(&b),
+            Err(FrameError::BadStride { .. })
+        ));
+        // The source range (runs included) must not overflow, nor start before its run.
+        let mut b = good;
+        b[40..48].copy_from_slice(&(u64::MAX - 15_000).to_le_bytes());
+        assert!(matches!(
+            FrameHeader::decode(&b),
+            Err(FrameError::SourceOverflow { .. })
+        ));
+        let mut b = good;
+        b[40..48].copy_from_slice(&8u64.to_le_bytes());
+        assert!(matches!(
+            FrameHeader::decode(&b),
+            Err(FrameError::SourceOverflow { .. })
         ));
     }
 

@@ -4,7 +4,7 @@
 //! middle-sized frames, so the reader keeps them few:
 //! - **Headers are read ahead on a pulling lane.** A header `recv` takes whatever the socket
 //!   holds, up to [`AHEAD`] bytes, into a read-ahead buffer: a writer with a queue sends up to
-//!   32 frames per `sendmsg`, and a run of PULL headers (48 bytes each, no payload) then costs
+//!   32 frames per `sendmsg`, and a run of PULL headers (64 bytes each, no payload) then costs
 //!   one `recv`, not one each. Payload bytes that came along are copied from the buffer into
 //!   the region first. A lane that carries payloads only reads one header at a time: its
 //!   headers come one per payload anyway, and read-ahead would copy payload bytes twice
@@ -33,10 +33,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use super::frame::{Completion, COMPLETION_LEN, HEADER_LEN};
-use super::same_host::{WriterProcess, PULL_CHUNK, PULL_RUN};
+use super::same_host::{WriterProcess, PULL_CHUNK, PULL_IOVS, PULL_RUN};
 use super::socket::{IoFail, LaneSocket, Readiness};
 use super::Shared;
 use crate::fabric::region::RegisteredMemory;
+use crate::fabric::stride::Stride;
 
 /// Largest single `recv` while holding a region's guard.
 const RECV_CHUNK: usize = 8 << 20;
@@ -52,6 +53,20 @@ pub(super) const AHEAD: usize = PULL_RUN * HEADER_LEN;
 /// hear of them.
 const ACK_BATCH: usize = 16;
 const ACK_BATCH_BYTES: u64 = 256 << 10;
+
+/// One PULL frame of a run: where it lands in the region, how long it is, and where its bytes
+/// lie in the writer's memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct PullRange {
+    /// Offset in the registration.
+    pub offset: u64,
+    /// Bytes.
+    pub len: u64,
+    /// Address of the first byte in the writer.
+    pub source: u64,
+    /// Set when the source is strided (the frame's runs are gathered by the copy).
+    pub stride: Option<Stride>,
+}
 
 /// How a payload ended up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -270,9 +285,9 @@ impl<'a> InboundLane<'a> {
         Ok(Landing::Landed)
     }
 
-    /// Lands a run of PULL frames into `memory`: `frames[i]` is `(offset, len, source)`, each
-    /// checked against the registration by the caller, copied from `source` in the writer's
-    /// memory. One `process_vm_readv` per [`PULL_CHUNK`] bytes and [`PULL_RUN`] frames at most,
+    /// Lands a run of PULL frames into `memory`, each checked against the registration by the
+    /// caller, copied from where its bytes lie in the writer's memory. One `process_vm_readv`
+    /// per [`PULL_CHUNK`] bytes, [`PULL_RUN`] frames and [`PULL_IOVS`] source ranges at most,
     /// each under the region's revocation guard and after checking that the writer has not
     /// reset the lane (its source pins may be gone once it has). If the region is revoked
     /// part-way, stops at once and returns `Revoked` for the run; nothing is on the wire to
@@ -280,17 +295,18 @@ impl<'a> InboundLane<'a> {
     pub fn pull(
         &mut self,
         memory: &RegisteredMemory,
-        frames: &[(u64, u64, u64)],
+        frames: &[PullRange],
         writer: WriterProcess,
     ) -> Result<Landing, IoFail> {
         // Landing tickets only where the owner keeps a landing log (no allocation otherwise).
         let _logged: Vec<_> = frames
             .iter()
-            .filter_map(|&(offset, len, _)| memory.landing(offset, len))
+            .filter_map(|f| memory.landing(f.offset, f.len))
             .collect();
         // Frame `at` has `done` of its bytes landed; every frame before it is whole.
         let (mut at, mut done) = (0usize, 0u64);
-        let mut pieces = [(std::ptr::null_mut::<u8>(), 0u64, 0usize); PULL_RUN];
+        let mut local: Vec<(*mut u8, usize)> = Vec::with_capacity(frames.len().min(PULL_RUN));
+        let mut remote: Vec<(u64, usize)> = Vec::with_capacity(frames.len().min(PULL_RUN));
         loop {
             skip_whole(frames, &mut at, &mut done, 0);
             if at == frames.len() {
@@ -302,31 +318,46 @@ impl<'a> InboundLane<'a> {
             let Some(live) = memory.live() else {
                 return Ok(Landing::Revoked);
             };
-            let (mut n, mut budget) = (0, PULL_CHUNK as u64);
+            local.clear();
+            remote.clear();
+            let mut budget = PULL_CHUNK as u64;
             let (mut i, mut d) = (at, done);
-            while i < frames.len() && n < PULL_RUN && budget > 0 {
-                let (offset, len, source) = frames[i];
-                let want = (len - d).min(budget);
-                if want > 0 {
-                    // SAFETY: the registration table checked offset + len <= region length and
-                    // d + want <= len, so the range lies inside the region; the live guard keeps
-                    // revocation from happening during the call below, and the memory outlives
-                    // the guard (Arc).
-                    let dst = unsafe { live.as_ptr().add((offset + d) as usize) };
-                    pieces[n] = (dst, source + d, want as usize);
-                    n += 1;
-                    budget -= want;
+            while i < frames.len() && local.len() < PULL_RUN && budget > 0 {
+                let f = frames[i];
+                let mut want = (f.len - d).min(budget);
+                match f.stride {
+                    None => remote.push((f.source + d, want as usize)),
+                    Some(s) => {
+                        let (from, s) = s.advance(f.source, d);
+                        let room = (PULL_IOVS - remote.len()) as u64;
+                        want = want.min(s.bytes_in(room));
+                        remote.extend(s.segments(from, want).map(|(a, n)| (a, n as usize)));
+                    }
                 }
-                (i, d) = if d + want == len {
+                if want == 0 {
+                    break; // no source range left in this call
+                }
+                // SAFETY: the registration table checked offset + len <= region length and
+                // d + want <= len, so the range lies inside the region; the live guard keeps
+                // revocation from happening during the call below, and the memory outlives
+                // the guard (Arc).
+                let dst = unsafe { live.as_ptr().add((f.offset + d) as usize) };
+                local.push((dst, want as usize));
+                budget -= want;
+                (i, d) = if d + want == f.len {
                     (i + 1, 0)
                 } else {
                     (i, d + want)
                 };
+                if remote.len() == PULL_IOVS {
+                    break;
+                }
             }
-            // SAFETY: each piece lies inside the live region (above) and no Rust reference to
-            // region memory exists; two frames aimed at the same bytes only mean that the later
-            // one's bytes win, as with two payloads. Only the writer's memory is read.
-            let got = unsafe { writer.pull_run(&pieces[..n]) };
+            // SAFETY: each local range lies inside the live region (above) and no Rust
+            // reference to region memory exists; two frames aimed at the same bytes only mean
+            // that the later one's bytes win, as with two payloads. Only the writer's memory is
+            // read.
+            let got = unsafe { writer.pull_run(&local, &remote) };
             drop(live);
             self.shared.stats.pull_calls.fetch_add(1, Ordering::Relaxed);
             match got {
@@ -395,10 +426,10 @@ impl<'a> InboundLane<'a> {
 }
 
 /// Moves the cursor (`at`, `done`: frame `at` has `done` bytes landed) `n` bytes further
-/// through `frames` (`(offset, len, source)`), past every frame that is then whole.
-fn skip_whole(frames: &[(u64, u64, u64)], at: &mut usize, done: &mut u64, mut n: u64) {
+/// through `frames`, past every frame that is then whole.
+fn skip_whole(frames: &[PullRange], at: &mut usize, done: &mut u64, mut n: u64) {
     while *at < frames.len() {
-        let left = frames[*at].1 - *done;
+        let left = frames[*at].len - *done;
         if left > n {
             *done += n;
             return;

@@ -37,6 +37,7 @@ use super::Shared;
 use crate::fabric::descriptor::Endpoint;
 use crate::fabric::error::{FabricError, Result};
 use crate::fabric::region::{Region, SourcePin};
+use crate::fabric::stride::Stride;
 
 /// Frames sent per `sendmsg` at most (two segments each).
 const FRAMES_PER_SEND: usize = 32;
@@ -47,6 +48,8 @@ pub(super) struct OutFrame {
     pub header: FrameHeader,
     pub src: Region,
     pub src_offset: u64,
+    /// How the payload lies in the source when it is not one range from `src_offset`.
+    pub src_stride: Option<Stride>,
     /// The destination region's base, to turn a refused address back into an offset.
     pub dst_base: u64,
 }
@@ -462,6 +465,7 @@ fn mark_pulls(frames: &mut [OutFrame]) -> Vec<SourcePin> {
             }
         }
         f.header.source = Some(memory.as_ptr() as u64 + f.src_offset);
+        f.header.stride = f.src_stride;
     }
     pins
 }
@@ -484,10 +488,16 @@ fn send_window(
         if f.header.wire_payload() > 0 {
             // wrapping_add: the pointer is only dereferenced by sendmsg, under the live guard,
             // and the range was validated against the source region before queueing.
-            segs.push((
-                base.wrapping_add(f.src_offset as usize),
-                f.header.len as usize,
-            ));
+            match f.src_stride {
+                None => segs.push((
+                    base.wrapping_add(f.src_offset as usize),
+                    f.header.len as usize,
+                )),
+                Some(s) => segs.extend(
+                    s.segments(f.src_offset, f.header.len)
+                        .map(|(at, n)| (base.wrapping_add(at as usize), n as usize)),
+                ),
+            }
         }
     }
     // The bytes are counted before they are handed to the socket, and what a failure left

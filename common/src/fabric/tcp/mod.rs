@@ -339,6 +339,7 @@ impl TcpFabric {
             });
             for (lane, off, len) in pieces {
                 loads[lane] += len + frame::HEADER_LEN as u64;
+                let (src_offset, src_stride) = op.source_at(off);
                 frames[lane].push(OutFrame {
                     header: FrameHeader {
                         signalled: false,
@@ -348,9 +349,11 @@ impl TcpFabric {
                         addr: op.dst.base + op.dst_offset + off,
                         len,
                         source: None,
+                        stride: None,
                     },
                     src: op.src.clone(),
-                    src_offset: op.src_offset + off,
+                    src_offset,
+                    src_stride,
                     dst_base: op.dst.base,
                 });
             }
@@ -420,6 +423,14 @@ impl FabricBackend for TcpFabric {
 
     fn lanes_per_peer(&self) -> usize {
         self.inner.shared.config.lanes_per_peer
+    }
+
+    fn min_strided_run(&self) -> u64 {
+        if self.inner.shared.config.same_host {
+            same_host::MIN_STRIDED_RUN
+        } else {
+            1
+        }
     }
 
     fn expect_peers(&self, peers: usize) {
@@ -492,6 +503,7 @@ impl FabricBackend for TcpFabric {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fabric::Stride;
     use futures::FutureExt;
 
     #[tokio::test]
@@ -560,6 +572,43 @@ mod tests {
         src.deregister();
     }
 
+    #[tokio::test]
+    async fn strided_sources_are_pulled_gathered_with_few_calls() {
+        if same_host::boot_id().is_none() {
+            return; // no boot id here: pulls are never offered
+        }
+        let config = FabricConfig::loopback("unit", 2);
+        let a = TcpFabric::start(&config).await.unwrap();
+        let b = TcpFabric::start(&config).await.unwrap();
+        let len = 4 << 20;
+        let src = a.alloc(len, Access::SOURCE).unwrap();
+        let data: Vec<u8> = (0..len).map(|i| (i * 7 + i / 3000) as u8).collect();
+        src.write_at(0, &data).unwrap();
+        let dst = b.alloc(len, Access::RECEIVE).unwrap();
+        // The left half of each 6000-byte row: 300 rows of 3000 bytes, 900 000 bytes.
+        let layout = Stride::new(3000, 6000);
+        let n = 300 * 3000;
+        a.write(
+            WriteOp::new(&src, 0, dst.descriptor(), 0, n)
+                .with_stride(layout)
+                .with_imm(4),
+        )
+        .await
+        .unwrap();
+        b.imm_counter().expect(4, 1).await.unwrap();
+        let got = dst.to_vec().unwrap();
+        let want: Vec<u8> = layout
+            .segments(0, n)
+            .flat_map(|(o, k)| data[o as usize..(o + k) as usize].iter().copied())
+            .collect();
+        assert_eq!(got[..n as usize], want[..]);
+        let stats = b.stats();
+        assert_eq!(stats.bytes_pulled, n, "every strided byte was pulled");
+        // One call per frame and at most 1024 runs each, not one per run.
+        assert!(stats.pull_calls <= 4, "{stats:?}");
+        assert!(a.stats().bytes_sent < 4096, "{:?}", a.stats());
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn pull_headers_that_arrive_together_land_in_runs() {
         use std::io::{Read, Write};
@@ -597,6 +646,7 @@ mod tests {
             addr: d.base + at_dst,
             len,
             source,
+            stride: None,
         };
         // One send: two pulls into A, a pull past A's end (refused), a payload frame into A,
         // two pulls into C, one more into A.

@@ -28,7 +28,7 @@ use std::sync::Arc;
 use super::frame::HEADER_LEN;
 use super::frame::{Completion, FrameHeader};
 use super::handshake::{server_handshake, Accepted};
-use super::inbound::{InboundLane, Landing, AHEAD};
+use super::inbound::{InboundLane, Landing, PullRange, AHEAD};
 use super::same_host::{PULL_RUN, PULL_RUN_BYTES};
 use super::socket::{wait_fd, IoFail, LaneSocket, Readiness};
 use super::Shared;
@@ -134,10 +134,9 @@ fn receive_frames(
         since_signal: 0,
         first_error: None,
     };
-    // The PULL frames of one run: their headers, and (offset in the region, length, source in
-    // the writer) of each.
+    // The PULL frames of one run: their headers, and where each lands and comes from.
     let mut run: Vec<FrameHeader> = Vec::with_capacity(PULL_RUN);
-    let mut ranges: Vec<(u64, u64, u64)> = Vec::with_capacity(PULL_RUN);
+    let mut ranges: Vec<PullRange> = Vec::with_capacity(PULL_RUN);
     loop {
         let Some(hdr) = lane.read_header()? else {
             // A clean close between frames is the normal end of a lane.
@@ -183,7 +182,12 @@ fn receive_frames(
         run.clear();
         ranges.clear();
         run.push(header);
-        ranges.push((offset, header.len, source));
+        ranges.push(PullRange {
+            offset,
+            len: header.len,
+            source,
+            stride: header.stride,
+        });
         let mut bytes = header.len;
         while run.len() < PULL_RUN {
             let Some(next) = lane
@@ -202,7 +206,12 @@ fn receive_frames(
             lane.skip_header();
             bytes += next.len;
             run.push(next);
-            ranges.push((offset, next.len, source));
+            ranges.push(PullRange {
+                offset,
+                len: next.len,
+                source,
+                stride: next.stride,
+            });
         }
         let landing = lane.pull(&reg.memory, &ranges, writer);
         let landing = landed_or_torn(landing, &run, sock, shared)?;

@@ -429,6 +429,7 @@ mod tests {
             lane,
             local_addr,
             lkey: 1,
+            stride: None,
             len: 8,
             remote_addr: local_addr,
             rkey: 2,

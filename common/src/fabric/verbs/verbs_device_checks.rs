@@ -58,8 +58,8 @@ mod tests {
         let ctx = VerbsContext::open(&settings).unwrap();
         let pd = VerbsPd::new(&ctx).unwrap();
         let (writer, receiver) = (
-            VerbsQp::new(&pd, 512, 1).unwrap(),
-            VerbsQp::new(&pd, 1, 8).unwrap(),
+            VerbsQp::new(&pd, 512, 1, 1).unwrap(),
+            VerbsQp::new(&pd, 1, 8, 1).unwrap(),
         );
         for qp in [&writer, &receiver] {
             qp.modify(&to_init(ctx.port().port), "RESET->INIT").unwrap();
@@ -89,6 +89,7 @@ mod tests {
                     lane: 0,
                     local_addr: src.addr() + i * 4096,
                     lkey: src.lkey(),
+                    stride: None,
                     len: 4096,
                     remote_addr: dst.addr() + i * 4096,
                     rkey: dst.rkey(),

@@ -35,7 +35,7 @@ use super::verbs_qp::VerbsQp;
 use super::verbs_qp_attr::{to_error, to_init, to_rtr, to_rts};
 use super::verbs_registry::{RegistrationKey, Registry};
 use super::verbs_settings::VerbsSettings;
-use super::verbs_wr::{plan_pieces, ResolvedOp, WritePiece};
+use super::verbs_wr::{plan_pieces, ResolvedOp, WrLimits, WritePiece};
 
 /// The verbs fabric of one process (cheap to clone).
 #[derive(Debug, Clone)]
@@ -307,10 +307,7 @@ impl Inner {
                 rkey: op.src.rkey(),
             });
         };
-        let in_bounds = op
-            .src_offset
-            .checked_add(op.len)
-            .is_some_and(|end| end <= region_len);
+        let in_bounds = op.source_end().is_some_and(|end| end <= region_len);
         if !in_bounds {
             return Err(FabricError::LocalOutOfBounds {
                 what: "write source",
@@ -340,6 +337,7 @@ impl Inner {
             rkey,
             len: op.len,
             imm: op.imm,
+            stride: op.src_stride,
         })
     }
 }

@@ -11,6 +11,9 @@
 
 use super::verbs_settings::{SettingsError, VerbsSettings};
 
+/// Scatter/gather entries per send WR the backend asks for where the device allows them.
+pub const SEND_SGE: u32 = 16;
+
 /// What the device allows (the parts the backend uses).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DeviceLimits {
@@ -37,8 +40,20 @@ impl DeviceLimits {
         max_msg_size: 0,
     };
 
+    /// Scatter/gather entries a send queue pair asks for: up to [`SEND_SGE`], never more than
+    /// the device has (one where it reports none). A write from a strided source gathers this
+    /// many runs per WR; more entries per WR cost the NIC a longer WQE fetch for every WR, so
+    /// the number stays moderate.
+    pub fn send_sge(&self) -> u32 {
+        match self.max_sge {
+            0 => 1,
+            n => n.min(SEND_SGE),
+        }
+    }
+
     /// Checks the depths of `settings` against the device: each queue pair has `send_depth` (or
-    /// `recv_depth`) WRs and one CQ of `send_depth + recv_depth` entries, with one SGE per WR.
+    /// `recv_depth`) WRs and one CQ of `send_depth + recv_depth` entries, with at least one SGE
+    /// per WR.
     /// A limit the device reports as 0 is not checked.
     pub fn check(&self, settings: &VerbsSettings, device: &str) -> Result<(), SettingsError> {
         let over = |field: &'static str, value: u64, limit: u64, what: &str| SettingsError {

@@ -159,7 +159,7 @@ impl Listener {
         writer: QpEndpoint,
     ) -> Result<(QpEndpoint, ReceiverGuard), String> {
         let s = &self.settings;
-        let qp = VerbsQp::new(&self.pd, 1, s.recv_depth).map_err(|e| e.to_string())?;
+        let qp = VerbsQp::new(&self.pd, 1, s.recv_depth, 1).map_err(|e| e.to_string())?;
         qp.modify(&to_init(self.port.port), "RESET->INIT")
             .map_err(|e| e.to_string())?;
         qp.post_recvs(s.recv_depth as usize)

@@ -42,11 +42,13 @@ unsafe impl Send for VerbsQp {}
 unsafe impl Sync for VerbsQp {}
 
 impl VerbsQp {
-    /// Creates an RC QP with `send_depth` send and `recv_depth` receive slots, and a CQ for both.
+    /// Creates an RC QP with `send_depth` send and `recv_depth` receive slots, `send_sge`
+    /// scatter/gather entries per send WR, and a CQ for both.
     pub fn new(
         pd: &Arc<VerbsPd>,
         send_depth: u32,
         recv_depth: u32,
+        send_sge: u32,
     ) -> Result<Arc<VerbsQp>, FabricError> {
         let cq = VerbsCq::new(pd.context(), send_depth + recv_depth)?;
         let mut init = ffi::ibv_qp_init_attr {
@@ -57,7 +59,7 @@ impl VerbsQp {
             cap: ffi::ibv_qp_cap {
                 max_send_wr: send_depth,
                 max_recv_wr: recv_depth,
-                max_send_sge: 1,
+                max_send_sge: send_sge.max(1),
                 max_recv_sge: 1,
                 max_inline_data: 0,
             },
@@ -71,7 +73,7 @@ impl VerbsQp {
         if qp.is_null() {
             let e = std::io::Error::last_os_error();
             return Err(FabricError::io(
-                format!("ibv_create_qp(RC, send {send_depth}, recv {recv_depth})"),
+                format!("ibv_create_qp(RC, send {send_depth}, recv {recv_depth}, sge {send_sge})"),
                 e,
             ));
         }

@@ -10,15 +10,21 @@
 //!   immediate on all lanes and a *deferred* tail piece with the immediate, posted only after
 //!   every body piece completed.
 //!
+//! - a write from a strided source ([`Stride`]) gathers its runs with one scatter/gather entry
+//!   each; a WR takes at most the queue pair's `max_sge` of them, so such a write is cut into as
+//!   many WRs as its runs need, all on its lane (the immediate on the last, as above).
+//!
 //! [`SendChain`] then links a lane's WRs into one list so that one `ibv_post_send` (one doorbell,
 //! one MMIO write to the NIC) posts several of them.
 
 use ibverbs_sys as ffi;
 
+use crate::fabric::stride::Stride;
+
 /// One op after local and remote resolution (plain data: addresses and keys).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ResolvedOp {
-    /// Local source address.
+    /// Local source address (of the first byte).
     pub local_addr: u64,
     /// lkey of the source registration.
     pub lkey: u32,
@@ -30,6 +36,8 @@ pub struct ResolvedOp {
     pub len: u64,
     /// Immediate.
     pub imm: Option<u32>,
+    /// How the source bytes lie from `local_addr` when they are not contiguous.
+    pub stride: Option<Stride>,
 }
 
 /// One work request to post.
@@ -39,10 +47,13 @@ pub struct WritePiece {
     pub op: usize,
     /// Lane (queue pair index of the peer).
     pub lane: usize,
-    /// Local source address.
+    /// Local source address (of the first byte).
     pub local_addr: u64,
     /// lkey.
     pub lkey: u32,
+    /// How the source bytes lie from `local_addr` when they are not contiguous (their runs
+    /// then fit the WR's scatter/gather entries).
+    pub stride: Option<Stride>,
     /// Bytes (fits the port's maximum message size).
     pub len: u32,
     /// Remote destination address.
@@ -66,17 +77,29 @@ pub struct PiecePlan {
     pub deferred: Vec<WritePiece>,
 }
 
+/// The most a WR may carry: the port's maximum message size, and scatter/gather entries per WR.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WrLimits {
+    /// Bytes per WR (the smaller of both sides' `max_msg_sz`).
+    pub max_msg: u64,
+    /// Scatter/gather entries per send WR (the queue pairs' `max_send_sge`).
+    pub max_sge: u32,
+}
+
 /// Plans the WRs of `ops` over `lanes` lanes. `first_lane` rotates the round-robin start between
-/// batches; `max_msg` is the port's maximum message size.
+/// batches.
 pub fn plan_pieces(
     ops: &[ResolvedOp],
     lanes: usize,
     stripe_min: u64,
-    max_msg: u64,
+    limits: WrLimits,
     first_lane: usize,
 ) -> PiecePlan {
     let lanes = lanes.max(1);
-    let max_msg = max_msg.clamp(1, u64::from(u32::MAX));
+    let limits = WrLimits {
+        max_msg: limits.max_msg.clamp(1, u64::from(u32::MAX)),
+        max_sge: limits.max_sge.max(1),
+    };
     let mut plan = PiecePlan::default();
     let mut next_lane = first_lane % lanes;
     for (index, op) in ops.iter().enumerate() {
@@ -98,7 +121,7 @@ pub fn plan_pieces(
                 0,
                 op.len,
                 op.imm,
-                max_msg,
+                limits,
             );
             next_lane = (next_lane + 1) % lanes;
             continue;
@@ -114,7 +137,7 @@ pub fn plan_pieces(
             let stripes = super::super::op::stripe(body_len, lanes, stripe_min, 4096);
             for (k, (offset, len)) in stripes.into_iter().enumerate() {
                 let lane = (next_lane + k) % lanes;
-                push_split(&mut plan.now, index, lane, op, offset, len, None, max_msg);
+                push_split(&mut plan.now, index, lane, op, offset, len, None, limits);
             }
         }
         if let Some((offset, len, imm)) = tail {
@@ -126,7 +149,7 @@ pub fn plan_pieces(
                 offset,
                 len,
                 Some(imm),
-                max_msg,
+                limits,
             );
         }
         next_lane = (next_lane + 1) % lanes;
@@ -142,11 +165,19 @@ fn piece(
     len: u32,
     imm: Option<u32>,
 ) -> WritePiece {
+    let (local_addr, stride) = match op.stride {
+        None => (op.local_addr + offset, None),
+        Some(s) => {
+            let (at, s) = s.advance(op.local_addr, offset);
+            (at, (s.head + u64::from(len) > s.run).then_some(s))
+        }
+    };
     WritePiece {
         op: op_index,
         lane,
-        local_addr: op.local_addr + offset,
+        local_addr,
         lkey: op.lkey,
+        stride,
         len,
         remote_addr: op.remote_addr + offset,
         rkey: op.rkey,
@@ -154,8 +185,9 @@ fn piece(
     }
 }
 
-/// Pushes `[offset, offset + len)` of `op` as pieces of at most `max_msg` bytes on one lane; the
-/// immediate goes on the last one (RC places a lane's writes in order).
+/// Pushes `[offset, offset + len)` of `op` as pieces of at most `max_msg` bytes (and, from a
+/// strided source, `max_sge` runs) on one lane; the immediate goes on the last one (RC places a
+/// lane's writes in order).
 #[allow(clippy::too_many_arguments)]
 fn push_split(
     out: &mut Vec<WritePiece>,
@@ -165,11 +197,15 @@ fn push_split(
     offset: u64,
     len: u64,
     imm: Option<u32>,
-    max_msg: u64,
+    limits: WrLimits,
 ) {
     let mut done = 0;
     while done < len {
-        let n = (len - done).min(max_msg);
+        let mut n = (len - done).min(limits.max_msg);
+        if let Some(s) = op.stride {
+            let (_, here) = s.advance(op.local_addr, offset + done);
+            n = n.min(here.bytes_in(u64::from(limits.max_sge)));
+        }
         let last = done + n == len;
         out.push(piece(
             op_index,
@@ -201,22 +237,40 @@ impl std::fmt::Debug for SendChain {
 }
 
 impl SendChain {
-    /// Builds the chain: `(piece, wr_id, signalled)` per WR, in posting order.
+    /// Builds the chain: `(piece, wr_id, signalled)` per WR, in posting order. A piece from a
+    /// strided source gets one scatter/gather entry per run.
     pub fn new(items: &[(WritePiece, u64, bool)]) -> SendChain {
-        let mut sges: Box<[ffi::ibv_sge]> = items
-            .iter()
-            .map(|(p, _, _)| ffi::ibv_sge {
-                addr: p.local_addr,
-                length: p.len,
-                lkey: p.lkey,
-            })
-            .collect();
+        // Where each WR's entries start in `sges`, and how many it has.
+        let mut spans = Vec::with_capacity(items.len());
+        let mut sges: Vec<ffi::ibv_sge> = Vec::with_capacity(items.len());
+        for (p, _, _) in items {
+            let first = sges.len();
+            let len = u64::from(p.len);
+            match p.stride {
+                None if len > 0 => sges.push(ffi::ibv_sge {
+                    addr: p.local_addr,
+                    length: p.len,
+                    lkey: p.lkey,
+                }),
+                None => {}
+                Some(s) => sges.extend(s.segments(p.local_addr, len).map(|(addr, n)| {
+                    ffi::ibv_sge {
+                        addr,
+                        // A run is at most Stride::MAX_RUN bytes, and a piece at most u32::MAX.
+                        length: n as u32,
+                        lkey: p.lkey,
+                    }
+                })),
+            }
+            spans.push((first, sges.len() - first));
+        }
+        let mut sges = sges.into_boxed_slice();
         let mut wrs: Box<[ffi::ibv_send_wr]> = items
             .iter()
             .map(|(p, wr_id, signalled)| {
                 let mut wr = ffi::ibv_send_wr {
                     wr_id: *wr_id,
-                    num_sge: if p.len == 0 { 0 } else { 1 },
+                    num_sge: 0,
                     opcode: if p.imm.is_some() {
                         ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM
                     } else {
@@ -241,11 +295,13 @@ impl SendChain {
         let n = wrs.len();
         let wr_base = wrs.as_mut_ptr();
         for (i, wr) in wrs.iter_mut().enumerate() {
-            wr.sg_list = if items[i].0.len == 0 {
+            let (first, count) = spans[i];
+            wr.num_sge = count as i32;
+            wr.sg_list = if count == 0 {
                 std::ptr::null_mut()
             } else {
                 // Pointer arithmetic inside the boxed slice; no dereference here.
-                sges.as_mut_ptr().wrapping_add(i)
+                sges.as_mut_ptr().wrapping_add(first)
             };
             wr.next = if i + 1 < n {
                 wr_base.wrapping_add(i + 1)
@@ -311,6 +367,14 @@ mod tests {
             rkey: 22,
             len,
             imm,
+            stride: None,
+        }
+    }
+
+    fn limits(max_msg: u64) -> WrLimits {
+        WrLimits {
+            max_msg,
+            max_sge: 16,
         }
     }
 
@@ -331,7 +395,7 @@ mod tests {
     #[test]
     fn small_writes_round_robin_whole_with_their_immediate() {
         let ops = [op(100, Some(1)), op(200, None), op(300, Some(3))];
-        let plan = plan_pieces(&ops, 2, 1 << 20, 1 << 31, 1);
+        let plan = plan_pieces(&ops, 2, 1 << 20, limits(1 << 31), 1);
         assert!(plan.deferred.is_empty());
         let lanes: Vec<usize> = plan.now.iter().map(|p| p.lane).collect();
         assert_eq!(lanes, vec![1, 0, 1]);
@@ -343,7 +407,7 @@ mod tests {
     #[test]
     fn striped_write_defers_a_tail_with_the_immediate() {
         let o = op(4 << 20, Some(9));
-        let plan = plan_pieces(&[o], 4, 256 << 10, 1 << 31, 0);
+        let plan = plan_pieces(&[o], 4, 256 << 10, limits(1 << 31), 0);
         assert!(plan.now.iter().all(|p| p.imm.is_none()));
         let body_lanes: std::collections::BTreeSet<usize> =
             plan.now.iter().map(|p| p.lane).collect();
@@ -362,7 +426,7 @@ mod tests {
     #[test]
     fn striped_write_without_immediate_has_no_deferred_part() {
         let o = op(1 << 20, None);
-        let plan = plan_pieces(&[o], 2, 256 << 10, 1 << 31, 0);
+        let plan = plan_pieces(&[o], 2, 256 << 10, limits(1 << 31), 0);
         assert!(plan.deferred.is_empty());
         let all: Vec<&WritePiece> = plan.now.iter().collect();
         assert_eq!(covered(&all, &o), 1 << 20);
@@ -371,7 +435,7 @@ mod tests {
     #[test]
     fn pieces_respect_the_max_message_size_and_keep_imm_last() {
         let o = op(10_000, Some(5));
-        let plan = plan_pieces(&[o], 1, 0, 4096, 0);
+        let plan = plan_pieces(&[o], 1, 0, limits(4096), 0);
         assert_eq!(plan.now.len(), 3);
         assert!(plan.now.iter().all(|p| p.len <= 4096 && p.lane == 0));
         assert_eq!(plan.now.iter().filter(|p| p.imm.is_some()).count(), 1);
@@ -382,9 +446,52 @@ mod tests {
 
     #[test]
     fn zero_length_ops_send_only_an_immediate() {
-        let plan = plan_pieces(&[op(0, None), op(0, Some(4))], 2, 0, 1 << 31, 0);
+        let plan = plan_pieces(&[op(0, None), op(0, Some(4))], 2, 0, limits(1 << 31), 0);
         assert_eq!(plan.now.len(), 1);
         assert_eq!((plan.now[0].len, plan.now[0].imm), (0, Some(4)));
+    }
+
+    #[test]
+    fn strided_writes_gather_their_runs_within_the_sge_limit() {
+        // Runs of 3000 bytes every 8192, starting 1000 bytes into a run: 40 000 bytes.
+        let s = Stride {
+            run: 3000,
+            stride: 8192,
+            head: 1000,
+        };
+        let o = ResolvedOp {
+            stride: Some(s),
+            ..op(40_000, Some(7))
+        };
+        let lim = WrLimits {
+            max_msg: 1 << 31,
+            max_sge: 4,
+        };
+        // Short of the stripe threshold: every WR on one lane, the immediate on the last.
+        let plan = plan_pieces(&[o], 2, 1 << 20, lim, 0);
+        assert!(plan.deferred.is_empty());
+        let all: Vec<&WritePiece> = plan.now.iter().collect();
+        assert_eq!(covered(&all, &o), 40_000);
+        assert!(plan.now.iter().all(|p| p.lane == plan.now[0].lane));
+        assert_eq!(plan.now.iter().filter(|p| p.imm.is_some()).count(), 1);
+        assert_eq!(plan.now.last().unwrap().imm, Some(7));
+        let items: Vec<(WritePiece, u64, bool)> = plan.now.iter().map(|&p| (p, 0, false)).collect();
+        let chain = SendChain::new(&items);
+        // Every source byte, in order, from the WRs' scatter/gather lists.
+        let mut bytes = Vec::new();
+        for wr in chain.wrs() {
+            assert!((1..=4).contains(&wr.num_sge), "{}", wr.num_sge);
+            for k in 0..wr.num_sge as usize {
+                // SAFETY: sg_list points at num_sge entries of the chain's own SGE slice.
+                let sge = unsafe { *wr.sg_list.add(k) };
+                bytes.extend(sge.addr..sge.addr + u64::from(sge.length));
+            }
+        }
+        let want: Vec<u64> = s
+            .segments(o.local_addr, o.len)
+            .flat_map(|(a, n)| a..a + n)
+            .collect();
+        assert_eq!(bytes, want);
     }
 
     #[test]
@@ -395,6 +502,7 @@ mod tests {
                 lane: 0,
                 local_addr: 0x1000,
                 lkey: 1,
+                stride: None,
                 len: 64,
                 remote_addr: 0x2000,
                 rkey: 2,
@@ -405,6 +513,7 @@ mod tests {
                 lane: 0,
                 local_addr: 0x1040,
                 lkey: 1,
+                stride: None,
                 len: 0,
                 remote_addr: 0x2040,
                 rkey: 2,

@@ -48,7 +48,7 @@ impl Inner {
     /// Connects lane `index` to `peer`; returns it and the largest message both sides carry.
     async fn connect_lane(&self, peer: &Endpoint, index: usize) -> Result<(Arc<Lane>, u64)> {
         let s = &self.settings;
-        let qp = VerbsQp::new(&self.pd, s.send_depth, 1)?;
+        let qp = VerbsQp::new(&self.pd, s.send_depth, 1, self.port.limits.send_sge())?;
         qp.modify(&to_init(self.port.port), "RESET->INIT")?;
         let ours = QpEndpoint {
             qp_num: qp.qp_num(),

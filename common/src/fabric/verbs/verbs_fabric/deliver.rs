@@ -284,7 +284,10 @@ impl Inner {
             &resolved,
             self.config.lanes_per_peer,
             self.config.stripe_min_bytes,
-            max_msg,
+            WrLimits {
+                max_msg,
+                max_sge: self.port.limits.send_sge(),
+            },
             first,
         );
         self.deliver(peer, ops, &resolved, plan.now, generation)
