@@ -593,6 +593,38 @@ impl TrainerPlan {
         (offset + sub.numel() * from.size() as u64 <= s.bytes()).then_some(offset)
     }
 
+    /// Where an fp8 task whose box is a column slice reads its rows in place: `(offset, pitch)`
+    /// in bytes, the offset of the box's first element in its shard and the distance from one
+    /// row's start to the next (the shard's row length; the box's rows are its last dim). The
+    /// quantisation kernel reads rows that far apart where they lie, so such a task needs no
+    /// copy into staging first either. `None` where [`Self::in_place_input`] answers (a
+    /// contiguous box), for other transforms, and where the box's rows are not evenly spaced
+    /// or not in the input dtype.
+    pub fn in_place_rows(&self, task: &Task) -> Option<(u64, u64)> {
+        let Transform::Fp8Block { from, .. } = task.transform else {
+            return None;
+        };
+        let Source::Shard { shard } = task.source else {
+            return None;
+        };
+        let s = self.shards.get(shard as usize)?;
+        let sub = self.source_box(task)?;
+        let dims = s.global.shape();
+        let n = sub.ndim as usize;
+        if s.dtype != from || n == 0 || sub.is_contiguous_in(dims.dims()) {
+            return None;
+        }
+        let (run, stride) = sub.strided_in(dims.dims())?;
+        if run != u64::from(sub.len[n - 1]) {
+            return None; // runs of several rows: not one pitch
+        }
+        let size = from.size() as u64;
+        let offset = sub.first_element_in(dims.dims()) * size;
+        let rows = sub.numel() / run;
+        let end = offset + ((rows - 1) * stride + run) * size;
+        (end <= s.bytes()).then_some((offset, stride * size))
+    }
+
     /// The tasks of one group.
     pub fn group_tasks(&self, group: &MeshGroup) -> &[Task] {
         let a = group.first_task as usize;

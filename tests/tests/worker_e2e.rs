@@ -38,8 +38,12 @@ const TINY_QWEN3: &str = r#"{
 const TIMEOUT: Duration = Duration::from_secs(30);
 
 fn table() -> (Model, RoutingTable) {
+    table_for("fsdp=4")
+}
+
+fn table_for(train: &str) -> (Model, RoutingTable) {
     let model = Model::from_config_json("tiny-qwen3", TINY_QWEN3, ExpertForm::PerExpert).unwrap();
-    let train = TrainingLayout::build(&model, &"fsdp=4".parse().unwrap()).unwrap();
+    let train = TrainingLayout::build(&model, &train.parse().unwrap()).unwrap();
     let infer = InferenceLayout::build(&model, &"tp=2,dp=2,dtype=fp8".parse().unwrap()).unwrap();
     let table = plan(&model, &train, &infer, &CostModel::default()).unwrap();
     (model, table)
@@ -185,4 +189,41 @@ async fn garbage_written_into_a_destination_run_fails_the_sync() {
         .unwrap();
     cluster.verify(&sync).unwrap();
     check_every_byte(&cluster, &w);
+}
+
+/// fsdp=2: row shards of 128 rows, so the row-parallel tp=2 boxes (o_proj, down_proj) are
+/// column slices of whole blocks, quantised reading their rows where they lie in the shard
+/// (`TrainerPlan::in_place_rows`), with no copy into staging first; every byte still equals
+/// the independent recomputation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn column_slices_are_quantised_where_their_rows_lie() {
+    let (model, table) = table_for("fsdp=2");
+    let cluster = LoopbackCluster::start(&table, 160 << 10, 2).await.unwrap();
+    let column_slices: usize = cluster
+        .trainers
+        .iter()
+        .map(|t| {
+            let plan = t.plan();
+            plan.tasks
+                .iter()
+                .filter(|task| plan.in_place_rows(task).is_some())
+                .count()
+        })
+        .sum();
+    assert!(column_slices >= 4, "{column_slices} column slices");
+    for step in 0..2u64 {
+        let w = load_weights(&model, &cluster, &table, step);
+        let sync = cluster
+            .sync(
+                SyncId {
+                    version: step,
+                    epoch: step + 1,
+                },
+                TIMEOUT,
+            )
+            .await
+            .unwrap();
+        cluster.verify(&sync).unwrap();
+        check_every_byte(&cluster, &w);
+    }
 }

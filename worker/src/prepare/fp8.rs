@@ -104,6 +104,34 @@ pub fn quantise_fp8(
     )
 }
 
+/// [`quantise_fp8_block_rows`] reading rows that lie `pitch` elements apart in `src` (a
+/// column slice of a wider row-major matrix, read where it lies instead of gathered first):
+/// row `r` of the block rows is `src[r * pitch .. r * pitch + cols]` (in elements), so `src`
+/// spans `(rows - 1) * pitch + cols` elements. `pitch == cols` is [`quantise_fp8_block_rows`].
+#[allow(clippy::too_many_arguments)]
+pub fn quantise_fp8_block_rows_pitched(
+    src: &[u8],
+    src_dtype: DType,
+    shape: Fp8Shape,
+    row_blocks: Range<usize>,
+    pitch: usize,
+    values: &mut [u8],
+    scales: &mut [u8],
+    threads: Threads,
+) -> Result<(), PrepareError> {
+    quantise_on_path(
+        src,
+        src_dtype,
+        shape,
+        row_blocks,
+        pitch,
+        values,
+        scales,
+        threads,
+        Path::Best,
+    )
+}
+
 /// Quantises only the block rows `row_blocks` of a `[rows, cols]` tensor (a task that produces
 /// part of a destination tensor).
 ///
@@ -125,6 +153,7 @@ pub fn quantise_fp8_block_rows(
         src_dtype,
         shape,
         row_blocks,
+        shape.cols,
         values,
         scales,
         threads,
@@ -132,13 +161,14 @@ pub fn quantise_fp8_block_rows(
     )
 }
 
-/// [`quantise_fp8_block_rows`] on a chosen code path.
+/// [`quantise_fp8_block_rows_pitched`] on a chosen code path.
 #[allow(clippy::too_many_arguments)]
 fn quantise_on_path(
     src: &[u8],
     src_dtype: DType,
     shape: Fp8Shape,
     row_blocks: Range<usize>,
+    pitch: usize,
     values: &mut [u8],
     scales: &mut [u8],
     threads: Threads,
@@ -160,7 +190,16 @@ fn quantise_on_path(
     }
     let rows = shape.rows_of(row_blocks.clone()).len();
     let cols = shape.cols;
-    expect_len("fp8 source", rows * cols * src_dtype.size(), src.len())?;
+    if pitch < cols {
+        return Err(PrepareError::Shape(format!(
+            "row pitch {pitch} shorter than the {cols} columns of a row"
+        )));
+    }
+    let span = match rows {
+        0 => 0,
+        n => (n - 1) * pitch + cols,
+    };
+    expect_len("fp8 source", span * src_dtype.size(), src.len())?;
     expect_len("fp8 values", rows * cols, values.len())?;
     expect_len(
         "fp8 scales",
@@ -172,6 +211,7 @@ fn quantise_on_path(
     }
     let job = Job {
         cols,
+        pitch,
         threads,
         path,
     };
@@ -307,10 +347,12 @@ impl Elem for F32 {
     chunk_methods!(4);
 }
 
-/// One quantisation over whole block rows of a tensor with `cols` columns.
+/// One quantisation over whole block rows of a tensor with `cols` columns, rows `pitch`
+/// elements apart in the source.
 #[derive(Debug, Clone, Copy)]
 struct Job {
     cols: usize,
+    pitch: usize,
     threads: Threads,
     path: Path,
 }
@@ -323,10 +365,10 @@ impl Job {
         Avx512: RowOps<E>,
         Avx2: RowOps<E>,
     {
-        let cols = self.cols;
+        let (cols, pitch) = (self.cols, self.pitch);
         let ncb = cols.div_ceil(FP8_BLOCK);
         let (src_step, val_step, scale_step) =
-            (FP8_BLOCK * cols * E::SIZE, FP8_BLOCK * cols, ncb * 4);
+            (FP8_BLOCK * pitch * E::SIZE, FP8_BLOCK * cols, ncb * 4);
         match self.threads {
             Threads::One => {
                 // The next block row directly follows in `src`: while one block row is being
@@ -338,14 +380,14 @@ impl Job {
                     .enumerate()
                     .for_each(|(i, ((s, v), sc))| {
                         let ahead = if i < last { src_step } else { 0 };
-                        block_row::<E>(s, cols, v, sc, false, ahead, self.path)
+                        block_row::<E>(s, cols, pitch, v, sc, false, ahead, self.path)
                     })
             }
             Threads::All => src
                 .par_chunks(src_step)
                 .zip(values.par_chunks_mut(val_step))
                 .zip(scales.par_chunks_mut(scale_step))
-                .for_each(|((s, v), sc)| block_row::<E>(s, cols, v, sc, true, 0, self.path)),
+                .for_each(|((s, v), sc)| block_row::<E>(s, cols, pitch, v, sc, true, 0, self.path)),
         }
     }
 }
@@ -356,12 +398,14 @@ impl Job {
 /// 4096-column bf16 block row measured ~15% slower than 512 KiB ones).
 const STRIP_BYTES: usize = 512 << 10;
 
-/// One block row (up to 128 rows): every column block, in parallel when `parallel`.
-/// `ahead` is the distance in bytes from `src` to the next block row, if the caller will
-/// quantise it next on this thread (0 otherwise).
+/// One block row (up to 128 rows, `pitch` elements apart in `src`): every column block, in
+/// parallel when `parallel`. `ahead` is the distance in bytes from `src` to the next block
+/// row, if the caller will quantise it next on this thread (0 otherwise).
+#[allow(clippy::too_many_arguments)]
 fn block_row<E: Elem>(
     src: &[u8],
     cols: usize,
+    pitch: usize,
     values: &mut [u8],
     scales: &mut [u8],
     parallel: bool,
@@ -406,7 +450,7 @@ fn block_row<E: Elem>(
         };
         let group = Group::<E> {
             src,
-            cols,
+            pitch,
             c0,
             width,
             ahead,
@@ -448,7 +492,8 @@ fn block_row<E: Elem>(
 /// ISA.
 struct Group<'a, 'o, E> {
     src: &'a [u8],
-    cols: usize,
+    /// Elements from one row's start to the next's in `src`.
+    pitch: usize,
     c0: usize,
     width: usize,
     ahead: usize,
@@ -462,14 +507,14 @@ impl<E: Elem> Group<'_, '_, E> {
     fn with<R: RowOps<E>>(self, ops: R) -> Vec<f32> {
         let Group {
             src,
-            cols,
+            pitch,
             c0,
             width,
             ahead,
             out_rows,
             ..
         } = self;
-        group::<E, _>(ops, src, cols, c0, width, ahead, out_rows)
+        group::<E, _>(ops, src, pitch, c0, width, ahead, out_rows)
     }
 }
 
@@ -538,8 +583,9 @@ impl<E: Elem> RowOps<E> for Portable {
     }
 }
 
-/// Columns `c0 .. c0 + width` (whole column blocks) of every row of `src`: writes `out_rows`
-/// (one segment per row) and returns the blocks' `weight_scale_inv`, left to right.
+/// Columns `c0 .. c0 + width` (whole column blocks) of every row of `src` (rows `pitch`
+/// elements apart): writes `out_rows` (one segment per row) and returns the blocks'
+/// `weight_scale_inv`, left to right.
 ///
 /// Both passes walk the rows in order, each row across the group's blocks: sequential reads
 /// that the prefetcher follows, and the second pass finds the rows still in L2. (Walking one
@@ -549,13 +595,13 @@ impl<E: Elem> RowOps<E> for Portable {
 fn group<E: Elem, R: RowOps<E>>(
     ops: R,
     src: &[u8],
-    cols: usize,
+    pitch: usize,
     c0: usize,
     width: usize,
     ahead: usize,
     mut out_rows: Vec<&mut [u8]>,
 ) -> Vec<f32> {
-    let row_in = |r: usize| &src[(r * cols + c0) * E::SIZE..(r * cols + c0 + width) * E::SIZE];
+    let row_in = |r: usize| &src[(r * pitch + c0) * E::SIZE..(r * pitch + c0 + width) * E::SIZE];
     let mut accs = vec![ops.acc_new(); width.div_ceil(FP8_BLOCK)];
     for r in 0..out_rows.len() {
         for (acc, seg) in accs.iter_mut().zip(row_in(r).chunks(FP8_BLOCK * E::SIZE)) {

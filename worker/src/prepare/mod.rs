@@ -27,7 +27,10 @@ mod isa;
 mod vectors;
 
 pub use cast::cast;
-pub use fp8::{quantise_fp8, quantise_fp8_block_rows, Fp8Shape, FP8_AMAX_FLOOR};
+pub use fp8::{
+    quantise_fp8, quantise_fp8_block_rows, quantise_fp8_block_rows_pitched, Fp8Shape,
+    FP8_AMAX_FLOOR,
+};
 // The GPU kernels share the block edge.
 #[cfg(feature = "cuda")]
 pub(crate) use fp8::FP8_BLOCK;

@@ -297,8 +297,9 @@ pub(crate) struct TrainerState {
     /// [`direct::direct_source`]): that registration and where the task's box lies in it.
     pub direct: Vec<Option<direct::DirectSource>>,
     /// Per task, when it is prepared reading its shard in place (no H2D copy, see
-    /// [`TrainerPlan::in_place_input`]): the byte offset of the task's box in its shard.
-    pub in_place: Vec<Option<u64>>,
+    /// [`TrainerPlan::in_place_input`], [`TrainerPlan::in_place_rows`]): where its box lies in
+    /// its shard.
+    pub in_place: Vec<Option<stages::InPlace>>,
 }
 
 /// A trainer worker (see the module docs).
@@ -358,7 +359,11 @@ impl<F: FabricBackend> TrainerWorker<F> {
             .iter()
             .map(|t| direct::direct_source(&plan, t, source.as_ref(), gather.as_ref(), min_run))
             .collect();
-        let in_place = plan.tasks.iter().map(|t| plan.in_place_input(t)).collect();
+        let in_place = plan
+            .tasks
+            .iter()
+            .map(|t| stages::InPlace::of(&plan, t, device.is_some()))
+            .collect();
         Ok(TrainerWorker {
             fabric,
             state: Arc::new(TrainerState {

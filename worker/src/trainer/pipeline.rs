@@ -486,14 +486,14 @@ async fn piece_prepare<F: FabricBackend>(
             let piece = &st.pieces[t as usize][p];
             let shape = &st.shapes[t as usize];
             match st.in_place[t as usize] {
-                Some(box_at) => {
+                Some(at) => {
                     prepare_from_source(
                         &st.plan,
                         shape,
                         piece,
                         st.source.as_ref(),
                         st.device.as_deref(),
-                        box_at,
+                        at,
                         offset,
                         buf,
                         st.config.threads(),

@@ -19,7 +19,7 @@ use super::device_stages::{
 use super::piece::{param_name, Grain, TaskPiece, TaskShape};
 use super::SourceView;
 use crate::error::{Result, WorkerError};
-use crate::prepare::{cast, gather_box, quantise_fp8_block_rows, Fp8Shape, Threads};
+use crate::prepare::{cast, gather_box, quantise_fp8_block_rows_pitched, Fp8Shape, Threads};
 
 /// Units of one matrix covered by a piece: `(matrix, first strip, end strip, first unit)`.
 fn matrices(grain: &Grain, u0: u64, u1: u64) -> Vec<(u64, u64, u64, u64)> {
@@ -236,14 +236,45 @@ pub(crate) fn prepare_piece(
     let values_at = piece.layout.values_at;
     let job = prepare_job(plan, shape, piece)?;
     let (input, out) = buf.split_at_mut(values_at as usize);
-    run_job(plan, piece.task, &job, input, out, values_at, threads)
+    run_job(plan, piece.task, &job, input, None, out, values_at, threads)
 }
 
-/// Prepare reading the source in place: the piece's input is the range of shard `shard` that
-/// starts `box_at` bytes into it (the task's contiguous box, see
-/// [`TrainerPlan::in_place_input`]) and the piece's units further; the prepared bytes go to
-/// `buf`, the whole lease (at `lease_offset` of the staging arena), as [`prepare_piece`] puts
-/// them (its input range is left untouched). A device source runs the same job on the device.
+/// Where a task prepared reading its shard in place finds its input there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct InPlace {
+    /// Byte offset of the task's box in its shard.
+    pub box_at: u64,
+    /// `None`: the box is one contiguous range ([`TrainerPlan::in_place_input`]). Else the
+    /// bytes from one row's start to the next (an fp8 column slice,
+    /// [`TrainerPlan::in_place_rows`]; host sources only).
+    pub pitch: Option<u64>,
+}
+
+impl InPlace {
+    /// How `plan`'s task `task` is prepared in place, if it is: a contiguous box on any
+    /// source, a column slice only where the host reads it (`on_device` false).
+    pub(crate) fn of(plan: &TrainerPlan, task: &Task, on_device: bool) -> Option<InPlace> {
+        if let Some(box_at) = plan.in_place_input(task) {
+            return Some(InPlace {
+                box_at,
+                pitch: None,
+            });
+        }
+        if on_device {
+            return None;
+        }
+        plan.in_place_rows(task).map(|(box_at, pitch)| InPlace {
+            box_at,
+            pitch: Some(pitch),
+        })
+    }
+}
+
+/// Prepare reading the source in place: the piece's input is the part of shard `shard` where
+/// the task's box lies (`at`: contiguous, or rows at a pitch) from the piece's first unit on;
+/// the prepared bytes go to `buf`, the whole lease (at `lease_offset` of the staging arena), as
+/// [`prepare_piece`] puts them (its input range is left untouched). A device source runs the
+/// same job on the device (contiguous boxes only).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn prepare_from_source(
     plan: &TrainerPlan,
@@ -251,7 +282,7 @@ pub(crate) fn prepare_from_source(
     piece: &TaskPiece,
     source: &dyn SourceView,
     device: Option<&dyn DeviceStages>,
-    box_at: u64,
+    at: InPlace,
     lease_offset: u64,
     buf: &mut [u8],
     threads: Threads,
@@ -262,23 +293,43 @@ pub(crate) fn prepare_from_source(
             "task {t}: prepared in place but not read from a shard"
         )));
     };
-    let lo = (box_at + shape.grain.elems_before(piece.u0) * shape.in_size) as usize;
-    let len = piece.layout.input as usize;
+    let dense = shape.grain.elems_before(piece.u0) * shape.in_size;
+    let len = piece.layout.input;
+    let (lo, span, rows) = match at.pitch {
+        None => (at.box_at + dense, len, None),
+        Some(pitch) => {
+            let Grain::Strips { cols, .. } = shape.grain else {
+                return Err(WorkerError::InvalidPlan(format!(
+                    "task {t}: rows read in place without fp8 block strips"
+                )));
+            };
+            let row = cols * shape.in_size;
+            let n = len / row;
+            let span = if n == 0 { 0 } else { (n - 1) * pitch + row };
+            (at.box_at + dense / row * pitch, span, Some((row, pitch)))
+        }
+    };
     let job = prepare_job(plan, shape, piece)?;
     if let Some(device) = device {
-        return device.prepare(plan, shard, lo as u64, &job, lease_offset, buf);
+        if rows.is_some() {
+            return Err(WorkerError::InvalidPlan(format!(
+                "task {t}: a device source reads column slices through staging"
+            )));
+        }
+        return device.prepare(plan, shard, lo, &job, lease_offset, buf);
     }
     let values_at = piece.layout.values_at;
     let out = &mut buf[values_at as usize..];
+    let (lo, span) = (lo as usize, span as usize);
     source.read_shard(plan, shard, &mut |bytes: &[u8]| {
         let input = bytes
-            .get(lo..lo + len)
+            .get(lo..lo + span)
             .ok_or_else(|| WorkerError::SourceTooShort {
                 what: format!("shard of task {t}"),
-                need: (lo + len) as u64,
+                need: (lo + span) as u64,
                 have: bytes.len() as u64,
             })?;
-        run_job(plan, t, &job, input, out, values_at, threads)
+        run_job(plan, t, &job, input, rows, out, values_at, threads)
     })
 }
 
@@ -335,11 +386,15 @@ pub(crate) fn prepare_job(
 
 /// Runs `job` of task `t` on the host: reads `input` (at least `job.input` bytes, dense) and
 /// writes `out`, the lease from byte `out_at` on.
+/// Runs `job` on `input`: dense, or (`rows`: `(row, pitch)` in bytes) fp8 rows of `row` bytes
+/// `pitch` bytes apart, read where they lie.
+#[allow(clippy::too_many_arguments)]
 fn run_job(
     plan: &TrainerPlan,
     t: u32,
     job: &PrepareJob,
     input: &[u8],
+    rows: Option<(u64, u64)>,
     out: &mut [u8],
     out_at: u64,
     threads: Threads,
@@ -367,11 +422,31 @@ fn run_job(
                 let (values, rest) = out.split_at_mut(at(&s.values).end);
                 let scales_at = at(&s.scales);
                 let shift = values.len();
-                quantise_fp8_block_rows(
-                    &input[s.input.start as usize..s.input.end as usize],
+                // The strip's rows where they lie: dense, or `pitch` apart.
+                let (src, pitch) = match rows {
+                    None => (
+                        &input[s.input.start as usize..s.input.end as usize],
+                        *cols as usize,
+                    ),
+                    Some((row, pitch)) => {
+                        let (ra, rb) = (s.input.start / row, s.input.end / row);
+                        let end = if rb > ra {
+                            (rb - 1) * pitch + row
+                        } else {
+                            ra * pitch
+                        };
+                        (
+                            &input[(ra * pitch) as usize..end as usize],
+                            (pitch / (row / *cols)) as usize,
+                        )
+                    }
+                };
+                quantise_fp8_block_rows_pitched(
+                    src,
                     *from,
                     fshape,
                     s.blocks.start as usize..s.blocks.end as usize,
+                    pitch,
                     &mut values[at(&s.values)],
                     &mut rest[scales_at.start - shift..scales_at.end - shift],
                     threads,

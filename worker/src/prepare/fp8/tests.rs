@@ -217,21 +217,29 @@ fn fast_and_portable_paths_equal_an_independent_reference_on_random_data() {
             let (want_v, want_s) = reference(&src, dtype, shape);
             for path in paths() {
                 for threads in [Threads::One, Threads::All] {
-                    let mut v = vec![0xAAu8; rows * cols];
-                    let mut s = vec![0xAAu8; want_s.len()];
-                    let blocks = 0..shape.row_blocks();
-                    quantise_on_path(&src, dtype, shape, blocks, &mut v, &mut s, threads, path)
+                    // Dense rows, and the same rows `gap` elements apart in a wider buffer
+                    // whose gaps hold other values (read where they lie, never gathered).
+                    for gap in [0, 1 + round % 3 * 61] {
+                        let pitch = cols + gap;
+                        let src = widen_rows(&src, dtype, shape, pitch, &mut rng);
+                        let mut v = vec![0xAAu8; rows * cols];
+                        let mut s = vec![0xAAu8; want_s.len()];
+                        let blocks = 0..shape.row_blocks();
+                        quantise_on_path(
+                            &src, dtype, shape, blocks, pitch, &mut v, &mut s, threads, path,
+                        )
                         .unwrap();
-                    let what = format!("{dtype} {rows}x{cols} {path:?} {threads:?}");
-                    if let Some(i) = (0..v.len()).find(|&i| v[i] != want_v[i]) {
-                        let e = &src[i * dtype.size()..(i + 1) * dtype.size()];
-                        panic!(
-                            "{what}: value {i} (input {e:02x?}) is {:#04x}, want {:#04x}",
-                            v[i], want_v[i]
-                        );
+                        let what =
+                            format!("{dtype} {rows}x{cols} pitch {pitch} {path:?} {threads:?}");
+                        if let Some(i) = (0..v.len()).find(|&i| v[i] != want_v[i]) {
+                            panic!(
+                                "{what}: value {i} is {:#04x}, want {:#04x}",
+                                v[i], want_v[i]
+                            );
+                        }
+                        assert_eq!(s, want_s, "{what}: scales");
+                        cases += 1;
                     }
-                    assert_eq!(s, want_s, "{what}: scales");
-                    cases += 1;
                 }
             }
             // A block-row range alone equals its part of the whole.
@@ -249,7 +257,26 @@ fn fast_and_portable_paths_equal_an_independent_reference_on_random_data() {
             }
         }
     }
-    assert_eq!(cases, 3 * 12 * 2 * paths().len());
+    assert_eq!(cases, 3 * 12 * 2 * 2 * paths().len());
+}
+
+/// `src`'s rows (`shape.cols` elements each) `pitch` elements apart, the gaps filled with
+/// random elements; the last row ends the buffer.
+fn widen_rows(
+    src: &[u8],
+    dtype: DType,
+    shape: Fp8Shape,
+    pitch: usize,
+    rng: &mut rand::rngs::StdRng,
+) -> Vec<u8> {
+    let size = dtype.size();
+    let span = (shape.rows - 1) * pitch + shape.cols;
+    let mut out = random_elements(dtype, span, rng);
+    for r in 0..shape.rows {
+        let row = &src[r * shape.cols * size..(r + 1) * shape.cols * size];
+        out[r * pitch * size..(r * pitch + shape.cols) * size].copy_from_slice(row);
+    }
+    out
 }
 
 #[test]
@@ -272,6 +299,7 @@ fn fast_path_equals_the_reference_for_every_16_bit_pattern() {
                 dtype,
                 shape,
                 blocks,
+                128,
                 &mut v,
                 &mut s,
                 Threads::One,
@@ -287,6 +315,49 @@ fn fast_path_equals_the_reference_for_every_16_bit_pattern() {
             }
         }
     }
+}
+
+#[test]
+fn a_pitch_shorter_than_a_row_or_a_source_of_the_wrong_span_is_refused() {
+    let shape = Fp8Shape { rows: 3, cols: 4 };
+    let (mut v, mut s) = (vec![0u8; 12], vec![0u8; 4]);
+    let src = vec![0u8; (2 * 6 + 4) * 2];
+    let err = quantise_fp8_block_rows_pitched(
+        &src,
+        DType::BF16,
+        shape,
+        0..1,
+        3,
+        &mut v,
+        &mut s,
+        Threads::One,
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("pitch 3"), "{err}");
+    // Rows 6 apart span 2 * 6 + 4 elements: one fewer is refused, exactly that is quantised.
+    let err = quantise_fp8_block_rows_pitched(
+        &src[2..],
+        DType::BF16,
+        shape,
+        0..1,
+        6,
+        &mut v,
+        &mut s,
+        Threads::One,
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("fp8 source"), "{err}");
+    quantise_fp8_block_rows_pitched(
+        &src,
+        DType::BF16,
+        shape,
+        0..1,
+        6,
+        &mut v,
+        &mut s,
+        Threads::One,
+    )
+    .unwrap();
 }
 
 #[test]
