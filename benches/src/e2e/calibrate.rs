@@ -32,25 +32,28 @@
 //! either side of it (the load it met lies between them), and the check compares the median
 //! prediction with the median sync. Kernel
 //! rates are medians of five timed runs after a warm-up (a best-of peak is what a loaded
-//! machine rarely holds).
+//! machine rarely holds), each run on a window of memory the cache no longer holds ([`cold`]:
+//! a sync's kernels run from memory, not from a cache a small buffer timed again and again
+//! stays in).
 
 use std::time::Instant;
 
 use serde::Serialize;
-use weightsync_common::DType;
 use weightsync_schedules::simulate::{
     simulate, ClusterModel, FixedCosts, HostModel, Placement, PrepRates,
 };
 use weightsync_schedules::table::Transform;
 use weightsync_schedules::{CostModel, RoutingTable};
-use weightsync_worker::{cast, Fp8Shape, Threads};
+use weightsync_worker::{Fp8Shape, Threads};
 
 use super::fabric_limit::FabricLimit;
 use super::loopback::{weights, LoopbackCluster, WorkerOptions};
 use super::{runtime, tcp_limit, E2eError, Setup};
-use overlap::KernelLoop;
+use kernel_loop::KernelLoop;
 
+pub mod cold;
 pub mod fixed;
+mod kernel_loop;
 pub mod overlap;
 
 pub use fixed::Fixed;
@@ -115,6 +118,10 @@ pub struct Rates {
     pub fp8_all_bytes_per_s: f64,
     /// f32 -> bf16 cast over the pool, input bytes per second.
     pub cast_all_bytes_per_s: f64,
+    /// The last-level cache the kernels' buffers reach past ([`cold`]), where sysfs says.
+    pub last_level_cache_bytes: Option<u64>,
+    /// Windows the copy kernel cycles through to do so (1: no cache known).
+    pub copy_windows: usize,
     /// The fabric beside the configuration's own kernel: the share of the host concurrent
     /// stages get ([`overlap`]).
     pub overlap: Overlap,
@@ -267,90 +274,113 @@ fn fp8_task_shapes(table: &RoutingTable, bytes: u64) -> Result<Vec<Fp8Shape>, E2
     Ok(shapes)
 }
 
-/// Kernel rates: memcpy on one thread and over the pool, fp8 and cast over the pool. The fp8
-/// rate is over `fp8_tasks` one after another when there are any (see [`fp8_task_shapes`]),
-/// else over one tensor of `bytes`.
-fn kernel_rates(bytes: u64, fp8_tasks: &[Fp8Shape]) -> Result<KernelRates, E2eError> {
-    let n = bytes as usize;
-    let src = weights(bytes, 7);
-    let mut dst = vec![0u8; n];
-    let memcpy = n as f64 / median_of(KERNEL_REPS, || dst.copy_from_slice(&src));
-    // f32 -> bf16 over `n` input bytes.
-    let f32_in: Vec<u8> = src
-        .chunks_exact(2)
-        .flat_map(|b| {
-            let x = f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16);
-            x.to_le_bytes()
-        })
-        .take(n)
-        .collect();
-    let mut out = vec![0u8; f32_in.len() / 2];
-    let mut err = None;
-    let castr = f32_in.len() as f64
-        / median_of(KERNEL_REPS, || {
-            if let Err(e) = cast(&f32_in, DType::F32, &mut out, DType::BF16, Threads::All) {
-                err = Some(E2eError::Setup(format!("measuring the cast: {e}")));
-            }
-        });
-    // Every core copying at once: what the host pays per byte when several trainers stage at
-    // the same time (memory bandwidth does not grow with the cores the way one core's copy
-    // rate times the core count would suggest).
-    let mut copy = KernelLoop::copy(src, dst);
-    let memcpy_all = pool_rate(&mut copy, &mut err);
-    let cols = 4096usize;
-    let whole = [Fp8Shape {
-        rows: n / 2 / cols,
-        cols,
-    }];
-    let shapes = if fp8_tasks.is_empty() {
-        &whole[..]
-    } else {
-        fp8_tasks
-    };
-    let mut fp8_loop = KernelLoop::fp8(copy.into_src(), shapes);
-    let fp8 = pool_rate(&mut fp8_loop, &mut err);
-    if let Some(e) = err {
-        return Err(e);
-    }
-    // Beside the fabric ([`overlap`]): the configuration's own fp8 tasks, or a copy over the
-    // pool for one without any (its staging copies).
-    let beside_fabric = if fp8_tasks.is_empty() {
-        (
-            KernelLoop::copy(fp8_loop.into_src(), vec![0u8; n]),
-            memcpy_all,
-        )
-    } else {
-        (fp8_loop, fp8)
-    };
-    Ok(KernelRates {
-        memcpy,
-        memcpy_all,
-        fp8,
-        castr,
-        beside_fabric,
-    })
+/// The kernels a configuration's rates are measured with: built once per configuration, each
+/// cycling through copies of its window that reach past the last-level cache ([`cold`]), and
+/// reused by every measurement.
+struct Kernels {
+    copy: KernelLoop,
+    cast: KernelLoop,
+    /// The configuration's fp8 tasks (one large tensor when it has none).
+    fp8: KernelLoop,
+    /// Whether the configuration has fp8 tasks: then fp8 loops beside the fabric, else the copy
+    /// (its staging copies).
+    fp8_beside: bool,
 }
 
-/// Input bytes per second of `kernel` over the pool (median of [`KERNEL_REPS`] passes after a
+impl Kernels {
+    /// Kernels over windows of `bytes` of input; fp8 over `fp8_tasks` one after another when
+    /// there are any (see [`fp8_task_shapes`]), else over one tensor of `bytes`; `cache` the
+    /// last-level cache their windows reach past.
+    fn new(bytes: u64, fp8_tasks: &[Fp8Shape], cache: Option<u64>) -> Kernels {
+        let n = bytes as usize;
+        let src = weights(bytes, 7);
+        // f32 -> bf16 over `n` input bytes.
+        let f32_in: Vec<u8> = src
+            .chunks_exact(2)
+            .flat_map(|b| {
+                let x = f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16);
+                x.to_le_bytes()
+            })
+            .take(n)
+            .collect();
+        let cols = 4096usize;
+        let whole = [Fp8Shape {
+            rows: n / 2 / cols,
+            cols,
+        }];
+        let shapes = if fp8_tasks.is_empty() {
+            &whole[..]
+        } else {
+            fp8_tasks
+        };
+        Kernels {
+            fp8: KernelLoop::fp8(src.clone(), shapes).past_cache(cache),
+            copy: KernelLoop::copy(src).past_cache(cache),
+            cast: KernelLoop::cast(f32_in).past_cache(cache),
+            fp8_beside: !fp8_tasks.is_empty(),
+        }
+    }
+
+    /// Kernel rates now: memcpy on one thread and over the pool, fp8 and cast over the pool.
+    fn rates(&mut self) -> Result<KernelRates, E2eError> {
+        let mut err = None;
+        let memcpy = rate(&mut self.copy, Threads::One, &mut err);
+        let castr = rate(&mut self.cast, Threads::All, &mut err);
+        // Every core copying at once: what the host pays per byte when several trainers stage
+        // at the same time (memory bandwidth does not grow with the cores the way one core's
+        // copy rate times the core count would suggest).
+        let memcpy_all = rate(&mut self.copy, Threads::All, &mut err);
+        let fp8 = rate(&mut self.fp8, Threads::All, &mut err);
+        match err {
+            Some(e) => Err(e),
+            None => Ok(KernelRates {
+                memcpy,
+                memcpy_all,
+                fp8,
+                castr,
+            }),
+        }
+    }
+
+    /// The kernel to loop beside the fabric ([`overlap`]), taken out until
+    /// [`Kernels::put_back`], and its rate alone.
+    fn beside_fabric(&mut self, rates: &KernelRates) -> (KernelLoop, f64) {
+        let (slot, rate) = if self.fp8_beside {
+            (&mut self.fp8, rates.fp8)
+        } else {
+            (&mut self.copy, rates.memcpy_all)
+        };
+        (std::mem::replace(slot, KernelLoop::copy(Vec::new())), rate)
+    }
+
+    /// The kernel [`Kernels::beside_fabric`] took out.
+    fn put_back(&mut self, kernel: KernelLoop) {
+        if self.fp8_beside {
+            self.fp8 = kernel;
+        } else {
+            self.copy = kernel;
+        }
+    }
+}
+
+/// Input bytes per second of `kernel` on `threads` (median of [`KERNEL_REPS`] passes after a
 /// warm-up); a pass's error goes to `err`.
-fn pool_rate(kernel: &mut KernelLoop, err: &mut Option<E2eError>) -> f64 {
+fn rate(kernel: &mut KernelLoop, threads: Threads, err: &mut Option<E2eError>) -> f64 {
     let bytes = kernel.pass_bytes() as f64;
     bytes
         / median_of(KERNEL_REPS, || {
-            if let Err(e) = kernel.pass() {
+            if let Err(e) = kernel.pass(threads) {
                 *err = Some(e);
             }
         })
 }
 
-/// What [`kernel_rates`] measured, bytes per second.
+/// What [`Kernels::rates`] measured, bytes per second.
 struct KernelRates {
     memcpy: f64,
     memcpy_all: f64,
     fp8: f64,
     castr: f64,
-    /// The kernel to loop beside the fabric, and its rate alone.
-    beside_fabric: (KernelLoop, f64),
 }
 
 /// The loopback fabric in the configuration's shape: one pass of `limit` (its own pairs and
@@ -444,20 +474,25 @@ pub fn host_cluster(
 
 /// Kernel rates now, and the fabric's from one pass of `limit`.
 async fn measure(
-    cfg: &Config,
+    kernels: &mut Option<Kernels>,
     limit: &FabricLimit,
     landed: u64,
-    fp8_tasks: &[Fp8Shape],
 ) -> Result<Rates, E2eError> {
-    let kernel_bytes = cfg.kernel_bytes;
-    let shapes = fp8_tasks.to_vec();
-    let k = tokio::task::spawn_blocking(move || kernel_rates(kernel_bytes, &shapes))
-        .await
-        .map_err(|e| E2eError::Setup(format!("measuring kernels panicked: {e}")))??;
-    let (kernel, kernel_rate) = k.beside_fabric;
+    let mut k = kernels
+        .take()
+        .ok_or_else(|| E2eError::Setup("the kernels were lost in a failed measurement".into()))?;
+    let (k, rates) = tokio::task::spawn_blocking(move || {
+        let rates = k.rates();
+        (k, rates)
+    })
+    .await
+    .map_err(|e| E2eError::Setup(format!("measuring kernels panicked: {e}")))?;
+    let rates = rates?;
+    let mut k = k;
+    let (kernel, kernel_rate) = k.beside_fabric(&rates);
     let fabric = fabric_rate(limit, landed).await?;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let overlap = overlap::measure(
+    let (overlap, kernel) = overlap::measure(
         limit,
         landed,
         net_s_per_byte(fabric.cpu_s_per_byte, fabric.bytes_per_s, cores),
@@ -465,14 +500,19 @@ async fn measure(
         kernel_rate,
     )
     .await?;
+    k.put_back(kernel);
+    let windows = k.copy.windows();
+    *kernels = Some(k);
     Ok(Rates {
         cores,
         fabric_bytes_per_s: fabric.bytes_per_s,
         fabric_cpu_s_per_byte: fabric.cpu_s_per_byte,
-        memcpy_1t_bytes_per_s: k.memcpy,
-        memcpy_all_bytes_per_s: k.memcpy_all,
-        fp8_all_bytes_per_s: k.fp8,
-        cast_all_bytes_per_s: k.castr,
+        memcpy_1t_bytes_per_s: rates.memcpy,
+        memcpy_all_bytes_per_s: rates.memcpy_all,
+        fp8_all_bytes_per_s: rates.fp8,
+        cast_all_bytes_per_s: rates.castr,
+        last_level_cache_bytes: cold::last_level_cache_bytes(),
+        copy_windows: windows,
         overlap,
     })
 }
@@ -521,7 +561,14 @@ pub fn run(cfg: &Config) -> Result<Report, E2eError> {
             // Warm-up: lanes connect lazily, pages fault in.
             c.sync().await?;
             limit.sync().await?;
-            let rates = measure(cfg, &limit, landed, &shapes).await?;
+            let cache = cold::last_level_cache_bytes();
+            let (bytes, tasks) = (cfg.kernel_bytes, shapes.clone());
+            let mut kernels = Some(
+                tokio::task::spawn_blocking(move || Kernels::new(bytes, &tasks, cache))
+                    .await
+                    .map_err(|e| E2eError::Setup(format!("building the kernels panicked: {e}")))?,
+            );
+            let rates = measure(&mut kernels, &limit, landed).await?;
             let fixed = near_empty.derive(&host_cluster(
                 &rates,
                 &cfg.workers,
@@ -538,7 +585,7 @@ pub fn run(cfg: &Config) -> Result<Report, E2eError> {
             let mut secs = Vec::with_capacity(cfg.syncs);
             for _ in 0..cfg.syncs {
                 secs.push(c.sync().await?.seconds);
-                rates_at.push(measure(cfg, &limit, landed, &shapes).await?);
+                rates_at.push(measure(&mut kernels, &limit, landed).await?);
             }
             Ok::<_, E2eError>((fixed, rates_at, secs))
         })?;

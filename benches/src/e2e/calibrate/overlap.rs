@@ -19,13 +19,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use rayon::prelude::*;
 use serde::Serialize;
-use weightsync_common::DType;
-use weightsync_worker::{quantise_fp8, Fp8Shape, Threads};
+use weightsync_worker::Threads;
 
 use super::super::fabric_limit::FabricLimit;
 use super::super::E2eError;
+use super::kernel_loop::KernelLoop;
 
 /// One measurement of the host shared by the fabric and a kernel.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
@@ -40,115 +39,17 @@ pub struct Overlap {
     pub efficiency: f64,
 }
 
-/// A kernel over the pool, pass after pass on the same buffers: how the calibration times fp8
-/// quantisation and the copy over every core, and what it loops beside the fabric.
-pub(crate) struct KernelLoop {
-    src: Vec<u8>,
-    dst: Vec<u8>,
-    scales: Vec<u8>,
-    /// fp8 shapes with their element and scale offsets (a copy has none).
-    fp8: Vec<(Fp8Shape, usize, usize)>,
-    copy: bool,
-}
-
-impl std::fmt::Debug for KernelLoop {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("KernelLoop")
-            .field("input_bytes", &self.src.len())
-            .field("fp8_shapes", &self.fp8.len())
-            .field("copy", &self.copy)
-            .finish()
-    }
-}
-
-impl KernelLoop {
-    /// A copy of `src` into `dst` (as long) over the pool, 1 MiB per job.
-    pub(crate) fn copy(src: Vec<u8>, dst: Vec<u8>) -> KernelLoop {
-        debug_assert_eq!(src.len(), dst.len());
-        KernelLoop {
-            src,
-            dst,
-            scales: Vec::new(),
-            fp8: Vec::new(),
-            copy: true,
-        }
-    }
-
-    /// fp8 quantisation of the `shapes` that fit in `src` (bf16), one after another. Each shape
-    /// reads its own part of the input and writes its own part of the output, as a trainer's
-    /// tasks do: reading one cache-hot prefix for every shape would measure the cache, not the
-    /// kernel on a layer's worth of tensors.
-    pub(crate) fn fp8(src: Vec<u8>, shapes: &[Fp8Shape]) -> KernelLoop {
-        let mut fp8 = Vec::new();
-        let (mut e, mut s) = (0usize, 0usize);
-        for sh in shapes {
-            let elems = sh.rows * sh.cols;
-            if (e + elems) * 2 > src.len() {
-                break;
-            }
-            fp8.push((*sh, e, s));
-            e += elems;
-            s += sh.row_blocks() * sh.col_blocks() * 4;
-        }
-        KernelLoop {
-            src,
-            dst: vec![0u8; e],
-            scales: vec![0u8; s],
-            fp8,
-            copy: false,
-        }
-    }
-
-    /// The input buffer back.
-    pub(crate) fn into_src(self) -> Vec<u8> {
-        self.src
-    }
-
-    /// Input bytes of one pass.
-    pub(crate) fn pass_bytes(&self) -> u64 {
-        if self.copy {
-            self.src.len() as u64
-        } else {
-            self.dst.len() as u64 * 2
-        }
-    }
-
-    /// One pass over the pool.
-    pub(crate) fn pass(&mut self) -> Result<(), E2eError> {
-        if self.copy {
-            self.dst
-                .par_chunks_mut(1 << 20)
-                .zip(self.src.par_chunks(1 << 20))
-                .for_each(|(d, s)| d.copy_from_slice(s));
-            return Ok(());
-        }
-        for &(shape, e0, s0) in &self.fp8 {
-            let e = shape.rows * shape.cols;
-            let sb = shape.row_blocks() * shape.col_blocks() * 4;
-            quantise_fp8(
-                &self.src[e0 * 2..(e0 + e) * 2],
-                DType::BF16,
-                shape,
-                &mut self.dst[e0..e0 + e],
-                &mut self.scales[s0..s0 + sb],
-                Threads::All,
-            )
-            .map_err(|x| E2eError::Setup(format!("quantising {shape:?}: {x}")))?;
-        }
-        Ok(())
-    }
-}
-
 /// Runs one fabric pass of `limit` (`landed` bytes) while `kernel` loops on the pool, and
 /// charges each at its rate alone: `fabric_host_s_per_byte` (the model's host share per byte
-/// landed) and `kernel_bytes_per_s` (the kernel over the whole pool).
+/// landed) and `kernel_bytes_per_s` (the kernel over the whole pool). The kernel comes back
+/// for the next measurement.
 pub(crate) async fn measure(
     limit: &FabricLimit,
     landed: u64,
     fabric_host_s_per_byte: f64,
     kernel: KernelLoop,
     kernel_bytes_per_s: f64,
-) -> Result<Overlap, E2eError> {
+) -> Result<(Overlap, KernelLoop), E2eError> {
     let stop = Arc::new(AtomicBool::new(false));
     let start = Instant::now();
     let looping = {
@@ -157,23 +58,24 @@ pub(crate) async fn measure(
             let mut kernel = kernel;
             let mut bytes = 0u64;
             while !stop.load(Ordering::Relaxed) {
-                kernel.pass()?;
+                kernel.pass(Threads::All)?;
                 bytes += kernel.pass_bytes();
             }
-            Ok::<_, E2eError>((bytes, start.elapsed().as_secs_f64()))
+            Ok::<_, E2eError>((bytes, start.elapsed().as_secs_f64(), kernel))
         })
     };
     let fabric = limit.sync().await;
     stop.store(true, Ordering::Relaxed);
-    let (bytes, kernel_end) = looping
+    let (bytes, kernel_end, kernel) = looping
         .await
         .map_err(|e| E2eError::Setup(format!("the kernel beside the fabric panicked: {e}")))??;
     fabric?;
-    Ok(Overlap::of(
+    let overlap = Overlap::of(
         kernel_end,
         landed as f64 * fabric_host_s_per_byte,
         bytes as f64 / kernel_bytes_per_s.max(1.0),
-    ))
+    );
+    Ok((overlap, kernel))
 }
 
 impl Overlap {
@@ -195,53 +97,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_loop_quantises_the_shapes_that_fit_or_copies() {
-        let shapes = [
-            Fp8Shape {
-                rows: 256,
-                cols: 512,
-            },
-            Fp8Shape {
-                rows: 128,
-                cols: 256,
-            },
-            Fp8Shape {
-                rows: 4096,
-                cols: 4096,
-            },
-        ];
-        // 1 MiB of input: the first two shapes fit (256 KiB + 64 KiB of bf16), the third not.
-        let mut k = KernelLoop::fp8(weights(1 << 20, 11), &shapes);
-        assert_eq!(k.fp8.len(), 2);
-        assert_eq!(k.pass_bytes(), (256 * 512 + 128 * 256) * 2);
-        k.pass().unwrap();
-        // What one pass wrote is what quantising each shape on its own gives.
-        let scale_bytes = shapes[1].row_blocks() * shapes[1].col_blocks() * 4;
-        let (mut values, mut scales) = (vec![0u8; 128 * 256], vec![0u8; scale_bytes]);
-        let at = 256 * 512;
-        quantise_fp8(
-            &k.src[at * 2..(at + 128 * 256) * 2],
-            DType::BF16,
-            shapes[1],
-            &mut values,
-            &mut scales,
-            Threads::One,
-        )
-        .unwrap();
-        assert_eq!(k.dst[at..at + 128 * 256], values[..]);
-        let first_scales = shapes[0].row_blocks() * shapes[0].col_blocks() * 4;
-        assert_eq!(
-            k.scales[first_scales..first_scales + scale_bytes],
-            scales[..]
-        );
-        // No fp8 shapes: a copy of the whole buffer.
-        let mut c = KernelLoop::copy(weights(1 << 20, 11), vec![0u8; 1 << 20]);
-        assert_eq!(c.pass_bytes(), 1 << 20);
-        c.pass().unwrap();
-        assert_eq!(c.dst, c.src);
-    }
-
-    #[test]
     fn a_fabric_pass_beside_the_loop_charges_both_at_their_rates() {
         let rt = super::super::super::runtime().unwrap();
         rt.block_on(async {
@@ -249,11 +104,16 @@ mod tests {
             let config = super::super::super::WorkerOptions::default().fabric_config();
             let limit = FabricLimit::start(&pairs, &config).await.unwrap();
             limit.sync().await.unwrap();
-            let kernel = KernelLoop::copy(weights(4 << 20, 11), vec![0u8; 4 << 20]);
+            let kernel = KernelLoop::copy(weights(4 << 20, 11)).spread(2);
             let (fabric_rate, kernel_rate) = (1e-10, 5e9);
-            let o = measure(&limit, 16 << 20, fabric_rate, kernel, kernel_rate)
+            let (o, kernel) = measure(&limit, 16 << 20, fabric_rate, kernel, kernel_rate)
                 .await
                 .unwrap();
+            assert_eq!(
+                kernel.windows(),
+                2,
+                "the loop comes back for the next measurement"
+            );
             // The fabric is charged for the bytes it landed; the loop ran at least one pass of
             // its 4 MiB; the share is what both were worth over the time they took.
             assert!((o.fabric_host_s - (16u64 << 20) as f64 * fabric_rate).abs() < 1e-12);
