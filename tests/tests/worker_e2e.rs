@@ -14,7 +14,7 @@ use weightsync_schedules::layout_train::TrainingLayout;
 use weightsync_schedules::model::{ExpertForm, Model};
 use weightsync_schedules::planner::plan;
 use weightsync_schedules::table::RoutingTable;
-use weightsync_tests::loopback::LoopbackCluster;
+use weightsync_tests::loopback::{ClusterSync, LoopbackCluster};
 use weightsync_tests::reference::{expected, Geometry, LogicalWeights};
 use weightsync_worker::SyncId;
 use weightsync_worker::WorkerError;
@@ -100,6 +100,25 @@ fn check_every_byte(cluster: &LoopbackCluster, w: &LogicalWeights) {
     assert!(tensors > 20, "only {tensors} tensors checked");
 }
 
+/// One training step's sync: step `version`'s weights written into the sources, synced,
+/// verified with the trainers' checksums, and every byte compared with the reference.
+async fn sync_and_check(
+    model: &Model,
+    cluster: &LoopbackCluster,
+    table: &RoutingTable,
+    version: u64,
+    epoch: u64,
+) -> ClusterSync {
+    let w = load_weights(model, cluster, table, version);
+    let sync = cluster
+        .sync(SyncId { version, epoch }, TIMEOUT)
+        .await
+        .unwrap();
+    cluster.verify(&sync).unwrap();
+    check_every_byte(cluster, &w);
+    sync
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn four_fsdp_trainers_to_two_tp2_engines_fp8() {
     let (model, table) = table();
@@ -119,19 +138,7 @@ async fn four_fsdp_trainers_to_two_tp2_engines_fp8() {
     );
 
     for step in 0..3u64 {
-        let w = load_weights(&model, &cluster, &table, step);
-        let sync = cluster
-            .sync(
-                SyncId {
-                    version: step,
-                    epoch: step + 1,
-                },
-                TIMEOUT,
-            )
-            .await
-            .unwrap();
-        cluster.verify(&sync).unwrap();
-        check_every_byte(&cluster, &w);
+        let sync = sync_and_check(&model, &cluster, &table, step, step + 1).await;
         for r in &sync.trainers {
             assert!(r.peak_staging_bytes <= r.watermark_bytes);
         }
@@ -176,19 +183,7 @@ async fn garbage_written_into_a_destination_run_fails_the_sync() {
     assert!(err.to_string().contains(&tensor.name), "{err}");
 
     // The next sync rewrites every byte and verifies again.
-    let w = load_weights(&model, &cluster, &table, 8);
-    let sync = cluster
-        .sync(
-            SyncId {
-                version: 8,
-                epoch: 2,
-            },
-            TIMEOUT,
-        )
-        .await
-        .unwrap();
-    cluster.verify(&sync).unwrap();
-    check_every_byte(&cluster, &w);
+    sync_and_check(&model, &cluster, &table, 8, 2).await;
 }
 
 /// fsdp=2: row shards of 128 rows, so the row-parallel tp=2 boxes (o_proj, down_proj) are
@@ -212,18 +207,6 @@ async fn column_slices_are_quantised_where_their_rows_lie() {
         .sum();
     assert!(column_slices >= 4, "{column_slices} column slices");
     for step in 0..2u64 {
-        let w = load_weights(&model, &cluster, &table, step);
-        let sync = cluster
-            .sync(
-                SyncId {
-                    version: step,
-                    epoch: step + 1,
-                },
-                TIMEOUT,
-            )
-            .await
-            .unwrap();
-        cluster.verify(&sync).unwrap();
-        check_every_byte(&cluster, &w);
+        sync_and_check(&model, &cluster, &table, step, step + 1).await;
     }
 }

@@ -148,16 +148,9 @@ pub fn quantise_fp8_block_rows(
     scales: &mut [u8],
     threads: Threads,
 ) -> Result<(), PrepareError> {
-    quantise_on_path(
-        src,
-        src_dtype,
-        shape,
-        row_blocks,
-        shape.cols,
-        values,
-        scales,
-        threads,
-        Path::Best,
+    let pitch = shape.cols;
+    quantise_fp8_block_rows_pitched(
+        src, src_dtype, shape, row_blocks, pitch, values, scales, threads,
     )
 }
 

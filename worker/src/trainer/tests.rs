@@ -819,12 +819,14 @@ fn copy_plans(region: TensorBox) -> (TrainerPlan, RolloutPlan) {
     (trainer_plan, rollout_plan)
 }
 
-/// A bf16 -> bf16 copy of rows 4..12 of a caller-registered [16, 8] tensor is written straight
-/// from the tensor (no staging), lands exactly, and verifies.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_same_dtype_copy_from_registered_tensors_is_written_without_staging() {
-    let (trainer_plan, rollout_plan) = one_copy_plans();
-    let fab = MemFabric::new_switch("trainer-0");
+/// Registers a bf16 [16, 8] tensor `w` (byte `i` is `i * 7 % 251`) with `fab` as a training
+/// job's own memory, runs one sync of `trainer_plan` from it into a rollout of `rollout_plan`,
+/// and returns the rollout (landed and verified), the report and the tensor's bytes.
+async fn sync_from_a_registered_tensor(
+    fab: &MemFabric,
+    trainer_plan: TrainerPlan,
+    rollout_plan: RolloutPlan,
+) -> (RolloutWorker<MemFabric>, SyncReport, Arc<Vec<u8>>) {
     let rollout = RolloutWorker::new(fab.peer("rollout-0"), "rollout-0", rollout_plan).unwrap();
     let tensor: Arc<Vec<u8>> = Arc::new((0..256u32).map(|i| (i * 7 % 251) as u8).collect());
     // SAFETY: the vector is kept alive by the owner passed along and never written.
@@ -837,7 +839,7 @@ async fn a_same_dtype_copy_from_registered_tensors_is_written_without_staging() 
     };
     let set = Arc::new(
         crate::TensorSet::register(
-            &fab,
+            fab,
             vec![crate::SourceTensor {
                 name: "w".into(),
                 dtype: DType::BF16,
@@ -866,6 +868,17 @@ async fn a_same_dtype_copy_from_registered_tensors_is_written_without_staging() 
     let report = trainer.run_sync(sync).await.unwrap();
     rollout.await_landed(Duration::from_secs(10)).await.unwrap();
     rollout.verify(&report.checksums).unwrap();
+    (rollout, report, tensor)
+}
+
+/// A bf16 -> bf16 copy of rows 4..12 of a caller-registered [16, 8] tensor is written straight
+/// from the tensor (no staging), lands exactly, and verifies.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_same_dtype_copy_from_registered_tensors_is_written_without_staging() {
+    let (trainer_plan, rollout_plan) = one_copy_plans();
+    let fab = MemFabric::new_switch("trainer-0");
+    let (rollout, report, tensor) =
+        sync_from_a_registered_tensor(&fab, trainer_plan, rollout_plan).await;
     assert_eq!(rollout.read_tensor("w").unwrap(), tensor[64..192].to_vec());
     assert_eq!((report.direct_bytes, report.staged_bytes), (128, 0));
     assert_eq!(report.peak_staging_bytes, 0);
@@ -879,47 +892,8 @@ async fn a_column_slice_from_registered_tensors_is_written_strided_without_stagi
     let (trainer_plan, rollout_plan) = copy_plans(TensorBox::new(&[4, 2], &[8, 4]));
     let fab = MemFabric::new_switch("trainer-0");
     assert_eq!(fab.min_strided_run(), 1);
-    let rollout = RolloutWorker::new(fab.peer("rollout-0"), "rollout-0", rollout_plan).unwrap();
-    let tensor: Arc<Vec<u8>> = Arc::new((0..256u32).map(|i| (i * 7 % 251) as u8).collect());
-    // SAFETY: the vector is kept alive by the owner passed along and never written.
-    let memory = unsafe {
-        crate::HostMemory::from_raw(
-            tensor.as_ptr() as *mut u8,
-            tensor.len(),
-            Box::new(tensor.clone()),
-        )
-    };
-    let set = Arc::new(
-        crate::TensorSet::register(
-            &fab,
-            vec![crate::SourceTensor {
-                name: "w".into(),
-                dtype: DType::BF16,
-                shape: vec![16, 8],
-                memory,
-            }],
-        )
-        .unwrap(),
-    );
-    let source = Arc::new(set.for_plan(&trainer_plan).unwrap());
-    let mut trainer = TrainerWorker::new(
-        fab.clone(),
-        source,
-        trainer_plan,
-        TrainerConfig::new("trainer-0", 4096),
-    )
-    .unwrap();
-    let mut dsts = Destinations::default();
-    dsts.rollouts.insert(0, rollout.descriptors());
-    trainer.set_destinations(&dsts).unwrap();
-    let sync = SyncId {
-        version: 1,
-        epoch: 1,
-    };
-    rollout.arm(sync).unwrap();
-    let report = trainer.run_sync(sync).await.unwrap();
-    rollout.await_landed(Duration::from_secs(10)).await.unwrap();
-    rollout.verify(&report.checksums).unwrap();
+    let (rollout, report, tensor) =
+        sync_from_a_registered_tensor(&fab, trainer_plan, rollout_plan).await;
     assert!(!report.checksums.is_empty());
     let want: Vec<u8> = (4..12)
         .flat_map(|row| tensor[row * 16 + 4..row * 16 + 12].to_vec())

@@ -322,42 +322,24 @@ fn a_pitch_shorter_than_a_row_or_a_source_of_the_wrong_span_is_refused() {
     let shape = Fp8Shape { rows: 3, cols: 4 };
     let (mut v, mut s) = (vec![0u8; 12], vec![0u8; 4]);
     let src = vec![0u8; (2 * 6 + 4) * 2];
-    let err = quantise_fp8_block_rows_pitched(
-        &src,
-        DType::BF16,
-        shape,
-        0..1,
-        3,
-        &mut v,
-        &mut s,
-        Threads::One,
-    )
-    .unwrap_err();
+    let mut quantise = |src: &[u8], pitch: usize| {
+        quantise_fp8_block_rows_pitched(
+            src,
+            DType::BF16,
+            shape,
+            0..1,
+            pitch,
+            &mut v,
+            &mut s,
+            Threads::One,
+        )
+    };
+    let err = quantise(&src, 3).unwrap_err();
     assert!(err.to_string().contains("pitch 3"), "{err}");
     // Rows 6 apart span 2 * 6 + 4 elements: one fewer is refused, exactly that is quantised.
-    let err = quantise_fp8_block_rows_pitched(
-        &src[2..],
-        DType::BF16,
-        shape,
-        0..1,
-        6,
-        &mut v,
-        &mut s,
-        Threads::One,
-    )
-    .unwrap_err();
+    let err = quantise(&src[2..], 6).unwrap_err();
     assert!(err.to_string().contains("fp8 source"), "{err}");
-    quantise_fp8_block_rows_pitched(
-        &src,
-        DType::BF16,
-        shape,
-        0..1,
-        6,
-        &mut v,
-        &mut s,
-        Threads::One,
-    )
-    .unwrap();
+    quantise(&src, 6).unwrap();
 }
 
 #[test]
