@@ -285,6 +285,8 @@ struct Kernels {
     /// Whether the configuration has fp8 tasks: then fp8 loops beside the fabric, else the copy
     /// (its staging copies).
     fp8_beside: bool,
+    /// The last-level cache the windows reach past, as sysfs gave it.
+    cache: Option<u64>,
 }
 
 impl Kernels {
@@ -318,6 +320,7 @@ impl Kernels {
             copy: KernelLoop::copy(src).past_cache(cache),
             cast: KernelLoop::cast(f32_in).past_cache(cache),
             fp8_beside: !fp8_tasks.is_empty(),
+            cache,
         }
     }
 
@@ -472,23 +475,21 @@ pub fn host_cluster(
     c
 }
 
-/// Kernel rates now, and the fabric's from one pass of `limit`.
+/// Kernel rates now, and the fabric's from one pass of `limit`; the kernels come back for the
+/// next measurement.
 async fn measure(
-    kernels: &mut Option<Kernels>,
+    kernels: Kernels,
     limit: &FabricLimit,
     landed: u64,
-) -> Result<Rates, E2eError> {
-    let mut k = kernels
-        .take()
-        .ok_or_else(|| E2eError::Setup("the kernels were lost in a failed measurement".into()))?;
-    let (k, rates) = tokio::task::spawn_blocking(move || {
+) -> Result<(Rates, Kernels), E2eError> {
+    let (mut k, rates) = tokio::task::spawn_blocking(move || {
+        let mut k = kernels;
         let rates = k.rates();
         (k, rates)
     })
     .await
     .map_err(|e| E2eError::Setup(format!("measuring kernels panicked: {e}")))?;
     let rates = rates?;
-    let mut k = k;
     let (kernel, kernel_rate) = k.beside_fabric(&rates);
     let fabric = fabric_rate(limit, landed).await?;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -501,9 +502,7 @@ async fn measure(
     )
     .await?;
     k.put_back(kernel);
-    let windows = k.copy.windows();
-    *kernels = Some(k);
-    Ok(Rates {
+    let measured = Rates {
         cores,
         fabric_bytes_per_s: fabric.bytes_per_s,
         fabric_cpu_s_per_byte: fabric.cpu_s_per_byte,
@@ -511,10 +510,11 @@ async fn measure(
         memcpy_all_bytes_per_s: rates.memcpy_all,
         fp8_all_bytes_per_s: rates.fp8,
         cast_all_bytes_per_s: rates.castr,
-        last_level_cache_bytes: cold::last_level_cache_bytes(),
-        copy_windows: windows,
+        last_level_cache_bytes: k.cache,
+        copy_windows: k.copy.windows(),
         overlap,
-    })
+    };
+    Ok((measured, k))
 }
 
 fn median(v: &[f64]) -> f64 {
@@ -563,12 +563,10 @@ pub fn run(cfg: &Config) -> Result<Report, E2eError> {
             limit.sync().await?;
             let cache = cold::last_level_cache_bytes();
             let (bytes, tasks) = (cfg.kernel_bytes, shapes.clone());
-            let mut kernels = Some(
-                tokio::task::spawn_blocking(move || Kernels::new(bytes, &tasks, cache))
-                    .await
-                    .map_err(|e| E2eError::Setup(format!("building the kernels panicked: {e}")))?,
-            );
-            let rates = measure(&mut kernels, &limit, landed).await?;
+            let kernels = tokio::task::spawn_blocking(move || Kernels::new(bytes, &tasks, cache))
+                .await
+                .map_err(|e| E2eError::Setup(format!("building the kernels panicked: {e}")))?;
+            let (rates, mut kernels) = measure(kernels, &limit, landed).await?;
             let fixed = near_empty.derive(&host_cluster(
                 &rates,
                 &cfg.workers,
@@ -585,7 +583,9 @@ pub fn run(cfg: &Config) -> Result<Report, E2eError> {
             let mut secs = Vec::with_capacity(cfg.syncs);
             for _ in 0..cfg.syncs {
                 secs.push(c.sync().await?.seconds);
-                rates_at.push(measure(&mut kernels, &limit, landed).await?);
+                let (rates, k) = measure(kernels, &limit, landed).await?;
+                rates_at.push(rates);
+                kernels = k;
             }
             Ok::<_, E2eError>((fixed, rates_at, secs))
         })?;
