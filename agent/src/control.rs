@@ -18,6 +18,7 @@
 
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use tokio::io::AsyncWriteExt;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, watch};
@@ -53,7 +54,9 @@ pub struct AgentConfig {
 /// controller announced them.
 #[derive(Debug, Default)]
 pub struct AgentLink {
-    /// Extra messages to send to the controller (after registration).
+    /// Extra messages to send to the controller (after registration). When every sender is
+    /// dropped the embedding is leaving: what it queued is written out first, then the agent
+    /// closes its connection and stops (a report sent just before leaving is not lost).
     pub outbox: Option<mpsc::Receiver<FromWorker>>,
     /// Where the ends of syncs are announced.
     pub events: Option<mpsc::UnboundedSender<AgentEvent>>,
@@ -125,6 +128,8 @@ pub enum AgentError {
 /// How a session with the controller ended.
 enum SessionEnd {
     Shutdown,
+    /// The embedding left (its outbox closed) and everything queued was written.
+    Left,
     Lost(String),
 }
 
@@ -150,31 +155,37 @@ pub async fn run_agent_with<D: SyncDriver>(
     let result = run_linked(cfg, driver, link).await;
     if let Some(ev) = events {
         let reason = match &result {
-            Ok(()) => "the controller said shutdown".to_string(),
+            Ok(why) => why.to_string(),
             Err(e) => e.to_string(),
         };
         let _ = ev.send(AgentEvent::Stopped { reason });
     }
-    result
+    result.map(|_| ())
 }
+
+const SAID_SHUTDOWN: &str = "the controller said shutdown";
+const LEFT: &str = "this worker left the job";
 
 async fn run_linked<D: SyncDriver>(
     cfg: AgentConfig,
     driver: D,
     link: AgentLink,
-) -> Result<(), AgentError> {
+) -> Result<&'static str, AgentError> {
     let (cmd_tx, cmd_rx) = mpsc::channel::<DriverCmd>(64);
     let (abort_tx, abort_rx) = watch::channel::<u64>(0);
     let (out_tx, mut out_rx) = mpsc::channel::<FromWorker>(256);
+    // Turns true once the embedding's outbox closed and all it sent is queued in `out_rx`.
+    let (leaving_tx, mut leaving) = watch::channel(false);
     if let Some(mut extra) = link.outbox {
         // The embedding's messages join the driver's on the way out.
         let out = out_tx.clone();
         tokio::spawn(async move {
             while let Some(m) = extra.recv().await {
                 if out.send(m).await.is_err() {
-                    break;
+                    return;
                 }
             }
+            let _ = leaving_tx.send(true);
         });
     }
     let events = link.events;
@@ -182,6 +193,10 @@ async fn run_linked<D: SyncDriver>(
     let driver_task = tokio::spawn(drive(driver, cfg.id.role, cmd_rx, abort_rx, out_tx));
     let mut first = true;
     let result = loop {
+        if *leaving.borrow() {
+            // Left while the controller was out of reach: nothing to reconnect for.
+            break Ok(LEFT);
+        }
         let stream = match connect(&cfg, first).await {
             Ok(s) => s,
             Err(e) => break Err(e),
@@ -192,8 +207,9 @@ async fn run_linked<D: SyncDriver>(
             abort_tx: &abort_tx,
             events: events.as_ref(),
         };
-        match session(&cfg, &info, stream, &ends, &mut out_rx).await {
-            Ok(SessionEnd::Shutdown) => break Ok(()),
+        match session(&cfg, &info, stream, &ends, &mut out_rx, &mut leaving).await {
+            Ok(SessionEnd::Shutdown) => break Ok(SAID_SHUTDOWN),
+            Ok(SessionEnd::Left) => break Ok(LEFT),
             Ok(SessionEnd::Lost(why)) => {
                 tracing::warn!("{}: lost the controller ({why}); reconnecting", cfg.id);
                 // Whatever sync was running is void: the controller will not commit it.
@@ -497,6 +513,7 @@ async fn session(
     stream: TcpStream,
     ends: &Ends<'_>,
     out_rx: &mut mpsc::Receiver<FromWorker>,
+    leaving: &mut watch::Receiver<bool>,
 ) -> Result<SessionEnd, AgentError> {
     let max = cfg.max_frame;
     let (mut rd, mut wr) = stream.into_split();
@@ -529,6 +546,7 @@ async fn session(
                     break SessionEnd::Lost(e.to_string());
                 }
             }
+            () = left(leaving) => break leave(&mut wr, out_rx, max).await,
             msg = in_rx.recv() => {
                 let msg = match msg {
                     Some(Ok(m)) => m,
@@ -549,6 +567,28 @@ async fn session(
     };
     reader.abort();
     Ok(end)
+}
+
+/// Resolves once the embedding left. (An error means the forwarder is gone, which leaves
+/// nothing more to forward either.)
+async fn left(leaving: &mut watch::Receiver<bool>) {
+    let _ = leaving.wait_for(|left| *left).await;
+}
+
+/// The embedding left: writes what is already queued (its last reports, the driver's last
+/// messages), then closes the write half so the controller reads every frame before the end.
+async fn leave(
+    wr: &mut OwnedWriteHalf,
+    out_rx: &mut mpsc::Receiver<FromWorker>,
+    max: u32,
+) -> SessionEnd {
+    while let Ok(out) = out_rx.try_recv() {
+        if let Err(e) = write_frame(wr, &out, max).await {
+            return SessionEnd::Lost(e.to_string());
+        }
+    }
+    let _ = wr.shutdown().await;
+    SessionEnd::Left
 }
 
 /// A default control frame limit for agents.

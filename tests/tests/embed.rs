@@ -820,3 +820,39 @@ fn a_bad_stage_report_changes_nothing_and_the_engine_keeps_syncing() {
     assert!(engine_spans(&failed, "rollout-0").is_empty(), "{failed}");
     assert_eq!(get_json(&ctl, &format!("/v1/syncs/{id1}")), before);
 }
+
+#[test]
+fn a_stage_report_sent_just_before_the_engine_leaves_reaches_the_controller() {
+    // The report waits in the engine's queue to the controller; leaving writes that queue out
+    // before the connection closes, rather than dropping it with the runtime (seen as an
+    // engine's last version without its pause, load and resume on the dashboard).
+    let dir = tempfile::tempdir().unwrap();
+    let (_rt, ctl) = controller(&dir, "fsdp=2");
+    let control = ctl.control.to_string();
+    let engines: Vec<Engine> = (0..2).map(|r| Engine::join(&control, r, None)).collect();
+    let trainers: Vec<Trainer> = (0..2).map(|r| Trainer::join(&control, r)).collect();
+    for r in push_all(&trainers, 1) {
+        r.unwrap();
+    }
+    for e in &engines {
+        e.handle.wait_for_version(1, WAIT).unwrap();
+        e.check(1);
+        e.handle
+            .report_stages(1, &pause_load_resume(&e.handle))
+            .unwrap();
+        e.handle.close();
+        assert!(matches!(
+            e.handle.report_stages(1, &pause_load_resume(&e.handle)),
+            Err(EmbedError::Closed { .. })
+        ));
+    }
+    let id = sync_id_of(&ctl, 1);
+    for worker in ["rollout-0", "rollout-1"] {
+        let view = view_with_engine_spans(&ctl, id, worker, 3);
+        let names: Vec<String> = engine_spans(&view, worker)
+            .into_iter()
+            .map(|(s, _, _)| s)
+            .collect();
+        assert_eq!(names, ENGINE_STAGES, "{view}");
+    }
+}

@@ -16,7 +16,7 @@ pub use super::engine_driver::Hook;
 use super::engine_driver::{EngineDriver, EngineShared};
 use super::engine_stages::sync_events;
 use super::regions::place;
-use super::session::{run_session, start, Reach, Session};
+use super::session::{run_session, start, Reach, Session, LEAVE_WITHIN};
 use super::{DstTensor, DstTensorInfo, EmbedError, EngineState, EngineStatus};
 use crate::rollout::{RolloutDriver, RolloutDriverConfig};
 
@@ -303,7 +303,10 @@ impl EngineHandle {
     /// Leaves the job: the session and the fabric stop (idempotent; also on drop); the
     /// controller sees this engine leave (a running sync fails naming it).
     pub fn close(&self) {
-        self.session.lock().take();
+        let session = self.session.lock().take();
+        if let Some(session) = session {
+            session.leave(LEAVE_WITHIN);
+        }
         if let Some(rt) = self.rt.lock().take() {
             // Waits (a bounded time) until the session's tasks are dropped, so the registrations
             // go and the tensors' owners are released.

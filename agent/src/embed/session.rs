@@ -188,6 +188,20 @@ pub(crate) struct Session {
     pub ends: std::sync::Arc<Ends>,
 }
 
+/// How long leaving waits for the agent to write what was queued and stop.
+pub(crate) const LEAVE_WITHIN: Duration = Duration::from_secs(2);
+
+impl Session {
+    /// Leaves the job: the outbox closes, so the agent writes what is still queued (an engine's
+    /// last stage report, a trainer's last push) and then closes its connection. Waits up to
+    /// `within` for that; a runtime shut down at once would drop the queue unsent.
+    pub(crate) fn leave(self, within: Duration) {
+        let Session { outbox, ends } = self;
+        drop(outbox);
+        ends.wait(Some(within), |st| st.stopped.as_ref().map(|_| ()));
+    }
+}
+
 /// Starts the agent with `driver` on `rt` and waits (up to `within`) until it registered.
 pub(crate) fn run_session<D: SyncDriver>(
     rt: &Runtime,

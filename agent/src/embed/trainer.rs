@@ -11,7 +11,7 @@ use weightsync_common::protocol::{FromWorker, WorkerId, WorldSpec};
 use weightsync_schedules::job;
 use weightsync_worker::{shard_names, ArenaTensor, SourceError, SyncReport, TensorSet};
 
-use super::session::{run_session, start, End, Ends, Reach, Session};
+use super::session::{run_session, start, End, Ends, Reach, Session, LEAVE_WITHIN};
 use super::{sync_failed, EmbedError, ShardInfo, SourceTensor, SyncOutcome};
 use crate::trainer::{ReportSlot, SourceSpec, TrainerDriver, TrainerDriverConfig};
 
@@ -274,7 +274,10 @@ impl TrainerHandle {
 
     /// Leaves the job: the session and the fabric stop (idempotent; also on drop).
     pub fn close(&self) {
-        self.session.lock().take();
+        let session = self.session.lock().take();
+        if let Some(session) = session {
+            session.0.leave(LEAVE_WITHIN);
+        }
         if let Some(rt) = self.rt.lock().take() {
             // Waits (a bounded time) until the session's tasks are dropped, so the registrations
             // go and the tensors' owners are released.
