@@ -86,7 +86,11 @@ def expected_engine_tensors(full: dict[str, Any], names: list[str], ep: tuple[in
     return want
 
 
-def compare(out: Path, versions: list[int], engines: dict[int, tuple[int, int]], fp8: bool, tokens: bool) -> None:
+def compare(out: Path, versions: list[int], engines: dict[int, tuple[int, int]], fp8: bool, tokens: bool,
+            master_f32: bool = False) -> None:
+    """Every engine tensor equals its reference from the trainer's full parameters, byte for
+    byte. ``master_f32``: the trainer's parameters are f32 and the engine's bf16 ones their
+    round-to-nearest-even casts (torch's own ``.to(bfloat16)``); fp8 is quantised from f32."""
     previous = None
     for v in versions:
         trainer = torch.load(out / f"trainer_v{v}.pt")
@@ -99,6 +103,11 @@ def compare(out: Path, versions: list[int], engines: dict[int, tuple[int, int]],
             names = sorted(got["params"])
             want = expected_engine_tensors(trainer["params"], names, ep, fp8)
             assert sorted(want) == names, f"engine {r} v{v}: tensors {names} != {sorted(want)}"
+            if master_f32:
+                for n in names:
+                    assert want[n].dtype != torch.bfloat16, f"{n}: the trainer's is not f32"
+                    if want[n].dtype == torch.float32 and got["params"][n].dtype == torch.bfloat16:
+                        want[n] = want[n].to(torch.bfloat16)
             for n in names:
                 assert_bytes_equal(n, got["params"][n], want[n], f"engine {r} version {v}")
             if tokens:
@@ -120,7 +129,7 @@ def outcomes(out: Path, versions: list[int]) -> dict[str, Any]:
 
 def run_job(tmp_path: Path, procs: Procs, *, kind: str, train: str, nproc: int, infer: str, dtype: str = "bf16",
             engines: dict[int, tuple[int, int]], steps: int = 3, trigger: str = "push",
-            die: tuple[int, int] | None = None) -> Path:
+            die: tuple[int, int] | None = None, master: str = "bf16") -> Path:
     """Runs the job; `engines` maps inference rank -> (ep_rank, ep_size); `die` = (rank, version):
     that engine kills itself when the version starts landing and is restarted."""
     model = tiny.write_config(str(tmp_path / "model"), kind)
@@ -139,7 +148,7 @@ def run_job(tmp_path: Path, procs: Procs, *, kind: str, train: str, nproc: int, 
             extra += ["--die-at", str(die[1])]
         es[r] = engine(procs, r, common + extra, c.env())
     targs = ["--model", folder, "--controller", c.control, "--steps", str(steps), "--out", str(out),
-             "--trigger", trigger, "--http", c.http]
+             "--trigger", trigger, "--http", c.http, "--weights-dtype", master]
     if die:
         targs += ["--expect-failure-at", str(die[1])]
     tr = torchrun(procs, nproc, targs, c.env())
@@ -183,6 +192,21 @@ def test_fp8_engine(tmp_path: Path, procs: Procs) -> None:
                   dtype="fp8", engines={0: (0, 1), 1: (0, 1)})
     compare(out, [1, 2, 3], {0: (0, 1), 1: (0, 1)}, fp8=True, tokens=False)
     FIGURES["dense fsdp=2 -> hf fp8 dp=2, push"] = outcomes(out, [1, 2, 3])
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_f32_master_weights_under_mixed_precision(tmp_path: Path, procs: Procs, dtype: str) -> None:
+    # FSDP2 under MixedPrecisionPolicy(param_dtype=bf16) keeps its sharded parameters f32: the
+    # job says so (dtype=f32 in its training layout), the shards are registered as they are,
+    # and what lands is their bf16 cast or their fp8 quantisation, prepared from f32.
+    out = run_job(tmp_path, procs, kind="dense", train="fsdp=2,dtype=f32", nproc=2,
+                  infer="tp=1,dp=2,format=hf", dtype=dtype, engines={0: (0, 1), 1: (0, 1)}, master="f32")
+    compare(out, [1, 2, 3], {0: (0, 1), 1: (0, 1)}, fp8=dtype == "fp8", tokens=False, master_f32=True)
+    fig = outcomes(out, [1, 2, 3])
+    FIGURES[f"dense fsdp=2 f32 master -> hf {dtype} dp=2, push"] = fig
+    # Nothing is written straight from the f32 parameters: every byte is cast or quantised.
+    assert fig["staged_bytes"] > 0, fig
 
 
 @pytest.mark.e2e

@@ -21,6 +21,12 @@
 //!   own `packed_colwise` split gives a rank its gate rows and its up rows, two boxes per
 //!   expert, which one shard cannot describe.
 //!
+//! And `dtype=` (bf16, f16 or f32) for the dtype the job holds its shards in, where that is not
+//! the model's (`torch_dtype`): FSDP2 under mixed precision keeps its sharded parameters f32
+//! and casts only what it gathers, so `fsdp=8,dtype=f32` is its layout for a bf16 model. It
+//! applies to the parameters in the model's dtype; one the model keeps apart (an f32 router
+//! bias) stays as it is. The planner then casts (or quantises from f32) what the engines take.
+//!
 //! World size `pp*dp*ep*fsdp*tp`; a rank's coordinates are, innermost last,
 //! `rank = (((pp_i*dp + dp_i)*ep + ep_i)*fsdp + fsdp_i)*tp + tp_i`.
 //!
@@ -102,6 +108,11 @@ pub struct TrainSpec {
     pub tp: u32,
     /// How routed experts are parameters.
     pub experts: ExpertForm,
+    /// The dtype the job holds its sharded parameters in, where it differs from the model's
+    /// (`dtype=f32`: FSDP2's sharded parameters stay f32 under mixed precision, which casts
+    /// only what it gathers); `None`: the model's. See [`TrainSpec::held_dtype`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dtype: Option<DType>,
 }
 
 impl Default for TrainSpec {
@@ -113,6 +124,7 @@ impl Default for TrainSpec {
             fsdp: 1,
             tp: 1,
             experts: ExpertForm::PerExpert,
+            dtype: None,
         }
     }
 }
@@ -175,10 +187,13 @@ impl std::str::FromStr for TrainSpec {
                         }
                     }
                 }
+                "dtype" => t.dtype = Some(parse_held_dtype(spec, &v)?),
                 _ => {
                     return Err(PlanError::BadSpec {
                         spec: spec.to_string(),
-                        reason: format!("unknown key {k:?} (known: pp, dp, ep, fsdp, tp, experts)"),
+                        reason: format!(
+                            "unknown key {k:?} (known: pp, dp, ep, fsdp, tp, experts, dtype)"
+                        ),
                     })
                 }
             }
@@ -198,7 +213,26 @@ impl std::fmt::Display for TrainSpec {
         if self.experts != ExpertForm::PerExpert {
             write!(f, ",experts={}", self.experts.spec_name())?;
         }
+        if let Some(d) = self.dtype {
+            write!(f, ",dtype={d}")?;
+        }
         Ok(())
+    }
+}
+
+/// `dtype=` of a training spec: a dtype a training job holds parameters in (bf16, f16, f32).
+fn parse_held_dtype(spec: &str, v: &str) -> Result<DType, PlanError> {
+    let bad = |reason: String| PlanError::BadSpec {
+        spec: spec.to_string(),
+        reason,
+    };
+    match v.parse::<DType>().map_err(|e| bad(format!("dtype: {e}")))? {
+        DType::F8E4M3 => Err(bad(
+            "dtype=fp8: training parameters are held in bf16, f16 or f32 (fp8 is an inference \
+             format: dtype=fp8 of the inference layout)"
+                .into(),
+        )),
+        d => Ok(d),
     }
 }
 
@@ -248,6 +282,16 @@ pub(crate) fn train_tp_split(role: Role) -> TpSplit {
 pub const MAX_RANKS: u32 = 1 << 20;
 
 impl TrainSpec {
+    /// The dtype shards of `p` are held in: the spec's `dtype` for parameters in the model's
+    /// own dtype, each parameter's own otherwise (an f32 router bias stays f32 in a bf16
+    /// model, whatever the spec says of the rest).
+    pub fn held_dtype(&self, model: &Model, p: &Param) -> DType {
+        match self.dtype {
+            Some(d) if p.dtype == model.config.dtype => d,
+            _ => p.dtype,
+        }
+    }
+
     /// Number of training ranks (at most [`MAX_RANKS`]).
     pub fn world(&self) -> Result<u32, PlanError> {
         let world = [self.pp, self.dp, self.ep, self.fsdp, self.tp]
@@ -325,10 +369,10 @@ impl TrainingLayout {
                     rank,
                     param: pid,
                     global: b,
-                    dtype: p.dtype,
+                    dtype: spec.held_dtype(model, p),
                     offset: next,
                 });
-                next = align_up(next + b.numel() * p.dtype.size() as u64);
+                next = align_up(next + b.numel() * spec.held_dtype(model, p).size() as u64);
             }
         };
         // Written in place into one list, allocated once by this thread (a list per rank,
@@ -642,5 +686,51 @@ mod tests {
         assert_eq!(total, m.num_elements());
         let norms = m.params.iter().filter(|p| p.shape.dims()[0] == 128).count();
         assert!(norms > 0, "the case has params shorter than 256 rows");
+    }
+
+    #[test]
+    fn shards_are_held_in_the_specs_dtype_except_what_the_model_keeps_apart() {
+        // DeepSeek-V3's router bias is f32 in a bf16 model; dtype=f32 (FSDP2's sharded
+        // parameters under mixed precision) makes the rest f32 and leaves it.
+        let m = Model::preset("deepseek-v3", ExpertForm::PerExpert).unwrap();
+        let plain = TrainingLayout::build(&m, &"fsdp=64".parse().unwrap()).unwrap();
+        let spec: TrainSpec = "fsdp=64,dtype=float32".parse().unwrap();
+        assert_eq!(spec.dtype, Some(DType::F32));
+        assert_eq!(spec.to_string(), "pp=1,dp=1,ep=1,fsdp=64,tp=1,dtype=f32");
+        assert_eq!(spec.to_string().parse::<TrainSpec>().unwrap(), spec);
+        let held = TrainingLayout::build(&m, &spec).unwrap();
+        held.validate(&m).unwrap();
+        assert_eq!(held.shards.len(), plain.shards.len());
+        let mut kept_apart = 0;
+        for (a, b) in plain.shards.iter().zip(&held.shards) {
+            assert_eq!((a.rank, a.param, a.global), (b.rank, b.param, b.global));
+            assert_eq!(b.dtype, DType::F32);
+            kept_apart += usize::from(a.dtype == DType::F32);
+        }
+        assert!(kept_apart > 0, "the model has f32 parameters of its own");
+        let bytes = |l: &TrainingLayout| -> u64 {
+            l.shards
+                .iter()
+                .map(|s| s.global.numel() * s.dtype.size() as u64)
+                .sum()
+        };
+        assert!(
+            bytes(&held) > bytes(&plain) * 19 / 10,
+            "f32 shards are twice the bytes"
+        );
+
+        let fp8 = "fsdp=2,dtype=fp8"
+            .parse::<TrainSpec>()
+            .unwrap_err()
+            .to_string();
+        assert!(
+            fp8.contains("dtype=fp8") && fp8.contains("inference"),
+            "{fp8}"
+        );
+        let bad = "fsdp=2,dtype=int4"
+            .parse::<TrainSpec>()
+            .unwrap_err()
+            .to_string();
+        assert!(bad.contains("int4"), "{bad}");
     }
 }

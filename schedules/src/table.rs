@@ -593,16 +593,19 @@ impl TrainerPlan {
         (offset + sub.numel() * from.size() as u64 <= s.bytes()).then_some(offset)
     }
 
-    /// Where an fp8 task whose box is a column slice reads its rows in place: `(offset, pitch)`
-    /// in bytes, the offset of the box's first element in its shard and the distance from one
-    /// row's start to the next (the shard's row length; the box's rows are its last dim). The
-    /// quantisation kernel reads rows that far apart where they lie, so such a task needs no
-    /// copy into staging first either. `None` where [`Self::in_place_input`] answers (a
-    /// contiguous box), for other transforms, and where the box's rows are not evenly spaced
-    /// or not in the input dtype.
-    pub fn in_place_rows(&self, task: &Task) -> Option<(u64, u64)> {
-        let Transform::Fp8Block { from, .. } = task.transform else {
-            return None;
+    /// Where a cast or fp8 task whose box strides through its shard (a column slice) reads its
+    /// runs in place, each where it lies rather than gathered into staging first (what workers
+    /// do on host sources, and what the simulator charges): the box is evenly spaced runs of
+    /// whole rows of its shard's trailing dims. A cast takes any such runs (it is elementwise,
+    /// and a task's pieces hold whole dim-0 rows of its box, so whole runs); fp8 needs each run
+    /// to be one row of the box's last dim, the rows its block quantiser reads at a pitch.
+    /// `None` where [`Self::in_place_input`] answers (a contiguous box), for a plain copy, a
+    /// gathered input, and where the runs are not evenly spaced or not in the input dtype.
+    pub fn in_place_runs(&self, task: &Task) -> Option<InPlaceRuns> {
+        let (from, rows_only) = match task.transform {
+            Transform::Fp8Block { from, .. } => (from, true),
+            Transform::Cast { from, .. } => (from, false),
+            Transform::Copy { .. } => return None,
         };
         let Source::Shard { shard } = task.source else {
             return None;
@@ -615,14 +618,18 @@ impl TrainerPlan {
             return None;
         }
         let (run, stride) = sub.strided_in(dims.dims())?;
-        if run != u64::from(sub.len[n - 1]) {
+        if rows_only && run != u64::from(sub.len[n - 1]) {
             return None; // runs of several rows: not one pitch
         }
         let size = from.size() as u64;
         let offset = sub.first_element_in(dims.dims()) * size;
-        let rows = sub.numel() / run;
-        let end = offset + ((rows - 1) * stride + run) * size;
-        (end <= s.bytes()).then_some((offset, stride * size))
+        let runs = sub.numel() / run;
+        let end = offset + ((runs - 1) * stride + run) * size;
+        (end <= s.bytes()).then_some(InPlaceRuns {
+            offset,
+            run: run * size,
+            pitch: stride * size,
+        })
     }
 
     /// The tasks of one group.
@@ -630,6 +637,18 @@ impl TrainerPlan {
         let a = group.first_task as usize;
         &self.tasks[a..a + group.num_tasks as usize]
     }
+}
+
+/// Where a task's box lies in its shard as evenly spaced runs ([`TrainerPlan::in_place_runs`]),
+/// in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct InPlaceRuns {
+    /// Offset of the box's first element in its shard.
+    pub offset: u64,
+    /// Length of each run.
+    pub run: u64,
+    /// From one run's start to the next.
+    pub pitch: u64,
 }
 
 /// One destination tensor on an inference rank.

@@ -12,6 +12,7 @@ use std::collections::BTreeMap;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use weightsync_common::DType;
+use weightsync_schedules::layout_train::TrainSpec;
 use weightsync_schedules::model::Model;
 use weightsync_schedules::table::{DstTensor, TrainerPlan};
 use weightsync_worker::f32_to_bf16;
@@ -120,15 +121,25 @@ impl LogicalWeights {
     /// Random weights (uniform in [-2, 2), stored in each parameter's dtype), reproducible from
     /// `seed`.
     pub fn random(model: &Model, seed: u64) -> LogicalWeights {
+        LogicalWeights::random_held(model, &TrainSpec::default(), seed)
+    }
+
+    /// [`Self::random`] stored as a training job of `spec` holds them
+    /// ([`TrainSpec::held_dtype`]: `dtype=f32` keeps f32 parameters of a bf16 model).
+    pub fn random_held(model: &Model, spec: &TrainSpec, seed: u64) -> LogicalWeights {
         let mut rng = StdRng::seed_from_u64(seed);
         let mut tensors = BTreeMap::new();
         for p in &model.params {
             let shape: Vec<usize> = p.shape.dims().iter().map(|&d| d as usize).collect();
             let n: usize = shape.iter().product();
-            let mut bytes = Vec::with_capacity(n * p.dtype.size());
+            let dtype = match spec.held_dtype(model, p) {
+                DType::F32 => DType::F32,
+                _ => DType::BF16,
+            };
+            let mut bytes = Vec::with_capacity(n * dtype.size());
             for _ in 0..n {
                 let x: f32 = rng.random::<f32>() * 4.0 - 2.0;
-                match p.dtype {
+                match dtype {
                     DType::F32 => bytes.extend_from_slice(&x.to_le_bytes()),
                     _ => bytes.extend_from_slice(&f32_to_bf16(x).to_le_bytes()),
                 }
@@ -137,11 +148,7 @@ impl LogicalWeights {
                 p.name.to_string(),
                 Dense {
                     shape,
-                    dtype: if p.dtype == DType::F32 {
-                        DType::F32
-                    } else {
-                        DType::BF16
-                    },
+                    dtype,
                     bytes,
                 },
             );
@@ -265,7 +272,23 @@ fn fp8(part: &Dense) -> Result<(Vec<u8>, Vec<u8>), String> {
     Ok((values, scales))
 }
 
-/// The bytes tensor `dst` must hold on tp rank `t`.
+/// One element of `from` as `to`, little-endian, through the `half` crate (round to nearest
+/// even), independently of the worker's cast kernels.
+fn cast_element(e: &[u8], from: DType, to: DType) -> Vec<u8> {
+    let x = match from {
+        DType::BF16 => half::bf16::from_le_bytes([e[0], e[1]]).to_f32(),
+        DType::F16 => half::f16::from_le_bytes([e[0], e[1]]).to_f32(),
+        _ => f32::from_le_bytes([e[0], e[1], e[2], e[3]]),
+    };
+    match to {
+        DType::BF16 => half::bf16::from_f32(x).to_le_bytes().to_vec(),
+        DType::F16 => half::f16::from_f32(x).to_le_bytes().to_vec(),
+        _ => x.to_le_bytes().to_vec(),
+    }
+}
+
+/// The bytes tensor `dst` must hold on tp rank `t` (bf16, f16 and f32 destinations of another
+/// dtype than the training one cast element by element).
 pub fn expected(
     w: &LogicalWeights,
     g: Geometry,
@@ -289,9 +312,14 @@ pub fn expected(
             Ok(out)
         }
         dt if dt == parts[0].dtype => Ok(concat_rows(&parts).bytes),
-        dt => Err(format!(
-            "{}: destination dtype {dt} from {} needs a cast this reference does not do",
-            dst.name, parts[0].dtype
-        )),
+        dt => {
+            let from = parts[0].dtype;
+            let whole = concat_rows(&parts);
+            Ok(whole
+                .bytes
+                .chunks_exact(from.size())
+                .flat_map(|e| cast_element(e, from, dt))
+                .collect())
+        }
     }
 }

@@ -38,13 +38,14 @@ def write_config(folder: str, kind: str) -> str:
     return os.path.join(folder, "config.json")
 
 
-def build(folder: str, seed: int) -> Any:
-    """The bf16 model of ``folder/config.json``, random init from ``seed``."""
+def build(folder: str, seed: int, dtype: Any = None) -> Any:
+    """The model of ``folder/config.json`` in bf16 (or ``dtype``: f32 master weights), random
+    init from ``seed``."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
     cfg = AutoConfig.from_pretrained(folder)
-    return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    return AutoModelForCausalLM.from_config(cfg, dtype=dtype or torch.bfloat16)
 
 
 def build_fp8(folder: str, seed: int) -> Any:

@@ -9,6 +9,10 @@ controller over HTTP with ``weightsync.Client``). After each sync every rank wri
 (``OUT/outcome_r{rank}_v{step}.json``) and rank 0 the gathered full parameters and greedy tokens
 (``OUT/trainer_v{step}.pt``) for the test to compare with the engines'. ``--expect-failure-at V``:
 the sync of V must fail (an engine is killed); the error is recorded and training goes on.
+``--weights-dtype f32``: the parameters are f32 and FSDP2 runs under mixed precision
+(``MixedPrecisionPolicy(param_dtype=bf16)``), so the shards weightsync reads stay f32 (the job's
+training layout says ``dtype=f32``) and the engines, in bf16 or fp8, are cast or quantised from
+them.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import time
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import tiny  # noqa: E402
@@ -54,16 +58,22 @@ def main() -> None:
     ap.add_argument("--trigger", choices=["push", "http"], default="push")
     ap.add_argument("--http", default=None)
     ap.add_argument("--expect-failure-at", type=int, default=None)
+    ap.add_argument("--weights-dtype", choices=["bf16", "f32"], default="bf16")
     args = ap.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
 
-    model = tiny.build(args.model, seed=0)  # same seed on every rank: identical before sharding
+    # The same seed on every rank: identical before sharding.
+    if args.weights_dtype == "f32":
+        model = tiny.build(args.model, seed=0, dtype=torch.float32)
+        shard = dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    else:
+        model, shard = tiny.build(args.model, seed=0), {}
     mesh = init_device_mesh("cpu", (world,))
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, **shard)
+    fully_shard(model, mesh=mesh, **shard)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(1234)  # the same tokens on every rank
     vocab = model.config.vocab_size

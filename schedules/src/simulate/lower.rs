@@ -57,7 +57,7 @@ struct SimPiece {
     tasks: f64,
     src_bytes: f64,
     /// Of `src_bytes`, what is copied into staging first: a task prepared reading its shard in
-    /// place ([`TrainerPlan::in_place_input`], [`TrainerPlan::in_place_rows`]) has no H2D copy.
+    /// place ([`TrainerPlan::in_place_input`], [`TrainerPlan::in_place_runs`]) has no H2D copy.
     h2d_bytes: f64,
     staging: f64,
     prep_s: f64,
@@ -490,7 +490,7 @@ fn add_task(
     let src = task.source_bytes() as f64 * frac;
     pc.tasks += frac;
     pc.src_bytes += src;
-    if plan.in_place_input(task).is_none() && plan.in_place_rows(task).is_none() {
+    if plan.in_place_input(task).is_none() && plan.in_place_runs(task).is_none() {
         pc.h2d_bytes += src;
     }
     pc.staging += task_staging(task) as f64 * frac;

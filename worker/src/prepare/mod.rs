@@ -26,7 +26,7 @@ mod isa;
 #[cfg(test)]
 mod vectors;
 
-pub use cast::cast;
+pub use cast::{cast, cast_pitched};
 pub use fp8::{
     quantise_fp8, quantise_fp8_block_rows, quantise_fp8_block_rows_pitched, Fp8Shape,
     FP8_AMAX_FLOOR,

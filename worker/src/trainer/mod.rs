@@ -297,7 +297,7 @@ pub(crate) struct TrainerState {
     /// [`direct::direct_source`]): that registration and where the task's box lies in it.
     pub direct: Vec<Option<direct::DirectSource>>,
     /// Per task, when it is prepared reading its shard in place (no H2D copy, see
-    /// [`TrainerPlan::in_place_input`], [`TrainerPlan::in_place_rows`]): where its box lies in
+    /// [`TrainerPlan::in_place_input`], [`TrainerPlan::in_place_runs`]): where its box lies in
     /// its shard.
     pub in_place: Vec<Option<stages::InPlace>>,
 }

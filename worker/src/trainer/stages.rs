@@ -19,7 +19,9 @@ use super::device_stages::{
 use super::piece::{param_name, Grain, TaskPiece, TaskShape};
 use super::SourceView;
 use crate::error::{Result, WorkerError};
-use crate::prepare::{cast, gather_box, quantise_fp8_block_rows_pitched, Fp8Shape, Threads};
+use crate::prepare::{
+    cast, cast_pitched, gather_box, quantise_fp8_block_rows_pitched, Fp8Shape, Threads,
+};
 
 /// Units of one matrix covered by a piece: `(matrix, first strip, end strip, first unit)`.
 fn matrices(grain: &Grain, u0: u64, u1: u64) -> Vec<(u64, u64, u64, u64)> {
@@ -244,10 +246,10 @@ pub(crate) fn prepare_piece(
 pub(crate) struct InPlace {
     /// Byte offset of the task's box in its shard.
     pub box_at: u64,
-    /// `None`: the box is one contiguous range ([`TrainerPlan::in_place_input`]). Else the
-    /// bytes from one row's start to the next (an fp8 column slice,
-    /// [`TrainerPlan::in_place_rows`]; host sources only).
-    pub pitch: Option<u64>,
+    /// `None`: the box is one contiguous range ([`TrainerPlan::in_place_input`]). Else
+    /// `(run, pitch)` in bytes: runs that long, that far apart (a column slice cast or
+    /// quantised where it lies, [`TrainerPlan::in_place_runs`]; host sources only).
+    pub runs: Option<(u64, u64)>,
 }
 
 impl InPlace {
@@ -255,17 +257,14 @@ impl InPlace {
     /// source, a column slice only where the host reads it (`on_device` false).
     pub(crate) fn of(plan: &TrainerPlan, task: &Task, on_device: bool) -> Option<InPlace> {
         if let Some(box_at) = plan.in_place_input(task) {
-            return Some(InPlace {
-                box_at,
-                pitch: None,
-            });
+            return Some(InPlace { box_at, runs: None });
         }
         if on_device {
             return None;
         }
-        plan.in_place_rows(task).map(|(box_at, pitch)| InPlace {
-            box_at,
-            pitch: Some(pitch),
+        plan.in_place_runs(task).map(|r| InPlace {
+            box_at: r.offset,
+            runs: Some((r.run, r.pitch)),
         })
     }
 }
@@ -295,23 +294,19 @@ pub(crate) fn prepare_from_source(
     };
     let dense = shape.grain.elems_before(piece.u0) * shape.in_size;
     let len = piece.layout.input;
-    let (lo, span, rows) = match at.pitch {
-        None => (at.box_at + dense, len, None),
-        Some(pitch) => {
-            let Grain::Strips { cols, .. } = shape.grain else {
-                return Err(WorkerError::InvalidPlan(format!(
-                    "task {t}: rows read in place without fp8 block strips"
-                )));
-            };
-            let row = cols * shape.in_size;
-            let n = len / row;
-            let span = if n == 0 { 0 } else { (n - 1) * pitch + row };
-            (at.box_at + dense / row * pitch, span, Some((row, pitch)))
+    // The piece's input starts at a run's start: its units are whole dim-0 rows of the box
+    // (whole runs) or fp8 strips of whole rows (each row one run).
+    let (lo, span) = match at.runs {
+        None => (at.box_at + dense, len),
+        Some((run, pitch)) => {
+            let n = len / run;
+            let span = if n == 0 { 0 } else { (n - 1) * pitch + run };
+            (at.box_at + dense / run * pitch, span)
         }
     };
     let job = prepare_job(plan, shape, piece)?;
     if let Some(device) = device {
-        if rows.is_some() {
+        if at.runs.is_some() {
             return Err(WorkerError::InvalidPlan(format!(
                 "task {t}: a device source reads column slices through staging"
             )));
@@ -329,7 +324,7 @@ pub(crate) fn prepare_from_source(
                 need: (lo + span) as u64,
                 have: bytes.len() as u64,
             })?;
-        run_job(plan, t, &job, input, rows, out, values_at, threads)
+        run_job(plan, t, &job, input, at.runs, out, values_at, threads)
     })
 }
 
@@ -384,17 +379,17 @@ pub(crate) fn prepare_job(
     })
 }
 
-/// Runs `job` of task `t` on the host: reads `input` (at least `job.input` bytes, dense) and
-/// writes `out`, the lease from byte `out_at` on.
-/// Runs `job` on `input`: dense, or (`rows`: `(row, pitch)` in bytes) fp8 rows of `row` bytes
-/// `pitch` bytes apart, read where they lie.
+/// Runs `job` of task `t` on the host: reads `input` and writes `out`, the lease from byte
+/// `out_at` on. `input` is dense (at least `job.input` bytes), or (`runs`: `(run, pitch)` in
+/// bytes) runs of `run` bytes `pitch` bytes apart, read where they lie: a cast's runs, or fp8
+/// rows.
 #[allow(clippy::too_many_arguments)]
 fn run_job(
     plan: &TrainerPlan,
     t: u32,
     job: &PrepareJob,
     input: &[u8],
-    rows: Option<(u64, u64)>,
+    runs: Option<(u64, u64)>,
     out: &mut [u8],
     out_at: u64,
     threads: Threads,
@@ -404,13 +399,27 @@ fn run_job(
     let at = |r: &std::ops::Range<u64>| (r.start - out_at) as usize..(r.end - out_at) as usize;
     match &job.kind {
         PrepareKind::Copy => Ok(()),
-        PrepareKind::Cast { from, to, values } => cast(
-            &input[..job.input as usize],
-            *from,
-            &mut out[at(values)],
-            *to,
-            threads,
-        )
+        PrepareKind::Cast { from, to, values } => match runs {
+            None => cast(
+                &input[..job.input as usize],
+                *from,
+                &mut out[at(values)],
+                *to,
+                threads,
+            ),
+            Some((run, pitch)) => {
+                let size = from.size() as u64;
+                cast_pitched(
+                    input,
+                    *from,
+                    (run / size) as usize,
+                    (pitch / size) as usize,
+                    &mut out[at(values)],
+                    *to,
+                    threads,
+                )
+            }
+        }
         .map_err(err),
         PrepareKind::Fp8 { from, cols, strips } => {
             for s in strips {
@@ -423,7 +432,7 @@ fn run_job(
                 let scales_at = at(&s.scales);
                 let shift = values.len();
                 // The strip's rows where they lie: dense, or `pitch` apart.
-                let (src, pitch) = match rows {
+                let (src, pitch) = match runs {
                     None => (
                         &input[s.input.start as usize..s.input.end as usize],
                         *cols as usize,
