@@ -557,6 +557,35 @@ fn tensors_that_differ_from_the_layout_are_refused_by_name() {
         }
         other => panic!("expected a layout mismatch, got {other:?}"),
     }
+    // A trainer whose shards are f32 (FSDP2 under mixed precision) in a job that says bf16:
+    // refused naming the first, with what the job must say instead.
+    let buffers: Vec<(ShardInfo, Buffer)> = t
+        .layout()
+        .into_iter()
+        .map(|s| {
+            let b = Buffer::zeroed(s.shape.iter().product::<u64>() as usize * 4);
+            (s, b)
+        })
+        .collect();
+    let tensors = buffers
+        .iter()
+        .map(|(s, b)| SourceTensor {
+            name: s.name.clone(),
+            dtype: DType::F32,
+            shape: s.shape.clone(),
+            memory: b.memory(),
+        })
+        .collect();
+    let err = t.register(tensors).unwrap_err();
+    let text = err.to_string();
+    assert!(
+        matches!(&err, EmbedError::LayoutMismatch { tensor, .. } if *tensor == buffers[0].0.name),
+        "{err}"
+    );
+    assert!(
+        text.contains("dtype bf16") && text.contains("got dtype f32") && text.contains("dtype=f32"),
+        "{text}"
+    );
     // An engine whose lm_head is f32.
     let e = EngineHandle::connect(EngineOptions::new(&control, 0)).unwrap();
     let buffers: Vec<_> = e

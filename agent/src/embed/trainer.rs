@@ -8,6 +8,7 @@ use parking_lot::Mutex;
 use tokio::runtime::Runtime;
 use weightsync_common::fabric::Fabric;
 use weightsync_common::protocol::{FromWorker, WorkerId, WorldSpec};
+use weightsync_common::DType;
 use weightsync_schedules::job;
 use weightsync_worker::{shard_names, ArenaTensor, SourceError, SyncReport, TensorSet};
 
@@ -122,7 +123,14 @@ pub(crate) fn source_error(worker: &str, e: SourceError) -> EmbedError {
         } => EmbedError::LayoutMismatch {
             worker,
             tensor: name,
-            expected: format!("dtype {expected}"),
+            expected: match found.parse::<DType>() {
+                // The common cause: FSDP2 under mixed precision keeps its shards f32.
+                Ok(DType::F32) => format!(
+                    "dtype {expected} (shards held in f32, as FSDP2 under mixed precision holds \
+                     them, are a job whose training layout says so: e.g. fsdp=8,dtype=f32)"
+                ),
+                _ => format!("dtype {expected}"),
+            },
             actual: format!("dtype {found}"),
         },
         SourceError::ShapeMismatch {
