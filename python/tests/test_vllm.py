@@ -404,7 +404,17 @@ def digest(t: Any) -> str:
 
 def start_server(procs: Procs, tmp_path: Path, folder: Path, c: Controller) -> str:
     """``vllm serve`` (the OpenAI API server, its EngineCore a spawned process) with the
-    weightsync backend and vLLM's dev routes; returns its URL once /health answers."""
+    weightsync backend and vLLM's dev routes; returns its URL once /health answers. A port found
+    free can be taken before the server binds it (as for the controller, see
+    ``conftest.start_controller``): a server that exits saying so is started again on another."""
+    for _ in range(5):
+        url = _start_server_once(procs, tmp_path, folder, c)
+        if url is not None:
+            return url
+    pytest.fail(f"vLLM server could not bind a free port in 5 tries\n{procs.logs()}")
+
+
+def _start_server_once(procs: Procs, tmp_path: Path, folder: Path, c: Controller) -> str | None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
@@ -416,10 +426,16 @@ def start_server(procs: Procs, tmp_path: Path, folder: Path, c: Controller) -> s
     # native module) ahead of the installed package, in the server and its spawned workers.
     env = {**c.env(), **vllm_env(tmp_path), "VLLM_SERVER_DEV_MODE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
            "PYTHONSAFEPATH": "1"}
+    log = procs.folder / "vllm-server.log"
+    log_start = log.stat().st_size if log.exists() else 0
     server = procs.start("vllm-server", argv, env=env)
     deadline = time.monotonic() + 300
     while True:
         if server.popen.poll() is not None:
+            # Only this attempt's lines: the log is appended to by every attempt.
+            said = server.log.read_bytes()[log_start:].decode(errors="replace")
+            if "address already in use" in said.lower():
+                return None
             pytest.fail(f"vLLM server exited with {server.popen.returncode}\n{procs.logs()}")
         try:
             with urllib.request.urlopen(url + "/health", timeout=5) as r:

@@ -41,7 +41,7 @@ use parking_lot::Mutex;
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use weightsync_common::fabric::{FabricBackend, Region, RegionDescriptor, WriteOp};
-use weightsync_schedules::table::{MeshGroup, WriteTarget};
+use weightsync_schedules::table::{MeshGroup, Transform, WriteTarget};
 
 use super::direct::DirectSource;
 use super::piece::TaskPiece;
@@ -308,8 +308,20 @@ async fn run_piece<F: FabricBackend>(
         };
         lease
     };
-    let Some(lease) = piece_prepare(&run, t, p, lease).await? else {
-        return Ok(());
+    // A staged copy's input is its output: unless its checksums are wanted there is nothing to
+    // prepare, and it goes to its writes without a hop through the prepare stage (whose queue
+    // holds one piece at a time: a copy would wait there behind a quantisation).
+    let nothing_to_prepare = matches!(
+        run.state.plan.tasks[t as usize].transform,
+        Transform::Copy { .. }
+    ) && !run.state.config.verify;
+    let lease = if nothing_to_prepare {
+        lease
+    } else {
+        let Some(lease) = piece_prepare(&run, t, p, lease).await? else {
+            return Ok(());
+        };
+        lease
     };
     if run.failed() {
         return Ok(());
