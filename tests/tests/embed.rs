@@ -132,27 +132,35 @@ struct Trainer {
     shards: Vec<(ShardInfo, Buffer)>,
 }
 
+/// Each shard of a trainer's layout on a zeroed buffer of `elem` bytes per element.
+fn zeroed_shards(layout: Vec<ShardInfo>, elem: usize) -> Vec<(ShardInfo, Buffer)> {
+    layout
+        .into_iter()
+        .map(|s| {
+            let b = Buffer::zeroed(s.shape.iter().product::<u64>() as usize * elem);
+            (s, b)
+        })
+        .collect()
+}
+
+/// The source tensors of `shards`, each in `dtype` where given, else in its layout's.
+fn source_tensors(shards: &[(ShardInfo, Buffer)], dtype: Option<DType>) -> Vec<SourceTensor> {
+    shards
+        .iter()
+        .map(|(s, b)| SourceTensor {
+            name: s.name.clone(),
+            dtype: dtype.unwrap_or(s.dtype),
+            shape: s.shape.clone(),
+            memory: b.memory(),
+        })
+        .collect()
+}
+
 impl Trainer {
     fn join(control: &str, rank: u32) -> Trainer {
         let handle = TrainerHandle::connect(TrainerOptions::new(control, rank)).unwrap();
-        let shards: Vec<_> = handle
-            .layout()
-            .into_iter()
-            .map(|s| {
-                let b = Buffer::zeroed(s.shape.iter().product::<u64>() as usize * 2);
-                (s, b)
-            })
-            .collect();
-        let tensors = shards
-            .iter()
-            .map(|(s, b)| SourceTensor {
-                name: s.name.clone(),
-                dtype: s.dtype,
-                shape: s.shape.clone(),
-                memory: b.memory(),
-            })
-            .collect();
-        handle.register(tensors).unwrap();
+        let shards = zeroed_shards(handle.layout(), 2);
+        handle.register(source_tensors(&shards, None)).unwrap();
         Trainer { handle, shards }
     }
 
@@ -524,27 +532,14 @@ fn tensors_that_differ_from_the_layout_are_refused_by_name() {
     let control = ctl.control.to_string();
     // A trainer whose q_proj shard has the unsharded shape.
     let t = TrainerHandle::connect(TrainerOptions::new(&control, 1)).unwrap();
-    let buffers: Vec<(ShardInfo, Buffer)> = t
-        .layout()
-        .into_iter()
-        .map(|mut s| {
-            if s.name == "model.layers.1.self_attn.q_proj.weight" {
-                s.shape = s.global_shape.clone();
-            }
-            let b = Buffer::zeroed(s.shape.iter().product::<u64>() as usize * 2);
-            (s, b)
-        })
-        .collect();
-    let tensors = buffers
-        .iter()
-        .map(|(s, b)| SourceTensor {
-            name: s.name.clone(),
-            dtype: s.dtype,
-            shape: s.shape.clone(),
-            memory: b.memory(),
-        })
-        .collect();
-    match t.register(tensors) {
+    let mut layout = t.layout();
+    for s in &mut layout {
+        if s.name == "model.layers.1.self_attn.q_proj.weight" {
+            s.shape = s.global_shape.clone();
+        }
+    }
+    let buffers = zeroed_shards(layout, 2);
+    match t.register(source_tensors(&buffers, None)) {
         Err(EmbedError::LayoutMismatch {
             worker,
             tensor,
@@ -559,24 +554,10 @@ fn tensors_that_differ_from_the_layout_are_refused_by_name() {
     }
     // A trainer whose shards are f32 (FSDP2 under mixed precision) in a job that says bf16:
     // refused naming the first, with what the job must say instead.
-    let buffers: Vec<(ShardInfo, Buffer)> = t
-        .layout()
-        .into_iter()
-        .map(|s| {
-            let b = Buffer::zeroed(s.shape.iter().product::<u64>() as usize * 4);
-            (s, b)
-        })
-        .collect();
-    let tensors = buffers
-        .iter()
-        .map(|(s, b)| SourceTensor {
-            name: s.name.clone(),
-            dtype: DType::F32,
-            shape: s.shape.clone(),
-            memory: b.memory(),
-        })
-        .collect();
-    let err = t.register(tensors).unwrap_err();
+    let buffers = zeroed_shards(t.layout(), 4);
+    let err = t
+        .register(source_tensors(&buffers, Some(DType::F32)))
+        .unwrap_err();
     let text = err.to_string();
     assert!(
         matches!(&err, EmbedError::LayoutMismatch { tensor, .. } if *tensor == buffers[0].0.name),
