@@ -299,6 +299,11 @@ pub(crate) fn prepare_from_source(
     let (lo, span) = match at.runs {
         None => (at.box_at + dense, len),
         Some((run, pitch)) => {
+            if run == 0 || !dense.is_multiple_of(run) || !len.is_multiple_of(run) {
+                return Err(WorkerError::InvalidPlan(format!(
+                    "task {t}: a piece of {len} bytes at {dense} is not whole runs of {run} bytes"
+                )));
+            }
             let n = len / run;
             let span = if n == 0 { 0 } else { (n - 1) * pitch + run };
             (at.box_at + dense / run * pitch, span)
