@@ -365,14 +365,15 @@ impl TrainingLayout {
                 if b.is_empty() {
                     continue;
                 }
+                let dtype = spec.held_dtype(model, p);
                 f(ShardSpec {
                     rank,
                     param: pid,
                     global: b,
-                    dtype: spec.held_dtype(model, p),
+                    dtype,
                     offset: next,
                 });
-                next = align_up(next + b.numel() * spec.held_dtype(model, p).size() as u64);
+                next = align_up(next + b.numel() * dtype.size() as u64);
             }
         };
         // Written in place into one list, allocated once by this thread (a list per rank,

@@ -8,7 +8,7 @@ use weightsync_common::DType;
 
 use super::convert::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
 use super::isa::{vectorised, Kernel};
-use super::{expect_len, PrepareError, Threads};
+use super::{expect_len, pitched_span, PrepareError, Threads};
 
 /// Elements per rayon task: large enough to amortise scheduling, small enough to balance.
 const PAR_CHUNK_ELEMS: usize = 1 << 16;
@@ -65,11 +65,7 @@ pub fn cast_pitched(
         )));
     }
     let runs = dst.len() / (run * to.size());
-    let span = if runs == 0 {
-        0
-    } else {
-        (runs - 1) * pitch + run
-    };
+    let span = pitched_span(runs, run, pitch);
     expect_len("pitched cast input", span * from.size(), src.len())?;
     dispatch(src, from, dst, to, Runs { run, pitch, runs }, threads);
     Ok(())

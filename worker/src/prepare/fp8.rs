@@ -41,7 +41,7 @@ use weightsync_common::DType;
 
 use super::convert::{bf16_to_f32, f16_to_f32, f32_to_e4m3_saturating, E4M3_MAX};
 use super::isa::{vectorised, Avx2, Avx512, Kernel};
-use super::{expect_len, PrepareError, Threads};
+use super::{expect_len, pitched_span, PrepareError, Threads};
 
 mod avx2;
 mod row_loops;
@@ -188,10 +188,7 @@ fn quantise_on_path(
             "row pitch {pitch} shorter than the {cols} columns of a row"
         )));
     }
-    let span = match rows {
-        0 => 0,
-        n => (n - 1) * pitch + cols,
-    };
+    let span = pitched_span(rows, cols, pitch);
     expect_len("fp8 source", span * src_dtype.size(), src.len())?;
     expect_len("fp8 values", rows * cols, values.len())?;
     expect_len(

@@ -75,6 +75,12 @@ pub enum PrepareError {
     Shape(String),
 }
 
+/// Elements from the first of `count` runs of `run` elements, `pitch` apart, to the end of the
+/// last: what a source read at a pitch spans (0 for no runs).
+pub(crate) fn pitched_span(count: usize, run: usize, pitch: usize) -> usize {
+    count.checked_sub(1).map_or(0, |k| k * pitch + run)
+}
+
 /// Checks a buffer's length, naming it in the error.
 pub(crate) fn expect_len(
     what: &'static str,

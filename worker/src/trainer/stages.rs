@@ -20,7 +20,8 @@ use super::piece::{param_name, Grain, TaskPiece, TaskShape};
 use super::SourceView;
 use crate::error::{Result, WorkerError};
 use crate::prepare::{
-    cast, cast_pitched, gather_box, quantise_fp8_block_rows_pitched, Fp8Shape, Threads,
+    cast, cast_pitched, gather_box, pitched_span, quantise_fp8_block_rows_pitched, Fp8Shape,
+    Threads,
 };
 
 /// Units of one matrix covered by a piece: `(matrix, first strip, end strip, first unit)`.
@@ -304,9 +305,8 @@ pub(crate) fn prepare_from_source(
                     "task {t}: a piece of {len} bytes at {dense} is not whole runs of {run} bytes"
                 )));
             }
-            let n = len / run;
-            let span = if n == 0 { 0 } else { (n - 1) * pitch + run };
-            (at.box_at + dense / run * pitch, span)
+            let span = pitched_span((len / run) as usize, run as usize, pitch as usize);
+            (at.box_at + dense / run * pitch, span as u64)
         }
     };
     let job = prepare_job(plan, shape, piece)?;
