@@ -174,6 +174,13 @@ pub fn job_differences(a: &WorldSpec, b: &WorldSpec) -> Vec<(&'static str, Strin
     fn same<T: std::str::FromStr + PartialEq>(x: &str, y: &str) -> bool {
         x == y || matches!((x.parse::<T>(), y.parse::<T>()), (Ok(p), Ok(q)) if p == q)
     }
+    let same_train = |x: &str, y: &str| {
+        same::<TrainSpec>(x, y)
+            || match (x.parse::<TrainSpec>(), y.parse::<TrainSpec>()) {
+                (Ok(p), Ok(q)) => a.model == b.model && same_held_dtype(&a.model, p, q),
+                _ => false,
+            }
+    };
     let WorldSpec {
         model,
         train,
@@ -185,7 +192,7 @@ pub fn job_differences(a: &WorldSpec, b: &WorldSpec) -> Vec<(&'static str, Strin
         ("model", *model == b.model, model.clone(), b.model.clone()),
         (
             "train",
-            same::<TrainSpec>(train, &b.train),
+            same_train(train, &b.train),
             train.clone(),
             b.train.clone(),
         ),
@@ -213,6 +220,22 @@ pub fn job_differences(a: &WorldSpec, b: &WorldSpec) -> Vec<(&'static str, Strin
         .filter(|(_, same, _, _)| !same)
         .map(|(field, _, x, y)| (field, x, y))
         .collect()
+}
+
+/// Whether two training specs that differ only in `dtype` state the same held dtype: one leaves
+/// it out and the other names the model's own (`fsdp=2,dtype=bf16` of a bf16 model is
+/// `fsdp=2`). Known only for a preset model; a model given by its `config.json` compares the
+/// specs as written (its config is not at hand here).
+fn same_held_dtype(model: &str, a: TrainSpec, b: TrainSpec) -> bool {
+    let model_dtype = || {
+        crate::presets::preset_config(model)
+            .and_then(|text| crate::model::ModelConfig::from_json(text).ok())
+            .map(|c| c.dtype)
+    };
+    let held = |s: TrainSpec, m: DType| s.dtype.unwrap_or(m);
+    TrainSpec { dtype: None, ..a } == TrainSpec { dtype: None, ..b }
+        && a.dtype != b.dtype
+        && model_dtype().is_some_and(|m| held(a, m) == held(b, m))
 }
 
 /// One inference rank's tensors and region sizes, as the planner will lay them out, with no
@@ -295,6 +318,22 @@ mod tests {
         ] {
             assert!(!same_job(&w, &other), "{other:?}");
         }
+        // A training dtype that names the model's own is the model's (qwen3-8b is bf16); f32
+        // shards are another job, and so is any dtype of a model known only by its path.
+        let held = world("qwen3-8b", "fsdp=2,dp=2,dtype=bf16", "tp=2", DType::BF16);
+        let implied = world("qwen3-8b", "dp=2,fsdp=2", "tp=2", DType::BF16);
+        assert!(same_job(&held, &implied) && same_job(&implied, &held));
+        let f32_shards = world("qwen3-8b", "fsdp=2,dp=2,dtype=f32", "tp=2", DType::BF16);
+        assert_eq!(
+            job_differences(&f32_shards, &implied),
+            vec![(
+                "train",
+                "fsdp=2,dp=2,dtype=f32".to_string(),
+                "dp=2,fsdp=2".to_string()
+            )]
+        );
+        let by_path = |train: &str| world("/models/q8/config.json", train, "tp=2", DType::BF16);
+        assert!(!same_job(&by_path("fsdp=2,dtype=bf16"), &by_path("fsdp=2")));
         // Only the fields that differ in meaning are named.
         let other = world("qwen3-8b", "fsdp=2,dp=2", "tp=4,format=hf", DType::BF16);
         let d = job_differences(&w, &other);
