@@ -57,7 +57,7 @@ pub const TOKEN_ENV: &str = "WEIGHTSYNC_BENCH_FABRIC_TOKEN";
 /// Bytes of every source buffer and destination region the fabric bench cycles its blocks
 /// through: far larger than the caches, so that each block is read from and written to memory
 /// as a sync's weights are (`bench e2e`'s limits use the same, see `e2e::fabric_limit`).
-pub const REGION_BYTES: usize = 128 << 20;
+pub const REGION_BYTES: usize = weightsync_common::fabric::limit::REGION_BYTES as usize;
 const BLOCKS: [usize; 4] = [4 << 10, 64 << 10, 1 << 20, 64 << 20];
 const LANES: [usize; 3] = [1, 2, 4];
 /// The second local address of the multi-address rows (any 127/8 address is `lo` on Linux).

@@ -52,6 +52,7 @@ mod descriptor;
 mod error;
 mod imm_counter;
 pub mod landing_log;
+pub mod limit;
 mod memory;
 mod op;
 mod region;
