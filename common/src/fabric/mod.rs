@@ -66,7 +66,9 @@ pub use descriptor::{Access, Endpoint, RegionDescriptor};
 pub use error::{FabricError, RemoteAccessKind, Result};
 pub use imm_counter::{ImmCounter, ImmStats, ImmWait};
 pub use landing_log::{LandingLog, LandingTicket, LogSnapshot};
-pub use memory::{Memory, MemoryLocation, MemoryOwner, PageAlignedBuffer, RawMemory, PAGE_SIZE};
+pub use memory::{
+    Memory, MemoryLocation, MemoryOwner, PageAlignedBuffer, PageSize, RawMemory, PAGE_SIZE,
+};
 pub use op::{merge_contiguous, place, stripe, WriteOp};
 pub use region::{DeregisterHook, LiveMemory, Region, RegisteredMemory, SourcePin};
 pub use stride::{Segments, Stride};
@@ -107,9 +109,24 @@ pub trait FabricBackend: Clone + Send + Sync + std::fmt::Debug + 'static {
     /// Registers memory. The returned region deregisters when its last clone drops.
     fn register(&self, memory: Memory, access: Access) -> Result<Region>;
 
-    /// Allocates and registers a zeroed page-aligned buffer of `len` bytes.
+    /// Allocates and registers a zeroed page-aligned buffer of `len` bytes, on
+    /// [`FabricBackend::page_size`]'s pages.
     fn alloc(&self, len: usize, access: Access) -> Result<Region> {
-        self.register(Memory::alloc(len)?, access)
+        self.register(Memory::alloc_on(len, self.page_size(access))?, access)
+    }
+
+    /// The pages [`FabricBackend::alloc`] backs a region of `access` with. The default: small
+    /// pages. The TCP fabric keeps them: measured on the 2-core development VM (2026-12-06),
+    /// huge-page write sources made the fabric alone 40% faster (`bench e2e`'s fabric limit,
+    /// 13-15 GB/s against 9-11) but a sync from the same huge-page sources only about 5%, its
+    /// kernel copy (`process_vm_readv`) costing 40% more per byte than the limit's with the
+    /// same page types (not the offsets within a page, the region sizes, or several readers of
+    /// one page: each ruled out); and a CPU copy between two huge-page buffers at different
+    /// offsets within a page runs slower than with either side on small pages. A NIC copies
+    /// nothing and translates every page it touches: the verbs backend takes huge pages for
+    /// every region (see [`PageAlignedBuffer::with_huge_pages`]).
+    fn page_size(&self, _access: Access) -> PageSize {
+        PageSize::Small
     }
 
     /// Writes one op; resolves once it landed (acknowledged by the peer). Backends post the write
