@@ -9,8 +9,8 @@
 //! perf record target/release/examples/sync_only qwen3-0.6b fsdp=4 tp=1,dp=4 bf16 20
 //! ```
 //!
-//! Arguments (all optional, in order): model preset, training layout, inference layout, dtype,
-//! timed passes. Two lanes per peer, same-host pulls on (the bench's defaults).
+//! Arguments: `sync_only`'s first five (`Setup::from_example_args`), the count being timed
+//! passes. Two lanes per peer, same-host pulls on (the bench's defaults).
 
 use std::collections::BTreeMap;
 
@@ -19,17 +19,7 @@ use weightsync_common::fabric::{limit::FabricLimit, FabricConfig};
 use weightsync_schedules::table::WriteTarget;
 
 fn main() -> anyhow::Result<()> {
-    let args: Vec<String> = std::env::args().collect();
-    let arg = |i: usize, default: &str| args.get(i).cloned().unwrap_or_else(|| default.into());
-    let setup = Setup::new(
-        &arg(1, "qwen3-0.6b"),
-        &arg(2, "fsdp=4"),
-        &arg(3, "tp=2,dp=2"),
-        &arg(4, "bf16"),
-    );
-    let passes: usize = arg(5, "10")
-        .parse()
-        .map_err(|e| anyhow::anyhow!("timed passes must be a count: {e}"))?;
+    let (setup, passes) = Setup::from_example_args(&std::env::args().collect::<Vec<_>>())?;
     let table = setup.plan(&weightsync_schedules::CostModel::default())?;
     let mut bytes: BTreeMap<(u32, u32), u64> = BTreeMap::new();
     for t in 0..table.trainers.len() as u32 {

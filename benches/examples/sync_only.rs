@@ -13,17 +13,8 @@ use weightsync_benches::e2e::{LoopbackCluster, Setup, WorkerOptions};
 
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
-    let arg = |i: usize, default: &str| args.get(i).cloned().unwrap_or_else(|| default.into());
-    let setup = Setup::new(
-        &arg(1, "qwen3-0.6b"),
-        &arg(2, "fsdp=4"),
-        &arg(3, "tp=2,dp=2"),
-        &arg(4, "fp8"),
-    );
-    let syncs: usize = arg(5, "10")
-        .parse()
-        .map_err(|e| anyhow::anyhow!("timed syncs must be a count: {e}"))?;
-    let staged = match arg(6, "registered").as_str() {
+    let (setup, syncs) = Setup::from_example_args(&args)?;
+    let staged = match args.get(6).map_or("registered", String::as_str) {
         "staged" => true,
         "registered" => false,
         other => anyhow::bail!("sources must be `staged` or `registered`, not {other:?}"),

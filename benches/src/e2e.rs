@@ -86,6 +86,25 @@ impl Setup {
         }
     }
 
+    /// The profiling examples' arguments (`sync_only`, `limit_only`): model preset, training
+    /// layout, inference layout, dtype and a count of timed runs, each optional, in that order
+    /// after the program name (defaults: `qwen3-0.6b fsdp=4 tp=2,dp=2 fp8 10`).
+    pub fn from_example_args(args: &[String]) -> Result<(Setup, usize), E2eError> {
+        fn arg<'a>(args: &'a [String], i: usize, default: &'a str) -> &'a str {
+            args.get(i).map_or(default, String::as_str)
+        }
+        let setup = Setup::new(
+            arg(args, 1, "qwen3-0.6b"),
+            arg(args, 2, "fsdp=4"),
+            arg(args, 3, "tp=2,dp=2"),
+            arg(args, 4, "fp8"),
+        );
+        let runs = arg(args, 5, "10")
+            .parse()
+            .map_err(|e| E2eError::Options(format!("timed runs must be a count: {e}")))?;
+        Ok((setup, runs))
+    }
+
     /// `model train -> infer dtype`.
     pub fn label(&self) -> String {
         format!(
