@@ -59,6 +59,7 @@ impl FabricLimit {
             if let std::collections::btree_map::Entry::Vacant(slot) = trainers.entry(t) {
                 let f = start().await?;
                 let src = f.alloc(region_bytes(sent[&t]) as usize, Access::SOURCE)?;
+                fill(&src)?;
                 slot.insert((f, src));
             }
             if let std::collections::btree_map::Entry::Vacant(slot) = rollouts.entry(r) {
@@ -103,6 +104,23 @@ impl FabricLimit {
         futures::future::try_join_all(pairs).await?;
         Ok(t0.elapsed().as_secs_f64())
     }
+}
+
+/// Writes weight-like bytes over all of `src`. Untouched, a fresh buffer reads as the kernel's
+/// zero page: every block would be copied out of one physical page (one huge page with THP),
+/// always in cache, a rate no sync reading real weights can reach. (Until 2026-12-07 the limit
+/// read exactly that; see the README's Performance section.)
+fn fill(src: &Region) -> Result<()> {
+    let pattern: Vec<u8> = (0..BLOCK as u32)
+        .map(|i| i.wrapping_mul(2_654_435_761).to_le_bytes()[3])
+        .collect();
+    let mut at = 0u64;
+    while at < src.len() {
+        let n = (src.len() - at).min(BLOCK);
+        src.write_at(at, &pattern[..n as usize])?;
+        at += n;
+    }
+    Ok(())
 }
 
 /// One pair's bytes in [`BLOCK`]s, [`WINDOW`] in flight, cycling through the first `slots`
