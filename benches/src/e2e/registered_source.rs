@@ -7,6 +7,11 @@
 //! the pipeline a plain byte arena measures the sidecar's staged path instead, which copies
 //! every such box into staging first. `--staged-sources` keeps that path measurable.
 //!
+//! The registered copy is on huge pages ([`PageAlignedBuffer::with_huge_pages`]), as a training
+//! job's own large tensors are when PyTorch's CPU allocator is asked for them
+//! (`THP_MEM_ALLOC_ENABLE=1`): every same-host pull pins the pages it reads, one per 2 MiB
+//! there.
+//!
 //! The pipeline reads what it prepares through [`SourceView::read`] (a Rust slice) and the
 //! fabric writes direct tasks from the registered buffer, so the weights are held twice, byte
 //! for byte the same and never changed after registration: reading a registered buffer as a
@@ -39,7 +44,7 @@ impl RegisteredSource {
         let region = if bytes.is_empty() {
             None
         } else {
-            let mut buf = PageAlignedBuffer::new(bytes.len()).map_err(|e| {
+            let mut buf = PageAlignedBuffer::with_huge_pages(bytes.len()).map_err(|e| {
                 E2eError::Setup(format!("trainer {}: source buffer: {e}", plan.rank))
             })?;
             buf.as_mut_slice().copy_from_slice(&bytes);

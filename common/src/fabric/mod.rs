@@ -115,18 +115,21 @@ pub trait FabricBackend: Clone + Send + Sync + std::fmt::Debug + 'static {
         self.register(Memory::alloc_on(len, self.page_size(access))?, access)
     }
 
-    /// The pages [`FabricBackend::alloc`] backs a region of `access` with. The default: small
-    /// pages. The TCP fabric keeps them: measured on the 2-core development VM (2026-12-06),
-    /// huge-page write sources made the fabric alone 40% faster (`bench e2e`'s fabric limit,
-    /// 13-15 GB/s against 9-11) but a sync from the same huge-page sources only about 5%, its
-    /// kernel copy (`process_vm_readv`) costing 40% more per byte than the limit's with the
-    /// same page types (not the offsets within a page, the region sizes, or several readers of
-    /// one page: each ruled out); and a CPU copy between two huge-page buffers at different
-    /// offsets within a page runs slower than with either side on small pages. A NIC copies
-    /// nothing and translates every page it touches: the verbs backend takes huge pages for
-    /// every region (see [`PageAlignedBuffer::with_huge_pages`]).
-    fn page_size(&self, _access: Access) -> PageSize {
-        PageSize::Small
+    /// The pages [`FabricBackend::alloc`] backs a region of `access` with. The default (the TCP
+    /// fabric's): huge pages for write sources, small pages for what peers write into. A
+    /// same-host lane copies with `process_vm_readv`, which pins every source page it reads:
+    /// huge-page sources made `bench e2e`'s syncs 5-14% faster on the 2-core development VM
+    /// (2026-12-07). A CPU copy between two huge-page buffers at different offsets within a
+    /// page, though, ran slower than with either side on small pages (see
+    /// [`PageAlignedBuffer::with_huge_pages`]), so receive regions keep small pages. A NIC
+    /// copies nothing and translates every page it touches: the verbs backend takes huge pages
+    /// for every region.
+    fn page_size(&self, access: Access) -> PageSize {
+        if access == Access::SOURCE {
+            PageSize::Huge
+        } else {
+            PageSize::Small
+        }
     }
 
     /// Writes one op; resolves once it landed (acknowledged by the peer). Backends post the write
