@@ -6,10 +6,10 @@
 //! Same method as the bench's throughput rows: a writer fabric and a receiving fabric on
 //! loopback, the bench's [`REGION_BYTES`] regions, blocks of the bench's two large sizes
 //! (1 MiB and 64 MiB) written into cycling offsets with the bench's window, best of `reps`
-//! rounds. Only the receiving side lives in this process instead of a peer's, which on loopback
-//! changes nothing the wire sees.
+//! rounds, from a source holding bytes (as the bench's does). Only the receiving side lives in
+//! this process instead of a peer's, which on loopback changes nothing the wire sees.
 
-use weightsync_common::fabric::{Access, FabricBackend, FabricConfig, TcpFabric};
+use weightsync_common::fabric::{limit, Access, FabricBackend, FabricConfig, TcpFabric};
 
 use super::{fabric_throughput, gbps, plan, REGION_BYTES};
 
@@ -30,6 +30,7 @@ pub async fn best_rate_gbps(lanes: usize, reps: usize) -> anyhow::Result<f64> {
     let writer = TcpFabric::start(&config).await?;
     writer.connect(&region.descriptor().endpoint).await?;
     let src = writer.alloc(REGION_BYTES, Access::SOURCE)?;
+    limit::fill_source(&src)?;
     let mut best: f64 = 0.0;
     for _ in 0..reps.max(1) {
         for block in BLOCKS {

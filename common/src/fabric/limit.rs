@@ -59,7 +59,7 @@ impl FabricLimit {
             if let std::collections::btree_map::Entry::Vacant(slot) = trainers.entry(t) {
                 let f = start().await?;
                 let src = f.alloc(region_bytes(sent[&t]) as usize, Access::SOURCE)?;
-                fill(&src)?;
+                fill_source(&src)?;
                 slot.insert((f, src));
             }
             if let std::collections::btree_map::Entry::Vacant(slot) = rollouts.entry(r) {
@@ -106,11 +106,12 @@ impl FabricLimit {
     }
 }
 
-/// Writes weight-like bytes over all of `src`. Untouched, a fresh buffer reads as the kernel's
-/// zero page: every block would be copied out of one physical page (one huge page with THP),
-/// always in cache, a rate no sync reading real weights can reach. (Until 2026-12-07 the limit
-/// read exactly that; see the README's Performance section.)
-fn fill(src: &Region) -> Result<()> {
+/// Writes weight-like bytes over all of `src`, a source a yardstick reads from. Untouched, a
+/// fresh buffer reads as the kernel's zero page: every block would be copied out of one physical
+/// page (one huge page with THP), always in cache, a rate no sync reading real weights can
+/// reach. (Until 2026-12-07 this limit and the demo's fabric rate read exactly that; see the
+/// README's Performance section.)
+pub fn fill_source(src: &Region) -> Result<()> {
     let pattern: Vec<u8> = (0..BLOCK as u32)
         .map(|i| i.wrapping_mul(2_654_435_761).to_le_bytes()[3])
         .collect();
