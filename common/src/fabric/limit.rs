@@ -21,9 +21,9 @@ const BLOCK: u64 = 4 << 20;
 /// Writes in flight per pair.
 const WINDOW: usize = 4;
 /// Most bytes of each source buffer and destination region (blocks cycle through it; the fabric
-/// bench's regions are the same size), larger than the caches. A sync reads its weights from memory and lands them
-/// in memory; a limit cycling through a few cache-hot blocks would be one no sync can reach.
-/// An endpoint moving less gets what it moves (rounded up to whole blocks).
+/// bench's regions are the same size), larger than the caches. A sync reads its weights from
+/// memory and lands them in memory; a limit cycling through a few cache-hot blocks would be one
+/// no sync can reach. An endpoint moving less gets what it moves (rounded up to whole blocks).
 pub const REGION_BYTES: u64 = 128 << 20;
 
 /// Bytes of the buffer of an endpoint moving `bytes` in all.
