@@ -169,4 +169,23 @@ mod tests {
         assert_eq!(region_bytes(10 * REGION_BYTES), REGION_BYTES);
         assert_eq!(REGION_BYTES % BLOCK, 0);
     }
+
+    /// A source the limit reads holds bytes in every block, the tail included: left zero, it
+    /// would be read from the kernel's zero page (see [`fill_source`]).
+    #[tokio::test]
+    async fn the_limits_sources_hold_bytes_in_every_block() {
+        let pairs = [(0, 0, BLOCK + 12_345)];
+        let limit = FabricLimit::start(&pairs, &FabricConfig::loopback("limit-test", 1))
+            .await
+            .unwrap();
+        let src = &limit.trainers[&0].1;
+        assert_eq!(src.len(), region_bytes(BLOCK + 12_345));
+        let mut block = vec![0u8; BLOCK as usize];
+        for at in (0..src.len()).step_by(BLOCK as usize) {
+            src.read_at(at, &mut block).unwrap();
+            let zero = block.iter().filter(|&&b| b == 0).count();
+            assert!(zero < block.len() / 64, "block at {at}: {zero} zero bytes");
+        }
+        limit.sync().await.unwrap();
+    }
 }
