@@ -7,7 +7,7 @@
 //!
 //! # Using it
 //! ```text
-//! # the controller of a two-host job (see the README for the workers)
+//! # the controller of a two-host job (see docs/operations.md for the workers)
 //! export WEIGHTSYNC_JOB_TOKEN=$(openssl rand -hex 16) WEIGHTSYNC_API_TOKEN=$(openssl rand -hex 16)
 //! weightsync controller --http 0.0.0.0:8080 --control 0.0.0.0:7070 \
 //!     --model qwen3-0.6b --train fsdp=4 --infer tp=2,dp=2 --dtype fp8

@@ -1,6 +1,8 @@
 """The README's "Use it from Python" examples stay true: every line of them is a line of the
 end-to-end test's scripts (which run them), and mypy type-checks them against the package's
-stubs. mypy also checks the package itself (strict)."""
+stubs. Every other ``python`` block of the README and of ``docs/`` (the vLLM and server examples
+in ``docs/engines.md``) must be lines of those scripts too. mypy also checks the package itself
+(strict)."""
 
 from __future__ import annotations
 
@@ -39,15 +41,30 @@ def readme_examples() -> list[str]:
     return blocks
 
 
-def test_readme_examples_are_lines_of_the_tests() -> None:
+def _assert_lines_of_the_tests(blocks: list[str], where: str) -> None:
     scripts = {p.name: {line.strip() for line in p.read_text().splitlines()} for p in JOBS.glob("*.py")}
-    for block in readme_examples():
+    for block in blocks:
         for line in block.splitlines():
             code = line.split("  #")[0].strip()
             if not code:
                 continue
             homes = [name for name, lines in scripts.items() if any(code in l for l in lines)]
-            assert homes, f"README line not in the tests' scripts: {code!r}"
+            assert homes, f"{where} line not in the tests' scripts: {code!r}"
+
+
+def test_readme_examples_are_lines_of_the_tests() -> None:
+    _assert_lines_of_the_tests(readme_examples(), "README")
+
+
+def test_every_python_example_in_the_docs_is_lines_of_the_tests() -> None:
+    pages = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+    checked = 0
+    for page in pages:
+        blocks = re.findall(r"```python\n(.*?)```", page.read_text(), re.S)
+        _assert_lines_of_the_tests(blocks, str(page.relative_to(REPO)))
+        checked += len(blocks)
+    # The README's two, its vLLM example, and docs/engines.md's vLLM and server examples.
+    assert checked >= 5, f"only {checked} python examples found in the README and docs/"
 
 
 def _mypy(argv: list[str]) -> None:

@@ -9,7 +9,7 @@ engine with the ``weightsync`` weight-transfer backend, 3 optimizer steps, each 
 - ``weight_version`` equals the step;
 - generation: vLLM's greedy tokens are transformers' argmax under teacher forcing with the
   trainer's weights (a near-tie margin, not exact token lists: tiny bf16 models have exact logit
-  ties; see the README);
+  ties; see docs/engines.md);
 - prefix cache: a 144-token prompt served (and cached) before the update gives the new weights'
   tokens after it, both on the first serve and from the cache.
 

@@ -110,7 +110,7 @@ impl FabricLimit {
 /// fresh buffer reads as the kernel's zero page: every block would be copied out of one physical
 /// page (one huge page with THP), always in cache, a rate no sync reading real weights can
 /// reach. (Until 2026-12-07 this limit and the demo's fabric rate read exactly that; see the
-/// README's Performance section.)
+/// performance log, docs/performance-log.md, "Huge pages".)
 pub fn fill_source(src: &Region) -> Result<()> {
     let pattern: Vec<u8> = (0..BLOCK as u32)
         .map(|i| i.wrapping_mul(2_654_435_761).to_le_bytes()[3])
