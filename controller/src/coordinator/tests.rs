@@ -1,7 +1,7 @@
 use std::time::Duration;
 
 use weightsync_common::protocol::{
-    Blob, Failure, FromWorker, Registration, ToWorker, WorkerId, WorkerReport, WorldSpec,
+    Blob, FailureKind, Fault, FromWorker, Registration, ToWorker, WorkerId, WorkerReport, WorldSpec,
 };
 use weightsync_common::DType;
 
@@ -91,8 +91,8 @@ fn failed(c: &mut Coordinator, conn: u64, id: u64, cause: &str, now: Now) -> Eff
         FromWorker::Failed {
             sync_id: id,
             version: 1,
-            failure: Failure {
-                worker: WorkerId::trainer(u32::MAX),
+            failure: Fault {
+                kind: FailureKind::Other,
                 tensor: None,
                 cause: cause.into(),
             },
@@ -520,8 +520,8 @@ fn a_worker_that_cannot_follow_its_plan_is_named_by_the_trigger() {
         FromWorker::Failed {
             sync_id: 0,
             version: 0,
-            failure: Failure {
-                worker: WorkerId::trainer(u32::MAX),
+            failure: Fault {
+                kind: FailureKind::Source,
                 tensor: None,
                 cause: "assignment: source memory of 8 bytes is shorter than the plan needs".into(),
             },
@@ -589,8 +589,8 @@ fn a_pushed_version_starts_once_every_trainer_pushed_it_and_the_plan_is_in_force
         FromWorker::Failed {
             sync_id: id,
             version: 1,
-            failure: Failure {
-                worker: WorkerId::trainer(u32::MAX),
+            failure: Fault {
+                kind: FailureKind::Other,
                 tensor: None,
                 cause: "boom".into(),
             },
