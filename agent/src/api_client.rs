@@ -42,6 +42,8 @@ pub enum ClientError {
 pub struct SyncFailure {
     /// The worker to blame, e.g. `rollout-1`.
     pub worker: String,
+    /// What kind of failure (`other` when the controller did not say one this build knows).
+    pub kind: weightsync_common::protocol::FailureKind,
     /// The tensor, when known.
     pub tensor: Option<String>,
     /// Why.
@@ -88,6 +90,10 @@ impl SyncResult {
             .unwrap_or_default();
         let failure = v["failure"].as_object().map(|f| SyncFailure {
             worker: f["worker"].as_str().unwrap_or_default().to_string(),
+            kind: f["kind"]
+                .as_str()
+                .and_then(|k| k.parse().ok())
+                .unwrap_or_default(),
             tensor: f["tensor"].as_str().map(str::to_string),
             cause: f["cause"].as_str().unwrap_or_default().to_string(),
         });

@@ -478,7 +478,7 @@ fn next_for(cfg: &AgentConfig, msg: ToWorker, current: &mut Option<SyncRef>, end
                 sync_id,
                 version,
                 reason: reason.clone(),
-                failure,
+                failure: failure.clone(),
             });
             if sync_id == 0 {
                 // A pushed version refused before any sync started: nothing to drain.
@@ -491,6 +491,7 @@ fn next_for(cfg: &AgentConfig, msg: ToWorker, current: &mut Option<SyncRef>, end
                 sync_id,
                 version,
                 reason,
+                failure,
             })
         }
         ToWorker::Shutdown => return Next::End(SessionEnd::Shutdown),

@@ -10,8 +10,10 @@ use std::future::Future;
 use std::time::Instant;
 
 use weightsync_common::protocol::{
-    Assignment, Blob, PeerInfo, RunChecksum, TensorMeta, WorkerReport,
+    Assignment, Blob, Failure, PeerInfo, RunChecksum, TensorMeta, WorkerReport,
 };
+
+pub use crate::driver_error::DriverError;
 
 /// One sync as the driver sees it.
 #[derive(Debug, Clone, Copy)]
@@ -24,26 +26,6 @@ pub struct SyncRef {
     pub reference: Instant,
     /// The same instant on the wall clock, ns since the Unix epoch.
     pub reference_unix_ns: u64,
-}
-
-/// Why a driver could not do its part: the cause, and the tensor when one is to blame.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{cause}")]
-pub struct DriverError {
-    /// The tensor involved, when known.
-    pub tensor: Option<String>,
-    /// What went wrong.
-    pub cause: String,
-}
-
-impl DriverError {
-    /// An error with no tensor to blame.
-    pub fn new(cause: impl Into<String>) -> Self {
-        DriverError {
-            tensor: None,
-            cause: cause.into(),
-        }
-    }
 }
 
 /// What a worker tells the controller about itself when it registers.
@@ -127,11 +109,11 @@ pub trait SyncDriver: Send + 'static {
         checksums: Vec<RunChecksum>,
     ) -> impl Future<Output = Result<WorkerReport, DriverError>> + Send;
 
-    /// Why the controller aborted `sync`: called just before [`SyncDriver::finish`] with
-    /// [`Outcome::Aborted`] (an engine keeps it as the cause of its invalid state). The default
-    /// ignores it.
-    fn aborted_because(&mut self, sync: SyncRef, reason: &str) {
-        let _ = (sync, reason);
+    /// Why the controller aborted `sync` (and the failure, naming the worker, when one
+    /// failed): called just before [`SyncDriver::finish`] with [`Outcome::Aborted`] (an engine
+    /// keeps it as the cause of its invalid state). The default ignores it.
+    fn aborted_because(&mut self, sync: SyncRef, reason: &str, failure: Option<&Failure>) {
+        let _ = (sync, reason, failure);
     }
 
     /// The sync ended (commit or abort).

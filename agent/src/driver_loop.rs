@@ -5,7 +5,7 @@
 
 use tokio::sync::{mpsc, watch};
 use weightsync_common::protocol::{
-    Assignment, Failure, FromWorker, PeerInfo, RunChecksum, WorkerId, WorkerRole,
+    Assignment, Failure, FromWorker, PeerInfo, RunChecksum, WorkerRole,
 };
 
 use crate::driver::{DriverError, Outcome, SyncDriver, SyncRef};
@@ -30,6 +30,8 @@ pub(crate) enum DriverCmd {
         sync_id: u64,
         version: u64,
         reason: String,
+        /// The failure, naming the worker, when one failed.
+        failure: Option<Failure>,
     },
     /// The controller was lost: drop whatever runs, drain.
     AbortAll,
@@ -56,22 +58,13 @@ async fn unless_aborted<T>(
     }
 }
 
-/// The controller attributes a failure to the connection it came on; the id inside is
-/// overwritten there. This placeholder only fills the field.
-fn placeholder() -> WorkerId {
-    WorkerId::trainer(u32::MAX)
-}
-
-/// `Failed` for sync `s` (sync 0: the plan round).
+/// `Failed` for sync `s` (sync 0: the plan round). It does not name this worker: the
+/// controller knows the connection it came on.
 fn failed(sync_id: u64, version: u64, e: DriverError) -> FromWorker {
     FromWorker::Failed {
         sync_id,
         version,
-        failure: Failure {
-            worker: placeholder(),
-            tensor: e.tensor,
-            cause: e.cause,
-        },
+        failure: e.fault(),
     }
 }
 
@@ -112,7 +105,11 @@ pub(crate) async fn drive<D: SyncDriver>(
                 sync_id,
                 version,
                 reason,
-            } => l.abort(sync, sync_id, version, &reason).await,
+                failure,
+            } => {
+                l.abort(sync, sync_id, version, &reason, failure.as_ref())
+                    .await
+            }
             DriverCmd::AbortAll => l.abort_all().await,
         }
     }
@@ -148,8 +145,7 @@ impl<D: SyncDriver> DriverLoop<D> {
             Err(e) => {
                 tracing::error!("assignment of plan {plan_id} refused: {e}");
                 self.last = None;
-                let cause = format!("assignment: {}", e.cause);
-                send(&self.out, failed(0, 0, DriverError { cause, ..e })).await;
+                send(&self.out, failed(0, 0, e.context("assignment"))).await;
             }
         }
     }
@@ -158,8 +154,7 @@ impl<D: SyncDriver> DriverLoop<D> {
     async fn peers(&mut self, plan_id: u64, peers: Vec<PeerInfo>) {
         if let Err(e) = self.driver.peers(plan_id, peers).await {
             tracing::error!("peers of plan {plan_id} refused: {e}");
-            let cause = format!("peers: {}", e.cause);
-            send(&self.out, failed(0, 0, DriverError { cause, ..e })).await;
+            send(&self.out, failed(0, 0, e.context("peers"))).await;
         }
     }
 
@@ -259,9 +254,16 @@ impl<D: SyncDriver> DriverLoop<D> {
     }
 
     /// `Abort N`: answered by `Drained`, also for a sync this worker never saw.
-    async fn abort(&mut self, sync: Option<SyncRef>, sync_id: u64, version: u64, reason: &str) {
+    async fn abort(
+        &mut self,
+        sync: Option<SyncRef>,
+        sync_id: u64,
+        version: u64,
+        reason: &str,
+        failure: Option<&Failure>,
+    ) {
         if let Some(s) = sync {
-            self.driver.aborted_because(s, reason);
+            self.driver.aborted_because(s, reason, failure);
             self.driver.finish(s, Outcome::Aborted).await;
         }
         if self.last.is_some_and(|l| l.sync_id == sync_id) {

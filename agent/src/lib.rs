@@ -15,7 +15,8 @@
 //! # Layout
 //! - [`control`]: the control-channel client ([`run_agent`]) and [`AgentConfig`].
 //! - `driver_loop`: one step at a time, cancelled when the controller aborts its sync.
-//! - [`driver`]: the [`SyncDriver`] trait, the seam between the protocol and the worker library.
+//! - [`driver`]: the [`SyncDriver`] trait, the seam between the protocol and the worker library;
+//!   `driver_error`: [`DriverError`], a failure that keeps its [`FailureKind`] across the seam.
 //! - [`trainer`], [`rollout`]: the production drivers over `weightsync_worker`; `source`: where
 //!   a trainer's weights come from ([`trainer::SourceSpec`]), attached once its slice arrives.
 //! - [`demo_weights`]: the deterministic weights the demo trains with, and their recomputation.
@@ -30,6 +31,7 @@ pub mod config;
 pub mod control;
 pub mod demo_weights;
 pub mod driver;
+mod driver_error;
 mod driver_loop;
 #[cfg(test)]
 mod driver_tests;
@@ -43,3 +45,4 @@ pub use control::{
     AGENT_MAX_FRAME,
 };
 pub use driver::{Accepted, DriverError, DriverInfo, Outcome, SyncDriver, SyncRef};
+pub use weightsync_common::protocol::FailureKind;

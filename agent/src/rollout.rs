@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 
 use weightsync_common::fabric::{Fabric, FabricBackend, FabricConfig};
 use weightsync_common::protocol::{
-    Assignment, RunChecksum, Stage, TensorMeta, TimelineEvent, WorkerId, WorkerReport, WorldSpec,
-    WHOLE_SYNC,
+    Assignment, FailureKind, RunChecksum, Stage, TensorMeta, TimelineEvent, WorkerId, WorkerReport,
+    WorldSpec, WHOLE_SYNC,
 };
 use weightsync_schedules::table::RolloutPlan;
 use weightsync_worker::RolloutWorker;
@@ -51,10 +51,6 @@ pub struct RolloutDriver {
     bytes: u64,
 }
 
-fn err(e: impl std::fmt::Display) -> DriverError {
-    DriverError::new(e.to_string())
-}
-
 fn ns_since(t: Instant, since: Instant) -> u64 {
     t.saturating_duration_since(since).as_nanos() as u64
 }
@@ -79,18 +75,19 @@ impl RolloutDriver {
 
     /// Lays out its tensors from the inference layout, allocates and registers them.
     pub async fn new(cfg: RolloutDriverConfig) -> Result<RolloutDriver, DriverError> {
-        let fabric = Fabric::start(&cfg.fabric).await.map_err(err)?;
-        let config_text = cfg.world.read_model_config().map_err(err)?;
-        let (model, infer) =
-            job::inference_layout(&cfg.world, config_text.as_deref()).map_err(err)?;
-        let layout = rollout_layout(&infer, cfg.rank).map_err(err)?;
+        let fabric = Fabric::start(&cfg.fabric).await?;
+        let config_text = cfg
+            .world
+            .read_model_config()
+            .map_err(|e| DriverError::layout(e.to_string()))?;
+        let (model, infer) = job::inference_layout(&cfg.world, config_text.as_deref())?;
+        let layout = rollout_layout(&infer, cfg.rank)?;
         let bytes = layout.tensors.iter().map(|t| t.len).sum();
         let worker = RolloutWorker::new(
             fabric.clone(),
             WorkerId::rollout(cfg.rank).to_string(),
             layout,
-        )
-        .map_err(err)?;
+        )?;
         let demo = cfg.demo_check_seed.map(|_| Arc::new((model, infer)));
         Ok(RolloutDriver {
             cfg,
@@ -129,14 +126,13 @@ impl SyncDriver for RolloutDriver {
 
     async fn assign(&mut self, a: Assignment) -> Result<Accepted, DriverError> {
         let Assignment::Rollout { expected, .. } = a else {
-            return Err(DriverError::new("a rollout got a trainer's assignment"));
+            return Err(DriverError::other("a rollout got a trainer's assignment"));
         };
         let plan: RolloutPlan = bincode::deserialize(&expected.0)
-            .map_err(|e| DriverError::new(format!("undecodable expectations: {e}")))?;
+            .map_err(|e| DriverError::other(format!("undecodable expectations: {e}")))?;
         Arc::get_mut(&mut self.worker)
-            .ok_or_else(|| DriverError::new("expectations cannot change while a check runs"))?
-            .set_expectations(plan)
-            .map_err(err)?;
+            .ok_or_else(|| DriverError::other("expectations cannot change while a check runs"))?
+            .set_expectations(plan)?;
         // Its regions and tensors went with the registration.
         Ok(Accepted::default())
     }
@@ -145,12 +141,10 @@ impl SyncDriver for RolloutDriver {
         let start = Instant::now();
         // A previous sync that was never finished (controller lost) must not stay armed.
         let _ = self.worker.abort();
-        self.worker
-            .arm(SyncId {
-                version: sync.version,
-                epoch: sync.sync_id,
-            })
-            .map_err(err)?;
+        self.worker.arm(SyncId {
+            version: sync.version,
+            epoch: sync.sync_id,
+        })?;
         Ok(WorkerReport {
             events: vec![TimelineEvent {
                 task: WHOLE_SYNC,
@@ -165,11 +159,7 @@ impl SyncDriver for RolloutDriver {
     }
 
     async fn run(&mut self, sync: SyncRef) -> Result<(Option<bool>, WorkerReport), DriverError> {
-        let landed = self
-            .worker
-            .await_landed(self.cfg.land_timeout)
-            .await
-            .map_err(err)?;
+        let landed = self.worker.await_landed(self.cfg.land_timeout).await?;
         let mut evs = landed.timeline.relative_to(sync.reference_unix_ns);
         for e in &mut evs {
             if e.stage == Stage::Barrier {
@@ -203,18 +193,7 @@ impl SyncDriver for RolloutDriver {
         let (rank, seed) = (self.cfg.rank, self.cfg.demo_check_seed);
         let version = sync.version;
         let checked = tokio::task::spawn_blocking(move || -> Result<u64, DriverError> {
-            let v = worker.verify(&checksums).map_err(|e| {
-                let tensor = match &e {
-                    weightsync_worker::WorkerError::ChecksumMismatch { tensors, .. } => {
-                        Some(tensors.clone())
-                    }
-                    _ => None,
-                };
-                DriverError {
-                    tensor,
-                    cause: e.to_string(),
-                }
-            })?;
+            let v = worker.verify(&checksums)?;
             tracing::debug!(
                 "version {version}: {} bytes verified, {} of them hashed while they landed",
                 v.bytes,
@@ -227,7 +206,9 @@ impl SyncDriver for RolloutDriver {
             Ok(v.bytes)
         })
         .await
-        .map_err(err)??;
+        .map_err(|e| {
+            DriverError::other(format!("the verification task ended abnormally: {e}"))
+        })??;
         Ok(WorkerReport {
             events: vec![TimelineEvent {
                 task: WHOLE_SYNC,
@@ -259,14 +240,15 @@ fn independent_check(
 ) -> Result<(), DriverError> {
     let expected = expected_rollout(model, infer, rank, seed, version);
     for t in worker.layout() {
-        let got = worker.read_tensor(&t.name).map_err(err)?;
+        let got = worker.read_tensor(&t.name)?;
         let want = expected
             .get(t.mr as usize)
             .and_then(|m| m.get(t.offset as usize..(t.offset + t.len) as usize))
-            .ok_or_else(|| DriverError::new(format!("no expected bytes for {}", t.name)))?;
+            .ok_or_else(|| DriverError::other(format!("no expected bytes for {}", t.name)))?;
         if got != want {
             let at = got.iter().zip(want).position(|(a, b)| a != b).unwrap_or(0);
             return Err(DriverError {
+                kind: FailureKind::Checksum,
                 tensor: Some(t.name.clone()),
                 cause: format!(
                     "independent recomputation differs at byte {at} of {} (landed {:#04x}, expected {:#04x})",

@@ -40,10 +40,6 @@ pub(crate) struct AttachedSource {
     pub demo_arena: Option<Arc<RwLock<Vec<u8>>>>,
 }
 
-fn err(e: impl std::fmt::Display) -> DriverError {
-    DriverError::new(e.to_string())
-}
-
 impl SourceSpec {
     /// Attaches the source `plan`'s shards are read from (a shared-memory file is mapped
     /// read-only and costs no memory until read; the demo allocates and fills version 0).
@@ -51,7 +47,9 @@ impl SourceSpec {
         let need = plan.source_arena_bytes;
         Ok(match self {
             SourceSpec::Demo { seed } => {
-                let len = usize::try_from(need).map_err(err)?;
+                let len = usize::try_from(need).map_err(|e| {
+                    DriverError::layout(format!("a source arena of {need} bytes: {e}"))
+                })?;
                 let mut bytes = vec![0u8; len];
                 fill_trainer_arena(plan, *seed, 0, &mut bytes);
                 let arena = Arc::new(RwLock::new(bytes));
@@ -61,20 +59,18 @@ impl SourceSpec {
                 }
             }
             SourceSpec::Shm(path) => AttachedSource {
-                view: Arc::new(SourceMemory::Shm(
-                    ShmSource::open(path, Some(need)).map_err(err)?,
-                )),
+                view: Arc::new(SourceMemory::Shm(ShmSource::open(path, Some(need))?)),
                 demo_arena: None,
             },
             SourceSpec::Safetensors(path) => {
-                let s = SafetensorsSource::load(path, &arena_tensors(plan), need).map_err(err)?;
+                let s = SafetensorsSource::load(path, &arena_tensors(plan), need)?;
                 AttachedSource {
                     view: Arc::new(SourceMemory::Safetensors(s)),
                     demo_arena: None,
                 }
             }
             SourceSpec::Tensors(set) => AttachedSource {
-                view: Arc::new(set.for_plan(plan).map_err(err)?),
+                view: Arc::new(set.for_plan(plan)?),
                 demo_arena: None,
             },
         })

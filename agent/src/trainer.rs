@@ -82,10 +82,6 @@ struct InFlight {
     task: tokio::task::JoinHandle<Result<SyncReport, WorkerError>>,
 }
 
-fn err(e: impl std::fmt::Display) -> DriverError {
-    DriverError::new(e.to_string())
-}
-
 /// Encodes a fabric value for the control channel.
 pub fn blob<T: serde::Serialize>(v: &T) -> Blob {
     Blob(bincode::serialize(v).unwrap_or_default())
@@ -143,12 +139,12 @@ fn destinations(
             .iter()
             .map(|b| bincode::deserialize::<RegionDescriptor>(&b.0))
             .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| DriverError::new(format!("{}: undecodable region: {e}", p.id)))?;
+            .map_err(|e| DriverError::other(format!("{}: undecodable region: {e}", p.id)))?;
         match p.id.role {
             WorkerRole::Rollout => {
                 if let Some(b) = &p.placement {
                     let placement = bincode::deserialize(&b.0).map_err(|e| {
-                        DriverError::new(format!("{}: undecodable placement: {e}", p.id))
+                        DriverError::other(format!("{}: undecodable placement: {e}", p.id))
                     })?;
                     dsts.placements.insert(p.id.rank, placement);
                 }
@@ -167,7 +163,7 @@ fn destinations(
 impl TrainerDriver {
     /// Starts the fabric. Nothing else is known before the assignment.
     pub async fn new(cfg: TrainerDriverConfig) -> Result<TrainerDriver, DriverError> {
-        let fabric = Fabric::start(&cfg.fabric).await.map_err(err)?;
+        let fabric = Fabric::start(&cfg.fabric).await?;
         Ok(TrainerDriver::with_fabric(cfg, fabric))
     }
 
@@ -195,7 +191,7 @@ impl TrainerDriver {
     fn built(&self) -> Result<&Built, DriverError> {
         self.built
             .as_ref()
-            .ok_or_else(|| DriverError::new("no assignment yet: the controller sent none"))
+            .ok_or_else(|| DriverError::other("no assignment yet: the controller sent none"))
     }
 
     /// Cancels the running sync, if any, and waits until it posts nothing more.
@@ -216,7 +212,7 @@ impl TrainerDriver {
         let started = Instant::now();
         let plan = slice
             .expand()
-            .map_err(|e| DriverError::new(format!("the plan slice does not expand: {e}")))?;
+            .map_err(|e| DriverError::layout(format!("the plan slice does not expand: {e}")))?;
         tracing::info!(
             "trainer {}: slice expanded to {} tasks, {} writes in {:.3} s",
             self.cfg.rank,
@@ -231,7 +227,7 @@ impl TrainerDriver {
         let mut tc = TrainerConfig::new(name.clone(), self.cfg.watermark_bytes);
         tc.verify = self.cfg.world.verify;
         let (tasks, gather) = (plan.tasks.len(), plan.gather_arena_bytes);
-        let worker = TrainerWorker::new(self.fabric.clone(), source.view, plan, tc).map_err(err)?;
+        let worker = TrainerWorker::new(self.fabric.clone(), source.view, plan, tc)?;
         tracing::info!(
             "{name}: source attached in {:.3} s; worker built for {tasks} tasks in {} pieces \
              (staging {} B, gather arena {gather} B) in {:.3} s",
@@ -260,12 +256,12 @@ impl SyncDriver for TrainerDriver {
 
     async fn assign(&mut self, a: Assignment) -> Result<Accepted, DriverError> {
         let Assignment::Trainer { slice, .. } = a else {
-            return Err(DriverError::new("a trainer got a rollout's assignment"));
+            return Err(DriverError::other("a trainer got a rollout's assignment"));
         };
         let slice = TrainerSlice::from_bincode(&slice.0)
-            .map_err(|e| DriverError::new(format!("undecodable plan slice: {e}")))?;
+            .map_err(|e| DriverError::other(format!("undecodable plan slice: {e}")))?;
         if slice.rank != self.cfg.rank {
-            return Err(DriverError::new(format!(
+            return Err(DriverError::layout(format!(
                 "the slice is training rank {}'s, this is rank {}",
                 slice.rank, self.cfg.rank
             )));
@@ -289,12 +285,12 @@ impl SyncDriver for TrainerDriver {
         let built = self
             .built
             .as_mut()
-            .ok_or_else(|| DriverError::new("peers before any assignment"))?;
+            .ok_or_else(|| DriverError::other("peers before any assignment"))?;
         let dsts = destinations(me, built.worker.gather_descriptor(), peers)?;
         Arc::get_mut(&mut built.worker)
-            .ok_or_else(|| DriverError::new("destinations cannot change while a sync runs"))?
+            .ok_or_else(|| DriverError::other("destinations cannot change while a sync runs"))?
             .set_destinations(&dsts)
-            .map_err(err)
+            .map_err(DriverError::from)
     }
 
     async fn prepare(&mut self, sync: SyncRef) -> Result<WorkerReport, DriverError> {
@@ -315,7 +311,9 @@ impl SyncDriver for TrainerDriver {
                 a.len() as u64
             })
             .await
-            .map_err(err)?;
+            .map_err(|e| {
+                DriverError::other(format!("the demo's source task ended abnormally: {e}"))
+            })?;
             rep.events.push(TimelineEvent {
                 task: WHOLE_SYNC,
                 piece: 0,
@@ -349,8 +347,7 @@ impl SyncDriver for TrainerDriver {
         let joined = (&mut flight.task).await;
         self.in_flight = None;
         let r = joined
-            .map_err(|e| DriverError::new(format!("the sync task ended abnormally: {e}")))?
-            .map_err(err)?;
+            .map_err(|e| DriverError::other(format!("the sync task ended abnormally: {e}")))??;
         let rep = report(&r, &sync);
         if let Some(slot) = &self.reports {
             *slot.lock() = Some((sync.version, r));
@@ -363,7 +360,7 @@ impl SyncDriver for TrainerDriver {
         _sync: SyncRef,
         _checksums: Vec<RunChecksum>,
     ) -> Result<WorkerReport, DriverError> {
-        Err(DriverError::new("trainers do not verify"))
+        Err(DriverError::other("trainers do not verify"))
     }
 
     async fn finish(&mut self, _sync: SyncRef, _outcome: Outcome) {}

@@ -7,9 +7,9 @@
 //! worker message back to back, as a connection carries them).
 
 use weightsync_common::protocol::{
-    decode_frame, encode_frame, Assignment, Blob, Failure, FromWorker, PeerInfo, Registration,
-    RunChecksum, Stage, TensorMeta, TimeSplit, TimelineEvent, ToWorker, WorkerId, WorkerReport,
-    WorldSpec, DEFAULT_MAX_FRAME, WHOLE_SYNC,
+    decode_frame, encode_frame, Assignment, Blob, Failure, FailureKind, Fault, FromWorker,
+    PeerInfo, Registration, RunChecksum, Stage, TensorMeta, TimeSplit, TimelineEvent, ToWorker,
+    WorkerId, WorkerReport, WorldSpec, DEFAULT_MAX_FRAME, WHOLE_SYNC,
 };
 use weightsync_common::DType;
 
@@ -122,8 +122,8 @@ fn from_worker() -> Vec<FromWorker> {
         FromWorker::Failed {
             sync_id,
             version,
-            failure: Failure {
-                worker: WorkerId::trainer(u32::MAX),
+            failure: Fault {
+                kind: FailureKind::Fabric,
                 tensor: Some("model.layers.0.mlp.down_proj.weight".into()),
                 cause: "write to rollout-1 failed".into(),
             },
@@ -227,6 +227,7 @@ fn to_worker() -> Vec<ToWorker> {
             reason: "rollout-1: connection closed".into(),
             failure: Some(Failure {
                 worker: WorkerId::rollout(1),
+                kind: FailureKind::PeerLost,
                 tensor: None,
                 cause: "connection closed".into(),
             }),

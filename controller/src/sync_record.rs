@@ -10,7 +10,8 @@ use serde::Serialize;
 use std::collections::{BTreeMap, BTreeSet};
 
 use weightsync_common::protocol::{
-    Failure, RunChecksum, Stage, TimeSplit, TimeSplitSeconds, TimelineEvent, WorkerId, WorkerReport,
+    Failure, FailureKind, RunChecksum, Stage, TimeSplit, TimeSplitSeconds, TimelineEvent, WorkerId,
+    WorkerReport,
 };
 
 /// Where a sync is in the version protocol.
@@ -384,6 +385,7 @@ impl SyncRecord {
             verified: self.verified,
             failure: self.failure.as_ref().map(|f| FailureView {
                 worker: f.worker.to_string(),
+                kind: f.kind,
                 tensor: f.tensor.clone(),
                 cause: f.cause.clone(),
             }),
@@ -417,6 +419,9 @@ pub struct TimeSplitView {
 pub struct FailureView {
     /// The worker to blame, e.g. `trainer-2`.
     pub worker: String,
+    /// What kind of failure: `checksum`, `timeout`, `fabric`, `layout`, `source`, `cancelled`,
+    /// `peer_lost`, `hook` or `other`.
+    pub kind: FailureKind,
     /// The tensor, when known.
     pub tensor: Option<String>,
     /// Why.

@@ -10,8 +10,8 @@ use weightsync_agent::embed::{
 
 use crate::errors::embed_error;
 use crate::foreign_tensor::Access;
+use crate::records::{PlannedTensor, Registered, State};
 use crate::tensor_list::{self, Entry};
-use crate::trainer::Registered;
 use crate::wait::wait_interruptibly;
 
 /// One inference rank's connection to the controller.
@@ -20,12 +20,6 @@ pub(crate) struct EngineCore {
     inner: EngineHandle,
 }
 
-/// One tensor of the rank's layout: `(name, dtype, shape, global_shape, offset)`.
-pub(crate) type LayoutEntry = (String, String, Vec<u64>, Option<Vec<u64>>, Option<Vec<u64>>);
-
-/// `(version, state, cause)` with state one of idle / landing / committed / invalid.
-pub(crate) type State = (Option<u64>, &'static str, Option<String>);
-
 fn state(s: EngineState) -> State {
     let name = match s.status {
         EngineStatus::Idle => "idle",
@@ -33,7 +27,11 @@ fn state(s: EngineState) -> State {
         EngineStatus::Committed => "committed",
         EngineStatus::Invalid => "invalid",
     };
-    (s.version, name, s.cause)
+    State {
+        version: s.version,
+        state: name,
+        cause: s.cause,
+    }
 }
 
 /// A Python callable as a hook: called with the GIL taken; an exception fails the sync with
@@ -83,20 +81,18 @@ impl EngineCore {
         self.inner.worker_id().to_string()
     }
 
-    /// The tensors this rank must register: `(name, dtype, shape, global_shape, offset)`, the
-    /// last two None for a tensor that is not one box of one training parameter.
-    fn layout(&self) -> Vec<LayoutEntry> {
+    /// The tensors this rank must register (`global_shape` and `offset` None for a tensor that
+    /// is not one box of one training parameter).
+    fn layout(&self) -> Vec<PlannedTensor> {
         self.inner
             .layout()
             .into_iter()
-            .map(|t| {
-                (
-                    t.name,
-                    t.dtype.name().to_string(),
-                    t.shape,
-                    t.global_shape,
-                    t.offset,
-                )
+            .map(|t| PlannedTensor {
+                name: t.name,
+                dtype: t.dtype.name().to_string(),
+                shape: t.shape,
+                global_shape: t.global_shape,
+                offset: t.offset,
             })
             .collect()
     }
@@ -115,12 +111,12 @@ impl EngineCore {
         let mut registered = Vec::with_capacity(named.len());
         let mut dsts = Vec::with_capacity(named.len());
         for n in named {
-            registered.push((
-                n.name.clone(),
-                n.tensor.ptr(),
-                n.tensor.len(),
-                n.tensor.kind(),
-            ));
+            registered.push(Registered {
+                name: n.name.clone(),
+                address: n.tensor.ptr(),
+                bytes: n.tensor.len(),
+                kind: n.tensor.kind(),
+            });
             dsts.push(DstTensor {
                 name: n.name,
                 dtype: n.tensor.dtype(),
@@ -133,7 +129,7 @@ impl EngineCore {
         Ok(registered)
     }
 
-    /// `(version, state, cause)` now.
+    /// The state now.
     fn state(&self) -> State {
         state(self.inner.state())
     }

@@ -1,6 +1,6 @@
 //! Rust errors as the package's Python exceptions (`weightsync.errors`), with the worker, the
-//! tensor and the version as attributes, so a training loop can tell what failed without
-//! parsing a message.
+//! tensor, the version and (for a failed sync) the failure's kind as attributes, so a training
+//! loop can tell what failed without parsing a message.
 //!
 //! The exception classes are plain Python (documented, picklable, subclassable); this module
 //! only imports and raises them.
@@ -80,6 +80,8 @@ pub(crate) fn embed_error(py: Python<'_>, e: EmbedError) -> PyErr {
         EmbedError::SyncFailed {
             version,
             worker,
+            kind,
+            tensor,
             cause,
         } => {
             let version = version
@@ -93,6 +95,8 @@ pub(crate) fn embed_error(py: Python<'_>, e: EmbedError) -> PyErr {
                 &[
                     ("worker", s(py, worker)),
                     ("version", version),
+                    ("kind", s(py, kind.name())),
+                    ("tensor", opt(py, tensor.as_deref())),
                     ("cause", s(py, cause)),
                 ],
             )

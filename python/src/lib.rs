@@ -18,11 +18,13 @@
 //! - [`tensor_list`]: the `(name, tensor, dtype)` lists `register` takes; [`dtype_name`].
 //! - [`trainer`], [`engine`]: the `TrainerCore` / `PushCore` and `EngineCore` classes.
 //! - [`wait`]: GIL-free, interruptible waiting; [`errors`]: Rust errors as Python exceptions.
+//! - [`records`]: what the module returns (`Outcome`, `State`...), as frozen classes.
 
 mod dtype_name;
 mod engine;
 mod errors;
 mod foreign_tensor;
+mod records;
 mod tensor_list;
 mod trainer;
 mod wait;
@@ -31,15 +33,15 @@ use pyo3::prelude::*;
 
 use crate::foreign_tensor::{Access, ForeignTensor};
 
-/// How weightsync sees a tensor-like object, without registering it:
-/// `(address, bytes, dtype, shape, kind)` with kind `torch`, `dlpack` or `buffer`.
+/// How weightsync sees a tensor-like object, without registering it (kind `torch`, `dlpack` or
+/// `buffer`).
 #[pyfunction]
 #[pyo3(signature = (obj, dtype = None, writable = false))]
 fn tensor_info(
     obj: &Bound<'_, PyAny>,
     dtype: Option<&str>,
     writable: bool,
-) -> PyResult<(usize, usize, String, Vec<u64>, &'static str)> {
+) -> PyResult<records::TensorMemory> {
     let dtype = dtype.map(dtype_name::parse).transpose()?;
     let access = if writable {
         Access::Write
@@ -47,13 +49,13 @@ fn tensor_info(
         Access::Read
     };
     let t = ForeignTensor::from_object(obj, dtype, access)?;
-    Ok((
-        t.ptr(),
-        t.len(),
-        t.dtype().name().to_string(),
-        t.shape().to_vec(),
-        t.kind(),
-    ))
+    Ok(records::TensorMemory {
+        address: t.ptr(),
+        bytes: t.len(),
+        dtype: t.dtype().name().to_string(),
+        shape: t.shape().to_vec(),
+        kind: t.kind(),
+    })
 }
 
 #[pymodule]
@@ -61,6 +63,12 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<trainer::TrainerCore>()?;
     m.add_class::<trainer::PushCore>()?;
     m.add_class::<engine::EngineCore>()?;
+    m.add_class::<records::Outcome>()?;
+    m.add_class::<records::TensorMemory>()?;
+    m.add_class::<records::Registered>()?;
+    m.add_class::<records::Shard>()?;
+    m.add_class::<records::PlannedTensor>()?;
+    m.add_class::<records::State>()?;
     m.add_function(wrap_pyfunction!(tensor_info, m)?)?;
     m.add("POLL_SECONDS", wait::POLL.as_secs_f64())?;
     Ok(())

@@ -11,11 +11,9 @@ use weightsync_agent::embed::{
 
 use crate::errors::embed_error;
 use crate::foreign_tensor::Access;
+use crate::records::{Outcome, Registered, Shard};
 use crate::tensor_list::{self, Entry};
 use crate::wait::wait_interruptibly;
-
-/// The registered memory of one tensor: `(name, address, bytes, how it was read)`.
-pub(crate) type Registered = (String, usize, usize, &'static str);
 
 /// One training rank's connection to the controller.
 #[pyclass(frozen, module = "weightsync._native")]
@@ -53,20 +51,17 @@ impl TrainerCore {
         self.inner.worker_id().to_string()
     }
 
-    /// The shards this rank must register: `(name, dtype, global_shape, offset, shape)`.
-    #[allow(clippy::type_complexity)]
-    fn layout(&self) -> Vec<(String, String, Vec<u64>, Vec<u64>, Vec<u64>)> {
+    /// The shards this rank must register.
+    fn layout(&self) -> Vec<Shard> {
         self.inner
             .layout()
             .into_iter()
-            .map(|s| {
-                (
-                    s.name,
-                    s.dtype.name().to_string(),
-                    s.global_shape,
-                    s.offset,
-                    s.shape,
-                )
+            .map(|s| Shard {
+                name: s.name,
+                dtype: s.dtype.name().to_string(),
+                global_shape: s.global_shape,
+                offset: s.offset,
+                shape: s.shape,
             })
             .collect()
     }
@@ -77,13 +72,11 @@ impl TrainerCore {
         let named = tensor_list::read(py, &worker, tensors, Access::Read)?;
         let registered: Vec<Registered> = named
             .iter()
-            .map(|n| {
-                (
-                    n.name.clone(),
-                    n.tensor.ptr(),
-                    n.tensor.len(),
-                    n.tensor.kind(),
-                )
+            .map(|n| Registered {
+                name: n.name.clone(),
+                address: n.tensor.ptr(),
+                bytes: n.tensor.len(),
+                kind: n.tensor.kind(),
             })
             .collect();
         let (on_gpu, on_host): (Vec<_>, Vec<_>) =
@@ -172,19 +165,15 @@ pub(crate) struct PushCore {
     inner: PushHandle,
 }
 
-/// A finished sync as Python sees it:
-/// `(version, bytes, staged_bytes, direct_bytes, seconds, [(stage, seconds)])`.
-pub(crate) type Outcome = (u64, u64, u64, u64, f64, Vec<(String, f64)>);
-
 fn outcome(o: SyncOutcome) -> Outcome {
-    (
-        o.version,
-        o.bytes,
-        o.staged_bytes,
-        o.direct_bytes,
-        o.seconds,
-        o.stages,
-    )
+    Outcome {
+        version: o.version,
+        bytes: o.bytes,
+        staged_bytes: o.staged_bytes,
+        direct_bytes: o.direct_bytes,
+        seconds: o.seconds,
+        stages: o.stages,
+    }
 }
 
 #[pymethods]

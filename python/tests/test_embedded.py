@@ -153,12 +153,14 @@ def test_failing_hook_names_the_engine(tmp_path: Path, procs: Procs) -> None:
             job.push(2)
         assert e.value.worker == "rollout-1" and e.value.version == 2, e.value
         assert "engine refuses version 2" in str(e.value)
+        assert e.value.kind is weightsync.FailureKind.HOOK, e.value
         states = {x.worker_id: settled(x) for x in job.engines}
         assert states["rollout-1"].state == "invalid" and states["rollout-1"].version == 1
         assert "engine refuses" in (states["rollout-1"].cause or "")
         assert states["rollout-0"].state in ("invalid", "committed") and states["rollout-0"].version == 1
-        with pytest.raises(weightsync.SyncFailedError):
+        with pytest.raises(weightsync.SyncFailedError) as e:
             job.engines[1].wait_for_version(2, timeout=10)
+        assert (e.value.worker, e.value.kind) == ("rollout-1", "hook"), e.value
         full = job.step(3)
         job.push(3)
         for e, dst in zip(job.engines, job.dst):
@@ -167,6 +169,62 @@ def test_failing_hook_names_the_engine(tmp_path: Path, procs: Procs) -> None:
             assert all(np.array_equal(a, full[n]) for n, a in dst.items())
     finally:
         job.close()
+
+
+def test_a_checksum_mismatch_reaches_python_as_its_kind(tmp_path: Path, procs: Procs) -> None:
+    """rollout-1 registers, as its layer-1 q_proj, the very array rollout-0 registered as its
+    layer-0 q_proj (each engine refuses overlaps among its own tensors, not with another
+    process's). Both land there, so after the first sync that memory holds one layer's values
+    (or a mix): the other rollout's verification finds bytes that differ from the trainers'
+    checksums, and the failure reaches every waiter as ``kind == "checksum"``, naming that
+    rollout and its tensor."""
+    c = controller(tmp_path, procs)
+    tok = c.job_token
+    engines = [weightsync.Engine(c.control, r, job_token=tok) for r in range(2)]
+    trainers = [weightsync.Trainer(c.control, r, job_token=tok) for r in range(2)]
+    try:
+        dst = [{t.name: np.zeros(t.shape, np.uint16) for t in e.layout()} for e in engines]
+        l0 = next(n for n in dst[0] if "layers.0." in n and n.endswith("q_proj.weight"))
+        l1 = l0.replace("layers.0.", "layers.1.")
+        assert dst[1][l1].shape == dst[0][l0].shape
+        dst[1][l1] = dst[0][l0]
+        shards = [{s.name: s for s in t.layout()} for t in trainers]
+        src = [{n: np.zeros(s.shape, np.uint16) for n, s in sh.items()} for sh in shards]
+        full: dict[str, Any] = {}
+        for sh, sr in zip(shards, src):
+            for name, s in sh.items():
+                full.setdefault(name, full_value(name, s.global_shape, 1))
+                sr[name][...] = full[name][tuple(slice(o, o + n) for o, n in zip(s.offset, s.shape))]
+        assert not np.array_equal(full[l0], full[l1])
+        in_threads(
+            [lambda e=e, d=d: e.register({n: (a, "bf16") for n, a in d.items()}, format="hf")
+             for e, d in zip(engines, dst)]
+            + [lambda t=t, s=s: t.register({n: (a, "bf16") for n, a in s.items()}) for t, s in zip(trainers, src)]
+        )
+
+        def failure(call: Callable[[], Any]) -> weightsync.SyncFailedError:
+            with pytest.raises(weightsync.SyncFailedError) as e:
+                call()
+            return e.value
+
+        pushes = [t.push(1) for t in trainers]
+        errors = in_threads([lambda p=p: failure(lambda: p.wait(timeout=60)) for p in pushes])
+        errors += in_threads([lambda e=e: failure(lambda: e.wait_for_version(1, timeout=60)) for e in engines])
+        blamed = {"rollout-0": l0, "rollout-1": l1}
+        for err in errors:
+            assert err.kind is weightsync.FailureKind.CHECKSUM and err.kind == "checksum", err
+            assert err.worker in blamed and err.version == 1, err
+            assert err.tensor is not None and blamed[err.worker] in err.tensor, err
+            assert "checksum mismatch" in (err.cause or ""), err
+        assert len({(e.worker, e.tensor) for e in errors}) == 1, "every waiter hears the same failure"
+        # The controller keeps the kind beside the text.
+        sync = weightsync.Client(c.http, c.api_token).of_version(1)
+        assert sync is not None and sync.state == "failed" and sync.failure is not None
+        assert sync.failure.kind is weightsync.FailureKind.CHECKSUM, sync.failure
+        assert sync.failure.worker == errors[0].worker, sync.failure
+    finally:
+        for w in [*trainers, *engines]:
+            w.close()
 
 
 def test_registration_errors_name_the_tensor(tmp_path: Path, procs: Procs) -> None:
@@ -238,7 +296,7 @@ def test_cuda_tensors_go_through_the_same_register_call(tmp_path: Path, procs: P
     from weightsync import _native
 
     info = _native.tensor_info(FakeCudaTensor((4, 8)))
-    assert info[2:] == ("bf16", [4, 8], "torch-cuda"), info
+    assert (info.dtype, info.shape, info.kind) == ("bf16", [4, 8], "torch-cuda"), info
     with pytest.raises(ValueError, match="CUDA tensor as a destination"):
         _native.tensor_info(FakeCudaTensor((4, 8)), None, True)
     c = controller(tmp_path, procs)

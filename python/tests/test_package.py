@@ -36,15 +36,32 @@ def test_exception_hierarchy() -> None:
         assert issubclass(cls, weightsync.SyncError)
     e = weightsync.SyncFailedError("version 3 failed on rollout-1: gone", worker="rollout-1", version=3, cause="gone")
     assert (e.worker, e.version, e.cause, str(e)) == ("rollout-1", 3, "gone", "version 3 failed on rollout-1: gone")
+    # A failure's kind is a str enum: compared with its name, OTHER when none or unknown.
+    assert e.kind is weightsync.FailureKind.OTHER
+    e = weightsync.SyncFailedError("lost", worker="rollout-1", kind="peer_lost")
+    assert e.kind is weightsync.FailureKind.PEER_LOST and e.kind == "peer_lost" and str(e.kind) == "peer_lost"
+    assert weightsync.SyncFailedError("?", kind="from-a-newer-controller").kind is weightsync.FailureKind.OTHER
+
+
+def test_sync_result_keeps_the_failure_kind() -> None:
+    body = {"id": 4, "version": 2, "state": "failed", "failure": {
+        "worker": "rollout-1", "kind": "checksum", "tensor": "w", "cause": "checksum mismatch in w"}}
+    f = weightsync.SyncResult.from_json(body).failure
+    assert f == weightsync.Failure("rollout-1", "w", "checksum mismatch in w", weightsync.FailureKind.CHECKSUM)
 
 
 def test_numpy_arrays_in_place() -> None:
     np = pytest.importorskip("numpy")
     a = np.arange(12, dtype=np.float32).reshape(3, 4)
-    ptr, nbytes, dtype, shape, kind = _native.tensor_info(a)
-    assert (ptr, nbytes, dtype, shape, kind) == (a.__array_interface__["data"][0], 48, "f32", [3, 4], "dlpack")
+    info = _native.tensor_info(a)
+    assert isinstance(info, _native.TensorMemory)
+    assert (info.address, info.bytes, info.dtype, info.shape, info.kind) == (
+        a.__array_interface__["data"][0], 48, "f32", [3, 4], "dlpack")
+    with pytest.raises(AttributeError):
+        info.bytes = 0  # type: ignore[misc]
     bits = np.zeros((2, 3), np.uint16)  # bf16 bits: numpy has no bf16
-    assert _native.tensor_info(bits, "bf16")[2:4] == ("bf16", [2, 3])
+    info = _native.tensor_info(bits, "bf16")
+    assert (info.dtype, info.shape) == ("bf16", [2, 3])
     with pytest.raises(TypeError, match="code 1, 16 bits"):
         _native.tensor_info(bits)
     with pytest.raises(ValueError, match="cannot view 2-byte elements as f32"):
@@ -53,15 +70,15 @@ def test_numpy_arrays_in_place() -> None:
         _native.tensor_info(np.zeros((4, 4), np.float16)[:, :2])
     ro = np.zeros(4, np.float32)
     ro.flags.writeable = False
-    assert _native.tensor_info(ro)[1] == 16
+    assert _native.tensor_info(ro).bytes == 16
     with pytest.raises(ValueError, match="read-only"):
         _native.tensor_info(ro, writable=True)
 
 
 def test_buffer_protocol() -> None:
     buf = bytearray(16)
-    ptr, nbytes, dtype, shape, kind = _native.tensor_info(memoryview(buf).cast("f"))
-    assert (nbytes, dtype, shape, kind) == (16, "f32", [4], "buffer")
+    info = _native.tensor_info(memoryview(buf).cast("f"))
+    assert (info.bytes, info.dtype, info.shape, info.kind) == (16, "f32", [4], "buffer")
     with pytest.raises(TypeError, match="not f16 or f32"):
         _native.tensor_info(buf)
     with pytest.raises(TypeError, match="is not a tensor"):
@@ -71,11 +88,13 @@ def test_buffer_protocol() -> None:
 def test_torch_tensors_without_copy() -> None:
     torch = pytest.importorskip("torch")
     p = torch.nn.Parameter(torch.randn(4, 5, dtype=torch.bfloat16))  # requires grad: no DLPack
-    assert _native.tensor_info(p) == (p.data_ptr(), 40, "bf16", [4, 5], "torch")
-    f8 = torch.zeros(3, 7, dtype=torch.float8_e4m3fn)
-    assert _native.tensor_info(f8)[1:4] == (21, "f8_e4m3", [3, 7])
+    i = _native.tensor_info(p)
+    assert (i.address, i.bytes, i.dtype, i.shape, i.kind) == (p.data_ptr(), 40, "bf16", [4, 5], "torch")
+    f8 = _native.tensor_info(torch.zeros(3, 7, dtype=torch.float8_e4m3fn))
+    assert (f8.bytes, f8.dtype, f8.shape) == (21, "f8_e4m3", [3, 7])
     view = torch.arange(10, dtype=torch.float32)[2:6]  # a view inside its storage
-    assert _native.tensor_info(view)[:2] == (view.data_ptr(), 16)
+    v = _native.tensor_info(view)
+    assert (v.address, v.bytes) == (view.data_ptr(), 16)
     with pytest.raises(ValueError, match="non-contiguous"):
         _native.tensor_info(p.t())
     with pytest.raises(ValueError, match="empty tensor"):

@@ -15,18 +15,24 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import ClientError, SyncFailedError
+from .errors import ClientError, FailureKind, SyncFailedError
 
 __all__ = ["Client", "SyncResult", "Failure"]
 
 
 @dataclass(frozen=True)
 class Failure:
-    """Why a sync failed: the worker to blame (e.g. ``rollout-1``), the tensor when known."""
+    """Why a sync failed: the worker to blame (e.g. ``rollout-1``), the tensor when known, and
+    the failure's kind (``checksum``, ``timeout``, ``peer_lost``...)."""
 
     worker: str
     tensor: str | None
     cause: str
+    kind: FailureKind = FailureKind.OTHER
+
+    @staticmethod
+    def from_json(f: dict[str, Any]) -> Failure:
+        return Failure(str(f["worker"]), f.get("tensor"), str(f["cause"]), FailureKind.parse(f.get("kind")))
 
 
 @dataclass(frozen=True)
@@ -60,7 +66,7 @@ class SyncResult:
             seconds=stages.get("total"),
             stages=stages,
             verified=body.get("verified"),
-            failure=Failure(f["worker"], f.get("tensor"), f["cause"]) if f else None,
+            failure=Failure.from_json(f) if f else None,
             created=bool(body.get("created", False)),
         )
 
@@ -144,6 +150,7 @@ class Client:
                 worker=f.worker if f else None,
                 tensor=f.tensor if f else None,
                 version=version,
+                kind=f.kind if f else FailureKind.OTHER,
                 cause=f.cause if f else None,
             )
         return result

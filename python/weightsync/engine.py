@@ -67,6 +67,10 @@ class EngineState:
     cause: str | None
 
 
+def _state(s: _native.State) -> EngineState:
+    return EngineState(version=s.version, state=s.state, cause=s.cause)  # type: ignore[arg-type]
+
+
 def _env_rank() -> int:
     for var in ("WEIGHTSYNC_ENGINE_RANK", "RANK"):
         if var in os.environ:
@@ -129,8 +133,14 @@ class Engine:
     def layout(self) -> list[TensorInfo]:
         """Every tensor this rank must register, as the job plans it."""
         return [
-            TensorInfo(n, d, tuple(s), None if g is None else tuple(g), None if o is None else tuple(o))
-            for n, d, s, g, o in self._core.layout()
+            TensorInfo(
+                name=t.name,
+                dtype=t.dtype,
+                shape=tuple(t.shape),
+                global_shape=None if t.global_shape is None else tuple(t.global_shape),
+                offset=None if t.offset is None else tuple(t.offset),
+            )
+            for t in self._core.layout()
         ]
 
     def set_hooks(self, *, before_landing: Hook | None = None, after_commit: Hook | None = None) -> None:
@@ -211,7 +221,7 @@ class Engine:
                     worker=self.worker_id, tensor=name,
                 )
         registered = self._core.register(entries)
-        self._registered = {name: ptr for name, ptr, _len, _kind in registered}
+        self._registered = {r.name: r.address for r in registered}
         self._origins = {name: obj for name, obj, _ in entries}
         self._source = tensors if is_module else None
         return dict(self._registered)
@@ -235,8 +245,7 @@ class Engine:
 
     def status(self) -> EngineState:
         """Version, state and cause, read together."""
-        version, state, cause = self._core.state()
-        return EngineState(version, state, cause)  # type: ignore[arg-type]
+        return _state(self._core.state())
 
     @property
     def version(self) -> int | None:
@@ -257,11 +266,12 @@ class Engine:
         """Blocks (GIL released, Ctrl-C honoured) until a version >= ``version`` committed.
 
         Raises:
-            SyncFailedError: the sync of ``version`` failed on this engine.
+            SyncFailedError: the sync of ``version`` failed on this engine (``worker`` names
+                the worker that failed it, this engine when its own hook raised; ``kind`` says
+                what kind of failure it was).
             TimeoutError: ``timeout`` seconds passed first.
         """
-        v, state, cause = self._core.wait_for_version(version, timeout)
-        return EngineState(v, state, cause)  # type: ignore[arg-type]
+        return _state(self._core.wait_for_version(version, timeout))
 
     def now_ns(self) -> int:
         """Nanoseconds on this engine's clock: monotonic, zero when the engine connected. Stamp

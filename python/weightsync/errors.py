@@ -1,10 +1,14 @@
 """The exceptions of weightsync. Every one is a :class:`SyncError` and names, where there is one,
 the worker (``trainer-0``, ``rollout-1``) and the tensor (a parameter name) it is about, as
-attributes as well as in the message."""
+attributes as well as in the message; a :class:`SyncFailedError` also says the failure's
+:class:`FailureKind`."""
 
 from __future__ import annotations
 
+import enum
+
 __all__ = [
+    "FailureKind",
     "SyncError",
     "ConnectError",
     "RegistrationError",
@@ -15,6 +19,45 @@ __all__ = [
     "ClosedError",
     "ClientError",
 ]
+
+
+class FailureKind(str, enum.Enum):
+    """What kind of failure ended a sync (a ``str``: ``kind == "checksum"`` holds).
+
+    The controller keeps it with the failure (``GET /v1/syncs/{id}`` says it as ``kind``) and
+    every worker of the sync hears it, so a training loop can decide by it without parsing a
+    message: retry after a ``TIMEOUT`` or a ``PEER_LOST``, stop on a ``CHECKSUM``."""
+
+    CHECKSUM = "checksum"
+    """What landed differs from what the trainer prepared."""
+    TIMEOUT = "timeout"
+    """Writes that did not land, or a worker that did not answer, in time."""
+    FABRIC = "fabric"
+    """A fabric operation failed: a refused write, a lane that broke, a peer not reachable."""
+    LAYOUT = "layout"
+    """The plan, the job or the registered tensors disagree with the layout."""
+    SOURCE = "source"
+    """A trainer's source does not hold what the plan reads."""
+    CANCELLED = "cancelled"
+    """The sync was cancelled (aborted) before this part finished."""
+    PEER_LOST = "peer_lost"
+    """A worker of the sync left or fell silent."""
+    HOOK = "hook"
+    """An engine's own hook (``before_landing``, ``after_commit``) raised."""
+    OTHER = "other"
+    """Anything else."""
+
+    @classmethod
+    def parse(cls, name: object) -> FailureKind:
+        """The kind named ``name``; ``OTHER`` for a name this version does not know (a newer
+        controller's)."""
+        try:
+            return cls(name)
+        except ValueError:
+            return cls.OTHER
+
+    def __str__(self) -> str:
+        return self.value
 
 
 class SyncError(Exception):
@@ -89,12 +132,22 @@ class StaleTensorError(SyncError):
 
 class SyncFailedError(SyncError):
     """The sync of ``version`` failed: ``worker`` is the worker that failed (e.g. ``rollout-1``),
-    ``cause`` says why."""
+    ``kind`` what kind of failure it was (a :class:`FailureKind`, e.g. ``"checksum"``),
+    ``tensor`` the tensor to blame when one is, ``cause`` says why."""
 
+    kind: FailureKind
     cause: str | None
 
-    def __init__(self, message: str, *, cause: str | None = None, **kw: object) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        kind: FailureKind | str = FailureKind.OTHER,
+        cause: str | None = None,
+        **kw: object,
+    ) -> None:
         super().__init__(message, **kw)  # type: ignore[arg-type]
+        self.kind = FailureKind.parse(kind)
         self.cause = cause
 
 

@@ -61,11 +61,19 @@ class PushHandle:
 
     def wait(self, timeout: float | None = None) -> SyncOutcome:
         """Blocks until the sync commits (returns its figures) or fails (raises
-        :class:`~weightsync.SyncFailedError` naming the failing worker). The GIL is released
+        :class:`~weightsync.SyncFailedError` naming the failing worker and the failure's
+        ``kind``, e.g. ``"checksum"``). The GIL is released
         meanwhile and Ctrl-C interrupts. ``timeout`` in seconds raises
         :class:`~weightsync.TimeoutError`; the sync goes on."""
-        v, total, staged, direct, secs, stages = self._core.wait(timeout)
-        return SyncOutcome(v, total, staged, direct, secs, dict(stages))
+        o = self._core.wait(timeout)
+        return SyncOutcome(
+            version=o.version,
+            bytes=o.bytes,
+            staged_bytes=o.staged_bytes,
+            direct_bytes=o.direct_bytes,
+            seconds=o.seconds,
+            stages=dict(o.stages),
+        )
 
 
 def _env_rank() -> int:
@@ -113,7 +121,14 @@ class Trainer:
     def layout(self) -> list[ShardInfo]:
         """The shards this rank must register (empty shards are not listed)."""
         return [
-            ShardInfo(n, d, tuple(g), tuple(o), tuple(s)) for n, d, g, o, s in self._core.layout()
+            ShardInfo(
+                name=s.name,
+                dtype=s.dtype,
+                global_shape=tuple(s.global_shape),
+                offset=tuple(s.offset),
+                shape=tuple(s.shape),
+            )
+            for s in self._core.layout()
         ]
 
     def register(self, tensors: TensorSource) -> dict[str, int]:
@@ -154,7 +169,7 @@ class Trainer:
             entries.append((name, obj.to_local() if is_dtensor(obj) else obj, dtype))
             origins[name] = obj
         registered = self._core.register(entries)
-        self._registered = {name: ptr for name, ptr, _len, _kind in registered}
+        self._registered = {r.name: r.address for r in registered}
         self._cuda_devices = {
             int(getattr(getattr(obj, "device", None), "index", None) or 0)
             for _name, obj, _dtype in entries

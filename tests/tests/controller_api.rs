@@ -2,7 +2,7 @@
 //! version protocol driven by feeding worker messages straight into the state.
 
 use serde_json::Value;
-use weightsync_common::protocol::{Failure, FromWorker, WorkerId, WorkerReport};
+use weightsync_common::protocol::{FailureKind, Fault, FromWorker, WorkerId, WorkerReport};
 use weightsync_controller::app;
 use weightsync_tests::controller_harness::*;
 
@@ -214,8 +214,8 @@ async fn failure_names_worker_and_tensor_and_next_sync_proceeds() {
         FromWorker::Failed {
             sync_id: id,
             version: 1,
-            failure: Failure {
-                worker: WorkerId::trainer(u32::MAX),
+            failure: Fault {
+                kind: FailureKind::Checksum,
                 tensor: Some("model.layers.0.mlp.gate_up_proj.weight".into()),
                 cause: "checksum mismatch".into(),
             },
@@ -236,6 +236,9 @@ async fn failure_names_worker_and_tensor_and_next_sync_proceeds() {
         v["failure"]["tensor"],
         "model.layers.0.mlp.gate_up_proj.weight"
     );
+    // The kind the worker reported, beside the text.
+    assert_eq!(v["failure"]["kind"], "checksum");
+    assert_eq!(v["failure"]["cause"], "checksum mismatch");
     // A late report for the failed sync changes nothing.
     feed(
         &st,
@@ -310,8 +313,8 @@ async fn a_trigger_while_trainers_drain_a_failed_sync_is_accepted_queued_and_sta
         FromWorker::Failed {
             sync_id: id,
             version: 1,
-            failure: Failure {
-                worker: WorkerId::trainer(u32::MAX),
+            failure: Fault {
+                kind: FailureKind::Timeout,
                 tensor: None,
                 cause: "landing timed out".into(),
             },

@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use weightsync_common::protocol::{Failure, FromWorker, WorkerId};
+use weightsync_common::protocol::{FailureKind, Fault, FromWorker, WorkerId};
 use weightsync_controller::app;
 use weightsync_tests::controller_harness::*;
 
@@ -118,8 +118,8 @@ async fn a_failed_newer_version_ends_the_wait() {
         FromWorker::Failed {
             sync_id: id,
             version: 4,
-            failure: Failure {
-                worker: WorkerId::rollout(0),
+            failure: Fault {
+                kind: FailureKind::Timeout,
                 tensor: None,
                 cause: "landing timed out".into(),
             },

@@ -13,8 +13,8 @@ use std::time::Duration;
 
 use serde_json::Value;
 use weightsync_agent::embed::{
-    ApiClient, DstTensor, EmbedError, EngineHandle, EngineOptions, EngineStatus, HostMemory,
-    ShardInfo, SourceTensor, Stage, TrainerHandle, TrainerOptions,
+    ApiClient, DstTensor, EmbedError, EngineHandle, EngineOptions, EngineStatus, FailureKind,
+    HostMemory, ShardInfo, SourceTensor, Stage, TrainerHandle, TrainerOptions,
 };
 use weightsync_common::protocol::WorldSpec;
 use weightsync_common::DType;
@@ -438,6 +438,16 @@ fn a_failing_engine_fails_the_push_naming_it_and_a_later_version_commits() {
     refuse.store(true, Ordering::SeqCst);
     for r in push_all(&trainers, 2) {
         assert_eq!(failing_worker(&r), "rollout-1");
+        assert!(
+            matches!(
+                r,
+                Err(EmbedError::SyncFailed {
+                    kind: FailureKind::Hook,
+                    ..
+                })
+            ),
+            "{r:?}"
+        );
         assert!(r.unwrap_err().to_string().contains("before_landing(2)"));
     }
     let err = e0.handle.wait_for_version(2, WAIT).unwrap_err();
@@ -809,6 +819,16 @@ fn a_bad_stage_report_changes_nothing_and_the_engine_keeps_syncing() {
     refuse.store(true, Ordering::SeqCst);
     for r in push_all(&trainers, 2) {
         assert_eq!(failing_worker(&r), "rollout-1");
+        assert!(
+            matches!(
+                r,
+                Err(EmbedError::SyncFailed {
+                    kind: FailureKind::Hook,
+                    ..
+                })
+            ),
+            "{r:?}"
+        );
     }
     assert!(h.wait_for_version(2, WAIT).is_err());
     let id2 = sync_id_of(&ctl, 2);

@@ -195,7 +195,8 @@ impl EngineHandle {
     }
 
     /// Blocks until a version `>= version` committed (its state), or the engine turned invalid
-    /// for one (`SyncFailed` naming this engine), or `timeout` passed (`Timeout`, retryable).
+    /// for one (`SyncFailed` naming the worker that failed it, this engine when its own hook
+    /// raised, and the failure's kind), or `timeout` passed (`Timeout`, retryable).
     pub fn wait_for_version(
         &self,
         version: u64,
@@ -209,11 +210,13 @@ impl EngineHandle {
             {
                 return Ok(w.state.clone());
             }
-            if let (EngineStatus::Invalid, Some(f)) = (w.state.status, w.failed) {
-                if f >= version {
+            if let (EngineStatus::Invalid, Some((f, blame))) = (w.state.status, &w.failed) {
+                if *f >= version {
                     return Err(EmbedError::SyncFailed {
-                        version: f,
-                        worker: self.reach.name.clone(),
+                        version: *f,
+                        worker: blame.worker.clone(),
+                        kind: blame.kind,
+                        tensor: blame.tensor.clone(),
                         cause: w.state.cause.clone().unwrap_or_default(),
                     });
                 }

@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use parking_lot::{Condvar, Mutex};
-use weightsync_common::protocol::{Assignment, RunChecksum, WorkerReport};
+use weightsync_common::protocol::{Assignment, Failure, FailureKind, RunChecksum, WorkerReport};
 
 use super::{EngineState, EngineStatus};
 use crate::driver::{Accepted, DriverError, DriverInfo, Outcome, SyncDriver, SyncRef};
@@ -37,12 +37,21 @@ pub(crate) struct EngineShared {
     pub syncs: Mutex<BTreeMap<u64, SyncRef>>,
 }
 
-/// The visible state, and the version it is invalid for.
+/// Who failed the sync an engine is invalid for, and how.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Blame {
+    /// The worker that failed (this engine, when its hook raised).
+    pub worker: String,
+    pub kind: FailureKind,
+    pub tensor: Option<String>,
+}
+
+/// The visible state, the version it is invalid for and who failed it.
 #[derive(Debug, Clone)]
 pub(crate) struct Watched {
     pub state: EngineState,
     pub landing: Option<u64>,
-    pub failed: Option<u64>,
+    pub failed: Option<(u64, Blame)>,
 }
 
 impl Default for Watched {
@@ -81,12 +90,12 @@ impl EngineShared {
         }
     }
 
-    fn invalidate(&self, version: u64, cause: String) {
+    fn invalidate(&self, version: u64, cause: String, blame: Blame) {
         self.update(|w| {
             w.state.status = EngineStatus::Invalid;
             w.state.cause = Some(cause);
             w.landing = None;
-            w.failed = Some(version);
+            w.failed = Some((version, blame));
         });
     }
 }
@@ -106,10 +115,21 @@ pub(crate) struct EngineDriver {
     pub inner: RolloutDriver,
     pub shared: Arc<EngineShared>,
     pub name: String,
-    pub abort_cause: Option<String>,
+    pub abort_cause: Option<(String, Option<Failure>)>,
     /// The version whose `before_landing` hook was called (set before the call: an abort that
     /// cancels `prepare` while the hook runs still leaves the engine told to stop reading).
     pub hooked: Option<u64>,
+}
+
+impl EngineDriver {
+    /// This engine to blame, for a failure of `kind`.
+    fn blame_self(&self, kind: FailureKind) -> Blame {
+        Blame {
+            worker: self.name.clone(),
+            kind,
+            tensor: None,
+        }
+    }
 }
 
 impl SyncDriver for EngineDriver {
@@ -129,8 +149,9 @@ impl SyncDriver for EngineDriver {
         self.hooked = Some(v);
         if let Err(e) = call(hook, v).await {
             let cause = format!("engine {}: before_landing({v}) failed: {e}", self.name);
-            self.shared.invalidate(v, cause.clone());
-            return Err(DriverError::new(cause));
+            self.shared
+                .invalidate(v, cause.clone(), self.blame_self(FailureKind::Hook));
+            return Err(DriverError::new(FailureKind::Hook, cause));
         }
         self.shared.update(|w| {
             w.state.status = EngineStatus::Landing;
@@ -151,8 +172,8 @@ impl SyncDriver for EngineDriver {
         self.inner.verify(sync, checksums).await
     }
 
-    fn aborted_because(&mut self, _sync: SyncRef, reason: &str) {
-        self.abort_cause = Some(reason.to_string());
+    fn aborted_because(&mut self, _sync: SyncRef, reason: &str, failure: Option<&Failure>) {
+        self.abort_cause = Some((reason.to_string(), failure.cloned()));
     }
 
     async fn finish(&mut self, sync: SyncRef, outcome: Outcome) {
@@ -174,19 +195,28 @@ impl SyncDriver for EngineDriver {
                     }),
                     Err(e) => {
                         let cause = format!("engine {}: after_commit({v}) failed: {e}", self.name);
-                        self.shared.invalidate(v, cause);
+                        self.shared
+                            .invalidate(v, cause, self.blame_self(FailureKind::Hook));
                     }
                 }
             }
             Outcome::Aborted => {
-                let cause = self
+                let (cause, failure) = self
                     .abort_cause
                     .take()
-                    .unwrap_or_else(|| format!("the sync of version {v} was aborted"));
+                    .unwrap_or_else(|| (format!("the sync of version {v} was aborted"), None));
+                let blame = match failure {
+                    Some(f) => Blame {
+                        worker: f.worker.to_string(),
+                        kind: f.kind,
+                        tensor: f.tensor,
+                    },
+                    None => self.blame_self(FailureKind::Other),
+                };
                 // Landing, or told to stop reading for it (an abort that arrived while
                 // before_landing ran): the version failed, and the engine must hear it.
                 if self.shared.state.lock().landing == Some(v) || hooked == Some(v) {
-                    self.shared.invalidate(v, cause);
+                    self.shared.invalidate(v, cause, blame);
                 }
             }
         }

@@ -55,6 +55,7 @@ mod session;
 mod trainer;
 
 use weightsync_common::protocol::Failure;
+pub use weightsync_common::protocol::FailureKind;
 
 pub use crate::api_client::{ClientError, SyncFailure, SyncResult};
 pub use client::ApiClient;
@@ -204,13 +205,17 @@ pub enum EmbedError {
         tensor: String,
     },
     /// The sync of a version failed.
-    #[error("version {version} failed on {worker}: {cause}")]
+    #[error("version {version} failed on {worker}: {cause}{}", tensor.as_ref().map(|t| format!(" (tensor {t})")).unwrap_or_default())]
     SyncFailed {
         /// The version.
         version: u64,
         /// The worker that failed (e.g. `rollout-1`), or `controller`.
         worker: String,
-        /// Why (naming the tensor when one is to blame).
+        /// What kind of failure (a checksum mismatch, a timeout, a peer lost...).
+        kind: FailureKind,
+        /// The tensor to blame, when one is.
+        tensor: Option<String>,
+        /// Why.
         cause: String,
     },
     /// A wait ran out of time (retryable).
@@ -245,14 +250,15 @@ fn sync_failed(version: u64, reason: &str, failure: Option<&Failure>) -> EmbedEr
         Some(f) => EmbedError::SyncFailed {
             version,
             worker: f.worker.to_string(),
-            cause: match &f.tensor {
-                Some(t) => format!("{} (tensor {t})", f.cause),
-                None => f.cause.clone(),
-            },
+            kind: f.kind,
+            tensor: f.tensor.clone(),
+            cause: f.cause.clone(),
         },
         None => EmbedError::SyncFailed {
             version,
             worker: "controller".into(),
+            kind: FailureKind::Other,
+            tensor: None,
             cause: reason.to_string(),
         },
     }

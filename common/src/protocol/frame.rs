@@ -34,7 +34,9 @@ pub const MAGIC: [u8; 4] = *b"WSYC";
 /// 6: engines report their own stages (`EngineStages`: pause, load, resume) after a version
 /// landed; `Stage` gains `Pause`, `Load` and `Resume`.
 /// 7: a worker report carries the trainer's `TimeSplit` (wire, idle, overhead of its sync).
-pub const PROTOCOL_VERSION: u16 = 7;
+/// 8: a failure carries its kind (`FailureKind`); a worker's `Failed` carries a `Fault` (kind,
+/// tensor, cause), no longer a `Failure` with a placeholder worker id the controller replaced.
+pub const PROTOCOL_VERSION: u16 = 8;
 /// Bytes in a frame header.
 pub const FRAME_HEADER_LEN: usize = 12;
 /// Default maximum body size: 256 MiB (a trainer's plan slice for a 1T-parameter model fits).

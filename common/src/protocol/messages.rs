@@ -473,6 +473,8 @@ pub struct TimeSplitSeconds {
 pub struct Failure {
     /// The worker that failed (or that was found silent / disconnected).
     pub worker: WorkerId,
+    /// What kind of failure (see [`crate::protocol::FailureKind`]).
+    pub kind: crate::protocol::FailureKind,
     /// The tensor involved, when known.
     pub tensor: Option<String>,
     /// Human-readable cause.
@@ -650,8 +652,9 @@ pub enum FromWorker {
         sync_id: u64,
         /// Version.
         version: u64,
-        /// Cause, naming the tensor when one is to blame.
-        failure: Failure,
+        /// Its kind and cause, naming the tensor when one is to blame (the controller names the
+        /// worker: the connection it came on).
+        failure: crate::protocol::Fault,
     },
     /// Liveness.
     Heartbeat {

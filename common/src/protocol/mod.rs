@@ -12,14 +12,18 @@
 //!
 //! # Layout
 //! - [`messages`]: the message types, both directions.
+//! - [`failure`]: the kind of a failure ([`FailureKind`]) and a worker's own report of it
+//!   ([`Fault`]), which the controller turns into a [`Failure`] naming the worker.
 //! - [`frame`]: length-prefixed frames (magic, protocol version, length, bincode body) with a
 //!   maximum size, so decoding garbage is an error and never an unbounded allocation.
 //! - [`auth`]: the job-token challenge: a worker proves it knows the token without sending it.
 
 pub mod auth;
+pub mod failure;
 pub mod frame;
 pub mod messages;
 
+pub use failure::{FailureKind, Fault};
 pub use frame::{
     decode_body, decode_frame, encode_frame, read_frame, write_frame, ControlFrameError,
     ControlFrameHeader, DEFAULT_MAX_FRAME, FRAME_HEADER_LEN, MAGIC, PROTOCOL_VERSION,

@@ -6,7 +6,7 @@
 use std::collections::BTreeSet;
 use std::time::Instant;
 
-use weightsync_common::protocol::{Failure, ToWorker, WorkerId};
+use weightsync_common::protocol::{Failure, FailureKind, ToWorker, WorkerId};
 
 use super::{Coordinator, Effects, Now};
 
@@ -108,6 +108,12 @@ impl Coordinator {
                     .next()
                     .copied()
                     .unwrap_or(WorkerId::trainer(0)),
+                // A member that left is the likelier cause; a re-plan alone is no worker's.
+                kind: if members.is_subset(&current) {
+                    FailureKind::Other
+                } else {
+                    FailureKind::PeerLost
+                },
                 tensor: None,
                 cause: format!(
                     "membership or plan changed while the sync waited for a drain ({})",

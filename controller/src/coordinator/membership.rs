@@ -3,7 +3,7 @@
 //! the drain gate of it), and who is still missing.
 
 use weightsync_common::protocol::{
-    Failure, Registration, ToWorker, WorkerId, WorkerRole, WorldSpec,
+    Failure, FailureKind, Registration, ToWorker, WorkerId, WorkerRole, WorldSpec,
 };
 
 use super::{ConnId, Coordinator, Effects, Member, Now};
@@ -173,6 +173,7 @@ impl Coordinator {
             .unwrap_or_default();
         Some(Failure {
             worker: id,
+            kind: FailureKind::PeerLost,
             tensor: None,
             cause: format!("{reason} {stage}{also}"),
         })

@@ -4,7 +4,7 @@
 //! ended sync: see `engine_stages`.)
 
 use weightsync_common::protocol::{
-    Failure, FromWorker, ToWorker, WorkerId, WorkerReport, WorkerRole,
+    Failure, FailureKind, Fault, FromWorker, ToWorker, WorkerId, WorkerReport, WorkerRole,
 };
 
 use super::{ConnId, Coordinator, Effects, Now};
@@ -161,6 +161,7 @@ impl Coordinator {
         if verified == Some(false) {
             let failure = Failure {
                 worker: id,
+                kind: FailureKind::Checksum,
                 tensor: None,
                 cause: "verification of what landed failed".into(),
             };
@@ -197,11 +198,9 @@ impl Coordinator {
     /// `Failed`: with sync id 0 the worker could not follow its plan; otherwise the sync fails,
     /// at once or after the failure grace (a peer's disconnect, the likelier root cause, may
     /// still arrive and is named instead).
-    fn on_failed(&mut self, id: WorkerId, sync_id: u64, mut failure: Failure, now: Now) -> Effects {
-        // An agent leaves its own id as a placeholder: the connection says who it is.
-        if failure.worker.rank == u32::MAX {
-            failure.worker = id;
-        }
+    fn on_failed(&mut self, id: WorkerId, sync_id: u64, fault: Fault, now: Now) -> Effects {
+        // The connection says who failed.
+        let failure = fault.blame(id);
         if sync_id == 0 {
             self.plan_refused(id, &failure.cause, now);
             return Effects::default();

@@ -1,7 +1,7 @@
 use std::time::Duration;
 
 use weightsync_common::protocol::{
-    Blob, Failure, FromWorker, Registration, ToWorker, WorkerId, WorkerReport, WorldSpec,
+    Blob, FailureKind, Fault, FromWorker, Registration, ToWorker, WorkerId, WorkerReport, WorldSpec,
 };
 use weightsync_common::DType;
 
@@ -91,8 +91,8 @@ fn failed(c: &mut Coordinator, conn: u64, id: u64, cause: &str, now: Now) -> Eff
         FromWorker::Failed {
             sync_id: id,
             version: 1,
-            failure: Failure {
-                worker: WorkerId::trainer(u32::MAX),
+            failure: Fault {
+                kind: FailureKind::Fabric,
                 tensor: None,
                 cause: cause.into(),
             },
@@ -245,6 +245,7 @@ fn a_trainer_that_never_drains_is_dropped_after_the_heartbeat_timeout() {
     assert_eq!(s.state, SyncState::Failed);
     let f = s.failure.clone().unwrap();
     assert_eq!(f.worker, WorkerId::trainer(0));
+    assert_eq!(f.kind, FailureKind::PeerLost);
     assert!(f.cause.contains("drained aborted sync"), "{f}");
     assert!(
         f.cause.contains(&format!("waited for sync {id} to drain")),
@@ -293,6 +294,8 @@ fn a_peer_disconnect_within_the_grace_period_is_named_as_the_cause() {
     c.disconnect(2, "connection closed", t0.after(Duration::from_millis(50)));
     let f = c.sync(id).unwrap().failure.clone().unwrap();
     assert_eq!(f.worker, WorkerId::rollout(0));
+    // The disconnect is named, with its own kind, over the report it explains.
+    assert_eq!(f.kind, FailureKind::PeerLost);
     assert!(f.cause.contains("trainer-0 reported"), "{f}");
 }
 
@@ -305,7 +308,9 @@ fn a_failure_report_stands_after_the_grace_period_and_a_failed_version_can_be_re
     c.tick(t0.after(Duration::from_millis(400)));
     let s = c.sync(id).unwrap();
     assert_eq!(s.state, SyncState::Failed);
+    // The connection it came on names the worker; the kind is the one it reported.
     assert_eq!(s.failure.as_ref().unwrap().worker, WorkerId::trainer(0));
+    assert_eq!(s.failure.as_ref().unwrap().kind, FailureKind::Fabric);
     let (again, fx) = c.trigger(1, t0.after(Duration::from_millis(500))).unwrap();
     assert!(matches!(again, Triggered::Created(n) if n != id));
     assert_eq!(fx.send.len(), 2, "prepare to both workers");
@@ -373,6 +378,7 @@ fn the_sync_timeout_names_who_it_waited_for() {
     );
     c.tick(t0.after(Duration::from_millis(5100)));
     let f = c.sync(id).unwrap().failure.clone().unwrap();
+    assert_eq!(f.kind, FailureKind::Timeout);
     assert!(
         f.cause.contains("timed out") && f.cause.contains("trainer-0, rollout-0"),
         "{f}"
@@ -520,8 +526,8 @@ fn a_worker_that_cannot_follow_its_plan_is_named_by_the_trigger() {
         FromWorker::Failed {
             sync_id: 0,
             version: 0,
-            failure: Failure {
-                worker: WorkerId::trainer(u32::MAX),
+            failure: Fault {
+                kind: FailureKind::Source,
                 tensor: None,
                 cause: "assignment: source memory of 8 bytes is shorter than the plan needs".into(),
             },
@@ -589,8 +595,8 @@ fn a_pushed_version_starts_once_every_trainer_pushed_it_and_the_plan_is_in_force
         FromWorker::Failed {
             sync_id: id,
             version: 1,
-            failure: Failure {
-                worker: WorkerId::trainer(u32::MAX),
+            failure: Fault {
+                kind: FailureKind::Other,
                 tensor: None,
                 cause: "boom".into(),
             },

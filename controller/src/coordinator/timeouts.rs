@@ -4,7 +4,7 @@
 //! grace period fails its sync; a sync not committed within the sync timeout fails, naming who
 //! it waited for.
 
-use weightsync_common::protocol::{Failure, WorkerId};
+use weightsync_common::protocol::{Failure, FailureKind, WorkerId};
 
 use super::{ConnId, Coordinator, Effects, Now};
 use crate::sync_record::SyncState;
@@ -106,6 +106,7 @@ impl Coordinator {
         };
         let failure = Failure {
             worker: waiting.first().copied().unwrap_or(WorkerId::trainer(0)),
+            kind: FailureKind::Timeout,
             tensor: None,
             cause: format!(
                 "sync timed out after {} ms waiting for {stage} from {}",

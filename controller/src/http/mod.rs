@@ -8,7 +8,7 @@
 //! |---|---|---|
 //! | POST | `/v1/syncs` `{"version": N}` (`?wait=true`) | trigger a sync (idempotent per version; 409 while another runs) |
 //! | GET | `/v1/syncs` | history, newest first |
-//! | GET | `/v1/syncs/{id}` | state, stage durations, bytes, GB/s, failure, lanes |
+//! | GET | `/v1/syncs/{id}` | state, stage durations, bytes, GB/s, failure (worker, kind, tensor, cause), lanes |
 //! | GET | `/v1/syncs/{id}/trace` | Chrome trace / Perfetto JSON |
 //! | GET | `/v1/versions/{v}` (`?until=started\|ended&wait_s=S`) | whether a version >= v started / ended; waits up to S s (at most 60) for `until` |
 //! | GET | `/v1/plan` | plan summary and membership log |

@@ -46,6 +46,7 @@ pub fn chrome_trace(s: &SyncRecord) -> Value {
         "otherData": {
             "sync_id": s.id, "version": s.version, "bytes": s.bytes_written(), "gbps": s.gbps(),
             "failure": s.failure.as_ref().map(ToString::to_string),
+            "failure_kind": s.failure.as_ref().map(|f| f.kind),
         },
     })
 }
