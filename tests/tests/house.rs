@@ -129,7 +129,10 @@ fn tokenize(src: &str) -> Vec<Tok> {
         } else if let Some(end) = raw_string_end(&c, i) {
             let at = line;
             count_lines(i, end, &mut line);
-            toks.push(Tok { text: "\"".into(), line: at });
+            toks.push(Tok {
+                text: "\"".into(),
+                line: at,
+            });
             i = end;
         } else if ch == '"' || (ch == 'b' && c.get(i + 1) == Some(&'"')) {
             let start = i;
@@ -140,7 +143,10 @@ fn tokenize(src: &str) -> Vec<Tok> {
             i += 1;
             let at = line;
             count_lines(start, i.min(c.len()), &mut line);
-            toks.push(Tok { text: "\"".into(), line: at });
+            toks.push(Tok {
+                text: "\"".into(),
+                line: at,
+            });
         } else if ch == '\'' || (ch == 'b' && c.get(i + 1) == Some(&'\'')) {
             let q = if ch == 'b' { i + 1 } else { i };
             if c.get(q + 1) == Some(&'\\') {
@@ -150,37 +156,64 @@ fn tokenize(src: &str) -> Vec<Tok> {
                     i += 1;
                 }
                 i += 1;
-                toks.push(Tok { text: "\"".into(), line });
+                toks.push(Tok {
+                    text: "\"".into(),
+                    line,
+                });
             } else if c.get(q + 2) == Some(&'\'') {
                 i = q + 3;
-                toks.push(Tok { text: "\"".into(), line });
+                toks.push(Tok {
+                    text: "\"".into(),
+                    line,
+                });
             } else {
                 // A lifetime or label.
                 i = q + 1;
                 while i < c.len() && is_ident_char(c[i]) {
                     i += 1;
                 }
-                toks.push(Tok { text: "'".into(), line });
+                toks.push(Tok {
+                    text: "'".into(),
+                    line,
+                });
             }
-        } else if is_ident_start(ch) || (ch == '$' && c.get(i + 1).is_some_and(|&x| is_ident_start(x))) {
+        } else if is_ident_start(ch)
+            || (ch == '$' && c.get(i + 1).is_some_and(|&x| is_ident_start(x)))
+        {
             let start = i;
             i += 1;
             while i < c.len() && is_ident_char(c[i]) {
                 i += 1;
             }
             let word: String = c[start..i].iter().collect();
-            let word = if word == "$crate" { "crate".to_string() } else { word };
+            let word = if word == "$crate" {
+                "crate".to_string()
+            } else {
+                word
+            };
             toks.push(Tok { text: word, line });
         } else if ch.is_ascii_digit() {
-            while i < c.len() && (is_ident_char(c[i]) || c[i] == '.' && c.get(i + 1).is_some_and(|d| d.is_ascii_digit())) {
+            while i < c.len()
+                && (is_ident_char(c[i])
+                    || c[i] == '.' && c.get(i + 1).is_some_and(|d| d.is_ascii_digit()))
+            {
                 i += 1;
             }
-            toks.push(Tok { text: "0".into(), line });
+            toks.push(Tok {
+                text: "0".into(),
+                line,
+            });
         } else if ch == ':' && c.get(i + 1) == Some(&':') {
-            toks.push(Tok { text: "::".into(), line });
+            toks.push(Tok {
+                text: "::".into(),
+                line,
+            });
             i += 2;
         } else {
-            toks.push(Tok { text: ch.to_string(), line });
+            toks.push(Tok {
+                text: ch.to_string(),
+                line,
+            });
             i += 1;
         }
     }
@@ -253,7 +286,9 @@ fn attribute_at(toks: &[Tok], i: usize) -> Option<(usize, &[Tok])> {
 fn is_test_cfg(inner: &[Tok]) -> bool {
     let words: Vec<&str> = inner.iter().map(|t| t.text.as_str()).collect();
     matches!(words.as_slice(), ["cfg", "(", "test", ")"])
-        || (words.starts_with(&["cfg", "(", "all", "("]) && words.contains(&"test") && !words.contains(&"not"))
+        || (words.starts_with(&["cfg", "(", "all", "("])
+            && words.contains(&"test")
+            && !words.contains(&"not"))
 }
 
 /// The index just past the item starting at `i`: its `;` or its first brace block at depth 0.
@@ -301,7 +336,9 @@ fn strip_tests(toks: Vec<Tok>) -> Shipped {
                     continue;
                 }
                 let end = item_end(&toks, after);
-                let last = toks.get(end.saturating_sub(1)).map_or(toks[i].line, |t| t.line);
+                let last = toks
+                    .get(end.saturating_sub(1))
+                    .map_or(toks[i].line, |t| t.line);
                 test_lines.extend(toks[i].line..=last);
                 i = end;
                 continue;
@@ -313,7 +350,11 @@ fn strip_tests(toks: Vec<Tok>) -> Shipped {
         kept.push(toks[i].clone());
         i += 1;
     }
-    Shipped { toks: kept, test_lines, all_test }
+    Shipped {
+        toks: kept,
+        test_lines,
+        all_test,
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -330,7 +371,10 @@ struct ModFile {
 
 /// Where the children of a module file live.
 fn child_dir(file: &Path) -> PathBuf {
-    let name = file.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+    let name = file
+        .file_name()
+        .and_then(|n| n.to_str())
+        .unwrap_or_default();
     let parent = file.parent().expect("a file has a parent");
     if matches!(name, "mod.rs" | "lib.rs" | "main.rs") {
         parent.to_path_buf()
@@ -365,7 +409,8 @@ fn crate_files(root: &Path) -> Vec<ModFile> {
     let mut files = Vec::new();
     let mut queue = vec![(root.to_path_buf(), Vec::<String>::new())];
     while let Some((path, module)) = queue.pop() {
-        let src = fs::read_to_string(&path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
+        let src =
+            fs::read_to_string(&path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
         let shipped = strip_tests(tokenize(&src));
         if shipped.all_test {
             continue;
@@ -375,12 +420,22 @@ fn crate_files(root: &Path) -> Vec<ModFile> {
             let flat = dir.join(format!("{child}.rs"));
             let nested = dir.join(&child).join("mod.rs");
             let file = if flat.is_file() { flat } else { nested };
-            assert!(file.is_file(), "{} declares `mod {child};` but neither {} nor its mod.rs exists", path.display(), file.display());
+            assert!(
+                file.is_file(),
+                "{} declares `mod {child};` but neither {} nor its mod.rs exists",
+                path.display(),
+                file.display()
+            );
             let mut m = module.clone();
             m.push(child);
             queue.push((file, m));
         }
-        files.push(ModFile { lines: src.lines().count(), path, module, shipped });
+        files.push(ModFile {
+            lines: src.lines().count(),
+            path,
+            module,
+            shipped,
+        });
     }
     files.sort_by(|a, b| a.path.cmp(&b.path));
     files
@@ -440,7 +495,9 @@ fn named_paths(toks: &[Tok], children: &BTreeSet<String>) -> Vec<Named> {
     let mut inline: Vec<(String, i32)> = Vec::new();
     let mut depth = 0;
     let mut i = 0;
-    let starts = |w: &str, inline_now: bool| matches!(w, "crate" | "super" | "self") || (!inline_now && children.contains(w));
+    let starts = |w: &str, inline_now: bool| {
+        matches!(w, "crate" | "super" | "self") || (!inline_now && children.contains(w))
+    };
     while i < toks.len() {
         let t = toks[i].text.as_str();
         let prev = if i > 0 { toks[i - 1].text.as_str() } else { "" };
@@ -466,17 +523,29 @@ fn named_paths(toks: &[Tok], children: &BTreeSet<String>) -> Vec<Named> {
                 let end = use_tree(toks, i + 1, &[], &mut leaves);
                 let names: Vec<String> = inline.iter().map(|(n, _)| n.clone()).collect();
                 for segments in leaves {
-                    if segments.first().is_some_and(|w| starts(w, !names.is_empty())) {
-                        out.push(Named { segments, inline: names.clone() });
+                    if segments
+                        .first()
+                        .is_some_and(|w| starts(w, !names.is_empty()))
+                    {
+                        out.push(Named {
+                            segments,
+                            inline: names.clone(),
+                        });
                     }
                 }
                 i = end.max(i + 1);
             }
-            _ if starts(t, !inline.is_empty()) && prev != "::" && prev != "." && toks.get(i + 1).is_some_and(|n| n.text == "::") => {
+            _ if starts(t, !inline.is_empty())
+                && prev != "::"
+                && prev != "."
+                && toks.get(i + 1).is_some_and(|n| n.text == "::") =>
+            {
                 let mut segments = vec![t.to_string()];
                 let mut j = i + 1;
                 while toks.get(j).is_some_and(|n| n.text == "::")
-                    && toks.get(j + 1).is_some_and(|n| n.text.chars().next().is_some_and(is_ident_start))
+                    && toks
+                        .get(j + 1)
+                        .is_some_and(|n| n.text.chars().next().is_some_and(is_ident_start))
                 {
                     segments.push(toks[j + 1].text.clone());
                     j += 2;
@@ -525,12 +594,19 @@ fn absolute(module: &[String], named: &Named) -> Option<Vec<String>> {
 type Graph = Vec<BTreeMap<usize, BTreeSet<String>>>;
 
 fn import_graph(files: &[ModFile]) -> Graph {
-    let by_module: BTreeMap<&[String], usize> = files.iter().enumerate().map(|(i, f)| (f.module.as_slice(), i)).collect();
+    let by_module: BTreeMap<&[String], usize> = files
+        .iter()
+        .enumerate()
+        .map(|(i, f)| (f.module.as_slice(), i))
+        .collect();
     let mut graph: Graph = vec![BTreeMap::new(); files.len()];
     for (from, file) in files.iter().enumerate() {
-        let children: BTreeSet<String> = declared_children(&file.shipped.toks).into_iter().collect();
+        let children: BTreeSet<String> =
+            declared_children(&file.shipped.toks).into_iter().collect();
         for named in named_paths(&file.shipped.toks, &children) {
-            let Some(target) = absolute(&file.module, &named) else { continue };
+            let Some(target) = absolute(&file.module, &named) else {
+                continue;
+            };
             let Some((to, depth)) = (0..=target.len())
                 .rev()
                 .find_map(|n| by_module.get(&target[..n]).map(|&to| (to, n)))
@@ -544,7 +620,10 @@ fn import_graph(files: &[ModFile]) -> Graph {
             if depth > file.module.len() && target.starts_with(&file.module) {
                 continue;
             }
-            let name = target.get(depth..).filter(|r| !r.is_empty()).map_or_else(|| target[depth - 1].clone(), |r| r.join("::"));
+            let name = target
+                .get(depth..)
+                .filter(|r| !r.is_empty())
+                .map_or_else(|| target[depth - 1].clone(), |r| r.join("::"));
             graph[from].entry(to).or_default().insert(name);
         }
     }
@@ -595,7 +674,15 @@ fn circles(graph: &Graph) -> Vec<Vec<usize>> {
         }
     }
     let n = graph.len();
-    let mut s = State { graph, index: vec![None; n], low: vec![0; n], on_stack: vec![false; n], stack: Vec::new(), next: 0, out: Vec::new() };
+    let mut s = State {
+        graph,
+        index: vec![None; n],
+        low: vec![0; n],
+        on_stack: vec![false; n],
+        stack: Vec::new(),
+        next: 0,
+        out: Vec::new(),
+    };
     for v in 0..n {
         if s.index[v].is_none() {
             visit(&mut s, v);
@@ -643,12 +730,18 @@ fn house_faults(root: &Path) -> Vec<String> {
         for f in &files {
             let body = f.lines - f.shipped.test_lines.len();
             if body > MAX_LINES {
-                faults.push(format!("{} is {body} lines (test items not counted), over {MAX_LINES}", show(&f.path)));
+                faults.push(format!(
+                    "{} is {body} lines (test items not counted), over {MAX_LINES}",
+                    show(&f.path)
+                ));
             }
         }
         let graph = import_graph(&files);
         for scc in circles(&graph) {
-            let member = crate_root.parent().and_then(Path::parent).map_or_else(String::new, |m| show(m));
+            let member = crate_root
+                .parent()
+                .and_then(Path::parent)
+                .map_or_else(String::new, &show);
             let mut msg = format!("import circle of {} files in crate `{member}`:", scc.len());
             for &v in &scc {
                 let _ = write!(msg, "\n    {}", show(&files[v].path));
@@ -657,8 +750,17 @@ fn house_faults(root: &Path) -> Vec<String> {
             let ring = one_loop(&graph, &scc);
             for (k, &v) in ring.iter().enumerate() {
                 let w = ring[(k + 1) % ring.len()];
-                let names: Vec<&str> = graph[v].get(&w).map(|s| s.iter().map(String::as_str).collect()).unwrap_or_default();
-                let _ = write!(msg, "\n    {} -> {}  ({})", show(&files[v].path), show(&files[w].path), names.join(", "));
+                let names: Vec<&str> = graph[v]
+                    .get(&w)
+                    .map(|s| s.iter().map(String::as_str).collect())
+                    .unwrap_or_default();
+                let _ = write!(
+                    msg,
+                    "\n    {} -> {}  ({})",
+                    show(&files[v].path),
+                    show(&files[w].path),
+                    names.join(", ")
+                );
             }
             faults.push(msg);
         }
@@ -670,7 +772,12 @@ fn house_faults(root: &Path) -> Vec<String> {
 fn no_file_is_too_long_and_no_files_import_each_other() {
     let root = std::env::var_os("HOUSE_ROOT").map_or_else(workspace_root, PathBuf::from);
     let faults = house_faults(&root);
-    assert!(faults.is_empty(), "the house rules are broken ({} faults):\n\n{}\n", faults.len(), faults.join("\n\n"));
+    assert!(
+        faults.is_empty(),
+        "the house rules are broken ({} faults):\n\n{}\n",
+        faults.len(),
+        faults.join("\n\n")
+    );
 }
 
 #[test]
@@ -678,8 +785,16 @@ fn a_circle_across_the_tree_is_found_and_the_tree_is_not_one() {
     let dir = std::env::temp_dir().join(format!("house-{}", std::process::id()));
     let src = dir.join("toy").join("src");
     fs::create_dir_all(src.join("a")).expect("make the toy crate");
-    fs::write(dir.join("toy").join("Cargo.toml"), "[package]\nname = \"toy\"\n").expect("write");
-    fs::write(src.join("lib.rs"), "//! toy\nmod a;\nmod b;\npub use a::Face;\n").expect("write");
+    fs::write(
+        dir.join("toy").join("Cargo.toml"),
+        "[package]\nname = \"toy\"\n",
+    )
+    .expect("write");
+    fs::write(
+        src.join("lib.rs"),
+        "//! toy\nmod a;\nmod b;\npub use a::Face;\n",
+    )
+    .expect("write");
     // a/mod.rs re-exports and calls its child (the tree, no edge) and calls b (an edge).
     let a = "mod inner;\npub use inner::Face;\npub struct Top;\nfn f() { crate::b::g(); inner::h(); }\n";
     fs::write(src.join("a").join("mod.rs"), a).expect("write");
@@ -691,6 +806,12 @@ fn a_circle_across_the_tree_is_found_and_the_tree_is_not_one() {
     let f = &faults[0];
     assert!(f.contains("import circle of 3 files"), "{f}");
     assert!(f.contains("toy/src/a/mod.rs -> toy/src/b.rs  (g)"), "{f}");
-    assert!(f.contains("toy/src/b.rs -> toy/src/a/inner.rs  (Face)"), "{f}");
-    assert!(!f.contains("lib.rs"), "a parent naming its children is not an import: {f}");
+    assert!(
+        f.contains("toy/src/b.rs -> toy/src/a/inner.rs  (Face)"),
+        "{f}"
+    );
+    assert!(
+        !f.contains("lib.rs"),
+        "a parent naming its children is not an import: {f}"
+    );
 }
