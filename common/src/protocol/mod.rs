@@ -12,6 +12,8 @@
 //!
 //! # Layout
 //! - [`messages`]: the message types, both directions.
+//! - [`report`]: what a worker reports of a sync (stages, spans, checksums, the time split),
+//!   carried by one message and stored, drawn and printed elsewhere.
 //! - [`frame`]: length-prefixed frames (magic, protocol version, length, bincode body) with a
 //!   maximum size, so decoding garbage is an error and never an unbounded allocation.
 //! - [`auth`]: the job-token challenge: a worker proves it knows the token without sending it.
@@ -19,9 +21,11 @@
 pub mod auth;
 pub mod frame;
 pub mod messages;
+pub mod report;
 
 pub use frame::{
     decode_body, decode_frame, encode_frame, read_frame, write_frame, ControlFrameError,
     ControlFrameHeader, DEFAULT_MAX_FRAME, FRAME_HEADER_LEN, MAGIC, PROTOCOL_VERSION,
 };
 pub use messages::*;
+pub use report::*;
