@@ -16,15 +16,14 @@
 //! - `registered_source`: trainers' weights registered with their fabric, as the Python package
 //!   registers a training job's tensors (zero-copy writes of what needs no preparing);
 //! - [`split`]: where each trainer's sync went (wire, idle, overhead);
-//! - `cpu_time`: the CPU seconds each method spends per sync (what bounds a sync beside its
-//!   fabric on a machine whose cores do the copies a NIC and a GPU would do);
+//! - the CPU seconds each method spends per sync (what bounds a sync beside its fabric on a
+//!   machine whose cores do the copies a NIC and a GPU would do), read with `crate::cpu_clock`;
 //! - `tcp_limit`: the plain-TCP limit; `fabric_limit`: the fabric alone on the same pairs and
 //!   lanes; `broadcast`: the broadcast baseline;
 //! - [`calibrate`]: the simulator's calibration against these real syncs.
 
 mod broadcast;
 pub mod calibrate;
-mod cpu_time;
 mod fabric_limit;
 mod loopback;
 mod registered_source;
@@ -32,6 +31,8 @@ pub mod split;
 mod tcp_limit;
 
 use serde::Serialize;
+
+use crate::cpu_clock;
 use weightsync_schedules::{
     plan, InferDType, InferSpec, InferenceLayout, Model, RoutingTable, TrainSpec, TrainingLayout,
 };
@@ -176,16 +177,16 @@ impl Method {
             seconds_per_sync: med,
             gbps: landed as f64 / med / 1e9,
             all_seconds: all,
-            cpu_s_per_sync: cpu_time::median(cpu),
+            cpu_s_per_sync: cpu_clock::median(cpu),
         }
     }
 }
 
 /// Runs `f` and returns its result with the process CPU seconds it took (`None`: no reading).
 async fn with_cpu<T, F: std::future::Future<Output = T>>(f: F) -> (T, Option<f64>) {
-    let before = cpu_time::process_cpu_s();
+    let before = cpu_clock::process_cpu_s();
     let out = f.await;
-    let cpu = cpu_time::process_cpu_s()
+    let cpu = cpu_clock::process_cpu_s()
         .zip(before)
         .map(|(after, before)| after - before);
     (out, cpu)

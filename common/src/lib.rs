@@ -9,9 +9,6 @@
 #![deny(missing_docs)]
 
 pub mod dtype;
-// Fields of the fabric's error variants and of the TCP frame header still carry no docs of their
-// own; the fabric is being reworked on other branches (TCP and verbs backends), which lift this.
-#[allow(missing_docs)]
 pub mod fabric;
 pub mod protocol;
 

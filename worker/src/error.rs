@@ -4,6 +4,12 @@
 //! too small for a task's smallest piece, a destination nobody described) are found when the
 //! worker is built, before any byte is written. Run-time errors (a refused write, a lane that
 //! died, a checksum mismatch, a timeout) fail the sync and say which task, destination or tensor.
+//!
+//! [`SourceError`], why a source could not be attached or read, lives here too (not in `source/`):
+//! [`WorkerError`] wraps it, and the sources return [`Result`], so with both here every module
+//! imports its errors from the floor below it.
+
+use std::path::PathBuf;
 
 use weightsync_common::fabric::FabricError;
 use weightsync_common::DType;
@@ -118,7 +124,7 @@ pub enum WorkerError {
     },
     /// A source does not hold what the plan reads (a tensor missing, of another dtype or shape).
     #[error(transparent)]
-    Source(#[from] crate::source::SourceError),
+    Source(#[from] SourceError),
     /// A call out of protocol order (await before arm, a second arm...).
     #[error("{0}")]
     Protocol(String),
@@ -158,3 +164,82 @@ impl WorkerError {
 
 /// Result alias for the worker.
 pub type Result<T, E = WorkerError> = std::result::Result<T, E>;
+
+/// Why a source could not be attached or read.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SourceError {
+    /// Opening, reading or mapping a file failed.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// The source holds fewer bytes than the table needs.
+    #[error("{what} is {have} bytes, but the routing table needs {need}")]
+    TooShort {
+        /// Which source.
+        what: String,
+        /// Bytes required.
+        need: u64,
+        /// Bytes present.
+        have: u64,
+    },
+    /// A read outside the arena.
+    #[error("read of {len} bytes at offset {offset} is outside the {arena}-byte source arena")]
+    OutOfBounds {
+        /// Start of the read.
+        offset: u64,
+        /// Length of the read.
+        len: u64,
+        /// Arena length.
+        arena: u64,
+    },
+    /// A tensor the table expects is not in the file.
+    #[error("{path}: tensor {name:?} is missing")]
+    MissingTensor {
+        /// The file.
+        path: PathBuf,
+        /// The tensor.
+        name: String,
+    },
+    /// A tensor has another dtype than the table says.
+    #[error("tensor {name:?}: the table says {expected}, the source holds {found}")]
+    DTypeMismatch {
+        /// The tensor.
+        name: String,
+        /// dtype in the table.
+        expected: DType,
+        /// dtype found (as the source spells it).
+        found: String,
+    },
+    /// A tensor has another shape than the table says.
+    #[error("tensor {name:?}: the table says shape {expected:?}, the source holds {found:?}")]
+    ShapeMismatch {
+        /// The tensor.
+        name: String,
+        /// Shape in the table.
+        expected: Vec<usize>,
+        /// Shape found.
+        found: Vec<usize>,
+    },
+    /// The expected layout itself is inconsistent (tensor outside the arena, duplicate name).
+    #[error("bad arena layout: {0}")]
+    Layout(String),
+    /// The file is not a valid safetensors file.
+    #[error("{path}: not a valid safetensors file: {message}")]
+    Safetensors {
+        /// The file.
+        path: PathBuf,
+        /// What the parser said.
+        message: String,
+    },
+    /// Host bytes were asked of a source that lives on a GPU.
+    #[error("the source arena is in GPU memory; read it with a device copy, not as host bytes")]
+    OnDevice,
+    /// A CUDA call failed (feature `cuda`).
+    #[error("cuda: {0}")]
+    Gpu(String),
+}

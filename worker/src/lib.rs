@@ -17,17 +17,24 @@
 //!   `direct`: the same-dtype copies written straight from registered source memory, zero
 //!   copy; `pipeline`: the scheduler that overlaps the stages, and the barrier).
 //! - `rollout/`: [`RolloutWorker`], the receiver, over memory it allocates or over an engine's
-//!   own tensors ([`RolloutWorker::with_regions`]) with a [`Placement`] of the planned tensors.
+//!   own tensors ([`RolloutWorker::with_regions`]) with a [`Placement`] of the planned tensors
+//!   (`placement`, below both halves: a trainer relocates its writes with it).
 //! - `prepare/`: the CPU preparation kernels ([`cast`], [`gather_box`], [`quantise_fp8`]) and
 //!   their scalar conversions (`convert`), with an AVX-512 fp8 path.
 //! - `source/`: the trainer's source wherever it lives ([`SourceMemory`]: an arena in a
 //!   shared-memory export, a safetensors file, host memory; [`TensorSet`]: the training job's
-//!   own tensors registered in place, from [`HostMemory`], the one entry for foreign memory).
-//! - `watermark`: the staging budget; `imm_tag`: immediates that carry the sync's epoch;
+//!   own tensors registered in place, from [`HostMemory`], the one entry for foreign memory),
+//!   and how the trainer reads any of them ([`SourceView`], and the device stages of a source
+//!   the host cannot read).
+//! - `sync`: [`SyncId`], the version and epoch both halves name; `watermark`: the staging budget; `imm_tag`: immediates that carry the sync's epoch;
 //!   `checksum`: the xxh3 of write runs; `timeline`: per-stage spans of a sync.
-//! - `gpu` (feature `cuda`): CUDA staging, NVRTC kernels bit-identical to the CPU ones, GPU
-//!   source memory. Compiled and tested, not yet called by the pipeline (issue 15 wires it in).
-//! - `error`: [`WorkerError`], every way a sync can be refused or fail.
+//! - `gpu` (feature `cuda`): GPU source memory that the trainer pipeline reads through its device
+//!   stages (DMA into pinned staging, NVRTC kernels bit-identical to the CPU ones), and device
+//!   destinations a rollout lands into.
+//! - `error`: [`WorkerError`], every way a sync can be refused or fail, and [`SourceError`].
+//!
+//! Modules import downward only: `trainer/` and `rollout/` on top, then `source/` (with the
+//! [`SourceView`] the trainer reads through), then `placement`, `sync`, `error` and the kernels.
 //!
 //! The vocabulary shared with the control protocol (`Stage`, `TimelineEvent`, `RunChecksum`)
 //! lives in `weightsync_common::protocol`; this crate uses those types as they are.
@@ -40,16 +47,19 @@ pub mod gpu;
 mod imm_tag;
 #[cfg(test)]
 mod mem_fabric;
+mod placement;
 mod prepare;
 mod rollout;
 mod source;
+mod sync;
 mod timeline;
 mod trainer;
 mod watermark;
 
 pub use checksum::xxh3;
-pub use error::{Result, WorkerError};
+pub use error::{Result, SourceError, WorkerError};
 pub use imm_tag::{imm_for, ImmTag, UnitOutOfRange, EPOCH_BITS, MAX_UNITS, UNIT_BITS};
+pub use placement::{Placed, Placement};
 pub use prepare::convert::{
     bf16_to_f32, e4m3_to_f32, f16_to_f32, f32_to_bf16, f32_to_e4m3_saturating, f32_to_f16, E4M3_MAX,
 };
@@ -57,15 +67,15 @@ pub use prepare::{
     cast, gather_box, quantise_fp8, quantise_fp8_block_rows, Fp8Shape, PrepareError, Threads,
     FP8_AMAX_FLOOR,
 };
-pub use rollout::{DeviceLanding, Landed, Placed, Placement, RolloutWorker, Verified};
+pub use rollout::{DeviceLanding, Landed, RolloutWorker, Verified};
+pub use source::view::SourceView;
 #[cfg(feature = "cuda")]
 pub use source::DeviceTensor;
 pub use source::{
     arena_tensors, check_layout, shard_names, ArenaTensor, HostMemory, HostSource, PlanTensors,
-    SafetensorsSource, ShmSource, SourceError, SourceMemory, SourceTensor, TensorSet,
+    SafetensorsSource, ShmSource, SourceMemory, SourceTensor, TensorSet,
 };
+pub use sync::SyncId;
 pub use timeline::{Timeline, TimelineRecorder};
-pub use trainer::{
-    Destinations, PipelineMode, SourceView, SyncId, SyncReport, TrainerConfig, TrainerWorker,
-};
+pub use trainer::{Destinations, PipelineMode, SyncReport, TrainerConfig, TrainerWorker};
 pub use watermark::{Lease, Watermark, WatermarkError, LEASE_ALIGN};

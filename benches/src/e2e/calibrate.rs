@@ -49,6 +49,7 @@ use weightsync_worker::{Fp8Shape, Threads};
 use super::fabric_limit::FabricLimit;
 use super::loopback::{weights, LoopbackCluster, WorkerOptions};
 use super::{runtime, tcp_limit, E2eError, Setup};
+use crate::cpu_clock::process_cpu_s;
 use kernel_loop::KernelLoop;
 
 pub mod cold;
@@ -389,9 +390,9 @@ struct KernelRates {
 /// The loopback fabric in the configuration's shape: one pass of `limit` (its own pairs and
 /// bytes, every pair at once), wall-clock rate and the CPU it burns per byte.
 async fn fabric_rate(limit: &FabricLimit, landed: u64) -> Result<FabricRate, E2eError> {
-    let cpu0 = process_cpu_s();
+    let cpu0 = cpu_s();
     let secs = limit.sync().await?;
-    let cpu_s = process_cpu_s() - cpu0;
+    let cpu_s = cpu_s() - cpu0;
     let bytes = landed.max(1) as f64;
     Ok(FabricRate {
         bytes_per_s: bytes / secs,
@@ -405,18 +406,10 @@ struct FabricRate {
     cpu_s_per_byte: f64,
 }
 
-/// CPU seconds (user + system) this process has used so far.
-fn process_cpu_s() -> f64 {
-    let mut ru = std::mem::MaybeUninit::<libc::rusage>::zeroed();
-    // SAFETY: `ru` is a valid, writable `rusage`; getrusage only writes into it.
-    let rc = unsafe { libc::getrusage(libc::RUSAGE_SELF, ru.as_mut_ptr()) };
-    if rc != 0 {
-        return 0.0;
-    }
-    // SAFETY: getrusage returned 0, so it filled `ru` (and it was zeroed before anyway).
-    let ru = unsafe { ru.assume_init() };
-    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
-    tv(ru.ru_utime) + tv(ru.ru_stime)
+/// This process's CPU seconds so far ([`process_cpu_s`]; 0 where there is no reading, which
+/// makes the fabric's CPU per byte 0: no host share).
+fn cpu_s() -> f64 {
+    process_cpu_s().unwrap_or(0.0)
 }
 
 /// The host share of one byte landed: the host is `cores` CPU-seconds per second; a WRITE

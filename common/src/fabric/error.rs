@@ -44,28 +44,43 @@ pub enum FabricError {
         "peer {peer} refused write (rkey {rkey:#018x}, remote offset {offset}, len {len}): {kind}"
     )]
     RemoteAccess {
+        /// Why the peer refused it, as precisely as the backend can tell.
         kind: RemoteAccessKind,
+        /// The peer that refused.
         peer: Endpoint,
+        /// The remote key the write named.
         rkey: u64,
         /// Offset of the refused write inside the remote region (as the writer computed it).
         offset: u64,
+        /// Length of the refused write in bytes.
         len: u64,
     },
     /// A local argument is outside a local region (a source range, a read or fill range).
     #[error("{what}: range [{offset}, {offset}+{len}) is outside a region of {region_len} bytes")]
     LocalOutOfBounds {
+        /// The operation and argument that was out of range.
         what: &'static str,
+        /// Start of the range in the local region.
         offset: u64,
+        /// Length of the range in bytes.
         len: u64,
+        /// Size of the local region.
         region_len: u64,
     },
     /// A local region was used after it was deregistered.
     #[error("{what}: local region (rkey {rkey:#018x}) is deregistered")]
-    LocalDeregistered { what: &'static str, rkey: u64 },
+    LocalDeregistered {
+        /// The operation that used it.
+        what: &'static str,
+        /// The region's key.
+        rkey: u64,
+    },
     /// The peer could not be reached (connect refused, no route, connect timeout).
     #[error("peer {peer} unreachable: {source}")]
     PeerUnreachable {
+        /// The peer.
         peer: Endpoint,
+        /// The connect error.
         #[source]
         source: Arc<std::io::Error>,
     },
@@ -73,8 +88,11 @@ pub enum FabricError {
     /// by the peer unless their payload had fully landed). The lane is re-established on next use.
     #[error("lane {lane} to peer {peer} disconnected: {detail}")]
     Disconnected {
+        /// The peer.
         peer: Endpoint,
+        /// The lane (connection) that broke.
         lane: usize,
+        /// What broke it.
         detail: String,
     },
     /// This endpoint reset its connections ([`FabricBackend::reset_connections`]) before the
@@ -86,40 +104,74 @@ pub enum FabricError {
     #[error(
         "lane {lane} to peer {peer} was reset by this endpoint before the write was acknowledged"
     )]
-    ConnectionsReset { peer: Endpoint, lane: usize },
+    ConnectionsReset {
+        /// The peer.
+        peer: Endpoint,
+        /// The lane the write was on.
+        lane: usize,
+    },
     /// Something did not happen in time: a peer that stopped reading, a connect, an expectation.
     #[error("timed out after {after:?}: {what}")]
-    Timeout { what: String, after: Duration },
+    Timeout {
+        /// What did not happen.
+        what: String,
+        /// How long it was waited for.
+        after: Duration,
+    },
     /// The connection handshake failed: one side does not know the job token.
     #[error("authentication with peer {peer} failed: {detail}")]
-    Auth { peer: Endpoint, detail: String },
+    Auth {
+        /// The peer.
+        peer: Endpoint,
+        /// What did not match.
+        detail: String,
+    },
     /// Registering memory failed. `hint` says what to change (e.g. `ulimit -l` for memlock).
     #[error("registering {len} bytes failed: {detail}{}", hint.as_deref().map(|h| format!(" (hint: {h})")).unwrap_or_default())]
     Registration {
+        /// Bytes that were to be registered.
         len: u64,
+        /// The backend's error.
         detail: String,
+        /// What to change, when known.
         hint: Option<String>,
     },
     /// The peer sent bytes that are not a valid frame; the lane is dropped.
     #[error("protocol violation on a lane with {peer}: {detail}")]
-    Protocol { peer: Endpoint, detail: String },
+    Protocol {
+        /// The peer.
+        peer: Endpoint,
+        /// What was wrong with the bytes.
+        detail: String,
+    },
     /// An operating-system I/O error with what we were doing.
     #[error("{context}: {source}")]
     Io {
+        /// What we were doing.
         context: String,
+        /// The OS error.
         #[source]
         source: Arc<std::io::Error>,
     },
     /// `ImmCounter::expect` on an immediate whose earlier expectation was cancelled. Cancelled
     /// immediates are retired so that late writes can never satisfy a new expectation.
     #[error("immediate {imm:#010x} was cancelled earlier and is retired")]
-    ImmRetired { imm: u32 },
+    ImmRetired {
+        /// The immediate.
+        imm: u32,
+    },
     /// `ImmCounter::expect` on an immediate that already has a pending expectation.
     #[error("immediate {imm:#010x} already has a pending expectation")]
-    ImmBusy { imm: u32 },
+    ImmBusy {
+        /// The immediate.
+        imm: u32,
+    },
     /// The expectation was cancelled with [`ImmCounter::cancel`](super::ImmCounter::cancel).
     #[error("expectation for immediate {imm:#010x} was cancelled")]
-    Cancelled { imm: u32 },
+    Cancelled {
+        /// The immediate.
+        imm: u32,
+    },
     /// The configuration is invalid (names the field).
     #[error("invalid fabric configuration: {0}")]
     Config(String),

@@ -14,6 +14,8 @@
 //! - [`messages`]: the message types, both directions.
 //! - [`failure`]: the kind of a failure ([`FailureKind`]) and a worker's own report of it
 //!   ([`Fault`]), which the controller turns into a [`Failure`] naming the worker.
+//! - [`report`]: what a worker reports of a sync (stages, spans, checksums, the time split),
+//!   carried by one message and stored, drawn and printed elsewhere.
 //! - [`frame`]: length-prefixed frames (magic, protocol version, length, bincode body) with a
 //!   maximum size, so decoding garbage is an error and never an unbounded allocation.
 //! - [`auth`]: the job-token challenge: a worker proves it knows the token without sending it.
@@ -22,6 +24,7 @@ pub mod auth;
 pub mod failure;
 pub mod frame;
 pub mod messages;
+pub mod report;
 
 pub use failure::{FailureKind, Fault};
 pub use frame::{
@@ -29,3 +32,4 @@ pub use frame::{
     ControlFrameHeader, DEFAULT_MAX_FRAME, FRAME_HEADER_LEN, MAGIC, PROTOCOL_VERSION,
 };
 pub use messages::*;
+pub use report::*;

@@ -75,9 +75,10 @@
 //!
 //! # Files
 //! `mod.rs` the types, the spec and [`InferenceLayout::build`]; `check` the degree checks run
-//! first; `rank` one rank's builder (tensors from parts, refusals); `layer` a decoder layer's
-//! tensors in either format; `param_box` where a rank's tensor sits in the parameter it is cut
-//! from ([`InferenceLayout::param_boxes`]); `period` whether the engines repeat the first one
+//! first; `rank` one rank's builder (tensors from parts, refusals); `rank_tensors` the walk over
+//! a whole rank; `layer` a decoder layer's tensors in either format; `param_box` where a rank's
+//! tensor sits in the parameter it is cut from ([`InferenceLayout::param_boxes`]); `period`
+//! whether the engines repeat the first one
 //! ([`InferenceLayout::engine_period`]).
 //!
 //! # Arena
@@ -89,6 +90,7 @@ mod layer;
 mod param_box;
 mod period;
 mod rank;
+mod rank_tensors;
 #[cfg(test)]
 mod tests;
 

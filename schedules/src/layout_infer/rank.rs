@@ -1,14 +1,13 @@
 //! One inference rank being built: its tensors in arena order and the pieces of logical
 //! parameters that land in them. The shared vocabulary of the builders (`add` a destination
 //! tensor from parts, `refuse` with an error naming it) lives here; the decoder layers are in
-//! `layer`, the divisibility checks that run before any rank is built in `check`.
+//! `layer`, the walk over a whole rank in `rank_tensors`, the divisibility checks that run before any rank is built in `check`.
 
 use rustc_hash::FxHashMap;
 
 use weightsync_common::DType;
 
-use super::layer::LayerTensors;
-use super::{EmbedLayout, InferDType, InferFormat, InferSpec, Piece, ScalePlace};
+use super::{InferDType, InferFormat, InferSpec, Piece, ScalePlace};
 use crate::error::PlanError;
 use crate::layout_train::align_up;
 use crate::model::{Model, Role};
@@ -245,56 +244,6 @@ impl RankBuilder<'_> {
 
     pub(super) fn shape(&self, p: u32) -> Shape {
         self.model.params[p as usize].shape
-    }
-
-    /// Every tensor of the rank, in the engine's order: embedding, decoder layers, final norm,
-    /// lm_head.
-    pub(super) fn build_rank(&mut self) -> Result<(), PlanError> {
-        let model = self.model;
-        let c = &model.config;
-        let h = c.hidden;
-        let emb = self.param(Role::Embed);
-        // transformers' tp plan leaves the embedding whole; engines split it by vocab.
-        let (bx, n) = if self.hf() && self.spec.embed != EmbedLayout::Vocab {
-            (TensorBox::full(self.shape(emb)), c.vocab)
-        } else {
-            self.vocab_rows(emb)
-        };
-        if n > 0 {
-            self.add(
-                "model.embed_tokens.weight".into(),
-                &[n, h],
-                false,
-                vec![part(emb, bx, &[0, 0])],
-            )?;
-        }
-        for l in 0..c.layers {
-            let mut layer = LayerTensors {
-                pre: format!("model.layers.{l}."),
-                l,
-                b: self,
-            };
-            layer.build()?;
-        }
-        let norm = self.param(Role::FinalNorm);
-        self.add(
-            "model.norm.weight".into(),
-            &[h],
-            false,
-            vec![part(norm, TensorBox::full(self.shape(norm)), &[0])],
-        )?;
-        if let Some(&lm) = self.index.get(&Role::LmHead) {
-            let (bx, n) = self.vocab_rows(lm);
-            if n > 0 {
-                self.add(
-                    "lm_head.weight".into(),
-                    &[n, h],
-                    false,
-                    vec![part(lm, bx, &[0, 0])],
-                )?;
-            }
-        }
-        Ok(())
     }
 
     /// This rank's rows of vocab-parallel parameter `p` (no padding rows), and how many.

@@ -2,7 +2,7 @@
 //! laid out as the plan's shards say, or one device tensor per shard (a training process's own
 //! CUDA tensors, registered in place: [`crate::TensorSet::register_device`]).
 //!
-//! The pipeline's stages describe their work as data ([`crate::trainer::device_stages`]); this
+//! The pipeline's stages describe their work as data ([`crate::source::device_stages`]); this
 //! module executes those descriptions on a GPU:
 //! - **fill** (source to staging): the piece's boxes as strided rows, `cuMemcpy2DAsync` from the
 //!   arena straight into the piece's lease of the host staging arena, which is page-locked for
@@ -34,8 +34,8 @@ use super::dma;
 use super::{GpuDevice, GpuError, GpuSource, PinnedRegion};
 use crate::error::{Result, WorkerError};
 use crate::prepare::Fp8Shape;
-use crate::trainer::device_stages::{DeviceStages, PrepareJob, PrepareKind, StridedCopy};
-use crate::trainer::SourceView;
+use crate::source::device_stages::{DeviceStages, PrepareJob, PrepareKind, StridedCopy};
+use crate::source::view::{check_source, SourceView};
 
 /// A trainer source in device memory (see the module docs).
 #[derive(Debug, Clone)]
@@ -169,7 +169,7 @@ impl SourceView for DeviceSource {
 
     fn check_plan(&self, plan: &TrainerPlan) -> Result<()> {
         match &self.inner.layout {
-            Layout::Arena(a) => crate::trainer::check_source(plan, a.len() as u64),
+            Layout::Arena(a) => check_source(plan, a.len() as u64),
             Layout::Shards(v) => {
                 if v.len() != plan.shards.len() {
                     return Err(WorkerError::InvalidPlan(format!(

@@ -30,10 +30,8 @@
 
 mod device_landing;
 mod early_check;
-mod placement;
 
 pub use device_landing::DeviceLanding;
-pub use placement::{Placed, Placement};
 
 use early_check::{EarlyCheck, EarlyHashes, RunKey};
 
@@ -55,8 +53,9 @@ use weightsync_schedules::table::{DstTensor, RolloutPlan};
 use crate::checksum::{xxh3_in_region, RunChecksum};
 use crate::error::{Result, WorkerError};
 use crate::imm_tag::imm_for;
+use crate::placement::Placement;
+use crate::sync::SyncId;
 use crate::timeline::{Timeline, TimelineRecorder};
-use crate::trainer::SyncId;
 use weightsync_common::protocol::{Stage, WHOLE_SYNC};
 
 /// A sync armed and not yet landed.

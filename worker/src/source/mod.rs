@@ -13,15 +13,20 @@
 //! - [`safetensors_file`]: a safetensors file whose tensors are placed at their arena offsets.
 //! - [`tensor_set`]: caller-owned tensors registered in place (an in-process trainer), read
 //!   shard by shard and written straight from where they lie when nothing needs preparing.
+//! - [`view`]: [`SourceView`](view::SourceView), how the trainer pipeline reads any of them;
+//!   [`device_stages`]: the fill and prepare steps a source the host cannot read supplies.
+//!   Both sit here, below the trainer, so that a source never names the trainer.
 //! - `crate::gpu::DeviceSource` (feature `cuda`): device memory (owned, a CUDA IPC mapping, or
 //!   borrowed), read by the pipeline through its device stages (DMA into pinned staging).
 //!
 //! [`LocalShard::offset`]: weightsync_schedules::table::LocalShard
 
+pub mod device_stages;
 pub mod host;
 pub mod safetensors_file;
 pub mod shm;
 pub mod tensor_set;
+pub mod view;
 
 pub use host::HostSource;
 pub use safetensors_file::SafetensorsSource;
@@ -30,89 +35,11 @@ pub use shm::ShmSource;
 pub use tensor_set::DeviceTensor;
 pub use tensor_set::{HostMemory, PlanTensors, SourceTensor, TensorSet};
 
-use std::path::PathBuf;
-
 use weightsync_common::DType;
 use weightsync_schedules::table::TrainerPlan;
 
-/// Why a source could not be attached or read.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum SourceError {
-    /// Opening, reading or mapping a file failed.
-    #[error("{path}: {source}")]
-    Io {
-        /// The file.
-        path: PathBuf,
-        /// The OS error.
-        source: std::io::Error,
-    },
-    /// The source holds fewer bytes than the table needs.
-    #[error("{what} is {have} bytes, but the routing table needs {need}")]
-    TooShort {
-        /// Which source.
-        what: String,
-        /// Bytes required.
-        need: u64,
-        /// Bytes present.
-        have: u64,
-    },
-    /// A read outside the arena.
-    #[error("read of {len} bytes at offset {offset} is outside the {arena}-byte source arena")]
-    OutOfBounds {
-        /// Start of the read.
-        offset: u64,
-        /// Length of the read.
-        len: u64,
-        /// Arena length.
-        arena: u64,
-    },
-    /// A tensor the table expects is not in the file.
-    #[error("{path}: tensor {name:?} is missing")]
-    MissingTensor {
-        /// The file.
-        path: PathBuf,
-        /// The tensor.
-        name: String,
-    },
-    /// A tensor has another dtype than the table says.
-    #[error("tensor {name:?}: the table says {expected}, the source holds {found}")]
-    DTypeMismatch {
-        /// The tensor.
-        name: String,
-        /// dtype in the table.
-        expected: DType,
-        /// dtype found (as the source spells it).
-        found: String,
-    },
-    /// A tensor has another shape than the table says.
-    #[error("tensor {name:?}: the table says shape {expected:?}, the source holds {found:?}")]
-    ShapeMismatch {
-        /// The tensor.
-        name: String,
-        /// Shape in the table.
-        expected: Vec<usize>,
-        /// Shape found.
-        found: Vec<usize>,
-    },
-    /// The expected layout itself is inconsistent (tensor outside the arena, duplicate name).
-    #[error("bad arena layout: {0}")]
-    Layout(String),
-    /// The file is not a valid safetensors file.
-    #[error("{path}: not a valid safetensors file: {message}")]
-    Safetensors {
-        /// The file.
-        path: PathBuf,
-        /// What the parser said.
-        message: String,
-    },
-    /// Host bytes were asked of a source that lives on a GPU.
-    #[error("the source arena is in GPU memory; read it with a device copy, not as host bytes")]
-    OnDevice,
-    /// A CUDA call failed (feature `cuda`).
-    #[error("cuda: {0}")]
-    Gpu(String),
-}
+use crate::error::SourceError;
+use view::SourceView;
 
 /// One tensor of the source arena as the training layout places it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -286,7 +213,7 @@ pub fn check_layout(tensors: &[ArenaTensor], arena_len: u64) -> Result<(), Sourc
 
 /// Lets the trainer pipeline read any source: host bytes, or a GPU arena through its device
 /// stages.
-impl crate::trainer::SourceView for SourceMemory {
+impl SourceView for SourceMemory {
     fn len(&self) -> u64 {
         SourceMemory::len(self)
     }
@@ -301,9 +228,9 @@ impl crate::trainer::SourceView for SourceMemory {
         &self,
         plan: &TrainerPlan,
         staging: &weightsync_common::fabric::Region,
-    ) -> crate::error::Result<Option<Box<dyn crate::trainer::DeviceStages>>> {
+    ) -> crate::error::Result<Option<Box<dyn device_stages::DeviceStages>>> {
         match self {
-            SourceMemory::Gpu(g) => crate::trainer::SourceView::device_stages(g, plan, staging),
+            SourceMemory::Gpu(g) => SourceView::device_stages(g, plan, staging),
             _ => Ok(None),
         }
     }

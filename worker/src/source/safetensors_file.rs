@@ -13,7 +13,8 @@ use rayon::prelude::*;
 use safetensors::{Dtype, SafeTensors};
 use weightsync_common::DType;
 
-use super::{check_layout, ArenaTensor, SourceError};
+use super::{check_layout, ArenaTensor};
+use crate::error::SourceError;
 
 /// A source arena loaded from a safetensors file.
 #[derive(Debug)]

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 
 use memmap2::{Mmap, MmapOptions};
 
-use super::SourceError;
+use crate::error::SourceError;
 
 /// A read-only mapping of a shared-memory file.
 #[derive(Debug)]

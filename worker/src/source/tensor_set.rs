@@ -28,9 +28,10 @@ use weightsync_common::fabric::{
 use weightsync_common::DType;
 use weightsync_schedules::table::TrainerPlan;
 
-use super::{arena_tensors, ArenaTensor, SourceError};
+use super::view::SourceView;
+use super::{arena_tensors, ArenaTensor};
+use crate::error::SourceError;
 use crate::error::{Result, WorkerError};
-use crate::trainer::SourceView;
 
 /// Host memory owned by someone else (a tensor of the training or inference process), kept
 /// alive by an owner object for as long as anything may read or write it.
@@ -403,7 +404,7 @@ impl SourceView for PlanTensors {
         &self,
         plan: &TrainerPlan,
         staging: &Region,
-    ) -> Result<Option<Box<dyn crate::trainer::DeviceStages>>> {
+    ) -> Result<Option<Box<dyn super::device_stages::DeviceStages>>> {
         match &self.device {
             Some(d) => d.device_stages(plan, staging),
             None => Ok(None),

@@ -12,13 +12,13 @@ use weightsync_common::fabric::Region;
 use weightsync_common::DType;
 use weightsync_schedules::table::TrainerPlan;
 
-use super::device_stages::host_emulation::{run_copies, run_job};
-use super::device_stages::{PrepareJob, StridedCopy};
 use super::tests::{expected, gather_plans, one_copy_plans, plans, source_bytes};
 use super::*;
 use crate::mem_fabric::MemFabric;
 use crate::prepare::{quantise_fp8, Fp8Shape, Threads};
 use crate::rollout::RolloutWorker;
+use crate::source::device_stages::host_emulation::{run_copies, run_job};
+use crate::source::device_stages::{PrepareJob, StridedCopy};
 use weightsync_common::protocol::Stage;
 
 /// Host bytes posing as device memory: no host view, only the device stages.

@@ -32,7 +32,7 @@
 use weightsync_common::fabric::{Region, Stride};
 use weightsync_schedules::table::{Source, Task, TrainerPlan, Transform};
 
-use super::SourceView;
+use crate::source::view::SourceView;
 
 /// Where a task's prepared bytes already lie in registered memory.
 #[derive(Debug, Clone)]

@@ -11,14 +11,12 @@
 //! # Layout
 //! - [`piece`]: cutting tasks into watermark-sized pieces, mapping writes onto them.
 //! - [`direct`]: which tasks are written straight from registered source memory (zero copy).
-//! - [`stages`]: the H2D ("source to staging") and prepare work of one piece.
-//! - [`device_stages`]: the same two steps described as data, for a source in device memory
-//!   to run ([`DeviceStages`]).
+//! - [`stages`]: the H2D ("source to staging") and prepare work of one piece, described as data
+//!   for a source in device memory to run ([`DeviceStages`], beside the sources).
 //! - [`staging`]: the registered staging arena and its leases.
 //! - [`pipeline`]: the scheduler that overlaps the stages, immediates, the barrier.
 //! - [`split_meter`]: where the sync's wall went (wire, idle, overhead: [`SyncReport::split`]).
 
-pub mod device_stages;
 #[cfg(test)]
 mod device_stages_tests;
 mod direct;
@@ -39,121 +37,20 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use weightsync_common::fabric::{Access, Endpoint, FabricBackend, Region, RegionDescriptor};
 use weightsync_common::protocol::TimeSplit;
-use weightsync_schedules::table::{TrainerPlan, WriteTarget, MAX_DIMS};
+use weightsync_schedules::table::{TrainerPlan, WriteTarget};
 
 use crate::checksum::RunChecksum;
 use crate::error::{Result, WorkerError};
 use crate::imm_tag::MAX_UNITS;
+use crate::placement::Placement;
 use crate::prepare::Threads;
+use crate::source::device_stages::DeviceStages;
+use crate::source::view::{param_name, SourceView};
+use crate::sync::SyncId;
 use crate::timeline::Timeline;
 
-pub use device_stages::DeviceStages;
 use piece::{plan_pieces, TaskPiece, TaskShape};
 use staging::StagingArena;
-
-/// A host-visible view of the trainer's source: its training shards, one by one.
-///
-/// The pipeline asks for a shard's bytes ([`SourceView::read_shard`]) and, for a write it can
-/// post straight from the source, where the shard lies in registered memory
-/// ([`SourceView::registered_shard`]). The default methods read a flat arena laid out as the
-/// plan's [`LocalShard`](weightsync_schedules::table::LocalShard)s say (every shard at its
-/// offset): what the sidecars' sources are. A set of caller-registered tensors
-/// ([`crate::TensorSet`]) overrides them.
-///
-/// The bytes must not change while a sync runs (the training loop triggers a sync after its
-/// optimizer step and before the next one writes the weights).
-pub trait SourceView: Send + Sync + std::fmt::Debug + 'static {
-    /// Length of the arena in bytes (0 for a source that is no arena).
-    fn len(&self) -> u64;
-    /// Whether the arena is empty.
-    fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-    /// Calls `f` with the arena's bytes.
-    fn read(&self, f: &mut dyn FnMut(&[u8]));
-
-    /// Refuses a source that does not hold every shard of `plan` (an arena: too short).
-    fn check_plan(&self, plan: &TrainerPlan) -> Result<()> {
-        check_source(plan, self.len())
-    }
-
-    /// Calls `f` with shard `shard`'s bytes (dense, row-major over its box).
-    fn read_shard(
-        &self,
-        plan: &TrainerPlan,
-        shard: u32,
-        f: &mut dyn FnMut(&[u8]) -> Result<()>,
-    ) -> Result<()> {
-        let s = plan.shards.get(shard as usize).ok_or_else(|| {
-            WorkerError::InvalidPlan(format!("shard {shard} of {}", plan.shards.len()))
-        })?;
-        let mut result = Ok(());
-        self.read(&mut |bytes: &[u8]| {
-            let lo = s.offset as usize;
-            result = match bytes.get(lo..lo + s.bytes() as usize) {
-                Some(tensor) => f(tensor),
-                None => Err(WorkerError::SourceTooShort {
-                    what: format!("shard of {}", piece::param_name(plan, s.param)),
-                    need: s.offset + s.bytes(),
-                    have: bytes.len() as u64,
-                }),
-            };
-        });
-        result
-    }
-
-    /// The registered memory holding shard `shard` and the shard's byte offset in it, when
-    /// the fabric can write straight from the source (`None`: copy it through staging).
-    fn registered_shard(&self, shard: u32) -> Option<(Region, u64)> {
-        let _ = shard;
-        None
-    }
-
-    /// For a source the host cannot read (device memory): its fill and prepare steps, bound
-    /// to the trainer's staging arena `staging` (e.g. registered with the driver for DMA for
-    /// as long as they live). `None` (the default): a host source, read by the host stages.
-    /// Called once, when the trainer is built; an error refuses the trainer.
-    fn device_stages(
-        &self,
-        plan: &TrainerPlan,
-        staging: &Region,
-    ) -> Result<Option<Box<dyn DeviceStages>>> {
-        let _ = (plan, staging);
-        Ok(None)
-    }
-}
-
-impl SourceView for Vec<u8> {
-    fn len(&self) -> u64 {
-        self.len() as u64
-    }
-    fn read(&self, f: &mut dyn FnMut(&[u8])) {
-        f(self)
-    }
-}
-
-/// Host memory the owner may rewrite between syncs (tests, benches, an in-process trainer).
-impl SourceView for parking_lot::RwLock<Vec<u8>> {
-    fn len(&self) -> u64 {
-        self.read().len() as u64
-    }
-    fn read(&self, f: &mut dyn FnMut(&[u8])) {
-        f(&parking_lot::RwLock::read(self))
-    }
-}
-
-/// Host memory the owner may rewrite between syncs (std lock).
-impl SourceView for std::sync::RwLock<Vec<u8>> {
-    fn len(&self) -> u64 {
-        self.read().map_or(0, |v| v.len() as u64)
-    }
-    fn read(&self, f: &mut dyn FnMut(&[u8])) {
-        match std::sync::RwLock::read(self) {
-            Ok(v) => f(&v),
-            Err(poisoned) => f(&poisoned.into_inner()),
-        }
-    }
-}
 
 /// Whether the stages overlap.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -223,7 +120,7 @@ pub struct Destinations {
     pub trainers: BTreeMap<u32, RegionDescriptor>,
     /// Per rollout rank whose regions are an engine's own tensors, where each planned tensor
     /// lies in them (a rollout without one holds its tensors as planned).
-    pub placements: BTreeMap<u32, crate::rollout::Placement>,
+    pub placements: BTreeMap<u32, Placement>,
 }
 
 /// Where one write of the plan goes: the destination region and the actual offset of the
@@ -234,16 +131,6 @@ pub(crate) struct WriteDst {
     /// The region's index on its worker (for checksums).
     pub mr: u16,
     pub offset: u64,
-}
-
-/// Identifies one sync: the weights' version and the attempt's epoch (distinct for every
-/// attempt, also when a failed version is retried; it goes into the immediates).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub struct SyncId {
-    /// Weights version (the training step).
-    pub version: u64,
-    /// Attempt number, strictly increasing over the job.
-    pub epoch: u64,
 }
 
 /// What one trainer did in one sync.
@@ -494,7 +381,7 @@ fn unplaced_write(plan: &TrainerPlan, i: usize, r: u32) -> WorkerError {
         .tasks
         .iter()
         .find(|t| (t.first_write as usize..(t.first_write + t.num_writes) as usize).contains(&i))
-        .map_or_else(|| "?".to_string(), |t| piece::param_name(plan, t.param));
+        .map_or_else(|| "?".to_string(), |t| param_name(plan, t.param));
     WorkerError::InvalidPlan(format!(
         "write {i} (of {param}) to rollout rank {r} MR {} bytes {}..{} lies in no single tensor \
          of that rollout's placement",
@@ -502,43 +389,6 @@ fn unplaced_write(plan: &TrainerPlan, i: usize, r: u32) -> WorkerError {
         w.dst_offset,
         w.dst_offset + w.len as u64
     ))
-}
-
-/// Whether an arena of `have` bytes holds every shard the plan reads. A decoded plan is not
-/// trusted: each shard is sized without overflowing or panicking.
-pub(crate) fn check_source(plan: &TrainerPlan, have: u64) -> Result<()> {
-    if have < plan.source_arena_bytes {
-        return Err(WorkerError::SourceTooShort {
-            what: format!("the source arena of training rank {}", plan.rank),
-            need: plan.source_arena_bytes,
-            have,
-        });
-    }
-    for s in &plan.shards {
-        let n = s.global.ndim as usize;
-        let end = (n <= MAX_DIMS)
-            .then(|| {
-                s.global.len[..n]
-                    .iter()
-                    .try_fold(s.dtype.size() as u64, |acc, &l| acc.checked_mul(l as u64))
-            })
-            .flatten()
-            .and_then(|bytes| s.offset.checked_add(bytes));
-        let Some(end) = end else {
-            return Err(WorkerError::InvalidPlan(format!(
-                "shard of {} has a box of {n} dims too large to address",
-                piece::param_name(plan, s.param)
-            )));
-        };
-        if end > have {
-            return Err(WorkerError::SourceTooShort {
-                what: format!("shard of {}", piece::param_name(plan, s.param)),
-                need: end,
-                have,
-            });
-        }
-    }
-    Ok(())
 }
 
 /// Whether every write's immediate unit fits the tag layout.

@@ -20,6 +20,7 @@
 use weightsync_schedules::table::{Source, Task, TrainerPlan, Transform, FP8_BLOCK, MAX_DIMS};
 
 use crate::error::{Result, WorkerError};
+use crate::source::view::param_name;
 use crate::watermark::aligned;
 
 /// The grain of a task: what one indivisible unit of it is.
@@ -286,13 +287,6 @@ impl TaskShape {
             (s0, layout.scales, layout.scales_at),
         ]
     }
-}
-
-/// The parameter's name for messages.
-pub(crate) fn param_name(plan: &TrainerPlan, param: u32) -> String {
-    plan.params
-        .get(param as usize)
-        .map_or_else(|| format!("param #{param}"), |p| p.name.to_string())
 }
 
 /// Cuts every task of the plan into pieces of at most `piece_budget` staging bytes (a single

@@ -2,7 +2,7 @@
 //!
 //! One scheduler for every source: "H2D" is the source-to-staging stage, a host gather for host
 //! memory and DMA into the pinned lease for device memory (the source's
-//! [`DeviceStages`](super::DeviceStages), called by [`super::stages`]); nothing here depends on
+//! [`DeviceStages`](crate::source::device_stages::DeviceStages), called by [`super::stages`]); nothing here depends on
 //! where the source lives.
 //!
 //! Each piece is a small async job: it takes the H2D stage (one piece at a time: the copy
@@ -47,10 +47,11 @@ use super::direct::DirectSource;
 use super::piece::TaskPiece;
 use super::split_meter::{Activity, SplitMeter};
 use super::stages::{prepare_from_source, prepare_piece, stage_input};
-use super::{PipelineMode, SyncId, SyncReport, TrainerState};
+use super::{PipelineMode, SyncReport, TrainerState};
 use crate::checksum::{xxh3, RunChecksum};
 use crate::error::{Result, WorkerError};
 use crate::imm_tag::imm_for;
+use crate::sync::SyncId;
 use crate::timeline::TimelineRecorder;
 use crate::watermark::{Lease, Watermark};
 use weightsync_common::protocol::{Stage, WHOLE_SYNC};

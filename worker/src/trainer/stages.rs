@@ -13,16 +13,16 @@
 use weightsync_common::fabric::Region;
 use weightsync_schedules::table::{Source, Task, TensorBox, TrainerPlan, Transform, FP8_BLOCK};
 
-use super::device_stages::{
-    strided_copies, DeviceStages, Fp8Strips, PrepareJob, PrepareKind, StridedCopy,
-};
-use super::piece::{param_name, Grain, TaskPiece, TaskShape};
-use super::SourceView;
+use super::piece::{Grain, TaskPiece, TaskShape};
 use crate::error::{Result, WorkerError};
 use crate::prepare::{
     cast, cast_pitched, gather_box, pitched_span, quantise_fp8_block_rows_pitched, Fp8Shape,
     Threads,
 };
+use crate::source::device_stages::{
+    strided_copies, DeviceStages, Fp8Strips, PrepareJob, PrepareKind, StridedCopy,
+};
+use crate::source::view::{param_name, SourceView};
 
 /// Units of one matrix covered by a piece: `(matrix, first strip, end strip, first unit)`.
 fn matrices(grain: &Grain, u0: u64, u1: u64) -> Vec<(u64, u64, u64, u64)> {

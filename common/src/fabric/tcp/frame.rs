@@ -61,31 +61,66 @@ const KNOWN_FLAGS: u8 = FLAG_SIGNALLED | FLAG_IMM | FLAG_PART;
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum FrameError {
+    /// The op byte is neither WRITE nor PULL.
     #[error("unknown op {0}")]
     UnknownOp(u8),
+    /// Flag bits this version does not know.
     #[error("unknown flag bits {0:#04x}")]
     UnknownFlags(u8),
+    /// The payload is longer than a frame may be.
     #[error("payload length {0} exceeds the frame limit")]
     TooLong(u64),
+    /// `addr + len` overflows.
     #[error("address range overflows (addr {addr:#x}, len {len})")]
-    AddressOverflow { addr: u64, len: u64 },
+    AddressOverflow {
+        /// Remote address of the first byte.
+        addr: u64,
+        /// Length in bytes.
+        len: u64,
+    },
+    /// A part of a split write without an immediate or with a part count out of range, or a
+    /// whole frame with part fields set.
     #[error("bad split-write fields (parts {parts}, has imm {has_imm})")]
-    BadParts { parts: u16, has_imm: bool },
+    BadParts {
+        /// The part count the frame gave.
+        parts: u16,
+        /// Whether the frame carried an immediate.
+        has_imm: bool,
+    },
+    /// An immediate value is set but the immediate flag is not.
     #[error("non-zero immediate {0:#x} without the immediate flag")]
     StrayImm(u32),
+    /// A WRITE frame carries a source address.
     #[error("a WRITE frame names a source address ({0:#x}); only a PULL does")]
     StraySource(u64),
+    /// A PULL's `source + len` overflows.
     #[error("pull source range overflows (source {start:#x}, len {len})")]
-    SourceOverflow { start: u64, len: u64 },
+    SourceOverflow {
+        /// Where the bytes start in the writer's memory.
+        start: u64,
+        /// Length in bytes.
+        len: u64,
+    },
+    /// A strided PULL source that breaks the rules of [`Stride`].
     #[error("bad strided source (run {run}, head {head}, stride {stride}){why}")]
     BadStride {
+        /// Bytes per run.
         run: u32,
+        /// Offset of the first byte in its run.
         head: u32,
+        /// Bytes from one run's start to the next.
         stride: u64,
+        /// Which rule it broke.
         why: &'static str,
     },
+    /// A completion whose status or kind byte is unknown.
     #[error("bad completion status {status} / kind {kind}")]
-    BadCompletion { status: u8, kind: u8 },
+    BadCompletion {
+        /// The status byte.
+        status: u8,
+        /// The kind byte.
+        kind: u8,
+    },
 }
 
 /// A split write's identity: its parts share `write_id`; the immediate counts once all arrived.

@@ -30,7 +30,6 @@ use tokio::sync::{oneshot, watch};
 use super::addresses::{peer_address, LaneRoute};
 use super::frame::{Completion, FrameHeader, COMPLETION_LEN};
 use super::handshake::client_handshake_offering;
-use super::peer::QueuedBytes;
 use super::same_host::PULL_MIN_BYTES;
 use super::socket::{IoFail, LaneSocket, Readiness};
 use super::Shared;
@@ -38,6 +37,33 @@ use crate::fabric::descriptor::Endpoint;
 use crate::fabric::error::{FabricError, Result};
 use crate::fabric::region::{Region, SourcePin};
 use crate::fabric::stride::Stride;
+
+/// Bytes a job adds to its lane's queue until it is answered or dropped (whichever way).
+///
+/// The counter is the peer's slot's (see `peer.rs`), so that it outlives a lane that broke; the
+/// guard lives here because every job of a lane carries one.
+#[derive(Debug)]
+pub(super) struct QueuedBytes {
+    counter: Arc<AtomicU64>,
+    bytes: u64,
+}
+
+impl QueuedBytes {
+    /// Adds `bytes` to `counter` until the returned guard drops.
+    pub(super) fn count(counter: &Arc<AtomicU64>, bytes: u64) -> QueuedBytes {
+        counter.fetch_add(bytes, Ordering::Relaxed);
+        QueuedBytes {
+            counter: counter.clone(),
+            bytes,
+        }
+    }
+}
+
+impl Drop for QueuedBytes {
+    fn drop(&mut self) {
+        self.counter.fetch_sub(self.bytes, Ordering::Relaxed);
+    }
+}
 
 /// Frames sent per `sendmsg` at most (two segments each).
 const FRAMES_PER_SEND: usize = 32;

@@ -13,24 +13,11 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 
 use super::addresses::{address_count, LaneRoute};
-use super::lane::{Lane, LaneJob};
+use super::lane::{Lane, LaneJob, QueuedBytes};
 use super::Shared;
 use crate::fabric::config::FabricConfig;
 use crate::fabric::descriptor::Endpoint;
 use crate::fabric::error::FabricError;
-
-/// Bytes a job adds to its lane's queue until it is answered or dropped (whichever way).
-#[derive(Debug)]
-pub(super) struct QueuedBytes {
-    counter: Arc<AtomicU64>,
-    bytes: u64,
-}
-
-impl Drop for QueuedBytes {
-    fn drop(&mut self) {
-        self.counter.fetch_sub(self.bytes, Ordering::Relaxed);
-    }
-}
 
 #[derive(Debug)]
 pub(super) struct PeerLanes {
@@ -80,11 +67,7 @@ impl PeerLanes {
 
     /// Counts `bytes` on lane `i`'s queue until the returned guard drops.
     pub fn enqueue(&self, i: usize, bytes: u64) -> QueuedBytes {
-        self.queued[i].fetch_add(bytes, Ordering::Relaxed);
-        QueuedBytes {
-            counter: self.queued[i].clone(),
-            bytes,
-        }
+        QueuedBytes::count(&self.queued[i], bytes)
     }
 
     /// The lane in slot `i`, (re)opened if missing or broken.

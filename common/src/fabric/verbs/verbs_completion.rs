@@ -22,7 +22,35 @@ use ibverbs_sys as ffi;
 
 use super::super::descriptor::Endpoint;
 use super::super::error::{FabricError, RemoteAccessKind};
-use super::verbs_batch::FailureCause;
+
+/// What the first failing completion of a lane says about the pieces from there on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailureCause {
+    /// The peer refused the first piece (a NAK: remote access, invalid request, remote operation
+    /// error). The piece is reported; the peer discarded everything behind it.
+    Nak,
+    /// The peer had no receive posted through every RNR retry. Neither the piece nor anything
+    /// behind it ran, and no receive was consumed.
+    ReceiverNotReady,
+    /// Flushed behind a NAK of an earlier WR of the lane: did not run.
+    FlushedBehindNak,
+    /// The first piece itself failed (transport retries exhausted, a local error, ...): it is
+    /// reported; whether the pieces behind it ran is unknown.
+    Failed,
+    /// Flushed by an error that tells nothing about execution (a cut, a reset, an error of an
+    /// earlier WR that is not a NAK): each piece may or may not have landed.
+    Flushed,
+}
+
+impl FailureCause {
+    /// Whether the pieces after the first failing one are known not to have run.
+    pub fn later_pieces_did_not_run(self) -> bool {
+        matches!(
+            self,
+            FailureCause::Nak | FailureCause::ReceiverNotReady | FailureCause::FlushedBehindNak
+        )
+    }
+}
 
 /// Bits of the `wr_id` used for the piece index.
 const PIECE_BITS: u32 = 20;

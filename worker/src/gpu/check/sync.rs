@@ -43,9 +43,8 @@ use crate::gpu::{
 };
 use crate::prepare::{cast, gather_box, quantise_fp8, Fp8Shape, Threads};
 use crate::rollout::RolloutWorker;
-use crate::trainer::{
-    Destinations, PipelineMode, SyncId, SyncReport, TrainerConfig, TrainerWorker,
-};
+use crate::sync::SyncId;
+use crate::trainer::{Destinations, PipelineMode, SyncReport, TrainerConfig, TrainerWorker};
 
 const ROWS: u32 = 4096;
 const COLS: u32 = 4096;

@@ -30,6 +30,8 @@
 //! Compare `overlap_speedup` with those two, not with 3: on a trainer GPU, H2D is a DMA engine,
 //! prepare runs on the SMs and WRITE on the NIC, and they overlap fully.
 
+mod plans;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -37,15 +39,20 @@ use serde::Serialize;
 use weightsync_common::fabric::{Fabric, FabricConfig, FabricError};
 use weightsync_common::protocol::Stage;
 use weightsync_common::DType;
-use weightsync_schedules::table::{
-    DstTensor, LocalShard, MeshGroup, ParamRef, RolloutPlan, Shape, Source, Task, TensorBox,
-    TrainerPlan, Transform, UnitExpect, Write, WriteTarget,
-};
 use weightsync_worker::RolloutWorker;
 use weightsync_worker::WorkerError;
 use weightsync_worker::{
     Destinations, PipelineMode, SyncId, SyncReport, TrainerConfig, TrainerWorker,
 };
+
+use crate::cpu_clock::process_cpu_s;
+pub use plans::plans;
+use plans::source_for;
+
+/// This process's CPU seconds so far ([`process_cpu_s`]); NaN where there is no reading.
+fn cpu_s() -> f64 {
+    process_cpu_s().unwrap_or(f64::NAN)
+}
 
 /// What to run.
 #[derive(Debug, Clone)]
@@ -285,178 +292,6 @@ impl Report {
     }
 }
 
-/// Where one matrix lands on the rollout: its transform, its writes (`src_offset`, `dst_offset`,
-/// `len`), its tensors, and the next free offset.
-struct Landing {
-    transform: Transform,
-    writes: Vec<(u64, u64, u64)>,
-    tensors: Vec<DstTensor>,
-    next: u64,
-}
-
-/// Lays out matrix `i` (`kind`, of `shape`) on the rollout from offset `at`.
-fn landing(kind: Kind, i: u32, shape: Shape, at: u64) -> Landing {
-    let align = |x: u64| x.div_ceil(256) * 256;
-    let numel = shape.numel();
-    let name = format!("layers.{i}.weight");
-    let from = kind.source_dtype();
-    let tensor = |name: String, shape, dtype, offset, len| DstTensor {
-        name,
-        shape,
-        dtype,
-        mr: 0,
-        offset,
-        len,
-    };
-    match kind {
-        Kind::Fp8FromF32 => {
-            let dims = shape.dims();
-            let scale_shape = Shape::new(&[dims[0].div_ceil(128), dims[1].div_ceil(128)]);
-            let scales = scale_shape.numel() * 4;
-            let scales_at = align(at + numel);
-            Landing {
-                transform: Transform::Fp8Block { from },
-                writes: vec![(0, at, numel), (numel.div_ceil(16) * 16, scales_at, scales)],
-                tensors: vec![
-                    tensor(name, shape, DType::F8E4M3, at, numel),
-                    tensor(
-                        format!("layers.{i}.weight_scale_inv"),
-                        scale_shape,
-                        DType::F32,
-                        scales_at,
-                        scales,
-                    ),
-                ],
-                next: align(scales_at + scales),
-            }
-        }
-        Kind::CastF32ToBf16 | Kind::CopyBf16 => {
-            let len = numel * 2;
-            Landing {
-                transform: if kind == Kind::CopyBf16 {
-                    Transform::Copy { dtype: DType::BF16 }
-                } else {
-                    Transform::Cast {
-                        from,
-                        to: DType::BF16,
-                    }
-                },
-                writes: vec![(0, at, len)],
-                tensors: vec![tensor(name, shape, DType::BF16, at, len)],
-                next: align(at + len),
-            }
-        }
-    }
-}
-
-/// The synthetic plans: one matrix per entry of `kinds` (each `rows x cols`), all written into
-/// one rollout rank.
-pub fn plans(cfg: &Config, kinds: &[Kind]) -> Result<(TrainerPlan, RolloutPlan), BenchError> {
-    if kinds.is_empty() || cfg.rows == 0 || cfg.cols == 0 {
-        return Err(BenchError::Config(
-            "tasks, rows and cols must be positive".into(),
-        ));
-    }
-    let n = kinds.len() as u32;
-    let shape = Shape::new(&[cfg.rows, cfg.cols]);
-    let mut tp = TrainerPlan {
-        rank: 0,
-        params: Vec::new(),
-        shards: Vec::new(),
-        source_arena_bytes: 0,
-        gather_arena_bytes: 0,
-        groups: vec![MeshGroup {
-            id: 0,
-            name: "all".into(),
-            first_task: 0,
-            num_tasks: n,
-            gather_sends: 0,
-            local_tasks: n,
-            gather_expect: 0,
-        }],
-        tasks: Vec::new(),
-        writes: Vec::new(),
-        copies: Vec::new(),
-    };
-    let mut tensors = Vec::new();
-    let mut dst = 0u64;
-    for (i, &kind) in (0u32..).zip(kinds) {
-        let from = kind.source_dtype();
-        tp.params.push(ParamRef {
-            id: i,
-            name: format!("layers.{i}.weight").into(),
-            shape,
-        });
-        tp.shards.push(LocalShard {
-            param: i,
-            global: TensorBox::full(shape),
-            dtype: from,
-            offset: tp.source_arena_bytes,
-        });
-        tp.source_arena_bytes += shape.numel() * from.size() as u64;
-        let first_write = tp.writes.len() as u32;
-        let l = landing(kind, i, shape, dst);
-        dst = l.next;
-        tensors.extend(l.tensors);
-        tp.writes.extend(
-            l.writes
-                .into_iter()
-                .map(|(src_offset, dst_offset, len)| Write {
-                    dst: WriteTarget::Rollout(0),
-                    mr: 0,
-                    unit: 0,
-                    len: len as u32,
-                    src_offset,
-                    dst_offset,
-                }),
-        );
-        tp.tasks.push(Task {
-            param: i,
-            region: TensorBox::full(shape),
-            source: Source::Shard { shard: i },
-            transform: l.transform,
-            first_write,
-            num_writes: tp.writes.len() as u32 - first_write,
-            first_copy: 0,
-            num_copies: 0,
-        });
-    }
-    let rp = RolloutPlan {
-        rank: 0,
-        engine: 0,
-        local_rank: 0,
-        mr_bytes: vec![dst],
-        tensors,
-        expect: vec![UnitExpect {
-            unit: 0,
-            writes: tp.writes.len() as u64,
-        }],
-    };
-    Ok((tp, rp))
-}
-
-/// Deterministic, non-trivial weights for every shard of `tp`, in each shard's dtype.
-fn source_for(tp: &TrainerPlan) -> Vec<u8> {
-    let mut source = Vec::with_capacity(tp.source_arena_bytes as usize);
-    let mut x = 0x9e37_79b9_u32;
-    for shard in &tp.shards {
-        let end = shard.offset + shard.bytes();
-        while (source.len() as u64) < end {
-            x ^= x << 13;
-            x ^= x >> 17;
-            x ^= x << 5;
-            let v = (x as f32 / u32::MAX as f32 - 0.5) * 8.0;
-            match shard.dtype {
-                DType::BF16 => {
-                    source.extend_from_slice(&((v.to_bits() >> 16) as u16).to_le_bytes())
-                }
-                _ => source.extend_from_slice(&v.to_le_bytes()),
-            }
-        }
-    }
-    source
-}
-
 /// How many tasks of each kind (summing to `tasks`) make the stage totals most even, given each
 /// kind's cost per task: the smallest max/min over every split (an exhaustive search: at most a
 /// few thousand splits for the task counts a bench uses).
@@ -529,25 +364,10 @@ fn per_kind_seconds(r: &SyncReport, kinds: &[Kind]) -> [StageSeconds; 3] {
     out
 }
 
-/// CPU seconds (user + system, every thread) this process has used so far
-/// (`CLOCK_PROCESS_CPUTIME_ID`, nanosecond resolution); NaN if the clock is unavailable.
-fn process_cpu_s() -> f64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: `ts` is a valid, writable timespec; the clock id is a constant Linux supports.
-    let rc = unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut ts) };
-    if rc != 0 {
-        return f64::NAN;
-    }
-    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
-}
-
 /// Cores' worth of CPU this process gets right now: `threads` threads spin for `secs`, and the
 /// process CPU time they used is divided by the wall time.
 fn effective_cores(threads: usize, secs: f64) -> f64 {
-    let cpu0 = process_cpu_s();
+    let cpu0 = cpu_s();
     let t0 = Instant::now();
     std::thread::scope(|s| {
         for _ in 0..threads {
@@ -564,7 +384,7 @@ fn effective_cores(threads: usize, secs: f64) -> f64 {
             });
         }
     });
-    (process_cpu_s() - cpu0) / t0.elapsed().as_secs_f64()
+    (cpu_s() - cpu0) / t0.elapsed().as_secs_f64()
 }
 
 fn median_by<T: Clone>(mut v: Vec<(f64, T)>) -> (f64, T) {
@@ -632,12 +452,12 @@ impl Rig {
             epoch: self.epoch,
         };
         self.rollout.arm(sync)?;
-        let cpu0 = process_cpu_s();
+        let cpu0 = cpu_s();
         let t0 = Instant::now();
         let report = self.workers[m].run_sync(sync).await?;
         self.rollout.await_landed(Duration::from_secs(120)).await?;
         let secs = t0.elapsed().as_secs_f64();
-        let cpu_s = process_cpu_s() - cpu0;
+        let cpu_s = cpu_s() - cpu0;
         let verified = self.rollout.verify(&report.checksums).is_ok();
         Ok(Timed {
             secs,

@@ -2,7 +2,7 @@
 //! filling a staging lease with a piece's boxes, and preparing a piece read in place.
 //!
 //! Why hooks and not a second pipeline: the scheduler, the stages, the leases, the checksums and
-//! the writes are the same whatever the source is ([`super::pipeline`], [`super::stages`]). What
+//! the writes are the same whatever the source is (`trainer/pipeline.rs`, `trainer/stages.rs`). What
 //! differs is only who moves the bytes: the host gathers a box out of host memory with
 //! `gather_box`; a GPU source queues DMA copies into the (pinned) staging lease. So the stages
 //! describe the work in plain data first, the same description for both, and hand it to the
@@ -206,7 +206,7 @@ impl PrepareJob {
 }
 
 /// The fill and prepare steps of a source the host cannot read (see the module docs). Built
-/// once per trainer by [`super::SourceView::device_stages`], bound to its staging arena.
+/// once per trainer by [`super::view::SourceView::device_stages`], bound to its staging arena.
 ///
 /// Both steps return only when every byte they were asked for is in the host lease (the
 /// device work they queue has completed): the pipeline then treats the lease exactly as after
