@@ -796,10 +796,23 @@ fn a_circle_across_the_tree_is_found_and_the_tree_is_not_one() {
     )
     .expect("write");
     // a/mod.rs re-exports and calls its child (the tree, no edge) and calls b (an edge).
-    let a = "mod inner;\npub use inner::Face;\npub struct Top;\nfn f() { crate::b::g(); inner::h(); }\n";
+    let a = concat!(
+        "mod inner;\npub use inner::Face;\npub struct Top;\n",
+        "fn f() { crate::b::g(); inner::h(); }\n",
+    );
     fs::write(src.join("a").join("mod.rs"), a).expect("write");
-    fs::write(src.join("a").join("inner.rs"), "use super::Top;\npub struct Face(Top);\npub fn h() {}\n/* crate::b::x */ const S: &str = \"crate::b::y\";\n").expect("write");
-    fs::write(src.join("b.rs"), "use crate::a::{inner::Face};\npub fn g() {}\n#[cfg(test)]\nmod tests { use crate::a::Top; }\n").expect("write");
+    // Paths in comments and strings are no imports.
+    let inner = concat!(
+        "use super::Top;\npub struct Face(Top);\npub fn h() {}\n",
+        "/* crate::b::x */ const S: &str = \"crate::b::y\";\n",
+    );
+    fs::write(src.join("a").join("inner.rs"), inner).expect("write");
+    // Test items are no imports either.
+    let b = concat!(
+        "use crate::a::{inner::Face};\npub fn g() {}\n",
+        "#[cfg(test)]\nmod tests { use crate::a::Top; }\n",
+    );
+    fs::write(src.join("b.rs"), b).expect("write");
     let faults = house_faults(&dir);
     fs::remove_dir_all(&dir).expect("clean up");
     assert_eq!(faults.len(), 1, "{faults:#?}");

@@ -26,8 +26,9 @@
 //!   own tensors registered in place, from [`HostMemory`], the one entry for foreign memory),
 //!   and how the trainer reads any of them ([`SourceView`], and the device stages of a source
 //!   the host cannot read).
-//! - `sync`: [`SyncId`], the version and epoch both halves name; `watermark`: the staging budget; `imm_tag`: immediates that carry the sync's epoch;
-//!   `checksum`: the xxh3 of write runs; `timeline`: per-stage spans of a sync.
+//! - `sync`: [`SyncId`], the version and epoch both halves name; `watermark`: the staging
+//!   budget; `imm_tag`: immediates that carry the sync's epoch; `checksum`: the xxh3 of write
+//!   runs; `timeline`: per-stage spans of a sync.
 //! - `gpu` (feature `cuda`): GPU source memory that the trainer pipeline reads through its device
 //!   stages (DMA into pinned staging, NVRTC kernels bit-identical to the CPU ones), and device
 //!   destinations a rollout lands into.

@@ -4,11 +4,14 @@
 //!
 //! Why apart from the wire messages (`messages.rs`): this is a vocabulary, not a message. The
 //! worker builds it, the controller stores and draws it, the CLI and benches print it, and the
-//! messages carry it ([`FromWorker::Written`](super::FromWorker::Written), `Landed`, ...); it is
-//! defined once so that no two crates hold different things under one name.
+//! messages carry it ([`FromWorker::Written`], `Landed`, ...); it is defined once so that no two
+//! crates hold different things under one name.
 
 use serde::{Deserialize, Serialize};
 use std::fmt;
+
+#[cfg(doc)]
+use super::FromWorker;
 
 /// A stage of a sync on one worker, drawn as a span on the dashboard's timeline.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -35,7 +38,7 @@ pub enum Stage {
     /// Trainer: waiting for rows of a straddling fp8 block from other trainers.
     GatherWait,
     /// Engine: held (serving no requests) for a version. Reported by the engine itself with
-    /// [`FromWorker::EngineStages`](super::FromWorker::EngineStages).
+    /// [`FromWorker::EngineStages`].
     Pause,
     /// Engine: loading the version through its own loading path (post-processing, repacking).
     /// Reported by the engine itself.
@@ -82,7 +85,7 @@ impl Stage {
         Stage::Resume,
     ];
 
-    /// Whether an engine reports this stage itself ([`FromWorker::EngineStages`](super::FromWorker::EngineStages)) rather than
+    /// Whether an engine reports this stage itself ([`FromWorker::EngineStages`]) rather than
     /// the worker library recording it.
     pub const fn is_engine(self) -> bool {
         matches!(self, Stage::Pause | Stage::Load | Stage::Resume)
@@ -140,7 +143,7 @@ impl TimelineEvent {
 /// engine's pause, load and resume).
 pub const WHOLE_SYNC: u32 = u32::MAX;
 
-/// Most spans one [`FromWorker::EngineStages`](super::FromWorker::EngineStages) may carry, and most engine spans one worker's
+/// Most spans one [`FromWorker::EngineStages`] may carry, and most engine spans one worker's
 /// lane of one sync may hold: an engine reports a handful per version, so more is a bug the
 /// controller refuses rather than stores.
 pub const MAX_ENGINE_STAGE_EVENTS: usize = 64;

@@ -104,7 +104,7 @@ fn stats(bytes: &[u64], wrs: &[u64], cost: &CostModel) -> NicStats {
 impl Summary {
     /// Computes the summary of a table under a cost model, from its compact form: a run of
     /// tasks of the same patterns whose base records progress in step at once, in closed form
-    /// (see [`trainer_terms`]), other tasks one by one, each write copy as a progression of
+    /// (see `counting::trainer_terms`), other tasks one by one, each write copy as a progression of
     /// ranks (never write by write). Exactly [`Summary::of_each_task`]'s figures.
     ///
     /// Trainers are counted in parallel (rayon), each into the counts of the thread that takes

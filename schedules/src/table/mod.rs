@@ -63,7 +63,7 @@
 //! # Layout
 //! - this file: the contract a worker executes ([`TrainerPlan`], [`Task`], [`Write`], [`Source`],
 //!   [`Transform`]) and a rollout holds ([`RolloutPlan`]);
-//! - [`routing`]: the whole table as the planner stores it, compact ([`RoutingTable`],
+//! - `routing`: the whole table as the planner stores it, compact ([`RoutingTable`],
 //!   [`CompactTrainer`]), re-exported here.
 //!
 //! # Determinism

@@ -16,7 +16,7 @@ use crate::packed::Packed;
 
 /// One trainer's part of a [`RoutingTable`], compact: what [`RoutingTable::slice`] hands out
 /// (with the names of its parameters and groups) and [`crate::slice::TrainerSlice::expand`]
-/// turns into the [`TrainerPlan`] a worker executes.
+/// turns into the [`TrainerPlan`](super::TrainerPlan) a worker executes.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct CompactTrainer {
     /// Training rank.
