@@ -4,6 +4,8 @@
 //! - [`dtype`]: element types of weights on both sides of a sync.
 //! - [`fabric`]: one API for one-sided RDMA-style WRITE with 32-bit immediates, with a TCP backend
 //!   that runs anywhere and an ibverbs backend (feature `rdma`).
+//! - [`program`]: how this process starts another copy of itself (the binary, or Python's
+//!   `-m weightsync`).
 //! - [`protocol`]: the control-channel messages between workers and the controller, and their
 //!   length-prefixed bincode framing.
 #![deny(missing_docs)]
@@ -13,6 +15,7 @@ pub mod dtype;
 // own; the fabric is being reworked on other branches (TCP and verbs backends), which lift this.
 #[allow(missing_docs)]
 pub mod fabric;
+pub mod program;
 pub mod protocol;
 
 pub use dtype::DType;
