@@ -14,6 +14,7 @@ controller and prints ``wheel job ok``.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import itertools
 import json
@@ -97,9 +98,11 @@ def engine(rank: int, out: Path) -> None:
     e.close()
 
 
-def main(config: str, out: Path) -> None:
+def main(args: argparse.Namespace) -> None:
+    out = Path(args.out)
     t0 = time.monotonic()
-    with weightsync.Controller(model=config, train="fsdp=2", infer="tp=1,dp=2,format=hf") as c:
+    with weightsync.Controller(model=args.model, train="fsdp=2", infer="tp=1,dp=2,format=hf") as c:
+        print(c.control_address, c.http_url)
         assert "job_token" not in repr(c) and c.job_token not in repr(c) and c.api_token not in repr(c)
         assert (c.trainers, c.engines) == (2, 2), c
         env = {**os.environ, "CONTROL": c.control_address, "JOB_TOKEN": c.job_token}
@@ -127,10 +130,14 @@ def main(config: str, out: Path) -> None:
 
 
 if __name__ == "__main__":
-    role, arg, out_dir = sys.argv[1], sys.argv[2], Path(sys.argv[3])
-    if role == "main":
-        main(arg, out_dir)
-    elif role == "trainer":
-        trainer(int(arg), out_dir)
+    ap = argparse.ArgumentParser()
+    ap.add_argument("role", choices=["main", "trainer", "engine"])
+    ap.add_argument("model_or_rank", help="main: the model (config.json); else the rank")
+    ap.add_argument("out")
+    a = ap.parse_args()
+    if a.role == "main":
+        main(argparse.Namespace(model=a.model_or_rank, out=a.out))
+    elif a.role == "trainer":
+        trainer(int(a.model_or_rank), Path(a.out))
     else:
-        engine(int(arg), out_dir)
+        engine(int(a.model_or_rank), Path(a.out))
