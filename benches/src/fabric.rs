@@ -40,7 +40,7 @@ pub use in_process::best_rate_gbps;
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context};
@@ -48,6 +48,7 @@ use serde::{Deserialize, Serialize};
 use weightsync_common::fabric::{
     Access, FabricBackend, FabricConfig, Region, RegionDescriptor, TcpFabric, WriteOp,
 };
+use weightsync_common::program::Program;
 
 /// Command-line words that make `weightsync` run the peer side (see [`run_peer`]).
 pub const PEER_ARGS: &[&str] = &["bench", "fabric", "--peer"];
@@ -359,8 +360,9 @@ struct Peer {
 
 impl Peer {
     fn spawn(token: &str) -> anyhow::Result<Peer> {
-        let exe = std::env::current_exe().context("finding the weightsync binary")?;
-        let mut child = Command::new(exe)
+        let this = Program::this().context("finding the weightsync binary")?;
+        let mut child = this
+            .command()
             .args(PEER_ARGS)
             .env(TOKEN_ENV, token)
             .stdin(Stdio::piped())

@@ -14,10 +14,9 @@
 //! The largest trainer slice (what one worker of the job receives) is measured in this
 //! process: the case is planned once and every trainer's slice encoded.
 
-use std::path::PathBuf;
-
 use anyhow::bail;
 use serde::Serialize;
+use weightsync_common::program::Program;
 use weightsync_schedules::CostModel;
 
 use crate::e2e::Setup;
@@ -117,10 +116,10 @@ impl Case {
 /// What to run.
 #[derive(Debug, Clone)]
 pub struct Config {
-    /// The `weightsync` binary measured (this one, normally).
-    pub exe: PathBuf,
+    /// The `weightsync` program measured (this one, normally: [`Program::this`]).
+    pub exe: Program,
     /// The binary it is compared with, run alternately (none: no comparison).
-    pub baseline: Option<PathBuf>,
+    pub baseline: Option<Program>,
     /// The cases.
     pub cases: Vec<Case>,
     /// Timed runs per binary and case (after one untimed warm-up each).
@@ -149,9 +148,9 @@ pub struct Runs {
 }
 
 impl Runs {
-    fn of(exe: &std::path::Path, runs: &[Measured]) -> Runs {
+    fn of(exe: &Program, runs: &[Measured]) -> Runs {
         Runs {
-            exe: exe.display().to_string(),
+            exe: exe.to_string(),
             wall_s: median(runs.iter().map(|m| m.wall_s)),
             cpu_s: median(runs.iter().map(|m| m.user_s + m.sys_s)),
             sys_s: median(runs.iter().map(|m| m.sys_s)),
@@ -220,8 +219,8 @@ pub fn run(cfg: &Config) -> anyhow::Result<Report> {
         bail!("no plan case to run");
     }
     if let Some(b) = &cfg.baseline {
-        if !b.is_file() {
-            bail!("baseline binary {} does not exist", b.display());
+        if !b.path.is_file() {
+            bail!("baseline binary {} does not exist", b.path.display());
         }
     }
     let load_before = load_average();
@@ -435,8 +434,8 @@ mod tests {
     #[test]
     fn a_missing_baseline_is_refused_before_anything_runs() {
         let cfg = Config {
-            exe: PathBuf::from("/bin/true"),
-            baseline: Some(PathBuf::from("/nonexistent/weightsync-main")),
+            exe: Program::new("/bin/true"),
+            baseline: Some(Program::new("/nonexistent/weightsync-main")),
             cases: vec![Case::custom("qwen3-0.6b", "fsdp=2", "tp=1", "bf16")],
             runs: 1,
             slices: false,

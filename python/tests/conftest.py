@@ -25,10 +25,14 @@ FIGURES: dict[str, Any] = {}
 
 
 def weightsync_bin() -> str:
-    """$WEIGHTSYNC_BIN, else target/release/weightsync, else target/debug/weightsync."""
+    """$WEIGHTSYNC_BIN (test.sh: the installed wheel's console script), else that script beside
+    this interpreter, else target/release/weightsync, else target/debug/weightsync."""
     env = os.environ.get("WEIGHTSYNC_BIN")
     if env:
         return env
+    script = Path(sys.executable).parent / "weightsync"
+    if script.exists():
+        return str(script)
     for profile in ("release", "debug"):
         p = REPO / "target" / profile / "weightsync"
         if p.exists():

@@ -16,6 +16,13 @@ In every inference rank, inside the engine's process::
 
 Or trigger syncs over HTTP: ``weightsync.Client(url, token).sync(step)``.
 
+The job's controller runs in any Python process (the same Rust service as the ``weightsync``
+binary, which the wheel also installs as a console script)::
+
+    with weightsync.Controller(model="qwen3-0.6b", train="fsdp=4", infer="tp=2,dp=2") as c:
+        ...   # workers connect to c.control_address with c.job_token
+        c.client().sync(step)
+
 Errors are :class:`SyncError` subclasses naming the worker and the tensor. Every wait releases
 the GIL and Ctrl-C interrupts it. torch is never imported by this package.
 """
@@ -23,12 +30,14 @@ the GIL and Ctrl-C interrupts it. torch is never imported by this package.
 from __future__ import annotations
 
 from .client import Client, Failure, SyncResult
+from .controller import Controller
 from .engine import Engine, EngineStage, EngineState, TensorInfo
 from .errors import (
     ClientError,
     ClosedError,
     ConnectError,
     FailureKind,
+    ControllerError,
     LayoutMismatchError,
     RegistrationError,
     StaleTensorError,
@@ -51,6 +60,7 @@ __all__ = [
     "TensorInfo",
     "Client",
     "SyncResult",
+    "Controller",
     "Failure",
     "FailureKind",
     "SyncError",
@@ -62,4 +72,5 @@ __all__ = [
     "TimeoutError",
     "ClosedError",
     "ClientError",
+    "ControllerError",
 ]

@@ -87,6 +87,34 @@ class State:
     def cause(self) -> str | None: ...
 
 def tensor_info(obj: object, dtype: str | None = None, writable: bool = False) -> TensorMemory: ...
+def cli_main(argv: Sequence[str], program: Sequence[str] | None = None) -> int: ...
+
+class ControllerCore:
+    def __init__(
+        self,
+        model: str,
+        train: str,
+        infer: str,
+        job_token: str,
+        api_token: str,
+        dtype: str = "bf16",
+        http: str = "127.0.0.1:0",
+        control: str = "127.0.0.1:0",
+        verify: bool = True,
+        heartbeat_timeout: float = 5.0,
+        sync_timeout: float = 300.0,
+        history: int = 200,
+    ) -> None: ...
+    @property
+    def control_address(self) -> str: ...
+    @property
+    def http_address(self) -> str: ...
+    @property
+    def trainers(self) -> int: ...
+    @property
+    def rollouts(self) -> int: ...
+    def is_running(self) -> bool: ...
+    def close(self) -> None: ...
 
 class TrainerCore:
     def __init__(

@@ -18,6 +18,7 @@ __all__ = [
     "TimeoutError",
     "ClosedError",
     "ClientError",
+    "ControllerError",
 ]
 
 
@@ -174,3 +175,18 @@ class ClientError(SyncError):
         super().__init__(message, **kw)  # type: ignore[arg-type]
         self.status = status
         self.code = code
+
+
+class ControllerError(SyncError):
+    """``weightsync.Controller`` could not start: an address taken or invalid (``address``
+    names it), an unknown model, a layout that is malformed or does not fit the model.
+
+    Attributes:
+        address: the address that could not be bound, or None.
+    """
+
+    address: str | None
+
+    def __init__(self, message: str, *, address: str | None = None, **kw: object) -> None:
+        super().__init__(message, **kw)  # type: ignore[arg-type]
+        self.address = address

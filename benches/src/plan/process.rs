@@ -6,11 +6,11 @@
 //! `unsafe` call is here, behind [`run_measured`].
 
 use std::io::Read;
-use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::Instant;
 
 use anyhow::{anyhow, bail, Context};
+use weightsync_common::program::Program;
 
 /// What one run of a child cost, and what it printed.
 #[derive(Debug, Clone)]
@@ -29,10 +29,11 @@ pub struct Measured {
 
 /// Runs `exe args...` to its end; an error (naming the command, with its stderr) when it
 /// cannot start or does not exit with status 0.
-pub fn run_measured(exe: &Path, args: &[String]) -> anyhow::Result<Measured> {
-    let what = || format!("{} {}", exe.display(), args.join(" "));
+pub fn run_measured(exe: &Program, args: &[String]) -> anyhow::Result<Measured> {
+    let what = || format!("{exe} {}", args.join(" "));
     let t0 = Instant::now();
-    let mut child = Command::new(exe)
+    let mut child = exe
+        .command()
         .args(args)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -93,8 +94,11 @@ mod tests {
 
     #[test]
     fn a_child_is_measured_and_its_output_kept() {
-        let m = run_measured(Path::new("/bin/sh"), &["-c".into(), "echo hello".into()])
-            .expect("sh runs");
+        let m = run_measured(
+            &Program::new("/bin/sh"),
+            &["-c".into(), "echo hello".into()],
+        )
+        .expect("sh runs");
         assert_eq!(m.stdout, "hello\n");
         assert!(m.wall_s > 0.0);
         assert!(m.peak_rss_bytes > 0, "the kernel counts a resident set");
@@ -103,7 +107,7 @@ mod tests {
     #[test]
     fn a_failing_child_is_an_error_naming_it_with_its_stderr() {
         let e = run_measured(
-            Path::new("/bin/sh"),
+            &Program::new("/bin/sh"),
             &["-c".into(), "echo broken >&2; exit 3".into()],
         )
         .expect_err("exit 3 fails");
@@ -114,7 +118,7 @@ mod tests {
 
     #[test]
     fn a_missing_binary_is_an_error_naming_it() {
-        let e = run_measured(Path::new("/nonexistent/weightsync"), &[]).expect_err("no binary");
+        let e = run_measured(&Program::new("/nonexistent/weightsync"), &[]).expect_err("no binary");
         assert!(
             format!("{e:#}").contains("/nonexistent/weightsync"),
             "{e:#}"

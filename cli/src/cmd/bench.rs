@@ -1,5 +1,7 @@
 //! `weightsync bench ...`: whole-system benchmarks, each beside its baseline in the same run.
 
+use weightsync_common::program::Program;
+
 /// Arguments of `weightsync bench`.
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -260,9 +262,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                     .collect::<anyhow::Result<_>>()?,
             };
             let cfg = plan::Config {
-                exe: std::env::current_exe()
+                exe: Program::this()
                     .map_err(|e| anyhow::anyhow!("locating the weightsync binary: {e}"))?,
-                baseline,
+                baseline: baseline.map(Program::new),
                 cases,
                 runs,
                 slices: !no_slices,

@@ -10,7 +10,7 @@
 //! limit on this machine), then the dashboard keeps serving until Ctrl-C (`--exit` stops).
 
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
@@ -301,7 +301,8 @@ async fn start_controller(args: &Args) -> anyhow::Result<ServedDemo> {
 
 /// One process per trainer and rollout: this binary, `worker trainer|rollout`, logs in `logs`.
 fn spawn_workers(args: &Args, ctl: &ServedDemo, logs: &std::path::Path) -> anyhow::Result<Workers> {
-    let exe = std::env::current_exe().context("locating the weightsync binary")?;
+    let exe =
+        weightsync_common::program::Program::this().context("locating the weightsync binary")?;
     let w = &ctl.world;
     let mut workers = Workers {
         children: Vec::new(),
@@ -311,7 +312,7 @@ fn spawn_workers(args: &Args, ctl: &ServedDemo, logs: &std::path::Path) -> anyho
             let name = format!("{role}-{rank}");
             let log = logs.join(format!("{name}.log"));
             let out = std::fs::File::create(&log)?;
-            let mut cmd = Command::new(&exe);
+            let mut cmd = exe.command();
             cmd.arg("worker")
                 .arg(role)
                 .args(["--controller", &ctl.control_addr.to_string()])

@@ -1,5 +1,5 @@
 //! One module per `weightsync` subcommand. Each owns its clap `Args` and a `run` function;
-//! `main.rs` only dispatches.
+//! `lib.rs` only dispatches.
 
 pub mod bench;
 pub mod controller;
