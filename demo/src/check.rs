@@ -5,8 +5,13 @@
 //! box on this rank) is recomputed on its own rayon task and compared at once with the bytes
 //! that landed where it belongs, so no copy of the rollout's memory is built (the first version
 //! of this check assembled whole expected regions, then copied every tensor out to compare).
-//! It counts the bytes it compared; a layout whose pieces leave part of a tensor uncovered is a
-//! failure, not a pass.
+//! It counts the bytes it compared; a full check whose pieces leave part of a tensor uncovered is
+//! a failure, not a pass.
+//!
+//! Or sampled ([`Coverage::Sample`]): one piece in `n` per version, a different one each version
+//! (pieces `i` with `i % n == version % n`), so `n` consecutive versions compare every piece once;
+//! the demo checks its last version in full. What was compared is always said: the bytes and
+//! whether it was every byte.
 
 use std::time::Instant;
 
@@ -80,11 +85,40 @@ impl CheckError {
     }
 }
 
+/// How much of a version a check compares.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Coverage {
+    /// Every byte.
+    Every,
+    /// One piece in `n`, rotating with the version.
+    Sample {
+        /// The sampling period (1 is every byte).
+        n: u32,
+    },
+}
+
+impl Coverage {
+    /// Whether piece `i` is compared for `version`.
+    fn takes(self, i: usize, version: u64) -> bool {
+        match self {
+            Coverage::Every | Coverage::Sample { n: 0 | 1 } => true,
+            Coverage::Sample { n } => i as u64 % u64::from(n) == version % u64::from(n),
+        }
+    }
+
+    /// Whether it compares every byte.
+    pub fn is_every(self) -> bool {
+        matches!(self, Coverage::Every | Coverage::Sample { n: 0 | 1 })
+    }
+}
+
 /// A check that passed.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Checked {
     /// Bytes compared.
     pub bytes: u64,
+    /// Whether that was every byte the rollout holds.
+    pub every_byte: bool,
     /// Seconds it took.
     pub seconds: f64,
 }
@@ -113,11 +147,12 @@ impl DemoCheck {
         })
     }
 
-    /// Compares every byte `worker` holds with `version`'s recomputation.
+    /// Compares the bytes `worker` holds (all, or a sample) with `version`'s recomputation.
     pub fn check(
         &self,
         worker: &RolloutWorker<Fabric>,
         version: u64,
+        coverage: Coverage,
     ) -> Result<Checked, CheckError> {
         let start = Instant::now();
         let Some(r) = self.infer.ranks.get(self.rank as usize) else {
@@ -131,6 +166,9 @@ impl DemoCheck {
             .pieces
             .iter()
             .filter(|p| p.rank == self.rank)
+            .enumerate()
+            .filter(|(i, _)| coverage.takes(*i, version))
+            .map(|(_, p)| p)
             .collect();
         let compared = pieces
             .par_iter()
@@ -170,11 +208,13 @@ impl DemoCheck {
             })
             .try_reduce(|| 0, |a, b| Ok(a + b))?;
         let held: u64 = worker.layout().iter().map(|t| t.len).sum();
-        if compared < held {
+        let every_byte = coverage.is_every();
+        if every_byte && compared < held {
             return Err(CheckError::Uncovered { compared, held });
         }
         Ok(Checked {
             bytes: compared,
+            every_byte,
             seconds: start.elapsed().as_secs_f64(),
         })
     }
@@ -211,12 +251,38 @@ pub enum CheckWhen {
     AfterCommit(ProgressFile),
 }
 
+/// How much of each version the wrapped rollout compares.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CheckPlan {
+    /// Each version's coverage...
+    pub coverage: Coverage,
+    /// ...except this version's, compared in full (the demo's last).
+    pub full_at: Option<u64>,
+}
+
+impl CheckPlan {
+    /// Every byte of every version.
+    pub const EVERY: CheckPlan = CheckPlan {
+        coverage: Coverage::Every,
+        full_at: None,
+    };
+
+    fn coverage(self, version: u64) -> Coverage {
+        if self.full_at == Some(version) {
+            Coverage::Every
+        } else {
+            self.coverage
+        }
+    }
+}
+
 /// The production rollout driver with the demo's independent check around it.
 #[derive(Debug)]
 pub struct CheckedRollout {
     inner: RolloutDriver,
     check: DemoCheck,
     when: CheckWhen,
+    plan: CheckPlan,
     name: String,
 }
 
@@ -228,18 +294,21 @@ impl CheckedRollout {
         rank: u32,
         seed: u64,
         when: CheckWhen,
+        plan: CheckPlan,
     ) -> Result<CheckedRollout, CheckError> {
         Ok(CheckedRollout {
             check: DemoCheck::new(world, rank, seed)?,
             inner,
             when,
+            plan,
             name: format!("rollout-{rank}"),
         })
     }
 
     /// Runs the check on this thread (a worker thread of the runtime, handed off).
     fn run_check(&self, version: u64) -> Result<Checked, CheckError> {
-        tokio::task::block_in_place(|| self.check.check(self.inner.worker(), version))
+        let coverage = self.plan.coverage(version);
+        tokio::task::block_in_place(|| self.check.check(self.inner.worker(), version, coverage))
     }
 }
 
@@ -275,10 +344,15 @@ impl SyncDriver for CheckedRollout {
                 .run_check(sync.version)
                 .map_err(CheckError::into_driver_error)?;
             tracing::info!(
-                "{}: version {}: {} bytes equal their recomputation from the seed ({:.3} s)",
+                "{}: version {}: {} bytes ({}) equal their recomputation from the seed ({:.3} s)",
                 self.name,
                 sync.version,
                 c.bytes,
+                if c.every_byte {
+                    "every byte"
+                } else {
+                    "a sample"
+                },
                 c.seconds
             );
         }
@@ -299,17 +373,18 @@ impl SyncDriver for CheckedRollout {
         }
         let start = Instant::now();
         let result = self.run_check(sync.version);
-        let (bytes, failure) = match result {
-            Ok(c) => (c.bytes, None),
+        let (bytes, every_byte, failure) = match result {
+            Ok(c) => (c.bytes, c.every_byte, None),
             Err(e) => {
                 tracing::error!("{}: version {}: {e}", self.name, sync.version);
-                (0, Some(e.to_string()))
+                (0, false, Some(e.to_string()))
             }
         };
         progress.append(&DemoEvent::Checked {
             worker: self.name.clone(),
             version: sync.version,
             bytes,
+            every_byte,
             seconds: start.elapsed().as_secs_f64(),
             failure,
         });
@@ -317,5 +392,27 @@ impl SyncDriver for CheckedRollout {
 
     async fn drain(&mut self) {
         self.inner.drain().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn n_consecutive_versions_of_a_sample_cover_every_piece_once() {
+        let c = Coverage::Sample { n: 4 };
+        for i in 0..13 {
+            let takers = (7..11).filter(|&v| c.takes(i, v)).count();
+            assert_eq!(takers, 1, "piece {i}");
+        }
+        assert!(!c.is_every());
+        assert!(Coverage::Sample { n: 1 }.is_every() && Coverage::Every.takes(5, 2));
+        let plan = CheckPlan {
+            coverage: c,
+            full_at: Some(3),
+        };
+        assert_eq!(plan.coverage(3), Coverage::Every);
+        assert_eq!(plan.coverage(2), c);
     }
 }

@@ -25,7 +25,8 @@ pub enum DemoEvent {
         /// Seconds it took.
         seconds: f64,
     },
-    /// A rollout compared every byte of `version` with its recomputation from the seed.
+    /// A rollout compared `version` (every byte, or a sample) with its recomputation from the
+    /// seed.
     Checked {
         /// The worker, e.g. `rollout-1`.
         worker: String,
@@ -33,6 +34,8 @@ pub enum DemoEvent {
         version: u64,
         /// Bytes compared.
         bytes: u64,
+        /// Whether that was every byte the rollout holds (else a sample).
+        every_byte: bool,
         /// Seconds it took.
         seconds: f64,
         /// Why it failed (`None`: every byte equal).
@@ -112,6 +115,7 @@ mod tests {
             worker: "rollout-1".into(),
             version: 1,
             bytes: 7,
+            every_byte: true,
             seconds: 0.25,
             failure: Some("byte 3 differs".into()),
         };

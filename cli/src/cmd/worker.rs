@@ -20,7 +20,7 @@ use weightsync_agent::config::{
 use weightsync_agent::rollout::RolloutDriver;
 use weightsync_agent::run_agent;
 use weightsync_agent::trainer::{SourceSpec, TrainerDriver};
-use weightsync_demo::check::{CheckWhen, CheckedRollout};
+use weightsync_demo::check::{CheckPlan, CheckWhen, CheckedRollout, Coverage};
 use weightsync_demo::progress::ProgressFile;
 use weightsync_demo::source::{DemoSource, DemoTrainer};
 
@@ -83,6 +83,13 @@ pub struct WorkerFlags {
     /// commits, or after it with --demo-progress).
     #[arg(long)]
     pub demo_check_seed: Option<u64>,
+    /// Rollout, with --demo-check-seed: compare one piece in N of each version (rotating, so N
+    /// versions cover every piece); 1 compares every byte.
+    #[arg(long, default_value_t = 1)]
+    pub demo_check_sample: u32,
+    /// Rollout, with --demo-check-seed: compare every byte of this version whatever the sample.
+    #[arg(long)]
+    pub demo_check_full_version: Option<u64>,
     /// Demo: do the demo's work (the next version's weights, the check) after each commit,
     /// outside the sync, and append what it did to DIR/<worker>.jsonl.
     #[arg(long)]
@@ -121,7 +128,7 @@ impl From<WorkerFlags> for WorkerSettings {
 }
 
 /// The demo's part of a worker, taken out of its settings before the agent resolves them.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct DemoParts {
     /// `--source demo:SEED`.
     source_seed: Option<u64>,
@@ -129,6 +136,8 @@ struct DemoParts {
     check_seed: Option<u64>,
     /// `--demo-progress`.
     progress: Option<PathBuf>,
+    /// `--demo-check-sample` and `--demo-check-full-version`.
+    check_plan: CheckPlan,
 }
 
 /// Splits the demo's flags from the agent's settings (a `demo:` source may also come from the
@@ -141,7 +150,16 @@ fn split_demo(
         source_seed: None,
         check_seed: flags.demo_check_seed,
         progress: flags.demo_progress.clone(),
+        check_plan: CheckPlan {
+            coverage: Coverage::Sample {
+                n: flags.demo_check_sample,
+            },
+            full_at: flags.demo_check_full_version,
+        },
     };
+    if flags.demo_check_sample == 0 {
+        bail!("--demo-check-sample 0: say 1 to compare every byte, or N for one piece in N");
+    }
     let mut settings = WorkerSettings::from(flags).or(file.unwrap_or_default());
     if let Some(rest) = settings
         .source
@@ -224,8 +242,15 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                     Some(seed) => {
                         let when =
                             progress(id).map_or(CheckWhen::BeforeCommit, CheckWhen::AfterCommit);
-                        let checked = CheckedRollout::new(driver, &world, id.rank, seed, when)
-                            .with_context(|| format!("starting {id}'s demo check"))?;
+                        let checked = CheckedRollout::new(
+                            driver,
+                            &world,
+                            id.rank,
+                            seed,
+                            when,
+                            demo.check_plan,
+                        )
+                        .with_context(|| format!("starting {id}'s demo check"))?;
                         run_agent(agent, checked).await?;
                     }
                     None => run_agent(agent, driver).await?,
@@ -278,6 +303,9 @@ mod tests {
             Some(std::path::Path::new("/tmp/p"))
         );
         assert_eq!((s.source, s.rank), (None, Some(2)));
+        assert!(demo.check_plan.coverage.is_every() && demo.check_plan.full_at.is_none());
+        let f = Flags::try_parse_from(["worker", "--demo-check-sample", "0"]).unwrap();
+        assert!(split_demo(f.flags, None).is_err());
         // From the TOML file too; a real source passes through.
         let file: WorkerSettings = toml::from_str("source = \"demo:3\"").unwrap();
         let (s, demo) = split_demo(WorkerFlags::default(), Some(file)).unwrap();

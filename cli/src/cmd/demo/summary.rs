@@ -86,6 +86,8 @@ pub(super) fn summarise(
         "demo_weights_seconds_per_sync": results.iter().map(|r| r.demo.weights_s).collect::<Vec<_>>(),
         "demo_check_seconds_per_sync": results.iter().map(|r| r.demo.check_s).collect::<Vec<_>>(),
         "demo_checked_bytes_per_sync": results.iter().map(|r| r.demo.checked_bytes).collect::<Vec<_>>(),
+        "demo_checked_every_byte_per_sync": results.iter().map(|r| r.demo.every_byte).collect::<Vec<_>>(),
+        "demo_check_sample": args.check_sample,
         "demo_check_failures": results.iter().flat_map(|r| r.demo.check_failures.iter().map(move |f| format!("v{}: {f}", r.version))).collect::<Vec<_>>(),
         "gbps_per_sync": gbps,
         "mean_seconds_per_sync": mean(&secs),
@@ -135,11 +137,20 @@ pub(super) fn print(args: &Args, s: &Value, results: &[SyncResult]) {
         .collect();
     let checks: Vec<f64> = results.iter().filter_map(|r| r.demo.check_s).collect();
     let bytes: u64 = results.iter().map(|r| r.demo.checked_bytes).sum();
+    let full = results.iter().filter(|r| r.demo.every_byte).count();
+    let coverage = if full == results.len() {
+        format!("every landed byte of all {} versions", results.len())
+    } else {
+        format!(
+            "a sample (one piece in {}) of {} versions and every byte of {full} (the last)",
+            args.check_sample,
+            results.len() - full
+        )
+    };
     if failures.is_empty() && checks.len() == results.len() {
         eprintln!(
-            "  independent check (the demo's, after each commit, outside the syncs): every landed byte of all {} versions \
+            "  independent check (the demo's, after each commit, outside the syncs): {coverage} \
              recomputed from the seed and equal, {:.1} MB compared, {:.2} s per version",
-            results.len(),
             bytes as f64 / 1e6,
             checks.iter().sum::<f64>() / checks.len().max(1) as f64
         );

@@ -27,6 +27,8 @@ pub(super) struct DemoWork {
     pub check_s: Option<f64>,
     /// Bytes compared over all rollouts.
     pub checked_bytes: u64,
+    /// Whether every rollout compared every byte (else some compared a sample).
+    pub every_byte: bool,
     /// Why a rollout's check failed.
     pub check_failures: Vec<String>,
 }
@@ -79,7 +81,10 @@ fn weights_written(events: &[DemoEvent], version: u64, trainers: u32) -> Option<
 
 /// Every rollout's check of `version`, once all `rollouts` reported.
 fn checks_done(events: &[DemoEvent], version: u64, rollouts: u32) -> Option<DemoWork> {
-    let mut work = DemoWork::default();
+    let mut work = DemoWork {
+        every_byte: true,
+        ..DemoWork::default()
+    };
     let mut n = 0;
     let mut slowest = 0f64;
     for e in events {
@@ -87,10 +92,12 @@ fn checks_done(events: &[DemoEvent], version: u64, rollouts: u32) -> Option<Demo
             worker,
             version: v,
             bytes,
+            every_byte,
             seconds,
             failure,
         } = e
         {
+            work.every_byte &= *every_byte;
             if *v != version {
                 continue;
             }
@@ -213,7 +220,12 @@ fn print_demo_work(version: u64, d: &DemoWork, unchecked: bool) {
         "not checked".to_string()
     } else if d.check_failures.is_empty() {
         format!(
-            "every landed byte recomputed from the seed and equal ({:.1} MB, {:.2} s)",
+            "{} recomputed from the seed and equal ({:.1} MB, {:.2} s)",
+            if d.every_byte {
+                "every landed byte"
+            } else {
+                "a sample of the landed pieces"
+            },
             d.checked_bytes as f64 / 1e6,
             d.check_s.unwrap_or(0.0)
         )
@@ -258,6 +270,7 @@ mod tests {
             worker: worker.into(),
             version,
             bytes: 10,
+            every_byte: true,
             seconds: 0.5,
             failure: failure.map(str::to_string),
         }

@@ -102,7 +102,9 @@ pub(super) fn spawn_workers(
                 cmd.args(["--source", &format!("demo:{}", args.seed)])
                     .args(["--watermark-mib", &args.watermark_mib.to_string()]);
             } else if !args.no_recompute {
-                cmd.args(["--demo-check-seed", &args.seed.to_string()]);
+                cmd.args(["--demo-check-seed", &args.seed.to_string()])
+                    .args(["--demo-check-sample", &args.check_sample.to_string()])
+                    .args(["--demo-check-full-version", &args.syncs.to_string()]);
             }
             let child = cmd.spawn().with_context(|| format!("starting {name}"))?;
             workers.children.push((name, child, log));
