@@ -34,11 +34,26 @@ use weightsync_common::DType;
 
 use weightsync_controller::{AppState, ControllerConfig, SchedulesPlanner};
 
+/// The demo's own model name, written out as [`DEMO_MODEL_CONFIG`] for the workers.
+const DEMO_MODEL: &str = "qwen3-demo";
+
+/// `qwen3-demo`: Qwen3-0.6B's attention and MLP shapes (hidden 1024, 16 query heads and 8 KV
+/// heads of 128, MLP 3072), 4 layers instead of 28, a vocabulary of 16384 instead of 151936.
+const DEMO_MODEL_CONFIG: &str = r#"{
+  "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "torch_dtype": "bfloat16",
+  "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 4,
+  "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+  "vocab_size": 16384, "tie_word_embeddings": false
+}"#;
+
 /// Arguments of `weightsync demo`.
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// Model preset (or config.json path).
-    #[arg(long, default_value = "qwen3-0.6b")]
+    /// Model: a preset (qwen3-0.6b, qwen3-8b, ...), a config.json path, or the default
+    /// `qwen3-demo`, a Qwen3 of 0.1B parameters shaped like the real ones (fp8 blocks, tp
+    /// slicing, fused projections) but small enough that the whole demo, with its independent
+    /// check, runs in well under 30 s on two cores.
+    #[arg(long, default_value = DEMO_MODEL)]
     pub model: String,
     /// Training layout: one trainer process per rank.
     #[arg(long, default_value = "fsdp=4")]
@@ -72,7 +87,7 @@ pub struct Args {
     pub json: bool,
     /// The independent check compares one piece in N of each version but the last (a different
     /// piece each version), and every byte of the last; 1 compares every byte of every version.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 4)]
     pub check_sample: u32,
     /// Skip the demo's independent check (every landed byte recomputed from the seed after each
     /// commit, outside the sync); the trainers' checksums are verified either way.
@@ -122,16 +137,21 @@ struct ServedDemo {
 }
 
 async fn demo(args: Args) -> anyhow::Result<()> {
-    let ctl = start_controller(&args).await?;
+    let logs = std::env::temp_dir().join(format!("weightsync-demo-{}", std::process::id()));
+    let progress = logs.join("progress");
+    std::fs::create_dir_all(&progress)?;
+    let ctl = start_controller(&args, &logs).await?;
     let dashboard = format!("http://{}/", ctl.http_addr);
     let w = &ctl.world;
     eprintln!(
         "weightsync demo: {} ({} weights), {} trainers [{}] -> {} rollouts [{}]\n  dashboard: {dashboard}",
-        w.model, w.dtype, ctl.trainers, w.train, ctl.rollouts, w.infer
+        if args.model == DEMO_MODEL {
+            "qwen3-demo (Qwen3-0.6B's layer shapes, 4 layers, 0.1B parameters; --model qwen3-0.6b for the real one)"
+        } else {
+            &args.model
+        },
+        w.dtype, ctl.trainers, w.train, ctl.rollouts, w.infer
     );
-    let logs = std::env::temp_dir().join(format!("weightsync-demo-{}", std::process::id()));
-    let progress = logs.join("progress");
-    std::fs::create_dir_all(&progress)?;
     let mut workers = workers::spawn_workers(&args, &ctl, &logs, &progress)?;
     workers::wait_planned(&ctl, &mut workers, &logs).await?;
     let yardsticks = yardsticks::Yardsticks {
@@ -173,10 +193,17 @@ async fn demo(args: Args) -> anyhow::Result<()> {
 
 /// Serves a controller for the demo's job on loopback (the dashboard on `--http`, or a free port
 /// if that is taken).
-async fn start_controller(args: &Args) -> anyhow::Result<ServedDemo> {
+async fn start_controller(args: &Args, logs: &std::path::Path) -> anyhow::Result<ServedDemo> {
+    let model = if args.model == DEMO_MODEL {
+        let path = logs.join(format!("{DEMO_MODEL}.json"));
+        std::fs::write(&path, DEMO_MODEL_CONFIG)?;
+        path.display().to_string()
+    } else {
+        args.model.clone()
+    };
     let dtype: DType = args.dtype.parse().map_err(anyhow::Error::msg)?;
     let world = WorldSpec {
-        model: args.model.clone(),
+        model,
         train: args.train.clone(),
         infer: args.infer.clone(),
         dtype,

@@ -97,10 +97,10 @@ fn checks_done(events: &[DemoEvent], version: u64, rollouts: u32) -> Option<Demo
             failure,
         } = e
         {
-            work.every_byte &= *every_byte;
             if *v != version {
                 continue;
             }
+            work.every_byte &= *every_byte;
             n += 1;
             slowest = slowest.max(*seconds);
             work.checked_bytes += bytes;
@@ -289,6 +289,22 @@ mod tests {
         assert_eq!(weights_written(&e, 2, 2), Some(0.4));
         let c = vec![checked("rollout-0", 1, None), checked("rollout-1", 2, None)];
         assert!(checks_done(&c, 1, 2).is_none());
+        // An earlier version's sample does not make a later full check look sampled.
+        let sampled = DemoEvent::Checked {
+            worker: "rollout-0".into(),
+            version: 1,
+            bytes: 3,
+            every_byte: false,
+            seconds: 0.1,
+            failure: None,
+        };
+        let c = vec![
+            sampled,
+            checked("rollout-0", 2, None),
+            checked("rollout-1", 2, None),
+        ];
+        let w = checks_done(&c, 2, 2).unwrap();
+        assert!(w.every_byte && w.checked_bytes == 20);
         let c = vec![
             checked("rollout-0", 1, None),
             checked("rollout-1", 1, Some("byte 3 differs")),
