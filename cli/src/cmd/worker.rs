@@ -39,7 +39,7 @@ pub struct Args {
 }
 
 /// The worker's flags: the agent's settings, and the demo's.
-#[derive(Debug, Clone, Default, clap::Args)]
+#[derive(Debug, Clone, clap::Args)]
 pub struct WorkerFlags {
     /// Controller's control-channel address, host:port.
     #[arg(long, env = "WEIGHTSYNC_CONTROLLER")]
@@ -308,7 +308,8 @@ mod tests {
         assert!(split_demo(f.flags, None).is_err());
         // From the TOML file too; a real source passes through.
         let file: WorkerSettings = toml::from_str("source = \"demo:3\"").unwrap();
-        let (s, demo) = split_demo(WorkerFlags::default(), Some(file)).unwrap();
+        let none = Flags::try_parse_from(["worker"]).unwrap().flags;
+        let (s, demo) = split_demo(none, Some(file)).unwrap();
         assert_eq!((s.source, demo.source_seed), (None, Some(3)));
         let f = Flags::try_parse_from(["worker", "--source", "shm:/dev/shm/w"]).unwrap();
         let (s, demo) = split_demo(f.flags, None).unwrap();
