@@ -1,7 +1,9 @@
 //! Worker configuration from flags, environment variables and a TOML file.
 //!
-//! Precedence: a flag (or its `WEIGHTSYNC_*` env var, through clap) beats the TOML file, which
-//! beats the launcher's variables, which beat defaults. Launchers already say who a process is:
+//! Precedence: a flag (or its `WEIGHTSYNC_*` env var) beats the TOML file, which beats the
+//! launcher's variables, which beat defaults. The flags themselves are the CLI's (`weightsync
+//! worker` derives them and converts them into [`WorkerSettings`]): this crate is embedded in
+//! engines and the Python package, which have their own ways of being told. Launchers already say who a process is:
 //! torchrun sets `RANK`, `WORLD_SIZE`, `LOCAL_RANK`; Slurm sets `SLURM_PROCID`, `SLURM_NTASKS`.
 //! A trainer launched beside a training rank takes its rank from them, and a world size that
 //! contradicts the job's training layout is refused at start rather than at the first sync.
@@ -43,57 +45,39 @@ fn same_host_from(value: Option<String>) -> Result<Option<bool>, ConfigError> {
 }
 
 /// Everything a worker can be told, each optional (the TOML file has the same keys).
-#[derive(Debug, Clone, Default, Deserialize, clap::Args)]
+#[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct WorkerSettings {
     /// Controller's control-channel address, host:port.
-    #[arg(long, env = "WEIGHTSYNC_CONTROLLER")]
     pub controller: Option<String>,
     /// Rank (training rank, or global inference rank). Default: RANK / SLURM_PROCID.
-    #[arg(long, env = "WEIGHTSYNC_RANK")]
     pub rank: Option<u32>,
     /// Model preset or config.json path.
-    #[arg(long)]
     pub model: Option<String>,
     /// Training layout, e.g. fsdp=4.
-    #[arg(long)]
     pub train: Option<String>,
     /// Inference layout, e.g. tp=2,dp=2.
-    #[arg(long)]
     pub infer: Option<String>,
     /// Inference dtype: bf16 or fp8.
-    #[arg(long)]
     pub dtype: Option<String>,
     /// Verify checksums of what landed (true/false).
-    #[arg(long)]
     pub verify: Option<bool>,
     /// Fabric listen address (the address peers write to), e.g. 10.0.0.5:0.
-    #[arg(long)]
     pub fabric_listen: Option<String>,
     /// Fabric lanes (connections / QPs) per peer.
-    #[arg(long)]
     pub lanes: Option<usize>,
     /// Same-host pulls (true/false, default true): a fabric peer on this machine copies large
     /// frames out of the writer's memory itself, once, instead of through the sockets.
-    #[arg(long, env = SAME_HOST_ENV, value_parser = clap::builder::BoolishValueParser::new())]
     pub same_host: Option<bool>,
     /// Trainer: staging watermark in MiB.
-    #[arg(long)]
     pub watermark_mib: Option<u64>,
-    /// Trainer: where the weights are: `demo:SEED`, `shm:/dev/shm/FILE`, `safetensors:PATH`.
-    #[arg(long)]
+    /// Trainer: where the weights are: `shm:/dev/shm/FILE` or `safetensors:PATH`.
     pub source: Option<String>,
-    /// Rollout: recompute every tensor from this demo seed after each sync and compare.
-    #[arg(long)]
-    pub demo_check_seed: Option<u64>,
     /// Rollout: seconds to wait for a version to land once armed.
-    #[arg(long)]
     pub land_timeout_s: Option<u64>,
     /// Keep trying to reach the controller for this many seconds.
-    #[arg(long)]
     pub reconnect_s: Option<u64>,
     /// Host name to report (default: $HOSTNAME).
-    #[arg(long)]
     pub host: Option<String>,
 }
 
@@ -113,7 +97,6 @@ impl WorkerSettings {
             same_host: self.same_host.or(other.same_host),
             watermark_mib: self.watermark_mib.or(other.watermark_mib),
             source: self.source.or(other.source),
-            demo_check_seed: self.demo_check_seed.or(other.demo_check_seed),
             land_timeout_s: self.land_timeout_s.or(other.land_timeout_s),
             reconnect_s: self.reconnect_s.or(other.reconnect_s),
             host: self.host.or(other.host),
@@ -166,7 +149,8 @@ pub enum ResolvedWorker {
     Rollout(AgentConfig, RolloutDriverConfig),
 }
 
-/// Resolves settings for `role`: flags first, then the TOML file, then launcher variables.
+/// Resolves settings for `role`: flags first, then the TOML file, then launcher variables. A
+/// trainer reads its weights from the `source` setting.
 pub fn resolve(
     role: WorkerRole,
     flags: WorkerSettings,
@@ -174,7 +158,24 @@ pub fn resolve(
     env: &dyn Fn(&str) -> Option<String>,
     job_token: Option<String>,
 ) -> Result<ResolvedWorker, ConfigError> {
-    let s = flags.or(file.unwrap_or_default());
+    resolve_with_source(
+        role,
+        flags.or(file.unwrap_or_default()),
+        env,
+        job_token,
+        None,
+    )
+}
+
+/// [`resolve`] for settings already merged, a trainer's weights coming from `source` when it
+/// is given (a program's own [`SourceSpec::Provided`]), else from the `source` setting.
+pub fn resolve_with_source(
+    role: WorkerRole,
+    s: WorkerSettings,
+    env: &dyn Fn(&str) -> Option<String>,
+    job_token: Option<String>,
+    source: Option<SourceSpec>,
+) -> Result<ResolvedWorker, ConfigError> {
     let need =
         |v: Option<String>, what: &str| v.ok_or_else(|| ConfigError(format!("{what} is required")));
     let (env_rank, env_world) = launcher_rank(env)?;
@@ -245,7 +246,15 @@ pub fn resolve(
     fabric.job_token = JobToken(job_token);
     Ok(match role {
         WorkerRole::Trainer => {
-            let source = parse_source(s.source.as_deref().unwrap_or("demo:1"))?;
+            let source = match (source, s.source.as_deref()) {
+                (Some(given), _) => given,
+                (None, Some(text)) => parse_source(text)?,
+                (None, None) => {
+                    return Err(ConfigError(
+                        "a trainer needs a source: --source shm:PATH or safetensors:PATH".into(),
+                    ))
+                }
+            };
             ResolvedWorker::Trainer(
                 agent,
                 TrainerDriverConfig {
@@ -264,28 +273,19 @@ pub fn resolve(
                 rank,
                 fabric,
                 land_timeout: Duration::from_secs(s.land_timeout_s.unwrap_or(120)),
-                demo_check_seed: s.demo_check_seed,
             },
         ),
     })
 }
 
-/// Parses `demo:SEED`, `shm:PATH` or `safetensors:PATH`.
+/// Parses `shm:PATH` or `safetensors:PATH`.
 pub fn parse_source(s: &str) -> Result<SourceSpec, ConfigError> {
     let (kind, rest) = s.split_once(':').unwrap_or((s, ""));
     match kind {
-        "demo" => Ok(SourceSpec::Demo {
-            seed: if rest.is_empty() {
-                1
-            } else {
-                rest.parse()
-                    .map_err(|_| ConfigError(format!("bad demo seed in {s:?}")))?
-            },
-        }),
         "shm" if !rest.is_empty() => Ok(SourceSpec::Shm(PathBuf::from(rest))),
         "safetensors" if !rest.is_empty() => Ok(SourceSpec::Safetensors(PathBuf::from(rest))),
         _ => Err(ConfigError(format!(
-            "bad --source {s:?}: expected demo:SEED, shm:PATH or safetensors:PATH"
+            "bad --source {s:?}: expected shm:PATH or safetensors:PATH"
         ))),
     }
 }
@@ -301,6 +301,7 @@ mod tests {
             train: Some("fsdp=4".into()),
             infer: Some("tp=2,dp=2".into()),
             dtype: Some("fp8".into()),
+            source: Some("shm:/dev/shm/weights".into()),
             ..Default::default()
         }
     }
@@ -338,7 +339,7 @@ mod tests {
     #[test]
     fn flags_beat_the_file_and_missing_things_are_named() {
         let file: WorkerSettings = toml::from_str(
-            "controller = \"10.0.0.1:7000\"\nrank = 1\nmodel = \"qwen3-0.6b\"\ntrain = \"fsdp=4\"\ninfer = \"tp=2,dp=2\"\nsource = \"demo:5\"\n",
+            "controller = \"10.0.0.1:7000\"\nrank = 1\nmodel = \"qwen3-0.6b\"\ntrain = \"fsdp=4\"\ninfer = \"tp=2,dp=2\"\nsource = \"shm:/dev/shm/w\"\n",
         )
         .unwrap();
         let f = WorkerSettings {
@@ -371,6 +372,24 @@ mod tests {
         assert!(e.0.contains("rank") || e.0.contains("token"), "{e}");
         assert!(toml::from_str::<WorkerSettings>("bogus = 1").is_err());
         assert!(parse_source("nfs:/x").is_err());
+        assert!(
+            parse_source("demo:5").is_err(),
+            "the demo's source is the CLI's"
+        );
+        let no_source = WorkerSettings {
+            rank: Some(0),
+            source: None,
+            ..flags()
+        };
+        let e = resolve(
+            WorkerRole::Trainer,
+            no_source,
+            None,
+            &|_| None,
+            Some("t".into()),
+        )
+        .unwrap_err();
+        assert!(e.0.contains("source"), "{e}");
     }
 
     #[test]
@@ -403,17 +422,6 @@ mod tests {
         assert_eq!(same_host_from(Some("0".into())).unwrap(), Some(false));
         assert_eq!(same_host_from(Some(" TRUE ".into())).unwrap(), Some(true));
         assert_eq!(same_host_from(Some("off".into())).unwrap(), Some(false));
-        // The worker's flag reads the same words from the same variable.
-        use clap::Parser;
-        #[derive(clap::Parser)]
-        struct Flags {
-            #[command(flatten)]
-            settings: WorkerSettings,
-        }
-        for (word, on) in [("0", false), ("off", false), ("yes", true), ("true", true)] {
-            let f = Flags::try_parse_from(["worker", "--same-host", word]).unwrap();
-            assert_eq!(f.settings.same_host, Some(on), "{word}");
-        }
         let e = same_host_from(Some("maybe".into())).unwrap_err();
         assert!(e.0.contains(SAME_HOST_ENV) && e.0.contains("maybe"), "{e}");
     }

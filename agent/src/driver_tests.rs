@@ -1,6 +1,7 @@
 //! The production drivers with no controller: what a trainer builds is what its slice says, and a
 //! rollout's own layout is the table's (only the expectations come with the assignment).
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use weightsync_common::fabric::FabricConfig;
@@ -10,7 +11,7 @@ use weightsync_schedules::job::{plan_job, Job};
 
 use crate::driver::SyncDriver;
 use crate::rollout::{RolloutDriver, RolloutDriverConfig};
-use crate::source::SourceSpec;
+use crate::source::{ProvideSource, SourceSpec};
 use crate::trainer::{TrainerDriver, TrainerDriverConfig};
 
 /// Two layers of a small Qwen3, 128-wide heads (so fp8 blocks straddle fsdp=4 shards).
@@ -36,6 +37,19 @@ fn job(dir: &std::path::Path) -> (WorldSpec, Job) {
     (world, job)
 }
 
+/// A source of zeros laid out as the plan's arena (what it holds does not matter here).
+#[derive(Debug)]
+struct ZeroedArena;
+
+impl ProvideSource for ZeroedArena {
+    fn attach(
+        &self,
+        plan: &weightsync_schedules::table::TrainerPlan,
+    ) -> Result<Arc<dyn weightsync_worker::SourceView>, crate::DriverError> {
+        Ok(Arc::new(vec![0u8; plan.source_arena_bytes as usize]))
+    }
+}
+
 fn blob<T: serde::Serialize>(v: &T) -> Blob {
     Blob(bincode::serialize(v).unwrap())
 }
@@ -49,7 +63,7 @@ async fn a_trainer_executes_the_slice_it_is_sent_and_refuses_another_ranks() {
         rank: 1,
         fabric: FabricConfig::loopback("driver-tests", 1),
         watermark_bytes: 4 << 20,
-        source: SourceSpec::Demo { seed: 3 },
+        source: SourceSpec::Provided(Arc::new(ZeroedArena)),
     })
     .await
     .unwrap();
@@ -98,7 +112,6 @@ async fn a_rollout_lays_out_what_the_table_does_and_takes_only_its_expectations(
         rank: 2,
         fabric: FabricConfig::loopback("driver-tests", 1),
         land_timeout: Duration::from_secs(5),
-        demo_check_seed: None,
     })
     .await
     .unwrap();

@@ -10,7 +10,9 @@
 //!
 //! This crate is what an engine plugin or the Python package embeds: it depends on the worker
 //! library, the planner's types and the protocol, never on the controller service, the CLI or
-//! the benchmarks.
+//! the benchmarks. It carries no command-line flags (the CLI derives its own and converts them
+//! into [`config::WorkerSettings`]) and nothing of the demo (whose weights and independent
+//! check wrap these drivers from outside, in `weightsync-demo`); `face_tests` holds it to that.
 //!
 //! # Layout
 //! - [`control`]: the control-channel client ([`run_agent`]) and [`AgentConfig`].
@@ -18,9 +20,9 @@
 //! - [`driver`]: the [`SyncDriver`] trait, the seam between the protocol and the worker library;
 //!   `driver_error`: [`DriverError`], a failure that keeps its [`FailureKind`] across the seam.
 //! - [`trainer`], [`rollout`]: the production drivers over `weightsync_worker`; `source`: where
-//!   a trainer's weights come from ([`trainer::SourceSpec`]), attached once its slice arrives.
-//! - [`demo_weights`]: the deterministic weights the demo trains with, and their recomputation.
-//! - [`config`]: flags, env vars (torchrun, Slurm) and TOML, resolved into a worker.
+//!   a trainer's weights come from ([`trainer::SourceSpec`], or a program's own
+//!   [`trainer::ProvideSource`]), attached once its slice arrives.
+//! - [`config`]: settings (env vars, torchrun and Slurm variables, TOML), resolved into a worker.
 //! - [`api_client`]: a minimal client of the controller's HTTP API (a training loop's trigger).
 //! - [`embed`]: in-process trainers and engines over caller-owned tensors (what the Python
 //!   package binds): [`embed::TrainerHandle`], [`embed::EngineHandle`].
@@ -29,13 +31,14 @@
 pub mod api_client;
 pub mod config;
 pub mod control;
-pub mod demo_weights;
 pub mod driver;
 mod driver_error;
 mod driver_loop;
 #[cfg(test)]
 mod driver_tests;
 pub mod embed;
+#[cfg(test)]
+mod face_tests;
 pub mod rollout;
 mod source;
 pub mod trainer;

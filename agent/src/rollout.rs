@@ -3,9 +3,9 @@
 //! It computes its own inference layout from the job at start-up, allocates and registers its
 //! tensors once, and registers with their descriptors. Per sync: `Prepare N` arms the immediate
 //! counters (before any trainer writes), then it waits until every expected write landed, then
-//! `Verify` checks the trainers' checksums against what landed. In the demo it also recomputes
-//! every tensor independently from the seed and compares every byte
-//! ([`super::demo_weights`]).
+//! `Verify` checks the trainers' checksums against what landed. A program that wants more (the
+//! CLI's demo recomputes every byte from its seed) wraps this driver in its own
+//! [`SyncDriver`] and reads the landed tensors through [`RolloutDriver::worker`].
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -19,11 +19,9 @@ use weightsync_schedules::table::RolloutPlan;
 use weightsync_worker::RolloutWorker;
 use weightsync_worker::SyncId;
 
-use crate::demo_weights::expected_rollout;
 use crate::driver::{Accepted, DriverError, DriverInfo, Outcome, SyncDriver, SyncRef};
 use crate::trainer::blob;
 use weightsync_schedules::job::{self, rollout_layout};
-use weightsync_schedules::{InferenceLayout, Model};
 
 /// Settings of a rollout driver.
 #[derive(Debug, Clone)]
@@ -36,8 +34,6 @@ pub struct RolloutDriverConfig {
     pub fabric: FabricConfig,
     /// How long to wait for a version to land once armed.
     pub land_timeout: Duration,
-    /// Demo: recompute every tensor from this seed after verifying, and compare every byte.
-    pub demo_check_seed: Option<u64>,
 }
 
 /// Drives a [`RolloutWorker`].
@@ -46,8 +42,6 @@ pub struct RolloutDriver {
     cfg: RolloutDriverConfig,
     fabric: Fabric,
     worker: Arc<RolloutWorker<Fabric>>,
-    /// The demo's independent recomputation needs the model and the layout's placements.
-    demo: Option<Arc<(Model, InferenceLayout)>>,
     bytes: u64,
 }
 
@@ -57,7 +51,7 @@ fn ns_since(t: Instant, since: Instant) -> u64 {
 
 impl RolloutDriver {
     /// A driver over a receiver already built (an engine's own tensors, see
-    /// `RolloutWorker::with_regions`) on `fabric`. No demo check.
+    /// `RolloutWorker::with_regions`) on `fabric`.
     pub fn over(
         cfg: RolloutDriverConfig,
         fabric: Fabric,
@@ -68,7 +62,6 @@ impl RolloutDriver {
             cfg,
             fabric,
             worker: Arc::new(worker),
-            demo: None,
             bytes,
         }
     }
@@ -80,20 +73,18 @@ impl RolloutDriver {
             .world
             .read_model_config()
             .map_err(|e| DriverError::layout(e.to_string()))?;
-        let (model, infer) = job::inference_layout(&cfg.world, config_text.as_deref())?;
+        let (_, infer) = job::inference_layout(&cfg.world, config_text.as_deref())?;
         let layout = rollout_layout(&infer, cfg.rank)?;
         let bytes = layout.tensors.iter().map(|t| t.len).sum();
         let worker = RolloutWorker::new(
             fabric.clone(),
             WorkerId::rollout(cfg.rank).to_string(),
             layout,
-        )?;
-        let demo = cfg.demo_check_seed.map(|_| Arc::new((model, infer)));
+)?;
         Ok(RolloutDriver {
             cfg,
             fabric,
             worker: Arc::new(worker),
-            demo,
             bytes,
         })
     }
@@ -189,8 +180,6 @@ impl SyncDriver for RolloutDriver {
     ) -> Result<WorkerReport, DriverError> {
         let start = Instant::now();
         let worker = self.worker.clone();
-        let demo = self.demo.clone();
-        let (rank, seed) = (self.cfg.rank, self.cfg.demo_check_seed);
         let version = sync.version;
         let checked = tokio::task::spawn_blocking(move || -> Result<u64, DriverError> {
             let v = worker.verify(&checksums)?;
@@ -199,10 +188,6 @@ impl SyncDriver for RolloutDriver {
                 v.bytes,
                 v.early_bytes
             );
-            if let (Some(seed), Some(demo)) = (seed, demo) {
-                let (model, infer) = &*demo;
-                independent_check(&worker, model, infer, rank, seed, version)?;
-            }
             Ok(v.bytes)
         })
         .await
@@ -227,37 +212,4 @@ impl SyncDriver for RolloutDriver {
             let _ = self.worker.abort();
         }
     }
-}
-
-/// Compares every tensor with an independent recomputation from the demo seed.
-fn independent_check(
-    worker: &RolloutWorker<Fabric>,
-    model: &Model,
-    infer: &InferenceLayout,
-    rank: u32,
-    seed: u64,
-    version: u64,
-) -> Result<(), DriverError> {
-    let expected = expected_rollout(model, infer, rank, seed, version);
-    for t in worker.layout() {
-        let got = worker.read_tensor(&t.name)?;
-        let want = expected
-            .get(t.mr as usize)
-            .and_then(|m| m.get(t.offset as usize..(t.offset + t.len) as usize))
-            .ok_or_else(|| DriverError::other(format!("no expected bytes for {}", t.name)))?;
-        if got != want {
-            let at = got.iter().zip(want).position(|(a, b)| a != b).unwrap_or(0);
-            return Err(DriverError {
-                kind: FailureKind::Checksum,
-                tensor: Some(t.name.clone()),
-                cause: format!(
-                    "independent recomputation differs at byte {at} of {} (landed {:#04x}, expected {:#04x})",
-                    t.name,
-                    got.get(at).copied().unwrap_or(0),
-                    want.get(at).copied().unwrap_or(0)
-                ),
-            });
-        }
-    }
-    Ok(())
 }

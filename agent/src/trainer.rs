@@ -17,12 +17,11 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use parking_lot::RwLock;
 use tokio::sync::oneshot;
 use weightsync_common::fabric::{Fabric, FabricBackend, FabricConfig, RegionDescriptor};
 use weightsync_common::protocol::{
-    Assignment, Blob, PeerInfo, RunChecksum, Stage, TensorMeta, TimelineEvent, WorkerId,
-    WorkerReport, WorkerRole, WorldSpec, WHOLE_SYNC,
+    Assignment, Blob, PeerInfo, RunChecksum, TensorMeta, WorkerId, WorkerReport, WorkerRole,
+    WorldSpec,
 };
 use weightsync_schedules::table::TrainerPlan;
 use weightsync_schedules::TrainerSlice;
@@ -30,9 +29,8 @@ use weightsync_worker::{
     Destinations, SyncId, SyncReport, TrainerConfig, TrainerWorker, WorkerError,
 };
 
-use crate::demo_weights::fill_trainer_arena;
 use crate::driver::{Accepted, DriverError, DriverInfo, Outcome, SyncDriver, SyncRef};
-pub use crate::source::SourceSpec;
+pub use crate::source::{ProvideSource, SourceSpec};
 
 /// Settings of a trainer driver.
 #[derive(Debug, Clone)]
@@ -65,13 +63,12 @@ pub struct TrainerDriver {
 /// The last sync's version and report, for an embedding that reports it when the sync commits.
 pub type ReportSlot = Arc<parking_lot::Mutex<Option<(u64, SyncReport)>>>;
 
-/// The worker built for one slice, and the demo's source arena.
+/// The worker built for one slice.
 #[derive(Debug)]
 struct Built {
     /// The slice it was built from (a re-plan sending the same one keeps what was built).
     slice: TrainerSlice,
     worker: Arc<TrainerWorker<Fabric>>,
-    demo_arena: Option<Arc<RwLock<Vec<u8>>>>,
 }
 
 /// A sync running in its own task.
@@ -85,10 +82,6 @@ struct InFlight {
 /// Encodes a fabric value for the control channel.
 pub fn blob<T: serde::Serialize>(v: &T) -> Blob {
     Blob(bincode::serialize(v).unwrap_or_default())
-}
-
-fn ns_since(t: Instant, since: Instant) -> u64 {
-    t.saturating_duration_since(since).as_nanos() as u64
 }
 
 /// The shards a plan says this rank holds, for the dashboard.
@@ -227,7 +220,7 @@ impl TrainerDriver {
         let mut tc = TrainerConfig::new(name.clone(), self.cfg.watermark_bytes);
         tc.verify = self.cfg.world.verify;
         let (tasks, gather) = (plan.tasks.len(), plan.gather_arena_bytes);
-        let worker = TrainerWorker::new(self.fabric.clone(), source.view, plan, tc)?;
+        let worker = TrainerWorker::new(self.fabric.clone(), source, plan, tc)?;
         tracing::info!(
             "{name}: source attached in {:.3} s; worker built for {tasks} tasks in {} pieces \
              (staging {} B, gather arena {gather} B) in {:.3} s",
@@ -239,7 +232,6 @@ impl TrainerDriver {
         Ok(Built {
             slice,
             worker: Arc::new(worker),
-            demo_arena: source.demo_arena,
         })
     }
 }
@@ -293,37 +285,10 @@ impl SyncDriver for TrainerDriver {
             .map_err(DriverError::from)
     }
 
-    async fn prepare(&mut self, sync: SyncRef) -> Result<WorkerReport, DriverError> {
-        let mut rep = WorkerReport::default();
-        let built = self.built()?;
-        if let (SourceSpec::Demo { seed }, Some(arena)) = (&self.cfg.source, &built.demo_arena) {
-            // A training step changed the weights: regenerate this rank's shards for N.
-            let start = Instant::now();
-            let (arena, plan, seed, version) = (
-                arena.clone(),
-                built.worker.plan().clone(),
-                *seed,
-                sync.version,
-            );
-            let bytes = tokio::task::spawn_blocking(move || {
-                let mut a = arena.write();
-                fill_trainer_arena(&plan, seed, version, &mut a);
-                a.len() as u64
-            })
-            .await
-            .map_err(|e| {
-                DriverError::other(format!("the demo's source task ended abnormally: {e}"))
-            })?;
-            rep.events.push(TimelineEvent {
-                task: WHOLE_SYNC,
-                piece: 0,
-                stage: Stage::Source,
-                start_ns: ns_since(start, sync.reference),
-                end_ns: ns_since(Instant::now(), sync.reference),
-                bytes,
-            });
-        }
-        Ok(rep)
+    async fn prepare(&mut self, _sync: SyncRef) -> Result<WorkerReport, DriverError> {
+        // The source holds the version already: the training step wrote it before the push.
+        self.built()?;
+        Ok(WorkerReport::default())
     }
 
     async fn run(&mut self, sync: SyncRef) -> Result<(Option<bool>, WorkerReport), DriverError> {

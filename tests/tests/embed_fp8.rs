@@ -2,13 +2,12 @@
 //! Face layout: quantisation, fp8 blocks straddling uneven FSDP shards (gathered between
 //! trainers) and plain bf16 copies in one job. Every engine tensor (fp8 weights, f32
 //! `weight_scale_inv`, bf16 norms and embeddings) equals the demo's independent recomputation
-//! (`weightsync_agent::demo_weights::expected_rollout`: the scalar reference quantiser on the
+//! (`weightsync_demo::weights::expected_rollout`: the scalar reference quantiser on the
 //! logical tensors), byte for byte.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use weightsync_agent::demo_weights::{expected_rollout, fill_shard};
 use weightsync_agent::embed::{
     DstTensor, DstTensorInfo, EngineHandle, EngineOptions, HostMemory, ShardInfo, SourceTensor,
     TrainerHandle, TrainerOptions,
@@ -16,6 +15,7 @@ use weightsync_agent::embed::{
 use weightsync_common::protocol::WorldSpec;
 use weightsync_common::DType;
 use weightsync_controller::{AppState, ControllerConfig, SchedulesPlanner};
+use weightsync_demo::weights::{expected_rollout, fill_shard};
 use weightsync_schedules::job::{self, JobLayouts};
 use weightsync_schedules::table::{LocalShard, ParamRef, TensorBox};
 use weightsync_tests::controller_harness::{ServedController, API_TOKEN, JOB_TOKEN};

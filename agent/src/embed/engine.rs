@@ -169,7 +169,6 @@ impl EngineHandle {
             rank: self.rank,
             fabric: self.reach.fabric_config(),
             land_timeout: Duration::from_secs(120),
-            demo_check_seed: None,
         };
         let driver = EngineDriver {
             inner: RolloutDriver::over(cfg, self.fabric.clone(), worker),

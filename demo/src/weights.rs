@@ -8,7 +8,7 @@
 //! inference layout's placement, and quantises with the scalar fp8 reference below (the
 //! DeepSeek-V3 convention: `amax = max(max|x|, 1e-4)` per 128x128 block of the logical tensor,
 //! `weight_scale_inv = amax / 448`, `q = e4m3(x * (448 / amax))` rounded to nearest even,
-//! saturating). Every byte of every tensor is then compared with what landed.
+//! saturating). Every byte of every tensor is then compared with what landed (`crate::check`).
 
 use rayon::prelude::*;
 use weightsync_common::DType;
@@ -173,10 +173,14 @@ pub fn fill_trainer_arena(plan: &TrainerPlan, seed: u64, version: u64, arena: &m
 }
 
 /// A run of bytes to place in a rollout's region.
-struct Placed {
-    mr: u16,
-    offset: u64,
-    bytes: Vec<u8>,
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Placed {
+    /// The region (MR) index.
+    pub mr: u16,
+    /// Byte offset in the region.
+    pub offset: u64,
+    /// The bytes.
+    pub bytes: Vec<u8>,
 }
 
 /// The bytes every region of inference rank `rank` must hold for `version`.
@@ -233,7 +237,9 @@ impl ParamValues<'_> {
     }
 }
 
-fn place_piece(
+/// The runs of bytes piece `p` of inference rank `r` places for `version`: its rows converted
+/// to the tensor's dtype, or its fp8 rows and block scales.
+pub fn place_piece(
     model: &Model,
     r: &weightsync_schedules::layout_infer::InferRank,
     p: &Piece,
