@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 
 use weightsync_common::fabric::{Fabric, FabricBackend, FabricConfig};
 use weightsync_common::protocol::{
-    Assignment, FailureKind, RunChecksum, Stage, TensorMeta, TimelineEvent, WorkerId, WorkerReport,
-    WorldSpec, WHOLE_SYNC,
+    Assignment, RunChecksum, Stage, TensorMeta, TimelineEvent, WorkerId, WorkerReport, WorldSpec,
+    WHOLE_SYNC,
 };
 use weightsync_schedules::table::RolloutPlan;
 use weightsync_worker::RolloutWorker;
@@ -80,7 +80,7 @@ impl RolloutDriver {
             fabric.clone(),
             WorkerId::rollout(cfg.rank).to_string(),
             layout,
-)?;
+        )?;
         Ok(RolloutDriver {
             cfg,
             fabric,

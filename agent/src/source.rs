@@ -39,9 +39,9 @@ impl SourceSpec {
     pub(crate) fn attach(&self, plan: &TrainerPlan) -> Result<Arc<dyn SourceView>, DriverError> {
         let need = plan.source_arena_bytes;
         Ok(match self {
-            SourceSpec::Shm(path) => Arc::new(SourceMemory::Shm(
-                ShmSource::open(path, Some(need))?,
-            )),
+            SourceSpec::Shm(path) => {
+                Arc::new(SourceMemory::Shm(ShmSource::open(path, Some(need))?))
+            }
             SourceSpec::Safetensors(path) => {
                 let s = SafetensorsSource::load(path, &arena_tensors(plan), need)?;
                 Arc::new(SourceMemory::Safetensors(s))

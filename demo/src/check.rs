@@ -20,7 +20,7 @@ use weightsync_agent::driver::{Accepted, DriverError, DriverInfo, Outcome, SyncD
 use weightsync_agent::rollout::RolloutDriver;
 use weightsync_common::fabric::Fabric;
 use weightsync_common::protocol::{
-    Assignment, FailureKind, PeerInfo, RunChecksum, WorkerReport, WorldSpec,
+    Assignment, Failure, FailureKind, PeerInfo, RunChecksum, WorkerReport, WorldSpec,
 };
 use weightsync_schedules::job;
 use weightsync_schedules::layout_infer::Piece;
@@ -367,8 +367,8 @@ impl SyncDriver for CheckedRollout {
         Ok(report)
     }
 
-    fn aborted_because(&mut self, sync: SyncRef, reason: &str) {
-        self.inner.aborted_because(sync, reason);
+    fn aborted_because(&mut self, sync: SyncRef, reason: &str, failure: Option<&Failure>) {
+        self.inner.aborted_because(sync, reason, failure);
     }
 
     async fn finish(&mut self, sync: SyncRef, outcome: Outcome) {

@@ -14,7 +14,7 @@ use std::time::Instant;
 use parking_lot::{Mutex, RwLock};
 use weightsync_agent::driver::{Accepted, DriverError, DriverInfo, Outcome, SyncDriver, SyncRef};
 use weightsync_agent::trainer::{ProvideSource, TrainerDriver};
-use weightsync_common::protocol::{Assignment, PeerInfo, RunChecksum, WorkerReport};
+use weightsync_common::protocol::{Assignment, Failure, PeerInfo, RunChecksum, WorkerReport};
 use weightsync_schedules::table::TrainerPlan;
 use weightsync_worker::SourceView;
 
@@ -180,8 +180,8 @@ impl SyncDriver for DemoTrainer {
         self.inner.verify(sync, checksums).await
     }
 
-    fn aborted_because(&mut self, sync: SyncRef, reason: &str) {
-        self.inner.aborted_because(sync, reason);
+    fn aborted_because(&mut self, sync: SyncRef, reason: &str, failure: Option<&Failure>) {
+        self.inner.aborted_because(sync, reason, failure);
     }
 
     async fn finish(&mut self, sync: SyncRef, outcome: Outcome) {
