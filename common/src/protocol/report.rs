@@ -31,7 +31,8 @@ pub enum Stage {
     Land,
     /// Rollout: checksumming what landed.
     Verify,
-    /// Trainer: refreshing its source for the version (demo: regenerating weights).
+    /// Trainer: refreshing its source for the version, where a source needs it before a sync
+    /// (none of today's sources does: the demo rewrites its weights outside the sync).
     Source,
     /// Trainer: sending rows of a straddling fp8 block to the trainer that owns the block.
     GatherSend,
