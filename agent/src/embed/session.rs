@@ -119,6 +119,8 @@ pub(crate) enum End {
 #[derive(Debug, Default)]
 pub(crate) struct EndsState {
     pub registered: bool,
+    /// The last plan heard of: its id, or why it failed.
+    pub plan: Option<Result<u64, String>>,
     pub by_version: BTreeMap<u64, End>,
     pub stopped: Option<String>,
 }
@@ -171,6 +173,8 @@ impl Ends {
                 st.by_version
                     .insert(version, End::Aborted { reason, failure });
             }
+            AgentEvent::Assigned { plan_id } => st.plan = Some(Ok(plan_id)),
+            AgentEvent::PlanFailed { reason, .. } => st.plan = Some(Err(reason)),
             AgentEvent::Stopped { reason } => st.stopped = Some(reason),
         }
         // Old versions are kept a while: a waiter may look late.
