@@ -206,6 +206,32 @@ impl Session {
     }
 }
 
+/// Waits until the controller sent this worker its part of a plan (its id), or said the plan
+/// failed (why), or `timeout` passed.
+pub(crate) fn wait_plan(
+    s: &Session,
+    worker: &str,
+    timeout: Option<Duration>,
+) -> Result<u64, EmbedError> {
+    let got = s.ends.wait(timeout, |st| match &st.plan {
+        Some(p) => Some(p.clone().map_err(|reason| (reason, false))),
+        None => st.stopped.clone().map(|r| Err((r, true))),
+    });
+    match got {
+        Some(Ok(id)) => Ok(id),
+        Some(Err((reason, false))) => Err(EmbedError::PlanFailed {
+            worker: worker.to_string(),
+            reason,
+        }),
+        Some(Err(_)) => Err(EmbedError::Closed {
+            worker: worker.to_string(),
+        }),
+        None => Err(EmbedError::Timeout {
+            what: format!("{worker}'s plan"),
+        }),
+    }
+}
+
 /// Starts the agent with `driver` on `rt` and waits (up to `within`) until it registered.
 pub(crate) fn run_session<D: SyncDriver>(
     rt: &Runtime,

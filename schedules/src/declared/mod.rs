@@ -93,8 +93,10 @@ pub fn logical_shape(dims: &[u64]) -> Result<Shape, String> {
     }
 }
 
-/// The box a trainer's declaration holds and the whole tensor's shape, in the table's dims.
-fn shard_box(m: &TensorMeta) -> Result<(Shape, TensorBox), String> {
+/// The box a trainer's declaration holds and the whole tensor's shape, in the table's dims;
+/// refused (why, naming no tensor: the caller does) when its dims disagree, the box lies
+/// outside the tensor, or a box of a tensor of more than three dims cuts its trailing dims.
+pub fn shard_box(m: &TensorMeta) -> Result<(Shape, TensorBox), String> {
     let whole = if m.global_shape.is_empty() {
         &m.shape
     } else {
