@@ -99,7 +99,7 @@ pub fn model(
     if is_declared(world, model_config) {
         return Err(part("model")(
             DeclaredError::LayoutFromSpec {
-                side: "model's",
+                side: "parameter list",
                 model: world.model.clone(),
             }
             .into(),

@@ -333,7 +333,7 @@ impl TrainingLayout {
     pub fn build(model: &Model, spec: &TrainSpec) -> Result<TrainingLayout, PlanError> {
         if model.is_declared() {
             return Err(crate::declared::DeclaredError::LayoutFromSpec {
-                side: "training",
+                side: "training layout",
                 model: model.name.clone(),
             }
             .into());
@@ -459,7 +459,7 @@ impl TrainingLayout {
         for s in order {
             if s.rank >= self.ranks {
                 return Err(PlanError::NoSuchRank {
-                    side: "training",
+                    side: "training layout",
                     rank: s.rank,
                     ranks: self.ranks,
                 });

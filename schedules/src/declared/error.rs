@@ -9,13 +9,13 @@ use weightsync_common::DType;
 #[derive(Debug, Error, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum DeclaredError {
-    /// A layout of a declared model was asked of a layout string.
+    /// A declared model's parameters or a layout were asked of its config or a layout string.
     #[error(
-        "{model} is a declared model: its {side} layout comes from what its workers register \
-         (their declarations), not from a layout string"
+        "{model} is a declared model (an architecture the planner does not know): its {side} \
+         comes from what its workers register, not from a config or a layout string"
     )]
     LayoutFromSpec {
-        /// `training` or `inference`.
+        /// `parameter list`, `training layout` or `inference layout`.
         side: &'static str,
         /// The model.
         model: String,

@@ -387,7 +387,7 @@ impl InferenceLayout {
     pub fn build(model: &Model, spec: &InferSpec) -> Result<InferenceLayout, PlanError> {
         if model.is_declared() {
             return Err(crate::declared::DeclaredError::LayoutFromSpec {
-                side: "inference",
+                side: "inference layout",
                 model: model.name.clone(),
             }
             .into());
