@@ -298,6 +298,16 @@ impl EngineHandle {
             name: name.clone(),
             abort_cause: None,
             hooked: None,
+            declared: self.declared.then(|| {
+                planned
+                    .tensors
+                    .iter()
+                    .map(|t| {
+                        let dims = t.shape.dims().iter().map(|&d| d as u64).collect();
+                        TensorMeta::whole(t.name.clone(), dims, t.dtype)
+                    })
+                    .collect()
+            }),
             skip,
         };
         let within = Duration::from_secs(60);

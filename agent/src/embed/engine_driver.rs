@@ -112,13 +112,20 @@ pub(crate) struct EngineDriver {
     pub hooked: Option<u64>,
     /// A declared model's engine: the names it takes nothing of (sent with its registration).
     pub skip: Vec<String>,
+    /// A declared model's engine: its declarations, in its order (sent with its registration
+    /// instead of its tensors in address order); `None` otherwise.
+    pub declared: Option<Vec<weightsync_common::protocol::TensorMeta>>,
 }
 
 impl SyncDriver for EngineDriver {
     fn info(&self) -> DriverInfo {
+        let info = self.inner.info();
         DriverInfo {
             skip: self.skip.clone(),
-            ..self.inner.info()
+            // A declared model's engine declares its tensors in its own order (the order its
+            // layout and the controller's are built in), not its regions' address order.
+            tensors: self.declared.clone().unwrap_or(info.tensors),
+            ..info
         }
     }
 
