@@ -181,7 +181,49 @@ class Engine:
         if self._after is not None:
             self._after(version)
 
-    def register(self, tensors: TensorSource, *, format: Format | None = None) -> dict[str, int]:
+    @property
+    def declared(self) -> bool:
+        """Whether the job's model is declared by its workers (an architecture the planner does
+        not lay out): :meth:`layout` is then empty and :meth:`register` declares every tensor
+        this engine holds, whole, which the controller plans from."""
+        return self._core.declared
+
+    def wait_plan(self, timeout: float | None = None) -> int:
+        """Blocks until the controller planned the world this engine registered in (returns the
+        plan id), or raises why it could not: for a declared model, the tensor this engine and
+        the trainers disagree on, with both ranks."""
+        return self._core.wait_plan(timeout)
+
+    def _register_declared(
+        self, tensors: TensorSource, format: Format | None, skip: Iterable[str]
+    ) -> dict[str, int]:
+        """:meth:`register` for a declared model: every parameter (and, of a module, every
+        buffer named ``*_scale_inv``: fp8 scales), whole, with ``skip``."""
+        if format not in (None, "hf"):
+            raise LayoutMismatchError(
+                f"{self.worker_id}: the job's model is declared: its engines take transformers' "
+                f"tensors by name (format=hf), this engine registers format={format}",
+                worker=self.worker_id, expected="hf", actual=str(format),
+            )
+        items = named_tensors(tensors, with_buffers=True)
+        is_module = hasattr(tensors, "named_parameters")
+        if is_module:
+            params = {n for n, _ in tensors.named_parameters()}  # type: ignore[union-attr]
+            items = [(n, t) for n, t in items if n in params or n.endswith("_scale_inv")]
+        entries = [(name, *split_dtype(value)) for name, value in items]
+        registered = self._core.declare_and_register(entries, list(skip))
+        self._registered = {r.name: r.address for r in registered}
+        self._origins = {name: obj for name, obj, _ in entries if name in self._registered}
+        self._source = tensors if is_module else None
+        return dict(self._registered)
+
+    def register(
+        self,
+        tensors: TensorSource,
+        *,
+        format: Format | None = None,
+        skip: Iterable[str] = (),
+    ) -> dict[str, int]:
         """Registers the engine's own tensors as the destinations, once.
 
         ``tensors`` is a module (its ``named_parameters()`` and those ``named_buffers()`` the
@@ -195,7 +237,13 @@ class Engine:
             LayoutMismatchError: a shape or dtype differs from the plan, or the job's format is
                 not ``format``.
             RegistrationError: a tensor is missing, extra or unusable (read-only, on a device).
+
+        For a declared model (:attr:`declared`) every tensor given is declared, whole, and the
+        controller plans from the declarations; ``skip`` names tensors this engine takes
+        nothing of (a buffer no trainer holds, a trainer tensor it does not hold).
         """
+        if self._core.declared:
+            return self._register_declared(tensors, format, skip)
         layout = self.layout()
         if format is not None:
             job_format = _format_of([t.name for t in layout])

@@ -76,6 +76,27 @@ class PushHandle:
         )
 
 
+def _shard_offset(t: Any) -> tuple[int, ...]:
+    """Where a ``DTensor``'s local shard starts in the whole tensor: torch's own answer where it
+    gives one, else torch.chunk of dim 0 over each mesh dim that shards dim 0."""
+    try:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        return tuple(int(o) for o in offset)
+    except Exception:  # an older or newer torch without it
+        pass
+    shape = tuple(t.shape)
+    start, n = 0, shape[0]
+    for i, p in enumerate(t.placements):
+        if callable(getattr(p, "is_shard", None)) and p.is_shard(0):
+            k, c = t.device_mesh.size(i), t.device_mesh.get_local_rank(i)
+            chunk = -(-n // k)
+            s = min(c * chunk, n)
+            start, n = start + s, min(s + chunk, n) - s
+    return (start,) + (0,) * (len(shape) - 1)
+
+
 def _env_rank() -> int:
     for var in ("RANK", "SLURM_PROCID"):
         if var in os.environ:
@@ -151,6 +172,8 @@ class Trainer:
                 parameter, the expected and the actual shard).
             RegistrationError: a tensor is missing or not in the layout, or unusable.
         """
+        if self._core.declared:
+            return self._register_declared(tensors)
         layout = {s.name: s for s in self.layout()}
         entries: list[tuple[str, object, str | None]] = []
         origins: dict[str, Any] = {}
@@ -175,6 +198,50 @@ class Trainer:
             for _name, obj, _dtype in entries
             if getattr(getattr(obj, "device", None), "type", None) == "cuda"
         }
+        self._origins = origins
+        self._source = tensors if hasattr(tensors, "named_parameters") else None
+        return dict(self._registered)
+
+    @property
+    def declared(self) -> bool:
+        """Whether the job's model is declared by its workers: an architecture the planner does
+        not lay out (a ``config.json`` of another ``model_type``, or ``model="declared"``). Then
+        :meth:`layout` is empty and :meth:`register` declares what this rank holds: every
+        parameter's local shard with its place in the whole parameter, which the controller
+        plans from once every worker registered."""
+        return self._core.declared
+
+    def wait_plan(self, timeout: float | None = None) -> int:
+        """Blocks until the controller planned the world this rank registered in (returns the
+        plan id), or raises why it could not: for a declared model, the tensor the trainers and
+        engines disagree on, with both ranks. Needs every worker registered."""
+        return self._core.wait_plan(timeout)
+
+    def _register_declared(self, tensors: TensorSource) -> dict[str, int]:
+        """:meth:`register` for a declared model: each tensor's local shard and its box (a
+        ``DTensor`` sharded on dim 0: its local shard at its global offset; any other tensor:
+        whole). Empty shards are not declared."""
+        entries: list[tuple[str, object, str | None]] = []
+        boxes: list[tuple[list[int], list[int]]] = []
+        origins: dict[str, Any] = {}
+        for name, value in named_tensors(tensors):
+            obj, dtype = split_dtype(value)
+            self._check_placement(name, obj, None)
+            if numel(obj) == 0:
+                continue
+            if is_dtensor(obj):
+                local = obj.to_local()
+                global_shape = list(shape_of(obj) or ())
+                offset = list(_shard_offset(obj))
+                entries.append((name, local, dtype))
+            else:
+                global_shape = list(shape_of(obj) or ())
+                offset = [0] * len(global_shape)
+                entries.append((name, obj, dtype))
+            boxes.append((global_shape, offset))
+            origins[name] = obj
+        registered = self._core.declare_and_register(entries, boxes)
+        self._registered = {r.name: r.address for r in registered}
         self._origins = origins
         self._source = tensors if hasattr(tensors, "named_parameters") else None
         return dict(self._registered)

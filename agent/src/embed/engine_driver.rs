@@ -119,6 +119,11 @@ pub(crate) struct EngineDriver {
     /// The version whose `before_landing` hook was called (set before the call: an abort that
     /// cancels `prepare` while the hook runs still leaves the engine told to stop reading).
     pub hooked: Option<u64>,
+    /// A declared model's engine: the names it takes nothing of (sent with its registration).
+    pub skip: Vec<String>,
+    /// A declared model's engine: its declarations, in its order (sent with its registration
+    /// instead of its tensors in address order); `None` otherwise.
+    pub declared: Option<Vec<weightsync_common::protocol::TensorMeta>>,
 }
 
 impl EngineDriver {
@@ -134,7 +139,14 @@ impl EngineDriver {
 
 impl SyncDriver for EngineDriver {
     fn info(&self) -> DriverInfo {
-        self.inner.info()
+        let info = self.inner.info();
+        DriverInfo {
+            skip: self.skip.clone(),
+            // A declared model's engine declares its tensors in its own order (the order its
+            // layout and the controller's are built in), not its regions' address order.
+            tensors: self.declared.clone().unwrap_or(info.tensors),
+            ..info
+        }
     }
 
     async fn assign(&mut self, a: Assignment) -> Result<Accepted, DriverError> {

@@ -36,6 +36,9 @@ pub const MAGIC: [u8; 4] = *b"WSYC";
 /// 7: a worker report carries the trainer's `TimeSplit` (wire, idle, overhead of its sync).
 /// 8: a failure carries its kind (`FailureKind`); a worker's `Failed` carries a `Fault` (kind,
 /// tensor, cause), no longer a `Failure` with a placeholder worker id the controller replaced.
+/// Also 8: declared models: a `TensorMeta` carries the box it is of a parameter (`global_shape`,
+/// `offset`), a registration the names an engine `skip`s, and the controller tells every worker
+/// when planning failed (`PlanFailed`, naming the tensor and both sides).
 pub const PROTOCOL_VERSION: u16 = 8;
 /// Bytes in a frame header.
 pub const FRAME_HEADER_LEN: usize = 12;
@@ -230,8 +233,11 @@ mod tests {
                 shape: vec![4, 4],
                 dtype: DType::BF16,
                 bytes: 32,
+                global_shape: Vec::new(),
+                offset: Vec::new(),
             }],
             placement: None,
+            skip: Vec::new(),
         }))
     }
 
