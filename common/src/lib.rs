@@ -2,6 +2,7 @@
 //!
 //! # Layout
 //! - [`dtype`]: element types of weights on both sides of a sync.
+//! - [`fp8_recipe`]: which engine's arithmetic an fp8 block quantisation follows.
 //! - [`fabric`]: one API for one-sided RDMA-style WRITE with 32-bit immediates, with a TCP backend
 //!   that runs anywhere and an ibverbs backend (feature `rdma`).
 //! - [`protocol`]: the control-channel messages between workers and the controller, and their
@@ -13,6 +14,8 @@ pub mod dtype;
 // own; the fabric is being reworked on other branches (TCP and verbs backends), which lift this.
 #[allow(missing_docs)]
 pub mod fabric;
+pub mod fp8_recipe;
 pub mod protocol;
 
 pub use dtype::DType;
+pub use fp8_recipe::Fp8Recipe;
