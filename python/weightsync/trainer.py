@@ -14,7 +14,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import _native
-from ._tensors import TensorSource, current_ptr, is_dtensor, named_tensors, numel, shape_of, split_dtype
+from ._tensors import (
+    NameMap,
+    TensorSource,
+    current_ptr,
+    is_dtensor,
+    named_tensors,
+    numel,
+    shape_of,
+    split_dtype,
+)
 from .errors import LayoutMismatchError, RegistrationError, StaleTensorError
 
 __all__ = ["Trainer", "PushHandle", "SyncOutcome", "ShardInfo"]
@@ -103,6 +112,7 @@ class Trainer:
         self._registered: dict[str, int] = {}
         self._origins: dict[str, Any] = {}
         self._source: Any = None
+        self._name_map: NameMap | None = None
         self._cuda_devices: set[int] = set()
 
     @property
@@ -116,12 +126,18 @@ class Trainer:
             ShardInfo(n, d, tuple(g), tuple(o), tuple(s)) for n, d, g, o, s in self._core.layout()
         ]
 
-    def register(self, tensors: TensorSource) -> dict[str, int]:
+    def register(self, tensors: TensorSource, *, name_map: NameMap | None = None) -> dict[str, int]:
         """Registers this rank's parameters in place, once.
 
         ``tensors`` is a module (its ``named_parameters()``), a mapping of names to tensors, or
         ``(name, tensor)`` pairs; names are the job's parameter names (transformers'
-        ``named_parameters()``). A ``DTensor``'s local shard is registered, after checking that
+        ``named_parameters()``). A module is registered as it is: the path components that
+        ``torch.compile`` (``_orig_mod``), activation checkpointing
+        (``_checkpoint_wrapped_module``), FSDP1 (``_fsdp_wrapped_module``) and DDP-style
+        wrappers (``module``) insert are dropped wherever they appear in a name; ``name_map``
+        (a mapping, or a function returning the job's name or None to leave a tensor out)
+        then turns a framework's own names into the job's. The returned addresses are keyed by
+        the job's names. A ``DTensor``'s local shard is registered, after checking that
         it is sharded on dim 0 and that its global and local shapes are the layout's; empty
         shards (FSDP2 gives them shape ``(0, ...)``) are skipped. Returns the registered address
         of each tensor.
@@ -139,7 +155,7 @@ class Trainer:
         layout = {s.name: s for s in self.layout()}
         entries: list[tuple[str, object, str | None]] = []
         origins: dict[str, Any] = {}
-        for name, value in named_tensors(tensors):
+        for name, value in named_tensors(tensors, name_map=name_map):
             obj, dtype = split_dtype(value)
             self._check_placement(name, obj, layout.get(name))
             if numel(obj) == 0:
@@ -162,6 +178,7 @@ class Trainer:
         }
         self._origins = origins
         self._source = tensors if hasattr(tensors, "named_parameters") else None
+        self._name_map = name_map
         return dict(self._registered)
 
     def _check_placement(self, name: str, t: Any, shard: ShardInfo | None) -> None:
@@ -199,7 +216,9 @@ class Trainer:
             raise RegistrationError(f"{self.worker_id}: register() first", worker=self.worker_id)
         current = dict(self._origins)
         if self._source is not None:
-            current.update({n: p for n, p in self._source.named_parameters() if n in current})
+            current.update(
+                {n: p for n, p in named_tensors(self._source, name_map=self._name_map) if n in current}
+            )
         for name, ptr in self._registered.items():
             now = current_ptr(split_dtype(current[name])[0])
             if now is not None and now != ptr:
