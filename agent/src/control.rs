@@ -85,6 +85,19 @@ pub enum AgentEvent {
         /// The failure, naming the worker that failed, when one did.
         failure: Option<Failure>,
     },
+    /// The controller sent this worker its part of plan `plan_id`.
+    Assigned {
+        /// The plan.
+        plan_id: u64,
+    },
+    /// The world is complete but could not be planned (`PlanFailed`): the reason names what
+    /// was wrong (a declared model's tensor and both sides).
+    PlanFailed {
+        /// The plan.
+        plan_id: u64,
+        /// Why.
+        reason: String,
+    },
     /// The agent stopped (shutdown, refused, or the controller could not be reached).
     Stopped {
         /// Why.
@@ -318,6 +331,7 @@ async fn register(
         regions: info.regions.clone(),
         tensors: info.tensors.clone(),
         placement: info.placement.clone(),
+        skip: info.skip.clone(),
     };
     if let Err(e) = write_frame(wr, &FromWorker::Register(Box::new(reg)), max).await {
         return lost(e);
@@ -441,7 +455,17 @@ fn next_for(cfg: &AgentConfig, msg: ToWorker, current: &mut Option<SyncRef>, end
     let abort_tx = ends.abort_tx;
     let of_current = |sync_id: u64| current.filter(|s| s.sync_id == sync_id);
     let cmd = match msg {
-        ToWorker::Assign(a) => Some(DriverCmd::Assign(Box::new(a))),
+        ToWorker::Assign(a) => {
+            ends.event(AgentEvent::Assigned {
+                plan_id: a.plan_id(),
+            });
+            Some(DriverCmd::Assign(Box::new(a)))
+        }
+        ToWorker::PlanFailed { plan_id, reason } => {
+            tracing::warn!("{}: plan {plan_id} failed: {reason}", cfg.id);
+            ends.event(AgentEvent::PlanFailed { plan_id, reason });
+            None
+        }
         ToWorker::Peers { plan_id, peers } => Some(DriverCmd::Peers(plan_id, peers)),
         ToWorker::Prepare { sync_id, version } => {
             let s = SyncRef {

@@ -58,6 +58,9 @@ pub struct DriverInfo {
     /// Where the planned tensors lie in `regions` when they are not laid out as planned (a
     /// rollout over an engine's own tensors); `None`: as planned.
     pub placement: Option<Blob>,
+    /// An engine of a declared model: the names it takes nothing of (see
+    /// [`weightsync_common::protocol::Registration::skip`]).
+    pub skip: Vec<String>,
 }
 
 /// What a worker built for its assignment, sent back in `Ready`.

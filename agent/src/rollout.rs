@@ -121,9 +121,12 @@ impl SyncDriver for RolloutDriver {
                     shape: t.shape.dims().iter().map(|&d| u64::from(d)).collect(),
                     dtype: t.dtype,
                     bytes: t.len,
+                    global_shape: Vec::new(),
+                    offset: Vec::new(),
                 })
                 .collect(),
             placement: self.worker.placement().map(blob),
+            skip: Vec::new(),
         }
     }
 

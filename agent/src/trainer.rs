@@ -60,6 +60,9 @@ pub struct TrainerDriver {
     in_flight: Option<InFlight>,
     /// Where the last sync's report is kept for an embedding (see [`TrainerDriver::keep_reports`]).
     reports: Option<ReportSlot>,
+    /// The shards it registers with (a declared model's declarations; see
+    /// [`TrainerDriver::declare`]); empty otherwise.
+    declared: Vec<TensorMeta>,
 }
 
 /// The last sync's version and report, for an embedding that reports it when the sync commits.
@@ -95,21 +98,24 @@ fn ns_since(t: Instant, since: Instant) -> u64 {
     t.saturating_duration_since(since).as_nanos() as u64
 }
 
-/// The shards a plan says this rank holds, for the dashboard.
+/// The shards a plan says this rank holds, for the dashboard, each as the box it is of its
+/// parameter (so that they are also this rank's declarations of a declared model, which a
+/// re-plan reads from the registration they replace).
 fn shard_tensors(plan: &TrainerPlan) -> Vec<TensorMeta> {
+    let dims = |d: &[u32]| d.iter().map(|&d| u64::from(d)).collect::<Vec<u64>>();
     plan.shards
         .iter()
-        .map(|s| TensorMeta {
-            name: plan
-                .params
-                .get(s.param as usize)
-                .map_or_else(String::new, |p| p.name.to_string()),
-            shape: s.global.len[..s.global.ndim as usize]
-                .iter()
-                .map(|&d| u64::from(d))
-                .collect(),
-            dtype: s.dtype,
-            bytes: s.bytes(),
+        .map(|s| {
+            let n = s.global.ndim as usize;
+            let param = plan.params.get(s.param as usize);
+            TensorMeta {
+                name: param.map_or_else(String::new, |p| p.name.to_string()),
+                shape: dims(&s.global.len[..n]),
+                dtype: s.dtype,
+                bytes: s.bytes(),
+                global_shape: param.map_or_else(Vec::new, |p| dims(p.shape.dims())),
+                offset: dims(&s.global.start[..n]),
+            }
         })
         .collect()
 }
@@ -179,7 +185,15 @@ impl TrainerDriver {
             built: None,
             in_flight: None,
             reports: None,
+            declared: Vec::new(),
         }
+    }
+
+    /// Registers with `tensors` as this rank's declarations: the shards it holds of a declared
+    /// model (each a box of its parameter, see `weightsync_schedules::declared`), which the
+    /// controller plans from.
+    pub fn declare(&mut self, tensors: Vec<TensorMeta>) {
+        self.declared = tensors;
     }
 
     /// Keeps each successful sync's report in the returned slot (before `Written` is sent).
@@ -253,8 +267,9 @@ impl SyncDriver for TrainerDriver {
         DriverInfo {
             fabric_endpoint: blob(self.fabric.endpoint()),
             regions: Vec::new(),
-            tensors: Vec::new(),
+            tensors: self.declared.clone(),
             placement: None,
+            skip: Vec::new(),
         }
     }
 

@@ -85,8 +85,11 @@ fn from_worker() -> Vec<FromWorker> {
                 shape: vec![8, 16],
                 dtype: DType::BF16,
                 bytes: 256,
+                global_shape: Vec::new(),
+                offset: Vec::new(),
             }],
             placement: Some(Blob(vec![6; 32])),
+            skip: vec!["model.rotary_emb.inv_freq".into()],
         })),
         FromWorker::Ready {
             plan_id: 1,
@@ -96,6 +99,8 @@ fn from_worker() -> Vec<FromWorker> {
                 shape: vec![4, 16],
                 dtype: DType::BF16,
                 bytes: 128,
+                global_shape: vec![12, 16],
+                offset: vec![4, 0],
             }],
         },
         FromWorker::Prepared {
@@ -242,6 +247,11 @@ fn to_worker() -> Vec<ToWorker> {
         },
         ToWorker::Heartbeat { seq: 9 },
         ToWorker::Shutdown,
+        ToWorker::PlanFailed {
+            plan_id: 2,
+            reason: "tensor w: inference rank 1 declares it (bf16 [4]) but no trainer holds it"
+                .into(),
+        },
     ];
     for m in &msgs {
         match m {
@@ -257,6 +267,7 @@ fn to_worker() -> Vec<ToWorker> {
             | ToWorker::Job { .. }
             | ToWorker::Verify { .. }
             | ToWorker::Heartbeat { .. }
+            | ToWorker::PlanFailed { .. }
             | ToWorker::Shutdown => {}
         }
     }

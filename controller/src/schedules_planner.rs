@@ -2,13 +2,20 @@
 //! assignment per worker, and the registrations checked against it. A trainer gets its compact
 //! slice ([`weightsync_schedules::TrainerSlice`]) and expands it itself: the controller never
 //! holds every trainer's explicit writes.
+//!
+//! A declared model (an architecture the planner does not know, see
+//! `weightsync_schedules::declared`) is planned from the registrations themselves: every
+//! trainer's declared shards and every engine's declared tensors and skip list. A disagreement
+//! between them fails the plan with an error naming the tensor and both ranks, which
+//! `GET /v1/plan` shows and every worker is told (`PlanFailed`).
 
 use std::collections::BTreeMap;
 
 use weightsync_common::protocol::{
-    Assignment, Blob, Registration, WorkerId, WorkerRole, WorldSpec,
+    Assignment, Blob, Registration, TensorMeta, WorkerId, WorkerRole, WorldSpec,
 };
-use weightsync_schedules::job::plan_job;
+use weightsync_schedules::declared::EngineDeclaration;
+use weightsync_schedules::job::{is_declared, plan_declared_job, plan_job, Job};
 use weightsync_schedules::Summary;
 
 use crate::planning::{AssignmentError, PlanOutput, Planner};
@@ -27,7 +34,11 @@ impl Planner for SchedulesPlanner {
         let text = world
             .read_model_config()
             .map_err(|e| AssignmentError(e.to_string()))?;
-        let job = plan_job(world, text.as_deref()).map_err(|e| AssignmentError(e.to_string()))?;
+        let job = if is_declared(world, text.as_deref()) {
+            plan_declared(world, workers)?
+        } else {
+            plan_job(world, text.as_deref()).map_err(|e| AssignmentError(e.to_string()))?
+        };
         let t = &job.table;
         if t.trainers.len()
             != workers
@@ -93,4 +104,33 @@ impl Planner for SchedulesPlanner {
             assignments,
         })
     }
+}
+
+/// Plans a declared model from the registrations: trainer `r`'s declared shards and rollout
+/// `i`'s declared tensors and skip list (a rank that did not register declares nothing, which
+/// the planner then names).
+fn plan_declared(
+    world: &WorldSpec,
+    workers: &BTreeMap<WorkerId, Registration>,
+) -> Result<Job, AssignmentError> {
+    let (trainers, rollouts) = weightsync_schedules::job::declared_world(world)
+        .map_err(|e| AssignmentError(e.to_string()))?;
+    let reg = |id: WorkerId| workers.get(&id);
+    let none: &[TensorMeta] = &[];
+    let t: Vec<&[TensorMeta]> = (0..trainers)
+        .map(|r| reg(WorkerId::trainer(r)).map_or(none, |g| g.tensors.as_slice()))
+        .collect();
+    let e: Vec<EngineDeclaration> = (0..rollouts)
+        .map(|r| match reg(WorkerId::rollout(r)) {
+            Some(g) => EngineDeclaration {
+                tensors: &g.tensors,
+                skip: &g.skip,
+            },
+            None => EngineDeclaration {
+                tensors: none,
+                skip: &[],
+            },
+        })
+        .collect();
+    plan_declared_job(world, &t, &e).map_err(|e| AssignmentError(e.to_string()))
 }

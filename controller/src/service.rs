@@ -60,12 +60,20 @@ impl ControllerConfig {
         history: usize,
     ) -> Result<ControllerConfig, JobConfigError> {
         let text = world.read_model_config()?;
-        let layouts = weightsync_schedules::job::layouts(&world, text.as_deref())?;
+        // A declared model has no layouts before its workers register: the layout strings
+        // give the numbers of ranks (and must suit a declared model).
+        let (trainers, rollouts) =
+            if weightsync_schedules::job::is_declared(&world, text.as_deref()) {
+                weightsync_schedules::job::declared_world(&world)?
+            } else {
+                let layouts = weightsync_schedules::job::layouts(&world, text.as_deref())?;
+                (layouts.train.ranks, layouts.infer.ranks.len() as u32)
+            };
         let mut cfg = ControllerConfig::new(
             CoordinatorConfig {
                 world,
-                trainers: layouts.train.ranks,
-                rollouts: layouts.infer.ranks.len() as u32,
+                trainers,
+                rollouts,
                 heartbeat_interval: (heartbeat_timeout / 5).max(Duration::from_millis(50)),
                 heartbeat_timeout,
                 sync_timeout,

@@ -133,6 +133,58 @@ impl EngineCore {
         Ok(registered)
     }
 
+    /// Whether the job's model is declared by its workers: register with
+    /// `declare_and_register`; `layout()` is empty.
+    #[getter]
+    fn declared(&self) -> bool {
+        self.inner.is_declared()
+    }
+
+    /// A declared model's destinations: `(name, tensor, dtype or None)` entries, every tensor
+    /// the engine holds, whole, and `skip`, the names it takes nothing of (a buffer no trainer
+    /// holds, a trainer tensor it does not hold). Registers them and declares them to the
+    /// controller; returns what was registered (skipped and empty tensors are not).
+    fn declare_and_register(
+        &self,
+        py: Python<'_>,
+        tensors: Vec<Entry<'_>>,
+        skip: Vec<String>,
+    ) -> PyResult<Vec<Registered>> {
+        let worker = self.inner.worker_id().to_string();
+        let named = tensor_list::read(py, &worker, tensors, Access::Write)?;
+        let mut registered = Vec::with_capacity(named.len());
+        let mut dsts = Vec::with_capacity(named.len());
+        for n in named {
+            if !skip.contains(&n.name) && n.tensor.len() > 0 {
+                registered.push((
+                    n.name.clone(),
+                    n.tensor.ptr(),
+                    n.tensor.len(),
+                    n.tensor.kind(),
+                ));
+            }
+            dsts.push(DstTensor {
+                name: n.name,
+                dtype: n.tensor.dtype(),
+                shape: n.tensor.shape().to_vec(),
+                memory: n.tensor.into_host_memory()?,
+            });
+        }
+        py.detach(|| self.inner.declare_and_register(dsts, skip))
+            .map_err(|e| embed_error(py, e))?;
+        Ok(registered)
+    }
+
+    /// Blocks (GIL released, Ctrl-C honoured) until the controller planned the world this rank
+    /// registered in (the plan id), or raises why it could not.
+    #[pyo3(signature = (timeout = None))]
+    fn wait_plan(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<u64> {
+        let what = format!("{}'s plan", self.inner.worker_id());
+        wait_interruptibly(py, timeout, &what, |slice| {
+            self.inner.wait_plan(Some(slice))
+        })
+    }
+
     /// `(version, state, cause)` now.
     fn state(&self) -> State {
         state(self.inner.state())

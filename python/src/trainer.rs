@@ -6,7 +6,7 @@ use pyo3::prelude::*;
 #[cfg(feature = "cuda")]
 use weightsync_agent::embed::DeviceTensor;
 use weightsync_agent::embed::{
-    EmbedError, PushHandle, SourceTensor, SyncOutcome, TrainerHandle, TrainerOptions,
+    DeclaredShard, EmbedError, PushHandle, SourceTensor, SyncOutcome, TrainerHandle, TrainerOptions,
 };
 
 use crate::errors::embed_error;
@@ -150,6 +150,82 @@ impl TrainerCore {
         py.detach(|| self.inner.register(sources))
             .map_err(|e| embed_error(py, e))?;
         Ok(registered)
+    }
+
+    /// Whether the job's model is declared by its workers (an architecture the planner does
+    /// not lay out): register with `declare_and_register`; `layout()` is empty.
+    #[getter]
+    fn declared(&self) -> bool {
+        self.inner.is_declared()
+    }
+
+    /// A declared model's shards: `(name, tensor, dtype or None)` entries (CPU tensors, each a
+    /// parameter's local shard) and, per entry, `(global_shape, offset)`: the whole
+    /// parameter's shape and where the shard starts in it (both empty: the tensor is whole).
+    /// Registers them in place and declares them to the controller; returns what was
+    /// registered.
+    fn declare_and_register(
+        &self,
+        py: Python<'_>,
+        tensors: Vec<Entry<'_>>,
+        boxes: Vec<(Vec<u64>, Vec<u64>)>,
+    ) -> PyResult<Vec<Registered>> {
+        let worker = self.inner.worker_id().to_string();
+        if boxes.len() != tensors.len() {
+            return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                "{worker}: {} tensors but {} boxes",
+                tensors.len(),
+                boxes.len()
+            )));
+        }
+        let named = tensor_list::read(py, &worker, tensors, Access::Read)?;
+        let mut registered = Vec::with_capacity(named.len());
+        let mut shards = Vec::with_capacity(named.len());
+        for (n, (global_shape, offset)) in named.into_iter().zip(boxes) {
+            if let Some(dev) = n.tensor.cuda() {
+                return Err(embed_error(
+                    py,
+                    EmbedError::Registration {
+                        worker: worker.clone(),
+                        tensor: Some(n.name),
+                        reason: format!(
+                            "on cuda:{dev}: a declared model's shards register from CPU memory \
+                             (device shards are not declared yet)"
+                        ),
+                    },
+                ));
+            }
+            registered.push((
+                n.name.clone(),
+                n.tensor.ptr(),
+                n.tensor.len(),
+                n.tensor.kind(),
+            ));
+            shards.push(DeclaredShard {
+                tensor: SourceTensor {
+                    name: n.name,
+                    dtype: n.tensor.dtype(),
+                    shape: n.tensor.shape().to_vec(),
+                    memory: n.tensor.into_host_memory()?,
+                },
+                global_shape,
+                offset,
+            });
+        }
+        py.detach(|| self.inner.declare_and_register(shards))
+            .map_err(|e| embed_error(py, e))?;
+        Ok(registered)
+    }
+
+    /// Blocks (GIL released, Ctrl-C honoured) until the controller planned the world this rank
+    /// registered in (the plan id), or raises why it could not (a declared model's
+    /// disagreement, naming the tensor and both ranks).
+    #[pyo3(signature = (timeout = None))]
+    fn wait_plan(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<u64> {
+        let what = format!("{}'s plan", self.inner.worker_id());
+        wait_interruptibly(py, timeout, &what, |slice| {
+            self.inner.wait_plan(Some(slice))
+        })
     }
 
     /// Declares that the registered tensors hold `version`; returns the handle of its sync.

@@ -34,7 +34,7 @@ pub enum PlanError {
         reason: String,
     },
     /// config.json names a model family this planner does not know.
-    #[error("unknown model family {family:?} (known: llama, qwen2, qwen3, qwen3_moe, deepseek_v3, kimi_k2)")]
+    #[error("unknown model family {family:?} (known: llama, qwen2, qwen3, qwen3_moe, deepseek_v3, kimi_k2; any other architecture is planned from what its workers declare, with format=hf)")]
     UnknownFamily {
         /// The `model_type` / architecture found.
         family: String,
@@ -161,4 +161,8 @@ pub enum PlanError {
     /// Something exceeds what the table's compact integers can hold.
     #[error("too large: {0}")]
     TooLarge(String),
+    /// The workers' declarations of a declared model disagree or cannot be planned (each
+    /// names the tensor and both sides: see [`crate::declared::DeclaredError`]).
+    #[error(transparent)]
+    Declared(#[from] crate::declared::DeclaredError),
 }

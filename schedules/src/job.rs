@@ -8,11 +8,18 @@
 //! registers with the controller; and a launcher checks a rank against the world's size
 //! ([`world_size`], from the layout strings alone). None of them reads a file here: when the
 //! model is a `config.json` path, the caller reads it and passes the text in.
+//!
+//! A declared model ([`is_declared`]: a `config.json` of an architecture the planner does not
+//! know, or `--model declared[:NAME]`) has no layouts of its own: the controller plans it from
+//! every worker's registration ([`declared_layouts`], [`plan_declared_job`]), and an engine lays
+//! out its own tensors from what it declares ([`declared_rollout_layout`]). See
+//! [`crate::declared`].
 
-use weightsync_common::protocol::WorldSpec;
+use weightsync_common::protocol::{TensorMeta, WorldSpec};
 use weightsync_common::DType;
 
 use crate::cost::CostModel;
+use crate::declared::{DeclaredError, EngineDeclaration};
 use crate::error::PlanError;
 use crate::layout_infer::{InferDType, InferSpec, InferenceLayout};
 use crate::layout_train::{TrainSpec, TrainingLayout};
@@ -89,6 +96,15 @@ pub fn model(
     model_config: Option<&str>,
     train: &TrainSpec,
 ) -> Result<Model, JobError> {
+    if is_declared(world, model_config) {
+        return Err(part("model")(
+            DeclaredError::LayoutFromSpec {
+                side: "model's",
+                model: world.model.clone(),
+            }
+            .into(),
+        ));
+    }
     match model_config {
         Some(text) => Model::from_config_json(&world.model, text, train.experts),
         None => Model::preset(&world.model, train.experts),
@@ -138,6 +154,109 @@ pub fn plan_job(world: &WorldSpec, model_config: Option<&str>) -> Result<Job, Jo
         layouts,
         cost,
         table,
+    })
+}
+
+/// The name a job gives a declared model explicitly: `declared` or `declared:NAME`.
+fn declared_by_name(model: &str) -> Option<&str> {
+    match model.split_once(':') {
+        Some(("declared", name)) if !name.is_empty() => Some(name),
+        _ if model == "declared" => Some(model),
+        _ => None,
+    }
+}
+
+/// Whether the job's model is declared by its workers ([`crate::declared`]): the job names it
+/// `declared` (or `declared:NAME`), or its `config.json` names a `model_type` the planner does
+/// not know (a config that is not JSON, or misses a field of a known family, is not declared:
+/// it is an error of its own, which [`model`] names).
+pub fn is_declared(world: &WorldSpec, model_config: Option<&str>) -> bool {
+    declared_by_name(&world.model).is_some()
+        || model_config.is_some_and(|text| {
+            matches!(
+                crate::model_config::ModelConfig::parse_json(text),
+                Err(PlanError::UnknownFamily { .. })
+            )
+        })
+}
+
+/// The numbers of training and inference ranks of a declared job, after checking that its
+/// inference layout can hold a declared model (`tp=1`, `ep=1`, `format=hf`).
+pub fn declared_world(world: &WorldSpec) -> Result<(u32, u32), JobError> {
+    let spec = infer_spec(world)?;
+    crate::declared::check_spec(&spec).map_err(|e| part("inference layout")(e.into()))?;
+    world_size(world)
+}
+
+/// The model and both layouts of a declared job, from its workers' declarations: `trainers[r]`
+/// is training rank `r`'s registration's tensors, `engines[i]` inference rank `i`'s (with its
+/// skip list). Every disagreement is refused naming the tensor and both sides.
+pub fn declared_layouts(
+    world: &WorldSpec,
+    trainers: &[&[TensorMeta]],
+    engines: &[EngineDeclaration<'_>],
+) -> Result<JobLayouts, JobError> {
+    let (t, r) = declared_world(world)?;
+    if trainers.len() != t as usize || engines.len() != r as usize {
+        return Err(part("declarations")(PlanError::BadSpec {
+            spec: format!("{} / {}", world.train, world.infer),
+            reason: format!(
+                "the job has {t} training and {r} inference ranks, but {} trainers and {} \
+                 engines declared their tensors",
+                trainers.len(),
+                engines.len()
+            ),
+        }));
+    }
+    let name = declared_by_name(&world.model).unwrap_or(&world.model);
+    let (model, train) =
+        crate::declared::from_trainers(name, trainers).map_err(part("trainers' declarations"))?;
+    let infer_spec = infer_spec(world)?;
+    let infer = crate::declared::inference_layout(&model, &train, &infer_spec, engines)
+        .map_err(part("declarations"))?;
+    Ok(JobLayouts {
+        model,
+        train,
+        infer,
+        infer_spec,
+    })
+}
+
+/// Builds and plans a declared job with the default cost model (see [`declared_layouts`]).
+pub fn plan_declared_job(
+    world: &WorldSpec,
+    trainers: &[&[TensorMeta]],
+    engines: &[EngineDeclaration<'_>],
+) -> Result<Job, JobError> {
+    let layouts = declared_layouts(world, trainers, engines)?;
+    let cost = CostModel::default();
+    let table =
+        plan(&layouts.model, &layouts.train, &layouts.infer, &cost).map_err(part("planning"))?;
+    Ok(Job {
+        layouts,
+        cost,
+        table,
+    })
+}
+
+/// An engine's own tensors and region size in a declared job, from its declarations alone (no
+/// trainer's, no planning): what it registers before the controller plans, and what the table
+/// will give it ([`same_rollout_layout`]). Inference rank `rank` is engine `rank`, local rank 0.
+pub fn declared_rollout_layout(
+    rank: u32,
+    tensors: &[TensorMeta],
+    skip: &[String],
+) -> Result<RolloutPlan, JobError> {
+    let (tensors, bytes) =
+        crate::declared::engine_tensors(rank, EngineDeclaration { tensors, skip })
+            .map_err(|e| part("declarations")(e.into()))?;
+    Ok(RolloutPlan {
+        rank,
+        engine: rank,
+        local_rank: 0,
+        mr_bytes: vec![bytes],
+        tensors,
+        expect: Vec::new(),
     })
 }
 

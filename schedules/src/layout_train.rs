@@ -259,7 +259,7 @@ pub(crate) fn train_tp_split(role: Role) -> TpSplit {
     use LayerKind as K;
     match role {
         Role::Embed | Role::LmHead => TpSplit::Dim(0),
-        Role::FinalNorm => TpSplit::None,
+        Role::FinalNorm | Role::Declared { .. } => TpSplit::None,
         Role::Layer { kind, .. } => match kind {
             K::Q | K::K | K::V | K::QBias | K::KBias | K::VBias | K::QB | K::KVB => TpSplit::Dim(0),
             K::O => TpSplit::Dim(1),
@@ -311,7 +311,7 @@ impl TrainSpec {
     pub fn stage_of(&self, model: &Model, role: Role) -> u32 {
         let l = model.config.layers;
         match role {
-            Role::Embed => 0,
+            Role::Embed | Role::Declared { .. } => 0,
             Role::FinalNorm | Role::LmHead => self.pp - 1,
             Role::Layer { layer, .. } => {
                 // Largest s with s*L/pp <= layer.
@@ -331,6 +331,13 @@ impl TrainingLayout {
     /// group's experts), in parameter order, one after the other in its arena; the ranks'
     /// lists are then joined in rank order.
     pub fn build(model: &Model, spec: &TrainSpec) -> Result<TrainingLayout, PlanError> {
+        if model.is_declared() {
+            return Err(crate::declared::DeclaredError::LayoutFromSpec {
+                side: "training",
+                model: model.name.clone(),
+            }
+            .into());
+        }
         let world = spec.world()?;
         check_spec_fits(model, spec)?;
         let per_stage = spec.dp * spec.ep * spec.fsdp * spec.tp;

@@ -12,7 +12,9 @@
 //!   [`compact`]: a trainer's tasks stored as shapes ([`compact::TaskPattern`]) and
 //!   [`packed`] progressions; [`slice`]: one trainer's part ([`TrainerSlice`]) and the explicit
 //!   plan it expands to; [`fanout`] reads an explicit plan's write copies back as writes.
-//! - [`model`]: logical parameters from a Hugging Face config.json; [`presets`] of public ones.
+//! - [`model`]: logical parameters from a Hugging Face config.json ([`model_config`] reads it,
+//!   [`model_bounds`] bounds it); [`presets`] of public ones; [`declared`]: a model known only
+//!   from what its workers declare (any architecture, `format=hf`).
 //! - [`layout_train`]: training layouts (`pp=2,ep=8,fsdp=16`) as shard lists.
 //! - [`layout_infer`]: inference layouts (`tp=8,ep=32,dp=4`, bf16 or fp8) as engine tensors,
 //!   in the engines' fused format or transformers' own (`format=hf`).
@@ -38,6 +40,7 @@ pub mod balance;
 pub mod baseline;
 pub mod compact;
 pub mod cost;
+pub mod declared;
 pub mod error;
 pub mod fanout;
 pub mod job;
@@ -45,6 +48,7 @@ pub mod layout_infer;
 pub mod layout_train;
 pub mod model;
 pub mod model_bounds;
+pub mod model_config;
 pub mod packed;
 pub mod planner;
 pub mod presets;

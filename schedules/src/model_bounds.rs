@@ -10,9 +10,14 @@
 //! range instead of letting an overflow panic or a billion-tensor list take the machine. The
 //! sizes here are worked out in closed form (no tensor is built); a test holds them equal to
 //! the built models' for every preset and family.
+//!
+//! [`ModelConfig::from_json`], the checked entry (parse, then these bounds), lives here so that
+//! the parse ([`crate::model_config`]) need not know the bounds: the bounds read the config,
+//! never the other way round.
 
 use crate::error::PlanError;
-use crate::model::{MlaConfig, ModelConfig};
+pub use crate::model_config::MAX_LAYERS;
+use crate::model_config::{check_layers, MlaConfig, ModelConfig};
 
 /// Most tensors a model may have (counting routed experts one tensor per expert and
 /// projection, the largest of the expert forms). Kimi-K2 has about 71,000; two million keep
@@ -23,9 +28,6 @@ pub const MAX_TENSORS: u64 = 1 << 21;
 /// sizes, offsets and per-rank shares then stays far inside `u64`.
 pub const MAX_MODEL_BYTES: u128 = 1 << 50;
 
-/// Most decoder layers: mesh groups are `u16` and there are two besides the layers.
-pub const MAX_LAYERS: u32 = u16::MAX as u32 - 2;
-
 /// What the bounds check found a config to hold.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ModelSize {
@@ -33,17 +35,6 @@ pub struct ModelSize {
     pub tensors: u64,
     /// Elements of every tensor together (the same in every expert form).
     pub elements: u128,
-}
-
-/// `num_hidden_layers` at most [`MAX_LAYERS`] (checked by `from_json` before any per-layer
-/// list is allocated, and again with the rest).
-pub(crate) fn check_layers(layers: u32) -> Result<(), PlanError> {
-    if layers > MAX_LAYERS {
-        return Err(PlanError::BadConfig(format!(
-            "num_hidden_layers = {layers} is more than the {MAX_LAYERS} layers a model may have"
-        )));
-    }
-    Ok(())
 }
 
 /// `a * b` (or a sum) as a tensor dimension: it must fit `u32`.
@@ -115,6 +106,14 @@ fn mla_attention(c: &ModelConfig, m: &MlaConfig) -> Result<(u64, u128), PlanErro
 }
 
 impl ModelConfig {
+    /// Parses the text of a Hugging Face config.json ([`ModelConfig::parse_json`]) and checks
+    /// the bounds in this module's docs, naming the field that is out of range.
+    pub fn from_json(text: &str) -> Result<ModelConfig, PlanError> {
+        let config = ModelConfig::parse_json(text)?;
+        config.check_bounds()?;
+        Ok(config)
+    }
+
     /// Checks the bounds in this module's docs and returns the model's size, or names the
     /// field (or product of fields) that is out of range.
     pub fn check_bounds(&self) -> Result<ModelSize, PlanError> {

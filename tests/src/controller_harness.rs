@@ -84,8 +84,11 @@ pub fn registration(id: WorkerId, verify: bool) -> Registration {
             shape: vec![8, 8],
             dtype: DType::BF16,
             bytes: 128,
+            global_shape: Vec::new(),
+            offset: Vec::new(),
         }],
         placement: None,
+        skip: Vec::new(),
     }
 }
 
@@ -343,6 +346,7 @@ impl SyncDriver for ScriptedDriver {
             regions: vec![Blob(SECRET_RKEY_MARKER.to_vec())],
             tensors: Vec::new(),
             placement: None,
+            skip: Vec::new(),
         }
     }
 

@@ -62,6 +62,7 @@ fn registration(id: WorkerId) -> Registration {
         },
         tensors: Vec::new(),
         placement: None,
+        skip: Vec::new(),
     }
 }
 

@@ -111,6 +111,7 @@ async fn fake_worker(control: SocketAddr, id: WorkerId) {
         },
         tensors: Vec::new(),
         placement: None,
+        skip: Vec::new(),
     };
     for msg in [
         FromWorker::Hello {

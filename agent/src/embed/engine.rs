@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 use tokio::runtime::Runtime;
 use weightsync_common::fabric::Fabric;
-use weightsync_common::protocol::{FromWorker, Stage, WorkerId, WorldSpec};
+use weightsync_common::protocol::{FromWorker, Stage, TensorMeta, WorkerId, WorldSpec};
 use weightsync_schedules::job;
 use weightsync_schedules::layout_infer::ParamBox;
 use weightsync_schedules::table::RolloutPlan;
@@ -51,6 +51,9 @@ pub struct EngineHandle {
     reach: Reach,
     rank: u32,
     world: WorldSpec,
+    /// The job's model is declared: this rank's layout comes from its own declarations
+    /// ([`EngineHandle::declare_and_register`]), `planned` is empty until then.
+    declared: bool,
     planned: RolloutPlan,
     /// Each planned tensor's box in its training parameter (`planned.tensors`' order).
     boxes: Vec<Option<ParamBox>>,
@@ -83,16 +86,34 @@ impl EngineHandle {
             opts.worker_id.as_deref(),
         );
         let st = start(&reach)?;
-        let (model, infer) = job::inference_layout(&st.world, st.model_config.as_deref())
-            .map_err(|e| reach.connect_error(e))?;
-        let planned = job::rollout_layout(&infer, opts.rank).map_err(|e| reach.connect_error(e))?;
-        let boxes = infer
-            .param_boxes(&model, opts.rank)
-            .map_err(|e| reach.connect_error(e))?;
+        let declared = job::is_declared(&st.world, st.model_config.as_deref());
+        let (planned, boxes) = if declared {
+            let (_, rollouts) =
+                job::declared_world(&st.world).map_err(|e| reach.connect_error(e))?;
+            if opts.rank >= rollouts {
+                return Err(reach.connect_error(format!(
+                    "inference rank {} is outside the job's {rollouts} ranks ({})",
+                    opts.rank, st.world.infer
+                )));
+            }
+            let empty = job::declared_rollout_layout(opts.rank, &[], &[])
+                .map_err(|e| reach.connect_error(e))?;
+            (empty, Vec::new())
+        } else {
+            let (model, infer) = job::inference_layout(&st.world, st.model_config.as_deref())
+                .map_err(|e| reach.connect_error(e))?;
+            let planned =
+                job::rollout_layout(&infer, opts.rank).map_err(|e| reach.connect_error(e))?;
+            let boxes = infer
+                .param_boxes(&model, opts.rank)
+                .map_err(|e| reach.connect_error(e))?;
+            (planned, boxes)
+        };
         Ok(EngineHandle {
             reach,
             rank: opts.rank,
             world: st.world,
+            declared,
             planned,
             boxes,
             fabric: st.fabric,
@@ -134,9 +155,109 @@ impl EngineHandle {
         h.after_commit = after_commit.map(Arc::new);
     }
 
+    /// Whether the job's model is declared (an architecture the planner does not know, see
+    /// `weightsync_schedules::declared`): register with
+    /// [`declare_and_register`](Self::declare_and_register), not [`register`](Self::register).
+    pub fn is_declared(&self) -> bool {
+        self.declared
+    }
+
     /// Registers the engine's tensors (once): checks them against the planned layout (name,
     /// shape, dtype), merges adjacent ones into regions, registers those, and joins the job.
     pub fn register(&self, tensors: Vec<DstTensor>) -> Result<(), EmbedError> {
+        if self.declared {
+            return Err(EmbedError::Registration {
+                worker: self.reach.name.clone(),
+                tensor: None,
+                reason: format!(
+                    "the job's model {} is declared by its workers: register with \
+                     declare_and_register (every tensor this engine holds, and what it skips)",
+                    self.world.model
+                ),
+            });
+        }
+        self.register_planned(&self.planned, tensors, Vec::new())
+    }
+
+    /// Registers the engine's tensors of a declared model (once): every tensor it holds, whole
+    /// (name, dtype, shape: the declarations the controller plans from), and `skip`, the names
+    /// it takes nothing of (a buffer no trainer holds, a trainer tensor it does not hold). Its
+    /// layout is laid out from these alone (`weightsync_schedules::job::declared_rollout_layout`:
+    /// skipped and empty tensors left out, more than three dims merged into the third), then
+    /// registered as [`register`](Self::register) does. A tensor no trainer holds, a trainer
+    /// tensor it neither declares nor skips, a shape or dtype the two sides disagree on: the
+    /// plan fails naming the tensor and both ranks ([`wait_plan`](Self::wait_plan) returns it).
+    pub fn declare_and_register(
+        &self,
+        tensors: Vec<DstTensor>,
+        skip: Vec<String>,
+    ) -> Result<(), EmbedError> {
+        let name = &self.reach.name;
+        if !self.declared {
+            return Err(EmbedError::Registration {
+                worker: name.clone(),
+                tensor: None,
+                reason: format!(
+                    "the job's model {} is one the planner lays out: register the tensors of \
+                     layout() with register",
+                    self.world.model
+                ),
+            });
+        }
+        let decls: Vec<TensorMeta> = tensors
+            .iter()
+            .map(|t| TensorMeta::whole(t.name.clone(), t.shape.clone(), t.dtype))
+            .collect();
+        let planned = job::declared_rollout_layout(self.rank, &decls, &skip).map_err(|e| {
+            EmbedError::Registration {
+                worker: name.clone(),
+                tensor: None,
+                reason: e.to_string(),
+            }
+        })?;
+        // What the layout holds, in its dims: skipped and empty tensors are not registered.
+        let kept: std::collections::BTreeMap<&str, Vec<u64>> = planned
+            .tensors
+            .iter()
+            .map(|t| {
+                (
+                    t.name.as_str(),
+                    t.shape.dims().iter().map(|&d| d as u64).collect(),
+                )
+            })
+            .collect();
+        let tensors = tensors
+            .into_iter()
+            .filter_map(|t| {
+                let shape = kept.get(t.name.as_str())?.clone();
+                Some(DstTensor { shape, ..t })
+            })
+            .collect();
+        self.register_planned(&planned, tensors, skip)
+    }
+
+    /// Waits until the controller planned the world this engine registered in (every worker
+    /// registered, the plan made and this worker's part sent), or says why it could not:
+    /// [`EmbedError::PlanFailed`], naming the tensor and both sides for a declared model that
+    /// its workers disagree on. [`EmbedError::Timeout`] when `timeout` passes first.
+    pub fn wait_plan(&self, timeout: Option<Duration>) -> Result<u64, EmbedError> {
+        let session = self.session.lock();
+        let Some(s) = session.as_ref() else {
+            return Err(EmbedError::Registration {
+                worker: self.reach.name.clone(),
+                tensor: None,
+                reason: "wait_plan before register".into(),
+            });
+        };
+        super::session::wait_plan(s, &self.reach.name, timeout)
+    }
+
+    fn register_planned(
+        &self,
+        planned: &RolloutPlan,
+        tensors: Vec<DstTensor>,
+        skip: Vec<String>,
+    ) -> Result<(), EmbedError> {
         let name = self.reach.name.clone();
         let rt_guard = self.rt.lock();
         let rt = rt_guard.as_ref().ok_or_else(|| EmbedError::Closed {
@@ -150,12 +271,12 @@ impl EngineHandle {
                 reason: "already registered (register once per handle)".into(),
             });
         }
-        let placed = place(&name, &self.planned, tensors)?;
+        let placed = place(&name, planned, tensors)?;
         let _in_rt = rt.enter();
         let worker = RolloutWorker::with_regions(
             self.fabric.clone(),
             name.clone(),
-            self.planned.clone(),
+            planned.clone(),
             placed.regions,
             placed.placement,
         )
@@ -177,6 +298,7 @@ impl EngineHandle {
             name: name.clone(),
             abort_cause: None,
             hooked: None,
+            skip,
         };
         let within = Duration::from_secs(60);
         *session = Some(run_session(

@@ -110,11 +110,16 @@ pub(crate) struct EngineDriver {
     /// The version whose `before_landing` hook was called (set before the call: an abort that
     /// cancels `prepare` while the hook runs still leaves the engine told to stop reading).
     pub hooked: Option<u64>,
+    /// A declared model's engine: the names it takes nothing of (sent with its registration).
+    pub skip: Vec<String>,
 }
 
 impl SyncDriver for EngineDriver {
     fn info(&self) -> DriverInfo {
-        self.inner.info()
+        DriverInfo {
+            skip: self.skip.clone(),
+            ..self.inner.info()
+        }
     }
 
     async fn assign(&mut self, a: Assignment) -> Result<Accepted, DriverError> {

@@ -36,6 +36,20 @@
 //! e.report_stages(version, &spans)?;
 //! ```
 //!
+//! # Declared models (any architecture)
+//! When the job's model is one the planner does not lay out (a `config.json` of another
+//! `model_type`, or `--model declared[:NAME]`; see `weightsync_schedules::declared`), both
+//! handles say so ([`TrainerHandle::is_declared`], [`EngineHandle::is_declared`]), `layout()` is
+//! empty, and each registers what it holds instead; the controller plans once every worker
+//! registered, from those declarations:
+//! ```text
+//! // every named parameter's local shard, with its place in the whole parameter
+//! t.declare_and_register(vec![DeclaredShard { tensor, global_shape, offset }, ...])?;
+//! // every tensor the engine holds, whole (format=hf, tp=1), and what it takes nothing of
+//! e.declare_and_register(engine_tensors, vec!["model.rotary_emb.inv_freq".into()])?;
+//! t.wait_plan(None)?;   // or e.wait_plan: the plan's failure, naming the tensor and both ranks
+//! ```
+//!
 //! # Layout
 //! - this file: the shared types and [`EmbedError`].
 //! - `session`: the runtime, learning the job, starting the agent, and the ends of syncs.
@@ -80,6 +94,20 @@ pub struct ShardInfo {
     pub offset: Vec<u64>,
     /// The local box's extents: the shape of the tensor to register.
     pub shape: Vec<u64>,
+}
+
+/// One shard a training rank of a declared model holds, with the box it is of its parameter
+/// (what [`TrainerHandle::declare_and_register`] takes): `tensor` is the local shard (its
+/// `shape` the box's extents), `global_shape` the whole parameter's shape and `offset` where
+/// the box starts in it (both empty: the tensor is whole).
+#[derive(Debug)]
+pub struct DeclaredShard {
+    /// The local shard: name (the parameter's), dtype, local shape and memory.
+    pub tensor: SourceTensor,
+    /// The whole parameter's shape (empty: `tensor.shape`).
+    pub global_shape: Vec<u64>,
+    /// Where the shard starts in the parameter (empty: at its origin).
+    pub offset: Vec<u64>,
 }
 
 /// One tensor of an inference rank, as planned.
@@ -192,6 +220,15 @@ pub enum EmbedError {
         expected: String,
         /// What was registered.
         actual: String,
+    },
+    /// The world is complete but the controller could not plan it: for a declared model, the
+    /// reason names the tensor the engines and trainers disagree on and both ranks.
+    #[error("{worker}: the job could not be planned: {reason}")]
+    PlanFailed {
+        /// This worker.
+        worker: String,
+        /// The controller's reason.
+        reason: String,
     },
     /// A registered tensor's storage moved since registration.
     #[error(

@@ -119,6 +119,8 @@ pub(crate) enum End {
 #[derive(Debug, Default)]
 pub(crate) struct EndsState {
     pub registered: bool,
+    /// The last plan heard of: its id, or why it failed.
+    pub plan: Option<Result<u64, String>>,
     pub by_version: BTreeMap<u64, End>,
     pub stopped: Option<String>,
 }
@@ -171,6 +173,8 @@ impl Ends {
                 st.by_version
                     .insert(version, End::Aborted { reason, failure });
             }
+            AgentEvent::Assigned { plan_id } => st.plan = Some(Ok(plan_id)),
+            AgentEvent::PlanFailed { reason, .. } => st.plan = Some(Err(reason)),
             AgentEvent::Stopped { reason } => st.stopped = Some(reason),
         }
         // Old versions are kept a while: a waiter may look late.
@@ -199,6 +203,32 @@ impl Session {
         let Session { outbox, ends } = self;
         drop(outbox);
         ends.wait(Some(within), |st| st.stopped.as_ref().map(|_| ()));
+    }
+}
+
+/// Waits until the controller sent this worker its part of a plan (its id), or said the plan
+/// failed (why), or `timeout` passed.
+pub(crate) fn wait_plan(
+    s: &Session,
+    worker: &str,
+    timeout: Option<Duration>,
+) -> Result<u64, EmbedError> {
+    let got = s.ends.wait(timeout, |st| match &st.plan {
+        Some(p) => Some(p.clone().map_err(|reason| (reason, false))),
+        None => st.stopped.clone().map(|r| Err((r, true))),
+    });
+    match got {
+        Some(Ok(id)) => Ok(id),
+        Some(Err((reason, false))) => Err(EmbedError::PlanFailed {
+            worker: worker.to_string(),
+            reason,
+        }),
+        Some(Err(_)) => Err(EmbedError::Closed {
+            worker: worker.to_string(),
+        }),
+        None => Err(EmbedError::Timeout {
+            what: format!("{worker}'s plan"),
+        }),
     }
 }
 

@@ -7,13 +7,13 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 use tokio::runtime::Runtime;
 use weightsync_common::fabric::Fabric;
-use weightsync_common::protocol::{FromWorker, WorkerId, WorldSpec};
+use weightsync_common::protocol::{FromWorker, TensorMeta, WorkerId, WorldSpec};
 use weightsync_common::DType;
 use weightsync_schedules::job;
 use weightsync_worker::{shard_names, ArenaTensor, SourceError, SyncReport, TensorSet};
 
 use super::session::{run_session, start, End, Ends, Reach, Session, LEAVE_WITHIN};
-use super::{sync_failed, EmbedError, ShardInfo, SourceTensor, SyncOutcome};
+use super::{sync_failed, DeclaredShard, EmbedError, ShardInfo, SourceTensor, SyncOutcome};
 use crate::trainer::{ReportSlot, SourceSpec, TrainerDriver, TrainerDriverConfig};
 
 /// How a training rank reaches its controller.
@@ -50,6 +50,9 @@ pub struct TrainerHandle {
     reach: Reach,
     rank: u32,
     world: WorldSpec,
+    /// The job's model is declared: this rank registers what it holds
+    /// ([`TrainerHandle::declare_and_register`]); `layout` and `expected` are empty.
+    declared: bool,
     layout: Vec<ShardInfo>,
     expected: Vec<ArenaTensor>,
     fabric: Fabric,
@@ -163,12 +166,26 @@ impl TrainerHandle {
             opts.worker_id.as_deref(),
         );
         let st = start(&reach)?;
-        let (layout, expected) = rank_shards(&st.world, st.model_config.as_deref(), opts.rank)
-            .map_err(|e| reach.connect_error(e))?;
+        let declared = job::is_declared(&st.world, st.model_config.as_deref());
+        let (layout, expected) = if declared {
+            let (trainers, _) =
+                job::declared_world(&st.world).map_err(|e| reach.connect_error(e))?;
+            if opts.rank >= trainers {
+                return Err(reach.connect_error(format!(
+                    "training rank {} is outside the job's {trainers} ranks ({})",
+                    opts.rank, st.world.train
+                )));
+            }
+            (Vec::new(), Vec::new())
+        } else {
+            rank_shards(&st.world, st.model_config.as_deref(), opts.rank)
+                .map_err(|e| reach.connect_error(e))?
+        };
         Ok(TrainerHandle {
             reach,
             rank: opts.rank,
             world: st.world,
+            declared,
             layout,
             expected,
             fabric: st.fabric,
@@ -187,10 +204,112 @@ impl TrainerHandle {
         self.layout.clone()
     }
 
+    /// Whether the job's model is declared (an architecture the planner does not know, see
+    /// `weightsync_schedules::declared`): register with
+    /// [`declare_and_register`](Self::declare_and_register); [`layout`](Self::layout) is empty.
+    pub fn is_declared(&self) -> bool {
+        self.declared
+    }
+
     /// Registers the rank's tensors (once): checks them against the layout (name, dtype, local
     /// shape), registers them with the fabric in place, and joins the job.
     pub fn register(&self, tensors: Vec<SourceTensor>) -> Result<(), EmbedError> {
-        self.join_with(|fabric| TensorSet::register(fabric, tensors))
+        self.refuse_if(
+            self.declared,
+            "declare_and_register (every shard with its box)",
+        )?;
+        self.join_with(
+            |fabric| TensorSet::register(fabric, tensors),
+            &self.expected,
+            Vec::new(),
+        )
+    }
+
+    /// Registers the rank's shards of a declared model (once): each tensor it holds with the
+    /// box it is of its parameter (`global_shape`, `offset`; FSDP2: the local shard of every
+    /// named parameter, empty ones included or not). These are the declarations the controller
+    /// plans from once every worker registered: the trainers' boxes must tile each parameter
+    /// (replicas declaring the same box), and every engine must take each parameter or skip it;
+    /// a disagreement fails the plan naming the tensor and both ranks
+    /// ([`wait_plan`](Self::wait_plan), and every push, return it). A tensor of more than three
+    /// dims is registered as its first two dims and the rest merged
+    /// (`weightsync_schedules::declared::logical_shape`); its box must hold those whole.
+    pub fn declare_and_register(&self, shards: Vec<DeclaredShard>) -> Result<(), EmbedError> {
+        self.refuse_if(!self.declared, "register (the tensors of layout())")?;
+        let name = &self.reach.name;
+        let mut decls = Vec::with_capacity(shards.len());
+        let mut expected = Vec::with_capacity(shards.len());
+        let mut tensors = Vec::with_capacity(shards.len());
+        for s in shards {
+            let mut t = s.tensor;
+            let decl = TensorMeta {
+                name: t.name.clone(),
+                shape: t.shape.clone(),
+                dtype: t.dtype,
+                bytes: t.shape.iter().product::<u64>() * t.dtype.size() as u64,
+                global_shape: s.global_shape,
+                offset: s.offset,
+            };
+            let (_, bx) = weightsync_schedules::declared::shard_box(&decl).map_err(|reason| {
+                EmbedError::Registration {
+                    worker: name.clone(),
+                    tensor: Some(t.name.clone()),
+                    reason: format!("declared {reason}"),
+                }
+            })?;
+            // The box in the table's dims (more than three merged into the third).
+            t.shape = bx.len[..bx.ndim as usize]
+                .iter()
+                .map(|&d| d as u64)
+                .collect();
+            expected.push(ArenaTensor {
+                name: t.name.clone(),
+                dtype: t.dtype,
+                shape: t.shape.iter().map(|&d| d as usize).collect(),
+                offset: 0,
+            });
+            decls.push(decl);
+            tensors.push(t);
+        }
+        self.join_with(
+            |fabric| TensorSet::register(fabric, tensors),
+            &expected,
+            decls,
+        )
+    }
+
+    /// Waits until the controller planned the world this trainer registered in, or says why it
+    /// could not ([`EmbedError::PlanFailed`]: for a declared model, the tensor and both sides).
+    pub fn wait_plan(&self, timeout: Option<Duration>) -> Result<u64, EmbedError> {
+        let session = self.session.lock();
+        let Some((s, _)) = session.as_ref() else {
+            return Err(EmbedError::Registration {
+                worker: self.reach.name.clone(),
+                tensor: None,
+                reason: "wait_plan before register".into(),
+            });
+        };
+        super::session::wait_plan(s, &self.reach.name, timeout)
+    }
+
+    /// Refuses a registration of the other kind than the job's model needs.
+    fn refuse_if(&self, wrong: bool, instead: &str) -> Result<(), EmbedError> {
+        if !wrong {
+            return Ok(());
+        }
+        Err(EmbedError::Registration {
+            worker: self.reach.name.clone(),
+            tensor: None,
+            reason: format!(
+                "the job's model {} is {}: register with {instead}",
+                self.world.model,
+                if self.declared {
+                    "declared by its workers"
+                } else {
+                    "one the planner lays out"
+                }
+            ),
+        })
     }
 
     /// [`register`](Self::register) for tensors in device memory, all on one GPU (feature
@@ -201,12 +320,24 @@ impl TrainerHandle {
         &self,
         tensors: Vec<weightsync_worker::DeviceTensor>,
     ) -> Result<(), EmbedError> {
-        self.join_with(|_| TensorSet::register_device(tensors))
+        self.refuse_if(
+            self.declared,
+            "declare_and_register (every shard with its box)",
+        )?;
+        self.join_with(
+            |_| TensorSet::register_device(tensors),
+            &self.expected,
+            Vec::new(),
+        )
     }
 
+    /// Registers the set `make_set` builds, checked against `expected`, and joins the job
+    /// declaring `declared` (a declared model's shards; empty otherwise).
     fn join_with(
         &self,
         make_set: impl FnOnce(&Fabric) -> Result<TensorSet, weightsync_worker::WorkerError>,
+        expected: &[ArenaTensor],
+        declared: Vec<TensorMeta>,
     ) -> Result<(), EmbedError> {
         let name = &self.reach.name;
         let rt_guard = self.rt.lock();
@@ -230,8 +361,7 @@ impl TrainerHandle {
                 reason: other.to_string(),
             },
         })?;
-        set.check(&self.expected)
-            .map_err(|e| source_error(name, e))?;
+        set.check(expected).map_err(|e| source_error(name, e))?;
         let cfg = TrainerDriverConfig {
             world: self.world.clone(),
             rank: self.rank,
@@ -240,6 +370,7 @@ impl TrainerHandle {
             source: SourceSpec::Tensors(Arc::new(set)),
         };
         let mut driver = TrainerDriver::with_fabric(cfg, self.fabric.clone());
+        driver.declare(declared);
         let reports = driver.keep_reports();
         let s = run_session(
             rt,

@@ -34,7 +34,10 @@ pub const MAGIC: [u8; 4] = *b"WSYC";
 /// 6: engines report their own stages (`EngineStages`: pause, load, resume) after a version
 /// landed; `Stage` gains `Pause`, `Load` and `Resume`.
 /// 7: a worker report carries the trainer's `TimeSplit` (wire, idle, overhead of its sync).
-pub const PROTOCOL_VERSION: u16 = 7;
+/// 8: declared models: a `TensorMeta` carries the box it is of a parameter (`global_shape`,
+/// `offset`), a registration the names an engine `skip`s, and the controller tells every worker
+/// when planning failed (`PlanFailed`, naming the tensor and both sides).
+pub const PROTOCOL_VERSION: u16 = 8;
 /// Bytes in a frame header.
 pub const FRAME_HEADER_LEN: usize = 12;
 /// Default maximum body size: 256 MiB (a trainer's plan slice for a 1T-parameter model fits).
@@ -228,8 +231,11 @@ mod tests {
                 shape: vec![4, 4],
                 dtype: DType::BF16,
                 bytes: 32,
+                global_shape: Vec::new(),
+                offset: Vec::new(),
             }],
             placement: None,
+            skip: Vec::new(),
         }))
     }
 

@@ -143,6 +143,11 @@ impl WorldSpec {
 }
 
 /// Shape and size of one tensor a worker holds (a training shard or an inference tensor).
+///
+/// For a declared model (one the planner knows only from what its workers register: see
+/// `weightsync_schedules::declared`) this is the declaration the controller plans from: a
+/// trainer's shard is the box `offset .. offset + shape` of the parameter `name` whose whole
+/// shape is `global_shape`; an engine's tensor is whole (`global_shape` and `offset` empty).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TensorMeta {
     /// Parameter or engine tensor name.
@@ -153,6 +158,27 @@ pub struct TensorMeta {
     pub dtype: DType,
     /// Byte length in the worker's memory.
     pub bytes: u64,
+    /// The whole parameter's shape this tensor is a box of; empty: the tensor is whole.
+    #[serde(default)]
+    pub global_shape: Vec<u64>,
+    /// Where the box starts in the whole parameter, per dim; empty: at its origin.
+    #[serde(default)]
+    pub offset: Vec<u64>,
+}
+
+impl TensorMeta {
+    /// A whole tensor (no box): `global_shape` and `offset` empty.
+    pub fn whole(name: impl Into<String>, shape: Vec<u64>, dtype: DType) -> TensorMeta {
+        let bytes = shape.iter().product::<u64>() * dtype.size() as u64;
+        TensorMeta {
+            name: name.into(),
+            shape,
+            dtype,
+            bytes,
+            global_shape: Vec::new(),
+            offset: Vec::new(),
+        }
+    }
 }
 
 /// A worker's registration: the first message after authentication.
@@ -178,6 +204,10 @@ pub struct Registration {
     /// them (backend-neutral, encoded by the worker library; forwarded to trainers with the
     /// regions). `None`: the regions are laid out exactly as planned (the identity).
     pub placement: Option<Blob>,
+    /// Rollouts of a declared model: names of tensors the engine takes nothing of (a tensor it
+    /// declares that no trainer holds, a trainer tensor it does not hold); empty otherwise.
+    #[serde(default)]
+    pub skip: Vec<String>,
 }
 
 /// A peer a trainer will write to: its endpoint and registered regions (a rollout's tensors, or
@@ -519,6 +549,15 @@ pub enum ToWorker {
     },
     /// The worker's part of the (re-)planned world. Answered by [`FromWorker::Ready`].
     Assign(Assignment),
+    /// The world is complete but could not be planned (e.g. a declared model whose engines and
+    /// trainers disagree on a tensor): no assignment follows until membership changes. Not
+    /// answered; the reason names the tensor and both sides.
+    PlanFailed {
+        /// The plan that failed.
+        plan_id: u64,
+        /// Why.
+        reason: String,
+    },
     /// Trainers, once every worker of plan `plan_id` is ready: every other worker's endpoint and
     /// regions (rollouts' tensors, trainers' gather arenas). The plan is then in force.
     Peers {

@@ -106,8 +106,17 @@ impl Coordinator {
             Ok(out) => out,
             Err(e) => {
                 self.plan = None;
-                self.plan_error = Some(e.to_string());
+                let reason = e.to_string();
+                self.plan_error = Some(reason.clone());
                 self.note(format!("plan {plan_id} failed: {e}"), now);
+                // Every worker hears why (a declared model's mismatch names the tensor), and
+                // the versions pushed meanwhile end now rather than wait for a plan.
+                let all: Vec<WorkerId> = self.members.keys().copied().collect();
+                self.send_to(&mut fx, all, |_| ToWorker::PlanFailed {
+                    plan_id,
+                    reason: reason.clone(),
+                });
+                fx.merge(self.abort_pushed_without_plan());
                 return fx;
             }
         };
@@ -226,6 +235,31 @@ impl Coordinator {
         let msg = format!("{id} could not follow plan {plan_id}: {cause}");
         self.plan_error = Some(msg.clone());
         self.note(msg, now);
+    }
+
+    /// Whether the current (complete) membership's plan failed: no plan will come until the
+    /// membership changes.
+    pub(super) fn plan_failed(&self) -> bool {
+        self.plan.is_none()
+            && self.planning.is_none()
+            && self.plan_error.is_some()
+            && self.world_complete()
+    }
+
+    /// Ends every pushed version with an `Abort` of sync 0 naming the plan's failure (none can
+    /// be synced until the membership changes and a plan succeeds).
+    pub(super) fn abort_pushed_without_plan(&mut self) -> Effects {
+        let mut fx = Effects::default();
+        let reason = self.plan_error.clone().unwrap_or_default();
+        for (version, by) in std::mem::take(&mut self.pushed) {
+            self.send_to(&mut fx, by, |_| ToWorker::Abort {
+                sync_id: 0,
+                version,
+                reason: format!("pushed version {version} cannot be synced: {reason}"),
+                failure: None,
+            });
+        }
+        fx
     }
 
     /// Whether a plan is in force for the current membership.

@@ -40,6 +40,9 @@ impl Coordinator {
     /// Starts the sync of the oldest version every trainer pushed, when a sync can start.
     pub(super) fn start_pushed(&mut self, now: Now) -> Effects {
         let mut fx = Effects::default();
+        if !self.pushed.is_empty() && self.plan_failed() {
+            return self.abort_pushed_without_plan();
+        }
         if self.pushed.is_empty() || self.active.is_some() || !self.plan_valid() {
             return fx;
         }

@@ -126,6 +126,7 @@ fn registration(id: WorkerId) -> Registration {
         },
         tensors: Vec::new(),
         placement: None,
+        skip: Vec::new(),
     }
 }
 

@@ -412,6 +412,13 @@ struct EngineRank {
 impl InferenceLayout {
     /// Builds the layout an [`InferSpec`] describes (see the module docs).
     pub fn build(model: &Model, spec: &InferSpec) -> Result<InferenceLayout, PlanError> {
+        if model.is_declared() {
+            return Err(crate::declared::DeclaredError::LayoutFromSpec {
+                side: "inference",
+                model: model.name.clone(),
+            }
+            .into());
+        }
         check_divisible(model, spec)?;
         // FxHash: looked up once per tensor part (SipHash here was 2 % of planning Kimi-K2).
         let index: FxHashMap<Role, u32> = model
