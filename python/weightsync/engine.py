@@ -175,7 +175,12 @@ class Engine:
             self._after(version)
 
     def register(
-        self, tensors: TensorSource, *, format: Format | None = None, name_map: NameMap | None = None
+        self,
+        tensors: TensorSource,
+        *,
+        format: Format | None = None,
+        name_map: NameMap | None = None,
+        skip: Iterable[str] = (),
     ) -> dict[str, int]:
         """Registers the engine's own tensors as the destinations, once.
 
@@ -190,11 +195,25 @@ class Engine:
         gate_up_proj) is checked against the job's. Returns the registered address of each
         tensor, by the job's name.
 
+        A job whose model is *declared* (an architecture the planner has no family for) plans
+        from what the engines register: every parameter of a module (no buffers), whole, and
+        ``skip``, the names this engine takes nothing of (a tensor no trainer holds); the
+        controller names any tensor the trainers and engines disagree on before a byte moves.
+
         Raises:
             LayoutMismatchError: a shape or dtype differs from the plan, or the job's format is
                 not ``format``.
             RegistrationError: a tensor is missing, extra or unusable (read-only, on a device).
         """
+        if self._core.declared:
+            items = named_tensors(tensors, name_map=name_map)
+            entries = [(name, *split_dtype(value)) for name, value in items]
+            registered = self._core.declare_and_register(entries, list(skip))
+            self._registered = {name: ptr for name, ptr, _len, _kind in registered}
+            self._origins = {name: obj for name, obj, _ in entries if name in self._registered}
+            self._source = tensors if hasattr(tensors, "named_parameters") else None
+            self._name_map = name_map
+            return dict(self._registered)
         layout = self.layout()
         names = {t.name for t in layout}
         items = named_tensors(tensors, with_buffers=True, name_map=name_map)

@@ -77,6 +77,21 @@ class PushHandle:
         return SyncOutcome(v, total, staged, direct, secs, dict(stages))
 
 
+def _shard0_offset(t: Any) -> list[int]:
+    """Where a ``Shard(0)`` DTensor's local shard starts in the whole parameter: torch.chunk
+    semantics over the mesh dims that shard dim 0 (FSDP2's), ``ceil(rows / n)`` rows each."""
+    rows = int(t.shape[0])
+    coord = t.device_mesh.get_coordinate()
+    start, size = 0, rows
+    for dim, p in enumerate(t.placements):
+        if callable(getattr(p, "is_shard", None)) and p.is_shard(0):
+            n = int(t.device_mesh.size(dim))
+            chunk = -(-size // n)
+            start += min(coord[dim] * chunk, size)
+            size = max(0, min(chunk, size - coord[dim] * chunk))
+    return [start] + [0] * (len(t.shape) - 1)
+
+
 def _env_rank() -> int:
     for var in ("RANK", "SLURM_PROCID"):
         if var in os.environ:
@@ -147,11 +162,19 @@ class Trainer:
         GPU, and :meth:`push` synchronises the GPU first. A build without it refuses them by name
         (:class:`RegistrationError`), as it refuses CPU and CUDA tensors mixed.
 
+        A job whose model is *declared* (an architecture the planner has no family for: the
+        controller plans it from what the workers register) has no layout to check against:
+        each shard is declared with its box instead, the whole parameter's shape and where the
+        shard starts in it (a ``DTensor``'s ``Shard(0)`` chunk; a plain tensor is whole), and
+        the controller checks them against every other rank's and every engine's.
+
         Raises:
             LayoutMismatchError: a shape, dtype or placement differs from the layout (names the
                 parameter, the expected and the actual shard).
             RegistrationError: a tensor is missing or not in the layout, or unusable.
         """
+        if self._core.declared:
+            return self._declare(tensors, name_map)
         layout = {s.name: s for s in self.layout()}
         entries: list[tuple[str, object, str | None]] = []
         origins: dict[str, Any] = {}
@@ -176,6 +199,31 @@ class Trainer:
             for _name, obj, _dtype in entries
             if getattr(getattr(obj, "device", None), "type", None) == "cuda"
         }
+        self._origins = origins
+        self._source = tensors if hasattr(tensors, "named_parameters") else None
+        self._name_map = name_map
+        return dict(self._registered)
+
+    def _declare(self, tensors: TensorSource, name_map: NameMap | None) -> dict[str, int]:
+        """:meth:`register` for a declared model: every non-empty shard with its box."""
+        entries: list[tuple[str, object, str | None]] = []
+        boxes: list[tuple[list[int], list[int]]] = []
+        origins: dict[str, Any] = {}
+        for name, value in named_tensors(tensors, name_map=name_map):
+            obj, dtype = split_dtype(value)
+            self._check_placement(name, obj, None)
+            if numel(obj) == 0:
+                continue
+            if is_dtensor(obj):
+                local = obj.to_local()
+                boxes.append((list(shape_of(obj) or ()), _shard0_offset(obj)))
+                entries.append((name, local, dtype))
+            else:
+                boxes.append(([], []))
+                entries.append((name, obj, dtype))
+            origins[name] = obj
+        registered = self._core.declare_and_register(entries, boxes)
+        self._registered = {name: ptr for name, ptr, _len, _kind in registered}
         self._origins = origins
         self._source = tensors if hasattr(tensors, "named_parameters") else None
         self._name_map = name_map
