@@ -53,6 +53,7 @@ def job_name(name: str, name_map: NameMap | None = None) -> str | None:
         raise ValueError(f"tensor name {name!r} is only wrapper components")
     if name_map is None:
         return stripped
+    mapped: str | None
     if isinstance(name_map, Mapping):
         mapped = name_map.get(stripped, stripped)
     elif callable(name_map):
