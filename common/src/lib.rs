@@ -2,6 +2,7 @@
 //!
 //! # Layout
 //! - [`dtype`]: element types of weights on both sides of a sync.
+//! - [`fp8_recipe`]: which engine's arithmetic an fp8 block quantisation follows.
 //! - [`fabric`]: one API for one-sided RDMA-style WRITE with 32-bit immediates, with a TCP backend
 //!   that runs anywhere and an ibverbs backend (feature `rdma`).
 //! - [`program`]: how this process starts another copy of itself (the binary, or Python's
@@ -12,7 +13,9 @@
 
 pub mod dtype;
 pub mod fabric;
+pub mod fp8_recipe;
 pub mod program;
 pub mod protocol;
 
 pub use dtype::DType;
+pub use fp8_recipe::Fp8Recipe;

@@ -65,9 +65,11 @@ def assert_bytes_equal(name: str, got: Any, want: Any, what: str) -> None:
         pytest.fail(f"{what}: {name}: {diff} bytes differ")
 
 
-def expected_engine_tensors(full: dict[str, Any], names: list[str], ep: tuple[int, int], fp8: bool) -> dict[str, Any]:
+def expected_engine_tensors(full: dict[str, Any], names: list[str], ep: tuple[int, int], fp8: bool,
+                            recipe: str = "a") -> dict[str, Any]:
     """What an engine rank must hold, computed from the trainer's full parameters without
-    weightsync: the same tensor (bf16), its experts' slice (ep), or the fp8 reference."""
+    weightsync: the same tensor (bf16), its experts' slice (ep), or the fp8 reference of
+    ``recipe`` (``fp8_reference.quantize_blocks``)."""
     ep_rank, ep_size = ep
     want: dict[str, Any] = {}
     for name in names:
@@ -79,7 +81,7 @@ def expected_engine_tensors(full: dict[str, Any], names: list[str], ep: tuple[in
             src = src[ep_rank * per:(ep_rank + 1) * per]
         scale_name = name[: -len("weight")] + "weight_scale_inv" if name.endswith(".weight") else name + "_scale_inv"
         if fp8 and scale_name in names:
-            q, s = quantize_blocks(src)
+            q, s = quantize_blocks(src, recipe)
             want[name], want[scale_name] = q, s
         else:
             want[name] = src
@@ -87,7 +89,7 @@ def expected_engine_tensors(full: dict[str, Any], names: list[str], ep: tuple[in
 
 
 def compare(out: Path, versions: list[int], engines: dict[int, tuple[int, int]], fp8: bool, tokens: bool,
-            master_f32: bool = False) -> None:
+            master_f32: bool = False, recipe: str = "a") -> None:
     """Every engine tensor equals its reference from the trainer's full parameters, byte for
     byte. ``master_f32``: the trainer's parameters are f32 and the engine's bf16 ones their
     round-to-nearest-even casts (torch's own ``.to(bfloat16)``); fp8 is quantised from f32."""
@@ -101,7 +103,7 @@ def compare(out: Path, versions: list[int], engines: dict[int, tuple[int, int]],
         for r, ep in engines.items():
             got = torch.load(out / f"engine{r}_v{v}.pt")
             names = sorted(got["params"])
-            want = expected_engine_tensors(trainer["params"], names, ep, fp8)
+            want = expected_engine_tensors(trainer["params"], names, ep, fp8, recipe)
             assert sorted(want) == names, f"engine {r} v{v}: tensors {names} != {sorted(want)}"
             if master_f32:
                 for n in names:

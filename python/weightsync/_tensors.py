@@ -3,16 +3,28 @@
 producer or any object with the buffer protocol, optionally as ``(tensor, "bf16")`` to
 reinterpret same-size elements (a numpy ``uint16`` array holding bf16 bits).
 
+Names are the job's parameter names (transformers' ``named_parameters()``). A module registered
+as it is may carry wrappers' path components in its names: ``_orig_mod`` (``torch.compile``),
+``_checkpoint_wrapped_module`` (activation checkpointing), ``_fsdp_wrapped_module`` (FSDP1),
+``module`` (DDP and other ``self.module`` wrappers). They are dropped wherever they appear, so
+``_orig_mod.model.layers.0._checkpoint_wrapped_module.mlp.up_proj.weight`` registers as
+``model.layers.0.mlp.up_proj.weight``; a framework whose own names differ still passes a
+``name_map`` (a mapping, or a function returning the job's name, or None to leave the tensor
+out), applied after the wrappers are dropped.
+
 Duck-typed on purpose: this module never imports torch or numpy, so the package works (and
 imports fast) in processes that use neither.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Protocol, Union
 
-__all__ = ["TensorSource", "named_tensors", "split_dtype", "is_dtensor", "numel", "current_ptr", "shape_of"]
+__all__ = [
+    "TensorSource", "NameMap", "WRAPPER_COMPONENTS", "named_tensors", "job_name", "split_dtype",
+    "is_dtensor", "numel", "current_ptr", "shape_of",
+]
 
 
 class _HasNamedParameters(Protocol):
@@ -22,9 +34,42 @@ class _HasNamedParameters(Protocol):
 #: What ``register()`` accepts: a module, a mapping of names to tensors, or ``(name, tensor)`` pairs.
 TensorSource = Union[_HasNamedParameters, Mapping[str, Any], Iterable[tuple[str, Any]]]
 
+#: A framework's names to the job's: a mapping (names it lacks pass unchanged) or a function
+#: (returning the job's name, or None to leave the tensor out).
+NameMap = Union[Mapping[str, str], Callable[[str], Union[str, None]]]
 
-def named_tensors(source: TensorSource, *, with_buffers: bool = False) -> list[tuple[str, Any]]:
-    """The ``(name, tensor)`` pairs of ``source``, names unique. A module gives its
+#: Path components that wrappers insert into parameter names, dropped wherever they appear.
+WRAPPER_COMPONENTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module", "module"})
+
+
+def job_name(name: str, name_map: NameMap | None = None) -> str | None:
+    """The job's name of a tensor registered as ``name``: the wrappers' components dropped,
+    then ``name_map`` applied (None: the map leaves the tensor out)."""
+    if not isinstance(name, str):
+        raise TypeError(f"tensor names must be str, got {type(name).__name__} {name!r}")
+    parts = name.split(".")
+    stripped = ".".join(p for p in parts if p not in WRAPPER_COMPONENTS)
+    if not stripped:
+        raise ValueError(f"tensor name {name!r} is only wrapper components")
+    if name_map is None:
+        return stripped
+    mapped: str | None
+    if isinstance(name_map, Mapping):
+        mapped = name_map.get(stripped, stripped)
+    elif callable(name_map):
+        mapped = name_map(stripped)
+    else:
+        raise TypeError(f"name_map must be a mapping or a callable, got {type(name_map).__name__}")
+    if mapped is not None and not isinstance(mapped, str):
+        raise TypeError(f"name_map gave {type(mapped).__name__} {mapped!r} for {stripped}, not a str or None")
+    return mapped
+
+
+def named_tensors(
+    source: TensorSource, *, with_buffers: bool = False, name_map: NameMap | None = None
+) -> list[tuple[str, Any]]:
+    """The ``(name, tensor)`` pairs of ``source`` under the job's names (see :func:`job_name`;
+    tensors the map leaves out are dropped), names unique. A module gives its
     ``named_parameters()`` (and, with ``with_buffers``, its ``named_buffers()`` after them)."""
     if hasattr(source, "named_parameters"):
         items = list(source.named_parameters())
@@ -34,14 +79,19 @@ def named_tensors(source: TensorSource, *, with_buffers: bool = False) -> list[t
         items = list(source.items())
     else:
         items = list(source)
-    seen: set[str] = set()
-    for name, _ in items:
-        if not isinstance(name, str):
-            raise TypeError(f"tensor names must be str, got {type(name).__name__} {name!r}")
-        if name in seen:
-            raise ValueError(f"tensor {name} is given twice")
-        seen.add(name)
-    return items
+    seen: dict[str, str] = {}
+    out: list[tuple[str, Any]] = []
+    for name, value in items:
+        renamed = job_name(name, name_map)
+        if renamed is None:
+            continue
+        if renamed in seen:
+            if seen[renamed] == name:
+                raise ValueError(f"tensor {name} is given twice")
+            raise ValueError(f"tensors {seen[renamed]} and {name} are both named {renamed} in the job")
+        seen[renamed] = name
+        out.append((renamed, value))
+    return out
 
 
 def split_dtype(value: Any) -> tuple[Any, str | None]:

@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from . import _native
 from ._hooks import Hook
-from ._tensors import TensorSource, current_ptr, named_tensors, shape_of, split_dtype
+from ._tensors import NameMap, TensorSource, current_ptr, named_tensors, shape_of, split_dtype
 from .errors import LayoutMismatchError, RegistrationError, StaleTensorError
 
 __all__ = ["Engine", "EngineState", "TensorInfo", "EngineStage"]
@@ -79,8 +79,10 @@ def _env_rank() -> int:
 
 
 def _format_of(names: list[str]) -> Format | None:
-    """The inference format a layout's names are in (the fused format has qkv_proj /
-    gate_up_proj.weight / w13_weight; hf has q_proj and unfused gate/up)."""
+    """The inference format a layout's names suggest (the fused format has qkv_proj /
+    gate_up_proj.weight / w13_weight; hf has q_proj and unfused gate/up). Only a guess: some
+    architectures' own Hugging Face names are fused (Phi-3's qkv_proj, GLM-4's gate_up_proj),
+    so :meth:`Engine.register` trusts it only when the registered names do not match."""
     fused = any(n.endswith(("qkv_proj.weight", "gate_up_proj.weight", "w13_weight")) for n in names)
     hf = any(n.endswith(("q_proj.weight", "gate_proj.weight", "experts.gate_up_proj")) for n in names)
     if fused and not hf:
@@ -121,6 +123,7 @@ class Engine:
         self._registered: dict[str, int] = {}
         self._origins: dict[str, Any] = {}
         self._source: Any = None
+        self._name_map: NameMap | None = None
         self._before: Hook | None = None
         self._after: Hook | None = None
         self.set_hooks(before_landing=before_landing, after_commit=after_commit)
@@ -195,7 +198,11 @@ class Engine:
         return self._core.wait_plan(timeout)
 
     def _register_declared(
-        self, tensors: TensorSource, format: Format | None, skip: Iterable[str]
+        self,
+        tensors: TensorSource,
+        format: Format | None,
+        skip: Iterable[str],
+        name_map: NameMap | None,
     ) -> dict[str, int]:
         """:meth:`register` for a declared model: every parameter (and, of a module, every
         buffer named ``*_scale_inv``: fp8 scales), whole, with ``skip``."""
@@ -205,16 +212,17 @@ class Engine:
                 f"tensors by name (format=hf), this engine registers format={format}",
                 worker=self.worker_id, expected="hf", actual=str(format),
             )
-        items = named_tensors(tensors, with_buffers=True)
+        items = named_tensors(tensors, with_buffers=True, name_map=name_map)
         is_module = hasattr(tensors, "named_parameters")
         if is_module:
-            params = {n for n, _ in tensors.named_parameters()}  # type: ignore[union-attr]
+            params = {n for n, _ in named_tensors(tensors, name_map=name_map)}
             items = [(n, t) for n, t in items if n in params or n.endswith("_scale_inv")]
         entries = [(name, *split_dtype(value)) for name, value in items]
         registered = self._core.declare_and_register(entries, list(skip))
         self._registered = {r.name: r.address for r in registered}
         self._origins = {name: obj for name, obj, _ in entries if name in self._registered}
         self._source = tensors if is_module else None
+        self._name_map = name_map
         return dict(self._registered)
 
     def register(
@@ -222,6 +230,7 @@ class Engine:
         tensors: TensorSource,
         *,
         format: Format | None = None,
+        name_map: NameMap | None = None,
         skip: Iterable[str] = (),
     ) -> dict[str, int]:
         """Registers the engine's own tensors as the destinations, once.
@@ -229,9 +238,19 @@ class Engine:
         ``tensors`` is a module (its ``named_parameters()`` and those ``named_buffers()`` the
         layout names, e.g. fp8 ``weight_scale_inv`` when a model keeps them as buffers), a
         mapping or ``(name, tensor)`` pairs. Every tensor of the layout must be there, with the
-        planned shape and dtype. ``format`` (``"hf"``: transformers' own names and layout;
-        ``"fused"``: vLLM/SGLang's qkv_proj / gate_up_proj) is checked against the job's.
-        Returns the registered address of each tensor.
+        planned shape and dtype. Names are handled as :meth:`weightsync.Trainer.register` does:
+        wrappers' path components (``_orig_mod``, ``_checkpoint_wrapped_module``,
+        ``_fsdp_wrapped_module``, ``module``) are dropped, then ``name_map`` (a mapping, or a
+        function returning the job's name or None to leave a tensor out) applies. ``format``
+        (``"hf"``: transformers' own names and layout; ``"fused"``: vLLM/SGLang's qkv_proj /
+        gate_up_proj) is checked against the job's. Returns the registered address of each
+        tensor, by the job's name.
+
+        A job whose model is *declared* (an architecture the planner has no family for) plans
+        from what the engines register: every parameter of a module (and its fp8
+        ``*_scale_inv`` buffers), whole, and
+        ``skip``, the names this engine takes nothing of (a tensor no trainer holds); the
+        controller names any tensor the trainers and engines disagree on before a byte moves.
 
         Raises:
             LayoutMismatchError: a shape or dtype differs from the plan, or the job's format is
@@ -243,23 +262,23 @@ class Engine:
         nothing of (a buffer no trainer holds, a trainer tensor it does not hold).
         """
         if self._core.declared:
-            return self._register_declared(tensors, format, skip)
+            return self._register_declared(tensors, format, skip, name_map)
         layout = self.layout()
+        names = {t.name for t in layout}
+        items = named_tensors(tensors, with_buffers=True, name_map=name_map)
+        is_module = hasattr(tensors, "named_parameters")
+        if is_module:
+            params = {n for n, _ in named_tensors(tensors, name_map=name_map)}
+            # Buffers only where the layout names them (not rotary tables and the like).
+            items = [(n, t) for n, t in items if n in params or n in names]
         if format is not None:
             job_format = _format_of([t.name for t in layout])
-            if job_format is not None and job_format != format:
+            if job_format is not None and job_format != format and not names <= {n for n, _ in items}:
                 raise LayoutMismatchError(
                     f"{self.worker_id}: the job's inference format is {job_format}, this "
                     f"engine registers format={format}",
                     worker=self.worker_id, expected=job_format, actual=format,
                 )
-        names = {t.name for t in layout}
-        items = named_tensors(tensors, with_buffers=True)
-        is_module = hasattr(tensors, "named_parameters")
-        if is_module:
-            params = {n for n, _ in tensors.named_parameters()}  # type: ignore[union-attr]
-            # Buffers only where the layout names them (not rotary tables and the like).
-            items = [(n, t) for n, t in items if n in params or n in names]
         entries = [(name, *split_dtype(value)) for name, value in items]
         for name, obj, _ in entries:
             if name not in names:
@@ -272,6 +291,7 @@ class Engine:
         self._registered = {r.name: r.address for r in registered}
         self._origins = {name: obj for name, obj, _ in entries}
         self._source = tensors if is_module else None
+        self._name_map = name_map
         return dict(self._registered)
 
     def check_storage(self) -> None:
@@ -280,7 +300,11 @@ class Engine:
         current = dict(self._origins)
         if self._source is not None:
             current.update(
-                {n: p for n, p in named_tensors(self._source, with_buffers=True) if n in current}
+                {
+                    n: p
+                    for n, p in named_tensors(self._source, with_buffers=True, name_map=self._name_map)
+                    if n in current
+                }
             )
         for name, ptr in self._registered.items():
             now = current_ptr(split_dtype(current[name])[0])

@@ -14,7 +14,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import _native
-from ._tensors import TensorSource, current_ptr, is_dtensor, named_tensors, numel, shape_of, split_dtype
+from ._tensors import (
+    NameMap,
+    TensorSource,
+    current_ptr,
+    is_dtensor,
+    named_tensors,
+    numel,
+    shape_of,
+    split_dtype,
+)
 from .errors import LayoutMismatchError, RegistrationError, StaleTensorError
 
 __all__ = ["Trainer", "PushHandle", "SyncOutcome", "ShardInfo"]
@@ -132,6 +141,7 @@ class Trainer:
         self._registered: dict[str, int] = {}
         self._origins: dict[str, Any] = {}
         self._source: Any = None
+        self._name_map: NameMap | None = None
         self._cuda_devices: set[int] = set()
 
     @property
@@ -152,12 +162,18 @@ class Trainer:
             for s in self._core.layout()
         ]
 
-    def register(self, tensors: TensorSource) -> dict[str, int]:
+    def register(self, tensors: TensorSource, *, name_map: NameMap | None = None) -> dict[str, int]:
         """Registers this rank's parameters in place, once.
 
         ``tensors`` is a module (its ``named_parameters()``), a mapping of names to tensors, or
         ``(name, tensor)`` pairs; names are the job's parameter names (transformers'
-        ``named_parameters()``). A ``DTensor``'s local shard is registered, after checking that
+        ``named_parameters()``). A module is registered as it is: the path components that
+        ``torch.compile`` (``_orig_mod``), activation checkpointing
+        (``_checkpoint_wrapped_module``), FSDP1 (``_fsdp_wrapped_module``) and DDP-style
+        wrappers (``module``) insert are dropped wherever they appear in a name; ``name_map``
+        (a mapping, or a function returning the job's name or None to leave a tensor out)
+        then turns a framework's own names into the job's. The returned addresses are keyed by
+        the job's names. A ``DTensor``'s local shard is registered, after checking that
         it is sharded on dim 0 and that its global and local shapes are the layout's; empty
         shards (FSDP2 gives them shape ``(0, ...)``) are skipped. Returns the registered address
         of each tensor.
@@ -167,17 +183,23 @@ class Trainer:
         GPU, and :meth:`push` synchronises the GPU first. A build without it refuses them by name
         (:class:`RegistrationError`), as it refuses CPU and CUDA tensors mixed.
 
+        A job whose model is *declared* (an architecture the planner has no family for: the
+        controller plans it from what the workers register) has no layout to check against:
+        each shard is declared with its box instead, the whole parameter's shape and where the
+        shard starts in it (a ``DTensor``'s ``Shard(0)`` chunk; a plain tensor is whole), and
+        the controller checks them against every other rank's and every engine's.
+
         Raises:
             LayoutMismatchError: a shape, dtype or placement differs from the layout (names the
                 parameter, the expected and the actual shard).
             RegistrationError: a tensor is missing or not in the layout, or unusable.
         """
         if self._core.declared:
-            return self._register_declared(tensors)
+            return self._register_declared(tensors, name_map)
         layout = {s.name: s for s in self.layout()}
         entries: list[tuple[str, object, str | None]] = []
         origins: dict[str, Any] = {}
-        for name, value in named_tensors(tensors):
+        for name, value in named_tensors(tensors, name_map=name_map):
             obj, dtype = split_dtype(value)
             self._check_placement(name, obj, layout.get(name))
             if numel(obj) == 0:
@@ -200,6 +222,7 @@ class Trainer:
         }
         self._origins = origins
         self._source = tensors if hasattr(tensors, "named_parameters") else None
+        self._name_map = name_map
         return dict(self._registered)
 
     @property
@@ -217,14 +240,14 @@ class Trainer:
         engines disagree on, with both ranks. Needs every worker registered."""
         return self._core.wait_plan(timeout)
 
-    def _register_declared(self, tensors: TensorSource) -> dict[str, int]:
+    def _register_declared(self, tensors: TensorSource, name_map: NameMap | None) -> dict[str, int]:
         """:meth:`register` for a declared model: each tensor's local shard and its box (a
         ``DTensor`` sharded on dim 0: its local shard at its global offset; any other tensor:
         whole). Empty shards are not declared."""
         entries: list[tuple[str, object, str | None]] = []
         boxes: list[tuple[list[int], list[int]]] = []
         origins: dict[str, Any] = {}
-        for name, value in named_tensors(tensors):
+        for name, value in named_tensors(tensors, name_map=name_map):
             obj, dtype = split_dtype(value)
             self._check_placement(name, obj, None)
             if numel(obj) == 0:
@@ -244,6 +267,7 @@ class Trainer:
         self._registered = {r.name: r.address for r in registered}
         self._origins = origins
         self._source = tensors if hasattr(tensors, "named_parameters") else None
+        self._name_map = name_map
         return dict(self._registered)
 
     def _check_placement(self, name: str, t: Any, shard: ShardInfo | None) -> None:
@@ -281,7 +305,9 @@ class Trainer:
             raise RegistrationError(f"{self.worker_id}: register() first", worker=self.worker_id)
         current = dict(self._origins)
         if self._source is not None:
-            current.update({n: p for n, p in self._source.named_parameters() if n in current})
+            current.update(
+                {n: p for n, p in named_tensors(self._source, name_map=self._name_map) if n in current}
+            )
         for name, ptr in self._registered.items():
             now = current_ptr(split_dtype(current[name])[0])
             if now is not None and now != ptr:

@@ -486,7 +486,7 @@ fn transform_code(t: Transform) -> u64 {
     match t {
         Transform::Copy { dtype } => d(dtype),
         Transform::Cast { from, to } => 1 << 8 | d(from) << 4 | d(to),
-        Transform::Fp8Block { from } => 2 << 8 | d(from),
+        Transform::Fp8Block { from, recipe } => 2 << 8 | (recipe.code() as u64) << 4 | d(from),
     }
 }
 
@@ -612,7 +612,10 @@ mod tests {
                 e,
                 region,
                 Source::Shard { shard: e },
-                Transform::Fp8Block { from: DType::BF16 },
+                Transform::Fp8Block {
+                    from: DType::BF16,
+                    recipe: weightsync_common::Fp8Recipe::Vllm,
+                },
                 &writes,
                 &[(0, 2, e / 10 + 4, 4, 3)],
             );

@@ -185,6 +185,7 @@ fn declared_planning_time() {
         infer: weightsync_schedules::InferenceLayout {
             ranks: Vec::new(),
             pieces: Vec::new(),
+            fp8_recipe: Default::default(),
         },
         infer_spec: job::infer_spec(&kimi).unwrap(),
     };

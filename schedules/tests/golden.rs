@@ -48,7 +48,7 @@ fn dump(table: &RoutingTable, summary: &Summary) -> String {
                 let tr = match task.transform {
                     Transform::Copy { dtype } => format!("copy {dtype}"),
                     Transform::Cast { from, to } => format!("cast {from}->{to}"),
-                    Transform::Fp8Block { from } => {
+                    Transform::Fp8Block { from, .. } => {
                         let (offset, shape) = task.fp8_scales().expect("fp8 task has scales");
                         format!("fp8({from}) scales {shape} @{offset}")
                     }

@@ -65,8 +65,8 @@ pub use prepare::convert::{
     bf16_to_f32, e4m3_to_f32, f16_to_f32, f32_to_bf16, f32_to_e4m3_saturating, f32_to_f16, E4M3_MAX,
 };
 pub use prepare::{
-    cast, gather_box, quantise_fp8, quantise_fp8_block_rows, Fp8Shape, PrepareError, Threads,
-    FP8_AMAX_FLOOR,
+    cast, gather_box, quantise_fp8, quantise_fp8_as, quantise_fp8_block_rows, Fp8Shape,
+    PrepareError, Threads, FP8_AMAX_FLOOR,
 };
 pub use rollout::{DeviceLanding, Landed, RolloutWorker, Verified};
 pub use source::view::SourceView;

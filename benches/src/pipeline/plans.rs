@@ -43,7 +43,10 @@ fn landing(kind: Kind, i: u32, shape: Shape, at: u64) -> Landing {
             let scales = scale_shape.numel() * 4;
             let scales_at = align(at + numel);
             Landing {
-                transform: Transform::Fp8Block { from },
+                transform: Transform::Fp8Block {
+                    from,
+                    recipe: weightsync_common::Fp8Recipe::Vllm,
+                },
                 writes: vec![(0, at, numel), (numel.div_ceil(16) * 16, scales_at, scales)],
                 tensors: vec![
                     tensor(name, shape, DType::F8E4M3, at, numel),

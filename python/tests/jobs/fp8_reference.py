@@ -51,6 +51,16 @@ def quantize_blocks(w: torch.Tensor, recipe: str = "a") -> tuple[torch.Tensor, t
         scaled = xb * (torch.ones_like(amax) / (amax / f448))
     elif recipe == "d":      # x / sf
         scaled = xb / (amax / f448)
+    elif recipe == "transformers":
+        # transformers' Fp8Quantize (integrations/finegrained_fp8.py, 5.19), written out: no
+        # amax floor, scales = 448.0 / max_abs (torch: reciprocal times 448), 1 where a block
+        # is all zero, weight_scale_inv = 1.0 / scales.
+        raw = finite_abs.amax(dim=(1, 3), keepdim=True)
+        safe = torch.where(raw > 0, raw, torch.ones_like(raw))
+        scales = torch.where(raw > 0, 448.0 / safe, torch.ones_like(safe))
+        q = (xb * scales).clamp(-448.0, 448.0).to(F8)
+        q = _keep_nan_sign(q.view(rb * BLOCK, cb * BLOCK)[:rows, :cols].contiguous(), w.detach())
+        return q, (1.0 / scales).to(torch.float32).view(rb, cb).contiguous()
     else:
         raise ValueError(recipe)
     q = scaled.clamp(-448.0, 448.0).to(F8)           # clamp keeps NaN; .to() is RNE

@@ -40,12 +40,21 @@ def write_config(folder: str, kind: str) -> str:
 
 def build(folder: str, seed: int, dtype: Any = None) -> Any:
     """The model of ``folder/config.json`` in bf16 (or ``dtype``: f32 master weights), random
-    init from ``seed``."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    init from ``seed``: a causal LM, or for a vision-language config (Qwen2-VL) the
+    image-text-to-text model, which generates text the same way."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     torch.manual_seed(seed)
     cfg = AutoConfig.from_pretrained(folder)
-    return AutoModelForCausalLM.from_config(cfg, dtype=dtype or torch.bfloat16)
+    auto = AutoModelForCausalLM if cfg.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else AutoModelForImageTextToText
+    return auto.from_config(cfg, dtype=dtype or torch.bfloat16)
+
+
+def blocks(model: Any) -> list[Any]:
+    """The repeated blocks of a model, each one FSDP2 unit: the members of every ModuleList
+    (decoder layers; a vision tower's blocks)."""
+    return [m for lst in model.modules() if isinstance(lst, torch.nn.ModuleList) for m in lst]
 
 
 def build_fp8(folder: str, seed: int) -> Any:

@@ -29,6 +29,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import archs  # noqa: E402
 import tiny  # noqa: E402
 
 import weightsync  # noqa: E402
@@ -71,19 +72,23 @@ def main() -> None:
     else:
         model, shard = tiny.build(args.model, seed=0), {}
     mesh = init_device_mesh("cpu", (world,))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, **shard)
+    for block in tiny.blocks(model):  # decoder layers (and a vision tower's blocks)
+        fully_shard(block, mesh=mesh, **shard)
     fully_shard(model, mesh=mesh, **shard)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(1234)  # the same tokens on every rank
-    vocab = model.config.vocab_size
+    vocab = model.config.get_text_config().vocab_size
 
     trainer = weightsync.Trainer(controller=args.controller)  # rank from $RANK
     trainer.register(model)
     client = weightsync.Client(args.http) if args.trigger == "http" and rank == 0 else None
     for step in range(1, args.steps + 1):
-        batch = torch.randint(0, vocab, (2, 32), generator=g)
-        model(input_ids=batch, labels=batch).loss.backward()
+        if model.config.model_type in archs.ARCHS:
+            inputs = archs.batch_kwargs(model, g)
+        else:
+            batch = torch.randint(0, vocab, (2, 32), generator=g)
+            inputs = dict(input_ids=batch, labels=batch)
+        model(**inputs).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
         outcome = None

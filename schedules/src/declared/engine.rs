@@ -231,7 +231,11 @@ pub fn inference_layout(
             mr_bytes: vec![bytes],
         });
     }
-    Ok(InferenceLayout { ranks, pieces })
+    Ok(InferenceLayout {
+        ranks,
+        pieces,
+        fp8_recipe: spec.fp8,
+    })
 }
 
 /// Checks one engine tensor against the trainers' parameter of its name.

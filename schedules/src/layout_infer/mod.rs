@@ -1,7 +1,7 @@
 //! The inference layout: every inference rank's tensors in the engine's own format, and which
 //! box of which logical parameter lands where in them ([`Piece`]).
 //!
-//! # Layout strings ([`InferSpec`]): `tp=8,ep=32,dp=4[,dtype=bf16|fp8][,format=fused|hf][,embed=vocab]`
+//! # Layout strings ([`InferSpec`]): `tp=8,ep=32,dp=4[,dtype=bf16|fp8][,format=fused|hf][,embed=vocab][,fp8=vllm|transformers|deepgemm]`
 //! An engine has `max(tp, ep)` ranks; `dp` engines each hold the whole model, so there are
 //! `dp * max(tp, ep)` inference ranks, engine-major. With `ep > 1`, `ep` must be a multiple of
 //! `tp`: attention and dense weights are tensor-parallel over `tp` (rank `r` of the engine has
@@ -10,7 +10,9 @@
 //! With `ep = 1` experts are tensor-parallel like dense MLPs (`I/tp` each). `format` names the
 //! tensors a rank holds (below; `format=transformers` is `hf`); it is part of the string so a
 //! job's `--infer` (and the control protocol's `WorldSpec.infer`) carries it, and it is printed
-//! back only when it is not the default.
+//! back only when it is not the default. `fp8` names the engine's fp8 block-quantisation recipe
+//! ([`Fp8Recipe`]: whose arithmetic the block scales follow, so an engine holds bit for bit what
+//! its own loader makes; default `vllm`), carried the same way.
 //!
 //! # `format=fused` (default): the serving engines' layout (vLLM / SGLang names)
 //! - `model.embed_tokens.weight`, `lm_head.weight`: vocab-parallel, rank `t` holds rows
@@ -99,6 +101,7 @@ use rustc_hash::FxHashMap;
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
+pub use weightsync_common::Fp8Recipe;
 
 use crate::error::PlanError;
 use crate::layout_train::{parse_degree, parse_kv};
@@ -162,6 +165,8 @@ pub struct InferenceLayout {
     pub ranks: Vec<InferRank>,
     /// All pieces, in rank then tensor order.
     pub pieces: Vec<Piece>,
+    /// Whose arithmetic the fp8 pieces' block quantisation follows (the spec's `fp8=`).
+    pub fp8_recipe: Fp8Recipe,
 }
 
 /// Destination weight format.
@@ -255,6 +260,9 @@ pub struct InferSpec {
     /// The embedding's split (`hf` only; `fused` always splits it by vocab).
     #[serde(default)]
     pub embed: EmbedLayout,
+    /// Whose arithmetic fp8 block quantisation follows (`fp8=...`; only with `dtype=fp8`).
+    #[serde(default)]
+    pub fp8: Fp8Recipe,
 }
 
 impl Default for InferSpec {
@@ -266,6 +274,7 @@ impl Default for InferSpec {
             dtype: InferDType::Bf16,
             format: InferFormat::Fused,
             embed: EmbedLayout::FormatDefault,
+            fp8: Fp8Recipe::Vllm,
         }
     }
 }
@@ -305,11 +314,20 @@ impl std::str::FromStr for InferSpec {
                         }
                     }
                 }
+                "fp8" => {
+                    s.fp8 = v
+                        .to_ascii_lowercase()
+                        .parse()
+                        .map_err(|reason| PlanError::BadSpec {
+                            spec: spec.to_string(),
+                            reason,
+                        })?
+                }
                 _ => {
                     return Err(PlanError::BadSpec {
                         spec: spec.to_string(),
                         reason: format!(
-                            "unknown key {k:?} (known: tp, ep, dp, dtype, format, embed)"
+                            "unknown key {k:?} (known: tp, ep, dp, dtype, format, embed, fp8)"
                         ),
                     })
                 }
@@ -319,6 +337,12 @@ impl std::str::FromStr for InferSpec {
             // The fused format splits the embedding by vocab already: one spelling per layout,
             // so that workers stating the same job agree.
             s.embed = EmbedLayout::FormatDefault;
+        }
+        if s.fp8 != Fp8Recipe::Vllm && s.dtype != InferDType::Fp8 {
+            return Err(PlanError::BadSpec {
+                spec: spec.to_string(),
+                reason: format!("fp8={} names an fp8 recipe, but the dtype is bf16", s.fp8),
+            });
         }
         if s.ep > 1 && s.ep % s.tp != 0 {
             return Err(PlanError::BadSpec {
@@ -358,6 +382,9 @@ impl std::fmt::Display for InferSpec {
         }
         if self.embed == EmbedLayout::Vocab {
             write!(f, ",embed=vocab")?;
+        }
+        if self.fp8 != Fp8Recipe::Vllm {
+            write!(f, ",fp8={}", self.fp8)?;
         }
         Ok(())
     }
@@ -457,6 +484,7 @@ impl InferenceLayout {
             return Ok(InferenceLayout {
                 ranks,
                 pieces: first,
+                fp8_recipe: spec.fp8,
             });
         }
         let per = first.len();
@@ -471,6 +499,10 @@ impl InferenceLayout {
                 }
             })
             .collect_into_vec(&mut pieces);
-        Ok(InferenceLayout { ranks, pieces })
+        Ok(InferenceLayout {
+            ranks,
+            pieces,
+            fp8_recipe: spec.fp8,
+        })
     }
 }

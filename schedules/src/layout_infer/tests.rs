@@ -181,7 +181,43 @@ fn embed_key_parses_prints_and_is_refused_by_name() {
     let e = "tp=2,format=hf,embedding=vocab"
         .parse::<InferSpec>()
         .unwrap_err();
-    assert!(e.to_string().contains("embed)"), "{e}");
+    assert!(e.to_string().contains("embed, fp8)"), "{e}");
+}
+
+#[test]
+fn fp8_recipe_key_parses_prints_reaches_the_layout_and_is_refused_by_name() {
+    let s: InferSpec = "tp=1,dp=2,format=hf,dtype=fp8,fp8=transformers"
+        .parse()
+        .unwrap();
+    assert_eq!(s.fp8, Fp8Recipe::Transformers);
+    assert_eq!(
+        s.to_string(),
+        "tp=1,ep=1,dp=2,dtype=fp8,format=hf,fp8=transformers"
+    );
+    assert_eq!(s.to_string().parse::<InferSpec>().unwrap(), s);
+    // vLLM's recipe is the default, printed back as nothing (the strings of older jobs).
+    let v: InferSpec = "tp=2,dtype=fp8,fp8=vllm".parse().unwrap();
+    assert_eq!(v, "tp=2,dtype=fp8".parse().unwrap());
+    assert_eq!(v.to_string(), "tp=2,ep=1,dp=1,dtype=fp8");
+    let d: InferSpec = "tp=2,dtype=fp8,fp8=DeepGEMM".parse().unwrap();
+    assert_eq!(d.fp8, Fp8Recipe::DeepGemm);
+    // The layout carries it to the planner.
+    let m = Model::preset("kimi-k2", ExpertForm::PerExpert).unwrap();
+    let l = InferenceLayout::build(
+        &m,
+        &"tp=8,ep=32,dtype=fp8,fp8=transformers".parse().unwrap(),
+    )
+    .unwrap();
+    assert_eq!(l.fp8_recipe, Fp8Recipe::Transformers);
+    let e = "tp=2,dtype=fp8,fp8=sglang"
+        .parse::<InferSpec>()
+        .unwrap_err();
+    assert!(
+        e.to_string().contains("\"sglang\"") && e.to_string().contains("transformers"),
+        "{e}"
+    );
+    let e = "tp=2,fp8=transformers".parse::<InferSpec>().unwrap_err();
+    assert!(e.to_string().contains("dtype is bf16"), "{e}");
 }
 
 #[test]

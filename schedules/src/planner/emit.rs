@@ -8,7 +8,7 @@
 //! spells the decisions out in the format workers execute ([`crate::table`]).
 
 use rayon::prelude::*;
-use weightsync_common::DType;
+use weightsync_common::{DType, Fp8Recipe};
 
 use super::place::{dst_box, scale_box};
 use super::shapes::{Cursor, GatherKey, KnownShapes, ShapeMemo, ShapeWrite};
@@ -544,7 +544,7 @@ impl Planner<'_> {
             out.task_cursor = Cursor::default();
         }
         let dg = &self.dgroups[reg.dgroup as usize];
-        let transform = transform_for(dg.fp8, sh.dtype, dg.dtype);
+        let transform = transform_for(dg.fp8.then_some(self.infer.fp8_recipe), sh.dtype, dg.dtype);
         let TargetPlan { listed, copies, .. } = &mut out.targets;
         let id = out.shapes.task_shape(
             out.class,
@@ -691,10 +691,11 @@ fn trainer_parts(builders: Vec<TrainerBuilder>) -> Result<Vec<CompactTrainer>, P
         .collect())
 }
 
-/// The transform for a region from `from` to a destination of `to` (fp8: block-quantised).
-fn transform_for(fp8: bool, from: DType, to: DType) -> Transform {
-    if fp8 {
-        Transform::Fp8Block { from }
+/// The transform for a region from `from` to a destination of `to` (fp8: block-quantised with
+/// that recipe).
+fn transform_for(fp8: Option<Fp8Recipe>, from: DType, to: DType) -> Transform {
+    if let Some(recipe) = fp8 {
+        Transform::Fp8Block { from, recipe }
     } else if from == to {
         Transform::Copy { dtype: from }
     } else {

@@ -298,7 +298,10 @@ mod tests {
             }
             r.patterns.push(TaskPattern {
                 region: TensorBox::new(&[0, 0], &[rng.below(64) as u32 + 1, 128]),
-                transform: Transform::Fp8Block { from: DType::BF16 },
+                transform: Transform::Fp8Block {
+                    from: DType::BF16,
+                    recipe: weightsync_common::Fp8Recipe::Vllm,
+                },
                 gather: rng.below(3) == 0,
                 first_write,
                 num_writes: nw,

@@ -72,7 +72,7 @@
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
-use weightsync_common::DType;
+use weightsync_common::{DType, Fp8Recipe};
 
 mod routing;
 
@@ -382,8 +382,9 @@ pub enum Transform {
     /// The source box is block-aligned in the parameter's coordinates: blocks of
     /// [`FP8_BLOCK`] x [`FP8_BLOCK`] over the LAST TWO dimensions start at the box origin, one
     /// 2-D matrix per index of the leading dimensions; a trailing block may be partial only where
-    /// the box ends at the tensor's end. Per block: `scale_inv = amax / 448` (f32) and values
-    /// `x / scale_inv` rounded to e4m3 (saturating), as the worker's kernel defines exactly.
+    /// the box ends at the tensor's end. Per block, as `recipe` computes them (vLLM's:
+    /// `scale_inv = amax / 448` (f32) and values `x * (448 / amax)` rounded to e4m3,
+    /// saturating), as the worker's kernel defines exactly.
     ///
     /// Prepared output: fp8 values of the box, dense row-major, at offset 0 (`numel` bytes);
     /// then f32 `weight_scale_inv` values, dense row-major over the scale shape
@@ -392,6 +393,8 @@ pub enum Transform {
     Fp8Block {
         /// Source element type.
         from: DType,
+        /// Whose arithmetic the block scales follow (the engine's own loader's).
+        recipe: Fp8Recipe,
     },
 }
 
@@ -400,7 +403,7 @@ impl Transform {
     pub fn input_dtype(&self) -> DType {
         match *self {
             Transform::Copy { dtype } => dtype,
-            Transform::Cast { from, .. } | Transform::Fp8Block { from } => from,
+            Transform::Cast { from, .. } | Transform::Fp8Block { from, .. } => from,
         }
     }
 

@@ -388,7 +388,9 @@ impl Execution {
                 let n = task.region.numel() as usize
                     * match task.transform {
                         Transform::Copy { dtype } => dtype.size(),
-                        Transform::Cast { from, .. } | Transform::Fp8Block { from } => from.size(),
+                        Transform::Cast { from, .. } | Transform::Fp8Block { from, .. } => {
+                            from.size()
+                        }
                     };
                 self.gathers[t.rank as usize][offset as usize..offset as usize + n].to_vec()
             }
@@ -419,7 +421,7 @@ fn prepare(
             }
             out
         }
-        Transform::Fp8Block { from } => {
+        Transform::Fp8Block { from, .. } => {
             let n = input.len() / from.size();
             let vals: Vec<f32> = (0..n).map(|i| get(input, from, i)).collect();
             let (q, s) = quantise(&vals, dims);

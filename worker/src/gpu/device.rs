@@ -25,7 +25,7 @@ use cudarc::driver::{
     LaunchConfig, PushKernelArg,
 };
 use cudarc::nvrtc::Ptx;
-use weightsync_common::DType;
+use weightsync_common::{DType, Fp8Recipe};
 
 use super::kernels::{self, KernelImage, CAST_ELEMS_PER_STEP, CAST_THREADS, QUANT_THREADS};
 use super::{driver_present, GpuError};
@@ -360,8 +360,27 @@ impl GpuDevice {
         V: DevicePtrMut<u8>,
         C: DevicePtrMut<u8>,
     {
+        self.quantise_fp8_as(Fp8Recipe::Vllm, src, dtype, shape, values, scales)
+    }
+
+    /// [`GpuDevice::quantise_fp8`] following `recipe`; bit-identical to
+    /// [`crate::prepare::quantise_fp8_as`].
+    pub fn quantise_fp8_as<S, V, C>(
+        &self,
+        recipe: Fp8Recipe,
+        src: &S,
+        dtype: DType,
+        shape: Fp8Shape,
+        values: &mut V,
+        scales: &mut C,
+    ) -> Result<(), GpuError>
+    where
+        S: DevicePtr<u8>,
+        V: DevicePtrMut<u8>,
+        C: DevicePtrMut<u8>,
+    {
         let conversion = self.fp8_conversion()?;
-        self.quantise_fp8_with(src, dtype, shape, values, scales, conversion)
+        self.quantise_fp8_recipe_with(src, dtype, shape, values, scales, conversion, recipe)
     }
 
     /// [`GpuDevice::quantise_fp8`] with an explicit conversion (the hardware one only where the
@@ -374,6 +393,27 @@ impl GpuDevice {
         values: &mut V,
         scales: &mut C,
         conversion: E4m3Conversion,
+    ) -> Result<(), GpuError>
+    where
+        S: DevicePtr<u8>,
+        V: DevicePtrMut<u8>,
+        C: DevicePtrMut<u8>,
+    {
+        let vllm = Fp8Recipe::Vllm;
+        self.quantise_fp8_recipe_with(src, dtype, shape, values, scales, conversion, vllm)
+    }
+
+    /// [`GpuDevice::quantise_fp8_with`] following `recipe`.
+    #[allow(clippy::too_many_arguments)]
+    fn quantise_fp8_recipe_with<S, V, C>(
+        &self,
+        src: &S,
+        dtype: DType,
+        shape: Fp8Shape,
+        values: &mut V,
+        scales: &mut C,
+        conversion: E4m3Conversion,
+        recipe: Fp8Recipe,
     ) -> Result<(), GpuError>
     where
         S: DevicePtr<u8>,
@@ -428,9 +468,10 @@ impl GpuDevice {
             shared_mem_bytes: 0,
         };
         let (r, c, cb) = (rows as u32, cols as u32, shape.col_blocks() as u32);
-        let (vec, hw) = (
+        let (vec, hw, recipe) = (
             i32::from(vec),
             i32::from(conversion == E4m3Conversion::Hardware),
+            recipe.code() as i32,
         );
         debug_assert_eq!(FP8_BLOCK, 128);
         let mut launch = self.stream.launch_builder(f);
@@ -442,9 +483,10 @@ impl GpuDevice {
             .arg(&c)
             .arg(&cb)
             .arg(&vec)
-            .arg(&hw);
+            .arg(&hw)
+            .arg(&recipe);
         // SAFETY: the arguments match `ws_fp8_*(const u8*, u8*, float*, u32, u32, u32, int,
-        // int)`; the buffer lengths were checked against rows x cols and the scale grid, the
+        // int, int)` (`recipe`: a code of `Fp8Recipe`, any value is a valid one); the buffer lengths were checked against rows x cols and the scale grid, the
         // pointers are of this context and element-aligned (scales 4-byte), `vec` is set only
         // when the 16-byte loads and 8-byte stores it selects are aligned (cols % 8 == 0 keeps
         // every row start aligned), the grid is exactly one block per tile, and the kernel

@@ -363,7 +363,12 @@ impl SourceStages {
                     let mut v = out_view.slice_mut(0..n);
                     device.cast(&input_view, *from, &mut v, *to)?;
                 }
-                PrepareKind::Fp8 { from, cols, strips } => {
+                PrepareKind::Fp8 {
+                    from,
+                    recipe,
+                    cols,
+                    strips,
+                } => {
                     for s in strips {
                         let src = input_view.slice(s.input.start as usize..s.input.end as usize);
                         let rel = |x: u64| x as usize - out_start;
@@ -376,7 +381,8 @@ impl SourceStages {
                             rows: s.rows() as usize,
                             cols: *cols as usize,
                         };
-                        device.quantise_fp8(&src, *from, shape, &mut values, &mut scales)?;
+                        let (v, c) = (&mut values, &mut scales);
+                        device.quantise_fp8_as(*recipe, &src, *from, shape, v, c)?;
                     }
                 }
             }

@@ -229,7 +229,7 @@ __device__ __forceinline__ u32 warp_max(u32 v) {
 template <int DT>
 __device__ __forceinline__ void fp8_tile(const u8* __restrict__ src, u8* __restrict__ values,
                                          float* __restrict__ scales, u32 rows, u32 cols,
-                                         u32 col_blocks, bool vec, bool hw) {
+                                         u32 col_blocks, bool vec, bool hw, int recipe) {
     const int W = Width<DT>::WORDS;
     const u32 tile = blockIdx.x;
     const u32 rb = tile / col_blocks, cb = tile - rb * col_blocks;
@@ -276,9 +276,22 @@ __device__ __forceinline__ void fp8_tile(const u8* __restrict__ src, u8* __restr
     bits = warp_keys[0];
 #pragma unroll
     for (int i = 1; i < WARPS; ++i) bits = max(bits, warp_keys[i]);
-    const float amax = fmaxf(__uint_as_float(bits), 1e-4f);
-    const float inv = __fdiv_rn(448.0f, amax);
-    if (threadIdx.x == 0) scales[(u64)rb * col_blocks + cb] = __fdiv_rn(amax, 448.0f);
+    // The block's factor and stored scale as the recipe (Fp8Recipe::code) computes them, in
+    // correctly rounded f32 operations like the CPU's (weightsync_common::fp8_recipe).
+    const float raw = __uint_as_float(bits);
+    const float amax = fmaxf(raw, 1e-4f);
+    float inv, scale;
+    if (recipe == 1) {          // transformers: fl(1 / amax) * 448, its reciprocal; 1 if zero
+        inv = raw > 0.0f ? __fmul_rn(__frcp_rn(raw), 448.0f) : 1.0f;
+        scale = raw > 0.0f ? __frcp_rn(inv) : 1.0f;
+    } else if (recipe == 2) {   // DeepGEMM: sf = amax / 448, 1 / sf
+        scale = __fdiv_rn(amax, 448.0f);
+        inv = __frcp_rn(scale);
+    } else {                    // vLLM: 448 / amax, amax / 448
+        inv = __fdiv_rn(448.0f, amax);
+        scale = __fdiv_rn(amax, 448.0f);
+    }
+    if (threadIdx.x == 0) scales[(u64)rb * col_blocks + cb] = scale;
 
 #pragma unroll
     for (int k = 0; k < PASSES; ++k) {
@@ -314,8 +327,8 @@ __device__ __forceinline__ void fp8_tile(const u8* __restrict__ src, u8* __restr
 #define WS_FP8(NAME, DT, BLOCKS_PER_SM)                                                            \
     extern "C" __global__ void __launch_bounds__(WS_QUANT_THREADS, BLOCKS_PER_SM)                 \
     NAME(const u8* __restrict__ src, u8* __restrict__ values, float* __restrict__ scales,         \
-         u32 rows, u32 cols, u32 col_blocks, int vec, int hw) {                                   \
-        fp8_tile<DT>(src, values, scales, rows, cols, col_blocks, vec != 0, hw != 0);             \
+         u32 rows, u32 cols, u32 col_blocks, int vec, int hw, int recipe) {                       \
+        fp8_tile<DT>(src, values, scales, rows, cols, col_blocks, vec != 0, hw != 0, recipe);     \
     }
 WS_FP8(ws_fp8_bf16, DT_BF16, 3)
 WS_FP8(ws_fp8_f16, DT_F16, 2)

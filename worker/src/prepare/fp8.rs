@@ -3,22 +3,25 @@
 //! Convention (DeepSeek-V3 checkpoints, as read by vLLM and SGLang): the tensor is cut into
 //! 128x128 blocks (the last row/column of blocks may be partial); each block gets one f32
 //! `weight_scale_inv` such that `dequant = fp8 * weight_scale_inv`; the scale tensor is
-//! `[ceil(rows/128), ceil(cols/128)]` f32, row-major. Per block, exactly as DeepGEMM's /
-//! vLLM's / SGLang's `per_block_cast_to_fp8` computes it in f32:
+//! `[ceil(rows/128), ceil(cols/128)]` f32, row-major. Per block, in f32, as the engine's own
+//! loader computes it ([`Fp8Recipe`]: the recipes differ only in the block's two scalars):
 //!
 //! ```text
-//! amax  = max(max |x| over the block, 1e-4)      // the floor keeps an all-zero block finite
-//! scale = amax / 448                              // stored as weight_scale_inv
-//! q     = e4m3(x * (448 / amax))                  // f32 multiply, round to nearest even
+//! amax            = max |x| over the block's finite elements
+//! (factor, scale) = recipe.block_scale(amax)     // vLLM: 448 / max(amax, 1e-4), its inverse
+//! q               = e4m3(x * factor)             // f32 multiply, round to nearest even
+//! weight_scale_inv = scale
 //! ```
 //!
-//! So an all-zero block gets `scale = 1e-4 / 448` (about 2.2e-7) and all-zero values.
+//! So with [`Fp8Recipe::Vllm`] (vLLM's / SGLang's `per_block_cast_to_fp8`, the default of
+//! [`quantise_fp8`]) an all-zero block gets `scale = 1e-4 / 448` (about 2.2e-7) and all-zero
+//! values; with [`Fp8Recipe::Transformers`] scale 1.0.
 //!
 //! Non-finite inputs (which a healthy training step never produces) are pinned down rather
 //! than left to propagate: `amax` is taken over the *finite* elements only, so one stray inf
 //! or NaN does not wipe out the precision of the other 16383 values of its block; then the
 //! element conversion saturates: `+inf -> 448 (0x7e)`, `-inf -> -448 (0xfe)`, NaN -> NaN
-//! (0x7f / 0xff, sign kept). Finite products can only exceed 448 by rounding of `448 / amax`,
+//! (0x7f / 0xff, sign kept). Finite products can only exceed 448 by rounding of the factor,
 //! and those saturate to 448 too. (The torch reference would instead produce an inf/NaN scale
 //! for such a block; ml_dtypes and torch casts map overflow to NaN, hence the explicit clamp.)
 //!
@@ -37,9 +40,9 @@ use std::marker::PhantomData;
 use std::ops::Range;
 
 use rayon::prelude::*;
-use weightsync_common::DType;
+use weightsync_common::{DType, Fp8Recipe};
 
-use super::convert::{bf16_to_f32, f16_to_f32, f32_to_e4m3_saturating, E4M3_MAX};
+use super::convert::{bf16_to_f32, f16_to_f32, f32_to_e4m3_saturating};
 use super::isa::{vectorised, Avx2, Avx512, Kernel};
 use super::{expect_len, pitched_span, PrepareError, Threads};
 
@@ -53,7 +56,7 @@ pub const FP8_BLOCK: usize = 128;
 
 /// Floor applied to a block's amax before computing its scale (the `clamp(1e-4)` of the
 /// reference quantisers), so an all-zero block has a finite, non-zero scale.
-pub const FP8_AMAX_FLOOR: f32 = 1e-4;
+pub use weightsync_common::fp8_recipe::FP8_AMAX_FLOOR;
 
 /// Shape of the whole 2-D tensor being quantised (the block grid is anchored at its origin).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -83,8 +86,9 @@ impl Fp8Shape {
     }
 }
 
-/// Quantises a whole `[rows, cols]` tensor: `values` gets `rows * cols` e4m3fn bytes,
-/// `scales` gets `ceil(rows/128) * ceil(cols/128)` little-endian f32 `weight_scale_inv`.
+/// Quantises a whole `[rows, cols]` tensor with [`Fp8Recipe::Vllm`]: `values` gets
+/// `rows * cols` e4m3fn bytes, `scales` gets `ceil(rows/128) * ceil(cols/128)` little-endian
+/// f32 `weight_scale_inv`.
 pub fn quantise_fp8(
     src: &[u8],
     src_dtype: DType,
@@ -93,11 +97,34 @@ pub fn quantise_fp8(
     scales: &mut [u8],
     threads: Threads,
 ) -> Result<(), PrepareError> {
-    quantise_fp8_block_rows(
+    quantise_fp8_as(
+        Fp8Recipe::Vllm,
+        src,
+        src_dtype,
+        shape,
+        values,
+        scales,
+        threads,
+    )
+}
+
+/// [`quantise_fp8`] following `recipe` (the engine's own loader's arithmetic).
+pub fn quantise_fp8_as(
+    recipe: Fp8Recipe,
+    src: &[u8],
+    src_dtype: DType,
+    shape: Fp8Shape,
+    values: &mut [u8],
+    scales: &mut [u8],
+    threads: Threads,
+) -> Result<(), PrepareError> {
+    quantise_fp8_block_rows_pitched(
         src,
         src_dtype,
         shape,
         0..shape.row_blocks(),
+        shape.cols,
+        recipe,
         values,
         scales,
         threads,
@@ -107,7 +134,8 @@ pub fn quantise_fp8(
 /// [`quantise_fp8_block_rows`] reading rows that lie `pitch` elements apart in `src` (a
 /// column slice of a wider row-major matrix, read where it lies instead of gathered first):
 /// row `r` of the block rows is `src[r * pitch .. r * pitch + cols]` (in elements), so `src`
-/// spans `(rows - 1) * pitch + cols` elements. `pitch == cols` is [`quantise_fp8_block_rows`].
+/// spans `(rows - 1) * pitch + cols` elements. `pitch == cols` with [`Fp8Recipe::Vllm`] is
+/// [`quantise_fp8_block_rows`]; `recipe` says whose arithmetic the block scales follow.
 #[allow(clippy::too_many_arguments)]
 pub fn quantise_fp8_block_rows_pitched(
     src: &[u8],
@@ -115,6 +143,7 @@ pub fn quantise_fp8_block_rows_pitched(
     shape: Fp8Shape,
     row_blocks: Range<usize>,
     pitch: usize,
+    recipe: Fp8Recipe,
     values: &mut [u8],
     scales: &mut [u8],
     threads: Threads,
@@ -125,6 +154,7 @@ pub fn quantise_fp8_block_rows_pitched(
         shape,
         row_blocks,
         pitch,
+        recipe,
         values,
         scales,
         threads,
@@ -138,7 +168,7 @@ pub fn quantise_fp8_block_rows_pitched(
 /// `src` holds just those rows (`shape.rows_of(row_blocks)`, all columns, in `src_dtype`),
 /// `values` receives the same rows as e4m3fn, and `scales` the matching rows of the scale
 /// grid (`row_blocks.len() * col_blocks` f32). The result equals the corresponding part of
-/// [`quantise_fp8`] on the whole tensor.
+/// [`quantise_fp8`] on the whole tensor ([`Fp8Recipe::Vllm`]).
 pub fn quantise_fp8_block_rows(
     src: &[u8],
     src_dtype: DType,
@@ -150,7 +180,15 @@ pub fn quantise_fp8_block_rows(
 ) -> Result<(), PrepareError> {
     let pitch = shape.cols;
     quantise_fp8_block_rows_pitched(
-        src, src_dtype, shape, row_blocks, pitch, values, scales, threads,
+        src,
+        src_dtype,
+        shape,
+        row_blocks,
+        pitch,
+        Fp8Recipe::Vllm,
+        values,
+        scales,
+        threads,
     )
 }
 
@@ -162,6 +200,7 @@ fn quantise_on_path(
     shape: Fp8Shape,
     row_blocks: Range<usize>,
     pitch: usize,
+    recipe: Fp8Recipe,
     values: &mut [u8],
     scales: &mut [u8],
     threads: Threads,
@@ -202,6 +241,7 @@ fn quantise_on_path(
     let job = Job {
         cols,
         pitch,
+        recipe,
         threads,
         path,
     };
@@ -343,6 +383,7 @@ impl Elem for F32 {
 struct Job {
     cols: usize,
     pitch: usize,
+    recipe: Fp8Recipe,
     threads: Threads,
     path: Path,
 }
@@ -355,7 +396,7 @@ impl Job {
         Avx512: RowOps<E>,
         Avx2: RowOps<E>,
     {
-        let (cols, pitch) = (self.cols, self.pitch);
+        let (cols, pitch, recipe) = (self.cols, self.pitch, self.recipe);
         let ncb = cols.div_ceil(FP8_BLOCK);
         let (src_step, val_step, scale_step) =
             (FP8_BLOCK * pitch * E::SIZE, FP8_BLOCK * cols, ncb * 4);
@@ -370,14 +411,16 @@ impl Job {
                     .enumerate()
                     .for_each(|(i, ((s, v), sc))| {
                         let ahead = if i < last { src_step } else { 0 };
-                        block_row::<E>(s, cols, pitch, v, sc, false, ahead, self.path)
+                        block_row::<E>(s, cols, pitch, recipe, v, sc, false, ahead, self.path)
                     })
             }
             Threads::All => src
                 .par_chunks(src_step)
                 .zip(values.par_chunks_mut(val_step))
                 .zip(scales.par_chunks_mut(scale_step))
-                .for_each(|((s, v), sc)| block_row::<E>(s, cols, pitch, v, sc, true, 0, self.path)),
+                .for_each(|((s, v), sc)| {
+                    block_row::<E>(s, cols, pitch, recipe, v, sc, true, 0, self.path)
+                }),
         }
     }
 }
@@ -396,6 +439,7 @@ fn block_row<E: Elem>(
     src: &[u8],
     cols: usize,
     pitch: usize,
+    recipe: Fp8Recipe,
     values: &mut [u8],
     scales: &mut [u8],
     parallel: bool,
@@ -441,6 +485,7 @@ fn block_row<E: Elem>(
         let group = Group::<E> {
             src,
             pitch,
+            recipe,
             c0,
             width,
             ahead,
@@ -484,6 +529,7 @@ struct Group<'a, 'o, E> {
     src: &'a [u8],
     /// Elements from one row's start to the next's in `src`.
     pitch: usize,
+    recipe: Fp8Recipe,
     c0: usize,
     width: usize,
     ahead: usize,
@@ -498,13 +544,14 @@ impl<E: Elem> Group<'_, '_, E> {
         let Group {
             src,
             pitch,
+            recipe,
             c0,
             width,
             ahead,
             out_rows,
             ..
         } = self;
-        group::<E, _>(ops, src, pitch, c0, width, ahead, out_rows)
+        group::<E, _>(ops, src, pitch, recipe, c0, width, ahead, out_rows)
     }
 }
 
@@ -575,17 +622,19 @@ impl<E: Elem> RowOps<E> for Portable {
 
 /// Columns `c0 .. c0 + width` (whole column blocks) of every row of `src` (rows `pitch`
 /// elements apart): writes `out_rows` (one segment per row) and returns the blocks'
-/// `weight_scale_inv`, left to right.
+/// `weight_scale_inv`, left to right, each block's two scalars as `recipe` computes them.
 ///
 /// Both passes walk the rows in order, each row across the group's blocks: sequential reads
 /// that the prefetcher follows, and the second pass finds the rows still in L2. (Walking one
 /// 128x128 block at a time instead strides by a whole row per 256 bytes, and when rows are a
 /// multiple of 4 KiB apart every line of the block falls in the same L1 set.)
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn group<E: Elem, R: RowOps<E>>(
     ops: R,
     src: &[u8],
     pitch: usize,
+    recipe: Fp8Recipe,
     c0: usize,
     width: usize,
     ahead: usize,
@@ -598,11 +647,10 @@ fn group<E: Elem, R: RowOps<E>>(
             *acc = ops.acc_row(*acc, seg);
         }
     }
-    let amax: Vec<f32> = accs
+    let (inv, scales): (Vec<f32>, Vec<f32>) = accs
         .iter()
-        .map(|&acc| E::key_to_f32(ops.acc_key(acc)).max(FP8_AMAX_FLOOR))
-        .collect();
-    let inv: Vec<f32> = amax.iter().map(|&a| E4M3_MAX / a).collect();
+        .map(|&acc| recipe.block_scale(E::key_to_f32(ops.acc_key(acc))))
+        .unzip();
     for (r, out) in out_rows.iter_mut().enumerate() {
         let blocks = row_in(r)
             .chunks(FP8_BLOCK * E::SIZE)
@@ -614,7 +662,7 @@ fn group<E: Elem, R: RowOps<E>>(
             ops.quantise(seg, inv, o);
         }
     }
-    amax.into_iter().map(|a| a / E4M3_MAX).collect()
+    scales
 }
 
 /// Max of the finite-|x| keys of one row segment.

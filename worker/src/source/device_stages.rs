@@ -18,7 +18,7 @@
 
 use std::ops::Range;
 
-use weightsync_common::DType;
+use weightsync_common::{DType, Fp8Recipe};
 use weightsync_schedules::table::TrainerPlan;
 
 use crate::error::Result;
@@ -160,6 +160,8 @@ pub enum PrepareKind {
     Fp8 {
         /// Input dtype.
         from: DType,
+        /// Whose arithmetic the block scales follow.
+        recipe: Fp8Recipe,
         /// Columns of every matrix.
         cols: u64,
         /// Per matrix the piece touches, its strips.
@@ -242,7 +244,7 @@ pub(crate) mod host_emulation {
     //! a GPU (the same descriptions a device source executes with DMA and kernels).
 
     use super::*;
-    use crate::prepare::{cast, quantise_fp8_block_rows, Fp8Shape, Threads};
+    use crate::prepare::{cast, quantise_fp8_block_rows_pitched, Fp8Shape, Threads};
 
     /// Executes `copies` from `shard` into `input`.
     pub(crate) fn run_copies(copies: &[StridedCopy], shard: &[u8], input: &mut [u8]) {
@@ -268,7 +270,12 @@ pub(crate) mod host_emulation {
                 Threads::One,
             )
             .unwrap(),
-            PrepareKind::Fp8 { from, cols, strips } => {
+            PrepareKind::Fp8 {
+                from,
+                recipe,
+                cols,
+                strips,
+            } => {
                 for s in strips {
                     let shape = Fp8Shape {
                         rows: s.rows() as usize,
@@ -276,11 +283,13 @@ pub(crate) mod host_emulation {
                     };
                     let mut values = vec![0u8; (s.values.end - s.values.start) as usize];
                     let mut scales = vec![0u8; (s.scales.end - s.scales.start) as usize];
-                    quantise_fp8_block_rows(
+                    quantise_fp8_block_rows_pitched(
                         &input[s.input.start as usize..s.input.end as usize],
                         *from,
                         shape,
                         0..shape.rows.div_ceil(128),
+                        shape.cols,
+                        *recipe,
                         &mut values,
                         &mut scales,
                         Threads::One,

@@ -500,7 +500,13 @@ mod tests {
         let values = rows as u64 * cols as u64;
         let scales = (rows.div_ceil(128) * cols.div_ceil(128)) as u64;
         let prepared = values.div_ceil(16) * 16 + scales * 4;
-        (Transform::Fp8Block { from: DType::BF16 }, prepared)
+        (
+            Transform::Fp8Block {
+                from: DType::BF16,
+                recipe: weightsync_common::Fp8Recipe::Vllm,
+            },
+            prepared,
+        )
     }
 
     #[test]

@@ -350,7 +350,7 @@ pub(crate) fn prepare_job(
             to,
             values: lay.values_at..lay.values_at + lay.values,
         },
-        Transform::Fp8Block { from, .. } => {
+        Transform::Fp8Block { from, recipe } => {
             let Grain::Strips { rows, cols, .. } = shape.grain else {
                 return Err(WorkerError::InvalidPlan(format!(
                     "task {t}: fp8 without block strips"
@@ -375,7 +375,12 @@ pub(crate) fn prepare_job(
                     }
                 })
                 .collect();
-            PrepareKind::Fp8 { from, cols, strips }
+            PrepareKind::Fp8 {
+                from,
+                recipe,
+                cols,
+                strips,
+            }
         }
     };
     Ok(PrepareJob {
@@ -426,7 +431,12 @@ fn run_job(
             }
         }
         .map_err(err),
-        PrepareKind::Fp8 { from, cols, strips } => {
+        PrepareKind::Fp8 {
+            from,
+            recipe,
+            cols,
+            strips,
+        } => {
             for s in strips {
                 let fshape = Fp8Shape {
                     rows: s.matrix_rows as usize,
@@ -461,6 +471,7 @@ fn run_job(
                     fshape,
                     s.blocks.start as usize..s.blocks.end as usize,
                     pitch,
+                    *recipe,
                     &mut values[at(&s.values)],
                     &mut rest[scales_at.start - shift..scales_at.end - shift],
                     threads,

@@ -76,7 +76,10 @@ pub(super) fn plans() -> (TrainerPlan, RolloutPlan) {
                 param: 0,
                 region: TensorBox::full(w_shape),
                 source: Source::Shard { shard: 0 },
-                transform: Transform::Fp8Block { from: DType::BF16 },
+                transform: Transform::Fp8Block {
+                    from: DType::BF16,
+                    recipe: weightsync_common::Fp8Recipe::Vllm,
+                },
                 first_write: 0,
                 num_writes: 2,
                 first_copy: 0,
@@ -495,7 +498,10 @@ pub(super) fn gather_plans() -> (TrainerPlan, TrainerPlan, RolloutPlan) {
         name: "g".into(),
         shape: full,
     }];
-    let fp8 = Transform::Fp8Block { from: DType::BF16 };
+    let fp8 = Transform::Fp8Block {
+        from: DType::BF16,
+        recipe: weightsync_common::Fp8Recipe::Vllm,
+    };
     let values = 128 * 256u64;
     let group = |gather_sends, local_tasks, gather_expect, num_tasks| MeshGroup {
         id: 5,

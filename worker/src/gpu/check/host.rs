@@ -10,11 +10,11 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use weightsync_common::DType;
+use weightsync_common::{DType, Fp8Recipe};
 
 use super::{every_16_bit_pattern, random_input};
 use crate::gpu::kernels::{CAST_THREADS, QUANT_THREADS};
-use crate::prepare::{cast, quantise_fp8, Fp8Shape, Threads, FP8_BLOCK};
+use crate::prepare::{cast, quantise_fp8_as, Fp8Shape, Threads, FP8_BLOCK};
 
 fn code(d: DType) -> u32 {
     match d {
@@ -131,10 +131,24 @@ fn the_cuda_kernels_run_on_the_cpu_match_the_cpu_kernels() {
         .collect();
     cases.push(("G3".into(), DType::BF16, Fp8Shape { rows: 1, cols: 4 }, g3));
 
-    for (name, dtype, shape, input) in &cases {
+    // Every case under every recipe (the block's two scalars differ; the rest is shared).
+    let cases: Vec<_> = cases
+        .iter()
+        .flat_map(|c| Fp8Recipe::ALL.map(|r| (c, r)))
+        .map(|((name, dtype, shape, input), recipe)| {
+            let name = if recipe == Fp8Recipe::Vllm {
+                name.clone()
+            } else {
+                format!("{name} {recipe}")
+            };
+            (name, *dtype, *shape, input.clone(), recipe)
+        })
+        .collect();
+    for (name, dtype, shape, input, recipe) in &cases {
         let mut want_v = vec![0u8; shape.rows * shape.cols];
         let mut want_s = vec![0u8; shape.row_blocks() * shape.col_blocks() * 4];
-        quantise_fp8(
+        quantise_fp8_as(
+            *recipe,
             input,
             *dtype,
             *shape,
@@ -159,6 +173,7 @@ fn the_cuda_kernels_run_on_the_cpu_match_the_cpu_kernels() {
                 p("in"),
                 p("values"),
                 p("scales"),
+                recipe.code().to_string(),
             ];
             run(&exe, &args);
             let got_v = std::fs::read(p("values")).unwrap();

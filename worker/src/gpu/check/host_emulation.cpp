@@ -51,6 +51,7 @@ static inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4
 static inline float __fadd_rn(float a, float b) { return a + b; }
 static inline float __fmul_rn(float a, float b) { return a * b; }
 static inline float __fdiv_rn(float a, float b) { return a / b; }
+static inline float __frcp_rn(float a) { return 1.0f / a; }
 static inline float __int2float_rn(int i) { return (float)i; }
 static inline int min(int a, int b) { return a < b ? a : b; }
 static inline unsigned min(unsigned a, unsigned b) { return a < b ? a : b; }
@@ -130,8 +131,9 @@ struct Buffer {
 };
 
 int main(int argc, char** argv) {
-    if (argc == 9 && !std::strcmp(argv[1], "fp8")) {
+    if ((argc == 9 || argc == 10) && !std::strcmp(argv[1], "fp8")) {
         int dt = std::atoi(argv[2]);
+        int recipe = argc == 10 ? std::atoi(argv[9]) : 0;  // Fp8Recipe::code, vLLM's by default
         u32 rows = (u32)std::atol(argv[3]), cols = (u32)std::atol(argv[4]);
         int vec = std::atoi(argv[5]);
         std::vector<u8> in = read_file(argv[6]);
@@ -143,7 +145,7 @@ int main(int argc, char** argv) {
         Buffer values((size_t)rows * cols, vec ? 0 : 1, 0x5a), scales((size_t)rb * cb * 4, 0, 0x5a);
         auto f = dt == DT_BF16 ? ws_fp8_bf16 : dt == DT_F16 ? ws_fp8_f16 : ws_fp8_f32;
         launch(rb * cb, WS_QUANT_THREADS, [&] {
-            f(src.at, values.at, (float*)scales.at, rows, cols, cb, vec, 0);
+            f(src.at, values.at, (float*)scales.at, rows, cols, cb, vec, 0, recipe);
         });
         write_file(argv[7], values.at, (size_t)rows * cols);
         write_file(argv[8], scales.at, (size_t)rb * cb * 4);

@@ -161,7 +161,10 @@ fn plans() -> (TrainerPlan, RolloutPlan) {
                 at = align(scales_at + scales);
                 (
                     TensorBox::full(shape),
-                    Transform::Fp8Block { from: DType::BF16 },
+                    Transform::Fp8Block {
+                        from: DType::BF16,
+                        recipe: weightsync_common::Fp8Recipe::Vllm,
+                    },
                 )
             }
             Kind::CastF32ToBf16 | Kind::CopyBf16 => {

@@ -1,9 +1,10 @@
 //! Tests of the fp8 block quantiser: block rows against the whole tensor, error bounds, the
-//! fast (AVX-512, AVX2) and portable paths bit for bit against an independent scalar reference (every 16-bit
-//! pattern included), the floor scale of a zero block, and refused input.
+//! fast (AVX-512, AVX2) and portable paths bit for bit against an independent scalar reference
+//! of every recipe (every 16-bit pattern included), reference bytes of the vLLM and transformers
+//! recipes from torch, the scale of a zero block, and refused input.
 
 use super::*;
-use crate::prepare::convert::e4m3_to_f32;
+use crate::prepare::convert::{e4m3_to_f32, E4M3_MAX};
 use rand::{Rng, SeedableRng};
 
 fn random_bf16(n: usize, seed: u64) -> Vec<u8> {
@@ -109,8 +110,9 @@ fn dequantised_values_are_close_and_block_max_hits_448() {
 }
 
 /// An independent element-by-element quantiser: the module doc's formula over each block,
-/// written as plainly as possible (no keys, no row loops, no ISA dispatch).
-fn reference(src: &[u8], dtype: DType, shape: Fp8Shape) -> (Vec<u8>, Vec<u8>) {
+/// written as plainly as possible (no keys, no row loops, no ISA dispatch), each recipe's two
+/// scalars spelled out as its engine writes them (not through [`Fp8Recipe::block_scale`]).
+fn reference(src: &[u8], dtype: DType, shape: Fp8Shape, recipe: Fp8Recipe) -> (Vec<u8>, Vec<u8>) {
     let x: Vec<f32> = src
         .chunks_exact(dtype.size())
         .map(|b| match dtype {
@@ -134,14 +136,35 @@ fn reference(src: &[u8], dtype: DType, shape: Fp8Shape) -> (Vec<u8>, Vec<u8>) {
                     }
                 }
             }
-            let amax = amax.max(FP8_AMAX_FLOOR);
-            let inv = E4M3_MAX / amax;
+            let (inv, scale) = match recipe {
+                // vLLM: x * (448 / amax), amax / 448, amax floored at 1e-4.
+                Fp8Recipe::Vllm => (
+                    E4M3_MAX / amax.max(FP8_AMAX_FLOOR),
+                    amax.max(FP8_AMAX_FLOOR) / E4M3_MAX,
+                ),
+                // transformers: scales = 448.0 / safe (torch: reciprocal, times 448), 1 where
+                // amax is 0; weight_scale_inv = 1.0 / scales.
+                Fp8Recipe::Transformers => {
+                    let safe = if amax > 0.0 { amax } else { 1.0 };
+                    let scales = if amax > 0.0 {
+                        safe.recip() * E4M3_MAX
+                    } else {
+                        1.0
+                    };
+                    (scales, scales.recip())
+                }
+                // DeepGEMM: sf = amax / 448, x * (1 / sf).
+                Fp8Recipe::DeepGemm => {
+                    let sf = amax.max(FP8_AMAX_FLOOR) / E4M3_MAX;
+                    (1.0 / sf, sf)
+                }
+            };
             for r in rs {
                 for c in cs.clone() {
                     values[r * cols + c] = f32_to_e4m3_saturating(x[r * cols + c] * inv);
                 }
             }
-            scales.extend_from_slice(&(amax / E4M3_MAX).to_le_bytes());
+            scales.extend_from_slice(&scale.to_le_bytes());
         }
     }
     (values, scales)
@@ -214,7 +237,9 @@ fn fast_and_portable_paths_equal_an_independent_reference_on_random_data() {
             };
             let shape = Fp8Shape { rows, cols };
             let src = random_elements(dtype, rows * cols, &mut rng);
-            let (want_v, want_s) = reference(&src, dtype, shape);
+            // Each recipe meets each shape class over the 12 rounds.
+            let recipe = Fp8Recipe::ALL[round % Fp8Recipe::ALL.len()];
+            let (want_v, want_s) = reference(&src, dtype, shape, recipe);
             for path in paths() {
                 for threads in [Threads::One, Threads::All] {
                     // Dense rows, and the same rows `gap` elements apart in a wider buffer
@@ -226,11 +251,13 @@ fn fast_and_portable_paths_equal_an_independent_reference_on_random_data() {
                         let mut s = vec![0xAAu8; want_s.len()];
                         let blocks = 0..shape.row_blocks();
                         quantise_on_path(
-                            &src, dtype, shape, blocks, pitch, &mut v, &mut s, threads, path,
+                            &src, dtype, shape, blocks, pitch, recipe, &mut v, &mut s, threads,
+                            path,
                         )
                         .unwrap();
-                        let what =
-                            format!("{dtype} {rows}x{cols} pitch {pitch} {path:?} {threads:?}");
+                        let what = format!(
+                            "{dtype} {rows}x{cols} pitch {pitch} {recipe} {path:?} {threads:?}"
+                        );
                         if let Some(i) = (0..v.len()).find(|&i| v[i] != want_v[i]) {
                             panic!(
                                 "{what}: value {i} is {:#04x}, want {:#04x}",
@@ -243,7 +270,7 @@ fn fast_and_portable_paths_equal_an_independent_reference_on_random_data() {
                 }
             }
             // A block-row range alone equals its part of the whole.
-            if shape.row_blocks() > 1 {
+            if shape.row_blocks() > 1 && recipe == Fp8Recipe::Vllm {
                 let ncb = shape.col_blocks();
                 let rs = shape.rows_of(1..shape.row_blocks());
                 let mut v = vec![0u8; rs.len() * cols];
@@ -289,8 +316,11 @@ fn fast_path_equals_the_reference_for_every_16_bit_pattern() {
             cols: 128,
         };
         let src: Vec<u8> = (0..=u16::MAX).flat_map(|h| h.to_le_bytes()).collect();
-        let (want_v, want_s) = reference(&src, dtype, shape);
-        for path in paths() {
+        for (recipe, path) in Fp8Recipe::ALL
+            .into_iter()
+            .flat_map(|r| paths().into_iter().map(move |p| (r, p)))
+        {
+            let (want_v, want_s) = reference(&src, dtype, shape, recipe);
             let mut v = vec![0u8; 512 * 128];
             let mut s = vec![0u8; 16];
             let blocks = 0..shape.row_blocks();
@@ -300,16 +330,17 @@ fn fast_path_equals_the_reference_for_every_16_bit_pattern() {
                 shape,
                 blocks,
                 128,
+                recipe,
                 &mut v,
                 &mut s,
                 Threads::One,
                 path,
             )
             .unwrap();
-            assert_eq!(s, want_s, "{dtype} {path:?} scales");
+            assert_eq!(s, want_s, "{dtype} {recipe} {path:?} scales");
             if let Some(i) = (0..v.len()).find(|&i| v[i] != want_v[i]) {
                 panic!(
-                    "{dtype} {path:?} pattern {i:#06x}: {:#04x}, want {:#04x}",
+                    "{dtype} {recipe} {path:?} pattern {i:#06x}: {:#04x}, want {:#04x}",
                     v[i], want_v[i]
                 );
             }
@@ -329,6 +360,7 @@ fn a_pitch_shorter_than_a_row_or_a_source_of_the_wrong_span_is_refused() {
             shape,
             0..1,
             pitch,
+            Fp8Recipe::Vllm,
             &mut v,
             &mut s,
             Threads::One,
@@ -359,6 +391,71 @@ fn zero_block_gets_the_floor_scale() {
     .unwrap();
     assert!(values.iter().all(|&v| v == 0));
     assert_eq!(f32::from_le_bytes(scales), FP8_AMAX_FLOOR / 448.0);
+}
+
+/// Reference bytes from torch 2.13 (each engine's expression on f32 CPU tensors, then
+/// `clamp(-448, 448).to(float8_e4m3fn)`): a 2x130 bf16 tensor whose first block has amax 3.0,
+/// where vLLM's factor `448 / 3` and transformers' `448.0 / t` (reciprocal times 448) are one
+/// ulp apart and round three of the five values differently, and whose second block (columns
+/// 128..130) is all zero: scale `1e-4 / 448` for vLLM, 1.0 for transformers.
+#[test]
+fn vllm_and_transformers_recipes_give_their_engines_bytes() {
+    let shape = Fp8Shape { rows: 2, cols: 130 };
+    let mut x = vec![0u16; 2 * 130];
+    x[..3].copy_from_slice(&[0x4040, 0x3910, 0x3b10]); // 3.0, 1.373e-4, 2.197e-3
+    x[130..132].copy_from_slice(&[0xbfc0, 0xbb90]); // -1.5, -4.395e-3
+    let src: Vec<u8> = x.iter().flat_map(|h| h.to_le_bytes()).collect();
+    let cases = [
+        (
+            Fp8Recipe::Vllm,
+            [0x7e, 0x0a, 0x2a, 0xf6, 0xb2],
+            [0x3bdb_6db7, (1e-4f32 / 448.0).to_bits()],
+        ),
+        (
+            Fp8Recipe::Transformers,
+            [0x7e, 0x0b, 0x2b, 0xf6, 0xb3],
+            [0x3bdb_6db6, 1.0f32.to_bits()],
+        ),
+        (
+            Fp8Recipe::DeepGemm,
+            [0x7e, 0x0a, 0x2a, 0xf6, 0xb2],
+            [0x3bdb_6db7, (1e-4f32 / 448.0).to_bits()],
+        ),
+    ];
+    for (recipe, want_v, want_s) in cases {
+        for path in paths() {
+            let mut v = vec![0xAAu8; 260];
+            let mut s = vec![0xAAu8; 8];
+            quantise_on_path(
+                &src,
+                DType::BF16,
+                shape,
+                0..1,
+                130,
+                recipe,
+                &mut v,
+                &mut s,
+                Threads::One,
+                path,
+            )
+            .unwrap();
+            let got = [v[0], v[1], v[2], v[130], v[131]];
+            assert_eq!(got, want_v, "{recipe} {path:?} values");
+            let zeros = v
+                .iter()
+                .enumerate()
+                .filter(|&(i, _)| ![0, 1, 2, 130, 131].contains(&i));
+            assert!(
+                zeros.clone().all(|(_, &b)| b == 0),
+                "{recipe} {path:?}: zeros"
+            );
+            let scales: Vec<u32> = s
+                .chunks_exact(4)
+                .map(|b| u32::from_le_bytes(b.try_into().unwrap()))
+                .collect();
+            assert_eq!(scales, want_s, "{recipe} {path:?} scales");
+        }
+    }
 }
 
 #[test]
