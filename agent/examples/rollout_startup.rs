@@ -16,8 +16,8 @@
 
 use std::time::Instant;
 
-use weightsync_common::protocol::WorldSpec;
 use weightsync_common::DType;
+use weightsync_common::protocol::WorldSpec;
 use weightsync_schedules::job::{inference_layout, plan_job, rollout_layout};
 
 /// (user + system) CPU seconds and peak RSS in MiB of this process, from /proc.

@@ -12,9 +12,9 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use serde::Deserialize;
+use weightsync_common::DType;
 use weightsync_common::fabric::{FabricConfig, JobToken};
 use weightsync_common::protocol::{WorkerId, WorkerRole, WorldSpec};
-use weightsync_common::DType;
 
 use crate::control::AgentConfig;
 use crate::rollout::RolloutDriverConfig;
@@ -209,15 +209,14 @@ pub fn resolve_with_source(
             "{role} rank {rank} is outside the job's {expected} {role}s"
         )));
     }
-    if role == WorkerRole::Trainer {
-        if let Some(w) = env_world.filter(|_| s.rank.is_none()) {
-            if w != trainers {
-                return Err(ConfigError(format!(
-                    "the launcher's world size is {w} but the training layout {} has {trainers} ranks",
-                    world.train
-                )));
-            }
-        }
+    if role == WorkerRole::Trainer
+        && let Some(w) = env_world.filter(|_| s.rank.is_none())
+        && w != trainers
+    {
+        return Err(ConfigError(format!(
+            "the launcher's world size is {w} but the training layout {} has {trainers} ranks",
+            world.train
+        )));
     }
     let mut fabric = FabricConfig::loopback(&job_token, s.lanes.unwrap_or(2));
     if let Some(l) = s.fabric_listen {
@@ -252,7 +251,7 @@ pub fn resolve_with_source(
                 (None, None) => {
                     return Err(ConfigError(
                         "a trainer needs a source: --source shm:PATH or safetensors:PATH".into(),
-                    ))
+                    ));
                 }
             };
             ResolvedWorker::Trainer(

@@ -19,16 +19,16 @@
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use tokio::io::AsyncWriteExt;
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::{mpsc, watch};
 use weightsync_common::protocol::{
-    auth, read_frame, write_frame, ControlFrameError, Failure, FromWorker, Registration, ToWorker,
-    WorkerId, WorldSpec, DEFAULT_MAX_FRAME,
+    ControlFrameError, DEFAULT_MAX_FRAME, Failure, FromWorker, Registration, ToWorker, WorkerId,
+    WorldSpec, auth, read_frame, write_frame,
 };
 
 use crate::driver::{DriverInfo, Outcome, SyncDriver, SyncRef};
-use crate::driver_loop::{drive, DriverCmd};
+use crate::driver_loop::{DriverCmd, drive};
 
 /// How an agent reaches its controller and who it is.
 #[derive(Debug, Clone)]
@@ -288,7 +288,7 @@ async fn register(
         Ok(Some(other)) => {
             return Err(AgentError::Protocol(format!(
                 "expected a challenge, got {other:?}"
-            )))
+            )));
         }
         Ok(None) => return Ok(Err(SessionEnd::Lost("closed before the challenge".into()))),
         Err(e) => return lost(e),
@@ -304,21 +304,21 @@ async fn register(
             return Err(AgentError::OtherJob {
                 id: cfg.id,
                 detail: job_difference(&cfg.world, &world),
-            })
+            });
         }
         Ok(Some(ToWorker::Rejected { reason })) => {
-            return Err(AgentError::Rejected { id: cfg.id, reason })
+            return Err(AgentError::Rejected { id: cfg.id, reason });
         }
         Ok(Some(other)) => {
             return Err(AgentError::Protocol(format!(
                 "expected the job, got {other:?}"
-            )))
+            )));
         }
         Ok(None) => {
             return Err(AgentError::Rejected {
                 id: cfg.id,
                 reason: "connection closed after the proof (wrong job token?)".into(),
-            })
+            });
         }
         Err(e) => return lost(e),
     }
@@ -382,7 +382,7 @@ pub async fn fetch_job(
         Ok(other) => {
             return Err(AgentError::Protocol(format!(
                 "expected a challenge, got {other:?}"
-            )))
+            )));
         }
         Err(e) => return Err(unreachable(&e)),
     };
@@ -520,7 +520,7 @@ fn next_for(cfg: &AgentConfig, msg: ToWorker, current: &mut Option<SyncRef>, end
         }
         ToWorker::Shutdown => return Next::End(SessionEnd::Shutdown),
         ToWorker::Rejected { reason } => {
-            return Next::End(SessionEnd::Lost(format!("rejected: {reason}")))
+            return Next::End(SessionEnd::Lost(format!("rejected: {reason}")));
         }
         ToWorker::Heartbeat { .. }
         | ToWorker::Welcome { .. }

@@ -138,9 +138,9 @@ mod tests {
     use std::sync::Arc;
     use std::time::Duration;
 
+    use weightsync_common::DType;
     use weightsync_common::fabric::{Endpoint, FabricError};
     use weightsync_common::protocol::FailureKind;
-    use weightsync_common::DType;
     use weightsync_worker::{SourceError, WatermarkError, WorkerError};
 
     use super::DriverError;

@@ -4,10 +4,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use weightsync_common::DType;
 use weightsync_common::fabric::FabricConfig;
 use weightsync_common::protocol::{Assignment, Blob, WorldSpec};
-use weightsync_common::DType;
-use weightsync_schedules::job::{plan_job, Job};
+use weightsync_schedules::job::{Job, plan_job};
 
 use crate::driver::SyncDriver;
 use crate::rollout::{RolloutDriver, RolloutDriverConfig};

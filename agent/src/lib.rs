@@ -44,8 +44,8 @@ mod source;
 pub mod trainer;
 
 pub use control::{
-    fetch_job, run_agent, run_agent_with, AgentConfig, AgentError, AgentEvent, AgentLink,
-    AGENT_MAX_FRAME,
+    AGENT_MAX_FRAME, AgentConfig, AgentError, AgentEvent, AgentLink, fetch_job, run_agent,
+    run_agent_with,
 };
 pub use driver::{Accepted, DriverError, DriverInfo, Outcome, SyncDriver, SyncRef};
 pub use weightsync_common::protocol::FailureKind;

@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 
 use weightsync_common::fabric::{Fabric, FabricBackend, FabricConfig};
 use weightsync_common::protocol::{
-    Assignment, RunChecksum, Stage, TensorMeta, TimelineEvent, WorkerId, WorkerReport, WorldSpec,
-    WHOLE_SYNC,
+    Assignment, RunChecksum, Stage, TensorMeta, TimelineEvent, WHOLE_SYNC, WorkerId, WorkerReport,
+    WorldSpec,
 };
 use weightsync_schedules::table::RolloutPlan;
 use weightsync_worker::RolloutWorker;

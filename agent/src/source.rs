@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use weightsync_schedules::table::TrainerPlan;
 use weightsync_worker::{
-    arena_tensors, SafetensorsSource, ShmSource, SourceMemory, SourceView, TensorSet,
+    SafetensorsSource, ShmSource, SourceMemory, SourceView, TensorSet, arena_tensors,
 };
 
 use crate::driver::DriverError;

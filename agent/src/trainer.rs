@@ -23,8 +23,8 @@ use weightsync_common::protocol::{
     Assignment, Blob, PeerInfo, RunChecksum, TensorMeta, WorkerId, WorkerReport, WorkerRole,
     WorldSpec,
 };
-use weightsync_schedules::table::TrainerPlan;
 use weightsync_schedules::TrainerSlice;
+use weightsync_schedules::table::TrainerPlan;
 use weightsync_worker::{
     Destinations, SyncId, SyncReport, TrainerConfig, TrainerWorker, WorkerError,
 };

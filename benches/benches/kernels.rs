@@ -2,9 +2,9 @@
 //! memcpy of the same bytes in the same group so the ratio can be read off one report.
 //! The whole-system figure with `ratio_vs_memcpy` is `weightsync bench prepare`.
 
-use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use weightsync_common::DType;
-use weightsync_worker::{cast, gather_box, quantise_fp8, Fp8Shape, Threads};
+use weightsync_worker::{Fp8Shape, Threads, cast, gather_box, quantise_fp8};
 
 const ROWS: usize = 2048;
 const COLS: usize = 4096;

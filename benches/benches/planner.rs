@@ -3,9 +3,9 @@
 //! planner is pure and uses no threads). Also the whole path from config to table, and a dense
 //! model for scale.
 
-use criterion::{criterion_group, criterion_main, Criterion};
+use criterion::{Criterion, criterion_group, criterion_main};
 use weightsync_schedules::{
-    plan, CostModel, ExpertForm, InferDType, InferSpec, InferenceLayout, Model, TrainingLayout,
+    CostModel, ExpertForm, InferDType, InferSpec, InferenceLayout, Model, TrainingLayout, plan,
 };
 
 fn inputs(

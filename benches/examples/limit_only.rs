@@ -15,7 +15,7 @@
 use std::collections::BTreeMap;
 
 use weightsync_benches::e2e::Setup;
-use weightsync_common::fabric::{limit::FabricLimit, FabricConfig};
+use weightsync_common::fabric::{FabricConfig, limit::FabricLimit};
 use weightsync_schedules::table::WriteTarget;
 
 fn main() -> anyhow::Result<()> {

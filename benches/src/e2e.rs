@@ -34,11 +34,11 @@ use serde::Serialize;
 
 use crate::cpu_clock;
 use weightsync_schedules::{
-    plan, InferDType, InferSpec, InferenceLayout, Model, RoutingTable, TrainSpec, TrainingLayout,
+    InferDType, InferSpec, InferenceLayout, Model, RoutingTable, TrainSpec, TrainingLayout, plan,
 };
 
 pub use broadcast::BroadcastBaseline;
-pub use loopback::{AddressTraffic, LoopbackCluster, SyncTime, WorkerOptions, MAX_ADDRESSES};
+pub use loopback::{AddressTraffic, LoopbackCluster, MAX_ADDRESSES, SyncTime, WorkerOptions};
 
 /// Why an end-to-end run failed.
 #[derive(Debug, thiserror::Error)]
@@ -575,10 +575,12 @@ mod tests {
             },
             ..Default::default()
         };
-        assert!(run_table(&tiny_table(), &cfg)
-            .unwrap_err()
-            .to_string()
-            .contains("addresses 0"));
+        assert!(
+            run_table(&tiny_table(), &cfg)
+                .unwrap_err()
+                .to_string()
+                .contains("addresses 0")
+        );
     }
 
     #[test]

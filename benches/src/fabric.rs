@@ -43,7 +43,7 @@ use std::net::{TcpListener, TcpStream};
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
-use anyhow::{anyhow, bail, Context};
+use anyhow::{Context, anyhow, bail};
 use serde::{Deserialize, Serialize};
 use weightsync_common::fabric::{
     Access, FabricBackend, FabricConfig, Region, RegionDescriptor, TcpFabric, WriteOp,

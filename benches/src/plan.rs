@@ -23,7 +23,7 @@ use crate::e2e::Setup;
 
 pub mod process;
 
-use process::{run_measured, Measured};
+use process::{Measured, run_measured};
 
 /// One planning case, with the goals it is held to.
 #[derive(Debug, Clone, Serialize)]
@@ -218,10 +218,10 @@ pub fn run(cfg: &Config) -> anyhow::Result<Report> {
     if cfg.cases.is_empty() {
         bail!("no plan case to run");
     }
-    if let Some(b) = &cfg.baseline {
-        if !b.path.is_file() {
-            bail!("baseline binary {} does not exist", b.path.display());
-        }
+    if let Some(b) = &cfg.baseline
+        && !b.path.is_file()
+    {
+        bail!("baseline binary {} does not exist", b.path.display());
     }
     let load_before = load_average();
     let mut cases = Vec::with_capacity(cfg.cases.len());

@@ -6,12 +6,12 @@
 //! (one frame per message variant, `from-N.bin` and `to-N.bin`, and `from-stream.bin`: every
 //! worker message back to back, as a connection carries them).
 
-use weightsync_common::protocol::{
-    decode_frame, encode_frame, Assignment, Blob, Failure, FailureKind, Fault, FromWorker,
-    PeerInfo, Registration, RunChecksum, Stage, TensorMeta, TimeSplit, TimelineEvent, ToWorker,
-    WorkerId, WorkerReport, WorldSpec, DEFAULT_MAX_FRAME, WHOLE_SYNC,
-};
 use weightsync_common::DType;
+use weightsync_common::protocol::{
+    Assignment, Blob, DEFAULT_MAX_FRAME, Failure, FailureKind, Fault, FromWorker, PeerInfo,
+    Registration, RunChecksum, Stage, TensorMeta, TimeSplit, TimelineEvent, ToWorker, WHOLE_SYNC,
+    WorkerId, WorkerReport, WorldSpec, decode_frame, encode_frame,
+};
 
 fn world() -> WorldSpec {
     WorldSpec {

@@ -7,10 +7,10 @@ use std::time::Duration;
 
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{mpsc, watch, Semaphore};
+use tokio::sync::{Semaphore, mpsc, watch};
 use weightsync_common::protocol::{
-    auth, read_frame, write_frame, ControlFrameError, FromWorker, Registration, ToWorker,
-    DEFAULT_MAX_FRAME,
+    ControlFrameError, DEFAULT_MAX_FRAME, FromWorker, Registration, ToWorker, auth, read_frame,
+    write_frame,
 };
 
 use crate::coordinator::{Effects, Now, Refused};
@@ -130,12 +130,12 @@ async fn handshake(
         Some(FromWorker::Hello { .. }) => {
             return Err(ConnectionError::Handshake(
                 "authentication failed (wrong job token)".into(),
-            ))
+            ));
         }
         _ => {
             return Err(ConnectionError::Handshake(
                 "expected Hello as the first message".into(),
-            ))
+            ));
         }
     }
     let job = ToWorker::Job {

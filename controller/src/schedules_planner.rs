@@ -14,9 +14,9 @@ use std::collections::BTreeMap;
 use weightsync_common::protocol::{
     Assignment, Blob, Registration, TensorMeta, WorkerId, WorkerRole, WorldSpec,
 };
-use weightsync_schedules::declared::EngineDeclaration;
-use weightsync_schedules::job::{is_declared, plan_declared_job, plan_job, Job};
 use weightsync_schedules::Summary;
+use weightsync_schedules::declared::EngineDeclaration;
+use weightsync_schedules::job::{Job, is_declared, plan_declared_job, plan_job};
 
 use crate::planning::{AssignmentError, PlanOutput, Planner};
 

@@ -12,13 +12,13 @@
 //! changed meanwhile. The API and heartbeats are served throughout.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use tokio::sync::{mpsc, watch};
-use weightsync_common::protocol::{ToWorker, WorldSpec, DEFAULT_MAX_FRAME};
+use weightsync_common::protocol::{DEFAULT_MAX_FRAME, ToWorker, WorldSpec};
 
 use crate::coordinator::{ConnId, Coordinator, CoordinatorConfig, Effects, Now, PlanRequest};
 use crate::metrics::Metrics;
@@ -190,10 +190,10 @@ impl AppState {
         let mut overflow = Vec::new();
         let conns = self.0.conns.lock();
         for (conn, msg) in fx.send.drain(..) {
-            if let Some(tx) = conns.get(&conn) {
-                if tx.try_send(Outgoing::Msg(msg)).is_err() {
-                    overflow.push(conn);
-                }
+            if let Some(tx) = conns.get(&conn)
+                && tx.try_send(Outgoing::Msg(msg)).is_err()
+            {
+                overflow.push(conn);
             }
         }
         for conn in fx.close.drain(..) {

@@ -15,7 +15,7 @@ use weightsync_common::DType;
 use weightsync_schedules::layout_infer::Piece;
 use weightsync_schedules::model::Param;
 use weightsync_schedules::table::{
-    DstTensor, LocalShard, ParamRef, Shape, TensorBox, TrainerPlan, FP8_BLOCK, MAX_DIMS,
+    DstTensor, FP8_BLOCK, LocalShard, MAX_DIMS, ParamRef, Shape, TensorBox, TrainerPlan,
 };
 use weightsync_schedules::{InferenceLayout, Model};
 

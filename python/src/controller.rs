@@ -17,8 +17,8 @@ use std::time::Duration;
 
 use pyo3::prelude::*;
 use tokio::sync::oneshot;
-use weightsync_common::protocol::WorldSpec;
 use weightsync_common::DType;
+use weightsync_common::protocol::WorldSpec;
 use weightsync_controller::{AppState, ControllerConfig, SchedulesPlanner};
 
 use crate::errors::raise;

@@ -1,7 +1,7 @@
 //! Element-type names as Python callers spell them.
 
-use pyo3::exceptions::PyValueError;
 use pyo3::PyResult;
+use pyo3::exceptions::PyValueError;
 use weightsync_common::DType;
 
 /// `"bf16"`, `"bfloat16"`, `"torch.bfloat16"`, ... → [`DType`].
@@ -14,7 +14,7 @@ pub(crate) fn parse(name: &str) -> PyResult<DType> {
         other => {
             return Err(PyValueError::new_err(format!(
                 "dtype {other:?}: expected bf16, f16, f32 or f8_e4m3 (torch names work too)"
-            )))
+            )));
         }
     })
 }

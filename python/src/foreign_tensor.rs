@@ -206,14 +206,14 @@ impl Found {
                     item_size,
                     want.name(),
                     want.size()
-                )))
+                )));
             }
             (Some(want), _) => want,
             (None, Ok(own)) => own,
             (None, Err(why)) => {
                 return Err(PyTypeError::new_err(format!(
                     "{why}; pass (tensor, \"bf16\") to reinterpret same-size elements"
-                )))
+                )));
             }
         };
         Ok(tensor)
@@ -246,26 +246,27 @@ fn from_torch(obj: &Bound<'_, PyAny>, access: Access) -> PyResult<Found> {
     };
     let device = local.getattr("device")?;
     let device_type: String = device.getattr("type")?.extract()?;
-    let cuda =
-        match device_type.as_str() {
-            "cpu" => None,
-            "cuda" if access == Access::Read => {
-                let index: Option<usize> = device.getattr("index")?.extract()?;
-                Some(match index {
-                    Some(i) => i,
-                    None => local.call_method0("get_device")?.extract()?,
-                })
-            }
-            "cuda" => return Err(PyValueError::new_err(
+    let cuda = match device_type.as_str() {
+        "cpu" => None,
+        "cuda" if access == Access::Read => {
+            let index: Option<usize> = device.getattr("index")?.extract()?;
+            Some(match index {
+                Some(i) => i,
+                None => local.call_method0("get_device")?.extract()?,
+            })
+        }
+        "cuda" => {
+            return Err(PyValueError::new_err(
                 "a CUDA tensor as a destination: an engine's tensors must be in CPU memory for \
                  now (device destinations are not built yet); trainers may register CUDA tensors",
-            )),
-            other => {
-                return Err(PyValueError::new_err(format!(
-                    "a tensor on device {other:?}: weightsync reads CPU or CUDA memory"
-                )))
-            }
-        };
+            ));
+        }
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "a tensor on device {other:?}: weightsync reads CPU or CUDA memory"
+            )));
+        }
+    };
     if !local.call_method0("is_contiguous")?.extract::<bool>()? {
         return Err(PyValueError::new_err(
             "a non-contiguous tensor: weightsync registers one contiguous byte range; pass \
@@ -414,7 +415,7 @@ fn read_capsule(cap: &Bound<'_, PyCapsule>) -> PyResult<DlView> {
         other => {
             return Err(PyValueError::new_err(format!(
                 "__dlpack__ returned a capsule named {other:?} (a consumed or foreign capsule)"
-            )))
+            )));
         }
     };
     let nd = usize::try_from(t.ndim).map_err(|_| PyValueError::new_err("negative ndim"))?;

@@ -27,7 +27,7 @@ pub(crate) fn wait_interruptibly<T: Send>(
         Some(t) if !(t >= 0.0 && t.is_finite()) => {
             return Err(pyo3::exceptions::PyValueError::new_err(format!(
                 "timeout must be a non-negative number of seconds or None, got {t}"
-            )))
+            )));
         }
         Some(t) => Some(Instant::now() + Duration::from_secs_f64(t)),
         None => None,

@@ -37,7 +37,7 @@ use weightsync_common::DType;
 use crate::error::PlanError;
 use crate::packed::Packed;
 use crate::table::{
-    LocalShard, Source, Task, TensorBox, TrainerPlan, Transform, Write, WriteTarget, MAX_DIMS,
+    LocalShard, MAX_DIMS, Source, Task, TensorBox, TrainerPlan, Transform, Write, WriteTarget,
 };
 
 /// Fields of a task record: pattern, parameter, source.

@@ -34,7 +34,9 @@ pub enum PlanError {
         reason: String,
     },
     /// config.json names a model family this planner does not know.
-    #[error("unknown model family {family:?} (known: llama, qwen2, qwen3, qwen3_moe, deepseek_v3, kimi_k2; any other architecture is planned from what its workers declare, with format=hf)")]
+    #[error(
+        "unknown model family {family:?} (known: llama, qwen2, qwen3, qwen3_moe, deepseek_v3, kimi_k2; any other architecture is planned from what its workers declare, with format=hf)"
+    )]
     UnknownFamily {
         /// The `model_type` / architecture found.
         family: String,
@@ -73,7 +75,9 @@ pub enum PlanError {
         dividend: u64,
     },
     /// A training shard's box lies (partly) outside its tensor.
-    #[error("training rank {rank}: shard of {param} has box {region} outside the tensor's shape {shape}")]
+    #[error(
+        "training rank {rank}: shard of {param} has box {region} outside the tensor's shape {shape}"
+    )]
     BoxOutsideTensor {
         /// Parameter name.
         param: String,
@@ -127,7 +131,9 @@ pub enum PlanError {
         b: u32,
     },
     /// An fp8 destination piece not aligned to 128x128 blocks.
-    #[error("{param} on inference rank {rank}: shard {region} is not aligned to {block}x{block} fp8 blocks")]
+    #[error(
+        "{param} on inference rank {rank}: shard {region} is not aligned to {block}x{block} fp8 blocks"
+    )]
     Fp8Misaligned {
         /// Parameter name.
         param: String,

@@ -50,7 +50,7 @@ impl TrainerPlan {
     /// Every write of `task`, copies included: its stored writes, then each copy's writes rank
     /// by rank. A copy naming writes the task does not have yields nothing (see
     /// [`TrainerPlan::expanded`], which reports it).
-    pub fn task_writes<'a>(&'a self, task: &Task) -> impl Iterator<Item = Write> + 'a {
+    pub fn task_writes<'a>(&'a self, task: &Task) -> impl Iterator<Item = Write> + 'a + use<'a> {
         let direct = self.task_direct_writes(task);
         let copies = self.task_copies(task);
         direct
@@ -264,10 +264,11 @@ mod tests {
         let ranks: Vec<WriteTarget> = x.writes.iter().map(|w| w.dst).collect();
         let r = WriteTarget::Rollout;
         assert_eq!(ranks, [r(0), r(0), r(2), r(2), r(4), r(4), r(6), r(6)]);
-        assert!(x
-            .writes
-            .chunks(2)
-            .all(|c| c[0].dst_offset == 100 && c[1].dst_offset == 300));
+        assert!(
+            x.writes
+                .chunks(2)
+                .all(|c| c[0].dst_offset == 100 && c[1].dst_offset == 300)
+        );
     }
 
     #[test]

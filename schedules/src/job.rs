@@ -15,8 +15,8 @@
 //! out its own tensors from what it declares ([`declared_rollout_layout`]). See
 //! [`crate::declared`].
 
-use weightsync_common::protocol::{TensorMeta, WorldSpec};
 use weightsync_common::DType;
+use weightsync_common::protocol::{TensorMeta, WorldSpec};
 
 use crate::cost::CostModel;
 use crate::declared::{DeclaredError, EngineDeclaration};

@@ -183,7 +183,7 @@ impl std::str::FromStr for TrainSpec {
                                     "experts={v:?}: expected per-expert, stacked or \
                                      stacked-gate-up (transformers' stacked experts)"
                                 ),
-                            })
+                            });
                         }
                     }
                 }
@@ -194,7 +194,7 @@ impl std::str::FromStr for TrainSpec {
                         reason: format!(
                             "unknown key {k:?} (known: pp, dp, ep, fsdp, tp, experts, dtype)"
                         ),
-                    })
+                    });
                 }
             }
         }
@@ -480,16 +480,15 @@ impl TrainingLayout {
                     shape: p.shape.to_string(),
                 });
             }
-            if let Some(q) = prev {
-                if q.rank == s.rank
-                    && q.offset + q.global.numel() * q.dtype.size() as u64 > s.offset
-                {
-                    return Err(PlanError::ArenaOverlap {
-                        rank: s.rank,
-                        a: model.params[q.param as usize].name.to_string(),
-                        b: p.name.to_string(),
-                    });
-                }
+            if let Some(q) = prev
+                && q.rank == s.rank
+                && q.offset + q.global.numel() * q.dtype.size() as u64 > s.offset
+            {
+                return Err(PlanError::ArenaOverlap {
+                    rank: s.rank,
+                    a: model.params[q.param as usize].name.to_string(),
+                    b: p.name.to_string(),
+                });
             }
             prev = Some(s);
         }
@@ -519,16 +518,16 @@ fn check_spec_fits(model: &Model, spec: &TrainSpec) -> Result<(), PlanError> {
             dividend: model.config.layers as u64,
         });
     }
-    if let Some(m) = &model.config.moe {
-        if m.experts % spec.ep != 0 {
-            return Err(PlanError::NotDivisible {
-                what: format!("training routed experts of {}", model.name),
-                degree_name: "ep",
-                degree: spec.ep,
-                dividend_name: "num_experts",
-                dividend: m.experts as u64,
-            });
-        }
+    if let Some(m) = &model.config.moe
+        && m.experts % spec.ep != 0
+    {
+        return Err(PlanError::NotDivisible {
+            what: format!("training routed experts of {}", model.name),
+            degree_name: "ep",
+            degree: spec.ep,
+            dividend_name: "num_experts",
+            dividend: m.experts as u64,
+        });
     }
     check_train_heads(model, spec.tp)
 }
@@ -580,16 +579,16 @@ impl Sharding {
                 ),
             });
         }
-        if let TpSplit::Dim(d) = split {
-            if !p.shape.dims[d].is_multiple_of(spec.tp) {
-                return Err(PlanError::NotDivisible {
-                    what: format!("training tensor {}", p.name),
-                    degree_name: "tp",
-                    degree: spec.tp,
-                    dividend_name: "its split dimension",
-                    dividend: p.shape.dims[d] as u64,
-                });
-            }
+        if let TpSplit::Dim(d) = split
+            && !p.shape.dims[d].is_multiple_of(spec.tp)
+        {
+            return Err(PlanError::NotDivisible {
+                what: format!("training tensor {}", p.name),
+                degree_name: "tp",
+                degree: spec.tp,
+                dividend_name: "its split dimension",
+                dividend: p.shape.dims[d] as u64,
+            });
         }
         Ok(Sharding {
             expert_group,
@@ -686,10 +685,11 @@ mod tests {
         let l = TrainingLayout::build(&m, &spec).unwrap();
         l.validate(&m).unwrap();
         assert!(l.shards.iter().all(|s| s.global.numel() > 0));
-        assert!(l
-            .shards
-            .windows(2)
-            .all(|w| (w[0].rank, w[0].param) < (w[1].rank, w[1].param)));
+        assert!(
+            l.shards
+                .windows(2)
+                .all(|w| (w[0].rank, w[0].param) < (w[1].rank, w[1].param))
+        );
         let total: u64 = l.shards.iter().map(|s| s.global.numel()).sum();
         assert_eq!(total, m.num_elements());
         let norms = m.params.iter().filter(|p| p.shape.dims()[0] == 128).count();

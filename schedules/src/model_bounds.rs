@@ -17,7 +17,7 @@
 
 use crate::error::PlanError;
 pub use crate::model_config::MAX_LAYERS;
-use crate::model_config::{check_layers, MlaConfig, ModelConfig};
+use crate::model_config::{MlaConfig, ModelConfig, check_layers};
 
 /// Most tensors a model may have (counting routed experts one tensor per expert and
 /// projection, the largest of the expert forms). Kimi-K2 has about 71,000; two million keep

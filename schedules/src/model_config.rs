@@ -231,7 +231,7 @@ fn family_of(v: &Value) -> Result<Family, PlanError> {
                 } else {
                     other.to_string()
                 },
-            })
+            });
         }
     })
 }

@@ -6,7 +6,7 @@
 //! never contiguous on both sides (they would have been one), which is what keeps the number of
 //! work requests, and so the NIC's message rate, out of the way.
 
-use crate::table::{Shape, TensorBox, MAX_DIMS};
+use crate::table::{MAX_DIMS, Shape, TensorBox};
 
 /// Where box `bx` of a row-major tensor of `shape` starts (in elements), the first dimension
 /// `k` such that every dimension after it spans the whole tensor, and the run length in elements

@@ -12,12 +12,12 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::compact::{TaskPattern, TrainerRoutes, BASE_FIELDS, TASK_FIELDS};
+use crate::compact::{BASE_FIELDS, TASK_FIELDS, TaskPattern, TrainerRoutes};
 use crate::error::PlanError;
 use crate::packed::Packed;
 use crate::table::{
-    CompactTrainer, MeshGroup, ParamRef, RolloutEntry, RolloutPlan, RoutingTable, Source, Task,
-    TrainerPlan, Write, WriteTarget, GROUP_FIELDS,
+    CompactTrainer, GROUP_FIELDS, MeshGroup, ParamRef, RolloutEntry, RolloutPlan, RoutingTable,
+    Source, Task, TrainerPlan, Write, WriteTarget,
 };
 
 /// A trainer's part of the table: [`RoutingTable::slice`].
@@ -186,10 +186,10 @@ impl TrainerSlice {
         for (w, b) in pw.iter().zip(bases) {
             let w = crate::compact::write_of(w, b, unit)
                 .ok_or_else(|| format!("a write goes to rank {}", b[0]))?;
-            if let WriteTarget::Rollout(rk) = w.dst {
-                if rk >= self.rollout_ranks {
-                    return Err(self.no_rollout(rk));
-                }
+            if let WriteTarget::Rollout(rk) = w.dst
+                && rk >= self.rollout_ranks
+            {
+                return Err(self.no_rollout(rk));
             }
             writes.push(w);
         }

@@ -9,12 +9,12 @@
 
 use weightsync_common::DType;
 
+use crate::RoutingTable;
 use crate::error::PlanError;
 use crate::table::{
     LocalShard, MeshGroup, ParamRef, RolloutPlan, Shape, Source, Task, TensorBox, TrainerPlan,
     Transform, UnitExpect, Write, WriteTarget,
 };
-use crate::RoutingTable;
 
 /// The shape of a uniform copy table.
 #[derive(Debug, Clone, Copy)]

@@ -7,8 +7,8 @@
 mod common;
 
 use common::*;
-use weightsync_common::protocol::{TensorMeta, WorldSpec};
 use weightsync_common::DType;
+use weightsync_common::protocol::{TensorMeta, WorldSpec};
 use weightsync_schedules::declared::EngineDeclaration;
 use weightsync_schedules::job;
 use weightsync_schedules::layout_train::torch_chunk;

@@ -10,14 +10,14 @@
 
 use std::time::Instant;
 
-use weightsync_common::protocol::{
-    decode_frame, encode_frame, Blob, FromWorker, Registration, TensorMeta, WorkerId, WorldSpec,
-    DEFAULT_MAX_FRAME,
-};
 use weightsync_common::DType;
+use weightsync_common::protocol::{
+    Blob, DEFAULT_MAX_FRAME, FromWorker, Registration, TensorMeta, WorkerId, WorldSpec,
+    decode_frame, encode_frame,
+};
+use weightsync_schedules::TrainingLayout;
 use weightsync_schedules::declared::{self, EngineDeclaration};
 use weightsync_schedules::job::{self, JobLayouts};
-use weightsync_schedules::TrainingLayout;
 
 fn world(model: &str, train: &str, infer: &str) -> WorldSpec {
     WorldSpec {

@@ -11,7 +11,7 @@ use common::*;
 use proptest::prelude::*;
 use weightsync_schedules::compact::TrainerRoutes;
 use weightsync_schedules::table::{
-    RoutingTable, Source, TrainerPlan, Transform, WriteTarget, MAX_DIMS,
+    MAX_DIMS, RoutingTable, Source, TrainerPlan, Transform, WriteTarget,
 };
 use weightsync_schedules::*;
 

@@ -13,7 +13,7 @@
 use std::sync::Arc;
 
 use weightsync_common::fabric::{
-    Access, FabricBackend, Memory, MemoryLocation, RawMemory, Region, RegionDescriptor, PAGE_SIZE,
+    Access, FabricBackend, Memory, MemoryLocation, PAGE_SIZE, RawMemory, Region, RegionDescriptor,
 };
 
 /// A mapping of usable pages between two inaccessible guard pages. Unmapped on drop.

@@ -4,18 +4,18 @@
 //! bytes (control-channel tests).
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use weightsync_agent::{
     Accepted, AgentConfig, DriverError, DriverInfo, Outcome, SyncDriver, SyncRef,
 };
+use weightsync_common::DType;
 use weightsync_common::protocol::{
     Assignment, Blob, FromWorker, Registration, RunChecksum, Stage, TensorMeta, TimelineEvent,
     WorkerId, WorkerReport, WorldSpec,
 };
-use weightsync_common::DType;
 use weightsync_controller::coordinator::{ConnId, CoordinatorConfig, Now};
 use weightsync_controller::planning::NullPlanner;
 use weightsync_controller::{AppState, ControllerConfig};

@@ -17,7 +17,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use crate::http_raw::{self, RawResponse};
-use crate::processes::{free_port, wait_until, weightsync_binary, ChildProcess};
+use crate::processes::{ChildProcess, free_port, wait_until, weightsync_binary};
 use crate::proxied_cluster::TINY_MODEL;
 
 /// Job token of process clusters.

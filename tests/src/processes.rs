@@ -86,7 +86,7 @@ fn locate_or_build() -> Result<PathBuf, String> {
             return Err(format!(
                 "cargo build -p weightsync-cli --bin weightsync failed:\n{}",
                 String::from_utf8_lossy(&out.stderr)
-            ))
+            ));
         }
         Err(e) if bin.is_file() => {
             eprintln!(
@@ -202,14 +202,13 @@ impl ChildProcess {
     pub fn wait_for_line(&self, needle: &str, timeout: Duration) -> Option<String> {
         let deadline = Instant::now() + timeout;
         while Instant::now() < deadline {
-            if let Ok(f) = File::open(&self.log) {
-                if let Some(l) = BufReader::new(f)
+            if let Ok(f) = File::open(&self.log)
+                && let Some(l) = BufReader::new(f)
                     .lines()
                     .map_while(Result::ok)
                     .find(|l| l.contains(needle))
-                {
-                    return Some(l);
-                }
+            {
+                return Some(l);
             }
             std::thread::sleep(Duration::from_millis(20));
         }

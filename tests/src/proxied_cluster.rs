@@ -17,7 +17,7 @@ use std::time::Duration;
 use tokio::task::JoinSet;
 use weightsync_common::fabric::{Endpoint, Fabric, FabricBackend, FabricConfig};
 use weightsync_schedules::table::RoutingTable;
-use weightsync_schedules::{plan, CostModel, ExpertForm, InferenceLayout, Model, TrainingLayout};
+use weightsync_schedules::{CostModel, ExpertForm, InferenceLayout, Model, TrainingLayout, plan};
 use weightsync_worker::RolloutWorker;
 use weightsync_worker::WorkerError;
 use weightsync_worker::{Destinations, SyncId, TrainerWorker};

@@ -243,7 +243,7 @@ fn pump(mut from: TcpStream, mut to: TcpStream, shared: Arc<Shared>, upstream: b
                     io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
                 ) =>
             {
-                continue
+                continue;
             }
             Err(_) => break,
         };
@@ -255,16 +255,14 @@ fn pump(mut from: TcpStream, mut to: TcpStream, shared: Arc<Shared>, upstream: b
         }
         let mut chunk = &buf[..n];
         let mut cut = false;
-        if upstream {
-            if let ProxyMode::CutAfter { upstream_bytes } = shared.mode() {
-                let before = shared
-                    .upstream_since_mode
-                    .fetch_add(n as u64, Ordering::SeqCst);
-                if before + n as u64 >= upstream_bytes {
-                    let allowed = upstream_bytes.saturating_sub(before) as usize;
-                    chunk = &buf[..allowed.min(n)];
-                    cut = true;
-                }
+        if upstream && let ProxyMode::CutAfter { upstream_bytes } = shared.mode() {
+            let before = shared
+                .upstream_since_mode
+                .fetch_add(n as u64, Ordering::SeqCst);
+            if before + n as u64 >= upstream_bytes {
+                let allowed = upstream_bytes.saturating_sub(before) as usize;
+                chunk = &buf[..allowed.min(n)];
+                cut = true;
             }
         }
         if to.write_all(chunk).is_err() {

@@ -16,7 +16,7 @@ use weightsync_schedules::layout_train::TrainSpec;
 use weightsync_schedules::model::Model;
 use weightsync_schedules::table::{DstTensor, TrainerPlan};
 use weightsync_worker::f32_to_bf16;
-use weightsync_worker::{quantise_fp8, Fp8Shape, Threads};
+use weightsync_worker::{Fp8Shape, Threads, quantise_fp8};
 
 /// A dense row-major tensor.
 #[derive(Debug, Clone, PartialEq, Eq)]

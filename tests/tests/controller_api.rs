@@ -148,9 +148,11 @@ async fn trigger_commit_and_read_back() {
     let events = t["traceEvents"].as_array().unwrap();
     let threads = events.iter().filter(|e| e["name"] == "thread_name").count();
     assert_eq!(threads, 4);
-    assert!(events
-        .iter()
-        .any(|e| e["ph"] == "X" && e["name"] == "write" && e["dur"].as_f64().unwrap() > 0.0));
+    assert!(
+        events
+            .iter()
+            .any(|e| e["ph"] == "X" && e["name"] == "write" && e["dur"].as_f64().unwrap() > 0.0)
+    );
 
     // Metrics record the committed sync.
     let (code, body) = call(app(st), "GET", "/metrics", None, None).await;

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use weightsync_agent::run_agent;
 use weightsync_common::protocol::{
-    auth, read_frame, write_frame, FromWorker, ToWorker, WorkerId, WorkerRole, DEFAULT_MAX_FRAME,
+    DEFAULT_MAX_FRAME, FromWorker, ToWorker, WorkerId, WorkerRole, auth, read_frame, write_frame,
 };
 use weightsync_controller::sync_record::SyncState;
 use weightsync_tests::controller_harness::*;

@@ -7,13 +7,13 @@ use std::process::Command;
 use std::time::Duration;
 
 use weightsync_agent::api_client::request;
-use weightsync_common::protocol::WorldSpec;
 use weightsync_common::DType;
+use weightsync_common::protocol::WorldSpec;
 use weightsync_controller::AppState;
 use weightsync_controller::ControllerConfig;
 use weightsync_controller::SchedulesPlanner;
-use weightsync_tests::controller_harness::{eventually, ServedController, API_TOKEN, JOB_TOKEN};
-use weightsync_tests::processes::{weightsync_binary, ChildProcess};
+use weightsync_tests::controller_harness::{API_TOKEN, JOB_TOKEN, ServedController, eventually};
+use weightsync_tests::processes::{ChildProcess, weightsync_binary};
 
 /// Qwen3 shapes scaled down: every fp8 block boundary still lines up with tp=2.
 pub const TINY_QWEN3: &str = r#"{"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",

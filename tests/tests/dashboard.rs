@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use weightsync_tests::processes::{weightsync_binary, ChildProcess};
+use weightsync_tests::processes::{ChildProcess, weightsync_binary};
 
 const TINY_QWEN3: &str = r#"{"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
  "torch_dtype": "bfloat16", "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 2,

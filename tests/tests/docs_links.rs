@@ -119,15 +119,16 @@ fn links(text: &str) -> Vec<Link> {
         let line_no = i + 1;
         // Reference definitions: `[name]: target`.
         let t = line.trim_start();
-        if t.starts_with('[') && !t.starts_with("[^") {
-            if let Some(end) = t.find("]:") {
-                let target = t[end + 2..].split_whitespace().next().unwrap_or("");
-                if !target.is_empty() {
-                    found.push(Link {
-                        line: line_no,
-                        target: target.trim_matches(|c| c == '<' || c == '>').to_string(),
-                    });
-                }
+        if t.starts_with('[')
+            && !t.starts_with("[^")
+            && let Some(end) = t.find("]:")
+        {
+            let target = t[end + 2..].split_whitespace().next().unwrap_or("");
+            if !target.is_empty() {
+                found.push(Link {
+                    line: line_no,
+                    target: target.trim_matches(|c| c == '<' || c == '>').to_string(),
+                });
             }
         }
         // Inline links and images: `](target)` or `](target "title")`.
@@ -267,12 +268,12 @@ fn check(root: &Path, file: &Path, own_anchors: &BTreeSet<String>, target: &str)
     if !resolved.exists() {
         return Some(format!("no file {shown}"));
     }
-    if let Some(a) = anchor.filter(|a| !a.is_empty()) {
-        if resolved.extension().is_some_and(|e| e == "md") {
-            let text = fs::read_to_string(&resolved).unwrap_or_default();
-            if !anchors(&text).contains(a) {
-                return Some(format!("no heading #{a} in {shown}"));
-            }
+    if let Some(a) = anchor.filter(|a| !a.is_empty())
+        && resolved.extension().is_some_and(|e| e == "md")
+    {
+        let text = fs::read_to_string(&resolved).unwrap_or_default();
+        if !anchors(&text).contains(a) {
+            return Some(format!("no heading #{a} in {shown}"));
         }
     }
     None
@@ -390,15 +391,21 @@ fn links_are_read_from_prose_only_and_checked() {
     assert_eq!(check(root, &page, &own, "img/p.svg"), None);
     assert_eq!(check(root, &page, &own, "#page"), None);
     assert_eq!(check(root, &page, &own, "https://example.org/x"), None);
-    assert!(check(root, &page, &own, "b.md")
-        .unwrap()
-        .starts_with("no file"));
-    assert!(check(root, &page, &own, "a.md#nowhere")
-        .unwrap()
-        .starts_with("no heading #nowhere"));
-    assert!(check(root, &page, &own, "#nowhere")
-        .unwrap()
-        .starts_with("no heading"));
+    assert!(
+        check(root, &page, &own, "b.md")
+            .unwrap()
+            .starts_with("no file")
+    );
+    assert!(
+        check(root, &page, &own, "a.md#nowhere")
+            .unwrap()
+            .starts_with("no heading #nowhere")
+    );
+    assert!(
+        check(root, &page, &own, "#nowhere")
+            .unwrap()
+            .starts_with("no heading")
+    );
     assert!(check(root, &page, &own, "../docs/img/q.svg").is_some());
 }
 

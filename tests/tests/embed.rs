@@ -7,8 +7,8 @@
 //! names the tensor; an engine's own pause, load and resume show on its lane of the sync in the
 //! controller's views and trace, and a bad report of them changes nothing.
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use serde_json::Value;
@@ -16,10 +16,10 @@ use weightsync_agent::embed::{
     ApiClient, DstTensor, EmbedError, EngineHandle, EngineOptions, EngineStatus, FailureKind,
     HostMemory, ShardInfo, SourceTensor, Stage, TrainerHandle, TrainerOptions,
 };
-use weightsync_common::protocol::WorldSpec;
 use weightsync_common::DType;
+use weightsync_common::protocol::WorldSpec;
 use weightsync_controller::{AppState, ControllerConfig, SchedulesPlanner};
-use weightsync_tests::controller_harness::{ServedController, API_TOKEN, JOB_TOKEN};
+use weightsync_tests::controller_harness::{API_TOKEN, JOB_TOKEN, ServedController};
 use weightsync_tests::http_raw;
 
 /// A small dense Qwen3: row counts that 3 FSDP ranks split unevenly (256 = 86 + 86 + 84).
@@ -158,7 +158,11 @@ fn source_tensors(shards: &[(ShardInfo, Buffer)], dtype: Option<DType>) -> Vec<S
 
 impl Trainer {
     fn join(control: &str, rank: u32) -> Trainer {
-        let handle = TrainerHandle::connect(TrainerOptions::new(control, rank)).unwrap();
+        let handle = TrainerHandle::connect(TrainerOptions {
+            job_token: Some(JOB_TOKEN.into()),
+            ..TrainerOptions::new(control, rank)
+        })
+        .unwrap();
         let shards = zeroed_shards(handle.layout(), 2);
         handle.register(source_tensors(&shards, None)).unwrap();
         Trainer { handle, shards }
@@ -188,7 +192,11 @@ impl Engine {
         fail_before: Option<Arc<AtomicBool>>,
         one_allocation: bool,
     ) -> Engine {
-        let handle = EngineHandle::connect(EngineOptions::new(control, rank)).unwrap();
+        let handle = EngineHandle::connect(EngineOptions {
+            job_token: Some(JOB_TOKEN.into()),
+            ..EngineOptions::new(control, rank)
+        })
+        .unwrap();
         if let Some(fail) = fail_before {
             handle.set_hooks(
                 Some(Box::new(move |v| {
@@ -266,7 +274,6 @@ fn controller_with(
     train: &str,
     dtype: DType,
 ) -> (tokio::runtime::Runtime, ServedController) {
-    std::env::set_var("WEIGHTSYNC_JOB_TOKEN", JOB_TOKEN);
     let path = dir.path().join("config.json");
     std::fs::write(&path, config).unwrap();
     let world = WorldSpec {
@@ -541,7 +548,11 @@ fn tensors_that_differ_from_the_layout_are_refused_by_name() {
     let (_rt, ctl) = controller(&dir, "fsdp=2");
     let control = ctl.control.to_string();
     // A trainer whose q_proj shard has the unsharded shape.
-    let t = TrainerHandle::connect(TrainerOptions::new(&control, 1)).unwrap();
+    let t = TrainerHandle::connect(TrainerOptions {
+        job_token: Some(JOB_TOKEN.into()),
+        ..TrainerOptions::new(&control, 1)
+    })
+    .unwrap();
     let mut layout = t.layout();
     for s in &mut layout {
         if s.name == "model.layers.1.self_attn.q_proj.weight" {
@@ -578,7 +589,11 @@ fn tensors_that_differ_from_the_layout_are_refused_by_name() {
         "{text}"
     );
     // An engine whose lm_head is f32.
-    let e = EngineHandle::connect(EngineOptions::new(&control, 0)).unwrap();
+    let e = EngineHandle::connect(EngineOptions {
+        job_token: Some(JOB_TOKEN.into()),
+        ..EngineOptions::new(&control, 0)
+    })
+    .unwrap();
     let buffers: Vec<_> = e
         .layout()
         .into_iter()

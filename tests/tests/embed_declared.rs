@@ -14,11 +14,11 @@ use weightsync_agent::embed::{
     DeclaredShard, DstTensor, EmbedError, EngineHandle, EngineOptions, HostMemory, SourceTensor,
     TrainerHandle, TrainerOptions,
 };
-use weightsync_common::protocol::WorldSpec;
 use weightsync_common::DType;
+use weightsync_common::protocol::WorldSpec;
 use weightsync_controller::{AppState, ControllerConfig, SchedulesPlanner};
 use weightsync_schedules::layout_train::torch_chunk;
-use weightsync_tests::controller_harness::{ServedController, API_TOKEN, JOB_TOKEN};
+use weightsync_tests::controller_harness::{API_TOKEN, JOB_TOKEN, ServedController};
 use weightsync_tests::http_raw;
 
 const WAIT: Option<Duration> = Some(Duration::from_secs(20));
@@ -122,7 +122,11 @@ struct Trainer {
 
 impl Trainer {
     fn join(control: &str, rank: u32) -> Trainer {
-        let handle = TrainerHandle::connect(TrainerOptions::new(control, rank)).unwrap();
+        let handle = TrainerHandle::connect(TrainerOptions {
+            job_token: Some(JOB_TOKEN.into()),
+            ..TrainerOptions::new(control, rank)
+        })
+        .unwrap();
         assert!(handle.is_declared() && handle.layout().is_empty());
         let mut shards = Vec::new();
         let mut declared = Vec::new();
@@ -166,7 +170,11 @@ impl Engine {
     /// Every tensor whole in bf16, plus a buffer of its own it skips; `wrong`: the embedding
     /// declared one row longer.
     fn join(control: &str, rank: u32, wrong: bool) -> Engine {
-        let handle = EngineHandle::connect(EngineOptions::new(control, rank)).unwrap();
+        let handle = EngineHandle::connect(EngineOptions {
+            job_token: Some(JOB_TOKEN.into()),
+            ..EngineOptions::new(control, rank)
+        })
+        .unwrap();
         assert!(handle.is_declared());
         let mut tensors = Vec::new();
         let mut dst = Vec::new();
@@ -215,7 +223,6 @@ impl Engine {
 
 /// A controller of a gemma3_text job (a family the planner does not know) on loopback.
 fn controller(dir: &tempfile::TempDir) -> (tokio::runtime::Runtime, ServedController) {
-    std::env::set_var("WEIGHTSYNC_JOB_TOKEN", JOB_TOKEN);
     let path = dir.path().join("config.json");
     std::fs::write(
         &path,

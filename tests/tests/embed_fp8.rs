@@ -12,13 +12,13 @@ use weightsync_agent::embed::{
     DstTensor, DstTensorInfo, EngineHandle, EngineOptions, HostMemory, ShardInfo, SourceTensor,
     TrainerHandle, TrainerOptions,
 };
-use weightsync_common::protocol::WorldSpec;
 use weightsync_common::DType;
+use weightsync_common::protocol::WorldSpec;
 use weightsync_controller::{AppState, ControllerConfig, SchedulesPlanner};
 use weightsync_demo::weights::{expected_rollout, fill_shard};
 use weightsync_schedules::job::{self, JobLayouts};
 use weightsync_schedules::table::{LocalShard, ParamRef, TensorBox};
-use weightsync_tests::controller_harness::{ServedController, API_TOKEN, JOB_TOKEN};
+use weightsync_tests::controller_harness::{API_TOKEN, JOB_TOKEN, ServedController};
 
 const CONFIG: &str = r#"{"model_type":"qwen3","hidden_size":256,"intermediate_size":512,
  "num_hidden_layers":1,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":64,
@@ -55,7 +55,6 @@ type Buffers<T> = Vec<(T, Arc<Vec<u8>>)>;
 
 /// The controller of the fp8 job, served on loopback, and the job's layouts.
 fn serve(dir: &tempfile::TempDir) -> (tokio::runtime::Runtime, ServedController, JobLayouts) {
-    std::env::set_var("WEIGHTSYNC_JOB_TOKEN", JOB_TOKEN);
     let path = dir.path().join("config.json");
     std::fs::write(&path, CONFIG).unwrap();
     let world = WorldSpec {
@@ -83,7 +82,11 @@ fn serve(dir: &tempfile::TempDir) -> (tokio::runtime::Runtime, ServedController,
 
 /// An engine registering zeroed tensors of its planned layout.
 fn engine(control: &str, rank: u32) -> (EngineHandle, Buffers<DstTensorInfo>) {
-    let e = EngineHandle::connect(EngineOptions::new(control, rank)).unwrap();
+    let e = EngineHandle::connect(EngineOptions {
+        job_token: Some(JOB_TOKEN.into()),
+        ..EngineOptions::new(control, rank)
+    })
+    .unwrap();
     let bufs: Vec<_> = e
         .layout()
         .into_iter()
@@ -107,7 +110,11 @@ fn engine(control: &str, rank: u32) -> (EngineHandle, Buffers<DstTensorInfo>) {
 
 /// A trainer registering zeroed shards of its layout.
 fn trainer(control: &str, rank: u32) -> (TrainerHandle, Buffers<ShardInfo>) {
-    let t = TrainerHandle::connect(TrainerOptions::new(control, rank)).unwrap();
+    let t = TrainerHandle::connect(TrainerOptions {
+        job_token: Some(JOB_TOKEN.into()),
+        ..TrainerOptions::new(control, rank)
+    })
+    .unwrap();
     let shards: Vec<_> = t
         .layout()
         .into_iter()

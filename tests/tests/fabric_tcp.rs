@@ -74,7 +74,7 @@ impl BackendFactory for Tcp {
 /// writer's memory (the default where both run on one machine), and as payloads on the socket
 /// (what lanes between machines do).
 macro_rules! conformance_suite {
-    ($name:ident, $factory:expr) => {
+    ($name:ident, $factory:expr_2021) => {
         mod $name {
             use super::*;
 

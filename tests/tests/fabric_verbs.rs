@@ -23,8 +23,8 @@
 
 use std::time::Duration;
 
-use weightsync_common::fabric::verbs::verbs_memlock::{memlock_limit, MemlockPolicy};
-use weightsync_common::fabric::verbs::{device_names, VerbsFabric, ENV_DEVICE};
+use weightsync_common::fabric::verbs::verbs_memlock::{MemlockPolicy, memlock_limit};
+use weightsync_common::fabric::verbs::{ENV_DEVICE, VerbsFabric, device_names};
 use weightsync_common::fabric::{
     Access, BackendKind, Endpoint, Fabric, FabricBackend, FabricConfig, FabricError, VerbsConfig,
     WriteOp,

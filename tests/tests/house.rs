@@ -392,10 +392,10 @@ fn declared_children(toks: &[Tok]) -> Vec<String> {
             "{" => depth += 1,
             "}" => depth -= 1,
             "mod" if depth == 0 => {
-                if let (Some(name), Some(semi)) = (toks.get(i + 1), toks.get(i + 2)) {
-                    if semi.text == ";" {
-                        out.push(name.text.clone());
-                    }
+                if let (Some(name), Some(semi)) = (toks.get(i + 1), toks.get(i + 2))
+                    && semi.text == ";"
+                {
+                    out.push(name.text.clone());
                 }
             }
             _ => {}

@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use weightsync_tests::proc_stats::{self, ProcSample};
-use weightsync_tests::process_cluster::{assert_committed_and_verified, JobSpec, ProcessCluster};
+use weightsync_tests::process_cluster::{JobSpec, ProcessCluster, assert_committed_and_verified};
 
 fn sample_all(c: &ProcessCluster) -> BTreeMap<String, ProcSample> {
     c.pids()

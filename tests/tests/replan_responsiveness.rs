@@ -12,12 +12,12 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use weightsync_agent::api_client::request;
-use weightsync_common::protocol::{Blob, Registration, WorkerId, WorkerRole, WorldSpec};
 use weightsync_common::DType;
+use weightsync_common::protocol::{Blob, Registration, WorkerId, WorkerRole, WorldSpec};
 use weightsync_controller::coordinator::Now;
 use weightsync_controller::planning::{AssignmentError, NullPlanner, PlanOutput, Planner};
 use weightsync_controller::{AppState, ControllerConfig, SchedulesPlanner};
-use weightsync_tests::controller_harness::{ServedController, API_TOKEN, JOB_TOKEN};
+use weightsync_tests::controller_harness::{API_TOKEN, JOB_TOKEN, ServedController};
 
 /// The null plan first, then the real one: only the re-plan pays for planning Kimi-K2.
 #[derive(Debug)]

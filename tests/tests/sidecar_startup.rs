@@ -23,12 +23,12 @@ use std::net::{SocketAddr, TcpStream};
 use std::process::Command;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use weightsync_common::protocol::{
-    auth, read_frame, write_frame, Blob, FromWorker, Registration, ToWorker, WorkerId, WorldSpec,
-    DEFAULT_MAX_FRAME,
-};
 use weightsync_common::DType;
-use weightsync_tests::processes::{free_port, weightsync_binary, ChildProcess};
+use weightsync_common::protocol::{
+    Blob, DEFAULT_MAX_FRAME, FromWorker, Registration, ToWorker, WorkerId, WorldSpec, auth,
+    read_frame, write_frame,
+};
+use weightsync_tests::processes::{ChildProcess, free_port, weightsync_binary};
 
 const JOB_TOKEN: &str = "sidecar-startup-job-token";
 const API_TOKEN: &str = "sidecar-startup-api-token";

@@ -15,7 +15,7 @@ use weightsync_schedules::model::{ExpertForm, Model};
 use weightsync_schedules::planner::plan;
 use weightsync_schedules::table::RoutingTable;
 use weightsync_tests::loopback::{ClusterSync, LoopbackCluster};
-use weightsync_tests::reference::{expected, Geometry, LogicalWeights};
+use weightsync_tests::reference::{Geometry, LogicalWeights, expected};
 use weightsync_worker::SyncId;
 use weightsync_worker::WorkerError;
 

@@ -11,8 +11,8 @@
 
 use std::path::PathBuf;
 
-use weightsync_common::fabric::FabricError;
 use weightsync_common::DType;
+use weightsync_common::fabric::FabricError;
 
 use crate::imm_tag::UnitOutOfRange;
 use crate::prepare::PrepareError;
@@ -33,7 +33,9 @@ pub enum WorkerError {
         have: u64,
     },
     /// The source holds a different dtype from what the task's transform reads.
-    #[error("task {task} ({param}): source holds {source_dtype} but the transform reads {transform_dtype}")]
+    #[error(
+        "task {task} ({param}): source holds {source_dtype} but the transform reads {transform_dtype}"
+    )]
     DTypeMismatch {
         /// Task index.
         task: u32,
@@ -45,7 +47,9 @@ pub enum WorkerError {
         transform_dtype: DType,
     },
     /// The watermark cannot hold the smallest piece of some task.
-    #[error("watermark of {watermark} bytes is below the smallest piece of task {task} ({param}): {min_piece} bytes ({unit}); raise the watermark")]
+    #[error(
+        "watermark of {watermark} bytes is below the smallest piece of task {task} ({param}): {min_piece} bytes ({unit}); raise the watermark"
+    )]
     WatermarkTooSmall {
         /// Task index.
         task: u32,
@@ -111,7 +115,9 @@ pub enum WorkerError {
         actual: u64,
     },
     /// The checksums handed to verification do not cover this rank's tensors exactly.
-    #[error("checksums for rollout rank {rank} cover {covered} of {expected} destination bytes: {detail}")]
+    #[error(
+        "checksums for rollout rank {rank} cover {covered} of {expected} destination bytes: {detail}"
+    )]
     ChecksumCoverage {
         /// Rollout rank.
         rank: u32,

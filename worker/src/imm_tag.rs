@@ -56,7 +56,10 @@ pub struct ImmTag {
 
 /// A unit number that does not fit in [`UNIT_BITS`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-#[error("destination unit {unit} does not fit in the immediate's {UNIT_BITS} unit bits (at most {} units per process)", MAX_UNITS)]
+#[error(
+    "destination unit {unit} does not fit in the immediate's {UNIT_BITS} unit bits (at most {} units per process)",
+    MAX_UNITS
+)]
 pub struct UnitOutOfRange {
     /// The unit that was asked for.
     pub unit: u32,

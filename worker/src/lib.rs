@@ -59,24 +59,24 @@ mod watermark;
 
 pub use checksum::xxh3;
 pub use error::{Result, SourceError, WorkerError};
-pub use imm_tag::{imm_for, ImmTag, UnitOutOfRange, EPOCH_BITS, MAX_UNITS, UNIT_BITS};
+pub use imm_tag::{EPOCH_BITS, ImmTag, MAX_UNITS, UNIT_BITS, UnitOutOfRange, imm_for};
 pub use placement::{Placed, Placement};
 pub use prepare::convert::{
-    bf16_to_f32, e4m3_to_f32, f16_to_f32, f32_to_bf16, f32_to_e4m3_saturating, f32_to_f16, E4M3_MAX,
+    E4M3_MAX, bf16_to_f32, e4m3_to_f32, f16_to_f32, f32_to_bf16, f32_to_e4m3_saturating, f32_to_f16,
 };
 pub use prepare::{
-    cast, gather_box, quantise_fp8, quantise_fp8_as, quantise_fp8_block_rows, Fp8Shape,
-    PrepareError, Threads, FP8_AMAX_FLOOR,
+    FP8_AMAX_FLOOR, Fp8Shape, PrepareError, Threads, cast, gather_box, quantise_fp8,
+    quantise_fp8_as, quantise_fp8_block_rows,
 };
 pub use rollout::{DeviceLanding, Landed, RolloutWorker, Verified};
-pub use source::view::SourceView;
 #[cfg(feature = "cuda")]
 pub use source::DeviceTensor;
+pub use source::view::SourceView;
 pub use source::{
-    arena_tensors, check_layout, shard_names, ArenaTensor, HostMemory, HostSource, PlanTensors,
-    SafetensorsSource, ShmSource, SourceMemory, SourceTensor, TensorSet,
+    ArenaTensor, HostMemory, HostSource, PlanTensors, SafetensorsSource, ShmSource, SourceMemory,
+    SourceTensor, TensorSet, arena_tensors, check_layout, shard_names,
 };
 pub use sync::SyncId;
 pub use timeline::{Timeline, TimelineRecorder};
 pub use trainer::{Destinations, PipelineMode, SyncReport, TrainerConfig, TrainerWorker};
-pub use watermark::{Lease, Watermark, WatermarkError, LEASE_ALIGN};
+pub use watermark::{LEASE_ALIGN, Lease, Watermark, WatermarkError};

@@ -6,8 +6,8 @@
 
 use std::collections::HashMap;
 use std::future::Future;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use parking_lot::Mutex;
 use weightsync_common::fabric::{
@@ -98,14 +98,13 @@ impl MemFabric {
                 gathered
             }
         };
-        if let Some((ep, rkey, off)) = self.switch.corrupt.lock().clone() {
-            if ep == op.dst.endpoint
-                && rkey == op.dst.rkey
-                && off == op.dst_offset
-                && !bytes.is_empty()
-            {
-                bytes[0] ^= 0x5a;
-            }
+        if let Some((ep, rkey, off)) = self.switch.corrupt.lock().clone()
+            && ep == op.dst.endpoint
+            && rkey == op.dst.rkey
+            && off == op.dst_offset
+            && !bytes.is_empty()
+        {
+            bytes[0] ^= 0x5a;
         }
         {
             // Like the TCP receiver: the owner's landing log sees the write begin and end.

@@ -194,11 +194,11 @@ impl Watermark {
             let mut start = offset;
             let mut end = offset + len;
             // Merge with the free range just before.
-            if let Some((&prev_off, &prev_len)) = st.free.range(..offset).next_back() {
-                if prev_off + prev_len == offset {
-                    st.free.remove(&prev_off);
-                    start = prev_off;
-                }
+            if let Some((&prev_off, &prev_len)) = st.free.range(..offset).next_back()
+                && prev_off + prev_len == offset
+            {
+                st.free.remove(&prev_off);
+                start = prev_off;
             }
             // Merge with the free range just after.
             if let Some(&next_len) = st.free.get(&end) {

@@ -6,7 +6,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use tokio::runtime::Runtime;
 
-use crate::api_client::{sync, ClientError, SyncResult};
+use crate::api_client::{ClientError, SyncResult, sync};
 
 /// A client of one controller's HTTP API.
 pub struct ApiClient {

@@ -16,7 +16,7 @@ pub use super::engine_driver::Hook;
 use super::engine_driver::{EngineDriver, EngineShared};
 use super::engine_stages::sync_events;
 use super::regions::place;
-use super::session::{run_session, start, Reach, Session, LEAVE_WITHIN};
+use super::session::{LEAVE_WITHIN, Reach, Session, run_session, start};
 use super::{DstTensor, DstTensorInfo, EmbedError, EngineState, EngineStatus};
 use crate::rollout::{RolloutDriver, RolloutDriverConfig};
 
@@ -341,16 +341,16 @@ impl EngineHandle {
             {
                 return Ok(w.state.clone());
             }
-            if let (EngineStatus::Invalid, Some((f, blame))) = (w.state.status, &w.failed) {
-                if *f >= version {
-                    return Err(EmbedError::SyncFailed {
-                        version: *f,
-                        worker: blame.worker.clone(),
-                        kind: blame.kind,
-                        tensor: blame.tensor.clone(),
-                        cause: w.state.cause.clone().unwrap_or_default(),
-                    });
-                }
+            if let (EngineStatus::Invalid, Some((f, blame))) = (w.state.status, &w.failed)
+                && *f >= version
+            {
+                return Err(EmbedError::SyncFailed {
+                    version: *f,
+                    worker: blame.worker.clone(),
+                    kind: blame.kind,
+                    tensor: blame.tensor.clone(),
+                    cause: w.state.cause.clone().unwrap_or_default(),
+                });
             }
             match deadline {
                 Some(d) => {

@@ -13,7 +13,7 @@
 //! The checks are the controller's own (it refuses the same things, since it cannot trust a
 //! worker), made here first so the caller learns at once what was wrong.
 
-use weightsync_common::protocol::{Stage, TimelineEvent, MAX_ENGINE_STAGE_EVENTS, WHOLE_SYNC};
+use weightsync_common::protocol::{MAX_ENGINE_STAGE_EVENTS, Stage, TimelineEvent, WHOLE_SYNC};
 
 use super::EmbedError;
 

@@ -75,10 +75,10 @@ pub use crate::api_client::{ClientError, SyncFailure, SyncResult};
 pub use client::ApiClient;
 pub use engine::{EngineHandle, EngineOptions, Hook};
 pub use trainer::{PushHandle, TrainerHandle, TrainerOptions};
-pub use weightsync_common::protocol::Stage;
 pub use weightsync_common::DType;
+pub use weightsync_common::protocol::Stage;
 #[cfg(feature = "cuda")]
-pub use weightsync_worker::{gpu::DeviceMemory, DeviceTensor};
+pub use weightsync_worker::{DeviceTensor, gpu::DeviceMemory};
 pub use weightsync_worker::{HostMemory, SourceTensor};
 
 /// One shard a training rank must register: the parameter, its global shape, and the rank's
@@ -232,9 +232,7 @@ pub enum EmbedError {
         reason: String,
     },
     /// A registered tensor's storage moved since registration.
-    #[error(
-        "{worker}: tensor {tensor} moved since it was registered; re-register with register()"
-    )]
+    #[error("{worker}: tensor {tensor} moved since it was registered; re-register with register()")]
     StaleTensor {
         /// This worker.
         worker: String,

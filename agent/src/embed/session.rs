@@ -13,7 +13,7 @@ use weightsync_common::fabric::{Fabric, FabricConfig};
 use weightsync_common::protocol::{Failure, FromWorker, WorkerId, WorldSpec};
 
 use super::EmbedError;
-use crate::control::{fetch_job, run_agent_with, AgentConfig, AgentEvent, AgentLink};
+use crate::control::{AgentConfig, AgentEvent, AgentLink, fetch_job, run_agent_with};
 use crate::driver::SyncDriver;
 
 /// How an embedded worker reaches its controller.

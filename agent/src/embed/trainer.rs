@@ -6,14 +6,14 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use tokio::runtime::Runtime;
+use weightsync_common::DType;
 use weightsync_common::fabric::Fabric;
 use weightsync_common::protocol::{FromWorker, TensorMeta, WorkerId, WorldSpec};
-use weightsync_common::DType;
 use weightsync_schedules::job;
-use weightsync_worker::{shard_names, ArenaTensor, SourceError, SyncReport, TensorSet};
+use weightsync_worker::{ArenaTensor, SourceError, SyncReport, TensorSet, shard_names};
 
-use super::session::{run_session, start, End, Ends, Reach, Session, LEAVE_WITHIN};
-use super::{sync_failed, DeclaredShard, EmbedError, ShardInfo, SourceTensor, SyncOutcome};
+use super::session::{End, Ends, LEAVE_WITHIN, Reach, Session, run_session, start};
+use super::{DeclaredShard, EmbedError, ShardInfo, SourceTensor, SyncOutcome, sync_failed};
 use crate::trainer::{ReportSlot, SourceSpec, TrainerDriver, TrainerDriverConfig};
 
 /// How a training rank reaches its controller.
@@ -496,13 +496,13 @@ impl PushHandle {
             seconds: at.saturating_duration_since(self.pushed).as_secs_f64(),
             stages: Vec::new(),
         };
-        if let Some((rv, r)) = self.reports.lock().as_ref() {
-            if *rv == v {
-                out.bytes = r.bytes_written;
-                out.staged_bytes = r.staged_bytes;
-                out.direct_bytes = r.direct_bytes;
-                out.stages = stage_spans(r);
-            }
+        if let Some((rv, r)) = self.reports.lock().as_ref()
+            && *rv == v
+        {
+            out.bytes = r.bytes_written;
+            out.staged_bytes = r.staged_bytes;
+            out.direct_bytes = r.direct_bytes;
+            out.stages = stage_spans(r);
         }
         out
     }

@@ -33,14 +33,14 @@ use std::time::Instant;
 
 use parking_lot::Mutex;
 
-use weightsync_common::fabric::{Access, FabricBackend, FabricConfig, Region, TcpFabric, WriteOp};
 use weightsync_common::DType;
-use weightsync_schedules::table::Transform;
+use weightsync_common::fabric::{Access, FabricBackend, FabricConfig, Region, TcpFabric, WriteOp};
 use weightsync_schedules::RoutingTable;
-use weightsync_worker::{cast, quantise_fp8, Fp8Shape, Threads};
+use weightsync_schedules::table::Transform;
+use weightsync_worker::{Fp8Shape, Threads, cast, quantise_fp8};
 
-use super::loopback::{weights, TOKEN};
 use super::E2eError;
+use super::loopback::{TOKEN, weights};
 
 /// Buffers per inference rank (and at rank 0).
 const SLOTS: usize = 2;

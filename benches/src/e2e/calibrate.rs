@@ -40,15 +40,15 @@ use std::time::Instant;
 
 use serde::Serialize;
 use weightsync_schedules::simulate::{
-    simulate, ClusterModel, FixedCosts, HostModel, Placement, PrepRates,
+    ClusterModel, FixedCosts, HostModel, Placement, PrepRates, simulate,
 };
 use weightsync_schedules::table::Transform;
 use weightsync_schedules::{CostModel, RoutingTable};
 use weightsync_worker::{Fp8Shape, Threads};
 
 use super::fabric_limit::FabricLimit;
-use super::loopback::{weights, LoopbackCluster, WorkerOptions};
-use super::{runtime, tcp_limit, E2eError, Setup};
+use super::loopback::{LoopbackCluster, WorkerOptions, weights};
+use super::{E2eError, Setup, runtime, tcp_limit};
 use crate::cpu_clock::process_cpu_s;
 use kernel_loop::KernelLoop;
 

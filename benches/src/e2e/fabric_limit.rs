@@ -1,7 +1,7 @@
 //! The fabric limit of `bench e2e` and the calibration: [`weightsync_common::fabric::limit`]
 //! with its errors said as the bench's.
 
-use weightsync_common::fabric::{limit, FabricConfig};
+use weightsync_common::fabric::{FabricConfig, limit};
 
 use super::E2eError;
 

@@ -14,9 +14,9 @@ use weightsync_worker::{
     Destinations, PipelineMode, SourceView, SyncId, TrainerConfig, TrainerWorker,
 };
 
+use super::E2eError;
 use super::registered_source::RegisteredSource;
 use super::split::TrainerSplit;
-use super::E2eError;
 
 /// How the workers run.
 #[derive(Debug, Clone)]

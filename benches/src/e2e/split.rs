@@ -120,9 +120,19 @@ impl SplitReport {
         for t in &self.per_trainer {
             s += &format!(
                 "    trainer-{:<3} {:>7.3} = {:>7.3} + {:>7.3} + {:>7.3} s  {:>6} writes  {:>5} pieces  {:>4.1} in flight  {:>5.2} GB/s on the wire  (h2d {:.3} s, prepare {:.3} s busy; {:.0} MB staged, {:.0} MB direct)\n",
-                t.trainer, t.wall_s, t.wire_s, t.idle_s, t.overhead_s, t.writes, t.pieces,
-                t.mean_writes_in_flight, t.wire_gbps, t.h2d_busy_s, t.prepare_busy_s,
-                t.staged_bytes as f64 / 1e6, t.direct_bytes as f64 / 1e6
+                t.trainer,
+                t.wall_s,
+                t.wire_s,
+                t.idle_s,
+                t.overhead_s,
+                t.writes,
+                t.pieces,
+                t.mean_writes_in_flight,
+                t.wire_gbps,
+                t.h2d_busy_s,
+                t.prepare_busy_s,
+                t.staged_bytes as f64 / 1e6,
+                t.direct_bytes as f64 / 1e6
             );
         }
         s += &format!(

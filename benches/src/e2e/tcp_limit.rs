@@ -11,8 +11,8 @@ use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::time::Instant;
 
-use weightsync_schedules::table::WriteTarget;
 use weightsync_schedules::RoutingTable;
+use weightsync_schedules::table::WriteTarget;
 
 use super::E2eError;
 

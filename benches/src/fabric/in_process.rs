@@ -9,9 +9,9 @@
 //! rounds, from a source holding bytes (as the bench's does). Only the receiving side lives in
 //! this process instead of a peer's, which on loopback changes nothing the wire sees.
 
-use weightsync_common::fabric::{limit, Access, FabricBackend, FabricConfig, TcpFabric};
+use weightsync_common::fabric::{Access, FabricBackend, FabricConfig, TcpFabric, limit};
 
-use super::{fabric_throughput, gbps, plan, REGION_BYTES};
+use super::{REGION_BYTES, fabric_throughput, gbps, plan};
 
 /// Block sizes measured (the bench's large ones: per-write costs vanish at these).
 const BLOCKS: [usize; 2] = [1 << 20, 64 << 20];

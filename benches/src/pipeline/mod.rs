@@ -36,9 +36,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
+use weightsync_common::DType;
 use weightsync_common::fabric::{Fabric, FabricConfig, FabricError};
 use weightsync_common::protocol::Stage;
-use weightsync_common::DType;
 use weightsync_worker::RolloutWorker;
 use weightsync_worker::WorkerError;
 use weightsync_worker::{
@@ -539,7 +539,7 @@ async fn run_async(cfg: &Config) -> Result<Report, BenchError> {
     let effective_cores = effective_before.min(effective_cores(cores, 0.25));
     let peak = results[1]
         .iter()
-        .map(|r| r.1 .0.peak_staging_bytes)
+        .map(|r| r.1.0.peak_staging_bytes)
         .max()
         .unwrap_or(0);
     let [serial, piped] = results;

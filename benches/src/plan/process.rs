@@ -9,7 +9,7 @@ use std::io::Read;
 use std::process::Stdio;
 use std::time::Instant;
 
-use anyhow::{anyhow, bail, Context};
+use anyhow::{Context, anyhow, bail};
 use weightsync_common::program::Program;
 
 /// What one run of a child cost, and what it printed.

@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use anyhow::Context;
 use serde::Deserialize;
-use weightsync_common::protocol::WorldSpec;
 use weightsync_common::DType;
+use weightsync_common::protocol::WorldSpec;
 
 use weightsync_controller::{AppState, ControllerConfig, SchedulesPlanner};
 

@@ -7,8 +7,8 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use weightsync_schedules::{
-    plan_with_progress, CostModel, ExpertForm, InferDType, InferSpec, InferenceLayout, Model,
-    Summary, TrainSpec, TrainingLayout,
+    CostModel, ExpertForm, InferDType, InferSpec, InferenceLayout, Model, Summary, TrainSpec,
+    TrainingLayout, plan_with_progress,
 };
 
 /// Arguments of `weightsync plan`.

@@ -19,8 +19,8 @@ use std::time::Instant;
 
 use anyhow::Context;
 use serde_json::json;
-use weightsync_schedules::baseline::{simulate_baseline, Baseline, BaselineOptions};
-use weightsync_schedules::simulate::{simulate, ClusterModel, SimReport};
+use weightsync_schedules::baseline::{Baseline, BaselineOptions, simulate_baseline};
+use weightsync_schedules::simulate::{ClusterModel, SimReport, simulate};
 
 use super::plan;
 

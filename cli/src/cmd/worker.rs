@@ -11,11 +11,11 @@
 
 use std::path::PathBuf;
 
-use anyhow::{bail, Context};
+use anyhow::{Context, bail};
 use weightsync_common::protocol::{WorkerId, WorkerRole};
 
 use weightsync_agent::config::{
-    resolve_with_source, ResolvedWorker, WorkerSettings, SAME_HOST_ENV,
+    ResolvedWorker, SAME_HOST_ENV, WorkerSettings, resolve_with_source,
 };
 use weightsync_agent::rollout::RolloutDriver;
 use weightsync_agent::run_agent;

@@ -303,11 +303,12 @@ mod tests {
             lanes_per_peer: 0,
             ..c.clone()
         };
-        assert!(bad
-            .validate()
-            .unwrap_err()
-            .to_string()
-            .contains("lanes_per_peer"));
+        assert!(
+            bad.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("lanes_per_peer")
+        );
         let json = serde_json::to_string(&c).unwrap();
         assert_eq!(serde_json::from_str::<FabricConfig>(&json).unwrap(), c);
         let partial: FabricConfig = serde_json::from_str(r#"{"lanes_per_peer":4}"#).unwrap();

@@ -285,10 +285,10 @@ impl Drop for ImmWait {
         }
         let mut st = self.state.lock();
         st.cancelled_waiters.remove(&self.id);
-        if let Some(entry) = st.entries.get_mut(&self.imm) {
-            if entry.waiter.as_ref().is_some_and(|w| w.id == self.id) {
-                entry.waiter = None;
-            }
+        if let Some(entry) = st.entries.get_mut(&self.imm)
+            && entry.waiter.as_ref().is_some_and(|w| w.id == self.id)
+        {
+            entry.waiter = None;
         }
     }
 }

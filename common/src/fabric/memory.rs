@@ -79,10 +79,11 @@ impl PageAlignedBuffer {
                 mapped: 0,
             });
         }
-        if pages == PageSize::Huge && len >= HUGE_PAGE_MIN {
-            if let Some((ptr, mapped)) = huge_page_mapping(len) {
-                return Ok(PageAlignedBuffer { ptr, len, mapped });
-            }
+        if pages == PageSize::Huge
+            && len >= HUGE_PAGE_MIN
+            && let Some((ptr, mapped)) = huge_page_mapping(len)
+        {
+            return Ok(PageAlignedBuffer { ptr, len, mapped });
         }
         let layout = Self::layout(len)?;
         // SAFETY: layout has a non-zero size (len > 0) and a valid power-of-two alignment.
@@ -413,17 +414,16 @@ mod tests {
         let mut found = None;
         for line in smaps.lines() {
             let range = line.split_whitespace().next().unwrap_or("");
-            if let Some((a, b)) = range.split_once('-') {
-                if let (Ok(a), Ok(b)) = (usize::from_str_radix(a, 16), usize::from_str_radix(b, 16))
-                {
-                    if found.is_some() {
-                        break;
-                    }
-                    if (a..b).contains(&addr) {
-                        found = Some(Vec::new());
-                    }
-                    continue;
+            if let Some((a, b)) = range.split_once('-')
+                && let (Ok(a), Ok(b)) = (usize::from_str_radix(a, 16), usize::from_str_radix(b, 16))
+            {
+                if found.is_some() {
+                    break;
                 }
+                if (a..b).contains(&addr) {
+                    found = Some(Vec::new());
+                }
+                continue;
             }
             if let Some(lines) = found.as_mut() {
                 lines.push(line.to_string());

@@ -67,9 +67,9 @@ pub use error::{FabricError, RemoteAccessKind, Result};
 pub use imm_counter::{ImmCounter, ImmStats, ImmWait};
 pub use landing_log::{LandingLog, LandingTicket, LogSnapshot};
 pub use memory::{
-    Memory, MemoryLocation, MemoryOwner, PageAlignedBuffer, PageSize, RawMemory, PAGE_SIZE,
+    Memory, MemoryLocation, MemoryOwner, PAGE_SIZE, PageAlignedBuffer, PageSize, RawMemory,
 };
-pub use op::{merge_contiguous, place, stripe, WriteOp};
+pub use op::{WriteOp, merge_contiguous, place, stripe};
 pub use region::{DeregisterHook, LiveMemory, Region, RegisteredMemory, SourcePin};
 pub use stride::{Segments, Stride};
 pub use tcp::TcpFabric;
@@ -198,7 +198,7 @@ impl Fabric {
 }
 
 macro_rules! dispatch {
-    ($self:ident, $f:ident => $e:expr) => {
+    ($self:ident, $f:ident => $e:expr_2021) => {
         match $self {
             Fabric::Tcp($f) => $e,
             #[cfg(feature = "rdma")]

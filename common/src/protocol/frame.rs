@@ -13,7 +13,7 @@
 //! corrupted frame yields a [`ControlFrameError`], never a panic or an outsized allocation.
 
 use bincode::Options;
-use serde::{de::DeserializeOwned, Serialize};
+use serde::{Serialize, de::DeserializeOwned};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 /// First four bytes of every frame.
@@ -211,8 +211,8 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::protocol::messages::*;
     use crate::DType;
+    use crate::protocol::messages::*;
 
     fn registration() -> FromWorker {
         FromWorker::Register(Box::new(Registration {

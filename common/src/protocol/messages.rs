@@ -13,8 +13,8 @@ use crate::dtype::DType;
 // The report vocabulary lives in `report.rs`; named here too so that `protocol::messages::Stage`
 // and the like keep naming what they named.
 pub use super::report::{
-    RunChecksum, Stage, TimeSplit, TimeSplitSeconds, TimelineEvent, WorkerReport,
-    MAX_ENGINE_STAGE_EVENTS, WHOLE_SYNC,
+    MAX_ENGINE_STAGE_EVENTS, RunChecksum, Stage, TimeSplit, TimeSplitSeconds, TimelineEvent,
+    WHOLE_SYNC, WorkerReport,
 };
 
 /// Bytes encoded by another layer (fabric descriptor, plan slice). Its `Debug` prints only the

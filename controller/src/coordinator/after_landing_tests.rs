@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use weightsync_common::protocol::{FromWorker, Stage, TimelineEvent, WorkerReport, WHOLE_SYNC};
+use weightsync_common::protocol::{FromWorker, Stage, TimelineEvent, WHOLE_SYNC, WorkerReport};
 
 use super::tests::{running, verifying_coordinator};
 use super::*;

@@ -62,10 +62,10 @@ impl Coordinator {
             .as_ref()
             .map(|d| d.waiting.clone())
             .unwrap_or_default();
-        if let Some(s) = self.active.and_then(|id| self.syncs.get_mut(&id)) {
-            if s.queued_behind.is_some() {
-                s.awaiting_drain = waiting;
-            }
+        if let Some(s) = self.active.and_then(|id| self.syncs.get_mut(&id))
+            && s.queued_behind.is_some()
+        {
+            s.awaiting_drain = waiting;
         }
     }
 

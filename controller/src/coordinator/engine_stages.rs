@@ -15,7 +15,7 @@
 use std::time::Duration;
 
 use weightsync_common::protocol::{
-    Stage, TimelineEvent, WorkerId, WorkerRole, MAX_ENGINE_STAGE_EVENTS,
+    MAX_ENGINE_STAGE_EVENTS, Stage, TimelineEvent, WorkerId, WorkerRole,
 };
 
 use super::{Coordinator, Effects, Now};

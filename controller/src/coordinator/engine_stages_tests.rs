@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use weightsync_common::protocol::{
-    FromWorker, Stage, TimelineEvent, WorkerId, WorkerReport, MAX_ENGINE_STAGE_EVENTS, WHOLE_SYNC,
+    FromWorker, MAX_ENGINE_STAGE_EVENTS, Stage, TimelineEvent, WHOLE_SYNC, WorkerId, WorkerReport,
 };
 
 use super::tests::{coordinator, created, failed_by_trainer, running};

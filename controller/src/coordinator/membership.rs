@@ -145,10 +145,10 @@ impl Coordinator {
                 now,
             );
         }
-        if let Some(sid) = self.active {
-            if let Some(failure) = self.departure_failure(sid, id, reason) {
-                fx.merge(self.fail(sid, failure, now));
-            }
+        if let Some(sid) = self.active
+            && let Some(failure) = self.departure_failure(sid, id, reason)
+        {
+            fx.merge(self.fail(sid, failure, now));
         }
         // A departed trainer no longer blocks the drain gate: whatever it still held went with
         // its process or is discarded by the reset its agent does when it reconnects.

@@ -176,10 +176,10 @@ impl Coordinator {
         }
         p.awaiting_ready.retain(|w| *w != id.to_string());
         p.ready_regions.insert(id, regions);
-        if !tensors.is_empty() {
-            if let Some(m) = self.members.get_mut(&id) {
-                m.reg.tensors = tensors;
-            }
+        if !tensors.is_empty()
+            && let Some(m) = self.members.get_mut(&id)
+        {
+            m.reg.tensors = tensors;
         }
         if !p.in_force() {
             return Effects::default();

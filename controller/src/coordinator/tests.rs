@@ -1,9 +1,9 @@
 use std::time::Duration;
 
+use weightsync_common::DType;
 use weightsync_common::protocol::{
     Blob, FailureKind, Fault, FromWorker, Registration, ToWorker, WorkerId, WorkerReport, WorldSpec,
 };
-use weightsync_common::DType;
 
 use super::*;
 use crate::planning::{NullPlanner, Planner};
@@ -197,11 +197,12 @@ fn a_trigger_during_the_drain_is_queued_and_starts_once_every_trainer_drained() 
         },
         t,
     );
-    assert!(c
-        .sync(next)
-        .unwrap()
-        .awaiting_prepared
-        .contains(&WorkerId::rollout(0)));
+    assert!(
+        c.sync(next)
+            .unwrap()
+            .awaiting_prepared
+            .contains(&WorkerId::rollout(0))
+    );
     // A rollout's Drained, or a trainer's for another sync, does not open the gate.
     assert_eq!(prepares(&c.message(2, drained(id, 1), t)), 0);
     assert_eq!(prepares(&c.message(1, drained(next, 2), t)), 0);
@@ -432,23 +433,27 @@ fn a_plan_is_in_force_only_once_every_worker_is_ready_and_trainers_then_get_thei
     assert!(not_ready(&mut c, t).contains("waiting for trainer-0, trainer-1, rollout-0"));
 
     let gather = |r: u32| vec![Blob(format!("trainer-{r} gather").into_bytes())];
-    assert!(c
-        .message(1, ready(req.plan_id, gather(0)), t)
-        .send
-        .is_empty());
+    assert!(
+        c.message(1, ready(req.plan_id, gather(0)), t)
+            .send
+            .is_empty()
+    );
     // A Ready for another plan, or a second one, counts for nothing.
-    assert!(c
-        .message(2, ready(req.plan_id + 1, gather(1)), t)
-        .send
-        .is_empty());
-    assert!(c
-        .message(1, ready(req.plan_id, gather(0)), t)
-        .send
-        .is_empty());
-    assert!(c
-        .message(2, ready(req.plan_id, gather(1)), t)
-        .send
-        .is_empty());
+    assert!(
+        c.message(2, ready(req.plan_id + 1, gather(1)), t)
+            .send
+            .is_empty()
+    );
+    assert!(
+        c.message(1, ready(req.plan_id, gather(0)), t)
+            .send
+            .is_empty()
+    );
+    assert!(
+        c.message(2, ready(req.plan_id, gather(1)), t)
+            .send
+            .is_empty()
+    );
     assert!(not_ready(&mut c, t).contains("waiting for rollout-0"));
 
     let fx = c.message(100, ready(req.plan_id, Vec::new()), t);
@@ -551,10 +556,11 @@ fn a_re_plan_asks_every_worker_for_ready_again() {
     let fx = c
         .register(3, registration(WorkerId::rollout(0)), t)
         .unwrap();
-    assert!(c
-        .log()
-        .iter()
-        .any(|l| l.message.contains("re-plan: membership changed (rollout-0")));
+    assert!(
+        c.log()
+            .iter()
+            .any(|l| l.message.contains("re-plan: membership changed (rollout-0"))
+    );
     let req = fx.plan.unwrap();
     let out = NullPlanner.plan(req.plan_id, &req.world, &req.workers);
     c.planned(req.plan_id, out, t);

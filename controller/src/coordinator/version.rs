@@ -72,10 +72,10 @@ impl Coordinator {
         if !self.plan_valid() {
             return Err(TriggerError::NotReady(self.not_ready_reason()));
         }
-        if let Some(latest) = self.latest_committed {
-            if version <= latest {
-                return Err(TriggerError::Stale { version, latest });
-            }
+        if let Some(latest) = self.latest_committed
+            && version <= latest
+        {
+            return Err(TriggerError::Stale { version, latest });
         }
         let id = self.next_sync_id;
         self.next_sync_id += 1;
@@ -151,10 +151,10 @@ impl Coordinator {
             let Some((&old, _)) = self.syncs.iter().next() else {
                 return;
             };
-            if let Some(s) = self.syncs.remove(&old) {
-                if self.by_version.get(&s.version) == Some(&old) {
-                    self.by_version.remove(&s.version);
-                }
+            if let Some(s) = self.syncs.remove(&old)
+                && self.by_version.get(&s.version) == Some(&old)
+            {
+                self.by_version.remove(&s.version);
             }
         }
     }

@@ -5,7 +5,7 @@ use serde::Serialize;
 use weightsync_common::protocol::WorkerRole;
 
 use super::{Coordinator, Now};
-use crate::sync_record::{lane_gbps, SyncView};
+use crate::sync_record::{SyncView, lane_gbps};
 
 /// A worker, for JSON (no endpoint, no rkeys).
 #[derive(Debug, Clone, Serialize)]

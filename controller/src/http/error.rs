@@ -2,9 +2,9 @@
 //! `{"error": {"code": "...", "message": "..."}}` with the right status. Internals (tokens,
 //! rkeys, Rust error chains) never reach a client.
 
-use axum::http::{header, HeaderValue, StatusCode};
-use axum::response::{IntoResponse, Response};
 use axum::Json;
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
 
 /// An API error.
 #[derive(Debug, thiserror::Error)]

@@ -25,7 +25,7 @@ use std::time::Duration;
 
 use axum::extract::rejection::{JsonRejection, PathRejection, QueryRejection};
 use axum::extract::{DefaultBodyLimit, Path, Query, State};
-use axum::http::{header, HeaderMap, StatusCode};
+use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -174,7 +174,7 @@ async fn trigger(
         Ok(Triggered::Created(id)) => (id, true),
         Ok(Triggered::Existing(id)) => (id, false),
         Err(TriggerError::Busy { running, version }) => {
-            return Err(ApiError::SyncRunning { running, version })
+            return Err(ApiError::SyncRunning { running, version });
         }
         Err(e @ TriggerError::Stale { .. }) => return Err(ApiError::Conflict(e.to_string())),
         Err(e @ TriggerError::NotReady(_)) => return Err(ApiError::NotReady(e.to_string())),
@@ -214,7 +214,7 @@ async fn wait_for_end(state: &AppState, id: u64) -> Result<(), ApiError> {
                 return Err(ApiError::Timeout(format!(
                     "sync {id} did not end within {} s",
                     budget.as_secs()
-                )))
+                )));
             }
         }
     }

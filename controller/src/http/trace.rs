@@ -3,7 +3,7 @@
 //! triggered. An engine's own stages (pause, load, resume) are spans on its thread like the
 //! others; they may lie after the sync's end mark (a staged engine loads once it committed).
 
-use serde_json::{json, Value};
+use serde_json::{Value, json};
 
 use crate::sync_record::SyncRecord;
 

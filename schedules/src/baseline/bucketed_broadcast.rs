@@ -12,9 +12,9 @@ use std::collections::BTreeMap;
 
 use weightsync_common::protocol::Stage;
 
-use super::{gather_hops, ring_hops, BaselineOptions, ModelBytes};
-use crate::simulate::engine::{OpId, SimPlan, NONE};
+use super::{BaselineOptions, ModelBytes, gather_hops, ring_hops};
 use crate::simulate::ClusterModel;
+use crate::simulate::engine::{NONE, OpId, SimPlan};
 use crate::table::RoutingTable;
 
 /// Buckets in flight (IPC buffers per engine).

@@ -11,9 +11,9 @@ use std::collections::BTreeMap;
 
 use weightsync_common::protocol::Stage;
 
-use super::{gather_hops, ring_hops, BaselineOptions, ModelBytes};
-use crate::simulate::engine::{OpId, SimPlan, NONE};
+use super::{BaselineOptions, ModelBytes, gather_hops, ring_hops};
 use crate::simulate::ClusterModel;
+use crate::simulate::engine::{NONE, OpId, SimPlan};
 use crate::table::RoutingTable;
 
 /// Plans the baseline: (plan, the op that ends the sync, layers).

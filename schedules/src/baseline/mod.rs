@@ -36,8 +36,8 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use crate::simulate::engine::{self, Hop, SimPlan};
-use crate::simulate::{report, ClusterModel, SimError, SimReport};
-use crate::table::{RoutingTable, Transform, FP8_BLOCK};
+use crate::simulate::{ClusterModel, SimError, SimReport, report};
+use crate::table::{FP8_BLOCK, RoutingTable, Transform};
 
 /// Which baseline.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]

@@ -3,7 +3,7 @@
 use super::*;
 use crate::cost::CostModel;
 use crate::simulate::simulate;
-use crate::{plan, ExpertForm, InferenceLayout, Model, TrainingLayout};
+use crate::{ExpertForm, InferenceLayout, Model, TrainingLayout, plan};
 
 fn table(infer: &str) -> RoutingTable {
     let model = Model::preset("qwen3-0.6b", ExpertForm::PerExpert).unwrap();

@@ -5,16 +5,16 @@
 
 use rustc_hash::{FxHashMap, FxHashSet};
 use std::sync::Arc;
-use weightsync_common::protocol::TensorMeta;
 use weightsync_common::DType;
+use weightsync_common::protocol::TensorMeta;
 
-use super::{logical_shape, DeclaredError, MAX_DECLARED};
+use super::{DeclaredError, MAX_DECLARED, logical_shape};
 use crate::error::PlanError;
 use crate::layout_infer::ScalePlace;
 use crate::layout_infer::{InferDType, InferFormat, InferRank, InferSpec, InferenceLayout, Piece};
-use crate::layout_train::{align_up, TrainingLayout};
+use crate::layout_train::{TrainingLayout, align_up};
 use crate::model::Model;
-use crate::table::{DstTensor, Shape, TensorBox, FP8_BLOCK, MAX_DIMS};
+use crate::table::{DstTensor, FP8_BLOCK, MAX_DIMS, Shape, TensorBox};
 
 /// What one inference rank of a declared model declared.
 #[derive(Debug, Clone, Copy)]
@@ -187,7 +187,7 @@ pub fn inference_layout(
                         rank_b: rank,
                         b: t.dtype,
                     }
-                    .into())
+                    .into());
                 }
                 Some(_) => {}
                 None => taken[pid as usize] = Some((t.dtype, rank)),

@@ -57,17 +57,17 @@ mod tiling;
 
 use rustc_hash::FxHashMap;
 use std::sync::Arc;
-use weightsync_common::protocol::TensorMeta;
 use weightsync_common::DType;
+use weightsync_common::protocol::TensorMeta;
 
-pub use engine::{check_spec, engine_tensors, inference_layout, EngineDeclaration};
+pub use engine::{EngineDeclaration, check_spec, engine_tensors, inference_layout};
 pub use error::DeclaredError;
 
 use crate::error::PlanError;
-use crate::layout_train::{align_up, ShardSpec, TrainingLayout};
+use crate::layout_train::{ShardSpec, TrainingLayout, align_up};
 use crate::model::{Model, Param, Role};
-use crate::model_config::{ModelConfig, MAX_LAYERS};
-use crate::table::{Shape, TensorBox, MAX_DIMS};
+use crate::model_config::{MAX_LAYERS, ModelConfig};
+use crate::table::{MAX_DIMS, Shape, TensorBox};
 
 /// Most tensors one worker may declare (a model's bound, [`crate::model_bounds::MAX_TENSORS`]).
 pub const MAX_DECLARED: usize = crate::model_bounds::MAX_TENSORS as usize;

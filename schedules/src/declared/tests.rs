@@ -1,8 +1,8 @@
 //! Declared models: the model and layouts from declarations, and every refusal naming the
 //! tensor and both sides. (That a plan of one moves the right bytes is `tests/declared.rs`.)
 
-use weightsync_common::protocol::{TensorMeta, WorldSpec};
 use weightsync_common::DType;
+use weightsync_common::protocol::{TensorMeta, WorldSpec};
 
 use super::*;
 use crate::job;
@@ -103,12 +103,13 @@ fn odd_tensors_make_a_model_and_a_plan() {
     assert_eq!(m.params.len(), ODD.len());
     // The 4-D convolution is [4, 3, 4]; trainer 2's chunk of its 4 rows is empty.
     assert_eq!(m.params[1].shape, Shape::new(&[4, 3, 4]));
-    assert!(!job
-        .layouts
-        .train
-        .shards
-        .iter()
-        .any(|s| s.rank == 2 && s.param == 1));
+    assert!(
+        !job.layouts
+            .train
+            .shards
+            .iter()
+            .any(|s| s.rank == 2 && s.param == 1)
+    );
     // Groups: embed and the unnumbered vision tensor before block 0, blocks 0 and 1, head.
     let groups: Vec<u16> = m.params.iter().map(|p| m.mesh_group(p.role)).collect();
     assert_eq!(groups, [0, 0, 1, 1, 2, 3]);

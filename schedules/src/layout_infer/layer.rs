@@ -3,10 +3,10 @@
 
 use std::fmt::Write as _;
 
-use super::rank::{cols, part, rows, Part, RankBuilder};
+use super::rank::{Part, RankBuilder, cols, part, rows};
 use crate::error::PlanError;
 use crate::model::{ExpertForm, LayerKind, MlaConfig, MoeConfig, Proj, Role};
-use crate::table::{Shape, TensorBox, FP8_BLOCK, MAX_DIMS};
+use crate::table::{FP8_BLOCK, MAX_DIMS, Shape, TensorBox};
 
 /// The tensors of decoder layer `l` on one rank, added to its [`RankBuilder`].
 pub(super) struct LayerTensors<'b, 'm> {

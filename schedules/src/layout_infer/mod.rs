@@ -106,7 +106,7 @@ pub use weightsync_common::Fp8Recipe;
 use crate::error::PlanError;
 use crate::layout_train::{parse_degree, parse_kv};
 use crate::model::{Model, Role};
-use crate::table::{DstTensor, TensorBox, MAX_DIMS};
+use crate::table::{DstTensor, MAX_DIMS, TensorBox};
 use check::check_divisible;
 pub use param_box::ParamBox;
 pub use period::EnginePeriod;
@@ -310,7 +310,7 @@ impl std::str::FromStr for InferSpec {
                                      its vocabulary rows, for engines such as vLLM that split \
                                      the embedding themselves) or default (the format's own)"
                                 ),
-                            })
+                            });
                         }
                     }
                 }
@@ -329,7 +329,7 @@ impl std::str::FromStr for InferSpec {
                         reason: format!(
                             "unknown key {k:?} (known: tp, ep, dp, dtype, format, embed, fp8)"
                         ),
-                    })
+                    });
                 }
             }
         }

@@ -16,7 +16,7 @@
 use super::InferenceLayout;
 use crate::error::PlanError;
 use crate::model::Model;
-use crate::table::{Shape, MAX_DIMS};
+use crate::table::{MAX_DIMS, Shape};
 
 /// One inference tensor as a box of one training parameter.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -11,7 +11,7 @@ use super::{InferDType, InferFormat, InferSpec, Piece, ScalePlace};
 use crate::error::PlanError;
 use crate::layout_train::align_up;
 use crate::model::{Model, Role};
-use crate::table::{DstTensor, Shape, TensorBox, FP8_BLOCK, MAX_DIMS};
+use crate::table::{DstTensor, FP8_BLOCK, MAX_DIMS, Shape, TensorBox};
 
 /// One part of a destination tensor being built.
 pub(super) struct Part {

@@ -5,9 +5,9 @@
 //! (`rank`) and a decoder layer (`layer`, which itself builds on `rank`); kept apart, each of
 //! those imports only downward.
 
-use super::layer::LayerTensors;
-use super::rank::{part, RankBuilder};
 use super::EmbedLayout;
+use super::layer::LayerTensors;
+use super::rank::{RankBuilder, part};
 use crate::error::PlanError;
 use crate::model::Role;
 use crate::table::TensorBox;

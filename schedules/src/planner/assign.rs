@@ -12,7 +12,7 @@
 use std::collections::BTreeMap;
 
 use super::grid::Grid;
-use super::{Assign, Planner, Region, GATHER};
+use super::{Assign, GATHER, Planner, Region};
 use crate::balance::balance;
 use crate::runs::count_runs;
 use crate::table::{FP8_BLOCK, MAX_DIMS};

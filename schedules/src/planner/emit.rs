@@ -17,13 +17,13 @@ use super::{Assign, Planner, RegionBox};
 use crate::compact::{RoutesBuilder, TaskWrite};
 use crate::error::PlanError;
 use crate::layout_infer::InferRank;
-use crate::layout_train::{align_up, ShardSpec, TrainingLayout};
+use crate::layout_train::{ShardSpec, TrainingLayout, align_up};
 use crate::model::Model;
 use crate::packed::Packed;
 use crate::runs::for_each_run;
 use crate::table::{
-    CompactTrainer, LocalShard, ParamRef, RolloutEntry, RolloutLayouts, RoutingTable, Source,
-    TensorBox, Transform, UnitExpect, GROUP_FIELDS, MAX_WRITE_BYTES, TRAINER_GATHER_MR,
+    CompactTrainer, GROUP_FIELDS, LocalShard, MAX_WRITE_BYTES, ParamRef, RolloutEntry,
+    RolloutLayouts, RoutingTable, Source, TRAINER_GATHER_MR, TensorBox, Transform, UnitExpect,
 };
 
 /// A trainer's part under construction.

@@ -12,7 +12,7 @@ use super::Planner;
 use crate::error::PlanError;
 use crate::layout_train::{ShardSpec, TrainingLayout};
 use crate::model::Param;
-use crate::table::{Shape, TensorBox, MAX_DIMS};
+use crate::table::{MAX_DIMS, Shape, TensorBox};
 
 /// The source grid of one parameter: its cells and who holds each.
 #[derive(Default)]

@@ -6,7 +6,7 @@
 //! (once per task and target, so both functions are `#[inline]`).
 
 use crate::layout_infer::Piece;
-use crate::table::{TensorBox, FP8_BLOCK, MAX_DIMS};
+use crate::table::{FP8_BLOCK, MAX_DIMS, TensorBox};
 
 /// A parameter box inside a piece, in destination-tensor coordinates.
 #[inline]

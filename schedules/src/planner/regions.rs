@@ -29,11 +29,11 @@ use rayon::prelude::*;
 
 use super::grid::{Grid, GridScratch};
 use super::place::{dst_box, scale_box};
-use super::{Assign, DGroup, Planner, RegionBox, RegionLoad, Reuse, GATHER, NO_REPEAT};
+use super::{Assign, DGroup, GATHER, NO_REPEAT, Planner, RegionBox, RegionLoad, Reuse};
 use crate::error::PlanError;
 use crate::layout_infer::Piece;
 use crate::runs::count_runs;
-use crate::table::{Shape, TensorBox, FP8_BLOCK, MAX_DIMS};
+use crate::table::{FP8_BLOCK, MAX_DIMS, Shape, TensorBox};
 
 /// A dgroup's first target, as [`Planner::weight`] needs it.
 struct Reach {

@@ -1,7 +1,7 @@
 //! The planner's shortcuts change nothing: a table planned reusing the regions of parameters
 //! that repeat one another is the one planned analysing every parameter, byte for byte.
 
-use super::{plan_steps, Planner, Reuse};
+use super::{Planner, Reuse, plan_steps};
 use crate::cost::CostModel;
 use crate::layout_infer::{InferDType, InferSpec, InferenceLayout};
 use crate::layout_train::{TrainSpec, TrainingLayout};

@@ -13,7 +13,7 @@ use super::place::{dst_box, scale_box};
 use crate::error::PlanError;
 use crate::layout_infer::{EnginePeriod, InferRank, InferenceLayout, Piece};
 use crate::model::{Model, Param};
-use crate::table::{DstTensor, Shape, TensorBox, FP8_BLOCK};
+use crate::table::{DstTensor, FP8_BLOCK, Shape, TensorBox};
 
 /// Checks `infer` against `model` (see the module docs). Rank by rank: the boxes placed in
 /// one rank's tensors are all that is held at once (at 10,240 GPUs every rank's at once would be

@@ -315,11 +315,12 @@ mod tests {
             nics_per_node: 9,
             ..Default::default()
         };
-        assert!(c
-            .validate()
-            .unwrap_err()
-            .to_string()
-            .contains("nics_per_node"));
+        assert!(
+            c.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("nics_per_node")
+        );
         let mut c = ClusterModel::default();
         c.fixed.after_landing_s = -1.0;
         let e = c.validate().unwrap_err();

@@ -28,7 +28,7 @@ use weightsync_common::protocol::Stage;
 
 use crate::error::PlanError;
 use crate::simulate::cluster::ClusterModel;
-use crate::simulate::engine::{Hop, OpId, ResId, ResKind, SimPlan, NONE};
+use crate::simulate::engine::{Hop, NONE, OpId, ResId, ResKind, SimPlan};
 use crate::table::{RoutingTable, Task, TrainerPlan, Transform, WriteTarget};
 
 /// At most this many pieces per trainer in a simulation: the piece budget grows for very large
@@ -311,10 +311,10 @@ impl<'c> Lowering<'c> {
         p.after(prep, w);
         let writes_in_flight = self.cluster.writes_in_flight;
         if writes_in_flight > 0 {
-            if tr.in_flight.len() >= writes_in_flight as usize {
-                if let Some(old) = tr.in_flight.pop_front() {
-                    p.after(old, w);
-                }
+            if tr.in_flight.len() >= writes_in_flight as usize
+                && let Some(old) = tr.in_flight.pop_front()
+            {
+                p.after(old, w);
             }
             tr.in_flight.push_back(w);
         }

@@ -2,10 +2,10 @@
 //! critical path and what dominates it, and the per-stage timeline (the dashboard's format).
 
 use serde::{Deserialize, Serialize};
-use serde_json::{json, Value};
+use serde_json::{Value, json};
 use weightsync_common::protocol::Stage;
 
-use crate::simulate::engine::{OpId, Outcome, ResKind, SimPlan, NONE};
+use crate::simulate::engine::{NONE, OpId, Outcome, ResKind, SimPlan};
 
 /// One span of the simulated timeline: the fields of a worker's timeline event.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -201,10 +201,12 @@ fn two_nics_per_gpu_stripe_a_sync() {
     // Several NICs per GPU must be the same number for every GPU.
     let mut odd = balanced_cluster();
     odd.nics_per_node = odd.gpus_per_node * 2 + 1;
-    assert!(simulate(&table, &odd)
-        .unwrap_err()
-        .to_string()
-        .contains("whole multiple"));
+    assert!(
+        simulate(&table, &odd)
+            .unwrap_err()
+            .to_string()
+            .contains("whole multiple")
+    );
 }
 
 #[test]
@@ -283,7 +285,7 @@ fn a_host_cost_per_write_is_paid_per_work_request() {
 
 #[test]
 fn planned_small_model_obeys_the_bound_and_is_deterministic() {
-    use crate::{plan, InferenceLayout, Model, TrainingLayout};
+    use crate::{InferenceLayout, Model, TrainingLayout, plan};
     let model = Model::preset("qwen3-0.6b", crate::ExpertForm::PerExpert).unwrap();
     let train = TrainingLayout::build(&model, &"fsdp=4".parse().unwrap()).unwrap();
     let infer = InferenceLayout::build(&model, &"tp=2,dp=2,dtype=fp8".parse().unwrap()).unwrap();
@@ -311,10 +313,12 @@ fn empty_tables_and_bad_clusters_are_errors() {
     let t = copy_table(1, 1, 1, 1000, |_, _| 0);
     let mut c = balanced_cluster();
     c.prep.fp8 = -1.0;
-    assert!(simulate(&t, &c)
-        .unwrap_err()
-        .to_string()
-        .contains("prep.fp8"));
+    assert!(
+        simulate(&t, &c)
+            .unwrap_err()
+            .to_string()
+            .contains("prep.fp8")
+    );
     let mut e = t.clone();
     e.rollouts.clear();
     assert!(matches!(
@@ -328,7 +332,7 @@ fn empty_tables_and_bad_clusters_are_errors() {
 #[test]
 #[ignore = "plans and simulates Kimi-K2 on 384 GPUs: seconds in release, minutes in debug"]
 fn kimi_k2_256_to_128() {
-    use crate::{plan, InferenceLayout, Model, TrainingLayout};
+    use crate::{InferenceLayout, Model, TrainingLayout, plan};
     let t0 = std::time::Instant::now();
     // WS_TABLE_CACHE=path keeps the planned table between runs (planning is not under test).
     let cache = std::env::var("WS_TABLE_CACHE").ok();

@@ -11,7 +11,7 @@
 use std::collections::BTreeMap;
 
 use crate::compact::{
-    PatternCopy, PatternWrite, TaskPattern, TrainerRoutes, BASE_FIELDS, TASK_FIELDS,
+    BASE_FIELDS, PatternCopy, PatternWrite, TASK_FIELDS, TaskPattern, TrainerRoutes,
 };
 use crate::cost::CostModel;
 use crate::packed::Records;

@@ -23,7 +23,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::cost::CostModel;
 use crate::table::RoutingTable;
-use counting::{trainer_terms, trainer_terms_each_task, CountTrainer, Counts};
+use counting::{CountTrainer, Counts, trainer_terms, trainer_terms_each_task};
 
 /// Max and mean of one side's NICs.
 #[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
@@ -207,7 +207,7 @@ impl Summary {
 mod tests {
     use super::*;
     use crate::compact::{
-        PatternCopy, PatternWrite, TaskPattern, TrainerRoutes, BASE_FIELDS, TASK_FIELDS,
+        BASE_FIELDS, PatternCopy, PatternWrite, TASK_FIELDS, TaskPattern, TrainerRoutes,
     };
     use crate::packed::Packed;
     use crate::table::{CompactTrainer, RolloutEntry, TensorBox, Transform};

@@ -77,7 +77,7 @@ use weightsync_common::{DType, Fp8Recipe};
 mod routing;
 
 pub(crate) use routing::RolloutLayouts;
-pub use routing::{CompactTrainer, RolloutEntry, RolloutLayout, RoutingTable, GROUP_FIELDS};
+pub use routing::{CompactTrainer, GROUP_FIELDS, RolloutEntry, RolloutLayout, RoutingTable};
 
 /// Most dimensions a tensor may have here: experts stacked over a 2-D weight (and their fp8
 /// scales) need 3, and no supported family has more. Every box and shape in the table carries

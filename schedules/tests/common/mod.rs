@@ -6,11 +6,11 @@
 use std::collections::HashMap;
 
 use weightsync_common::DType;
+use weightsync_schedules::TrainerSlice;
 use weightsync_schedules::layout_infer::InferFormat;
 use weightsync_schedules::table::{
-    RolloutPlan, RoutingTable, Source, Task, TrainerPlan, Transform, WriteTarget, FP8_BLOCK,
+    FP8_BLOCK, RolloutPlan, RoutingTable, Source, Task, TrainerPlan, Transform, WriteTarget,
 };
-use weightsync_schedules::TrainerSlice;
 use weightsync_schedules::{ExpertForm, InferDType, InferSpec, Model};
 
 /// Dense Qwen3-like: GQA (4 q heads, 2 kv heads of 128), q/k norms.

@@ -12,13 +12,13 @@ use std::net::TcpStream;
 use std::sync::Arc;
 use std::time::Duration;
 
-use weightsync_common::fabric::tcp::frame::{Completion, FrameHeader, COMPLETION_LEN};
+use weightsync_common::fabric::tcp::frame::{COMPLETION_LEN, Completion, FrameHeader};
 use weightsync_common::fabric::tcp::handshake::client_handshake;
 use weightsync_common::fabric::{
-    Access, Endpoint, Fabric, FabricBackend, FabricConfig, FabricError, JobToken, RemoteAccessKind,
-    WriteOp, PAGE_SIZE,
+    Access, Endpoint, Fabric, FabricBackend, FabricConfig, FabricError, JobToken, PAGE_SIZE,
+    RemoteAccessKind, WriteOp,
 };
-use weightsync_tests::canary::{canary, first_change_outside, GuardedPages, GuardedRegion};
+use weightsync_tests::canary::{GuardedPages, GuardedRegion, canary, first_change_outside};
 
 const TOKEN: &str = "canary-suite-token";
 const LIMIT: Duration = Duration::from_secs(20);

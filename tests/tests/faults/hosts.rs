@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use weightsync_tests::netns::{self, Lan};
 use weightsync_tests::process_cluster::{
-    assert_committed_and_verified, JobSpec, Placement, ProcessCluster,
+    JobSpec, Placement, ProcessCluster, assert_committed_and_verified,
 };
 use weightsync_tests::processes::wait_until;
 

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use weightsync_tests::http_raw::{self, exchange, request_bytes};
 use weightsync_tests::proc_stats;
-use weightsync_tests::process_cluster::{JobSpec, ProcessCluster, API_TOKEN};
+use weightsync_tests::process_cluster::{API_TOKEN, JobSpec, ProcessCluster};
 use weightsync_tests::processes::wait_until;
 
 const T: Duration = Duration::from_secs(20);

@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 use weightsync_common::fabric::FabricConfig;
-use weightsync_tests::proxied_cluster::{tiny_table, ProxiedCluster, SyncOutcome, JOB_TOKEN};
+use weightsync_tests::proxied_cluster::{JOB_TOKEN, ProxiedCluster, SyncOutcome, tiny_table};
 use weightsync_tests::proxy::ProxyMode;
 use weightsync_worker::SyncId;
 

@@ -13,7 +13,7 @@
 use std::time::Duration;
 
 use weightsync_tests::process_cluster::{
-    assert_committed_and_verified, JobSpec, ProcessCluster, API_TOKEN,
+    API_TOKEN, JobSpec, ProcessCluster, assert_committed_and_verified,
 };
 use weightsync_tests::processes::wait_until;
 

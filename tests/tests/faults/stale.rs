@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use weightsync_common::fabric::{Access, FabricBackend, FabricConfig, WriteOp};
-use weightsync_tests::proxied_cluster::{tiny_table, ProxiedCluster, SyncOutcome, JOB_TOKEN};
+use weightsync_tests::proxied_cluster::{JOB_TOKEN, ProxiedCluster, SyncOutcome, tiny_table};
 use weightsync_worker::ImmTag;
 use weightsync_worker::SyncId;
 
@@ -48,8 +48,8 @@ async fn stale_writes(c: &ProxiedCluster, epoch: u64) -> u64 {
 async fn stale_write_of_an_aborted_sync_is_not_counted_by_the_next() {
     let c = cluster().await;
     c.fill_sources(1);
-    assert!(c
-        .sync(
+    assert!(
+        c.sync(
             SyncId {
                 version: 1,
                 epoch: 1
@@ -57,7 +57,8 @@ async fn stale_write_of_an_aborted_sync_is_not_counted_by_the_next() {
             Duration::from_secs(20)
         )
         .await
-        .committed());
+        .committed()
+    );
 
     // Sync epoch 2 is armed, then aborted (a trainer died): its immediates are retired.
     c.arm(SyncId {
@@ -100,8 +101,8 @@ async fn stale_write_of_an_aborted_sync_is_not_counted_by_the_next() {
 async fn stale_bytes_landing_after_the_real_ones_fail_verification_by_tensor() {
     let c = cluster().await;
     c.fill_sources(1);
-    assert!(c
-        .sync(
+    assert!(
+        c.sync(
             SyncId {
                 version: 1,
                 epoch: 1
@@ -109,7 +110,8 @@ async fn stale_bytes_landing_after_the_real_ones_fail_verification_by_tensor() {
             Duration::from_secs(20)
         )
         .await
-        .committed());
+        .committed()
+    );
     c.arm(SyncId {
         version: 2,
         epoch: 2,

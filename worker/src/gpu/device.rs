@@ -21,15 +21,15 @@
 use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::{
-    sys, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
-    LaunchConfig, PushKernelArg,
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
+    LaunchConfig, PushKernelArg, sys,
 };
 use cudarc::nvrtc::Ptx;
 use weightsync_common::{DType, Fp8Recipe};
 
-use super::kernels::{self, KernelImage, CAST_ELEMS_PER_STEP, CAST_THREADS, QUANT_THREADS};
-use super::{driver_present, GpuError};
-use crate::prepare::{Fp8Shape, PrepareError, FP8_BLOCK};
+use super::kernels::{self, CAST_ELEMS_PER_STEP, CAST_THREADS, KernelImage, QUANT_THREADS};
+use super::{GpuError, driver_present};
+use crate::prepare::{FP8_BLOCK, Fp8Shape, PrepareError};
 
 /// What a device is.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]

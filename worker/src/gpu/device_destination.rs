@@ -18,7 +18,7 @@ use cudarc::driver::{CudaSlice, DevicePtrMut};
 use parking_lot::Mutex;
 use weightsync_common::fabric::Region;
 
-use super::{dma, DeviceMemory, GpuDevice, GpuError, GpuSource, PinnedRegion};
+use super::{DeviceMemory, GpuDevice, GpuError, GpuSource, PinnedRegion, dma};
 use crate::error::{Result, WorkerError};
 use crate::rollout::DeviceLanding;
 

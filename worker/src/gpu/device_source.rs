@@ -25,7 +25,7 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, sys};
 use parking_lot::Mutex;
 use weightsync_common::fabric::Region;
 use weightsync_schedules::table::{TrainerPlan, Transform};
@@ -35,7 +35,7 @@ use super::{GpuDevice, GpuError, GpuSource, PinnedRegion};
 use crate::error::{Result, WorkerError};
 use crate::prepare::Fp8Shape;
 use crate::source::device_stages::{DeviceStages, PrepareJob, PrepareKind, StridedCopy};
-use crate::source::view::{check_source, SourceView};
+use crate::source::view::{SourceView, check_source};
 
 /// A trainer source in device memory (see the module docs).
 #[derive(Debug, Clone)]
@@ -146,7 +146,7 @@ impl Inner {
                 _ => {
                     return Err(WorkerError::InvalidPlan(format!(
                         "shard {shard} has no device tensor"
-                    )))
+                    )));
                 }
             },
         };

@@ -8,7 +8,7 @@
 //! before calling, and wait for an event recorded after the copies before the memory is used or
 //! released; these functions only state that contract and queue the copies.
 
-use cudarc::driver::{sys, CudaStream};
+use cudarc::driver::{CudaStream, sys};
 
 use super::GpuError;
 

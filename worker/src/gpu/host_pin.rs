@@ -51,7 +51,7 @@ impl PinnedRegion {
                 return Err(GpuError::PinHost {
                     len,
                     source: other.result().unwrap_err(),
-                })
+                });
             }
         };
         Ok(PinnedRegion {

@@ -12,8 +12,8 @@ use std::sync::{Arc, Mutex};
 
 use weightsync_common::DType;
 
-use super::nvrtc::{choose_target, Compiled, Nvrtc, Target};
 use super::GpuError;
+use super::nvrtc::{Compiled, Nvrtc, Target, choose_target};
 use crate::prepare::FP8_BLOCK;
 
 /// The CUDA source.
@@ -188,11 +188,12 @@ mod tests {
                     num(line, "bytes spill stores"),
                     num(line, "bytes spill loads"),
                 );
-            } else if line.contains("Used ") && line.contains(" registers") {
-                if let Some(k) = current.take() {
-                    let regs = num(&line[line.find("Used ").unwrap()..], " registers");
-                    out.push((k, regs, frame.0, frame.1, frame.2));
-                }
+            } else if line.contains("Used ")
+                && line.contains(" registers")
+                && let Some(k) = current.take()
+            {
+                let regs = num(&line[line.find("Used ").unwrap()..], " registers");
+                out.push((k, regs, frame.0, frame.1, frame.2));
             }
         }
         out

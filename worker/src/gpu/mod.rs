@@ -50,7 +50,7 @@ pub use device_destination::DeviceDestination;
 pub use device_source::DeviceSource;
 pub use host_pin::PinnedRegion;
 pub use source::{
-    BorrowedDevice, DeviceMemory, GpuSource, IpcExport, IpcMapping, IPC_HANDLE_BYTES,
+    BorrowedDevice, DeviceMemory, GpuSource, IPC_HANDLE_BYTES, IpcExport, IpcMapping,
 };
 pub use staging::{DeviceStaging, PinnedStaging};
 

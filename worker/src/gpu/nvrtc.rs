@@ -19,7 +19,7 @@
 //! Python wheel). [`Nvrtc::open`] therefore opens the builtins from the same directory first;
 //! the dynamic loader then finds them already loaded.
 
-use std::ffi::{c_char, c_int, c_void, CStr, CString};
+use std::ffi::{CStr, CString, c_char, c_int, c_void};
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
@@ -530,7 +530,7 @@ mod tests {
     use super::*;
     use std::collections::HashMap;
 
-    fn env(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+    fn env(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> + use<> {
         let m: HashMap<String, String> = vars
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))

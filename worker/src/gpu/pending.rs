@@ -35,10 +35,10 @@ impl PendingCopies {
         let events = std::mem::take(&mut *self.events.lock().unwrap_or_else(|p| p.into_inner()));
         let mut first = Ok(());
         for (_, e) in events {
-            if let Err(err) = e.synchronize() {
-                if first.is_ok() {
-                    first = Err(err.into());
-                }
+            if let Err(err) = e.synchronize()
+                && first.is_ok()
+            {
+                first = Err(err.into());
             }
         }
         first

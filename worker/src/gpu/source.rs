@@ -21,7 +21,7 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, sys};
 use weightsync_common::fabric::MemoryOwner;
 
 use super::pending::PendingCopies;

@@ -10,7 +10,7 @@
 
 use std::ops::Range;
 
-use cudarc::driver::{sys, CudaSlice, DevicePtr, DevicePtrMut, PinnedHostSlice};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, PinnedHostSlice, sys};
 
 use super::pending::PendingCopies;
 use super::{GpuDevice, GpuError};

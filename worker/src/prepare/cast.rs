@@ -7,8 +7,8 @@ use rayon::prelude::*;
 use weightsync_common::DType;
 
 use super::convert::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
-use super::isa::{vectorised, Kernel};
-use super::{expect_len, pitched_span, PrepareError, Threads};
+use super::isa::{Kernel, vectorised};
+use super::{PrepareError, Threads, expect_len, pitched_span};
 
 /// Elements per rayon task: large enough to amortise scheduling, small enough to balance.
 const PAR_CHUNK_ELEMS: usize = 1 << 16;

@@ -48,7 +48,7 @@ pub fn f16_to_f32(h: u16) -> f32 {
     let normal = (em << 13) + ((127 - 15) << 23);
     // Subnormal (and zero): the value is em * 2^-24, exact in f32 and never an f32 denormal.
     let subnormal = (em as f32 * f32::from_bits(0x3380_0000)).to_bits() as i32; // 2^-24
-                                                                                // Inf / NaN: all-ones exponent; a NaN gets the quiet bit.
+    // Inf / NaN: all-ones exponent; a NaN gets the quiet bit.
     let quiet = if em > 0x7c00 { 0x0040_0000 } else { 0 };
     let special = (em << 13) | 0x7f80_0000 | quiet;
     let mag = if em < 0x0400 {

@@ -43,8 +43,8 @@ use rayon::prelude::*;
 use weightsync_common::{DType, Fp8Recipe};
 
 use super::convert::{bf16_to_f32, f16_to_f32, f32_to_e4m3_saturating};
-use super::isa::{vectorised, Avx2, Avx512, Kernel};
-use super::{expect_len, pitched_span, PrepareError, Threads};
+use super::isa::{Avx2, Avx512, Kernel, vectorised};
+use super::{PrepareError, Threads, expect_len, pitched_span};
 
 mod avx2;
 mod row_loops;
@@ -360,11 +360,7 @@ impl Elem for F32 {
     #[inline(always)]
     fn key(b: &[u8]) -> i32 {
         let a = (u32::from_le_bytes([b[0], b[1], b[2], b[3]]) & 0x7fff_ffff) as i32;
-        if a < 0x7f80_0000 {
-            a
-        } else {
-            0
-        }
+        if a < 0x7f80_0000 { a } else { 0 }
     }
     #[inline(always)]
     fn key_to_f32(k: i32) -> f32 {

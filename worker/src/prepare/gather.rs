@@ -7,7 +7,7 @@
 
 use rayon::prelude::*;
 
-use super::{expect_len, PrepareError, Threads};
+use super::{PrepareError, Threads, expect_len};
 
 /// Output bytes per rayon task.
 const PAR_CHUNK_BYTES: usize = 256 << 10;

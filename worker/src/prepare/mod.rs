@@ -28,8 +28,8 @@ mod vectors;
 
 pub use cast::{cast, cast_pitched};
 pub use fp8::{
-    quantise_fp8, quantise_fp8_as, quantise_fp8_block_rows, quantise_fp8_block_rows_pitched,
-    Fp8Shape, FP8_AMAX_FLOOR,
+    FP8_AMAX_FLOOR, Fp8Shape, quantise_fp8, quantise_fp8_as, quantise_fp8_block_rows,
+    quantise_fp8_block_rows_pitched,
 };
 // The GPU kernels share the block edge.
 #[cfg(feature = "cuda")]

@@ -6,7 +6,7 @@ use serde::Deserialize;
 use weightsync_common::DType;
 
 use super::convert::{bf16_to_f32, f16_to_f32, f32_to_e4m3_saturating};
-use super::{quantise_fp8, quantise_fp8_block_rows, Fp8Shape, Threads};
+use super::{Fp8Shape, Threads, quantise_fp8, quantise_fp8_block_rows};
 
 #[derive(Deserialize)]
 struct Vectors {

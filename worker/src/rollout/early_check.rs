@@ -14,8 +14,8 @@
 //! check and the error naming the tensor are the same either way.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
 
 use parking_lot::Mutex;

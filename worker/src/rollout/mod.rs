@@ -37,8 +37,8 @@ use early_check::{EarlyCheck, EarlyHashes, RunKey};
 
 use std::cell::RefCell;
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use parking_lot::Mutex;
@@ -50,7 +50,7 @@ use weightsync_common::fabric::{
 use weightsync_schedules::job::same_rollout_layout;
 use weightsync_schedules::table::{DstTensor, RolloutPlan};
 
-use crate::checksum::{xxh3_in_region, RunChecksum};
+use crate::checksum::{RunChecksum, xxh3_in_region};
 use crate::error::{Result, WorkerError};
 use crate::imm_tag::imm_for;
 use crate::placement::Placement;

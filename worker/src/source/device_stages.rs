@@ -244,7 +244,7 @@ pub(crate) mod host_emulation {
     //! a GPU (the same descriptions a device source executes with DMA and kernels).
 
     use super::*;
-    use crate::prepare::{cast, quantise_fp8_block_rows_pitched, Fp8Shape, Threads};
+    use crate::prepare::{Fp8Shape, Threads, cast, quantise_fp8_block_rows_pitched};
 
     /// Executes `copies` from `shard` into `input`.
     pub(crate) fn run_copies(copies: &[StridedCopy], shard: &[u8], input: &mut [u8]) {
@@ -307,7 +307,7 @@ pub(crate) mod host_emulation {
 mod tests {
     use super::host_emulation::run_copies;
     use super::*;
-    use crate::prepare::{gather_box, Threads};
+    use crate::prepare::{Threads, gather_box};
     use rand::{Rng, SeedableRng};
 
     /// Strided copies produce exactly `gather_box`'s bytes, for random boxes of random shapes

@@ -13,7 +13,7 @@ use rayon::prelude::*;
 use safetensors::{Dtype, SafeTensors};
 use weightsync_common::DType;
 
-use super::{check_layout, ArenaTensor};
+use super::{ArenaTensor, check_layout};
 use crate::error::SourceError;
 
 /// A source arena loaded from a safetensors file.

@@ -31,14 +31,14 @@ impl ShmSource {
         };
         let file = File::open(&path).map_err(io)?;
         let have = file.metadata().map_err(io)?.len();
-        if let Some(need) = need {
-            if have < need {
-                return Err(SourceError::TooShort {
-                    what: format!("shared-memory file {}", path.display()),
-                    need,
-                    have,
-                });
-            }
+        if let Some(need) = need
+            && have < need
+        {
+            return Err(SourceError::TooShort {
+                what: format!("shared-memory file {}", path.display()),
+                need,
+                have,
+            });
         }
         let map = if have == 0 {
             None

@@ -22,14 +22,14 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use weightsync_common::DType;
 use weightsync_common::fabric::{
     Access, FabricBackend, Memory, MemoryLocation, MemoryOwner, RawMemory, Region,
 };
-use weightsync_common::DType;
 use weightsync_schedules::table::TrainerPlan;
 
 use super::view::SourceView;
-use super::{arena_tensors, ArenaTensor};
+use super::{ArenaTensor, arena_tensors};
 use crate::error::SourceError;
 use crate::error::{Result, WorkerError};
 
@@ -216,7 +216,7 @@ impl TensorSet {
                 return Err(SourceError::Layout(format!(
                     "tensors on GPUs {ordinals:?}: a trainer reads the tensors of one GPU"
                 ))
-                .into())
+                .into());
             }
         };
         let gpu = |context: String| move |source| WorkerError::Gpu { context, source };

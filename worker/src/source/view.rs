@@ -6,7 +6,7 @@
 //! only. The checks a flat arena must pass against a plan ([`check_source`]) live with it.
 
 use weightsync_common::fabric::Region;
-use weightsync_schedules::table::{TrainerPlan, MAX_DIMS};
+use weightsync_schedules::table::{MAX_DIMS, TrainerPlan};
 
 use super::device_stages::DeviceStages;
 use crate::error::{Result, WorkerError};

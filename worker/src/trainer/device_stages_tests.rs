@@ -3,19 +3,19 @@
 //! strided copies and prepare jobs run on the host, as a GPU source runs them with DMA and
 //! kernels). The landed bytes must equal the host source's, piece splits and gathers included.
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use half::bf16;
-use weightsync_common::fabric::Region;
 use weightsync_common::DType;
+use weightsync_common::fabric::Region;
 use weightsync_schedules::table::TrainerPlan;
 
 use super::tests::{expected, gather_plans, one_copy_plans, plans, source_bytes};
 use super::*;
 use crate::mem_fabric::MemFabric;
-use crate::prepare::{quantise_fp8, Fp8Shape, Threads};
+use crate::prepare::{Fp8Shape, Threads, quantise_fp8};
 use crate::rollout::RolloutWorker;
 use crate::source::device_stages::host_emulation::{run_copies, run_job};
 use crate::source::device_stages::{PrepareJob, StridedCopy};

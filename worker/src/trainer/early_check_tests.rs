@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use weightsync_common::fabric::{Access, FabricBackend, WriteOp};
 
-use super::tests::{expected, setup, source_bytes, SharedSource};
+use super::tests::{SharedSource, expected, setup, source_bytes};
 use super::*;
 use crate::mem_fabric::MemFabric;
 use crate::rollout::RolloutWorker;

@@ -45,11 +45,11 @@ use crate::imm_tag::MAX_UNITS;
 use crate::placement::Placement;
 use crate::prepare::Threads;
 use crate::source::device_stages::DeviceStages;
-use crate::source::view::{param_name, SourceView};
+use crate::source::view::{SourceView, param_name};
 use crate::sync::SyncId;
 use crate::timeline::Timeline;
 
-use piece::{plan_pieces, TaskPiece, TaskShape};
+use piece::{TaskPiece, TaskShape, plan_pieces};
 use staging::StagingArena;
 
 /// Whether the stages overlap.

@@ -17,7 +17,7 @@
 //! carries it, and that part is posted only after every earlier part completed (see
 //! `pipeline`). All of this is computed once, when the worker is built, not per sync.
 
-use weightsync_schedules::table::{Source, Task, TrainerPlan, Transform, FP8_BLOCK, MAX_DIMS};
+use weightsync_schedules::table::{FP8_BLOCK, MAX_DIMS, Source, Task, TrainerPlan, Transform};
 
 use crate::error::{Result, WorkerError};
 use crate::source::view::param_name;

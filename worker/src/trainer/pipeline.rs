@@ -34,8 +34,8 @@
 //! (a partitioned peer may never answer): the caller resets the fabric's lanes next
 //! ([`FabricBackend::reset_connections`]), which discards them.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use parking_lot::Mutex;
 use tokio::sync::Semaphore;
@@ -48,7 +48,7 @@ use super::piece::TaskPiece;
 use super::split_meter::{Activity, SplitMeter};
 use super::stages::{prepare_from_source, prepare_piece, stage_input};
 use super::{PipelineMode, SyncReport, TrainerState};
-use crate::checksum::{xxh3, RunChecksum};
+use crate::checksum::{RunChecksum, xxh3};
 use crate::error::{Result, WorkerError};
 use crate::imm_tag::imm_for;
 use crate::sync::SyncId;
@@ -156,11 +156,12 @@ pub(crate) async fn run<F: FabricBackend>(
         'groups: for group in &state.plan.groups {
             let gather_from = group.first_task + group.gather_sends + group.local_tasks;
             for t in group.first_task..group.first_task + group.num_tasks {
-                if t == gather_from && group.gather_expect > 0 {
-                    if let Err(e) = wait_for_gathers(&run, group, t).await {
-                        run.fail(e);
-                        break 'groups;
-                    }
+                if t == gather_from
+                    && group.gather_expect > 0
+                    && let Err(e) = wait_for_gathers(&run, group, t).await
+                {
+                    run.fail(e);
+                    break 'groups;
                 }
                 for p in 0..state.pieces[t as usize].len() {
                     if run.failed() {
@@ -273,10 +274,10 @@ async fn wait_for_gathers<F: FabricBackend>(
 /// count toward a later sync.
 fn retire_gathers<F: FabricBackend>(run: &SyncRun<F>) {
     for group in &run.state.plan.groups {
-        if group.gather_expect > 0 {
-            if let Ok(imm) = imm_for(run.sync.epoch, group.id as u32) {
-                run.fabric.imm_counter().cancel(imm);
-            }
+        if group.gather_expect > 0
+            && let Ok(imm) = imm_for(run.sync.epoch, group.id as u32)
+        {
+            run.fabric.imm_counter().cancel(imm);
         }
     }
 }
@@ -631,10 +632,11 @@ async fn piece_write<F: FabricBackend>(
             .await
             .map_err(|e| WorkerError::fabric(format!("task {t} piece {p}: writing"), e))?;
         for part in &piece.parts {
-            if part.parts > 1 && !part.last {
-                if let Some(gate) = &run.gates[part.write as usize] {
-                    gate.add_permits(1);
-                }
+            if part.parts > 1
+                && !part.last
+                && let Some(gate) = &run.gates[part.write as usize]
+            {
+                gate.add_permits(1);
             }
         }
     }

@@ -11,18 +11,18 @@
 //! [`DeviceStages::prepare`] (the NVRTC kernels, then D2H into the lease).
 
 use weightsync_common::fabric::Region;
-use weightsync_schedules::table::{Source, Task, TensorBox, TrainerPlan, Transform, FP8_BLOCK};
+use weightsync_schedules::table::{FP8_BLOCK, Source, Task, TensorBox, TrainerPlan, Transform};
 
 use super::piece::{Grain, TaskPiece, TaskShape};
 use crate::error::{Result, WorkerError};
 use crate::prepare::{
-    cast, cast_pitched, gather_box, pitched_span, quantise_fp8_block_rows_pitched, Fp8Shape,
-    Threads,
+    Fp8Shape, Threads, cast, cast_pitched, gather_box, pitched_span,
+    quantise_fp8_block_rows_pitched,
 };
 use crate::source::device_stages::{
-    strided_copies, DeviceStages, Fp8Strips, PrepareJob, PrepareKind, StridedCopy,
+    DeviceStages, Fp8Strips, PrepareJob, PrepareKind, StridedCopy, strided_copies,
 };
-use crate::source::view::{param_name, SourceView};
+use crate::source::view::{SourceView, param_name};
 
 /// Units of one matrix covered by a piece: `(matrix, first strip, end strip, first unit)`.
 fn matrices(grain: &Grain, u0: u64, u1: u64) -> Vec<(u64, u64, u64, u64)> {

@@ -12,7 +12,7 @@ use weightsync_schedules::table::{
 
 use super::*;
 use crate::mem_fabric::MemFabric;
-use crate::prepare::{cast, quantise_fp8, Fp8Shape, Threads};
+use crate::prepare::{Fp8Shape, Threads, cast, quantise_fp8};
 use crate::rollout::RolloutWorker;
 use weightsync_common::protocol::Stage;
 
@@ -703,11 +703,12 @@ async fn straddling_fp8_block_is_gathered_to_its_owner_first() {
         rollout.arm(sync).unwrap();
         let (r0, r1) = tokio::join!(w0.run_sync(sync), w1.run_sync(sync));
         let (r0, r1) = (r0.unwrap(), r1.unwrap());
-        assert!(r0
-            .timeline
-            .events
-            .iter()
-            .any(|e| e.stage == Stage::GatherWait));
+        assert!(
+            r0.timeline
+                .events
+                .iter()
+                .any(|e| e.stage == Stage::GatherWait)
+        );
         rollout.await_landed(Duration::from_secs(10)).await.unwrap();
         let sums: Vec<_> = r0.checksums.iter().chain(&r1.checksums).copied().collect();
         rollout.verify(&sums).unwrap();

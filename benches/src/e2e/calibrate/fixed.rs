@@ -25,12 +25,12 @@
 //!   figure).
 
 use serde::Serialize;
-use weightsync_schedules::simulate::{simulate, ClusterModel, FixedCosts};
-use weightsync_schedules::synthetic::CopyTable;
 use weightsync_schedules::RoutingTable;
+use weightsync_schedules::simulate::{ClusterModel, FixedCosts, simulate};
+use weightsync_schedules::synthetic::CopyTable;
 
-use super::super::loopback::{LoopbackCluster, WorkerOptions};
 use super::super::E2eError;
+use super::super::loopback::{LoopbackCluster, WorkerOptions};
 
 /// Bytes of one synthetic task (bf16): small enough that its copy and write cost nothing next
 /// to what is being measured.

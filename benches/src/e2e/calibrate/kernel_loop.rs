@@ -9,7 +9,7 @@
 
 use rayon::prelude::*;
 use weightsync_common::DType;
-use weightsync_worker::{cast, quantise_fp8, Fp8Shape, Threads};
+use weightsync_worker::{Fp8Shape, Threads, cast, quantise_fp8};
 
 use super::super::E2eError;
 use super::cold;

@@ -15,15 +15,15 @@
 //! the share of the host concurrent stages get ([`Overlap::efficiency`], 1 for a lossless
 //! host). The model's host costs per byte are divided by it.
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use serde::Serialize;
 use weightsync_worker::Threads;
 
-use super::super::fabric_limit::FabricLimit;
 use super::super::E2eError;
+use super::super::fabric_limit::FabricLimit;
 use super::kernel_loop::KernelLoop;
 
 /// One measurement of the host shared by the fabric and a kernel.

@@ -29,8 +29,8 @@ use std::time::Duration;
 
 use anyhow::bail;
 use indicatif::{ProgressBar, ProgressStyle};
-use weightsync_common::protocol::WorldSpec;
 use weightsync_common::DType;
+use weightsync_common::protocol::WorldSpec;
 
 use weightsync_controller::{AppState, ControllerConfig, SchedulesPlanner};
 
@@ -150,7 +150,11 @@ async fn demo(args: Args) -> anyhow::Result<()> {
         } else {
             &args.model
         },
-        w.dtype, ctl.trainers, w.train, ctl.rollouts, w.infer
+        w.dtype,
+        ctl.trainers,
+        w.train,
+        ctl.rollouts,
+        w.infer
     );
     let mut workers = workers::spawn_workers(&args, &ctl, &logs, &progress)?;
     workers::wait_planned(&ctl, &mut workers, &logs).await?;

@@ -2,7 +2,7 @@
 //! person reads. Sync figures are the controller's (trigger to commit, and the writes' landing
 //! window); the demo's own work (weights, independent check) is summed apart.
 
-use serde_json::{json, Value};
+use serde_json::{Value, json};
 
 use super::syncs::SyncResult;
 use super::yardsticks::Yardsticks;

@@ -12,11 +12,11 @@ use anyhow::bail;
 use serde_json::Value;
 use weightsync_agent::api_client::request;
 use weightsync_controller::AppState;
-use weightsync_demo::progress::{read_all, DemoEvent};
+use weightsync_demo::progress::{DemoEvent, read_all};
 
 use super::workers::Workers;
 use super::yardsticks::Yardsticks;
-use super::{spinner, Args, ServedDemo};
+use super::{Args, ServedDemo, spinner};
 
 /// What the demo did outside one sync: the slowest trainer's weights and rollout's check.
 #[derive(Debug, Clone, Default)]

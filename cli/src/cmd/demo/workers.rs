@@ -6,10 +6,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context};
+use anyhow::{Context, bail};
 use weightsync_controller::coordinator::Now;
 
-use super::{spinner, Args, ServedDemo};
+use super::{Args, ServedDemo, spinner};
 
 /// Worker processes, killed on drop.
 pub(super) struct Workers {

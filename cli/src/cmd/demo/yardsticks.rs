@@ -10,8 +10,8 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use weightsync_common::fabric::limit::FabricLimit;
 use weightsync_common::fabric::FabricConfig;
+use weightsync_common::fabric::limit::FabricLimit;
 use weightsync_common::protocol::WorldSpec;
 use weightsync_schedules::table::WriteTarget;
 

@@ -15,8 +15,8 @@
 //! received, which is how a bench shows the striping.
 
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::fabric::descriptor::Endpoint;
 use crate::fabric::error::{FabricError, Result};

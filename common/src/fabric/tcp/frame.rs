@@ -193,11 +193,7 @@ impl FrameHeader {
 
     /// Bytes that follow this header on the wire.
     pub fn wire_payload(&self) -> u64 {
-        if self.source.is_some() {
-            0
-        } else {
-            self.len
-        }
+        if self.source.is_some() { 0 } else { self.len }
     }
 
     /// Decodes and validates a header.

@@ -23,7 +23,7 @@ use std::net::TcpStream;
 use std::time::Duration;
 
 use super::same_host::{
-    Declined, PullOffer, WriterProcess, ANSWER_LEN, ANSWER_NO, ANSWER_YES, OFFER_LEN,
+    ANSWER_LEN, ANSWER_NO, ANSWER_YES, Declined, OFFER_LEN, PullOffer, WriterProcess,
 };
 use crate::fabric::descriptor::Endpoint;
 use crate::fabric::error::{FabricError, Result};

@@ -32,10 +32,10 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use super::frame::{Completion, COMPLETION_LEN, HEADER_LEN};
-use super::same_host::{WriterProcess, PULL_CHUNK, PULL_IOVS, PULL_RUN};
-use super::socket::{IoFail, LaneSocket, Readiness};
 use super::Shared;
+use super::frame::{COMPLETION_LEN, Completion, HEADER_LEN};
+use super::same_host::{PULL_CHUNK, PULL_IOVS, PULL_RUN, WriterProcess};
+use super::socket::{IoFail, LaneSocket, Readiness};
 use crate::fabric::region::RegisteredMemory;
 use crate::fabric::stride::Stride;
 

@@ -21,18 +21,18 @@
 use std::collections::VecDeque;
 use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{mpsc, Arc};
+use std::sync::{Arc, mpsc};
 use std::time::Instant;
 
 use parking_lot::Mutex;
 use tokio::sync::{oneshot, watch};
 
-use super::addresses::{peer_address, LaneRoute};
-use super::frame::{Completion, FrameHeader, COMPLETION_LEN};
+use super::Shared;
+use super::addresses::{LaneRoute, peer_address};
+use super::frame::{COMPLETION_LEN, Completion, FrameHeader};
 use super::handshake::client_handshake_offering;
 use super::same_host::PULL_MIN_BYTES;
 use super::socket::{IoFail, LaneSocket, Readiness};
-use super::Shared;
 use crate::fabric::descriptor::Endpoint;
 use crate::fabric::error::{FabricError, Result};
 use crate::fabric::region::{Region, SourcePin};
@@ -198,7 +198,7 @@ impl Lane {
     }
 
     /// Resolves once the lane is connected and authenticated (or failed to be).
-    pub fn ready(&self) -> impl std::future::Future<Output = Result<()>> + Send + 'static {
+    pub fn ready(&self) -> impl std::future::Future<Output = Result<()>> + Send + 'static + use<> {
         let mut rx = self.state.ready.subscribe();
         async move {
             loop {
@@ -592,7 +592,7 @@ fn send_segments(
                         return Err(FabricError::Timeout {
                             what: format!("peer {peer} stopped reading lane {}", state.index),
                             after: timeout,
-                        })
+                        });
                     }
                     Err(IoFail::Shutdown) => return Err(FabricError::Shutdown),
                     Err(e) => return Err(disconnected(peer, state.index, &e.to_string())),

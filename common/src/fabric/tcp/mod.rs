@@ -56,20 +56,19 @@ mod socket;
 
 use std::collections::HashMap;
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use parking_lot::Mutex;
 use tokio::sync::oneshot;
 
-use self::addresses::{endpoint_of, LocalAddress};
-use self::frame::{FrameHeader, Part, MAX_FRAME_PAYLOAD, MAX_PARTS};
+use self::addresses::{LocalAddress, endpoint_of};
+use self::frame::{FrameHeader, MAX_FRAME_PAYLOAD, MAX_PARTS, Part};
 use self::lane::{LaneJob, OutFrame};
 use self::peer::PeerLanes;
 use super::{
-    merge_contiguous, place, Access, Endpoint, FabricBackend, FabricConfig, FabricError,
-    ImmCounter, Memory, MemoryLocation, Region, RegionDescriptor, RegisteredMemory, Result,
-    WriteOp,
+    Access, Endpoint, FabricBackend, FabricConfig, FabricError, ImmCounter, Memory, MemoryLocation,
+    Region, RegionDescriptor, RegisteredMemory, Result, WriteOp, merge_contiguous, place,
 };
 pub use addresses::AddressBytes;
 pub use registry::{Registration, RegistrationTable};

@@ -7,14 +7,14 @@
 //! answered. The number of lanes is the configured count, raised to one per address of either
 //! side so that every NIC carries lanes ([`LaneRoute`]).
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use parking_lot::Mutex;
 
-use super::addresses::{address_count, LaneRoute};
-use super::lane::{Lane, LaneJob, QueuedBytes};
 use super::Shared;
+use super::addresses::{LaneRoute, address_count};
+use super::lane::{Lane, LaneJob, QueuedBytes};
 use crate::fabric::config::FabricConfig;
 use crate::fabric::descriptor::Endpoint;
 use crate::fabric::error::FabricError;

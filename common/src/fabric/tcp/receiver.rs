@@ -22,16 +22,16 @@
 //! frames a writer abandoned never land late, over the bytes of a later sync.
 
 use std::net::{TcpListener, TcpStream};
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
+use super::Shared;
 use super::frame::HEADER_LEN;
 use super::frame::{Completion, FrameHeader};
-use super::handshake::{server_handshake, Accepted};
-use super::inbound::{InboundLane, Landing, PullRange, AHEAD};
+use super::handshake::{Accepted, server_handshake};
+use super::inbound::{AHEAD, InboundLane, Landing, PullRange};
 use super::same_host::{PULL_RUN, PULL_RUN_BYTES};
-use super::socket::{wait_fd, IoFail, LaneSocket, Readiness};
-use super::Shared;
+use super::socket::{IoFail, LaneSocket, Readiness, wait_fd};
 use crate::fabric::descriptor::Endpoint;
 use crate::fabric::error::RemoteAccessKind;
 
@@ -150,7 +150,7 @@ fn receive_frames(
                 return Err(IoFail::Os(std::io::Error::new(
                     std::io::ErrorKind::InvalidData,
                     "a PULL frame on a lane that did not agree to same-host pulls",
-                )))
+                )));
             }
         };
         let checked = shared

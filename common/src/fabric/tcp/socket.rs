@@ -436,7 +436,7 @@ pub fn connect_from(local: IpAddr, remote: SocketAddr, timeout: Duration) -> io:
                 return Err(io::Error::new(
                     io::ErrorKind::TimedOut,
                     format!("no answer within {timeout:?}"),
-                ))
+                ));
             }
             Err(IoFail::Os(e)) => return Err(e),
             Err(other) => return Err(io::Error::other(other.to_string())),

@@ -116,11 +116,11 @@ pub mod verbs_send_queue;
 pub mod verbs_settings;
 pub mod verbs_wr;
 
-pub use verbs_device::{device_names, PortInfo};
+pub use verbs_device::{PortInfo, device_names};
 pub use verbs_endpoint::QpEndpoint;
 pub use verbs_fabric::VerbsFabric;
 pub use verbs_gid::{Addressing, Gid, LinkLayer};
 pub use verbs_settings::{
-    VerbsSettings, ENV_DEVICE, ENV_GID_FAMILY, ENV_GID_INDEX, ENV_PORT, ENV_SERVICE_LEVEL,
-    ENV_TRAFFIC_CLASS,
+    ENV_DEVICE, ENV_GID_FAMILY, ENV_GID_INDEX, ENV_PORT, ENV_SERVICE_LEVEL, ENV_TRAFFIC_CLASS,
+    VerbsSettings,
 };

@@ -8,8 +8,8 @@
 //! ([`event_effect`]) and acknowledges every event it read: `ibv_destroy_qp` / `ibv_destroy_cq`
 //! wait until all events reported for that object are acknowledged.
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use ibverbs_sys as ffi;
 
@@ -173,8 +173,10 @@ mod tests {
         assert_eq!(event_effect(ffi::IBV_EVENT_GID_CHANGE), EventEffect::Warn);
         assert_eq!(event_effect(ffi::IBV_EVENT_PORT_ACTIVE), EventEffect::Note);
         assert_eq!(event_effect(ffi::IBV_EVENT_COMM_EST), EventEffect::Note);
-        assert!(event_name(ffi::IBV_EVENT_PORT_ERR)
-            .to_lowercase()
-            .contains("port"));
+        assert!(
+            event_name(ffi::IBV_EVENT_PORT_ERR)
+                .to_lowercase()
+                .contains("port")
+        );
     }
 }

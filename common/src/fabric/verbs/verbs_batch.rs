@@ -178,12 +178,11 @@ impl BatchTable {
         let finished = entries
             .get(&token)
             .is_some_and(|e| e.posting_done && e.chunks_open == 0);
-        if finished {
-            if let Some(e) = entries.remove(&token) {
-                if let Some(done) = e.done {
-                    let _ = done.send(e.failures.into_values().collect());
-                }
-            }
+        if finished
+            && let Some(e) = entries.remove(&token)
+            && let Some(done) = e.done
+        {
+            let _ = done.send(e.failures.into_values().collect());
         }
     }
 
@@ -272,8 +271,8 @@ pub fn plan_repost(pieces: &[WritePiece], failures: &[LaneFailure]) -> Repost {
 mod tests {
     use super::*;
     use crate::fabric::{Access, Memory, RegionDescriptor, RegisteredMemory};
-    use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
 
     fn target(lane: usize) -> PieceTarget {
         PieceTarget {

@@ -279,7 +279,7 @@ pub async fn writer_exchange<S: AsyncRead + AsyncWrite + Unpin>(
         other => {
             return Err(BootstrapError::Protocol(format!(
                 "expected Challenge, got {other:?}"
-            )))
+            )));
         }
     };
     if !verify(
@@ -343,7 +343,7 @@ where
         other => {
             return Err(BootstrapError::Protocol(format!(
                 "expected Hello, got {other:?}"
-            )))
+            )));
         }
     };
     let nonce: [u8; 32] = rand::random();
@@ -361,7 +361,7 @@ where
         other => {
             return Err(BootstrapError::Protocol(format!(
                 "expected Connect, got {other:?}"
-            )))
+            )));
         }
     };
     let bound = request_bytes(&request)?;

@@ -15,7 +15,7 @@ use ibverbs_sys as ffi;
 
 use super::super::error::FabricError;
 use super::verbs_gid::{
-    choose_addressing, choose_gid, read_gid_table, Addressing, Gid, GidType, LinkLayer,
+    Addressing, Gid, GidType, LinkLayer, choose_addressing, choose_gid, read_gid_table,
 };
 use super::verbs_limits::DeviceLimits;
 use super::verbs_settings::VerbsSettings;

@@ -10,7 +10,7 @@ mod tests {
 
     use crate::fabric::region::RegisteredMemory;
     use crate::fabric::verbs::verbs_device::{VerbsContext, VerbsPd};
-    use crate::fabric::verbs::verbs_endpoint::{random_psn, QpEndpoint};
+    use crate::fabric::verbs::verbs_endpoint::{QpEndpoint, random_psn};
     use crate::fabric::verbs::verbs_mr::VerbsMr;
     use crate::fabric::verbs::verbs_qp::VerbsQp;
     use crate::fabric::verbs::verbs_qp_attr::{to_error, to_init, to_rtr, to_rts};

@@ -14,29 +14,29 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Notify;
 
 use super::super::{
-    merge_contiguous, Access, Endpoint, FabricBackend, FabricConfig, FabricError, ImmCounter,
-    Memory, PageSize, Region, RegionDescriptor, RegisteredMemory, RemoteAccessKind, Result,
-    WriteOp,
+    Access, Endpoint, FabricBackend, FabricConfig, FabricError, ImmCounter, Memory, PageSize,
+    Region, RegionDescriptor, RegisteredMemory, RemoteAccessKind, Result, WriteOp,
+    merge_contiguous,
 };
 use super::verbs_async_events;
-use super::verbs_batch::{plan_repost, BatchTable, LaneFailure};
+use super::verbs_batch::{BatchTable, LaneFailure, plan_repost};
 use super::verbs_bootstrap::{
-    send_frame, writer_exchange, BootstrapError, HandshakeKey, LaneMsg, Reply, Request,
+    BootstrapError, HandshakeKey, LaneMsg, Reply, Request, send_frame, writer_exchange,
 };
-use super::verbs_completion::{PieceTarget, MAX_PIECES_PER_TOKEN};
+use super::verbs_completion::{MAX_PIECES_PER_TOKEN, PieceTarget};
 use super::verbs_device::{PortInfo, VerbsContext, VerbsPd};
-use super::verbs_endpoint::{agreed_max_msg, random_psn, QpEndpoint};
+use super::verbs_endpoint::{QpEndpoint, agreed_max_msg, random_psn};
 use super::verbs_lane::{Lane, Polled, PolledSet, Role};
-use super::verbs_lane_session::{read_writer_lane, ReaderEnd};
+use super::verbs_lane_session::{ReaderEnd, read_writer_lane};
 use super::verbs_lane_state::{Blocked, LaneState};
-use super::verbs_listener::{set_keepalive, Listener};
+use super::verbs_listener::{Listener, set_keepalive};
 use super::verbs_mr::VerbsMr;
 use super::verbs_progress::Progress;
 use super::verbs_qp::VerbsQp;
 use super::verbs_qp_attr::{to_error, to_init, to_rtr, to_rts};
 use super::verbs_registry::{RegistrationKey, Registry};
 use super::verbs_settings::VerbsSettings;
-use super::verbs_wr::{plan_pieces, ResolvedOp, WrLimits, WritePiece};
+use super::verbs_wr::{ResolvedOp, WrLimits, WritePiece, plan_pieces};
 
 /// The verbs fabric of one process (cheap to clone).
 #[derive(Debug, Clone)]
@@ -195,17 +195,17 @@ impl VerbsFabric {
             return;
         };
         for slot in &lanes.lanes {
-            if let Ok(slot) = slot.try_lock() {
-                if let Some(lane) = slot.as_ref() {
-                    // Broken first, then ERR: a flush seen in between reports the cut.
-                    lane.mark_broken(FabricError::Disconnected {
-                        peer: peer.clone(),
-                        lane: lane.index,
-                        detail: "lane cut (queue pair moved to the error state)".into(),
-                    });
-                    if let Err(e) = lane.qp.modify(&to_error(), "->ERR") {
-                        tracing::warn!(%peer, lane = lane.index, error = %e, "cutting a lane failed");
-                    }
+            if let Ok(slot) = slot.try_lock()
+                && let Some(lane) = slot.as_ref()
+            {
+                // Broken first, then ERR: a flush seen in between reports the cut.
+                lane.mark_broken(FabricError::Disconnected {
+                    peer: peer.clone(),
+                    lane: lane.index,
+                    detail: "lane cut (queue pair moved to the error state)".into(),
+                });
+                if let Err(e) = lane.qp.modify(&to_error(), "->ERR") {
+                    tracing::warn!(%peer, lane = lane.index, error = %e, "cutting a lane failed");
                 }
             }
         }
@@ -517,10 +517,12 @@ mod tests {
             offset: 0,
             len: 1,
         });
-        assert!(reset_wins(refused, true, &peer)
-            .unwrap_err()
-            .remote_access_kind()
-            .is_some());
+        assert!(
+            reset_wins(refused, true, &peer)
+                .unwrap_err()
+                .remote_access_kind()
+                .is_some()
+        );
         assert!(reset_wins(Ok(()), true, &peer).is_ok());
     }
 }

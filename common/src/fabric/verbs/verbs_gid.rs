@@ -49,7 +49,9 @@ impl fmt::Debug for Gid {
 
 /// Why a GID string was not accepted.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("invalid GID {input:?}: expected an IPv6-style address such as fe80::1 or ::ffff:10.0.0.1, or 32 hex digits")]
+#[error(
+    "invalid GID {input:?}: expected an IPv6-style address such as fe80::1 or ::ffff:10.0.0.1, or 32 hex digits"
+)]
 pub struct GidParseError {
     /// The rejected text.
     pub input: String,
@@ -184,14 +186,14 @@ pub fn check_same_gid_family(
     ours: (Gid, Option<GidType>),
     theirs: (Gid, Option<GidType>),
 ) -> Result<(), String> {
-    if let (Some(a), Some(b)) = (ours.1, theirs.1) {
-        if a != b {
-            return Err(format!(
-                "GID type mismatch: ours {} is {a:?}, the peer's {} is {b:?}; use the same RoCE \
+    if let (Some(a), Some(b)) = (ours.1, theirs.1)
+        && a != b
+    {
+        return Err(format!(
+            "GID type mismatch: ours {} is {a:?}, the peer's {} is {b:?}; use the same RoCE \
                  version on both sides (WEIGHTSYNC_RDMA_GID_INDEX, see `ibv_devinfo -v`)",
-                ours.0, theirs.0
-            ));
-        }
+            ours.0, theirs.0
+        ));
     }
     if ours.0.family() != theirs.0.family() {
         return Err(format!(

@@ -22,7 +22,7 @@ use super::verbs_credits::ReceiveCredits;
 use super::verbs_lane_state::{Blocked, LaneState};
 use super::verbs_qp::VerbsQp;
 use super::verbs_qp_attr::to_error;
-use super::verbs_wr::{doorbell_groups, SendChain, WritePiece};
+use super::verbs_wr::{SendChain, WritePiece, doorbell_groups};
 
 /// One writer lane.
 #[derive(Debug)]

@@ -13,7 +13,7 @@
 
 use tokio::io::{AsyncRead, AsyncWrite};
 
-use super::verbs_bootstrap::{recv_frame, send_frame, LaneMsg};
+use super::verbs_bootstrap::{LaneMsg, recv_frame, send_frame};
 use super::verbs_credits::ReceiveCredits;
 
 /// How a receiving lane's session ended.
@@ -106,8 +106,8 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
     use std::time::Duration;
 
     /// V9: a writer that resets sends a teardown; the receiver fences its queue pair *before*

@@ -19,10 +19,10 @@ use tokio::net::{TcpListener, TcpStream};
 
 use parking_lot::Mutex;
 
-use super::verbs_bootstrap::{receiver_exchange, HandshakeKey, Reply, Request};
+use super::verbs_bootstrap::{HandshakeKey, Reply, Request, receiver_exchange};
 use super::verbs_credits::ReceiveCredits;
 use super::verbs_device::{PortInfo, VerbsPd};
-use super::verbs_endpoint::{random_psn, QpEndpoint};
+use super::verbs_endpoint::{QpEndpoint, random_psn};
 use super::verbs_lane::{Polled, PolledSet, Role};
 use super::verbs_lane_session::serve_receiver_lane;
 use super::verbs_qp::VerbsQp;

@@ -16,7 +16,7 @@ use super::super::error::FabricError;
 use super::super::memory::MemoryLocation;
 use super::super::region::RegisteredMemory;
 use super::verbs_device::VerbsPd;
-use super::verbs_memlock::{registration_error, MemlockPolicy};
+use super::verbs_memlock::{MemlockPolicy, registration_error};
 
 /// The verbs access flags for a registration with `access`.
 ///

@@ -24,8 +24,8 @@
 //! for credits; it never meets an RNR NAK. The wait is bounded by the write's acknowledgement
 //! timeout, after which the write fails naming "receive credits".
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use ibverbs_sys as ffi;
@@ -34,7 +34,7 @@ use super::super::error::FabricError;
 use super::super::imm_counter::ImmCounter;
 use super::verbs_batch::BatchTable;
 use super::verbs_completion::{
-    classify, is_flush, is_nak, status_error, status_name, PieceTarget, WrId,
+    PieceTarget, WrId, classify, is_flush, is_nak, status_error, status_name,
 };
 use super::verbs_credits::ReceiveCredits;
 use super::verbs_lane::{Lane, PolledSet, Role};

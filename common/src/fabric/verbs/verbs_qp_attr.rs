@@ -15,8 +15,8 @@
 use ffi::ibv_qp_attr_mask as mask;
 use ibverbs_sys as ffi;
 
-use super::verbs_endpoint::{agreed_mtu, QpEndpoint, PSN_MASK};
-use super::verbs_gid::{check_same_gid_family, Addressing};
+use super::verbs_endpoint::{PSN_MASK, QpEndpoint, agreed_mtu};
+use super::verbs_gid::{Addressing, check_same_gid_family};
 use super::verbs_settings::VerbsSettings;
 
 /// Attributes and mask for one `ibv_modify_qp` call.
@@ -165,8 +165,8 @@ pub fn to_error() -> QpTransition {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fabric::verbs::verbs_gid::{Gid, GidType};
     use crate::fabric::VerbsConfig;
+    use crate::fabric::verbs::verbs_gid::{Gid, GidType};
 
     fn settings() -> VerbsSettings {
         VerbsSettings::resolve(&VerbsConfig::default(), |_| None).unwrap()

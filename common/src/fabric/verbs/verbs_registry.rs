@@ -148,10 +148,10 @@ impl<M: RegisteredKeys> Registry<M> {
             .any(|(m, a)| a.contains(Access::REMOTE_WRITE) && m.rkey() == rkey);
         if access.contains(Access::REMOTE_WRITE) && !still_live && self.deregistered.insert(rkey) {
             self.deregistered_order.push_back(rkey);
-            if self.deregistered_order.len() > REMEMBERED_DEREGISTRATIONS {
-                if let Some(old) = self.deregistered_order.pop_front() {
-                    self.deregistered.remove(&old);
-                }
+            if self.deregistered_order.len() > REMEMBERED_DEREGISTRATIONS
+                && let Some(old) = self.deregistered_order.pop_front()
+            {
+                self.deregistered.remove(&old);
             }
         }
         Some(mr)

@@ -130,7 +130,9 @@ mod tests {
         let flags: Vec<bool> = g.iter().map(|g| g.signalled).collect();
         assert_eq!(
             flags,
-            vec![false, false, false, true, false, false, false, true, false, true]
+            vec![
+                false, false, false, true, false, false, false, true, false, true
+            ]
         );
         assert_eq!(q.outstanding(), 10);
         assert_eq!(q.free(), 6);

@@ -125,7 +125,7 @@ impl VerbsSettings {
                     return Err(bad(
                         ENV_GID_FAMILY,
                         format!("{f:?} is not `ipv4` or `ipv6`"),
-                    ))
+                    ));
                 }
             },
             None => config.gid_family,
@@ -173,10 +173,10 @@ impl VerbsSettings {
         if self.port == 0 {
             return Err(bad("verbs.port", "ports are numbered from 1"));
         }
-        if let Some(d) = &self.device {
-            if d.is_empty() || d.len() > 63 {
-                return Err(bad("verbs.device", format!("{d:?} is not a device name")));
-            }
+        if let Some(d) = &self.device
+            && (d.is_empty() || d.len() > 63)
+        {
+            return Err(bad("verbs.device", format!("{d:?} is not a device name")));
         }
         if self.rnr_retry > 6 {
             return Err(bad(
@@ -233,7 +233,7 @@ mod tests {
     use super::*;
     use std::collections::HashMap;
 
-    fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+    fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> + use<> {
         let map: HashMap<String, String> = pairs
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))

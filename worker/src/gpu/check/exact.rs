@@ -1,11 +1,11 @@
 //! The CUDA kernels against the CPU kernels, bit for bit.
 
-use serde_json::{json, Value};
+use serde_json::{Value, json};
 use weightsync_common::DType;
 
 use super::{device, emit, every_16_bit_pattern, hex, random_input};
 use crate::gpu::{E4m3Conversion, GpuDevice};
-use crate::prepare::{cast, quantise_fp8, Fp8Shape, Threads};
+use crate::prepare::{Fp8Shape, Threads, cast, quantise_fp8};
 
 const DTYPES: [DType; 3] = [DType::BF16, DType::F16, DType::F32];
 

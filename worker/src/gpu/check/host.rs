@@ -14,7 +14,7 @@ use weightsync_common::{DType, Fp8Recipe};
 
 use super::{every_16_bit_pattern, random_input};
 use crate::gpu::kernels::{CAST_THREADS, QUANT_THREADS};
-use crate::prepare::{cast, quantise_fp8_as, Fp8Shape, Threads, FP8_BLOCK};
+use crate::prepare::{FP8_BLOCK, Fp8Shape, Threads, cast, quantise_fp8_as};
 
 fn code(d: DType) -> u32 {
     match d {

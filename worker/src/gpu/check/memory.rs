@@ -5,7 +5,7 @@ use serde_json::json;
 
 use super::{device, emit};
 use crate::gpu::{BorrowedDevice, DeviceStaging, GpuError, GpuSource, IpcExport, IpcMapping};
-use crate::gpu::{PinnedStaging, IPC_HANDLE_BYTES};
+use crate::gpu::{IPC_HANDLE_BYTES, PinnedStaging};
 
 fn random_bytes(n: usize, seed: u64) -> Vec<u8> {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);

@@ -28,10 +28,10 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
 use serde_json::json;
+use weightsync_common::DType;
 use weightsync_common::fabric::limit::FabricLimit;
 use weightsync_common::fabric::{FabricConfig, TcpFabric};
 use weightsync_common::protocol::Stage;
-use weightsync_common::DType;
 use weightsync_schedules::table::{
     DstTensor, LocalShard, MeshGroup, ParamRef, RolloutPlan, Shape, Source, Task, TensorBox,
     TrainerPlan, Transform, UnitExpect, Write, WriteTarget,
@@ -41,7 +41,7 @@ use super::{device, emit};
 use crate::gpu::{
     BorrowedDevice, DeviceDestination, DeviceSource, GpuDevice, GpuSource, IpcExport,
 };
-use crate::prepare::{cast, gather_box, quantise_fp8, Fp8Shape, Threads};
+use crate::prepare::{Fp8Shape, Threads, cast, gather_box, quantise_fp8};
 use crate::rollout::RolloutWorker;
 use crate::sync::SyncId;
 use crate::trainer::{Destinations, PipelineMode, SyncReport, TrainerConfig, TrainerWorker};

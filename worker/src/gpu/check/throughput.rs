@@ -9,7 +9,7 @@
 //! At equal bandwidth fp8 from bf16 would reach a ratio of 4/3 (3 bytes moved per element
 //! against the copy's 4).
 
-use cudarc::driver::{sys, CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg, sys};
 use cudarc::nvrtc::Ptx;
 use rand::{Rng, SeedableRng};
 use rayon::prelude::*;
@@ -18,9 +18,9 @@ use weightsync_common::DType;
 
 use super::{device, emit};
 use crate::gpu::kernels::build_options;
-use crate::gpu::nvrtc::{choose_target, Nvrtc};
+use crate::gpu::nvrtc::{Nvrtc, choose_target};
 use crate::gpu::{E4m3Conversion, GpuDevice};
-use crate::prepare::{cast, quantise_fp8, Fp8Shape, Threads};
+use crate::prepare::{Fp8Shape, Threads, cast, quantise_fp8};
 
 /// A timed operation: its name and one launch of it.
 type Op<'a> = (&'static str, Box<dyn FnMut() + 'a>);

@@ -20,7 +20,7 @@
 //! whose range is checked against the slice right beside it.
 
 use super::row_loops::portable_stand_in;
-use super::{RowOps, F16, F32};
+use super::{F16, F32, RowOps};
 use crate::prepare::isa::Avx2;
 
 portable_stand_in!(Avx2);
@@ -29,9 +29,9 @@ portable_stand_in!(Avx2);
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::super::row_loops::{row_ops, Widen};
     use super::super::Bf16;
-    use super::{Avx2, RowOps, F16, F32};
+    use super::super::row_loops::{Widen, row_ops};
+    use super::{Avx2, F16, F32, RowOps};
     use crate::prepare::convert::f32_to_e4m3_saturating;
     use crate::prepare::fp8::Elem;
 

@@ -17,7 +17,7 @@
 //! pointer whose range is checked against the slice right beside it.
 
 use super::row_loops::portable_stand_in;
-use super::{RowOps, F16, F32};
+use super::{F16, F32, RowOps};
 use crate::prepare::isa::Avx512;
 
 portable_stand_in!(Avx512);
@@ -26,9 +26,9 @@ portable_stand_in!(Avx512);
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::super::row_loops::{row_ops, Widen};
     use super::super::Bf16;
-    use super::{Avx512, RowOps, F16, F32};
+    use super::super::row_loops::{Widen, row_ops};
+    use super::{Avx512, F16, F32, RowOps};
     use crate::prepare::fp8::Elem;
 
     row_ops!(Avx512, __m512i, Bf16, Widen::Bf16, max16, 0x7f80, reduce16);

@@ -16,7 +16,7 @@ pub(super) enum Widen {
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub(super) fn prefetch_lines(seg: &[u8], ahead: usize) {
-    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+    use std::arch::x86_64::{_MM_HINT_T1, _mm_prefetch};
     let p = seg.as_ptr().wrapping_add(ahead);
     for off in (0..seg.len()).step_by(64) {
         // SAFETY: a prefetch is a hint: it neither faults nor reads memory as far as the
@@ -54,7 +54,7 @@ pub(super) use portable_stand_in;
 /// `#[target_feature]` function of the features the token proves).
 #[cfg(target_arch = "x86_64")]
 macro_rules! row_ops {
-    ($token:ty, $acc:ty, $elem:ty, $widen:expr, $max:ident, $limit:expr, $reduce:ident) => {
+    ($token:ty, $acc:ty, $elem:ty, $widen:expr_2021, $max:ident, $limit:expr_2021, $reduce:ident) => {
         impl RowOps<$elem> for $token {
             type Acc = $acc;
             #[inline(always)]

@@ -4,7 +4,7 @@
 //! recipes from torch, the scale of a zero block, and refused input.
 
 use super::*;
-use crate::prepare::convert::{e4m3_to_f32, E4M3_MAX};
+use crate::prepare::convert::{E4M3_MAX, e4m3_to_f32};
 use rand::{Rng, SeedableRng};
 
 fn random_bf16(n: usize, seed: u64) -> Vec<u8> {

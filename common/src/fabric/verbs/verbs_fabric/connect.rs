@@ -73,7 +73,7 @@ impl Inner {
                     return Err(unreachable(std::io::Error::new(
                         std::io::ErrorKind::TimedOut,
                         format!("connect timed out after {timeout:?}"),
-                    )))
+                    )));
                 }
             };
         let _ = stream.set_nodelay(true);
@@ -91,14 +91,14 @@ impl Inner {
                 return Err(FabricError::Protocol {
                     peer: peer.clone(),
                     detail: format!("expected a queue-pair endpoint, got {other:?}"),
-                })
+                });
             }
             Ok(Err(e)) => return Err(bootstrap_error(peer, index, e)),
             Err(_) => {
                 return Err(FabricError::Timeout {
                     what: format!("queue-pair bootstrap with {peer} (lane {index})"),
                     after: timeout,
-                })
+                });
             }
         };
         let rtr =
@@ -137,15 +137,15 @@ impl Inner {
             if end == ReaderEnd::Closed {
                 // The peer's queue pair is gone: fail the lane now rather than after the
                 // transport retries.
-                if let Some(lane) = weak.upgrade() {
-                    if lane.broken().is_none() {
-                        lane.mark_broken(FabricError::Disconnected {
-                            peer: lane.peer.clone(),
-                            lane: lane.index,
-                            detail: "the peer closed the lane (its queue pair is gone)".into(),
-                        });
-                        let _ = lane.qp.modify(&to_error(), "->ERR (peer gone)");
-                    }
+                if let Some(lane) = weak.upgrade()
+                    && lane.broken().is_none()
+                {
+                    lane.mark_broken(FabricError::Disconnected {
+                        peer: lane.peer.clone(),
+                        lane: lane.index,
+                        detail: "the peer closed the lane (its queue pair is gone)".into(),
+                    });
+                    let _ = lane.qp.modify(&to_error(), "->ERR (peer gone)");
                 }
             }
         });
