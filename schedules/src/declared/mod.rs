@@ -50,7 +50,6 @@
 //! exact-cover check; `engine` the inference layout from engines; `error` the named errors.
 
 mod engine;
-mod error;
 #[cfg(test)]
 mod tests;
 mod tiling;
@@ -60,8 +59,8 @@ use std::sync::Arc;
 use weightsync_common::protocol::TensorMeta;
 use weightsync_common::DType;
 
+pub use crate::declared_error::DeclaredError;
 pub use engine::{check_spec, engine_tensors, inference_layout, EngineDeclaration};
-pub use error::DeclaredError;
 
 use crate::error::PlanError;
 use crate::layout_train::{align_up, ShardSpec, TrainingLayout};

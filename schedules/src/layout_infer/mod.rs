@@ -415,7 +415,7 @@ impl InferenceLayout {
     /// Builds the layout an [`InferSpec`] describes (see the module docs).
     pub fn build(model: &Model, spec: &InferSpec) -> Result<InferenceLayout, PlanError> {
         if model.is_declared() {
-            return Err(crate::declared::DeclaredError::LayoutFromSpec {
+            return Err(crate::declared_error::DeclaredError::LayoutFromSpec {
                 side: "inference layout",
                 model: model.name.clone(),
             }
