@@ -168,7 +168,7 @@ pub enum PlanError {
     #[error("too large: {0}")]
     TooLarge(String),
     /// The workers' declarations of a declared model disagree or cannot be planned (each
-    /// names the tensor and both sides: see [`crate::declared::DeclaredError`]).
+    /// names the tensor and both sides: see [`crate::declared_error::DeclaredError`]).
     #[error(transparent)]
-    Declared(#[from] crate::declared::DeclaredError),
+    Declared(#[from] crate::declared_error::DeclaredError),
 }

@@ -86,6 +86,7 @@ pub fn infer_spec(world: &WorldSpec) -> Result<InferSpec, JobError> {
         DType::BF16 => InferDType::Bf16,
         other => return Err(JobError::InferDType(other)),
     };
+    spec.check_fp8_recipe().map_err(part("inference layout"))?;
     Ok(spec)
 }
 

@@ -332,7 +332,7 @@ impl TrainingLayout {
     /// lists are then joined in rank order.
     pub fn build(model: &Model, spec: &TrainSpec) -> Result<TrainingLayout, PlanError> {
         if model.is_declared() {
-            return Err(crate::declared::DeclaredError::LayoutFromSpec {
+            return Err(crate::declared_error::DeclaredError::LayoutFromSpec {
                 side: "training layout",
                 model: model.name.clone(),
             }

@@ -14,7 +14,8 @@
 //!   plan it expands to; [`fanout`] reads an explicit plan's write copies back as writes.
 //! - [`model`]: logical parameters from a Hugging Face config.json ([`model_config`] reads it,
 //!   [`model_bounds`] bounds it); [`presets`] of public ones; [`declared`]: a model known only
-//!   from what its workers declare (any architecture, `format=hf`).
+//!   from what its workers declare (any architecture, `format=hf`), and [`declared_error`] what
+//!   can be wrong with the declarations.
 //! - [`layout_train`]: training layouts (`pp=2,ep=8,fsdp=16`) as shard lists.
 //! - [`layout_infer`]: inference layouts (`tp=8,ep=32,dp=4`, bf16 or fp8) as engine tensors,
 //!   in the engines' fused format or transformers' own (`format=hf`).
@@ -41,6 +42,7 @@ pub mod baseline;
 pub mod compact;
 pub mod cost;
 pub mod declared;
+pub mod declared_error;
 pub mod error;
 pub mod fanout;
 pub mod job;

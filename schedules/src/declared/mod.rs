@@ -50,7 +50,6 @@
 //! exact-cover check; `engine` the inference layout from engines; `error` the named errors.
 
 mod engine;
-mod error;
 #[cfg(test)]
 mod tests;
 mod tiling;
@@ -60,8 +59,8 @@ use std::sync::Arc;
 use weightsync_common::DType;
 use weightsync_common::protocol::TensorMeta;
 
+pub use crate::declared_error::DeclaredError;
 pub use engine::{EngineDeclaration, check_spec, engine_tensors, inference_layout};
-pub use error::DeclaredError;
 
 use crate::error::PlanError;
 use crate::layout_train::{ShardSpec, TrainingLayout, align_up};

@@ -279,6 +279,23 @@ impl Default for InferSpec {
     }
 }
 
+impl InferSpec {
+    /// Refuses an fp8 recipe (`fp8=transformers`) on a bf16 layout. Checked once the dtype is
+    /// settled (a job's `--dtype` is applied after the spec string is parsed), not at parse.
+    pub fn check_fp8_recipe(&self) -> Result<(), PlanError> {
+        if self.fp8 != Fp8Recipe::Vllm && self.dtype != InferDType::Fp8 {
+            return Err(PlanError::BadSpec {
+                spec: self.to_string(),
+                reason: format!(
+                    "fp8={} names an fp8 recipe, but the dtype is bf16",
+                    self.fp8
+                ),
+            });
+        }
+        Ok(())
+    }
+}
+
 impl std::str::FromStr for InferSpec {
     type Err = PlanError;
     fn from_str(spec: &str) -> Result<InferSpec, PlanError> {
@@ -337,12 +354,6 @@ impl std::str::FromStr for InferSpec {
             // The fused format splits the embedding by vocab already: one spelling per layout,
             // so that workers stating the same job agree.
             s.embed = EmbedLayout::FormatDefault;
-        }
-        if s.fp8 != Fp8Recipe::Vllm && s.dtype != InferDType::Fp8 {
-            return Err(PlanError::BadSpec {
-                spec: spec.to_string(),
-                reason: format!("fp8={} names an fp8 recipe, but the dtype is bf16", s.fp8),
-            });
         }
         if s.ep > 1 && s.ep % s.tp != 0 {
             return Err(PlanError::BadSpec {
@@ -415,12 +426,13 @@ impl InferenceLayout {
     /// Builds the layout an [`InferSpec`] describes (see the module docs).
     pub fn build(model: &Model, spec: &InferSpec) -> Result<InferenceLayout, PlanError> {
         if model.is_declared() {
-            return Err(crate::declared::DeclaredError::LayoutFromSpec {
+            return Err(crate::declared_error::DeclaredError::LayoutFromSpec {
                 side: "inference layout",
                 model: model.name.clone(),
             }
             .into());
         }
+        spec.check_fp8_recipe()?;
         check_divisible(model, spec)?;
         // FxHash: looked up once per tensor part (SipHash here was 2 % of planning Kimi-K2).
         let index: FxHashMap<Role, u32> = model

@@ -216,8 +216,15 @@ fn fp8_recipe_key_parses_prints_reaches_the_layout_and_is_refused_by_name() {
         e.to_string().contains("\"sglang\"") && e.to_string().contains("transformers"),
         "{e}"
     );
-    let e = "tp=2,fp8=transformers".parse::<InferSpec>().unwrap_err();
+    // Parsed, then refused once the dtype is settled: a job's `--dtype fp8` comes after.
+    let bf16: InferSpec = "tp=2,fp8=transformers".parse().unwrap();
+    let e = bf16.check_fp8_recipe().unwrap_err();
     assert!(e.to_string().contains("dtype is bf16"), "{e}");
+    let fp8 = InferSpec {
+        dtype: InferDType::Fp8,
+        ..bf16
+    };
+    fp8.check_fp8_recipe().unwrap();
 }
 
 #[test]
