@@ -108,6 +108,30 @@ PY
   fi
 fi
 
+# ---- TRL and OpenRLHF (python/tests/test_trl.py, test_openrlhf.py; weightsync.trl / .openrlhf) ----
+# Their own trainers, at the versions docs/trl.md and docs/openrlhf.md name, constrained to the
+# venv's torch and transformers. OpenRLHF without its dependencies: its package pins
+# transformers==5.15.0 and DeepSpeed/flash-attn (CUDA builds); the tests import only the module
+# that holds broadcast_to_vllm. WEIGHTSYNC_TEST_RL=0 leaves them out (their tests then skip).
+if [[ "${WEIGHTSYNC_TEST_RL:-1}" != 0 ]]; then
+  RL_PINS=(trl==1.16.0 accelerate==1.16.0 datasets==5.2.0)
+  RL_STAMP="$VENV/.weightsync-rl-stamp"
+  if [[ -f "$RL_STAMP" && "$(cat "$RL_STAMP")" == "${RL_PINS[*]}" ]]; then
+    step "TRL up to date"
+  else
+    printf '%s\n' "${PINS[@]}" | grep -E '^(torch|transformers)==' > "$VENV/rl-constraints.txt"
+    if [[ -x "$VENV/bin/uv" ]] && "$VENV/bin/uv" pip install --python "$VENV/bin/python" \
+         -c "$VENV/rl-constraints.txt" "${RL_PINS[@]}"; then
+      :
+    else
+      "$VENV/bin/python" -m pip install --disable-pip-version-check --progress-bar off \
+        -c "$VENV/rl-constraints.txt" "${RL_PINS[@]}"
+    fi
+    echo "${RL_PINS[*]}" > "$RL_STAMP"
+    step "TRL installed"
+  fi
+fi
+
 cd "$ROOT"
 WHEELS="$ROOT/target/wheels"
 rm -rf "$WHEELS"
