@@ -575,7 +575,7 @@ fn a_re_plan_asks_every_worker_for_ready_again() {
 fn a_pushed_version_starts_once_every_trainer_pushed_it_and_the_plan_is_in_force() {
     let mut c = Coordinator::new(config(2, 0));
     let t = Now::wall();
-    let push = |version| FromWorker::Push { version };
+    let push = |version| FromWorker::Push { version, run: 0 };
     let mut fx = Effects::default();
     for (conn, id) in [
         (1, WorkerId::trainer(0)),
