@@ -89,6 +89,12 @@ mod engine_stages_tests;
 #[cfg(test)]
 mod after_landing_tests;
 
+#[cfg(test)]
+mod model_tests;
+
+#[cfg(test)]
+mod push_tests;
+
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 

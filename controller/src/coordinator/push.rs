@@ -9,7 +9,8 @@
 //! fully-pushed version starts: older pending versions can no longer be what the trainers hold,
 //! so they end as superseded (an `Abort` of sync 0 whose failure kind is `superseded`: not an
 //! error, the embedding's `wait()` returns an outcome that says so). A trainer's own push of N
-//! supersedes its older pending pushes at once.
+//! replaces its other pending pushes at once (they end superseded: its tensors no longer hold
+//! them), whatever becomes of N.
 //!
 //! A push is idempotent like the HTTP trigger: a version already committed is answered with its
 //! `Commit` at once, one running answers when it ends, and one not newer than the last committed
@@ -54,6 +55,8 @@ impl Coordinator {
             tracing::warn!("{id} pushed version {version}, but only trainers push; ignored");
             return fx;
         }
+        // Whatever this trainer pushed before, its tensors now hold this version instead.
+        self.replace_pushes_of(id, version, &mut fx);
         if run < self.run {
             let cause = format!(
                 "version {version} of run {run} superseded: the job is in run {}",
@@ -72,6 +75,7 @@ impl Coordinator {
             .by_version
             .get(&version)
             .and_then(|sid| self.syncs.get(sid))
+            .filter(|s| s.run == self.run)
             .map(|s| (s.id, s.state));
         match existing {
             Some((sync_id, SyncState::Committed)) => {
@@ -100,25 +104,6 @@ impl Coordinator {
             });
             return fx;
         }
-        // This trainer's older pending pushes: its tensors no longer hold them.
-        let older: Vec<u64> = self
-            .pushed
-            .range(..version)
-            .filter(|(_, by)| by.contains_key(&id))
-            .map(|(v, _)| *v)
-            .collect();
-        for v in older {
-            if let Some(by) = self.pushed.get_mut(&v) {
-                by.remove(&id);
-                if by.is_empty() {
-                    self.pushed.remove(&v);
-                }
-            }
-            let cause = format!("version {v} superseded by version {version}, pushed by {id}");
-            self.send_to(&mut fx, [id], |w| {
-                abort0(w, v, FailureKind::Superseded, &cause)
-            });
-        }
         self.pushed.entry(version).or_default().insert(id, conn);
         fx.merge(self.start_pushed(now));
         fx
@@ -142,13 +127,10 @@ impl Coordinator {
                 abort0(w, version, FailureKind::Superseded, &cause)
             });
         }
-        // Versions restart: a version of the new run is not the sync of the old one's.
+        // Versions restart: a version of the new run is not the sync of the old one's (not even
+        // the running one's: it ends as it would, but a push or trigger of its version in the
+        // new run is a new sync).
         self.by_version.clear();
-        if let Some(a) = self.active
-            && let Some(s) = self.syncs.get(&a)
-        {
-            self.by_version.insert(s.version, a);
-        }
         self.note(
             format!(
                 "run {run} begins (was {old}); last committed {}",
@@ -161,6 +143,27 @@ impl Coordinator {
         );
         fx.persist = true;
         Ok(fx)
+    }
+
+    /// Ends every pending push of `id` but of `version` as superseded: its tensors hold `version`
+    /// now (a newer version, or an older one pushed again: either way not what it pushed).
+    fn replace_pushes_of(&mut self, id: WorkerId, version: u64, fx: &mut Effects) {
+        let replaced: Vec<u64> = self
+            .pushed
+            .iter()
+            .filter(|(v, by)| **v != version && by.contains_key(&id))
+            .map(|(v, _)| *v)
+            .collect();
+        for v in replaced {
+            if let Some(by) = self.pushed.get_mut(&v) {
+                by.remove(&id);
+                if by.is_empty() {
+                    self.pushed.remove(&v);
+                }
+            }
+            let cause = format!("version {v} superseded by version {version}, pushed by {id}");
+            self.send_to(fx, [id], |w| abort0(w, v, FailureKind::Superseded, &cause));
+        }
     }
 
     /// Forgets every push `id` made (its connection went or it registered again).

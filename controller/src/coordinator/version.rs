@@ -63,7 +63,7 @@ impl Coordinator {
             if self
                 .syncs
                 .get(&id)
-                .is_some_and(|s| s.state != SyncState::Failed)
+                .is_some_and(|s| s.state != SyncState::Failed && s.run == self.run)
             {
                 return Ok((Triggered::Existing(id), Effects::default()));
             }
