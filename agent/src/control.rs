@@ -23,8 +23,8 @@ use tokio::net::TcpStream;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::{mpsc, watch};
 use weightsync_common::protocol::{
-    ControlFrameError, DEFAULT_MAX_FRAME, Failure, FromWorker, Registration, ToWorker, WorkerId,
-    WorldSpec, auth, read_frame, write_frame,
+    ControlFrameError, DEFAULT_MAX_FRAME, Failure, FailureKind, FromWorker, Registration, ToWorker,
+    WorkerId, WorldSpec, auth, read_frame, write_frame,
 };
 
 use crate::driver::{DriverInfo, Outcome, SyncDriver, SyncRef};
@@ -73,8 +73,12 @@ pub enum AgentEvent {
         sync_id: u64,
         /// Version.
         version: u64,
+        /// The run it belongs to.
+        run: u64,
     },
-    /// `Abort N` (sync id 0: a pushed version that cannot be synced).
+    /// `Abort N` (sync id 0: a pushed version that cannot be synced), or the controller lost
+    /// while sync N was in flight here (it can never commit: a restarted controller never
+    /// reuses the id).
     Aborted {
         /// Sync id.
         sync_id: u64,
@@ -220,11 +224,41 @@ async fn run_linked<D: SyncDriver>(
             abort_tx: &abort_tx,
             events: events.as_ref(),
         };
-        match session(&cfg, &info, stream, &ends, &mut out_rx, &mut leaving).await {
+        let mut current = None;
+        let ended = session(
+            &cfg,
+            &info,
+            stream,
+            &ends,
+            &mut out_rx,
+            &mut leaving,
+            &mut current,
+        )
+        .await;
+        match ended {
             Ok(SessionEnd::Shutdown) => break Ok(SAID_SHUTDOWN),
             Ok(SessionEnd::Left) => break Ok(LEFT),
             Ok(SessionEnd::Lost(why)) => {
                 tracing::warn!("{}: lost the controller ({why}); reconnecting", cfg.id);
+                if let Some(s) = current {
+                    // The sync in flight here can never commit: say so to whoever waits on it
+                    // (an embedding's `wait()` raises instead of hanging).
+                    let cause = format!(
+                        "lost the controller while sync {} (version {}) was in flight: {why}",
+                        s.sync_id, s.version
+                    );
+                    ends.event(AgentEvent::Aborted {
+                        sync_id: s.sync_id,
+                        version: s.version,
+                        reason: cause.clone(),
+                        failure: Some(Failure {
+                            worker: cfg.id,
+                            kind: FailureKind::PeerLost,
+                            tensor: None,
+                            cause,
+                        }),
+                    });
+                }
                 // Whatever sync was running is void: the controller will not commit it.
                 let _ = abort_tx.send(u64::MAX);
                 let _ = cmd_tx.send(DriverCmd::AbortAll).await;
@@ -467,10 +501,15 @@ fn next_for(cfg: &AgentConfig, msg: ToWorker, current: &mut Option<SyncRef>, end
             None
         }
         ToWorker::Peers { plan_id, peers } => Some(DriverCmd::Peers(plan_id, peers)),
-        ToWorker::Prepare { sync_id, version } => {
+        ToWorker::Prepare {
+            sync_id,
+            version,
+            run,
+        } => {
             let s = SyncRef {
                 sync_id,
                 version,
+                run,
                 reference: Instant::now(),
                 reference_unix_ns: unix_ns(),
             };
@@ -483,9 +522,20 @@ fn next_for(cfg: &AgentConfig, msg: ToWorker, current: &mut Option<SyncRef>, end
         ToWorker::Verify {
             sync_id, checksums, ..
         } => of_current(sync_id).map(|s| DriverCmd::Verify(s, checksums)),
-        ToWorker::Commit { sync_id, version } => {
+        ToWorker::Commit {
+            sync_id,
+            version,
+            run,
+        } => {
             let cmd = of_current(sync_id).map(|s| DriverCmd::Finish(s, Outcome::Committed));
-            ends.event(AgentEvent::Committed { sync_id, version });
+            if cmd.is_some() {
+                *current = None;
+            }
+            ends.event(AgentEvent::Committed {
+                sync_id,
+                version,
+                run,
+            });
             cmd
         }
         ToWorker::Abort {
@@ -509,9 +559,13 @@ fn next_for(cfg: &AgentConfig, msg: ToWorker, current: &mut Option<SyncRef>, end
                 return Next::Nothing;
             }
             let _ = abort_tx.send(sync_id);
+            let sync = of_current(sync_id);
+            if sync.is_some() {
+                *current = None;
+            }
             // Always answered (with Drained), also for a sync this worker never saw.
             Some(DriverCmd::Abort {
-                sync: of_current(sync_id),
+                sync,
                 sync_id,
                 version,
                 reason,
@@ -539,6 +593,7 @@ async fn session(
     ends: &Ends<'_>,
     out_rx: &mut mpsc::Receiver<FromWorker>,
     leaving: &mut watch::Receiver<bool>,
+    current: &mut Option<SyncRef>,
 ) -> Result<SessionEnd, AgentError> {
     let max = cfg.max_frame;
     let (mut rd, mut wr) = stream.into_split();
@@ -556,10 +611,20 @@ async fn session(
     let mut beat = tokio::time::interval(Duration::from_millis(heartbeat_ms));
     beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut seq = 0u64;
-    let mut current: Option<SyncRef> = None;
+    *current = None;
+    // The controller echoes every heartbeat: silence for this long is a dead controller or a
+    // one-way partition, noticed in seconds rather than at the TCP retransmission timeout.
+    let silent_after = Duration::from_millis(heartbeat_ms.saturating_mul(5)).max(SILENT_AT_LEAST);
+    let mut heard = Instant::now();
     let end = loop {
         tokio::select! {
             _ = beat.tick() => {
+                if heard.elapsed() > silent_after {
+                    break SessionEnd::Lost(format!(
+                        "the controller said nothing for {:.1} s",
+                        heard.elapsed().as_secs_f64()
+                    ));
+                }
                 seq += 1;
                 if let Err(e) = write_frame(&mut wr, &FromWorker::Heartbeat { seq }, max).await {
                     break SessionEnd::Lost(e.to_string());
@@ -573,12 +638,13 @@ async fn session(
             }
             () = left(leaving) => break leave(&mut wr, out_rx, max).await,
             msg = in_rx.recv() => {
+                heard = Instant::now();
                 let msg = match msg {
                     Some(Ok(m)) => m,
                     Some(Err(e)) => break SessionEnd::Lost(e),
                     None => break SessionEnd::Lost("reader stopped".into()),
                 };
-                match next_for(cfg, msg, &mut current, ends) {
+                match next_for(cfg, msg, current, ends) {
                     Next::Cmd(cmd) => {
                         if ends.cmd_tx.send(cmd).await.is_err() {
                             break SessionEnd::Lost("driver stopped".into());
@@ -593,6 +659,9 @@ async fn session(
     reader.abort();
     Ok(end)
 }
+
+/// The shortest controller silence that ends a session (heartbeats may be very frequent).
+const SILENT_AT_LEAST: Duration = Duration::from_secs(3);
 
 /// Resolves once the embedding left. (An error means the forwarder is gone, which leaves
 /// nothing more to forward either.)

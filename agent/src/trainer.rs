@@ -10,6 +10,12 @@
 //! every write of the expanded plan goes (relocated into the engine's own regions for a rollout
 //! that registered a placement).
 //!
+//! Versions are bound to bytes for an embedded trainer: the embedding records in a
+//! [`HoldingSlot`] which `(run, version)` its tensors hold (what it pushed), and `Prepare N` fails
+//! unless they hold N, naming both versions; after the last byte of N was read, the embedding's
+//! check says whether any registered tensor was written meanwhile (an optimizer step during the
+//! sync), and a sync that saw a write fails naming the tensor (`FailureKind::Modified`).
+//!
 //! Each sync runs in its own task, so that an abort can cancel it and wait until it has stopped
 //! posting; draining then resets the fabric's lanes, discarding whatever of the aborted sync is
 //! still queued (after a partition heals, TCP would otherwise deliver it during the next sync).
@@ -20,8 +26,8 @@ use std::time::Instant;
 use tokio::sync::oneshot;
 use weightsync_common::fabric::{Fabric, FabricBackend, FabricConfig, RegionDescriptor};
 use weightsync_common::protocol::{
-    Assignment, Blob, PeerInfo, RunChecksum, TensorMeta, WorkerId, WorkerReport, WorkerRole,
-    WorldSpec,
+    Assignment, Blob, FailureKind, PeerInfo, RunChecksum, TensorMeta, WorkerId, WorkerReport,
+    WorkerRole, WorldSpec,
 };
 use weightsync_schedules::TrainerSlice;
 use weightsync_schedules::table::TrainerPlan;
@@ -61,10 +67,40 @@ pub struct TrainerDriver {
     /// The shards it registers with (a declared model's declarations; see
     /// [`TrainerDriver::declare`]); empty otherwise.
     declared: Vec<TensorMeta>,
+    /// What an embedding's tensors hold (see [`TrainerDriver::hold`]); `None`: a sidecar, whose
+    /// source is made to hold the version by other means.
+    holding: Option<HoldingSlot>,
 }
 
 /// The last sync's version and report, for an embedding that reports it when the sync commits.
 pub type ReportSlot = Arc<parking_lot::Mutex<Option<(u64, SyncReport)>>>;
+
+/// Names a registered tensor written since the version was pushed, if one was (the embedding
+/// knows how: torch's `tensor._version`, a generation counter).
+pub type WriteCheck = Arc<dyn Fn() -> Option<String> + Send + Sync>;
+
+/// What an embedding's tensors hold, shared between it and the driver.
+#[derive(Default)]
+pub struct Holding {
+    /// The `(run, version)` the tensors hold: the last one pushed.
+    pub held: Option<(u64, u64)>,
+    /// The `(run, version)` whose sync this trainer is preparing or running.
+    pub syncing: Option<(u64, u64)>,
+    /// The check of the last push, run once the sync read every byte.
+    pub unchanged: Option<WriteCheck>,
+}
+
+impl std::fmt::Debug for Holding {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Holding")
+            .field("held", &self.held)
+            .field("syncing", &self.syncing)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A [`Holding`] shared between an embedding and its driver.
+pub type HoldingSlot = Arc<parking_lot::Mutex<Holding>>;
 
 /// The worker built for one slice.
 #[derive(Debug)]
@@ -175,6 +211,69 @@ impl TrainerDriver {
             in_flight: None,
             reports: None,
             declared: Vec::new(),
+            holding: None,
+        }
+    }
+
+    /// Binds syncs to what the embedding pushed: `Prepare N` fails unless `slot` says the
+    /// tensors hold N, and a sync whose check finds a tensor written fails naming it.
+    pub fn hold(&mut self) -> HoldingSlot {
+        self.holding.get_or_insert_with(Default::default).clone()
+    }
+
+    /// Whether the tensors hold `sync`'s version (always, without an embedding); marks it
+    /// syncing.
+    fn check_held(&self, sync: &SyncRef) -> Result<(), DriverError> {
+        let Some(slot) = &self.holding else {
+            return Ok(());
+        };
+        let mut h = slot.lock();
+        let want = (sync.run, sync.version);
+        if h.held != Some(want) {
+            let holds = h.held.map_or_else(
+                || "no pushed version".to_string(),
+                |(r, v)| format!("version {v} of run {r}"),
+            );
+            return Err(DriverError::new(
+                FailureKind::Source,
+                format!(
+                    "{} was asked for version {} of run {} but its tensors hold {holds} \
+                     (only a version this trainer pushed and still holds is synced)",
+                    WorkerId::trainer(self.cfg.rank),
+                    sync.version,
+                    sync.run
+                ),
+            ));
+        }
+        h.syncing = Some(want);
+        Ok(())
+    }
+
+    /// After the sync read every byte: a tensor written since the push fails it.
+    fn check_unchanged(&self, sync: &SyncRef) -> Result<(), DriverError> {
+        let Some(slot) = &self.holding else {
+            return Ok(());
+        };
+        let check = slot.lock().unchanged.clone();
+        if let Some(tensor) = check.and_then(|c| c()) {
+            return Err(DriverError {
+                kind: FailureKind::Modified,
+                cause: format!(
+                    "{}: tensor {tensor} was written while version {} was being sent (an \
+                     optimizer step during the sync?): what was sent mixes two versions",
+                    WorkerId::trainer(self.cfg.rank),
+                    sync.version
+                ),
+                tensor: Some(tensor),
+            });
+        }
+        Ok(())
+    }
+
+    /// The sync ended here: the tensors may change again.
+    fn release(&self) {
+        if let Some(slot) = &self.holding {
+            slot.lock().syncing = None;
         }
     }
 
@@ -300,9 +399,10 @@ impl SyncDriver for TrainerDriver {
             .map_err(DriverError::from)
     }
 
-    async fn prepare(&mut self, _sync: SyncRef) -> Result<WorkerReport, DriverError> {
+    async fn prepare(&mut self, sync: SyncRef) -> Result<WorkerReport, DriverError> {
         // The source holds the version already: the training step wrote it before the push.
         self.built()?;
+        self.check_held(&sync)?;
         Ok(WorkerReport::default())
     }
 
@@ -328,6 +428,7 @@ impl SyncDriver for TrainerDriver {
         self.in_flight = None;
         let r = joined
             .map_err(|e| DriverError::other(format!("the sync task ended abnormally: {e}")))??;
+        self.check_unchanged(&sync)?;
         let rep = report(&r, &sync);
         if let Some(slot) = &self.reports {
             *slot.lock() = Some((sync.version, r));
@@ -343,10 +444,13 @@ impl SyncDriver for TrainerDriver {
         Err(DriverError::other("trainers do not verify"))
     }
 
-    async fn finish(&mut self, _sync: SyncRef, _outcome: Outcome) {}
+    async fn finish(&mut self, _sync: SyncRef, _outcome: Outcome) {
+        self.release();
+    }
 
     async fn drain(&mut self) {
         self.stop_in_flight().await;
+        self.release();
         // Whatever the stopped sync posted and was not acknowledged is discarded here.
         self.fabric.reset_connections().await;
         tracing::info!(

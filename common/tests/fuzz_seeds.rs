@@ -135,7 +135,7 @@ fn from_worker() -> Vec<FromWorker> {
         },
         FromWorker::Heartbeat { seq: 9 },
         FromWorker::Drained { sync_id, version },
-        FromWorker::Push { version },
+        FromWorker::Push { version, run: 1 },
         FromWorker::EngineStages {
             sync_id,
             version,
@@ -223,9 +223,17 @@ fn to_worker() -> Vec<ToWorker> {
                 },
             ],
         },
-        ToWorker::Prepare { sync_id, version },
+        ToWorker::Prepare {
+            sync_id,
+            version,
+            run: 2,
+        },
         ToWorker::Start { sync_id, version },
-        ToWorker::Commit { sync_id, version },
+        ToWorker::Commit {
+            sync_id,
+            version,
+            run: 2,
+        },
         ToWorker::Abort {
             sync_id,
             version,

@@ -101,7 +101,10 @@ async fn handle_connection(stream: TcpStream, state: AppState) -> Result<(), Con
         tokio::select! {
             frame = read_frame::<_, FromWorker>(&mut rd, max) => match frame {
                 Ok(Some(msg)) => {
-                    state.step(|c| ((), c.message(conn, msg, Now::wall())));
+                    // Stamped when read, not when the lock is won: a stall behind the lock must
+                    // not make a live worker look silent.
+                    let now = Now::wall();
+                    state.step(|c| ((), c.message(conn, msg, now)));
                 }
                 Ok(None) => break "connection closed".to_string(),
                 Err(e) => break format!("control channel error ({e})"),
@@ -160,13 +163,20 @@ async fn reject(wr: &mut OwnedWriteHalf, max: u32, e: ConnectionError) -> Connec
     e
 }
 
-/// Writes the connection's outbox until it closes, `Shutdown` went out, or the stream fails.
+/// How long one frame may take to be written: a worker that reads nothing for this long (a
+/// half-open connection, a one-way partition) is dropped instead of stalling its writer until
+/// the kernel's retransmission timeout (about 15 minutes).
+const WRITE_WITHIN: Duration = Duration::from_secs(15);
+
+/// Writes the connection's outbox until it closes, `Shutdown` went out, or the stream fails or
+/// stalls for [`WRITE_WITHIN`].
 async fn write_outbox(mut wr: OwnedWriteHalf, mut outbox: mpsc::Receiver<Outgoing>, max: u32) {
     while let Some(out) = outbox.recv().await {
         match out {
             Outgoing::Msg(m) => {
                 let shutdown = matches!(m, ToWorker::Shutdown);
-                if write_frame(&mut wr, &m, max).await.is_err() || shutdown {
+                let written = tokio::time::timeout(WRITE_WITHIN, write_frame(&mut wr, &m, max));
+                if !matches!(written.await, Ok(Ok(()))) || shutdown {
                     break;
                 }
             }
@@ -188,7 +198,10 @@ pub async fn tick(state: AppState, mut shutdown: watch::Receiver<bool>) {
     loop {
         tokio::select! {
             _ = shutdown.changed() => break,
-            _ = every.tick() => state.step(|c| ((), c.tick(Now::wall()))),
+            _ = every.tick() => {
+                let now = Now::wall();
+                state.step(|c| ((), c.tick(now)));
+            }
         }
     }
 }

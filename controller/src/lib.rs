@@ -43,6 +43,7 @@ pub mod planning;
 pub mod schedules_planner;
 pub mod server;
 pub mod service;
+pub mod state_file;
 pub mod sync_record;
 
 pub use http::app;

@@ -29,6 +29,7 @@ fn state(s: EngineState) -> State {
     };
     State {
         version: s.version,
+        run: s.run,
         state: name,
         cause: s.cause,
     }

@@ -119,6 +119,11 @@ pub(crate) enum End {
 #[derive(Debug, Default)]
 pub(crate) struct EndsState {
     pub registered: bool,
+    /// Registrations so far (more than one: the controller was lost and found again).
+    pub registrations: u32,
+    /// A trainer's last push, `(version, run)`: re-sent after a re-registration while it has
+    /// no end (a restarted controller knows nothing of the pushes made before its crash).
+    pub outstanding: Option<(u64, u64)>,
     /// The last plan heard of: its id, or why it failed.
     pub plan: Option<Result<u64, String>>,
     pub by_version: BTreeMap<u64, End>,
@@ -159,7 +164,10 @@ impl Ends {
     fn record(&self, ev: AgentEvent) {
         let mut st = self.state.lock();
         match ev {
-            AgentEvent::Registered => st.registered = true,
+            AgentEvent::Registered => {
+                st.registered = true;
+                st.registrations += 1;
+            }
             AgentEvent::Committed { version, .. } => {
                 let at = Instant::now();
                 st.by_version.insert(version, End::Committed { at });
@@ -258,9 +266,25 @@ pub(crate) fn run_session<D: SyncDriver>(
     };
     spawn_quiet(rt, run_agent_with(cfg, driver, link));
     let pump = ends.clone();
+    let resend = out_tx.clone();
     rt.spawn(async move {
         while let Some(ev) = ev_rx.recv().await {
+            let again = matches!(ev, AgentEvent::Registered);
             pump.record(ev);
+            if !again {
+                continue;
+            }
+            let push = {
+                let st = pump.state.lock();
+                st.outstanding
+                    .filter(|(v, _)| st.registrations > 1 && !st.by_version.contains_key(v))
+            };
+            if let Some((version, run)) = push {
+                tracing::info!(
+                    "re-sending the push of version {version} (run {run}) after re-registering"
+                );
+                let _ = resend.try_send(FromWorker::Push { version, run });
+            }
         }
     });
     let joined = ends.wait(Some(within), |st| {

@@ -49,6 +49,11 @@ pub struct Settings {
     /// Syncs kept in history [default: 200].
     #[arg(long)]
     pub history: Option<usize>,
+    /// File that keeps what must survive the controller's own crash (the run, the last
+    /// committed version, the next sync id): a restarted controller carries on from it, so
+    /// epochs never repeat and engines never go back. Written atomically [default: none].
+    #[arg(long, env = "WEIGHTSYNC_STATE_FILE")]
+    pub state_file: Option<PathBuf>,
 }
 
 /// Arguments of `weightsync controller`.
@@ -98,7 +103,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             .map_err(anyhow::Error::msg)?,
         verify: s.verify.or(file.verify).unwrap_or(true),
     };
-    let cfg = ControllerConfig::for_job(
+    let mut cfg = ControllerConfig::for_job(
         world,
         env_token("WEIGHTSYNC_JOB_TOKEN")?,
         env_token("WEIGHTSYNC_API_TOKEN")?,
@@ -110,6 +115,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         Duration::from_secs(s.sync_timeout_s.or(file.sync_timeout_s).unwrap_or(300)),
         s.history.or(file.history).unwrap_or(200),
     )?;
+    cfg.state_file = s.state_file.or(file.state_file);
     let http = s
         .http
         .or(file.http)
@@ -135,11 +141,22 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             h.local_addr()?,
             c.local_addr()?
         );
-        let state = AppState::new(cfg, Box::new(SchedulesPlanner));
-        weightsync_controller::run(h, c, state, async {
-            let _ = tokio::signal::ctrl_c().await;
-        })
+        let state = AppState::open(cfg, Box::new(SchedulesPlanner))?;
+        weightsync_controller::run(h, c, state, stop_signal()?)
         .await?;
         anyhow::Ok(())
+    })
+}
+
+/// Resolves on Ctrl-C or SIGTERM (what Kubernetes and Slurm send), so either stops the
+/// controller cleanly.
+fn stop_signal() -> anyhow::Result<impl std::future::Future<Output = ()>> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate()).context("installing a SIGTERM handler")?;
+    Ok(async move {
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => tracing::info!("interrupted: stopping"),
+            _ = term.recv() => tracing::info!("SIGTERM: stopping"),
+        }
     })
 }

@@ -52,6 +52,7 @@ pub fn app(state: AppState) -> Router {
         .route("/v1/syncs/{id}", get(get_sync))
         .route("/v1/syncs/{id}/trace", get(get_trace))
         .route("/v1/versions/{version}", get(get_version))
+        .route("/v1/runs", post(begin_run))
         .route("/v1/plan", get(get_plan))
         .route("/v1/workers", get(get_workers))
         .fallback(not_found)
@@ -194,6 +195,42 @@ async fn trigger(
     body["sync_id"] = id.into();
     body["created"] = created.into();
     Ok((status, Json(body)).into_response())
+}
+
+/// Body of `POST /v1/runs`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunBody {
+    /// The new run: larger than the job's current one.
+    pub run: u64,
+}
+
+/// `POST /v1/runs {"run": R}`: a job restarted from a checkpoint declares a new run, after which
+/// versions may restart below the last committed one (the committed `(run, version)` still only
+/// grows). 409 when `R` is not newer than the current run.
+async fn begin_run(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Result<Json<RunBody>, JsonRejection>,
+) -> Result<Response, ApiError> {
+    require_token(&state, &headers)?;
+    let Json(body) = body.map_err(|r| {
+        ApiError::BadRequest(format!(
+            "{} (expected a body like {{\"run\": 2}})",
+            r.body_text()
+        ))
+    })?;
+    let begun = state.step(|c| match c.begin_run(body.run, Now::wall()) {
+        Ok(fx) => (Ok(()), fx),
+        Err(e) => (Err(e), Default::default()),
+    });
+    begun.map_err(|e| ApiError::Conflict(e.to_string()))?;
+    let (run, committed) = state.read(|c| (c.run(), c.latest_committed()));
+    Ok(Json(serde_json::json!({
+        "run": run,
+        "latest_committed": committed.map(|(r, v)| serde_json::json!({"run": r, "version": v})),
+    }))
+    .into_response())
 }
 
 async fn wait_for_end(state: &AppState, id: u64) -> Result<(), ApiError> {
@@ -379,9 +416,11 @@ async fn healthz(State(state): State<AppState>) -> Response {
             c.plan_ready(),
             c.planning(),
             c.active(),
-            c.history().first().map(|s| (s.id, s.state)),
+            c.last_sync(),
         )
     });
+    let (run, incarnation, committed) =
+        state.read(|c| (c.run(), c.incarnation(), c.latest_committed()));
     Json(serde_json::json!({
         "status": "ok",
         "uptime_s": state.uptime().as_secs_f64(),
@@ -389,6 +428,9 @@ async fn healthz(State(state): State<AppState>) -> Response {
         "planned": planned,
         "planning": planning,
         "running_sync": running,
+        "run": run,
+        "incarnation": format!("{incarnation:016x}"),
+        "latest_committed": committed.map(|(r, v)| serde_json::json!({"run": r, "version": v})),
         "last_sync": last.map(|(id, st)| serde_json::json!({"id": id, "state": st})),
         "ready": complete && planned && !matches!(last, Some((_, SyncState::Running | SyncState::Pending))),
     }))
