@@ -34,7 +34,7 @@ impl TrainerCore {
         worker_id: Option<String>,
     ) -> PyResult<Self> {
         let opts = TrainerOptions {
-            job_token,
+            job_token: job_token.map(Into::into),
             listen,
             worker_id,
             ..TrainerOptions::new(controller, rank)
