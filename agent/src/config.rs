@@ -15,6 +15,7 @@ use serde::Deserialize;
 use weightsync_common::DType;
 use weightsync_common::fabric::{FabricConfig, JobToken};
 use weightsync_common::protocol::{WorkerId, WorkerRole, WorldSpec};
+use weightsync_common::secret::Secret;
 
 use crate::control::AgentConfig;
 use crate::rollout::RolloutDriverConfig;
@@ -116,6 +117,40 @@ impl WorkerSettings {
 #[error("worker configuration: {0}")]
 pub struct ConfigError(pub String);
 
+/// The variable that holds the secret of `role`'s workers.
+pub fn role_secret_variable(role: WorkerRole) -> &'static str {
+    match role {
+        WorkerRole::Trainer => "WEIGHTSYNC_TRAINER_TOKEN",
+        WorkerRole::Rollout => "WEIGHTSYNC_ENGINE_TOKEN",
+    }
+}
+
+/// The secret a worker of `role` proves to the controller, from an environment lookup:
+/// `WEIGHTSYNC_TRAINER_TOKEN` or `WEIGHTSYNC_ENGINE_TOKEN` (or the file their `_FILE` names),
+/// else the one job token `WEIGHTSYNC_JOB_TOKEN` (or `_FILE`). `Ok(None)` when none is set.
+pub fn role_secret(
+    role: WorkerRole,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<Option<Secret>, ConfigError> {
+    let err = |e: weightsync_common::secret::SecretError| ConfigError(e.to_string());
+    match Secret::from_env_or_file(role_secret_variable(role), env).map_err(err)? {
+        Some(s) => Ok(Some(s)),
+        None => Secret::from_env_or_file("WEIGHTSYNC_JOB_TOKEN", env).map_err(err),
+    }
+}
+
+/// The fabric's secret: `WEIGHTSYNC_FABRIC_TOKEN` (or `_FILE`) when set, else `control` (the
+/// worker's own secret, right when one secret serves both roles). With one secret per role,
+/// trainers and engines must share a fabric token, since each lane proves it both ways.
+pub fn fabric_secret(
+    env: &dyn Fn(&str) -> Option<String>,
+    control: &Secret,
+) -> Result<Secret, ConfigError> {
+    Ok(Secret::from_env_or_file("WEIGHTSYNC_FABRIC_TOKEN", env)
+        .map_err(|e| ConfigError(e.to_string()))?
+        .unwrap_or_else(|| control.clone()))
+}
+
 /// Reads a launcher's rank and world size from an environment lookup.
 pub fn launcher_rank(
     env: &dyn Fn(&str) -> Option<String>,
@@ -156,7 +191,7 @@ pub fn resolve(
     flags: WorkerSettings,
     file: Option<WorkerSettings>,
     env: &dyn Fn(&str) -> Option<String>,
-    job_token: Option<String>,
+    job_token: Option<Secret>,
 ) -> Result<ResolvedWorker, ConfigError> {
     resolve_with_source(
         role,
@@ -173,7 +208,7 @@ pub fn resolve_with_source(
     role: WorkerRole,
     s: WorkerSettings,
     env: &dyn Fn(&str) -> Option<String>,
-    job_token: Option<String>,
+    job_token: Option<Secret>,
     source: Option<SourceSpec>,
 ) -> Result<ResolvedWorker, ConfigError> {
     let need =
@@ -182,9 +217,13 @@ pub fn resolve_with_source(
     let rank = s.rank.or(env_rank).ok_or_else(|| {
         ConfigError("no rank: pass --rank, set WEIGHTSYNC_RANK, or launch with torchrun (RANK) or Slurm (SLURM_PROCID)".into())
     })?;
-    let job_token = job_token
-        .filter(|t| !t.is_empty())
-        .ok_or_else(|| ConfigError("no job token: set WEIGHTSYNC_JOB_TOKEN".into()))?;
+    let job_token = job_token.filter(|t| !t.is_empty()).ok_or_else(|| {
+        ConfigError(format!(
+            "no secret: set {} (or WEIGHTSYNC_JOB_TOKEN when one secret serves both roles)",
+            role_secret_variable(role)
+        ))
+    })?;
+    let fabric_token = fabric_secret(env, &job_token)?;
     let dtype: DType = s
         .dtype
         .as_deref()
@@ -218,7 +257,7 @@ pub fn resolve_with_source(
             world.train
         )));
     }
-    let mut fabric = FabricConfig::loopback(&job_token, s.lanes.unwrap_or(2));
+    let mut fabric = FabricConfig::loopback(fabric_token.expose(), s.lanes.unwrap_or(2));
     if let Some(l) = s.fabric_listen {
         fabric.listen = l;
     }
@@ -242,7 +281,7 @@ pub fn resolve_with_source(
         reconnect_for: Duration::from_secs(s.reconnect_s.unwrap_or(60)),
         max_frame: crate::AGENT_MAX_FRAME,
     };
-    fabric.job_token = JobToken(job_token);
+    fabric.job_token = JobToken(fabric_token.expose().to_string());
     Ok(match role {
         WorkerRole::Trainer => {
             let source = match (source, s.source.as_deref()) {

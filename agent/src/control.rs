@@ -23,9 +23,10 @@ use tokio::net::TcpStream;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::{mpsc, watch};
 use weightsync_common::protocol::{
-    ControlFrameError, DEFAULT_MAX_FRAME, Failure, FailureKind, FromWorker, Registration, ToWorker,
-    WorkerId, WorldSpec, auth, read_frame, write_frame,
+    ControlFrameError, DEFAULT_MAX_FRAME, Failure, FailureKind, FromWorker, PREAUTH_MAX_FRAME,
+    Registration, ToWorker, WorkerId, WorkerRole, WorldSpec, auth, read_frame, write_frame,
 };
+use weightsync_common::secret::Secret;
 
 use crate::driver::{DriverInfo, Outcome, SyncDriver, SyncRef};
 use crate::driver_loop::{DriverCmd, drive};
@@ -35,8 +36,9 @@ use crate::driver_loop::{DriverCmd, drive};
 pub struct AgentConfig {
     /// Control-channel address of the controller, `host:port`.
     pub controller: String,
-    /// Job token.
-    pub job_token: String,
+    /// The secret of this worker's role (the trainer or engine credential, or the job token
+    /// when one serves both roles).
+    pub job_token: Secret,
     /// Role and rank.
     pub id: WorkerId,
     /// Host name to report.
@@ -317,7 +319,7 @@ async fn register(
 ) -> Result<Result<u64, SessionEnd>, AgentError> {
     let max = cfg.max_frame;
     let lost = |e: ControlFrameError| Ok(Err(SessionEnd::Lost(e.to_string())));
-    let nonce = match read_frame::<_, ToWorker>(rd, max).await {
+    let nonce = match read_frame::<_, ToWorker>(rd, PREAUTH_MAX_FRAME).await {
         Ok(Some(ToWorker::Challenge { nonce })) => nonce,
         Ok(Some(other)) => {
             return Err(AgentError::Protocol(format!(
@@ -327,11 +329,29 @@ async fn register(
         Ok(None) => return Ok(Err(SessionEnd::Lost("closed before the challenge".into()))),
         Err(e) => return lost(e),
     };
-    let proof = auth::prove(&cfg.job_token, &nonce);
-    if let Err(e) = write_frame(wr, &FromWorker::Hello { proof }, max).await {
+    let role = cfg.id.role;
+    let mine = auth::nonce();
+    let hello = FromWorker::Hello {
+        role,
+        nonce: mine,
+        proof: auth::prove(cfg.job_token.expose(), role, &nonce),
+    };
+    if let Err(e) = write_frame(wr, &hello, PREAUTH_MAX_FRAME).await {
         return lost(e);
     }
     match read_frame::<_, ToWorker>(rd, max).await {
+        Ok(Some(ToWorker::Job { proof, .. }))
+            if !auth::check_answer(cfg.job_token.expose(), role, &mine, &nonce, &proof) =>
+        {
+            return Err(AgentError::Rejected {
+                id: cfg.id,
+                reason: format!(
+                    "the controller at {} did not prove it holds the {role} secret \
+                     (an impostor, or another job's controller)",
+                    cfg.controller
+                ),
+            });
+        }
         Ok(Some(ToWorker::Job { world, .. }))
             if weightsync_schedules::job::same_job(&world, &cfg.world) => {}
         Ok(Some(ToWorker::Job { world, .. })) => {
@@ -399,7 +419,8 @@ fn job_difference(mine: &WorldSpec, theirs: &WorldSpec) -> String {
 /// model's `config.json` when the controller read one.
 pub async fn fetch_job(
     controller: &str,
-    job_token: &str,
+    job_token: &Secret,
+    role: WorkerRole,
     max_frame: u32,
 ) -> Result<(WorldSpec, Option<String>), AgentError> {
     let unreachable = |e: &dyn std::fmt::Display| AgentError::Unreachable {
@@ -411,7 +432,7 @@ pub async fn fetch_job(
         .map_err(|e| unreachable(&e))?;
     let _ = stream.set_nodelay(true);
     let (mut rd, mut wr) = stream.into_split();
-    let nonce = match read_frame::<_, ToWorker>(&mut rd, max_frame).await {
+    let nonce = match read_frame::<_, ToWorker>(&mut rd, PREAUTH_MAX_FRAME).await {
         Ok(Some(ToWorker::Challenge { nonce })) => nonce,
         Ok(other) => {
             return Err(AgentError::Protocol(format!(
@@ -420,15 +441,30 @@ pub async fn fetch_job(
         }
         Err(e) => return Err(unreachable(&e)),
     };
-    let proof = auth::prove(job_token, &nonce);
-    write_frame(&mut wr, &FromWorker::Hello { proof }, max_frame)
+    let mine = auth::nonce();
+    let hello = FromWorker::Hello {
+        role,
+        nonce: mine,
+        proof: auth::prove(job_token.expose(), role, &nonce),
+    };
+    write_frame(&mut wr, &hello, PREAUTH_MAX_FRAME)
         .await
         .map_err(|e| unreachable(&e))?;
     match read_frame::<_, ToWorker>(&mut rd, max_frame).await {
         Ok(Some(ToWorker::Job {
             world,
             model_config,
-        })) => Ok((world, model_config)),
+            proof,
+        })) => {
+            if auth::check_answer(job_token.expose(), role, &mine, &nonce, &proof) {
+                Ok((world, model_config))
+            } else {
+                Err(AgentError::Protocol(format!(
+                    "the controller at {controller} did not prove it holds the {role} secret \
+                     (an impostor, or another job's controller)"
+                )))
+            }
+        }
         Ok(Some(ToWorker::Rejected { reason })) => Err(AgentError::Protocol(format!(
             "the controller refused the proof: {reason}"
         ))),

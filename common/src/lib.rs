@@ -16,6 +16,7 @@ pub mod fabric;
 pub mod fp8_recipe;
 pub mod program;
 pub mod protocol;
+pub mod secret;
 
 pub use dtype::DType;
 pub use fp8_recipe::Fp8Recipe;

@@ -27,6 +27,15 @@ pub struct OutcomeLabels {
     pub outcome: String,
 }
 
+/// Labels of refused connections.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RefusedLabels {
+    /// Why: `preauth_cap` (too many unauthenticated connections), `auth` (no proof of the
+    /// role's secret, or a frame before it), `timeout` (no proof in time), `role` (registered
+    /// as another role than it proved), `registration` (the coordinator refused).
+    pub reason: String,
+}
+
 /// The controller's metrics.
 #[derive(Debug)]
 pub struct Metrics {
@@ -36,6 +45,7 @@ pub struct Metrics {
     bytes: Counter,
     worker_gbps: Family<WorkerLabels, Gauge<f64, AtomicU64>>,
     worker_bytes: Family<WorkerLabels, Counter>,
+    refused: Family<RefusedLabels, Counter>,
 }
 
 impl Default for Metrics {
@@ -80,7 +90,14 @@ impl Metrics {
             "Bytes each worker wrote or received in committed syncs",
             worker_bytes.clone(),
         );
+        let refused = Family::<RefusedLabels, Counter>::default();
+        registry.register(
+            "control_connections_refused",
+            "Control connections refused before or at registration, by reason",
+            refused.clone(),
+        );
         Metrics {
+            refused,
             registry,
             sync_duration,
             syncs,
@@ -117,6 +134,24 @@ impl Metrics {
                 }
             }
         }
+    }
+
+    /// Counts a control connection refused for `reason` (see [`RefusedLabels`]).
+    pub fn refused(&self, reason: &str) {
+        self.refused
+            .get_or_create(&RefusedLabels {
+                reason: reason.into(),
+            })
+            .inc();
+    }
+
+    /// How many control connections were refused for `reason`.
+    pub fn refused_count(&self, reason: &str) -> u64 {
+        self.refused
+            .get_or_create(&RefusedLabels {
+                reason: reason.into(),
+            })
+            .get()
     }
 
     /// The OpenMetrics text.

@@ -24,22 +24,28 @@ use crate::coordinator::{ConnId, Coordinator, CoordinatorConfig, Effects, Now, P
 use crate::metrics::Metrics;
 use crate::planning::{AssignmentError, Planner};
 use crate::state_file::{StateFile, StateFileError};
+use crate::secrets::ControllerSecrets;
+use weightsync_common::secret::Secret;
 
 /// Controller settings beyond the coordinator's.
 #[derive(Debug, Clone)]
 pub struct ControllerConfig {
     /// Membership, timeouts, history.
     pub coordinator: CoordinatorConfig,
-    /// Job token workers must prove they know (never sent, never shown).
-    pub job_token: String,
-    /// Bearer token for mutating HTTP endpoints.
-    pub api_token: String,
+    /// The credentials of each role (never sent, never shown).
+    pub secrets: ControllerSecrets,
     /// Largest control frame accepted.
     pub max_frame: u32,
     /// How often timeouts are checked.
     pub tick: Duration,
     /// How long a new connection may take to authenticate and register.
     pub handshake_timeout: Duration,
+    /// Control connections that have not yet proved a secret, at most, in all.
+    pub max_unauthenticated: usize,
+    /// Of those, from one IP address.
+    pub max_unauthenticated_per_ip: usize,
+    /// Bounds of the HTTP server (connections, header timeout).
+    pub http_limits: crate::http_server::HttpLimits,
     /// Whether workers are told to exit when the controller shuts down (the demo does this).
     pub shutdown_workers: bool,
     /// The text of the model's `config.json` when the job's model names a file (read once at
@@ -57,8 +63,8 @@ impl ControllerConfig {
     /// report fails a sync.
     pub fn for_job(
         world: WorldSpec,
-        job_token: String,
-        api_token: String,
+        job_token: Secret,
+        api_token: Secret,
         heartbeat_timeout: Duration,
         sync_timeout: Duration,
         history: usize,
@@ -91,12 +97,15 @@ impl ControllerConfig {
         Ok(cfg)
     }
 
-    /// Defaults for everything but the job.
-    pub fn new(coordinator: CoordinatorConfig, job_token: String, api_token: String) -> Self {
+    /// Defaults for everything but the job, with one secret for every worker role
+    /// ([`ControllerSecrets::shared`]); set [`ControllerConfig::secrets`] for one per role.
+    pub fn new(coordinator: CoordinatorConfig, job_token: Secret, api_token: Secret) -> Self {
         ControllerConfig {
             coordinator,
-            job_token,
-            api_token,
+            secrets: ControllerSecrets::shared(job_token, api_token),
+            max_unauthenticated: 512,
+            max_unauthenticated_per_ip: 64,
+            http_limits: Default::default(),
             max_frame: DEFAULT_MAX_FRAME,
             tick: Duration::from_millis(100),
             handshake_timeout: Duration::from_secs(10),

@@ -65,7 +65,7 @@ impl EngineCore {
         worker_id: Option<String>,
     ) -> PyResult<Self> {
         let opts = EngineOptions {
-            job_token,
+            job_token: job_token.map(Into::into),
             listen,
             worker_id,
             ..EngineOptions::new(controller, rank)

@@ -36,7 +36,7 @@ impl TrainerCore {
         run: u64,
     ) -> PyResult<Self> {
         let opts = TrainerOptions {
-            job_token,
+            job_token: job_token.map(Into::into),
             listen,
             worker_id,
             run,

@@ -9,6 +9,7 @@ use tokio::runtime::Runtime;
 use weightsync_common::DType;
 use weightsync_common::fabric::Fabric;
 use weightsync_common::protocol::{FromWorker, TensorMeta, WorkerId, WorldSpec};
+use weightsync_common::secret::Secret;
 use weightsync_schedules::job;
 use weightsync_worker::{ArenaTensor, SourceError, SyncReport, TensorSet, shard_names};
 
@@ -26,7 +27,7 @@ pub struct TrainerOptions {
     /// Training rank.
     pub rank: u32,
     /// Job token (default: `$WEIGHTSYNC_JOB_TOKEN`, else none).
-    pub job_token: Option<String>,
+    pub job_token: Option<Secret>,
     /// Fabric listen address (default `127.0.0.1:0`).
     pub listen: Option<String>,
     /// Worker id (default `trainer-{rank}`).
@@ -166,11 +167,11 @@ impl TrainerHandle {
         let id = WorkerId::trainer(opts.rank);
         let reach = Reach::new(
             &opts.controller,
-            opts.job_token.as_deref(),
+            opts.job_token.as_ref(),
             opts.listen.as_deref(),
             id,
             opts.worker_id.as_deref(),
-        );
+        )?;
         let st = start(&reach)?;
         let declared = job::is_declared(&st.world, st.model_config.as_deref());
         let (layout, expected) = if declared {

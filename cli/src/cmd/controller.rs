@@ -105,8 +105,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     };
     let mut cfg = ControllerConfig::for_job(
         world,
-        env_token("WEIGHTSYNC_JOB_TOKEN")?,
-        env_token("WEIGHTSYNC_API_TOKEN")?,
+        env_token("WEIGHTSYNC_JOB_TOKEN")?.into(),
+        env_token("WEIGHTSYNC_API_TOKEN")?.into(),
         Duration::from_millis(
             s.heartbeat_timeout_ms
                 .or(file.heartbeat_timeout_ms)

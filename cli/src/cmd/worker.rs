@@ -198,7 +198,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         bail!("--demo-check-seed is a rollout's setting, not a trainer's");
     }
     let demo_source = demo.source_seed.map(DemoSource::new);
-    let token = std::env::var("WEIGHTSYNC_JOB_TOKEN").ok();
+    let token = weightsync_agent::config::role_secret(role, &|k| std::env::var(k).ok())?;
     let resolved = resolve_with_source(
         role,
         settings,

@@ -310,6 +310,9 @@ pub enum ToWorker {
         /// The text of the model's `config.json` when [`WorldSpec::model`] names a file the
         /// controller read (`None` for a preset).
         model_config: Option<String>,
+        /// The controller's proof that it holds the role's secret, over the worker's nonce
+        /// ([`crate::protocol::auth::answer`]); the worker checks it before registering.
+        proof: [u8; 32],
     },
     /// Registration refused; the connection closes.
     Rejected {
@@ -398,8 +401,13 @@ pub enum ToWorker {
 /// Worker to controller.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum FromWorker {
-    /// Answer to the challenge: keyed hash of the nonce with the job token.
+    /// Answer to the challenge: the role the worker claims, a nonce of its own for the
+    /// controller to answer, and a keyed hash of the controller's nonce under the role's secret.
     Hello {
+        /// The role whose secret the proof is under; the registration must be of this role.
+        role: WorkerRole,
+        /// Random bytes the controller must answer (mutual authentication).
+        nonce: [u8; 32],
         /// blake3 keyed MAC, see [`crate::protocol::auth`].
         proof: [u8; 32],
     },

@@ -2,7 +2,8 @@
 //!
 //! [`app`] builds the whole router from the shared state, so tests drive it with tower's
 //! `oneshot` and no socket. Mutating endpoints take `Authorization: Bearer <api token>`; reads are
-//! open, and no response carries an rkey, a fabric endpoint or a token.
+//! open unless the controller has a read-only token (then they need it or the API token;
+//! `/healthz` stays open), and no response carries an rkey, a fabric endpoint or a token.
 //!
 //! | method | path | what |
 //! |---|---|---|
@@ -59,6 +60,10 @@ pub fn app(state: AppState) -> Router {
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(MAX_BODY))
         .layer(axum::middleware::from_fn(refuse_announced_oversize))
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            require_read_token,
+        ))
         .layer(TimeoutLayer::with_status_code(
             StatusCode::REQUEST_TIMEOUT,
             wait_budget,
@@ -102,6 +107,43 @@ async fn method_not_allowed() -> Response {
 }
 
 fn require_token(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
+    let presented = bearer(headers)?;
+    if !same_secret(presented, &state.config().secrets.api) {
+        return Err(ApiError::Unauthorized("wrong bearer token".into()));
+    }
+    Ok(())
+}
+
+/// Compares hashes: constant time, and lengths do not leak.
+fn same_secret(presented: &str, secret: &weightsync_common::secret::Secret) -> bool {
+    blake3::hash(presented.trim().as_bytes()) == blake3::hash(secret.expose().as_bytes())
+}
+
+/// When the controller has a read-only token, every route but `/healthz` needs it (or the API
+/// token); without one the views are open, as before.
+async fn require_read_token(
+    State(state): State<AppState>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if let Some(read) = &state.config().secrets.read
+        && req.uri().path() != "/healthz"
+    {
+        let ok = bearer(req.headers()).is_ok_and(|presented| {
+            same_secret(presented, read) || same_secret(presented, &state.config().secrets.api)
+        });
+        if !ok {
+            return ApiError::Unauthorized(
+                "this controller's views need `Authorization: Bearer <read-only or API token>`"
+                    .into(),
+            )
+            .into_response();
+        }
+    }
+    next.run(req).await
+}
+
+fn bearer(headers: &HeaderMap) -> Result<&str, ApiError> {
     let Some(value) = headers.get(header::AUTHORIZATION) else {
         return Err(ApiError::Unauthorized(
             "missing Authorization: Bearer <token> header".into(),
@@ -112,13 +154,7 @@ fn require_token(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> 
         .ok()
         .and_then(|v| v.strip_prefix("Bearer "))
         .ok_or_else(|| ApiError::Unauthorized("Authorization must be `Bearer <token>`".into()))?;
-    // Compare hashes: constant time, and lengths do not leak.
-    if blake3::hash(presented.trim().as_bytes())
-        != blake3::hash(state.config().api_token.as_bytes())
-    {
-        return Err(ApiError::Unauthorized("wrong bearer token".into()));
-    }
-    Ok(())
+    Ok(presented)
 }
 
 /// Body of `POST /v1/syncs`.

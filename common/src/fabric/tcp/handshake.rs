@@ -20,7 +20,7 @@
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::same_host::{
     ANSWER_LEN, ANSWER_NO, ANSWER_YES, Declined, OFFER_LEN, PullOffer, WriterProcess,
@@ -236,6 +236,69 @@ pub fn server_handshake(
     allow_pulls: bool,
 ) -> Result<Accepted> {
     let after = stream.read_timeout().ok().flatten().unwrap_or_default();
+    serve_handshake(stream, key, peer, allow_pulls, after)
+}
+
+/// [`server_handshake`] with one deadline for the whole exchange: a peer that trickles its
+/// bytes (one every few seconds) is cut when `limit` has passed since the start, however many
+/// reads it took, so an unauthenticated peer holds a handshake slot for at most `limit`.
+pub fn server_handshake_within(
+    stream: &TcpStream,
+    key: &[u8; 32],
+    peer: &Endpoint,
+    allow_pulls: bool,
+    limit: Duration,
+) -> Result<Accepted> {
+    let mut bounded = WithDeadline {
+        stream,
+        deadline: Instant::now() + limit,
+    };
+    serve_handshake(&mut bounded, key, peer, allow_pulls, limit)
+}
+
+/// A stream whose every read and write fails once its deadline has passed.
+struct WithDeadline<'a> {
+    stream: &'a TcpStream,
+    deadline: Instant,
+}
+
+impl WithDeadline<'_> {
+    fn remaining(&self) -> std::io::Result<Duration> {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            Err(std::io::ErrorKind::TimedOut.into())
+        } else {
+            Ok(left)
+        }
+    }
+}
+
+impl Read for WithDeadline<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        self.stream.set_read_timeout(Some(self.remaining()?))?;
+        let mut s = self.stream;
+        s.read(buf)
+    }
+}
+
+impl Write for WithDeadline<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.stream.set_write_timeout(Some(self.remaining()?))?;
+        let mut s = self.stream;
+        s.write(buf)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+fn serve_handshake<S: Read + Write>(
+    stream: &mut S,
+    key: &[u8; 32],
+    peer: &Endpoint,
+    allow_pulls: bool,
+    after: Duration,
+) -> Result<Accepted> {
     let mut b = [0u8; CLIENT_HELLO_LEN];
     stream
         .read_exact(&mut b)
@@ -308,6 +371,36 @@ pub fn server_handshake(
 mod tests {
     use super::*;
     use std::net::TcpListener;
+
+    #[test]
+    fn a_trickling_client_is_cut_at_the_deadline() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let key = crate::fabric::JobToken("t".into()).handshake_key();
+        let server = std::thread::spawn(move || {
+            let (s, _) = listener.accept().unwrap();
+            let start = Instant::now();
+            let r = server_handshake_within(
+                &s,
+                &key,
+                &"client".into(),
+                false,
+                Duration::from_millis(300),
+            );
+            (r, start.elapsed())
+        });
+        let mut c = TcpStream::connect(addr).unwrap();
+        // One byte every 100 ms: each read is quick, the whole hello would take 5 s.
+        for _ in 0..10 {
+            if c.write_all(b"W").is_err() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let (r, took) = server.join().unwrap();
+        assert!(matches!(r, Err(FabricError::Timeout { .. })), "{r:?}");
+        assert!(took < Duration::from_millis(900), "took {took:?}");
+    }
 
     fn pair_with(
         client_token: &str,

@@ -82,6 +82,7 @@ pub(super) struct Counters {
     lanes_opened: AtomicU64,
     lane_failures: AtomicU64,
     auth_failures: AtomicU64,
+    preauth_dropped: AtomicU64,
     frames_sent: AtomicU64,
     bytes_sent: AtomicU64,
     frames_received: AtomicU64,
@@ -100,6 +101,9 @@ pub struct TcpStats {
     pub lane_failures: u64,
     /// Inbound connections refused by the handshake.
     pub auth_failures: u64,
+    /// Inbound connections closed before their handshake because too many unauthenticated ones
+    /// were waiting (in all, or from their address).
+    pub preauth_dropped: u64,
     /// Frames sent.
     pub frames_sent: u64,
     /// Bytes sent (headers included).
@@ -235,6 +239,7 @@ impl TcpFabric {
             lanes_opened: get(&c.lanes_opened),
             lane_failures: get(&c.lane_failures),
             auth_failures: get(&c.auth_failures),
+            preauth_dropped: get(&c.preauth_dropped),
             frames_sent: get(&c.frames_sent),
             bytes_sent: get(&c.bytes_sent),
             frames_received: get(&c.frames_received),
