@@ -11,8 +11,10 @@ and transformers' ``save_pretrained`` writes the same names the trainer's
 weights.
 
 Floating-point tensors are declared in the dtype vLLM serves (``--dtype``: what its loader casts
-to), whatever the checkpoint stores; others keep the checkpoint's dtype. A job whose trainers
-hold another dtype is then refused by the controller naming the tensor, before a byte moves.
+to), whatever the checkpoint stores, except fp8 weights and their scales (``*_scale_inv``,
+``*_scale``: f32 in an fp8 checkpoint, whatever vLLM serves), which keep the checkpoint's dtype.
+A job whose trainers hold another dtype is then refused by the controller naming the tensor,
+before a byte moves.
 """
 
 from __future__ import annotations
@@ -64,14 +66,14 @@ def _read_header(path: str) -> dict[str, dict[str, object]]:
         size = int.from_bytes(f.read(8), "little")
         if size <= 0 or size > 100 * 1024 * 1024:
             raise ValueError(f"{path}: not a safetensors file (header length {size})")
-        header = json.loads(f.read(size))
+        header: dict[str, dict[str, object]] = json.loads(f.read(size))
     header.pop("__metadata__", None)
     return header
 
 
 def checkpoint_tensors(folder: str, served_dtype: str) -> list[CheckpointTensor]:
     """Every tensor of the safetensors files in ``folder`` (sorted by name), floating-point ones
-    in ``served_dtype`` (a job dtype name: ``bf16``, ``f16``, ``f32``).
+    but fp8 scales in ``served_dtype`` (a job dtype name: ``bf16``, ``f16``, ``f32``).
 
     Raises:
         FileNotFoundError: the folder holds no ``*.safetensors`` file.
@@ -91,5 +93,6 @@ def checkpoint_tensors(folder: str, served_dtype: str) -> list[CheckpointTensor]
             if name in found:
                 raise ValueError(f"tensor {name} is in two checkpoint files ({path} and another)")
             shape = tuple(int(d) for d in info["shape"])  # type: ignore[attr-defined]
-            found[name] = CheckpointTensor(name, served_dtype if dtype in _FLOATING else dtype, shape)
+            cast = dtype in _FLOATING and not name.endswith(("_scale_inv", "_scale"))
+            found[name] = CheckpointTensor(name, served_dtype if cast else dtype, shape)
     return [found[n] for n in sorted(found)]
