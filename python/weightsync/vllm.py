@@ -40,7 +40,11 @@ Two landing modes (``init_info["mode"]``):
   loader narrows to, and a mismatch is refused naming the tensor (``weightsync._vllm_shards``).
   ``format=hf`` keeps the embedding whole on every rank, as transformers does; vLLM splits it
   by vocabulary rows, so give the job ``embed=vocab`` (``--infer tp=N,format=hf,embed=vocab``)
-  and each rank receives only its rows (a hint is logged at init when it would).
+  and each rank receives only its rows (a hint is logged at init when it would). For a
+  *declared* model (an architecture the planner has no family for: the controller plans from
+  what the workers declare) the arena is the checkpoint's tensors, whole, by the names of the
+  safetensors files vLLM loaded (``weightsync._checkpoint``), declared to the controller;
+  ``init_info["skip"]`` names checkpoint tensors no trainer holds.
 - ``direct`` (job ``format=fused``, vLLM's own parameter names): the writes go straight into
   vLLM's parameters. Only when those are what the kernels read: a parameter emptied by
   kernel packing (``numel() == 0``, e.g. the CPU backend's oneDNN handles on AVX-512 hosts) is
@@ -76,6 +80,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
+from ._checkpoint import CheckpointTensor, checkpoint_folder, checkpoint_tensors
 from ._landing import ArenaNotCommitted, LandingGate
 from ._update import drive
 from .client import Client
@@ -108,7 +113,9 @@ class WeightsyncInitInfo(WeightTransferInitInfo):
     rank within the engine; default: the worker's global rank);
     ``job_token`` / ``listen`` / ``worker_id`` as for :class:`weightsync.Engine`;
     ``landing_wait_s``: how long a direct-mode landing waits for ``update_weights`` to pause
-    the engine before it fails the sync."""
+    the engine before it fails the sync; ``skip``: for a declared model (an architecture the
+    planner has no family for), checkpoint tensors this engine takes nothing of (none of the
+    trainers holds them), as :meth:`weightsync.Engine.register`'s ``skip``."""
 
     controller: str = ""
     mode: str = "staged"
@@ -117,6 +124,7 @@ class WeightsyncInitInfo(WeightTransferInitInfo):
     listen: str | None = None
     worker_id: str | None = None
     landing_wait_s: float = 300.0
+    skip: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -189,7 +197,14 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
                         listen=init_info.listen, worker_id=init_info.worker_id,
                         before_landing=self.gate.before_landing, after_commit=self.gate.after_commit)
         try:
-            if self.mode == "staged":
+            if self.mode == "staged" and engine.declared:
+                # No planned layout: declare the checkpoint's tensors, whole (vLLM's loader
+                # takes them by the checkpoint's names and cuts its own shards).
+                self.arena = {t.name: torch.empty(t.shape, dtype=torch_dtype(t.dtype))
+                              for t in self._checkpoint_layout()}
+                engine.register(self.arena, format="hf", skip=init_info.skip)
+                self.sharded = {}
+            elif self.mode == "staged":
                 layout = engine.layout()
                 sharded = check_boxes(self.model, layout, engine.worker_id, pc.tensor_parallel_size)
                 _hint_whole_embedding(layout, engine.worker_id, pc.tensor_parallel_size)
@@ -208,6 +223,16 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
                              "registration": self.epochs, "tp": pc.tensor_parallel_size,
                              "tensors": len(self.arena) if self.mode == "staged" else None,
                              "sharded": len(self.sharded) if self.mode == "staged" else None}))
+
+    def _checkpoint_layout(self) -> list[CheckpointTensor]:
+        """A declared model's arena: the tensors of the checkpoint vLLM loaded (its
+        safetensors headers), floating-point ones in the dtype vLLM serves."""
+        mc = self.model_config
+        served = next((n for n, d in _DTYPES.items() if d == mc.dtype), None)
+        if served is None:
+            raise ValueError(f"vLLM serves dtype {mc.dtype}, which weightsync does not move")
+        folder = checkpoint_folder(mc.model, getattr(mc, "revision", None))
+        return checkpoint_tensors(folder, served)
 
     # ---- sleep / wake ---------------------------------------------------------------------
 
