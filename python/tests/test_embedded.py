@@ -317,6 +317,45 @@ def test_cuda_tensors_go_through_the_same_register_call(tmp_path: Path, procs: P
     t.close()
 
 
+class FakeCudaArray:
+    """A ``__cuda_array_interface__`` producer (numba, cupy) that is not a torch tensor."""
+
+    __cuda_array_interface__ = {"shape": (4, 8), "typestr": "<f2", "data": (0x7F00_0000_0000, False),
+                                "version": 3}
+
+
+def test_engine_cuda_destinations_are_refused_by_name(tmp_path: Path, procs: Procs) -> None:
+    """What this machine can show of CUDA destinations (no GPU, no CUDA tensor can be made):
+    duck-typed CUDA tensors as an engine's destinations are refused before any byte moves, the
+    error naming the tensor and why (this build has no `cuda`; a `cuda` build: not wired into
+    Engine.register yet). Not shown here: a real torch CUDA tensor, a cuda build's wheel."""
+    torch = pytest.importorskip("torch")
+    from weightsync import _native
+
+    for obj in (FakeCudaTensor((4, 8)), FakeCudaArray()):
+        with pytest.raises(ValueError, match="CUDA tensor .*as a destination") as e:
+            _native.tensor_info(obj, None, True)
+        assert "no CUDA support" in str(e.value) or "not wired" in str(e.value), e.value
+    c = controller(tmp_path, procs)
+    e = weightsync.Engine(c.control, 0, job_token=c.job_token)
+    try:
+        layout = e.layout()
+        dt = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
+        tensors = {t.name: torch.zeros(t.shape, dtype=dt[t.dtype]) for t in layout}
+        first = layout[0].name
+        tensors[first] = FakeCudaTensor(tuple(layout[0].shape))
+        with pytest.raises(weightsync.RegistrationError, match="on cuda:0") as err:
+            e.register(tensors)
+        assert err.value.tensor == first and first in str(err.value), err.value
+        assert "no CUDA support" in str(err.value) or "not wired" in str(err.value), err.value
+        # meta tensors (shape without memory) are refused by their device too.
+        tensors[first] = torch.empty(tuple(layout[0].shape), dtype=torch.bfloat16, device="meta")
+        with pytest.raises(weightsync.RegistrationError, match="meta"):
+            e.register(tensors)
+    finally:
+        e.close()
+
+
 def test_moved_tensor_is_refused_by_name(tmp_path: Path, procs: Procs) -> None:
     torch = pytest.importorskip("torch")
     c = controller(tmp_path, procs)

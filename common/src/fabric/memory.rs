@@ -11,6 +11,7 @@ use std::alloc::Layout;
 use std::ptr::NonNull;
 
 use super::error::{FabricError, Result};
+use super::shared_memory::SharedMemory;
 
 /// Page size used for owned buffers (NICs and `MAP_*` pinning work on pages).
 pub const PAGE_SIZE: usize = 4096;
@@ -342,6 +343,9 @@ pub enum Memory {
     Owned(PageAlignedBuffer),
     /// A range the caller keeps alive.
     Raw(RawMemory),
+    /// A sealed `memfd` the registration owns, which a same-host receiver may map through a
+    /// descriptor this process hands it ([`SharedMemory`]; the TCP backend's sources).
+    Shared(SharedMemory),
 }
 
 impl Memory {
@@ -355,11 +359,28 @@ impl Memory {
         Ok(Memory::Owned(PageAlignedBuffer::with_pages(len, pages)?))
     }
 
+    /// Allocates `len` zeroed bytes of shared memory (a sealed `memfd` named `name`), which a
+    /// same-host peer may map ([`SharedMemory`]).
+    pub fn alloc_shared(name: &str, len: usize) -> Result<Memory> {
+        SharedMemory::create(name, len)
+            .map(Memory::Shared)
+            .map_err(|e| FabricError::io(format!("allocating {len} bytes of shared memory"), e))
+    }
+
+    /// The shared memory behind it, if it is shared ([`Memory::Shared`]).
+    pub fn shared(&self) -> Option<&SharedMemory> {
+        match self {
+            Memory::Shared(m) => Some(m),
+            _ => None,
+        }
+    }
+
     /// Pointer to the first byte.
     pub fn as_ptr(&self) -> *mut u8 {
         match self {
             Memory::Owned(b) => b.as_ptr(),
             Memory::Raw(r) => r.as_ptr(),
+            Memory::Shared(m) => m.as_ptr(),
         }
     }
 
@@ -368,6 +389,7 @@ impl Memory {
         match self {
             Memory::Owned(b) => b.len(),
             Memory::Raw(r) => r.len(),
+            Memory::Shared(m) => m.len(),
         }
     }
 
@@ -379,7 +401,7 @@ impl Memory {
     /// Where the memory lives.
     pub fn location(&self) -> MemoryLocation {
         match self {
-            Memory::Owned(_) => MemoryLocation::Host,
+            Memory::Owned(_) | Memory::Shared(_) => MemoryLocation::Host,
             Memory::Raw(r) => r.location(),
         }
     }

@@ -56,12 +56,13 @@ pub mod limit;
 mod memory;
 mod op;
 mod region;
+pub mod shared_memory;
 mod stride;
 pub mod tcp;
 #[cfg(feature = "rdma")]
 pub mod verbs;
 
-pub use config::{BackendKind, FabricConfig, GidFamily, JobToken, VerbsConfig};
+pub use config::{BackendKind, FabricConfig, GidFamily, JobToken, SameHostPath, VerbsConfig};
 pub use descriptor::{Access, Endpoint, RegionDescriptor};
 pub use error::{FabricError, RemoteAccessKind, Result};
 pub use imm_counter::{ImmCounter, ImmStats, ImmWait};

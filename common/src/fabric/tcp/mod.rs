@@ -33,13 +33,17 @@
 //! writer's memory itself, once ([`same_host`]): the writer sends a PULL frame (header only,
 //! naming its source address) and keeps the source pinned until the completion; the receiver
 //! checks the frame exactly as a payload frame and lands it with `process_vm_readv` instead of
-//! `recv`. One copy instead of the two of a loopback socket.
+//! `recv`. One copy instead of the two of a loopback socket. Where the kernel refuses this
+//! receiver ptrace access to the writer (containers, Yama, a non-dumpable writer), the writer's
+//! sources, which this backend allocates as sealed `memfd`s, are handed over by descriptor on a
+//! UNIX socket and the receiver copies out of its own mapping of them (`shared_pulls`): still one
+//! copy, no ptrace. [`TcpStats::bytes_shared`] counts those bytes.
 //!
 //! Layout: [`frame`] (wire format), [`handshake`] (authentication), `registry` (rkey table),
 //! `receiver` (inbound lanes), `inbound` (reading one inbound lane), `peer` (the lanes to one
 //! peer and their queues), `lane` (one outbound lane), `addresses` (local addresses and
 //! multi-address endpoints), `socket` (the raw socket calls), [`same_host`] (pull offers and
-//! the cross-process copy).
+//! the cross-process copy), `shared_pulls` (pulls from memory shared by descriptor).
 
 mod addresses;
 #[cfg(test)]
@@ -52,6 +56,7 @@ mod peer;
 mod receiver;
 mod registry;
 pub mod same_host;
+mod shared_pulls;
 mod socket;
 
 use std::collections::HashMap;
@@ -87,6 +92,7 @@ pub(super) struct Counters {
     frames_received: AtomicU64,
     bytes_received: AtomicU64,
     bytes_pulled: AtomicU64,
+    bytes_shared: AtomicU64,
     pull_calls: AtomicU64,
     refused: AtomicU64,
 }
@@ -111,6 +117,10 @@ pub struct TcpStats {
     /// Of `bytes_received`, those this process copied out of a same-host writer's memory
     /// itself (PULL frames, see [`same_host`]) rather than read from a socket.
     pub bytes_pulled: u64,
+    /// Of `bytes_pulled`, those copied out of a writer's memory shared by file descriptor
+    /// (lanes whose receiver the kernel refused ptrace access to the writer, or
+    /// [`SameHostPath::Shared`](super::SameHostPath)); the rest were `process_vm_readv` copies.
+    pub bytes_shared: u64,
     /// Copies out of same-host writers (`process_vm_readv` calls) that landed them: fewer than
     /// the PULL frames landed when runs of them arrive together and land at once.
     pub pull_calls: u64,
@@ -240,6 +250,7 @@ impl TcpFabric {
             frames_received: get(&c.frames_received),
             bytes_received: get(&c.bytes_received),
             bytes_pulled: get(&c.bytes_pulled),
+            bytes_shared: get(&c.bytes_shared),
             pull_calls: get(&c.pull_calls),
             refused: get(&c.refused),
         }
@@ -437,6 +448,24 @@ impl FabricBackend for TcpFabric {
             .shared
             .expected_peers
             .store(peers, Ordering::Relaxed);
+    }
+
+    /// Sources are shared memory (a sealed `memfd`) when same-host transfers are on: a
+    /// receiver on this host that may not read this process with `process_vm_readv` maps them
+    /// instead (`shared_pulls`). Where no memfd can be made, anonymous memory as elsewhere.
+    fn alloc(&self, len: usize, access: Access) -> Result<Region> {
+        let config = &self.inner.shared.config;
+        if access == Access::SOURCE
+            && len > 0
+            && config.same_host
+            && config.same_host_path != super::SameHostPath::Ptrace
+        {
+            match Memory::alloc_shared("weightsync-source", len) {
+                Ok(m) => return self.register(m, access),
+                Err(e) => tracing::debug!(error = %e, "no shared memory for a source"),
+            }
+        }
+        self.register(Memory::alloc_on(len, self.page_size(access))?, access)
     }
 
     fn register(&self, memory: Memory, access: Access) -> Result<Region> {

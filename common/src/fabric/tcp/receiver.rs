@@ -28,9 +28,10 @@ use std::sync::atomic::Ordering;
 use super::Shared;
 use super::frame::HEADER_LEN;
 use super::frame::{Completion, FrameHeader};
-use super::handshake::{Accepted, server_handshake};
+use super::handshake::{Accepted, server_handshake_same_host};
 use super::inbound::{AHEAD, InboundLane, Landing, PullRange};
 use super::same_host::{PULL_RUN, PULL_RUN_BYTES};
+use super::shared_pulls::PullSource;
 use super::socket::{IoFail, LaneSocket, Readiness, wait_fd};
 use crate::fabric::descriptor::Endpoint;
 use crate::fabric::error::RemoteAccessKind;
@@ -86,8 +87,11 @@ fn serve_lane(stream: TcpStream, peer: Endpoint, local: usize, shared: Arc<Share
         return;
     }
     let mut stream = stream;
-    let accepted = match server_handshake(&mut stream, &shared.key, &peer, shared.config.same_host)
-    {
+    let path = shared
+        .config
+        .same_host
+        .then_some(shared.config.same_host_path);
+    let accepted = match server_handshake_same_host(&mut stream, &shared.key, &peer, path) {
         Ok(a) => a,
         Err(e) => {
             shared.stats.auth_failures.fetch_add(1, Ordering::Relaxed);
@@ -102,7 +106,12 @@ fn serve_lane(stream: TcpStream, peer: Endpoint, local: usize, shared: Arc<Share
             return;
         }
     };
-    tracing::debug!(%peer, pulls = accepted.writer.is_some(), "inbound lane up");
+    let path = match (&accepted.writer, &accepted.shared) {
+        (Some(_), _) => "ptrace",
+        (None, Some(_)) => "shared_memory",
+        (None, None) => "payloads",
+    };
+    tracing::debug!(%peer, path, "inbound lane up");
     match receive_frames(&sock, accepted, local, &shared) {
         Ok(()) | Err(IoFail::Shutdown) => tracing::debug!(%peer, "inbound lane closed"),
         Err(IoFail::PeerReset) => {
@@ -122,17 +131,19 @@ fn receive_frames(
     local: usize,
     shared: &Shared,
 ) -> Result<(), IoFail> {
-    let read_ahead = if accepted.writer.is_some() {
-        AHEAD
-    } else {
-        HEADER_LEN
+    let mut source = match (accepted.writer, accepted.shared) {
+        (Some(w), _) => Some(PullSource::Process(w)),
+        (None, Some(s)) => Some(PullSource::Shared(s)),
+        (None, None) => None,
     };
+    let read_ahead = if source.is_some() { AHEAD } else { HEADER_LEN };
     let mut lane = InboundLane::new(sock, shared, read_ahead);
     let mut ledger = Ledger {
         instance: accepted.instance,
         local,
         since_signal: 0,
         first_error: None,
+        shared_memory: source.as_ref().is_some_and(PullSource::is_shared),
     };
     // The PULL frames of one run: their headers, and where each lands and comes from.
     let mut run: Vec<FrameHeader> = Vec::with_capacity(PULL_RUN);
@@ -143,10 +154,10 @@ fn receive_frames(
             return Ok(());
         };
         let header = decode(&hdr)?;
-        let pull_from = match (header.source, accepted.writer) {
+        let pull_from = match (header.source, source.is_some()) {
             (None, _) => None,
-            (Some(source), Some(writer)) => Some((writer, source)),
-            (Some(_), None) => {
+            (Some(from), true) => Some(from),
+            (Some(_), false) => {
                 return Err(IoFail::Os(std::io::Error::new(
                     std::io::ErrorKind::InvalidData,
                     "a PULL frame on a lane that did not agree to same-host pulls",
@@ -170,7 +181,7 @@ fn receive_frames(
             }
             Ok(checked) => checked,
         };
-        let Some((writer, source)) = pull_from else {
+        let (Some(from), Some(writer)) = (pull_from, source.as_mut()) else {
             let landing = lane.land(&reg.memory, offset, header.len);
             let landing = landed_or_torn(landing, std::slice::from_ref(&header), sock, shared)?;
             if ledger.settle(&mut lane, &header, Some(landing), shared) {
@@ -185,7 +196,7 @@ fn receive_frames(
         ranges.push(PullRange {
             offset,
             len: header.len,
-            source,
+            source: from,
             stride: header.stride,
         });
         let mut bytes = header.len;
@@ -267,6 +278,8 @@ struct Ledger {
     since_signal: u32,
     /// The first refused frame since the last completion.
     first_error: Option<(RemoteAccessKind, u64, u64)>,
+    /// This lane's pulls copy out of the writer's shared memory (counted apart).
+    shared_memory: bool,
 }
 
 impl Ledger {
@@ -295,6 +308,12 @@ impl Ledger {
                         .stats
                         .bytes_pulled
                         .fetch_add(header.len, Ordering::Relaxed);
+                    if self.shared_memory {
+                        shared
+                            .stats
+                            .bytes_shared
+                            .fetch_add(header.len, Ordering::Relaxed);
+                    }
                 }
                 // What crossed this address: a pulled frame's bytes did not.
                 shared.local[self.local]
