@@ -161,6 +161,10 @@ pub struct SyncOutcome {
     pub seconds: f64,
     /// Per stage of this trainer's part, its span in seconds (first start to last end).
     pub stages: Vec<(String, f64)>,
+    /// How this trainer's bytes reached their receivers (`TransferPaths::name` names the path:
+    /// `payloads`, `process_vm_readv`, `shared_memory` or `mixed`); `None` where the fabric
+    /// does not count them.
+    pub paths: Option<weightsync_common::fabric::TransferPaths>,
 }
 
 /// Where an engine's weights stand.

@@ -495,6 +495,7 @@ impl PushHandle {
             direct_bytes: 0,
             seconds: at.saturating_duration_since(self.pushed).as_secs_f64(),
             stages: Vec::new(),
+            paths: None,
         };
         if let Some((rv, r)) = self.reports.lock().as_ref()
             && *rv == v
@@ -503,6 +504,7 @@ impl PushHandle {
             out.staged_bytes = r.staged_bytes;
             out.direct_bytes = r.direct_bytes;
             out.stages = stage_spans(r);
+            out.paths = r.paths;
         }
         out
     }

@@ -8,7 +8,9 @@
 //! maps it and copies out of the mapping, one copy as with a pull, while the ptrace check never
 //! runs. The descriptor is the capability: only a process the writer handed it to can map it.
 //!
-//! What this module is: the one `unsafe` place for it. [`SharedMemory`] owns a descriptor and
+//! What this module is: the one `unsafe` place for it, on `rustix`'s safe system-call wrappers
+//! (`memfd_create`, seals, `mmap`, `sendmsg`/`recvmsg` with `SCM_RIGHTS`; only mapping, unmapping
+//! and copying out of the mapping are `unsafe`). [`SharedMemory`] owns a descriptor and
 //! its mapping (created sealed against shrinking, so a reader's mapping can never lose pages
 //! under it and fault with `SIGBUS`; a descriptor received without that seal is refused), and
 //! [`send_with_fd`] / [`recv_with_fd`] move one descriptor with a few bytes of message.
@@ -18,13 +20,22 @@
 //! writer hands the descriptors over instead (`tcp::shared_pulls`).
 
 use std::io;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::io::{IoSlice, IoSliceMut};
+use std::mem::MaybeUninit;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::ptr::NonNull;
 
+use rustix::fs::{MemfdFlags, SealFlags};
+use rustix::mm::{Advice, MapFlags, ProtFlags};
+use rustix::net::{
+    RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags, SendAncillaryBuffer,
+    SendAncillaryMessage, SendFlags,
+};
+
 /// Seals a shared mapping must carry: neither side can shrink or grow it, so every mapped page
 /// stays backed for as long as any mapping lives.
-const SIZE_SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
+const SIZE_SEALS: SealFlags = SealFlags::SHRINK.union(SealFlags::GROW);
 
 /// Mappings from this size on are advised to use huge pages (as the fabric's anonymous sources).
 const HUGE_ADVICE_MIN: usize = 8 << 20;
@@ -55,33 +66,16 @@ impl SharedMemory {
                 "shared memory of 0 bytes",
             ));
         }
-        let cname = std::ffi::CString::new(name)
-            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a NUL in the memfd name"))?;
-        // SAFETY: `cname` is a valid NUL-terminated string for the duration of the call.
-        let raw = unsafe {
-            libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING)
-        };
-        if raw < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: `raw` is a descriptor memfd_create just returned, owned by nobody else.
-        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-        let size = libc::off_t::try_from(len)
-            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "size overflows off_t"))?;
-        // SAFETY: plain system calls on a descriptor this function owns.
-        if unsafe { libc::ftruncate(fd.as_raw_fd(), size) } != 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: as above; F_ADD_SEALS takes an int argument.
-        if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, SIZE_SEALS) } != 0 {
-            return Err(io::Error::last_os_error());
-        }
+        let fd = rustix::fs::memfd_create(name, MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)?;
+        rustix::fs::ftruncate(&fd, len as u64)?;
+        rustix::fs::fcntl_add_seals(&fd, SIZE_SEALS)?;
         let mem = Self::map(fd, len, true)?;
         if len >= HUGE_ADVICE_MIN {
             // Huge pages where the kernel's shmem policy takes advice (`shmem_enabled=advise`);
             // a refusal only leaves small pages.
             // SAFETY: advice on exactly the mapping just made.
-            unsafe { libc::madvise(mem.ptr.as_ptr().cast(), len, libc::MADV_HUGEPAGE) };
+            let _ =
+                unsafe { rustix::mm::madvise(mem.ptr.as_ptr().cast(), len, Advice::LinuxHugepage) };
         }
         Ok(mem)
     }
@@ -89,25 +83,17 @@ impl SharedMemory {
     /// Maps a descriptor received from a writer, read-only. Refused when it is not sealed
     /// against shrinking and growing (its owner could then take pages away under the mapping).
     pub fn from_fd(fd: OwnedFd) -> io::Result<SharedMemory> {
-        // SAFETY: plain system call on a descriptor this function owns.
-        let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
-        if seals < 0 {
-            return Err(io::Error::other(format!(
-                "the received descriptor is not a sealable memfd: {}",
-                io::Error::last_os_error()
-            )));
-        }
-        if seals & SIZE_SEALS != SIZE_SEALS {
+        let seals = rustix::fs::fcntl_get_seals(&fd).map_err(|e| {
+            io::Error::other(format!(
+                "the received descriptor is not a sealable memfd: {e}"
+            ))
+        })?;
+        if !seals.contains(SIZE_SEALS) {
             return Err(io::Error::other(
                 "the received memfd is not sealed against shrinking and growing",
             ));
         }
-        // SAFETY: an all-zero `stat` is a valid value for fstat to overwrite.
-        let mut st: libc::stat = unsafe { std::mem::zeroed() };
-        // SAFETY: `st` is a live, exclusively borrowed stat buffer.
-        if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
-            return Err(io::Error::last_os_error());
-        }
+        let st = rustix::fs::fstat(&fd)?;
         let len = usize::try_from(st.st_size)
             .ok()
             .filter(|&n| n > 0)
@@ -117,25 +103,15 @@ impl SharedMemory {
 
     fn map(fd: OwnedFd, len: usize, writable: bool) -> io::Result<SharedMemory> {
         let prot = if writable {
-            libc::PROT_READ | libc::PROT_WRITE
+            ProtFlags::READ | ProtFlags::WRITE
         } else {
-            libc::PROT_READ
+            ProtFlags::READ
         };
         // SAFETY: a fresh shared mapping of `len` bytes of a descriptor we own, at an address of
-        // the kernel's choosing; the size seals keep all of it backed (checked or set above).
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                prot,
-                libc::MAP_SHARED,
-                fd.as_raw_fd(),
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error());
-        }
+        // the kernel's choosing (no existing mapping is replaced); the size seals keep all of it
+        // backed (checked or set above).
+        let p =
+            unsafe { rustix::mm::mmap(std::ptr::null_mut(), len, prot, MapFlags::SHARED, &fd, 0) }?;
         let ptr = NonNull::new(p.cast::<u8>()).ok_or_else(|| io::Error::other("mmap gave NULL"))?;
         Ok(SharedMemory {
             fd,
@@ -207,7 +183,7 @@ impl SharedMemory {
 impl Drop for SharedMemory {
     fn drop(&mut self) {
         // SAFETY: unmaps exactly the mapping made in `map`, which nothing uses after this.
-        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
+        let _ = unsafe { rustix::mm::munmap(self.ptr.as_ptr().cast(), self.len) };
     }
 }
 
@@ -219,104 +195,67 @@ pub fn send_with_fd(sock: &UnixStream, data: &[u8], fd: BorrowedFd<'_>) -> io::R
             "a descriptor needs at least one byte of message",
         ));
     }
-    let raw = fd.as_raw_fd();
-    // SAFETY: CMSG_SPACE is a pure size computation.
-    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<libc::c_int>() as u32) } as usize;
-    let mut control = vec![0u8; space];
-    let mut iov = libc::iovec {
-        iov_base: data.as_ptr() as *mut libc::c_void,
-        iov_len: data.len(),
+    let fds = [fd];
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+    let mut control = SendAncillaryBuffer::new(&mut space);
+    if !control.push(SendAncillaryMessage::ScmRights(&fds)) {
+        return Err(io::Error::other(
+            "no room for a descriptor in the control buffer",
+        ));
+    }
+    let n = loop {
+        match rustix::net::sendmsg(
+            sock.as_fd(),
+            &[IoSlice::new(data)],
+            &mut control,
+            SendFlags::NOSIGNAL,
+        ) {
+            Ok(n) => break n,
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(e) => return Err(e.into()),
+        }
     };
-    // SAFETY: an all-zero msghdr is valid; the fields are set below.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control.as_mut_ptr().cast();
-    msg.msg_controllen = space as _;
-    // SAFETY: `msg` points at `control` (space for one int's cmsg), so CMSG_FIRSTHDR is non-null
-    // and its header and data lie inside `control`.
-    unsafe {
-        let c = libc::CMSG_FIRSTHDR(&msg);
-        (*c).cmsg_level = libc::SOL_SOCKET;
-        (*c).cmsg_type = libc::SCM_RIGHTS;
-        (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<libc::c_int>() as u32) as _;
-        std::ptr::write_unaligned(libc::CMSG_DATA(c).cast::<libc::c_int>(), raw);
+    // A stream socket takes the first byte with the descriptor; the rest, if short, goes without.
+    if n < data.len() {
+        use std::io::Write;
+        (&*sock).write_all(&data[n..])?;
     }
-    loop {
-        // SAFETY: `msg` describes live buffers (`data`, `control`) for the duration of the call.
-        let n = unsafe { libc::sendmsg(sock.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
-        if n >= 0 {
-            // A stream socket takes the first byte with the descriptor; the rest, if short, goes
-            // without it.
-            let n = n as usize;
-            if n < data.len() {
-                use std::io::Write;
-                (&*sock).write_all(&data[n..])?;
-            }
-            return Ok(());
-        }
-        let e = io::Error::last_os_error();
-        if e.kind() != io::ErrorKind::Interrupted {
-            return Err(e);
-        }
-    }
+    Ok(())
 }
 
 /// Receives up to `buf.len()` bytes and the descriptor sent with them, if any (`Ok((0, None))`
 /// at end of stream). A message carrying more than one descriptor is refused (all are closed).
 pub fn recv_with_fd(sock: &UnixStream, buf: &mut [u8]) -> io::Result<(usize, Option<OwnedFd>)> {
     // Room for a few descriptors, so a peer sending more is seen (and refused), not truncated.
-    // SAFETY: CMSG_SPACE is a pure size computation.
-    let space = unsafe { libc::CMSG_SPACE(4 * std::mem::size_of::<libc::c_int>() as u32) } as usize;
-    let mut control = vec![0u8; space];
-    let mut iov = libc::iovec {
-        iov_base: buf.as_mut_ptr().cast(),
-        iov_len: buf.len(),
-    };
-    // SAFETY: an all-zero msghdr is valid; the fields are set below.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control.as_mut_ptr().cast();
-    msg.msg_controllen = space as _;
-    let n = loop {
-        // SAFETY: `msg` describes live, exclusively borrowed buffers for the duration of the
-        // call; MSG_CMSG_CLOEXEC marks received descriptors close-on-exec.
-        let n = unsafe { libc::recvmsg(sock.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
-        if n >= 0 {
-            break n as usize;
-        }
-        let e = io::Error::last_os_error();
-        if e.kind() != io::ErrorKind::Interrupted {
-            return Err(e);
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(4))];
+    let mut control = RecvAncillaryBuffer::new(&mut space);
+    let got = loop {
+        match rustix::net::recvmsg(
+            sock.as_fd(),
+            &mut [IoSliceMut::new(buf)],
+            &mut control,
+            RecvFlags::CMSG_CLOEXEC,
+        ) {
+            Ok(got) => break got,
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(e) => return Err(e.into()),
         }
     };
+    // Every descriptor received is owned here at once (closed on every path below).
     let mut fds: Vec<OwnedFd> = Vec::new();
-    // SAFETY: `msg` was filled by recvmsg; CMSG_FIRSTHDR/NXTHDR walk `control` within
-    // `msg_controllen`, and SCM_RIGHTS data is an array of ints, each a descriptor now owned by
-    // this process (wrapped at once, so every one is closed on every path).
-    unsafe {
-        let mut c = libc::CMSG_FIRSTHDR(&msg);
-        while !c.is_null() {
-            if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
-                let data = libc::CMSG_DATA(c);
-                let bytes = (*c).cmsg_len as usize - (data as usize - c as usize);
-                for i in 0..bytes / std::mem::size_of::<libc::c_int>() {
-                    let fd = std::ptr::read_unaligned(data.cast::<libc::c_int>().add(i));
-                    fds.push(OwnedFd::from_raw_fd(fd));
-                }
-            }
-            c = libc::CMSG_NXTHDR(&msg, c);
+    for msg in control.drain() {
+        if let RecvAncillaryMessage::ScmRights(rights) = msg {
+            fds.extend(rights);
         }
     }
-    if msg.msg_flags & libc::MSG_CTRUNC != 0 {
+    if got.flags.contains(ReturnFlags::CTRUNC) {
         return Err(io::Error::other(
             "a message with more descriptors than one (control data truncated)",
         ));
     }
     match fds.len() {
-        0 => Ok((n, None)),
-        1 => Ok((n, fds.pop())),
+        0 => Ok((got.bytes, None)),
+        1 => Ok((got.bytes, fds.pop())),
         k => Err(io::Error::other(format!(
             "a message with {k} descriptors where one was expected"
         ))),

@@ -3,7 +3,7 @@
 //! `CAP_SYS_PTRACE`) still reads every byte through the descriptor, in another process.
 
 use std::io::{Read, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::time::Instant;
 
@@ -50,13 +50,8 @@ fn a_descriptor_round_trips_and_maps_the_same_bytes() {
 
 #[test]
 fn an_unsealed_or_foreign_descriptor_is_refused() {
-    // SAFETY: a plain memfd_create with a static name.
-    let raw = unsafe { libc::memfd_create(c"unsealed".as_ptr(), libc::MFD_CLOEXEC) };
-    assert!(raw >= 0);
-    // SAFETY: the descriptor was just created and is owned by nobody else.
-    let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-    // SAFETY: plain system call on our descriptor.
-    assert_eq!(unsafe { libc::ftruncate(fd.as_raw_fd(), 4096) }, 0);
+    let fd = rustix::fs::memfd_create("unsealed", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+    rustix::fs::ftruncate(&fd, 4096).unwrap();
     let err = SharedMemory::from_fd(fd).unwrap_err();
     assert!(err.to_string().contains("not sealed"), "{err}");
     let (a, _b) = UnixStream::pair().unwrap();
@@ -75,32 +70,23 @@ pub(crate) static NON_DUMPABLE: parking_lot::Mutex<()> = parking_lot::Mutex::new
 /// Drops `CAP_SYS_PTRACE` from this process (a no-op without it): after this the kernel's ptrace
 /// access check applies to it as to any unprivileged reader.
 pub(crate) fn drop_cap_sys_ptrace() {
-    #[repr(C)]
-    struct Header {
-        version: u32,
-        pid: libc::c_int,
-    }
-    #[repr(C)]
-    #[derive(Clone, Copy, Default)]
-    struct Data {
-        effective: u32,
-        permitted: u32,
-        inheritable: u32,
-    }
-    let mut h = Header {
-        version: 0x2008_0522, // _LINUX_CAPABILITY_VERSION_3
-        pid: 0,
+    use rustix::thread::{CapabilitySet, capabilities, set_capabilities};
+    let mut caps = capabilities(None).unwrap();
+    caps.effective.remove(CapabilitySet::SYS_PTRACE);
+    caps.permitted.remove(CapabilitySet::SYS_PTRACE);
+    caps.inheritable.remove(CapabilitySet::SYS_PTRACE);
+    set_capabilities(None, caps).unwrap();
+}
+
+/// Makes this process non-dumpable (`prctl(PR_SET_DUMPABLE, 0)`), or dumpable again.
+pub(crate) fn set_dumpable(on: bool) {
+    use rustix::process::{DumpableBehavior, set_dumpable_behavior};
+    let b = if on {
+        DumpableBehavior::Dumpable
+    } else {
+        DumpableBehavior::NotDumpable
     };
-    let mut d = [Data::default(); 2];
-    // SAFETY: capget/capset with a version-3 header and two data structs, as the ABI wants.
-    unsafe {
-        assert_eq!(libc::syscall(libc::SYS_capget, &mut h, d.as_mut_ptr()), 0);
-        let bit = 1u32 << 19; // CAP_SYS_PTRACE
-        d[0].effective &= !bit;
-        d[0].permitted &= !bit;
-        d[0].inheritable &= !bit;
-        assert_eq!(libc::syscall(libc::SYS_capset, &mut h, d.as_ptr()), 0);
-    }
+    set_dumpable_behavior(b).unwrap();
 }
 
 /// The reader, in its own process (run by [`a_reader_refused_by_ptrace_reads_through_the_descriptor`]
@@ -162,8 +148,7 @@ fn a_reader_refused_by_ptrace_reads_through_the_descriptor() {
     unsafe { std::ptr::copy_nonoverlapping(heap.as_ptr(), mem.as_ptr(), LEN) };
     // This process is the writer: non-dumpable, so a reader without CAP_SYS_PTRACE is refused
     // ptrace access to it (restored below; only this test binary is affected meanwhile).
-    // SAFETY: prctl(PR_SET_DUMPABLE) takes an int flag.
-    assert_eq!(unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0) }, 0);
+    set_dumpable(false);
     let child = std::process::Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",
@@ -188,8 +173,7 @@ fn a_reader_refused_by_ptrace_reads_through_the_descriptor() {
     let mut line = String::new();
     let read = (&sock).read_to_string(&mut line);
     let out = child.wait_with_output().unwrap();
-    // SAFETY: as above.
-    unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 1) };
+    set_dumpable(true);
     let _ = std::fs::remove_dir_all(&dir);
     read.unwrap();
     assert!(

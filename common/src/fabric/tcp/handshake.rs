@@ -37,7 +37,8 @@ use crate::fabric::descriptor::Endpoint;
 use crate::fabric::error::{FabricError, Result};
 
 const MAGIC: &[u8; 8] = b"WSFABRIC";
-const VERSION: u32 = 2;
+// 3: pull offers may offer shared memory, answered with `ANSWER_SHARED` (`shared_pulls`).
+const VERSION: u32 = 3;
 /// Size of [`ClientHello`] on the wire.
 pub const CLIENT_HELLO_LEN: usize = 52;
 /// Size of [`ServerHello`] on the wire.

@@ -475,7 +475,26 @@ fn send_jobs(
         .stats
         .frames_sent
         .fetch_add(all.len() as u64, Ordering::Relaxed);
+    count_paths(&all, pulls, shared);
     Ok(())
+}
+
+/// Counts the bytes of sent frames by the path that carries them (`TcpFabric::transfer_paths`).
+fn count_paths(frames: &[OutFrame], pulls: &PullMode, shared: &Shared) {
+    let pulled: u64 = frames
+        .iter()
+        .filter(|f| f.header.source.is_some())
+        .map(|f| f.header.len)
+        .sum();
+    let all: u64 = frames.iter().map(|f| f.header.len).sum();
+    let s = &shared.stats;
+    s.sent_payload_bytes
+        .fetch_add(all - pulled, Ordering::Relaxed);
+    let by = match pulls {
+        PullMode::Shared(_) => &s.sent_shared_bytes,
+        _ => &s.sent_ptrace_bytes,
+    };
+    by.fetch_add(pulled, Ordering::Relaxed);
 }
 
 /// Turns the frames worth pulling into PULL frames (the source's address in this process) and

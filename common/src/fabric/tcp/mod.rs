@@ -73,7 +73,8 @@ use self::lane::{LaneJob, OutFrame};
 use self::peer::PeerLanes;
 use super::{
     Access, Endpoint, FabricBackend, FabricConfig, FabricError, ImmCounter, Memory, MemoryLocation,
-    Region, RegionDescriptor, RegisteredMemory, Result, WriteOp, merge_contiguous, place,
+    Region, RegionDescriptor, RegisteredMemory, Result, TransferPaths, WriteOp, merge_contiguous,
+    place,
 };
 pub use addresses::AddressBytes;
 pub use registry::{Registration, RegistrationTable};
@@ -94,6 +95,10 @@ pub(super) struct Counters {
     bytes_pulled: AtomicU64,
     bytes_shared: AtomicU64,
     pull_calls: AtomicU64,
+    /// Written by this process, by path (`transfer_paths`).
+    sent_payload_bytes: AtomicU64,
+    sent_ptrace_bytes: AtomicU64,
+    sent_shared_bytes: AtomicU64,
     refused: AtomicU64,
 }
 
@@ -450,15 +455,16 @@ impl FabricBackend for TcpFabric {
             .store(peers, Ordering::Relaxed);
     }
 
-    /// Sources are shared memory (a sealed `memfd`) when same-host transfers are on: a
-    /// receiver on this host that may not read this process with `process_vm_readv` maps them
-    /// instead (`shared_pulls`). Where no memfd can be made, anonymous memory as elsewhere.
+    /// Sources are shared memory (a sealed `memfd`) when same-host transfers are on and
+    /// [`shared_pulls::sources_shared`] says so: a receiver on this host that may not read
+    /// this process with `process_vm_readv` maps them instead (`shared_pulls`). Where no memfd
+    /// can be made, anonymous memory as elsewhere.
     fn alloc(&self, len: usize, access: Access) -> Result<Region> {
         let config = &self.inner.shared.config;
         if access == Access::SOURCE
             && len > 0
             && config.same_host
-            && config.same_host_path != super::SameHostPath::Ptrace
+            && shared_pulls::sources_shared(config.same_host_path)
         {
             match Memory::alloc_shared("weightsync-source", len) {
                 Ok(m) => return self.register(m, access),
@@ -466,6 +472,18 @@ impl FabricBackend for TcpFabric {
             }
         }
         self.register(Memory::alloc_on(len, self.page_size(access))?, access)
+    }
+
+    /// Counted as frames are sent: a PULL frame's bytes by the lane's agreed path (the
+    /// receiver copies them), every other frame's as payloads.
+    fn transfer_paths(&self) -> Option<TransferPaths> {
+        let c = &self.inner.shared.stats;
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        Some(TransferPaths {
+            payload_bytes: get(&c.sent_payload_bytes),
+            process_vm_readv_bytes: get(&c.sent_ptrace_bytes),
+            shared_memory_bytes: get(&c.sent_shared_bytes),
+        })
     }
 
     fn register(&self, memory: Memory, access: Access) -> Result<Region> {
@@ -596,6 +614,17 @@ mod tests {
         assert_eq!(stats.bytes_pulled, 2 << 20, "the large frames were pulled");
         // Only headers and the small frame's payload went through the sockets.
         assert!(a.stats().bytes_sent < small + 4096, "{:?}", a.stats());
+        // The writer counts each frame by its path (ptrace allowed here: no shared memory).
+        let paths = a.transfer_paths().unwrap();
+        assert_eq!(
+            (
+                paths.process_vm_readv_bytes,
+                paths.payload_bytes,
+                paths.shared_memory_bytes
+            ),
+            (2 << 20, small, 0)
+        );
+        assert_eq!(paths.name(), "mixed");
         // The pins were released with the completions: the source deregisters at once.
         src.deregister();
     }

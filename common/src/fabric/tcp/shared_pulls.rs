@@ -278,6 +278,47 @@ pub(super) fn receiver_wants_shared(path: SameHostPath, ptrace_refused: bool) ->
     }
 }
 
+/// Whether this process's write sources go in shared memory (`TcpFabric::alloc`): always with
+/// [`SameHostPath::Shared`], never with `Ptrace`; with `Auto` where it costs nothing or where
+/// `process_vm_readv` is likely refused. Cost: shared memory gets huge pages only where the
+/// kernel's shmem policy takes advice (`shmem_enabled`: `always`, `within_size`, `advise`,
+/// `force`; many distributions ship `never`), and `process_vm_readv` pulls huge-page sources
+/// about 10% faster (docs/fabric.md). Likely refused: Yama `ptrace_scope` >= 1 (a receiver may
+/// read only its descendants; colocated trainer and engine are siblings), or this process is
+/// non-dumpable. Elsewhere a receiver that is refused all the same gets payloads, as before
+/// (set `same_host_path = "shared"` for such a host).
+pub(super) fn sources_shared(path: SameHostPath) -> bool {
+    match path {
+        SameHostPath::Shared => true,
+        SameHostPath::Ptrace => false,
+        SameHostPath::Auto => shmem_takes_huge_pages() || ptrace_likely_refused(),
+    }
+}
+
+fn shmem_takes_huge_pages() -> bool {
+    std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
+        .is_ok_and(|s| shmem_policy_huge(&s))
+}
+
+/// Whether a `shmem_enabled` setting (the selected word in brackets) gives advised shared
+/// memory huge pages.
+fn shmem_policy_huge(setting: &str) -> bool {
+    setting
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix('[')?.strip_suffix(']'))
+        .is_some_and(|w| matches!(w, "always" | "within_size" | "advise" | "force"))
+}
+
+fn ptrace_likely_refused() -> bool {
+    let yama = std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope")
+        .ok()
+        .and_then(|s| s.trim().parse::<u32>().ok())
+        .is_some_and(|scope| scope >= 1);
+    let non_dumpable = rustix::process::dumpable_behavior()
+        .is_ok_and(|d| d == rustix::process::DumpableBehavior::NotDumpable);
+    yama || non_dumpable
+}
+
 fn random_name() -> String {
     let bytes: [u8; NAME_LEN / 2] = rand::random();
     bytes.iter().map(|b| format!("{b:02x}")).collect()

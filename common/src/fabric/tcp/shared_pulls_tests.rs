@@ -8,7 +8,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::time::{Duration, Instant};
 
 use super::*;
-use crate::fabric::shared_memory::tests::{NON_DUMPABLE, drop_cap_sys_ptrace};
+use crate::fabric::shared_memory::tests::{NON_DUMPABLE, drop_cap_sys_ptrace, set_dumpable};
 use crate::fabric::{
     Access, FabricBackend, FabricConfig, Memory, RegionDescriptor, TcpFabric, WriteOp,
 };
@@ -77,6 +77,26 @@ fn exports_map_once_and_copies_gather_in_order() {
     assert!((0..100).all(|i| dst[i] == pattern(3 + i)));
 }
 
+#[test]
+fn auto_shares_sources_where_it_is_free_or_ptrace_is_likely_refused() {
+    assert!(shmem_policy_huge(
+        "always within_size [advise] never deny force"
+    ));
+    assert!(!shmem_policy_huge(
+        "always within_size advise [never] deny force"
+    ));
+    assert!(!shmem_policy_huge(
+        "always within_size advise never [deny] force"
+    ));
+    assert!(sources_shared(SameHostPath::Shared));
+    assert!(!sources_shared(SameHostPath::Ptrace));
+    let _one = NON_DUMPABLE.lock();
+    set_dumpable(false);
+    let refused = sources_shared(SameHostPath::Auto);
+    set_dumpable(true);
+    assert!(refused, "a non-dumpable process shares its sources");
+}
+
 fn config(path: SameHostPath) -> FabricConfig {
     FabricConfig {
         same_host_path: path,
@@ -121,8 +141,11 @@ async fn lanes_agreed_on_shared_memory_move_no_byte_through_the_socket() {
         "every byte from shared memory: {stats:?}"
     );
     assert_eq!(stats.bytes_pulled, len);
-    // Only headers crossed the socket.
+    // Only headers crossed the socket, and the writer names the path.
     assert!(a.stats().bytes_sent < 4096, "{:?}", a.stats());
+    let paths = a.transfer_paths().unwrap();
+    assert_eq!(paths.shared_memory_bytes, len, "{paths:?}");
+    assert_eq!(paths.name(), "shared_memory");
     // A source in anonymous memory (a caller's tensor) travels as payloads on the same lanes.
     let plain = a
         .register(Memory::alloc(1 << 20).unwrap(), Access::SOURCE)
@@ -137,6 +160,8 @@ async fn lanes_agreed_on_shared_memory_move_no_byte_through_the_socket() {
         len,
         "anonymous memory is not shared"
     );
+    let more = a.transfer_paths().unwrap().since(&paths);
+    assert_eq!((more.payload_bytes, more.name()), (1 << 20, "payloads"));
     src.deregister();
 }
 
@@ -210,22 +235,22 @@ async fn non_dumpable_writer() {
         }
     };
     // This process is the writer, non-dumpable while it writes (restored below).
-    // SAFETY: prctl(PR_SET_DUMPABLE) takes an int flag.
-    assert_eq!(unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0) }, 0);
+    set_dumpable(false);
     let a = TcpFabric::start(&config(SameHostPath::Auto)).await.unwrap();
     let src = a.alloc(CHILD_LEN as usize, Access::SOURCE).unwrap();
     let data: Vec<u8> = (0..CHILD_LEN as usize).map(pattern).collect();
     src.write_at(0, &data).unwrap();
+    let before = a.transfer_paths().unwrap();
     let wrote = a
         .write(WriteOp::new(&src, 0, &region, 0, CHILD_LEN).with_imm(7))
         .await;
+    let paths = a.transfer_paths().unwrap().since(&before);
     let result = lines.find_map(|l| {
         l.ok()
             .and_then(|l| l.split_once("RESULT ").map(|(_, r)| r.to_string()))
     });
     let status = child.wait().unwrap();
-    // SAFETY: as above.
-    unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 1) };
+    set_dumpable(true);
     wrote.unwrap();
     assert!(status.success(), "receiver child failed");
     let result = result.expect("the child printed its result");
@@ -238,9 +263,12 @@ async fn non_dumpable_writer() {
         result.contains(&format!("received={CHILD_LEN}")),
         "{result}"
     );
-    // No payload byte crossed the socket: only frame headers.
+    // No payload byte crossed the socket: only frame headers; the writer names the path.
     let sent = a.stats().bytes_sent;
     assert!(sent < 4096, "{sent} bytes went through the socket");
+    assert_eq!(paths.shared_memory_bytes, CHILD_LEN, "{paths:?}");
+    assert_eq!(paths.payload_bytes, 0, "{paths:?}");
+    assert_eq!(paths.name(), "shared_memory");
 }
 
 /// Same-run throughput of the three same-host paths (payloads over loopback TCP,
