@@ -479,7 +479,7 @@ def test_a_non_dumpable_trainer_is_read_through_shared_memory(tmp_path: Path, pr
         assert o.path == "shared_memory", o
         assert o.path_bytes["payloads"] == 0 and o.path_bytes["process_vm_readv"] == 0, o
         assert o.path_bytes["shared_memory"] == o.bytes > 0, o
-        assert o.staged_bytes == o.bytes, o
+        assert o.direct_bytes == 0 and o.staged_bytes > 0, o  # every byte cast in staging
     finally:
         t.close()
         libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
