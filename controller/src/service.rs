@@ -23,8 +23,8 @@ use weightsync_common::protocol::{DEFAULT_MAX_FRAME, ToWorker, WorldSpec};
 use crate::coordinator::{ConnId, Coordinator, CoordinatorConfig, Effects, Now, PlanRequest};
 use crate::metrics::Metrics;
 use crate::planning::{AssignmentError, Planner};
-use crate::state_file::{StateFile, StateFileError};
 use crate::secrets::ControllerSecrets;
+use crate::state_file::{StateFile, StateFileError};
 use weightsync_common::secret::Secret;
 
 /// Controller settings beyond the coordinator's.

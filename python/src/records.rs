@@ -26,6 +26,11 @@ pub(crate) struct Outcome {
     pub stages: Vec<(String, f64)>,
     /// Why the version never synced (a newer version or run was pushed first), if it did not.
     pub superseded: Option<String>,
+    /// The path its bytes took to the engines (`payloads`, `process_vm_readv`,
+    /// `shared_memory`, `mixed`, `none`); `None` where the fabric does not count them.
+    pub path: Option<&'static str>,
+    /// Bytes per path (the same names), empty where not counted.
+    pub path_bytes: Vec<(&'static str, u64)>,
 }
 
 /// How weightsync sees a tensor-like object (`tensor_info`).

@@ -281,6 +281,14 @@ fn outcome(o: SyncOutcome) -> Outcome {
         seconds: o.seconds,
         stages: o.stages,
         superseded: o.superseded,
+        path: o.paths.map(|p| p.name()),
+        path_bytes: o.paths.map_or_else(Vec::new, |p| {
+            vec![
+                ("payloads", p.payload_bytes),
+                ("process_vm_readv", p.process_vm_readv_bytes),
+                ("shared_memory", p.shared_memory_bytes),
+            ]
+        }),
     }
 }
 

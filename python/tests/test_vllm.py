@@ -506,3 +506,28 @@ def test_vllm_server_http_routes(tmp_path: Path, procs: Procs) -> None:
         assert 1 <= polls <= 3, f"v{v}: the server's workers were asked {polls} times whether v{v} was ready"
         fig.setdefault("ready_polls", []).append(polls)
     FIGURES["vllm server over HTTP, staged (fsdp=2 -> vLLM hf arena)"] = fig
+
+
+def test_staged_arena_is_page_locked_where_cuda_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The staged arena asks torch for page-locked memory exactly where CUDA is present (this
+    machine has none: torch.empty is recorded, not run with pin_memory=True)."""
+    from weightsync import vllm as wv
+    from weightsync.engine import TensorInfo
+
+    layout = [TensorInfo(name="a.weight", dtype="bf16", shape=(4, 8)),
+              TensorInfo(name="b.weight", dtype="f32", shape=(3,))]
+    asked: list[bool] = []
+    real_empty = torch.empty
+
+    def empty(*shape: Any, pin_memory: bool = False, **kw: Any) -> Any:
+        asked.append(pin_memory)
+        return real_empty(*shape, **kw)
+
+    monkeypatch.setattr(wv.torch, "empty", empty)
+    for cuda in (False, True):
+        monkeypatch.setattr(wv.torch.cuda, "is_available", lambda cuda=cuda: cuda)
+        asked.clear()
+        arena = wv.staged_arena(layout)
+        assert asked == [cuda, cuda]
+        assert [tuple(t.shape) for t in arena.values()] == [(4, 8), (3,)]
+        assert arena["a.weight"].dtype == torch.bfloat16 and arena["b.weight"].dtype == torch.float32

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import _native
+from ._nvrtc import name_wheel_nvrtc
 from ._tensors import (
     NameMap,
     TensorSource,
@@ -46,7 +47,11 @@ class SyncOutcome:
 
     ``bytes`` = ``staged_bytes`` (cast, quantised, fused or sliced through the staging arena) +
     ``direct_bytes`` (written by the fabric straight from the registered tensors: nobody else
-    copied them). ``stages`` maps each pipeline stage to its seconds.
+    copied them). ``stages`` maps each pipeline stage to its seconds. ``path`` names how the
+    bytes reached the engines: ``payloads`` (the fabric's sockets), ``process_vm_readv`` (a
+    same-host engine copied them out of this process), ``shared_memory`` (a same-host engine the
+    kernel refuses ptrace access copied them out of memory this process shared by descriptor),
+    ``mixed``; ``path_bytes`` counts the bytes of each.
     """
 
     version: int
@@ -58,6 +63,8 @@ class SyncOutcome:
     superseded: str | None = None
     """Why the version never synced, when it did not: a newer version (or a newer run) was
     pushed before it started. Not an error: the engines get the newer one."""
+    path: str | None = None
+    path_bytes: dict[str, int] = field(default_factory=dict)
 
 
 class PushHandle:
@@ -90,6 +97,8 @@ class PushHandle:
             seconds=o.seconds,
             stages=dict(o.stages),
             superseded=o.superseded,
+            path=o.path,
+            path_bytes=dict(o.path_bytes),
         )
 
 
@@ -228,6 +237,7 @@ class Trainer:
                 continue
             entries.append((name, obj.to_local() if is_dtensor(obj) else obj, dtype))
             origins[name] = obj
+        name_wheel_nvrtc(any(_on_cuda(obj) for _n, obj, _d in entries))
         registered = self._core.register(entries)
         self._tensors = {name: obj for name, obj, _dtype in entries}
         self._registered = {r.name: r.address for r in registered}
@@ -279,6 +289,7 @@ class Trainer:
                 entries.append((name, obj, dtype))
             boxes.append((global_shape, offset))
             origins[name] = obj
+        name_wheel_nvrtc(any(_on_cuda(obj) for _n, obj, _d in entries))
         registered = self._core.declare_and_register(entries, boxes)
         self._tensors = {name: obj for name, obj, _dtype in entries}
         self._registered = {r.name: r.address for r in registered}
@@ -391,3 +402,8 @@ class Trainer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _on_cuda(obj: object) -> bool:
+    """Whether ``obj`` is a torch CUDA tensor (duck-typed: no torch import)."""
+    return getattr(getattr(obj, "device", None), "type", None) == "cuda"

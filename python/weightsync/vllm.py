@@ -33,7 +33,9 @@ Two landing modes (``init_info["mode"]``):
   any kernel format (packed oneDNN weights, fp8 scale layouts, repacks) comes out right. The
   engine is paused only for that load. A failed sync never reaches the model: the arena is
   marked dirty from the first write, ``update_weights`` raises, vLLM keeps serving its last
-  loaded version. With tensor parallelism (``tensor_parallel_size=N``, job
+  loaded version. Where CUDA is present the arena is page-locked host memory
+  (``pin_memory``), so the loader's copies to the GPU are DMA from pinned pages rather than
+  pageable copies staged by the driver (:func:`staged_arena`). With tensor parallelism (``tensor_parallel_size=N``, job
   ``--infer tp=N,format=hf``) each worker's arena holds only its rank's box of each tensor, and
   at load each sharded tensor reaches vLLM's loader as a whole-shaped tensor holding only that
   box, which is all the loader reads; at init each box is checked against the one vLLM's
@@ -104,6 +106,17 @@ def torch_dtype(name: str) -> torch.dtype:
         return _DTYPES[name]
     except KeyError:
         raise ValueError(f"dtype {name!r} of the job's layout has no torch dtype here") from None
+
+
+def staged_arena(layout: list[TensorInfo], pin: bool | None = None) -> dict[str, torch.Tensor]:
+    """The staged mode's arena: one host tensor per layout entry. Page-locked (``pin_memory``)
+    where CUDA is present (``pin=None`` asks torch), so vLLM's loader copies it to the GPU by
+    DMA straight from the pinned pages, not through the driver's pageable path (a staging copy
+    per chunk); such copies may also run ``non_blocking``. weightsync registers host memory of
+    either kind the same way."""
+    if pin is None:
+        pin = torch.cuda.is_available()
+    return {t.name: torch.empty(t.shape, dtype=torch_dtype(t.dtype), pin_memory=pin) for t in layout}
 
 
 @dataclass
@@ -208,7 +221,7 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
                 layout = engine.layout()
                 sharded = check_boxes(self.model, layout, engine.worker_id, pc.tensor_parallel_size)
                 _hint_whole_embedding(layout, engine.worker_id, pc.tensor_parallel_size)
-                self.arena = {t.name: torch.empty(t.shape, dtype=torch_dtype(t.dtype)) for t in layout}
+                self.arena = staged_arena(layout)
                 engine.register(self.arena, format="hf")
                 self.sharded = {t.name: t for t in sharded}
             else:

@@ -164,6 +164,10 @@ pub struct SyncOutcome {
     /// `Some(why)`: the version never synced because a newer version (or run) was pushed
     /// first; not a failure (the figures are zero).
     pub superseded: Option<String>,
+    /// How this trainer's bytes reached their receivers (`TransferPaths::name` names the path:
+    /// `payloads`, `process_vm_readv`, `shared_memory` or `mixed`); `None` where the fabric
+    /// does not count them.
+    pub paths: Option<weightsync_common::fabric::TransferPaths>,
 }
 
 /// Where an engine's weights stand.

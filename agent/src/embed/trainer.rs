@@ -552,6 +552,7 @@ impl PushHandle {
                     seconds: self.pushed.elapsed().as_secs_f64(),
                     stages: Vec::new(),
                     superseded: Some(f.cause),
+                    paths: None,
                 })
             }
             Some(Ok(End::Aborted { reason, failure })) => {
@@ -571,6 +572,7 @@ impl PushHandle {
             seconds: at.saturating_duration_since(self.pushed).as_secs_f64(),
             stages: Vec::new(),
             superseded: None,
+            paths: None,
         };
         if let Some((rv, r)) = self.reports.lock().as_ref()
             && *rv == v
@@ -579,6 +581,7 @@ impl PushHandle {
             out.staged_bytes = r.staged_bytes;
             out.direct_bytes = r.direct_bytes;
             out.stages = stage_spans(r);
+            out.paths = r.paths;
         }
         out
     }

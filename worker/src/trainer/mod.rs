@@ -35,7 +35,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-use weightsync_common::fabric::{Access, Endpoint, FabricBackend, Region, RegionDescriptor};
+use weightsync_common::fabric::{
+    Access, Endpoint, FabricBackend, Region, RegionDescriptor, TransferPaths,
+};
 use weightsync_common::protocol::TimeSplit;
 use weightsync_schedules::table::{TrainerPlan, WriteTarget};
 
@@ -163,6 +165,12 @@ pub struct SyncReport {
     /// Writes in flight on average while any was: how many writes kept the wire busy during
     /// `split.wire_ns` (a wire busy with one write at a time is under-used).
     pub mean_writes_in_flight: f64,
+    /// How the written bytes reached their receivers: the transport's payloads, or a same-host
+    /// copy (`process_vm_readv`, or memory shared by descriptor where ptrace access is
+    /// refused); [`TransferPaths::name`] names the path. `None` where the fabric does not
+    /// count them (one path).
+    #[serde(default)]
+    pub paths: Option<TransferPaths>,
 }
 
 /// Everything fixed at build time, shared by every sync.

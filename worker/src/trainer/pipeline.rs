@@ -40,7 +40,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use parking_lot::Mutex;
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
-use weightsync_common::fabric::{FabricBackend, Region, RegionDescriptor, WriteOp};
+use weightsync_common::fabric::{FabricBackend, Region, RegionDescriptor, TransferPaths, WriteOp};
 use weightsync_schedules::table::{MeshGroup, Transform, WriteTarget};
 
 use super::direct::DirectSource;
@@ -75,11 +75,14 @@ struct SyncRun<F: FabricBackend> {
     direct_bytes: AtomicU64,
     /// Where the wall goes: wire, idle, overhead.
     meter: SplitMeter,
+    /// The fabric's bytes by path when the sync began (`SyncReport::paths` is the difference).
+    paths_before: Option<TransferPaths>,
 }
 
 impl<F: FabricBackend> SyncRun<F> {
     fn new(fabric: F, state: Arc<TrainerState>, sync: SyncId, rec: TimelineRecorder) -> Self {
         let gates = split_write_gates(&state);
+        let paths_before = fabric.transfer_paths();
         SyncRun {
             fabric,
             state,
@@ -96,6 +99,7 @@ impl<F: FabricBackend> SyncRun<F> {
             staged_bytes: AtomicU64::new(0),
             direct_bytes: AtomicU64::new(0),
             meter: SplitMeter::start(),
+            paths_before,
         }
     }
 
@@ -116,6 +120,11 @@ impl<F: FabricBackend> SyncRun<F> {
             direct_bytes: self.direct_bytes.load(Ordering::Relaxed),
             split: self.meter.finish(),
             mean_writes_in_flight: self.meter.mean_writes_in_flight(),
+            paths: self
+                .fabric
+                .transfer_paths()
+                .zip(self.paths_before)
+                .map(|(now, before)| now.since(&before)),
         }
     }
 

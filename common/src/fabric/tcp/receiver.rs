@@ -38,6 +38,7 @@ use super::frame::{Completion, FrameHeader};
 use super::handshake::{Accepted, server_handshake_within};
 use super::inbound::{AHEAD, InboundLane, Landing, PullRange};
 use super::same_host::{PULL_RUN, PULL_RUN_BYTES};
+use super::shared_pulls::PullSource;
 use super::socket::{IoFail, LaneSocket, Readiness, wait_fd};
 use crate::fabric::descriptor::Endpoint;
 use crate::fabric::error::RemoteAccessKind;
@@ -177,7 +178,11 @@ fn authenticate(
         return None;
     }
     let limit = HANDSHAKE_LIMIT.min(shared.config.connect_timeout());
-    match server_handshake_within(&stream, &shared.key, &peer, shared.config.same_host, limit) {
+    let path = shared
+        .config
+        .same_host
+        .then_some(shared.config.same_host_path);
+    match server_handshake_within(&stream, &shared.key, &peer, path, limit) {
         Ok(a) => Some((stream, peer, a)),
         Err(e) => {
             shared.stats.auth_failures.fetch_add(1, Ordering::Relaxed);
@@ -208,7 +213,12 @@ fn serve_lane(
             return;
         }
     };
-    tracing::debug!(%peer, pulls = accepted.writer.is_some(), "inbound lane up");
+    let path = match (&accepted.writer, &accepted.shared) {
+        (Some(_), _) => "ptrace",
+        (None, Some(_)) => "shared_memory",
+        (None, None) => "payloads",
+    };
+    tracing::debug!(%peer, path, "inbound lane up");
     match receive_frames(&sock, accepted, local, &shared) {
         Ok(()) | Err(IoFail::Shutdown) => tracing::debug!(%peer, "inbound lane closed"),
         Err(IoFail::PeerReset) => {
@@ -228,17 +238,19 @@ fn receive_frames(
     local: usize,
     shared: &Shared,
 ) -> Result<(), IoFail> {
-    let read_ahead = if accepted.writer.is_some() {
-        AHEAD
-    } else {
-        HEADER_LEN
+    let mut source = match (accepted.writer, accepted.shared) {
+        (Some(w), _) => Some(PullSource::Process(w)),
+        (None, Some(s)) => Some(PullSource::Shared(s)),
+        (None, None) => None,
     };
+    let read_ahead = if source.is_some() { AHEAD } else { HEADER_LEN };
     let mut lane = InboundLane::new(sock, shared, read_ahead);
     let mut ledger = Ledger {
         instance: accepted.instance,
         local,
         since_signal: 0,
         first_error: None,
+        shared_memory: source.as_ref().is_some_and(PullSource::is_shared),
     };
     // The PULL frames of one run: their headers, and where each lands and comes from.
     let mut run: Vec<FrameHeader> = Vec::with_capacity(PULL_RUN);
@@ -249,10 +261,10 @@ fn receive_frames(
             return Ok(());
         };
         let header = decode(&hdr)?;
-        let pull_from = match (header.source, accepted.writer) {
+        let pull_from = match (header.source, source.is_some()) {
             (None, _) => None,
-            (Some(source), Some(writer)) => Some((writer, source)),
-            (Some(_), None) => {
+            (Some(from), true) => Some(from),
+            (Some(_), false) => {
                 return Err(IoFail::Os(std::io::Error::new(
                     std::io::ErrorKind::InvalidData,
                     "a PULL frame on a lane that did not agree to same-host pulls",
@@ -276,7 +288,7 @@ fn receive_frames(
             }
             Ok(checked) => checked,
         };
-        let Some((writer, source)) = pull_from else {
+        let (Some(from), Some(writer)) = (pull_from, source.as_mut()) else {
             let landing = lane.land(&reg.memory, offset, header.len);
             let landing = landed_or_torn(landing, std::slice::from_ref(&header), sock, shared)?;
             if ledger.settle(&mut lane, &header, Some(landing), shared) {
@@ -291,7 +303,7 @@ fn receive_frames(
         ranges.push(PullRange {
             offset,
             len: header.len,
-            source,
+            source: from,
             stride: header.stride,
         });
         let mut bytes = header.len;
@@ -373,6 +385,8 @@ struct Ledger {
     since_signal: u32,
     /// The first refused frame since the last completion.
     first_error: Option<(RemoteAccessKind, u64, u64)>,
+    /// This lane's pulls copy out of the writer's shared memory (counted apart).
+    shared_memory: bool,
 }
 
 impl Ledger {
@@ -401,6 +415,12 @@ impl Ledger {
                         .stats
                         .bytes_pulled
                         .fetch_add(header.len, Ordering::Relaxed);
+                    if self.shared_memory {
+                        shared
+                            .stats
+                            .bytes_shared
+                            .fetch_add(header.len, Ordering::Relaxed);
+                    }
                 }
                 // What crossed this address: a pulled frame's bytes did not.
                 shared.local[self.local]
