@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -107,7 +108,10 @@ class WeightsyncVLLMGeneration(VLLMGeneration):
                                               connection_timeout=self.server_timeout)
                 self.server = VllmServer(base_url, controller=s.controller_http,
                                          request_timeout_s=s.timeout_s)
-                self.server.init(s.controller, mode="staged", rank=s.engine_rank, job_token=s.job_token)
+                # The server's workers join with this job's token: the trainer's own when the
+                # settings name none (the server need not have it in its environment).
+                token = s.job_token or os.environ.get("WEIGHTSYNC_JOB_TOKEN")
+                self.server.init(s.controller, mode="staged", rank=s.engine_rank, job_token=token)
         except BaseException:
             trainer.close()
             raise
