@@ -37,7 +37,8 @@ registered, at the first sync, also before the first optimizer step.
 
 Not covered: PEFT adapters (TRL merges them into the base weights for each sync; refused by
 name), colocate mode (TRL's in-process ``load_weights`` already moves nothing over a wire),
-DeepSpeed ZeRO-3 (flat partitions, which weightsync's trainer does not register).
+DeepSpeed ZeRO-3 (flat partitions, which weightsync's trainer does not register: refused by
+name when the trainer is built).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from trl.trainer.grpo_trainer import GRPOTrainer
 from trl.generation.vllm_client import VLLMClient
 from trl.generation.vllm_generation import VLLMGeneration
 
-from ._adapter import WeightsyncSettings, check_model_against_job
+from ._adapter import WeightsyncSettings, check_model_against_job, refuse_zero3
 from .trainer import PushHandle, SyncOutcome, Trainer
 from .vllm_server import VllmServer
 
@@ -100,6 +101,7 @@ class WeightsyncVLLMGeneration(VLLMGeneration):
         s = self.weightsync
         trainer = Trainer(s.controller, rank=acc.process_index, job_token=s.job_token)
         try:
+            refuse_zero3(self.model, trainer.worker_id)
             check_model_against_job(trainer, self.model)
             if acc.is_main_process:
                 base_url = self.server_base_url or f"http://{self.server_host}:{self.server_port}"
