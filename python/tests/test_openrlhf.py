@@ -1,11 +1,11 @@
 """``weightsync.openrlhf`` against the real weightsync path (a controller, an engine process
 holding a transformers model registered with ``weightsync.Engine``): OpenRLHF itself does not
-import on CPU (docs/openrlhf.md says what fails), so the policy ranks are two replicas of a tiny
-Qwen3 in this process, each behind an object shaped as OpenRLHF's ``ActorPPOTrainer`` is read
-by :func:`weightsync.openrlhf.install` (``.actor.model.module``), as ZeRO-1/2 holds them
+import on CPU (docs/openrlhf.md says what fails), so each policy rank is a process
+(``jobs/train_openrlhf.py``, as OpenRLHF runs one Ray actor per rank) holding a replica of a
+tiny Qwen3 behind an object shaped as OpenRLHF's ``ActorPPOTrainer`` is read by
+:func:`weightsync.openrlhf.install` (``.actor.model.module``), as ZeRO-1/2 holds them
 (``--train dp=2``). Each round both ranks take the same SGD step and call their trainer's
-``broadcast_to_vllm()`` as OpenRLHF's ``PPOTrainer`` does, concurrently (one thread each,
-as one Ray actor each would):
+``broadcast_to_vllm()`` as OpenRLHF's ``PPOTrainer`` does:
 
 - after each of 3 syncs the engine's tensors equal the trainer's byte for byte, the trainer's
   weights moved between syncs, and both ranks pushed (the planner split the reads among the
@@ -17,8 +17,8 @@ as one Ray actor each would):
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -57,20 +57,8 @@ def actor_trainer(model: Any) -> Any:
                            broadcast_to_vllm=openrlhf_broadcast)
 
 
-def sgd_step(model: Any, step: int) -> None:
-    """One optimizer step, the same on every replica (a fixed batch and the same start)."""
-    g = torch.Generator().manual_seed(step)
-    ids = torch.randint(0, 1024, (2, 16), generator=g)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    model(input_ids=ids, labels=ids).loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-
-
 @pytest.mark.e2e
 def test_openrlhf_broadcast_to_vllm_through_weightsync(tmp_path: Path, procs: Procs) -> None:
-    from weightsync.openrlhf import WeightsyncSettings, install
-
     folder = model_folder(tmp_path)
     out = tmp_path / "out"
     out.mkdir()
@@ -78,52 +66,32 @@ def test_openrlhf_broadcast_to_vllm_through_weightsync(tmp_path: Path, procs: Pr
     engine = procs.start("engine0", [sys.executable, str(JOBS / "engine_hf.py"), "--rank", "0", "--model", str(folder),
                                      "--controller", c.control, "--versions", "1", "2", "3", "--out", str(out)],
                          env=c.env())
-    settings = WeightsyncSettings(controller=c.control, job_token=c.job_token, timeout_s=TIMEOUT_S)
-    models = [tiny.build(str(folder), seed=7) for _ in range(2)]
-    trainers = [actor_trainer(m) for m in models]
-    syncs = [install(t, settings, rank=r) for r, t in enumerate(trainers)]
-    try:
-        previous: dict[str, Any] | None = None
-        for v in (1, 2, 3):
-            if v > 1:
-                for m in models:
-                    sgd_step(m, v)
-            errors: list[BaseException] = []
+    ranks = [procs.start(f"policy{r}", [sys.executable, str(JOBS / "train_openrlhf.py"), "--model", str(folder),
+                                        "--controller", c.control, "--rank", str(r), "--steps", "3", "--out", str(out)],
+                         env=c.env()) for r in (0, 1)]
+    deadline = time.monotonic() + TIMEOUT_S
+    for p in [*ranks, engine]:
+        try:
+            rc = p.popen.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{p.name} still running after {TIMEOUT_S} s\n{procs.logs()}")
+        assert rc == 0, f"{p.name} exited with {rc}\n{procs.logs()}"
 
-            def broadcast(t: Any) -> None:
-                try:
-                    t.broadcast_to_vllm()  # as OpenRLHF's PPOTrainer calls it, on every rank
-                except BaseException as e:  # noqa: BLE001 - re-raised below
-                    errors.append(e)
-
-            threads = [threading.Thread(target=broadcast, args=(t,)) for t in trainers]
-            for th in threads:
-                th.start()
-            for th in threads:
-                th.join(TIMEOUT_S)
-            assert not errors, errors
-            assert all(s.syncs[-1]["version"] == v for s in syncs)
-            assert all(s.syncs[-1]["outcome"].bytes > 0 for s in syncs), (
-                f"v{v}: a rank moved nothing: {[s.syncs[-1]['outcome'] for s in syncs]}")
-
-            path = out / f"engine0_v{v}.pt"
-            deadline = time.monotonic() + 60
-            while not path.exists():  # the engine writes it in its after_commit hook
-                assert engine.popen.poll() is None, procs.logs()
-                assert time.monotonic() < deadline, f"no {path.name}\n{procs.logs()}"
-                time.sleep(0.1)
-            time.sleep(0.2)
-            got = torch.load(path)["params"]
-            full = {n: p.detach() for n, p in models[0].named_parameters()}
-            assert sorted(got) == sorted(full)
-            for n, t in full.items():
-                assert torch.equal(got[n].view(torch.uint8), t.contiguous().view(torch.uint8)), f"v{v}: {n} differs"
-            if previous is not None:
-                assert any(not torch.equal(previous[n], full[n]) for n in full), f"v{v}: nothing moved"
-            previous = {n: t.clone() for n, t in full.items()}
-    finally:
-        for s in syncs:
-            s.close()
+    previous: dict[str, Any] | None = None
+    for v in (1, 2, 3):
+        recs = [torch.load(out / f"trainer_r{r}_v{v}.pt") for r in (0, 1)]
+        assert [r["version"] for r in recs] == [v, v]
+        # Both ranks pushed a share: the planner split the reads among the replicas.
+        assert all(r["bytes"] > 0 for r in recs), f"v{v}: a rank moved nothing: {[r['bytes'] for r in recs]}"
+        full = recs[0]["params"]
+        assert all(torch.equal(full[n], recs[1]["params"][n]) for n in full), f"v{v}: the replicas differ"
+        got = torch.load(out / f"engine0_v{v}.pt")["params"]
+        assert sorted(got) == sorted(full)
+        for n, t in full.items():
+            assert torch.equal(got[n].view(torch.uint8), t.contiguous().view(torch.uint8)), f"v{v}: {n} differs"
+        if previous is not None:
+            assert any(not torch.equal(previous[n], full[n]) for n in full), f"v{v}: nothing moved"
+        previous = full
 
 
 @pytest.mark.parametrize("case", ["shape", "name", "zero3"])

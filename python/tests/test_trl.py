@@ -7,7 +7,7 @@ test's: 3 syncs, i.e. the initial weights and the weights after each of 2 optimi
   so do vLLM's own parameters (fused ``qkv_proj`` / ``gate_up_proj`` rebuilt from the trainer's;
   a parameter a CPU kernel emptied by packing is counted and skipped), its ``weight_version`` is
   TRL's ``global_step + 1``, and the trainer's weights moved between syncs (GRPO stepped);
-- the figures: seconds per sync as TRL's own profiler times ``sync_weights``, weightsync's
+- the figures: seconds per ``sync_weights`` call (timed around TRL's call), weightsync's
   server path against TRL's default on CPU (colocate: an in-process vLLM and ``load_weights``;
   TRL's server path needs CUDA for its NCCL group), both in this test;
 - bad wiring fails by name when the trainer is built: a model whose shapes or names differ from
@@ -56,20 +56,13 @@ def model_folder(tmp_path: Path, name: str = "model", **overrides: Any) -> Path:
     return folder
 
 
-def trl_sync_seconds(metrics: list[dict[str, Any]]) -> list[float]:
-    """Seconds of each ``sync_weights`` as TRL's profiler logged them."""
-    key = next((k for h in metrics for k in h if k.startswith("profiling/") and k.endswith("sync_weights")), None)
-    assert key is not None, f"TRL logged no sync_weights timing: {sorted({k for h in metrics for k in h})}"
-    return [float(h[key]) for h in metrics if key in h]
-
-
 @pytest.mark.e2e
 def test_trl_grpo_syncs_through_weightsync(tmp_path: Path, procs: Procs) -> None:
     folder = model_folder(tmp_path)
     out = tmp_path / "out"
     out.mkdir()
     c = start_controller(procs, str(folder / "config.json"), "fsdp=1", "tp=1,format=hf")
-    url = start_server(procs, tmp_path, folder, c)
+    url = start_server(procs, tmp_path, folder, c, up_s=600)
     deadline = time.monotonic() + TIMEOUT_S
     tr = procs.start("trl-weightsync", [
         sys.executable, str(JOBS / "train_trl.py"), "--model", str(folder), "--sync", "weightsync", "--url", url,
@@ -97,7 +90,7 @@ def test_trl_grpo_syncs_through_weightsync(tmp_path: Path, procs: Procs) -> None
         previous = trainer
     fused = sum(1 for n in server["params"] if len(hf_name_parts(n)) > 1)
     assert fused > 0
-    ws = trl_sync_seconds(json.loads((out / "trl_metrics_weightsync.json").read_text()))
+    ws = json.loads((out / "sync_seconds_weightsync.json").read_text())
 
     # TRL's default path, same machine, same run: colocate (an in-process vLLM, load_weights).
     procs.kill_all()
@@ -105,7 +98,8 @@ def test_trl_grpo_syncs_through_weightsync(tmp_path: Path, procs: Procs) -> None
         sys.executable, str(JOBS / "train_trl.py"), "--model", str(folder), "--sync", "trl-colocate", "--steps", "3",
         "--out", str(out)], env={**vllm_env(tmp_path), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     wait(procs, tr, time.monotonic() + TIMEOUT_S)
-    base = trl_sync_seconds(json.loads((out / "trl_metrics_trl-colocate.json").read_text()))
+    base = json.loads((out / "sync_seconds_trl-colocate.json").read_text())
+    assert len(ws) == len(base) == 3, (ws, base)
     # The first sync includes one-off work on both paths (registration; TRL's first walk).
     ws_s, base_s = sorted(ws[1:])[len(ws[1:]) // 2], sorted(base[1:])[len(base[1:]) // 2]
     FIGURES["TRL GRPO sync_weights, weightsync server vs TRL colocate load_weights (s)"] = {
@@ -125,7 +119,7 @@ def test_trl_wrong_model_fails_by_name_before_training(tmp_path: Path, procs: Pr
     from trl import GRPOConfig
 
     from weightsync.trl import WeightsyncGRPOTrainer
-    from train_trl import reward_distinct_words
+    from train_trl import reward_word_ids
 
     job = model_folder(tmp_path, "job")
     c = start_controller(procs, str(job / "config.json"), "fsdp=1", "tp=1,format=hf")
@@ -135,7 +129,7 @@ def test_trl_wrong_model_fails_by_name_before_training(tmp_path: Path, procs: Pr
                         vllm_server_base_url="http://127.0.0.1:9", per_device_train_batch_size=4, num_generations=4,
                         max_steps=1, report_to="none", use_cpu=True, bf16=False)
     with pytest.raises(weightsync.RegistrationError) as e:
-        WeightsyncGRPOTrainer(model=model, args=config, reward_funcs=reward_distinct_words,
+        WeightsyncGRPOTrainer(model=model, args=config, reward_funcs=reward_word_ids,
                               train_dataset=Dataset.from_dict({"prompt": ["w3 w4"] * 4}),
                               processing_class=AutoTokenizer.from_pretrained(str(other)),
                               weightsync_controller=c.control, weightsync_job_token=c.job_token)

@@ -1,6 +1,6 @@
 """What every framework adapter (``weightsync.trl``, ``weightsync.openrlhf``) shares: where the
 job is (:class:`WeightsyncSettings`) and the check, before any training step, that the
-framework's model is the job's model (:func:`check_model_against_job`).
+framework's model is the job's model (:func:`check_model_against_job`, :func:`refuse_zero3`).
 
 Why a check of its own before registration: the frameworks register at the first sync (their
 wrappers place the shards late: FSDP2, DeepSpeed), which comes after the first generation and
@@ -17,7 +17,7 @@ from ._tensors import named_tensors, shape_of
 from .errors import LayoutMismatchError, RegistrationError
 from .trainer import Trainer
 
-__all__ = ["WeightsyncSettings", "check_model_against_job"]
+__all__ = ["WeightsyncSettings", "check_model_against_job", "refuse_zero3"]
 
 _DTYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "float8_e4m3fn": "f8_e4m3"}
 
@@ -77,3 +77,15 @@ def check_model_against_job(trainer: Trainer, model: Any) -> int:
             f"({len(missing)} missing in all): the trainer's model and the job's --model differ",
             worker=who, tensor=missing[0])
     return len(ours)
+
+
+def refuse_zero3(model: Any, who: str) -> None:
+    """Raises naming the first parameter DeepSpeed ZeRO-3 partitioned (``ds_shape`` /
+    ``ds_tensor`` on it): its memory on this rank is a slice of a flat buffer, not a box of the
+    tensor weightsync can register."""
+    for name, p in model.named_parameters():
+        if hasattr(p, "ds_shape") or hasattr(p, "ds_tensor"):
+            raise RegistrationError(
+                f"{who}: parameter {name} is partitioned by DeepSpeed ZeRO-3 (a flat slice on each rank); "
+                "weightsync registers whole tensors or boxes of them: use ZeRO stage 0-2 (--train dp=N) or FSDP2",
+                worker=who, tensor=name)

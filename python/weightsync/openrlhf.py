@@ -47,23 +47,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ._adapter import WeightsyncSettings, check_model_against_job
-from .errors import RegistrationError
+from ._adapter import WeightsyncSettings, check_model_against_job, refuse_zero3
 from .trainer import SyncOutcome, Trainer
 
 __all__ = ["WeightsyncSettings", "WeightsyncBroadcast", "install", "refuse_zero3"]
-
-
-def refuse_zero3(model: Any, who: str) -> None:
-    """Raises naming the first parameter DeepSpeed ZeRO-3 partitioned (``ds_shape`` /
-    ``ds_tensor`` on it): its memory on this rank is a slice of a flat buffer, not a box of the
-    tensor weightsync can register."""
-    for name, p in model.named_parameters():
-        if hasattr(p, "ds_shape") or hasattr(p, "ds_tensor"):
-            raise RegistrationError(
-                f"{who}: parameter {name} is partitioned by DeepSpeed ZeRO-3 (a flat slice on each rank); "
-                "weightsync registers whole tensors or boxes of them: use ZeRO stage 0-2 (--train dp=N) or FSDP2",
-                worker=who, tensor=name)
 
 
 def _rank() -> int:

@@ -37,13 +37,15 @@ registered, at the first sync, also before the first optimizer step.
 
 Not covered: PEFT adapters (TRL merges them into the base weights for each sync; refused by
 name), colocate mode (TRL's in-process ``load_weights`` already moves nothing over a wire),
-DeepSpeed ZeRO-3 (flat partitions, which weightsync's trainer does not register).
+DeepSpeed ZeRO-3 (flat partitions, which weightsync's trainer does not register: refused by
+name when the trainer is built).
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -52,7 +54,7 @@ from trl.trainer.grpo_trainer import GRPOTrainer
 from trl.generation.vllm_client import VLLMClient
 from trl.generation.vllm_generation import VLLMGeneration
 
-from ._adapter import WeightsyncSettings, check_model_against_job
+from ._adapter import WeightsyncSettings, check_model_against_job, refuse_zero3
 from .trainer import PushHandle, SyncOutcome, Trainer
 from .vllm_server import VllmServer
 
@@ -99,6 +101,7 @@ class WeightsyncVLLMGeneration(VLLMGeneration):
         s = self.weightsync
         trainer = Trainer(s.controller, rank=acc.process_index, job_token=s.job_token)
         try:
+            refuse_zero3(self.model, trainer.worker_id)
             check_model_against_job(trainer, self.model)
             if acc.is_main_process:
                 base_url = self.server_base_url or f"http://{self.server_host}:{self.server_port}"
@@ -107,7 +110,10 @@ class WeightsyncVLLMGeneration(VLLMGeneration):
                                               connection_timeout=self.server_timeout)
                 self.server = VllmServer(base_url, controller=s.controller_http,
                                          request_timeout_s=s.timeout_s)
-                self.server.init(s.controller, mode="staged", rank=s.engine_rank, job_token=s.job_token)
+                # The server's workers join with this job's token: the trainer's own when the
+                # settings name none (the server need not have it in its environment).
+                token = s.job_token or os.environ.get("WEIGHTSYNC_JOB_TOKEN")
+                self.server.init(s.controller, mode="staged", rank=s.engine_rank, job_token=token)
         except BaseException:
             trainer.close()
             raise

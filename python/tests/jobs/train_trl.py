@@ -8,11 +8,11 @@ through TRL's own colocate path (``--sync trl-colocate``: an in-process vLLM and
 
 ``DIR`` holds the config, a checkpoint and a tokenizer the test wrote (``write_tokenizer``: a
 word-level tokenizer built here, no hub). The dataset is a few prompts of those words, the
-reward counts the distinct words of a completion. After each sync (``--sync weightsync``) this
+reward is the mean word id of a completion. After each sync (``--sync weightsync``) this
 records to ``OUT/sync_v{V}.json`` the SHA-256 of every trainer parameter at that moment and what
 the server says it holds (``VllmServer.digests()``: its parameters and its staged arena), the
-server's ``weight_version``, and the sync's seconds as TRL's profiler measured them
-(``OUT/trl_metrics.json``: every logged metric).
+server's ``weight_version``, and each ``sync_weights`` call's seconds (``OUT/sync_seconds_{SYNC}.json``, on both paths) and
+TRL's logged metrics (``OUT/trl_metrics_{SYNC}.json``).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import argparse
 import hashlib
 import json
 import os
+import time
 from typing import Any
 
 import torch
@@ -42,9 +43,15 @@ def write_tokenizer(folder: str, vocab_size: int = 1024) -> None:
     fast.save_pretrained(folder)
 
 
-def reward_distinct_words(completions: list[str], **kwargs: Any) -> list[float]:
-    """The reward: distinct words in the completion (varies within a group: GRPO then steps)."""
-    return [float(len(set(c.split()))) for c in completions]
+def reward_word_ids(completions: list[str], **kwargs: Any) -> list[float]:
+    """The reward: the mean id of the completion's words / 1000. It differs between the
+    completions of a group almost surely (a count of distinct words was often the same for all
+    four: zero advantage, a step that moves nothing), so every GRPO step changes the weights."""
+    out = []
+    for c in completions:
+        ids = [int(w[1:]) for w in c.split() if w[1:].isdigit()]
+        out.append(sum(ids) / len(ids) / 1000 if ids else 0.0)
+    return out
 
 
 def digest(t: torch.Tensor) -> str:
@@ -76,28 +83,47 @@ def main() -> None:
     )
     if args.sync == "trl-colocate":
         config = GRPOConfig(vllm_mode="colocate", vllm_max_model_length=128, **common)
-        trainer: Any = GRPOTrainer(model=model, args=config, reward_funcs=reward_distinct_words,
+        trainer: Any = GRPOTrainer(model=model, args=config, reward_funcs=reward_word_ids,
                                    train_dataset=dataset, processing_class=tokenizer)
     else:
         from weightsync.trl import WeightsyncGRPOTrainer
 
         url, controller = args.url, args.controller
         config = GRPOConfig(vllm_mode="server", vllm_server_base_url=url, **common)
-        trainer = WeightsyncGRPOTrainer(model=model, args=config, reward_funcs=reward_distinct_words,
+        trainer = WeightsyncGRPOTrainer(model=model, args=config, reward_funcs=reward_word_ids,
                                         train_dataset=dataset, processing_class=tokenizer,
                                         weightsync_controller=controller,
                                         weightsync_controller_http=args.controller_http)
+    seconds = time_each_sync(trainer)  # the sync alone, inside the recording below
+    if args.sync == "weightsync":
         record_each_sync(trainer, args.out)
     trainer.train()
-    metrics = [h for h in trainer.state.log_history]
+    with open(os.path.join(args.out, f"sync_seconds_{args.sync}.json"), "w") as f:
+        json.dump(seconds, f)
     with open(os.path.join(args.out, f"trl_metrics_{args.sync}.json"), "w") as f:
-        json.dump(metrics, f)
+        json.dump(trainer.state.log_history, f)
     if args.sync == "weightsync":
         syncs = [{"version": s["version"], "seconds": s["seconds"], "bytes": s["outcome"].bytes}
                  for s in trainer.weightsync.syncs]
         with open(os.path.join(args.out, "weightsync_syncs.json"), "w") as f:
             json.dump(syncs, f)
         trainer.weightsync.close()
+
+
+def time_each_sync(trainer: Any) -> list[float]:
+    """The seconds of each of TRL's ``sync_weights`` calls (the same clock on both paths;
+    TRL's own profiler reports only to wandb / mlflow / trackio)."""
+    gen = trainer.vllm_generation
+    sync = gen.sync_weights
+    seconds: list[float] = []
+
+    def timed() -> None:
+        t0 = time.perf_counter()
+        sync()
+        seconds.append(time.perf_counter() - t0)
+
+    gen.sync_weights = timed
+    return seconds
 
 
 def record_each_sync(trainer: Any, out: str) -> None:
