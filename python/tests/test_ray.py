@@ -9,6 +9,7 @@ each actor dominates)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Iterator
@@ -29,12 +30,15 @@ from conftest import FIGURES, JOBS, free_port  # noqa: E402
 NAMESPACE = "weightsync-test"
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    # Workers inherit the driver's environment when ray.init starts the local cluster: jobs/ on
-    # their path (the actors' module), one torch thread each. Ray also puts the driver's current
-    # directory on the workers' path: pytest runs in python/, whose weightsync/ source folder (no
-    # native module) would shadow the installed package, so ray.init runs from elsewhere.
+@contextlib.contextmanager
+def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """A Ray local cluster for one test module, capped: 4 logical CPUs, a 100 MiB object store,
+    no dashboard.
+
+    Workers inherit the driver's environment when ray.init starts the local cluster: jobs/ on
+    their path (the actors' modules), one torch thread each. Ray also puts the driver's current
+    directory on the workers' path: pytest runs in python/, whose weightsync/ source folder (no
+    native module) would shadow the installed package, so ray.init runs from elsewhere."""
     saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "OMP_NUM_THREADS")}
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(JOBS), saved["PYTHONPATH"]) if p)
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -62,6 +66,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    with ray_cluster(tmp_path_factory):
+        yield
 
 
 def write_config(folder: Path) -> tuple[str, str]:

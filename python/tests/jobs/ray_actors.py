@@ -27,6 +27,15 @@ import weightsync.ray  # noqa: E402
 class FsdpTrainer:
     def __init__(self, job: weightsync.ray.Job, rank: int, world: int, rendezvous: str, config_dir: str,
                  rename: dict[str, str] | None = None) -> None:
+        self.setup(rank, world, rendezvous, config_dir)
+        self.trainer = job.trainer(rank)
+        # A framework whose names differ from the job's (``rename``) is refused here, before
+        # the first step, naming the tensor.
+        params = {(rename or {}).get(n, n): p for n, p in self.model.named_parameters()}
+        self.trainer.register(params)
+
+    def setup(self, rank: int, world: int, rendezvous: str, config_dir: str) -> None:
+        """The gloo group (rank and world from the launcher), the model under FSDP2, AdamW."""
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -41,24 +50,26 @@ class FsdpTrainer:
         fully_shard(self.model, mesh=mesh)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
         self.tokens = torch.Generator().manual_seed(1234)
-        self.trainer = job.trainer(rank)
-        # A framework whose names differ from the job's (``rename``) is refused here, before
-        # the first step, naming the tensor.
-        params = {(rename or {}).get(n, n): p for n, p in self.model.named_parameters()}
-        self.trainer.register(params)
 
-    def step(self, version: int) -> dict[str, Any] | None:
-        """One optimizer step, its push, then (collective) the full parameters: rank 0 returns
-        them, the others None."""
+    def train_step(self) -> None:
+        """One AdamW step on random tokens (collective)."""
         vocab = self.model.config.vocab_size
         batch = torch.randint(0, vocab, (2, 16), generator=self.tokens)
         self.model(input_ids=batch, labels=batch).loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad()
-        outcome = self.trainer.push(version).wait(timeout=120)
-        assert outcome.version == version, outcome
+
+    def full(self) -> dict[str, Any] | None:
+        """(collective) The full parameters: rank 0 returns them, the others None."""
         full = {n: p.full_tensor().detach().clone() for n, p in self.model.named_parameters()}
         return full if self.rank == 0 else None
+
+    def step(self, version: int) -> dict[str, Any] | None:
+        """One optimizer step, its push, then the full parameters (rank 0)."""
+        self.train_step()
+        outcome = self.trainer.push(version).wait(timeout=120)
+        assert outcome.version == version, outcome
+        return self.full()
 
     def close(self) -> None:
         import torch.distributed as dist
