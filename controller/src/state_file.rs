@@ -137,4 +137,50 @@ mod tests {
         let err = StateFile::new(&p).load().unwrap_err().to_string();
         assert!(err.contains("controller.json"), "{err}");
     }
+
+    #[test]
+    fn a_reopened_controller_carries_on_as_a_new_incarnation() {
+        use crate::coordinator::{CoordinatorConfig, Now};
+        use crate::planning::NullPlanner;
+        use crate::service::{AppState, ControllerConfig};
+
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state.json");
+        let coord = CoordinatorConfig {
+            world: weightsync_common::protocol::WorldSpec {
+                model: "m".into(),
+                train: "fsdp=1".into(),
+                infer: "tp=1".into(),
+                dtype: weightsync_common::DType::BF16,
+                verify: false,
+            },
+            trainers: 1,
+            rollouts: 1,
+            heartbeat_interval: std::time::Duration::from_millis(100),
+            heartbeat_timeout: std::time::Duration::from_secs(1),
+            sync_timeout: std::time::Duration::from_secs(5),
+            failure_grace: std::time::Duration::ZERO,
+            history: 8,
+        };
+        let mut cfg = ControllerConfig::new(coord, "job".into(), "api".into());
+        cfg.state_file = Some(path.clone());
+        let first = AppState::open(cfg.clone(), Box::new(NullPlanner)).unwrap();
+        let inc1 = first.read(|c| c.incarnation());
+        // Saved at once, and on every change that must survive.
+        assert_eq!(
+            StateFile::new(&path).load().unwrap().unwrap().incarnation,
+            inc1
+        );
+        first.step(|c| ((), c.begin_run(3, Now::wall()).unwrap()));
+        assert_eq!(StateFile::new(&path).load().unwrap().unwrap().run, 3);
+        drop(first);
+        let second = AppState::open(cfg, Box::new(NullPlanner)).unwrap();
+        let (run, inc2) = second.read(|c| (c.run(), c.incarnation()));
+        assert_eq!(run, 3);
+        assert_ne!(inc1, inc2);
+        assert_eq!(
+            StateFile::new(&path).load().unwrap().unwrap().incarnation,
+            inc2
+        );
+    }
 }
