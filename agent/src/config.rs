@@ -141,15 +141,33 @@ pub fn role_secret(
 
 /// The fabric's secret: `WEIGHTSYNC_FABRIC_TOKEN` (or `_FILE`) when set, else `control` (the
 /// worker's own secret, right when one secret serves both roles). With one secret per role,
-/// trainers and engines must share a fabric token, since each lane proves it both ways.
+/// trainers and engines must share a fabric token, since each lane proves it both ways: a
+/// worker given a role variable and no fabric token is refused, naming both.
 pub fn fabric_secret(
     env: &dyn Fn(&str) -> Option<String>,
     control: &Secret,
 ) -> Result<Secret, ConfigError> {
-    Ok(Secret::from_env_or_file("WEIGHTSYNC_FABRIC_TOKEN", env)
-        .map_err(|e| ConfigError(e.to_string()))?
-        .unwrap_or_else(|| control.clone()))
+    if let Some(s) =
+        Secret::from_env_or_file(FABRIC_VAR, env).map_err(|e| ConfigError(e.to_string()))?
+    {
+        return Ok(s);
+    }
+    let set = |k: &str| env(k).is_some_and(|v| !v.is_empty());
+    let role_vars = [WorkerRole::Trainer, WorkerRole::Rollout].map(role_secret_variable);
+    if let Some(var) = role_vars
+        .iter()
+        .find(|v| set(v) || set(&format!("{v}_FILE")))
+    {
+        return Err(ConfigError(format!(
+            "{var} is set but {FABRIC_VAR} is not: with one secret per role, trainers and \
+             engines need a fabric secret they share (set {FABRIC_VAR} or {FABRIC_VAR}_FILE)"
+        )));
+    }
+    Ok(control.clone())
 }
+
+/// The variable of the fabric's secret.
+pub const FABRIC_VAR: &str = "WEIGHTSYNC_FABRIC_TOKEN";
 
 /// Reads a launcher's rank and world size from an environment lookup.
 pub fn launcher_rank(
@@ -331,6 +349,37 @@ pub fn parse_source(s: &str) -> Result<SourceSpec, ConfigError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn role_secrets_fall_back_to_the_job_token_and_need_a_fabric_token() {
+        let m = |pairs: &[(&str, &str)]| {
+            let v: Vec<(String, String)> = pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+            move |k: &str| v.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone())
+        };
+        let job = m(&[("WEIGHTSYNC_JOB_TOKEN", "job-token-0123456789")]);
+        let s = role_secret(WorkerRole::Rollout, &job).unwrap().unwrap();
+        assert_eq!(s.expose(), "job-token-0123456789");
+        assert_eq!(fabric_secret(&job, &s).unwrap(), s);
+        let roles = m(&[
+            ("WEIGHTSYNC_JOB_TOKEN", "job-token-0123456789"),
+            ("WEIGHTSYNC_ENGINE_TOKEN", "engine-token-0123456789"),
+        ]);
+        let s = role_secret(WorkerRole::Rollout, &roles).unwrap().unwrap();
+        assert_eq!(s.expose(), "engine-token-0123456789");
+        let err = fabric_secret(&roles, &s).unwrap_err().to_string();
+        assert!(
+            err.contains("WEIGHTSYNC_ENGINE_TOKEN is set but WEIGHTSYNC_FABRIC_TOKEN is not"),
+            "{err}"
+        );
+        let short = m(&[("WEIGHTSYNC_TRAINER_TOKEN", "short")]);
+        let err = role_secret(WorkerRole::Trainer, &short)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("at least 16"), "{err}");
+    }
 
     fn flags() -> WorkerSettings {
         WorkerSettings {

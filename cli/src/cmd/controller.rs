@@ -2,8 +2,12 @@
 //!
 //! It serves the HTTP API and dashboard on `--http` and the workers' control channel on
 //! `--control`, expects the workers the job's layouts imply, plans once they are all registered,
-//! and runs a sync whenever the training loop posts to `/v1/syncs`. Tokens come from
-//! `WEIGHTSYNC_JOB_TOKEN` (workers) and `WEIGHTSYNC_API_TOKEN` (mutating HTTP calls).
+//! and runs a sync whenever the training loop posts to `/v1/syncs`. Secrets come from the
+//! environment (or the file each `_FILE` variable names), never the command line:
+//! `WEIGHTSYNC_TRAINER_TOKEN` and `WEIGHTSYNC_ENGINE_TOKEN` (one per worker role; either falls
+//! back to `WEIGHTSYNC_JOB_TOKEN`, one secret for both), `WEIGHTSYNC_API_TOKEN` (mutating HTTP
+//! calls) and optionally `WEIGHTSYNC_READ_TOKEN` (then the views need a token too); see
+//! `docs/security.md`.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -13,7 +17,7 @@ use serde::Deserialize;
 use weightsync_common::DType;
 use weightsync_common::protocol::WorldSpec;
 
-use weightsync_controller::{AppState, ControllerConfig, SchedulesPlanner};
+use weightsync_controller::{AppState, ControllerConfig, ControllerSecrets, SchedulesPlanner};
 
 /// Arguments of `weightsync controller` (the TOML file takes the same keys).
 #[derive(Debug, Clone, Default, Deserialize, clap::Args)]
@@ -67,15 +71,6 @@ pub struct Args {
     pub settings: Settings,
 }
 
-fn env_token(name: &str) -> anyhow::Result<String> {
-    std::env::var(name)
-        .ok()
-        .filter(|t| !t.is_empty())
-        .with_context(|| {
-            format!("set {name} (a secret shared with the workers / the training loop)")
-        })
-}
-
 /// Runs `weightsync controller`.
 pub fn run(args: Args) -> anyhow::Result<()> {
     crate::logging::init("info");
@@ -103,10 +98,18 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             .map_err(anyhow::Error::msg)?,
         verify: s.verify.or(file.verify).unwrap_or(true),
     };
+    match weightsync_common::open_files::raise_open_file_limit() {
+        Ok(n) => tracing::info!("open-file limit {n}"),
+        Err(e) => tracing::warn!("cannot raise the open-file limit: {e}"),
+    }
+    let secrets = ControllerSecrets::from_env(&|k| std::env::var(k).ok())?;
+    for warning in secrets.warnings() {
+        tracing::warn!("{warning}");
+    }
     let mut cfg = ControllerConfig::for_job(
         world,
-        env_token("WEIGHTSYNC_JOB_TOKEN")?.into(),
-        env_token("WEIGHTSYNC_API_TOKEN")?.into(),
+        secrets.trainer.clone(),
+        secrets.api.clone(),
         Duration::from_millis(
             s.heartbeat_timeout_ms
                 .or(file.heartbeat_timeout_ms)
@@ -116,6 +119,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         s.history.or(file.history).unwrap_or(200),
     )?;
     cfg.state_file = s.state_file.or(file.state_file);
+    cfg.secrets = secrets;
     let http = s
         .http
         .or(file.http)
