@@ -19,7 +19,7 @@ import pytest
 import weightsync
 
 from conftest import Controller, Procs, free_port, start_controller, weightsync_bin
-from test_embedded import CONFIG, full_value, in_threads
+from test_embedded import CONFIG, full_value, in_threads, settled
 
 np = pytest.importorskip("numpy")
 torch = pytest.importorskip("torch")
@@ -125,9 +125,10 @@ def test_an_optimizer_step_during_a_sync_fails_it_naming_the_tensor_and_the_next
         assert all((x.kind, x.tensor) == (err.kind, err.tensor) for x in errors), errors
         # The engines never commit the mixed bytes: they still hold version 1.
         for e in job.engines:
-            assert e.wait_for_version(1, timeout=5).version == 1
-            with pytest.raises(weightsync.SyncFailedError):
+            with pytest.raises(weightsync.SyncFailedError) as failed:
                 e.wait_for_version(2, timeout=10)
+            assert failed.value.kind is weightsync.FailureKind.MODIFIED, failed.value
+            assert settled(e).version == 1
         # The next step and push commit, byte-exact.
         full = job.step(3)
         outcomes = job.push(3)
