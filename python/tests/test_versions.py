@@ -259,6 +259,12 @@ def test_the_controller_killed_mid_sync_and_restarted_carries_on(tmp_path: Path,
         job.step(2)
         pushes = [t.push(2) for t in job.trainers]
         assert job.entered.wait(30)
+        # Every worker but rollout-0 (in its hook) answered Prepared: the sync is in flight
+        # everywhere. (Killed before a trainer hears of it, its push would be re-sent instead.)
+        deadline = time.monotonic() + 30
+        while c.get("/v1/syncs")["syncs"][0]["waiting_on"] != ["rollout-0"]:
+            assert time.monotonic() < deadline, c.get("/v1/syncs")["syncs"][0]
+            time.sleep(0.05)
         os.kill(c.proc.popen.pid, 9)
         c.proc.popen.wait()
         t0 = time.monotonic()
@@ -285,9 +291,8 @@ def test_the_controller_killed_mid_sync_and_restarted_carries_on(tmp_path: Path,
         assert [o.version for o in outcomes] == [3, 3]
         job.check(3, full)
         versions += [e.version for e in job.engines]
-        syncs = c.get("/v1/syncs")
-        new_ids = [s["id"] for s in (syncs if isinstance(syncs, list) else syncs["syncs"])]
-        old_ids = [s["id"] for s in (first_sync if isinstance(first_sync, list) else first_sync["syncs"])]
+        new_ids = [s["id"] for s in c.get("/v1/syncs")["syncs"]]
+        old_ids = [s["id"] for s in first_sync["syncs"]]
         assert min(new_ids) > max(old_ids) + 1, (old_ids, new_ids)
         assert versions == [1, 1, 3, 3], versions
         print(f"in-flight wait() raised {raised_after:.2f} s after the kill")
