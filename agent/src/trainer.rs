@@ -259,9 +259,8 @@ impl TrainerDriver {
             return Err(DriverError {
                 kind: FailureKind::Modified,
                 cause: format!(
-                    "{}: tensor {tensor} was written while version {} was being sent (an \
-                     optimizer step during the sync?): what was sent mixes two versions",
-                    WorkerId::trainer(self.cfg.rank),
+                    "tensor {tensor} was written while version {} was being sent (an optimizer \
+                     step during the sync?): what was sent mixes two versions",
                     sync.version
                 ),
                 tensor: Some(tensor),

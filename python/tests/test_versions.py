@@ -19,7 +19,7 @@ import pytest
 import weightsync
 
 from conftest import Controller, Procs, free_port, start_controller, weightsync_bin
-from test_embedded import CONFIG, full_value, in_threads
+from test_embedded import CONFIG, full_value, in_threads, settled
 
 np = pytest.importorskip("numpy")
 torch = pytest.importorskip("torch")
@@ -125,9 +125,10 @@ def test_an_optimizer_step_during_a_sync_fails_it_naming_the_tensor_and_the_next
         assert all((x.kind, x.tensor) == (err.kind, err.tensor) for x in errors), errors
         # The engines never commit the mixed bytes: they still hold version 1.
         for e in job.engines:
-            assert e.wait_for_version(1, timeout=5).version == 1
-            with pytest.raises(weightsync.SyncFailedError):
+            with pytest.raises(weightsync.SyncFailedError) as failed:
                 e.wait_for_version(2, timeout=10)
+            assert failed.value.kind is weightsync.FailureKind.MODIFIED, failed.value
+            assert settled(e).version == 1
         # The next step and push commit, byte-exact.
         full = job.step(3)
         outcomes = job.push(3)
@@ -258,6 +259,12 @@ def test_the_controller_killed_mid_sync_and_restarted_carries_on(tmp_path: Path,
         job.step(2)
         pushes = [t.push(2) for t in job.trainers]
         assert job.entered.wait(30)
+        # Every worker but rollout-0 (in its hook) answered Prepared: the sync is in flight
+        # everywhere. (Killed before a trainer hears of it, its push would be re-sent instead.)
+        deadline = time.monotonic() + 30
+        while c.get("/v1/syncs")["syncs"][0]["waiting_on"] != ["rollout-0"]:
+            assert time.monotonic() < deadline, c.get("/v1/syncs")["syncs"][0]
+            time.sleep(0.05)
         os.kill(c.proc.popen.pid, 9)
         c.proc.popen.wait()
         t0 = time.monotonic()
@@ -284,9 +291,8 @@ def test_the_controller_killed_mid_sync_and_restarted_carries_on(tmp_path: Path,
         assert [o.version for o in outcomes] == [3, 3]
         job.check(3, full)
         versions += [e.version for e in job.engines]
-        syncs = c.get("/v1/syncs")
-        new_ids = [s["id"] for s in (syncs if isinstance(syncs, list) else syncs["syncs"])]
-        old_ids = [s["id"] for s in (first_sync if isinstance(first_sync, list) else first_sync["syncs"])]
+        new_ids = [s["id"] for s in c.get("/v1/syncs")["syncs"]]
+        old_ids = [s["id"] for s in first_sync["syncs"]]
         assert min(new_ids) > max(old_ids) + 1, (old_ids, new_ids)
         assert versions == [1, 1, 3, 3], versions
         print(f"in-flight wait() raised {raised_after:.2f} s after the kill")

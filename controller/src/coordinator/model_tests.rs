@@ -159,6 +159,8 @@ struct Model {
     /// Each trainer's last push: on which connection, of what (run, version).
     last_push: [Option<(ConnId, u64, u64)>; 2],
     superseded: BTreeSet<(usize, u64, u64)>,
+    /// Each trainer's pushes not known to have ended superseded, as (run, version).
+    pushes: [BTreeSet<(u64, u64)>; 2],
     /// Syncs created by an HTTP trigger (the pushes say nothing about them).
     triggered: BTreeSet<u64>,
     restarted: bool,
@@ -205,6 +207,7 @@ impl Model {
             latest: None,
             last_push: [None; 2],
             superseded: BTreeSet::new(),
+            pushes: Default::default(),
             triggered: BTreeSet::new(),
             restarted: false,
             job_version: 0,
@@ -249,6 +252,7 @@ impl Model {
             }
             FromWorker::Push { version, run } => {
                 self.last_push[w] = Some((conn, *run, *version));
+                self.pushes[w].insert((*run, *version));
                 self.superseded.remove(&(w, *run, *version));
             }
             _ => {}
@@ -388,8 +392,16 @@ impl Model {
                     if sync_id == 0 {
                         if failure.as_ref().map(|f| f.kind) == Some(FailureKind::Superseded) {
                             r.superseded.set(r.superseded.get() + 1);
-                            if w < 2 {
-                                let run = self.last_push[w].map_or(0, |p| p.1);
+                            // An Abort names no run: it ends the oldest-run push of that
+                            // version (a new run supersedes the old run's pushes; a push of
+                            // an old run is superseded at once).
+                            let run = self.pushes[w.min(1)]
+                                .iter()
+                                .filter(|p| p.1 == version)
+                                .map(|p| p.0)
+                                .min();
+                            if let (true, Some(run)) = (w < 2, run) {
+                                self.pushes[w].remove(&(run, version));
                                 self.superseded.insert((w, run, version));
                             }
                         }

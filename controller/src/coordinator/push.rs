@@ -12,7 +12,7 @@
 //! replaces its other pending pushes at once (they end superseded: its tensors no longer hold
 //! them), whatever becomes of N.
 //!
-//! A push is idempotent like the HTTP trigger: a version already committed is answered with its
+//! A push is idempotent like the HTTP trigger: the newest committed version is answered with its
 //! `Commit` at once, one running answers when it ends, and one not newer than the last committed
 //! in the run with an `Abort` of sync 0 of kind `stale`.
 //!
@@ -78,7 +78,9 @@ impl Coordinator {
             .filter(|s| s.run == self.run)
             .map(|s| (s.id, s.state));
         match existing {
-            Some((sync_id, SyncState::Committed)) => {
+            // Only the newest committed version is what the engines hold: a push of an older
+            // committed one (a trainer restarted from an older checkpoint) is stale below.
+            Some((sync_id, SyncState::Committed)) if self.latest_in_run() == Some(version) => {
                 let run = self.run;
                 self.send_to(&mut fx, [id], |_| ToWorker::Commit {
                     sync_id,

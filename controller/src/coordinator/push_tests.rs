@@ -146,6 +146,12 @@ fn a_job_restarted_from_an_older_checkpoint_goes_on_under_a_new_run() {
     );
     assert!(complete(&mut c, id, 5, t).persist);
     assert_eq!(c.latest_committed(), Some((0, 5)));
+    // The newest committed version pushed again is answered with its commit (idempotent).
+    let fx = c.message(1, push(5, 0), t);
+    assert!(
+        matches!(fx.send[..], [(1, ToWorker::Commit { sync_id, version: 5, run: 0 })] if sync_id == id),
+        "{fx:?}"
+    );
     // Restarted from the checkpoint of version 3: stale in run 0, and said so by kind.
     let fx = c.message(1, push(3, 0), t);
     assert_eq!(ended_unsynced(&fx), vec![(3, FailureKind::Stale)]);
