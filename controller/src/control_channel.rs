@@ -12,7 +12,8 @@ use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::tcp::OwnedWriteHalf;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, watch};
 use weightsync_common::protocol::{
@@ -214,11 +215,15 @@ async fn handle_connection(
 
 /// Challenge, proof of the role's secret, the controller's answer with the job, registration
 /// of that role.
-async fn handshake(
-    rd: &mut OwnedReadHalf,
-    wr: &mut OwnedWriteHalf,
+async fn handshake<R, W>(
+    rd: &mut R,
+    wr: &mut W,
     cfg: &ControllerConfig,
-) -> Result<Registration, ConnectionError> {
+) -> Result<Registration, ConnectionError>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
     let max = cfg.max_frame.min(DEFAULT_MAX_FRAME);
     let nonce = auth::nonce();
     write_frame(wr, &ToWorker::Challenge { nonce }, PREAUTH_MAX_FRAME).await?;
@@ -275,6 +280,26 @@ async fn handshake(
         _ => Err(ConnectionError::Handshake(
             "expected Register after Hello".into(),
         )),
+    }
+}
+
+/// The controller's side of a worker's handshake over any byte stream: the registration of a
+/// worker that proved its role's secret and registered as that role, or why not (the reason a
+/// refused worker is sent). Connections run it under their deadline and caps; the
+/// `control_handshake` fuzz target and its seed replay drive it with bytes in memory.
+pub async fn worker_handshake<R, W>(
+    rd: &mut R,
+    wr: &mut W,
+    cfg: &ControllerConfig,
+) -> Result<Registration, String>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    match handshake(rd, wr, cfg).await {
+        Ok(reg) => Ok(reg),
+        Err(ConnectionError::JobOnly) => Err("the worker asked for the job only".into()),
+        Err(e) => Err(e.to_string()),
     }
 }
 

@@ -16,8 +16,9 @@ use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use weightsync_common::open_files::raise_open_file_limit;
 use weightsync_common::protocol::{
     DEFAULT_MAX_FRAME, FromWorker, MAGIC, PREAUTH_MAX_FRAME, PROTOCOL_VERSION, ToWorker, WorkerId,
-    WorkerRole, auth, read_frame, write_frame,
+    WorkerRole, auth, encode_frame, read_frame, write_frame,
 };
+use weightsync_controller::control_channel::worker_handshake;
 use weightsync_controller::coordinator::Now;
 use weightsync_controller::planning::NullPlanner;
 use weightsync_controller::{AppState, ControllerConfig, ControllerSecrets};
@@ -313,4 +314,99 @@ async fn slowloris_clients_neither_block_healthz_nor_outlast_the_header_timeout(
     }
     assert!(start.elapsed() < Duration::from_secs(10));
     ctl.stop().await;
+}
+
+/// The seeds of the `control_handshake` fuzz target: what a worker might send first.
+fn handshake_seeds() -> Vec<(&'static str, Vec<u8>)> {
+    let frame = |m: &FromWorker| encode_frame(m, DEFAULT_MAX_FRAME).unwrap();
+    let hello = |role| {
+        frame(&FromWorker::Hello {
+            role,
+            nonce: [7; 32],
+            proof: [9; 32],
+        })
+    };
+    let register = |id| frame(&FromWorker::Register(Box::new(registration(id, true))));
+    let header = |len: u32| {
+        let mut h = MAGIC.to_vec();
+        h.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+        h.extend_from_slice(&[0, 0]);
+        h.extend_from_slice(&len.to_le_bytes());
+        h
+    };
+    let trainer = [hello(WorkerRole::Trainer), register(WorkerId::trainer(0))].concat();
+    let rollout = [hello(WorkerRole::Rollout), register(WorkerId::rollout(0))].concat();
+    let crossed = [hello(WorkerRole::Rollout), register(WorkerId::trainer(1))].concat();
+    let truncated = trainer[..trainer.len() / 2].to_vec();
+    vec![
+        ("hello-trainer-register.bin", trainer),
+        ("hello-rollout-register.bin", rollout),
+        ("hello-rollout-register-trainer.bin", crossed),
+        ("register-first.bin", register(WorkerId::trainer(0))),
+        ("announce-4gib.bin", header(u32::MAX)),
+        (
+            "announce-200mib.bin",
+            [header(200 << 20), vec![0; 64]].concat(),
+        ),
+        ("hello-truncated.bin", truncated),
+    ]
+}
+
+/// Replays the committed `control_handshake` seeds through the controller's handshake: each is
+/// refused (none can know the challenge). With `FUZZ_SEEDS=<dir>` it first rewrites them there:
+/// `FUZZ_SEEDS=$PWD/controller/fuzz/corpus/control_handshake cargo test -p weightsync-tests
+/// --test control_security control_handshake_seeds`.
+#[tokio::test]
+async fn control_handshake_seeds_are_refused() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../controller/fuzz/corpus/control_handshake");
+    if let Ok(out) = std::env::var("FUZZ_SEEDS") {
+        for (name, bytes) in handshake_seeds() {
+            std::fs::write(std::path::Path::new(&out).join(name), bytes).unwrap();
+        }
+    }
+    let cfg = state(1, 1, true).config().clone();
+    let mut replayed = 0;
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let bytes = std::fs::read(entry.unwrap().path()).unwrap();
+        let mut rd = &bytes[..];
+        let mut wr = tokio::io::sink();
+        let got = worker_handshake(&mut rd, &mut wr, &cfg).await;
+        assert!(got.is_err(), "a seed registered: {got:?}");
+        replayed += 1;
+    }
+    assert_eq!(
+        replayed,
+        handshake_seeds().len(),
+        "seeds missing in {dir:?}"
+    );
+    // A worker that knows the secret gets through the same function (the seeds fail on the
+    // proof, not on something else).
+    let (mut worker, mut controller) = tokio::io::duplex(1 << 16);
+    let id = WorkerId::rollout(0);
+    let client = tokio::spawn(async move {
+        let Some(ToWorker::Challenge { nonce }) =
+            read_frame(&mut worker, PREAUTH_MAX_FRAME).await.unwrap()
+        else {
+            panic!("no challenge")
+        };
+        let hello = FromWorker::Hello {
+            role: id.role,
+            nonce: auth::nonce(),
+            proof: auth::prove(JOB_TOKEN, id.role, &nonce),
+        };
+        write_frame(&mut worker, &hello, PREAUTH_MAX_FRAME)
+            .await
+            .unwrap();
+        let _job: Option<ToWorker> = read_frame(&mut worker, DEFAULT_MAX_FRAME).await.unwrap();
+        let reg = FromWorker::Register(Box::new(registration(id, true)));
+        write_frame(&mut worker, &reg, DEFAULT_MAX_FRAME)
+            .await
+            .unwrap();
+        worker
+    });
+    let (mut rd, mut wr) = tokio::io::split(&mut controller);
+    let reg = worker_handshake(&mut rd, &mut wr, &cfg).await.unwrap();
+    assert_eq!(reg.id, id);
+    drop(client.await.unwrap());
 }

@@ -74,7 +74,7 @@ pub use memory::{
 pub use op::{WriteOp, merge_contiguous, place, stripe};
 pub use region::{DeregisterHook, LiveMemory, Region, RegisteredMemory, SourcePin};
 pub use stride::{Segments, Stride};
-pub use tcp::TcpFabric;
+pub use tcp::{TcpFabric, WriteWindow};
 pub use transfer_paths::TransferPaths;
 
 /// What every backend offers. Small on purpose: register, write, count.
@@ -202,6 +202,17 @@ pub enum Fabric {
 }
 
 impl Fabric {
+    /// Sets when this process accepts writes into its regions (see [`WriteWindow`]). The TCP
+    /// backend enforces it on every frame; with verbs the NIC checks rkeys and bounds only, so
+    /// there it changes nothing.
+    pub fn set_write_window(&self, window: WriteWindow) {
+        match self {
+            Fabric::Tcp(t) => t.set_write_window(window),
+            #[cfg(feature = "rdma")]
+            Fabric::Verbs(_) => {}
+        }
+    }
+
     /// Starts the backend named by `config` (binds its listener, opens devices).
     pub async fn start(config: &FabricConfig) -> Result<Fabric> {
         config.validate()?;

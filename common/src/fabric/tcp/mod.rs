@@ -77,7 +77,7 @@ use super::{
     place,
 };
 pub use addresses::AddressBytes;
-pub use registry::{Registration, RegistrationTable};
+pub use registry::{Registration, RegistrationTable, WriteWindow};
 
 /// Alignment of the pieces a large write is split into.
 const STRIPE_ALIGN: u64 = 4096;
@@ -101,6 +101,7 @@ pub(super) struct Counters {
     sent_ptrace_bytes: AtomicU64,
     sent_shared_bytes: AtomicU64,
     refused: AtomicU64,
+    outside_window: AtomicU64,
 }
 
 /// A snapshot of a TCP fabric's counters.
@@ -133,8 +134,10 @@ pub struct TcpStats {
     /// Copies out of same-host writers (`process_vm_readv` calls) that landed them: fewer than
     /// the PULL frames landed when runs of them arrive together and land at once.
     pub pull_calls: u64,
-    /// Frames refused here (rkey, bounds, permission, deregistered).
+    /// Frames refused here (rkey, bounds, permission, deregistered, outside the window).
     pub refused: u64,
+    /// Of `refused`, frames that arrived while the receiver's [`WriteWindow`] was closed.
+    pub outside_window: u64,
 }
 
 /// State shared by the fabric handle and its lane threads.
@@ -263,7 +266,15 @@ impl TcpFabric {
             bytes_shared: get(&c.bytes_shared),
             pull_calls: get(&c.pull_calls),
             refused: get(&c.refused),
+            outside_window: get(&c.outside_window),
         }
+    }
+
+    /// Sets when this process accepts writes into its regions ([`WriteWindow`]): a receiver
+    /// that guards its memory closes the window at start, arms it for each sync and closes it
+    /// again once the sync landed or was abandoned.
+    pub fn set_write_window(&self, window: WriteWindow) {
+        self.inner.shared.table.set_window(window);
     }
 
     /// Fault injection: shuts down every open lane to `peer`, as if the cable were pulled.
@@ -766,6 +777,54 @@ mod tests {
         assert_eq!(stats.refused, 1);
         // The pulls landed as three runs: A's first two, C's two, A's last (another region).
         assert_eq!(stats.pull_calls, 3, "{stats:?}");
+    }
+
+    #[tokio::test]
+    async fn a_guarded_receiver_refuses_writes_outside_an_armed_window() {
+        let on = FabricConfig::loopback("unit", 1);
+        let off = FabricConfig {
+            same_host: false,
+            ..on.clone()
+        };
+        // Payload frames and (where the host allows) same-host pulls.
+        for config in [off, on] {
+            let a = TcpFabric::start(&config).await.unwrap();
+            let b = TcpFabric::start(&config).await.unwrap();
+            let len = 1 << 20;
+            let src = a.alloc(len, Access::SOURCE).unwrap();
+            let dst = b.alloc(len, Access::RECEIVE).unwrap();
+            dst.write_at(0, &vec![1u8; len]).unwrap();
+            b.set_write_window(WriteWindow::Closed);
+            src.write_at(0, &vec![7u8; len]).unwrap();
+            let op = || WriteOp::new(&src, 0, dst.descriptor(), 0, len as u64).with_imm(3);
+            let err = a.write(op()).await.unwrap_err();
+            assert!(
+                matches!(
+                    err,
+                    FabricError::RemoteAccess {
+                        kind: crate::fabric::RemoteAccessKind::OutsideWindow,
+                        ..
+                    }
+                ),
+                "{err}"
+            );
+            assert_eq!(dst.to_vec().unwrap(), vec![1u8; len], "bytes changed");
+            assert_eq!(b.stats().outside_window, 1);
+            assert_eq!(
+                b.imm_counter().unclaimed(3),
+                0,
+                "a refused write was counted"
+            );
+            b.set_write_window(WriteWindow::Armed);
+            a.write(op()).await.unwrap();
+            assert_eq!(dst.to_vec().unwrap(), vec![7u8; len]);
+            b.imm_counter().expect(3, 1).await.unwrap();
+            b.set_write_window(WriteWindow::Closed);
+            src.write_at(0, &vec![9u8; len]).unwrap();
+            assert!(a.write(op()).await.is_err());
+            assert_eq!(dst.to_vec().unwrap(), vec![7u8; len], "bytes changed");
+            assert_eq!(b.stats().outside_window, 2);
+        }
     }
 
     #[tokio::test]

@@ -277,6 +277,9 @@ fn receive_frames(
         let (reg, offset) = match checked {
             Err(kind) => {
                 shared.stats.refused.fetch_add(1, Ordering::Relaxed);
+                if kind == RemoteAccessKind::OutsideWindow {
+                    shared.stats.outside_window.fetch_add(1, Ordering::Relaxed);
+                }
                 ledger
                     .first_error
                     .get_or_insert((kind, header.rkey, header.addr));
