@@ -453,8 +453,9 @@ def test_a_non_dumpable_trainer_is_read_through_shared_memory(tmp_path: Path, pr
     if not Path("/proc/sys/kernel/random/boot_id").exists():
         pytest.skip("no boot id: same-host transfers are never offered")
     c = controller(tmp_path, procs, train="fsdp=1,dtype=f32", infer="tp=1,dp=1,format=hf")
+    # cwd: not python/, whose source tree would shadow the installed package.
     child = subprocess.Popen([sys.executable, "-c", ENGINE_CHILD, c.control, c.job_token],
-                             stdout=subprocess.PIPE, text=True)
+                             stdout=subprocess.PIPE, text=True, cwd=tmp_path)
     libc = ctypes.CDLL(None, use_errno=True)
     PR_SET_DUMPABLE = 4
     # Non-dumpable from before the trainer starts (as a launcher leaves it), restored at the end.

@@ -281,7 +281,8 @@ def sglang_scheduler_reads(payload: bytes) -> dict[str, bytes]:
     """What an SGLang scheduler process does with ``update_weights_from_tensor``'s payload:
     ``MultiprocessingSerializer.deserialize`` (``ForkingPickler.loads``), then reads the tensors.
     Runs in a spawned child, as SGLang's scheduler is another process."""
-    from torch.multiprocessing.reductions import ForkingPickler
+    import torch.multiprocessing  # noqa: F401 - registers torch's reducers
+    from multiprocessing.reduction import ForkingPickler
 
     named = ForkingPickler.loads(payload)
     return {n: bytes(t.view(torch.int16).numpy().tobytes()) for n, t in named}
@@ -301,7 +302,8 @@ class PicklingSGLang(RecordingSGLang):
     def update_weights_from_tensor(self, named_tensors: list[tuple[str, Any]], flush_cache: bool = True) -> None:
         import io
 
-        from torch.multiprocessing.reductions import ForkingPickler
+        import torch.multiprocessing  # noqa: F401 - registers torch's reducers
+        from multiprocessing.reduction import ForkingPickler
 
         buf = io.BytesIO()
         ForkingPickler(buf).dump(named_tensors)  # MultiprocessingSerializer.serialize

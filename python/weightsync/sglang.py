@@ -127,8 +127,10 @@ class StagedSync:
         # shared yet into a new shared-memory block and frees the old one; the registered
         # address would then be freed memory from the first load on. A storage already shared
         # is pickled by its file descriptor and stays where it is.
-        self.arena = {t.name: torch.empty(t.shape, dtype=getattr(torch, _DTYPES[t.dtype])).share_memory_()
+        self.arena = {t.name: torch.empty(t.shape, dtype=getattr(torch, _DTYPES[t.dtype]))
                       for t in self.ws.layout()}
+        for t in self.arena.values():
+            t.share_memory_()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         self.ws.register(self.arena, format="hf")
         self._arena_ptrs = {n: t.data_ptr() for n, t in self.arena.items()}
         self.loaded_version: int | None = None
