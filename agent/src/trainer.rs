@@ -12,9 +12,11 @@
 //!
 //! Versions are bound to bytes for an embedded trainer: the embedding records in a
 //! [`HoldingSlot`] which `(run, version)` its tensors hold (what it pushed), and `Prepare N` fails
-//! unless they hold N, naming both versions; after the last byte of N was read, the embedding's
-//! check says whether any registered tensor was written meanwhile (an optimizer step during the
-//! sync), and a sync that saw a write fails naming the tensor (`FailureKind::Modified`).
+//! when they hold a newer pushed version, naming both (a newer N than pushed is an outside
+//! driver's `POST /v1/syncs`, which moves whatever the tensors hold); after the last byte of the
+//! pushed version was read, the embedding's check says whether any registered tensor was written
+//! meanwhile (an optimizer step during the sync), and a sync that saw a write fails naming the
+//! tensor (`FailureKind::Modified`).
 //!
 //! Each sync runs in its own task, so that an abort can cancel it and wait until it has stopped
 //! posting; draining then resets the fabric's lanes, discarding whatever of the aborted sync is
@@ -215,8 +217,8 @@ impl TrainerDriver {
         }
     }
 
-    /// Binds syncs to what the embedding pushed: `Prepare N` fails unless `slot` says the
-    /// tensors hold N, and a sync whose check finds a tensor written fails naming it.
+    /// Binds syncs to what the embedding pushed: `Prepare N` fails when `slot` says the tensors
+    /// hold a newer version, and a sync whose check finds a tensor written fails naming it.
     pub fn hold(&mut self) -> HoldingSlot {
         self.holding.get_or_insert_with(Default::default).clone()
     }
@@ -229,16 +231,17 @@ impl TrainerDriver {
         };
         let mut h = slot.lock();
         let want = (sync.run, sync.version);
-        if h.held != Some(want) {
-            let holds = h.held.map_or_else(
-                || "no pushed version".to_string(),
-                |(r, v)| format!("version {v} of run {r}"),
-            );
+        // A newer version than it pushed is an outside driver's trigger (`POST /v1/syncs`
+        // moves whatever the tensors hold); an older one would label newer bytes (a trainer
+        // that ran ahead): refused.
+        if let Some((r, v)) = h.held
+            && want < (r, v)
+        {
             return Err(DriverError::new(
                 FailureKind::Source,
                 format!(
-                    "{} was asked for version {} of run {} but its tensors hold {holds} \
-                     (only a version this trainer pushed and still holds is synced)",
+                    "{} was asked for version {} of run {} but its tensors hold version {v} of \
+                     run {r}, pushed since (a version is synced only while its trainers hold it)",
                     WorkerId::trainer(self.cfg.rank),
                     sync.version,
                     sync.run
@@ -254,7 +257,13 @@ impl TrainerDriver {
         let Some(slot) = &self.holding else {
             return Ok(());
         };
-        let check = slot.lock().unchanged.clone();
+        // The check compares with the pushed version's bytes: only that version's sync uses it.
+        let check = {
+            let h = slot.lock();
+            h.unchanged
+                .clone()
+                .filter(|_| h.held == Some((sync.run, sync.version)))
+        };
         if let Some(tensor) = check.and_then(|c| c()) {
             return Err(DriverError {
                 kind: FailureKind::Modified,

@@ -282,7 +282,8 @@ pub(crate) fn run_session<D: SyncDriver>(
     };
     spawn_quiet(rt, run_agent_with(cfg, driver, link));
     let pump = ends.clone();
-    let resend = out_tx.clone();
+    // Weak: a strong sender here would keep the outbox open, and leaving waits for it to close.
+    let resend = out_tx.downgrade();
     rt.spawn(async move {
         while let Some(ev) = ev_rx.recv().await {
             let again = matches!(ev, AgentEvent::Registered);
@@ -299,7 +300,9 @@ pub(crate) fn run_session<D: SyncDriver>(
                 tracing::info!(
                     "re-sending the push of version {version} (run {run}) after re-registering"
                 );
-                let _ = resend.try_send(FromWorker::Push { version, run });
+                if let Some(tx) = resend.upgrade() {
+                    let _ = tx.try_send(FromWorker::Push { version, run });
+                }
             }
         }
     });
