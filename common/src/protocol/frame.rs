@@ -278,9 +278,9 @@ mod tests {
             Err(ControlFrameError::BadMagic(_))
         ));
         let mut wrong = bytes.clone();
-        wrong[4] = 9;
+        wrong[4] = 200;
         let err = decode_frame::<FromWorker>(&wrong, 1024).unwrap_err();
-        assert!(err.to_string().contains("version 9"), "{err}");
+        assert!(err.to_string().contains("version 200"), "{err}");
         bytes[8..12].copy_from_slice(&u32::MAX.to_le_bytes());
         let err = decode_frame::<FromWorker>(&bytes, 1024).unwrap_err();
         assert!(matches!(err, ControlFrameError::TooLarge { .. }), "{err}");
