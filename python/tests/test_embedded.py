@@ -297,7 +297,7 @@ def test_cuda_tensors_go_through_the_same_register_call(tmp_path: Path, procs: P
 
     info = _native.tensor_info(FakeCudaTensor((4, 8)))
     assert (info.dtype, info.shape, info.kind) == ("bf16", [4, 8], "torch-cuda"), info
-    with pytest.raises(ValueError, match="CUDA tensor as a destination"):
+    with pytest.raises(ValueError, match=r"CUDA tensor \(on cuda:0\) as a destination"):
         _native.tensor_info(FakeCudaTensor((4, 8)), None, True)
     c = controller(tmp_path, procs)
     t = weightsync.Trainer(c.control, 0, job_token=c.job_token)
