@@ -16,7 +16,6 @@ tiny Qwen3 behind an object shaped as OpenRLHF's ``ActorPPOTrainer`` is read by
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
@@ -39,11 +38,7 @@ TIMEOUT_S = 300
 
 def model_folder(tmp_path: Path, name: str = "model", **overrides: Any) -> Path:
     folder = tmp_path / name
-    tiny.write_config(str(folder), "dense")
-    if overrides:
-        cfg = json.loads((folder / "config.json").read_text())
-        cfg.update(overrides)
-        (folder / "config.json").write_text(json.dumps(cfg))
+    tiny.write_config(str(folder), "dense", **overrides)
     return folder
 
 
