@@ -115,6 +115,7 @@ impl SyncDriver for RolloutDriver {
                     bytes: t.len,
                     global_shape: Vec::new(),
                     offset: Vec::new(),
+                    source: None,
                 })
                 .collect(),
             placement: self.worker.placement().map(blob),

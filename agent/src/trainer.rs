@@ -142,6 +142,7 @@ fn shard_tensors(plan: &TrainerPlan) -> Vec<TensorMeta> {
                 bytes: s.bytes(),
                 global_shape: param.map_or_else(Vec::new, |p| dims(p.shape.dims())),
                 offset: dims(&s.global.start[..n]),
+                source: None,
             }
         })
         .collect()

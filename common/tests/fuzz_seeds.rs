@@ -91,6 +91,7 @@ fn from_worker() -> Vec<FromWorker> {
                 bytes: 256,
                 global_shape: Vec::new(),
                 offset: Vec::new(),
+                source: None,
             }],
             placement: Some(Blob(vec![6; 32])),
             skip: vec!["model.rotary_emb.inv_freq".into()],
@@ -105,6 +106,7 @@ fn from_worker() -> Vec<FromWorker> {
                 bytes: 128,
                 global_shape: vec![12, 16],
                 offset: vec![4, 0],
+                source: None,
             }],
         },
         FromWorker::Prepared {

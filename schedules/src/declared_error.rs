@@ -159,8 +159,8 @@ pub enum DeclaredError {
     /// An engine's tensor has another shape than the trainers' whole tensor.
     #[error(
         "tensor {tensor}: inference rank {engine_rank} declares shape {engine_shape}, trainer \
-         rank {trainer_rank} holds a tensor of shape {trainer_shape} (a declared model's engine \
-         tensors are whole tensors)"
+         rank {trainer_rank} holds a tensor of shape {trainer_shape} (an engine tensor that \
+         declares no source is the trainers' tensor of its name, whole)"
     )]
     ShapeMismatch {
         /// The tensor.
@@ -193,4 +193,140 @@ pub enum DeclaredError {
         /// What the job allows.
         reason: String,
     },
+
+    /// An engine tensor's parts do not fit it or the trainers' tensors (boxed: its fields name
+    /// both sides at length).
+    #[error(transparent)]
+    Part(Box<PartError>),
+    /// A trainer tensor no rank of a tensor-parallel engine takes any of.
+    #[error(
+        "tensor {tensor}: trainer rank {trainer_rank} holds it ({dtype} {shape}) but no rank of \
+         engine {engine} (inference ranks {first_rank}..={last_rank}) declares a tensor made of \
+         it or skips it"
+    )]
+    NoEngineRankWants {
+        /// The tensor.
+        tensor: String,
+        /// The first trainer rank holding it.
+        trainer_rank: u32,
+        /// The engine.
+        engine: u32,
+        /// Its first inference rank.
+        first_rank: u32,
+        /// Its last inference rank.
+        last_rank: u32,
+        /// The trainers' dtype.
+        dtype: DType,
+        /// Its whole shape.
+        shape: String,
+    },
+}
+
+/// An engine tensor made of parts that do not fit: each names the engine tensor, the inference
+/// rank, the part and the trainer side.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum PartError {
+    /// An engine tensor's part names a tensor no trainer holds.
+    #[error(
+        "tensor {tensor}: inference rank {engine_rank} declares it made of {source_tensor} \
+         {part}, but no trainer holds {source_tensor}"
+    )]
+    NoTrainerHoldsPart {
+        /// The engine tensor.
+        tensor: String,
+        /// The inference rank.
+        engine_rank: u32,
+        /// The part's trainer tensor.
+        source_tensor: String,
+        /// The part's box, as declared.
+        part: String,
+    },
+    /// An engine tensor's part is a box outside the trainers' tensor it names.
+    #[error(
+        "tensor {tensor}: inference rank {engine_rank} declares it made of {source_tensor} \
+         {part}, outside the {source_tensor} of shape {trainer_shape} trainer rank \
+         {trainer_rank} holds"
+    )]
+    PartOutside {
+        /// The engine tensor.
+        tensor: String,
+        /// The inference rank.
+        engine_rank: u32,
+        /// The part's trainer tensor.
+        source_tensor: String,
+        /// The part's box.
+        part: String,
+        /// The first trainer rank holding it.
+        trainer_rank: u32,
+        /// The trainers' whole shape.
+        trainer_shape: String,
+    },
+    /// An engine tensor's part does not fit the tensor: in a dim it spans whole, it is another
+    /// size, or it has more dims than the tensor.
+    #[error(
+        "tensor {tensor}: inference rank {engine_rank} declares shape {engine_shape} \
+         concatenated along dim {dim}, but {part}, {reason}"
+    )]
+    PartShape {
+        /// The engine tensor.
+        tensor: String,
+        /// The inference rank.
+        engine_rank: u32,
+        /// The engine tensor's shape.
+        engine_shape: String,
+        /// The concatenation dim.
+        dim: u32,
+        /// The part: its position, trainer tensor and box, and the trainer side (rank, shape).
+        part: String,
+        /// How it does not fit.
+        reason: String,
+    },
+    /// Two parts of an engine tensor overlap: a part runs past the end of its place along the
+    /// concatenation dim, into the next part's (or past the tensor's end).
+    #[error(
+        "tensor {tensor}: inference rank {engine_rank} declares shape {engine_shape} \
+         concatenated along dim {dim}, but {part}, {overlaps}"
+    )]
+    PartOverlap {
+        /// The engine tensor.
+        tensor: String,
+        /// The inference rank.
+        engine_rank: u32,
+        /// The engine tensor's shape.
+        engine_shape: String,
+        /// The concatenation dim.
+        dim: u32,
+        /// The part: its position, trainer tensor and box, and the trainer side (rank, shape).
+        part: String,
+        /// Where it starts and what it overlaps.
+        overlaps: String,
+    },
+    /// An engine tensor's parts leave part of it unfilled.
+    #[error(
+        "tensor {tensor}: inference rank {engine_rank} declares shape {engine_shape}, but \
+         {parts} fill {filled} of its {total} elements: nothing fills {gap}"
+    )]
+    PartGap {
+        /// The engine tensor.
+        tensor: String,
+        /// The inference rank.
+        engine_rank: u32,
+        /// The engine tensor's shape.
+        engine_shape: String,
+        /// Its parts: how many, the dim, the last one and its trainer side.
+        parts: String,
+        /// Elements the parts fill.
+        filled: u64,
+        /// Elements of the tensor.
+        total: u64,
+        /// The first box nothing fills.
+        gap: String,
+    },
+}
+
+impl From<PartError> for DeclaredError {
+    fn from(e: PartError) -> Self {
+        DeclaredError::Part(Box::new(e))
+    }
 }

@@ -181,11 +181,10 @@ pub fn is_declared(world: &WorldSpec, model_config: Option<&str>) -> bool {
         })
 }
 
-/// The numbers of training and inference ranks of a declared job, after checking that its
-/// inference layout can hold a declared model (`tp=1`, `ep=1`, `format=hf`).
+/// The numbers of training and inference ranks of a declared job. (Whether its engines can
+/// hold the layout string's ranks is known only from their declarations: engines of whole
+/// tensors need `tp=1`, `ep=1`, `format=hf`; see [`crate::declared::check_engines`].)
 pub fn declared_world(world: &WorldSpec) -> Result<(u32, u32), JobError> {
-    let spec = infer_spec(world)?;
-    crate::declared::check_spec(&spec).map_err(|e| part("inference layout")(e.into()))?;
     world_size(world)
 }
 
@@ -197,6 +196,9 @@ pub fn declared_layouts(
     trainers: &[&[TensorMeta]],
     engines: &[EngineDeclaration<'_>],
 ) -> Result<JobLayouts, JobError> {
+    let infer_spec = infer_spec(world)?;
+    crate::declared::check_engines(&infer_spec, engines)
+        .map_err(|e| part("inference layout")(e.into()))?;
     let (t, r) = declared_world(world)?;
     if trainers.len() != t as usize || engines.len() != r as usize {
         return Err(part("declarations")(PlanError::BadSpec {
@@ -212,7 +214,6 @@ pub fn declared_layouts(
     let name = declared_by_name(&world.model).unwrap_or(&world.model);
     let (model, train) =
         crate::declared::from_trainers(name, trainers).map_err(part("trainers' declarations"))?;
-    let infer_spec = infer_spec(world)?;
     let infer = crate::declared::inference_layout(&model, &train, &infer_spec, engines)
         .map_err(part("declarations"))?;
     Ok(JobLayouts {

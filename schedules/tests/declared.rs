@@ -44,6 +44,7 @@ fn chunk(name: &str, dtype: DType, global: &[u64], rank: u32, of: u32) -> Tensor
         dtype,
         global_shape: global.to_vec(),
         offset,
+        source: None,
     }
 }
 

@@ -7,8 +7,9 @@
 //!
 //! `declared_planning_time` (ignored; run with `--release -- --ignored --nocapture`) times both
 //! paths interleaved in one process (Qwen3-0.6B's 310 tensors; Kimi-K2 from the 10,240-GPU job's
-//! 8,192 trainers into an fp8 hf engine; that job's per-expert training side) and prints the
-//! figures and ratios as one JSON object.
+//! 8,192 trainers into an fp8 hf engine; that job's per-expert training side; that whole job,
+//! its fused tp=8 ep=32 inference side declared as its engines would, `declared_fused.rs`) and
+//! prints the figures and ratios as one JSON object.
 
 use std::time::Instant;
 
@@ -55,6 +56,7 @@ fn trainer_declarations(l: &JobLayouts) -> Vec<Vec<TensorMeta>> {
             bytes: s.global.numel() * s.dtype.size() as u64,
             global_shape: dims(p.shape.dims()),
             offset: dims(&s.global.start[..n]),
+            source: None,
         });
     }
     out
@@ -138,9 +140,8 @@ fn a_known_model_declared_plans_the_same_table() {
 /// experts stacked: `experts=transformers`), spread by expert parallelism, FSDP and pipeline
 /// stages, into an fp8 `format=hf` engine that declares every block-quantised tensor with its
 /// `weight_scale_inv`: declared, it plans the config's table byte for byte (975 tensors).
-/// Two Kimi-K2 jobs are not declarable: per-expert trainer tensors into an hf engine's stacked
-/// experts (an engine tensor made of many trainer tensors), and the production inference side
-/// (`tp=8` `ep=32` fused): a declared model's engines hold whole trainer tensors by name.
+/// (Engines that declare what each tensor is made of, per-expert trainer tensors stacked and
+/// the production inference side, `tp=8` `ep=32` fused, are `declared_fused.rs`.)
 #[test]
 fn kimi_k2_declared_plans_the_same_table() {
     let (train, infer) = ("pp=2,ep=4,fsdp=2,experts=transformers", "format=hf");
@@ -256,9 +257,8 @@ fn declared_planning_time() {
     ));
 
     // Kimi-K2's 10,240-GPU job: its training side (8,192 ranks) from declarations against the
-    // layout string. (Its inference side, tp=8 ep=32 fused on 2,048 ranks, is not declarable:
-    // engines of a declared model hold whole tensors.) The config path's whole plan of the
-    // job is timed too, for scale.
+    // layout string. The config path's whole plan of the job is timed too, for scale (and the
+    // whole job planned from declarations below).
     let kimi = fp8(world("kimi-k2", "pp=16,ep=32,fsdp=16", "tp=8,ep=32,dp=64"));
     let tspec = job::train_spec(&kimi).unwrap();
     let model = job::model(&kimi, None, &tspec).unwrap();
@@ -300,10 +300,74 @@ fn declared_planning_time() {
     let mut k = figures("kimi-k2 10240 training side", what, spec_s, decl_s);
     k["declared_vs_config_whole_plan"] = serde_json::json!(decl_s / plan_s);
     cases.push(k);
+    cases.push(kimi_whole_job_declared(&kimi));
     let report = serde_json::json!({ "bench": "declared planning", "cases": cases });
     let text = serde_json::to_string_pretty(&report).unwrap();
     println!("{text}");
     if let Ok(path) = std::env::var("DECLARED_TIMING_JSON") {
         std::fs::write(path, text).unwrap();
     }
+}
+
+/// Kimi-K2's whole 10,240-GPU job (8,192 trainers, per-expert; 64 fp8 engines of tp=8 ep=32,
+/// vLLM's fused layout) planned from every worker's declarations (the engines' from
+/// [`declared::engine_declarations`]: each tensor's parts) against the config path, both
+/// whole plans, interleaved. The declarations are in memory (no frames: 2,048 engine
+/// registrations of ~3 thousand parts each); the 64 engines' ranks declare engine 0's ranks'
+/// declarations by reference, as equal registrations would.
+fn kimi_whole_job_declared(kimi: &WorldSpec) -> serde_json::Value {
+    let l = job::layouts(kimi, None).unwrap();
+    let t = declared::trainer_declarations(&l.model, &l.train);
+    let e = declared::engine_declarations(&l.model, &l.infer);
+    let ranks = l.infer.ranks.len();
+    let pieces = l.infer.pieces.len();
+    drop(l);
+    let declared_as = WorldSpec {
+        model: "declared:kimi-k2".into(),
+        ..kimi.clone()
+    };
+    let tr: Vec<&[TensorMeta]> = t.iter().map(Vec::as_slice).collect();
+    let en: Vec<EngineDeclaration> = (0..ranks)
+        .map(|i| EngineDeclaration {
+            tensors: &e[i % e.len()],
+            skip: &[],
+        })
+        .collect();
+    // Once, checked: the same table.
+    let declared_table = job::plan_declared_job(&declared_as, &tr, &en)
+        .unwrap()
+        .table;
+    let same = declared_table.to_bincode() == job::plan_job(kimi, None).unwrap().table.to_bincode();
+    drop(declared_table);
+    let n = 3;
+    let (config, declared) = interleaved(
+        n,
+        || {
+            std::hint::black_box(job::plan_job(kimi, None).unwrap());
+        },
+        || {
+            std::hint::black_box(job::plan_declared_job(&declared_as, &tr, &en).unwrap());
+        },
+    );
+    let parts: usize = e
+        .iter()
+        .flatten()
+        .filter_map(|m| m.source.as_ref())
+        .map(|s| s.parts.len())
+        .sum();
+    let what = serde_json::json!({
+        "model": kimi.model, "train": kimi.train, "infer": kimi.infer, "dtype": "fp8",
+        "trainers": t.len(), "engine_ranks": ranks, "pieces": pieces,
+        "declared_shards": t.iter().map(Vec::len).sum::<usize>(),
+        "engine_rank_parts": parts, "runs": n, "same_table": same,
+        "config_path": "plan_job: model, layouts from the strings, planning",
+        "declared": "plan_declared_job: model, training layout and fused inference layout from \
+                     the declarations (tiling and parts checked), planning",
+    });
+    figures(
+        "kimi-k2 10240 whole job, fused tp=8 ep=32",
+        what,
+        config,
+        declared,
+    )
 }

@@ -86,6 +86,7 @@ pub fn registration(id: WorkerId, verify: bool) -> Registration {
             bytes: 128,
             global_shape: Vec::new(),
             offset: Vec::new(),
+            source: None,
         }],
         placement: None,
         skip: Vec::new(),

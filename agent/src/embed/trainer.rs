@@ -257,6 +257,7 @@ impl TrainerHandle {
                 bytes: t.shape.iter().product::<u64>() * t.dtype.size() as u64,
                 global_shape: s.global_shape,
                 offset: s.offset,
+                source: None,
             };
             let (_, bx) = weightsync_schedules::declared::shard_box(&decl).map_err(|reason| {
                 EmbedError::Registration {

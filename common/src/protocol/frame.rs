@@ -45,7 +45,9 @@ pub const MAGIC: [u8; 4] = *b"WSYC";
 /// and failures may be `superseded`, `stale` or `modified`.
 /// Also 9: one secret per role and mutual authentication: `Hello` names its role and carries a
 /// nonce of the worker's, `Job` carries the controller's answer to it.
-pub const PROTOCOL_VERSION: u16 = 9;
+/// 10: a declared engine tensor may say what it is made of (`TensorMeta::source`: boxes of the
+/// trainers' tensors concatenated along a dim), so fused and tensor-parallel engines declare.
+pub const PROTOCOL_VERSION: u16 = 10;
 /// Bytes in a frame header.
 pub const FRAME_HEADER_LEN: usize = 12;
 /// Default maximum body size: 256 MiB (a trainer's plan slice for a 1T-parameter model fits).
@@ -252,6 +254,7 @@ mod tests {
                 bytes: 32,
                 global_shape: Vec::new(),
                 offset: Vec::new(),
+                source: None,
             }],
             placement: None,
             skip: Vec::new(),

@@ -154,7 +154,8 @@ impl WorldSpec {
 /// For a declared model (one the planner knows only from what its workers register: see
 /// `weightsync_schedules::declared`) this is the declaration the controller plans from: a
 /// trainer's shard is the box `offset .. offset + shape` of the parameter `name` whose whole
-/// shape is `global_shape`; an engine's tensor is whole (`global_shape` and `offset` empty).
+/// shape is `global_shape`; an engine's tensor (`global_shape` and `offset` empty) is the
+/// trainers' tensor of its name, whole, or what its `source` says it is made of.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TensorMeta {
     /// Parameter or engine tensor name.
@@ -171,6 +172,41 @@ pub struct TensorMeta {
     /// Where the box starts in the whole parameter, per dim; empty: at its origin.
     #[serde(default)]
     pub offset: Vec<u64>,
+    /// An engine's tensor of a declared model: what it is made of (a fused `qkv_proj`, a
+    /// tensor-parallel rank's slice, stacked experts). `None`: the trainers' tensor of its name,
+    /// whole. Trainers declare `None`.
+    #[serde(default)]
+    pub source: Option<TensorSource>,
+}
+
+/// What an engine tensor is made of: the concatenation along `dim` of boxes of the trainers'
+/// tensors, in order.
+///
+/// Each part's dims map onto the destination's trailing dims (a part of fewer dims than the
+/// destination leaves leading *stack* dims). The parts fill the destination along `dim` one
+/// after the other; once they fill it, the next part starts the next index of the stack dims
+/// (row-major): per-expert `[I, H]` gate and up boxes, `dim` 1, fill a stacked `[E, 2I, H]`
+/// expert tensor gate, up, gate, up... In every other dim a part spans the destination whole.
+/// How the bytes change is the two dtypes' business, as for a whole tensor (a copy, a cast to
+/// bf16, or fp8 block quantisation with its `_scale_inv`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TensorSource {
+    /// The destination dim the parts are concatenated along.
+    pub dim: u32,
+    /// The parts, in order.
+    pub parts: Vec<SourceBox>,
+}
+
+/// One part of a [`TensorSource`]: the box `offset .. offset + shape` of the trainers' tensor
+/// `tensor` (in that tensor's own dims).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SourceBox {
+    /// The trainers' tensor.
+    pub tensor: String,
+    /// Where the box starts, per dim of that tensor.
+    pub offset: Vec<u64>,
+    /// The box's shape.
+    pub shape: Vec<u64>,
 }
 
 impl TensorMeta {
@@ -184,6 +220,7 @@ impl TensorMeta {
             bytes,
             global_shape: Vec::new(),
             offset: Vec::new(),
+            source: None,
         }
     }
 }

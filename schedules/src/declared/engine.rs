@@ -8,6 +8,10 @@ use std::sync::Arc;
 use weightsync_common::DType;
 use weightsync_common::protocol::TensorMeta;
 
+#[cfg(doc)]
+use weightsync_common::protocol::TensorSource;
+
+use super::concat::{Names, Placed, place};
 use super::{DeclaredError, MAX_DECLARED, logical_shape};
 use crate::error::PlanError;
 use crate::layout_infer::ScalePlace;
@@ -60,6 +64,14 @@ pub fn engine_tensors(
     rank: u32,
     decl: EngineDeclaration<'_>,
 ) -> Result<(Vec<DstTensor>, u64), DeclaredError> {
+    lay_out(rank, decl).map(|(t, _, bytes)| (t, bytes))
+}
+
+/// [`engine_tensors`], with the index of each tensor's declaration.
+fn lay_out(
+    rank: u32,
+    decl: EngineDeclaration<'_>,
+) -> Result<(Vec<DstTensor>, Vec<u32>, u64), DeclaredError> {
     if decl.tensors.len() > MAX_DECLARED {
         return Err(DeclaredError::Malformed {
             tensor: decl.tensors[0].name.clone(),
@@ -74,8 +86,9 @@ pub fn engine_tensors(
     let skip: FxHashSet<&str> = decl.skip.iter().map(String::as_str).collect();
     let mut seen: FxHashSet<&str> = FxHashSet::default();
     let mut out = Vec::new();
+    let mut from = Vec::new();
     let mut next = 0u64;
-    for m in decl.tensors {
+    for (i, m) in decl.tensors.iter().enumerate() {
         if !seen.insert(&m.name) {
             return Err(DeclaredError::Twice {
                 tensor: m.name.clone(),
@@ -101,9 +114,10 @@ pub fn engine_tensors(
             offset: next,
             len,
         });
+        from.push(i as u32);
         next = align_up(next + len);
     }
-    Ok((out, next))
+    Ok((out, from, next))
 }
 
 /// The scale tensor's shape of an fp8 tensor of `shape`: one f32 per 128x128 block of the last
@@ -117,16 +131,51 @@ fn scale_shape(shape: Shape) -> Shape {
     s
 }
 
-/// The inference layout of a declared model: engine `e` (inference rank `e`) holds what it
-/// declared (`engines[e]`), each tensor filled whole from the trainers' parameter of its name.
-/// Every disagreement is refused by name (see [`DeclaredError`]).
+/// Refuses engines of whole tensors only (none declares a [`TensorSource`]) in a job whose
+/// layout is not `tp=1`, `ep=1`, `format=hf` ([`check_spec`]): their tensors could not be the
+/// ranks' slices or fused tensors the layout string says they are.
+pub fn check_engines(
+    spec: &InferSpec,
+    engines: &[EngineDeclaration<'_>],
+) -> Result<(), DeclaredError> {
+    if engines
+        .iter()
+        .any(|e| e.tensors.iter().any(|t| t.source.is_some()))
+    {
+        return Ok(());
+    }
+    check_spec(spec)
+}
+
+/// One rank of an engine as built from its declarations: what another engine's rank of the
+/// same local rank, declaring the same, shares (at 64 engines, one build instead of 64).
+struct BuiltRank<'a> {
+    decl: EngineDeclaration<'a>,
+    tensors: Arc<[DstTensor]>,
+    bytes: u64,
+    /// Its pieces, with the rank it was built for.
+    pieces: Vec<Piece>,
+    /// The parameters it takes any of.
+    wanted: Vec<u32>,
+}
+
+/// Whether two ranks declared the same (the same slices, or equal ones).
+fn same_declaration(a: &EngineDeclaration<'_>, b: &EngineDeclaration<'_>) -> bool {
+    (std::ptr::eq(a.tensors, b.tensors) || a.tensors == b.tensors) && a.skip == b.skip
+}
+
+/// The inference layout of a declared model: inference rank `i` (engine `i / n`, local rank
+/// `i % n`, `n = max(tp, ep)`) holds what it declared (`engines[i]`), each tensor filled from
+/// the trainers' parameters: the one of its name, whole, or the parts its source names (see
+/// [`TensorSource`]). Every trainer tensor must be taken by some rank of every engine, or
+/// skipped. Every disagreement is refused by name (see [`DeclaredError`]).
 pub fn inference_layout(
     model: &Model,
     train: &TrainingLayout,
     spec: &InferSpec,
     engines: &[EngineDeclaration<'_>],
 ) -> Result<InferenceLayout, PlanError> {
-    check_spec(spec)?;
+    check_engines(spec, engines)?;
     let by_name: FxHashMap<&str, u32> = model
         .params
         .iter()
@@ -139,49 +188,181 @@ pub fn inference_layout(
         let h = &mut holder[s.param as usize];
         *h = (*h).min(s.rank);
     }
+    let names = Names {
+        model,
+        by_name: &by_name,
+        holder: &holder,
+    };
+    let n = spec.engine_ranks().max(1);
     // Per parameter, the dtype the first engine taking it takes it in, and that engine.
     let mut taken: Vec<Option<(DType, u32)>> = vec![None; model.params.len()];
+    let mut built: Vec<Option<BuiltRank>> = (0..n).map(|_| None).collect();
     let mut ranks: Vec<InferRank> = Vec::with_capacity(engines.len());
-    let mut pieces = Vec::new();
-    for (e, decl) in engines.iter().enumerate() {
-        let rank = e as u32;
-        let (tensors, bytes) = engine_tensors(rank, *decl)?;
-        let mut wanted = vec![false; model.params.len()];
-        let check = RankCheck {
-            model,
-            holder: &holder,
-            spec,
-            rank,
-            tensors: &tensors,
-        };
-        let index: FxHashMap<&str, u32> = tensors
-            .iter()
-            .enumerate()
-            .map(|(i, t)| (t.name.as_str(), i as u32))
-            .collect();
-        let scales: FxHashSet<u32> = tensors
-            .iter()
-            .filter(|t| t.dtype == DType::F8E4M3)
-            .filter_map(|t| index.get(format!("{}_scale_inv", t.name).as_str()).copied())
-            .collect();
-        for (i, t) in tensors.iter().enumerate() {
-            if scales.contains(&(i as u32)) {
-                continue;
+    let mut pieces: Vec<Piece> = Vec::new();
+    let mut wanted = vec![false; model.params.len()];
+    let mut skipped: FxHashSet<&str> = FxHashSet::default();
+    for (i, decl) in engines.iter().enumerate() {
+        let rank = i as u32;
+        let local = rank % n;
+        if local == 0 {
+            wanted.iter_mut().for_each(|w| *w = false);
+            skipped.clear();
+        }
+        skipped.extend(decl.skip.iter().map(String::as_str));
+        let slot = &mut built[local as usize];
+        let reuse = slot
+            .as_ref()
+            .is_some_and(|b| same_declaration(&b.decl, decl));
+        if !reuse {
+            let b = build_rank(&names, spec, rank, *decl, &mut taken)?;
+            *slot = Some(b);
+        }
+        let b = slot.as_ref().expect("built above");
+        for &pid in &b.wanted {
+            wanted[pid as usize] = true;
+        }
+        let first = pieces.len();
+        pieces.extend_from_slice(&b.pieces);
+        if reuse {
+            for p in &mut pieces[first..] {
+                p.rank = rank;
             }
-            let Some(&pid) = by_name.get(t.name.as_str()) else {
-                return Err(DeclaredError::NoTrainerHolds {
-                    tensor: t.name.clone(),
-                    engine_rank: rank,
-                    dtype: t.dtype,
-                    shape: t.shape.to_string(),
-                }
-                .into());
-            };
-            let scale = check.tensor(t, pid, &index)?;
+        }
+        if pieces.len() as u64 > crate::layout_infer::MAX_PIECES {
+            return Err(PlanError::TooLarge(format!(
+                "the engines' declarations make more than the {} pieces one plan may hold",
+                crate::layout_infer::MAX_PIECES
+            )));
+        }
+        ranks.push(InferRank {
+            rank,
+            engine: rank / n,
+            local_rank: local,
+            tensors: Arc::clone(&b.tensors),
+            mr_bytes: vec![b.bytes],
+        });
+        if local + 1 == n || i + 1 == engines.len() {
+            check_wanted(
+                model,
+                &holder,
+                &wanted,
+                &skipped,
+                rank / n,
+                rank + 1 - (local + 1),
+                rank,
+                n,
+            )?;
+        }
+    }
+    Ok(InferenceLayout {
+        ranks,
+        pieces,
+        fp8_recipe: spec.fp8,
+    })
+}
+
+/// Refuses a trainer tensor no rank `first..=last` of engine `engine` takes any of or skips.
+#[allow(clippy::too_many_arguments)]
+fn check_wanted(
+    model: &Model,
+    holder: &[u32],
+    wanted: &[bool],
+    skipped: &FxHashSet<&str>,
+    engine: u32,
+    first: u32,
+    last: u32,
+    n: u32,
+) -> Result<(), DeclaredError> {
+    let Some((pid, p)) = model
+        .params
+        .iter()
+        .enumerate()
+        .find(|(pid, p)| !wanted[*pid] && p.shape.numel() > 0 && !skipped.contains(&*p.name))
+    else {
+        return Ok(());
+    };
+    Err(if n == 1 {
+        DeclaredError::NoEngineWants {
+            tensor: p.name.to_string(),
+            trainer_rank: holder[pid],
+            engine_rank: first,
+            dtype: p.dtype,
+            shape: p.shape.to_string(),
+        }
+    } else {
+        DeclaredError::NoEngineRankWants {
+            tensor: p.name.to_string(),
+            trainer_rank: holder[pid],
+            engine,
+            first_rank: first,
+            last_rank: last,
+            dtype: p.dtype,
+            shape: p.shape.to_string(),
+        }
+    })
+}
+
+/// Builds inference rank `rank` from its declarations: its tensors, and the pieces filling
+/// them, each checked against the trainers' parameters (dtypes recorded in `taken`).
+fn build_rank<'a>(
+    names: &Names<'_>,
+    spec: &InferSpec,
+    rank: u32,
+    decl: EngineDeclaration<'a>,
+    taken: &mut [Option<(DType, u32)>],
+) -> Result<BuiltRank<'a>, PlanError> {
+    let model = names.model;
+    let (tensors, from, bytes) = lay_out(rank, decl)?;
+    let check = RankCheck {
+        model,
+        holder: names.holder,
+        spec,
+        rank,
+        tensors: &tensors,
+    };
+    let index: FxHashMap<&str, u32> = tensors
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.name.as_str(), i as u32))
+        .collect();
+    let scales: FxHashSet<u32> = tensors
+        .iter()
+        .filter(|t| t.dtype == DType::F8E4M3)
+        .filter_map(|t| index.get(format!("{}_scale_inv", t.name).as_str()).copied())
+        .collect();
+    let mut pieces = Vec::new();
+    let mut wanted = Vec::new();
+    for (i, t) in tensors.iter().enumerate() {
+        if scales.contains(&(i as u32)) {
+            continue;
+        }
+        let placed = match &decl.tensors[from[i] as usize].source {
+            Some(source) => place(names, rank, t, source)?,
+            None => {
+                let Some(&pid) = names.by_name.get(t.name.as_str()) else {
+                    return Err(DeclaredError::NoTrainerHolds {
+                        tensor: t.name.clone(),
+                        engine_rank: rank,
+                        dtype: t.dtype,
+                        shape: t.shape.to_string(),
+                    }
+                    .into());
+                };
+                check.whole_shape(t, pid)?;
+                vec![Placed {
+                    param: pid,
+                    src: TensorBox::full(model.params[pid as usize].shape),
+                    dst_start: [0; MAX_DIMS],
+                }]
+            }
+        };
+        let scale_tensor = check.dtype_and_scales(t, &placed, &index)?;
+        for p in placed {
+            let pid = p.param;
             match taken[pid as usize] {
                 Some((d, first)) if d != t.dtype => {
                     return Err(DeclaredError::EnginesDisagree {
-                        tensor: t.name.clone(),
+                        tensor: model.params[pid as usize].name.to_string(),
                         rank_a: first,
                         a: d,
                         rank_b: rank,
@@ -192,53 +373,38 @@ pub fn inference_layout(
                 Some(_) => {}
                 None => taken[pid as usize] = Some((t.dtype, rank)),
             }
-            wanted[pid as usize] = true;
+            wanted.push(pid);
+            let nd = t.shape.ndim as usize;
             pieces.push(Piece {
                 param: pid,
-                src: TensorBox::full(model.params[pid as usize].shape),
+                src: p.src,
                 rank,
                 tensor: i as u32,
-                dst_start: [0; MAX_DIMS],
-                scale,
+                dst_start: p.dst_start,
+                scale: scale_tensor.map(|st| {
+                    // One scale per 128x128 block of the tensor's own grid (every part starts on
+                    // it: checked), the leading dims as they are.
+                    let mut start = p.dst_start;
+                    for x in &mut start[nd - 2..nd] {
+                        *x /= FP8_BLOCK;
+                    }
+                    ScalePlace { tensor: st, start }
+                }),
             });
         }
-        let skip: FxHashSet<&str> = decl.skip.iter().map(String::as_str).collect();
-        if let Some((pid, p)) = model
-            .params
-            .iter()
-            .enumerate()
-            .find(|(pid, p)| !wanted[*pid] && p.shape.numel() > 0 && !skip.contains(&*p.name))
-        {
-            return Err(DeclaredError::NoEngineWants {
-                tensor: p.name.to_string(),
-                trainer_rank: holder[pid],
-                engine_rank: rank,
-                dtype: p.dtype,
-                shape: p.shape.to_string(),
-            }
-            .into());
-        }
-        // Engines laid out alike share one list of tensors.
-        let tensors: Arc<[DstTensor]> = match ranks.first() {
-            Some(r0) if *r0.tensors == *tensors => Arc::clone(&r0.tensors),
-            _ => tensors.into(),
-        };
-        ranks.push(InferRank {
-            rank,
-            engine: rank,
-            local_rank: 0,
-            tensors,
-            mr_bytes: vec![bytes],
-        });
     }
-    Ok(InferenceLayout {
-        ranks,
+    wanted.sort_unstable();
+    wanted.dedup();
+    Ok(BuiltRank {
+        decl,
+        tensors: tensors.into(),
+        bytes,
         pieces,
-        fp8_recipe: spec.fp8,
+        wanted,
     })
 }
 
-/// Checks one engine tensor against the trainers' parameter of its name.
+/// Checks one engine tensor against the trainers' parameters it is made of.
 struct RankCheck<'a> {
     model: &'a Model,
     holder: &'a [u32],
@@ -248,60 +414,97 @@ struct RankCheck<'a> {
 }
 
 impl RankCheck<'_> {
-    /// Checks tensor `t` against parameter `pid`: the same shape, a dtype the job allows, and
-    /// for fp8 its scale tensor; returns where its scales go.
-    fn tensor(
-        &self,
-        t: &DstTensor,
-        pid: u32,
-        index: &FxHashMap<&str, u32>,
-    ) -> Result<Option<ScalePlace>, DeclaredError> {
+    /// A tensor that declares no source is parameter `pid` whole: the same shape.
+    fn whole_shape(&self, t: &DstTensor, pid: u32) -> Result<(), DeclaredError> {
         let p = &self.model.params[pid as usize];
-        let trainer_rank = self.holder[pid as usize];
         if t.shape != p.shape {
             return Err(DeclaredError::ShapeMismatch {
                 tensor: t.name.clone(),
                 engine_rank: self.rank,
                 engine_shape: t.shape.to_string(),
-                trainer_rank,
+                trainer_rank: self.holder[pid as usize],
                 trainer_shape: p.shape.to_string(),
             });
         }
+        Ok(())
+    }
+
+    /// Checks tensor `t`'s dtype against every part's parameter (the trainers' dtype or bf16,
+    /// or fp8 with its scale tensor, every part on the 128x128 block grids of both sides);
+    /// returns the scale tensor's index for fp8.
+    fn dtype_and_scales(
+        &self,
+        t: &DstTensor,
+        placed: &[Placed],
+        index: &FxHashMap<&str, u32>,
+    ) -> Result<Option<u32>, DeclaredError> {
+        let fp8_job = self.spec.dtype == InferDType::Fp8;
+        for part in placed {
+            let p = &self.model.params[part.param as usize];
+            let mismatch = |reason: String| DeclaredError::DTypeMismatch {
+                tensor: t.name.clone(),
+                engine_rank: self.rank,
+                engine_dtype: t.dtype,
+                trainer_rank: self.holder[part.param as usize],
+                trainer_dtype: p.dtype,
+                reason,
+            };
+            if t.dtype != DType::F8E4M3 {
+                if t.dtype == p.dtype || t.dtype == DType::BF16 {
+                    continue;
+                }
+                return Err(mismatch(format!(
+                    "an engine tensor is the trainers' dtype or bf16 (the job's inference dtype{})",
+                    if fp8_job {
+                        ", or fp8 with its _scale_inv"
+                    } else {
+                        ""
+                    }
+                )));
+            }
+            if !fp8_job {
+                return Err(mismatch(
+                    "fp8 engine tensors are for a job with dtype fp8; this job is bf16".into(),
+                ));
+            }
+            if t.shape.ndim < 2 || p.shape.ndim < 2 {
+                return Err(mismatch(format!(
+                    "fp8 block quantisation needs at least two dims; {} has one",
+                    if t.shape.ndim < 2 { &t.name } else { &*p.name }
+                )));
+            }
+            let (pn, tn) = (p.shape.ndim as usize, t.shape.ndim as usize);
+            for (pd, td) in [(pn - 2, tn - 2), (pn - 1, tn - 1)] {
+                let (s, e) = (part.src.start[pd], part.src.end(pd));
+                let on_grid = s % FP8_BLOCK == 0
+                    && (e % FP8_BLOCK == 0 || e == p.shape.dims[pd])
+                    && part.dst_start[td] % FP8_BLOCK == 0;
+                if !on_grid {
+                    return Err(mismatch(format!(
+                        "its part {} {} lands at {:?}: an fp8 part starts on a {FP8_BLOCK}x\
+                         {FP8_BLOCK} block boundary of both tensors (and ends on one or at the \
+                         trainers' tensor's end), so each block is one part's",
+                        p.name,
+                        part.src,
+                        &part.dst_start[..tn]
+                    )));
+                }
+            }
+        }
+        if t.dtype != DType::F8E4M3 {
+            return Ok(None);
+        }
+        let want = scale_shape(t.shape);
+        let sname = format!("{}_scale_inv", t.name);
+        let p = &self.model.params[placed[0].param as usize];
         let mismatch = |reason: String| DeclaredError::DTypeMismatch {
             tensor: t.name.clone(),
             engine_rank: self.rank,
             engine_dtype: t.dtype,
-            trainer_rank,
+            trainer_rank: self.holder[placed[0].param as usize],
             trainer_dtype: p.dtype,
             reason,
         };
-        let fp8_job = self.spec.dtype == InferDType::Fp8;
-        if t.dtype != DType::F8E4M3 {
-            if t.dtype == p.dtype || t.dtype == DType::BF16 {
-                return Ok(None);
-            }
-            return Err(mismatch(format!(
-                "an engine tensor is the trainers' dtype or bf16 (the job's inference dtype{})",
-                if fp8_job {
-                    ", or fp8 with its _scale_inv"
-                } else {
-                    ""
-                }
-            )));
-        }
-        if !fp8_job {
-            return Err(mismatch(
-                "fp8 engine tensors are for a job with dtype fp8; this job is bf16".into(),
-            ));
-        }
-        if p.shape.ndim < 2 {
-            return Err(mismatch(format!(
-                "fp8 block quantisation needs at least two dims; {} has one",
-                t.name
-            )));
-        }
-        let want = scale_shape(t.shape);
-        let sname = format!("{}_scale_inv", t.name);
         let Some(&si) = index.get(sname.as_str()) else {
             return Err(mismatch(format!(
                 "an fp8 tensor needs its scales: the engine declares no {sname} (f32 {want})"
@@ -314,9 +517,6 @@ impl RankCheck<'_> {
                 st.dtype, st.shape
             )));
         }
-        Ok(Some(ScalePlace {
-            tensor: si,
-            start: [0; MAX_DIMS],
-        }))
+        Ok(Some(si))
     }
 }

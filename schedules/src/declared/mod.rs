@@ -15,11 +15,18 @@
 //!   disjoint boxes that together cover the tensor exactly ([`DeclaredError::Overlap`],
 //!   [`DeclaredError::Gap`] otherwise). Empty shards (FSDP2's trailing ranks) may be declared
 //!   or left out. Ranks must agree on a tensor's dtype and whole shape.
-//! - **Engines** (`format=hf`, `tp=1`: each inference rank holds a whole model, `dp` of them):
-//!   every destination tensor they hold, whole (`name`, `dtype`, `shape`), and a `skip` list of
-//!   names they take nothing of. A declared tensor no trainer holds, a trainer tensor an engine
-//!   neither declares nor skips, a shape or dtype the two sides disagree on: each is a named
-//!   error ([`DeclaredError`]) naming the tensor and both ranks, before any byte moves.
+//! - **Engines**: every destination tensor each inference rank holds (`name`, `dtype`,
+//!   `shape`), and a `skip` list of names it takes nothing of. A tensor that declares no
+//!   `source` is the trainers' tensor of its name, whole; one that does is made of boxes of
+//!   trainers' tensors concatenated along a dim ([`TensorSource`], placed by `concat`): a fused
+//!   `qkv_proj`, a tensor-parallel rank's slice, experts stacked into one tensor. Inference rank
+//!   `i` is engine `i / n`'s local rank `i % n` (`n = max(tp, ep)` of the layout string). Engines
+//!   of whole tensors only need `format=hf`, `tp=1`, `ep=1` ([`check_engines`]). A declared
+//!   tensor or part no trainer holds, a trainer tensor no rank of an engine takes or skips, a
+//!   part outside its tensor, parts that overlap or leave a gap, a shape or dtype the two sides
+//!   disagree on: each is a named error ([`DeclaredError`]) naming the tensor and both sides,
+//!   before any byte moves. Known families' layouts are declared by [`engine_declarations`]
+//!   (what their engines would send) and plan the same table as from their config.
 //!
 //! # Dtypes
 //! An engine tensor's dtype is the trainers' (a copy) or bf16 (the job's inference dtype: a
@@ -36,8 +43,9 @@
 //! [`logical_shape`] is the one rule, used by workers and the controller alike.
 //!
 //! # The model and its layouts
-//! Parameters are numbered in the order trainers first declare them (rank 0's declarations in
-//! order, then rank 1's new ones...), each with [`Role::Declared`]. Mesh groups follow the
+//! Parameters are numbered in the trainers' declaration orders merged (rank 0's in order; a
+//! name a later rank declares first goes just before the next name of its list an earlier rank
+//! declared, or last: see `order`), each with [`Role::Declared`]. Mesh groups follow the
 //! names: the first all-digit component of a name (`model.layers.7.mlp...` → block 7) puts a
 //! tensor in group `1 + block`; unnumbered tensors before the first numbered one are group 0
 //! (`embed`), the rest the last group (`head`). A trainer's shards sit in its arena in its
@@ -47,9 +55,14 @@
 //!
 //! # Files
 //! `mod.rs` the rule for shapes, the model and training layout from trainers; `tiling` the
-//! exact-cover check; `engine` the inference layout from engines; `error` the named errors.
+//! exact-cover check; `order` the parameters' order; `engine` the inference layout from
+//! engines; `concat` an engine tensor's parts placed; `from_layout` a known layout's
+//! declarations; `error` the named errors.
 
+mod concat;
 mod engine;
+mod from_layout;
+mod order;
 #[cfg(test)]
 mod tests;
 mod tiling;
@@ -58,9 +71,12 @@ use rustc_hash::FxHashMap;
 use std::sync::Arc;
 use weightsync_common::DType;
 use weightsync_common::protocol::TensorMeta;
+#[cfg(doc)]
+use weightsync_common::protocol::TensorSource;
 
 pub use crate::declared_error::DeclaredError;
-pub use engine::{EngineDeclaration, check_spec, engine_tensors, inference_layout};
+pub use engine::{EngineDeclaration, check_engines, check_spec, engine_tensors, inference_layout};
+pub use from_layout::{engine_declarations, trainer_declarations};
 
 use crate::error::PlanError;
 use crate::layout_train::{ShardSpec, TrainingLayout, align_up};
@@ -175,8 +191,10 @@ pub fn from_trainers(
     let mut boxes: Vec<Vec<(TensorBox, u32)>> = Vec::new();
     let mut by_name: FxHashMap<&str, u32> = FxHashMap::default();
     let mut shards: Vec<ShardSpec> = Vec::new();
+    let mut order = order::MergedOrder::default();
     for (rank, decls) in trainers.iter().enumerate() {
         let rank = rank as u32;
+        let known = params.len() as u32;
         if decls.len() > MAX_DECLARED {
             return Err(PlanError::TooLarge(format!(
                 "trainer rank {rank} declares {} tensors, more than the {MAX_DECLARED} a model \
@@ -241,9 +259,13 @@ pub fn from_trainers(
                     first.push(rank);
                     boxes.push(Vec::new());
                     by_name.insert(&m.name, pid);
+                    order.new_param(pid);
                     pid
                 }
             };
+            if pid < known {
+                order.known(pid);
+            }
             if bx.is_empty() {
                 continue;
             }
@@ -256,6 +278,31 @@ pub fn from_trainers(
                 offset: next,
             });
             next = align_up(next + bx.numel() * m.dtype.size() as u64);
+        }
+        order.end_rank();
+    }
+    if let Some(merged) = order.finish() {
+        // Renumber the parameters in merged order (see `order`).
+        let mut new_index = vec![0u32; merged.len()];
+        for (i, &p) in merged.iter().enumerate() {
+            new_index[p as usize] = i as u32;
+        }
+        let mut old_params: Vec<Option<Param>> = params.into_iter().map(Some).collect();
+        let mut old_boxes: Vec<Option<Vec<(TensorBox, u32)>>> =
+            boxes.into_iter().map(Some).collect();
+        params = Vec::with_capacity(merged.len());
+        boxes = Vec::with_capacity(merged.len());
+        for (i, &p) in merged.iter().enumerate() {
+            let mut param = old_params[p as usize].take().expect("each once");
+            param.role = Role::Declared {
+                index: i as u32,
+                group: 0,
+            };
+            params.push(param);
+            boxes.push(old_boxes[p as usize].take().expect("each once"));
+        }
+        for s in &mut shards {
+            s.param = new_index[s.param as usize];
         }
     }
     for (p, b) in params.iter().zip(boxes.iter_mut()) {

@@ -22,6 +22,7 @@ fn chunk(name: &str, dtype: DType, global: &[u64], rank: u32, of: u32) -> Tensor
         dtype,
         global_shape: global.to_vec(),
         offset,
+        source: None,
     }
 }
 
@@ -34,6 +35,7 @@ fn boxed(name: &str, global: &[u64], offset: &[u64], shape: &[u64]) -> TensorMet
         bytes: 0,
         global_shape: global.to_vec(),
         offset: offset.to_vec(),
+        source: None,
     }
 }
 

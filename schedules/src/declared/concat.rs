@@ -1,0 +1,300 @@
+//! An engine tensor made of parts ([`TensorSource`]): boxes of the trainers' tensors
+//! concatenated along one dim, with stacking over the dims the parts do not have. Placing them
+//! here is what lets a fused engine (vLLM's `qkv_proj`, `gate_up_proj`, `w13_weight`), a
+//! tensor-parallel rank (a box of each tensor) and stacked experts (per-expert tensors in one
+//! `[E, ...]` tensor) be declared, so the planner needs no model knowledge for them either.
+//!
+//! Why a concatenation and not a destination offset per part: it is how the engines describe
+//! their tensors (a fused tensor *is* its shards one after another), it leaves nothing to agree
+//! on but the order, and every way two parts could overlap or leave a hole becomes a part that
+//! runs past its place ([`DeclaredError::PartOverlap`]) or parts that stop short
+//! ([`DeclaredError::PartGap`]), each named with both sides.
+
+use weightsync_common::protocol::{SourceBox, TensorSource};
+
+use super::DeclaredError;
+use crate::declared_error::PartError;
+use crate::model::Model;
+use crate::table::{DstTensor, MAX_DIMS, TensorBox};
+
+/// One part placed in its engine tensor: a box of a parameter and where its origin lands
+/// (the box's dims on the tensor's trailing dims, as [`crate::layout_infer::Piece`]s).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Placed {
+    pub(super) param: u32,
+    pub(super) src: TensorBox,
+    pub(super) dst_start: [u32; MAX_DIMS],
+}
+
+/// What the placement needs to name the sides: the model, the parameters by name and the
+/// first trainer rank holding each.
+pub(super) struct Names<'a> {
+    pub(super) model: &'a Model,
+    pub(super) by_name: &'a rustc_hash::FxHashMap<&'a str, u32>,
+    pub(super) holder: &'a [u32],
+}
+
+/// A part's box as declared, for errors.
+fn declared_box(p: &SourceBox) -> String {
+    let parts: Vec<String> = (0..p.shape.len())
+        .map(|d| {
+            let s = p.offset.get(d).copied().unwrap_or(0);
+            format!("{s}..{}", s.saturating_add(p.shape[d]))
+        })
+        .collect();
+    format!("[{}]", parts.join(", "))
+}
+
+/// The part's box in the table's dims (at most three: a box of more has its trailing dims
+/// merged, which it must then hold whole; see [`super::logical_shape`]). `Err`: why not.
+fn logical_box(p: &SourceBox) -> Result<TensorBox, String> {
+    let n = p.shape.len();
+    let offset: Vec<u64> = if p.offset.is_empty() {
+        vec![0; n]
+    } else {
+        p.offset.clone()
+    };
+    if offset.len() != n {
+        return Err(format!(
+            "an offset of {} dims for a box of {n}",
+            offset.len()
+        ));
+    }
+    if n == 0 {
+        return Ok(TensorBox::new(&[0], &[1]));
+    }
+    let fit = |d: u64| u32::try_from(d).map_err(|_| format!("dim {d} is more than {}", u32::MAX));
+    let k = n.min(MAX_DIMS);
+    let mut start = [0u32; MAX_DIMS];
+    let mut len = [0u32; MAX_DIMS];
+    for d in 0..k {
+        start[d] = fit(offset[d])?;
+        len[d] = fit(p.shape[d])?;
+    }
+    if n > MAX_DIMS {
+        if offset[2..].iter().any(|&o| o != 0) {
+            return Err(format!(
+                "a box of a {n}-D tensor must hold its trailing dims whole, but it starts at \
+                 {offset:?}"
+            ));
+        }
+        let merged = p.shape[2..]
+            .iter()
+            .try_fold(1u64, |a, &d| a.checked_mul(d))
+            .ok_or_else(|| format!("shape {:?} overflows", p.shape))?;
+        len[2] = fit(merged)?;
+    }
+    start[..k].iter().zip(&len[..k]).try_for_each(|(s, l)| {
+        s.checked_add(*l)
+            .map(|_| ())
+            .ok_or_else(|| "a box past u32".to_string())
+    })?;
+    Ok(TensorBox::new(&start[..k], &len[..k]))
+}
+
+/// Places the parts of `source` in `t` (inference rank `rank`'s tensor): each a box inside the
+/// trainers' tensor it names, as many dims as every other part, spanning `t` whole in every
+/// dim but `source.dim`, and all of them filling `t` exactly, in order.
+pub(super) fn place(
+    names: &Names<'_>,
+    rank: u32,
+    t: &DstTensor,
+    source: &TensorSource,
+) -> Result<Vec<Placed>, DeclaredError> {
+    let malformed = |reason: String| DeclaredError::Malformed {
+        tensor: t.name.clone(),
+        side: "inference",
+        rank,
+        reason,
+    };
+    if source.parts.is_empty() {
+        return Err(malformed(
+            "made of no parts (a source needs at least one)".into(),
+        ));
+    }
+    let n = t.shape.ndim as usize;
+    let dim = source.dim as usize;
+    let shape = t.shape;
+    let mut out = Vec::with_capacity(source.parts.len());
+    let mut k = None;
+    // Where the next part goes: the stack index (row-major over the leading dims) and the
+    // position along `dim`.
+    let (mut slot, mut pos) = (0u64, 0u32);
+    let mut slots = 0u64;
+    let mut lead = 0usize;
+    for (index, p) in source.parts.iter().enumerate() {
+        let Some(&pid) = names.by_name.get(p.tensor.as_str()) else {
+            return Err(DeclaredError::from(PartError::NoTrainerHoldsPart {
+                tensor: t.name.clone(),
+                engine_rank: rank,
+                source_tensor: p.tensor.clone(),
+                part: declared_box(p),
+            }));
+        };
+        let param = &names.model.params[pid as usize];
+        let trainer_rank = names.holder[pid as usize];
+        let bx = logical_box(p).map_err(|reason| {
+            malformed(format!(
+                "made of {} {}: {reason}",
+                p.tensor,
+                declared_box(p)
+            ))
+        })?;
+        let described = |bx: &str| {
+            format!(
+                "part {index}, {} {bx} (trainer rank {trainer_rank} holds {} of shape {})",
+                p.tensor, p.tensor, param.shape
+            )
+        };
+        let misfit = |reason: String| {
+            DeclaredError::from(PartError::PartShape {
+                tensor: t.name.clone(),
+                engine_rank: rank,
+                engine_shape: shape.to_string(),
+                dim: source.dim,
+                part: described(&declared_box(p)),
+                reason,
+            })
+        };
+        if bx.ndim != param.shape.ndim {
+            return Err(misfit(format!(
+                "has {} dims where {} has {}",
+                bx.ndim, p.tensor, param.shape.ndim
+            )));
+        }
+        if !bx.fits_in(param.shape) {
+            return Err(DeclaredError::from(PartError::PartOutside {
+                tensor: t.name.clone(),
+                engine_rank: rank,
+                source_tensor: p.tensor.clone(),
+                part: bx.to_string(),
+                trainer_rank,
+                trainer_shape: param.shape.to_string(),
+            }));
+        }
+        if bx.is_empty() {
+            return Err(misfit(
+                "is empty (a part holds at least one element)".into(),
+            ));
+        }
+        let pk = bx.ndim as usize;
+        match k {
+            None => {
+                if pk > n {
+                    return Err(misfit(format!("has {pk} dims, more than the tensor's {n}")));
+                }
+                lead = n - pk;
+                if dim >= n || dim < lead {
+                    return Err(malformed(format!(
+                        "made of parts of {pk} dims concatenated along dim {dim}, which is not \
+                         one of the dims {lead}..{n} of its shape {shape} that they span"
+                    )));
+                }
+                slots = shape.dims[..lead].iter().map(|&d| u64::from(d)).product();
+                k = Some(pk);
+            }
+            Some(k) if k != pk => {
+                return Err(misfit(format!(
+                    "has {pk} dims where part 0 has {k} (every part has as many)"
+                )));
+            }
+            Some(_) => {}
+        }
+        for j in 0..pk {
+            let d = lead + j;
+            if d != dim && bx.len[j] != shape.dims[d] {
+                return Err(misfit(format!(
+                    "spans {} in dim {d}, where the tensor is {} (a part spans every dim but \
+                     the concatenation's whole)",
+                    bx.len[j], shape.dims[d]
+                )));
+            }
+        }
+        let mut dst_start = [0u32; MAX_DIMS];
+        let mut rest = slot;
+        for d in (0..lead).rev() {
+            let size = u64::from(shape.dims[d]);
+            dst_start[d] = (rest % size) as u32;
+            rest /= size;
+        }
+        dst_start[dim] = pos;
+        let along = bx.len[dim - lead];
+        let overlap = |overlaps: String| {
+            DeclaredError::from(PartError::PartOverlap {
+                tensor: t.name.clone(),
+                engine_rank: rank,
+                engine_shape: shape.to_string(),
+                dim: source.dim,
+                part: described(&bx.to_string()),
+                overlaps: format!("placed at {:?}, {overlaps}", &dst_start[..n]),
+            })
+        };
+        if slot >= slots {
+            return Err(overlap(
+                "lies past the tensor's end: the parts before it fill it".into(),
+            ));
+        }
+        let end = u64::from(pos) + u64::from(along);
+        if end > u64::from(shape.dims[dim]) {
+            return Err(overlap(format!(
+                "runs to {end} along dim {dim}, past the tensor's {}: it overlaps {}",
+                shape.dims[dim],
+                if slot + 1 < slots {
+                    "the next stacked slice's place"
+                } else {
+                    "the tensor's end"
+                }
+            )));
+        }
+        out.push(Placed {
+            param: pid,
+            src: bx,
+            dst_start,
+        });
+        pos = end as u32;
+        if pos == shape.dims[dim] {
+            slot += 1;
+            pos = 0;
+        }
+    }
+    if slot < slots {
+        let last = source.parts.last().expect("at least one part");
+        let pid = names.by_name[last.tensor.as_str()];
+        let per_slot = shape.numel() / slots.max(1);
+        let along_rest = per_slot / u64::from(shape.dims[dim]).max(1);
+        let filled = slot * per_slot + u64::from(pos) * along_rest;
+        let mut start = [0u32; MAX_DIMS];
+        let mut len = shape.dims;
+        let mut rest = slot;
+        for d in (0..lead).rev() {
+            let size = u64::from(shape.dims[d]);
+            start[d] = (rest % size) as u32;
+            len[d] = 1;
+            rest /= size;
+        }
+        start[dim] = pos;
+        len[dim] = shape.dims[dim] - pos;
+        let gap = TensorBox {
+            ndim: shape.ndim,
+            start,
+            len,
+        };
+        return Err(DeclaredError::from(PartError::PartGap {
+            tensor: t.name.clone(),
+            engine_rank: rank,
+            engine_shape: shape.to_string(),
+            parts: format!(
+                "its {} parts concatenated along dim {} (the last {} {}, trainer rank {})",
+                source.parts.len(),
+                source.dim,
+                last.tensor,
+                declared_box(last),
+                names.holder[pid as usize]
+            ),
+            filled,
+            total: shape.numel(),
+            gap: gap.to_string(),
+        }));
+    }
+    Ok(out)
+}
