@@ -84,13 +84,15 @@ fn qwen3_fused_tensor_parallel_declared_plans_the_same_table() {
 }
 
 /// Kimi-K2's production inference side: tp=8, ep=32 (data-parallel MLA attention, 12 routed
-/// experts per rank fused into w13_weight from per-expert trainer tensors), fp8, on one
-/// engine of 32 ranks (the 10,240-GPU job has 64 such engines; the timing in
-/// `declared_same_table.rs` plans it whole).
+/// experts per rank in w13_weight / w2_weight), fp8, on two engines of 32 ranks, from
+/// transformers' stacked experts (975 tensors: quick in a debug build). The 10,240-GPU job
+/// itself, 8,192 trainers of per-expert tensors into 64 such engines, plans the same table
+/// from declarations in the timing of `declared_same_table.rs` (`same_table` there).
 #[test]
 fn kimi_k2_production_inference_side_declared_plans_the_same_table() {
-    let j = same_table("kimi-k2", "pp=2,ep=4,fsdp=2", "tp=8,ep=32", DType::F8E4M3);
-    assert_eq!(j.table.rollouts.len(), 32);
+    let train = "pp=2,ep=4,fsdp=2,experts=transformers";
+    let j = same_table("kimi-k2", train, "tp=8,ep=32,dp=2", DType::F8E4M3);
+    assert_eq!(j.table.rollouts.len(), 64);
 }
 
 /// Per-expert trainer tensors into transformers' stacked experts (`experts=per-expert`, the
