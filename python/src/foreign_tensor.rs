@@ -287,13 +287,9 @@ fn torch_cuda_destination_refusal() -> Option<CudaRefusal> {
     }
 }
 
-/// Why this build refuses a CUDA destination that is not a torch tensor.
+/// Why this build and machine refuse a CUDA destination that is not a torch tensor.
 fn foreign_cuda_destination_refusal() -> CudaRefusal {
-    if cfg!(feature = "cuda") {
-        CudaRefusal::NotTorch
-    } else {
-        CudaRefusal::NotBuilt
-    }
+    torch_cuda_destination_refusal().unwrap_or(CudaRefusal::NotTorch)
 }
 
 /// A torch tensor or DTensor (duck-typed: no torch import).

@@ -81,3 +81,65 @@ pub(crate) fn place_device(
         staged,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use weightsync_common::DType;
+    use weightsync_schedules::table::{DstTensor as Planned, Shape};
+    use weightsync_worker::gpu::{DeviceMemory, driver_present};
+
+    use super::*;
+
+    /// Two bf16 [2, 4] tensors planned back to back in MR 0.
+    fn planned() -> RolloutPlan {
+        let t = |name: &str, offset| Planned {
+            name: name.into(),
+            shape: Shape::new(&[2, 4]),
+            dtype: DType::BF16,
+            mr: 0,
+            offset,
+            len: 16,
+        };
+        RolloutPlan {
+            rank: 0,
+            engine: 0,
+            local_rank: 0,
+            mr_bytes: vec![32],
+            tensors: vec![t("a", 0), t("b", 16)],
+            expect: Vec::new(),
+        }
+    }
+
+    /// A CUDA tensor that is never dereferenced: each case here is refused before any copy.
+    fn tensor(name: &str, ptr: u64) -> DeviceDstTensor {
+        // SAFETY: never dereferenced (see above): refused by the checks, by the planner or for
+        // want of a driver; with a driver, `bind` is never reached.
+        let memory = unsafe { DeviceMemory::from_raw(0, ptr, 16, Box::new(())) };
+        DeviceDstTensor {
+            name: name.into(),
+            dtype: DType::BF16,
+            shape: vec![2, 4],
+            memory,
+        }
+    }
+
+    #[test]
+    fn cuda_tensors_are_checked_named_and_refused_without_a_driver() {
+        let err = |ts| place_device("rollout-0", &planned(), ts).err().unwrap();
+        let e = err(vec![tensor("a", 0x1000)]);
+        assert!(e.to_string().contains("tensor b"), "missing: {e}");
+        let e = err(vec![tensor("a", 0x1000), tensor("b", 0x1008)]);
+        assert!(
+            matches!(&e, EmbedError::Registration { tensor: Some(t), reason, .. }
+                if t == "b" && reason.contains("b overlaps a in device memory")),
+            "{e}"
+        );
+        if !driver_present() {
+            let e = err(vec![tensor("a", 0x1000), tensor("b", 0x1010)]);
+            assert!(
+                e.to_string().contains("no CUDA driver library"),
+                "without a driver: {e}"
+            );
+        }
+    }
+}
