@@ -50,6 +50,13 @@
 #            ratio_vs_d2d, ratio_vs_fabric (the fabric alone moving the same bytes between host
 #            buffers in the same run, over the sync's median wall: the 0.9 goal with the
 #            preparation on the GPU) and the stage timeline in its record.
+#   engine   (cap 120 s) an engine's own CUDA tensors as its destination, registered through the
+#            placement path as Engine.register of CUDA tensors does in a `cuda` build (merged
+#            device ranges, host staging the receiver registers, one H2D copy per landed region
+#            waited for before the version counts): three versions from a device source over
+#            TCP loopback, the device tensors overwritten with a pattern before each, copied back
+#            with cudarc after each and compared byte for byte (engine_device_destination);
+#            torch is not used (the check carries no cuda wheel).
 #   overlap  (cap 150 s) the same plan serialised and pipelined: asserts the pipelined sync
 #            within 1.25x of its slowest stage; overlap_speedup is reported as a figure (its 2.2
 #            target is the verbs configuration's: on loopback TCP the write dominates, review N6).
@@ -69,8 +76,9 @@ BUILD=(
 )
 # name|binary|cap seconds|arguments
 STEPS=(
-  "kernels|worker-lib-tests|200|--include-ignored --test-threads=1 --nocapture --skip gpu::check::host --skip gpu::check::sync gpu::check gpu::tests gpu::device_source"
+  "kernels|worker-lib-tests|200|--include-ignored --test-threads=1 --nocapture --skip gpu::check::host --skip gpu::check::sync --skip gpu::check::engine gpu::check gpu::tests gpu::device_source"
   "sync|worker-lib-tests|200|--include-ignored --test-threads=1 --nocapture gpu::check::sync::device_source_sync_lands_every_byte"
+  "engine|worker-lib-tests|120|--include-ignored --test-threads=1 --nocapture gpu::check::engine gpu::staged_device"
   "overlap|worker-lib-tests|150|--include-ignored --test-threads=1 --nocapture gpu::check::sync::device_source_pipeline_overlaps_its_stages"
 )
 PREFLIGHT_CAP_S=150
@@ -284,6 +292,10 @@ for line in open(sys.argv[1]):
               f'{r["every_byte_equal"]}, checksums {r["checksums_verified"]}, '
               f'{r["sync_gb_per_s"]:.2f} GB/s, ratio_vs_d2d {r["ratio_vs_d2d"]:.4f}, '
               f'ratio_vs_fabric {r["ratio_vs_fabric"]:.3f}')
+    elif r.get("check") == "engine_device_destination":
+        print(f'gpu-check: engine CUDA tensors, version {r["version"]}: every byte equal '
+              f'{r["every_byte_equal"]}, checksums {r["checksums_verified"]}, '
+              f'{r["staging_regions"]} staging regions for {r["allocations"]} allocations')
     elif r.get("check") == "device_overlap":
         print(f'gpu-check: overlap: pipelined {r["pipelined_s"]:.3f} s = '
               f'{r["pipelined_over_slowest_stage"]:.2f}x its slowest stage (max '

@@ -5,14 +5,77 @@
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use weightsync_agent::embed::{
-    DstTensor, EngineHandle, EngineOptions, EngineState, EngineStatus, Hook, Stage,
+    DstTensor, EmbedError, EngineHandle, EngineOptions, EngineState, EngineStatus, Hook, Stage,
 };
 
 use crate::errors::embed_error;
 use crate::foreign_tensor::Access;
 use crate::records::{PlannedTensor, Registered, State};
-use crate::tensor_list::{self, Entry};
+use crate::tensor_list::{self, Entry, Named};
 use crate::wait::wait_interruptibly;
+
+/// What an engine registers: CPU tensors, or CUDA tensors of one GPU (a `cuda` build).
+enum Destinations {
+    Host(Vec<DstTensor>),
+    #[cfg(feature = "cuda")]
+    Device(Vec<weightsync_agent::embed::DeviceDstTensor>),
+}
+
+fn registered(n: &Named) -> Registered {
+    Registered {
+        name: n.name.clone(),
+        address: n.tensor.ptr(),
+        bytes: n.tensor.len(),
+        kind: n.tensor.kind(),
+    }
+}
+
+/// The tensors as destinations: all in CPU memory, or all CUDA tensors (a `cuda` build; the
+/// engine checks that they are of one GPU); a mix is refused naming one of each.
+fn destinations(py: Python<'_>, worker: &str, named: Vec<Named>) -> PyResult<Destinations> {
+    let (on_gpu, on_host): (Vec<_>, Vec<_>) =
+        named.into_iter().partition(|n| n.tensor.cuda().is_some());
+    if let (Some(g), Some(h)) = (on_gpu.first(), on_host.first()) {
+        let reason = format!(
+            "on cuda:{} while {} is in CPU memory: register the tensors of one device",
+            g.tensor.cuda().unwrap_or(0),
+            h.name
+        );
+        return Err(embed_error(
+            py,
+            EmbedError::Registration {
+                worker: worker.to_string(),
+                tensor: Some(g.name.clone()),
+                reason,
+            },
+        ));
+    }
+    #[cfg(feature = "cuda")]
+    if !on_gpu.is_empty() {
+        let mut dsts = Vec::with_capacity(on_gpu.len());
+        for n in on_gpu {
+            let (name, dtype, shape) = (n.name, n.tensor.dtype(), n.tensor.shape().to_vec());
+            dsts.push(weightsync_agent::embed::DeviceDstTensor {
+                name,
+                dtype,
+                shape,
+                memory: n.tensor.into_device_memory()?,
+            });
+        }
+        return Ok(Destinations::Device(dsts));
+    }
+    let mut dsts = Vec::with_capacity(on_host.len());
+    for n in on_host {
+        let (name, dtype, shape) = (n.name, n.tensor.dtype(), n.tensor.shape().to_vec());
+        dsts.push(DstTensor {
+            name,
+            dtype,
+            shape,
+            memory: n.tensor.into_host_memory()?,
+        });
+    }
+    Ok(Destinations::Host(dsts))
+}
 
 /// One inference rank's connection to the controller.
 #[pyclass(frozen, module = "weightsync._native")]
@@ -105,28 +168,18 @@ impl EngineCore {
             .set_hooks(before_landing.map(hook), after_commit.map(hook));
     }
 
-    /// Registers `(name, tensor, dtype or None)` entries as destinations.
+    /// Registers `(name, tensor, dtype or None)` entries as destinations: CPU tensors, or (a
+    /// `cuda` build on a machine with a driver) torch CUDA tensors of one GPU.
     fn register(&self, py: Python<'_>, tensors: Vec<Entry<'_>>) -> PyResult<Vec<Registered>> {
         let worker = self.inner.worker_id().to_string();
         let named = tensor_list::read(py, &worker, tensors, Access::Write)?;
-        let mut registered = Vec::with_capacity(named.len());
-        let mut dsts = Vec::with_capacity(named.len());
-        for n in named {
-            registered.push(Registered {
-                name: n.name.clone(),
-                address: n.tensor.ptr(),
-                bytes: n.tensor.len(),
-                kind: n.tensor.kind(),
-            });
-            dsts.push(DstTensor {
-                name: n.name,
-                dtype: n.tensor.dtype(),
-                shape: n.tensor.shape().to_vec(),
-                memory: n.tensor.into_host_memory()?,
-            });
-        }
-        py.detach(|| self.inner.register(dsts))
-            .map_err(|e| embed_error(py, e))?;
+        let registered = named.iter().map(registered).collect();
+        let result = match destinations(py, &worker, named)? {
+            Destinations::Host(dsts) => py.detach(|| self.inner.register(dsts)),
+            #[cfg(feature = "cuda")]
+            Destinations::Device(dsts) => py.detach(|| self.inner.register_device(dsts)),
+        };
+        result.map_err(|e| embed_error(py, e))?;
         Ok(registered)
     }
 
@@ -149,26 +202,19 @@ impl EngineCore {
     ) -> PyResult<Vec<Registered>> {
         let worker = self.inner.worker_id().to_string();
         let named = tensor_list::read(py, &worker, tensors, Access::Write)?;
-        let mut registered = Vec::with_capacity(named.len());
-        let mut dsts = Vec::with_capacity(named.len());
-        for n in named {
-            if !skip.contains(&n.name) && n.tensor.len() > 0 {
-                registered.push(Registered {
-                    name: n.name.clone(),
-                    address: n.tensor.ptr(),
-                    bytes: n.tensor.len(),
-                    kind: n.tensor.kind(),
-                });
+        let registered = named
+            .iter()
+            .filter(|n| !skip.contains(&n.name) && n.tensor.len() > 0)
+            .map(registered)
+            .collect();
+        let result = match destinations(py, &worker, named)? {
+            Destinations::Host(dsts) => py.detach(|| self.inner.declare_and_register(dsts, skip)),
+            #[cfg(feature = "cuda")]
+            Destinations::Device(dsts) => {
+                py.detach(|| self.inner.declare_and_register_device(dsts, skip))
             }
-            dsts.push(DstTensor {
-                name: n.name,
-                dtype: n.tensor.dtype(),
-                shape: n.tensor.shape().to_vec(),
-                memory: n.tensor.into_host_memory()?,
-            });
-        }
-        py.detach(|| self.inner.declare_and_register(dsts, skip))
-            .map_err(|e| embed_error(py, e))?;
+        };
+        result.map_err(|e| embed_error(py, e))?;
         Ok(registered)
     }
 

@@ -16,9 +16,10 @@
 //!    replaced by its `to_local()` shard. A CUDA tensor (a trainer's source only) is described
 //!    the same way, with its device index: registering it needs the extension built with the
 //!    `cuda` feature (the trainer then reads it by DMA), and is refused by name otherwise. As an
-//!    engine's destination a CUDA tensor (torch, DLPack `kDLCUDA`, `__cuda_array_interface__`)
-//!    is refused by name, saying whether the build lacks `cuda` or the embedded engine does not
-//!    take device destinations yet.
+//!    engine's destination a torch CUDA tensor is taken the same way in a `cuda` build where a
+//!    CUDA driver loads (the engine lands it through host staging copied to the device); it is
+//!    refused by name in a build without `cuda`, on a machine without a driver, and from DLPack
+//!    `kDLCUDA` / `__cuda_array_interface__` producers (pass the torch tensor).
 //! 2. `__dlpack__` (versioned capsule first, then the legacy one): numpy, jax, cupy, ...
 //! 3. the buffer protocol: numpy, `bytearray`, `memoryview`, `mmap`.
 //!
@@ -100,7 +101,10 @@ impl ForeignTensor {
             from_torch(obj, access)?
         } else if access == Access::Write && obj.hasattr("__cuda_array_interface__")? {
             // numba, cupy, ...: device memory by definition.
-            return Err(cuda_destination_refused(None));
+            return Err(cuda_destination_refused(
+                None,
+                foreign_cuda_destination_refusal(),
+            ));
         } else if obj.hasattr("__dlpack__")? {
             from_dlpack(obj, access)?
         } else {
@@ -139,7 +143,9 @@ impl ForeignTensor {
         self.cuda
     }
 
-    /// Hands the memory of a CUDA tensor to weightsync, with everything that keeps it alive.
+    /// Hands the memory of a CUDA tensor to weightsync, with everything that keeps it alive
+    /// (a trainer's source, read by DMA; or an engine's destination, written by host-to-device
+    /// copies once a version landed).
     #[cfg(feature = "cuda")]
     pub(crate) fn into_device_memory(self) -> PyResult<weightsync_agent::embed::DeviceMemory> {
         let ForeignTensor {
@@ -153,9 +159,11 @@ impl ForeignTensor {
         // SAFETY: `ptr..ptr+len` was checked to lie inside the tensor's CUDA storage on device
         // `ordinal` when this value was built, and `keepalive` holds the tensor and its owner,
         // so the storage stays allocated until the DeviceMemory (and its keepalive) is dropped.
-        // The Python layer synchronises the device before each push, so no write by torch is
-        // still in flight when a sync reads it, and the caller does not step the optimizer
-        // until the sync ended.
+        // A source: the Python layer synchronises the device before each push, so no write by
+        // torch is still in flight when a sync reads it, and the caller does not step the
+        // optimizer until the sync ended. A destination: the engine stops reading its weights
+        // in `before_landing` (the Python layer synchronises its devices there) and reads them
+        // again only after the commit, which follows the copies' completion.
         Ok(unsafe {
             weightsync_agent::embed::DeviceMemory::from_raw(
                 ordinal,
@@ -227,23 +235,61 @@ impl Found {
 }
 
 /// Why an engine's CUDA tensor is refused as a destination: by name, and what would take it.
-/// A build without `cuda` cannot reach device memory at all; a build with it lands device
-/// destinations only through the Rust API (`weightsync_worker::gpu::DeviceDestination`, page-
-/// locked bounce buffers copied host to device once a version landed), which the embedded
-/// engine does not use yet (docs/gpu.md, "Device destinations from Python").
-fn cuda_destination_refused(index: Option<usize>) -> PyErr {
+/// A build without `cuda` cannot reach device memory at all; a `cuda` build lands torch CUDA
+/// tensors (through host staging copied to the device, `weightsync_worker::gpu::
+/// StagedDeviceRegions`) where a CUDA driver loads, and takes device memory from torch only
+/// (docs/gpu.md, "Device destinations from Python").
+fn cuda_destination_refused(index: Option<usize>, why: CudaRefusal) -> PyErr {
     let on = index.map_or_else(|| "cuda".to_string(), |i| format!("cuda:{i}"));
-    let why = if cfg!(feature = "cuda") {
-        "device destinations are not wired into Engine.register yet"
-    } else {
-        "this weightsync build has no CUDA support (built without the `cuda` feature)"
+    let why = match why {
+        CudaRefusal::NotBuilt => {
+            "this weightsync build has no CUDA support (built without the `cuda` feature)"
+        }
+        CudaRefusal::NoDriver => {
+            "this machine has no CUDA support: no CUDA driver library (libcuda.so) can be loaded"
+        }
+        CudaRefusal::NotTorch => {
+            "device destinations are taken from torch tensors only (pass the torch tensor, e.g. \
+             torch.from_dlpack(x))"
+        }
     };
     PyValueError::new_err(format!(
         "a CUDA tensor (on {on}) as a destination: {why}; register the engine's tensors in CPU \
          memory (a staged arena: weightsync.vllm / weightsync.sglang stage in host memory and \
-         load with the engine's own loader); trainers may register CUDA tensors in builds with \
-         `cuda`"
+         load with the engine's own loader), or torch CUDA tensors with a `cuda` build on a \
+         machine with a CUDA driver"
     ))
+}
+
+/// Why a CUDA destination is refused (see [`cuda_destination_refused`]).
+#[derive(Debug, Clone, Copy)]
+enum CudaRefusal {
+    /// The build has no `cuda` feature.
+    #[cfg_attr(feature = "cuda", allow(dead_code))]
+    NotBuilt,
+    /// No driver library loads.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    NoDriver,
+    /// A DLPack or `__cuda_array_interface__` producer.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    NotTorch,
+}
+
+/// Why this build and machine refuse a torch CUDA destination, or None: taken.
+fn torch_cuda_destination_refusal() -> Option<CudaRefusal> {
+    #[cfg(feature = "cuda")]
+    {
+        (!weightsync_agent::embed::driver_present()).then_some(CudaRefusal::NoDriver)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        Some(CudaRefusal::NotBuilt)
+    }
+}
+
+/// Why this build and machine refuse a CUDA destination that is not a torch tensor.
+fn foreign_cuda_destination_refusal() -> CudaRefusal {
+    torch_cuda_destination_refusal().unwrap_or(CudaRefusal::NotTorch)
 }
 
 /// A torch tensor or DTensor (duck-typed: no torch import).
@@ -274,16 +320,17 @@ fn from_torch(obj: &Bound<'_, PyAny>, access: Access) -> PyResult<Found> {
     let device_type: String = device.getattr("type")?.extract()?;
     let cuda = match device_type.as_str() {
         "cpu" => None,
-        "cuda" if access == Access::Read => {
-            let index: Option<usize> = device.getattr("index")?.extract()?;
+        "cuda" => {
+            let index: Option<usize> = device.getattr("index")?.extract().unwrap_or(None);
+            if access == Access::Write
+                && let Some(why) = torch_cuda_destination_refusal()
+            {
+                return Err(cuda_destination_refused(index, why));
+            }
             Some(match index {
                 Some(i) => i,
                 None => local.call_method0("get_device")?.extract()?,
             })
-        }
-        "cuda" => {
-            let index: Option<usize> = device.getattr("index")?.extract().unwrap_or(None);
-            return Err(cuda_destination_refused(index));
         }
         other => {
             return Err(PyValueError::new_err(format!(
@@ -409,6 +456,7 @@ fn dlpack_dtype(code: u8, bits: u8, lanes: u16) -> Option<DType> {
 struct DlView {
     data: usize,
     device: i32,
+    device_id: i32,
     dtype: (u8, u8, u16),
     shape: Vec<i64>,
     strides: Option<Vec<i64>>,
@@ -460,6 +508,7 @@ fn read_capsule(cap: &Bound<'_, PyCapsule>) -> PyResult<DlView> {
     Ok(DlView {
         data,
         device: t.device.device_type,
+        device_id: t.device.device_id,
         dtype: (t.dtype.code, t.dtype.bits, t.dtype.lanes),
         shape,
         strides,
@@ -482,7 +531,11 @@ fn from_dlpack(obj: &Bound<'_, PyAny>, access: Access) -> PyResult<Found> {
         .map_err(|_| PyTypeError::new_err("__dlpack__ did not return a capsule"))?;
     let v = read_capsule(&cap)?;
     if v.device == DL_CUDA && access == Access::Write {
-        return Err(cuda_destination_refused(None));
+        let index = usize::try_from(v.device_id).ok();
+        return Err(cuda_destination_refused(
+            index,
+            foreign_cuda_destination_refusal(),
+        ));
     }
     if v.device != DL_CPU && v.device != DL_CUDA_HOST {
         return Err(PyValueError::new_err(format!(

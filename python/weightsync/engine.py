@@ -73,6 +73,17 @@ def _state(s: _native.State) -> EngineState:
     return EngineState(version=s.version, state=s.state, cause=s.cause, run=s.run)  # type: ignore[arg-type]
 
 
+def _cuda_devices(tensors: Iterable[Any]) -> set[int]:
+    """The CUDA device indices of the torch tensors among ``tensors`` (duck-typed: no torch
+    import for CPU tensors)."""
+    devices = set()
+    for t in tensors:
+        device = getattr(t, "device", None)
+        if getattr(device, "type", None) == "cuda":
+            devices.add(int(getattr(device, "index", None) or 0))
+    return devices
+
+
 def _env_rank() -> int:
     for var in ("WEIGHTSYNC_ENGINE_RANK", "RANK"):
         if var in os.environ:
@@ -181,6 +192,12 @@ class Engine:
         self.check_storage()
         if self._before is not None:
             self._before(version)
+        # CUDA destinations (a `cuda` build): the engine's queued kernels may still read the
+        # weights; the copies of the version to the device must come after them.
+        for device in _cuda_devices(self._origins.values()):
+            import torch
+
+            torch.cuda.synchronize(device)
 
     def _after_commit(self, version: int) -> None:
         if self._after is not None:
@@ -257,7 +274,12 @@ class Engine:
         Raises:
             LayoutMismatchError: a shape or dtype differs from the plan, or the job's format is
                 not ``format``.
-            RegistrationError: a tensor is missing, extra or unusable (read-only, on a device).
+            RegistrationError: a tensor is missing, extra or unusable (read-only, on a device
+                other than the CPU; CUDA tensors are taken only by a wheel built with ``cuda``
+                on a machine with a CUDA driver, all of one GPU).
+
+        Torch CUDA tensors (a ``cuda`` wheel) land through page-locked host staging copied to
+        the device before the version commits (docs/gpu.md, "Device destinations from Python").
 
         For a declared model (:attr:`declared`) every tensor given is declared, whole, and the
         controller plans from the declarations; ``skip`` names tensors this engine takes

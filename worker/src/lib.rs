@@ -60,7 +60,10 @@ mod watermark;
 pub use checksum::xxh3;
 pub use error::{Result, SourceError, WorkerError};
 pub use imm_tag::{EPOCH_BITS, ImmTag, MAX_UNITS, UNIT_BITS, UnitOutOfRange, imm_for};
-pub use placement::{Placed, Placement};
+pub use placement::{
+    DestinationMemory, DevicePlanError, DeviceRegions, DeviceSpan, DeviceSupport, LandingRoute,
+    Placed, Placement, landing_route, plan_device_regions,
+};
 pub use prepare::convert::{
     E4M3_MAX, bf16_to_f32, e4m3_to_f32, f16_to_f32, f32_to_bf16, f32_to_e4m3_saturating, f32_to_f16,
 };

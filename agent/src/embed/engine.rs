@@ -16,7 +16,7 @@ use weightsync_worker::RolloutWorker;
 pub use super::engine_driver::Hook;
 use super::engine_driver::{EngineDriver, EngineShared};
 use super::engine_stages::sync_events;
-use super::regions::place;
+use super::regions::{Destinations, place};
 use super::session::{LEAVE_WITHIN, Reach, Session, run_session, start};
 use super::{DstTensor, DstTensorInfo, EmbedError, EngineState, EngineStatus};
 use crate::rollout::{RolloutDriver, RolloutDriverConfig};
@@ -166,6 +166,10 @@ impl EngineHandle {
     /// Registers the engine's tensors (once): checks them against the planned layout (name,
     /// shape, dtype), merges adjacent ones into regions, registers those, and joins the job.
     pub fn register(&self, tensors: Vec<DstTensor>) -> Result<(), EmbedError> {
+        self.register_layout(Destinations::Host(tensors))
+    }
+
+    fn register_layout(&self, tensors: Destinations) -> Result<(), EmbedError> {
         if self.declared {
             return Err(EmbedError::Registration {
                 worker: self.reach.name.clone(),
@@ -178,6 +182,27 @@ impl EngineHandle {
             });
         }
         self.register_planned(&self.planned, tensors, Vec::new())
+    }
+
+    /// Registers the engine's tensors in CUDA device memory of one GPU (once; feature `cuda`),
+    /// as [`register`](Self::register) does host tensors: the fabric writes host staging
+    /// regions standing in for them, and each landed version is copied to them (one
+    /// host-to-device copy per merged range, waited for) before it counts as landed. Refused
+    /// by name without a CUDA driver.
+    #[cfg(feature = "cuda")]
+    pub fn register_device(&self, tensors: Vec<super::DeviceDstTensor>) -> Result<(), EmbedError> {
+        self.register_layout(Destinations::Device(tensors))
+    }
+
+    /// [`declare_and_register`](Self::declare_and_register) of CUDA tensors (feature `cuda`;
+    /// see [`register_device`](Self::register_device)).
+    #[cfg(feature = "cuda")]
+    pub fn declare_and_register_device(
+        &self,
+        tensors: Vec<super::DeviceDstTensor>,
+        skip: Vec<String>,
+    ) -> Result<(), EmbedError> {
+        self.declare_and_register_any(Destinations::Device(tensors), skip)
     }
 
     /// Registers the engine's tensors of a declared model (once): every tensor it holds, whole
@@ -193,6 +218,14 @@ impl EngineHandle {
         tensors: Vec<DstTensor>,
         skip: Vec<String>,
     ) -> Result<(), EmbedError> {
+        self.declare_and_register_any(Destinations::Host(tensors), skip)
+    }
+
+    fn declare_and_register_any(
+        &self,
+        tensors: Destinations,
+        skip: Vec<String>,
+    ) -> Result<(), EmbedError> {
         let name = &self.reach.name;
         if !self.declared {
             return Err(EmbedError::Registration {
@@ -206,8 +239,9 @@ impl EngineHandle {
             });
         }
         let decls: Vec<TensorMeta> = tensors
-            .iter()
-            .map(|t| TensorMeta::whole(t.name.clone(), t.shape.clone(), t.dtype))
+            .metas()
+            .into_iter()
+            .map(|(name, shape, dtype)| TensorMeta::whole(name, shape, dtype))
             .collect();
         let planned = job::declared_rollout_layout(self.rank, &decls, &skip).map_err(|e| {
             EmbedError::Registration {
@@ -227,13 +261,7 @@ impl EngineHandle {
                 )
             })
             .collect();
-        let tensors = tensors
-            .into_iter()
-            .filter_map(|t| {
-                let shape = kept.get(t.name.as_str())?.clone();
-                Some(DstTensor { shape, ..t })
-            })
-            .collect();
+        let tensors = tensors.keep(|name| kept.get(name).cloned());
         self.register_planned(&planned, tensors, skip)
     }
 
@@ -256,7 +284,7 @@ impl EngineHandle {
     fn register_planned(
         &self,
         planned: &RolloutPlan,
-        tensors: Vec<DstTensor>,
+        tensors: Destinations,
         skip: Vec<String>,
     ) -> Result<(), EmbedError> {
         let name = self.reach.name.clone();
@@ -272,9 +300,20 @@ impl EngineHandle {
                 reason: "already registered (register once per handle)".into(),
             });
         }
-        let placed = place(&name, planned, tensors)?;
+        #[cfg(feature = "cuda")]
+        let mut staged = None;
+        let placed = match tensors {
+            Destinations::Host(ts) => place(&name, planned, ts)?,
+            #[cfg(feature = "cuda")]
+            Destinations::Device(ts) => {
+                let d = super::device_regions::place_device(&name, planned, ts)?;
+                staged = Some(d.staged);
+                d.placed
+            }
+        };
         let _in_rt = rt.enter();
-        let worker = RolloutWorker::with_regions(
+        #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
+        let mut worker = RolloutWorker::with_regions(
             self.fabric.clone(),
             name.clone(),
             planned.clone(),
@@ -286,6 +325,18 @@ impl EngineHandle {
             tensor: None,
             reason: e.to_string(),
         })?;
+        #[cfg(feature = "cuda")]
+        if let Some(staged) = staged {
+            // The staging is registered: page-lock it and bind the device ranges to it.
+            let landing = staged
+                .bind(worker.regions())
+                .map_err(|e| EmbedError::Registration {
+                    worker: name.clone(),
+                    tensor: None,
+                    reason: format!("binding the CUDA tensors to their staging: {e}"),
+                })?;
+            worker.set_device_landing(Arc::new(landing));
+        }
         let cfg = RolloutDriverConfig {
             world: self.world.clone(),
             rank: self.rank,

@@ -59,8 +59,12 @@
 //!   base of their sync before they go to the controller.
 //! - `client`: [`ApiClient`], the HTTP trigger as a blocking call.
 //! - `regions`: an engine's tensors checked against its planned layout and merged into regions.
+//! - `device_regions` (feature `cuda`): an engine's CUDA tensors placed in host staging regions
+//!   copied to them once a version landed.
 
 mod client;
+#[cfg(feature = "cuda")]
+mod device_regions;
 mod engine;
 mod engine_driver;
 mod engine_stages;
@@ -78,7 +82,10 @@ pub use trainer::{PushHandle, TrainerHandle, TrainerOptions};
 pub use weightsync_common::DType;
 pub use weightsync_common::protocol::Stage;
 #[cfg(feature = "cuda")]
-pub use weightsync_worker::{DeviceTensor, gpu::DeviceMemory};
+pub use weightsync_worker::{
+    DeviceTensor,
+    gpu::{DeviceMemory, driver_present},
+};
 pub use weightsync_worker::{HostMemory, SourceTensor};
 
 /// One shard a training rank must register: the parameter, its global shape, and the rank's
@@ -144,6 +151,21 @@ pub struct DstTensor {
     pub shape: Vec<u64>,
     /// Its memory (writable).
     pub memory: HostMemory,
+}
+
+/// One of the engine's own tensors in CUDA device memory, registered as a destination (feature
+/// `cuda`; [`EngineHandle::register_device`]).
+#[cfg(feature = "cuda")]
+#[derive(Debug)]
+pub struct DeviceDstTensor {
+    /// The engine's name for it.
+    pub name: String,
+    /// Element type.
+    pub dtype: DType,
+    /// Shape.
+    pub shape: Vec<u64>,
+    /// Its memory (written by host-to-device copies once a version landed).
+    pub memory: DeviceMemory,
 }
 
 /// What a committed version cost this trainer.

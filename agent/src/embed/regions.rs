@@ -5,6 +5,7 @@
 
 use std::collections::BTreeMap;
 
+use weightsync_common::DType;
 use weightsync_schedules::table::RolloutPlan;
 use weightsync_worker::{HostMemory, Placed, Placement};
 
@@ -25,26 +26,107 @@ fn mismatch(worker: &str, tensor: &str, expected: String, actual: String) -> Emb
     }
 }
 
+/// What an engine registers: its tensors in host memory, or (feature `cuda`) in device memory
+/// of one GPU.
+pub(crate) enum Destinations {
+    /// Host tensors: the fabric writes them.
+    Host(Vec<DstTensor>),
+    /// CUDA tensors: landed in host staging, copied to them (`device_regions`).
+    #[cfg(feature = "cuda")]
+    Device(Vec<super::DeviceDstTensor>),
+}
+
+impl Destinations {
+    /// Each tensor's name, shape and dtype, in order.
+    pub(crate) fn metas(&self) -> Vec<(String, Vec<u64>, DType)> {
+        match self {
+            Destinations::Host(ts) => ts
+                .iter()
+                .map(|t| (t.name.clone(), t.shape.clone(), t.dtype))
+                .collect(),
+            #[cfg(feature = "cuda")]
+            Destinations::Device(ts) => ts
+                .iter()
+                .map(|t| (t.name.clone(), t.shape.clone(), t.dtype))
+                .collect(),
+        }
+    }
+
+    /// The tensors `shape_of` names, each given the shape it says (the others dropped).
+    pub(crate) fn keep(self, shape_of: impl Fn(&str) -> Option<Vec<u64>>) -> Destinations {
+        match self {
+            Destinations::Host(ts) => Destinations::Host(
+                ts.into_iter()
+                    .filter_map(|t| {
+                        Some(DstTensor {
+                            shape: shape_of(&t.name)?,
+                            ..t
+                        })
+                    })
+                    .collect(),
+            ),
+            #[cfg(feature = "cuda")]
+            Destinations::Device(ts) => Destinations::Device(
+                ts.into_iter()
+                    .filter_map(|t| {
+                        Some(super::DeviceDstTensor {
+                            shape: shape_of(&t.name)?,
+                            ..t
+                        })
+                    })
+                    .collect(),
+            ),
+        }
+    }
+}
+
 /// Checks `tensors` against `planned` and places them (see the module docs).
 pub(crate) fn place(
     worker: &str,
     planned: &RolloutPlan,
     tensors: Vec<DstTensor>,
 ) -> Result<PlacedRegions, EmbedError> {
-    let mut by_name: BTreeMap<String, DstTensor> = BTreeMap::new();
-    for t in tensors {
-        if let Some(dup) = by_name.insert(t.name.clone(), t) {
+    let found = check(
+        worker,
+        planned,
+        tensors
+            .into_iter()
+            .map(|t| (t.name, t.dtype, t.shape, t.memory))
+            .collect(),
+        HostMemory::len,
+    )?;
+    let found = found
+        .into_iter()
+        .map(|(i, m)| (m.as_ptr() as usize, i, m))
+        .collect();
+    merge(worker, planned, found)
+}
+
+/// Checks `tensors` (name, dtype, shape, memory) against `planned`: every planned tensor once,
+/// nothing else, each of the planned dtype, shape and bytes (`len` of its memory). Returns each
+/// planned tensor's index with its memory, in planned order.
+pub(crate) fn check<M>(
+    worker: &str,
+    planned: &RolloutPlan,
+    tensors: Vec<(String, DType, Vec<u64>, M)>,
+    len: impl Fn(&M) -> usize,
+) -> Result<Vec<(usize, M)>, EmbedError> {
+    let mut by_name: BTreeMap<String, (DType, Vec<u64>, M)> = BTreeMap::new();
+    for (name, dtype, shape, memory) in tensors {
+        if by_name
+            .insert(name.clone(), (dtype, shape, memory))
+            .is_some()
+        {
             return Err(EmbedError::Registration {
                 worker: worker.to_string(),
-                tensor: Some(dup.name),
+                tensor: Some(name),
                 reason: "registered twice".into(),
             });
         }
     }
-    // (address, planned tensor index, memory) of every planned tensor, checked.
     let mut found = Vec::with_capacity(planned.tensors.len());
     for (i, p) in planned.tensors.iter().enumerate() {
-        let Some(t) = by_name.remove(&p.name) else {
+        let Some((dtype, shape, memory)) = by_name.remove(&p.name) else {
             return Err(EmbedError::Registration {
                 worker: worker.to_string(),
                 tensor: Some(p.name.clone()),
@@ -55,22 +137,22 @@ pub(crate) fn place(
             });
         };
         let want: Vec<u64> = p.shape.dims().iter().map(|&d| d as u64).collect();
-        if t.dtype != p.dtype {
-            let (e, a) = (format!("dtype {}", p.dtype), format!("dtype {}", t.dtype));
+        if dtype != p.dtype {
+            let (e, a) = (format!("dtype {}", p.dtype), format!("dtype {dtype}"));
             return Err(mismatch(worker, &p.name, e, a));
         }
-        if t.shape != want {
-            let (e, a) = (format!("shape {want:?}"), format!("shape {:?}", t.shape));
+        if shape != want {
+            let (e, a) = (format!("shape {want:?}"), format!("shape {shape:?}"));
             return Err(mismatch(worker, &p.name, e, a));
         }
-        if t.memory.len() as u64 != p.len {
+        if len(&memory) as u64 != p.len {
             let (e, a) = (
                 format!("{} bytes", p.len),
-                format!("{} bytes", t.memory.len()),
+                format!("{} bytes", len(&memory)),
             );
             return Err(mismatch(worker, &p.name, e, a));
         }
-        found.push((t.memory.as_ptr() as usize, i, t.memory));
+        found.push((i, memory));
     }
     if let Some(extra) = by_name.keys().next() {
         return Err(EmbedError::Registration {
@@ -82,7 +164,7 @@ pub(crate) fn place(
             ),
         });
     }
-    merge(worker, planned, found)
+    Ok(found)
 }
 
 /// Merges adjacent tensors into regions and places every planned tensor.
@@ -159,7 +241,6 @@ fn flush(
 mod tests {
     use std::sync::Arc;
 
-    use weightsync_common::DType;
     use weightsync_schedules::table::{DstTensor as Planned, Shape};
 
     use super::*;

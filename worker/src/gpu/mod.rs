@@ -26,6 +26,8 @@
 //!   fill (strided D2H into the pinned lease) and prepare (NVRTC kernels, then D2H) steps.
 //! - [`device_destination`]: [`DeviceDestination`], a receiver's regions as pinned bounce
 //!   buffers copied to device memory before a version counts as landed (TCP).
+//! - [`staged_device`]: [`StagedDeviceRegions`], an engine's CUDA tensors planned into host
+//!   staging regions and bound as a [`DeviceDestination`] (the embedded engine's device path).
 //! - [`host_pin`]: [`PinnedRegion`], a fabric registration page-locked for DMA.
 //! - `dma`: the raw async copies those use.
 //! - `kernels.cu`: the CUDA source, mirroring `prepare::convert` step for step.
@@ -40,6 +42,7 @@ pub mod kernels;
 pub mod nvrtc;
 mod pending;
 pub mod source;
+pub mod staged_device;
 pub mod staging;
 
 #[cfg(test)]
@@ -52,6 +55,7 @@ pub use host_pin::PinnedRegion;
 pub use source::{
     BorrowedDevice, DeviceMemory, GpuSource, IPC_HANDLE_BYTES, IpcExport, IpcMapping,
 };
+pub use staged_device::StagedDeviceRegions;
 pub use staging::{DeviceStaging, PinnedStaging};
 
 use crate::prepare::PrepareError;
@@ -150,6 +154,20 @@ pub enum GpuError {
         /// The driver's error.
         source: cudarc::driver::DriverError,
     },
+    /// Device tensors of one destination on more than one GPU.
+    #[error(
+        "device destinations on cuda:{first} and cuda:{other}: register the tensors of one GPU \
+         per engine rank"
+    )]
+    MixedDevices {
+        /// The first tensor's GPU.
+        first: usize,
+        /// Another tensor's.
+        other: usize,
+    },
+    /// Device tensors that cannot be merged into staged regions.
+    #[error(transparent)]
+    DevicePlan(#[from] crate::DevicePlanError),
     /// The hardware e4m3 conversion was asked for where it is not known to be exact.
     #[error("the hardware e4m3 conversion is not usable here: {0}")]
     HardwareConversion(String),

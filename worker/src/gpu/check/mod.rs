@@ -15,9 +15,12 @@
 //! - [`sync`]: whole syncs from a source in device memory through the pipeline over TCP
 //!   loopback, every byte verified (`device_sync`), and the pipeline's overlap speedup with real
 //!   DMA, kernel and network stages (`device_overlap`).
+//! - [`engine`]: an engine's CUDA tensors registered through the placement path (host staging
+//!   copied to the device), three versions landed and copied back (`engine_device_destination`).
 //! - [`host`] (no GPU; needs a C++20 compiler): `kernels.cu` run on the CPU under an emulation of
 //!   the CUDA built-ins, against the CPU kernels.
 
+mod engine;
 mod exact;
 mod host;
 mod memory;

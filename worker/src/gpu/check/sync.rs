@@ -49,8 +49,8 @@ use crate::trainer::{Destinations, PipelineMode, SyncReport, TrainerConfig, Trai
 const ROWS: u32 = 4096;
 const COLS: u32 = 4096;
 const LAYERS: u32 = 12;
-const WATERMARK: u64 = 256 << 20;
-const PIECE: u64 = 16 << 20;
+pub(super) const WATERMARK: u64 = 256 << 20;
+pub(super) const PIECE: u64 = 16 << 20;
 /// The overlap step's figure of merit for a verbs/NIC configuration, reported (not asserted):
 /// with a device source on loopback TCP the write dominates (the preparation on the GPU is
 /// nearly free), so serialised / pipelined cannot reach it (device review N6).
@@ -92,7 +92,7 @@ impl Kind {
 
 /// Trainer 0 holds `LAYERS` matrices of `ROWS x COLS`; rollout 0 receives each (see the
 /// module docs) in one MR.
-fn plans() -> (TrainerPlan, RolloutPlan) {
+pub(super) fn plans() -> (TrainerPlan, RolloutPlan) {
     let shape = Shape::new(&[ROWS, COLS]);
     let numel = shape.numel();
     let align = |x: u64| x.div_ceil(256) * 256;
@@ -228,7 +228,7 @@ fn plans() -> (TrainerPlan, RolloutPlan) {
 }
 
 /// The source arena: weight-like values, distinct per layer.
-fn source_bytes(tp: &TrainerPlan) -> Vec<u8> {
+pub(super) fn source_bytes(tp: &TrainerPlan) -> Vec<u8> {
     let mut out = Vec::with_capacity(tp.source_arena_bytes as usize);
     for (i, s) in tp.shards.iter().enumerate() {
         let n = s.global.numel() as usize;
@@ -239,7 +239,7 @@ fn source_bytes(tp: &TrainerPlan) -> Vec<u8> {
 }
 
 /// What the rollout's MR must hold, from the CPU kernels.
-fn expected(tp: &TrainerPlan, rp: &RolloutPlan, src: &[u8]) -> Vec<u8> {
+pub(super) fn expected(tp: &TrainerPlan, rp: &RolloutPlan, src: &[u8]) -> Vec<u8> {
     let mut out = vec![0u8; rp.mr_bytes[0] as usize];
     let shape = Fp8Shape {
         rows: ROWS as usize,
@@ -328,7 +328,7 @@ async fn pair(
 }
 
 /// The loopback fabric both ends of a check's sync run on (and its fabric limit).
-fn fabric_config() -> FabricConfig {
+pub(super) fn fabric_config() -> FabricConfig {
     FabricConfig::loopback("gpu-check", FabricConfig::machine_lanes_per_peer(1))
 }
 
@@ -354,7 +354,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 /// One sync, trigger to landed: the trainer's report and the wall seconds.
-async fn sync(
+pub(super) async fn sync(
     trainer: &TrainerWorker<TcpFabric>,
     rollout: &RolloutWorker<TcpFabric>,
     epoch: u64,
