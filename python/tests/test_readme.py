@@ -86,7 +86,7 @@ def test_package_type_checks() -> None:
 
     pkg = Path(weightsync.__file__).parent
     # The framework adapters import their framework: each is checked where it is installed.
-    adapters = {"trl": ("trl",)}
+    adapters = {"trl": ("trl",), "trl_async": ("trl",)}
     missing_adapters = {m for m, needs in adapters.items() if any(importlib.util.find_spec(n) is None for n in needs)}
     if importlib.util.find_spec("vllm") is not None and not missing_adapters:
         _mypy(["--strict", "-p", "weightsync"])
