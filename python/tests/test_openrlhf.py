@@ -44,6 +44,7 @@ sys.path.insert(0, str(JOBS))
 import tiny  # noqa: E402
 
 TIMEOUT_S = 300
+ENGINE_TIMEOUT_S = 600  # a vLLM CPU engine's start: 2.5 minutes on a loaded 2-core host
 
 
 def model_folder(tmp_path: Path, name: str = "model", **overrides: Any) -> Path:
@@ -149,12 +150,12 @@ def test_openrlhf_rollout_actor_receives_through_weightsync(tmp_path: Path, proc
     policy = procs.start("policy0", [sys.executable, str(JOBS / "train_openrlhf.py"), "--model", str(folder),
                                      "--controller", c.control, "--rank", "0", "--steps", "3", "--out", str(out)],
                          env=c.env())
-    deadline = time.monotonic() + TIMEOUT_S
+    deadline = time.monotonic() + ENGINE_TIMEOUT_S
     for p in (policy, engine):
         try:
             rc = p.popen.wait(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            pytest.fail(f"{p.name} still running after {TIMEOUT_S} s\n{procs.logs()}")
+            pytest.fail(f"{p.name} still running after {ENGINE_TIMEOUT_S} s\n{procs.logs()}")
         assert rc == 0, f"{p.name} exited with {rc}\n{procs.logs()}"
 
     from test_vllm import hf_name_parts
