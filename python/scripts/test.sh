@@ -113,23 +113,28 @@ fi
 
 # ---- TRL (python/tests/test_trl.py; weightsync.trl) ----
 # TRL's own GRPOTrainer at the version docs/trl.md names, constrained to the venv's torch and
-# transformers. OpenRLHF is not installed: it needs flash-attn and DeepSpeed (source-only, CUDA
-# builds) and pins transformers==5.15.0 (docs/openrlhf.md); test_openrlhf.py needs only torch.
-# WEIGHTSYNC_TEST_RL=0 leaves TRL out (test_trl.py then skips).
+# transformers. OpenRLHF without its dependencies (they need flash-attn and DeepSpeed, source-only
+# CUDA builds, and pin transformers==5.15.0): its vLLM engine actor module imports with this
+# venv's vLLM and Ray plus pylatexenc (docs/openrlhf.md; test_openrlhf.py's engine-side test).
+# WEIGHTSYNC_TEST_RL=0 leaves TRL and OpenRLHF out (test_trl.py and that test then skip).
 if [[ "${WEIGHTSYNC_TEST_RL:-1}" != 0 ]]; then
-  RL_PINS=(trl==1.16.0 accelerate==1.16.0 datasets==5.2.0)
+  RL_PINS=(trl==1.16.0 accelerate==1.16.0 datasets==5.2.0 openrlhf==0.11.2 pylatexenc==2.10)
   RL_STAMP="$VENV/.weightsync-rl-stamp"
   if [[ -f "$RL_STAMP" && "$(cat "$RL_STAMP")" == "${RL_PINS[*]}" ]]; then
     step "TRL up to date"
   else
     printf '%s\n' "${PINS[@]}" | grep -E '^(torch|transformers)==' > "$VENV/rl-constraints.txt"
+    TRL_PINS=("${RL_PINS[@]:0:3}")
     if [[ -x "$VENV/bin/uv" ]] && "$VENV/bin/uv" pip install --python "$VENV/bin/python" \
-         -c "$VENV/rl-constraints.txt" "${RL_PINS[@]}"; then
+         -c "$VENV/rl-constraints.txt" "${TRL_PINS[@]}"; then
       :
     else
       "$VENV/bin/python" -m pip install --disable-pip-version-check --progress-bar off \
-        -c "$VENV/rl-constraints.txt" "${RL_PINS[@]}"
+        -c "$VENV/rl-constraints.txt" "${TRL_PINS[@]}"
     fi
+    "$VENV/bin/python" -m pip install --disable-pip-version-check --progress-bar off --no-deps "${RL_PINS[@]:3}"
+    "$VENV/bin/python" -c 'import openrlhf.trainer.ray.vllm_engine' \
+      || { [[ "${WEIGHTSYNC_TEST_VLLM:-1}" == 0 ]] || { echo "test.sh: openrlhf's vllm_engine does not import" >&2; exit 1; }; }
     echo "${RL_PINS[*]}" > "$RL_STAMP"
     step "TRL installed"
   fi

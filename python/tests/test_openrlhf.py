@@ -11,11 +11,21 @@ tiny Qwen3 behind an object shaped as OpenRLHF's ``ActorPPOTrainer`` is read by
   weights moved between syncs, and both ranks pushed (the planner split the reads among the
   replicas: each rank's outcome counts bytes);
 - bad wiring fails by name at ``install``: a shape not the job's, a name not the job's, a ZeRO-3
-  partitioned parameter.
+  partitioned parameter;
+- the engine side (``weightsync.openrlhf_engine``): OpenRLHF's own ``RolloutRayActor`` class
+  (OpenRLHF 0.11.2, installed without its dependencies: its engine module imports on CPU),
+  subclassed by ``rollout_actor_class`` and built by OpenRLHF's constructor with
+  ``create_vllm_engines``' engine arguments, receives 3 versions from a policy rank through
+  ``weightsync_init`` / ``weightsync_update``: after each, vLLM's loaded parameters equal the
+  trainer's byte for byte (fused ones against the trainer's parts concatenated), its
+  ``weight_version`` is the version, OpenRLHF's ``generate`` serves, and after the last its
+  staged arena equals the trainer's (skipped where OpenRLHF is not installed).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import subprocess
 import sys
 import time
@@ -34,6 +44,7 @@ sys.path.insert(0, str(JOBS))
 import tiny  # noqa: E402
 
 TIMEOUT_S = 300
+ENGINE_TIMEOUT_S = 600  # a vLLM CPU engine's start: 2.5 minutes on a loaded 2-core host
 
 
 def model_folder(tmp_path: Path, name: str = "model", **overrides: Any) -> Path:
@@ -115,3 +126,59 @@ def test_openrlhf_bad_wiring_fails_by_name_at_install(tmp_path: Path, procs: Pro
         install(trainer, settings, rank=0)
     assert e.value.tensor == want and want in str(e.value), e.value
     assert trainer.broadcast_to_vllm is original  # nothing swapped: OpenRLHF's own path stands
+
+
+def sha(t: Any) -> str:
+    return hashlib.sha256(t.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+@pytest.mark.e2e
+def test_openrlhf_rollout_actor_receives_through_weightsync(tmp_path: Path, procs: Procs) -> None:
+    pytest.importorskip("vllm")
+    pytest.importorskip("openrlhf")
+    folder = model_folder(tmp_path)
+    tiny.build(str(folder), seed=100).save_pretrained(str(folder))  # the engine's initial checkpoint
+    out = tmp_path / "out"
+    out.mkdir()
+    c = start_controller(procs, str(folder / "config.json"), "dp=1", "tp=1,format=hf")
+    from test_vllm import vllm_env
+
+    env = {**c.env(), **vllm_env(tmp_path), "PYTHONSAFEPATH": "1"}
+    engine = procs.start("openrlhf-engine", [
+        sys.executable, str(JOBS / "engine_openrlhf.py"), "--model", str(folder), "--controller", c.control,
+        "--controller-http", c.http, "--versions", "1", "2", "3", "--out", str(out)], env=env)
+    policy = procs.start("policy0", [sys.executable, str(JOBS / "train_openrlhf.py"), "--model", str(folder),
+                                     "--controller", c.control, "--rank", "0", "--steps", "3", "--out", str(out)],
+                         env=c.env())
+    deadline = time.monotonic() + ENGINE_TIMEOUT_S
+    for p in (policy, engine):
+        try:
+            rc = p.popen.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{p.name} still running after {ENGINE_TIMEOUT_S} s\n{procs.logs()}")
+        assert rc == 0, f"{p.name} exited with {rc}\n{procs.logs()}"
+
+    from test_vllm import hf_name_parts
+
+    empty = sha(torch.empty(0, dtype=torch.uint8))
+    previous: dict[str, str] | None = None
+    for v in (1, 2, 3):
+        params = torch.load(out / f"trainer_r0_v{v}.pt")["params"]
+        full = {n: sha(t) for n, t in params.items()}
+        rec = json.loads((out / f"orl_engine_v{v}.json").read_text())
+        assert rec["weight_version"] == str(v), rec["weight_version"]
+        # vLLM's loaded parameters are version v: fused ones (qkv_proj, gate_up_proj) are the
+        # trainer's parts concatenated (tp=1); one a CPU kernel emptied by packing is skipped.
+        loaded = [n for n, d in rec["digests"]["params"].items() if d != empty]
+        assert loaded, rec["digests"]["params"]
+        for n in loaded:
+            parts = hf_name_parts(n)
+            want = sha(torch.cat([params[p] for p in parts])) if len(parts) > 1 else full[n]
+            assert rec["digests"]["params"][n] == want, f"v{v}: vLLM's {n} differs from the trainer's"
+        assert len(rec["tokens"]) == 8  # OpenRLHF's generate served with these weights
+        if previous is not None:
+            assert any(previous[n] != full[n] for n in full), f"v{v}: nothing moved"
+        previous = full
+    # The staged arena after the last version: byte for byte the trainer's (earlier versions'
+    # arenas may already hold the next one: the policy pushes without waiting for this engine).
+    assert rec["digests"]["arena"] == full, "the engine's arena differs from the trainer's last version"

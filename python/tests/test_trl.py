@@ -11,7 +11,12 @@ test's: 3 syncs, i.e. the initial weights and the weights after each of 2 optimi
   server path against TRL's default on CPU (colocate: an in-process vLLM and ``load_weights``;
   TRL's server path needs CUDA for its NCCL group), both in this test;
 - bad wiring fails by name when the trainer is built: a model whose shapes or names differ from
-  the job's raises naming the tensor, before any step.
+  the job's raises naming the tensor, before any step;
+- TRL's experimental ``AsyncGRPOTrainer`` (``weightsync.trl_async``) on the same server and job
+  (a module fixture: the server starts once for both): TRL's constructor, train-begin callback
+  and ``_sync_weight`` with an optimizer step between syncs, 3 syncs byte-exact against the
+  trainer, TRL's ``model_version`` told to its rollout worker, a wrong model refused by name
+  (TRL's own training step needs CUDA: docs/trl.md says what runs).
 
 Needs TRL (python/scripts/test.sh installs it) and vLLM's CPU build; skipped without them.
 """
@@ -21,6 +26,8 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +38,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("vllm")
 pytest.importorskip("trl")
 
-from conftest import FIGURES, JOBS, Procs, start_controller  # noqa: E402
+from conftest import FIGURES, JOBS, Controller, Procs, start_controller  # noqa: E402
 from test_vllm import digest, hf_name_parts, start_server, vllm_env, wait  # noqa: E402
 
 sys.path.insert(0, str(JOBS))
@@ -50,13 +57,38 @@ def model_folder(tmp_path: Path, name: str = "model", **overrides: Any) -> Path:
     return folder
 
 
+@dataclass
+class SharedServer:
+    """One controller (``--train fsdp=1``) and one vLLM CPU server with the weightsync backend
+    for the module: GRPO's test and the async trainer's both sync through it, one after the
+    other (the async trainer continues the job's versions), so the server starts once."""
+
+    folder: Path
+    controller: Controller
+    url: str
+    procs: Procs
+
+
+@pytest.fixture(scope="module")
+def shared_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedServer]:
+    tmp = tmp_path_factory.mktemp("trl-server")
+    procs = Procs(tmp)
+    try:
+        folder = model_folder(tmp)
+        c = start_controller(procs, str(folder / "config.json"), "fsdp=1", "tp=1,format=hf")
+        yield SharedServer(folder, c, start_server(procs, tmp, folder, c, up_s=600), procs)
+    except BaseException:
+        print(procs.logs(), file=sys.stderr)
+        raise
+    finally:
+        procs.kill_all()
+
+
 @pytest.mark.e2e
-def test_trl_grpo_syncs_through_weightsync(tmp_path: Path, procs: Procs) -> None:
-    folder = model_folder(tmp_path)
+def test_trl_grpo_syncs_through_weightsync(tmp_path: Path, procs: Procs, shared_server: SharedServer) -> None:
+    folder, c, url = shared_server.folder, shared_server.controller, shared_server.url
     out = tmp_path / "out"
     out.mkdir()
-    c = start_controller(procs, str(folder / "config.json"), "fsdp=1", "tp=1,format=hf")
-    url = start_server(procs, tmp_path, folder, c, up_s=600)
     deadline = time.monotonic() + TIMEOUT_S
     tr = procs.start("trl-weightsync", [
         sys.executable, str(JOBS / "train_trl.py"), "--model", str(folder), "--sync", "weightsync", "--url", url,
@@ -87,7 +119,6 @@ def test_trl_grpo_syncs_through_weightsync(tmp_path: Path, procs: Procs) -> None
     ws = json.loads((out / "sync_seconds_weightsync.json").read_text())
 
     # TRL's default path, same machine, same run: colocate (an in-process vLLM, load_weights).
-    procs.kill_all()
     tr = procs.start("trl-colocate", [
         sys.executable, str(JOBS / "train_trl.py"), "--model", str(folder), "--sync", "trl-colocate", "--steps", "3",
         "--out", str(out)], env={**vllm_env(tmp_path), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
@@ -99,6 +130,49 @@ def test_trl_grpo_syncs_through_weightsync(tmp_path: Path, procs: Procs) -> None
     FIGURES["TRL GRPO sync_weights, weightsync server vs TRL colocate load_weights (s)"] = {
         "weightsync": [round(x, 4) for x in ws], "trl_colocate": [round(x, 4) for x in base],
         "ratio_after_first": round(ws_s / base_s, 2), "packed_params_skipped": packed}
+
+
+@pytest.mark.e2e
+def test_trl_async_grpo_syncs_through_weightsync(tmp_path: Path, procs: Procs, shared_server: SharedServer) -> None:
+    """TRL's experimental AsyncGRPOTrainer (as WeightsyncAsyncGRPOTrainer) on the shared server:
+    TRL's own constructor, train-begin callback and ``_sync_weight``; an optimizer step of the
+    job's between syncs (TRL's step needs the CUDA FlashAttention-3 kernel: docs/trl.md). Runs
+    after GRPO's test on the same job, so its versions continue the server's."""
+    folder, c, url = shared_server.folder, shared_server.controller, shared_server.url
+    out = tmp_path / "out"
+    out.mkdir()
+    wrong = model_folder(tmp_path, "wrong", intermediate_size=192)
+    tr = procs.start("trl-async", [
+        sys.executable, str(JOBS / "train_trl_async.py"), "--model", str(folder), "--url", url,
+        "--controller", c.control, "--controller-http", c.http, "--syncs", "3", "--wrong", str(wrong),
+        "--out", str(out)], env=c.env())
+    wait(procs, tr, time.monotonic() + TIMEOUT_S)
+
+    syncs = json.loads((out / "async_syncs.json").read_text())
+    versions = [s["version"] for s in syncs["syncs"]]
+    assert len(versions) == 3 and versions == list(range(versions[0], versions[0] + 3)), versions
+    assert len(syncs["trl_weight_sync_s"]) == 3  # TRL's own metric: its _sync_weight ran each time
+    previous: dict[str, str] | None = None
+    for k, v in enumerate(versions, start=1):
+        rec = json.loads((out / f"async_v{v}.json").read_text())
+        # TRL's bookkeeping: model_version + 1 per sync, told to the rollout worker.
+        assert rec["model_version"] == k and rec["told"] == list(range(1, k + 1)), rec
+        assert rec["weight_version"] == str(v), rec
+        trainer, server = rec["trainer"], rec["server"]
+        assert server["arena"] == trainer, f"v{v}: the server's arena differs from the trainer's parameters"
+        for n, d in server["params"].items():
+            parts = hf_name_parts(n)
+            if d != EMPTY and len(parts) == 1:
+                assert d == trainer[n], f"v{v}: vLLM's {n} differs from the trainer's"
+        if previous is not None:
+            assert any(trainer[n] != previous[n] for n in trainer), f"v{v}: no parameter changed since the last sync"
+        previous = trainer
+    assert all(s["bytes"] > 0 for s in syncs["syncs"]), syncs
+    refused = json.loads((out / "async_wrong.json").read_text())
+    assert refused["raised"] == "LayoutMismatchError", refused
+    assert refused["tensor"] == "model.layers.0.mlp.gate_proj.weight" and refused["tensor"] in refused["message"]
+    FIGURES["TRL AsyncGRPO _sync_weight through weightsync (s; TRL's NCCL path needs CUDA)"] = {
+        "weightsync": [round(s["seconds"], 4) for s in syncs["syncs"]]}
 
 
 @pytest.mark.parametrize("wrong, tensor", [
