@@ -4,7 +4,7 @@
 //! middle-sized frames, so the reader keeps them few:
 //! - **Headers are read ahead on a pulling lane.** A header `recv` takes whatever the socket
 //!   holds, up to [`AHEAD`] bytes, into a read-ahead buffer: a writer with a queue sends up to
-//!   32 frames per `sendmsg`, and a run of PULL headers (64 bytes each, no payload) then costs
+//!   32 frames per `sendmsg`, and a run of PULL headers (72 bytes each, no payload) then costs
 //!   one `recv`, not one each. Payload bytes that came along are copied from the buffer into
 //!   the region first. A lane that carries payloads only reads one header at a time: its
 //!   headers come one per payload anyway, and read-ahead would copy payload bytes twice

@@ -273,11 +273,14 @@ fn receive_frames(
         };
         let checked = shared
             .table
-            .check_write(header.rkey, header.addr, header.len);
+            .check_write(header.rkey, header.addr, header.len, header.epoch);
         let (reg, offset) = match checked {
             Err(kind) => {
                 shared.stats.refused.fetch_add(1, Ordering::Relaxed);
-                if kind == RemoteAccessKind::OutsideWindow {
+                if matches!(
+                    kind,
+                    RemoteAccessKind::OutsideWindow | RemoteAccessKind::WrongEpoch
+                ) {
                     shared.stats.outside_window.fetch_add(1, Ordering::Relaxed);
                 }
                 ledger
@@ -318,7 +321,10 @@ fn receive_frames(
                 break;
             };
             let Some(source) = next.source else { break };
-            let Ok((r, offset)) = shared.table.check_write(next.rkey, next.addr, next.len) else {
+            let Ok((r, offset)) = shared
+                .table
+                .check_write(next.rkey, next.addr, next.len, next.epoch)
+            else {
                 break;
             };
             if !Arc::ptr_eq(&r.memory, &reg.memory) || bytes + next.len > PULL_RUN_BYTES {
