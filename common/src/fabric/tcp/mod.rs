@@ -52,9 +52,11 @@ pub mod frame;
 pub mod handshake;
 mod inbound;
 mod lane;
+mod lane_io;
 mod peer;
 mod receiver;
 mod registry;
+pub mod replay;
 pub mod same_host;
 mod shared_pulls;
 mod socket;
@@ -139,6 +141,26 @@ pub struct TcpStats {
     /// Of `refused`, frames that arrived while the receiver's [`WriteWindow`] was closed, or
     /// armed for another sync than the frame's epoch.
     pub outside_window: u64,
+}
+
+/// A snapshot of `c`.
+fn stats_of(c: &Counters) -> TcpStats {
+    let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+    TcpStats {
+        lanes_opened: get(&c.lanes_opened),
+        lane_failures: get(&c.lane_failures),
+        auth_failures: get(&c.auth_failures),
+        preauth_dropped: get(&c.preauth_dropped),
+        frames_sent: get(&c.frames_sent),
+        bytes_sent: get(&c.bytes_sent),
+        frames_received: get(&c.frames_received),
+        bytes_received: get(&c.bytes_received),
+        bytes_pulled: get(&c.bytes_pulled),
+        bytes_shared: get(&c.bytes_shared),
+        pull_calls: get(&c.pull_calls),
+        refused: get(&c.refused),
+        outside_window: get(&c.outside_window),
+    }
 }
 
 /// State shared by the fabric handle and its lane threads.
@@ -255,23 +277,7 @@ impl TcpFabric {
 
     /// A snapshot of the counters.
     pub fn stats(&self) -> TcpStats {
-        let c = &self.inner.shared.stats;
-        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        TcpStats {
-            lanes_opened: get(&c.lanes_opened),
-            lane_failures: get(&c.lane_failures),
-            auth_failures: get(&c.auth_failures),
-            preauth_dropped: get(&c.preauth_dropped),
-            frames_sent: get(&c.frames_sent),
-            bytes_sent: get(&c.bytes_sent),
-            frames_received: get(&c.frames_received),
-            bytes_received: get(&c.bytes_received),
-            bytes_pulled: get(&c.bytes_pulled),
-            bytes_shared: get(&c.bytes_shared),
-            pull_calls: get(&c.pull_calls),
-            refused: get(&c.refused),
-            outside_window: get(&c.outside_window),
-        }
+        stats_of(&self.inner.shared.stats)
     }
 
     /// Sets when this process accepts writes into its regions ([`WriteWindow`]): a receiver

@@ -107,6 +107,24 @@ impl RegistrationTable {
         }
     }
 
+    /// Inserts a registration under a chosen rkey and base address (replaying recorded or
+    /// fuzzed frames, whose rkeys and addresses cannot follow random ones). Replaces any
+    /// registration under `rkey`.
+    pub(super) fn insert_fixed(
+        &self,
+        rkey: u64,
+        base: u64,
+        memory: Arc<RegisteredMemory>,
+        access: Access,
+    ) {
+        let registration = Registration {
+            memory,
+            base,
+            access,
+        };
+        self.entries.write().live.insert(rkey, registration);
+    }
+
     /// Removes a registration (after its memory was revoked).
     pub fn remove(&self, rkey: u64) {
         let mut entries = self.entries.write();
