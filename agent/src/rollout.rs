@@ -144,7 +144,10 @@ impl SyncDriver for RolloutDriver {
             version: sync.version,
             epoch: sync.sync_id,
         })?;
-        self.fabric.set_write_window(WriteWindow::Armed);
+        // Only this sync's frames (stamped with its id by the trainers) land until it ends.
+        self.fabric.set_write_window(WriteWindow::Armed {
+            epoch: sync.sync_id,
+        });
         Ok(WorkerReport {
             events: vec![TimelineEvent {
                 task: WHOLE_SYNC,

@@ -418,6 +418,9 @@ impl SyncDriver for TrainerDriver {
     async fn run(&mut self, sync: SyncRef) -> Result<(Option<bool>, WorkerReport), DriverError> {
         self.stop_in_flight().await;
         let worker = self.built()?.worker.clone();
+        // Every frame of this sync names it: a guarded receiver lands it only while this very
+        // sync is armed there (never a late frame of an earlier one).
+        self.fabric.set_send_epoch(sync.sync_id);
         let (cancel, cancelled) = oneshot::channel::<()>();
         let id = SyncId {
             version: sync.version,

@@ -19,7 +19,7 @@ use pyo3::prelude::*;
 use tokio::sync::oneshot;
 use weightsync_common::DType;
 use weightsync_common::protocol::WorldSpec;
-use weightsync_controller::{AppState, ControllerConfig, SchedulesPlanner};
+use weightsync_controller::{AppState, ControllerConfig, ControllerSecrets, SchedulesPlanner};
 
 use crate::errors::raise;
 
@@ -69,7 +69,7 @@ impl ControllerCore {
     #[pyo3(signature = (
         model, train, infer, job_token, api_token, dtype = "bf16", http = "127.0.0.1:0",
         control = "127.0.0.1:0", verify = true, heartbeat_timeout = 5.0, sync_timeout = 300.0,
-        history = 200,
+        history = 200, trainer_token = None, engine_token = None, read_token = None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -86,6 +86,9 @@ impl ControllerCore {
         heartbeat_timeout: f64,
         sync_timeout: f64,
         history: usize,
+        trainer_token: Option<String>,
+        engine_token: Option<String>,
+        read_token: Option<String>,
     ) -> PyResult<Self> {
         let seconds = |name: &str, v: f64| {
             Duration::try_from_secs_f64(v)
@@ -114,7 +117,14 @@ impl ControllerCore {
             dtype,
             verify,
         };
-        let cfg = ControllerConfig::for_job(
+        // Each worker role proves its own secret where one is given, else the job token.
+        let secrets = ControllerSecrets {
+            trainer: trainer_token.unwrap_or_else(|| job_token.clone()).into(),
+            rollout: engine_token.unwrap_or_else(|| job_token.clone()).into(),
+            api: api_token.clone().into(),
+            read: read_token.map(Into::into),
+        };
+        let mut cfg = ControllerConfig::for_job(
             world,
             job_token.into(),
             api_token.into(),
@@ -131,6 +141,7 @@ impl ControllerCore {
                 None,
             )
         })?;
+        cfg.secrets = secrets;
         let control_listener = bind(py, "control", control)?;
         let http_listener = bind(py, "HTTP", http)?;
         let addr = |l: &TcpListener, what: &str, given: &str| {

@@ -118,7 +118,9 @@ fn hook(callable: Py<PyAny>) -> Hook {
 #[pymethods]
 impl EngineCore {
     #[new]
-    #[pyo3(signature = (controller, rank, job_token = None, listen = None, worker_id = None))]
+    #[pyo3(signature = (
+        controller, rank, job_token = None, listen = None, worker_id = None, fabric_token = None,
+    ))]
     fn new(
         py: Python<'_>,
         controller: String,
@@ -126,9 +128,11 @@ impl EngineCore {
         job_token: Option<String>,
         listen: Option<String>,
         worker_id: Option<String>,
+        fabric_token: Option<String>,
     ) -> PyResult<Self> {
         let opts = EngineOptions {
             job_token: job_token.map(Into::into),
+            fabric_token: fabric_token.map(Into::into),
             listen,
             worker_id,
             ..EngineOptions::new(controller, rank)

@@ -25,7 +25,11 @@ pub(crate) struct TrainerCore {
 #[pymethods]
 impl TrainerCore {
     #[new]
-    #[pyo3(signature = (controller, rank, job_token = None, listen = None, worker_id = None, run = 0))]
+    #[pyo3(signature = (
+        controller, rank, job_token = None, listen = None, worker_id = None, run = 0,
+        fabric_token = None,
+    ))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         controller: String,
@@ -34,9 +38,11 @@ impl TrainerCore {
         listen: Option<String>,
         worker_id: Option<String>,
         run: u64,
+        fabric_token: Option<String>,
     ) -> PyResult<Self> {
         let opts = TrainerOptions {
             job_token: job_token.map(Into::into),
+            fabric_token: fabric_token.map(Into::into),
             listen,
             worker_id,
             run,

@@ -30,6 +30,11 @@ def healthz(url: str) -> object:
         return json.loads(r.read())
 
 
+def workers(c: weightsync.Controller) -> dict:
+    with urllib.request.urlopen(c.http_url + "/v1/workers", timeout=10) as r:
+        return json.loads(r.read())
+
+
 def test_serves_on_free_ports_and_stops(config: str) -> None:
     with weightsync.Controller(model=config, train="fsdp=2", infer="tp=1,dp=2,format=hf") as c:
         host, port = c.control_address.rsplit(":", 1)
@@ -90,3 +95,25 @@ def test_an_unknown_model_names_it() -> None:
         weightsync.Controller("no-such-model", "fsdp=2", "tp=1")
     with pytest.raises(weightsync.ControllerError, match="dtype"):
         weightsync.Controller("qwen3-0.6b", "fsdp=2", "tp=1", dtype="int3")
+
+
+def test_each_role_has_its_own_secret_and_an_engine_secret_cannot_register_a_trainer(config: str) -> None:
+    with weightsync.Controller(config, "fsdp=1", "tp=1,dp=1,format=hf", role_secrets=True) as c:
+        tokens = {c.job_token, c.trainer_token, c.engine_token, c.fabric_token, c.api_token}
+        assert len(tokens) == 5, "role_secrets=True gives every role a secret of its own"
+        r = repr(c)
+        assert not any(t in r for t in tokens), r
+        assert c.worker_token("trainer") == c.trainer_token
+        env = c.worker_env("engine")
+        assert env["WEIGHTSYNC_ENGINE_TOKEN"] == c.engine_token
+        assert env["WEIGHTSYNC_FABRIC_TOKEN"] == c.fabric_token
+        assert not {c.trainer_token, c.api_token} & set(env.values()), "an engine host got too much"
+        with pytest.raises(ValueError, match="role must be"):
+            c.worker_env("admin")
+        # An engine's secret presented by a trainer is refused, naming why; nothing registers.
+        with pytest.raises(weightsync.ConnectError, match="rollout credential cannot register a trainer"):
+            weightsync.Trainer(c.control_address, 0, job_token=c.engine_token, fabric_token=c.fabric_token)
+        assert workers(c)["missing"] == ["trainer-0", "rollout-0"], workers(c)
+        # The right one is accepted.
+        t = weightsync.Trainer(c.control_address, 0, job_token=c.trainer_token, fabric_token=c.fabric_token)
+        assert t.worker_id == "trainer-0"

@@ -112,6 +112,9 @@ class ControllerCore:
         heartbeat_timeout: float = 5.0,
         sync_timeout: float = 300.0,
         history: int = 200,
+        trainer_token: str | None = None,
+        engine_token: str | None = None,
+        read_token: str | None = None,
     ) -> None: ...
     @property
     def control_address(self) -> str: ...
@@ -133,6 +136,7 @@ class TrainerCore:
         listen: str | None = None,
         worker_id: str | None = None,
         run: int = 0,
+        fabric_token: str | None = None,
     ) -> None: ...
     @property
     def worker_id(self) -> str: ...
@@ -163,6 +167,7 @@ class EngineCore:
         job_token: str | None = None,
         listen: str | None = None,
         worker_id: str | None = None,
+        fabric_token: str | None = None,
     ) -> None: ...
     @property
     def worker_id(self) -> str: ...

@@ -40,8 +40,19 @@ class Controller:
         http: address of the HTTP API and dashboard; port 0 picks a free port.
         control: address workers connect to; port 0 picks a free port.
         verify: rollouts verify checksums of what landed.
-        job_token: the secret workers present (generated if not given).
+        job_token: the secret workers present (generated if not given), where a role has no
+            secret of its own.
         api_token: the secret mutating HTTP calls present (generated if not given).
+        trainer_token, engine_token: one secret per worker role (default: ``job_token``; with
+            ``role_secrets=True``, generated). A worker proves its role's secret, so an engine's
+            secret cannot register a trainer (nor the other way round).
+        read_token: when given, the read-only views (``/v1/...``, ``/metrics``, the
+            dashboard) need it or the API token; otherwise they are open.
+        fabric_token: the secret trainers and engines authenticate their fabric lanes with,
+            shared by both roles (default: ``job_token`` while both roles share it, else
+            generated). Give it to every worker (``fabric_token=`` of ``Trainer`` / ``Engine``).
+        role_secrets: generate a distinct trainer, engine and fabric secret (those not given).
+        Secrets are never printed (``repr`` leaves them out); see ``docs/security.md``.
         heartbeat_timeout: seconds a worker may stay silent before its sync fails.
         sync_timeout: seconds a sync may take before it fails.
         history: syncs kept in the controller's history.
@@ -55,6 +66,14 @@ class Controller:
     """The secret workers present (``job_token=`` of ``Trainer`` / ``Engine``)."""
     api_token: str
     """The secret mutating HTTP calls present (:meth:`client` uses it)."""
+    trainer_token: str
+    """The secret trainers present (``job_token=`` of ``Trainer``)."""
+    engine_token: str
+    """The secret engines present (``job_token=`` of ``Engine``)."""
+    fabric_token: str
+    """The fabric's secret, for every worker (``fabric_token=`` of ``Trainer`` / ``Engine``)."""
+    read_token: str | None
+    """The read-only views' secret, or None when they are open."""
 
     def __init__(
         self,
@@ -71,6 +90,11 @@ class Controller:
         heartbeat_timeout: float = 5.0,
         sync_timeout: float = 300.0,
         history: int = 200,
+        trainer_token: str | None = None,
+        engine_token: str | None = None,
+        read_token: str | None = None,
+        fabric_token: str | None = None,
+        role_secrets: bool = False,
     ) -> None:
         self.model = os.fspath(model)
         self.train = train
@@ -78,6 +102,22 @@ class Controller:
         self.dtype = dtype
         self.job_token = _token(job_token)
         self.api_token = _token(api_token)
+
+        def role(given: str | None) -> str:
+            if given is not None:
+                return given
+            return _token(None) if role_secrets else self.job_token
+
+        self.trainer_token = role(trainer_token)
+        self.engine_token = role(engine_token)
+        if fabric_token is None:
+            shared = self.trainer_token == self.engine_token == self.job_token
+            fabric_token = self.job_token if shared else _token(None)
+        self.fabric_token = fabric_token
+        self.read_token = read_token
+        for name in ("trainer_token", "engine_token", "fabric_token", "read_token"):
+            if getattr(self, name) == "":
+                raise ValueError(f"{name} must not be empty")
         self._core = _native.ControllerCore(
             self.model,
             train,
@@ -91,6 +131,9 @@ class Controller:
             heartbeat_timeout=heartbeat_timeout,
             sync_timeout=sync_timeout,
             history=history,
+            trainer_token=self.trainer_token,
+            engine_token=self.engine_token,
+            read_token=self.read_token,
         )
 
     @property
@@ -128,10 +171,33 @@ class Controller:
         """A :class:`~weightsync.Client` of this controller's HTTP API, with its API token."""
         return Client(self.http_url, self.api_token, timeout=timeout)
 
-    def worker_env(self) -> dict[str, str]:
-        """The environment a worker process started by the ``weightsync`` CLI needs
-        (``WEIGHTSYNC_JOB_TOKEN``), and a training loop's ``WEIGHTSYNC_API_TOKEN``."""
-        return {"WEIGHTSYNC_JOB_TOKEN": self.job_token, "WEIGHTSYNC_API_TOKEN": self.api_token}
+    def worker_env(self, role: str | None = None) -> dict[str, str]:
+        """The environment a worker process started by the ``weightsync`` CLI needs, and a
+        training loop's ``WEIGHTSYNC_API_TOKEN``. Without ``role``: the job token
+        (``WEIGHTSYNC_JOB_TOKEN``). With ``role`` (``"trainer"`` or ``"engine"``): only that
+        role's secret (``WEIGHTSYNC_TRAINER_TOKEN`` / ``WEIGHTSYNC_ENGINE_TOKEN``) and the
+        fabric's (``WEIGHTSYNC_FABRIC_TOKEN``), so an engine host never holds a trainer's (nor the
+        API token, which a trainer's environment gets)."""
+        if role is None:
+            return {"WEIGHTSYNC_JOB_TOKEN": self.job_token, "WEIGHTSYNC_API_TOKEN": self.api_token}
+        env = {
+            self._role_variable(role): self.worker_token(role),
+            "WEIGHTSYNC_FABRIC_TOKEN": self.fabric_token,
+        }
+        if role == "trainer":  # the training loop triggers syncs; an engine host never may
+            env["WEIGHTSYNC_API_TOKEN"] = self.api_token
+        return env
+
+    def worker_token(self, role: str) -> str:
+        """The secret a worker of ``role`` (``"trainer"`` or ``"engine"``) presents."""
+        self._role_variable(role)
+        return self.trainer_token if role == "trainer" else self.engine_token
+
+    @staticmethod
+    def _role_variable(role: str) -> str:
+        if role not in ("trainer", "engine"):
+            raise ValueError(f"role must be 'trainer' or 'engine', got {role!r}")
+        return f"WEIGHTSYNC_{role.upper()}_TOKEN"
 
     def close(self) -> None:
         """Stops serving and joins the controller's thread (workers' connections close).

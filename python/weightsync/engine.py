@@ -111,7 +111,10 @@ class Engine:
     Args:
         controller: the controller's control-channel address, ``host:port``.
         rank: this inference rank (default ``$WEIGHTSYNC_ENGINE_RANK``, else ``$RANK``).
-        job_token: the job's secret (default ``$WEIGHTSYNC_JOB_TOKEN``).
+        job_token: the engine role's secret (``Controller.engine_token``; default
+            ``$WEIGHTSYNC_ENGINE_TOKEN``, else ``$WEIGHTSYNC_JOB_TOKEN``).
+        fabric_token: the fabric's secret (``Controller.fabric_token``; default
+            ``$WEIGHTSYNC_FABRIC_TOKEN``, else ``job_token``; needed where each role has its own).
         listen: the fabric's listen address (default ``127.0.0.1:0``). Peers on this machine
             copy large writes straight between the processes' memory (same-host pulls);
             ``WEIGHTSYNC_SAME_HOST=false`` keeps every byte on the sockets.
@@ -129,9 +132,11 @@ class Engine:
         worker_id: str | None = None,
         before_landing: Hook | None = None,
         after_commit: Hook | None = None,
+        fabric_token: str | None = None,
     ) -> None:
         self._core = _native.EngineCore(
-            controller, _env_rank() if rank is None else rank, job_token, listen, worker_id
+            controller, _env_rank() if rank is None else rank, job_token, listen, worker_id,
+            fabric_token,
         )
         self._registered: dict[str, int] = {}
         self._origins: dict[str, Any] = {}

@@ -136,7 +136,10 @@ class Trainer:
     Args:
         controller: the controller's control-channel address, ``host:port``.
         rank: this training rank (default: ``$RANK``, as torchrun sets it).
-        job_token: the job's secret (default: ``$WEIGHTSYNC_JOB_TOKEN``).
+        job_token: the trainer role's secret (``Controller.trainer_token``; default:
+            ``$WEIGHTSYNC_TRAINER_TOKEN``, else ``$WEIGHTSYNC_JOB_TOKEN``).
+        fabric_token: the fabric's secret (``Controller.fabric_token``; default:
+            ``$WEIGHTSYNC_FABRIC_TOKEN``, else ``job_token``; needed where each role has its own).
         listen: the fabric's listen address (default ``127.0.0.1:0``). Peers on this machine
             copy large writes straight between the processes' memory (same-host pulls);
             ``WEIGHTSYNC_SAME_HOST=false`` keeps every byte on the sockets.
@@ -156,9 +159,11 @@ class Trainer:
         listen: str | None = None,
         worker_id: str | None = None,
         run: int = 0,
+        fabric_token: str | None = None,
     ) -> None:
         self._core = _native.TrainerCore(
-            controller, _env_rank() if rank is None else rank, job_token, listen, worker_id, run
+            controller, _env_rank() if rank is None else rank, job_token, listen, worker_id, run,
+            fabric_token,
         )
         self._registered: dict[str, int] = {}
         # The registered tensors by name, for the check that none was written during a sync.

@@ -58,6 +58,7 @@ impl BackendFactory for Tcp {
                 len,
                 source: None,
                 stride: None,
+                epoch: 0,
             };
             s.write_all(&header.encode()).unwrap();
             s.write_all(&vec![0xEE; (len / 2) as usize]).unwrap();

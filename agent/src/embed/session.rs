@@ -34,6 +34,7 @@ impl Reach {
     pub(crate) fn new(
         controller: &str,
         token: Option<&Secret>,
+        fabric_token: Option<&Secret>,
         listen: Option<&str>,
         id: WorkerId,
         name: Option<&str>,
@@ -50,8 +51,12 @@ impl Reach {
                 .map_err(|e| refused(e.to_string()))?
                 .unwrap_or_else(|| Secret::from("")),
         };
-        let fabric_token =
-            crate::config::fabric_secret(&env, &token).map_err(|e| refused(e.to_string()))?;
+        let fabric_token = match fabric_token {
+            Some(t) => t.clone(),
+            None => {
+                crate::config::fabric_secret(&env, &token).map_err(|e| refused(e.to_string()))?
+            }
+        };
         Ok(Reach {
             controller: controller.to_string(),
             token,

@@ -28,6 +28,9 @@ pub struct TrainerOptions {
     pub rank: u32,
     /// Job token (default: `$WEIGHTSYNC_JOB_TOKEN`, else none).
     pub job_token: Option<Secret>,
+    /// The fabric's secret, shared by trainers and engines (default:
+    /// `$WEIGHTSYNC_FABRIC_TOKEN`, else `job_token`; needed where each role has its own secret).
+    pub fabric_token: Option<Secret>,
     /// Fabric listen address (default `127.0.0.1:0`).
     pub listen: Option<String>,
     /// Worker id (default `trainer-{rank}`).
@@ -168,6 +171,7 @@ impl TrainerHandle {
         let reach = Reach::new(
             &opts.controller,
             opts.job_token.as_ref(),
+            opts.fabric_token.as_ref(),
             opts.listen.as_deref(),
             id,
             opts.worker_id.as_deref(),

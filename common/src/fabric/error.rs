@@ -25,6 +25,9 @@ pub enum RemoteAccessKind {
     /// The receiver guards its regions and no sync is armed on it
     /// ([`WriteWindow`](super::WriteWindow)): nothing landed.
     OutsideWindow,
+    /// The receiver guards its regions and a sync is armed, but not the one the write was sent
+    /// for (a late frame of an earlier sync, or one of a sync not armed yet): nothing landed.
+    WrongEpoch,
 }
 
 impl std::fmt::Display for RemoteAccessKind {
@@ -36,6 +39,9 @@ impl std::fmt::Display for RemoteAccessKind {
             RemoteAccessKind::Deregistered => "region deregistered",
             RemoteAccessKind::OutsideWindow => {
                 "no sync armed on the receiver (write outside the window)"
+            }
+            RemoteAccessKind::WrongEpoch => {
+                "the receiver has another sync armed (write from another sync's epoch)"
             }
         })
     }

@@ -213,6 +213,18 @@ impl Fabric {
         }
     }
 
+    /// Sets the epoch (the sync's `sync_id`) stamped on the frames this process writes from now
+    /// on, so that a guarded TCP receiver lands them only while that sync is armed on it. With
+    /// verbs a one-sided WRITE carries no epoch the receiver could check (see
+    /// `docs/security.md`), so there it changes nothing.
+    pub fn set_send_epoch(&self, epoch: u64) {
+        match self {
+            Fabric::Tcp(t) => t.set_send_epoch(epoch),
+            #[cfg(feature = "rdma")]
+            Fabric::Verbs(_) => {}
+        }
+    }
+
     /// Starts the backend named by `config` (binds its listener, opens devices).
     pub async fn start(config: &FabricConfig) -> Result<Fabric> {
         config.validate()?;

@@ -215,6 +215,7 @@ async fn hand_made_frames_on_an_authenticated_lane_change_nothing() {
         len: 64,
         source: None,
         stride: None,
+        epoch: 0,
     };
     st.write_all(&h.encode()).expect("header");
     st.write_all(&[0x22; 64]).expect("payload");
@@ -240,6 +241,7 @@ async fn hand_made_frames_on_an_authenticated_lane_change_nothing() {
         len: 64,
         source: None,
         stride: None,
+        epoch: 0,
     }
     .encode();
     raw[16..24].copy_from_slice(&(u64::MAX - 8).to_le_bytes());
@@ -259,6 +261,7 @@ async fn hand_made_frames_on_an_authenticated_lane_change_nothing() {
         len: 4096,
         source: None,
         stride: None,
+        epoch: 0,
     };
     st.write_all(&h.encode()).expect("header");
     st.write_all(&[0x44; 1000]).expect("partial payload");
@@ -278,6 +281,7 @@ async fn hand_made_frames_on_an_authenticated_lane_change_nothing() {
         len: 64,
         source: Some(bait.as_ptr() as u64),
         stride: None,
+        epoch: 0,
     };
     st.write_all(&pull.encode()).expect("pull header");
     let _ = st.read_to_end(&mut sink);

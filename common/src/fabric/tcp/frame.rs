@@ -1,6 +1,6 @@
 //! Wire format of the TCP backend's lanes: write frames one way, completions the other.
 //!
-//! A write frame is a fixed 64-byte little-endian header, followed by `len` payload bytes for a
+//! A write frame is a fixed 72-byte little-endian header, followed by `len` payload bytes for a
 //! WRITE and by nothing for a PULL (the receiver copies the bytes out of the writer's memory
 //! itself, see `same_host`):
 //!
@@ -18,6 +18,11 @@
 //! | 48..52| run      | PULL from a strided source: bytes per run; otherwise 0         |
 //! | 52..56| head     | PULL from a strided source: the first byte's place in its run; otherwise 0 |
 //! | 56..64| stride   | PULL from a strided source: bytes from run to run; otherwise 0 |
+//! | 64..72| epoch    | the sync the writer sends for (its `sync_id`; 0: none said)    |
+//!
+//! A receiver that guards its regions ([`WriteWindow`](super::WriteWindow)) lands a frame only
+//! while a sync is armed on it *with the frame's epoch*: a frame of an earlier (or later) sync
+//! is refused ([`RemoteAccessKind::WrongEpoch`]) and its bytes never touch memory.
 //!
 //! A PULL is accepted only on a lane whose handshake agreed on same-host pulls. A PULL whose
 //! source is strided ([`Stride`]) names its layout so that the receiver gathers the runs itself;
@@ -35,14 +40,14 @@
 //! | 8..16 | rkey   | rkey of the first refused frame (0 when status is 0)     |
 //! | 16..24| addr   | address of the first refused frame                       |
 //!
-//! The decoders are total: any 64 or 24 bytes give either a valid value or a [`FrameError`],
+//! The decoders are total: any 72 or 24 bytes give either a valid value or a [`FrameError`],
 //! never a panic (a fuzz target in `common/fuzz` checks this).
 
 use crate::fabric::error::RemoteAccessKind;
 use crate::fabric::stride::Stride;
 
 /// Size of a write-frame header.
-pub const HEADER_LEN: usize = 64;
+pub const HEADER_LEN: usize = 72;
 /// Size of a completion.
 pub const COMPLETION_LEN: usize = 24;
 /// Largest payload of one frame (bigger writes are split into several frames).
@@ -153,6 +158,9 @@ pub struct FrameHeader {
     /// Set for a PULL whose source bytes lie as runs at a stride from `source` (never for a
     /// WRITE: its payload travels gathered).
     pub stride: Option<Stride>,
+    /// The sync this frame belongs to (the writer's `sync_id`; 0 when the writer named none). A
+    /// guarded receiver lands it only while that sync is armed.
+    pub epoch: u64,
 }
 
 impl FrameHeader {
@@ -188,6 +196,7 @@ impl FrameHeader {
             b[52..56].copy_from_slice(&(s.head as u32).to_le_bytes());
             b[56..64].copy_from_slice(&s.stride.to_le_bytes());
         }
+        b[64..72].copy_from_slice(&self.epoch.to_le_bytes());
         b
     }
 
@@ -264,6 +273,7 @@ impl FrameHeader {
             len,
             source,
             stride,
+            epoch: u64_at(64),
         })
     }
 }
@@ -318,6 +328,7 @@ fn kind_code(kind: RemoteAccessKind) -> u8 {
         RemoteAccessKind::NoWritePermission => 3,
         RemoteAccessKind::Deregistered => 4,
         RemoteAccessKind::OutsideWindow => 5,
+        RemoteAccessKind::WrongEpoch => 6,
     }
 }
 
@@ -328,6 +339,7 @@ fn code_kind(code: u8) -> Option<RemoteAccessKind> {
         3 => RemoteAccessKind::NoWritePermission,
         4 => RemoteAccessKind::Deregistered,
         5 => RemoteAccessKind::OutsideWindow,
+        6 => RemoteAccessKind::WrongEpoch,
         _ => return None,
     })
 }
@@ -397,6 +409,7 @@ mod tests {
                 len: 12345,
                 source: None,
                 stride: None,
+                epoch: u64::MAX,
             },
             FrameHeader {
                 signalled: false,
@@ -407,6 +420,7 @@ mod tests {
                 len: 0,
                 source: None,
                 stride: None,
+                epoch: 0,
             },
             FrameHeader {
                 signalled: false,
@@ -417,6 +431,7 @@ mod tests {
                 len: MAX_FRAME_PAYLOAD,
                 source: None,
                 stride: None,
+                epoch: 7,
             },
             FrameHeader {
                 signalled: true,
@@ -430,6 +445,7 @@ mod tests {
                 len: 1 << 20,
                 source: Some(0x7f00_0000_1000),
                 stride: None,
+                epoch: 42,
             },
             FrameHeader {
                 signalled: false,
@@ -440,6 +456,7 @@ mod tests {
                 len: 0,
                 source: Some(0),
                 stride: None,
+                epoch: 1,
             },
         ] {
             assert_eq!(FrameHeader::decode(&h.encode()), Ok(h));
@@ -457,6 +474,7 @@ mod tests {
             len: 10,
             source: None,
             stride: None,
+            epoch: 3,
         }
         .encode();
         let mut b = good;
@@ -520,6 +538,7 @@ mod tests {
                 stride: 6144,
                 head: 16,
             }),
+            epoch: 11,
         };
         assert_eq!(FrameHeader::decode(&pull.encode()), Ok(pull));
         let good = pull.encode();

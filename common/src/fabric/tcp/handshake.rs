@@ -38,7 +38,8 @@ use crate::fabric::error::{FabricError, Result};
 
 const MAGIC: &[u8; 8] = b"WSFABRIC";
 // 3: pull offers may offer shared memory, answered with `ANSWER_SHARED` (`shared_pulls`).
-const VERSION: u32 = 3;
+// 4: frame headers carry the sync's epoch (72 bytes; see `frame`), refusal kind 6 (`WrongEpoch`).
+const VERSION: u32 = 4;
 /// Size of [`ClientHello`] on the wire.
 pub const CLIENT_HELLO_LEN: usize = 52;
 /// Size of [`ServerHello`] on the wire.

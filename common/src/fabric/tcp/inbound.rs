@@ -4,7 +4,7 @@
 //! middle-sized frames, so the reader keeps them few:
 //! - **Headers are read ahead on a pulling lane.** A header `recv` takes whatever the socket
 //!   holds, up to [`AHEAD`] bytes, into a read-ahead buffer: a writer with a queue sends up to
-//!   32 frames per `sendmsg`, and a run of PULL headers (64 bytes each, no payload) then costs
+//!   32 frames per `sendmsg`, and a run of PULL headers (72 bytes each, no payload) then costs
 //!   one `recv`, not one each. Payload bytes that came along are copied from the buffer into
 //!   the region first. A lane that carries payloads only reads one header at a time: its
 //!   headers come one per payload anyway, and read-ahead would copy payload bytes twice
@@ -34,6 +34,7 @@ use std::time::Duration;
 
 use super::Shared;
 use super::frame::{COMPLETION_LEN, Completion, HEADER_LEN};
+use super::lane_io::LaneIo;
 use super::same_host::{PULL_CHUNK, PULL_IOVS, PULL_RUN};
 use super::shared_pulls::PullSource;
 use super::socket::{IoFail, LaneSocket, Readiness};
@@ -78,9 +79,9 @@ pub(super) enum Landing {
     Revoked,
 }
 
-/// The reading state of one inbound lane.
-pub(super) struct InboundLane<'a> {
-    sock: &'a LaneSocket,
+/// The reading state of one inbound lane (over a socket, or bytes in memory: [`LaneIo`]).
+pub(super) struct InboundLane<'a, S: LaneIo = LaneSocket> {
+    sock: &'a S,
     shared: &'a Shared,
     /// Bytes read ahead of the frame being handled: `ahead[pos..end]` is the stream's next
     /// bytes (headers, and any payload that came along with them).
@@ -95,11 +96,11 @@ pub(super) struct InboundLane<'a> {
     scratch: Vec<u8>,
 }
 
-impl<'a> InboundLane<'a> {
+impl<'a, S: LaneIo> InboundLane<'a, S> {
     /// A reader that reads up to `read_ahead` bytes past a frame's end ([`AHEAD`] on a lane
     /// that pulls; [`HEADER_LEN`] on one that does not: its headers come one per payload, and
     /// bytes of the next payload read ahead would only be copied once more).
-    pub fn new(sock: &'a LaneSocket, shared: &'a Shared, read_ahead: usize) -> Self {
+    pub fn new(sock: &'a S, shared: &'a Shared, read_ahead: usize) -> Self {
         InboundLane {
             sock,
             shared,

@@ -52,9 +52,11 @@ pub mod frame;
 pub mod handshake;
 mod inbound;
 mod lane;
+mod lane_io;
 mod peer;
 mod receiver;
 mod registry;
+pub mod replay;
 pub mod same_host;
 mod shared_pulls;
 mod socket;
@@ -136,8 +138,29 @@ pub struct TcpStats {
     pub pull_calls: u64,
     /// Frames refused here (rkey, bounds, permission, deregistered, outside the window).
     pub refused: u64,
-    /// Of `refused`, frames that arrived while the receiver's [`WriteWindow`] was closed.
+    /// Of `refused`, frames that arrived while the receiver's [`WriteWindow`] was closed, or
+    /// armed for another sync than the frame's epoch.
     pub outside_window: u64,
+}
+
+/// A snapshot of `c`.
+fn stats_of(c: &Counters) -> TcpStats {
+    let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+    TcpStats {
+        lanes_opened: get(&c.lanes_opened),
+        lane_failures: get(&c.lane_failures),
+        auth_failures: get(&c.auth_failures),
+        preauth_dropped: get(&c.preauth_dropped),
+        frames_sent: get(&c.frames_sent),
+        bytes_sent: get(&c.bytes_sent),
+        frames_received: get(&c.frames_received),
+        bytes_received: get(&c.bytes_received),
+        bytes_pulled: get(&c.bytes_pulled),
+        bytes_shared: get(&c.bytes_shared),
+        pull_calls: get(&c.pull_calls),
+        refused: get(&c.refused),
+        outside_window: get(&c.outside_window),
+    }
 }
 
 /// State shared by the fabric handle and its lane threads.
@@ -158,6 +181,8 @@ pub(super) struct Shared {
     /// How many peers this process said it writes to ([`FabricBackend::expect_peers`]; 0:
     /// not said), which bounds the lanes opened to each peer met afterwards.
     expected_peers: std::sync::atomic::AtomicUsize,
+    /// The epoch stamped on every frame this process sends ([`TcpFabric::set_send_epoch`]).
+    send_epoch: AtomicU64,
 }
 
 /// The frames of one batch bound for one peer, per lane.
@@ -217,6 +242,7 @@ impl TcpFabric {
             stats: Counters::default(),
             local: addrs.iter().map(|&a| LocalAddress::new(a)).collect(),
             expected_peers: std::sync::atomic::AtomicUsize::new(0),
+            send_epoch: AtomicU64::new(0),
         });
         // From here on the handle owns the threads: dropping it (also on an error below) stops
         // every accept thread already started.
@@ -251,23 +277,7 @@ impl TcpFabric {
 
     /// A snapshot of the counters.
     pub fn stats(&self) -> TcpStats {
-        let c = &self.inner.shared.stats;
-        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        TcpStats {
-            lanes_opened: get(&c.lanes_opened),
-            lane_failures: get(&c.lane_failures),
-            auth_failures: get(&c.auth_failures),
-            preauth_dropped: get(&c.preauth_dropped),
-            frames_sent: get(&c.frames_sent),
-            bytes_sent: get(&c.bytes_sent),
-            frames_received: get(&c.frames_received),
-            bytes_received: get(&c.bytes_received),
-            bytes_pulled: get(&c.bytes_pulled),
-            bytes_shared: get(&c.bytes_shared),
-            pull_calls: get(&c.pull_calls),
-            refused: get(&c.refused),
-            outside_window: get(&c.outside_window),
-        }
+        stats_of(&self.inner.shared.stats)
     }
 
     /// Sets when this process accepts writes into its regions ([`WriteWindow`]): a receiver
@@ -275,6 +285,13 @@ impl TcpFabric {
     /// again once the sync landed or was abandoned.
     pub fn set_write_window(&self, window: WriteWindow) {
         self.inner.shared.table.set_window(window);
+    }
+
+    /// Sets the epoch (the sync's `sync_id`) stamped on every frame this process sends from
+    /// now on: a guarded receiver lands a frame only while the sync of that epoch is armed on
+    /// it ([`WriteWindow::Armed`]). A writer sets it before it writes a sync's bytes.
+    pub fn set_send_epoch(&self, epoch: u64) {
+        self.inner.shared.send_epoch.store(epoch, Ordering::SeqCst);
     }
 
     /// Fault injection: shuts down every open lane to `peer`, as if the cable were pulled.
@@ -326,6 +343,8 @@ impl TcpFabric {
         }
         let ops = merge_contiguous(ops);
         let stripe_min = self.inner.shared.config.stripe_min_bytes;
+        // One epoch for the whole batch: its frames belong to one sync.
+        let epoch = self.inner.shared.send_epoch.load(Ordering::SeqCst);
         let mut per_peer: HashMap<Endpoint, PeerPlan> = HashMap::new();
         for op in ops {
             let PeerPlan {
@@ -381,6 +400,7 @@ impl TcpFabric {
                         len,
                         source: None,
                         stride: None,
+                        epoch,
                     },
                     src: op.src.clone(),
                     src_offset,
@@ -720,6 +740,7 @@ mod tests {
             len,
             source,
             stride: None,
+            epoch: 0,
         };
         // One send: two pulls into A, a pull past A's end (refused), a payload frame into A,
         // two pulls into C, one more into A.
@@ -760,7 +781,7 @@ mod tests {
                 .inner
                 .shared
                 .table
-                .check_write(d.rkey, d.base, 1)
+                .check_write(d.rkey, d.base, 1, 0)
                 .unwrap()
                 .0;
             let live = r.memory.live().unwrap();
@@ -815,7 +836,7 @@ mod tests {
                 0,
                 "a refused write was counted"
             );
-            b.set_write_window(WriteWindow::Armed);
+            b.set_write_window(WriteWindow::Armed { epoch: 0 });
             a.write(op()).await.unwrap();
             assert_eq!(dst.to_vec().unwrap(), vec![7u8; len]);
             b.imm_counter().expect(3, 1).await.unwrap();
@@ -824,6 +845,53 @@ mod tests {
             assert!(a.write(op()).await.is_err());
             assert_eq!(dst.to_vec().unwrap(), vec![7u8; len], "bytes changed");
             assert_eq!(b.stats().outside_window, 2);
+        }
+    }
+
+    #[tokio::test]
+    async fn a_write_of_a_stale_epoch_is_refused_while_a_newer_sync_is_armed() {
+        let on = FabricConfig::loopback("unit", 1);
+        let off = FabricConfig {
+            same_host: false,
+            ..on.clone()
+        };
+        // Payload frames and (where the host allows) same-host pulls.
+        for config in [off, on] {
+            let a = TcpFabric::start(&config).await.unwrap();
+            let b = TcpFabric::start(&config).await.unwrap();
+            let len = 1 << 16;
+            let src = a.alloc(len, Access::SOURCE).unwrap();
+            let dst = b.alloc(len, Access::RECEIVE).unwrap();
+            dst.write_at(0, &vec![1u8; len]).unwrap();
+            src.write_at(0, &vec![7u8; len]).unwrap();
+            let op = || WriteOp::new(&src, 0, dst.descriptor(), 0, len as u64).with_imm(3);
+            // Sync 5 armed; the writer still sends for sync 4 (a late frame of the last sync).
+            b.set_write_window(WriteWindow::Armed { epoch: 5 });
+            a.set_send_epoch(4);
+            let err = a.write(op()).await.unwrap_err();
+            assert_eq!(
+                err.remote_access_kind(),
+                Some(crate::fabric::RemoteAccessKind::WrongEpoch),
+                "{err}"
+            );
+            assert_eq!(dst.to_vec().unwrap(), vec![1u8; len], "bytes changed");
+            let stats = b.stats();
+            assert_eq!((stats.outside_window, stats.refused), (1, 1), "{stats:?}");
+            assert_eq!(
+                b.imm_counter().unclaimed(3),
+                0,
+                "a refused write was counted"
+            );
+            // A writer ahead of the receiver (sync 6 not armed yet) is refused the same way.
+            a.set_send_epoch(6);
+            assert!(a.write(op()).await.is_err());
+            assert_eq!(dst.to_vec().unwrap(), vec![1u8; len], "bytes changed");
+            assert_eq!(b.stats().outside_window, 2);
+            // The armed sync's own frames land.
+            a.set_send_epoch(5);
+            a.write(op()).await.unwrap();
+            assert_eq!(dst.to_vec().unwrap(), vec![7u8; len]);
+            b.imm_counter().expect(3, 1).await.unwrap();
         }
     }
 

@@ -37,6 +37,7 @@ use super::frame::HEADER_LEN;
 use super::frame::{Completion, FrameHeader};
 use super::handshake::{Accepted, server_handshake_within};
 use super::inbound::{AHEAD, InboundLane, Landing, PullRange};
+use super::lane_io::LaneIo;
 use super::same_host::{PULL_RUN, PULL_RUN_BYTES};
 use super::shared_pulls::PullSource;
 use super::socket::{IoFail, LaneSocket, Readiness, wait_fd};
@@ -238,15 +239,31 @@ fn receive_frames(
     local: usize,
     shared: &Shared,
 ) -> Result<(), IoFail> {
-    let mut source = match (accepted.writer, accepted.shared) {
+    let source = match (accepted.writer, accepted.shared) {
         (Some(w), _) => Some(PullSource::Process(w)),
         (None, Some(s)) => Some(PullSource::Shared(s)),
         (None, None) => None,
     };
     let read_ahead = if source.is_some() { AHEAD } else { HEADER_LEN };
+    run_lane(sock, source, accepted.instance, local, shared, read_ahead)
+}
+
+/// The frame state machine of one authenticated lane: reads frames off `sock` until it closes
+/// or fails, checks each, lands, refuses or drains it, and answers signalled ones. `source` is
+/// where PULL frames copy from (`None`: the lane did not agree to pulls, and a PULL drops it);
+/// `instance` the writer's id (scopes split writes). Generic over the socket so that
+/// `replay` can drive it from bytes.
+pub(super) fn run_lane<S: LaneIo>(
+    sock: &S,
+    mut source: Option<PullSource>,
+    instance: u64,
+    local: usize,
+    shared: &Shared,
+    read_ahead: usize,
+) -> Result<(), IoFail> {
     let mut lane = InboundLane::new(sock, shared, read_ahead);
     let mut ledger = Ledger {
-        instance: accepted.instance,
+        instance,
         local,
         since_signal: 0,
         first_error: None,
@@ -273,11 +290,14 @@ fn receive_frames(
         };
         let checked = shared
             .table
-            .check_write(header.rkey, header.addr, header.len);
+            .check_write(header.rkey, header.addr, header.len, header.epoch);
         let (reg, offset) = match checked {
             Err(kind) => {
                 shared.stats.refused.fetch_add(1, Ordering::Relaxed);
-                if kind == RemoteAccessKind::OutsideWindow {
+                if matches!(
+                    kind,
+                    RemoteAccessKind::OutsideWindow | RemoteAccessKind::WrongEpoch
+                ) {
                     shared.stats.outside_window.fetch_add(1, Ordering::Relaxed);
                 }
                 ledger
@@ -318,7 +338,10 @@ fn receive_frames(
                 break;
             };
             let Some(source) = next.source else { break };
-            let Ok((r, offset)) = shared.table.check_write(next.rkey, next.addr, next.len) else {
+            let Ok((r, offset)) = shared
+                .table
+                .check_write(next.rkey, next.addr, next.len, next.epoch)
+            else {
                 break;
             };
             if !Arc::ptr_eq(&r.memory, &reg.memory) || bytes + next.len > PULL_RUN_BYTES {
@@ -358,10 +381,10 @@ fn decode(raw: &[u8; HEADER_LEN]) -> Result<FrameHeader, IoFail> {
 /// A landing's outcome for the frames it carried (one payload, or a run of pulls): on an
 /// error, or when the writer reset the lane before their immediates were counted, every
 /// immediate among them is recorded torn and the lane ends.
-fn landed_or_torn(
+fn landed_or_torn<S: LaneIo>(
     landing: Result<Landing, IoFail>,
     frames: &[FrameHeader],
-    sock: &LaneSocket,
+    sock: &S,
     shared: &Shared,
 ) -> Result<Landing, IoFail> {
     let torn = |e| {
@@ -397,9 +420,9 @@ impl Ledger {
     /// (`Revoked`; `None`: refused before landing, already counted), and its completion if it
     /// was signalled (queued; the caller flushes when this returns true: a completion was
     /// queued, as before every flush check).
-    fn settle(
+    fn settle<S: LaneIo>(
         &mut self,
-        lane: &mut InboundLane<'_>,
+        lane: &mut InboundLane<'_, S>,
         header: &FrameHeader,
         landing: Option<Landing>,
         shared: &Shared,

@@ -7,12 +7,14 @@
 //! lookup either sees a live entry or none.
 //!
 //! A receiver may also guard its regions with a [`WriteWindow`]: then a write is accepted only
-//! while a sync is armed on it (between a rollout's `Prepare` and its landing), so bytes sent
-//! while the engine serves never reach its weights.
+//! while a sync is armed on it (between a rollout's `Prepare` and its landing) *and* only if
+//! the frame names that sync's epoch, so bytes sent while the engine serves, and late bytes of
+//! an earlier sync, never reach its weights. A sync arms every receive region of the process
+//! (a rollout's sync rewrites all of its weights); the window is checked under the same lock
+//! as the rkey, so a frame sees either the old window or the new one.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU8, Ordering};
 
 use parking_lot::RwLock;
 
@@ -28,16 +30,21 @@ pub enum WriteWindow {
     Always,
     /// Never: the receiver guards its regions and no sync is armed.
     Closed,
-    /// Now: a sync is armed.
-    Armed,
+    /// Now, for frames of one sync: the sync with this epoch (its `sync_id`) is armed.
+    Armed {
+        /// The armed sync's epoch; a frame naming another is refused.
+        epoch: u64,
+    },
 }
 
 impl WriteWindow {
-    fn code(self) -> u8 {
+    /// Whether a frame sent for `epoch` may land now.
+    pub fn admits(self, epoch: u64) -> Result<(), RemoteAccessKind> {
         match self {
-            WriteWindow::Always => 0,
-            WriteWindow::Closed => 1,
-            WriteWindow::Armed => 2,
+            WriteWindow::Always => Ok(()),
+            WriteWindow::Closed => Err(RemoteAccessKind::OutsideWindow),
+            WriteWindow::Armed { epoch: armed } if armed == epoch => Ok(()),
+            WriteWindow::Armed { .. } => Err(RemoteAccessKind::WrongEpoch),
         }
     }
 }
@@ -59,29 +66,25 @@ struct Entries {
     /// rkeys of deregistered regions, so a stale descriptor gets "deregistered" rather than
     /// "unknown rkey" (clearer diagnosis; registrations are few and long-lived, so this is small).
     gone: HashSet<u64>,
+    /// When writes are accepted (read under the same lock as the registration).
+    window: WriteWindow,
 }
 
 /// rkey -> registration.
 #[derive(Debug, Default)]
 pub struct RegistrationTable {
     entries: RwLock<Entries>,
-    /// [`WriteWindow::code`] of the current window.
-    window: AtomicU8,
 }
 
 impl RegistrationTable {
     /// Sets when writes are accepted (see [`WriteWindow`]); takes effect for the next frame.
     pub fn set_window(&self, window: WriteWindow) {
-        self.window.store(window.code(), Ordering::SeqCst);
+        self.entries.write().window = window;
     }
 
     /// The window in force.
     pub fn window(&self) -> WriteWindow {
-        match self.window.load(Ordering::SeqCst) {
-            0 => WriteWindow::Always,
-            1 => WriteWindow::Closed,
-            _ => WriteWindow::Armed,
-        }
+        self.entries.read().window
     }
 
     /// Inserts a registration under a fresh random rkey and returns the rkey.
@@ -104,6 +107,24 @@ impl RegistrationTable {
         }
     }
 
+    /// Inserts a registration under a chosen rkey and base address (replaying recorded or
+    /// fuzzed frames, whose rkeys and addresses cannot follow random ones). Replaces any
+    /// registration under `rkey`.
+    pub(super) fn insert_fixed(
+        &self,
+        rkey: u64,
+        base: u64,
+        memory: Arc<RegisteredMemory>,
+        access: Access,
+    ) {
+        let registration = Registration {
+            memory,
+            base,
+            access,
+        };
+        self.entries.write().live.insert(rkey, registration);
+    }
+
     /// Removes a registration (after its memory was revoked).
     pub fn remove(&self, rkey: u64) {
         let mut entries = self.entries.write();
@@ -122,13 +143,14 @@ impl RegistrationTable {
         self.entries.read().live.is_empty()
     }
 
-    /// Checks a remote write of `len` bytes at address `addr` with `rkey`; on success returns the
-    /// registration and the offset inside it.
+    /// Checks a remote write of `len` bytes at address `addr` with `rkey`, sent for the sync
+    /// `epoch`; on success returns the registration and the offset inside it.
     pub fn check_write(
         &self,
         rkey: u64,
         addr: u64,
         len: u64,
+        epoch: u64,
     ) -> Result<(Registration, u64), RemoteAccessKind> {
         let entries = self.entries.read();
         let Some(reg) = entries.live.get(&rkey) else {
@@ -151,9 +173,7 @@ impl RegistrationTable {
         if !reg.memory.is_live() {
             return Err(RemoteAccessKind::Deregistered);
         }
-        if self.window() == WriteWindow::Closed {
-            return Err(RemoteAccessKind::OutsideWindow);
-        }
+        entries.window.admits(epoch)?;
         Ok((reg.clone(), offset))
     }
 }
@@ -172,38 +192,71 @@ mod tests {
         let k_ro = table.insert(ro.clone(), Access::SOURCE);
         assert_ne!(k_rw, k_ro);
         let base = rw.as_ptr() as u64;
-        let (_, off) = table.check_write(k_rw, base + 10, 90).unwrap();
+        let (_, off) = table.check_write(k_rw, base + 10, 90, 0).unwrap();
         assert_eq!(off, 10);
         assert_eq!(
-            table.check_write(k_rw ^ 1, base, 1).unwrap_err(),
+            table.check_write(k_rw ^ 1, base, 1, 0).unwrap_err(),
             RemoteAccessKind::WrongRkey
         );
         assert_eq!(
-            table.check_write(k_rw, base + 10, 91).unwrap_err(),
+            table.check_write(k_rw, base + 10, 91, 0).unwrap_err(),
             RemoteAccessKind::OutOfBounds
         );
         assert_eq!(
-            table.check_write(k_rw, base - 1, 1).unwrap_err(),
+            table.check_write(k_rw, base - 1, 1, 0).unwrap_err(),
             RemoteAccessKind::OutOfBounds
         );
         assert_eq!(
-            table.check_write(k_rw, base, u64::MAX).unwrap_err(),
+            table.check_write(k_rw, base, u64::MAX, 0).unwrap_err(),
             RemoteAccessKind::OutOfBounds
         );
         assert_eq!(
-            table.check_write(k_ro, ro.as_ptr() as u64, 1).unwrap_err(),
+            table
+                .check_write(k_ro, ro.as_ptr() as u64, 1, 0)
+                .unwrap_err(),
             RemoteAccessKind::NoWritePermission
         );
         rw.revoke();
         assert_eq!(
-            table.check_write(k_rw, base, 1).unwrap_err(),
+            table.check_write(k_rw, base, 1, 0).unwrap_err(),
             RemoteAccessKind::Deregistered
         );
         table.remove(k_rw);
         assert_eq!(
-            table.check_write(k_rw, base, 1).unwrap_err(),
+            table.check_write(k_rw, base, 1, 0).unwrap_err(),
             RemoteAccessKind::Deregistered
         );
         assert_eq!(table.len(), 1);
+    }
+
+    #[test]
+    fn a_guarded_table_admits_only_the_armed_epoch() {
+        let table = RegistrationTable::default();
+        let rw = RegisteredMemory::new(Memory::alloc(100).unwrap());
+        let k = table.insert(rw.clone(), Access::RECEIVE);
+        let base = rw.as_ptr() as u64;
+        assert!(
+            table.check_write(k, base, 1, 0).is_ok(),
+            "unguarded: any epoch"
+        );
+        table.set_window(WriteWindow::Closed);
+        assert_eq!(
+            table.check_write(k, base, 1, 5).unwrap_err(),
+            RemoteAccessKind::OutsideWindow
+        );
+        table.set_window(WriteWindow::Armed { epoch: 6 });
+        assert!(table.check_write(k, base, 1, 6).is_ok());
+        for stale in [0, 5, 7] {
+            assert_eq!(
+                table.check_write(k, base, 1, stale).unwrap_err(),
+                RemoteAccessKind::WrongEpoch,
+                "epoch {stale}"
+            );
+        }
+        // Bounds and rkeys are still checked first.
+        assert_eq!(
+            table.check_write(k, base, 101, 6).unwrap_err(),
+            RemoteAccessKind::OutOfBounds
+        );
     }
 }
