@@ -312,4 +312,3 @@ pub(crate) fn encode_piece(
     out.figures.codec_ns += start.elapsed().as_nanos() as u64;
     out
 }
-
