@@ -3,7 +3,9 @@
 //! It computes its own inference layout from the job at start-up, allocates and registers its
 //! tensors once, and registers with their descriptors. Per sync: `Prepare N` arms the immediate
 //! counters (before any trainer writes), then it waits until every expected write landed, then
-//! `Verify` checks the trainers' checksums against what landed. A program that wants more (the
+//! `Verify` applies the trainers' deltas (into the tensors, from the delta inbox it registered on
+//! its first assignment when verification is on: see `weightsync_worker::delta`) and checks the
+//! trainers' checksums against what the tensors then hold. A program that wants more (the
 //! CLI's demo recomputes every byte from its seed) wraps this driver in its own
 //! [`SyncDriver`] and reads the landed tensors through [`RolloutDriver::worker`].
 
@@ -12,8 +14,8 @@ use std::time::{Duration, Instant};
 
 use weightsync_common::fabric::{Fabric, FabricBackend, FabricConfig};
 use weightsync_common::protocol::{
-    Assignment, RunChecksum, Stage, TensorMeta, TimelineEvent, WHOLE_SYNC, WorkerId, WorkerReport,
-    WorldSpec,
+    Assignment, DeltaFigures, DeltaRecord, RunChecksum, Stage, TensorMeta, TimelineEvent,
+    WHOLE_SYNC, WorkerId, WorkerReport, WorldSpec,
 };
 use weightsync_schedules::table::RolloutPlan;
 use weightsync_worker::RolloutWorker;
@@ -43,7 +45,14 @@ pub struct RolloutDriver {
     fabric: Fabric,
     worker: Arc<RolloutWorker<Fabric>>,
     bytes: u64,
+    /// The inbox's share of the tensors' bytes (0: no inbox, never deltas).
+    inbox_fraction: f64,
 }
+
+/// The share of an engine's bytes its delta inbox takes by default: a run whose encoding is
+/// larger than its share of the inbox goes dense, and the trainers send a run as a delta only
+/// when its encoding is at most half its bytes anyway.
+pub const DEFAULT_INBOX_FRACTION: f64 = 0.25;
 
 fn ns_since(t: Instant, since: Instant) -> u64 {
     t.saturating_duration_since(since).as_nanos() as u64
@@ -63,7 +72,14 @@ impl RolloutDriver {
             fabric,
             worker: Arc::new(worker),
             bytes,
+            inbox_fraction: DEFAULT_INBOX_FRACTION,
         }
+    }
+
+    /// Registers no delta inbox: every sync writes every byte to this engine (`0.0`), or an
+    /// inbox of another share of its bytes.
+    pub fn set_inbox_fraction(&mut self, fraction: f64) {
+        self.inbox_fraction = fraction.clamp(0.0, 1.0);
     }
 
     /// Lays out its tensors from the inference layout, allocates and registers them.
@@ -86,6 +102,7 @@ impl RolloutDriver {
             fabric,
             worker: Arc::new(worker),
             bytes,
+            inbox_fraction: DEFAULT_INBOX_FRACTION,
         })
     }
 
@@ -124,11 +141,24 @@ impl SyncDriver for RolloutDriver {
         };
         let plan: RolloutPlan = bincode::deserialize(&expected.0)
             .map_err(|e| DriverError::other(format!("undecodable expectations: {e}")))?;
-        Arc::get_mut(&mut self.worker)
-            .ok_or_else(|| DriverError::other("expectations cannot change while a check runs"))?
-            .set_expectations(plan)?;
-        // Its regions and tensors went with the registration.
-        Ok(Accepted::default())
+        let worker = Arc::get_mut(&mut self.worker)
+            .ok_or_else(|| DriverError::other("expectations cannot change while a check runs"))?;
+        worker.set_expectations(plan)?;
+        // Deltas are checked like full writes: an inbox only with verification on.
+        // (Not into device memory: what landed was copied there already.)
+        if self.cfg.world.verify
+            && self.inbox_fraction > 0.0
+            && worker.can_apply_deltas()
+            && worker.inbox_descriptor().is_none()
+        {
+            let bytes = weightsync_worker::delta::inbox_bytes(self.bytes, self.inbox_fraction);
+            worker.enable_delta_inbox(bytes)?;
+        }
+        // Its regions and tensors went with the registration; its inbox goes with `Ready`.
+        Ok(Accepted {
+            regions: worker.inbox_descriptor().iter().map(blob).collect(),
+            tensors: Vec::new(),
+        })
     }
 
     async fn prepare(&mut self, sync: SyncRef) -> Result<WorkerReport, DriverError> {
@@ -172,8 +202,21 @@ impl SyncDriver for RolloutDriver {
                 split: Default::default(),
                 events: evs,
                 checksums: Vec::new(),
+                ..Default::default()
             },
         ))
+    }
+
+    async fn apply_deltas(
+        &mut self,
+        _sync: SyncRef,
+        deltas: Vec<DeltaRecord>,
+    ) -> Result<DeltaFigures, DriverError> {
+        let worker = self.worker.clone();
+        tokio::task::spawn_blocking(move || worker.apply_deltas(&deltas))
+            .await
+            .map_err(|e| DriverError::other(format!("the delta apply ended abnormally: {e}")))?
+            .map_err(DriverError::from)
     }
 
     async fn verify(

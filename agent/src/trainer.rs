@@ -10,6 +10,10 @@
 //! every write of the expanded plan goes (relocated into the engine's own regions for a rollout
 //! that registered a placement).
 //!
+//! Deltas: with verification on, the worker keeps its bases (the prepared bytes it last wrote)
+//! unless [`TrainerDriver::full_syncs_only`] said not to, and a `Start` naming engines that take
+//! deltas runs a delta sync for them (see `weightsync_worker::delta`).
+//!
 //! Each sync runs in its own task, so that an abort can cancel it and wait until it has stopped
 //! posting; draining then resets the fabric's lanes, discarding whatever of the aborted sync is
 //! still queued (after a partition heals, TCP would otherwise deliver it during the next sync).
@@ -20,13 +24,13 @@ use std::time::Instant;
 use tokio::sync::oneshot;
 use weightsync_common::fabric::{Fabric, FabricBackend, FabricConfig, RegionDescriptor};
 use weightsync_common::protocol::{
-    Assignment, Blob, PeerInfo, RunChecksum, TensorMeta, WorkerId, WorkerReport, WorkerRole,
-    WorldSpec,
+    Assignment, Blob, DeltaBase, PeerInfo, RunChecksum, TensorMeta, WorkerId, WorkerReport,
+    WorkerRole, WorldSpec,
 };
 use weightsync_schedules::TrainerSlice;
 use weightsync_schedules::table::TrainerPlan;
 use weightsync_worker::{
-    Destinations, SyncId, SyncReport, TrainerConfig, TrainerWorker, WorkerError,
+    DeltaSync, Destinations, SyncId, SyncReport, TrainerConfig, TrainerWorker, WorkerError,
 };
 
 use crate::driver::{Accepted, DriverError, DriverInfo, Outcome, SyncDriver, SyncRef};
@@ -61,6 +65,10 @@ pub struct TrainerDriver {
     /// The shards it registers with (a declared model's declarations; see
     /// [`TrainerDriver::declare`]); empty otherwise.
     declared: Vec<TensorMeta>,
+    /// Never keep bases: every sync is full (see [`TrainerDriver::full_syncs_only`]).
+    full_only: bool,
+    /// The engines taking deltas in the sync about to run (from its `Start`).
+    delta: Option<DeltaBase>,
 }
 
 /// The last sync's version and report, for an embedding that reports it when the sync commits.
@@ -119,6 +127,8 @@ fn report(r: &SyncReport, sync: &SyncRef) -> WorkerReport {
         events: r.timeline.relative_to(sync.reference_unix_ns),
         checksums: r.checksums.clone(),
         split: r.split,
+        deltas: r.deltas.clone(),
+        delta: r.delta,
     }
 }
 
@@ -146,6 +156,12 @@ fn destinations(
                         DriverError::other(format!("{}: undecodable placement: {e}", p.id))
                     })?;
                     dsts.placements.insert(p.id.rank, placement);
+                }
+                if let Some(b) = &p.inbox {
+                    let inbox = bincode::deserialize(&b.0).map_err(|e| {
+                        DriverError::other(format!("{}: undecodable delta inbox: {e}", p.id))
+                    })?;
+                    dsts.inboxes.insert(p.id.rank, inbox);
                 }
                 dsts.rollouts.insert(p.id.rank, regions);
             }
@@ -175,7 +191,15 @@ impl TrainerDriver {
             in_flight: None,
             reports: None,
             declared: Vec::new(),
+            full_only: false,
+            delta: None,
         }
+    }
+
+    /// Keeps no bases, so every sync writes every byte (and copies of registered sources go
+    /// straight from them): the switch that forces full syncs on this trainer.
+    pub fn full_syncs_only(&mut self) {
+        self.full_only = true;
     }
 
     /// Registers with `tensors` as this rank's declarations: the shards it holds of a declared
@@ -233,6 +257,8 @@ impl TrainerDriver {
         let name = WorkerId::trainer(self.cfg.rank).to_string();
         let mut tc = TrainerConfig::new(name.clone(), self.cfg.watermark_bytes);
         tc.verify = self.cfg.world.verify;
+        // Deltas are checked like full writes: only with verification on.
+        tc.delta.keep_bases = tc.verify && !self.full_only;
         let (tasks, gather) = (plan.tasks.len(), plan.gather_arena_bytes);
         let worker = TrainerWorker::new(self.fabric.clone(), source, plan, tc)?;
         tracing::info!(
@@ -314,12 +340,19 @@ impl SyncDriver for TrainerDriver {
             version: sync.version,
             epoch: sync.sync_id,
         };
+        let delta = self.delta.take().map(|d| DeltaSync {
+            base_version: d.base_version,
+            rollouts: d.rollouts,
+        });
         let task = tokio::spawn(async move {
             let cancelled = async move {
                 // Resolves when the sender is dropped: `stop_in_flight`, or the driver going away.
                 let _ = cancelled.await;
             };
-            worker.run_sync_until(id, cancelled).await
+            match delta {
+                Some(d) => worker.run_delta_sync_until(id, &d, cancelled).await,
+                None => worker.run_sync_until(id, cancelled).await,
+            }
         });
         // If this future is dropped here (an abort), the task keeps running until `drain`
         // cancels it and waits for it.
@@ -333,6 +366,10 @@ impl SyncDriver for TrainerDriver {
             *slot.lock() = Some((sync.version, r));
         }
         Ok((None, rep))
+    }
+
+    fn delta_start(&mut self, delta: Option<DeltaBase>) {
+        self.delta = delta;
     }
 
     async fn verify(

@@ -55,6 +55,15 @@ fn report() -> WorkerReport {
             idle_ns: 15,
             overhead_ns: 25,
         },
+        deltas: Vec::new(),
+        delta: weightsync_common::protocol::DeltaFigures {
+            dense_bytes: 1 << 20,
+            delta_bytes: 1 << 12,
+            delta_run_bytes: 1 << 19,
+            elements: 1 << 19,
+            changed: 300,
+            codec_ns: 5000,
+        },
     }
 }
 
@@ -214,17 +223,26 @@ fn to_worker() -> Vec<ToWorker> {
                     fabric_endpoint: Blob(b"10.0.0.2:5000".to_vec()),
                     regions: vec![Blob(vec![9; 24])],
                     placement: Some(Blob(vec![7; 16])),
+                    inbox: Some(Blob(vec![6; 24])),
                 },
                 PeerInfo {
                     id: WorkerId::trainer(1),
                     fabric_endpoint: Blob(b"10.0.0.1:5001".to_vec()),
                     regions: vec![Blob(vec![8; 24])],
                     placement: None,
+                    inbox: None,
                 },
             ],
         },
         ToWorker::Prepare { sync_id, version },
-        ToWorker::Start { sync_id, version },
+        ToWorker::Start {
+            sync_id,
+            version,
+            delta: Some(weightsync_common::protocol::DeltaBase {
+                base_version: version - 1,
+                rollouts: [0, 2].into(),
+            }),
+        },
         ToWorker::Commit { sync_id, version },
         ToWorker::Abort {
             sync_id,
@@ -245,6 +263,17 @@ fn to_worker() -> Vec<ToWorker> {
             sync_id,
             version,
             checksums: vec![checksum()],
+            deltas: vec![weightsync_common::protocol::DeltaRecord {
+                rollout: 0,
+                mr: 1,
+                offset: 4096,
+                len: 8192,
+                inbox_offset: 512,
+                enc_len: 100,
+                kind: weightsync_common::protocol::DeltaKind::Gaps,
+                elem: 2,
+                base_version: version - 1,
+            }],
         },
         ToWorker::Heartbeat { seq: 9 },
         ToWorker::Shutdown,

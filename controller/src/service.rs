@@ -41,6 +41,9 @@ pub struct ControllerConfig {
     pub handshake_timeout: Duration,
     /// Whether workers are told to exit when the controller shuts down (the demo does this).
     pub shutdown_workers: bool,
+    /// Never send deltas: every sync writes every byte (deltas are sent where they pay by
+    /// default; see `coordinator`'s `delta`).
+    pub full_syncs: bool,
     /// The text of the model's `config.json` when the job's model names a file (read once at
     /// start): sent to every worker with the job, so an in-process worker need not read it.
     pub model_config: Option<String>,
@@ -97,6 +100,7 @@ impl ControllerConfig {
             tick: Duration::from_millis(100),
             handshake_timeout: Duration::from_secs(10),
             shutdown_workers: false,
+            full_syncs: false,
             model_config: None,
         }
     }
@@ -146,7 +150,8 @@ impl std::fmt::Debug for AppState {
 impl AppState {
     /// A controller with no workers yet.
     pub fn new(cfg: ControllerConfig, planner: Box<dyn Planner>) -> Self {
-        let coord = Coordinator::new(cfg.coordinator.clone());
+        let mut coord = Coordinator::new(cfg.coordinator.clone());
+        coord.force_full_syncs(cfg.full_syncs);
         let (changed, _) = watch::channel(0);
         AppState(Arc::new(Shared {
             cfg,

@@ -29,6 +29,10 @@ pub struct TrainerOptions {
     pub listen: Option<String>,
     /// Worker id (default `trainer-{rank}`).
     pub worker_id: Option<String>,
+    /// Keep no delta bases: every sync writes every byte, and same-dtype copies go straight
+    /// from the registered tensors (by default, with verification on, the trainer keeps the
+    /// bytes it last wrote and sends engines only what changed: see `weightsync_worker::delta`).
+    pub full_syncs: bool,
 }
 
 impl TrainerOptions {
@@ -58,6 +62,8 @@ pub struct TrainerHandle {
     fabric: Fabric,
     rt: Mutex<Option<Runtime>>,
     session: Mutex<Option<(Session, ReportSlot)>>,
+    /// See [`TrainerOptions::full_syncs`].
+    full_syncs: bool,
 }
 
 impl std::fmt::Debug for TrainerHandle {
@@ -191,6 +197,7 @@ impl TrainerHandle {
             fabric: st.fabric,
             rt: Mutex::new(Some(st.rt)),
             session: Mutex::new(None),
+            full_syncs: opts.full_syncs,
         })
     }
 
@@ -371,6 +378,9 @@ impl TrainerHandle {
         };
         let mut driver = TrainerDriver::with_fabric(cfg, self.fabric.clone());
         driver.declare(declared);
+        if self.full_syncs {
+            driver.full_syncs_only();
+        }
         let reports = driver.keep_reports();
         let s = run_session(
             rt,

@@ -7,6 +7,8 @@
 //! inbox itself holds nothing but encodings and a stale one from an earlier sync can never be
 //! mistaken for this sync's: only the records of this sync are applied.
 
+use std::collections::BTreeSet;
+
 use serde::{Deserialize, Serialize};
 
 /// How a run's changed elements are encoded (the codec is `weightsync_worker`'s `delta::codec`).
@@ -77,4 +79,15 @@ impl DeltaFigures {
     pub fn wire_bytes(&self) -> u64 {
         self.dense_bytes - self.delta_run_bytes + self.delta_bytes
     }
+}
+
+/// What the controller tells trainers in `Start`: the engines that take deltas this sync, all
+/// of them holding `base_version`, committed by this controller's run of the job (every other
+/// engine gets dense writes: it restarted, missed a version, or a failed sync left it invalid).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeltaBase {
+    /// The version every engine in `rollouts` holds.
+    pub base_version: u64,
+    /// Rollout ranks taking deltas.
+    pub rollouts: BTreeSet<u32>,
 }

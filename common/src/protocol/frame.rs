@@ -39,7 +39,7 @@ pub const MAGIC: [u8; 4] = *b"WSYC";
 /// Also 8: declared models: a `TensorMeta` carries the box it is of a parameter (`global_shape`,
 /// `offset`), a registration the names an engine `skip`s, and the controller tells every worker
 /// when planning failed (`PlanFailed`, naming the tensor and both sides).
-pub const PROTOCOL_VERSION: u16 = 8;
+pub const PROTOCOL_VERSION: u16 = 9;
 /// Bytes in a frame header.
 pub const FRAME_HEADER_LEN: usize = 12;
 /// Default maximum body size: 256 MiB (a trainer's plan slice for a 1T-parameter model fits).

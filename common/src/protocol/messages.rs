@@ -229,6 +229,8 @@ pub struct PeerInfo {
     pub regions: Vec<Blob>,
     /// Where each planned tensor lies in those regions (see [`Registration::placement`]).
     pub placement: Option<Blob>,
+    /// A rollout's delta inbox (backend-encoded; sent in its `Ready`), when it takes deltas.
+    pub inbox: Option<Blob>,
 }
 
 /// What a worker must do each sync, sent once per plan (and again after a re-plan). A worker
@@ -349,6 +351,9 @@ pub enum ToWorker {
         sync_id: u64,
         /// Weight version.
         version: u64,
+        /// The engines that take deltas this sync and the version they hold; `None`: a full
+        /// sync.
+        delta: Option<super::DeltaBase>,
     },
     /// Version N fully landed (and verified) everywhere: rollouts may use it.
     Commit {
@@ -380,6 +385,9 @@ pub enum ToWorker {
         version: u64,
         /// The trainers' checksums of the units written to this rollout.
         checksums: Vec<RunChecksum>,
+        /// The runs written to this rollout as deltas: applied before the checksums are
+        /// compared (see `weightsync_worker::delta`).
+        deltas: Vec<super::DeltaRecord>,
     },
     /// Liveness reply.
     Heartbeat {
@@ -407,8 +415,8 @@ pub enum FromWorker {
         /// The plan.
         plan_id: u64,
         /// Regions registered for this plan that peers write into (a trainer's gather arena;
-        /// backend-encoded, with rkeys); empty for a rollout, whose regions came with its
-        /// registration.
+        /// backend-encoded, with rkeys); for a rollout, whose tensors' regions came with its
+        /// registration, its delta inbox if it takes deltas (else empty).
         regions: Vec<Blob>,
         /// Tensors it holds under this plan (a trainer's shards), for the dashboard; empty when
         /// its registration said them already.

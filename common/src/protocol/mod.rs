@@ -29,7 +29,7 @@ pub mod frame;
 pub mod messages;
 pub mod report;
 
-pub use delta::{DeltaFigures, DeltaKind, DeltaRecord};
+pub use delta::{DeltaBase, DeltaFigures, DeltaKind, DeltaRecord};
 pub use failure::{FailureKind, Fault};
 pub use frame::{
     ControlFrameError, ControlFrameHeader, DEFAULT_MAX_FRAME, FRAME_HEADER_LEN, MAGIC,

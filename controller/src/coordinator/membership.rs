@@ -90,6 +90,8 @@ impl Coordinator {
             },
         ));
         let rejoined = self.departed.remove(&id);
+        // A (re)started engine holds nothing this controller committed.
+        self.engines_lost([&id]);
         self.note(
             format!(
                 "{id} registered from {} (pid {}){}",
@@ -137,6 +139,7 @@ impl Coordinator {
         };
         self.members.remove(&id);
         self.departed.insert(id);
+        self.engines_lost([&id]);
         self.note(format!("{id} left: {reason}"), now);
         if let Some((plan_id, _)) = self.planning.take() {
             // Its result would be for a world that no longer exists.

@@ -48,12 +48,14 @@
 //! - [`engine_stages`]: an engine's own stages (pause, load, resume), checked and added to its
 //!   lane of a sync, also after the sync ended.
 //! - [`version`]: triggers, commit and failure of a sync.
+//! - [`delta`]: which engines take deltas (the version each holds, as this controller knows).
 //! - `push`: versions pushed by in-process trainers (`Push N`), started once every trainer did.
 //! - [`drain`]: the drain gate between a failed sync and the next.
 //! - [`timeouts`]: the clock tick: silent workers, slow drains, held failure reports, the sync
 //!   timeout.
 //! - [`views`]: what the HTTP API reads (workers, history, the membership log).
 
+mod delta;
 mod drain;
 mod engine_stages;
 mod membership;
@@ -204,6 +206,10 @@ pub struct Coordinator {
     drain: Option<drain::Drain>,
     /// Versions pushed by trainers and not yet started, with who pushed them.
     pushed: BTreeMap<u64, BTreeSet<WorkerId>>,
+    /// Per engine, the version committed on it that it still holds (see [`delta`]).
+    engine_bases: BTreeMap<WorkerId, u64>,
+    /// Deltas are never sent (see [`Coordinator::force_full_syncs`]).
+    full_syncs: bool,
 }
 
 impl Coordinator {
@@ -225,6 +231,8 @@ impl Coordinator {
             departed: BTreeSet::new(),
             drain: None,
             pushed: BTreeMap::new(),
+            engine_bases: BTreeMap::new(),
+            full_syncs: false,
         }
     }
 

@@ -45,7 +45,7 @@ pub struct PlanRecord {
     waiting: BTreeSet<WorkerId>,
     /// Trainers' regions from their `Ready` (their gather arenas).
     #[serde(skip)]
-    ready_regions: BTreeMap<WorkerId, Vec<Blob>>,
+    pub(super) ready_regions: BTreeMap<WorkerId, Vec<Blob>>,
 }
 
 impl PlanRecord {
@@ -211,6 +211,11 @@ impl Coordinator {
                 fabric_endpoint: m.reg.fabric_endpoint.clone(),
                 regions: regions_of(w, &m.reg),
                 placement: m.reg.placement.clone(),
+                // A rollout's `Ready` carries its delta inbox, if it takes deltas.
+                inbox: match w.role {
+                    WorkerRole::Rollout => p.ready_regions.get(w).and_then(|r| r.first()).cloned(),
+                    WorkerRole::Trainer => None,
+                },
             })
             .collect();
         let trainers = self

@@ -44,6 +44,12 @@ pub(super) struct DeltaState {
 }
 
 impl<F: FabricBackend> RolloutWorker<F> {
+    /// Whether deltas can be applied here: not when landed bytes go on to device memory (they
+    /// were copied there before an apply could run).
+    pub fn can_apply_deltas(&self) -> bool {
+        self.device.is_none()
+    }
+
     /// Registers a delta inbox of `bytes` (at least one), so trainers may write deltas here
     /// (see the module docs). A fraction of the destination's bytes: runs whose encoding does
     /// not fit their share of it go dense.
@@ -81,6 +87,17 @@ impl<F: FabricBackend> RolloutWorker<F> {
         let mut d = self.delta.lock();
         d.held = None;
         d.round = None;
+    }
+
+    /// An abort: a round not yet whole leaves the destination holding nothing certain; after
+    /// one that was (verified), or with no round at all (the agent aborts whatever may be
+    /// armed before each `Prepare`), what is held stays held.
+    pub(super) fn delta_aborted(&self) {
+        let mut d = self.delta.lock();
+        if d.round.is_some() && d.held != d.round {
+            d.held = None;
+            d.round = None;
+        }
     }
 
     /// The round's destination is whole and right (applied, or verified).

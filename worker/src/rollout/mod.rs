@@ -503,7 +503,7 @@ impl<F: FabricBackend> RolloutWorker<F> {
     /// still in flight can never count toward a later sync.
     pub fn abort(&self) -> Option<SyncId> {
         *self.early.lock() = Early::Off;
-        self.delta_lost();
+        self.delta_aborted();
         let armed = self.armed.lock().take()?;
         let counter = self.fabric.imm_counter();
         for (_, _, imm, wait) in armed.waits {

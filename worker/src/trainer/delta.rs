@@ -44,6 +44,12 @@ pub struct DeltaConfig {
     pub keep_bases: bool,
     /// Most bytes of bases kept (tasks in plan order until the budget is spent); `None`: all.
     pub base_budget_bytes: Option<u64>,
+    /// Keep bases also of tasks that could be written straight from registered source memory
+    /// (same-dtype copies of contiguous boxes), staging them. Off: those stay zero-copy and
+    /// always go dense; deltas pay where the trainer stages anyway (casts from f32 master
+    /// weights, fp8 quantisation), which a real RL trainer's tasks are.
+    #[serde(default)]
+    pub keep_direct: bool,
     /// A run goes as a delta only if its encoding is at most this fraction of its dense bytes.
     pub max_fraction: f64,
 }
@@ -53,6 +59,7 @@ impl Default for DeltaConfig {
         DeltaConfig {
             keep_bases: false,
             base_budget_bytes: None,
+            keep_direct: false,
             max_fraction: 0.5,
         }
     }
@@ -97,8 +104,13 @@ pub(crate) struct Bases {
 }
 
 impl Bases {
-    /// Bases for the tasks of `plan` that write to engines, within the budget.
-    pub(crate) fn new(plan: &TrainerPlan, config: &DeltaConfig) -> Bases {
+    /// Bases for the tasks of `plan` that write to engines and that `wanted` accepts, within
+    /// the budget.
+    pub(crate) fn new(
+        plan: &TrainerPlan,
+        config: &DeltaConfig,
+        wanted: impl Fn(u32) -> bool,
+    ) -> Bases {
         if !config.keep_bases {
             return Bases::default();
         }
@@ -107,7 +119,11 @@ impl Bases {
         let tasks = plan
             .tasks
             .iter()
-            .map(|t| {
+            .enumerate()
+            .map(|(i, t)| {
+                if !wanted(i as u32) {
+                    return None;
+                }
                 let writes = &plan.writes[t.first_write as usize..][..t.num_writes as usize];
                 let to_engines = writes
                     .iter()

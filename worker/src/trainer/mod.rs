@@ -264,19 +264,21 @@ impl<F: FabricBackend> TrainerWorker<F> {
             None
         };
         let min_run = fabric.min_strided_run();
-        let bases = Bases::new(&plan, &config.delta);
-        // A task that keeps a base is staged: its bytes are compared and kept every sync.
-        let direct = plan
+        let mut direct: Vec<Option<direct::DirectSource>> = plan
             .tasks
             .iter()
-            .enumerate()
-            .map(|(i, t)| {
-                if bases.kept(i as u32) {
-                    return None;
-                }
-                direct::direct_source(&plan, t, source.as_ref(), gather.as_ref(), min_run)
-            })
+            .map(|t| direct::direct_source(&plan, t, source.as_ref(), gather.as_ref(), min_run))
             .collect();
+        // A task written straight from the source keeps a base only if told to (it is then
+        // staged: its bytes are compared and kept every sync).
+        let bases = Bases::new(&plan, &config.delta, |t| {
+            config.delta.keep_direct || direct[t as usize].is_none()
+        });
+        for (t, d) in direct.iter_mut().enumerate() {
+            if bases.kept(t as u32) {
+                *d = None;
+            }
+        }
         let enc_need = pieces
             .iter()
             .map(|task_pieces: &Vec<TaskPiece>| {
