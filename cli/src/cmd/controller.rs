@@ -49,6 +49,10 @@ pub struct Settings {
     /// Syncs kept in history [default: 200].
     #[arg(long)]
     pub history: Option<usize>,
+    /// Force full syncs: never send engines deltas (only what changed since the version they
+    /// hold), which are sent where they pay by default [default: false].
+    #[arg(long)]
+    pub full_syncs: Option<bool>,
 }
 
 /// Arguments of `weightsync controller`.
@@ -98,7 +102,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             .map_err(anyhow::Error::msg)?,
         verify: s.verify.or(file.verify).unwrap_or(true),
     };
-    let cfg = ControllerConfig::for_job(
+    let mut cfg = ControllerConfig::for_job(
         world,
         env_token("WEIGHTSYNC_JOB_TOKEN")?,
         env_token("WEIGHTSYNC_API_TOKEN")?,
@@ -110,6 +114,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         Duration::from_secs(s.sync_timeout_s.or(file.sync_timeout_s).unwrap_or(300)),
         s.history.or(file.history).unwrap_or(200),
     )?;
+    cfg.full_syncs = s.full_syncs.or(file.full_syncs).unwrap_or(false);
     let http = s
         .http
         .or(file.http)
