@@ -15,6 +15,7 @@ use serde::Deserialize;
 use weightsync_common::DType;
 use weightsync_common::fabric::{FabricConfig, JobToken};
 use weightsync_common::protocol::{WorkerId, WorkerRole, WorldSpec};
+use weightsync_common::secret::Secret;
 
 use crate::control::AgentConfig;
 use crate::rollout::RolloutDriverConfig;
@@ -116,6 +117,58 @@ impl WorkerSettings {
 #[error("worker configuration: {0}")]
 pub struct ConfigError(pub String);
 
+/// The variable that holds the secret of `role`'s workers.
+pub fn role_secret_variable(role: WorkerRole) -> &'static str {
+    match role {
+        WorkerRole::Trainer => "WEIGHTSYNC_TRAINER_TOKEN",
+        WorkerRole::Rollout => "WEIGHTSYNC_ENGINE_TOKEN",
+    }
+}
+
+/// The secret a worker of `role` proves to the controller, from an environment lookup:
+/// `WEIGHTSYNC_TRAINER_TOKEN` or `WEIGHTSYNC_ENGINE_TOKEN` (or the file their `_FILE` names),
+/// else the one job token `WEIGHTSYNC_JOB_TOKEN` (or `_FILE`). `Ok(None)` when none is set.
+pub fn role_secret(
+    role: WorkerRole,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<Option<Secret>, ConfigError> {
+    let err = |e: weightsync_common::secret::SecretError| ConfigError(e.to_string());
+    match Secret::from_env_or_file(role_secret_variable(role), env).map_err(err)? {
+        Some(s) => Ok(Some(s)),
+        None => Secret::from_env_or_file("WEIGHTSYNC_JOB_TOKEN", env).map_err(err),
+    }
+}
+
+/// The fabric's secret: `WEIGHTSYNC_FABRIC_TOKEN` (or `_FILE`) when set, else `control` (the
+/// worker's own secret, right when one secret serves both roles). With one secret per role,
+/// trainers and engines must share a fabric token, since each lane proves it both ways: a
+/// worker given a role variable and no fabric token is refused, naming both.
+pub fn fabric_secret(
+    env: &dyn Fn(&str) -> Option<String>,
+    control: &Secret,
+) -> Result<Secret, ConfigError> {
+    if let Some(s) =
+        Secret::from_env_or_file(FABRIC_VAR, env).map_err(|e| ConfigError(e.to_string()))?
+    {
+        return Ok(s);
+    }
+    let set = |k: &str| env(k).is_some_and(|v| !v.is_empty());
+    let role_vars = [WorkerRole::Trainer, WorkerRole::Rollout].map(role_secret_variable);
+    if let Some(var) = role_vars
+        .iter()
+        .find(|v| set(v) || set(&format!("{v}_FILE")))
+    {
+        return Err(ConfigError(format!(
+            "{var} is set but {FABRIC_VAR} is not: with one secret per role, trainers and \
+             engines need a fabric secret they share (set {FABRIC_VAR} or {FABRIC_VAR}_FILE)"
+        )));
+    }
+    Ok(control.clone())
+}
+
+/// The variable of the fabric's secret.
+pub const FABRIC_VAR: &str = "WEIGHTSYNC_FABRIC_TOKEN";
+
 /// Reads a launcher's rank and world size from an environment lookup.
 pub fn launcher_rank(
     env: &dyn Fn(&str) -> Option<String>,
@@ -156,7 +209,7 @@ pub fn resolve(
     flags: WorkerSettings,
     file: Option<WorkerSettings>,
     env: &dyn Fn(&str) -> Option<String>,
-    job_token: Option<String>,
+    job_token: Option<Secret>,
 ) -> Result<ResolvedWorker, ConfigError> {
     resolve_with_source(
         role,
@@ -173,7 +226,7 @@ pub fn resolve_with_source(
     role: WorkerRole,
     s: WorkerSettings,
     env: &dyn Fn(&str) -> Option<String>,
-    job_token: Option<String>,
+    job_token: Option<Secret>,
     source: Option<SourceSpec>,
 ) -> Result<ResolvedWorker, ConfigError> {
     let need =
@@ -182,9 +235,13 @@ pub fn resolve_with_source(
     let rank = s.rank.or(env_rank).ok_or_else(|| {
         ConfigError("no rank: pass --rank, set WEIGHTSYNC_RANK, or launch with torchrun (RANK) or Slurm (SLURM_PROCID)".into())
     })?;
-    let job_token = job_token
-        .filter(|t| !t.is_empty())
-        .ok_or_else(|| ConfigError("no job token: set WEIGHTSYNC_JOB_TOKEN".into()))?;
+    let job_token = job_token.filter(|t| !t.is_empty()).ok_or_else(|| {
+        ConfigError(format!(
+            "no secret: set {} (or WEIGHTSYNC_JOB_TOKEN when one secret serves both roles)",
+            role_secret_variable(role)
+        ))
+    })?;
+    let fabric_token = fabric_secret(env, &job_token)?;
     let dtype: DType = s
         .dtype
         .as_deref()
@@ -218,7 +275,7 @@ pub fn resolve_with_source(
             world.train
         )));
     }
-    let mut fabric = FabricConfig::loopback(&job_token, s.lanes.unwrap_or(2));
+    let mut fabric = FabricConfig::loopback(fabric_token.expose(), s.lanes.unwrap_or(2));
     if let Some(l) = s.fabric_listen {
         fabric.listen = l;
     }
@@ -242,7 +299,7 @@ pub fn resolve_with_source(
         reconnect_for: Duration::from_secs(s.reconnect_s.unwrap_or(60)),
         max_frame: crate::AGENT_MAX_FRAME,
     };
-    fabric.job_token = JobToken(job_token);
+    fabric.job_token = JobToken(fabric_token.expose().to_string());
     Ok(match role {
         WorkerRole::Trainer => {
             let source = match (source, s.source.as_deref()) {
@@ -292,6 +349,37 @@ pub fn parse_source(s: &str) -> Result<SourceSpec, ConfigError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn role_secrets_fall_back_to_the_job_token_and_need_a_fabric_token() {
+        let m = |pairs: &[(&str, &str)]| {
+            let v: Vec<(String, String)> = pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+            move |k: &str| v.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone())
+        };
+        let job = m(&[("WEIGHTSYNC_JOB_TOKEN", "job-token-0123456789")]);
+        let s = role_secret(WorkerRole::Rollout, &job).unwrap().unwrap();
+        assert_eq!(s.expose(), "job-token-0123456789");
+        assert_eq!(fabric_secret(&job, &s).unwrap(), s);
+        let roles = m(&[
+            ("WEIGHTSYNC_JOB_TOKEN", "job-token-0123456789"),
+            ("WEIGHTSYNC_ENGINE_TOKEN", "engine-token-0123456789"),
+        ]);
+        let s = role_secret(WorkerRole::Rollout, &roles).unwrap().unwrap();
+        assert_eq!(s.expose(), "engine-token-0123456789");
+        let err = fabric_secret(&roles, &s).unwrap_err().to_string();
+        assert!(
+            err.contains("WEIGHTSYNC_ENGINE_TOKEN is set but WEIGHTSYNC_FABRIC_TOKEN is not"),
+            "{err}"
+        );
+        let short = m(&[("WEIGHTSYNC_TRAINER_TOKEN", "short")]);
+        let err = role_secret(WorkerRole::Trainer, &short)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("at least 16"), "{err}");
+    }
 
     fn flags() -> WorkerSettings {
         WorkerSettings {

@@ -23,9 +23,10 @@ use tokio::net::TcpStream;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::{mpsc, watch};
 use weightsync_common::protocol::{
-    ControlFrameError, DEFAULT_MAX_FRAME, Failure, FromWorker, Registration, ToWorker, WorkerId,
-    WorldSpec, auth, read_frame, write_frame,
+    ControlFrameError, DEFAULT_MAX_FRAME, Failure, FailureKind, FromWorker, PREAUTH_MAX_FRAME,
+    Registration, ToWorker, WorkerId, WorkerRole, WorldSpec, auth, read_frame, write_frame,
 };
+use weightsync_common::secret::Secret;
 
 use crate::driver::{DriverInfo, Outcome, SyncDriver, SyncRef};
 use crate::driver_loop::{DriverCmd, drive};
@@ -35,8 +36,9 @@ use crate::driver_loop::{DriverCmd, drive};
 pub struct AgentConfig {
     /// Control-channel address of the controller, `host:port`.
     pub controller: String,
-    /// Job token.
-    pub job_token: String,
+    /// The secret of this worker's role (the trainer or engine credential, or the job token
+    /// when one serves both roles).
+    pub job_token: Secret,
     /// Role and rank.
     pub id: WorkerId,
     /// Host name to report.
@@ -73,8 +75,12 @@ pub enum AgentEvent {
         sync_id: u64,
         /// Version.
         version: u64,
+        /// The run it belongs to.
+        run: u64,
     },
-    /// `Abort N` (sync id 0: a pushed version that cannot be synced).
+    /// `Abort N` (sync id 0: a pushed version that cannot be synced), or the controller lost
+    /// while sync N was in flight here (it can never commit: a restarted controller never
+    /// reuses the id).
     Aborted {
         /// Sync id.
         sync_id: u64,
@@ -220,11 +226,41 @@ async fn run_linked<D: SyncDriver>(
             abort_tx: &abort_tx,
             events: events.as_ref(),
         };
-        match session(&cfg, &info, stream, &ends, &mut out_rx, &mut leaving).await {
+        let mut current = None;
+        let ended = session(
+            &cfg,
+            &info,
+            stream,
+            &ends,
+            &mut out_rx,
+            &mut leaving,
+            &mut current,
+        )
+        .await;
+        match ended {
             Ok(SessionEnd::Shutdown) => break Ok(SAID_SHUTDOWN),
             Ok(SessionEnd::Left) => break Ok(LEFT),
             Ok(SessionEnd::Lost(why)) => {
                 tracing::warn!("{}: lost the controller ({why}); reconnecting", cfg.id);
+                if let Some(s) = current {
+                    // The sync in flight here can never commit: say so to whoever waits on it
+                    // (an embedding's `wait()` raises instead of hanging).
+                    let cause = format!(
+                        "lost the controller while sync {} (version {}) was in flight: {why}",
+                        s.sync_id, s.version
+                    );
+                    ends.event(AgentEvent::Aborted {
+                        sync_id: s.sync_id,
+                        version: s.version,
+                        reason: cause.clone(),
+                        failure: Some(Failure {
+                            worker: cfg.id,
+                            kind: FailureKind::PeerLost,
+                            tensor: None,
+                            cause,
+                        }),
+                    });
+                }
                 // Whatever sync was running is void: the controller will not commit it.
                 let _ = abort_tx.send(u64::MAX);
                 let _ = cmd_tx.send(DriverCmd::AbortAll).await;
@@ -283,7 +319,7 @@ async fn register(
 ) -> Result<Result<u64, SessionEnd>, AgentError> {
     let max = cfg.max_frame;
     let lost = |e: ControlFrameError| Ok(Err(SessionEnd::Lost(e.to_string())));
-    let nonce = match read_frame::<_, ToWorker>(rd, max).await {
+    let nonce = match read_frame::<_, ToWorker>(rd, PREAUTH_MAX_FRAME).await {
         Ok(Some(ToWorker::Challenge { nonce })) => nonce,
         Ok(Some(other)) => {
             return Err(AgentError::Protocol(format!(
@@ -293,11 +329,29 @@ async fn register(
         Ok(None) => return Ok(Err(SessionEnd::Lost("closed before the challenge".into()))),
         Err(e) => return lost(e),
     };
-    let proof = auth::prove(&cfg.job_token, &nonce);
-    if let Err(e) = write_frame(wr, &FromWorker::Hello { proof }, max).await {
+    let role = cfg.id.role;
+    let mine = auth::nonce();
+    let hello = FromWorker::Hello {
+        role,
+        nonce: mine,
+        proof: auth::prove(cfg.job_token.expose(), role, &nonce),
+    };
+    if let Err(e) = write_frame(wr, &hello, PREAUTH_MAX_FRAME).await {
         return lost(e);
     }
     match read_frame::<_, ToWorker>(rd, max).await {
+        Ok(Some(ToWorker::Job { proof, .. }))
+            if !auth::check_answer(cfg.job_token.expose(), role, &mine, &nonce, &proof) =>
+        {
+            return Err(AgentError::Rejected {
+                id: cfg.id,
+                reason: format!(
+                    "the controller at {} did not prove it holds the {role} secret \
+                     (an impostor, or another job's controller)",
+                    cfg.controller
+                ),
+            });
+        }
         Ok(Some(ToWorker::Job { world, .. }))
             if weightsync_schedules::job::same_job(&world, &cfg.world) => {}
         Ok(Some(ToWorker::Job { world, .. })) => {
@@ -365,7 +419,8 @@ fn job_difference(mine: &WorldSpec, theirs: &WorldSpec) -> String {
 /// model's `config.json` when the controller read one.
 pub async fn fetch_job(
     controller: &str,
-    job_token: &str,
+    job_token: &Secret,
+    role: WorkerRole,
     max_frame: u32,
 ) -> Result<(WorldSpec, Option<String>), AgentError> {
     let unreachable = |e: &dyn std::fmt::Display| AgentError::Unreachable {
@@ -377,7 +432,7 @@ pub async fn fetch_job(
         .map_err(|e| unreachable(&e))?;
     let _ = stream.set_nodelay(true);
     let (mut rd, mut wr) = stream.into_split();
-    let nonce = match read_frame::<_, ToWorker>(&mut rd, max_frame).await {
+    let nonce = match read_frame::<_, ToWorker>(&mut rd, PREAUTH_MAX_FRAME).await {
         Ok(Some(ToWorker::Challenge { nonce })) => nonce,
         Ok(other) => {
             return Err(AgentError::Protocol(format!(
@@ -386,15 +441,30 @@ pub async fn fetch_job(
         }
         Err(e) => return Err(unreachable(&e)),
     };
-    let proof = auth::prove(job_token, &nonce);
-    write_frame(&mut wr, &FromWorker::Hello { proof }, max_frame)
+    let mine = auth::nonce();
+    let hello = FromWorker::Hello {
+        role,
+        nonce: mine,
+        proof: auth::prove(job_token.expose(), role, &nonce),
+    };
+    write_frame(&mut wr, &hello, PREAUTH_MAX_FRAME)
         .await
         .map_err(|e| unreachable(&e))?;
     match read_frame::<_, ToWorker>(&mut rd, max_frame).await {
         Ok(Some(ToWorker::Job {
             world,
             model_config,
-        })) => Ok((world, model_config)),
+            proof,
+        })) => {
+            if auth::check_answer(job_token.expose(), role, &mine, &nonce, &proof) {
+                Ok((world, model_config))
+            } else {
+                Err(AgentError::Protocol(format!(
+                    "the controller at {controller} did not prove it holds the {role} secret \
+                     (an impostor, or another job's controller)"
+                )))
+            }
+        }
         Ok(Some(ToWorker::Rejected { reason })) => Err(AgentError::Protocol(format!(
             "the controller refused the proof: {reason}"
         ))),
@@ -467,10 +537,15 @@ fn next_for(cfg: &AgentConfig, msg: ToWorker, current: &mut Option<SyncRef>, end
             None
         }
         ToWorker::Peers { plan_id, peers } => Some(DriverCmd::Peers(plan_id, peers)),
-        ToWorker::Prepare { sync_id, version } => {
+        ToWorker::Prepare {
+            sync_id,
+            version,
+            run,
+        } => {
             let s = SyncRef {
                 sync_id,
                 version,
+                run,
                 reference: Instant::now(),
                 reference_unix_ns: unix_ns(),
             };
@@ -488,9 +563,20 @@ fn next_for(cfg: &AgentConfig, msg: ToWorker, current: &mut Option<SyncRef>, end
             deltas,
             ..
         } => of_current(sync_id).map(|s| DriverCmd::Verify(s, checksums, deltas)),
-        ToWorker::Commit { sync_id, version } => {
+        ToWorker::Commit {
+            sync_id,
+            version,
+            run,
+        } => {
             let cmd = of_current(sync_id).map(|s| DriverCmd::Finish(s, Outcome::Committed));
-            ends.event(AgentEvent::Committed { sync_id, version });
+            if cmd.is_some() {
+                *current = None;
+            }
+            ends.event(AgentEvent::Committed {
+                sync_id,
+                version,
+                run,
+            });
             cmd
         }
         ToWorker::Abort {
@@ -514,9 +600,13 @@ fn next_for(cfg: &AgentConfig, msg: ToWorker, current: &mut Option<SyncRef>, end
                 return Next::Nothing;
             }
             let _ = abort_tx.send(sync_id);
+            let sync = of_current(sync_id);
+            if sync.is_some() {
+                *current = None;
+            }
             // Always answered (with Drained), also for a sync this worker never saw.
             Some(DriverCmd::Abort {
-                sync: of_current(sync_id),
+                sync,
                 sync_id,
                 version,
                 reason,
@@ -544,6 +634,7 @@ async fn session(
     ends: &Ends<'_>,
     out_rx: &mut mpsc::Receiver<FromWorker>,
     leaving: &mut watch::Receiver<bool>,
+    current: &mut Option<SyncRef>,
 ) -> Result<SessionEnd, AgentError> {
     let max = cfg.max_frame;
     let (mut rd, mut wr) = stream.into_split();
@@ -561,10 +652,20 @@ async fn session(
     let mut beat = tokio::time::interval(Duration::from_millis(heartbeat_ms));
     beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut seq = 0u64;
-    let mut current: Option<SyncRef> = None;
+    *current = None;
+    // The controller echoes every heartbeat: silence for this long is a dead controller or a
+    // one-way partition, noticed in seconds rather than at the TCP retransmission timeout.
+    let silent_after = Duration::from_millis(heartbeat_ms.saturating_mul(5)).max(SILENT_AT_LEAST);
+    let mut heard = Instant::now();
     let end = loop {
         tokio::select! {
             _ = beat.tick() => {
+                if heard.elapsed() > silent_after {
+                    break SessionEnd::Lost(format!(
+                        "the controller said nothing for {:.1} s",
+                        heard.elapsed().as_secs_f64()
+                    ));
+                }
                 seq += 1;
                 if let Err(e) = write_frame(&mut wr, &FromWorker::Heartbeat { seq }, max).await {
                     break SessionEnd::Lost(e.to_string());
@@ -578,12 +679,13 @@ async fn session(
             }
             () = left(leaving) => break leave(&mut wr, out_rx, max).await,
             msg = in_rx.recv() => {
+                heard = Instant::now();
                 let msg = match msg {
                     Some(Ok(m)) => m,
                     Some(Err(e)) => break SessionEnd::Lost(e),
                     None => break SessionEnd::Lost("reader stopped".into()),
                 };
-                match next_for(cfg, msg, &mut current, ends) {
+                match next_for(cfg, msg, current, ends) {
                     Next::Cmd(cmd) => {
                         if ends.cmd_tx.send(cmd).await.is_err() {
                             break SessionEnd::Lost("driver stopped".into());
@@ -598,6 +700,9 @@ async fn session(
     reader.abort();
     Ok(end)
 }
+
+/// The shortest controller silence that ends a session (heartbeats may be very frequent).
+const SILENT_AT_LEAST: Duration = Duration::from_secs(3);
 
 /// Resolves once the embedding left. (An error means the forwarder is gone, which leaves
 /// nothing more to forward either.)

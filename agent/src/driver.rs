@@ -23,6 +23,8 @@ pub struct SyncRef {
     pub sync_id: u64,
     /// Weight version.
     pub version: u64,
+    /// The job's run the version belongs to.
+    pub run: u64,
     /// When this worker received `Prepare`: every reported span is relative to it.
     pub reference: Instant,
     /// The same instant on the wall clock, ns since the Unix epoch.

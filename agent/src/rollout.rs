@@ -2,17 +2,19 @@
 //!
 //! It computes its own inference layout from the job at start-up, allocates and registers its
 //! tensors once, and registers with their descriptors. Per sync: `Prepare N` arms the immediate
-//! counters (before any trainer writes), then it waits until every expected write landed, then
-//! `Verify` applies the trainers' deltas (into the tensors, from the delta inbox it registered on
-//! its first assignment when verification is on: see `weightsync_worker::delta`) and checks the
-//! trainers' checksums against what the tensors then hold. A program that wants more (the
+//! counters (before any trainer writes) and opens the fabric's write window, then it waits until
+//! every expected write landed and closes the window (a TCP receiver refuses and counts writes
+//! outside it, so bytes sent while the engine serves never reach its tensors), then `Verify`
+//! applies the trainers' deltas (into the tensors, from the delta inbox it registered on its first
+//! assignment when verification is on: see `weightsync_worker::delta`) and checks the trainers'
+//! checksums against what the tensors then hold. A program that wants more (the
 //! CLI's demo recomputes every byte from its seed) wraps this driver in its own
 //! [`SyncDriver`] and reads the landed tensors through [`RolloutDriver::worker`].
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use weightsync_common::fabric::{Fabric, FabricBackend, FabricConfig};
+use weightsync_common::fabric::{Fabric, FabricBackend, FabricConfig, WriteWindow};
 use weightsync_common::protocol::{
     Assignment, DeltaFigures, DeltaRecord, RunChecksum, Stage, TensorMeta, TimelineEvent,
     WHOLE_SYNC, WorkerId, WorkerReport, WorldSpec,
@@ -67,6 +69,7 @@ impl RolloutDriver {
         worker: RolloutWorker<Fabric>,
     ) -> RolloutDriver {
         let bytes = worker.layout().iter().map(|t| t.len).sum();
+        fabric.set_write_window(WriteWindow::Closed);
         RolloutDriver {
             cfg,
             fabric,
@@ -92,6 +95,7 @@ impl RolloutDriver {
         let (_, infer) = job::inference_layout(&cfg.world, config_text.as_deref())?;
         let layout = rollout_layout(&infer, cfg.rank)?;
         let bytes = layout.tensors.iter().map(|t| t.len).sum();
+        fabric.set_write_window(WriteWindow::Closed);
         let worker = RolloutWorker::new(
             fabric.clone(),
             WorkerId::rollout(cfg.rank).to_string(),
@@ -169,6 +173,7 @@ impl SyncDriver for RolloutDriver {
             version: sync.version,
             epoch: sync.sync_id,
         })?;
+        self.fabric.set_write_window(WriteWindow::Armed);
         Ok(WorkerReport {
             events: vec![TimelineEvent {
                 task: WHOLE_SYNC,
@@ -183,7 +188,10 @@ impl SyncDriver for RolloutDriver {
     }
 
     async fn run(&mut self, sync: SyncRef) -> Result<(Option<bool>, WorkerReport), DriverError> {
-        let landed = self.worker.await_landed(self.cfg.land_timeout).await?;
+        let landed = self.worker.await_landed(self.cfg.land_timeout).await;
+        // Landed or not, nothing more may be written until the next sync arms.
+        self.fabric.set_write_window(WriteWindow::Closed);
+        let landed = landed?;
         let mut evs = landed.timeline.relative_to(sync.reference_unix_ns);
         for e in &mut evs {
             if e.stage == Stage::Barrier {
@@ -254,6 +262,7 @@ impl SyncDriver for RolloutDriver {
     }
 
     async fn finish(&mut self, _sync: SyncRef, outcome: Outcome) {
+        self.fabric.set_write_window(WriteWindow::Closed);
         if outcome == Outcome::Aborted {
             let _ = self.worker.abort();
         }

@@ -13,6 +13,13 @@
 //! Deltas: with verification on, the worker keeps its bases (the prepared bytes it last wrote)
 //! unless [`TrainerDriver::full_syncs_only`] said not to, and a `Start` naming engines that take
 //! deltas runs a delta sync for them (see `weightsync_worker::delta`).
+//! Versions are bound to bytes for an embedded trainer: the embedding records in a
+//! [`HoldingSlot`] which `(run, version)` its tensors hold (what it pushed), and `Prepare N` fails
+//! when they hold a newer pushed version, naming both (a newer N than pushed is an outside
+//! driver's `POST /v1/syncs`, which moves whatever the tensors hold); after the last byte of the
+//! pushed version was read, the embedding's check says whether any registered tensor was written
+//! meanwhile (an optimizer step during the sync), and a sync that saw a write fails naming the
+//! tensor (`FailureKind::Modified`).
 //!
 //! Each sync runs in its own task, so that an abort can cancel it and wait until it has stopped
 //! posting; draining then resets the fabric's lanes, discarding whatever of the aborted sync is
@@ -24,8 +31,8 @@ use std::time::Instant;
 use tokio::sync::oneshot;
 use weightsync_common::fabric::{Fabric, FabricBackend, FabricConfig, RegionDescriptor};
 use weightsync_common::protocol::{
-    Assignment, Blob, DeltaBase, PeerInfo, RunChecksum, TensorMeta, WorkerId, WorkerReport,
-    WorkerRole, WorldSpec,
+    Assignment, Blob, DeltaBase, FailureKind, PeerInfo, RunChecksum, TensorMeta, WorkerId,
+    WorkerReport, WorkerRole, WorldSpec,
 };
 use weightsync_schedules::TrainerSlice;
 use weightsync_schedules::table::TrainerPlan;
@@ -69,10 +76,40 @@ pub struct TrainerDriver {
     full_only: bool,
     /// The engines taking deltas in the sync about to run (from its `Start`).
     delta: Option<DeltaBase>,
+    /// What an embedding's tensors hold (see [`TrainerDriver::hold`]); `None`: a sidecar, whose
+    /// source is made to hold the version by other means.
+    holding: Option<HoldingSlot>,
 }
 
 /// The last sync's version and report, for an embedding that reports it when the sync commits.
 pub type ReportSlot = Arc<parking_lot::Mutex<Option<(u64, SyncReport)>>>;
+
+/// Names a registered tensor written since the version was pushed, if one was (the embedding
+/// knows how: torch's `tensor._version`, a generation counter).
+pub type WriteCheck = Arc<dyn Fn() -> Option<String> + Send + Sync>;
+
+/// What an embedding's tensors hold, shared between it and the driver.
+#[derive(Default)]
+pub struct Holding {
+    /// The `(run, version)` the tensors hold: the last one pushed.
+    pub held: Option<(u64, u64)>,
+    /// The `(run, version)` whose sync this trainer is preparing or running.
+    pub syncing: Option<(u64, u64)>,
+    /// The check of the last push, run once the sync read every byte.
+    pub unchanged: Option<WriteCheck>,
+}
+
+impl std::fmt::Debug for Holding {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Holding")
+            .field("held", &self.held)
+            .field("syncing", &self.syncing)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A [`Holding`] shared between an embedding and its driver.
+pub type HoldingSlot = Arc<parking_lot::Mutex<Holding>>;
 
 /// The worker built for one slice.
 #[derive(Debug)]
@@ -193,6 +230,75 @@ impl TrainerDriver {
             declared: Vec::new(),
             full_only: false,
             delta: None,
+            holding: None,
+        }
+    }
+
+    /// Binds syncs to what the embedding pushed: `Prepare N` fails when `slot` says the tensors
+    /// hold a newer version, and a sync whose check finds a tensor written fails naming it.
+    pub fn hold(&mut self) -> HoldingSlot {
+        self.holding.get_or_insert_with(Default::default).clone()
+    }
+
+    /// Whether the tensors hold `sync`'s version (always, without an embedding); marks it
+    /// syncing.
+    fn check_held(&self, sync: &SyncRef) -> Result<(), DriverError> {
+        let Some(slot) = &self.holding else {
+            return Ok(());
+        };
+        let mut h = slot.lock();
+        let want = (sync.run, sync.version);
+        // A newer version than it pushed is an outside driver's trigger (`POST /v1/syncs`
+        // moves whatever the tensors hold); an older one would label newer bytes (a trainer
+        // that ran ahead): refused.
+        if let Some((r, v)) = h.held
+            && want < (r, v)
+        {
+            return Err(DriverError::new(
+                FailureKind::Source,
+                format!(
+                    "{} was asked for version {} of run {} but its tensors hold version {v} of \
+                     run {r}, pushed since (a version is synced only while its trainers hold it)",
+                    WorkerId::trainer(self.cfg.rank),
+                    sync.version,
+                    sync.run
+                ),
+            ));
+        }
+        h.syncing = Some(want);
+        Ok(())
+    }
+
+    /// After the sync read every byte: a tensor written since the push fails it.
+    fn check_unchanged(&self, sync: &SyncRef) -> Result<(), DriverError> {
+        let Some(slot) = &self.holding else {
+            return Ok(());
+        };
+        // The check compares with the pushed version's bytes: only that version's sync uses it.
+        let check = {
+            let h = slot.lock();
+            h.unchanged
+                .clone()
+                .filter(|_| h.held == Some((sync.run, sync.version)))
+        };
+        if let Some(tensor) = check.and_then(|c| c()) {
+            return Err(DriverError {
+                kind: FailureKind::Modified,
+                cause: format!(
+                    "tensor {tensor} was written while version {} was being sent (an optimizer \
+                     step during the sync?): what was sent mixes two versions",
+                    sync.version
+                ),
+                tensor: Some(tensor),
+            });
+        }
+        Ok(())
+    }
+
+    /// The sync ended here: the tensors may change again.
+    fn release(&self) {
+        if let Some(slot) = &self.holding {
+            slot.lock().syncing = None;
         }
     }
 
@@ -326,9 +432,10 @@ impl SyncDriver for TrainerDriver {
             .map_err(DriverError::from)
     }
 
-    async fn prepare(&mut self, _sync: SyncRef) -> Result<WorkerReport, DriverError> {
+    async fn prepare(&mut self, sync: SyncRef) -> Result<WorkerReport, DriverError> {
         // The source holds the version already: the training step wrote it before the push.
         self.built()?;
+        self.check_held(&sync)?;
         Ok(WorkerReport::default())
     }
 
@@ -361,6 +468,7 @@ impl SyncDriver for TrainerDriver {
         self.in_flight = None;
         let r = joined
             .map_err(|e| DriverError::other(format!("the sync task ended abnormally: {e}")))??;
+        self.check_unchanged(&sync)?;
         let rep = report(&r, &sync);
         if let Some(slot) = &self.reports {
             *slot.lock() = Some((sync.version, r));
@@ -380,10 +488,13 @@ impl SyncDriver for TrainerDriver {
         Err(DriverError::other("trainers do not verify"))
     }
 
-    async fn finish(&mut self, _sync: SyncRef, _outcome: Outcome) {}
+    async fn finish(&mut self, _sync: SyncRef, _outcome: Outcome) {
+        self.release();
+    }
 
     async fn drain(&mut self) {
         self.stop_in_flight().await;
+        self.release();
         // Whatever the stopped sync posted and was not acknowledged is discarded here.
         self.fabric.reset_connections().await;
         tracing::info!(

@@ -9,13 +9,17 @@
 //!   `-m weightsync`).
 //! - [`protocol`]: the control-channel messages between workers and the controller, and their
 //!   length-prefixed bincode framing.
+//! - [`secret`]: the [`secret::Secret`] type (never printed) and reading secrets from env or file.
+//! - [`open_files`]: raising the open-file limit at start (every connection is a descriptor).
 #![deny(missing_docs)]
 
 pub mod dtype;
 pub mod fabric;
 pub mod fp8_recipe;
+pub mod open_files;
 pub mod program;
 pub mod protocol;
+pub mod secret;
 
 pub use dtype::DType;
 pub use fp8_recipe::Fp8Recipe;

@@ -10,7 +10,7 @@ use weightsync_common::DType;
 use weightsync_common::protocol::{
     Assignment, Blob, DEFAULT_MAX_FRAME, Failure, FailureKind, Fault, FromWorker, PeerInfo,
     Registration, RunChecksum, Stage, TensorMeta, TimeSplit, TimelineEvent, ToWorker, WHOLE_SYNC,
-    WorkerId, WorkerReport, WorldSpec, decode_frame, encode_frame,
+    WorkerId, WorkerReport, WorkerRole, WorldSpec, decode_frame, encode_frame,
 };
 
 fn world() -> WorldSpec {
@@ -81,7 +81,11 @@ fn checksum() -> RunChecksum {
 fn from_worker() -> Vec<FromWorker> {
     let (sync_id, version) = (7, 42);
     let msgs = vec![
-        FromWorker::Hello { proof: [3; 32] },
+        FromWorker::Hello {
+            role: WorkerRole::Rollout,
+            nonce: [4; 32],
+            proof: [3; 32],
+        },
         FromWorker::Register(Box::new(Registration {
             id: WorkerId::rollout(1),
             host: "host-b".into(),
@@ -144,7 +148,7 @@ fn from_worker() -> Vec<FromWorker> {
         },
         FromWorker::Heartbeat { seq: 9 },
         FromWorker::Drained { sync_id, version },
-        FromWorker::Push { version },
+        FromWorker::Push { version, run: 1 },
         FromWorker::EngineStages {
             sync_id,
             version,
@@ -234,7 +238,11 @@ fn to_worker() -> Vec<ToWorker> {
                 },
             ],
         },
-        ToWorker::Prepare { sync_id, version },
+        ToWorker::Prepare {
+            sync_id,
+            version,
+            run: 2,
+        },
         ToWorker::Start {
             sync_id,
             version,
@@ -243,7 +251,11 @@ fn to_worker() -> Vec<ToWorker> {
                 rollouts: [0, 2].into(),
             }),
         },
-        ToWorker::Commit { sync_id, version },
+        ToWorker::Commit {
+            sync_id,
+            version,
+            run: 2,
+        },
         ToWorker::Abort {
             sync_id,
             version,
@@ -258,6 +270,7 @@ fn to_worker() -> Vec<ToWorker> {
         ToWorker::Job {
             world: world(),
             model_config: Some("{\"hidden_size\": 128}".into()),
+            proof: [6; 32],
         },
         ToWorker::Verify {
             sync_id,

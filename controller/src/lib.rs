@@ -29,23 +29,30 @@
 //! - [`planning`]: the [`planning::Planner`] seam between the coordinator and the routing table.
 //! - [`schedules_planner`]: the production planner over `weightsync_schedules`.
 //! - [`service`]: the shared state, the I/O of the coordinator's effects, planning off the lock.
-//! - [`control_channel`]: the workers' connections and the clock that drives timeouts.
+//! - [`secrets`]: the credential of each role, and which one a request or a worker needs.
+//! - [`control_channel`]: the workers' connections (bounded before authentication) and the
+//!   clock that drives timeouts.
 //! - [`metrics`]: Prometheus metrics recorded as syncs end.
 //! - [`http`]: `app(state) -> Router`: the JSON API, metrics, traces and the dashboard.
+//! - [`http_server`]: the router served with header timeouts and connection caps.
 //! - [`server`]: [`run`], the service and the router served together.
 #![deny(missing_docs)]
 
 pub mod control_channel;
 pub mod coordinator;
 pub mod http;
+pub mod http_server;
 pub mod metrics;
 pub mod planning;
 pub mod schedules_planner;
+pub mod secrets;
 pub mod server;
 pub mod service;
+pub mod state_file;
 pub mod sync_record;
 
 pub use http::app;
 pub use schedules_planner::SchedulesPlanner;
+pub use secrets::ControllerSecrets;
 pub use server::run;
 pub use service::{AppState, ControllerConfig};

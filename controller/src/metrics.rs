@@ -27,6 +27,15 @@ pub struct OutcomeLabels {
     pub outcome: String,
 }
 
+/// Labels of refused connections.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RefusedLabels {
+    /// Why: `preauth_cap` (too many unauthenticated connections), `auth` (no proof of the
+    /// role's secret, or a frame before it), `timeout` (no proof in time), `role` (registered
+    /// as another role than it proved), `registration` (the coordinator refused).
+    pub reason: String,
+}
+
 /// The controller's metrics.
 #[derive(Debug)]
 pub struct Metrics {
@@ -37,6 +46,7 @@ pub struct Metrics {
     worker_gbps: Family<WorkerLabels, Gauge<f64, AtomicU64>>,
     worker_bytes: Family<WorkerLabels, Counter>,
     delta: DeltaSeries,
+    refused: Family<RefusedLabels, Counter>,
 }
 
 /// What committed delta syncs came to (see `crate::coordinator`'s `delta`).
@@ -145,8 +155,15 @@ impl Metrics {
         );
         let delta = DeltaSeries::default();
         delta.register(&mut registry);
+        let refused = Family::<RefusedLabels, Counter>::default();
+        registry.register(
+            "control_connections_refused",
+            "Control connections refused before or at registration, by reason",
+            refused.clone(),
+        );
         Metrics {
             delta,
+            refused,
             registry,
             sync_duration,
             syncs,
@@ -184,6 +201,24 @@ impl Metrics {
                 }
             }
         }
+    }
+
+    /// Counts a control connection refused for `reason` (see [`RefusedLabels`]).
+    pub fn refused(&self, reason: &str) {
+        self.refused
+            .get_or_create(&RefusedLabels {
+                reason: reason.into(),
+            })
+            .inc();
+    }
+
+    /// How many control connections were refused for `reason`.
+    pub fn refused_count(&self, reason: &str) -> u64 {
+        self.refused
+            .get_or_create(&RefusedLabels {
+                reason: reason.into(),
+            })
+            .get()
     }
 
     /// The OpenMetrics text.

@@ -10,6 +10,7 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 
 use crate::control_channel::{serve_control, tick};
+use crate::http_server::serve_http;
 use crate::service::AppState;
 
 /// Runs the controller: the HTTP API and dashboard on `http`, the control channel on `control`,
@@ -23,12 +24,13 @@ pub async fn run(
     let (stop_tx, stop_rx) = watch::channel(false);
     let control_task = tokio::spawn(serve_control(control, state.clone(), stop_rx.clone()));
     let tick_task = tokio::spawn(tick(state.clone(), stop_rx.clone()));
-    let mut http_stop = stop_rx.clone();
     let app = crate::http::app(state.clone());
-    let server = axum::serve(http, app).with_graceful_shutdown(async move {
-        let _ = http_stop.changed().await;
-    });
-    let server = tokio::spawn(async move { server.await });
+    let server = tokio::spawn(serve_http(
+        http,
+        app,
+        state.config().http_limits,
+        stop_rx.clone(),
+    ));
     shutdown.await;
     if state.config().shutdown_workers {
         state.shutdown_workers();
@@ -37,8 +39,6 @@ pub async fn run(
     let _ = stop_tx.send(true);
     let _ = control_task.await;
     let _ = tick_task.await;
-    match tokio::time::timeout(Duration::from_secs(5), server).await {
-        Ok(Ok(r)) => r,
-        _ => Ok(()),
-    }
+    let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
+    Ok(())
 }

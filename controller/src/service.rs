@@ -23,22 +23,29 @@ use weightsync_common::protocol::{DEFAULT_MAX_FRAME, ToWorker, WorldSpec};
 use crate::coordinator::{ConnId, Coordinator, CoordinatorConfig, Effects, Now, PlanRequest};
 use crate::metrics::Metrics;
 use crate::planning::{AssignmentError, Planner};
+use crate::secrets::ControllerSecrets;
+use crate::state_file::{StateFile, StateFileError};
+use weightsync_common::secret::Secret;
 
 /// Controller settings beyond the coordinator's.
 #[derive(Debug, Clone)]
 pub struct ControllerConfig {
     /// Membership, timeouts, history.
     pub coordinator: CoordinatorConfig,
-    /// Job token workers must prove they know (never sent, never shown).
-    pub job_token: String,
-    /// Bearer token for mutating HTTP endpoints.
-    pub api_token: String,
+    /// The credentials of each role (never sent, never shown).
+    pub secrets: ControllerSecrets,
     /// Largest control frame accepted.
     pub max_frame: u32,
     /// How often timeouts are checked.
     pub tick: Duration,
     /// How long a new connection may take to authenticate and register.
     pub handshake_timeout: Duration,
+    /// Control connections that have not yet proved a secret, at most, in all.
+    pub max_unauthenticated: usize,
+    /// Of those, from one IP address.
+    pub max_unauthenticated_per_ip: usize,
+    /// Bounds of the HTTP server (connections, header timeout).
+    pub http_limits: crate::http_server::HttpLimits,
     /// Whether workers are told to exit when the controller shuts down (the demo does this).
     pub shutdown_workers: bool,
     /// Never send deltas: every sync writes every byte (deltas are sent where they pay by
@@ -47,6 +54,9 @@ pub struct ControllerConfig {
     /// The text of the model's `config.json` when the job's model names a file (read once at
     /// start): sent to every worker with the job, so an in-process worker need not read it.
     pub model_config: Option<String>,
+    /// Where the controller keeps what must survive its own crash (run, last committed
+    /// version, next sync id, incarnation); `None`: nothing survives a restart.
+    pub state_file: Option<std::path::PathBuf>,
 }
 
 impl ControllerConfig {
@@ -56,8 +66,8 @@ impl ControllerConfig {
     /// report fails a sync.
     pub fn for_job(
         world: WorldSpec,
-        job_token: String,
-        api_token: String,
+        job_token: Secret,
+        api_token: Secret,
         heartbeat_timeout: Duration,
         sync_timeout: Duration,
         history: usize,
@@ -90,18 +100,22 @@ impl ControllerConfig {
         Ok(cfg)
     }
 
-    /// Defaults for everything but the job.
-    pub fn new(coordinator: CoordinatorConfig, job_token: String, api_token: String) -> Self {
+    /// Defaults for everything but the job, with one secret for every worker role
+    /// ([`ControllerSecrets::shared`]); set [`ControllerConfig::secrets`] for one per role.
+    pub fn new(coordinator: CoordinatorConfig, job_token: Secret, api_token: Secret) -> Self {
         ControllerConfig {
             coordinator,
-            job_token,
-            api_token,
+            secrets: ControllerSecrets::shared(job_token, api_token),
+            max_unauthenticated: 512,
+            max_unauthenticated_per_ip: 64,
+            http_limits: Default::default(),
             max_frame: DEFAULT_MAX_FRAME,
             tick: Duration::from_millis(100),
             handshake_timeout: Duration::from_secs(10),
             shutdown_workers: false,
             full_syncs: false,
             model_config: None,
+            state_file: None,
         }
     }
 }
@@ -128,6 +142,7 @@ pub(crate) enum Outgoing {
 
 struct Shared {
     cfg: ControllerConfig,
+    state_file: Option<StateFile>,
     coord: Mutex<Coordinator>,
     planner: Arc<dyn Planner>,
     conns: Mutex<HashMap<ConnId, mpsc::Sender<Outgoing>>>,
@@ -148,13 +163,68 @@ impl std::fmt::Debug for AppState {
 }
 
 impl AppState {
-    /// A controller with no workers yet.
+    /// A controller with no workers yet, starting afresh. A configured state file is not read
+    /// here (use [`AppState::open`]): this panics if one is set.
     pub fn new(cfg: ControllerConfig, planner: Box<dyn Planner>) -> Self {
-        let mut coord = Coordinator::new(cfg.coordinator.clone());
+        assert!(
+            cfg.state_file.is_none(),
+            "a controller with a state file starts with AppState::open"
+        );
+        Self::with(cfg, planner, Coordinator::new, None)
+    }
+
+    /// A controller with no workers yet that carries on from its state file, if one is
+    /// configured and exists (the run, the last committed version and sync ids go on), as a
+    /// new incarnation, which it saves at once.
+    pub fn open(cfg: ControllerConfig, planner: Box<dyn Planner>) -> Result<Self, StateFileError> {
+        let Some(path) = cfg.state_file.clone() else {
+            return Ok(Self::with(cfg, planner, Coordinator::new, None));
+        };
+        let file = StateFile::new(path);
+        let saved = file.load()?;
+        let mut incarnation: u64 = rand::random();
+        if saved.is_some_and(|s| s.incarnation == incarnation) {
+            incarnation = incarnation.wrapping_add(1);
+        }
+        let state = saved.unwrap_or_default();
+        match saved {
+            Some(s) => tracing::info!(
+                "carrying on from {}: run {}, last committed {:?}, next sync id {} (incarnation \
+                 {:#x} follows {:#x})",
+                file.path().display(),
+                s.run,
+                s.committed,
+                s.next_sync_id,
+                incarnation,
+                s.incarnation
+            ),
+            None => tracing::info!(
+                "no state file at {} yet: a first start (incarnation {incarnation:#x})",
+                file.path().display()
+            ),
+        }
+        let me = Self::with(
+            cfg,
+            planner,
+            |c| Coordinator::restore(c, &state, incarnation),
+            Some(file.clone()),
+        );
+        file.save(&me.read(Coordinator::durable))?;
+        Ok(me)
+    }
+
+    fn with(
+        cfg: ControllerConfig,
+        planner: Box<dyn Planner>,
+        coordinator: impl FnOnce(CoordinatorConfig) -> Coordinator,
+        state_file: Option<StateFile>,
+    ) -> Self {
+        let mut coord = coordinator(cfg.coordinator.clone());
         coord.force_full_syncs(cfg.full_syncs);
         let (changed, _) = watch::channel(0);
         AppState(Arc::new(Shared {
             cfg,
+            state_file,
             coord: Mutex::new(coord),
             planner: Arc::from(planner),
             conns: Mutex::new(HashMap::new()),
@@ -176,16 +246,33 @@ impl AppState {
     /// can never be overtaken by the assignment of a plan that a concurrent registration asked
     /// for.
     pub fn step<R>(&self, f: impl FnOnce(&mut Coordinator) -> (R, Effects)) -> R {
-        let (r, fx, overflow) = {
+        let (r, fx, overflow, wake) = {
             let mut c = self.0.coord.lock();
             let (r, mut fx) = f(&mut c);
             if fx.is_empty() {
                 return r;
             }
+            if fx.persist
+                && let Some(file) = &self.0.state_file
+                && let Err(e) = file.save(&c.durable())
+            {
+                // Nothing can be undone here; a restart would reuse ids or forget the version.
+                tracing::error!("cannot save the controller's state: {e}");
+            }
+            // A heartbeat's echo changes nothing a waiter reads: only syncs, membership, plans
+            // and the durable state wake them (F4: heartbeats woke every HTTP long poll).
+            let wake = !(fx.finished.is_empty()
+                && !fx.persist
+                && fx.plan.is_none()
+                && fx.close.is_empty()
+                && fx
+                    .send
+                    .iter()
+                    .all(|(_, m)| matches!(m, ToWorker::Heartbeat { .. })));
             let overflow = self.deliver(&mut fx);
-            (r, fx, overflow)
+            (r, fx, overflow, wake)
         };
-        self.apply(fx, overflow);
+        self.apply(fx, overflow, wake);
         r
     }
 
@@ -230,7 +317,7 @@ impl AppState {
     }
 
     /// The rest of the effects (of a step that had any), after their messages were delivered.
-    fn apply(&self, fx: Effects, overflow: Vec<ConnId>) {
+    fn apply(&self, fx: Effects, overflow: Vec<ConnId>, wake: bool) {
         if !fx.finished.is_empty() {
             let c = self.0.coord.lock();
             for id in &fx.finished {
@@ -244,7 +331,9 @@ impl AppState {
         if let Some(req) = fx.plan {
             self.start_planning(req);
         }
-        self.0.changed.send_modify(|v| *v = v.wrapping_add(1));
+        if wake {
+            self.0.changed.send_modify(|v| *v = v.wrapping_add(1));
+        }
         for conn in overflow {
             tracing::warn!(conn, "worker outbox full; disconnecting it");
             self.step(|c| {

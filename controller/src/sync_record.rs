@@ -121,6 +121,8 @@ pub struct SyncRecord {
     pub id: u64,
     /// Weight version.
     pub version: u64,
+    /// The job's run the version belongs to.
+    pub run: u64,
     /// Plan it ran under.
     pub plan_id: u64,
     /// State.
@@ -337,6 +339,34 @@ impl SyncRecord {
         Some(self.bytes_written() as f64 / (window_ms / 1e3) / 1e9)
     }
 
+    /// Shrinks an ended sync to what its history entry needs: per lane and stage, the span that
+    /// starts first and the longest one (what the durations and rates read), and no checksums.
+    /// A record then costs O(workers × stages) however many tasks the plan has, so the history
+    /// is bounded in bytes as well as in syncs. (The full timeline is kept for the newest few.)
+    pub fn summarise(&mut self) {
+        self.sent_checksums = Vec::new();
+        for lane in self.lanes.values_mut() {
+            if lane.spans.len() <= 2 * Stage::ALL.len() {
+                continue;
+            }
+            let mut keep: Vec<Span> = Vec::new();
+            for stage in Stage::ALL {
+                let of = || lane.spans.iter().filter(|x| x.stage == stage);
+                let first = of().min_by_key(|x| (x.start_ns, x.end_ns));
+                let longest = of().max_by_key(|x| x.end_ns.saturating_sub(x.start_ns));
+                keep.extend(first.cloned());
+                if let Some(l) = longest
+                    && Some(l) != first
+                {
+                    keep.push(l.clone());
+                }
+            }
+            keep.sort_by_key(|x| (x.start_ns, x.end_ns));
+            lane.spans = keep;
+            lane.spans.shrink_to_fit();
+        }
+    }
+
     /// Marks the lanes that finished last in each role as the critical path.
     pub fn mark_critical(&mut self) {
         for role in [
@@ -398,6 +428,7 @@ impl SyncRecord {
         SyncView {
             id: self.id,
             version: self.version,
+            run: self.run,
             plan_id: self.plan_id,
             state: self.state,
             created_unix_ms: self.created_unix_ms,
@@ -494,6 +525,8 @@ pub struct SyncView {
     pub id: u64,
     /// Weight version.
     pub version: u64,
+    /// The job's run it belongs to.
+    pub run: u64,
     /// Plan id.
     pub plan_id: u64,
     /// pending / running / committed / failed.

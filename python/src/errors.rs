@@ -101,6 +101,27 @@ pub(crate) fn embed_error(py: Python<'_>, e: EmbedError) -> PyErr {
                 ],
             )
         }
+        EmbedError::Busy {
+            worker,
+            version,
+            running,
+        } => {
+            let int = |v: u64| {
+                v.into_pyobject(py)
+                    .map(|b| b.into_any().unbind())
+                    .unwrap_or_else(|_| py.None())
+            };
+            raise(
+                py,
+                "PushRefusedError",
+                message,
+                &[
+                    ("worker", s(py, worker)),
+                    ("version", int(*version)),
+                    ("running", int(*running)),
+                ],
+            )
+        }
         EmbedError::Timeout { .. } => raise(py, "TimeoutError", message, &[]),
         EmbedError::Closed { worker } => {
             raise(py, "ClosedError", message, &[("worker", s(py, worker))])

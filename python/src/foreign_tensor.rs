@@ -15,7 +15,10 @@
 //!    to export those through DLPack, so they are read through their methods. A `DTensor` is
 //!    replaced by its `to_local()` shard. A CUDA tensor (a trainer's source only) is described
 //!    the same way, with its device index: registering it needs the extension built with the
-//!    `cuda` feature (the trainer then reads it by DMA), and is refused by name otherwise.
+//!    `cuda` feature (the trainer then reads it by DMA), and is refused by name otherwise. As an
+//!    engine's destination a CUDA tensor (torch, DLPack `kDLCUDA`, `__cuda_array_interface__`)
+//!    is refused by name, saying whether the build lacks `cuda` or the embedded engine does not
+//!    take device destinations yet.
 //! 2. `__dlpack__` (versioned capsule first, then the legacy one): numpy, jax, cupy, ...
 //! 3. the buffer protocol: numpy, `bytearray`, `memoryview`, `mmap`.
 //!
@@ -95,6 +98,9 @@ impl ForeignTensor {
     ) -> PyResult<ForeignTensor> {
         let found = if is_torch_tensor(obj)? {
             from_torch(obj, access)?
+        } else if access == Access::Write && obj.hasattr("__cuda_array_interface__")? {
+            // numba, cupy, ...: device memory by definition.
+            return Err(cuda_destination_refused(None));
         } else if obj.hasattr("__dlpack__")? {
             from_dlpack(obj, access)?
         } else {
@@ -220,6 +226,26 @@ impl Found {
     }
 }
 
+/// Why an engine's CUDA tensor is refused as a destination: by name, and what would take it.
+/// A build without `cuda` cannot reach device memory at all; a build with it lands device
+/// destinations only through the Rust API (`weightsync_worker::gpu::DeviceDestination`, page-
+/// locked bounce buffers copied host to device once a version landed), which the embedded
+/// engine does not use yet (docs/gpu.md, "Device destinations from Python").
+fn cuda_destination_refused(index: Option<usize>) -> PyErr {
+    let on = index.map_or_else(|| "cuda".to_string(), |i| format!("cuda:{i}"));
+    let why = if cfg!(feature = "cuda") {
+        "device destinations are not wired into Engine.register yet"
+    } else {
+        "this weightsync build has no CUDA support (built without the `cuda` feature)"
+    };
+    PyValueError::new_err(format!(
+        "a CUDA tensor (on {on}) as a destination: {why}; register the engine's tensors in CPU \
+         memory (a staged arena: weightsync.vllm / weightsync.sglang stage in host memory and \
+         load with the engine's own loader); trainers may register CUDA tensors in builds with \
+         `cuda`"
+    ))
+}
+
 /// A torch tensor or DTensor (duck-typed: no torch import).
 fn is_torch_tensor(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
     Ok(obj.hasattr("data_ptr")? && obj.hasattr("untyped_storage")?)
@@ -256,10 +282,8 @@ fn from_torch(obj: &Bound<'_, PyAny>, access: Access) -> PyResult<Found> {
             })
         }
         "cuda" => {
-            return Err(PyValueError::new_err(
-                "a CUDA tensor as a destination: an engine's tensors must be in CPU memory for \
-                 now (device destinations are not built yet); trainers may register CUDA tensors",
-            ));
+            let index: Option<usize> = device.getattr("index")?.extract().unwrap_or(None);
+            return Err(cuda_destination_refused(index));
         }
         other => {
             return Err(PyValueError::new_err(format!(
@@ -367,6 +391,7 @@ struct DLManagedTensorVersioned {
     dl_tensor: DLTensor,
 }
 const DL_CPU: i32 = 1;
+const DL_CUDA: i32 = 2;
 const DL_CUDA_HOST: i32 = 3;
 const DLPACK_FLAG_READ_ONLY: u64 = 1;
 
@@ -456,6 +481,9 @@ fn from_dlpack(obj: &Bound<'_, PyAny>, access: Access) -> PyResult<Found> {
         .cast_into::<PyCapsule>()
         .map_err(|_| PyTypeError::new_err("__dlpack__ did not return a capsule"))?;
     let v = read_capsule(&cap)?;
+    if v.device == DL_CUDA && access == Access::Write {
+        return Err(cuda_destination_refused(None));
+    }
     if v.device != DL_CPU && v.device != DL_CUDA_HOST {
         return Err(PyValueError::new_err(format!(
             "a DLPack tensor on device type {}: only CPU memory is wired in yet",

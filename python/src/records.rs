@@ -24,6 +24,13 @@ pub(crate) struct Outcome {
     pub seconds: f64,
     /// Each stage of this trainer's part and its span, seconds.
     pub stages: Vec<(String, f64)>,
+    /// Why the version never synced (a newer version or run was pushed first), if it did not.
+    pub superseded: Option<String>,
+    /// The path its bytes took to the engines (`payloads`, `process_vm_readv`,
+    /// `shared_memory`, `mixed`, `none`); `None` where the fabric does not count them.
+    pub path: Option<&'static str>,
+    /// Bytes per path (the same names), empty where not counted.
+    pub path_bytes: Vec<(&'static str, u64)>,
 }
 
 /// How weightsync sees a tensor-like object (`tensor_info`).
@@ -95,6 +102,8 @@ pub(crate) struct PlannedTensor {
 pub(crate) struct State {
     /// The last committed version.
     pub version: Option<u64>,
+    /// The job's run it belongs to.
+    pub run: u64,
     /// `idle`, `landing`, `committed` or `invalid`.
     pub state: &'static str,
     /// Why it is invalid.

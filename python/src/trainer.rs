@@ -8,6 +8,7 @@ use weightsync_agent::embed::DeviceTensor;
 use weightsync_agent::embed::{
     DeclaredShard, EmbedError, PushHandle, SourceTensor, SyncOutcome, TrainerHandle, TrainerOptions,
 };
+use weightsync_agent::trainer::WriteCheck;
 
 use crate::errors::embed_error;
 use crate::foreign_tensor::Access;
@@ -24,7 +25,7 @@ pub(crate) struct TrainerCore {
 #[pymethods]
 impl TrainerCore {
     #[new]
-    #[pyo3(signature = (controller, rank, job_token = None, listen = None, worker_id = None))]
+    #[pyo3(signature = (controller, rank, job_token = None, listen = None, worker_id = None, run = 0))]
     fn new(
         py: Python<'_>,
         controller: String,
@@ -32,11 +33,13 @@ impl TrainerCore {
         job_token: Option<String>,
         listen: Option<String>,
         worker_id: Option<String>,
+        run: u64,
     ) -> PyResult<Self> {
         let opts = TrainerOptions {
-            job_token,
+            job_token: job_token.map(Into::into),
             listen,
             worker_id,
+            run,
             ..TrainerOptions::new(controller, rank)
         };
         let inner = py
@@ -49,6 +52,17 @@ impl TrainerCore {
     #[getter]
     fn worker_id(&self) -> String {
         self.inner.worker_id().to_string()
+    }
+
+    /// The job's run this trainer's versions belong to.
+    #[getter]
+    fn run(&self) -> u64 {
+        self.inner.run()
+    }
+
+    /// This trainer's versions belong to `run` from now on (larger than the current one).
+    fn begin_run(&self, py: Python<'_>, run: u64) -> PyResult<()> {
+        self.inner.begin_run(run).map_err(|e| embed_error(py, e))
     }
 
     /// The shards this rank must register.
@@ -222,9 +236,13 @@ impl TrainerCore {
     }
 
     /// Declares that the registered tensors hold `version`; returns the handle of its sync.
-    fn push(&self, py: Python<'_>, version: u64) -> PyResult<PushCore> {
+    /// `check`, when given, is called (with the GIL) once the sync read every byte: it returns
+    /// the name of a registered tensor written since this push, or None.
+    #[pyo3(signature = (version, check = None))]
+    fn push(&self, py: Python<'_>, version: u64, check: Option<Py<PyAny>>) -> PyResult<PushCore> {
+        let unchanged = check.map(write_check);
         let inner = py
-            .detach(|| self.inner.push(version))
+            .detach(|| self.inner.push_checked(version, unchanged))
             .map_err(|e| embed_error(py, e))?;
         Ok(PushCore { inner })
     }
@@ -233,6 +251,19 @@ impl TrainerCore {
     fn close(&self, py: Python<'_>) {
         py.detach(|| self.inner.close());
     }
+}
+
+/// A Python callable as the check of a push: its answer names a tensor written since, or is
+/// None; a check that raises names what it raised (the sync cannot be vouched for).
+fn write_check(callable: Py<PyAny>) -> WriteCheck {
+    std::sync::Arc::new(move || {
+        Python::attach(|py| match callable.call0(py) {
+            Ok(v) => v
+                .extract::<Option<String>>(py)
+                .unwrap_or_else(|e| Some(format!("<check returned a non-string: {e}>"))),
+            Err(e) => Some(format!("<the tensor check raised: {}>", e.value(py))),
+        })
+    })
 }
 
 /// The pending sync of one pushed version.
@@ -249,6 +280,15 @@ fn outcome(o: SyncOutcome) -> Outcome {
         direct_bytes: o.direct_bytes,
         seconds: o.seconds,
         stages: o.stages,
+        superseded: o.superseded,
+        path: o.paths.map(|p| p.name()),
+        path_bytes: o.paths.map_or_else(Vec::new, |p| {
+            vec![
+                ("payloads", p.payload_bytes),
+                ("process_vm_readv", p.process_vm_readv_bytes),
+                ("shared_memory", p.shared_memory_bytes),
+            ]
+        }),
     }
 }
 

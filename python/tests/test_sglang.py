@@ -272,3 +272,94 @@ def test_direct_landing_refuses_an_empty_parameter(tmp_path: Path, procs: Procs)
     with pytest.raises(weightsync.RegistrationError, match="lm_head.weight is empty") as e:
         DirectSync(SGLangStandIn(model, [LOADER]), controller=c.control, api=c.http, job_token=c.job_token)
     assert e.value.tensor == "lm_head.weight"
+
+
+# ---- staged landing through SGLang's own pickling ------------------------------------------
+
+
+def sglang_scheduler_reads(payload: bytes) -> dict[str, bytes]:
+    """What an SGLang scheduler process does with ``update_weights_from_tensor``'s payload:
+    ``MultiprocessingSerializer.deserialize`` (``ForkingPickler.loads``), then reads the tensors.
+    Runs in a spawned child, as SGLang's scheduler is another process."""
+    import torch.multiprocessing  # noqa: F401 - registers torch's reducers
+    from multiprocessing.reduction import ForkingPickler
+
+    named = ForkingPickler.loads(payload)
+    return {n: bytes(t.view(torch.int16).numpy().tobytes()) for n, t in named}
+
+
+class PicklingSGLang(RecordingSGLang):
+    """``update_weights_from_tensor`` as SGLang's ``Engine`` runs it: the named tensors
+    serialized with ``MultiprocessingSerializer.serialize`` (torch's ``ForkingPickler``, which
+    shares a CPU tensor's storage, moving it unless it is shared already) once per TP rank, and
+    read by the scheduler in another process."""
+
+    def __init__(self, pool: Any) -> None:
+        super().__init__()
+        self.pool = pool
+        self.loaded: list[dict[str, bytes]] = []
+
+    def update_weights_from_tensor(self, named_tensors: list[tuple[str, Any]], flush_cache: bool = True) -> None:
+        import io
+
+        import torch.multiprocessing  # noqa: F401 - registers torch's reducers
+        from multiprocessing.reduction import ForkingPickler
+
+        buf = io.BytesIO()
+        ForkingPickler(buf).dump(named_tensors)  # MultiprocessingSerializer.serialize
+        self.loaded.append(self.pool.apply(sglang_scheduler_reads, (buf.getvalue(),)))
+        self.calls.append("load")
+
+
+@pytest.mark.e2e
+def test_staged_arena_keeps_its_address_through_sglangs_pickling(tmp_path: Path, procs: Procs) -> None:
+    import multiprocessing
+
+    import weightsync
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(CONFIG))
+    c = start_controller(procs, str(cfg), "fsdp=2", "tp=1,dp=1,format=hf")
+    trainers = [weightsync.Trainer(c.control, r, job_token=c.job_token) for r in range(2)]
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        sg = PicklingSGLang(pool)
+        sync = StagedSync(sg, controller=c.control, job_token=c.job_token)
+        try:
+            ptrs = {n: t.data_ptr() for n, t in sync.arena.items()}
+            assert all(t.is_shared() for t in sync.arena.values())
+            shards = [{s.name: s for s in t.layout()} for t in trainers]
+            src = [{n: np.zeros(s.shape, np.uint16) for n, s in sh.items()} for sh in shards]
+            for t, s in zip(trainers, src):
+                t.register({n: (a, "bf16") for n, a in s.items()})
+            for v in (1, 2, 3):
+                full: dict[str, Any] = {}
+                for sh, s in zip(shards, src):
+                    for name, info in sh.items():
+                        full.setdefault(name, full_value(name, info.global_shape, v))
+                        s[name][...] = full[name][tuple(slice(o, o + n) for o, n in zip(info.offset, info.shape))]
+                for t in trainers:
+                    t.push(v)
+                assert sync.update(v, timeout_s=60)["version"] == v
+                seen = sg.loaded[-1]
+                assert set(seen) == set(full)
+                for n, want in full.items():
+                    assert seen[n] == want.tobytes(), f"v{v}: SGLang's scheduler read stale {n}"
+                # Pickling did not move the arena: the next version lands where SGLang reads.
+                assert {n: t.data_ptr() for n, t in sync.arena.items()} == ptrs
+        finally:
+            sync.ws.close()
+            for t in trainers:
+                t.close()
+
+
+def test_staged_sync_refuses_an_arena_that_moved() -> None:
+    ws, sg = FakeWeightsync(), RecordingSGLang()
+    sync = StagedSync(sg, weightsync_engine=ws)
+    name = "lm_head.weight"
+    sync.arena[name] = sync.arena[name].clone()  # what pickling an unshared storage amounts to
+    ws.land(1, 2.0)
+    from weightsync import RegistrationError
+
+    with pytest.raises(RegistrationError, match="lm_head.weight moved"):
+        sync.update(1)
+    assert sg.calls == []

@@ -402,19 +402,19 @@ def digest(t: Any) -> str:
     return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
-def start_server(procs: Procs, tmp_path: Path, folder: Path, c: Controller) -> str:
+def start_server(procs: Procs, tmp_path: Path, folder: Path, c: Controller, up_s: float = 300) -> str:
     """``vllm serve`` (the OpenAI API server, its EngineCore a spawned process) with the
     weightsync backend and vLLM's dev routes; returns its URL once /health answers. A port found
     free can be taken before the server binds it (as for the controller, see
     ``conftest.start_controller``): a server that exits saying so is started again on another."""
     for _ in range(5):
-        url = _start_server_once(procs, tmp_path, folder, c)
+        url = _start_server_once(procs, tmp_path, folder, c, up_s)
         if url is not None:
             return url
     pytest.fail(f"vLLM server could not bind a free port in 5 tries\n{procs.logs()}")
 
 
-def _start_server_once(procs: Procs, tmp_path: Path, folder: Path, c: Controller) -> str | None:
+def _start_server_once(procs: Procs, tmp_path: Path, folder: Path, c: Controller, up_s: float) -> str | None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
@@ -429,7 +429,7 @@ def _start_server_once(procs: Procs, tmp_path: Path, folder: Path, c: Controller
     log = procs.folder / "vllm-server.log"
     log_start = log.stat().st_size if log.exists() else 0
     server = procs.start("vllm-server", argv, env=env)
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + up_s
     while True:
         if server.popen.poll() is not None:
             # Only this attempt's lines: the log is appended to by every attempt.
@@ -444,7 +444,7 @@ def _start_server_once(procs: Procs, tmp_path: Path, folder: Path, c: Controller
         except OSError:
             pass
         if time.monotonic() > deadline:
-            pytest.fail(f"vLLM server not up after 300 s\n{procs.logs()}")
+            pytest.fail(f"vLLM server not up after {up_s} s\n{procs.logs()}")
         time.sleep(0.5)
 
 
@@ -506,3 +506,28 @@ def test_vllm_server_http_routes(tmp_path: Path, procs: Procs) -> None:
         assert 1 <= polls <= 3, f"v{v}: the server's workers were asked {polls} times whether v{v} was ready"
         fig.setdefault("ready_polls", []).append(polls)
     FIGURES["vllm server over HTTP, staged (fsdp=2 -> vLLM hf arena)"] = fig
+
+
+def test_staged_arena_is_page_locked_where_cuda_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The staged arena asks torch for page-locked memory exactly where CUDA is present (this
+    machine has none: torch.empty is recorded, not run with pin_memory=True)."""
+    from weightsync import vllm as wv
+    from weightsync.engine import TensorInfo
+
+    layout = [TensorInfo(name="a.weight", dtype="bf16", shape=(4, 8)),
+              TensorInfo(name="b.weight", dtype="f32", shape=(3,))]
+    asked: list[bool] = []
+    real_empty = torch.empty
+
+    def empty(*shape: Any, pin_memory: bool = False, **kw: Any) -> Any:
+        asked.append(pin_memory)
+        return real_empty(*shape, **kw)
+
+    monkeypatch.setattr(wv.torch, "empty", empty)
+    for cuda in (False, True):
+        monkeypatch.setattr(wv.torch.cuda, "is_available", lambda cuda=cuda: cuda)
+        asked.clear()
+        arena = wv.staged_arena(layout)
+        assert asked == [cuda, cuda]
+        assert [tuple(t.shape) for t in arena.values()] == [(4, 8), (3,)]
+        assert arena["a.weight"].dtype == torch.bfloat16 and arena["b.weight"].dtype == torch.float32

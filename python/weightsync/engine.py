@@ -60,15 +60,17 @@ class TensorInfo:
 @dataclass(frozen=True)
 class EngineState:
     """``version``: the last committed version (None before the first); ``state``: idle /
-    landing / committed / invalid; ``cause``: why it is invalid."""
+    landing / committed / invalid; ``cause``: why it is invalid; ``run``: the job's run the
+    version belongs to (``(run, version)`` never goes back)."""
 
     version: int | None
     state: State
     cause: str | None
+    run: int = 0
 
 
 def _state(s: _native.State) -> EngineState:
-    return EngineState(version=s.version, state=s.state, cause=s.cause)  # type: ignore[arg-type]
+    return EngineState(version=s.version, state=s.state, cause=s.cause, run=s.run)  # type: ignore[arg-type]
 
 
 def _env_rank() -> int:
@@ -323,6 +325,11 @@ class Engine:
     def version(self) -> int | None:
         """The last committed version (None before the first)."""
         return self.status().version
+
+    @property
+    def run(self) -> int:
+        """The job's run the last committed version belongs to."""
+        return self.status().run
 
     @property
     def state(self) -> State:

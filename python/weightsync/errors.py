@@ -15,6 +15,7 @@ __all__ = [
     "LayoutMismatchError",
     "StaleTensorError",
     "SyncFailedError",
+    "PushRefusedError",
     "TimeoutError",
     "ClosedError",
     "ClientError",
@@ -45,6 +46,15 @@ class FailureKind(str, enum.Enum):
     """A worker of the sync left or fell silent."""
     HOOK = "hook"
     """An engine's own hook (``before_landing``, ``after_commit``) raised."""
+    SUPERSEDED = "superseded"
+    """Not a failure: a newer version (or run) was pushed before this one started. A trainer's
+    ``PushHandle.wait()`` returns an outcome whose ``superseded`` says why."""
+    STALE = "stale"
+    """The version is not newer than the last committed one of the job's run (a trainer
+    restarted from an older checkpoint): declare a new run (``Trainer.begin_run``)."""
+    MODIFIED = "modified"
+    """A registered tensor was written while its sync read it (an optimizer step during the
+    sync); ``tensor`` names it. The next push syncs again."""
     OTHER = "other"
     """Anything else."""
 
@@ -150,6 +160,18 @@ class SyncFailedError(SyncError):
         super().__init__(message, **kw)  # type: ignore[arg-type]
         self.kind = FailureKind.parse(kind)
         self.cause = cause
+
+
+class PushRefusedError(SyncError):
+    """``Trainer.push`` while the sync of this trainer's previous push is still reading its
+    tensors: wait for it (``PushHandle.wait()``) first. ``version`` is the refused version,
+    ``running`` the one whose sync runs."""
+
+    running: int | None
+
+    def __init__(self, message: str, *, running: int | None = None, **kw: object) -> None:
+        super().__init__(message, **kw)  # type: ignore[arg-type]
+        self.running = running
 
 
 class TimeoutError(SyncError):  # noqa: A001 - weightsync.TimeoutError, by design

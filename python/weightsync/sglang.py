@@ -28,6 +28,13 @@ waits until a whole, verified version >= ``version`` is in the arena, then, hold
 A failed sync never reaches SGLang: the arena is dirty from the first write of a version and
 ``update`` raises; SGLang keeps serving its last loaded version.
 
+The arena lives in shared memory (``share_memory_()`` before it is registered): SGLang's
+``update_weights_from_tensor`` pickles CPU tensors with torch's ``ForkingPickler``
+(``MultiprocessingSerializer``), which would otherwise move each tensor's storage into a new
+shared block on the first load, leaving weightsync writing the old, freed address. Pickled
+shared storage travels as its file descriptor and keeps its address
+(``tests/test_sglang.py::test_staged_arena_keeps_its_address_through_sglangs_pickling``).
+
 ``engine`` is anything with those methods: ``sglang.Engine`` itself, or a small HTTP adapter
 posting to ``/pause_generation``, ``/begin_weight_update``, ``/update_weights_from_tensor``,
 ``/end_weight_update``, ``/flush_cache``, ``/continue_generation``.
@@ -115,9 +122,17 @@ class StagedSync:
         self.ws.set_hooks(before_landing=self.gate.before_landing, after_commit=self.gate.after_commit)
         import torch
 
+        # In shared memory before it is registered: SGLang's update_weights_from_tensor pickles
+        # the arena with torch's ForkingPickler, which moves a CPU tensor's storage that is not
+        # shared yet into a new shared-memory block and frees the old one; the registered
+        # address would then be freed memory from the first load on. A storage already shared
+        # is pickled by its file descriptor and stays where it is.
         self.arena = {t.name: torch.empty(t.shape, dtype=getattr(torch, _DTYPES[t.dtype]))
                       for t in self.ws.layout()}
+        for t in self.arena.values():
+            t.share_memory_()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         self.ws.register(self.arena, format="hf")
+        self._arena_ptrs = {n: t.data_ptr() for n, t in self.arena.items()}
         self.loaded_version: int | None = None
 
     def update(self, version: int, *, timeout_s: float = 600.0) -> dict[str, Any]:
@@ -133,6 +148,7 @@ class StagedSync:
         e = self.sglang
         try:
             with self.gate.committed(version) as have:
+                self._check_arena_in_place()
                 t0 = time.perf_counter()
                 e.pause_generation(mode=self.pause_mode)
                 t1 = time.perf_counter()
@@ -157,6 +173,17 @@ class StagedSync:
                "pause_call_s": t1 - t0, "load_s": t2 - t1, "resume_s": t3 - t2}
         log.info(json.dumps({"weightsync": "sglang update", **out}))
         return out
+
+
+    def _check_arena_in_place(self) -> None:
+        """Refuses a load from an arena tensor whose storage moved since it was registered
+        (the writes land at the registered address, not in what SGLang would read)."""
+        for n, t in self.arena.items():
+            if t.data_ptr() != self._arena_ptrs[n]:
+                raise RegistrationError(
+                    f"{self.ws.worker_id}: the staged arena tensor {n} moved "
+                    f"({self._arena_ptrs[n]:#x} -> {t.data_ptr():#x}) after it was registered; "
+                    "weightsync writes the registered address", worker=self.ws.worker_id, tensor=n)
 
 
 #: The custom weight loader SGLang must allow (``--custom-weight-loader``) for :class:`DirectSync`.

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import _native
+from ._nvrtc import name_wheel_nvrtc
 from ._tensors import (
     NameMap,
     TensorSource,
@@ -46,7 +47,11 @@ class SyncOutcome:
 
     ``bytes`` = ``staged_bytes`` (cast, quantised, fused or sliced through the staging arena) +
     ``direct_bytes`` (written by the fabric straight from the registered tensors: nobody else
-    copied them). ``stages`` maps each pipeline stage to its seconds.
+    copied them). ``stages`` maps each pipeline stage to its seconds. ``path`` names how the
+    bytes reached the engines: ``payloads`` (the fabric's sockets), ``process_vm_readv`` (a
+    same-host engine copied them out of this process), ``shared_memory`` (a same-host engine the
+    kernel refuses ptrace access copied them out of memory this process shared by descriptor),
+    ``mixed``; ``path_bytes`` counts the bytes of each.
     """
 
     version: int
@@ -55,6 +60,11 @@ class SyncOutcome:
     direct_bytes: int
     seconds: float
     stages: dict[str, float] = field(default_factory=dict)
+    superseded: str | None = None
+    """Why the version never synced, when it did not: a newer version (or a newer run) was
+    pushed before it started. Not an error: the engines get the newer one."""
+    path: str | None = None
+    path_bytes: dict[str, int] = field(default_factory=dict)
 
 
 class PushHandle:
@@ -69,11 +79,15 @@ class PushHandle:
         return self._core.version
 
     def wait(self, timeout: float | None = None) -> SyncOutcome:
-        """Blocks until the sync commits (returns its figures) or fails (raises
-        :class:`~weightsync.SyncFailedError` naming the failing worker and the failure's
-        ``kind``, e.g. ``"checksum"``). The GIL is released
-        meanwhile and Ctrl-C interrupts. ``timeout`` in seconds raises
-        :class:`~weightsync.TimeoutError`; the sync goes on."""
+        """Blocks until the sync commits (returns its figures), is superseded (returns an
+        outcome whose ``superseded`` says why: a newer version was pushed first) or fails
+        (raises :class:`~weightsync.SyncFailedError` naming the failing worker and the failure's
+        ``kind``, e.g. ``"checksum"``; ``"modified"`` names a tensor written during the sync).
+        The GIL is released meanwhile and Ctrl-C interrupts. ``timeout`` in seconds raises
+        :class:`~weightsync.TimeoutError`; the sync goes on, and **the registered tensors must
+        not change until it ends**: the next :meth:`Trainer.push` is refused until then, and a
+        write during the sync fails it (kind ``"modified"``). If the controller is lost while
+        the sync is in flight, this raises (kind ``"peer_lost"``) rather than hanging."""
         o = self._core.wait(timeout)
         return SyncOutcome(
             version=o.version,
@@ -82,6 +96,9 @@ class PushHandle:
             direct_bytes=o.direct_bytes,
             seconds=o.seconds,
             stages=dict(o.stages),
+            superseded=o.superseded,
+            path=o.path,
+            path_bytes=dict(o.path_bytes),
         )
 
 
@@ -124,6 +141,10 @@ class Trainer:
             copy large writes straight between the processes' memory (same-host pulls);
             ``WEIGHTSYNC_SAME_HOST=false`` keeps every byte on the sockets.
         worker_id: this worker's name (default ``trainer-{rank}``).
+        run: the job's run this trainer's versions belong to (default 0). A job restarted from
+            a checkpoint older than the last committed version declares a newer run (here or
+            with :meth:`begin_run`), after which its versions may restart below the last
+            committed one; without it, such pushes fail as ``stale``.
     """
 
     def __init__(
@@ -134,11 +155,14 @@ class Trainer:
         job_token: str | None = None,
         listen: str | None = None,
         worker_id: str | None = None,
+        run: int = 0,
     ) -> None:
         self._core = _native.TrainerCore(
-            controller, _env_rank() if rank is None else rank, job_token, listen, worker_id
+            controller, _env_rank() if rank is None else rank, job_token, listen, worker_id, run
         )
         self._registered: dict[str, int] = {}
+        # The registered tensors by name, for the check that none was written during a sync.
+        self._tensors: dict[str, Any] = {}
         self._origins: dict[str, Any] = {}
         self._source: Any = None
         self._name_map: NameMap | None = None
@@ -213,7 +237,9 @@ class Trainer:
                 continue
             entries.append((name, obj.to_local() if is_dtensor(obj) else obj, dtype))
             origins[name] = obj
+        name_wheel_nvrtc(any(_on_cuda(obj) for _n, obj, _d in entries))
         registered = self._core.register(entries)
+        self._tensors = {name: obj for name, obj, _dtype in entries}
         self._registered = {r.name: r.address for r in registered}
         self._cuda_devices = {
             int(getattr(getattr(obj, "device", None), "index", None) or 0)
@@ -263,7 +289,9 @@ class Trainer:
                 entries.append((name, obj, dtype))
             boxes.append((global_shape, offset))
             origins[name] = obj
+        name_wheel_nvrtc(any(_on_cuda(obj) for _n, obj, _d in entries))
         registered = self._core.declare_and_register(entries, boxes)
+        self._tensors = {name: obj for name, obj, _dtype in entries}
         self._registered = {r.name: r.address for r in registered}
         self._origins = origins
         self._source = tensors if hasattr(tensors, "named_parameters") else None
@@ -319,10 +347,42 @@ class Trainer:
                     worker=self.worker_id, tensor=name,
                 )
 
+    @property
+    def run(self) -> int:
+        """The job's run this trainer's versions belong to."""
+        return self._core.run
+
+    def begin_run(self, run: int) -> None:
+        """This trainer's versions belong to ``run`` (larger than the current one) from now on:
+        a job restarted from a checkpoint declares a new run, after which its versions may
+        restart below the last committed one. The controller begins the run with the first
+        push of it (or ``POST /v1/runs``); pushes of older runs end superseded."""
+        self._core.begin_run(run)
+
+    def _write_check(self) -> Any:
+        """A check that names the first registered tensor written since now (torch counts
+        in-place writes in ``tensor._version``: an optimizer step bumps it), or None when no
+        registered tensor keeps such a counter (numpy arrays)."""
+        tensors = {n: t for n, t in self._tensors.items() if hasattr(t, "_version")}
+        if not tensors:
+            return None
+        seen = {n: int(t._version) for n, t in tensors.items()}
+
+        def written() -> str | None:
+            for name, t in tensors.items():
+                if int(t._version) != seen[name]:
+                    return name
+            return None
+
+        return written
+
     def push(self, version: int) -> PushHandle:
         """Declares that the registered tensors hold ``version`` and stay put until its sync
-        ends (do not step the optimizer before :meth:`PushHandle.wait` returns). The sync
-        starts once every training rank pushed ``version``."""
+        ends (do not step the optimizer before :meth:`PushHandle.wait` returns: a write during
+        the sync fails it naming the tensor, kind ``"modified"``). The sync starts once every
+        training rank pushed ``version``; a newer version pushed by every rank before it started
+        supersedes it. Raises :class:`~weightsync.PushRefusedError` while the previous push's
+        sync is still running here."""
         self.check_storage()
         if self._cuda_devices:
             # The optimizer's kernels may still be running on torch's streams; the sync reads
@@ -331,7 +391,7 @@ class Trainer:
 
             for device in sorted(self._cuda_devices):
                 torch.cuda.synchronize(device)
-        return PushHandle(self._core.push(version))
+        return PushHandle(self._core.push(version, self._write_check()))
 
     def close(self) -> None:
         """Leaves the job (idempotent)."""
@@ -342,3 +402,8 @@ class Trainer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _on_cuda(obj: object) -> bool:
+    """Whether ``obj`` is a torch CUDA tensor (duck-typed: no torch import)."""
+    return getattr(getattr(obj, "device", None), "type", None) == "cuda"

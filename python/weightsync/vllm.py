@@ -33,14 +33,20 @@ Two landing modes (``init_info["mode"]``):
   any kernel format (packed oneDNN weights, fp8 scale layouts, repacks) comes out right. The
   engine is paused only for that load. A failed sync never reaches the model: the arena is
   marked dirty from the first write, ``update_weights`` raises, vLLM keeps serving its last
-  loaded version. With tensor parallelism (``tensor_parallel_size=N``, job
+  loaded version. Where CUDA is present the arena is page-locked host memory
+  (``pin_memory``), so the loader's copies to the GPU are DMA from pinned pages rather than
+  pageable copies staged by the driver (:func:`staged_arena`). With tensor parallelism (``tensor_parallel_size=N``, job
   ``--infer tp=N,format=hf``) each worker's arena holds only its rank's box of each tensor, and
   at load each sharded tensor reaches vLLM's loader as a whole-shaped tensor holding only that
   box, which is all the loader reads; at init each box is checked against the one vLLM's
   loader narrows to, and a mismatch is refused naming the tensor (``weightsync._vllm_shards``).
   ``format=hf`` keeps the embedding whole on every rank, as transformers does; vLLM splits it
   by vocabulary rows, so give the job ``embed=vocab`` (``--infer tp=N,format=hf,embed=vocab``)
-  and each rank receives only its rows (a hint is logged at init when it would).
+  and each rank receives only its rows (a hint is logged at init when it would). For a
+  *declared* model (an architecture the planner has no family for: the controller plans from
+  what the workers declare) the arena is the checkpoint's tensors, whole, by the names of the
+  safetensors files vLLM loaded (``weightsync._checkpoint``), declared to the controller;
+  ``init_info["skip"]`` names checkpoint tensors no trainer holds.
 - ``direct`` (job ``format=fused``, vLLM's own parameter names): the writes go straight into
   vLLM's parameters. Only when those are what the kernels read: a parameter emptied by
   kernel packing (``numel() == 0``, e.g. the CPU backend's oneDNN handles on AVX-512 hosts) is
@@ -76,6 +82,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
+from ._checkpoint import CheckpointTensor, checkpoint_folder, checkpoint_tensors
 from ._landing import ArenaNotCommitted, LandingGate
 from ._update import drive
 from .client import Client
@@ -101,6 +108,17 @@ def torch_dtype(name: str) -> torch.dtype:
         raise ValueError(f"dtype {name!r} of the job's layout has no torch dtype here") from None
 
 
+def staged_arena(layout: list[TensorInfo], pin: bool | None = None) -> dict[str, torch.Tensor]:
+    """The staged mode's arena: one host tensor per layout entry. Page-locked (``pin_memory``)
+    where CUDA is present (``pin=None`` asks torch), so vLLM's loader copies it to the GPU by
+    DMA straight from the pinned pages, not through the driver's pageable path (a staging copy
+    per chunk); such copies may also run ``non_blocking``. weightsync registers host memory of
+    either kind the same way."""
+    if pin is None:
+        pin = torch.cuda.is_available()
+    return {t.name: torch.empty(t.shape, dtype=torch_dtype(t.dtype), pin_memory=pin) for t in layout}
+
+
 @dataclass
 class WeightsyncInitInfo(WeightTransferInitInfo):
     """``controller``: the controller's control address ``host:port``; ``mode``: ``staged`` or
@@ -108,7 +126,9 @@ class WeightsyncInitInfo(WeightTransferInitInfo):
     rank within the engine; default: the worker's global rank);
     ``job_token`` / ``listen`` / ``worker_id`` as for :class:`weightsync.Engine`;
     ``landing_wait_s``: how long a direct-mode landing waits for ``update_weights`` to pause
-    the engine before it fails the sync."""
+    the engine before it fails the sync; ``skip``: for a declared model (an architecture the
+    planner has no family for), checkpoint tensors this engine takes nothing of (none of the
+    trainers holds them), as :meth:`weightsync.Engine.register`'s ``skip``."""
 
     controller: str = ""
     mode: str = "staged"
@@ -117,6 +137,7 @@ class WeightsyncInitInfo(WeightTransferInitInfo):
     listen: str | None = None
     worker_id: str | None = None
     landing_wait_s: float = 300.0
+    skip: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -189,11 +210,18 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
                         listen=init_info.listen, worker_id=init_info.worker_id,
                         before_landing=self.gate.before_landing, after_commit=self.gate.after_commit)
         try:
-            if self.mode == "staged":
+            if self.mode == "staged" and engine.declared:
+                # No planned layout: declare the checkpoint's tensors, whole (vLLM's loader
+                # takes them by the checkpoint's names and cuts its own shards).
+                self.arena = {t.name: torch.empty(t.shape, dtype=torch_dtype(t.dtype))
+                              for t in self._checkpoint_layout()}
+                engine.register(self.arena, format="hf", skip=init_info.skip)
+                self.sharded = {}
+            elif self.mode == "staged":
                 layout = engine.layout()
                 sharded = check_boxes(self.model, layout, engine.worker_id, pc.tensor_parallel_size)
                 _hint_whole_embedding(layout, engine.worker_id, pc.tensor_parallel_size)
-                self.arena = {t.name: torch.empty(t.shape, dtype=torch_dtype(t.dtype)) for t in layout}
+                self.arena = staged_arena(layout)
                 engine.register(self.arena, format="hf")
                 self.sharded = {t.name: t for t in sharded}
             else:
@@ -208,6 +236,16 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
                              "registration": self.epochs, "tp": pc.tensor_parallel_size,
                              "tensors": len(self.arena) if self.mode == "staged" else None,
                              "sharded": len(self.sharded) if self.mode == "staged" else None}))
+
+    def _checkpoint_layout(self) -> list[CheckpointTensor]:
+        """A declared model's arena: the tensors of the checkpoint vLLM loaded (its
+        safetensors headers), floating-point ones in the dtype vLLM serves."""
+        mc = self.model_config
+        served = next((n for n, d in _DTYPES.items() if d == mc.dtype), None)
+        if served is None:
+            raise ValueError(f"vLLM serves dtype {mc.dtype}, which weightsync does not move")
+        folder = checkpoint_folder(mc.model, getattr(mc, "revision", None))
+        return checkpoint_tensors(folder, served)
 
     # ---- sleep / wake ---------------------------------------------------------------------
 

@@ -1,12 +1,14 @@
 //! A known model declared by its workers plans the same table as from its config: the
 //! declarations a `format=hf`, `tp=1` job's workers would send (every trainer's FSDP boxes, every
 //! engine's whole tensors), planned as a declared model, give a routing table equal to the
-//! config path's, byte for byte once encoded. So a declared plan is the planner's own plan, not
-//! an approximation of it.
+//! config path's, byte for byte once encoded: Qwen3-0.6B (310 tensors) and Kimi-K2 (fp8, its
+//! experts stacked as transformers holds them). So a declared plan is the planner's own plan,
+//! not an approximation of it.
 //!
 //! `declared_planning_time` (ignored; run with `--release -- --ignored --nocapture`) times both
-//! paths interleaved in one process, Qwen3-0.6B's 310 tensors and Kimi-K2's 10,240-GPU training
-//! side, and prints the ratios.
+//! paths interleaved in one process (Qwen3-0.6B's 310 tensors; Kimi-K2 from the 10,240-GPU job's
+//! 8,192 trainers into an fp8 hf engine; that job's per-expert training side) and prints the
+//! figures and ratios as one JSON object.
 
 use std::time::Instant;
 
@@ -26,6 +28,13 @@ fn world(model: &str, train: &str, infer: &str) -> WorldSpec {
         infer: infer.into(),
         dtype: DType::BF16,
         verify: true,
+    }
+}
+
+fn fp8(w: WorldSpec) -> WorldSpec {
+    WorldSpec {
+        dtype: DType::F8E4M3,
+        ..w
     }
 }
 
@@ -125,57 +134,132 @@ fn a_known_model_declared_plans_the_same_table() {
     }
 }
 
+/// Kimi-K2 (61 layers, 384 routed experts each, MLA attention) as transformers holds it (its
+/// experts stacked: `experts=transformers`), spread by expert parallelism, FSDP and pipeline
+/// stages, into an fp8 `format=hf` engine that declares every block-quantised tensor with its
+/// `weight_scale_inv`: declared, it plans the config's table byte for byte (975 tensors).
+/// Two Kimi-K2 jobs are not declarable: per-expert trainer tensors into an hf engine's stacked
+/// experts (an engine tensor made of many trainer tensors), and the production inference side
+/// (`tp=8` `ep=32` fused): a declared model's engines hold whole trainer tensors by name.
+#[test]
+fn kimi_k2_declared_plans_the_same_table() {
+    let (train, infer) = ("pp=2,ep=4,fsdp=2,experts=transformers", "format=hf");
+    let known = fp8(world("kimi-k2", train, infer));
+    let l = job::layouts(&known, None).unwrap();
+    let t = trainer_declarations(&l);
+    let e = engine_declarations(&l);
+    let from_config = job::plan_job(&known, None).unwrap().table;
+    let declared = plan_declared(&fp8(world("declared:kimi-k2", train, infer)), &t, &e);
+    assert_eq!(declared.num_params, from_config.num_params);
+    assert_eq!(declared.num_params, 975);
+    assert!(
+        declared.to_bincode() == from_config.to_bincode(),
+        "kimi-k2 {train} / {infer} fp8: the declared table differs from the config's"
+    );
+}
+
 /// Median of `xs` seconds.
 fn median(mut xs: Vec<f64>) -> f64 {
     xs.sort_by(f64::total_cmp);
     xs[xs.len() / 2]
 }
 
+/// Times `a` and `b` `n` times each, interleaved (ABBA: neither always runs first); returns
+/// their medians in seconds.
+fn interleaved(n: usize, mut a: impl FnMut(), mut b: impl FnMut()) -> (f64, f64) {
+    let time = |f: &mut dyn FnMut()| {
+        let s = Instant::now();
+        f();
+        s.elapsed().as_secs_f64()
+    };
+    let (mut ta, mut tb) = (Vec::new(), Vec::new());
+    for i in 0..n {
+        if i % 2 == 0 {
+            ta.push(time(&mut a));
+            tb.push(time(&mut b));
+        } else {
+            tb.push(time(&mut b));
+            ta.push(time(&mut a));
+        }
+    }
+    (median(ta), median(tb))
+}
+
+/// One case's figures: both paths' medians and their ratio.
+fn figures(
+    case: &str,
+    what: serde_json::Value,
+    config_s: f64,
+    declared_s: f64,
+) -> serde_json::Value {
+    serde_json::json!({
+        "case": case,
+        "what": what,
+        "config_path_s": config_s,
+        "declared_s": declared_s,
+        "declared_vs_config": declared_s / config_s,
+    })
+}
+
+/// A job planned both ways, `n` times each, interleaved: the config path (`plan_job`: layouts
+/// from the spec, planning) against registration (every worker's declarations through the
+/// control protocol's frames) and planning from the declarations (`plan_declared_job`).
+fn time_job(case: &str, known: &WorldSpec, declared_as: &WorldSpec, n: usize) -> serde_json::Value {
+    let l = job::layouts(known, None).unwrap();
+    let (t, e) = (trainer_declarations(&l), engine_declarations(&l));
+    let (config, declared) = interleaved(
+        n,
+        || {
+            std::hint::black_box(job::plan_job(known, None).unwrap());
+        },
+        || {
+            let t = through_frames(&t, WorkerId::trainer);
+            let e = through_frames(&e, WorkerId::rollout);
+            std::hint::black_box(plan_declared(declared_as, &t, &e));
+        },
+    );
+    let what = serde_json::json!({
+        "model": known.model, "train": known.train, "infer": known.infer,
+        "dtype": known.dtype.to_string(), "tensors": l.model.params.len(),
+        "trainers": t.len(), "engines": e.len(),
+        "declared_shards": t.iter().map(Vec::len).sum::<usize>(), "runs": n,
+    });
+    figures(case, what, config, declared)
+}
+
+/// The 10,240-GPU job's training side with transformers' stacked experts.
+const KIMI_TRAIN_STACKED: &str = "pp=16,ep=32,fsdp=16,experts=transformers";
+
+/// `cargo test --release -p weightsync-schedules --test declared_same_table -- --ignored
+/// --nocapture` prints one JSON object: for each case both paths' median seconds, interleaved
+/// in this process, and `declared_vs_config` (their ratio; only ratios compare on a shared
+/// machine). `$DECLARED_TIMING_JSON` names a file to write it to as well.
 #[test]
 #[ignore = "timing: run with --release -- --ignored --nocapture"]
 fn declared_planning_time() {
-    // Qwen3-0.6B, 310 tensors: registration (frames) + planning from declarations, against
-    // planning from the config, interleaved.
-    let (train, infer) = ("fsdp=8", "dp=2,format=hf");
-    let known = world("qwen3-0.6b", train, infer);
-    let l = job::layouts(&known, None).unwrap();
-    let (t, e) = (trainer_declarations(&l), engine_declarations(&l));
-    let decl_world = world("declared:qwen3-0.6b", train, infer);
-    let (mut a, mut b) = (Vec::new(), Vec::new());
-    for i in 0..40 {
-        let config = || {
-            let s = Instant::now();
-            std::hint::black_box(job::plan_job(&known, None).unwrap());
-            s.elapsed().as_secs_f64()
-        };
-        let declared = || {
-            let s = Instant::now();
-            let t = through_frames(&t, WorkerId::trainer);
-            let e = through_frames(&e, WorkerId::rollout);
-            std::hint::black_box(plan_declared(&decl_world, &t, &e));
-            s.elapsed().as_secs_f64()
-        };
-        if i % 2 == 0 {
-            a.push(config());
-            b.push(declared());
-        } else {
-            b.push(declared());
-            a.push(config());
-        }
-    }
-    let (ma, mb) = (median(a), median(b));
-    println!(
-        "qwen3-0.6b {train} -> {infer}: config path {:.2} ms, declarations (frames + plan) \
-         {:.2} ms: declared / config = {:.2}",
-        ma * 1e3,
-        mb * 1e3,
-        mb / ma
-    );
+    let mut cases = Vec::new();
+    // Qwen3-0.6B, 310 tensors, 8 trainers and 2 engines: registration + planning.
+    cases.push(time_job(
+        "qwen3-0.6b",
+        &world("qwen3-0.6b", "fsdp=8", "dp=2,format=hf"),
+        &world("declared:qwen3-0.6b", "fsdp=8", "dp=2,format=hf"),
+        40,
+    ));
+    // Kimi-K2 as transformers holds it (975 tensors), the 10,240-GPU job's 8,192 trainers into
+    // one fp8 hf engine (the largest Kimi-K2 job a declared model can be here: see
+    // kimi_k2_declared_plans_the_same_table).
+    cases.push(time_job(
+        "kimi-k2 8192 trainers -> hf engine",
+        &fp8(world("kimi-k2", KIMI_TRAIN_STACKED, "format=hf")),
+        &fp8(world("declared:kimi-k2", KIMI_TRAIN_STACKED, "format=hf")),
+        4,
+    ));
 
     // Kimi-K2's 10,240-GPU job: its training side (8,192 ranks) from declarations against the
-    // layout string. (Its inference side, tp=8 ep=32 fused, is not declarable: engines of a
-    // declared model hold whole tensors.)
-    let kimi = world("kimi-k2", "pp=16,ep=32,fsdp=16", "tp=8,ep=32,dp=64");
+    // layout string. (Its inference side, tp=8 ep=32 fused on 2,048 ranks, is not declarable:
+    // engines of a declared model hold whole tensors.) The config path's whole plan of the
+    // job is timed too, for scale.
+    let kimi = fp8(world("kimi-k2", "pp=16,ep=32,fsdp=16", "tp=8,ep=32,dp=64"));
     let tspec = job::train_spec(&kimi).unwrap();
     let model = job::model(&kimi, None, &tspec).unwrap();
     let built = TrainingLayout::build(&model, &tspec).unwrap();
@@ -191,35 +275,35 @@ fn declared_planning_time() {
     };
     let decls = trainer_declarations(&lk);
     let shards: usize = decls.iter().map(Vec::len).sum();
-    let (mut a, mut b) = (Vec::new(), Vec::new());
-    for i in 0..6 {
-        let from_spec = || {
-            let s = Instant::now();
+    let (spec_s, decl_s) = interleaved(
+        6,
+        || {
             std::hint::black_box(TrainingLayout::build(&model, &tspec).unwrap());
-            s.elapsed().as_secs_f64()
-        };
-        let from_decls = || {
-            let s = Instant::now();
+        },
+        || {
             let refs: Vec<&[TensorMeta]> = decls.iter().map(Vec::as_slice).collect();
             std::hint::black_box(declared::from_trainers("kimi-k2", &refs).unwrap());
-            s.elapsed().as_secs_f64()
-        };
-        if i % 2 == 0 {
-            a.push(from_spec());
-            b.push(from_decls());
-        } else {
-            b.push(from_decls());
-            a.push(from_spec());
-        }
-    }
-    let (ma, mb) = (median(a), median(b));
-    println!(
-        "kimi-k2 pp=16,ep=32,fsdp=16 ({} trainers, {shards} declared shards): training layout \
-         from the spec {:.3} s, model + layout from declarations (tiling checked) {:.3} s: \
-         declared / spec = {:.1}",
-        lk.train.ranks,
-        ma,
-        mb,
-        mb / ma
+        },
     );
+    let plan_s = {
+        let s = Instant::now();
+        std::hint::black_box(job::plan_job(&kimi, None).unwrap());
+        s.elapsed().as_secs_f64()
+    };
+    let what = serde_json::json!({
+        "model": kimi.model, "train": kimi.train, "infer": kimi.infer, "dtype": "fp8",
+        "trainers": lk.train.ranks, "declared_shards": shards, "runs": 6,
+        "config_path": "TrainingLayout::build from the layout string",
+        "declared": "model + training layout from the trainers' declarations, tiling checked",
+        "config_whole_plan_s": plan_s,
+    });
+    let mut k = figures("kimi-k2 10240 training side", what, spec_s, decl_s);
+    k["declared_vs_config_whole_plan"] = serde_json::json!(decl_s / plan_s);
+    cases.push(k);
+    let report = serde_json::json!({ "bench": "declared planning", "cases": cases });
+    let text = serde_json::to_string_pretty(&report).unwrap();
+    println!("{text}");
+    if let Ok(path) = std::env::var("DECLARED_TIMING_JSON") {
+        std::fs::write(path, text).unwrap();
+    }
 }

@@ -21,9 +21,9 @@ use weightsync_controller::planning::NullPlanner;
 use weightsync_controller::{AppState, ControllerConfig};
 
 /// Bearer token of test controllers.
-pub const API_TOKEN: &str = "test-api-token";
+pub const API_TOKEN: &str = "test-api-token-0123456789";
 /// Job token of test controllers.
-pub const JOB_TOKEN: &str = "test-job-token";
+pub const JOB_TOKEN: &str = "test-job-token-0123456789";
 /// Bytes placed in every test registration's region blob: must never appear in an HTTP response.
 pub const SECRET_RKEY_MARKER: &[u8] = b"RKEY-7f3a9c";
 

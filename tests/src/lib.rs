@@ -5,7 +5,7 @@
 //! - Worker library: [`loopback`] and [`proxied_cluster`] (trainers and rollouts in one process,
 //!   a lane proxy that cuts or stalls), [`reference`] (expected bytes computed without weightsync).
 //! - Controller: [`controller_harness`] (a served controller, registrations fed straight in,
-//!   scripted agents).
+//!   scripted agents), [`embed_fixture`] (what the in-process embed suites share).
 //! - Processes: [`processes`], [`process_cluster`] (the real binary as a whole job),
 //!   [`netns`] (one network namespace per host), [`proxy`], [`http_raw`], [`proc_stats`].
 //! - Suites (`tests/tests/`): `fabric_*`, `worker_e2e`, `controller_*`, `faults/`, `dashboard`,
@@ -23,6 +23,7 @@ pub mod processes;
 pub mod proxy;
 // Controller harness (controller engineer): in-process controller, registrations, agents.
 pub mod controller_harness;
+pub mod embed_fixture;
 pub mod process_cluster;
 pub mod proxied_cluster;
 pub mod reference;

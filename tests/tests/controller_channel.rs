@@ -141,8 +141,12 @@ async fn raw_worker(
     else {
         panic!("no challenge")
     };
-    let proof = auth::prove(token, &nonce);
-    write_frame(&mut s, &FromWorker::Hello { proof }, DEFAULT_MAX_FRAME)
+    let hello = FromWorker::Hello {
+        role: id.role,
+        nonce: auth::nonce(),
+        proof: auth::prove(token, id.role, &nonce),
+    };
+    write_frame(&mut s, &hello, DEFAULT_MAX_FRAME)
         .await
         .unwrap();
     let verify = ctl.state.config().coordinator.world.verify;
@@ -170,7 +174,10 @@ async fn wrong_token_duplicate_and_contradicting_registrations_are_refused() {
     let ctl = ServedController::start(state(1, 1, false)).await;
     let (_s, reply) = raw_worker(&ctl, "wrong", WorkerId::trainer(0)).await;
     match reply {
-        Some(ToWorker::Rejected { reason }) => assert!(reason.contains("job token"), "{reason}"),
+        Some(ToWorker::Rejected { reason }) => assert!(
+            reason.contains("wrong secret for the trainer role"),
+            "{reason}"
+        ),
         other => panic!("expected rejection, got {other:?}"),
     }
     let (_keep, reply) = raw_worker(&ctl, JOB_TOKEN, WorkerId::trainer(0)).await;
@@ -196,7 +203,9 @@ async fn wrong_token_duplicate_and_contradicting_registrations_are_refused() {
     write_frame(
         &mut s,
         &FromWorker::Hello {
-            proof: auth::prove(JOB_TOKEN, &nonce),
+            role: WorkerRole::Rollout,
+            nonce: auth::nonce(),
+            proof: auth::prove(JOB_TOKEN, WorkerRole::Rollout, &nonce),
         },
         DEFAULT_MAX_FRAME,
     )
@@ -295,16 +304,22 @@ async fn a_sidecar_launched_for_another_job_stops_naming_what_differs() {
     // The job it would have learned is the controller's.
     let (world, model_config) = weightsync_agent::fetch_job(
         &ctl.control.to_string(),
-        JOB_TOKEN,
+        &JOB_TOKEN.into(),
+        WorkerRole::Rollout,
         weightsync_agent::AGENT_MAX_FRAME,
     )
     .await
     .unwrap();
     assert_eq!((world, model_config), (world_of(&ctl), None));
     assert!(
-        weightsync_agent::fetch_job(&ctl.control.to_string(), "wrong", 1 << 20)
-            .await
-            .is_err()
+        weightsync_agent::fetch_job(
+            &ctl.control.to_string(),
+            &"wrong".into(),
+            WorkerRole::Rollout,
+            1 << 20
+        )
+        .await
+        .is_err()
     );
     ctl.stop().await;
 }

@@ -14,12 +14,11 @@ use std::time::Duration;
 use serde_json::Value;
 use weightsync_agent::embed::{
     ApiClient, DstTensor, EmbedError, EngineHandle, EngineOptions, EngineStatus, FailureKind,
-    HostMemory, ShardInfo, SourceTensor, Stage, TrainerHandle, TrainerOptions,
+    ShardInfo, SourceTensor, Stage, TrainerHandle, TrainerOptions,
 };
 use weightsync_common::DType;
-use weightsync_common::protocol::WorldSpec;
-use weightsync_controller::{AppState, ControllerConfig, SchedulesPlanner};
 use weightsync_tests::controller_harness::{API_TOKEN, JOB_TOKEN, ServedController};
+use weightsync_tests::embed_fixture::{Buffer, bf16_value, serve_job};
 use weightsync_tests::http_raw;
 
 /// A small dense Qwen3: row counts that 3 FSDP ranks split unevenly (256 = 86 + 86 + 84).
@@ -29,75 +28,9 @@ const CONFIG: &str = r#"{"model_type":"qwen3","hidden_size":256,"intermediate_si
 
 const WAIT: Option<Duration> = Some(Duration::from_secs(15));
 
-/// One tensor's memory, owned here and registered in place: bytes `at..at + len` of a vector
-/// that the owner object keeps alive for as long as the registration lives.
-struct Buffer {
-    bytes: Arc<Vec<u8>>,
-    at: usize,
-    len: usize,
-}
-
-impl Buffer {
-    fn zeroed(len: usize) -> Buffer {
-        Buffer {
-            bytes: Arc::new(vec![0u8; len]),
-            at: 0,
-            len,
-        }
-    }
-
-    /// Tensors of `lens` bytes back to back in one allocation, the last first (so where each
-    /// lies differs from the planned layout's order).
-    fn carved(lens: &[usize]) -> Vec<Buffer> {
-        let bytes = Arc::new(vec![0u8; lens.iter().sum()]);
-        let mut at = lens.iter().sum::<usize>();
-        lens.iter()
-            .map(|&len| {
-                at -= len;
-                Buffer {
-                    bytes: bytes.clone(),
-                    at,
-                    len,
-                }
-            })
-            .collect()
-    }
-
-    fn ptr(&self) -> *mut u8 {
-        self.bytes[self.at..].as_ptr() as *mut u8
-    }
-
-    fn memory(&self) -> HostMemory {
-        // SAFETY: heap memory inside the vector that never moves; the registration keeps a
-        // clone of the Arc, so it outlives every read and write; the test writes it (`fill`)
-        // only between syncs and reads it (`read`) only after a commit.
-        unsafe { HostMemory::from_raw(self.ptr(), self.len, Box::new(self.bytes.clone())) }
-    }
-
-    /// The owner rewriting its tensor between syncs (as an optimizer step does).
-    fn fill(&self, data: &[u8]) {
-        assert_eq!(data.len(), self.len);
-        // SAFETY: the range lies in the vector; no sync runs (the test fills before it pushes),
-        // so nothing reads these bytes meanwhile.
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr(), data.len()) };
-    }
-
-    /// A copy of what landed.
-    fn read(&self) -> Vec<u8> {
-        let mut out = vec![0u8; self.len];
-        // SAFETY: read after the version committed: no write to these bytes is in flight.
-        unsafe { std::ptr::copy_nonoverlapping(self.ptr(), out.as_mut_ptr(), out.len()) };
-        out
-    }
-}
-
 /// The value of element `flat` of parameter `name` at `version` (a bf16 bit pattern).
 fn value(name: &str, flat: u64, version: u64) -> [u8; 2] {
-    let h = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-        (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
-    });
-    let x = h ^ flat.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ version.wrapping_mul(0x85eb_ca6b);
-    ((x >> 17) as u16 & 0x3fff).to_le_bytes()
+    bf16_value(name, flat, version).to_le_bytes()
 }
 
 /// A shard's bytes at `version`: each local element's value at its global position.
@@ -274,30 +207,7 @@ fn controller_with(
     train: &str,
     dtype: DType,
 ) -> (tokio::runtime::Runtime, ServedController) {
-    let path = dir.path().join("config.json");
-    std::fs::write(&path, config).unwrap();
-    let world = WorldSpec {
-        model: path.to_string_lossy().into_owned(),
-        train: train.into(),
-        infer: "tp=1,dp=2,format=hf".into(),
-        dtype,
-        verify: true,
-    };
-    let cfg = ControllerConfig::for_job(
-        world,
-        JOB_TOKEN.into(),
-        API_TOKEN.into(),
-        Duration::from_secs(3),
-        Duration::from_secs(30),
-        64,
-    )
-    .unwrap();
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    let ctl = rt.block_on(ServedController::start(AppState::new(
-        cfg,
-        Box::new(SchedulesPlanner),
-    )));
-    (rt, ctl)
+    serve_job(dir, config, train, "tp=1,dp=2,format=hf", dtype)
 }
 
 /// Pushes `version` from every trainer and waits for each.

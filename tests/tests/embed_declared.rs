@@ -7,18 +7,16 @@
 //! byte, version after version. An engine that disagrees on a tensor's shape gets the plan's
 //! failure naming the tensor and both ranks, as does every trainer's push and `GET /v1/plan`.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use weightsync_agent::embed::{
-    DeclaredShard, DstTensor, EmbedError, EngineHandle, EngineOptions, HostMemory, SourceTensor,
-    TrainerHandle, TrainerOptions,
+    DeclaredShard, DstTensor, EmbedError, EngineHandle, EngineOptions, SourceTensor, TrainerHandle,
+    TrainerOptions,
 };
 use weightsync_common::DType;
-use weightsync_common::protocol::WorldSpec;
-use weightsync_controller::{AppState, ControllerConfig, SchedulesPlanner};
 use weightsync_schedules::layout_train::torch_chunk;
-use weightsync_tests::controller_harness::{API_TOKEN, JOB_TOKEN, ServedController};
+use weightsync_tests::controller_harness::{JOB_TOKEN, ServedController};
+use weightsync_tests::embed_fixture::{Buffer, bf16_value, serve_job};
 use weightsync_tests::http_raw;
 
 const WAIT: Option<Duration> = Some(Duration::from_secs(20));
@@ -50,47 +48,10 @@ const TENSORS: &[(&str, &[u64], DType)] = &[
     ("model.norm.weight", &[16], DType::BF16),
 ];
 
-/// Memory registered in place, kept alive by the registration.
-struct Buffer {
-    bytes: Arc<Vec<u8>>,
-}
-
-impl Buffer {
-    fn zeroed(len: usize) -> Buffer {
-        Buffer {
-            bytes: Arc::new(vec![0u8; len]),
-        }
-    }
-
-    fn ptr(&self) -> *mut u8 {
-        self.bytes.as_ptr() as *mut u8
-    }
-
-    fn memory(&self) -> HostMemory {
-        // SAFETY: a heap vector that never moves, kept alive by the Arc clone the registration
-        // owns; written only between syncs (`fill`), read only after a commit (`read`).
-        unsafe { HostMemory::from_raw(self.ptr(), self.bytes.len(), Box::new(self.bytes.clone())) }
-    }
-
-    fn fill(&self, data: &[u8]) {
-        assert_eq!(data.len(), self.bytes.len());
-        // SAFETY: inside the vector; no sync runs while the test fills it.
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr(), data.len()) };
-    }
-
-    fn read(&self) -> Vec<u8> {
-        self.bytes.to_vec()
-    }
-}
-
 /// Element `flat` of tensor `name` at `version`, as a value of `dtype` (small, exactly
 /// representable in bf16, so an f32 -> bf16 cast keeps it).
 fn value(name: &str, flat: u64, version: u64, dtype: DType) -> Vec<u8> {
-    let h = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-        (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
-    });
-    let x = h ^ flat.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ version.wrapping_mul(0x85eb_ca6b);
-    let bf16 = (x >> 17) as u16 & 0x3fff;
+    let bf16 = bf16_value(name, flat, version);
     match dtype {
         DType::BF16 => bf16.to_le_bytes().to_vec(),
         DType::F32 => (f32::from_bits(u32::from(bf16) << 16))
@@ -223,34 +184,13 @@ impl Engine {
 
 /// A controller of a gemma3_text job (a family the planner does not know) on loopback.
 fn controller(dir: &tempfile::TempDir) -> (tokio::runtime::Runtime, ServedController) {
-    let path = dir.path().join("config.json");
-    std::fs::write(
-        &path,
+    serve_job(
+        dir,
         r#"{"model_type":"gemma3_text","hidden_size":16,"num_hidden_layers":2}"#,
+        "fsdp=3",
+        "dp=2,format=hf",
+        DType::BF16,
     )
-    .unwrap();
-    let world = WorldSpec {
-        model: path.to_string_lossy().into_owned(),
-        train: "fsdp=3".into(),
-        infer: "dp=2,format=hf".into(),
-        dtype: DType::BF16,
-        verify: true,
-    };
-    let cfg = ControllerConfig::for_job(
-        world,
-        JOB_TOKEN.into(),
-        API_TOKEN.into(),
-        Duration::from_secs(3),
-        Duration::from_secs(30),
-        64,
-    )
-    .unwrap();
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    let ctl = rt.block_on(ServedController::start(AppState::new(
-        cfg,
-        Box::new(SchedulesPlanner),
-    )));
-    (rt, ctl)
 }
 
 /// Pushes `version` from every trainer and waits for each.

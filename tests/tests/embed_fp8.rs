@@ -5,78 +5,44 @@
 //! (`weightsync_demo::weights::expected_rollout`: the scalar reference quantiser on the
 //! logical tensors), byte for byte.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use weightsync_agent::embed::{
-    DstTensor, DstTensorInfo, EngineHandle, EngineOptions, HostMemory, ShardInfo, SourceTensor,
-    TrainerHandle, TrainerOptions,
+    DstTensor, DstTensorInfo, EngineHandle, EngineOptions, ShardInfo, SourceTensor, TrainerHandle,
+    TrainerOptions,
 };
 use weightsync_common::DType;
 use weightsync_common::protocol::WorldSpec;
-use weightsync_controller::{AppState, ControllerConfig, SchedulesPlanner};
 use weightsync_demo::weights::{expected_rollout, fill_shard};
 use weightsync_schedules::job::{self, JobLayouts};
 use weightsync_schedules::table::{LocalShard, ParamRef, TensorBox};
-use weightsync_tests::controller_harness::{API_TOKEN, JOB_TOKEN, ServedController};
+use weightsync_tests::controller_harness::{JOB_TOKEN, ServedController};
+use weightsync_tests::embed_fixture::{Buffer, serve_job};
 
 const CONFIG: &str = r#"{"model_type":"qwen3","hidden_size":256,"intermediate_size":512,
  "num_hidden_layers":1,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":64,
  "vocab_size":320}"#;
 const SEED: u64 = 7;
+const TRAIN: &str = "fsdp=3";
+const INFER: &str = "tp=1,dp=2,format=hf";
 
-/// A vector registered in place; the registration keeps a clone of the Arc.
-fn memory(bytes: &Arc<Vec<u8>>) -> HostMemory {
-    // SAFETY: heap memory of this length that never moves, kept alive by the owner passed
-    // along; written by the test only between syncs, read only after a commit.
-    unsafe {
-        HostMemory::from_raw(
-            bytes.as_ptr() as *mut u8,
-            bytes.len(),
-            Box::new(bytes.clone()),
-        )
-    }
-}
-
-fn write(bytes: &Arc<Vec<u8>>, data: &[u8]) {
-    assert_eq!(bytes.len(), data.len());
-    // SAFETY: as in `memory`; no sync runs while the test writes.
-    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), bytes.as_ptr() as *mut u8, data.len()) };
-}
-
-fn read(bytes: &Arc<Vec<u8>>) -> Vec<u8> {
-    let mut out = vec![0u8; bytes.len()];
-    // SAFETY: read after the version committed.
-    unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), out.as_mut_ptr(), out.len()) };
-    out
-}
-
-type Buffers<T> = Vec<(T, Arc<Vec<u8>>)>;
+type Buffers<T> = Vec<(T, Buffer)>;
 
 /// The controller of the fp8 job, served on loopback, and the job's layouts.
 fn serve(dir: &tempfile::TempDir) -> (tokio::runtime::Runtime, ServedController, JobLayouts) {
-    let path = dir.path().join("config.json");
-    std::fs::write(&path, CONFIG).unwrap();
+    let (rt, ctl) = serve_job(dir, CONFIG, TRAIN, INFER, DType::F8E4M3);
     let world = WorldSpec {
-        model: path.to_string_lossy().into_owned(),
-        train: "fsdp=3".into(),
-        infer: "tp=1,dp=2,format=hf".into(),
+        model: dir
+            .path()
+            .join("config.json")
+            .to_string_lossy()
+            .into_owned(),
+        train: TRAIN.into(),
+        infer: INFER.into(),
         dtype: DType::F8E4M3,
         verify: true,
     };
     let layouts = job::layouts(&world, Some(CONFIG)).unwrap();
-    let cfg = ControllerConfig::for_job(
-        world,
-        JOB_TOKEN.into(),
-        API_TOKEN.into(),
-        Duration::from_secs(3),
-        Duration::from_secs(30),
-        16,
-    )
-    .unwrap();
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    let state = AppState::new(cfg, Box::new(SchedulesPlanner));
-    let ctl = rt.block_on(ServedController::start(state));
     (rt, ctl, layouts)
 }
 
@@ -92,7 +58,7 @@ fn engine(control: &str, rank: u32) -> (EngineHandle, Buffers<DstTensorInfo>) {
         .into_iter()
         .map(|t| {
             let len = t.shape.iter().product::<u64>() as usize * t.dtype.size();
-            (t, Arc::new(vec![0u8; len]))
+            (t, Buffer::zeroed(len))
         })
         .collect();
     let dst = bufs
@@ -101,7 +67,7 @@ fn engine(control: &str, rank: u32) -> (EngineHandle, Buffers<DstTensorInfo>) {
             name: t.name.clone(),
             dtype: t.dtype,
             shape: t.shape.clone(),
-            memory: memory(b),
+            memory: b.memory(),
         })
         .collect();
     e.register(dst).unwrap();
@@ -120,7 +86,7 @@ fn trainer(control: &str, rank: u32) -> (TrainerHandle, Buffers<ShardInfo>) {
         .into_iter()
         .map(|s| {
             let len = s.shape.iter().product::<u64>() as usize * s.dtype.size();
-            (s, Arc::new(vec![0u8; len]))
+            (s, Buffer::zeroed(len))
         })
         .collect();
     let tensors = shards
@@ -129,7 +95,7 @@ fn trainer(control: &str, rank: u32) -> (TrainerHandle, Buffers<ShardInfo>) {
             name: s.name.clone(),
             dtype: s.dtype,
             shape: s.shape.clone(),
-            memory: memory(b),
+            memory: b.memory(),
         })
         .collect();
     t.register(tensors).unwrap();
@@ -157,7 +123,7 @@ fn step(layouts: &JobLayouts, shards: &Buffers<ShardInfo>, version: u64) {
         };
         let mut data = vec![0u8; b.len()];
         fill_shard(&mut data, &shard, &param, SEED, version);
-        write(b, &data);
+        b.fill(&data);
     }
 }
 
@@ -169,7 +135,7 @@ fn check(layouts: &JobLayouts, rank: u32, bufs: &Buffers<DstTensorInfo>, version
         let p = planned.tensors.iter().find(|p| p.name == t.name).unwrap();
         let (a, z) = (p.offset as usize, (p.offset + p.len) as usize);
         assert!(
-            read(b) == want[p.mr as usize][a..z],
+            b.read() == want[p.mr as usize][a..z],
             "rollout-{rank}: {} ({}) differs from the reference at version {version}",
             t.name,
             t.dtype

@@ -115,7 +115,9 @@ async fn fake_worker(control: SocketAddr, id: WorkerId) {
     };
     for msg in [
         FromWorker::Hello {
-            proof: auth::prove(JOB_TOKEN, &nonce),
+            role: id.role,
+            nonce: auth::nonce(),
+            proof: auth::prove(JOB_TOKEN, id.role, &nonce),
         },
         FromWorker::Register(Box::new(reg)),
     ] {

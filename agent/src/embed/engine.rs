@@ -7,6 +7,7 @@ use parking_lot::Mutex;
 use tokio::runtime::Runtime;
 use weightsync_common::fabric::Fabric;
 use weightsync_common::protocol::{FromWorker, Stage, TensorMeta, WorkerId, WorldSpec};
+use weightsync_common::secret::Secret;
 use weightsync_schedules::job;
 use weightsync_schedules::layout_infer::ParamBox;
 use weightsync_schedules::table::RolloutPlan;
@@ -28,7 +29,7 @@ pub struct EngineOptions {
     /// Global inference rank.
     pub rank: u32,
     /// Job token (default: `$WEIGHTSYNC_JOB_TOKEN`, else none).
-    pub job_token: Option<String>,
+    pub job_token: Option<Secret>,
     /// Fabric listen address (default `127.0.0.1:0`).
     pub listen: Option<String>,
     /// Worker id (default `rollout-{rank}`).
@@ -80,11 +81,11 @@ impl EngineHandle {
         let clock = Instant::now();
         let reach = Reach::new(
             &opts.controller,
-            opts.job_token.as_deref(),
+            opts.job_token.as_ref(),
             opts.listen.as_deref(),
             WorkerId::rollout(opts.rank),
             opts.worker_id.as_deref(),
-        );
+        )?;
         let st = start(&reach)?;
         let declared = job::is_declared(&st.world, st.model_config.as_deref());
         let (planned, boxes) = if declared {

@@ -61,6 +61,7 @@ impl Default for Watched {
         Watched {
             state: EngineState {
                 version: None,
+                run: 0,
                 status: EngineStatus::Idle,
                 cause: None,
             },
@@ -157,6 +158,24 @@ impl SyncDriver for EngineDriver {
 
     async fn prepare(&mut self, sync: SyncRef) -> Result<WorkerReport, DriverError> {
         let v = sync.version;
+        let held = {
+            let w = self.shared.state.lock();
+            w.state.version.map(|hv| (w.state.run, hv))
+        };
+        if let Some((hr, hv)) = held
+            && (sync.run, v) < (hr, hv)
+        {
+            // A controller that forgot what it committed (restarted without its state file):
+            // never go back silently.
+            return Err(DriverError::new(
+                FailureKind::Stale,
+                format!(
+                    "engine {} holds version {hv} of run {hr}; version {v} of run {} would go \
+                     back (a job restarted from an older checkpoint declares a new run)",
+                    self.name, sync.run
+                ),
+            ));
+        }
         // Before the hook: an engine may time its pause from inside it.
         self.shared.remember(sync);
         let hook = self.shared.hooks.lock().before_landing.clone();
@@ -209,6 +228,7 @@ impl SyncDriver for EngineDriver {
                     Ok(()) => self.shared.update(|w| {
                         w.state = EngineState {
                             version: Some(v),
+                            run: sync.run,
                             status: EngineStatus::Committed,
                             cause: None,
                         };

@@ -161,6 +161,13 @@ pub struct SyncOutcome {
     pub seconds: f64,
     /// Per stage of this trainer's part, its span in seconds (first start to last end).
     pub stages: Vec<(String, f64)>,
+    /// `Some(why)`: the version never synced because a newer version (or run) was pushed
+    /// first; not a failure (the figures are zero).
+    pub superseded: Option<String>,
+    /// How this trainer's bytes reached their receivers (`TransferPaths::name` names the path:
+    /// `payloads`, `process_vm_readv`, `shared_memory` or `mixed`); `None` where the fabric
+    /// does not count them.
+    pub paths: Option<weightsync_common::fabric::TransferPaths>,
 }
 
 /// Where an engine's weights stand.
@@ -181,6 +188,8 @@ pub enum EngineStatus {
 pub struct EngineState {
     /// The last committed version.
     pub version: Option<u64>,
+    /// The job's run that version belongs to: `(run, version)` never goes back.
+    pub run: u64,
     /// Status.
     pub status: EngineStatus,
     /// Why it is invalid (or why the last sync failed).
@@ -252,6 +261,19 @@ pub enum EmbedError {
         tensor: Option<String>,
         /// Why.
         cause: String,
+    },
+    /// A push while the sync of this trainer's previous push is still reading its tensors.
+    #[error(
+        "{worker}: cannot push version {version} while the sync of version {running} is running \
+         (its tensors are being read): wait for it first"
+    )]
+    Busy {
+        /// This worker.
+        worker: String,
+        /// The version pushed.
+        version: u64,
+        /// The version whose sync runs.
+        running: u64,
     },
     /// A wait ran out of time (retryable).
     #[error("timed out waiting for {what}")]

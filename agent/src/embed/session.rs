@@ -13,6 +13,8 @@ use weightsync_common::fabric::{Fabric, FabricConfig};
 use weightsync_common::protocol::{Failure, FromWorker, WorkerId, WorldSpec};
 
 use super::EmbedError;
+use weightsync_common::secret::Secret;
+
 use crate::control::{AgentConfig, AgentEvent, AgentLink, fetch_job, run_agent_with};
 use crate::driver::SyncDriver;
 
@@ -20,7 +22,9 @@ use crate::driver::SyncDriver;
 #[derive(Debug, Clone)]
 pub(crate) struct Reach {
     pub controller: String,
-    pub token: String,
+    pub token: Secret,
+    /// The fabric's secret (`WEIGHTSYNC_FABRIC_TOKEN`, else `token`).
+    pub fabric_token: Secret,
     pub listen: Option<String>,
     pub id: WorkerId,
     pub name: String,
@@ -29,22 +33,33 @@ pub(crate) struct Reach {
 impl Reach {
     pub(crate) fn new(
         controller: &str,
-        token: Option<&str>,
+        token: Option<&Secret>,
         listen: Option<&str>,
         id: WorkerId,
         name: Option<&str>,
-    ) -> Reach {
-        let token = token
-            .map(str::to_string)
-            .or_else(|| std::env::var("WEIGHTSYNC_JOB_TOKEN").ok())
-            .unwrap_or_default();
-        Reach {
+    ) -> Result<Reach, EmbedError> {
+        let name = name.map_or_else(|| id.to_string(), str::to_string);
+        let env = |k: &str| std::env::var(k).ok();
+        let refused = |reason: String| EmbedError::Connect {
+            worker: name.clone(),
+            reason,
+        };
+        let token = match token {
+            Some(t) => t.clone(),
+            None => crate::config::role_secret(id.role, &env)
+                .map_err(|e| refused(e.to_string()))?
+                .unwrap_or_else(|| Secret::from("")),
+        };
+        let fabric_token =
+            crate::config::fabric_secret(&env, &token).map_err(|e| refused(e.to_string()))?;
+        Ok(Reach {
             controller: controller.to_string(),
             token,
+            fabric_token,
             listen: listen.map(str::to_string),
             id,
-            name: name.map_or_else(|| id.to_string(), str::to_string),
-        }
+            name,
+        })
     }
 
     pub(crate) fn connect_error(&self, reason: impl std::fmt::Display) -> EmbedError {
@@ -58,7 +73,7 @@ impl Reach {
     /// same-host pulls unless `WEIGHTSYNC_SAME_HOST` turns them off ([`start`] refuses a value
     /// that is neither true nor false, naming the variable).
     pub(crate) fn fabric_config(&self) -> FabricConfig {
-        let mut cfg = FabricConfig::loopback(&self.token, 2);
+        let mut cfg = FabricConfig::loopback(self.fabric_token.expose(), 2);
         if let Some(l) = &self.listen {
             cfg.listen = l.clone();
         }
@@ -89,6 +104,7 @@ pub(crate) fn start(reach: &Reach) -> Result<Started, EmbedError> {
         .block_on(fetch_job(
             &reach.controller,
             &reach.token,
+            reach.id.role,
             crate::AGENT_MAX_FRAME,
         ))
         .map_err(|e| reach.connect_error(e))?;
@@ -119,6 +135,11 @@ pub(crate) enum End {
 #[derive(Debug, Default)]
 pub(crate) struct EndsState {
     pub registered: bool,
+    /// Registrations so far (more than one: the controller was lost and found again).
+    pub registrations: u32,
+    /// A trainer's last push, `(version, run)`: re-sent after a re-registration while it has
+    /// no end (a restarted controller knows nothing of the pushes made before its crash).
+    pub outstanding: Option<(u64, u64)>,
     /// The last plan heard of: its id, or why it failed.
     pub plan: Option<Result<u64, String>>,
     pub by_version: BTreeMap<u64, End>,
@@ -159,7 +180,10 @@ impl Ends {
     fn record(&self, ev: AgentEvent) {
         let mut st = self.state.lock();
         match ev {
-            AgentEvent::Registered => st.registered = true,
+            AgentEvent::Registered => {
+                st.registered = true;
+                st.registrations += 1;
+            }
             AgentEvent::Committed { version, .. } => {
                 let at = Instant::now();
                 st.by_version.insert(version, End::Committed { at });
@@ -258,9 +282,28 @@ pub(crate) fn run_session<D: SyncDriver>(
     };
     spawn_quiet(rt, run_agent_with(cfg, driver, link));
     let pump = ends.clone();
+    // Weak: a strong sender here would keep the outbox open, and leaving waits for it to close.
+    let resend = out_tx.downgrade();
     rt.spawn(async move {
         while let Some(ev) = ev_rx.recv().await {
+            let again = matches!(ev, AgentEvent::Registered);
             pump.record(ev);
+            if !again {
+                continue;
+            }
+            let push = {
+                let st = pump.state.lock();
+                st.outstanding
+                    .filter(|(v, _)| st.registrations > 1 && !st.by_version.contains_key(v))
+            };
+            if let Some((version, run)) = push {
+                tracing::info!(
+                    "re-sending the push of version {version} (run {run}) after re-registering"
+                );
+                if let Some(tx) = resend.upgrade() {
+                    let _ = tx.try_send(FromWorker::Push { version, run });
+                }
+            }
         }
     });
     let joined = ends.wait(Some(within), |st| {

@@ -9,12 +9,15 @@ use tokio::runtime::Runtime;
 use weightsync_common::DType;
 use weightsync_common::fabric::Fabric;
 use weightsync_common::protocol::{FromWorker, TensorMeta, WorkerId, WorldSpec};
+use weightsync_common::secret::Secret;
 use weightsync_schedules::job;
 use weightsync_worker::{ArenaTensor, SourceError, SyncReport, TensorSet, shard_names};
 
 use super::session::{End, Ends, LEAVE_WITHIN, Reach, Session, run_session, start};
 use super::{DeclaredShard, EmbedError, ShardInfo, SourceTensor, SyncOutcome, sync_failed};
-use crate::trainer::{ReportSlot, SourceSpec, TrainerDriver, TrainerDriverConfig};
+use crate::trainer::{
+    HoldingSlot, ReportSlot, SourceSpec, TrainerDriver, TrainerDriverConfig, WriteCheck,
+};
 
 /// How a training rank reaches its controller.
 #[derive(Debug, Clone, Default)]
@@ -24,7 +27,7 @@ pub struct TrainerOptions {
     /// Training rank.
     pub rank: u32,
     /// Job token (default: `$WEIGHTSYNC_JOB_TOKEN`, else none).
-    pub job_token: Option<String>,
+    pub job_token: Option<Secret>,
     /// Fabric listen address (default `127.0.0.1:0`).
     pub listen: Option<String>,
     /// Worker id (default `trainer-{rank}`).
@@ -33,6 +36,8 @@ pub struct TrainerOptions {
     /// from the registered tensors (by default, with verification on, the trainer keeps the
     /// bytes it last wrote and sends engines only what changed: see `weightsync_worker::delta`).
     pub full_syncs: bool,
+    /// The job's run its versions belong to (default 0; see [`TrainerHandle::begin_run`]).
+    pub run: u64,
 }
 
 impl TrainerOptions {
@@ -61,9 +66,11 @@ pub struct TrainerHandle {
     expected: Vec<ArenaTensor>,
     fabric: Fabric,
     rt: Mutex<Option<Runtime>>,
-    session: Mutex<Option<(Session, ReportSlot)>>,
     /// See [`TrainerOptions::full_syncs`].
     full_syncs: bool,
+    session: Mutex<Option<(Session, ReportSlot, HoldingSlot)>>,
+    /// The job's run this trainer's versions belong to.
+    run: std::sync::atomic::AtomicU64,
 }
 
 impl std::fmt::Debug for TrainerHandle {
@@ -166,11 +173,11 @@ impl TrainerHandle {
         let id = WorkerId::trainer(opts.rank);
         let reach = Reach::new(
             &opts.controller,
-            opts.job_token.as_deref(),
+            opts.job_token.as_ref(),
             opts.listen.as_deref(),
             id,
             opts.worker_id.as_deref(),
-        );
+        )?;
         let st = start(&reach)?;
         let declared = job::is_declared(&st.world, st.model_config.as_deref());
         let (layout, expected) = if declared {
@@ -198,6 +205,7 @@ impl TrainerHandle {
             rt: Mutex::new(Some(st.rt)),
             session: Mutex::new(None),
             full_syncs: opts.full_syncs,
+            run: std::sync::atomic::AtomicU64::new(opts.run),
         })
     }
 
@@ -289,7 +297,7 @@ impl TrainerHandle {
     /// could not ([`EmbedError::PlanFailed`]: for a declared model, the tensor and both sides).
     pub fn wait_plan(&self, timeout: Option<Duration>) -> Result<u64, EmbedError> {
         let session = self.session.lock();
-        let Some((s, _)) = session.as_ref() else {
+        let Some((s, _, _)) = session.as_ref() else {
             return Err(EmbedError::Registration {
                 worker: self.reach.name.clone(),
                 tensor: None,
@@ -382,6 +390,7 @@ impl TrainerHandle {
             driver.full_syncs_only();
         }
         let reports = driver.keep_reports();
+        let holding = driver.hold();
         let s = run_session(
             rt,
             &self.reach,
@@ -389,26 +398,79 @@ impl TrainerHandle {
             driver,
             Duration::from_secs(60),
         )?;
-        *session = Some((s, reports));
+        *session = Some((s, reports, holding));
+        Ok(())
+    }
+
+    /// The job's run this trainer's versions belong to.
+    pub fn run(&self) -> u64 {
+        self.run.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Declares that this trainer's versions from now on belong to `run` (larger than the
+    /// current one): a job restarted from a checkpoint does so, after which its versions may
+    /// restart below the last committed one. The controller begins the run with the first push
+    /// of it.
+    pub fn begin_run(&self, run: u64) -> Result<(), EmbedError> {
+        let current = self.run();
+        if run <= current {
+            return Err(EmbedError::Registration {
+                worker: self.reach.name.clone(),
+                tensor: None,
+                reason: format!("run {run} is not newer than this trainer's run {current}"),
+            });
+        }
+        self.run.store(run, std::sync::atomic::Ordering::SeqCst);
         Ok(())
     }
 
     /// Says that the registered tensors hold `version` and stay put until it ends: the sync
-    /// starts once every trainer pushed it. Wait on the handle for its end.
+    /// starts once every trainer pushed it. Wait on the handle for its end. Refused
+    /// ([`EmbedError::Busy`]) while the sync of the previous push is running here.
     pub fn push(&self, version: u64) -> Result<PushHandle, EmbedError> {
+        self.push_checked(version, None)
+    }
+
+    /// [`push`](Self::push) with a check of the tensors: `unchanged`, when given, is asked once the sync read every byte whether a registered tensor was written
+    /// since this push (it names the tensor); a sync that saw a write fails naming it.
+    ///
+    /// Refused ([`EmbedError::Busy`]) while the sync of the previous push is running here: its
+    /// bytes are being read.
+    pub fn push_checked(
+        &self,
+        version: u64,
+        unchanged: Option<WriteCheck>,
+    ) -> Result<PushHandle, EmbedError> {
         let name = self.reach.name.clone();
         let session = self.session.lock();
-        let Some((s, reports)) = session.as_ref() else {
+        let Some((s, reports, holding)) = session.as_ref() else {
             return Err(EmbedError::Registration {
                 worker: name,
                 tensor: None,
                 reason: "push before register".into(),
             });
         };
-        // A retried version waits for its new attempt, not the old end.
-        s.ends.state.lock().by_version.remove(&version);
+        let run = self.run();
+        {
+            let mut ends = s.ends.state.lock();
+            let mut h = holding.lock();
+            if let Some((_, running)) = h.syncing
+                && !ends.by_version.contains_key(&running)
+            {
+                return Err(EmbedError::Busy {
+                    worker: name,
+                    version,
+                    running,
+                });
+            }
+            h.held = Some((run, version));
+            h.unchanged = unchanged;
+            // A retried version waits for its new attempt, not the old end.
+            ends.by_version.remove(&version);
+            ends.outstanding = Some((version, run));
+        }
         s.outbox
-            .try_send(FromWorker::Push { version })
+            .try_send(FromWorker::Push { version, run })
             .map_err(|_| EmbedError::Closed {
                 worker: name.clone(),
             })?;
@@ -489,6 +551,20 @@ impl PushHandle {
             Some(Err(_)) => Err(EmbedError::Closed {
                 worker: self.worker.clone(),
             }),
+            Some(Ok(End::Aborted {
+                failure: Some(f), ..
+            })) if f.kind == weightsync_common::protocol::FailureKind::Superseded => {
+                Ok(SyncOutcome {
+                    version: v,
+                    bytes: 0,
+                    staged_bytes: 0,
+                    direct_bytes: 0,
+                    seconds: self.pushed.elapsed().as_secs_f64(),
+                    stages: Vec::new(),
+                    superseded: Some(f.cause),
+                    paths: None,
+                })
+            }
             Some(Ok(End::Aborted { reason, failure })) => {
                 Err(sync_failed(v, &reason, failure.as_ref()))
             }
@@ -505,6 +581,8 @@ impl PushHandle {
             direct_bytes: 0,
             seconds: at.saturating_duration_since(self.pushed).as_secs_f64(),
             stages: Vec::new(),
+            superseded: None,
+            paths: None,
         };
         if let Some((rv, r)) = self.reports.lock().as_ref()
             && *rv == v
@@ -513,6 +591,7 @@ impl PushHandle {
             out.staged_bytes = r.staged_bytes;
             out.direct_bytes = r.direct_bytes;
             out.stages = stage_spans(r);
+            out.paths = r.paths;
         }
         out
     }

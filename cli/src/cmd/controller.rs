@@ -2,8 +2,12 @@
 //!
 //! It serves the HTTP API and dashboard on `--http` and the workers' control channel on
 //! `--control`, expects the workers the job's layouts imply, plans once they are all registered,
-//! and runs a sync whenever the training loop posts to `/v1/syncs`. Tokens come from
-//! `WEIGHTSYNC_JOB_TOKEN` (workers) and `WEIGHTSYNC_API_TOKEN` (mutating HTTP calls).
+//! and runs a sync whenever the training loop posts to `/v1/syncs`. Secrets come from the
+//! environment (or the file each `_FILE` variable names), never the command line:
+//! `WEIGHTSYNC_TRAINER_TOKEN` and `WEIGHTSYNC_ENGINE_TOKEN` (one per worker role; either falls
+//! back to `WEIGHTSYNC_JOB_TOKEN`, one secret for both), `WEIGHTSYNC_API_TOKEN` (mutating HTTP
+//! calls) and optionally `WEIGHTSYNC_READ_TOKEN` (then the views need a token too); see
+//! `docs/security.md`.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -13,7 +17,7 @@ use serde::Deserialize;
 use weightsync_common::DType;
 use weightsync_common::protocol::WorldSpec;
 
-use weightsync_controller::{AppState, ControllerConfig, SchedulesPlanner};
+use weightsync_controller::{AppState, ControllerConfig, ControllerSecrets, SchedulesPlanner};
 
 /// Arguments of `weightsync controller` (the TOML file takes the same keys).
 #[derive(Debug, Clone, Default, Deserialize, clap::Args)]
@@ -53,6 +57,11 @@ pub struct Settings {
     /// hold), which are sent where they pay by default [default: false].
     #[arg(long)]
     pub full_syncs: Option<bool>,
+    /// File that keeps what must survive the controller's own crash (the run, the last
+    /// committed version, the next sync id): a restarted controller carries on from it, so
+    /// epochs never repeat and engines never go back. Written atomically [default: none].
+    #[arg(long, env = "WEIGHTSYNC_STATE_FILE")]
+    pub state_file: Option<PathBuf>,
 }
 
 /// Arguments of `weightsync controller`.
@@ -64,15 +73,6 @@ pub struct Args {
     /// Settings.
     #[command(flatten)]
     pub settings: Settings,
-}
-
-fn env_token(name: &str) -> anyhow::Result<String> {
-    std::env::var(name)
-        .ok()
-        .filter(|t| !t.is_empty())
-        .with_context(|| {
-            format!("set {name} (a secret shared with the workers / the training loop)")
-        })
 }
 
 /// Runs `weightsync controller`.
@@ -102,10 +102,18 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             .map_err(anyhow::Error::msg)?,
         verify: s.verify.or(file.verify).unwrap_or(true),
     };
+    match weightsync_common::open_files::raise_open_file_limit() {
+        Ok(n) => tracing::info!("open-file limit {n}"),
+        Err(e) => tracing::warn!("cannot raise the open-file limit: {e}"),
+    }
+    let secrets = ControllerSecrets::from_env(&|k| std::env::var(k).ok())?;
+    for warning in secrets.warnings() {
+        tracing::warn!("{warning}");
+    }
     let mut cfg = ControllerConfig::for_job(
         world,
-        env_token("WEIGHTSYNC_JOB_TOKEN")?,
-        env_token("WEIGHTSYNC_API_TOKEN")?,
+        secrets.trainer.clone(),
+        secrets.api.clone(),
         Duration::from_millis(
             s.heartbeat_timeout_ms
                 .or(file.heartbeat_timeout_ms)
@@ -115,6 +123,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         s.history.or(file.history).unwrap_or(200),
     )?;
     cfg.full_syncs = s.full_syncs.or(file.full_syncs).unwrap_or(false);
+    cfg.state_file = s.state_file.or(file.state_file);
+    cfg.secrets = secrets;
     let http = s
         .http
         .or(file.http)
@@ -140,11 +150,22 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             h.local_addr()?,
             c.local_addr()?
         );
-        let state = AppState::new(cfg, Box::new(SchedulesPlanner));
-        weightsync_controller::run(h, c, state, async {
-            let _ = tokio::signal::ctrl_c().await;
-        })
+        let state = AppState::open(cfg, Box::new(SchedulesPlanner))?;
+        weightsync_controller::run(h, c, state, stop_signal()?)
         .await?;
         anyhow::Ok(())
+    })
+}
+
+/// Resolves on Ctrl-C or SIGTERM (what Kubernetes and Slurm send), so either stops the
+/// controller cleanly.
+fn stop_signal() -> anyhow::Result<impl std::future::Future<Output = ()>> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate()).context("installing a SIGTERM handler")?;
+    Ok(async move {
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => tracing::info!("interrupted: stopping"),
+            _ = term.recv() => tracing::info!("SIGTERM: stopping"),
+        }
     })
 }

@@ -3,8 +3,10 @@
 //!
 //! Settings come from flags (or their `WEIGHTSYNC_*` env vars), then `--config FILE.toml` (same
 //! keys), then the launcher's variables (torchrun `RANK`/`WORLD_SIZE`/`LOCAL_RANK`, Slurm
-//! `SLURM_PROCID`/`SLURM_NTASKS`). The job token is read from `WEIGHTSYNC_JOB_TOKEN` only, never
-//! from the command line (which other users can read in `ps`). The flags are this binary's
+//! `SLURM_PROCID`/`SLURM_NTASKS`). The secret is read from the environment only (or the file a
+//! `_FILE` variable names), never from the command line (which other users can read in `ps`):
+//! `WEIGHTSYNC_TRAINER_TOKEN` or `WEIGHTSYNC_ENGINE_TOKEN` by role, else `WEIGHTSYNC_JOB_TOKEN`,
+//! and `WEIGHTSYNC_FABRIC_TOKEN` with per-role secrets. The flags are this binary's
 //! ([`WorkerFlags`]), converted into the agent's [`WorkerSettings`]; the demo's own (`--source
 //! demo:SEED`, `--demo-check-seed`, `--demo-progress`) wrap the agent's drivers with
 //! `weightsync-demo` and never reach the agent.
@@ -198,7 +200,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         bail!("--demo-check-seed is a rollout's setting, not a trainer's");
     }
     let demo_source = demo.source_seed.map(DemoSource::new);
-    let token = std::env::var("WEIGHTSYNC_JOB_TOKEN").ok();
+    if let Err(e) = weightsync_common::open_files::raise_open_file_limit() {
+        tracing::warn!("cannot raise the open-file limit: {e}");
+    }
+    let token = weightsync_agent::config::role_secret(role, &|k| std::env::var(k).ok())?;
     let resolved = resolve_with_source(
         role,
         settings,

@@ -103,6 +103,19 @@ impl Default for VerbsConfig {
     }
 }
 
+/// How a same-host receiver reads a writer's memory (see [`FabricConfig::same_host_path`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SameHostPath {
+    /// `process_vm_readv` where allowed, shared memory where ptrace access is refused.
+    #[default]
+    Auto,
+    /// Shared memory whenever both sides offer it.
+    Shared,
+    /// `process_vm_readv` only.
+    Ptrace,
+}
+
 /// Everything needed to start a fabric.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default)]
@@ -147,6 +160,11 @@ pub struct FabricConfig {
     /// where the receiver can prove the writer's pid and read its memory; elsewhere the lane
     /// carries payloads. Both sides must allow it. Default on.
     pub same_host: bool,
+    /// TCP, with `same_host`: how a same-host receiver reads the writer's sources. `auto`
+    /// (default): `process_vm_readv` where the kernel allows it, else memory shared by file
+    /// descriptor (`fabric::shared_memory`); `shared`: shared memory whenever both sides offer
+    /// it; `ptrace`: `process_vm_readv` only (refused: payloads).
+    pub same_host_path: SameHostPath,
     /// Shared secret of the job.
     pub job_token: JobToken,
     /// ibverbs settings.
@@ -166,6 +184,7 @@ impl Default for FabricConfig {
             socket_buffer_bytes: 1 << 20,
             receive_buffer_bytes: 4 << 20,
             same_host: true,
+            same_host_path: SameHostPath::Auto,
             job_token: JobToken(String::new()),
             verbs: VerbsConfig::default(),
         }

@@ -22,6 +22,9 @@ pub enum RemoteAccessKind {
     NoWritePermission,
     /// The region was deregistered before (or while) the write landed; nothing more landed.
     Deregistered,
+    /// The receiver guards its regions and no sync is armed on it
+    /// ([`WriteWindow`](super::WriteWindow)): nothing landed.
+    OutsideWindow,
 }
 
 impl std::fmt::Display for RemoteAccessKind {
@@ -31,6 +34,9 @@ impl std::fmt::Display for RemoteAccessKind {
             RemoteAccessKind::OutOfBounds => "range outside the registered region",
             RemoteAccessKind::NoWritePermission => "region not registered for remote write",
             RemoteAccessKind::Deregistered => "region deregistered",
+            RemoteAccessKind::OutsideWindow => {
+                "no sync armed on the receiver (write outside the window)"
+            }
         })
     }
 }

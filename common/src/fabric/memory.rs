@@ -11,6 +11,7 @@ use std::alloc::Layout;
 use std::ptr::NonNull;
 
 use super::error::{FabricError, Result};
+use super::shared_memory::SharedMemory;
 
 /// Page size used for owned buffers (NICs and `MAP_*` pinning work on pages).
 pub const PAGE_SIZE: usize = 4096;
@@ -342,6 +343,9 @@ pub enum Memory {
     Owned(PageAlignedBuffer),
     /// A range the caller keeps alive.
     Raw(RawMemory),
+    /// A sealed `memfd` the registration owns, which a same-host receiver may map through a
+    /// descriptor this process hands it ([`SharedMemory`]; the TCP backend's sources).
+    Shared(SharedMemory),
 }
 
 impl Memory {
@@ -355,11 +359,43 @@ impl Memory {
         Ok(Memory::Owned(PageAlignedBuffer::with_pages(len, pages)?))
     }
 
+    /// Allocates `len` zeroed bytes of shared memory (a sealed `memfd` named `name`), which a
+    /// same-host peer may map ([`SharedMemory`]).
+    pub fn alloc_shared(name: &str, len: usize) -> Result<Memory> {
+        SharedMemory::create(name, len)
+            .map(Memory::Shared)
+            .map_err(|e| FabricError::io(format!("allocating {len} bytes of shared memory"), e))
+    }
+
+    /// Writes a zero into every page of an owned buffer that nothing references yet, so each
+    /// page is the process's own (not the shared zero page) before a NIC pins it (the fabric's
+    /// `alloc` of write sources; device review N1). A no-op for memory it does not own.
+    pub fn write_touch(&self) {
+        if let Memory::Owned(b) = self {
+            let p = b.as_ptr();
+            for off in (0..b.len()).step_by(PAGE_SIZE) {
+                // SAFETY: `off < len` of a live buffer this value owns; the caller has handed
+                // it to nobody yet (fresh from `alloc_on`), so no reference aliases the write,
+                // and the buffer is zeroed already, so the bytes do not change.
+                unsafe { p.add(off).write_volatile(0) };
+            }
+        }
+    }
+
+    /// The shared memory behind it, if it is shared ([`Memory::Shared`]).
+    pub fn shared(&self) -> Option<&SharedMemory> {
+        match self {
+            Memory::Shared(m) => Some(m),
+            _ => None,
+        }
+    }
+
     /// Pointer to the first byte.
     pub fn as_ptr(&self) -> *mut u8 {
         match self {
             Memory::Owned(b) => b.as_ptr(),
             Memory::Raw(r) => r.as_ptr(),
+            Memory::Shared(m) => m.as_ptr(),
         }
     }
 
@@ -368,6 +404,7 @@ impl Memory {
         match self {
             Memory::Owned(b) => b.len(),
             Memory::Raw(r) => r.len(),
+            Memory::Shared(m) => m.len(),
         }
     }
 
@@ -379,7 +416,7 @@ impl Memory {
     /// Where the memory lives.
     pub fn location(&self) -> MemoryLocation {
         match self {
-            Memory::Owned(_) => MemoryLocation::Host,
+            Memory::Owned(_) | Memory::Shared(_) => MemoryLocation::Host,
             Memory::Raw(r) => r.location(),
         }
     }
@@ -394,6 +431,55 @@ impl From<PageAlignedBuffer> for Memory {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Kilobytes of the mapping holding `addr` that are the process's own anonymous pages
+    /// (`Anonymous:` in /proc/self/smaps; pages mapped to the shared zero page are not).
+    fn anonymous_kb_at(addr: usize) -> Option<u64> {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
+        let mut inside = false;
+        for line in smaps.lines() {
+            let head = line.split_whitespace().next().unwrap_or("");
+            if let Some((a, b)) = head.split_once('-')
+                && let (Ok(a), Ok(b)) = (usize::from_str_radix(a, 16), usize::from_str_radix(b, 16))
+            {
+                inside = (a..b).contains(&addr);
+            } else if inside && let Some(kb) = line.strip_prefix("Anonymous:") {
+                return kb.trim().trim_end_matches("kB").trim().parse().ok();
+            }
+        }
+        None
+    }
+
+    #[test]
+    fn write_touch_makes_every_page_the_process_own() {
+        // A fresh mapping of its own (huge pages: the fabric's sources), read only: every page
+        // maps the shared (huge) zero page, which is not anonymous memory.
+        let len = 8 << 20;
+        let m = Memory::alloc_on(len, PageSize::Huge).unwrap();
+        let p = m.as_ptr();
+        let mut sum = 0u64;
+        for off in (0..len).step_by(PAGE_SIZE) {
+            // SAFETY: inside the live buffer; a read of zeroed bytes.
+            sum += u64::from(unsafe { p.add(off).read_volatile() });
+        }
+        assert_eq!(sum, 0);
+        let Some(before) = anonymous_kb_at(p as usize) else {
+            return; // no smaps here
+        };
+        m.write_touch();
+        let after = anonymous_kb_at(p as usize).unwrap();
+        assert!(
+            after >= before + (len / 1024) as u64,
+            "anonymous {before} kB -> {after} kB: the pages were not made the process's own"
+        );
+        let Memory::Owned(b) = &m else {
+            unreachable!("alloc_on owns its buffer")
+        };
+        assert!(
+            b.as_slice().iter().all(|&x| x == 0),
+            "the bytes are unchanged"
+        );
+    }
 
     #[test]
     fn owned_buffer_is_page_aligned_and_zeroed() {

@@ -56,12 +56,14 @@ pub mod limit;
 mod memory;
 mod op;
 mod region;
+pub mod shared_memory;
 mod stride;
 pub mod tcp;
+mod transfer_paths;
 #[cfg(feature = "rdma")]
 pub mod verbs;
 
-pub use config::{BackendKind, FabricConfig, GidFamily, JobToken, VerbsConfig};
+pub use config::{BackendKind, FabricConfig, GidFamily, JobToken, SameHostPath, VerbsConfig};
 pub use descriptor::{Access, Endpoint, RegionDescriptor};
 pub use error::{FabricError, RemoteAccessKind, Result};
 pub use imm_counter::{ImmCounter, ImmStats, ImmWait};
@@ -72,7 +74,8 @@ pub use memory::{
 pub use op::{WriteOp, merge_contiguous, place, stripe};
 pub use region::{DeregisterHook, LiveMemory, Region, RegisteredMemory, SourcePin};
 pub use stride::{Segments, Stride};
-pub use tcp::TcpFabric;
+pub use tcp::{TcpFabric, WriteWindow};
+pub use transfer_paths::TransferPaths;
 
 /// What every backend offers. Small on purpose: register, write, count.
 ///
@@ -110,9 +113,19 @@ pub trait FabricBackend: Clone + Send + Sync + std::fmt::Debug + 'static {
     fn register(&self, memory: Memory, access: Access) -> Result<Region>;
 
     /// Allocates and registers a zeroed page-aligned buffer of `len` bytes, on
-    /// [`FabricBackend::page_size`]'s pages.
+    /// [`FabricBackend::page_size`]'s pages. A write source is written once before it is
+    /// registered: a NIC registration of memory only ever read may pin the shared zero page of
+    /// untouched pages (read-only long-term pins of private mappings, on kernels between the
+    /// removal of `FOLL_FORCE` and zero-page unsharing), after which later writes through the
+    /// page tables never reach what the NIC reads (device review N1). Touching every page
+    /// first makes each one the process's own, on every kernel, and moves the first-touch
+    /// faults out of the first sync.
     fn alloc(&self, len: usize, access: Access) -> Result<Region> {
-        self.register(Memory::alloc_on(len, self.page_size(access))?, access)
+        let memory = Memory::alloc_on(len, self.page_size(access))?;
+        if access == Access::SOURCE {
+            memory.write_touch();
+        }
+        self.register(memory, access)
     }
 
     /// The pages [`FabricBackend::alloc`] backs a region of `access` with. The default (the TCP
@@ -156,6 +169,13 @@ pub trait FabricBackend: Clone + Send + Sync + std::fmt::Debug + 'static {
         1
     }
 
+    /// Bytes this process has written so far, by how they reached their receivers (a caller
+    /// takes the difference over a sync to name its path); `None` where the backend does not
+    /// count them (one path: its own transport).
+    fn transfer_paths(&self) -> Option<TransferPaths> {
+        None
+    }
+
     /// Resets every lane this endpoint opened to write, so that nothing it posted before can
     /// land anywhere later: what is still queued (in user space, in the kernel's send queue, in
     /// a send queue of the NIC) is discarded, the writes not yet acknowledged fail with
@@ -182,6 +202,17 @@ pub enum Fabric {
 }
 
 impl Fabric {
+    /// Sets when this process accepts writes into its regions (see [`WriteWindow`]). The TCP
+    /// backend enforces it on every frame; with verbs the NIC checks rkeys and bounds only, so
+    /// there it changes nothing.
+    pub fn set_write_window(&self, window: WriteWindow) {
+        match self {
+            Fabric::Tcp(t) => t.set_write_window(window),
+            #[cfg(feature = "rdma")]
+            Fabric::Verbs(_) => {}
+        }
+    }
+
     /// Starts the backend named by `config` (binds its listener, opens devices).
     pub async fn start(config: &FabricConfig) -> Result<Fabric> {
         config.validate()?;
@@ -222,6 +253,20 @@ impl FabricBackend for Fabric {
 
     fn register(&self, memory: Memory, access: Access) -> Result<Region> {
         dispatch!(self, f => f.register(memory, access))
+    }
+
+    // The backend's own allocation (the TCP backend's sources are shared memory, see
+    // `tcp::shared_pulls`), not the trait's default over `register`.
+    fn alloc(&self, len: usize, access: Access) -> Result<Region> {
+        dispatch!(self, f => f.alloc(len, access))
+    }
+
+    fn page_size(&self, access: Access) -> PageSize {
+        dispatch!(self, f => f.page_size(access))
+    }
+
+    fn transfer_paths(&self) -> Option<TransferPaths> {
+        dispatch!(self, f => f.transfer_paths())
     }
 
     fn write(&self, op: WriteOp) -> impl Future<Output = Result<()>> + Send + 'static {

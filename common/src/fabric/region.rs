@@ -30,6 +30,7 @@ use super::descriptor::{Access, RegionDescriptor};
 use super::error::{FabricError, Result};
 use super::landing_log::{LandingLog, LandingTicket, LogAttachment};
 use super::memory::{Memory, MemoryLocation};
+use super::shared_memory::SharedMemory;
 
 /// The memory of one registration plus the lock that revokes the backend's access to it.
 #[derive(Debug)]
@@ -190,6 +191,12 @@ impl RegisteredMemory {
     /// Where the memory lives.
     pub fn location(&self) -> MemoryLocation {
         self.memory.location()
+    }
+
+    /// The shared memory behind it, when it is a [`Memory::Shared`] (a same-host receiver may
+    /// map it through its descriptor).
+    pub fn shared(&self) -> Option<&SharedMemory> {
+        self.memory.shared()
     }
 }
 

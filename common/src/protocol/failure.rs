@@ -40,6 +40,16 @@ pub enum FailureKind {
     PeerLost,
     /// An engine's own hook (`before_landing`, `after_commit`) raised.
     Hook,
+    /// Not a failure of anything: a newer version (or a newer run) was pushed before this one
+    /// started, so this one never syncs. Non-fatal: an embedded `wait()` returns an outcome that
+    /// says so instead of raising.
+    Superseded,
+    /// The version is not newer than the last one committed in the job's run (a trainer restarted
+    /// from an older checkpoint): declare a new run (`Trainer.begin_run`, `POST /v1/runs`).
+    Stale,
+    /// A registered tensor was written while its sync read it (an optimizer step during a sync):
+    /// what was sent is a mix of two versions. The tensor is named.
+    Modified,
     /// Anything else (an internal error, a message out of protocol order).
     #[default]
     Other,
@@ -47,7 +57,7 @@ pub enum FailureKind {
 
 impl FailureKind {
     /// Every kind, in declaration order.
-    pub const ALL: [FailureKind; 9] = [
+    pub const ALL: [FailureKind; 12] = [
         FailureKind::Checksum,
         FailureKind::Timeout,
         FailureKind::Fabric,
@@ -56,6 +66,9 @@ impl FailureKind {
         FailureKind::Cancelled,
         FailureKind::PeerLost,
         FailureKind::Hook,
+        FailureKind::Superseded,
+        FailureKind::Stale,
+        FailureKind::Modified,
         FailureKind::Other,
     ];
 
@@ -70,6 +83,9 @@ impl FailureKind {
             FailureKind::Cancelled => "cancelled",
             FailureKind::PeerLost => "peer_lost",
             FailureKind::Hook => "hook",
+            FailureKind::Superseded => "superseded",
+            FailureKind::Stale => "stale",
+            FailureKind::Modified => "modified",
             FailureKind::Other => "other",
         }
     }
@@ -134,6 +150,9 @@ mod tests {
             | FailureKind::Cancelled
             | FailureKind::PeerLost
             | FailureKind::Hook
+            | FailureKind::Superseded
+            | FailureKind::Stale
+            | FailureKind::Modified
             | FailureKind::Other => FailureKind::ALL.contains(&k),
         };
         for k in FailureKind::ALL {

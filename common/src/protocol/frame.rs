@@ -8,9 +8,11 @@
 //! ```
 //!
 //! Every check happens before any allocation that depends on the peer: the magic and version are
-//! verified first, the length is compared with the reader's maximum before the body buffer is
-//! sized, and the body is decoded with a bincode byte limit equal to its length, so a hostile or
-//! corrupted frame yields a [`ControlFrameError`], never a panic or an outsized allocation.
+//! verified first, the length is compared with the reader's maximum, the body buffer grows only
+//! as bytes actually arrive (a peer that announces 200 MiB and sends nothing costs a few
+//! kilobytes, not 200 MiB), and the body is decoded with a bincode byte limit equal to its length,
+//! so a hostile or corrupted frame yields a [`ControlFrameError`], never a panic or an outsized
+//! allocation. Before a peer has proved a secret, readers pass [`PREAUTH_MAX_FRAME`].
 
 use bincode::Options;
 use serde::{Serialize, de::DeserializeOwned};
@@ -39,11 +41,23 @@ pub const MAGIC: [u8; 4] = *b"WSYC";
 /// Also 8: declared models: a `TensorMeta` carries the box it is of a parameter (`global_shape`,
 /// `offset`), a registration the names an engine `skip`s, and the controller tells every worker
 /// when planning failed (`PlanFailed`, naming the tensor and both sides).
-pub const PROTOCOL_VERSION: u16 = 9;
+/// Also 9: versions bound to bytes and runs: `Push`, `Prepare` and `Commit` carry the job's run,
+/// and failures may be `superseded`, `stale` or `modified`.
+/// Also 9: one secret per role and mutual authentication: `Hello` names its role and carries a
+/// nonce of the worker's, `Job` carries the controller's answer to it.
+/// 10: delta syncs: `Start` names the engines taking deltas and the version they hold, `Written`
+/// carries the trainer's delta records, `Verify` forwards them to the rollouts, and a worker
+/// report carries delta figures.
+pub const PROTOCOL_VERSION: u16 = 10;
 /// Bytes in a frame header.
 pub const FRAME_HEADER_LEN: usize = 12;
 /// Default maximum body size: 256 MiB (a trainer's plan slice for a 1T-parameter model fits).
 pub const DEFAULT_MAX_FRAME: u32 = 256 << 20;
+/// Largest frame either side reads before the peer has proved its secret (the challenge, the
+/// `Hello` and the controller's answer are under 200 bytes): 4 KiB.
+pub const PREAUTH_MAX_FRAME: u32 = 4 << 10;
+/// The body buffer grows by at most this much ahead of the bytes that arrived.
+const READ_CHUNK: usize = 64 << 10;
 
 /// Why a frame could not be read or written.
 #[derive(Debug, thiserror::Error)]
@@ -197,14 +211,20 @@ where
         got += n;
     }
     let h = ControlFrameHeader::parse(&header, max)?;
-    let mut body = vec![0u8; h.len as usize];
-    r.read_exact(&mut body).await.map_err(|e| {
-        if e.kind() == std::io::ErrorKind::UnexpectedEof {
-            ControlFrameError::Truncated
-        } else {
-            ControlFrameError::Io(e)
+    let len = h.len as usize;
+    // Grown as bytes arrive, never ahead of them by more than one chunk.
+    let mut body = Vec::with_capacity(len.min(READ_CHUNK));
+    while body.len() < len {
+        let want = (len - body.len()).min(READ_CHUNK);
+        let n = (&mut *r)
+            .take(want as u64)
+            .read_to_end(&mut body)
+            .await
+            .map_err(ControlFrameError::Io)?;
+        if n == 0 {
+            return Err(ControlFrameError::Truncated);
         }
-    })?;
+    }
     decode_body(&body).map(Some)
 }
 
@@ -266,6 +286,28 @@ mod tests {
         assert_eq!(end, None);
     }
 
+    #[tokio::test]
+    async fn an_announced_body_is_not_allocated_before_it_arrives() {
+        let (mut a, mut b) = tokio::io::duplex(1 << 20);
+        let mut header = MAGIC.to_vec();
+        header.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+        header.extend_from_slice(&[0, 0]);
+        header.extend_from_slice(&(200u32 << 20).to_le_bytes());
+        a.write_all(&header).await.unwrap();
+        a.write_all(&[7u8; 1000]).await.unwrap();
+        drop(a);
+        let err = read_frame::<_, FromWorker>(&mut b, DEFAULT_MAX_FRAME)
+            .await
+            .unwrap_err();
+        assert!(matches!(err, ControlFrameError::Truncated), "{err}");
+        let (mut a, mut b) = tokio::io::duplex(1 << 20);
+        a.write_all(&header).await.unwrap();
+        let err = read_frame::<_, FromWorker>(&mut b, PREAUTH_MAX_FRAME)
+            .await
+            .unwrap_err();
+        assert!(matches!(err, ControlFrameError::TooLarge { .. }), "{err}");
+    }
+
     #[test]
     fn rejects_bad_magic_version_and_size() {
         let mut bytes = encode_frame(&FromWorker::Heartbeat { seq: 1 }, 1024).unwrap();
@@ -276,9 +318,13 @@ mod tests {
             Err(ControlFrameError::BadMagic(_))
         ));
         let mut wrong = bytes.clone();
-        wrong[4] = 9;
+        let next = PROTOCOL_VERSION + 1;
+        wrong[4..6].copy_from_slice(&next.to_le_bytes());
         let err = decode_frame::<FromWorker>(&wrong, 1024).unwrap_err();
-        assert!(err.to_string().contains("version 9"), "{err}");
+        assert!(
+            err.to_string().contains(&format!("version {next}")),
+            "{err}"
+        );
         bytes[8..12].copy_from_slice(&u32::MAX.to_le_bytes());
         let err = decode_frame::<FromWorker>(&bytes, 1024).unwrap_err();
         assert!(matches!(err, ControlFrameError::TooLarge { .. }), "{err}");

@@ -312,6 +312,9 @@ pub enum ToWorker {
         /// The text of the model's `config.json` when [`WorldSpec::model`] names a file the
         /// controller read (`None` for a preset).
         model_config: Option<String>,
+        /// The controller's proof that it holds the role's secret, over the worker's nonce
+        /// ([`crate::protocol::auth::answer`]); the worker checks it before registering.
+        proof: [u8; 32],
     },
     /// Registration refused; the connection closes.
     Rejected {
@@ -340,10 +343,13 @@ pub enum ToWorker {
     /// Get ready for version N: rollouts arm counters (an engine pauses or switches buffers),
     /// trainers make sure their source holds version N. Answered by [`FromWorker::Prepared`].
     Prepare {
-        /// Sync id (controller-assigned).
+        /// Sync id (controller-assigned; also the immediates' epoch, so it never repeats, even
+        /// across controller restarts).
         sync_id: u64,
         /// Weight version.
         version: u64,
+        /// The job's run the version belongs to (see [`FromWorker::Push`]).
+        run: u64,
     },
     /// Trainers: write version N now. Answered by [`FromWorker::Written`].
     Start {
@@ -361,6 +367,8 @@ pub enum ToWorker {
         sync_id: u64,
         /// Weight version.
         version: u64,
+        /// The run it belongs to: `(run, version)` only ever grows for an engine.
+        run: u64,
     },
     /// Version N is not valid: rollouts must not use it; everybody drops the sync. Answered by
     /// [`FromWorker::Drained`].
@@ -401,8 +409,13 @@ pub enum ToWorker {
 /// Worker to controller.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum FromWorker {
-    /// Answer to the challenge: keyed hash of the nonce with the job token.
+    /// Answer to the challenge: the role the worker claims, a nonce of its own for the
+    /// controller to answer, and a keyed hash of the controller's nonce under the role's secret.
     Hello {
+        /// The role whose secret the proof is under; the registration must be of this role.
+        role: WorkerRole,
+        /// Random bytes the controller must answer (mutual authentication).
+        nonce: [u8; 32],
         /// blake3 keyed MAC, see [`crate::protocol::auth`].
         proof: [u8; 32],
     },
@@ -476,11 +489,17 @@ pub enum FromWorker {
         seq: u64,
     },
     /// A trainer's tensors hold version N and stay put until N ends: the controller starts the
-    /// sync of N once every trainer pushed it (idempotent, like `POST /v1/syncs`). Answered by
-    /// the sync's `Commit` or `Abort` (an `Abort` with sync id 0 when N cannot be synced).
+    /// sync of N once every trainer pushed it on its current connection (idempotent, like
+    /// `POST /v1/syncs`; a push is dropped when its connection goes). Answered by the sync's
+    /// `Commit` or `Abort` (an `Abort` with sync id 0 when N cannot be synced: superseded by a
+    /// newer version, or stale).
     Push {
         /// Version.
         version: u64,
+        /// The run this trainer's version belongs to. A run newer than the controller's starts
+        /// it (a job restarted from a checkpoint declares one, after which versions may restart
+        /// below the last committed one); an older one is refused as superseded.
+        run: u64,
     },
     /// Answer to [`ToWorker::Abort`]: the worker stopped its part of sync N and reset its fabric
     /// connections, so nothing it posted for N can still land. The controller starts the next

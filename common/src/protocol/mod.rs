@@ -33,7 +33,8 @@ pub use delta::{DeltaBase, DeltaFigures, DeltaKind, DeltaRecord};
 pub use failure::{FailureKind, Fault};
 pub use frame::{
     ControlFrameError, ControlFrameHeader, DEFAULT_MAX_FRAME, FRAME_HEADER_LEN, MAGIC,
-    PROTOCOL_VERSION, decode_body, decode_frame, encode_frame, read_frame, write_frame,
+    PREAUTH_MAX_FRAME, PROTOCOL_VERSION, decode_body, decode_frame, encode_frame, read_frame,
+    write_frame,
 };
 pub use messages::*;
 pub use report::*;

@@ -28,7 +28,7 @@ impl Coordinator {
     }
 
     /// The version each engine holds, as far as this controller knows (see the module docs).
-    pub fn engine_bases(&self) -> &std::collections::BTreeMap<WorkerId, u64> {
+    pub fn engine_bases(&self) -> &std::collections::BTreeMap<WorkerId, (u64, u64)> {
         &self.engine_bases
     }
 
@@ -40,12 +40,13 @@ impl Coordinator {
             .is_some_and(|r| !r.is_empty())
     }
 
-    /// The deltas a sync of `members` may send (`None`: a full sync).
-    pub(super) fn delta_base(&self, members: &BTreeSet<WorkerId>) -> Option<DeltaBase> {
+    /// The deltas a sync of `members` in run `run` may send (`None`: a full sync): only on top
+    /// of the same run's last committed version.
+    pub(super) fn delta_base(&self, run: u64, members: &BTreeSet<WorkerId>) -> Option<DeltaBase> {
         if self.full_syncs || !self.cfg.world.verify {
             return None;
         }
-        let base = self.latest_committed?;
+        let base = self.latest_committed.filter(|(r, _)| *r == run)?;
         let rollouts: BTreeSet<u32> = members
             .iter()
             .filter(|w| w.role == WorkerRole::Rollout)
@@ -53,13 +54,13 @@ impl Coordinator {
             .map(|w| w.rank)
             .collect();
         (!rollouts.is_empty()).then_some(DeltaBase {
-            base_version: base,
+            base_version: base.1,
             rollouts,
         })
     }
 
-    /// Version `version` was committed on the rollouts among `members`.
-    pub(super) fn engines_hold(&mut self, version: u64, members: &BTreeSet<WorkerId>) {
+    /// `(run, version)` was committed on the rollouts among `members`.
+    pub(super) fn engines_hold(&mut self, version: (u64, u64), members: &BTreeSet<WorkerId>) {
         for w in members.iter().filter(|w| w.role == WorkerRole::Rollout) {
             self.engine_bases.insert(*w, version);
         }

@@ -135,10 +135,11 @@ impl Coordinator {
         // The sync starts now: its timeout and its timeline count from here.
         s.created = now.at;
         s.created_unix_ms = now.unix_ms;
-        let (id, version) = (s.id, s.version);
+        let (id, version, run) = (s.id, s.version, s.run);
         self.send_to(&mut fx, current, |_| ToWorker::Prepare {
             sync_id: id,
             version,
+            run,
         });
         tracing::info!(sync_id = id, version, "queued sync started after the drain");
         fx

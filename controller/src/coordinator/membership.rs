@@ -101,6 +101,9 @@ impl Coordinator {
             ),
             now,
         );
+        // A re-registration never inherits the pushes of the process it replaces.
+        self.drop_pushes_of(id);
+        self.by_conn.insert(conn, id);
         self.members.insert(
             id,
             Member {
@@ -138,6 +141,9 @@ impl Coordinator {
             return fx;
         };
         self.members.remove(&id);
+        self.by_conn.remove(&conn);
+        // What it pushed was a statement about the bytes of a process that is gone.
+        self.drop_pushes_of(id);
         self.departed.insert(id);
         self.engines_lost([&id]);
         self.note(format!("{id} left: {reason}"), now);

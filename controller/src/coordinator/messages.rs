@@ -17,7 +17,7 @@ impl Coordinator {
             return Effects::default();
         };
         if let Some(m) = self.members.get_mut(&id) {
-            m.last_seen = now.at;
+            m.last_seen = m.last_seen.max(now.at);
         }
         let mut fx = self.handle(id, conn, msg, now);
         // Whatever this changed may let a pushed version start.
@@ -60,7 +60,7 @@ impl Coordinator {
             FromWorker::Failed {
                 sync_id, failure, ..
             } => self.on_failed(id, sync_id, failure, now),
-            FromWorker::Push { version } => self.on_push(id, version, now),
+            FromWorker::Push { version, run } => self.on_push(id, conn, version, run, now),
             FromWorker::EngineStages {
                 sync_id,
                 version,
@@ -108,13 +108,13 @@ impl Coordinator {
         }
         s.state = SyncState::Running;
         s.start_sent_ns = Some(t);
-        let (sid, version, members) = (s.id, s.version, s.members.clone());
+        let (sid, version, run, members) = (s.id, s.version, s.run, s.members.clone());
         let trainers: Vec<WorkerId> = members
             .iter()
             .copied()
             .filter(|w| w.role == WorkerRole::Trainer)
             .collect();
-        let delta = self.delta_base(&members);
+        let delta = self.delta_base(run, &members);
         if let Some(s) = self.syncs.get_mut(&sync_id) {
             s.delta_base = delta.clone();
         }

@@ -49,14 +49,30 @@
 //!   lane of a sync, also after the sync ended.
 //! - [`version`]: triggers, commit and failure of a sync.
 //! - [`delta`]: which engines take deltas (the version each holds, as this controller knows).
-//! - `push`: versions pushed by in-process trainers (`Push N`), started once every trainer did.
+//! - `push`: versions pushed by in-process trainers (`Push N`), started once every trainer did;
+//!   runs (a job restarted from a checkpoint declares a new one).
+//! - [`durable`]: what survives a controller restart (run, last committed version, the next
+//!   sync id, the incarnation), restored at start and saved whenever it changes.
 //! - [`drain`]: the drain gate between a failed sync and the next.
 //! - [`timeouts`]: the clock tick: silent workers, slow drains, held failure reports, the sync
 //!   timeout.
 //! - [`views`]: what the HTTP API reads (workers, history, the membership log).
+//!
+//! # Invariants
+//! Checked on random interleavings of registrations, pushes, landings, failures, disconnects,
+//! timeouts and restarts by the property test (`model_tests`):
+//! - no sync commits without every trainer's `Written` and every rollout's `Landed` (and, with
+//!   verification on, every `Verified`) from workers registered when it was created;
+//! - sync ids (the immediates' epochs) strictly increase, also across a restart from the durable
+//!   state;
+//! - the committed `(run, version)` never goes backwards, also across a restart;
+//! - a version pushed by trainers starts only once every trainer pushed it on its current
+//!   connection; a push is dropped with the connection that made it;
+//! - a superseded or failed sync never commits; at most one sync is active.
 
 mod delta;
 mod drain;
+pub mod durable;
 mod engine_stages;
 mod membership;
 mod messages;
@@ -75,7 +91,13 @@ mod engine_stages_tests;
 #[cfg(test)]
 mod after_landing_tests;
 
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+#[cfg(test)]
+mod model_tests;
+
+#[cfg(test)]
+mod push_tests;
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use weightsync_common::protocol::{Registration, ToWorker, WorkerId, WorkerRole, WorldSpec};
@@ -85,6 +107,7 @@ use crate::sync_record::SyncRecord;
 pub use engine_stages::EngineStagesRefused;
 pub use membership::Refused;
 pub use plan_round::{PlanRecord, PlanRequest};
+pub use push::RunError;
 pub use version::{TriggerError, Triggered};
 pub use views::{LogLine, VersionView, WorkerView};
 
@@ -156,6 +179,9 @@ pub struct Effects {
     /// A plan to compute (off the coordinator's lock) and hand back to
     /// [`Coordinator::planned`].
     pub plan: Option<PlanRequest>,
+    /// The durable state changed ([`Coordinator::durable`]): save it before the messages go
+    /// out (a `Prepare` must never carry a sync id a restarted controller could reuse).
+    pub persist: bool,
 }
 
 impl Effects {
@@ -166,6 +192,7 @@ impl Effects {
         if other.plan.is_some() {
             self.plan = other.plan;
         }
+        self.persist |= other.persist;
     }
 
     /// Whether there is nothing to do.
@@ -174,6 +201,7 @@ impl Effects {
             && self.close.is_empty()
             && self.finished.is_empty()
             && self.plan.is_none()
+            && !self.persist
     }
 }
 
@@ -200,21 +228,36 @@ pub struct Coordinator {
     by_version: BTreeMap<u64, u64>,
     active: Option<u64>,
     next_sync_id: u64,
-    latest_committed: Option<u64>,
+    /// The newest committed `(run, version)`; never goes backwards.
+    latest_committed: Option<(u64, u64)>,
+    /// The job's current run: versions are compared within it.
+    run: u64,
+    /// This controller process's random id (a restart gets a new one).
+    incarnation: u64,
     log: VecDeque<LogLine>,
     departed: BTreeSet<WorkerId>,
     drain: Option<drain::Drain>,
-    /// Versions pushed by trainers and not yet started, with who pushed them.
-    pushed: BTreeMap<u64, BTreeSet<WorkerId>>,
-    /// Per engine, the version committed on it that it still holds (see [`delta`]).
-    engine_bases: BTreeMap<WorkerId, u64>,
+    /// Versions pushed by trainers in the current run and not yet started, with who pushed
+    /// them on which connection (dropped when that connection goes).
+    pushed: BTreeMap<u64, BTreeMap<WorkerId, ConnId>>,
+    /// Which worker is registered on which connection.
+    by_conn: HashMap<ConnId, WorkerId>,
+    /// Per engine, the `(run, version)` committed on it that it still holds (see [`delta`]).
+    engine_bases: BTreeMap<WorkerId, (u64, u64)>,
     /// Deltas are never sent (see [`Coordinator::force_full_syncs`]).
     full_syncs: bool,
 }
 
 impl Coordinator {
-    /// A coordinator with no members.
+    /// A coordinator with no members, starting afresh (incarnation 0, run 0, sync id 1).
     pub fn new(cfg: CoordinatorConfig) -> Self {
+        Coordinator::restore(cfg, &durable::Durable::default(), 0)
+    }
+
+    /// A coordinator with no members that carries on from `state` (what a previous controller
+    /// saved) as incarnation `incarnation`: the run and the last committed version stay, and
+    /// sync ids go on above every id the previous one may have handed out.
+    pub fn restore(cfg: CoordinatorConfig, state: &durable::Durable, incarnation: u64) -> Self {
         Coordinator {
             cfg,
             members: BTreeMap::new(),
@@ -225,15 +268,50 @@ impl Coordinator {
             syncs: BTreeMap::new(),
             by_version: BTreeMap::new(),
             active: None,
-            next_sync_id: 1,
-            latest_committed: None,
+            next_sync_id: state.next_sync_id.max(1),
+            latest_committed: state.committed,
+            run: state.run,
+            incarnation,
             log: VecDeque::new(),
             departed: BTreeSet::new(),
             drain: None,
             pushed: BTreeMap::new(),
+            by_conn: HashMap::new(),
             engine_bases: BTreeMap::new(),
             full_syncs: false,
         }
+    }
+
+    /// What must survive a restart, as it stands now.
+    pub fn durable(&self) -> durable::Durable {
+        durable::Durable {
+            incarnation: self.incarnation,
+            run: self.run,
+            committed: self.latest_committed,
+            next_sync_id: self.next_sync_id,
+        }
+    }
+
+    /// The job's current run.
+    pub fn run(&self) -> u64 {
+        self.run
+    }
+
+    /// This controller's incarnation.
+    pub fn incarnation(&self) -> u64 {
+        self.incarnation
+    }
+
+    /// The newest committed `(run, version)`.
+    pub fn latest_committed(&self) -> Option<(u64, u64)> {
+        self.latest_committed
+    }
+
+    /// The newest version committed in the current run.
+    pub fn latest_in_run(&self) -> Option<u64> {
+        self.latest_committed
+            .filter(|(r, _)| *r == self.run)
+            .map(|(_, v)| v)
     }
 
     /// Settings.
@@ -268,10 +346,7 @@ impl Coordinator {
 
     /// The worker registered on connection `conn`.
     fn member_on(&self, conn: ConnId) -> Option<WorkerId> {
-        self.members
-            .iter()
-            .find(|(_, m)| m.conn == conn)
-            .map(|(w, _)| *w)
+        self.by_conn.get(&conn).copied()
     }
 
     /// Sends `msg` to every registered worker of `workers` (by id).

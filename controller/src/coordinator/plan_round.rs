@@ -257,7 +257,7 @@ impl Coordinator {
         let mut fx = Effects::default();
         let reason = self.plan_error.clone().unwrap_or_default();
         for (version, by) in std::mem::take(&mut self.pushed) {
-            self.send_to(&mut fx, by, |_| ToWorker::Abort {
+            self.send_to(&mut fx, by.into_keys(), |_| ToWorker::Abort {
                 sync_id: 0,
                 version,
                 reason: format!("pushed version {version} cannot be synced: {reason}"),

@@ -62,7 +62,7 @@ fn coordinator_with(cfg: CoordinatorConfig) -> Coordinator {
 
 /// Plans what `fx` asks for (with the null planner), answers every assignment with `Ready`,
 /// and returns what the last `Ready` caused (the trainers' `Peers`).
-fn plan_round(c: &mut Coordinator, fx: Effects, now: Now) -> Effects {
+pub(super) fn plan_round(c: &mut Coordinator, fx: Effects, now: Now) -> Effects {
     let req = fx.plan.expect("a plan was asked for");
     let out = NullPlanner.plan(req.plan_id, &req.world, &req.workers);
     let assigned = c.planned(req.plan_id, out, now);
@@ -113,7 +113,7 @@ pub(super) fn created(c: &mut Coordinator, version: u64, t: Now) -> u64 {
     id
 }
 
-fn registration(id: WorkerId) -> Registration {
+pub(super) fn registration(id: WorkerId) -> Registration {
     Registration {
         id,
         host: "h".into(),
@@ -155,7 +155,7 @@ pub(super) fn running(c: &mut Coordinator, version: u64, t: Now) -> u64 {
     id
 }
 
-fn prepares(fx: &Effects) -> usize {
+pub(super) fn prepares(fx: &Effects) -> usize {
     fx.send
         .iter()
         .filter(|(_, m)| matches!(m, ToWorker::Prepare { .. }))
@@ -389,7 +389,7 @@ fn the_sync_timeout_names_who_it_waited_for() {
 
 /// Registers the world of `trainers` trainers (connections 1..) and one rollout (connection 100),
 /// returning the coordinator and the effects of the last registration.
-fn registered(trainers: u32, t: Now) -> (Coordinator, Effects) {
+pub(super) fn registered(trainers: u32, t: Now) -> (Coordinator, Effects) {
     let mut c = Coordinator::new(config(trainers, 0));
     let mut fx = Effects::default();
     for r in 0..trainers {
@@ -575,7 +575,7 @@ fn a_re_plan_asks_every_worker_for_ready_again() {
 fn a_pushed_version_starts_once_every_trainer_pushed_it_and_the_plan_is_in_force() {
     let mut c = Coordinator::new(config(2, 0));
     let t = Now::wall();
-    let push = |version| FromWorker::Push { version };
+    let push = |version| FromWorker::Push { version, run: 0 };
     let mut fx = Effects::default();
     for (conn, id) in [
         (1, WorkerId::trainer(0)),

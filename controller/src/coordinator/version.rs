@@ -12,6 +12,9 @@ use super::drain::Drain;
 use super::{Coordinator, Effects, Now};
 use crate::sync_record::{SyncRecord, SyncState};
 
+/// Ended syncs whose full timeline (every span) is kept; older ones keep a summary.
+pub const FULL_TIMELINES: usize = 8;
+
 /// Result of a trigger.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Triggered {
@@ -35,8 +38,11 @@ pub enum TriggerError {
     /// Not every worker has registered, or the plan is not (yet) in force.
     #[error("the world is not ready: {0}")]
     NotReady(String),
-    /// The version is not newer than the last committed one.
-    #[error("version {version} is not newer than the last committed version {latest}")]
+    /// The version is not newer than the last committed one of the run.
+    #[error(
+        "version {version} is not newer than the last committed version {latest} of this run \
+         (a job restarted from an older checkpoint declares a new run: POST /v1/runs)"
+    )]
     Stale {
         /// Requested.
         version: u64,
@@ -59,7 +65,7 @@ impl Coordinator {
             if self
                 .syncs
                 .get(&id)
-                .is_some_and(|s| s.state != SyncState::Failed)
+                .is_some_and(|s| s.state != SyncState::Failed && s.run == self.run)
             {
                 return Ok((Triggered::Existing(id), Effects::default()));
             }
@@ -74,7 +80,7 @@ impl Coordinator {
         if !self.plan_valid() {
             return Err(TriggerError::NotReady(self.not_ready_reason()));
         }
-        if let Some(latest) = self.latest_committed
+        if let Some(latest) = self.latest_in_run()
             && version <= latest
         {
             return Err(TriggerError::Stale { version, latest });
@@ -82,7 +88,11 @@ impl Coordinator {
         let id = self.next_sync_id;
         self.next_sync_id += 1;
         let rec = self.new_sync(id, version, now);
-        let mut fx = Effects::default();
+        let mut fx = Effects {
+            persist: true,
+            ..Effects::default()
+        };
+        let run = self.run;
         if let Some(d) = &self.drain {
             tracing::info!(
                 sync_id = id,
@@ -95,6 +105,7 @@ impl Coordinator {
             self.send_to(&mut fx, everyone, |_| ToWorker::Prepare {
                 sync_id: id,
                 version,
+                run,
             });
         }
         self.syncs.insert(id, rec);
@@ -119,6 +130,7 @@ impl Coordinator {
         SyncRecord {
             id,
             version,
+            run: self.run,
             plan_id: self.plan.as_ref().map_or(0, |p| p.id),
             state: SyncState::Pending,
             created_unix_ms: now.unix_ms,
@@ -151,8 +163,23 @@ impl Coordinator {
         }
     }
 
-    /// Keeps at most `history` syncs.
+    /// Keeps at most `history` syncs, and the full timeline only of the newest
+    /// [`FULL_TIMELINES`] ended ones (older ones are summarised, see
+    /// [`SyncRecord::summarise`]).
     fn trim_history(&mut self) {
+        let ended: Vec<u64> = self
+            .syncs
+            .iter()
+            .rev()
+            .filter(|(_, s)| s.state.is_terminal())
+            .skip(FULL_TIMELINES)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in ended.into_iter().take(FULL_TIMELINES) {
+            if let Some(s) = self.syncs.get_mut(&id) {
+                s.summarise();
+            }
+        }
         while self.syncs.len() > self.cfg.history.max(1) {
             let Some((&old, _)) = self.syncs.iter().next() else {
                 return;
@@ -189,12 +216,25 @@ impl Coordinator {
         s.state = SyncState::Committed;
         s.ended_ns = Some(s.since(now.at));
         s.mark_critical();
-        let (version, members) = (s.version, s.members.clone());
-        self.latest_committed = Some(self.latest_committed.map_or(version, |v| v.max(version)));
-        self.engines_hold(version, &members);
+        // What only verification needed, and the spans of old syncs, need not stay.
+        s.sent_checksums = Vec::new();
+        let (version, run, members) = (s.version, s.run, s.members.clone());
+        let committed = (run, version);
+        self.latest_committed = Some(
+            self.latest_committed
+                .map_or(committed, |c| c.max(committed)),
+        );
+        self.engines_hold(committed, &members);
         self.active = None;
-        let mut fx = Effects::default();
-        self.send_to(&mut fx, members, |_| ToWorker::Commit { sync_id, version });
+        let mut fx = Effects {
+            persist: true,
+            ..Effects::default()
+        };
+        self.send_to(&mut fx, members, |_| ToWorker::Commit {
+            sync_id,
+            version,
+            run,
+        });
         fx.finished.push(sync_id);
         tracing::info!(sync_id, version, "sync committed");
         fx
@@ -247,6 +287,7 @@ impl Coordinator {
         s.mark_critical();
         let reason = failure.to_string();
         s.failure = Some(failure.clone());
+        s.sent_checksums = Vec::new();
         let queued = s.queued_behind.take().is_some();
         s.awaiting_drain.clear();
         let (version, members, started) = (s.version, s.members.clone(), s.start_sent_ns.is_some());

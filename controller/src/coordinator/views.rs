@@ -47,6 +47,11 @@ impl Coordinator {
         self.syncs.values().rev().map(|s| s.view(false)).collect()
     }
 
+    /// The newest sync's id and state, without building any view (what `/healthz` reads).
+    pub fn last_sync(&self) -> Option<(u64, crate::sync_record::SyncState)> {
+        self.syncs.values().next_back().map(|s| (s.id, s.state))
+    }
+
     /// Recent membership and planning events.
     pub fn log(&self) -> Vec<LogLine> {
         self.log.iter().cloned().collect()
@@ -89,8 +94,10 @@ pub struct VersionView {
     /// A sync of a version >= `version` committed or failed: a staged engine holds it whole in
     /// its arena (or will be told it failed).
     pub ended: bool,
-    /// The newest committed version.
+    /// The newest version committed in the job's current run.
     pub latest_committed: Option<u64>,
+    /// The job's current run.
+    pub run: u64,
     /// The newest attempt of the smallest version >= `version` that has a sync.
     pub sync: Option<SyncView>,
 }
@@ -98,7 +105,7 @@ pub struct VersionView {
 impl Coordinator {
     /// Where `version` stands (see [`VersionView`]).
     pub fn version_view(&self, version: u64) -> VersionView {
-        let committed = self.latest_committed.filter(|&v| v >= version);
+        let committed = self.latest_in_run().filter(|&v| v >= version);
         let newer = || {
             self.by_version
                 .range(version..)
@@ -108,7 +115,8 @@ impl Coordinator {
             version,
             started: committed.is_some() || newer().next().is_some(),
             ended: committed.is_some() || newer().any(|s| s.state.is_terminal()),
-            latest_committed: self.latest_committed,
+            latest_committed: self.latest_in_run(),
+            run: self.run,
             sync: newer().next().map(|s| s.view(false)),
         }
     }

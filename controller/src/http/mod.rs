@@ -2,7 +2,8 @@
 //!
 //! [`app`] builds the whole router from the shared state, so tests drive it with tower's
 //! `oneshot` and no socket. Mutating endpoints take `Authorization: Bearer <api token>`; reads are
-//! open, and no response carries an rkey, a fabric endpoint or a token.
+//! open unless the controller has a read-only token (then they need it or the API token;
+//! `/healthz` stays open), and no response carries an rkey, a fabric endpoint or a token.
 //!
 //! | method | path | what |
 //! |---|---|---|
@@ -52,12 +53,17 @@ pub fn app(state: AppState) -> Router {
         .route("/v1/syncs/{id}", get(get_sync))
         .route("/v1/syncs/{id}/trace", get(get_trace))
         .route("/v1/versions/{version}", get(get_version))
+        .route("/v1/runs", post(begin_run))
         .route("/v1/plan", get(get_plan))
         .route("/v1/workers", get(get_workers))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(MAX_BODY))
         .layer(axum::middleware::from_fn(refuse_announced_oversize))
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            require_read_token,
+        ))
         .layer(TimeoutLayer::with_status_code(
             StatusCode::REQUEST_TIMEOUT,
             wait_budget,
@@ -101,6 +107,43 @@ async fn method_not_allowed() -> Response {
 }
 
 fn require_token(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
+    let presented = bearer(headers)?;
+    if !same_secret(presented, &state.config().secrets.api) {
+        return Err(ApiError::Unauthorized("wrong bearer token".into()));
+    }
+    Ok(())
+}
+
+/// Compares hashes: constant time, and lengths do not leak.
+fn same_secret(presented: &str, secret: &weightsync_common::secret::Secret) -> bool {
+    blake3::hash(presented.trim().as_bytes()) == blake3::hash(secret.expose().as_bytes())
+}
+
+/// When the controller has a read-only token, every route but `/healthz` needs it (or the API
+/// token); without one the views are open, as before.
+async fn require_read_token(
+    State(state): State<AppState>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if let Some(read) = &state.config().secrets.read
+        && req.uri().path() != "/healthz"
+    {
+        let ok = bearer(req.headers()).is_ok_and(|presented| {
+            same_secret(presented, read) || same_secret(presented, &state.config().secrets.api)
+        });
+        if !ok {
+            return ApiError::Unauthorized(
+                "this controller's views need `Authorization: Bearer <read-only or API token>`"
+                    .into(),
+            )
+            .into_response();
+        }
+    }
+    next.run(req).await
+}
+
+fn bearer(headers: &HeaderMap) -> Result<&str, ApiError> {
     let Some(value) = headers.get(header::AUTHORIZATION) else {
         return Err(ApiError::Unauthorized(
             "missing Authorization: Bearer <token> header".into(),
@@ -111,13 +154,7 @@ fn require_token(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> 
         .ok()
         .and_then(|v| v.strip_prefix("Bearer "))
         .ok_or_else(|| ApiError::Unauthorized("Authorization must be `Bearer <token>`".into()))?;
-    // Compare hashes: constant time, and lengths do not leak.
-    if blake3::hash(presented.trim().as_bytes())
-        != blake3::hash(state.config().api_token.as_bytes())
-    {
-        return Err(ApiError::Unauthorized("wrong bearer token".into()));
-    }
-    Ok(())
+    Ok(presented)
 }
 
 /// Body of `POST /v1/syncs`.
@@ -194,6 +231,42 @@ async fn trigger(
     body["sync_id"] = id.into();
     body["created"] = created.into();
     Ok((status, Json(body)).into_response())
+}
+
+/// Body of `POST /v1/runs`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunBody {
+    /// The new run: larger than the job's current one.
+    pub run: u64,
+}
+
+/// `POST /v1/runs {"run": R}`: a job restarted from a checkpoint declares a new run, after which
+/// versions may restart below the last committed one (the committed `(run, version)` still only
+/// grows). 409 when `R` is not newer than the current run.
+async fn begin_run(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Result<Json<RunBody>, JsonRejection>,
+) -> Result<Response, ApiError> {
+    require_token(&state, &headers)?;
+    let Json(body) = body.map_err(|r| {
+        ApiError::BadRequest(format!(
+            "{} (expected a body like {{\"run\": 2}})",
+            r.body_text()
+        ))
+    })?;
+    let begun = state.step(|c| match c.begin_run(body.run, Now::wall()) {
+        Ok(fx) => (Ok(()), fx),
+        Err(e) => (Err(e), Default::default()),
+    });
+    begun.map_err(|e| ApiError::Conflict(e.to_string()))?;
+    let (run, committed) = state.read(|c| (c.run(), c.latest_committed()));
+    Ok(Json(serde_json::json!({
+        "run": run,
+        "latest_committed": committed.map(|(r, v)| serde_json::json!({"run": r, "version": v})),
+    }))
+    .into_response())
 }
 
 async fn wait_for_end(state: &AppState, id: u64) -> Result<(), ApiError> {
@@ -379,9 +452,11 @@ async fn healthz(State(state): State<AppState>) -> Response {
             c.plan_ready(),
             c.planning(),
             c.active(),
-            c.history().first().map(|s| (s.id, s.state)),
+            c.last_sync(),
         )
     });
+    let (run, incarnation, committed) =
+        state.read(|c| (c.run(), c.incarnation(), c.latest_committed()));
     Json(serde_json::json!({
         "status": "ok",
         "uptime_s": state.uptime().as_secs_f64(),
@@ -389,6 +464,9 @@ async fn healthz(State(state): State<AppState>) -> Response {
         "planned": planned,
         "planning": planning,
         "running_sync": running,
+        "run": run,
+        "incarnation": format!("{incarnation:016x}"),
+        "latest_committed": committed.map(|(r, v)| serde_json::json!({"run": r, "version": v})),
         "last_sync": last.map(|(id, st)| serde_json::json!({"id": id, "state": st})),
         "ready": complete && planned && !matches!(last, Some((_, SyncState::Running | SyncState::Pending))),
     }))

@@ -65,14 +65,16 @@ ARCHS: dict[str, Arch] = {a.model_type: a for a in [
 IMAGE_TOKEN, VISION_START, VISION_END = 999, 997, 996
 
 
-def write_config(folder: str, model_type: str) -> str:
-    """Writes ``folder/config.json`` for ``model_type`` (a key of :data:`ARCHS`); returns its path."""
+def write_config(folder: str, model_type: str, **overrides: Any) -> str:
+    """Writes ``folder/config.json`` for ``model_type`` (a key of :data:`ARCHS`), with
+    ``overrides`` of its text config's keys (e.g. the sizes vLLM's CPU attention takes); returns
+    its path."""
     import torch
     from transformers import AutoConfig, Qwen2VLConfig
 
     arch = ARCHS[model_type]
     if model_type == "qwen2_vl":
-        text = {**TEXT, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}
+        text = {**TEXT, **overrides, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}
         text.pop("tie_word_embeddings")
         cfg: Any = Qwen2VLConfig(
             text_config=text,
@@ -82,7 +84,7 @@ def write_config(folder: str, model_type: str) -> str:
             vision_end_token_id=VISION_END, tie_word_embeddings=False,
         )
     else:
-        cfg = AutoConfig.for_model(model_type, **{**TEXT, **arch.extra})
+        cfg = AutoConfig.for_model(model_type, **{**TEXT, **arch.extra, **overrides})
     cfg.dtype = torch.bfloat16
     os.makedirs(folder, exist_ok=True)
     cfg.save_pretrained(folder)

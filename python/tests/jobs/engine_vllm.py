@@ -42,7 +42,14 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import tiny  # noqa: E402
 
-LONG_PROMPT = [(7 * i + 3) % 1000 + 1 for i in range(144)]  # > one CPU KV block (128 tokens)
+
+
+def long_prompt(vocab: int) -> list[int]:
+    """A prompt longer than one CPU KV block (128 tokens), every token below ``vocab``."""
+    return [(7 * i + 3) % min(vocab - 1, 1000) + 1 for i in range(144)]
+
+
+LONG_PROMPT = long_prompt(1024)  # the tiny Qwen3's
 
 
 def torch_linear_switch() -> None:
@@ -134,6 +141,7 @@ def main() -> None:
         kill_trainer_when_landing(llm, args.kill_trainer_at, os.path.join(args.out, "trainer_r1.pid"))
     print(f"vllm engine up in {start_s:.1f} s, weightsync {args.mode} registered", flush=True)
     sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    long = long_prompt(llm.llm_engine.model_config.get_vocab_size())
 
     def gen(prompt: list[int]) -> tuple[list[int], int | None]:
         o = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
@@ -141,7 +149,7 @@ def main() -> None:
 
     slept: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] | None = None
     for v in args.versions:
-        gen(LONG_PROMPT)  # cached under the old weights
+        gen(long)  # cached under the old weights
         if v == args.kill_trainer_at:
             try:
                 wv.update(llm, v, timeout_s=30)
@@ -164,8 +172,9 @@ def main() -> None:
             "arena": llm.collective_rpc("weightsync_arena") if args.mode == "staged" else None,
             "layout": llm.collective_rpc("weightsync_layout") if args.mode == "staged" else None,
             "short": gen(tiny.PROMPT),
-            "long_first": gen(LONG_PROMPT),
-            "long_cached": gen(LONG_PROMPT),
+            "long_prompt": long,
+            "long_first": gen(long),
+            "long_cached": gen(long),
             "status": llm.collective_rpc("weightsync_status"),
         }
         torch.save(rec, os.path.join(args.out, f"vllm_r{engine}_v{v}.pt"))

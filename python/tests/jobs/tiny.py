@@ -14,8 +14,10 @@ import torch
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
 
 
-def write_config(folder: str, kind: str) -> str:
-    """Writes ``folder/config.json`` for ``kind`` (dense | moe | moe-fp8); returns its path."""
+def write_config(folder: str, kind: str, **overrides: Any) -> str:
+    """Writes ``folder/config.json`` for ``kind`` (dense | moe | moe-fp8), with ``overrides`` of
+    its keys (the config class derives what follows from them, e.g. ``layer_types`` from
+    ``num_hidden_layers``); returns its path."""
     from transformers import Qwen3Config, Qwen3MoeConfig
 
     common = dict(
@@ -24,12 +26,12 @@ def write_config(folder: str, kind: str) -> str:
         eos_token_id=None, bos_token_id=None, pad_token_id=None,
     )
     if kind == "dense":
-        cfg: Any = Qwen3Config(intermediate_size=256, head_dim=32, **common)
+        cfg: Any = Qwen3Config(**{"intermediate_size": 256, "head_dim": 32, **common, **overrides})
     elif kind == "moe":
-        cfg = Qwen3MoeConfig(
-            intermediate_size=256, moe_intermediate_size=64, num_experts=4,
-            num_experts_per_tok=2, norm_topk_prob=True, **common,
-        )
+        cfg = Qwen3MoeConfig(**{
+            "intermediate_size": 256, "moe_intermediate_size": 64, "num_experts": 4,
+            "num_experts_per_tok": 2, "norm_topk_prob": True, **common, **overrides,
+        })
     else:
         raise ValueError(kind)
     cfg.dtype = torch.bfloat16

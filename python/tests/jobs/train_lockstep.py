@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import archs  # noqa: E402
 import tiny  # noqa: E402
 from train_fsdp import record  # noqa: E402
 
@@ -43,8 +44,8 @@ def main() -> None:
     world = dist.get_world_size()
     model = tiny.build(args.model, seed=0)
     mesh = init_device_mesh("cpu", (world,))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
+    for block in tiny.blocks(model):  # decoder layers (and a vision tower's blocks)
+        fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(1234)
@@ -54,8 +55,12 @@ def main() -> None:
     trainer = weightsync.Trainer(controller=args.controller)
     trainer.register(model)
     for step in range(args.first_step, args.steps + 1):
-        batch = torch.randint(0, model.config.vocab_size, (2, 32), generator=g)
-        model(input_ids=batch, labels=batch).loss.backward()
+        if model.config.model_type in archs.ARCHS:
+            inputs = archs.batch_kwargs(model, g)
+        else:
+            batch = torch.randint(0, model.config.vocab_size, (2, 32), generator=g)
+            inputs = dict(input_ids=batch, labels=batch)
+        model(**inputs).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
         outcome = trainer.push(step).wait()

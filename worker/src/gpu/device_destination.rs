@@ -155,10 +155,7 @@ impl DeviceDestination {
             }
         }
         // Wait also when queuing failed half-way: what was queued reads the regions.
-        let done = stream
-            .record_event(None)
-            .and_then(|e| e.synchronize())
-            .map_err(GpuError::from);
+        let done = super::pending::wait_queued(&stream);
         queued.and(done)
     }
 }

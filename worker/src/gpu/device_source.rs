@@ -255,10 +255,10 @@ struct SourceStages {
     pinned: PinnedRegion,
 }
 
-/// Waits for an event recorded on `stream` now: the end of this step's work there.
+/// Waits for an event recorded on `stream` now: the end of this step's work there (never
+/// skipped on a stale error: [`super::pending::wait_queued`]).
 fn finish(stream: &CudaStream) -> Result<(), GpuError> {
-    stream.record_event(None)?.synchronize()?;
-    Ok(())
+    super::pending::wait_queued(stream)
 }
 
 impl SourceStages {

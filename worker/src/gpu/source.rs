@@ -137,9 +137,9 @@ pub struct BorrowedDevice {
 
 impl BorrowedDevice {
     /// Borrows `[ptr, ptr + len)` of device memory in `dev`'s context; checks that the range
-    /// lies inside one live allocation of that context (as `cuMemGetAddressRange` sees it: for
-    /// memory from a stream-ordered pool the allocation it reports may be larger, and the check
-    /// weaker).
+    /// is covered by live allocations of that context, one or several back to back (as
+    /// `cuMemGetAddressRange` sees them: for memory from a stream-ordered pool the allocation
+    /// it reports may be larger, and the check weaker; see [`covered_by_allocations`]).
     ///
     /// # Safety
     /// The range must stay allocated, and must not be written by anyone else while a copy from
@@ -150,16 +150,7 @@ impl BorrowedDevice {
         len: usize,
     ) -> Result<BorrowedDevice, GpuError> {
         dev.context().bind_to_thread()?;
-        let (base, size) = address_range(ptr)?;
-        let have = (base as usize + size).saturating_sub(ptr as usize);
-        if len > have {
-            return Err(GpuError::OutOfBounds {
-                what: "borrowed device arena",
-                offset: 0,
-                len,
-                have,
-            });
-        }
+        covered_by_allocations(ptr, len)?;
         Ok(BorrowedDevice {
             ctx: dev.context().clone(),
             ptr,
@@ -174,6 +165,45 @@ impl BorrowedDevice {
         self.owner = Some(owner);
         self
     }
+}
+
+/// Checks that every byte of `[ptr, ptr + len)` lies in a live allocation of the current
+/// context, walking `cuMemGetAddressRange` from `ptr`, then from the end of each allocation it
+/// reports, until the range is covered. Several allocations back to back are PyTorch's
+/// expandable segments (`PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`): one reserved VA
+/// range with physical chunks `cuMemMap`ped into it, for which `cuMemGetAddressRange` reports
+/// only the chunk holding the address, so a tensor straddling two chunks is legal memory that a
+/// one-allocation check refuses (device review N4; libfabric dropped that check for the same
+/// reason). An unmapped gap in the range is refused, naming where it starts.
+fn covered_by_allocations(ptr: sys::CUdeviceptr, len: usize) -> Result<(), GpuError> {
+    let end = ptr
+        .checked_add(len as sys::CUdeviceptr)
+        .ok_or(GpuError::OutOfBounds {
+            what: "borrowed device arena (address overflow)",
+            offset: 0,
+            len,
+            have: 0,
+        })?;
+    let mut at = ptr;
+    while at < end {
+        let (base, size) = address_range(at).map_err(|_| GpuError::OutOfBounds {
+            what: "borrowed device arena (a gap in its allocations after the bytes it has)",
+            offset: 0,
+            len,
+            have: (at - ptr) as usize,
+        })?;
+        let next = base + size as sys::CUdeviceptr;
+        if size == 0 || next <= at {
+            return Err(GpuError::OutOfBounds {
+                what: "borrowed device arena (an empty allocation after the bytes it has)",
+                offset: 0,
+                len,
+                have: (at - ptr) as usize,
+            });
+        }
+        at = next;
+    }
+    Ok(())
 }
 
 impl Drop for BorrowedDevice {

@@ -25,6 +25,15 @@
 //! and those saturate to 448 too. (The torch reference would instead produce an inf/NaN scale
 //! for such a block; ml_dtypes and torch casts map overflow to NaN, hence the explicit clamp.)
 //!
+//! Against vLLM's / DeepGEMM's `per_block_cast_to_fp8` in torch (device review N16): blocks of
+//! finite values are bit-identical (`amax.clamp(1e-4)`, `x * (448 / amax)` in f32, both
+//! divisions correctly rounded, the bf16 -> f32 widening exact, subnormal e4m3 by the same
+//! add-2^14 rounding as c10, `-0 -> 0x80`), on the CPU and in the CUDA kernel alike. The only
+//! differences are for non-finite input, and they are deliberate: `amax` ignores inf/NaN where
+//! `torch.amax` propagates them (an inf or NaN scale for the block); `±inf -> ±448` where c10's
+//! conversion gives NaN; `-NaN -> 0xff` here (sign kept, pinned by tests) where torch on a GPU
+//! gives `0x7f`. An engine-side comparison should not flag those as bugs.
+//!
 //! Speed: a block row is cut into column strips of at most [`STRIP_BYTES`] of input; each strip
 //! is read twice (amax, then quantise), the second pass finding it in L2, and while a strip is
 //! quantised the next one is prefetched, so the memory-bound amax pass of the next strip

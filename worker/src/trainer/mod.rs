@@ -39,7 +39,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-use weightsync_common::fabric::{Access, Endpoint, FabricBackend, Region, RegionDescriptor};
+use weightsync_common::fabric::{
+    Access, Endpoint, FabricBackend, Region, RegionDescriptor, TransferPaths,
+};
 use weightsync_common::protocol::{DeltaFigures, DeltaRecord, TimeSplit};
 use weightsync_schedules::table::{TrainerPlan, WriteTarget};
 
@@ -180,6 +182,12 @@ pub struct SyncReport {
     pub deltas: Vec<DeltaRecord>,
     /// What the deltas came to (dense and delta bytes, changes, encode time).
     pub delta: DeltaFigures,
+    /// How the written bytes reached their receivers: the transport's payloads, or a same-host
+    /// copy (`process_vm_readv`, or memory shared by descriptor where ptrace access is
+    /// refused); [`TransferPaths::name`] names the path. `None` where the fabric does not
+    /// count them (one path).
+    #[serde(default)]
+    pub paths: Option<TransferPaths>,
 }
 
 /// Everything fixed at build time, shared by every sync.

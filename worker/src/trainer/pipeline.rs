@@ -41,7 +41,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use parking_lot::Mutex;
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
-use weightsync_common::fabric::{FabricBackend, Region, RegionDescriptor, WriteOp};
+use weightsync_common::fabric::{FabricBackend, Region, RegionDescriptor, TransferPaths, WriteOp};
 use weightsync_schedules::table::{MeshGroup, Transform, WriteTarget};
 
 use super::delta::{DeltaSync, EncodeCtx, PartMode, encode_piece};
@@ -84,6 +84,8 @@ struct SyncRun<F: FabricBackend> {
     /// The runs written as deltas.
     records: Mutex<Vec<DeltaRecord>>,
     figures: Mutex<DeltaFigures>,
+    /// The fabric's bytes by path when the sync began (`SyncReport::paths` is the difference).
+    paths_before: Option<TransferPaths>,
 }
 
 impl<F: FabricBackend> SyncRun<F> {
@@ -95,6 +97,7 @@ impl<F: FabricBackend> SyncRun<F> {
         active: Option<DeltaSync>,
     ) -> Self {
         let gates = split_write_gates(&state);
+        let paths_before = fabric.transfer_paths();
         SyncRun {
             fabric,
             state,
@@ -115,6 +118,7 @@ impl<F: FabricBackend> SyncRun<F> {
             modes: Mutex::new(HashMap::new()),
             records: Mutex::new(Vec::new()),
             figures: Mutex::new(DeltaFigures::default()),
+            paths_before,
         }
     }
 
@@ -148,6 +152,11 @@ impl<F: FabricBackend> SyncRun<F> {
             mean_writes_in_flight: self.meter.mean_writes_in_flight(),
             deltas,
             delta,
+            paths: self
+                .fabric
+                .transfer_paths()
+                .zip(self.paths_before)
+                .map(|(now, before)| now.since(&before)),
         }
     }
 

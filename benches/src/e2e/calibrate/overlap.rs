@@ -57,9 +57,15 @@ pub(crate) async fn measure(
         tokio::task::spawn_blocking(move || {
             let mut kernel = kernel;
             let mut bytes = 0u64;
-            while !stop.load(Ordering::Relaxed) {
+            // At least one pass, even when the blocking pool started this task only after the
+            // fabric had finished (a loaded host): a measurement with no kernel work in it
+            // would charge the overlap nothing and read as an idle kernel.
+            loop {
                 kernel.pass(Threads::All)?;
                 bytes += kernel.pass_bytes();
+                if stop.load(Ordering::Relaxed) {
+                    break;
+                }
             }
             Ok::<_, E2eError>((bytes, start.elapsed().as_secs_f64(), kernel))
         })

@@ -216,8 +216,8 @@ async fn start_controller(args: &Args, logs: &std::path::Path) -> anyhow::Result
     let (job_token, api_token) = (random_token(), random_token());
     let mut cfg = ControllerConfig::for_job(
         world.clone(),
-        job_token.clone(),
-        api_token.clone(),
+        job_token.clone().into(),
+        api_token.clone().into(),
         Duration::from_secs(10),
         Duration::from_secs(600),
         200,

@@ -317,6 +317,7 @@ fn kind_code(kind: RemoteAccessKind) -> u8 {
         RemoteAccessKind::OutOfBounds => 2,
         RemoteAccessKind::NoWritePermission => 3,
         RemoteAccessKind::Deregistered => 4,
+        RemoteAccessKind::OutsideWindow => 5,
     }
 }
 
@@ -326,6 +327,7 @@ fn code_kind(code: u8) -> Option<RemoteAccessKind> {
         2 => RemoteAccessKind::OutOfBounds,
         3 => RemoteAccessKind::NoWritePermission,
         4 => RemoteAccessKind::Deregistered,
+        5 => RemoteAccessKind::OutsideWindow,
         _ => return None,
     })
 }

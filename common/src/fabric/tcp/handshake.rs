@@ -5,8 +5,9 @@
 //! server -> client  ServerHello  magic, version, server nonce (32 B), server proof
 //! client -> server  client proof (32 B)
 //! server -> client  verdict (8 B: accepted or not)
-//! client -> server  pull offer (32 B: pid, boot id, probe address; or none)
-//! server -> client  pull answer (8 B: yes or no)
+//! client -> server  pull offer (32 B: pid, boot id, probe address, shared memory offered; or none)
+//! server -> client  pull answer (8 B: yes, no, or shared memory + secret and socket name, 64 B)
+//! client -> server  after a shared-memory answer: connected or not (8 B)
 //! ```
 //! Proofs are BLAKE3 keyed hashes under a key derived from the token, over a direction label and
 //! both nonces (and the instance id), so each is fresh per connection, cannot be replayed or
@@ -16,20 +17,28 @@
 //!
 //! The last exchange, only once both are authenticated, agrees on same-host pulls
 //! (`same_host`): the server reads the client's nonce out of the client's memory at the offered
-//! address, and pulls that lane's PULL frames only if it read the right bytes.
+//! address, and pulls that lane's PULL frames only if it read the right bytes. Where the kernel
+//! refuses it that read (or the receiver's [`SameHostPath`] says `shared`) and the writer offered
+//! shared memory, the receiver answers with a UNIX socket for the writer's descriptors instead
+//! (`shared_pulls`).
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::same_host::{
-    ANSWER_LEN, ANSWER_NO, ANSWER_YES, Declined, OFFER_LEN, PullOffer, WriterProcess,
+    ANSWER_LEN, ANSWER_NO, ANSWER_SHARED, ANSWER_YES, Declined, OFFER_LEN, PullOffer, WriterProcess,
 };
+use super::shared_pulls::{
+    PullMode, SharedInvite, SharedWriter, join_shared, receiver_wants_shared,
+};
+use crate::fabric::config::SameHostPath;
 use crate::fabric::descriptor::Endpoint;
 use crate::fabric::error::{FabricError, Result};
 
 const MAGIC: &[u8; 8] = b"WSFABRIC";
-const VERSION: u32 = 2;
+// 3: pull offers may offer shared memory, answered with `ANSWER_SHARED` (`shared_pulls`).
+const VERSION: u32 = 3;
 /// Size of [`ClientHello`] on the wire.
 pub const CLIENT_HELLO_LEN: usize = 52;
 /// Size of [`ServerHello`] on the wire.
@@ -160,6 +169,22 @@ pub fn client_handshake_offering(
     peer: &Endpoint,
     offer_pulls: bool,
 ) -> Result<bool> {
+    let path = offer_pulls.then_some(SameHostPath::Ptrace);
+    client_handshake_same_host(stream, key, instance, peer, path).map(|m| m.pulls())
+}
+
+/// Runs the client side, offering same-host pulls when `path` is given (and shared memory
+/// unless it is [`SameHostPath::Ptrace`]); returns how the server will read this lane's PULL
+/// frames.
+pub fn client_handshake_same_host(
+    stream: &mut TcpStream,
+    key: &[u8; 32],
+    instance: u64,
+    peer: &Endpoint,
+    path: Option<SameHostPath>,
+) -> Result<PullMode> {
+    let offer_pulls = path.is_some();
+    let offer_shared = path.is_some_and(|p| p != SameHostPath::Ptrace);
     let after = stream.read_timeout().ok().flatten().unwrap_or_default();
     let hello = ClientHello {
         nonce: rand::random(),
@@ -200,7 +225,7 @@ pub fn client_handshake_offering(
         });
     }
     // The probe is `hello.nonce` itself, which stays where it is until the answer is read.
-    let offer = PullOffer::of_this_process(offer_pulls, &hello.nonce);
+    let offer = PullOffer::of_this_process(offer_pulls, offer_shared, &hello.nonce);
     stream
         .write_all(&offer.encode())
         .map_err(|e| io_err(peer, "sending the pull offer", e, after))?;
@@ -209,8 +234,13 @@ pub fn client_handshake_offering(
         .read_exact(&mut answer)
         .map_err(|e| io_err(peer, "reading the pull answer", e, after))?;
     match answer {
-        ANSWER_YES if offer.offered => Ok(true),
-        ANSWER_NO => Ok(false),
+        ANSWER_YES if offer.offered => Ok(PullMode::Ptrace),
+        ANSWER_NO => Ok(PullMode::Payloads),
+        ANSWER_SHARED if offer.shared => match join_shared(stream) {
+            Ok(Some(exporter)) => Ok(PullMode::Shared(exporter)),
+            Ok(None) => Ok(PullMode::Payloads),
+            Err(e) => Err(io_err(peer, "agreeing on shared memory", e, after)),
+        },
         _ => Err(FabricError::Protocol {
             peer: peer.clone(),
             detail: format!("bad pull answer {answer:?} to offer {offer:?}"),
@@ -219,23 +249,101 @@ pub fn client_handshake_offering(
 }
 
 /// What the server side learned of an authenticated client.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug)]
 pub struct Accepted {
     /// The client's instance id (scopes its split-write ids).
     pub instance: u64,
-    /// The writer to pull PULL frames from, when both sides agreed on same-host pulls.
+    /// The writer to pull PULL frames from with `process_vm_readv`, when both sides agreed on
+    /// same-host pulls that way.
     pub writer: Option<WriterProcess>,
+    /// The writer's shared memory to pull PULL frames from, when they agreed on that instead.
+    pub shared: Option<SharedWriter>,
 }
 
 /// Runs the server side; returns what it learned once the client's proof checked. Pulls are
-/// agreed only when `allow_pulls` and the client's offer verifies.
+/// agreed only when `allow_pulls` and the client's offer verifies (`process_vm_readv` where the
+/// kernel allows it, else shared memory where the client offered it).
 pub fn server_handshake(
     stream: &mut TcpStream,
     key: &[u8; 32],
     peer: &Endpoint,
     allow_pulls: bool,
 ) -> Result<Accepted> {
+    server_handshake_same_host(stream, key, peer, allow_pulls.then_some(SameHostPath::Auto))
+}
+
+/// Runs the server side, allowing same-host pulls as `path` says (`None`: none).
+pub fn server_handshake_same_host(
+    stream: &mut TcpStream,
+    key: &[u8; 32],
+    peer: &Endpoint,
+    path: Option<SameHostPath>,
+) -> Result<Accepted> {
     let after = stream.read_timeout().ok().flatten().unwrap_or_default();
+    serve_handshake(stream, key, peer, path, after)
+}
+
+/// [`server_handshake_same_host`] with one deadline for the whole exchange: a peer that
+/// trickles its bytes (one every few seconds) is cut when `limit` has passed since the start,
+/// however many reads it took, so an unauthenticated peer holds a handshake slot for at most
+/// `limit`.
+pub fn server_handshake_within(
+    stream: &TcpStream,
+    key: &[u8; 32],
+    peer: &Endpoint,
+    path: Option<SameHostPath>,
+    limit: Duration,
+) -> Result<Accepted> {
+    let mut bounded = WithDeadline {
+        stream,
+        deadline: Instant::now() + limit,
+    };
+    serve_handshake(&mut bounded, key, peer, path, limit)
+}
+
+/// A stream whose every read and write fails once its deadline has passed.
+struct WithDeadline<'a> {
+    stream: &'a TcpStream,
+    deadline: Instant,
+}
+
+impl WithDeadline<'_> {
+    fn remaining(&self) -> std::io::Result<Duration> {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            Err(std::io::ErrorKind::TimedOut.into())
+        } else {
+            Ok(left)
+        }
+    }
+}
+
+impl Read for WithDeadline<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        self.stream.set_read_timeout(Some(self.remaining()?))?;
+        let mut s = self.stream;
+        s.read(buf)
+    }
+}
+
+impl Write for WithDeadline<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.stream.set_write_timeout(Some(self.remaining()?))?;
+        let mut s = self.stream;
+        s.write(buf)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+fn serve_handshake<S: Read + Write>(
+    stream: &mut S,
+    key: &[u8; 32],
+    peer: &Endpoint,
+    path: Option<SameHostPath>,
+    after: Duration,
+) -> Result<Accepted> {
     let mut b = [0u8; CLIENT_HELLO_LEN];
     stream
         .read_exact(&mut b)
@@ -274,33 +382,62 @@ pub fn server_handshake(
         peer: peer.clone(),
         detail,
     })?;
-    let writer = match (allow_pulls, offer.offered) {
-        (true, true) => match WriterProcess::verify(&offer, &hello.nonce) {
-            Ok(w) => Some(w),
+    // (ptrace pulls, try shared memory instead)
+    let (writer, try_shared) = match (path, offer.offered) {
+        (Some(path), true) => match WriterProcess::verify(&offer, &hello.nonce) {
+            Ok(_) if offer.shared && receiver_wants_shared(path, false) => (None, true),
+            Ok(w) => (Some(w), false),
             // Between machines this is every lane: nothing to report.
-            Err(why @ Declined::OtherMachine) => {
+            Err(why @ (Declined::OtherMachine | Declined::NoBootId | Declined::NotOffered)) => {
                 tracing::debug!(%peer, %why, "no same-host pulls");
-                None
+                (None, false)
+            }
+            Err(why @ Declined::PtraceRefused(_))
+                if offer.shared && receiver_wants_shared(path, true) =>
+            {
+                tracing::info!(%peer, %why, "ptrace access refused; pulling from shared memory");
+                (None, true)
             }
             // On one machine pulls were expected: say why they are not used.
             Err(why) => {
                 tracing::info!(%peer, %why, "same-host pulls declined; the lane carries payloads");
-                None
+                (None, false)
             }
         },
-        _ => None,
+        _ => (None, false),
     };
-    let answer = if writer.is_some() {
-        ANSWER_YES
-    } else {
-        ANSWER_NO
+    let invite = try_shared.then(SharedInvite::open).and_then(|opened| match opened {
+        Ok(i) => Some(i),
+        Err(e) => {
+            tracing::info!(%peer, error = %e, "no shared-memory socket; the lane carries payloads");
+            None
+        }
+    });
+    let Some(invite) = invite else {
+        let answer = if writer.is_some() {
+            ANSWER_YES
+        } else {
+            ANSWER_NO
+        };
+        stream
+            .write_all(&answer)
+            .map_err(|e| io_err(peer, "sending the pull answer", e, after))?;
+        return Ok(Accepted {
+            instance: hello.instance,
+            writer,
+            shared: None,
+        });
     };
     stream
-        .write_all(&answer)
-        .map_err(|e| io_err(peer, "sending the pull answer", e, after))?;
+        .write_all(&invite.answer())
+        .map_err(|e| io_err(peer, "sending the shared-memory answer", e, after))?;
+    let shared = invite
+        .accept(stream, after.max(Duration::from_secs(1)))
+        .map_err(|e| io_err(peer, "agreeing on shared memory", e, after))?;
     Ok(Accepted {
         instance: hello.instance,
-        writer,
+        writer: None,
+        shared,
     })
 }
 
@@ -308,6 +445,36 @@ pub fn server_handshake(
 mod tests {
     use super::*;
     use std::net::TcpListener;
+
+    #[test]
+    fn a_trickling_client_is_cut_at_the_deadline() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let key = crate::fabric::JobToken("t".into()).handshake_key();
+        let server = std::thread::spawn(move || {
+            let (s, _) = listener.accept().unwrap();
+            let start = Instant::now();
+            let r = server_handshake_within(
+                &s,
+                &key,
+                &"client".into(),
+                None,
+                Duration::from_millis(300),
+            );
+            (r, start.elapsed())
+        });
+        let mut c = TcpStream::connect(addr).unwrap();
+        // One byte every 100 ms: each read is quick, the whole hello would take 5 s.
+        for _ in 0..10 {
+            if c.write_all(b"W").is_err() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let (r, took) = server.join().unwrap();
+        assert!(matches!(r, Err(FabricError::Timeout { .. })), "{r:?}");
+        assert!(took < Duration::from_millis(900), "took {took:?}");
+    }
 
     fn pair_with(
         client_token: &str,

@@ -34,7 +34,8 @@ use std::time::Duration;
 
 use super::Shared;
 use super::frame::{COMPLETION_LEN, Completion, HEADER_LEN};
-use super::same_host::{PULL_CHUNK, PULL_IOVS, PULL_RUN, WriterProcess};
+use super::same_host::{PULL_CHUNK, PULL_IOVS, PULL_RUN};
+use super::shared_pulls::PullSource;
 use super::socket::{IoFail, LaneSocket, Readiness};
 use crate::fabric::region::RegisteredMemory;
 use crate::fabric::stride::Stride;
@@ -296,7 +297,7 @@ impl<'a> InboundLane<'a> {
         &mut self,
         memory: &RegisteredMemory,
         frames: &[PullRange],
-        writer: WriterProcess,
+        writer: &mut PullSource,
     ) -> Result<Landing, IoFail> {
         // Landing tickets only where the owner keeps a landing log (no allocation otherwise).
         let _logged: Vec<_> = frames

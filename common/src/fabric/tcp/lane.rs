@@ -8,7 +8,8 @@
 //! frame before it (selective signalling).
 //!
 //! On a lane whose handshake agreed on same-host pulls (`same_host`), frames of at least
-//! [`PULL_MIN_BYTES`] go as PULL frames: the header alone, naming where the bytes are in this
+//! [`PULL_MIN_BYTES`](super::same_host::PULL_MIN_BYTES) (on a shared-memory lane, `shared_pulls`: every frame from shared memory)
+//! go as PULL frames: the header alone, naming where the bytes are in this
 //! process, and the receiver copies them out itself. The job then holds a [`SourcePin`] on each
 //! source it pulls from until its completion arrives, or until the lane has been aborted when it
 //! fails, so that no source is revoked while the receiver may still be reading it.
@@ -30,8 +31,8 @@ use tokio::sync::{oneshot, watch};
 use super::Shared;
 use super::addresses::{LaneRoute, peer_address};
 use super::frame::{COMPLETION_LEN, Completion, FrameHeader};
-use super::handshake::client_handshake_offering;
-use super::same_host::PULL_MIN_BYTES;
+use super::handshake::client_handshake_same_host;
+use super::shared_pulls::PullMode;
 use super::socket::{IoFail, LaneSocket, Readiness};
 use crate::fabric::descriptor::Endpoint;
 use crate::fabric::error::{FabricError, Result};
@@ -248,13 +249,13 @@ impl Lane {
     }
 }
 
-/// Connects and authenticates a lane; also says whether the receiver pulls its PULL frames.
+/// Connects and authenticates a lane; also says how the receiver reads its PULL frames.
 fn connect(
     peer: &Endpoint,
     index: usize,
     route: LaneRoute,
     shared: &Shared,
-) -> Result<(LaneSocket, bool)> {
+) -> Result<(LaneSocket, PullMode)> {
     let addr = peer_address(peer, route.remote)?;
     let timeout = shared.config.connect_timeout();
     let connected = match route.bind {
@@ -288,12 +289,15 @@ fn connect(
     // counts as done only once the peer acknowledged it.
     super::socket::set_linger_abort(&stream)
         .map_err(|e| FabricError::io(format!("setting up a lane to {peer}"), e))?;
-    let pulls = client_handshake_offering(
+    let pulls = client_handshake_same_host(
         &mut stream,
         &shared.key,
         shared.instance,
         peer,
-        shared.config.same_host,
+        shared
+            .config
+            .same_host
+            .then_some(shared.config.same_host_path),
     )?;
     let sock = LaneSocket::new(stream)
         .map_err(|e| FabricError::io(format!("setting up a lane to {peer}"), e))?;
@@ -306,7 +310,7 @@ fn run_sender(
     state: Arc<LaneState>,
     shared: Arc<Shared>,
 ) {
-    let (sock, pulls) = match connect(&peer, state.index, state.route, &shared) {
+    let (sock, mut pulls) = match connect(&peer, state.index, state.route, &shared) {
         Ok((s, pulls)) => (Arc::new(s), pulls),
         Err(e) => {
             tracing::warn!(%peer, lane = state.index, error = %e, "lane connect failed");
@@ -360,7 +364,7 @@ fn run_sender(
         *r = Some(Ok(()));
         true
     });
-    tracing::debug!(%peer, lane = state.index, pulls, "lane up");
+    tracing::debug!(%peer, lane = state.index, pulls = pulls.name(), "lane up");
     let mut failure = None;
     while let Ok(job) = rx.recv() {
         // Take whatever else is queued (up to one sendmsg's worth of frames) along.
@@ -375,7 +379,7 @@ fn run_sender(
                 Err(_) => break,
             }
         }
-        if let Err(e) = send_jobs(&peer, &sock, jobs, pulls, &state, &shared) {
+        if let Err(e) = send_jobs(&peer, &sock, jobs, &mut pulls, &state, &shared) {
             failure = Some(e);
             break;
         }
@@ -411,13 +415,14 @@ fn state_fail(sock: &LaneSocket, pending: &Mutex<PendingQueue>, err: &FabricErro
 }
 
 /// Registers the jobs' completions, then streams all their frames (several jobs per `sendmsg`
-/// when they are small: the doorbell batching of a real NIC). With `pulls`, large frames become
-/// PULL frames and their jobs pin the sources.
+/// when they are small: the doorbell batching of a real NIC). With `pulls`, large frames (on a
+/// shared-memory lane: every frame from shared memory) become PULL frames and their jobs pin
+/// the sources.
 fn send_jobs(
     peer: &Endpoint,
     sock: &LaneSocket,
     jobs: Vec<LaneJob>,
-    pulls: bool,
+    pulls: &mut PullMode,
     state: &LaneState,
     shared: &Shared,
 ) -> Result<()> {
@@ -439,8 +444,8 @@ fn send_jobs(
                 continue;
             }
             last.header.signalled = true;
-            let pins = if pulls {
-                mark_pulls(&mut frames)
+            let pins = if pulls.pulls() {
+                mark_pulls(&mut frames, pulls)
             } else {
                 Vec::new()
             };
@@ -470,19 +475,51 @@ fn send_jobs(
         .stats
         .frames_sent
         .fetch_add(all.len() as u64, Ordering::Relaxed);
+    count_paths(&all, pulls, shared);
     Ok(())
+}
+
+/// Counts the bytes of sent frames by the path that carries them (`TcpFabric::transfer_paths`).
+fn count_paths(frames: &[OutFrame], pulls: &PullMode, shared: &Shared) {
+    let pulled: u64 = frames
+        .iter()
+        .filter(|f| f.header.source.is_some())
+        .map(|f| f.header.len)
+        .sum();
+    let all: u64 = frames.iter().map(|f| f.header.len).sum();
+    let s = &shared.stats;
+    s.sent_payload_bytes
+        .fetch_add(all - pulled, Ordering::Relaxed);
+    let by = match pulls {
+        PullMode::Shared(_) => &s.sent_shared_bytes,
+        _ => &s.sent_ptrace_bytes,
+    };
+    by.fetch_add(pulled, Ordering::Relaxed);
 }
 
 /// Turns the frames worth pulling into PULL frames (the source's address in this process) and
 /// returns the pins that keep their sources alive until the job is answered. A frame whose
-/// source is already revoked stays a payload frame, and sending it reports the revocation.
-fn mark_pulls(frames: &mut [OutFrame]) -> Vec<SourcePin> {
+/// source is already revoked stays a payload frame, and sending it reports the revocation. On a
+/// shared-memory lane only frames from shared memory are pulled, its descriptor handed to the
+/// receiver first (a failure to hand it over leaves the frame a payload).
+fn mark_pulls(frames: &mut [OutFrame], mode: &mut PullMode) -> Vec<SourcePin> {
     let mut pins: Vec<SourcePin> = Vec::new();
+    let min = mode.min_bytes();
     for f in frames.iter_mut() {
-        if f.header.len < PULL_MIN_BYTES {
+        if f.header.len < min {
             continue;
         }
         let memory = f.src.memory();
+        if let PullMode::Shared(exporter) = mode {
+            match exporter.export(memory) {
+                Ok(true) => {}
+                Ok(false) => continue,
+                Err(e) => {
+                    tracing::warn!(error = %e, "handing a source to the receiver failed; it travels as payloads");
+                    continue;
+                }
+            }
+        }
         let pinned = pins.iter().any(|p| Arc::ptr_eq(p.memory(), memory));
         if !pinned {
             match memory.pin() {

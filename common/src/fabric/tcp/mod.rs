@@ -33,13 +33,17 @@
 //! writer's memory itself, once ([`same_host`]): the writer sends a PULL frame (header only,
 //! naming its source address) and keeps the source pinned until the completion; the receiver
 //! checks the frame exactly as a payload frame and lands it with `process_vm_readv` instead of
-//! `recv`. One copy instead of the two of a loopback socket.
+//! `recv`. One copy instead of the two of a loopback socket. Where the kernel refuses this
+//! receiver ptrace access to the writer (containers, Yama, a non-dumpable writer), the writer's
+//! sources, which this backend allocates as sealed `memfd`s, are handed over by descriptor on a
+//! UNIX socket and the receiver copies out of its own mapping of them (`shared_pulls`): still one
+//! copy, no ptrace. [`TcpStats::bytes_shared`] counts those bytes.
 //!
 //! Layout: [`frame`] (wire format), [`handshake`] (authentication), `registry` (rkey table),
 //! `receiver` (inbound lanes), `inbound` (reading one inbound lane), `peer` (the lanes to one
 //! peer and their queues), `lane` (one outbound lane), `addresses` (local addresses and
 //! multi-address endpoints), `socket` (the raw socket calls), [`same_host`] (pull offers and
-//! the cross-process copy).
+//! the cross-process copy), `shared_pulls` (pulls from memory shared by descriptor).
 
 mod addresses;
 #[cfg(test)]
@@ -52,6 +56,7 @@ mod peer;
 mod receiver;
 mod registry;
 pub mod same_host;
+mod shared_pulls;
 mod socket;
 
 use std::collections::HashMap;
@@ -68,10 +73,11 @@ use self::lane::{LaneJob, OutFrame};
 use self::peer::PeerLanes;
 use super::{
     Access, Endpoint, FabricBackend, FabricConfig, FabricError, ImmCounter, Memory, MemoryLocation,
-    Region, RegionDescriptor, RegisteredMemory, Result, WriteOp, merge_contiguous, place,
+    Region, RegionDescriptor, RegisteredMemory, Result, TransferPaths, WriteOp, merge_contiguous,
+    place,
 };
 pub use addresses::AddressBytes;
-pub use registry::{Registration, RegistrationTable};
+pub use registry::{Registration, RegistrationTable, WriteWindow};
 
 /// Alignment of the pieces a large write is split into.
 const STRIPE_ALIGN: u64 = 4096;
@@ -82,13 +88,20 @@ pub(super) struct Counters {
     lanes_opened: AtomicU64,
     lane_failures: AtomicU64,
     auth_failures: AtomicU64,
+    preauth_dropped: AtomicU64,
     frames_sent: AtomicU64,
     bytes_sent: AtomicU64,
     frames_received: AtomicU64,
     bytes_received: AtomicU64,
     bytes_pulled: AtomicU64,
+    bytes_shared: AtomicU64,
     pull_calls: AtomicU64,
+    /// Written by this process, by path (`transfer_paths`).
+    sent_payload_bytes: AtomicU64,
+    sent_ptrace_bytes: AtomicU64,
+    sent_shared_bytes: AtomicU64,
     refused: AtomicU64,
+    outside_window: AtomicU64,
 }
 
 /// A snapshot of a TCP fabric's counters.
@@ -100,6 +113,9 @@ pub struct TcpStats {
     pub lane_failures: u64,
     /// Inbound connections refused by the handshake.
     pub auth_failures: u64,
+    /// Inbound connections closed before their handshake because too many unauthenticated ones
+    /// were waiting (in all, or from their address).
+    pub preauth_dropped: u64,
     /// Frames sent.
     pub frames_sent: u64,
     /// Bytes sent (headers included).
@@ -111,11 +127,17 @@ pub struct TcpStats {
     /// Of `bytes_received`, those this process copied out of a same-host writer's memory
     /// itself (PULL frames, see [`same_host`]) rather than read from a socket.
     pub bytes_pulled: u64,
+    /// Of `bytes_pulled`, those copied out of a writer's memory shared by file descriptor
+    /// (lanes whose receiver the kernel refused ptrace access to the writer, or
+    /// [`SameHostPath::Shared`](super::SameHostPath)); the rest were `process_vm_readv` copies.
+    pub bytes_shared: u64,
     /// Copies out of same-host writers (`process_vm_readv` calls) that landed them: fewer than
     /// the PULL frames landed when runs of them arrive together and land at once.
     pub pull_calls: u64,
-    /// Frames refused here (rkey, bounds, permission, deregistered).
+    /// Frames refused here (rkey, bounds, permission, deregistered, outside the window).
     pub refused: u64,
+    /// Of `refused`, frames that arrived while the receiver's [`WriteWindow`] was closed.
+    pub outside_window: u64,
 }
 
 /// State shared by the fabric handle and its lane threads.
@@ -235,14 +257,24 @@ impl TcpFabric {
             lanes_opened: get(&c.lanes_opened),
             lane_failures: get(&c.lane_failures),
             auth_failures: get(&c.auth_failures),
+            preauth_dropped: get(&c.preauth_dropped),
             frames_sent: get(&c.frames_sent),
             bytes_sent: get(&c.bytes_sent),
             frames_received: get(&c.frames_received),
             bytes_received: get(&c.bytes_received),
             bytes_pulled: get(&c.bytes_pulled),
+            bytes_shared: get(&c.bytes_shared),
             pull_calls: get(&c.pull_calls),
             refused: get(&c.refused),
+            outside_window: get(&c.outside_window),
         }
+    }
+
+    /// Sets when this process accepts writes into its regions ([`WriteWindow`]): a receiver
+    /// that guards its memory closes the window at start, arms it for each sync and closes it
+    /// again once the sync landed or was abandoned.
+    pub fn set_write_window(&self, window: WriteWindow) {
+        self.inner.shared.table.set_window(window);
     }
 
     /// Fault injection: shuts down every open lane to `peer`, as if the cable were pulled.
@@ -439,6 +471,37 @@ impl FabricBackend for TcpFabric {
             .store(peers, Ordering::Relaxed);
     }
 
+    /// Sources are shared memory (a sealed `memfd`) when same-host transfers are on and
+    /// [`shared_pulls::sources_shared`] says so: a receiver on this host that may not read
+    /// this process with `process_vm_readv` maps them instead (`shared_pulls`). Where no memfd
+    /// can be made, anonymous memory as elsewhere.
+    fn alloc(&self, len: usize, access: Access) -> Result<Region> {
+        let config = &self.inner.shared.config;
+        if access == Access::SOURCE
+            && len > 0
+            && config.same_host
+            && shared_pulls::sources_shared(config.same_host_path)
+        {
+            match Memory::alloc_shared("weightsync-source", len) {
+                Ok(m) => return self.register(m, access),
+                Err(e) => tracing::debug!(error = %e, "no shared memory for a source"),
+            }
+        }
+        self.register(Memory::alloc_on(len, self.page_size(access))?, access)
+    }
+
+    /// Counted as frames are sent: a PULL frame's bytes by the lane's agreed path (the
+    /// receiver copies them), every other frame's as payloads.
+    fn transfer_paths(&self) -> Option<TransferPaths> {
+        let c = &self.inner.shared.stats;
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        Some(TransferPaths {
+            payload_bytes: get(&c.sent_payload_bytes),
+            process_vm_readv_bytes: get(&c.sent_ptrace_bytes),
+            shared_memory_bytes: get(&c.sent_shared_bytes),
+        })
+    }
+
     fn register(&self, memory: Memory, access: Access) -> Result<Region> {
         if memory.location() != MemoryLocation::Host {
             return Err(FabricError::Unsupported(
@@ -567,6 +630,17 @@ mod tests {
         assert_eq!(stats.bytes_pulled, 2 << 20, "the large frames were pulled");
         // Only headers and the small frame's payload went through the sockets.
         assert!(a.stats().bytes_sent < small + 4096, "{:?}", a.stats());
+        // The writer counts each frame by its path (ptrace allowed here: no shared memory).
+        let paths = a.transfer_paths().unwrap();
+        assert_eq!(
+            (
+                paths.process_vm_readv_bytes,
+                paths.payload_bytes,
+                paths.shared_memory_bytes
+            ),
+            (2 << 20, small, 0)
+        );
+        assert_eq!(paths.name(), "mixed");
         // The pins were released with the completions: the source deregisters at once.
         src.deregister();
     }
@@ -703,6 +777,54 @@ mod tests {
         assert_eq!(stats.refused, 1);
         // The pulls landed as three runs: A's first two, C's two, A's last (another region).
         assert_eq!(stats.pull_calls, 3, "{stats:?}");
+    }
+
+    #[tokio::test]
+    async fn a_guarded_receiver_refuses_writes_outside_an_armed_window() {
+        let on = FabricConfig::loopback("unit", 1);
+        let off = FabricConfig {
+            same_host: false,
+            ..on.clone()
+        };
+        // Payload frames and (where the host allows) same-host pulls.
+        for config in [off, on] {
+            let a = TcpFabric::start(&config).await.unwrap();
+            let b = TcpFabric::start(&config).await.unwrap();
+            let len = 1 << 20;
+            let src = a.alloc(len, Access::SOURCE).unwrap();
+            let dst = b.alloc(len, Access::RECEIVE).unwrap();
+            dst.write_at(0, &vec![1u8; len]).unwrap();
+            b.set_write_window(WriteWindow::Closed);
+            src.write_at(0, &vec![7u8; len]).unwrap();
+            let op = || WriteOp::new(&src, 0, dst.descriptor(), 0, len as u64).with_imm(3);
+            let err = a.write(op()).await.unwrap_err();
+            assert!(
+                matches!(
+                    err,
+                    FabricError::RemoteAccess {
+                        kind: crate::fabric::RemoteAccessKind::OutsideWindow,
+                        ..
+                    }
+                ),
+                "{err}"
+            );
+            assert_eq!(dst.to_vec().unwrap(), vec![1u8; len], "bytes changed");
+            assert_eq!(b.stats().outside_window, 1);
+            assert_eq!(
+                b.imm_counter().unclaimed(3),
+                0,
+                "a refused write was counted"
+            );
+            b.set_write_window(WriteWindow::Armed);
+            a.write(op()).await.unwrap();
+            assert_eq!(dst.to_vec().unwrap(), vec![7u8; len]);
+            b.imm_counter().expect(3, 1).await.unwrap();
+            b.set_write_window(WriteWindow::Closed);
+            src.write_at(0, &vec![9u8; len]).unwrap();
+            assert!(a.write(op()).await.is_err());
+            assert_eq!(dst.to_vec().unwrap(), vec![7u8; len], "bytes changed");
+            assert_eq!(b.stats().outside_window, 2);
+        }
     }
 
     #[tokio::test]

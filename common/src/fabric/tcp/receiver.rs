@@ -1,6 +1,8 @@
 //! The receiving half of the emulated NIC: accept lanes, check frames, land payloads.
 //!
-//! One thread per inbound lane (blocking-style I/O on a non-blocking socket): for each frame it
+//! Before a writer has proved the job token it gets no thread of its own: a few handshake
+//! threads per listener serve a bounded queue, with caps per address and one deadline per
+//! handshake (see [`accept_loop`]). After it, one thread per inbound lane (blocking-style I/O on a non-blocking socket): for each frame it
 //! checks rkey, bounds and permission in the [`RegistrationTable`](super::RegistrationTable) before
 //! touching memory, then `recv`s the payload directly into the registered region (`inbound`),
 //! holding the region's revocation guard only for each non-blocking `recv` so that
@@ -21,25 +23,106 @@
 //! counting an immediate, the thread checks whether the connection was reset, and if so stops:
 //! frames a writer abandoned never land late, over the bytes of a later sync.
 
-use std::net::{TcpListener, TcpStream};
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::sync::mpsc::TrySendError;
+use std::time::Duration;
+
+use parking_lot::Mutex;
 
 use super::Shared;
 use super::frame::HEADER_LEN;
 use super::frame::{Completion, FrameHeader};
-use super::handshake::{Accepted, server_handshake};
+use super::handshake::{Accepted, server_handshake_within};
 use super::inbound::{AHEAD, InboundLane, Landing, PullRange};
 use super::same_host::{PULL_RUN, PULL_RUN_BYTES};
+use super::shared_pulls::PullSource;
 use super::socket::{IoFail, LaneSocket, Readiness, wait_fd};
 use crate::fabric::descriptor::Endpoint;
 use crate::fabric::error::RemoteAccessKind;
 
+/// Handshakes running or queued at once, per listener, before anyone proved the job token.
+const PENDING_HANDSHAKES: usize = 64;
+/// Of those, from one IP address.
+const PENDING_PER_IP: u32 = 8;
+/// Threads that run handshakes, per listener (a lane gets a thread of its own only once its
+/// writer proved the job token).
+const HANDSHAKE_THREADS: usize = 4;
+/// The longest a peer may take over the whole handshake.
+const HANDSHAKE_LIMIT: Duration = Duration::from_secs(3);
+
+/// Unauthenticated connections per IP address, queued or in a handshake.
+#[derive(Debug, Default)]
+struct PendingByIp(Mutex<HashMap<IpAddr, u32>>);
+
+impl PendingByIp {
+    /// Counts one more from `ip` unless it already has [`PENDING_PER_IP`].
+    fn admit(&self, ip: IpAddr) -> bool {
+        let mut m = self.0.lock();
+        let n = m.entry(ip).or_insert(0);
+        if *n >= PENDING_PER_IP {
+            return false;
+        }
+        *n += 1;
+        true
+    }
+
+    fn release(&self, ip: IpAddr) {
+        let mut m = self.0.lock();
+        if let Some(n) = m.get_mut(&ip) {
+            *n -= 1;
+            if *n == 0 {
+                m.remove(&ip);
+            }
+        }
+    }
+}
+
 /// Runs the accept loop of the listener on local address number `local` until the fabric stops.
+///
+/// Accepted sockets wait in a bounded queue for one of [`HANDSHAKE_THREADS`] threads, which
+/// run the handshake under one overall deadline ([`HANDSHAKE_LIMIT`]); only an authenticated
+/// lane gets a receive thread of its own. A socket that finds the queue full, or its address
+/// over [`PENDING_PER_IP`], is closed at once and counted (`TcpStats::preauth_dropped`), so a
+/// flood of idle or trickling connections costs a few threads and no memory to speak of.
 pub(super) fn accept_loop(listener: TcpListener, local: usize, shared: Arc<Shared>) {
     if let Err(e) = listener.set_nonblocking(true) {
         tracing::error!(error = %e, "fabric listener cannot be made non-blocking");
         return;
+    }
+    let (queue, waiting) = std::sync::mpsc::sync_channel::<(TcpStream, SocketAddr)>(
+        PENDING_HANDSHAKES.saturating_sub(HANDSHAKE_THREADS),
+    );
+    let waiting = Arc::new(Mutex::new(waiting));
+    let pending = Arc::new(PendingByIp::default());
+    for _ in 0..HANDSHAKE_THREADS {
+        let (waiting, pending, shared) = (waiting.clone(), pending.clone(), shared.clone());
+        let spawned = std::thread::Builder::new()
+            .name("ws-fabric-hs".into())
+            .spawn(move || {
+                loop {
+                    // The lock is held only while waiting for the next socket.
+                    let next = waiting.lock().recv();
+                    let Ok((stream, addr)) = next else { return };
+                    let lane = authenticate(stream, addr.into(), &shared);
+                    pending.release(addr.ip());
+                    if let Some((stream, peer, accepted)) = lane {
+                        let shared = shared.clone();
+                        let spawned = std::thread::Builder::new()
+                            .name("ws-fabric-rx".into())
+                            .spawn(move || serve_lane(stream, peer, accepted, local, shared));
+                        if let Err(e) = spawned {
+                            tracing::error!(error = %e, "cannot spawn a fabric receive thread");
+                        }
+                    }
+                }
+            });
+        if let Err(e) = spawned {
+            tracing::error!(error = %e, "cannot spawn a fabric handshake thread");
+            return;
+        }
     }
     loop {
         match wait_fd(
@@ -57,12 +140,18 @@ pub(super) fn accept_loop(listener: TcpListener, local: usize, shared: Arc<Share
         }
         match listener.accept() {
             Ok((stream, addr)) => {
-                let shared = shared.clone();
-                let spawned = std::thread::Builder::new()
-                    .name("ws-fabric-rx".into())
-                    .spawn(move || serve_lane(stream, addr.into(), local, shared));
-                if let Err(e) = spawned {
-                    tracing::error!(error = %e, "cannot spawn a fabric receive thread");
+                let ip = addr.ip();
+                if !pending.admit(ip) {
+                    shared.stats.preauth_dropped.fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!(%addr, "too many unauthenticated fabric lanes from this address");
+                    continue;
+                }
+                if let Err(e) = queue.try_send((stream, addr)) {
+                    pending.release(ip);
+                    shared.stats.preauth_dropped.fetch_add(1, Ordering::Relaxed);
+                    if matches!(e, TrySendError::Full(_)) {
+                        tracing::debug!(%addr, "fabric handshake queue full; connection closed");
+                    }
                 }
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
@@ -71,30 +160,52 @@ pub(super) fn accept_loop(listener: TcpListener, local: usize, shared: Arc<Share
     }
 }
 
-fn serve_lane(stream: TcpStream, peer: Endpoint, local: usize, shared: Arc<Shared>) {
+/// Sets up an accepted socket and runs the server handshake under [`HANDSHAKE_LIMIT`].
+fn authenticate(
+    stream: TcpStream,
+    peer: Endpoint,
+    shared: &Shared,
+) -> Option<(TcpStream, Endpoint, Accepted)> {
     let setup = (|| {
         stream.set_nonblocking(false)?;
         stream.set_nodelay(true)?;
         let (send, receive) = shared.config.socket_buffers();
         super::socket::set_buffer_sizes(&stream, send, receive)?;
-        stream.set_read_timeout(Some(shared.config.connect_timeout()))?;
-        stream.set_write_timeout(Some(shared.config.connect_timeout()))?;
         Ok::<_, std::io::Error>(())
     })();
     if let Err(e) = setup {
         tracing::warn!(%peer, error = %e, "setting up an inbound lane failed");
-        return;
+        return None;
     }
-    let mut stream = stream;
-    let accepted = match server_handshake(&mut stream, &shared.key, &peer, shared.config.same_host)
-    {
-        Ok(a) => a,
+    let limit = HANDSHAKE_LIMIT.min(shared.config.connect_timeout());
+    let path = shared
+        .config
+        .same_host
+        .then_some(shared.config.same_host_path);
+    match server_handshake_within(&stream, &shared.key, &peer, path, limit) {
+        Ok(a) => Some((stream, peer, a)),
         Err(e) => {
             shared.stats.auth_failures.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(%peer, error = %e, "inbound lane refused");
-            return;
+            None
         }
-    };
+    }
+}
+
+fn serve_lane(
+    stream: TcpStream,
+    peer: Endpoint,
+    accepted: Accepted,
+    local: usize,
+    shared: Arc<Shared>,
+) {
+    let timeouts = stream
+        .set_read_timeout(Some(shared.config.connect_timeout()))
+        .and_then(|()| stream.set_write_timeout(Some(shared.config.connect_timeout())));
+    if let Err(e) = timeouts {
+        tracing::warn!(%peer, error = %e, "setting up an inbound lane failed");
+        return;
+    }
     let sock = match LaneSocket::new(stream) {
         Ok(s) => s,
         Err(e) => {
@@ -102,7 +213,12 @@ fn serve_lane(stream: TcpStream, peer: Endpoint, local: usize, shared: Arc<Share
             return;
         }
     };
-    tracing::debug!(%peer, pulls = accepted.writer.is_some(), "inbound lane up");
+    let path = match (&accepted.writer, &accepted.shared) {
+        (Some(_), _) => "ptrace",
+        (None, Some(_)) => "shared_memory",
+        (None, None) => "payloads",
+    };
+    tracing::debug!(%peer, path, "inbound lane up");
     match receive_frames(&sock, accepted, local, &shared) {
         Ok(()) | Err(IoFail::Shutdown) => tracing::debug!(%peer, "inbound lane closed"),
         Err(IoFail::PeerReset) => {
@@ -122,17 +238,19 @@ fn receive_frames(
     local: usize,
     shared: &Shared,
 ) -> Result<(), IoFail> {
-    let read_ahead = if accepted.writer.is_some() {
-        AHEAD
-    } else {
-        HEADER_LEN
+    let mut source = match (accepted.writer, accepted.shared) {
+        (Some(w), _) => Some(PullSource::Process(w)),
+        (None, Some(s)) => Some(PullSource::Shared(s)),
+        (None, None) => None,
     };
+    let read_ahead = if source.is_some() { AHEAD } else { HEADER_LEN };
     let mut lane = InboundLane::new(sock, shared, read_ahead);
     let mut ledger = Ledger {
         instance: accepted.instance,
         local,
         since_signal: 0,
         first_error: None,
+        shared_memory: source.as_ref().is_some_and(PullSource::is_shared),
     };
     // The PULL frames of one run: their headers, and where each lands and comes from.
     let mut run: Vec<FrameHeader> = Vec::with_capacity(PULL_RUN);
@@ -143,10 +261,10 @@ fn receive_frames(
             return Ok(());
         };
         let header = decode(&hdr)?;
-        let pull_from = match (header.source, accepted.writer) {
+        let pull_from = match (header.source, source.is_some()) {
             (None, _) => None,
-            (Some(source), Some(writer)) => Some((writer, source)),
-            (Some(_), None) => {
+            (Some(from), true) => Some(from),
+            (Some(_), false) => {
                 return Err(IoFail::Os(std::io::Error::new(
                     std::io::ErrorKind::InvalidData,
                     "a PULL frame on a lane that did not agree to same-host pulls",
@@ -159,6 +277,9 @@ fn receive_frames(
         let (reg, offset) = match checked {
             Err(kind) => {
                 shared.stats.refused.fetch_add(1, Ordering::Relaxed);
+                if kind == RemoteAccessKind::OutsideWindow {
+                    shared.stats.outside_window.fetch_add(1, Ordering::Relaxed);
+                }
                 ledger
                     .first_error
                     .get_or_insert((kind, header.rkey, header.addr));
@@ -170,7 +291,7 @@ fn receive_frames(
             }
             Ok(checked) => checked,
         };
-        let Some((writer, source)) = pull_from else {
+        let (Some(from), Some(writer)) = (pull_from, source.as_mut()) else {
             let landing = lane.land(&reg.memory, offset, header.len);
             let landing = landed_or_torn(landing, std::slice::from_ref(&header), sock, shared)?;
             if ledger.settle(&mut lane, &header, Some(landing), shared) {
@@ -185,7 +306,7 @@ fn receive_frames(
         ranges.push(PullRange {
             offset,
             len: header.len,
-            source,
+            source: from,
             stride: header.stride,
         });
         let mut bytes = header.len;
@@ -267,6 +388,8 @@ struct Ledger {
     since_signal: u32,
     /// The first refused frame since the last completion.
     first_error: Option<(RemoteAccessKind, u64, u64)>,
+    /// This lane's pulls copy out of the writer's shared memory (counted apart).
+    shared_memory: bool,
 }
 
 impl Ledger {
@@ -295,6 +418,12 @@ impl Ledger {
                         .stats
                         .bytes_pulled
                         .fetch_add(header.len, Ordering::Relaxed);
+                    if self.shared_memory {
+                        shared
+                            .stats
+                            .bytes_shared
+                            .fetch_add(header.len, Ordering::Relaxed);
+                    }
                 }
                 // What crossed this address: a pulled frame's bytes did not.
                 shared.local[self.local]

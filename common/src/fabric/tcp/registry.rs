@@ -5,15 +5,42 @@
 //! are random 64-bit values drawn from the OS generator, so a peer cannot guess one; removal
 //! (deregistration) happens under the table lock, after the region's memory was revoked, so a
 //! lookup either sees a live entry or none.
+//!
+//! A receiver may also guard its regions with a [`WriteWindow`]: then a write is accepted only
+//! while a sync is armed on it (between a rollout's `Prepare` and its landing), so bytes sent
+//! while the engine serves never reach its weights.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, Ordering};
 
 use parking_lot::RwLock;
 
 use crate::fabric::descriptor::Access;
 use crate::fabric::error::RemoteAccessKind;
 use crate::fabric::region::RegisteredMemory;
+
+/// When a receiver accepts writes into its regions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum WriteWindow {
+    /// At any time (the default: a receiver that never said otherwise).
+    #[default]
+    Always,
+    /// Never: the receiver guards its regions and no sync is armed.
+    Closed,
+    /// Now: a sync is armed.
+    Armed,
+}
+
+impl WriteWindow {
+    fn code(self) -> u8 {
+        match self {
+            WriteWindow::Always => 0,
+            WriteWindow::Closed => 1,
+            WriteWindow::Armed => 2,
+        }
+    }
+}
 
 /// One registration as the receiver sees it.
 #[derive(Debug, Clone)]
@@ -38,9 +65,25 @@ struct Entries {
 #[derive(Debug, Default)]
 pub struct RegistrationTable {
     entries: RwLock<Entries>,
+    /// [`WriteWindow::code`] of the current window.
+    window: AtomicU8,
 }
 
 impl RegistrationTable {
+    /// Sets when writes are accepted (see [`WriteWindow`]); takes effect for the next frame.
+    pub fn set_window(&self, window: WriteWindow) {
+        self.window.store(window.code(), Ordering::SeqCst);
+    }
+
+    /// The window in force.
+    pub fn window(&self) -> WriteWindow {
+        match self.window.load(Ordering::SeqCst) {
+            0 => WriteWindow::Always,
+            1 => WriteWindow::Closed,
+            _ => WriteWindow::Armed,
+        }
+    }
+
     /// Inserts a registration under a fresh random rkey and returns the rkey.
     pub fn insert(&self, memory: Arc<RegisteredMemory>, access: Access) -> u64 {
         let base = memory.as_ptr() as u64;
@@ -107,6 +150,9 @@ impl RegistrationTable {
         }
         if !reg.memory.is_live() {
             return Err(RemoteAccessKind::Deregistered);
+        }
+        if self.window() == WriteWindow::Closed {
+            return Err(RemoteAccessKind::OutsideWindow);
         }
         Ok((reg.clone(), offset))
     }

@@ -44,6 +44,9 @@ pub const ANSWER_LEN: usize = 8;
 pub const ANSWER_YES: [u8; ANSWER_LEN] = *b"PULL-YES";
 /// The receiver will not: the writer sends payloads.
 pub const ANSWER_NO: [u8; ANSWER_LEN] = *b"PULL-NO!";
+/// The receiver will pull, from memory the writer shares by descriptor (`shared_pulls`): the
+/// answer is followed by where and how to hand the descriptors over.
+pub const ANSWER_SHARED: [u8; ANSWER_LEN] = *b"PULL-SHM";
 
 /// Most bytes one pull copies while holding the destination's revocation guard (the same bound
 /// as one payload `recv`).
@@ -83,6 +86,9 @@ pub const PULL_MIN_BYTES: u64 = 16 << 10;
 pub struct PullOffer {
     /// Whether the writer offers pulls at all (all other fields are zero when not).
     pub offered: bool,
+    /// Whether it can also hand its sources over as shared memory (`fabric::shared_memory`)
+    /// when the receiver may not read its memory with `process_vm_readv`.
+    pub shared: bool,
     /// The writer's process id.
     pub pid: u32,
     /// The writer's kernel boot id (`/proc/sys/kernel/random/boot_id`): equal ids mean one
@@ -96,6 +102,7 @@ impl PullOffer {
     /// No offer (pulls off, or no boot id to compare).
     pub const NONE: PullOffer = PullOffer {
         offered: false,
+        shared: false,
         pid: 0,
         boot_id: [0; 16],
         probe: 0,
@@ -104,7 +111,8 @@ impl PullOffer {
     /// Encodes the offer.
     pub fn encode(&self) -> [u8; OFFER_LEN] {
         let mut b = [0u8; OFFER_LEN];
-        b[0..4].copy_from_slice(&u32::from(self.offered).to_le_bytes());
+        let flag = u32::from(self.offered) | (u32::from(self.offered && self.shared) << 1);
+        b[0..4].copy_from_slice(&flag.to_le_bytes());
         b[4..8].copy_from_slice(&self.pid.to_le_bytes());
         b[8..24].copy_from_slice(&self.boot_id);
         b[24..32].copy_from_slice(&self.probe.to_le_bytes());
@@ -123,11 +131,12 @@ impl PullOffer {
         match flag {
             0 if pid == 0 && probe == 0 && boot_id == [0; 16] => Ok(PullOffer::NONE),
             0 => Err("a pull offer that is not offered carries fields".into()),
-            1 if pid == 0 || probe == 0 || pid > i32::MAX as u32 => {
+            1 | 3 if pid == 0 || probe == 0 || pid > i32::MAX as u32 => {
                 Err(format!("a pull offer with pid {pid} and probe {probe:#x}"))
             }
-            1 => Ok(PullOffer {
+            1 | 3 => Ok(PullOffer {
                 offered: true,
+                shared: flag == 3,
                 pid,
                 boot_id,
                 probe,
@@ -136,12 +145,14 @@ impl PullOffer {
         }
     }
 
-    /// The offer this process makes, with `nonce` (alive until the answer comes) as the probe;
-    /// no offer when pulls are off or the boot id cannot be read.
-    pub fn of_this_process(enabled: bool, nonce: &[u8; 32]) -> PullOffer {
+    /// The offer this process makes, with `nonce` (alive until the answer comes) as the probe
+    /// and shared memory offered when `shared`; no offer when pulls are off or the boot id
+    /// cannot be read.
+    pub fn of_this_process(enabled: bool, shared: bool, nonce: &[u8; 32]) -> PullOffer {
         match (enabled, boot_id()) {
             (true, Some(boot_id)) => PullOffer {
                 offered: true,
+                shared,
                 pid: std::process::id(),
                 boot_id,
                 probe: nonce.as_ptr() as u64,
@@ -186,7 +197,12 @@ pub enum Declined {
     /// This machine's boot id cannot be read.
     #[error("this machine's boot id cannot be read")]
     NoBootId,
-    /// Same machine, but the probe failed (ptrace access refused, another pid namespace, ...).
+    /// Same machine, but the kernel refused this process ptrace access to the writer (`EPERM`:
+    /// another user, Yama `ptrace_scope`, a non-dumpable writer, a seccomp policy): the case
+    /// memory shared by descriptor ([`super::shared_memory`]) is for.
+    #[error("{0}")]
+    PtraceRefused(String),
+    /// Same machine, but the probe failed otherwise (another pid namespace, ...).
     #[error("{0}")]
     ProbeFailed(String),
 }
@@ -224,6 +240,13 @@ impl WriterProcess {
             Ok(n) => Err(Declined::ProbeFailed(format!(
                 "reading the probe gave {n} of 32 bytes"
             ))),
+            Err(e) if e.raw_os_error() == Some(libc::EPERM) => {
+                Err(Declined::PtraceRefused(format!(
+                    "reading pid {}'s memory was refused: {e} (ptrace access: another user, Yama \
+                     ptrace_scope, a non-dumpable writer, or a seccomp policy)",
+                    offer.pid
+                )))
+            }
             Err(e) => Err(Declined::ProbeFailed(format!(
                 "reading pid {}'s memory was refused: {e} (ptrace access: another user, Yama \
                  ptrace_scope, or a seccomp policy)",
@@ -316,11 +339,17 @@ mod tests {
     fn offers_round_trip_and_bad_ones_are_named() {
         let offer = PullOffer {
             offered: true,
+            shared: false,
             pid: 4242,
             boot_id: [7; 16],
             probe: 0x7fff_0000_1000,
         };
         assert_eq!(PullOffer::decode(&offer.encode()), Ok(offer));
+        let shared = PullOffer {
+            shared: true,
+            ..offer
+        };
+        assert_eq!(PullOffer::decode(&shared.encode()), Ok(shared));
         assert_eq!(
             PullOffer::decode(&PullOffer::NONE.encode()),
             Ok(PullOffer::NONE)
@@ -352,7 +381,7 @@ mod tests {
     #[test]
     fn this_process_verifies_its_own_offer_and_refuses_a_wrong_nonce() {
         let nonce: [u8; 32] = rand::random();
-        let offer = PullOffer::of_this_process(true, &nonce);
+        let offer = PullOffer::of_this_process(true, false, &nonce);
         if boot_id().is_none() {
             assert_eq!(offer, PullOffer::NONE);
             return;
@@ -374,13 +403,16 @@ mod tests {
             WriterProcess::verify(&PullOffer::NONE, &nonce).unwrap_err(),
             Declined::NotOffered
         );
-        assert_eq!(PullOffer::of_this_process(false, &nonce), PullOffer::NONE);
+        assert_eq!(
+            PullOffer::of_this_process(false, false, &nonce),
+            PullOffer::NONE
+        );
     }
 
     /// This process as a writer it may pull from (`None` where pulls are never agreed).
     fn this_process() -> Option<WriterProcess> {
         let nonce: [u8; 32] = rand::random();
-        WriterProcess::verify(&PullOffer::of_this_process(true, &nonce), &nonce).ok()
+        WriterProcess::verify(&PullOffer::of_this_process(true, false, &nonce), &nonce).ok()
     }
 
     #[test]

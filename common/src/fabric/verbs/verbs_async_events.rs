@@ -102,9 +102,14 @@ pub fn spawn(
                 if unsafe { ffi::ibv_get_async_event(ctx.raw(), &mut event) } != 0 {
                     continue;
                 }
-                handle(&event, &polled);
+                // Acknowledged before anything can drop a queue pair or CQ handle: destroying
+                // one waits until every event reported for it is acknowledged, so a last `Arc`
+                // dropped in `handle` before the ack would wait for this thread forever
+                // (device review N7). `handle` compares the element only by address.
+                let seen = event;
                 // SAFETY: event came from ibv_get_async_event and is acknowledged exactly once.
                 unsafe { ffi::ibv_ack_async_event(&mut event) };
+                handle(&seen, &polled);
             }
         })
 }
@@ -113,6 +118,15 @@ fn handle(event: &ffi::ibv_async_event, polled: &PolledSet) {
     let kind = event.event_type;
     let name = event_name(kind);
     let effect = event_effect(kind);
+    if matches!(effect, EventEffect::Warn | EventEffect::Note) {
+        if effect == EventEffect::Warn {
+            tracing::warn!(event = %name, "RDMA port addressing changed; the GID in use is \
+                re-read only when the process restarts");
+        } else {
+            tracing::debug!(event = %name, "RDMA async event");
+        }
+        return; // no snapshot of the polled lanes: nothing of theirs is touched or dropped
+    }
     let (_, set) = polled.snapshot();
     let affected: Vec<_> = match effect {
         EventEffect::BreakQp => {
@@ -125,16 +139,7 @@ fn handle(event: &ffi::ibv_async_event, polled: &PolledSet) {
             let cq = unsafe { event.element.cq };
             set.into_iter().filter(|p| p.qp.cq().raw() == cq).collect()
         }
-        EventEffect::BreakAll => set,
-        EventEffect::Warn => {
-            tracing::warn!(event = %name, "RDMA port addressing changed; the GID in use is \
-                re-read only when the process restarts");
-            return;
-        }
-        EventEffect::Note => {
-            tracing::debug!(event = %name, "RDMA async event");
-            return;
-        }
+        EventEffect::BreakAll | EventEffect::Warn | EventEffect::Note => set,
     };
     tracing::warn!(event = %name, lanes = affected.len(), "RDMA async event breaks lanes");
     for p in affected {

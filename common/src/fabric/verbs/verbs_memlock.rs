@@ -9,11 +9,13 @@
 //! through GPUDirect is not pinned host memory and is not checked.
 //!
 //! The kernel applies the limit only to processes without `CAP_IPC_LOCK` (`ib_umem_get`:
-//! `new_pinned > lock_limit && !capable(CAP_IPC_LOCK)`). Root, and containers started with
-//! `--cap-add IPC_LOCK` (the usual Docker / Kubernetes RDMA setup, which often keeps the default
-//! 64 KiB or 8 MiB ulimit), are exempt, so the pre-check is skipped for them
-//! ([`MemlockPolicy::of`]); the errno mapping stays the real guard, and its hint then does not ask
-//! for a capability the process already has.
+//! `new_pinned > lock_limit && !capable(CAP_IPC_LOCK)`): the capability decides, not the uid.
+//! Containers started with `--cap-add IPC_LOCK` (the usual Docker / Kubernetes RDMA setup, which
+//! often keeps the default 64 KiB or 8 MiB ulimit) are exempt, so the pre-check is skipped for
+//! them ([`MemlockPolicy::of`]); root in a default `docker run` (no `IPC_LOCK`) is not, and is
+//! checked like anyone (device review N9). Only where `/proc/self/status` cannot be read is
+//! euid 0 taken as exempt. The errno mapping stays the real guard, and its hint then does not
+//! ask for a capability the process already has.
 
 use super::super::error::FabricError;
 
@@ -48,12 +50,15 @@ impl MemlockPolicy {
     /// The policy for a process with effective uid `euid`, effective capabilities `cap_eff`
     /// (the `CapEff` mask of `/proc/self/status`, `None` if unreadable) and soft limit `limit`.
     pub fn of(euid: u32, cap_eff: Option<u64>, limit: Option<u64>) -> MemlockPolicy {
-        if cap_eff.is_some_and(|c| c & (1 << CAP_IPC_LOCK_BIT) != 0) {
-            MemlockPolicy::Exempt(ExemptBecause::CapIpcLock)
-        } else if euid == 0 {
-            MemlockPolicy::Exempt(ExemptBecause::Root)
-        } else {
-            MemlockPolicy::Enforced(limit)
+        match cap_eff {
+            Some(c) if c & (1 << CAP_IPC_LOCK_BIT) != 0 => {
+                MemlockPolicy::Exempt(ExemptBecause::CapIpcLock)
+            }
+            // The capability set is known and lacks IPC_LOCK: the kernel enforces the limit,
+            // root or not.
+            Some(_) => MemlockPolicy::Enforced(limit),
+            None if euid == 0 => MemlockPolicy::Exempt(ExemptBecause::Root),
+            None => MemlockPolicy::Enforced(limit),
         }
     }
 
@@ -225,7 +230,12 @@ mod tests {
         let with_cap = MemlockPolicy::of(1000, cap_eff, limit);
         assert_eq!(with_cap, MemlockPolicy::Exempt(ExemptBecause::CapIpcLock));
         with_cap.check(16 << 20, 0).unwrap();
-        let root = MemlockPolicy::of(0, Some(0), limit);
+        // Root without IPC_LOCK (a default `docker run`): the kernel enforces the limit.
+        let root = MemlockPolicy::of(0, parse_cap_eff("CapEff:\t00000000a80425fb\n"), limit);
+        assert_eq!(root, MemlockPolicy::Enforced(limit));
+        assert!(root.check(16 << 20, 0).is_err());
+        // Root whose capabilities cannot be read is taken as exempt.
+        let root = MemlockPolicy::of(0, None, limit);
         assert_eq!(root, MemlockPolicy::Exempt(ExemptBecause::Root));
         root.check(16 << 20, 1 << 30).unwrap();
         // Without the capability (the default Docker set lacks bit 14) the limit holds.

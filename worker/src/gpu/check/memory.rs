@@ -134,7 +134,7 @@ fn ipc_source_maps_another_processes_memory() {
     export.write(0, &bytes).unwrap();
     let handle = export.handle().unwrap();
     let want = xxhash_rust::xxh3::xxh3_64(&bytes[offset..offset + len]);
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
+    let child = std::process::Command::new(std::env::current_exe().unwrap())
         .args([
             IPC_TEST,
             "--exact",
@@ -146,13 +146,24 @@ fn ipc_source_maps_another_processes_memory() {
             IPC_CHILD_ENV,
             format!("{}:{offset}:{len}:{want:016x}", to_hex(&handle)),
         )
-        .output()
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
         .unwrap();
+    // A sandbox may hang cuIpcOpenMemHandle: the child gets its own short limit, so the step
+    // fails here, named, instead of eating the whole step's time (device review N8).
+    let (out, timed_out) = output_within(child, IPC_CHILD_TIMEOUT);
     let stdout = String::from_utf8_lossy(&out.stdout);
     let ran = stdout.contains("ipc-child: mapped");
     emit(
         json!({"check": "ipc_source", "bytes": len, "offset": offset, "child_ok": out.status.success(),
-                "child_ran": ran}),
+                "child_ran": ran, "child_timed_out": timed_out,
+                "child_timeout_s": IPC_CHILD_TIMEOUT.as_secs()}),
+    );
+    assert!(
+        !timed_out,
+        "the IPC child did not finish within {IPC_CHILD_TIMEOUT:?} (cuIpcOpenMemHandle hung?): \
+         {stdout}"
     );
     assert!(
         out.status.success() && ran,
@@ -161,4 +172,26 @@ fn ipc_source_maps_another_processes_memory() {
     );
     // The exporter's memory is unchanged by the import.
     assert_eq!(export.read(offset, 16).unwrap(), bytes[offset..offset + 16]);
+}
+
+/// How long the IPC child may take (it maps 6 MiB and copies it once: seconds at most).
+const IPC_CHILD_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// The child's output once it exited, or, after `limit`, once it was killed (`true`). Its
+/// output is a few lines, well under a pipe's buffer, so waiting before reading cannot block it.
+fn output_within(
+    mut child: std::process::Child,
+    limit: std::time::Duration,
+) -> (std::process::Output, bool) {
+    let deadline = std::time::Instant::now() + limit;
+    let mut timed_out = false;
+    while child.try_wait().unwrap().is_none() {
+        if std::time::Instant::now() >= deadline {
+            let _ = child.kill();
+            timed_out = true;
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    (child.wait_with_output().unwrap(), timed_out)
 }

@@ -51,7 +51,14 @@ const COLS: u32 = 4096;
 const LAYERS: u32 = 12;
 const WATERMARK: u64 = 256 << 20;
 const PIECE: u64 = 16 << 20;
+/// The overlap step's figure of merit for a verbs/NIC configuration, reported (not asserted):
+/// with a device source on loopback TCP the write dominates (the preparation on the GPU is
+/// nearly free), so serialised / pipelined cannot reach it (device review N6).
 const TARGET_OVERLAP_SPEEDUP: f64 = 2.2;
+/// What the pipeline can promise on any configuration, asserted: the pipelined sync within
+/// this factor of its slowest stage (that stage's busy time in the serialised run, where the
+/// stages do not overlap); the margin covers the pipeline's fill and drain (one piece each).
+const MAX_PIPELINED_OVER_SLOWEST_STAGE: f64 = 1.25;
 /// Sync landing rate over the fabric limit's (reported, not asserted: a figure of the run).
 const TARGET_RATIO_VS_FABRIC: f64 = 0.9;
 /// Timed runs of each measurement after its warm-up (the median is reported).
@@ -493,17 +500,27 @@ async fn device_source_pipeline_overlaps_its_stages() {
         stages.push(stage_summary(report));
     }
     let speedup = walls[0] / walls[1];
-    let pass = speedup >= TARGET_OVERLAP_SPEEDUP;
+    // The slowest stage of the serialised run (its stages never overlap).
+    let slowest_s = ["h2d", "prepare", "write"]
+        .iter()
+        .filter_map(|s| stages[0][*s]["busy_s"].as_f64())
+        .fold(0.0, f64::max);
+    let over_slowest = walls[1] / slowest_s;
+    let pass = over_slowest <= MAX_PIPELINED_OVER_SLOWEST_STAGE;
     emit(json!({
         "check": "device_overlap", "source_bytes": host.len(),
         "serialised_s": walls[0], "pipelined_s": walls[1], "overlap_speedup": speedup,
-        "target_overlap_speedup": TARGET_OVERLAP_SPEEDUP, "pass": pass,
+        "target_overlap_speedup": TARGET_OVERLAP_SPEEDUP,
+        "slowest_stage_s": slowest_s, "pipelined_over_slowest_stage": over_slowest,
+        "max_pipelined_over_slowest_stage": MAX_PIPELINED_OVER_SLOWEST_STAGE, "pass": pass,
         "serialised_stages": stages[0], "pipelined_stages": stages[1],
         "cores": std::thread::available_parallelism().map_or(0, |n| n.get()),
     }));
     assert!(
         pass,
-        "overlap_speedup {speedup:.2} < {TARGET_OVERLAP_SPEEDUP}"
+        "pipelined {:.3} s is {over_slowest:.2}x its slowest stage ({slowest_s:.3} s), over \
+         {MAX_PIPELINED_OVER_SLOWEST_STAGE} (overlap_speedup {speedup:.2})",
+        walls[1]
     );
 }
 

@@ -1,0 +1,111 @@
+//! Serving the router over HTTP/1 with bounds a slow or hostile client cannot outlast.
+//!
+//! `axum::serve` sets no timer, so hyper's header-read timeout never fires and a client that
+//! sends half a request line holds its connection (and file descriptor) forever; it has no cap on
+//! connections either. Here every connection must send its request head within
+//! [`HttpLimits::header_timeout`] (also the idle time allowed between keep-alive requests), and
+//! at most [`HttpLimits::max_connections`] are open at once, [`HttpLimits::max_per_ip`] from
+//! one address; a connection over a cap is closed at accept.
+
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::net::TcpListener;
+use tokio::sync::{Semaphore, watch};
+use tower::ServiceExt;
+
+/// The bounds of the HTTP server.
+#[derive(Debug, Clone, Copy)]
+pub struct HttpLimits {
+    /// Connections open at once.
+    pub max_connections: usize,
+    /// Of those, from one IP address.
+    pub max_per_ip: usize,
+    /// Time allowed for a request head (and between keep-alive requests).
+    pub header_timeout: Duration,
+}
+
+impl Default for HttpLimits {
+    fn default() -> Self {
+        HttpLimits {
+            max_connections: 1024,
+            max_per_ip: 256,
+            header_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Serves `app` on `listener` until `stop` changes; connections in flight then finish their
+/// current request.
+pub async fn serve_http(
+    listener: TcpListener,
+    app: Router,
+    limits: HttpLimits,
+    mut stop: watch::Receiver<bool>,
+) {
+    let all = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+    let per_ip: Arc<parking_lot::Mutex<HashMap<IpAddr, usize>>> = Arc::default();
+    loop {
+        let (stream, peer) = tokio::select! {
+            _ = stop.changed() => break,
+            accepted = listener.accept() => match accepted {
+                Ok(x) => x,
+                Err(e) => {
+                    tracing::warn!("HTTP accept: {e} (raise the open-file limit?)");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        let Ok(permit) = all.clone().try_acquire_owned() else {
+            tracing::debug!(%peer, "too many HTTP connections; closing");
+            continue;
+        };
+        let ip = peer.ip();
+        {
+            let mut m = per_ip.lock();
+            let n = m.entry(ip).or_insert(0);
+            if *n >= limits.max_per_ip.max(1) {
+                tracing::debug!(%peer, "too many HTTP connections from this address; closing");
+                continue;
+            }
+            *n += 1;
+        }
+        let (app, per_ip, mut stop) = (app.clone(), per_ip.clone(), stop.clone());
+        tokio::spawn(async move {
+            let service = hyper::service::service_fn(move |req: hyper::Request<Incoming>| {
+                app.clone().oneshot(req.map(axum::body::Body::new))
+            });
+            let mut builder = hyper::server::conn::http1::Builder::new();
+            builder
+                .timer(TokioTimer::new())
+                .header_read_timeout(limits.header_timeout)
+                .keep_alive(true);
+            let conn = builder.serve_connection(TokioIo::new(stream), service);
+            tokio::pin!(conn);
+            let ended = tokio::select! {
+                r = conn.as_mut() => r,
+                _ = stop.changed() => {
+                    conn.as_mut().graceful_shutdown();
+                    conn.await
+                }
+            };
+            if let Err(e) = ended {
+                tracing::debug!(%peer, "HTTP connection ended: {e}");
+            }
+            drop(permit);
+            let mut m = per_ip.lock();
+            if let Some(n) = m.get_mut(&ip) {
+                *n -= 1;
+                if *n == 0 {
+                    m.remove(&ip);
+                }
+            }
+        });
+    }
+}
