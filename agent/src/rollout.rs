@@ -6,7 +6,7 @@
 //! every expected write landed and closes the window (a TCP receiver refuses and counts writes
 //! outside it, so bytes sent while the engine serves never reach its tensors), then `Verify`
 //! applies the trainers' deltas (into the tensors, from the delta inbox it registered on its first
-//! assignment when verification is on: see `weightsync_worker::delta`) and checks the trainers'
+//! assignment when the job sends deltas: see `weightsync_worker::delta`) and checks the trainers'
 //! checksums against what the tensors then hold. A program that wants more (the
 //! CLI's demo recomputes every byte from its seed) wraps this driver in its own
 //! [`SyncDriver`] and reads the landed tensors through [`RolloutDriver::worker`].
@@ -140,7 +140,10 @@ impl SyncDriver for RolloutDriver {
     }
 
     async fn assign(&mut self, a: Assignment) -> Result<Accepted, DriverError> {
-        let Assignment::Rollout { expected, .. } = a else {
+        let Assignment::Rollout {
+            expected, delta, ..
+        } = a
+        else {
             return Err(DriverError::other("a rollout got a trainer's assignment"));
         };
         let plan: RolloutPlan = bincode::deserialize(&expected.0)
@@ -148,9 +151,10 @@ impl SyncDriver for RolloutDriver {
         let worker = Arc::get_mut(&mut self.worker)
             .ok_or_else(|| DriverError::other("expectations cannot change while a check runs"))?;
         worker.set_expectations(plan)?;
-        // Deltas are checked like full writes: an inbox only with verification on.
-        // (Not into device memory: what landed was copied there already.)
-        if self.cfg.world.verify
+        // An inbox only where the job sends deltas, and they are checked like full writes: only
+        // with verification on. (Not into device memory: what landed was copied there already.)
+        if delta
+            && self.cfg.world.verify
             && self.inbox_fraction > 0.0
             && worker.can_apply_deltas()
             && worker.inbox_descriptor().is_none()

@@ -10,9 +10,10 @@
 //! every write of the expanded plan goes (relocated into the engine's own regions for a rollout
 //! that registered a placement).
 //!
-//! Deltas: with verification on, the worker keeps its bases (the prepared bytes it last wrote)
-//! unless [`TrainerDriver::full_syncs_only`] said not to, and a `Start` naming engines that take
-//! deltas runs a delta sync for them (see `weightsync_worker::delta`).
+//! Deltas: when its assignment says the job sends them ([`Assignment::delta`], off by default)
+//! and verification is on, the worker keeps its bases (the prepared bytes it last wrote) unless
+//! [`TrainerDriver::full_syncs_only`] said not to, and a `Start` naming engines that take deltas
+//! runs a delta sync for them (see `weightsync_worker::delta`).
 //! Versions are bound to bytes for an embedded trainer: the embedding records in a
 //! [`HoldingSlot`] which `(run, version)` its tensors hold (what it pushed), and `Prepare N` fails
 //! when they hold a newer pushed version, naming both (a newer N than pushed is an outside
@@ -116,6 +117,8 @@ pub type HoldingSlot = Arc<parking_lot::Mutex<Holding>>;
 struct Built {
     /// The slice it was built from (a re-plan sending the same one keeps what was built).
     slice: TrainerSlice,
+    /// Whether the job sends deltas ([`Assignment::delta`]): the worker keeps bases.
+    delta: bool,
     worker: Arc<TrainerWorker<Fabric>>,
 }
 
@@ -345,7 +348,7 @@ impl TrainerDriver {
 
     /// Expands `slice`, attaches the source for its plan and builds the worker (registering its
     /// arenas).
-    fn build(&self, slice: TrainerSlice) -> Result<Built, DriverError> {
+    fn build(&self, slice: TrainerSlice, delta: bool) -> Result<Built, DriverError> {
         let started = Instant::now();
         let plan = slice
             .expand()
@@ -363,8 +366,9 @@ impl TrainerDriver {
         let name = WorkerId::trainer(self.cfg.rank).to_string();
         let mut tc = TrainerConfig::new(name.clone(), self.cfg.watermark_bytes);
         tc.verify = self.cfg.world.verify;
-        // Deltas are checked like full writes: only with verification on.
-        tc.delta.keep_bases = tc.verify && !self.full_only;
+        // Deltas only where the job sends them, and they are checked like full writes: only
+        // with verification on.
+        tc.delta.keep_bases = delta && tc.verify && !self.full_only;
         let (tasks, gather) = (plan.tasks.len(), plan.gather_arena_bytes);
         let worker = TrainerWorker::new(self.fabric.clone(), source, plan, tc)?;
         tracing::info!(
@@ -377,6 +381,7 @@ impl TrainerDriver {
         );
         Ok(Built {
             slice,
+            delta,
             worker: Arc::new(worker),
         })
     }
@@ -394,7 +399,7 @@ impl SyncDriver for TrainerDriver {
     }
 
     async fn assign(&mut self, a: Assignment) -> Result<Accepted, DriverError> {
-        let Assignment::Trainer { slice, .. } = a else {
+        let Assignment::Trainer { slice, delta, .. } = a else {
             return Err(DriverError::other("a trainer got a rollout's assignment"));
         };
         let slice = TrainerSlice::from_bincode(&slice.0)
@@ -406,10 +411,10 @@ impl SyncDriver for TrainerDriver {
             )));
         }
         self.stop_in_flight().await;
-        if self.built.as_ref().map(|b| &b.slice) != Some(&slice) {
+        if self.built.as_ref().map(|b| (&b.slice, b.delta)) != Some((&slice, delta)) {
             // Release the old arenas before registering new ones.
             self.built = None;
-            self.built = Some(self.build(slice)?);
+            self.built = Some(self.build(slice, delta)?);
         }
         let worker = &self.built()?.worker;
         Ok(Accepted {

@@ -212,12 +212,14 @@ fn to_worker() -> Vec<ToWorker> {
         ToWorker::Assign(Assignment::Trainer {
             plan_id: 1,
             slice: Blob(vec![1, 2, 3, 4]),
+            delta: true,
         }),
         ToWorker::Assign(Assignment::Rollout {
             plan_id: 1,
             expected: Blob(vec![5, 6, 7]),
             expected_writes: 12,
             expected_bytes: 1 << 20,
+            delta: true,
         }),
         ToWorker::Peers {
             plan_id: 1,

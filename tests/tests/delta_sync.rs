@@ -7,7 +7,7 @@
 //! first sync is full, later ones send deltas to both engines and move a small fraction of the
 //! full bytes (the sync's `delta` figures in the controller's JSON and `/metrics`); an engine
 //! that restarted gets a full sync while the other gets deltas, then deltas again; a failed sync
-//! makes the next one full for its engines; the controller's switch forces full syncs.
+//! makes the next one full for its engines; a job that did not opt in (`--delta`) syncs in full.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -193,7 +193,7 @@ impl Engine {
 
 fn controller(
     dir: &tempfile::TempDir,
-    full_syncs: bool,
+    delta_syncs: bool,
 ) -> (tokio::runtime::Runtime, ServedController) {
     let path = dir.path().join("config.json");
     std::fs::write(&path, CONFIG).unwrap();
@@ -213,7 +213,7 @@ fn controller(
         64,
     )
     .unwrap();
-    cfg.full_syncs = full_syncs;
+    cfg.delta_syncs = delta_syncs;
     let rt = tokio::runtime::Runtime::new().unwrap();
     let ctl = rt.block_on(ServedController::start(AppState::new(
         cfg,
@@ -271,7 +271,7 @@ fn assert_delta(d: &Value, engines: u64) {
 #[test]
 fn deltas_land_byte_exact_and_restarts_and_failures_get_a_full_sync_first() {
     let dir = tempfile::tempdir().unwrap();
-    let (_rt, ctl) = controller(&dir, false);
+    let (_rt, ctl) = controller(&dir, true);
     let control = ctl.control.to_string();
     let refuse = Arc::new(AtomicBool::new(false));
     let e0 = Engine::join(&control, 0, None);
@@ -324,9 +324,9 @@ fn deltas_land_byte_exact_and_restarts_and_failures_get_a_full_sync_first() {
 }
 
 #[test]
-fn the_controller_switch_forces_full_syncs() {
+fn syncs_are_full_unless_the_job_opts_in() {
     let dir = tempfile::tempdir().unwrap();
-    let (_rt, ctl) = controller(&dir, true);
+    let (_rt, ctl) = controller(&dir, false);
     let control = ctl.control.to_string();
     let engines: Vec<Engine> = (0..2).map(|r| Engine::join(&control, r, None)).collect();
     let trainers: Vec<Trainer> = (0..2).map(|r| Trainer::join(&control, r)).collect();

@@ -33,8 +33,9 @@ pub struct TrainerOptions {
     /// Worker id (default `trainer-{rank}`).
     pub worker_id: Option<String>,
     /// Keep no delta bases: every sync writes every byte, and same-dtype copies go straight
-    /// from the registered tensors (by default, with verification on, the trainer keeps the
-    /// bytes it last wrote and sends engines only what changed: see `weightsync_worker::delta`).
+    /// from the registered tensors, even when the job sends deltas (`weightsync controller
+    /// --delta`: the trainer then keeps the bytes it last wrote and sends engines only what
+    /// changed; see `weightsync_worker::delta`).
     pub full_syncs: bool,
     /// The job's run its versions belong to (default 0; see [`TrainerHandle::begin_run`]).
     pub run: u64,

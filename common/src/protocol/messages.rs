@@ -244,6 +244,9 @@ pub enum Assignment {
         plan_id: u64,
         /// The planner's slice for this trainer (bincode).
         slice: Blob,
+        /// The job sends deltas (see [`Assignment::delta`]).
+        #[serde(default)]
+        delta: bool,
     },
     /// A rollout's expected immediates per sync.
     Rollout {
@@ -255,6 +258,9 @@ pub enum Assignment {
         expected_writes: u64,
         /// Bytes expected per sync.
         expected_bytes: u64,
+        /// The job sends deltas (see [`Assignment::delta`]).
+        #[serde(default)]
+        delta: bool,
     },
 }
 
@@ -263,6 +269,22 @@ impl Assignment {
     pub fn plan_id(&self) -> u64 {
         match self {
             Assignment::Trainer { plan_id, .. } | Assignment::Rollout { plan_id, .. } => *plan_id,
+        }
+    }
+
+    /// Whether the job sends deltas (the controller opted in, with verification on): a trainer
+    /// keeps the bytes it writes (its bases), a rollout registers a delta inbox. Off, both cost
+    /// nothing and every sync is full. The controller sets it; planners leave it `false`.
+    pub fn delta(&self) -> bool {
+        match self {
+            Assignment::Trainer { delta, .. } | Assignment::Rollout { delta, .. } => *delta,
+        }
+    }
+
+    /// Sets [`Assignment::delta`].
+    pub fn set_delta(&mut self, on: bool) {
+        match self {
+            Assignment::Trainer { delta, .. } | Assignment::Rollout { delta, .. } => *delta = on,
         }
     }
 }

@@ -8,8 +8,10 @@
 //! trainers' bases are rebuilt). `Start` offers deltas only to engines whose base is the last
 //! committed version (the one every trainer's bases hold after it succeeded), that registered a
 //! delta inbox, and only when verification is on (a delta is checked like a full write, over
-//! every byte of the destination) and full syncs are not forced. Every other engine gets dense
-//! writes, and after a successful sync it holds a base again.
+//! every byte of the destination) and the job opted in ([`Coordinator::allow_delta_syncs`],
+//! `weightsync controller --delta`; off by default, when trainers keep no bases and rollouts
+//! register no inbox: the plan's assignments say which). Every other engine gets dense writes,
+//! and after a successful sync it holds a base again.
 //!
 //! This is the controller's view; each side checks it too (a trainer whose bases hold another
 //! version writes dense; a receiver refuses a delta whose base is not what it holds), so a
@@ -22,9 +24,11 @@ use weightsync_common::protocol::{DeltaBase, WorkerId, WorkerRole};
 use super::Coordinator;
 
 impl Coordinator {
-    /// Forces full syncs (`true`), or lets syncs send deltas where they pay (the default).
-    pub fn force_full_syncs(&mut self, on: bool) {
-        self.full_syncs = on;
+    /// Lets syncs send deltas where the engines hold a base (`true`), or keeps every sync full
+    /// (`false`, the default). Set before the first plan: the plan's assignments tell trainers
+    /// to keep bases and rollouts to register inboxes.
+    pub fn allow_delta_syncs(&mut self, on: bool) {
+        self.delta_syncs = on;
     }
 
     /// The version each engine holds, as far as this controller knows (see the module docs).
@@ -43,7 +47,7 @@ impl Coordinator {
     /// The deltas a sync of `members` in run `run` may send (`None`: a full sync): only on top
     /// of the same run's last committed version.
     pub(super) fn delta_base(&self, run: u64, members: &BTreeSet<WorkerId>) -> Option<DeltaBase> {
-        if self.full_syncs || !self.cfg.world.verify {
+        if !self.delta_syncs || !self.cfg.world.verify {
             return None;
         }
         let base = self.latest_committed.filter(|(r, _)| *r == run)?;

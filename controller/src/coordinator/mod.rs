@@ -244,8 +244,8 @@ pub struct Coordinator {
     by_conn: HashMap<ConnId, WorkerId>,
     /// Per engine, the `(run, version)` committed on it that it still holds (see [`delta`]).
     engine_bases: BTreeMap<WorkerId, (u64, u64)>,
-    /// Deltas are never sent (see [`Coordinator::force_full_syncs`]).
-    full_syncs: bool,
+    /// The job sends deltas (see [`Coordinator::allow_delta_syncs`]); off by default.
+    delta_syncs: bool,
 }
 
 impl Coordinator {
@@ -278,7 +278,7 @@ impl Coordinator {
             pushed: BTreeMap::new(),
             by_conn: HashMap::new(),
             engine_bases: BTreeMap::new(),
-            full_syncs: false,
+            delta_syncs: false,
         }
     }
 

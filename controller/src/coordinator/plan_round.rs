@@ -134,7 +134,8 @@ impl Coordinator {
         // Moved, not cloned: a large job's slices add up to gigabytes.
         let mut assignments = out.assignments;
         for (w, m) in &self.members {
-            if let Some(a) = assignments.remove(w) {
+            if let Some(mut a) = assignments.remove(w) {
+                a.set_delta(self.delta_syncs && self.cfg.world.verify);
                 fx.send.push((m.conn, ToWorker::Assign(a)));
             }
         }
