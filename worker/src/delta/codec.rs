@@ -15,6 +15,13 @@
 //! every run did before deltas. The scan stops as soon as both encodings are known too big, so
 //! a run that changed a lot costs a partial compare, not a full one.
 //!
+//! [`encode`] is one pass: it compares 64-byte blocks as eight words and skips equal ones whole
+//! (at RL learning rates most blocks of a bf16 run are equal to their base), writes the changes
+//! straight into the encoding it expects to be the smaller (the caller's guess from the
+//! previous sync), rewrites what it wrote as the other one if that turns out smaller or the
+//! guess outgrows the capacity, and brings the caller's base up to date as it goes (only the
+//! changed blocks are copied).
+//!
 //! [`apply`] is the receiver's half. It trusts nothing: an encoding that runs past its end,
 //! names an element past the run or leaves trailing bytes is an error naming what was wrong,
 //! and nothing is written until the whole encoding was checked.
@@ -127,108 +134,224 @@ fn get_varint(enc: &[u8], mut at: usize) -> Result<(u64, usize), DeltaError> {
     Err(DeltaError::Truncated { at, len: enc.len() })
 }
 
-/// Calls `f(index)` for every element of `elem` bytes where `a` and `b` differ, in order, until
-/// `f` returns `false`. Compares eight bytes at a time and skips equal words whole.
-fn for_each_change(a: &[u8], b: &[u8], elem: usize, mut f: impl FnMut(u64) -> bool) {
-    debug_assert_eq!(a.len(), b.len());
-    let words = a.len() / 8;
-    let per_word = 8 / elem;
-    let (aw, bw) = (a.chunks_exact(8), b.chunks_exact(8));
-    for (w, (x, y)) in aw.zip(bw).enumerate() {
-        let x = u64::from_le_bytes(x.try_into().expect("chunks of 8"));
-        let y = u64::from_le_bytes(y.try_into().expect("chunks of 8"));
-        let diff = x ^ y;
-        if diff == 0 {
-            continue;
-        }
-        let mask = if elem == 8 {
-            u64::MAX
-        } else {
-            (1u64 << (elem * 8)) - 1
-        };
-        for e in 0..per_word {
-            if (diff >> (e * elem * 8)) & mask != 0 && !f((w * per_word + e) as u64) {
-                return;
-            }
+/// Bytes compared at once: a block equal to its base is skipped whole.
+const BLOCK: usize = 64;
+
+/// The encoding being written, switched on the fly (see [`encode`]).
+struct Writer<'a> {
+    out: &'a mut [u8],
+    elem: usize,
+    kind: DeltaKind,
+    /// Bytes of the encoding written (gaps), or the end of the values (bitmap).
+    at: usize,
+    bitmap_bytes: usize,
+    /// The exact sizes both encodings would have so far.
+    gaps_len: usize,
+    changed: u64,
+    /// Index after the last change (gaps are counted from it).
+    next: u64,
+}
+
+impl Writer<'_> {
+    fn bitmap_len(&self) -> usize {
+        self.bitmap_bytes + self.changed as usize * self.elem
+    }
+
+    fn start(&mut self, kind: DeltaKind) {
+        self.kind = kind;
+        self.at = 0;
+        if kind == DeltaKind::Bitmap {
+            self.out[..self.bitmap_bytes].fill(0);
+            self.at = self.bitmap_bytes;
         }
     }
-    let tail = words * 8;
-    for e in (tail / elem)..(a.len() / elem) {
-        let r = e * elem..(e + 1) * elem;
-        if a[r.clone()] != b[r] && !f(e as u64) {
-            return;
+
+    /// Rewrites what was written so far as `kind` (both encodings list the same changes).
+    fn convert(&mut self, kind: DeltaKind, run_len: u64) {
+        let len = self.at;
+        let old: Vec<u8> = self.out[..len].to_vec();
+        let changes = decode(&old, self.kind, self.elem, run_len).expect("our own encoding");
+        self.start(kind);
+        let mut next = 0u64;
+        for (i, from) in changes {
+            self.put(i, &old[from..from + self.elem], &mut next);
         }
+    }
+
+    /// Writes change `i` with its new bytes `v` (no size checks; `next` is the gaps cursor).
+    fn put(&mut self, i: u64, v: &[u8], next: &mut u64) {
+        match self.kind {
+            DeltaKind::Gaps => self.at = put_varint(self.out, self.at, i - *next),
+            DeltaKind::Bitmap => self.out[(i / 8) as usize] |= 1 << (i % 8),
+        }
+        self.out[self.at..self.at + self.elem].copy_from_slice(v);
+        self.at += self.elem;
+        *next = i + 1;
+    }
+
+    /// Records change `i`; `false` when neither encoding fits the capacity any more.
+    fn change(&mut self, i: u64, v: &[u8], run_len: u64) -> bool {
+        self.gaps_len += varint_len(i - self.next) + self.elem;
+        self.changed += 1;
+        let cap = self.out.len();
+        let fits = match self.kind {
+            DeltaKind::Gaps if self.gaps_len > cap => {
+                if self.bitmap_len() > cap {
+                    return false;
+                }
+                // The gaps outgrew the capacity: the bitmap still fits, carry on as one.
+                self.convert(DeltaKind::Bitmap, run_len);
+                true
+            }
+            DeltaKind::Gaps => true,
+            DeltaKind::Bitmap if self.bitmap_len() > cap => {
+                if self.gaps_len > cap {
+                    return false;
+                }
+                // Started as a bitmap on a guess, but the changes are sparse: gaps fit.
+                self.convert(DeltaKind::Gaps, run_len);
+                true
+            }
+            DeltaKind::Bitmap => true,
+        };
+        if !fits {
+            return false;
+        }
+        let mut next = self.next;
+        self.put(i, v, &mut next);
+        self.next = next;
+        true
     }
 }
 
-/// Encodes the changes of `new` against `base` into `out` (its length is the capacity), or
-/// says how far it looked when neither encoding fits (the run goes dense). Reads only; the caller updates its
-/// base once every destination of the run was served (see `super::bases`).
+/// Encodes the changes of `new` against `base` into `out` (its length is the capacity), starting
+/// as `start` (the encoding the caller expects to be the smaller: [`DeltaKind::Gaps`] for sparse
+/// runs), and brings `base` up to `new` on the way: one pass over both, 64-byte blocks equal to
+/// their base skipped whole, only changed blocks copied into the base. Of the two encodings the
+/// smaller is returned; when neither fits, the scan stops there and the rest of the base is
+/// copied (the run goes dense), and the error says how far it looked.
 ///
 /// # Panics
 /// If `new` and `base` differ in length or `elem` does not divide it (callers pass runs of
 /// whole elements, see [`element_size`](super::element_size)).
-pub fn encode(base: &[u8], new: &[u8], elem: usize, out: &mut [u8]) -> Result<Encoded, Overflow> {
+pub fn encode(
+    base: &mut [u8],
+    new: &[u8],
+    elem: usize,
+    out: &mut [u8],
+    start: DeltaKind,
+) -> Result<Encoded, Overflow> {
     assert_eq!(base.len(), new.len(), "a delta compares runs of one length");
     check_elem(new.len(), elem).expect("runs of whole elements");
-    let elems = (new.len() / elem) as u64;
-    let cap = out.len();
+    let run_len = new.len() as u64;
+    let elems = run_len / elem as u64;
     let bitmap_bytes = elems.div_ceil(8) as usize;
-    // Pass 1: the size of each encoding, stopping once both exceed the capacity.
-    let (mut changed, mut gaps_len, mut prev) = (0u64, 0usize, 0u64);
-    let mut bitmap_fits = true;
-    let mut gaps_fit = true;
-    let mut scanned = elems;
-    for_each_change(base, new, elem, |i| {
-        scanned = i + 1;
-        gaps_len += varint_len(i - prev) + elem;
-        prev = i + 1;
-        changed += 1;
-        gaps_fit = gaps_len <= cap;
-        bitmap_fits = bitmap_bytes + changed as usize * elem <= cap;
-        gaps_fit || bitmap_fits
-    });
-    if !gaps_fit && !bitmap_fits {
-        return Err(Overflow { scanned, changed });
-    }
-    let bitmap_len = bitmap_bytes + changed as usize * elem;
-    let kind = if gaps_len <= bitmap_len {
-        DeltaKind::Gaps
-    } else {
-        DeltaKind::Bitmap
+    let mut w = Writer {
+        out,
+        elem,
+        kind: DeltaKind::Gaps,
+        at: 0,
+        bitmap_bytes,
+        gaps_len: 0,
+        changed: 0,
+        next: 0,
     };
-    let len = gaps_len.min(bitmap_len);
-    if len > cap {
-        return Err(Overflow { scanned, changed });
-    }
-    // Pass 2: write it.
-    match kind {
-        DeltaKind::Gaps => {
-            let (mut at, mut prev) = (0usize, 0u64);
-            for_each_change(base, new, elem, |i| {
-                at = put_varint(out, at, i - prev);
-                let from = i as usize * elem;
-                out[at..at + elem].copy_from_slice(&new[from..from + elem]);
-                at += elem;
-                prev = i + 1;
-                true
-            });
-            debug_assert_eq!(at, len);
+    let start = if start == DeltaKind::Bitmap && bitmap_bytes <= w.out.len() {
+        DeltaKind::Bitmap
+    } else {
+        DeltaKind::Gaps
+    };
+    w.start(start);
+    let per_word = 8 / elem;
+    let mask = if elem == 8 {
+        u64::MAX
+    } else {
+        (1u64 << (elem * 8)) - 1
+    };
+    let word = |s: &[u8], k: usize| u64::from_le_bytes(s[k * 8..k * 8 + 8].try_into().expect("8"));
+    let blocks = new.len() / BLOCK;
+    for b in 0..blocks {
+        let r = b * BLOCK..(b + 1) * BLOCK;
+        let (x, y) = (&base[r.clone()], &new[r.clone()]);
+        let mut any = 0u64;
+        for k in 0..BLOCK / 8 {
+            any |= word(x, k) ^ word(y, k);
         }
-        DeltaKind::Bitmap => {
-            out[..bitmap_bytes].fill(0);
-            let mut at = bitmap_bytes;
-            for_each_change(base, new, elem, |i| {
-                out[(i / 8) as usize] |= 1 << (i % 8);
-                let from = i as usize * elem;
-                out[at..at + elem].copy_from_slice(&new[from..from + elem]);
-                at += elem;
-                true
+        if any == 0 {
+            continue;
+        }
+        for k in 0..BLOCK / 8 {
+            let diff = word(x, k) ^ word(y, k);
+            if diff == 0 {
+                continue;
+            }
+            for e in 0..per_word {
+                if (diff >> (e * elem * 8)) & mask == 0 {
+                    continue;
+                }
+                let at = r.start + k * 8 + e * elem;
+                if !w.change((at / elem) as u64, &new[at..at + elem], run_len) {
+                    let scanned = (at / elem) as u64 + 1;
+                    base[r.start..].copy_from_slice(&new[r.start..]);
+                    return Err(Overflow {
+                        scanned,
+                        changed: w.changed,
+                    });
+                }
+            }
+        }
+        base[r.clone()].copy_from_slice(&new[r]);
+    }
+    let tail = blocks * BLOCK;
+    for at in (tail..new.len()).step_by(elem) {
+        if base[at..at + elem] != new[at..at + elem]
+            && !w.change((at / elem) as u64, &new[at..at + elem], run_len)
+        {
+            let scanned = (at / elem) as u64 + 1;
+            base[tail..].copy_from_slice(&new[tail..]);
+            return Err(Overflow {
+                scanned,
+                changed: w.changed,
             });
-            debug_assert_eq!(at, len);
         }
     }
-    Ok(Encoded { kind, len, changed })
+    base[tail..].copy_from_slice(&new[tail..]);
+    // The smaller of the two (both sizes are exact): switch if the other one is.
+    let cap = w.out.len();
+    let bitmap_len = w.bitmap_len();
+    match w.kind {
+        DeltaKind::Gaps if bitmap_len < w.gaps_len && bitmap_len <= cap => {
+            w.convert(DeltaKind::Bitmap, run_len);
+        }
+        DeltaKind::Bitmap if w.gaps_len <= bitmap_len => w.convert(DeltaKind::Gaps, run_len),
+        _ => {}
+    }
+    debug_assert_eq!(w.at, w.gaps_len.min(bitmap_len));
+    Ok(Encoded {
+        kind: w.kind,
+        len: w.at,
+        changed: w.changed,
+    })
+}
+
+/// Counts the changed elements of every `stride`-th 64-byte block of `new` against `base`:
+/// `(elements compared, changed)`, an estimate of a run's changed fraction at `1 / stride` of
+/// a full compare's cost (a run that went dense still tells the next sync what to expect).
+pub fn sample_changes(base: &[u8], new: &[u8], elem: usize, stride: usize) -> (u64, u64) {
+    let (mut scanned, mut changed) = (0u64, 0u64);
+    for b in (0..new.len() / BLOCK).step_by(stride.max(1)) {
+        let r = b * BLOCK..(b + 1) * BLOCK;
+        scanned += (BLOCK / elem) as u64;
+        if base[r.clone()] == new[r.clone()] {
+            continue;
+        }
+        changed += base[r.clone()]
+            .chunks_exact(elem)
+            .zip(new[r].chunks_exact(elem))
+            .filter(|(a, b)| a != b)
+            .count() as u64;
+    }
+    (scanned, changed)
 }
 
 /// Checks an encoding made by [`encode`] for a run of `run_len` bytes, returning each change
@@ -373,6 +496,7 @@ mod tests {
         fn applying_an_encoding_to_the_base_gives_the_new_run(
             (base, new, elem) in runs(),
             cap_frac in prop::sample::select(vec![0.0f64, 0.05, 0.25, 0.5, 2.0]),
+            bitmap_first in any::<bool>(),
         ) {
             let elems = (new.len() / elem) as u64;
             let cap = (new.len() as f64 * cap_frac) as usize + 1;
@@ -380,9 +504,17 @@ mod tests {
             let changed = (0..elems as usize)
                 .filter(|&e| base[e * elem..(e + 1) * elem] != new[e * elem..(e + 1) * elem])
                 .count() as u64;
-            match encode(&base, &new, elem, &mut out) {
+            let mut kept = base.clone();
+            // Whichever it starts as (a guess), it ends as the smaller encoding that fits.
+            let start = if bitmap_first { DeltaKind::Bitmap } else { DeltaKind::Gaps };
+            let got = encode(&mut kept, &new, elem, &mut out, start);
+            // Either way the base now holds the new run.
+            prop_assert_eq!(&kept, &new);
+            match got {
                 Ok(enc) => {
                     prop_assert_eq!(enc.changed, changed);
+                    let bitmap = elems.div_ceil(8) as usize + changed as usize * elem;
+                    prop_assert_eq!(enc.len, gaps_len(&base, &new, elem).min(bitmap));
                     prop_assert!(enc.len <= cap);
                     let mut dst = base.clone();
                     let applied = apply(&mut dst, &out[..enc.len], enc.kind, elem).unwrap();
@@ -406,7 +538,7 @@ mod tests {
             cut in 1usize..8,
         ) {
             let mut out = vec![0u8; new.len() * 2 + 16];
-            let enc = encode(&base, &new, elem, &mut out).unwrap();
+            let enc = encode(&mut base.clone(), &new, elem, &mut out, DeltaKind::Gaps).unwrap();
             if enc.changed == 0 {
                 return Ok(());
             }
@@ -438,7 +570,7 @@ mod tests {
         sparse[2 * 100] = 1;
         sparse[2 * 3000 + 1] = 7;
         let mut out = vec![0u8; base.len() / 2];
-        let enc = encode(&base, &sparse, 2, &mut out).unwrap();
+        let enc = encode(&mut base.clone(), &sparse, 2, &mut out, DeltaKind::Bitmap).unwrap();
         assert_eq!((enc.kind, enc.changed), (DeltaKind::Gaps, 2));
         // gap 100 (1 byte) + 2, gap 2899 (2 bytes) + 2.
         assert_eq!(enc.len, 7);
@@ -446,11 +578,14 @@ mod tests {
         for e in (0..4096).step_by(3) {
             dense[2 * e] = 9;
         }
-        let enc = encode(&base, &dense, 2, &mut out).unwrap();
+        let enc = encode(&mut base.clone(), &dense, 2, &mut out, DeltaKind::Gaps).unwrap();
         assert_eq!(enc.kind, DeltaKind::Bitmap);
         assert_eq!(enc.len, 512 + 2 * 1366);
         // Everything changed: over half the dense bytes, refused.
-        assert!(encode(&base, &vec![1u8; base.len()], 2, &mut out).is_err());
+        let mut kept = base.clone();
+        let all = vec![1u8; base.len()];
+        assert!(encode(&mut kept, &all, 2, &mut out, DeltaKind::Gaps).is_err());
+        assert_eq!(kept, all, "a refused run still brings the base up to date");
     }
 
     #[test]

@@ -23,6 +23,7 @@
 //! receiver where it is. Then the base takes the piece's new bytes.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Instant;
 
 use parking_lot::Mutex;
@@ -33,8 +34,9 @@ use weightsync_schedules::table::{TrainerPlan, WriteTarget};
 
 use super::WriteDst;
 use super::piece::TaskPiece;
-use crate::delta::codec::encode;
+use crate::delta::codec::{Encoded, encode, sample_changes};
 use crate::delta::{InboxMap, element_size};
+use weightsync_common::protocol::DeltaKind;
 
 /// How a trainer does delta syncs.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -101,6 +103,9 @@ pub(crate) struct Bases {
     version: Mutex<Option<u64>>,
     /// Bytes kept.
     bytes: u64,
+    /// Per task, the changed fraction its runs showed last sync (`f32` bits): what the next
+    /// sync's encoding expects (see [`encode_piece`]).
+    fractions: Vec<AtomicU32>,
 }
 
 impl Bases {
@@ -139,6 +144,7 @@ impl Bases {
             })
             .collect();
         Bases {
+            fractions: (0..plan.tasks.len()).map(|_| AtomicU32::new(0)).collect(),
             tasks,
             version: Mutex::new(None),
             bytes,
@@ -248,9 +254,12 @@ pub(crate) fn encode_piece(
     let elem = element_size(&ctx.plan.tasks[piece.task as usize].transform);
     let (prepared, enc_area) = lease.split_at_mut(total as usize);
     let mut base = base.lock();
-    // Per distinct run of the task's output: where its encoding is (or that it did not fit).
-    let mut encoded: BTreeMap<(u64, u64), Option<(u64, crate::delta::codec::Encoded)>> =
-        BTreeMap::new();
+    let fraction = &ctx.bases.fractions[piece.task as usize];
+    let expected = f64::from(f32::from_bits(fraction.load(Ordering::Relaxed)));
+    let (mut scanned, mut changed) = (0u64, 0u64);
+    // Per distinct run of the task's output whose base is up to date: where its encoding is
+    // (`None`: it goes dense).
+    let mut encoded: Vec<((u64, u64), Option<(u64, Encoded)>)> = Vec::new();
     let mut cursor = 0usize;
     for (i, part) in piece.parts.iter().enumerate() {
         let w = ctx.plan.writes[part.write as usize];
@@ -269,26 +278,39 @@ pub(crate) fn encode_piece(
         let Some((inbox_at, slot)) = inbox.map.slot(dst.mr, dst_offset, part.len) else {
             continue;
         };
-        let from = part.staging_offset as usize;
-        let new = &prepared[from..from + part.len as usize];
-        let old = &base[po as usize..(po + part.len) as usize];
-        let entry = encoded.entry((po, part.len)).or_insert_with(|| {
-            let cap = (enc_cap(part.len, ctx.config) as usize).min(enc_area.len() - cursor);
-            let scanned = match encode(old, new, elem, &mut enc_area[cursor..cursor + cap]) {
-                Ok(enc) => {
+        let run = (po, part.len);
+        // A run overlapping one already compared (not a replica of it) would compare against
+        // a base brought up to date: it goes dense.
+        let overlaps = |&((a, l), _): &((u64, u64), _)| a < po + part.len && po < a + l;
+        let entry = match encoded.iter().position(|e| e.0 == run) {
+            Some(at) => encoded[at].1,
+            None if encoded.iter().any(overlaps) => continue,
+            None => {
+                let from = part.staging_offset as usize;
+                let new = &prepared[from..from + part.len as usize];
+                let old = &mut base[po as usize..(po + part.len) as usize];
+                let cap = (enc_cap(part.len, ctx.config) as usize)
+                    .min(slot as usize)
+                    .min(enc_area.len() - cursor);
+                let got = encode_run(
+                    old,
+                    new,
+                    elem,
+                    &mut enc_area[cursor..cursor + cap],
+                    expected,
+                );
+                scanned += got.scanned;
+                changed += got.changed;
+                let entry = got.encoded.map(|enc| {
                     let at = cursor;
                     cursor += enc.len.next_multiple_of(8);
-                    out.figures.elements += part.len / elem as u64;
-                    out.figures.changed += enc.changed;
-                    return Some((total + at as u64, enc));
-                }
-                Err(over) => over,
-            };
-            out.figures.elements += scanned.scanned;
-            out.figures.changed += scanned.changed;
-            None
-        });
-        let Some((enc_at, enc)) = *entry else {
+                    (total + at as u64, enc)
+                });
+                encoded.push((run, entry));
+                entry
+            }
+        };
+        let Some((enc_at, enc)) = entry else {
             continue;
         };
         // An empty encoding still travels as one byte: the write carries the immediate.
@@ -315,16 +337,82 @@ pub(crate) fn encode_piece(
             base_version: active.base_version,
         });
     }
-    // The base takes what this sync wrote.
+    out.figures.elements += scanned;
+    out.figures.changed += changed;
+    if scanned > 0 {
+        fraction.store(
+            (changed as f32 / scanned as f32).to_bits(),
+            Ordering::Relaxed,
+        );
+    }
+    // The base takes what this sync wrote (the runs compared above are up to date already).
     for part in &piece.parts {
         let w = ctx.plan.writes[part.write as usize];
         if matches!(w.dst, WriteTarget::Rollout(_)) {
-            let po = (w.src_offset + (part.dst_offset - w.dst_offset)) as usize;
-            let from = part.staging_offset as usize;
+            let po = w.src_offset + (part.dst_offset - w.dst_offset);
+            if encoded.iter().any(|e| e.0 == (po, part.len)) {
+                continue;
+            }
+            let (po, from) = (po as usize, part.staging_offset as usize);
             base[po..po + part.len as usize]
                 .copy_from_slice(&prepared[from..from + part.len as usize]);
         }
     }
     out.figures.codec_ns += start.elapsed().as_nanos() as u64;
     out
+}
+
+/// What encoding one run came to.
+struct RunEncoding {
+    encoded: Option<Encoded>,
+    /// Elements compared, and of those changed (all of them, a prefix, or a sample).
+    scanned: u64,
+    changed: u64,
+}
+
+/// Of the 64-byte blocks of a run expected to go dense, one in this many is compared (to
+/// notice when its changes thin out again).
+const SAMPLE_STRIDE: usize = 16;
+
+/// Encodes one run into `out` (its capacity) and brings `base` up to date, guided by the
+/// changed fraction its task showed last sync (`expected`): a run whose encoding would not fit
+/// at that fraction is not scanned (its base is copied, a sample of its blocks compared); one
+/// that would starts as the encoding expected to be the smaller.
+fn encode_run(
+    base: &mut [u8],
+    new: &[u8],
+    elem: usize,
+    out: &mut [u8],
+    expected: f64,
+) -> RunEncoding {
+    let elems = (new.len() / elem) as f64;
+    let changes = expected * elems;
+    let gaps = changes * (1 + elem) as f64;
+    let bitmap = elems / 8.0 + changes * elem as f64;
+    if gaps.min(bitmap) > out.len() as f64 {
+        let (scanned, changed) = sample_changes(base, new, elem, SAMPLE_STRIDE);
+        base.copy_from_slice(new);
+        return RunEncoding {
+            encoded: None,
+            scanned,
+            changed,
+        };
+    }
+    let start = if bitmap < gaps {
+        DeltaKind::Bitmap
+    } else {
+        DeltaKind::Gaps
+    };
+    match encode(base, new, elem, out, start) {
+        Ok(enc) => RunEncoding {
+            encoded: Some(enc),
+            scanned: elems as u64,
+            changed: enc.changed,
+        },
+        Err(over) => RunEncoding {
+            encoded: None,
+            scanned: over.scanned,
+            changed: over.changed,
+        },
+    }
 }
