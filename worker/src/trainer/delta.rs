@@ -259,7 +259,7 @@ pub(crate) fn encode_piece(
     let (mut scanned, mut changed) = (0u64, 0u64);
     // Per distinct run of the task's output whose base is up to date: where its encoding is
     // (`None`: it goes dense).
-    let mut encoded: Vec<((u64, u64), Option<(u64, Encoded)>)> = Vec::new();
+    let mut encoded: Vec<(Run, Option<(u64, Encoded)>)> = Vec::new();
     let mut cursor = 0usize;
     for (i, part) in piece.parts.iter().enumerate() {
         let w = ctx.plan.writes[part.write as usize];
@@ -361,6 +361,9 @@ pub(crate) fn encode_piece(
     out.figures.codec_ns += start.elapsed().as_nanos() as u64;
     out
 }
+
+/// A run of a task's prepared output: `(offset, length)`.
+type Run = (u64, u64);
 
 /// What encoding one run came to.
 struct RunEncoding {
