@@ -554,10 +554,15 @@ fn next_for(cfg: &AgentConfig, msg: ToWorker, current: &mut Option<SyncRef>, end
             abort_tx.send_replace(0);
             Some(DriverCmd::Prepare(s))
         }
-        ToWorker::Start { sync_id, .. } => of_current(sync_id).map(DriverCmd::Run),
+        ToWorker::Start { sync_id, delta, .. } => {
+            of_current(sync_id).map(|s| DriverCmd::Run(s, delta))
+        }
         ToWorker::Verify {
-            sync_id, checksums, ..
-        } => of_current(sync_id).map(|s| DriverCmd::Verify(s, checksums)),
+            sync_id,
+            checksums,
+            deltas,
+            ..
+        } => of_current(sync_id).map(|s| DriverCmd::Verify(s, checksums, deltas)),
         ToWorker::Commit {
             sync_id,
             version,

@@ -10,7 +10,8 @@ use std::future::Future;
 use std::time::Instant;
 
 use weightsync_common::protocol::{
-    Assignment, Blob, Failure, PeerInfo, RunChecksum, TensorMeta, WorkerReport,
+    Assignment, Blob, DeltaBase, DeltaFigures, DeltaRecord, Failure, PeerInfo, RunChecksum,
+    TensorMeta, WorkerReport,
 };
 
 pub use crate::driver_error::DriverError;
@@ -106,6 +107,29 @@ pub trait SyncDriver: Send + 'static {
         &mut self,
         sync: SyncRef,
     ) -> impl Future<Output = Result<(Option<bool>, WorkerReport), DriverError>> + Send;
+
+    /// Trainers, just before [`SyncDriver::run`]: the engines that take deltas this sync and
+    /// the version they hold (`None`: a full sync). The default ignores it (every write dense).
+    fn delta_start(&mut self, delta: Option<DeltaBase>) {
+        let _ = delta;
+    }
+
+    /// Rollouts, on `Verify` and before [`SyncDriver::verify`]: apply the trainers' deltas to
+    /// what landed. The default takes none (it registered no inbox): any delta is refused.
+    fn apply_deltas(
+        &mut self,
+        sync: SyncRef,
+        deltas: Vec<DeltaRecord>,
+    ) -> impl Future<Output = Result<DeltaFigures, DriverError>> + Send {
+        let _ = sync;
+        std::future::ready(if deltas.is_empty() {
+            Ok(DeltaFigures::default())
+        } else {
+            Err(DriverError::other(
+                "deltas sent to a worker that registered no delta inbox",
+            ))
+        })
+    }
 
     /// Rollouts: check what landed against the trainers' checksums.
     fn verify(

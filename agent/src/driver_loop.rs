@@ -5,7 +5,7 @@
 
 use tokio::sync::{mpsc, watch};
 use weightsync_common::protocol::{
-    Assignment, Failure, FromWorker, PeerInfo, RunChecksum, WorkerRole,
+    Assignment, DeltaBase, DeltaRecord, Failure, FromWorker, PeerInfo, RunChecksum, WorkerRole,
 };
 
 use crate::driver::{DriverError, Outcome, SyncDriver, SyncRef};
@@ -18,10 +18,10 @@ pub(crate) enum DriverCmd {
     Peers(u64, Vec<PeerInfo>),
     /// `Prepare N` (rollouts then wait for N to land).
     Prepare(SyncRef),
-    /// `Start N` (trainers).
-    Run(SyncRef),
-    /// `Verify N` with the trainers' checksums (rollouts).
-    Verify(SyncRef, Vec<RunChecksum>),
+    /// `Start N` (trainers), with the engines that take deltas.
+    Run(SyncRef, Option<DeltaBase>),
+    /// `Verify N` with the trainers' checksums and this rollout's deltas.
+    Verify(SyncRef, Vec<RunChecksum>, Vec<DeltaRecord>),
     /// `Commit N`.
     Finish(SyncRef, Outcome),
     /// `Abort N`: finish the sync (when it is the current one), drain, answer `Drained`.
@@ -97,8 +97,11 @@ pub(crate) async fn drive<D: SyncDriver>(
             DriverCmd::Assign(a) => l.assign(*a).await,
             DriverCmd::Peers(plan_id, peers) => l.peers(plan_id, peers).await,
             DriverCmd::Prepare(s) => l.prepare(s).await,
-            DriverCmd::Run(s) => l.run(s).await,
-            DriverCmd::Verify(s, sums) => l.verify(s, sums).await,
+            DriverCmd::Run(s, delta) => {
+                l.driver.delta_start(delta);
+                l.run(s).await
+            }
+            DriverCmd::Verify(s, sums, deltas) => l.verify(s, sums, deltas).await,
             DriverCmd::Finish(s, outcome) => l.finish(s, outcome).await,
             DriverCmd::Abort {
                 sync,
@@ -225,9 +228,15 @@ impl<D: SyncDriver> DriverLoop<D> {
         .await;
     }
 
-    /// `Verify N` (rollouts): answered by `Verified`.
-    async fn verify(&mut self, s: SyncRef, sums: Vec<RunChecksum>) {
-        let verified = self.driver.verify(s, sums);
+    /// `Verify N` (rollouts): applies the deltas, then verifies; answered by `Verified`.
+    async fn verify(&mut self, s: SyncRef, sums: Vec<RunChecksum>, deltas: Vec<DeltaRecord>) {
+        let driver = &mut self.driver;
+        let verified = async move {
+            let applied = driver.apply_deltas(s, deltas).await?;
+            let mut report = driver.verify(s, sums).await?;
+            report.delta = applied;
+            Ok::<_, DriverError>(report)
+        };
         let Some(r) = unless_aborted(&mut self.abort, s.sync_id, verified).await else {
             return;
         };

@@ -83,6 +83,7 @@ async fn a_trainer_executes_the_slice_it_is_sent_and_refuses_another_ranks() {
         .assign(Assignment::Trainer {
             plan_id: 1,
             slice: blob(&slice),
+            delta: false,
         })
         .await
         .unwrap();
@@ -96,6 +97,7 @@ async fn a_trainer_executes_the_slice_it_is_sent_and_refuses_another_ranks() {
         .assign(Assignment::Trainer {
             plan_id: 2,
             slice: blob(&other),
+            delta: false,
         })
         .await
         .unwrap_err();
@@ -125,6 +127,7 @@ async fn a_rollout_lays_out_what_the_table_does_and_takes_only_its_expectations(
         expected: blob(plan),
         expected_writes: 0,
         expected_bytes: 0,
+        delta: false,
     };
     let e = d
         .assign(assign(&job.table.rollout(0).unwrap()))

@@ -5,7 +5,9 @@
 //! counters (before any trainer writes) and opens the fabric's write window, then it waits until
 //! every expected write landed and closes the window (a TCP receiver refuses and counts writes
 //! outside it, so bytes sent while the engine serves never reach its tensors), then `Verify`
-//! checks the trainers' checksums against what landed. A program that wants more (the
+//! applies the trainers' deltas (into the tensors, from the delta inbox it registered on its first
+//! assignment when the job sends deltas: see `weightsync_worker::delta`) and checks the trainers'
+//! checksums against what the tensors then hold. A program that wants more (the
 //! CLI's demo recomputes every byte from its seed) wraps this driver in its own
 //! [`SyncDriver`] and reads the landed tensors through [`RolloutDriver::worker`].
 
@@ -14,8 +16,8 @@ use std::time::{Duration, Instant};
 
 use weightsync_common::fabric::{Fabric, FabricBackend, FabricConfig, WriteWindow};
 use weightsync_common::protocol::{
-    Assignment, RunChecksum, Stage, TensorMeta, TimelineEvent, WHOLE_SYNC, WorkerId, WorkerReport,
-    WorldSpec,
+    Assignment, DeltaFigures, DeltaRecord, RunChecksum, Stage, TensorMeta, TimelineEvent,
+    WHOLE_SYNC, WorkerId, WorkerReport, WorldSpec,
 };
 use weightsync_schedules::table::RolloutPlan;
 use weightsync_worker::RolloutWorker;
@@ -45,7 +47,14 @@ pub struct RolloutDriver {
     fabric: Fabric,
     worker: Arc<RolloutWorker<Fabric>>,
     bytes: u64,
+    /// The inbox's share of the tensors' bytes (0: no inbox, never deltas).
+    inbox_fraction: f64,
 }
+
+/// The share of an engine's bytes its delta inbox takes by default: a run whose encoding is
+/// larger than its share of the inbox goes dense, and the trainers send a run as a delta only
+/// when its encoding is at most half its bytes anyway.
+pub const DEFAULT_INBOX_FRACTION: f64 = 0.25;
 
 fn ns_since(t: Instant, since: Instant) -> u64 {
     t.saturating_duration_since(since).as_nanos() as u64
@@ -66,7 +75,14 @@ impl RolloutDriver {
             fabric,
             worker: Arc::new(worker),
             bytes,
+            inbox_fraction: DEFAULT_INBOX_FRACTION,
         }
+    }
+
+    /// Registers no delta inbox: every sync writes every byte to this engine (`0.0`), or an
+    /// inbox of another share of its bytes.
+    pub fn set_inbox_fraction(&mut self, fraction: f64) {
+        self.inbox_fraction = fraction.clamp(0.0, 1.0);
     }
 
     /// Lays out its tensors from the inference layout, allocates and registers them.
@@ -90,6 +106,7 @@ impl RolloutDriver {
             fabric,
             worker: Arc::new(worker),
             bytes,
+            inbox_fraction: DEFAULT_INBOX_FRACTION,
         })
     }
 
@@ -124,16 +141,33 @@ impl SyncDriver for RolloutDriver {
     }
 
     async fn assign(&mut self, a: Assignment) -> Result<Accepted, DriverError> {
-        let Assignment::Rollout { expected, .. } = a else {
+        let Assignment::Rollout {
+            expected, delta, ..
+        } = a
+        else {
             return Err(DriverError::other("a rollout got a trainer's assignment"));
         };
         let plan: RolloutPlan = bincode::deserialize(&expected.0)
             .map_err(|e| DriverError::other(format!("undecodable expectations: {e}")))?;
-        Arc::get_mut(&mut self.worker)
-            .ok_or_else(|| DriverError::other("expectations cannot change while a check runs"))?
-            .set_expectations(plan)?;
-        // Its regions and tensors went with the registration.
-        Ok(Accepted::default())
+        let worker = Arc::get_mut(&mut self.worker)
+            .ok_or_else(|| DriverError::other("expectations cannot change while a check runs"))?;
+        worker.set_expectations(plan)?;
+        // An inbox only where the job sends deltas, and they are checked like full writes: only
+        // with verification on. (Not into device memory: what landed was copied there already.)
+        if delta
+            && self.cfg.world.verify
+            && self.inbox_fraction > 0.0
+            && worker.can_apply_deltas()
+            && worker.inbox_descriptor().is_none()
+        {
+            let bytes = weightsync_worker::delta::inbox_bytes(self.bytes, self.inbox_fraction);
+            worker.enable_delta_inbox(bytes)?;
+        }
+        // Its regions and tensors went with the registration; its inbox goes with `Ready`.
+        Ok(Accepted {
+            regions: worker.inbox_descriptor().iter().map(blob).collect(),
+            tensors: Vec::new(),
+        })
     }
 
     async fn prepare(&mut self, sync: SyncRef) -> Result<WorkerReport, DriverError> {
@@ -184,8 +218,21 @@ impl SyncDriver for RolloutDriver {
                 split: Default::default(),
                 events: evs,
                 checksums: Vec::new(),
+                ..Default::default()
             },
         ))
+    }
+
+    async fn apply_deltas(
+        &mut self,
+        _sync: SyncRef,
+        deltas: Vec<DeltaRecord>,
+    ) -> Result<DeltaFigures, DriverError> {
+        let worker = self.worker.clone();
+        tokio::task::spawn_blocking(move || worker.apply_deltas(&deltas))
+            .await
+            .map_err(|e| DriverError::other(format!("the delta apply ended abnormally: {e}")))?
+            .map_err(DriverError::from)
     }
 
     async fn verify(

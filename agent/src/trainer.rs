@@ -10,6 +10,10 @@
 //! every write of the expanded plan goes (relocated into the engine's own regions for a rollout
 //! that registered a placement).
 //!
+//! Deltas: when its assignment says the job sends them ([`Assignment::delta`], off by default)
+//! and verification is on, the worker keeps its bases (the prepared bytes it last wrote) unless
+//! [`TrainerDriver::full_syncs_only`] said not to, and a `Start` naming engines that take deltas
+//! runs a delta sync for them (see `weightsync_worker::delta`).
 //! Versions are bound to bytes for an embedded trainer: the embedding records in a
 //! [`HoldingSlot`] which `(run, version)` its tensors hold (what it pushed), and `Prepare N` fails
 //! when they hold a newer pushed version, naming both (a newer N than pushed is an outside
@@ -28,13 +32,13 @@ use std::time::Instant;
 use tokio::sync::oneshot;
 use weightsync_common::fabric::{Fabric, FabricBackend, FabricConfig, RegionDescriptor};
 use weightsync_common::protocol::{
-    Assignment, Blob, FailureKind, PeerInfo, RunChecksum, TensorMeta, WorkerId, WorkerReport,
-    WorkerRole, WorldSpec,
+    Assignment, Blob, DeltaBase, FailureKind, PeerInfo, RunChecksum, TensorMeta, WorkerId,
+    WorkerReport, WorkerRole, WorldSpec,
 };
 use weightsync_schedules::TrainerSlice;
 use weightsync_schedules::table::TrainerPlan;
 use weightsync_worker::{
-    Destinations, SyncId, SyncReport, TrainerConfig, TrainerWorker, WorkerError,
+    DeltaSync, Destinations, SyncId, SyncReport, TrainerConfig, TrainerWorker, WorkerError,
 };
 
 use crate::driver::{Accepted, DriverError, DriverInfo, Outcome, SyncDriver, SyncRef};
@@ -69,6 +73,10 @@ pub struct TrainerDriver {
     /// The shards it registers with (a declared model's declarations; see
     /// [`TrainerDriver::declare`]); empty otherwise.
     declared: Vec<TensorMeta>,
+    /// Never keep bases: every sync is full (see [`TrainerDriver::full_syncs_only`]).
+    full_only: bool,
+    /// The engines taking deltas in the sync about to run (from its `Start`).
+    delta: Option<DeltaBase>,
     /// What an embedding's tensors hold (see [`TrainerDriver::hold`]); `None`: a sidecar, whose
     /// source is made to hold the version by other means.
     holding: Option<HoldingSlot>,
@@ -109,6 +117,8 @@ pub type HoldingSlot = Arc<parking_lot::Mutex<Holding>>;
 struct Built {
     /// The slice it was built from (a re-plan sending the same one keeps what was built).
     slice: TrainerSlice,
+    /// Whether the job sends deltas ([`Assignment::delta`]): the worker keeps bases.
+    delta: bool,
     worker: Arc<TrainerWorker<Fabric>>,
 }
 
@@ -158,6 +168,8 @@ fn report(r: &SyncReport, sync: &SyncRef) -> WorkerReport {
         events: r.timeline.relative_to(sync.reference_unix_ns),
         checksums: r.checksums.clone(),
         split: r.split,
+        deltas: r.deltas.clone(),
+        delta: r.delta,
     }
 }
 
@@ -185,6 +197,12 @@ fn destinations(
                         DriverError::other(format!("{}: undecodable placement: {e}", p.id))
                     })?;
                     dsts.placements.insert(p.id.rank, placement);
+                }
+                if let Some(b) = &p.inbox {
+                    let inbox = bincode::deserialize(&b.0).map_err(|e| {
+                        DriverError::other(format!("{}: undecodable delta inbox: {e}", p.id))
+                    })?;
+                    dsts.inboxes.insert(p.id.rank, inbox);
                 }
                 dsts.rollouts.insert(p.id.rank, regions);
             }
@@ -214,6 +232,8 @@ impl TrainerDriver {
             in_flight: None,
             reports: None,
             declared: Vec::new(),
+            full_only: false,
+            delta: None,
             holding: None,
         }
     }
@@ -286,6 +306,12 @@ impl TrainerDriver {
         }
     }
 
+    /// Keeps no bases, so every sync writes every byte (and copies of registered sources go
+    /// straight from them): the switch that forces full syncs on this trainer.
+    pub fn full_syncs_only(&mut self) {
+        self.full_only = true;
+    }
+
     /// Registers with `tensors` as this rank's declarations: the shards it holds of a declared
     /// model (each a box of its parameter, see `weightsync_schedules::declared`), which the
     /// controller plans from.
@@ -323,7 +349,7 @@ impl TrainerDriver {
 
     /// Expands `slice`, attaches the source for its plan and builds the worker (registering its
     /// arenas).
-    fn build(&self, slice: TrainerSlice) -> Result<Built, DriverError> {
+    fn build(&self, slice: TrainerSlice, delta: bool) -> Result<Built, DriverError> {
         let started = Instant::now();
         let plan = slice
             .expand()
@@ -341,6 +367,9 @@ impl TrainerDriver {
         let name = WorkerId::trainer(self.cfg.rank).to_string();
         let mut tc = TrainerConfig::new(name.clone(), self.cfg.watermark_bytes);
         tc.verify = self.cfg.world.verify;
+        // Deltas only where the job sends them, and they are checked like full writes: only
+        // with verification on.
+        tc.delta.keep_bases = delta && tc.verify && !self.full_only;
         let (tasks, gather) = (plan.tasks.len(), plan.gather_arena_bytes);
         let worker = TrainerWorker::new(self.fabric.clone(), source, plan, tc)?;
         tracing::info!(
@@ -353,6 +382,7 @@ impl TrainerDriver {
         );
         Ok(Built {
             slice,
+            delta,
             worker: Arc::new(worker),
         })
     }
@@ -370,7 +400,7 @@ impl SyncDriver for TrainerDriver {
     }
 
     async fn assign(&mut self, a: Assignment) -> Result<Accepted, DriverError> {
-        let Assignment::Trainer { slice, .. } = a else {
+        let Assignment::Trainer { slice, delta, .. } = a else {
             return Err(DriverError::other("a trainer got a rollout's assignment"));
         };
         let slice = TrainerSlice::from_bincode(&slice.0)
@@ -382,10 +412,10 @@ impl SyncDriver for TrainerDriver {
             )));
         }
         self.stop_in_flight().await;
-        if self.built.as_ref().map(|b| &b.slice) != Some(&slice) {
+        if self.built.as_ref().map(|b| (&b.slice, b.delta)) != Some((&slice, delta)) {
             // Release the old arenas before registering new ones.
             self.built = None;
-            self.built = Some(self.build(slice)?);
+            self.built = Some(self.build(slice, delta)?);
         }
         let worker = &self.built()?.worker;
         Ok(Accepted {
@@ -426,12 +456,19 @@ impl SyncDriver for TrainerDriver {
             version: sync.version,
             epoch: sync.sync_id,
         };
+        let delta = self.delta.take().map(|d| DeltaSync {
+            base_version: d.base_version,
+            rollouts: d.rollouts,
+        });
         let task = tokio::spawn(async move {
             let cancelled = async move {
                 // Resolves when the sender is dropped: `stop_in_flight`, or the driver going away.
                 let _ = cancelled.await;
             };
-            worker.run_sync_until(id, cancelled).await
+            match delta {
+                Some(d) => worker.run_delta_sync_until(id, &d, cancelled).await,
+                None => worker.run_sync_until(id, cancelled).await,
+            }
         });
         // If this future is dropped here (an abort), the task keeps running until `drain`
         // cancels it and waits for it.
@@ -446,6 +483,10 @@ impl SyncDriver for TrainerDriver {
             *slot.lock() = Some((sync.version, r));
         }
         Ok((None, rep))
+    }
+
+    fn delta_start(&mut self, delta: Option<DeltaBase>) {
+        self.delta = delta;
     }
 
     async fn verify(

@@ -20,10 +20,12 @@
 //!   machine whose cores do the copies a NIC and a GPU would do), read with `crate::cpu_clock`;
 //! - `tcp_limit`: the plain-TCP limit; `fabric_limit`: the fabric alone on the same pairs and
 //!   lanes; `broadcast`: the broadcast baseline;
-//! - [`calibrate`]: the simulator's calibration against these real syncs.
+//! - [`calibrate`]: the simulator's calibration against these real syncs;
+//! - [`delta`]: delta syncs beside full ones (`--changed`), over sockets and same-host pulls.
 
 mod broadcast;
 pub mod calibrate;
+pub mod delta;
 mod fabric_limit;
 mod loopback;
 mod registered_source;

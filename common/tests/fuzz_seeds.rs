@@ -55,6 +55,15 @@ fn report() -> WorkerReport {
             idle_ns: 15,
             overhead_ns: 25,
         },
+        deltas: Vec::new(),
+        delta: weightsync_common::protocol::DeltaFigures {
+            dense_bytes: 1 << 20,
+            delta_bytes: 1 << 12,
+            delta_run_bytes: 1 << 19,
+            elements: 1 << 19,
+            changed: 300,
+            codec_ns: 5000,
+        },
     }
 }
 
@@ -205,12 +214,14 @@ fn to_worker() -> Vec<ToWorker> {
         ToWorker::Assign(Assignment::Trainer {
             plan_id: 1,
             slice: Blob(vec![1, 2, 3, 4]),
+            delta: true,
         }),
         ToWorker::Assign(Assignment::Rollout {
             plan_id: 1,
             expected: Blob(vec![5, 6, 7]),
             expected_writes: 12,
             expected_bytes: 1 << 20,
+            delta: true,
         }),
         ToWorker::Peers {
             plan_id: 1,
@@ -220,12 +231,14 @@ fn to_worker() -> Vec<ToWorker> {
                     fabric_endpoint: Blob(b"10.0.0.2:5000".to_vec()),
                     regions: vec![Blob(vec![9; 24])],
                     placement: Some(Blob(vec![7; 16])),
+                    inbox: Some(Blob(vec![6; 24])),
                 },
                 PeerInfo {
                     id: WorkerId::trainer(1),
                     fabric_endpoint: Blob(b"10.0.0.1:5001".to_vec()),
                     regions: vec![Blob(vec![8; 24])],
                     placement: None,
+                    inbox: None,
                 },
             ],
         },
@@ -234,7 +247,14 @@ fn to_worker() -> Vec<ToWorker> {
             version,
             run: 2,
         },
-        ToWorker::Start { sync_id, version },
+        ToWorker::Start {
+            sync_id,
+            version,
+            delta: Some(weightsync_common::protocol::DeltaBase {
+                base_version: version - 1,
+                rollouts: [0, 2].into(),
+            }),
+        },
         ToWorker::Commit {
             sync_id,
             version,
@@ -260,6 +280,17 @@ fn to_worker() -> Vec<ToWorker> {
             sync_id,
             version,
             checksums: vec![checksum()],
+            deltas: vec![weightsync_common::protocol::DeltaRecord {
+                rollout: 0,
+                mr: 1,
+                offset: 4096,
+                len: 8192,
+                inbox_offset: 512,
+                enc_len: 100,
+                kind: weightsync_common::protocol::DeltaKind::Gaps,
+                elem: 2,
+                base_version: version - 1,
+            }],
         },
         ToWorker::Heartbeat { seq: 9 },
         ToWorker::Shutdown,

@@ -45,7 +45,70 @@ pub struct Metrics {
     bytes: Counter,
     worker_gbps: Family<WorkerLabels, Gauge<f64, AtomicU64>>,
     worker_bytes: Family<WorkerLabels, Counter>,
+    delta: DeltaSeries,
     refused: Family<RefusedLabels, Counter>,
+}
+
+/// What committed delta syncs came to (see `crate::coordinator`'s `delta`).
+#[derive(Debug, Default)]
+struct DeltaSeries {
+    /// Committed syncs that offered deltas.
+    syncs: Counter,
+    /// Bytes those syncs would have written to engines as full syncs.
+    dense_bytes: Counter,
+    /// Bytes they put on the wire for engines (encodings plus runs sent dense).
+    wire_bytes: Counter,
+    /// The last one's changed fraction, encode and apply seconds.
+    changed_fraction: Gauge<f64, AtomicU64>,
+    encode_seconds: Gauge<f64, AtomicU64>,
+    apply_seconds: Gauge<f64, AtomicU64>,
+}
+
+impl DeltaSeries {
+    fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "delta_syncs",
+            "Committed syncs that sent deltas to some engines",
+            self.syncs.clone(),
+        );
+        registry.register(
+            "delta_dense_bytes",
+            "Bytes delta syncs would have written to engines as full syncs",
+            self.dense_bytes.clone(),
+        );
+        registry.register(
+            "delta_wire_bytes",
+            "Bytes delta syncs wrote for engines (encodings plus runs sent dense)",
+            self.wire_bytes.clone(),
+        );
+        registry.register(
+            "delta_changed_fraction",
+            "Fraction of compared elements that changed, last delta sync",
+            self.changed_fraction.clone(),
+        );
+        registry.register(
+            "delta_encode_seconds",
+            "Trainers' encode time summed, last delta sync",
+            self.encode_seconds.clone(),
+        );
+        registry.register(
+            "delta_apply_seconds",
+            "The slowest engine's apply, last delta sync",
+            self.apply_seconds.clone(),
+        );
+    }
+
+    fn record(&self, s: &SyncRecord) {
+        let Some(d) = s.delta_view() else {
+            return;
+        };
+        self.syncs.inc();
+        self.dense_bytes.inc_by(d.dense_bytes);
+        self.wire_bytes.inc_by(d.wire_bytes);
+        self.changed_fraction.set(d.changed_fraction);
+        self.encode_seconds.set(d.encode_ms / 1e3);
+        self.apply_seconds.set(d.apply_ms / 1e3);
+    }
 }
 
 impl Default for Metrics {
@@ -90,6 +153,8 @@ impl Metrics {
             "Bytes each worker wrote or received in committed syncs",
             worker_bytes.clone(),
         );
+        let delta = DeltaSeries::default();
+        delta.register(&mut registry);
         let refused = Family::<RefusedLabels, Counter>::default();
         registry.register(
             "control_connections_refused",
@@ -97,6 +162,7 @@ impl Metrics {
             refused.clone(),
         );
         Metrics {
+            delta,
             refused,
             registry,
             sync_duration,
@@ -123,6 +189,7 @@ impl Metrics {
         }
         self.syncs.get_or_create(&outcome).inc();
         if s.state == SyncState::Committed {
+            self.delta.record(s);
             self.bytes.inc_by(s.bytes_written());
             for (w, lane) in &s.lanes {
                 let labels = WorkerLabels {

@@ -59,12 +59,14 @@ impl Planner for NullPlanner {
                     WorkerRole::Trainer => Assignment::Trainer {
                         plan_id,
                         slice: Blob::default(),
+                        delta: false,
                     },
                     WorkerRole::Rollout => Assignment::Rollout {
                         plan_id,
                         expected: Blob::default(),
                         expected_writes: 0,
                         expected_bytes: 0,
+                        delta: false,
                     },
                 };
                 (*id, a)

@@ -68,6 +68,7 @@ impl Planner for SchedulesPlanner {
                     Assignment::Trainer {
                         plan_id,
                         slice: Blob(slice.to_bincode()),
+                        delta: false,
                     }
                 }
                 WorkerRole::Rollout => {
@@ -90,6 +91,7 @@ impl Planner for SchedulesPlanner {
                         ),
                         expected_writes: r.expect.iter().map(|e| e.writes).sum(),
                         expected_bytes: r.tensors.iter().map(|t| t.len).sum(),
+                        delta: false,
                     }
                 }
             };

@@ -48,6 +48,9 @@ pub struct ControllerConfig {
     pub http_limits: crate::http_server::HttpLimits,
     /// Whether workers are told to exit when the controller shuts down (the demo does this).
     pub shutdown_workers: bool,
+    /// Send engines deltas (only what changed since the version they hold) where they hold a
+    /// base; off (the default): every sync writes every byte. See `coordinator`'s `delta`.
+    pub delta_syncs: bool,
     /// The text of the model's `config.json` when the job's model names a file (read once at
     /// start): sent to every worker with the job, so an in-process worker need not read it.
     pub model_config: Option<String>,
@@ -110,6 +113,7 @@ impl ControllerConfig {
             tick: Duration::from_millis(100),
             handshake_timeout: Duration::from_secs(10),
             shutdown_workers: false,
+            delta_syncs: false,
             model_config: None,
             state_file: None,
         }
@@ -215,7 +219,8 @@ impl AppState {
         coordinator: impl FnOnce(CoordinatorConfig) -> Coordinator,
         state_file: Option<StateFile>,
     ) -> Self {
-        let coord = coordinator(cfg.coordinator.clone());
+        let mut coord = coordinator(cfg.coordinator.clone());
+        coord.allow_delta_syncs(cfg.delta_syncs);
         let (changed, _) = watch::channel(0);
         AppState(Arc::new(Shared {
             cfg,

@@ -10,8 +10,8 @@ use serde::Serialize;
 use std::collections::{BTreeMap, BTreeSet};
 
 use weightsync_common::protocol::{
-    Failure, FailureKind, RunChecksum, Stage, TimeSplit, TimeSplitSeconds, TimelineEvent, WorkerId,
-    WorkerReport,
+    DeltaBase, DeltaFigures, DeltaRecord, Failure, FailureKind, RunChecksum, Stage, TimeSplit,
+    TimeSplitSeconds, TimelineEvent, WorkerId, WorkerReport,
 };
 
 /// Where a sync is in the version protocol.
@@ -153,6 +153,14 @@ pub struct SyncRecord {
     pub lanes: BTreeMap<WorkerId, Lane>,
     /// Trainers' checksums of what they prepared, when verification is on.
     pub sent_checksums: Vec<RunChecksum>,
+    /// The engines offered deltas in `Start`, and their base (`None`: a full sync).
+    pub delta_base: Option<DeltaBase>,
+    /// Trainers' runs written as deltas, forwarded to their engines with `Verify`.
+    pub sent_deltas: Vec<DeltaRecord>,
+    /// What the trainers' deltas came to, summed (encode time summed too).
+    pub delta: DeltaFigures,
+    /// The slowest engine's apply of its deltas, ns.
+    pub delta_apply_ns: u64,
     /// Whether verification ran and passed (`None`: off or not yet).
     pub verified: Option<bool>,
     /// Why it failed.
@@ -398,6 +406,23 @@ impl SyncRecord {
         }
     }
 
+    /// The delta figures of a sync that offered deltas.
+    pub fn delta_view(&self) -> Option<DeltaView> {
+        let base = self.delta_base.as_ref()?;
+        let d = &self.delta;
+        Some(DeltaView {
+            base_version: base.base_version,
+            engines: base.rollouts.len(),
+            dense_bytes: d.dense_bytes,
+            delta_bytes: d.delta_bytes,
+            wire_bytes: d.wire_bytes(),
+            wire_fraction: d.wire_bytes() as f64 / d.dense_bytes.max(1) as f64,
+            changed_fraction: d.changed as f64 / d.elements.max(1) as f64,
+            encode_ms: d.codec_ns as f64 / 1e6,
+            apply_ms: self.delta_apply_ns as f64 / 1e6,
+        })
+    }
+
     /// The JSON view for `GET /v1/syncs/{id}` (and, without lanes, the history list).
     pub fn view(&self, with_lanes: bool) -> SyncView {
         SyncView {
@@ -413,6 +438,7 @@ impl SyncRecord {
             direct_bytes: self.trainer_sum(|l| l.direct_bytes),
             time_split: self.time_split(),
             gbps: self.gbps(),
+            delta: self.delta_view(),
             verified: self.verified,
             failure: self.failure.as_ref().map(|f| FailureView {
                 worker: f.worker.to_string(),
@@ -443,6 +469,29 @@ pub struct TimeSplitView {
     pub per_trainer: BTreeMap<String, TimeSplitSeconds>,
     /// Summed over trainers.
     pub sum: TimeSplitSeconds,
+}
+
+/// A delta sync's figures, for JSON and `/metrics`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct DeltaView {
+    /// The version the engines taking deltas held.
+    pub base_version: u64,
+    /// How many engines were offered deltas.
+    pub engines: usize,
+    /// Bytes a full sync writes to engines.
+    pub dense_bytes: u64,
+    /// Bytes of encodings written into inboxes.
+    pub delta_bytes: u64,
+    /// Bytes on the wire for engines: encodings plus the runs that went dense.
+    pub wire_bytes: u64,
+    /// `wire_bytes / dense_bytes`.
+    pub wire_fraction: f64,
+    /// Of the elements the trainers compared, the fraction that changed.
+    pub changed_fraction: f64,
+    /// Trainers' encode time, summed, ms.
+    pub encode_ms: f64,
+    /// The slowest engine's apply, ms.
+    pub apply_ms: f64,
 }
 
 /// A failure, for JSON.
@@ -497,6 +546,8 @@ pub struct SyncView {
     pub time_split: Option<TimeSplitView>,
     /// Transfer rate, GB/s (1e9 bytes per second).
     pub gbps: Option<f64>,
+    /// What the sync's deltas came to (`None`: a full sync, no engine was offered deltas).
+    pub delta: Option<DeltaView>,
     /// Verification result.
     pub verified: Option<bool>,
     /// Cause of failure.

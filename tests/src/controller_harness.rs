@@ -163,6 +163,8 @@ pub fn report(bytes: u64, stages: &[Stage]) -> WorkerReport {
         staged_bytes: 0,
         direct_bytes: 0,
         split: Default::default(),
+        deltas: Vec::new(),
+        delta: Default::default(),
         events: stages
             .iter()
             .enumerate()
@@ -377,6 +379,8 @@ impl SyncDriver for ScriptedDriver {
                 staged_bytes: 0,
                 direct_bytes: 0,
                 split: Default::default(),
+                deltas: Vec::new(),
+                delta: Default::default(),
                 events: vec![TimelineEvent {
                     task: 0,
                     piece: 0,

@@ -128,6 +128,19 @@ pub enum WorkerError {
         /// What is off.
         detail: String,
     },
+    /// A delta cannot be applied: the engine does not hold its base, or its record or encoding
+    /// is malformed. The destination may be partly rewritten: the next sync must be full.
+    #[error("rollout rank {rank}: delta for MR {mr} bytes at {offset} refused: {detail}")]
+    Delta {
+        /// Rollout rank.
+        rank: u32,
+        /// Region of the run.
+        mr: u16,
+        /// Offset of the run.
+        offset: u64,
+        /// What is wrong.
+        detail: String,
+    },
     /// A source does not hold what the plan reads (a tensor missing, of another dtype or shape).
     #[error(transparent)]
     Source(#[from] SourceError),

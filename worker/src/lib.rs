@@ -26,6 +26,9 @@
 //!   own tensors registered in place, from [`HostMemory`], the one entry for foreign memory),
 //!   and how the trainer reads any of them ([`SourceView`], and the device stages of a source
 //!   the host cannot read).
+//! - [`delta`]: delta syncs (only the elements that changed travel, into an engine's inbox):
+//!   the codec and the inbox layout; the trainer's bases live in `trainer/delta`, the
+//!   receiver's apply in `rollout/inbox`.
 //! - `sync`: [`SyncId`], the version and epoch both halves name; `watermark`: the staging
 //!   budget; `imm_tag`: immediates that carry the sync's epoch; `checksum`: the xxh3 of write
 //!   runs; `timeline`: per-stage spans of a sync.
@@ -42,6 +45,7 @@
 #![deny(missing_docs)]
 
 mod checksum;
+pub mod delta;
 mod error;
 #[cfg(feature = "cuda")]
 pub mod gpu;
@@ -81,5 +85,7 @@ pub use source::{
 };
 pub use sync::SyncId;
 pub use timeline::{Timeline, TimelineRecorder};
-pub use trainer::{Destinations, PipelineMode, SyncReport, TrainerConfig, TrainerWorker};
+pub use trainer::{
+    DeltaConfig, DeltaSync, Destinations, PipelineMode, SyncReport, TrainerConfig, TrainerWorker,
+};
 pub use watermark::{LEASE_ALIGN, Lease, Watermark, WatermarkError};

@@ -13,7 +13,9 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use parking_lot::{Condvar, Mutex};
-use weightsync_common::protocol::{Assignment, Failure, FailureKind, RunChecksum, WorkerReport};
+use weightsync_common::protocol::{
+    Assignment, DeltaFigures, DeltaRecord, Failure, FailureKind, RunChecksum, WorkerReport,
+};
 
 use super::{EngineState, EngineStatus};
 use crate::driver::{Accepted, DriverError, DriverInfo, Outcome, SyncDriver, SyncRef};
@@ -193,6 +195,14 @@ impl SyncDriver for EngineDriver {
 
     async fn run(&mut self, sync: SyncRef) -> Result<(Option<bool>, WorkerReport), DriverError> {
         self.inner.run(sync).await
+    }
+
+    async fn apply_deltas(
+        &mut self,
+        sync: SyncRef,
+        deltas: Vec<DeltaRecord>,
+    ) -> Result<DeltaFigures, DriverError> {
+        self.inner.apply_deltas(sync, deltas).await
     }
 
     async fn verify(

@@ -35,6 +35,11 @@ pub struct TrainerOptions {
     pub listen: Option<String>,
     /// Worker id (default `trainer-{rank}`).
     pub worker_id: Option<String>,
+    /// Keep no delta bases: every sync writes every byte, and same-dtype copies go straight
+    /// from the registered tensors, even when the job sends deltas (`weightsync controller
+    /// --delta`: the trainer then keeps the bytes it last wrote and sends engines only what
+    /// changed; see `weightsync_worker::delta`).
+    pub full_syncs: bool,
     /// The job's run its versions belong to (default 0; see [`TrainerHandle::begin_run`]).
     pub run: u64,
 }
@@ -65,6 +70,8 @@ pub struct TrainerHandle {
     expected: Vec<ArenaTensor>,
     fabric: Fabric,
     rt: Mutex<Option<Runtime>>,
+    /// See [`TrainerOptions::full_syncs`].
+    full_syncs: bool,
     session: Mutex<Option<(Session, ReportSlot, HoldingSlot)>>,
     /// The job's run this trainer's versions belong to.
     run: std::sync::atomic::AtomicU64,
@@ -202,6 +209,7 @@ impl TrainerHandle {
             fabric: st.fabric,
             rt: Mutex::new(Some(st.rt)),
             session: Mutex::new(None),
+            full_syncs: opts.full_syncs,
             run: std::sync::atomic::AtomicU64::new(opts.run),
         })
     }
@@ -384,6 +392,9 @@ impl TrainerHandle {
         };
         let mut driver = TrainerDriver::with_fabric(cfg, self.fabric.clone());
         driver.declare(declared);
+        if self.full_syncs {
+            driver.full_syncs_only();
+        }
         let reports = driver.keep_reports();
         let holding = driver.hold();
         let s = run_session(

@@ -8,10 +8,11 @@ use std::time::{Duration, Instant};
 
 use rayon::prelude::*;
 use weightsync_common::fabric::{FabricConfig, TcpFabric};
+use weightsync_common::protocol::{DeltaFigures, DeltaRecord};
 use weightsync_schedules::RoutingTable;
 use weightsync_worker::RolloutWorker;
 use weightsync_worker::{
-    Destinations, PipelineMode, SourceView, SyncId, TrainerConfig, TrainerWorker,
+    DeltaSync, Destinations, PipelineMode, SourceView, SyncId, TrainerConfig, TrainerWorker,
 };
 
 use super::E2eError;
@@ -40,6 +41,12 @@ pub struct WorkerOptions {
     /// written straight from them; `false`: a plain arena, everything staged (the sidecar's
     /// path). See `registered_source`.
     pub registered_sources: bool,
+    /// Same-host pulls off even with one address: every byte crosses a socket, as between
+    /// hosts.
+    pub sockets_only: bool,
+    /// Delta syncs: trainers keep bases (sources are plain arenas the bench can change between
+    /// syncs), rollouts register an inbox of this fraction of their bytes; `None`: full syncs.
+    pub delta_inbox: Option<f64>,
 }
 
 impl Default for WorkerOptions {
@@ -52,6 +59,8 @@ impl Default for WorkerOptions {
             prepare_all_threads: true,
             mode: PipelineMode::Pipelined,
             registered_sources: true,
+            sockets_only: false,
+            delta_inbox: None,
         }
     }
 }
@@ -89,7 +98,7 @@ impl WorkerOptions {
             extra_listen: (2..=self.addresses)
                 .map(|k| format!("127.0.0.{k}:0"))
                 .collect(),
-            same_host: self.addresses == 1,
+            same_host: self.addresses == 1 && !self.sockets_only,
             ..FabricConfig::loopback(TOKEN, self.lanes_per_peer)
         }
     }
@@ -138,6 +147,10 @@ pub struct LoopbackCluster {
     rollouts: Vec<Arc<RolloutWorker<TcpFabric>>>,
     landed_bytes: u64,
     epoch: u64,
+    /// With deltas: each trainer's weights, which [`LoopbackCluster::change`] edits.
+    delta_sources: Vec<Arc<parking_lot::RwLock<Vec<u8>>>>,
+    /// With deltas: the version every engine holds after the last successful sync.
+    held: Option<u64>,
 }
 
 /// One measured sync.
@@ -149,6 +162,11 @@ pub struct SyncTime {
     pub landed_bytes: u64,
     /// Where each trainer's wall went, by rank.
     pub trainers: Vec<TrainerSplit>,
+    /// What the deltas came to, summed over trainers (encode time summed too) and, in
+    /// `rollout_apply_ns`, the slowest rollout's apply.
+    pub delta: DeltaFigures,
+    /// The slowest rollout's apply, nanoseconds.
+    pub rollout_apply_ns: u64,
 }
 
 /// Bytes every sync lands in rollouts: what the trainers' writes to rollouts carry, counted on
@@ -181,16 +199,25 @@ impl LoopbackCluster {
         let mut dsts = Destinations::default();
         for r in table.rollout_plans() {
             let rank = r.rank;
-            let w = RolloutWorker::new(
+            let total: u64 = r.mr_bytes.iter().sum();
+            let mut w = RolloutWorker::new(
                 start_fabric(&config, &mut fabrics).await?,
                 format!("rollout-{rank}"),
                 r,
             )
             .map_err(|e| E2eError::Setup(format!("rollout {rank}: {e}")))?;
+            if let Some(fraction) = opts.delta_inbox {
+                w.enable_delta_inbox(weightsync_worker::delta::inbox_bytes(total, fraction))
+                    .map_err(|e| E2eError::Setup(format!("rollout {rank}'s inbox: {e}")))?;
+                if let Some(d) = w.inbox_descriptor() {
+                    dsts.inboxes.insert(rank, d);
+                }
+            }
             dsts.rollouts.insert(rank, w.descriptors());
             rollouts.push(Arc::new(w));
         }
         let mut trainers = Vec::new();
+        let mut delta_sources = Vec::new();
         for rank in 0..table.trainers.len() as u32 {
             // What a trainer is sent: its compact slice, which it expands itself.
             let plan = table
@@ -198,7 +225,11 @@ impl LoopbackCluster {
                 .map_err(|e| E2eError::Setup(format!("trainer {rank}'s slice: {e}")))?;
             let bytes = weights(plan.source_arena_bytes, plan.rank as u64 + 1);
             let fabric = start_fabric(&config, &mut fabrics).await?;
-            let source: Arc<dyn SourceView> = if opts.registered_sources {
+            let source: Arc<dyn SourceView> = if opts.delta_inbox.is_some() {
+                let shared = Arc::new(parking_lot::RwLock::new(bytes));
+                delta_sources.push(shared.clone());
+                shared
+            } else if opts.registered_sources {
                 Arc::new(RegisteredSource::register(&fabric, &plan, bytes)?)
             } else {
                 Arc::new(bytes)
@@ -208,6 +239,7 @@ impl LoopbackCluster {
             cfg.verify = opts.verify;
             cfg.prepare_all_threads = opts.prepare_all_threads;
             cfg.mode = opts.mode;
+            cfg.delta.keep_bases = opts.delta_inbox.is_some();
             let w = TrainerWorker::new(fabric, source, plan, cfg)
                 .map_err(|e| E2eError::Setup(format!("trainer {rank}: {e}")))?;
             if let Some(d) = w.gather_descriptor() {
@@ -229,7 +261,35 @@ impl LoopbackCluster {
             rollouts,
             landed_bytes: landed_bytes(table),
             epoch: 0,
+            delta_sources,
+            held: None,
         })
+    }
+
+    /// Changes `fraction` of each trainer's bf16 weights (their lowest mantissa bit, at
+    /// positions drawn from `seed`), as an optimizer step at a small learning rate does; only a
+    /// cluster started with deltas has weights to change.
+    pub fn change(&self, fraction: f64, seed: u64) {
+        let threshold = (fraction.clamp(0.0, 1.0) * (1u64 << 32) as f64) as u64;
+        for (i, src) in self.delta_sources.iter().enumerate() {
+            let mut bytes = src.write();
+            bytes
+                .par_chunks_mut(1 << 16)
+                .enumerate()
+                .for_each(|(c, chunk)| {
+                    let mut x = (seed ^ (i as u64) << 48 ^ c as u64)
+                        .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+                        | 1;
+                    for pair in chunk.chunks_exact_mut(2) {
+                        x ^= x >> 12;
+                        x ^= x << 25;
+                        x ^= x >> 27;
+                        if (x.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 32) < threshold {
+                            pair[0] ^= 1;
+                        }
+                    }
+                });
+        }
     }
 
     /// Bytes each local address carried so far, summed over every worker's fabric, in the
@@ -266,13 +326,29 @@ impl LoopbackCluster {
             r.arm(sync)
                 .map_err(|e| E2eError::Sync(format!("arming: {e}")))?;
         }
+        // Deltas on top of what every engine holds (a full sync first, and after a failure).
+        let delta = self
+            .held
+            .filter(|_| !self.delta_sources.is_empty())
+            .map(|base| DeltaSync {
+                base_version: base,
+                rollouts: (0..self.rollouts.len() as u32).collect(),
+            });
+        self.held = None;
         let t0 = Instant::now();
         let mut jobs = tokio::task::JoinSet::new();
         for (rank, t) in self.trainers.iter().enumerate() {
             let t = t.clone();
+            let delta = delta.clone();
             jobs.spawn(async move {
-                let r = t.run_sync(sync).await?;
-                Ok(Some(TrainerSplit::of(rank as u32, &r)))
+                let r = match &delta {
+                    Some(d) => {
+                        t.run_delta_sync_until(sync, d, std::future::pending())
+                            .await?
+                    }
+                    None => t.run_sync(sync).await?,
+                };
+                Ok(Some((TrainerSplit::of(rank as u32, &r), r.deltas, r.delta)))
             });
         }
         for r in &self.rollouts {
@@ -280,18 +356,37 @@ impl LoopbackCluster {
             jobs.spawn(async move { r.await_landed(Duration::from_secs(300)).await.map(|_| None) });
         }
         let mut trainers = Vec::with_capacity(self.trainers.len());
+        let mut records: Vec<DeltaRecord> = Vec::new();
+        let mut figures = DeltaFigures::default();
         while let Some(j) = jobs.join_next().await {
             let done = j
                 .map_err(|e| E2eError::Sync(format!("a worker task panicked: {e}")))?
                 .map_err(|e: weightsync_worker::WorkerError| E2eError::Sync(e.to_string()))?;
-            trainers.extend(done);
+            if let Some((split, deltas, f)) = done {
+                trainers.push(split);
+                records.extend(deltas);
+                figures.add(&f);
+            }
         }
+        // A version counts as landed once every engine applied its deltas.
+        let records = Arc::new(records);
+        let applies: Vec<u64> = self
+            .rollouts
+            .par_iter()
+            .map(|r| r.apply_deltas(&records).map(|f| f.codec_ns))
+            .collect::<Result<_, _>>()
+            .map_err(|e| E2eError::Sync(format!("applying deltas: {e}")))?;
         let seconds = t0.elapsed().as_secs_f64();
+        if !self.delta_sources.is_empty() {
+            self.held = Some(sync.version);
+        }
         trainers.sort_by_key(|t| t.trainer);
         Ok(SyncTime {
             seconds,
             landed_bytes: self.landed_bytes,
             trainers,
+            delta: figures,
+            rollout_apply_ns: applies.into_iter().max().unwrap_or(0),
         })
     }
 }

@@ -105,6 +105,10 @@ pub enum Which {
         /// (same-dtype copies of contiguous boxes written straight from the weights).
         #[arg(long)]
         staged_sources: bool,
+        /// Delta syncs beside full ones instead: the fractions of weights changed before each
+        /// delta sync (e.g. `0.01,0.1,0.5`), over sockets and same-host pulls.
+        #[arg(long, value_delimiter = ',')]
+        changed: Vec<f64>,
     },
     /// Planning as a whole process (`weightsync plan --json`, one fresh process per run): wall,
     /// CPU and peak RSS beside a baseline binary run alternately, against the planning goals.
@@ -219,6 +223,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             bucket_mib,
             verify,
             staged_sources,
+            changed,
         } => {
             use weightsync_benches::e2e;
             let cfg = e2e::Config {
@@ -234,6 +239,15 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 },
                 bucket_bytes: bucket_mib << 20,
             };
+            if !changed.is_empty() {
+                let report = e2e::delta::run(&cfg, &changed)?;
+                if json {
+                    println!("{}", serde_json::to_string(&report)?);
+                } else {
+                    print!("{}", report.human());
+                }
+                return Ok(());
+            }
             let report = e2e::run(&cfg)?;
             if json {
                 println!("{}", serde_json::to_string(&report)?);

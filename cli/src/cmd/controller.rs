@@ -53,6 +53,14 @@ pub struct Settings {
     /// Syncs kept in history [default: 200].
     #[arg(long)]
     pub history: Option<usize>,
+    /// Send engines deltas: only what changed since the version they hold (trainers keep the
+    /// bytes they last wrote, rollouts register an inbox; needs verification on). Pays where
+    /// few elements change per step [default: false].
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub delta: Option<bool>,
+    /// Force full syncs, whatever `delta` says (e.g. over a config file) [default: false].
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub full_syncs: Option<bool>,
     /// File that keeps what must survive the controller's own crash (the run, the last
     /// committed version, the next sync id): a restarted controller carries on from it, so
     /// epochs never repeat and engines never go back. Written atomically [default: none].
@@ -118,6 +126,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         Duration::from_secs(s.sync_timeout_s.or(file.sync_timeout_s).unwrap_or(300)),
         s.history.or(file.history).unwrap_or(200),
     )?;
+    let full_syncs = s.full_syncs.or(file.full_syncs).unwrap_or(false);
+    cfg.delta_syncs = !full_syncs && s.delta.or(file.delta).unwrap_or(false);
     cfg.state_file = s.state_file.or(file.state_file);
     cfg.secrets = secrets;
     let http = s

@@ -45,9 +45,12 @@ pub const MAGIC: [u8; 4] = *b"WSYC";
 /// and failures may be `superseded`, `stale` or `modified`.
 /// Also 9: one secret per role and mutual authentication: `Hello` names its role and carries a
 /// nonce of the worker's, `Job` carries the controller's answer to it.
-/// 10: a declared engine tensor may say what it is made of (`TensorMeta::source`: boxes of the
+/// 10: delta syncs: `Start` names the engines taking deltas and the version they hold, `Written`
+/// carries the trainer's delta records, `Verify` forwards them to the rollouts, and a worker
+/// report carries delta figures.
+/// 11: a declared engine tensor may say what it is made of (`TensorMeta::source`: boxes of the
 /// trainers' tensors concatenated along a dim), so fused and tensor-parallel engines declare.
-pub const PROTOCOL_VERSION: u16 = 10;
+pub const PROTOCOL_VERSION: u16 = 11;
 /// Bytes in a frame header.
 pub const FRAME_HEADER_LEN: usize = 12;
 /// Default maximum body size: 256 MiB (a trainer's plan slice for a 1T-parameter model fits).

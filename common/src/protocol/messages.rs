@@ -266,6 +266,8 @@ pub struct PeerInfo {
     pub regions: Vec<Blob>,
     /// Where each planned tensor lies in those regions (see [`Registration::placement`]).
     pub placement: Option<Blob>,
+    /// A rollout's delta inbox (backend-encoded; sent in its `Ready`), when it takes deltas.
+    pub inbox: Option<Blob>,
 }
 
 /// What a worker must do each sync, sent once per plan (and again after a re-plan). A worker
@@ -279,6 +281,9 @@ pub enum Assignment {
         plan_id: u64,
         /// The planner's slice for this trainer (bincode).
         slice: Blob,
+        /// The job sends deltas (see [`Assignment::delta`]).
+        #[serde(default)]
+        delta: bool,
     },
     /// A rollout's expected immediates per sync.
     Rollout {
@@ -290,6 +295,9 @@ pub enum Assignment {
         expected_writes: u64,
         /// Bytes expected per sync.
         expected_bytes: u64,
+        /// The job sends deltas (see [`Assignment::delta`]).
+        #[serde(default)]
+        delta: bool,
     },
 }
 
@@ -298,6 +306,22 @@ impl Assignment {
     pub fn plan_id(&self) -> u64 {
         match self {
             Assignment::Trainer { plan_id, .. } | Assignment::Rollout { plan_id, .. } => *plan_id,
+        }
+    }
+
+    /// Whether the job sends deltas (the controller opted in, with verification on): a trainer
+    /// keeps the bytes it writes (its bases), a rollout registers a delta inbox. Off, both cost
+    /// nothing and every sync is full. The controller sets it; planners leave it `false`.
+    pub fn delta(&self) -> bool {
+        match self {
+            Assignment::Trainer { delta, .. } | Assignment::Rollout { delta, .. } => *delta,
+        }
+    }
+
+    /// Sets [`Assignment::delta`].
+    pub fn set_delta(&mut self, on: bool) {
+        match self {
+            Assignment::Trainer { delta, .. } | Assignment::Rollout { delta, .. } => *delta = on,
         }
     }
 }
@@ -392,6 +416,9 @@ pub enum ToWorker {
         sync_id: u64,
         /// Weight version.
         version: u64,
+        /// The engines that take deltas this sync and the version they hold; `None`: a full
+        /// sync.
+        delta: Option<super::DeltaBase>,
     },
     /// Version N fully landed (and verified) everywhere: rollouts may use it.
     Commit {
@@ -425,6 +452,9 @@ pub enum ToWorker {
         version: u64,
         /// The trainers' checksums of the units written to this rollout.
         checksums: Vec<RunChecksum>,
+        /// The runs written to this rollout as deltas: applied before the checksums are
+        /// compared (see `weightsync_worker::delta`).
+        deltas: Vec<super::DeltaRecord>,
     },
     /// Liveness reply.
     Heartbeat {
@@ -457,8 +487,8 @@ pub enum FromWorker {
         /// The plan.
         plan_id: u64,
         /// Regions registered for this plan that peers write into (a trainer's gather arena;
-        /// backend-encoded, with rkeys); empty for a rollout, whose regions came with its
-        /// registration.
+        /// backend-encoded, with rkeys); for a rollout, whose tensors' regions came with its
+        /// registration, its delta inbox if it takes deltas (else empty).
         regions: Vec<Blob>,
         /// Tensors it holds under this plan (a trainer's shards), for the dashboard; empty when
         /// its registration said them already.

@@ -18,14 +18,18 @@
 //!   carried by one message and stored, drawn and printed elsewhere.
 //! - [`frame`]: length-prefixed frames (magic, protocol version, length, bincode body) with a
 //!   maximum size, so decoding garbage is an error and never an unbounded allocation.
+//! - [`delta`]: what a delta sync's halves tell each other: where each run's encoding lies in
+//!   an engine's inbox ([`DeltaRecord`]), and what the deltas came to ([`DeltaFigures`]).
 //! - [`auth`]: the job-token challenge: a worker proves it knows the token without sending it.
 
 pub mod auth;
+pub mod delta;
 pub mod failure;
 pub mod frame;
 pub mod messages;
 pub mod report;
 
+pub use delta::{DeltaBase, DeltaFigures, DeltaKind, DeltaRecord};
 pub use failure::{FailureKind, Fault};
 pub use frame::{
     ControlFrameError, ControlFrameHeader, DEFAULT_MAX_FRAME, FRAME_HEADER_LEN, MAGIC,

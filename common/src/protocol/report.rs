@@ -186,6 +186,11 @@ pub struct WorkerReport {
     pub checksums: Vec<RunChecksum>,
     /// Where the trainer's sync wall time went (zero for rollouts).
     pub split: TimeSplit,
+    /// A trainer's runs written as deltas this sync, which the receivers apply (forwarded with
+    /// `Verify`); empty in a full sync and for rollouts.
+    pub deltas: Vec<super::DeltaRecord>,
+    /// What the deltas came to: a trainer's encodings, a rollout's applies.
+    pub delta: super::DeltaFigures,
 }
 
 /// Where one trainer's sync wall time went, measured inside its pipeline; the three parts add

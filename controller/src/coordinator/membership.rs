@@ -90,6 +90,8 @@ impl Coordinator {
             },
         ));
         let rejoined = self.departed.remove(&id);
+        // A (re)started engine holds nothing this controller committed.
+        self.engines_lost([&id]);
         self.note(
             format!(
                 "{id} registered from {} (pid {}){}",
@@ -143,6 +145,7 @@ impl Coordinator {
         // What it pushed was a statement about the bytes of a process that is gone.
         self.drop_pushes_of(id);
         self.departed.insert(id);
+        self.engines_lost([&id]);
         self.note(format!("{id} left: {reason}"), now);
         if let Some((plan_id, _)) = self.planning.take() {
             // Its result would be for a world that no longer exists.

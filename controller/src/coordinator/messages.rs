@@ -108,16 +108,20 @@ impl Coordinator {
         }
         s.state = SyncState::Running;
         s.start_sent_ns = Some(t);
-        let (sid, version) = (s.id, s.version);
-        let trainers: Vec<WorkerId> = s
-            .members
+        let (sid, version, run, members) = (s.id, s.version, s.run, s.members.clone());
+        let trainers: Vec<WorkerId> = members
             .iter()
             .copied()
             .filter(|w| w.role == WorkerRole::Trainer)
             .collect();
+        let delta = self.delta_base(run, &members);
+        if let Some(s) = self.syncs.get_mut(&sync_id) {
+            s.delta_base = delta.clone();
+        }
         self.send_to(&mut fx, trainers, |_| ToWorker::Start {
             sync_id: sid,
             version,
+            delta: delta.clone(),
         });
         fx
     }
@@ -137,7 +141,9 @@ impl Coordinator {
             return Effects::default();
         }
         s.add_part_report(id, &report, now.at);
+        s.delta.add(&report.delta);
         s.sent_checksums.extend(report.checksums);
+        s.sent_deltas.extend(report.deltas);
         self.maybe_commit(sync_id, now)
     }
 
@@ -188,6 +194,7 @@ impl Coordinator {
         let origin = s.prepare_sent_ns;
         // The verification span's bytes are what was checked, not what landed.
         let bytes = s.lanes.get(&id).map_or(0, |l| l.bytes);
+        s.delta_apply_ns = s.delta_apply_ns.max(report.delta.codec_ns);
         s.add_report(id, origin, report, t);
         if let Some(l) = s.lanes.get_mut(&id) {
             l.bytes = bytes;

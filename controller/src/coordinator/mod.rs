@@ -48,6 +48,7 @@
 //! - [`engine_stages`]: an engine's own stages (pause, load, resume), checked and added to its
 //!   lane of a sync, also after the sync ended.
 //! - [`version`]: triggers, commit and failure of a sync.
+//! - [`delta`]: which engines take deltas (the version each holds, as this controller knows).
 //! - `push`: versions pushed by in-process trainers (`Push N`), started once every trainer did;
 //!   runs (a job restarted from a checkpoint declares a new one).
 //! - [`durable`]: what survives a controller restart (run, last committed version, the next
@@ -69,6 +70,7 @@
 //!   connection; a push is dropped with the connection that made it;
 //! - a superseded or failed sync never commits; at most one sync is active.
 
+mod delta;
 mod drain;
 pub mod durable;
 mod engine_stages;
@@ -240,6 +242,10 @@ pub struct Coordinator {
     pushed: BTreeMap<u64, BTreeMap<WorkerId, ConnId>>,
     /// Which worker is registered on which connection.
     by_conn: HashMap<ConnId, WorkerId>,
+    /// Per engine, the `(run, version)` committed on it that it still holds (see [`delta`]).
+    engine_bases: BTreeMap<WorkerId, (u64, u64)>,
+    /// The job sends deltas (see [`Coordinator::allow_delta_syncs`]); off by default.
+    delta_syncs: bool,
 }
 
 impl Coordinator {
@@ -271,6 +277,8 @@ impl Coordinator {
             drain: None,
             pushed: BTreeMap::new(),
             by_conn: HashMap::new(),
+            engine_bases: BTreeMap::new(),
+            delta_syncs: false,
         }
     }
 

@@ -45,7 +45,7 @@ pub struct PlanRecord {
     waiting: BTreeSet<WorkerId>,
     /// Trainers' regions from their `Ready` (their gather arenas).
     #[serde(skip)]
-    ready_regions: BTreeMap<WorkerId, Vec<Blob>>,
+    pub(super) ready_regions: BTreeMap<WorkerId, Vec<Blob>>,
 }
 
 impl PlanRecord {
@@ -134,7 +134,8 @@ impl Coordinator {
         // Moved, not cloned: a large job's slices add up to gigabytes.
         let mut assignments = out.assignments;
         for (w, m) in &self.members {
-            if let Some(a) = assignments.remove(w) {
+            if let Some(mut a) = assignments.remove(w) {
+                a.set_delta(self.delta_syncs && self.cfg.world.verify);
                 fx.send.push((m.conn, ToWorker::Assign(a)));
             }
         }
@@ -211,6 +212,11 @@ impl Coordinator {
                 fabric_endpoint: m.reg.fabric_endpoint.clone(),
                 regions: regions_of(w, &m.reg),
                 placement: m.reg.placement.clone(),
+                // A rollout's `Ready` carries its delta inbox, if it takes deltas.
+                inbox: match w.role {
+                    WorkerRole::Rollout => p.ready_regions.get(w).and_then(|r| r.first()).cloned(),
+                    WorkerRole::Trainer => None,
+                },
             })
             .collect();
         let trainers = self

@@ -4,7 +4,9 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use weightsync_common::protocol::{Failure, RunChecksum, ToWorker, WorkerId, WorkerRole};
+use weightsync_common::protocol::{
+    DeltaRecord, Failure, RunChecksum, ToWorker, WorkerId, WorkerRole,
+};
 
 use super::drain::Drain;
 use super::{Coordinator, Effects, Now};
@@ -144,6 +146,10 @@ impl Coordinator {
             ended_ns: None,
             lanes: BTreeMap::new(),
             sent_checksums: Vec::new(),
+            delta_base: None,
+            sent_deltas: Vec::new(),
+            delta: Default::default(),
+            delta_apply_ns: 0,
             verified: None,
             failure: None,
             reported: None,
@@ -196,6 +202,8 @@ impl Coordinator {
         if !(s.awaiting_written.is_empty() && s.awaiting_landed.is_empty()) {
             return Effects::default();
         }
+        // Deltas are applied on `Verify` (they are offered only with verification on).
+        let verify = verify || !s.sent_deltas.is_empty();
         if verify && s.verify_sent_ns.is_none() {
             return self.send_verify(sync_id, now);
         }
@@ -216,6 +224,7 @@ impl Coordinator {
             self.latest_committed
                 .map_or(committed, |c| c.max(committed)),
         );
+        self.engines_hold(committed, &members);
         self.active = None;
         let mut fx = Effects {
             persist: true,
@@ -248,11 +257,16 @@ impl Coordinator {
         for c in &s.sent_checksums {
             per_rollout.entry(c.rollout).or_default().push(*c);
         }
+        let mut deltas: BTreeMap<u32, Vec<DeltaRecord>> = BTreeMap::new();
+        for d in &s.sent_deltas {
+            deltas.entry(d.rollout).or_default().push(*d);
+        }
         let (version, targets) = (s.version, s.awaiting_verified.clone());
         self.send_to(&mut fx, targets, |w| ToWorker::Verify {
             sync_id,
             version,
             checksums: per_rollout.get(&w.rank).cloned().unwrap_or_default(),
+            deltas: deltas.get(&w.rank).cloned().unwrap_or_default(),
         });
         fx
     }
@@ -278,6 +292,8 @@ impl Coordinator {
         s.awaiting_drain.clear();
         let (version, members, started) = (s.version, s.members.clone(), s.start_sent_ns.is_some());
         self.active = None;
+        // Its engines may hold half a version: the next sync is full for them.
+        self.engines_lost(&members);
         fx.finished.push(sync_id);
         if queued {
             // Never announced to anyone: nothing to abort, nothing to drain.

@@ -30,6 +30,7 @@
 
 mod device_landing;
 mod early_check;
+mod inbox;
 
 pub use device_landing::DeviceLanding;
 
@@ -116,6 +117,10 @@ pub struct RolloutWorker<F: FabricBackend> {
     early: Mutex<Early>,
     /// Where landed bytes go next when the destination is device memory.
     device: Option<Arc<dyn DeviceLanding>>,
+    /// Where trainers write deltas, when this receiver takes them (see `inbox`).
+    inbox: Option<Region>,
+    /// The version held, and this round's deltas (see `inbox`).
+    delta: Mutex<inbox::DeltaState>,
 }
 
 /// The state of the current round's early check.
@@ -188,6 +193,8 @@ impl<F: FabricBackend> RolloutWorker<F> {
             runs: Mutex::default(),
             early: Mutex::default(),
             device: None,
+            inbox: None,
+            delta: Mutex::default(),
         })
     }
 
@@ -245,6 +252,8 @@ impl<F: FabricBackend> RolloutWorker<F> {
             runs: Mutex::default(),
             early: Mutex::default(),
             device: None,
+            inbox: None,
+            delta: Mutex::default(),
         })
     }
 
@@ -345,6 +354,7 @@ impl<F: FabricBackend> RolloutWorker<F> {
             rec: TimelineRecorder::start(&self.name),
             waits,
         });
+        self.delta_armed(sync.version);
         self.start_early_check();
         Ok(())
     }
@@ -493,6 +503,7 @@ impl<F: FabricBackend> RolloutWorker<F> {
     /// still in flight can never count toward a later sync.
     pub fn abort(&self) -> Option<SyncId> {
         *self.early.lock() = Early::Off;
+        self.delta_aborted();
         let armed = self.armed.lock().take()?;
         let counter = self.fabric.imm_counter();
         for (_, _, imm, wait) in armed.waits {
@@ -524,6 +535,9 @@ impl<F: FabricBackend> RolloutWorker<F> {
         let early = self.early_hashes();
         let log = self.landing.as_ref().map(|l| l.snapshot());
         let early_hash = |c: &RunChecksum| {
+            if self.delta_applied(&(c.mr, c.offset, c.len)) {
+                return None;
+            }
             let (h, seq) = *early.as_ref()?.get(&(c.mr, c.offset, c.len))?;
             log.as_ref()?
                 .unchanged_since(c.mr, c.offset, c.len, seq)
@@ -549,6 +563,7 @@ impl<F: FabricBackend> RolloutWorker<F> {
             (actual != c.xxh3).then_some((*c, actual))
         });
         if let Some((c, actual)) = mismatch {
+            self.delta_lost();
             return Err(WorkerError::ChecksumMismatch {
                 tensors: self.tensors_in(c.mr, c.offset, c.len),
                 rank,
@@ -559,6 +574,7 @@ impl<F: FabricBackend> RolloutWorker<F> {
                 actual,
             });
         }
+        self.delta_held();
         Ok(Verified {
             runs: mine.len() as u64,
             bytes: mine.iter().map(|c| c.len).sum(),

@@ -15,8 +15,12 @@
 //!   for a source in device memory to run ([`DeviceStages`], beside the sources).
 //! - [`staging`]: the registered staging arena and its leases.
 //! - [`pipeline`]: the scheduler that overlaps the stages, immediates, the barrier.
+//! - [`delta`]: the bases kept for delta syncs, and the encoding of a piece's runs.
 //! - [`split_meter`]: where the sync's wall went (wire, idle, overhead: [`SyncReport::split`]).
 
+mod delta;
+#[cfg(test)]
+mod delta_tests;
 #[cfg(test)]
 mod device_stages_tests;
 mod direct;
@@ -38,7 +42,7 @@ use serde::{Deserialize, Serialize};
 use weightsync_common::fabric::{
     Access, Endpoint, FabricBackend, Region, RegionDescriptor, TransferPaths,
 };
-use weightsync_common::protocol::TimeSplit;
+use weightsync_common::protocol::{DeltaFigures, DeltaRecord, TimeSplit};
 use weightsync_schedules::table::{TrainerPlan, WriteTarget};
 
 use crate::checksum::RunChecksum;
@@ -51,6 +55,8 @@ use crate::source::view::{SourceView, param_name};
 use crate::sync::SyncId;
 use crate::timeline::Timeline;
 
+use delta::{Bases, Inbox};
+pub use delta::{DeltaConfig, DeltaSync};
 use piece::{TaskPiece, TaskShape, plan_pieces};
 use staging::StagingArena;
 
@@ -82,6 +88,9 @@ pub struct TrainerConfig {
     pub prepare_all_threads: bool,
     /// How long to wait for straddling fp8 rows from other trainers.
     pub gather_timeout: Duration,
+    /// Delta syncs (bases kept, thresholds).
+    #[serde(default)]
+    pub delta: DeltaConfig,
 }
 
 impl TrainerConfig {
@@ -95,6 +104,7 @@ impl TrainerConfig {
             mode: PipelineMode::Pipelined,
             prepare_all_threads: true,
             gather_timeout: Duration::from_secs(60),
+            delta: DeltaConfig::default(),
         }
     }
 
@@ -123,6 +133,9 @@ pub struct Destinations {
     /// Per rollout rank whose regions are an engine's own tensors, where each planned tensor
     /// lies in them (a rollout without one holds its tensors as planned).
     pub placements: BTreeMap<u32, Placement>,
+    /// Per rollout rank that takes deltas, its delta inbox (see `crate::delta`).
+    #[serde(default)]
+    pub inboxes: BTreeMap<u32, RegionDescriptor>,
 }
 
 /// Where one write of the plan goes: the destination region and the actual offset of the
@@ -165,6 +178,10 @@ pub struct SyncReport {
     /// Writes in flight on average while any was: how many writes kept the wire busy during
     /// `split.wire_ns` (a wire busy with one write at a time is under-used).
     pub mean_writes_in_flight: f64,
+    /// The runs written as deltas: what each receiver applies (empty in a full sync).
+    pub deltas: Vec<DeltaRecord>,
+    /// What the deltas came to (dense and delta bytes, changes, encode time).
+    pub delta: DeltaFigures,
     /// How the written bytes reached their receivers: the transport's payloads, or a same-host
     /// copy (`process_vm_readv`, or memory shared by descriptor where ptrace access is
     /// refused); [`TransferPaths::name`] names the path. `None` where the fabric does not
@@ -195,6 +212,12 @@ pub(crate) struct TrainerState {
     /// [`TrainerPlan::in_place_input`], [`TrainerPlan::in_place_runs`]): where its box lies in
     /// its shard.
     pub in_place: Vec<Option<stages::InPlace>>,
+    /// The prepared bytes last written, per task that keeps them (see [`delta`]).
+    pub bases: Bases,
+    /// Per task and piece, the staging its encodings need in a delta sync.
+    pub enc_need: Vec<Vec<u64>>,
+    /// Per rollout rank that takes deltas, its inbox (set by `set_destinations`).
+    pub inboxes: BTreeMap<u32, Inbox>,
 }
 
 /// A trainer worker (see the module docs).
@@ -249,10 +272,37 @@ impl<F: FabricBackend> TrainerWorker<F> {
             None
         };
         let min_run = fabric.min_strided_run();
-        let direct = plan
+        let mut direct: Vec<Option<direct::DirectSource>> = plan
             .tasks
             .iter()
             .map(|t| direct::direct_source(&plan, t, source.as_ref(), gather.as_ref(), min_run))
+            .collect();
+        // A task written straight from the source keeps a base only if told to (it is then
+        // staged: its bytes are compared and kept every sync).
+        let bases = Bases::new(&plan, &config.delta, |t| {
+            config.delta.keep_direct || direct[t as usize].is_none()
+        });
+        for (t, d) in direct.iter_mut().enumerate() {
+            if bases.kept(t as u32) {
+                *d = None;
+            }
+        }
+        let enc_need = pieces
+            .iter()
+            .map(|task_pieces: &Vec<TaskPiece>| {
+                task_pieces
+                    .iter()
+                    .map(|p| {
+                        let need = delta::enc_need(&plan, p, &bases, &config.delta);
+                        // A piece whose encodings would not fit beside it goes dense.
+                        if p.layout.total + need > config.watermark_bytes {
+                            0
+                        } else {
+                            need
+                        }
+                    })
+                    .collect()
+            })
             .collect();
         let in_place = plan
             .tasks
@@ -273,6 +323,9 @@ impl<F: FabricBackend> TrainerWorker<F> {
                 write_dst: Vec::new(),
                 direct,
                 in_place,
+                bases,
+                enc_need,
+                inboxes: BTreeMap::new(),
             }),
             running: tokio::sync::Mutex::new(()),
         })
@@ -347,6 +400,14 @@ impl<F: FabricBackend> TrainerWorker<F> {
             write_dst.iter().map(|d| &d.desc.endpoint).collect();
         self.fabric.expect_peers(peers.len());
         state.write_dst = write_dst;
+        state.inboxes = dsts
+            .inboxes
+            .iter()
+            .filter_map(|(r, desc)| {
+                let regions = dsts.rollouts.get(r)?;
+                Some((*r, Inbox::new(desc.clone(), regions)))
+            })
+            .collect();
         Ok(())
     }
 
@@ -373,7 +434,32 @@ impl<F: FabricBackend> TrainerWorker<F> {
                 "run_sync before set_destinations".into(),
             ));
         }
-        pipeline::run(self.fabric.clone(), self.state.clone(), sync, cancel).await
+        pipeline::run(self.fabric.clone(), self.state.clone(), sync, None, cancel).await
+    }
+
+    /// [`run_sync_until`](Self::run_sync_until) as a delta sync: the engines in `delta` get
+    /// deltas against `delta.base_version` where it pays, if this trainer's bases hold that
+    /// version (else every engine gets dense writes, and the bases are refreshed for the next).
+    pub async fn run_delta_sync_until(
+        &self,
+        sync: SyncId,
+        delta: &DeltaSync,
+        cancel: impl std::future::Future<Output = ()>,
+    ) -> Result<SyncReport> {
+        let _one_at_a_time = self.running.lock().await;
+        if self.state.write_dst.len() != self.state.plan.writes.len() {
+            return Err(WorkerError::Protocol(
+                "run_sync before set_destinations".into(),
+            ));
+        }
+        let delta = Some(delta.clone());
+        pipeline::run(self.fabric.clone(), self.state.clone(), sync, delta, cancel).await
+    }
+
+    /// The version this trainer's bases hold (`None`: no delta can be encoded until a sync
+    /// succeeds), and the bytes they take.
+    pub fn delta_base(&self) -> (Option<u64>, u64) {
+        (self.state.bases.version(), self.state.bases.bytes())
     }
 
     /// The staging budget.

@@ -34,6 +34,7 @@
 //! (a partitioned peer may never answer): the caller resets the fabric's lanes next
 //! ([`FabricBackend::reset_connections`]), which discards them.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
@@ -43,6 +44,7 @@ use tokio::task::JoinSet;
 use weightsync_common::fabric::{FabricBackend, Region, RegionDescriptor, TransferPaths, WriteOp};
 use weightsync_schedules::table::{MeshGroup, Transform, WriteTarget};
 
+use super::delta::{DeltaSync, EncodeCtx, PartMode, encode_piece};
 use super::direct::DirectSource;
 use super::piece::TaskPiece;
 use super::split_meter::{Activity, SplitMeter};
@@ -54,7 +56,7 @@ use crate::imm_tag::imm_for;
 use crate::sync::SyncId;
 use crate::timeline::TimelineRecorder;
 use crate::watermark::{Lease, Watermark};
-use weightsync_common::protocol::{Stage, WHOLE_SYNC};
+use weightsync_common::protocol::{DeltaFigures, DeltaRecord, Stage, WHOLE_SYNC};
 
 /// State of one sync shared by its piece jobs.
 struct SyncRun<F: FabricBackend> {
@@ -75,12 +77,25 @@ struct SyncRun<F: FabricBackend> {
     direct_bytes: AtomicU64,
     /// Where the wall goes: wire, idle, overhead.
     meter: SplitMeter,
+    /// This sync's deltas, when the bases hold the version they are encoded against.
+    active: Option<DeltaSync>,
+    /// Per piece `(task, piece)` encoded, how each of its parts is written.
+    modes: Mutex<HashMap<(u32, usize), Vec<PartMode>>>,
+    /// The runs written as deltas.
+    records: Mutex<Vec<DeltaRecord>>,
+    figures: Mutex<DeltaFigures>,
     /// The fabric's bytes by path when the sync began (`SyncReport::paths` is the difference).
     paths_before: Option<TransferPaths>,
 }
 
 impl<F: FabricBackend> SyncRun<F> {
-    fn new(fabric: F, state: Arc<TrainerState>, sync: SyncId, rec: TimelineRecorder) -> Self {
+    fn new(
+        fabric: F,
+        state: Arc<TrainerState>,
+        sync: SyncId,
+        rec: TimelineRecorder,
+        active: Option<DeltaSync>,
+    ) -> Self {
         let gates = split_write_gates(&state);
         let paths_before = fabric.transfer_paths();
         SyncRun {
@@ -99,6 +114,10 @@ impl<F: FabricBackend> SyncRun<F> {
             staged_bytes: AtomicU64::new(0),
             direct_bytes: AtomicU64::new(0),
             meter: SplitMeter::start(),
+            active,
+            modes: Mutex::new(HashMap::new()),
+            records: Mutex::new(Vec::new()),
+            figures: Mutex::new(DeltaFigures::default()),
             paths_before,
         }
     }
@@ -107,6 +126,17 @@ impl<F: FabricBackend> SyncRun<F> {
     fn report(&self, pieces: u64, watermark: &Watermark) -> SyncReport {
         let mut checksums = std::mem::take(&mut *self.checksums.lock());
         checksums.sort();
+        let mut deltas = std::mem::take(&mut *self.records.lock());
+        deltas.sort();
+        let mut delta = *self.figures.lock();
+        delta.dense_bytes = self
+            .state
+            .plan
+            .writes
+            .iter()
+            .filter(|w| matches!(w.dst, WriteTarget::Rollout(_)))
+            .map(|w| u64::from(w.len))
+            .sum();
         SyncReport {
             sync: self.sync,
             timeline: self.rec.finish(),
@@ -120,6 +150,8 @@ impl<F: FabricBackend> SyncRun<F> {
             direct_bytes: self.direct_bytes.load(Ordering::Relaxed),
             split: self.meter.finish(),
             mean_writes_in_flight: self.meter.mean_writes_in_flight(),
+            deltas,
+            delta,
             paths: self
                 .fabric
                 .transfer_paths()
@@ -151,12 +183,22 @@ pub(crate) async fn run<F: FabricBackend>(
     fabric: F,
     state: Arc<TrainerState>,
     sync: SyncId,
+    delta: Option<DeltaSync>,
     cancel: impl std::future::Future<Output = ()>,
 ) -> Result<SyncReport> {
     let rec = TimelineRecorder::start(&state.config.name);
     let watermark = state.staging.watermark().clone();
     watermark.reset_peak();
-    let run = Arc::new(SyncRun::new(fabric, state.clone(), sync, rec.clone()));
+    // Deltas only on top of the version the bases hold; while the sync runs they hold none.
+    let active = delta.filter(|d| state.bases.version() == Some(d.base_version));
+    state.bases.set_version(None);
+    let run = Arc::new(SyncRun::new(
+        fabric,
+        state.clone(),
+        sync,
+        rec.clone(),
+        active,
+    ));
     let serial = state.config.mode == PipelineMode::Serialised;
     let mut jobs = JoinSet::new();
     let mut pieces = 0u64;
@@ -176,7 +218,10 @@ pub(crate) async fn run<F: FabricBackend>(
                     if run.failed() {
                         break 'groups;
                     }
-                    let need = state.pieces[t as usize][p].layout.total;
+                    let mut need = state.pieces[t as usize][p].layout.total;
+                    if run.active.is_some() {
+                        need += state.enc_need[t as usize][p];
+                    }
                     let lease = if state.direct[t as usize].is_some() {
                         None // written from the source: no staging
                     } else {
@@ -236,6 +281,7 @@ pub(crate) async fn run<F: FabricBackend>(
         retire_gathers(&run);
         return Err(err);
     }
+    state.bases.set_version(Some(sync.version));
     Ok(run.report(pieces, &watermark))
 }
 
@@ -325,7 +371,8 @@ async fn run_piece<F: FabricBackend>(
     let nothing_to_prepare = matches!(
         run.state.plan.tasks[t as usize].transform,
         Transform::Copy { .. }
-    ) && !run.state.config.verify;
+    ) && !run.state.config.verify
+        && !run.state.bases.kept(t);
     let lease = if nothing_to_prepare {
         lease
     } else {
@@ -529,6 +576,20 @@ async fn piece_prepare<F: FabricBackend>(
             if st.config.verify {
                 job.checksums.lock().extend(run_checksums(st, piece, buf));
             }
+            if st.bases.kept(t) {
+                let ctx = EncodeCtx {
+                    plan: &st.plan,
+                    write_dst: &st.write_dst,
+                    inboxes: &st.inboxes,
+                    bases: &st.bases,
+                    config: &st.config.delta,
+                    active: job.active.as_ref(),
+                };
+                let done = encode_piece(&ctx, piece, piece.layout.total, buf);
+                job.figures.lock().add(&done.figures);
+                job.records.lock().extend(done.records);
+                job.modes.lock().insert((t, p), done.modes);
+            }
             Ok(())
         },
     )
@@ -604,15 +665,34 @@ async fn piece_write<F: FabricBackend>(
     let start = run.rec.now_ns();
     let st = &run.state;
     let piece = &st.pieces[t as usize][p];
-    let op_of = |part: &super::piece::Part, with_imm: bool| -> Result<WriteOp> {
+    let modes = run.modes.lock().remove(&(t, p));
+    let op_of = |i: usize, part: &super::piece::Part, with_imm: bool| -> Result<WriteOp> {
         let w = st.plan.writes[part.write as usize];
         let dst = &st.write_dst[part.write as usize];
-        let op = source.op(
-            part.staging_offset,
-            &dst.desc,
-            dst.offset + (part.dst_offset - w.dst_offset),
-            part.len,
-        );
+        let mode = modes.as_ref().map_or(PartMode::Dense, |m| m[i]);
+        let op = match (mode, source, w.dst) {
+            (
+                PartMode::Delta {
+                    enc_at,
+                    enc_len,
+                    inbox_at,
+                },
+                PieceSource::Staged { region, at },
+                WriteTarget::Rollout(r),
+            ) => {
+                let inbox = st.inboxes.get(&r).ok_or_else(|| {
+                    WorkerError::MissingDestination(format!("the delta inbox of rollout rank {r}"))
+                })?;
+                // An empty encoding travels as one byte: its write carries the immediate.
+                WriteOp::new(region, at + enc_at, &inbox.desc, inbox_at, enc_len.max(1))
+            }
+            _ => source.op(
+                part.staging_offset,
+                &dst.desc,
+                dst.offset + (part.dst_offset - w.dst_offset),
+                part.len,
+            ),
+        };
         Ok(if with_imm {
             op.with_imm(imm_for(run.sync.epoch, w.unit as u32)?)
         } else {
@@ -621,13 +701,13 @@ async fn piece_write<F: FabricBackend>(
     };
     let mut now = Vec::new();
     let mut later = Vec::new();
-    for part in &piece.parts {
+    for (i, part) in piece.parts.iter().enumerate() {
         if part.parts == 1 {
-            now.push(op_of(part, true)?);
+            now.push(op_of(i, part, true)?);
         } else if !part.last {
-            now.push(op_of(part, false)?);
+            now.push(op_of(i, part, false)?);
         } else {
-            later.push((part, op_of(part, true)?));
+            later.push((part, op_of(i, part, true)?));
         }
     }
     let mut bytes = 0;

@@ -1,0 +1,214 @@
+//! Delta syncs end to end over the in-process fabric: byte-exact after every step, only the
+//! changes on the wire, and the chain rules (an engine that does not hold the base refuses the
+//! delta; a trainer whose last sync failed writes dense until one succeeds).
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use super::tests::{SharedSource, expected, plans, source_bytes};
+use super::*;
+use crate::mem_fabric::MemFabric;
+use crate::rollout::RolloutWorker;
+
+fn setup_delta(
+    watermark: u64,
+) -> (
+    TrainerWorker<MemFabric>,
+    RolloutWorker<MemFabric>,
+    SharedSource,
+) {
+    let (tp, rp) = plans();
+    let fab = MemFabric::new_switch("trainer-0");
+    let mut rollout = RolloutWorker::new(fab.peer("rollout-0"), "rollout-0", rp.clone()).unwrap();
+    let total: u64 = rp.mr_bytes.iter().sum();
+    rollout
+        .enable_delta_inbox(crate::delta::inbox_bytes(total, 0.25))
+        .unwrap();
+    let source: SharedSource = Arc::new(parking_lot::RwLock::new(source_bytes(0)));
+    let mut cfg = TrainerConfig::new("trainer-0", watermark);
+    cfg.delta.keep_bases = true;
+    let mut trainer = TrainerWorker::new(fab, source.clone(), tp, cfg).unwrap();
+    let mut dsts = Destinations::default();
+    dsts.rollouts.insert(0, rollout.descriptors());
+    dsts.inboxes.insert(0, rollout.inbox_descriptor().unwrap());
+    trainer.set_destinations(&dsts).unwrap();
+    (trainer, rollout, source)
+}
+
+/// Nudges every `every`-th element of w (bf16) and of b (f32) by a step's worth; only w's small
+/// elements, so that no fp8 block's amax (and scale) moves: what an RL step does to most blocks.
+fn nudge(src: &mut [u8], every: usize, step: u32) {
+    let w_elems = 300 * 256;
+    for i in (step as usize % every..w_elems).step_by(every) {
+        let x = half::bf16::from_le_bytes([src[2 * i], src[2 * i + 1]]).to_f32();
+        if x.abs() >= 2.0 {
+            continue;
+        }
+        let y = half::bf16::from_f32(x * 0.75 + 0.25).to_le_bytes();
+        src[2 * i..2 * i + 2].copy_from_slice(&y);
+    }
+    let b_at = w_elems * 2;
+    for i in (0..100 * 64).step_by(every) {
+        let at = b_at + 4 * i;
+        let x = f32::from_le_bytes(src[at..at + 4].try_into().unwrap());
+        src[at..at + 4].copy_from_slice(&(x + 3.0).to_le_bytes());
+    }
+}
+
+fn only(rollout: u32, base: u64) -> DeltaSync {
+    DeltaSync {
+        base_version: base,
+        rollouts: BTreeSet::from([rollout]),
+    }
+}
+
+fn sync(version: u64) -> SyncId {
+    SyncId {
+        version,
+        epoch: version + 1,
+    }
+}
+
+/// Arms, runs the trainer (as a delta sync against `delta` when given), lands, applies, verifies,
+/// and checks the destination against the kernels' own output.
+async fn round(
+    trainer: &TrainerWorker<MemFabric>,
+    rollout: &RolloutWorker<MemFabric>,
+    source: &SharedSource,
+    version: u64,
+    delta: Option<DeltaSync>,
+) -> crate::Result<SyncReport> {
+    rollout.arm(sync(version))?;
+    let report = match &delta {
+        Some(d) => {
+            trainer
+                .run_delta_sync_until(sync(version), d, std::future::pending())
+                .await?
+        }
+        None => trainer.run_sync(sync(version)).await?,
+    };
+    rollout.await_landed(Duration::from_secs(10)).await?;
+    rollout.apply_deltas(&report.deltas)?;
+    rollout.verify(&report.checksums)?;
+    let got = rollout.region(0).unwrap().to_vec().unwrap();
+    assert_eq!(got, expected(&source.read()), "version {version}");
+    assert_eq!(rollout.held_version(), Some(version));
+    Ok(report)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deltas_land_byte_exact_and_move_a_fraction_of_the_bytes() {
+    // 200 KiB forces the fp8 task into several pieces: its writes are split into parts.
+    let (trainer, rollout, source) = setup_delta(200 << 10);
+    let first = round(&trainer, &rollout, &source, 0, None).await.unwrap();
+    assert!(first.deltas.is_empty());
+    assert_eq!(trainer.delta_base().0, Some(0));
+    for v in 1..5u64 {
+        nudge(&mut source.write(), 97, v as u32);
+        let report = round(&trainer, &rollout, &source, v, Some(only(0, v - 1)))
+            .await
+            .unwrap();
+        let d = report.delta;
+        assert!(!report.deltas.is_empty(), "version {v}: {d:?}");
+        assert!(d.changed > 0 && d.changed < d.elements, "{d:?}");
+        assert!(
+            d.wire_bytes() * 4 < d.dense_bytes,
+            "version {v}: {} of {} bytes",
+            d.wire_bytes(),
+            d.dense_bytes
+        );
+        assert!(report.bytes_written < d.dense_bytes / 4, "{report:?}");
+    }
+    // Nothing changed: every run goes as an (empty) delta, and still verifies whole.
+    let report = round(&trainer, &rollout, &source, 5, Some(only(0, 4)))
+        .await
+        .unwrap();
+    assert_eq!(report.delta.changed, 0);
+    // Nearly everything changed: the runs go dense (the fallback), byte-exact; only the fp8
+    // scales, which did not move, may still go as a delta.
+    *source.write() = source_bytes(7);
+    let report = round(&trainer, &rollout, &source, 6, Some(only(0, 5)))
+        .await
+        .unwrap();
+    let d = report.delta;
+    assert!(d.delta_run_bytes <= 24, "{d:?}");
+    assert!(
+        report.bytes_written * 100 >= d.dense_bytes * 99,
+        "{report:?}"
+    );
+}
+
+/// An engine that does not hold the base (a failed or aborted round, a restart) refuses the
+/// delta, naming the versions; a full sync makes it whole, and deltas follow again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_without_the_base_refuses_a_delta_and_a_full_sync_restores_it() {
+    let (trainer, rollout, source) = setup_delta(1 << 20);
+    round(&trainer, &rollout, &source, 0, None).await.unwrap();
+    nudge(&mut source.write(), 50, 1);
+    round(&trainer, &rollout, &source, 1, Some(only(0, 0)))
+        .await
+        .unwrap();
+    // Version 2 fails on the engine's side (aborted after arming): it holds nothing now.
+    rollout.arm(sync(2)).unwrap();
+    rollout.abort();
+    assert_eq!(rollout.held_version(), None);
+    // A trainer that (wrongly) sends a delta on top of 1 is refused, not silently applied.
+    nudge(&mut source.write(), 50, 3);
+    let err = round(&trainer, &rollout, &source, 3, Some(only(0, 1)))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, WorkerError::Delta { detail, .. } if detail.contains("holds none")),
+        "{err}"
+    );
+    assert_eq!(rollout.held_version(), None);
+    // The full sync the controller orders next restores it, then deltas resume.
+    nudge(&mut source.write(), 50, 4);
+    let full = round(&trainer, &rollout, &source, 4, None).await.unwrap();
+    assert!(full.deltas.is_empty());
+    nudge(&mut source.write(), 50, 5);
+    let report = round(&trainer, &rollout, &source, 5, Some(only(0, 4)))
+        .await
+        .unwrap();
+    assert!(!report.deltas.is_empty());
+}
+
+/// A trainer whose sync was cancelled holds no base: the next sync is dense whatever it is
+/// asked, and byte-exact; deltas resume after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trainer_whose_sync_failed_writes_dense_until_one_succeeds() {
+    let (trainer, rollout, source) = setup_delta(1 << 20);
+    round(&trainer, &rollout, &source, 0, None).await.unwrap();
+    rollout.arm(sync(1)).unwrap();
+    let err = trainer
+        .run_delta_sync_until(sync(1), &only(0, 0), std::future::ready(()))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, WorkerError::Cancelled), "{err}");
+    rollout.abort();
+    assert_eq!(trainer.delta_base().0, None);
+    nudge(&mut source.write(), 50, 2);
+    // Asked for a delta on top of 0: the trainer's bases hold nothing, so it writes dense.
+    let report = round(&trainer, &rollout, &source, 2, Some(only(0, 0)))
+        .await
+        .unwrap();
+    assert!(report.deltas.is_empty());
+    nudge(&mut source.write(), 50, 3);
+    let report = round(&trainer, &rollout, &source, 3, Some(only(0, 2)))
+        .await
+        .unwrap();
+    assert!(!report.deltas.is_empty());
+}
+
+/// Engines not named in the sync's delta set get dense writes from the same pieces.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engines_outside_the_delta_set_get_dense_writes() {
+    let (trainer, rollout, source) = setup_delta(1 << 20);
+    round(&trainer, &rollout, &source, 0, None).await.unwrap();
+    nudge(&mut source.write(), 50, 1);
+    let report = round(&trainer, &rollout, &source, 1, Some(only(7, 0)))
+        .await
+        .unwrap();
+    assert!(report.deltas.is_empty());
+    assert_eq!(report.bytes_written, report.delta.dense_bytes);
+}
