@@ -373,7 +373,11 @@ impl<F: FabricBackend> TrainerWorker<F> {
                 "run_sync before set_destinations".into(),
             ));
         }
-        pipeline::run(self.fabric.clone(), self.state.clone(), sync, cancel).await
+        // A source written while the sync read it fails the sync (what was sent mixes versions).
+        let stamp = self.state.source.begin_read()?;
+        let report = pipeline::run(self.fabric.clone(), self.state.clone(), sync, cancel).await?;
+        self.state.source.end_read(stamp)?;
+        Ok(report)
     }
 
     /// The staging budget.
