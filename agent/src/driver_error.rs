@@ -113,8 +113,12 @@ impl From<SourceError> for DriverError {
             | SourceError::ShapeMismatch { name, .. } => Some(name.clone()),
             _ => None,
         };
+        let kind = match &e {
+            SourceError::Torn { .. } | SourceError::BeingWritten { .. } => FailureKind::Modified,
+            _ => FailureKind::Source,
+        };
         DriverError {
-            kind: FailureKind::Source,
+            kind,
             tensor,
             cause: e.to_string(),
         }

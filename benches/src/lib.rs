@@ -11,10 +11,13 @@
 //! - [`plan`]: whole `weightsync plan` processes beside a baseline binary, alternately.
 //! - [`e2e`]: a real model's job on loopback beside gather-and-broadcast and the TCP limit; the
 //!   simulator's calibration against it.
+//! - [`controller_load`]: a real controller under thousands of simulated heartbeating workers
+//!   beside itself idle (`/healthz` latency, resident memory).
 //! - `cpu_clock`: the one process CPU clock the benches read.
 //! - `benches/`: criterion benches of the kernels and the planner.
 #![deny(missing_docs)]
 
+pub mod controller_load;
 mod cpu_clock;
 pub mod e2e;
 pub mod fabric;

@@ -13,6 +13,7 @@
 //! - `cmd`: one module per subcommand (`demo`, `plan`, `simulate`, `controller`, `worker`,
 //!   `bench`), each owning its `Args` and a `run` function.
 //! - `logging`: stderr tracing for the commands (stdout stays clean for `--json`).
+//! - `parent_death`: `worker --die-with-parent` (the sidecar ends with its training rank).
 //!
 //! A subcommand that starts copies of itself (`demo`'s workers, `bench`'s peers) asks
 //! [`weightsync_common::program::Program::this`] how: the Python entry point sets it to the
@@ -20,6 +21,7 @@
 
 mod cmd;
 mod logging;
+mod parent_death;
 
 use std::ffi::OsString;
 use std::io::Write;

@@ -37,6 +37,9 @@ pub async fn run(
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     let _ = stop_tx.send(true);
+    if let Err(e) = state.stop() {
+        tracing::error!("stopping: cannot save the controller's state: {e}");
+    }
     let _ = control_task.await;
     let _ = tick_task.await;
     let _ = tokio::time::timeout(Duration::from_secs(5), server).await;

@@ -386,6 +386,17 @@ impl AppState {
         self.0.conns.lock().remove(&conn);
     }
 
+    /// A clean stop (SIGTERM, Ctrl-C): saves the state file one last time and lets go of every
+    /// worker's connection, so each sees it close and reconnects by itself to the controller
+    /// that follows (an embedding's in-flight `wait()` raises `peer_lost` instead of hanging).
+    pub fn stop(&self) -> Result<(), StateFileError> {
+        self.0.conns.lock().clear();
+        match &self.0.state_file {
+            Some(file) => file.save(&self.read(Coordinator::durable)),
+            None => Ok(()),
+        }
+    }
+
     /// Sends `Shutdown` to every connected worker.
     pub fn shutdown_workers(&self) {
         for tx in self.0.conns.lock().values() {

@@ -261,4 +261,48 @@ pub enum SourceError {
     /// A CUDA call failed (feature `cuda`).
     #[error("cuda: {0}")]
     Gpu(String),
+    /// A shared-memory file shrank under its mapping (reading it would fault).
+    #[error(
+        "{path}: truncated to {now} bytes while {mapped} are mapped (the training process must \
+         not shrink the file while a sync may read it)"
+    )]
+    Truncated {
+        /// The file.
+        path: PathBuf,
+        /// Bytes mapped.
+        mapped: u64,
+        /// Its length now.
+        now: u64,
+    },
+    /// The path names another file than the one mapped (replaced, e.g. renamed over).
+    #[error(
+        "{path} was replaced after the worker mapped it: the mapping holds the old file's bytes \
+         (write the file in place, or restart the worker to attach the new one)"
+    )]
+    Replaced {
+        /// The file.
+        path: PathBuf,
+    },
+    /// A stamped shared-memory file stayed mid-write (odd generation) past the wait.
+    #[error("{path}: still being written (generation {generation} is odd) when the sync began")]
+    BeingWritten {
+        /// The file.
+        path: PathBuf,
+        /// The odd generation seen.
+        generation: u64,
+    },
+    /// A stamped shared-memory file was written while a sync read it: what was read may mix
+    /// two versions.
+    #[error(
+        "{path} was written while the sync read it (generation {before} -> {after}): what was \
+         read mixes two versions"
+    )]
+    Torn {
+        /// The file.
+        path: PathBuf,
+        /// Generation when the sync began.
+        before: u64,
+        /// Generation when it ended.
+        after: u64,
+    },
 }

@@ -80,8 +80,8 @@ pub use rollout::{DeviceLanding, Landed, RolloutWorker, Verified};
 pub use source::DeviceTensor;
 pub use source::view::SourceView;
 pub use source::{
-    ArenaTensor, HostMemory, HostSource, PlanTensors, SafetensorsSource, ShmSource, SourceMemory,
-    SourceTensor, TensorSet, arena_tensors, check_layout, shard_names,
+    ArenaTensor, HostMemory, HostSource, PlanTensors, SafetensorsSource, ShmHeader, ShmSource,
+    ShmWriter, SourceMemory, SourceTensor, TensorSet, arena_tensors, check_layout, shard_names,
 };
 pub use sync::SyncId;
 pub use timeline::{Timeline, TimelineRecorder};

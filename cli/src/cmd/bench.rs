@@ -143,6 +143,19 @@ pub enum Which {
         #[arg(long)]
         no_slices: bool,
     },
+    /// The controller under N simulated workers that register and heartbeat: `/healthz`
+    /// latency (p50, p99, max) loaded beside idle, resident memory, registration time.
+    Controller {
+        /// Print one JSON object instead of text.
+        #[arg(long)]
+        json: bool,
+        /// Simulated workers (half trainers, half rollouts).
+        #[arg(long, default_value_t = 2000)]
+        workers: u32,
+        /// Seconds of heartbeats measured once all are registered.
+        #[arg(long, default_value_t = 10.0)]
+        seconds: f64,
+    },
     /// Preparation kernels (gather, casts, fp8 block quantisation) beside memcpy.
     Prepare {
         /// Print one JSON object instead of a table.
@@ -284,6 +297,26 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 slices: !no_slices,
             };
             let report = plan::run(&cfg)?;
+            if json {
+                println!("{}", serde_json::to_string(&report)?);
+            } else {
+                print!("{}", report.human());
+            }
+            Ok(())
+        }
+        Which::Controller {
+            json,
+            workers,
+            seconds,
+        } => {
+            use weightsync_benches::controller_load;
+            let cfg = controller_load::Config {
+                exe: Program::this()
+                    .map_err(|e| anyhow::anyhow!("locating the weightsync binary: {e}"))?,
+                workers,
+                seconds,
+            };
+            let report = controller_load::run(&cfg)?;
             if json {
                 println!("{}", serde_json::to_string(&report)?);
             } else {

@@ -35,6 +35,11 @@ pub struct Args {
     /// TOML file with any of the settings below (flags win).
     #[arg(long, env = "WEIGHTSYNC_WORKER_CONFIG")]
     pub config: Option<PathBuf>,
+    /// End this worker (SIGTERM) when the process that started it exits (Linux
+    /// `PR_SET_PDEATHSIG`): for a sidecar started by its training rank, so that a rank killed
+    /// with `kill -9` leaves no orphan holding its rank.
+    #[arg(long, env = "WEIGHTSYNC_DIE_WITH_PARENT", value_parser = clap::builder::BoolishValueParser::new(), default_value_t = false)]
+    pub die_with_parent: bool,
     /// Settings.
     #[command(flatten)]
     pub flags: WorkerFlags,
@@ -186,6 +191,9 @@ fn split_demo(
 /// Runs `weightsync worker`.
 pub fn run(args: Args) -> anyhow::Result<()> {
     crate::logging::init("info");
+    if args.die_with_parent {
+        crate::parent_death::die_with_parent()?;
+    }
     let role: WorkerRole = args.role.parse().map_err(anyhow::Error::msg)?;
     let file = args
         .config

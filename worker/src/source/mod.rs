@@ -9,7 +9,8 @@
 //!
 //! # Layout
 //! - [`host`]: memory handed to the worker (owned, rewritable between syncs).
-//! - [`shm`]: a shared-memory file attached read-only (memmap2).
+//! - [`shm`]: a shared-memory file attached read-only (memmap2), stamped with a seqlock
+//!   generation so that a sync notices a write, a replacement or a truncation.
 //! - [`safetensors_file`]: a safetensors file whose tensors are placed at their arena offsets.
 //! - [`tensor_set`]: caller-owned tensors registered in place (an in-process trainer), read
 //!   shard by shard and written straight from where they lie when nothing needs preparing.
@@ -30,7 +31,7 @@ pub mod view;
 
 pub use host::HostSource;
 pub use safetensors_file::SafetensorsSource;
-pub use shm::ShmSource;
+pub use shm::{ShmHeader, ShmSource, ShmWriter};
 #[cfg(feature = "cuda")]
 pub use tensor_set::DeviceTensor;
 pub use tensor_set::{HostMemory, PlanTensors, SourceTensor, TensorSet};
@@ -221,6 +222,33 @@ impl SourceView for SourceMemory {
         // A GPU source has no host view; the pipeline reads it through its device stages, and
         // an empty slice makes any host read fail its own bounds check with a clear error.
         f(self.as_host().unwrap_or(&[]))
+    }
+
+    fn begin_read(&self) -> crate::error::Result<view::ReadStamp> {
+        match self {
+            SourceMemory::Shm(s) => Ok(s.begin_read()?),
+            _ => Ok(view::ReadStamp::default()),
+        }
+    }
+
+    fn end_read(&self, stamp: view::ReadStamp) -> crate::error::Result<()> {
+        match self {
+            SourceMemory::Shm(s) => Ok(s.end_read(stamp)?),
+            _ => Ok(()),
+        }
+    }
+
+    fn read_shard(
+        &self,
+        plan: &TrainerPlan,
+        shard: u32,
+        f: &mut dyn FnMut(&[u8]) -> crate::error::Result<()>,
+    ) -> crate::error::Result<()> {
+        // A file shrunk since the sync began is refused by name before its pages are touched.
+        if let SourceMemory::Shm(s) = self {
+            s.check_intact()?;
+        }
+        view::read_arena_shard(self, plan, shard, f)
     }
 
     #[cfg(feature = "cuda")]

@@ -37,6 +37,20 @@ pub trait SourceView: Send + Sync + std::fmt::Debug + 'static {
         check_source(plan, self.len())
     }
 
+    /// Before a sync reads its first byte: refuses a source that cannot be read whole now, and
+    /// returns what [`end_read`](Self::end_read) compares with (a shared-memory file's
+    /// generation). The default: nothing to check.
+    fn begin_read(&self) -> Result<ReadStamp> {
+        Ok(ReadStamp::default())
+    }
+
+    /// After a sync read its last byte: fails when the source changed since
+    /// [`begin_read`](Self::begin_read) returned `stamp` (what was read may mix two versions).
+    fn end_read(&self, stamp: ReadStamp) -> Result<()> {
+        let _ = stamp;
+        Ok(())
+    }
+
     /// Calls `f` with shard `shard`'s bytes (dense, row-major over its box).
     fn read_shard(
         &self,
@@ -44,22 +58,7 @@ pub trait SourceView: Send + Sync + std::fmt::Debug + 'static {
         shard: u32,
         f: &mut dyn FnMut(&[u8]) -> Result<()>,
     ) -> Result<()> {
-        let s = plan.shards.get(shard as usize).ok_or_else(|| {
-            WorkerError::InvalidPlan(format!("shard {shard} of {}", plan.shards.len()))
-        })?;
-        let mut result = Ok(());
-        self.read(&mut |bytes: &[u8]| {
-            let lo = s.offset as usize;
-            result = match bytes.get(lo..lo + s.bytes() as usize) {
-                Some(tensor) => f(tensor),
-                None => Err(WorkerError::SourceTooShort {
-                    what: format!("shard of {}", param_name(plan, s.param)),
-                    need: s.offset + s.bytes(),
-                    have: bytes.len() as u64,
-                }),
-            };
-        });
-        result
+        read_arena_shard(self, plan, shard, f)
     }
 
     /// The registered memory holding shard `shard` and the shard's byte offset in it, when
@@ -113,6 +112,37 @@ impl SourceView for std::sync::RwLock<Vec<u8>> {
             Err(poisoned) => f(&poisoned.into_inner()),
         }
     }
+}
+
+/// What a source was when a sync began reading it ([`SourceView::begin_read`]): a
+/// shared-memory file's seqlock generation, `None` for a source with nothing to compare.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ReadStamp(pub Option<u64>);
+
+/// Shard `shard`'s bytes of a flat arena laid out as `plan`'s shards say (the default
+/// [`SourceView::read_shard`]).
+pub fn read_arena_shard<V: SourceView + ?Sized>(
+    view: &V,
+    plan: &TrainerPlan,
+    shard: u32,
+    f: &mut dyn FnMut(&[u8]) -> Result<()>,
+) -> Result<()> {
+    let s = plan.shards.get(shard as usize).ok_or_else(|| {
+        WorkerError::InvalidPlan(format!("shard {shard} of {}", plan.shards.len()))
+    })?;
+    let mut result = Ok(());
+    view.read(&mut |bytes: &[u8]| {
+        let lo = s.offset as usize;
+        result = match bytes.get(lo..lo + s.bytes() as usize) {
+            Some(tensor) => f(tensor),
+            None => Err(WorkerError::SourceTooShort {
+                what: format!("shard of {}", param_name(plan, s.param)),
+                need: s.offset + s.bytes(),
+                have: bytes.len() as u64,
+            }),
+        };
+    });
+    result
 }
 
 /// Whether an arena of `have` bytes holds every shard the plan reads. A decoded plan is not

@@ -434,7 +434,7 @@ impl<F: FabricBackend> TrainerWorker<F> {
                 "run_sync before set_destinations".into(),
             ));
         }
-        pipeline::run(self.fabric.clone(), self.state.clone(), sync, None, cancel).await
+        self.read_source_and_run(sync, None, cancel).await
     }
 
     /// [`run_sync_until`](Self::run_sync_until) as a delta sync: the engines in `delta` get
@@ -452,14 +452,28 @@ impl<F: FabricBackend> TrainerWorker<F> {
                 "run_sync before set_destinations".into(),
             ));
         }
-        let delta = Some(delta.clone());
-        pipeline::run(self.fabric.clone(), self.state.clone(), sync, delta, cancel).await
+        self.read_source_and_run(sync, Some(delta.clone()), cancel).await
     }
 
     /// The version this trainer's bases hold (`None`: no delta can be encoded until a sync
     /// succeeds), and the bytes they take.
     pub fn delta_base(&self) -> (Option<u64>, u64) {
         (self.state.bases.version(), self.state.bases.bytes())
+    }
+
+    /// Runs the pipeline inside the source's read bracket: a source written while the sync read
+    /// it fails the sync (what was sent would mix versions).
+    async fn read_source_and_run(
+        &self,
+        sync: SyncId,
+        delta: Option<DeltaSync>,
+        cancel: impl std::future::Future<Output = ()>,
+    ) -> Result<SyncReport> {
+        let stamp = self.state.source.begin_read()?;
+        let report =
+            pipeline::run(self.fabric.clone(), self.state.clone(), sync, delta, cancel).await?;
+        self.state.source.end_read(stamp)?;
+        Ok(report)
     }
 
     /// The staging budget.
