@@ -32,6 +32,9 @@ pub struct TrainerOptions {
     pub listen: Option<String>,
     /// Worker id (default `trainer-{rank}`).
     pub worker_id: Option<String>,
+    /// TLS to the controller: this worker's certificate, key and the CA of the controller's
+    /// certificate (default: `WEIGHTSYNC_TLS_CERT`, `_KEY`, `_CA`; none: plain TCP).
+    pub tls: Option<weightsync_common::tls::TlsFiles>,
     /// The job's run its versions belong to (default 0; see [`TrainerHandle::begin_run`]).
     pub run: u64,
 }
@@ -171,6 +174,7 @@ impl TrainerHandle {
             opts.listen.as_deref(),
             id,
             opts.worker_id.as_deref(),
+            opts.tls.as_ref(),
         )?;
         let st = start(&reach)?;
         let declared = job::is_declared(&st.world, st.model_config.as_deref());

@@ -105,6 +105,20 @@ pub struct WorkerFlags {
     /// Host name to report (default: $HOSTNAME).
     #[arg(long)]
     pub host: Option<String>,
+    /// TLS to the controller: this worker's client certificate (PEM); with --tls-key and
+    /// --tls-ca, or none of the three (plain TCP, for loopback and tests).
+    #[arg(long, env = "WEIGHTSYNC_TLS_CERT")]
+    pub tls_cert: Option<PathBuf>,
+    /// TLS: the key of --tls-cert (PEM).
+    #[arg(long, env = "WEIGHTSYNC_TLS_KEY")]
+    pub tls_key: Option<PathBuf>,
+    /// TLS: the CA the controller's certificate must chain to (PEM).
+    #[arg(long, env = "WEIGHTSYNC_TLS_CA")]
+    pub tls_ca: Option<PathBuf>,
+    /// TLS: the name expected in the controller's certificate (default: the host of
+    /// --controller).
+    #[arg(long, env = "WEIGHTSYNC_TLS_SERVER_NAME")]
+    pub tls_server_name: Option<String>,
 }
 
 impl From<WorkerFlags> for WorkerSettings {
@@ -125,6 +139,10 @@ impl From<WorkerFlags> for WorkerSettings {
             land_timeout_s: f.land_timeout_s,
             reconnect_s: f.reconnect_s,
             host: f.host,
+            tls_cert: f.tls_cert,
+            tls_key: f.tls_key,
+            tls_ca: f.tls_ca,
+            tls_server_name: f.tls_server_name,
         }
     }
 }
