@@ -290,8 +290,14 @@ pub fn resolve_with_source(
             role_secret_variable(role)
         ))
     })?;
-    let fabric_token = fabric_secret(env, &job_token)?;
     let tls = tls_client(&s, env)?;
+    // With TLS the controller hands out the fabric key ([`crate::learn_job`]): no shared fabric
+    // token is needed.
+    let fabric_token = match fabric_secret(env, &job_token) {
+        Ok(t) => t,
+        Err(_) if tls.is_some() => job_token.clone(),
+        Err(e) => return Err(e),
+    };
     let dtype: DType = s
         .dtype
         .as_deref()

@@ -22,8 +22,9 @@ use tokio::io::{AsyncWriteExt, ReadHalf, WriteHalf};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, watch};
 use weightsync_common::protocol::{
-    ControlFrameError, DEFAULT_MAX_FRAME, Failure, FailureKind, FromWorker, PREAUTH_MAX_FRAME,
-    Registration, ToWorker, WorkerId, WorkerRole, WorldSpec, auth, read_frame, write_frame,
+    ControlFrameError, DEFAULT_MAX_FRAME, FabricKey, Failure, FailureKind, FromWorker,
+    PREAUTH_MAX_FRAME, Registration, ToWorker, WorkerId, WorkerRole, WorldSpec, auth, read_frame,
+    write_frame,
 };
 use weightsync_common::secret::Secret;
 use weightsync_common::tls::{ControlStream, TlsClient, tls_failure};
@@ -479,26 +480,69 @@ pub async fn fetch_job(
     role: WorkerRole,
     max_frame: u32,
 ) -> Result<(WorldSpec, Option<String>), AgentError> {
-    fetch_job_over(controller, None, job_token, role, max_frame).await
+    // Rank 0 of the role names the worker in an error: the job is not known yet.
+    let id = WorkerId { role, rank: 0 };
+    let job = fetch_job_over(controller, None, job_token, id, max_frame).await?;
+    Ok((job.world, job.model_config))
 }
 
-/// [`fetch_job`] over TLS when `tls` is set.
+/// [`fetch_job`] over TLS when `tls` is set, with the fabric key a controller with TLS hands
+/// out.
 pub async fn fetch_job_over(
     controller: &str,
     tls: Option<&TlsClient>,
     job_token: &Secret,
-    role: WorkerRole,
+    id: WorkerId,
     max_frame: u32,
-) -> Result<(WorldSpec, Option<String>), AgentError> {
+) -> Result<LearnedJob, AgentError> {
+    let stream = open(controller, tls, id)
+        .await?
+        .map_err(|e| AgentError::Unreachable {
+            addr: controller.to_string(),
+            last: e.to_string(),
+        })?;
+    learn(controller, stream, job_token, id, max_frame).await
+}
+
+/// [`fetch_job_over`] for an agent about to run: it waits for the controller as the agent
+/// would (up to [`AgentConfig::reconnect_for`]). What a sidecar with TLS does first, to learn
+/// the fabric key before it starts its fabric.
+pub async fn learn_job(cfg: &AgentConfig) -> Result<LearnedJob, AgentError> {
+    let stream = connect(cfg, true).await?;
+    learn(
+        &cfg.controller,
+        stream,
+        &cfg.job_token,
+        cfg.id,
+        cfg.max_frame,
+    )
+    .await
+}
+
+/// The job as the controller says it before a worker registers.
+#[derive(Debug, Clone)]
+pub struct LearnedJob {
+    /// The job.
+    pub world: WorldSpec,
+    /// The model's `config.json` text, when the controller read one.
+    pub model_config: Option<String>,
+    /// The fabric key, from a controller with TLS (see [`FabricKey`]).
+    pub fabric_key: Option<FabricKey>,
+}
+
+/// Challenge, proof, the job (checking the controller's answer), then the connection closes.
+async fn learn(
+    controller: &str,
+    stream: ControlStream,
+    job_token: &Secret,
+    id: WorkerId,
+    max_frame: u32,
+) -> Result<LearnedJob, AgentError> {
+    let role = id.role;
     let unreachable = |e: &dyn std::fmt::Display| AgentError::Unreachable {
         addr: controller.to_string(),
         last: e.to_string(),
     };
-    // Rank 0 of the role names the worker in a TLS error: the job is not known yet.
-    let id = WorkerId { role, rank: 0 };
-    let stream = open(controller, tls, id)
-        .await?
-        .map_err(|e| unreachable(&e))?;
     let (mut rd, mut wr) = tokio::io::split(stream);
     let tls_or = |e: ControlFrameError| match &e {
         ControlFrameError::Io(io) => match tls_failure(io) {
@@ -534,9 +578,14 @@ pub async fn fetch_job_over(
             world,
             model_config,
             proof,
+            fabric_key,
         })) => {
             if auth::check_answer(job_token.expose(), role, &mine, &nonce, &proof) {
-                Ok((world, model_config))
+                Ok(LearnedJob {
+                    world,
+                    model_config,
+                    fabric_key,
+                })
             } else {
                 Err(AgentError::Protocol(format!(
                     "the controller at {controller} did not prove it holds the {role} secret \
@@ -553,7 +602,7 @@ pub async fn fetch_job_over(
         Ok(Some(other)) => Err(AgentError::Protocol(format!(
             "expected the job, got {other:?}"
         ))),
-        Err(e) => Err(unreachable(&e)),
+        Err(e) => Err(tls_or(e)),
     }
 }
 

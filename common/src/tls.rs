@@ -182,6 +182,8 @@ pub struct TlsServer {
     control: TlsAcceptor,
     http: TlsAcceptor,
     files: TlsFiles,
+    /// BLAKE3 of the controller's private key: what [`TlsServer::fabric_key`] derives from.
+    key_digest: [u8; 32],
 }
 
 impl std::fmt::Debug for TlsServer {
@@ -197,6 +199,7 @@ impl TlsServer {
     pub fn new(files: &TlsFiles) -> Result<TlsServer, TlsError> {
         let chain = files.chain()?;
         let key = files.private_key()?;
+        let key_digest = *blake3::hash(key.secret_der()).as_bytes();
         let verifier =
             WebPkiClientVerifier::builder_with_provider(Arc::new(files.roots()?), provider())
                 .build()
@@ -220,7 +223,21 @@ impl TlsServer {
             control: TlsAcceptor::from(Arc::new(config(true)?)),
             http: TlsAcceptor::from(Arc::new(http)),
             files: files.clone(),
+            key_digest,
         })
+    }
+
+    /// The fabric key of this controller's job: derived from its TLS private key and the
+    /// workers' `secrets`, so it is the same after a restart with the same files and secrets, and
+    /// no worker can compute it: each learns it over mutual TLS.
+    pub fn fabric_key(&self, secrets: &[&str]) -> [u8; 32] {
+        let mut h = blake3::Hasher::new_derive_key("weightsync fabric key delivered over TLS v1");
+        h.update(&self.key_digest);
+        for s in secrets {
+            h.update(&(s.len() as u64).to_le_bytes());
+            h.update(s.as_bytes());
+        }
+        *h.finalize().as_bytes()
     }
 
     /// Accepts a worker's TLS connection, requiring a client certificate that chains to the CA.

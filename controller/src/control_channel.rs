@@ -16,8 +16,8 @@ use tokio::io::{AsyncRead, AsyncWrite, WriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, watch};
 use weightsync_common::protocol::{
-    ControlFrameError, DEFAULT_MAX_FRAME, FromWorker, PREAUTH_MAX_FRAME, Registration, ToWorker,
-    WorkerRole, auth, read_frame, write_frame,
+    ControlFrameError, DEFAULT_MAX_FRAME, FabricKey, FromWorker, PREAUTH_MAX_FRAME, Registration,
+    ToWorker, WorkerRole, auth, read_frame, write_frame,
 };
 use weightsync_common::tls::ControlStream;
 
@@ -292,6 +292,9 @@ where
             &worker_nonce,
             &nonce,
         ),
+        fabric_key: cfg.tls.as_ref().map(|tls| {
+            FabricKey(tls.fabric_key(&[cfg.secrets.trainer.expose(), cfg.secrets.rollout.expose()]))
+        }),
     };
     write_frame(wr, &job, max).await?;
     match read_frame::<_, FromWorker>(rd, max).await? {

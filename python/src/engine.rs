@@ -8,7 +8,7 @@ use weightsync_agent::embed::{
     DstTensor, EngineHandle, EngineOptions, EngineState, EngineStatus, Hook, Stage,
 };
 
-use crate::errors::embed_error;
+use crate::errors::{embed_error, tls_files};
 use crate::foreign_tensor::Access;
 use crate::records::{PlannedTensor, Registered, State};
 use crate::tensor_list::{self, Entry};
@@ -55,7 +55,11 @@ fn hook(callable: Py<PyAny>) -> Hook {
 #[pymethods]
 impl EngineCore {
     #[new]
-    #[pyo3(signature = (controller, rank, job_token = None, listen = None, worker_id = None))]
+    #[pyo3(signature = (
+        controller, rank, job_token = None, listen = None, worker_id = None,
+        tls_cert = None, tls_key = None, tls_ca = None,
+    ))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         controller: String,
@@ -63,11 +67,16 @@ impl EngineCore {
         job_token: Option<String>,
         listen: Option<String>,
         worker_id: Option<String>,
+        tls_cert: Option<std::path::PathBuf>,
+        tls_key: Option<std::path::PathBuf>,
+        tls_ca: Option<std::path::PathBuf>,
     ) -> PyResult<Self> {
+        let tls = tls_files(tls_cert, tls_key, tls_ca)?;
         let opts = EngineOptions {
             job_token: job_token.map(Into::into),
             listen,
             worker_id,
+            tls,
             ..EngineOptions::new(controller, rank)
         };
         let inner = py

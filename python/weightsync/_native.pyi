@@ -1,5 +1,6 @@
 """Stubs of the native module (Rust, PyO3). Use the public classes of :mod:`weightsync`."""
 
+import os
 from collections.abc import Callable, Sequence
 
 POLL_SECONDS: float
@@ -112,6 +113,9 @@ class ControllerCore:
         heartbeat_timeout: float = 5.0,
         sync_timeout: float = 300.0,
         history: int = 200,
+        tls_cert: str | os.PathLike[str] | None = None,
+        tls_key: str | os.PathLike[str] | None = None,
+        tls_ca: str | os.PathLike[str] | None = None,
     ) -> None: ...
     @property
     def control_address(self) -> str: ...
@@ -121,6 +125,8 @@ class ControllerCore:
     def trainers(self) -> int: ...
     @property
     def rollouts(self) -> int: ...
+    @property
+    def tls(self) -> bool: ...
     def is_running(self) -> bool: ...
     def close(self) -> None: ...
 
@@ -133,6 +139,9 @@ class TrainerCore:
         listen: str | None = None,
         worker_id: str | None = None,
         run: int = 0,
+        tls_cert: str | os.PathLike[str] | None = None,
+        tls_key: str | os.PathLike[str] | None = None,
+        tls_ca: str | os.PathLike[str] | None = None,
     ) -> None: ...
     @property
     def worker_id(self) -> str: ...
@@ -163,6 +172,9 @@ class EngineCore:
         job_token: str | None = None,
         listen: str | None = None,
         worker_id: str | None = None,
+        tls_cert: str | os.PathLike[str] | None = None,
+        tls_key: str | os.PathLike[str] | None = None,
+        tls_ca: str | os.PathLike[str] | None = None,
     ) -> None: ...
     @property
     def worker_id(self) -> str: ...

@@ -191,3 +191,164 @@ async fn a_worker_refuses_a_controller_whose_certificate_another_ca_signed() {
     assert_eq!(registered(&ctl), 0);
     ctl.stop().await;
 }
+
+const TRAINER_SECRET: &str = "trainer-secret-0123456789";
+const ENGINE_SECRET: &str = "engine-secret-0123456789";
+
+/// A small dense Qwen3: one trainer, one engine.
+const CONFIG: &str = r#"{"model_type":"qwen3","hidden_size":128,"intermediate_size":256,
+ "num_hidden_layers":1,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":32,
+ "vocab_size":128}"#;
+
+/// A controller of a one-trainer, one-engine job with one secret per role and TLS, on a
+/// runtime of its own (the embedded workers block).
+fn serve_tls_job(
+    dir: &tempfile::TempDir,
+    tls: &TlsFiles,
+) -> (tokio::runtime::Runtime, ServedController) {
+    let path = dir.path().join("config.json");
+    std::fs::write(&path, CONFIG).unwrap();
+    let world = weightsync_common::protocol::WorldSpec {
+        model: path.to_string_lossy().into_owned(),
+        train: "fsdp=1".into(),
+        infer: "tp=1,dp=1,format=hf".into(),
+        dtype: weightsync_common::DType::BF16,
+        verify: true,
+    };
+    let mut cfg = ControllerConfig::for_job(
+        world,
+        TRAINER_SECRET.into(),
+        API_TOKEN.into(),
+        Duration::from_secs(3),
+        Duration::from_secs(30),
+        16,
+    )
+    .unwrap();
+    cfg.secrets.rollout = ENGINE_SECRET.into();
+    cfg.tls = Some(TlsServer::new(tls).unwrap());
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let ctl = rt.block_on(ServedController::start(AppState::new(
+        cfg,
+        Box::new(weightsync_controller::SchedulesPlanner),
+    )));
+    (rt, ctl)
+}
+
+/// The fabric is bound to TLS: trainer and engine hold different role secrets and no fabric
+/// secret (without TLS each would key its lanes with its own secret and no lane would open),
+/// learn the same fabric key over mutual TLS, and a version lands byte for byte. The key is the
+/// same for both roles and for a controller restarted from the same files, and differs for
+/// another controller key; a plain controller hands out none.
+#[test]
+fn the_fabric_key_comes_over_tls_and_a_version_lands_with_per_role_secrets() {
+    use weightsync_agent::embed::{
+        DstTensor, EngineHandle, EngineOptions, SourceTensor, TrainerHandle, TrainerOptions,
+    };
+    use weightsync_tests::embed_fixture::Buffer;
+    assert!(
+        std::env::var_os("WEIGHTSYNC_FABRIC_TOKEN").is_none(),
+        "this test needs no shared fabric secret in its environment"
+    );
+    let pki = TestPki::new();
+    let dir = tempfile::tempdir().unwrap();
+    let (rt, ctl) = serve_tls_job(&dir, &pki.job.controller);
+    let control = ctl.control.to_string();
+
+    // Both roles learn the same key, over TLS only.
+    let client = TlsClient::new(&pki.job.worker, None).unwrap();
+    let key_of = |secret: &str, id: WorkerId| {
+        rt.block_on(weightsync_agent::fetch_job_over(
+            &control,
+            Some(&client),
+            &secret.into(),
+            id,
+            weightsync_agent::AGENT_MAX_FRAME,
+        ))
+        .unwrap()
+        .fabric_key
+        .expect("a controller with TLS hands out the fabric key")
+    };
+    let trainer_key = key_of(TRAINER_SECRET, WorkerId::trainer(0));
+    assert_eq!(trainer_key, key_of(ENGINE_SECRET, WorkerId::rollout(0)));
+    let secrets = [TRAINER_SECRET, ENGINE_SECRET];
+    let restarted = TlsServer::new(&pki.job.controller).unwrap();
+    assert_eq!(trainer_key.0, restarted.fabric_key(&secrets));
+    let other = TlsServer::new(&pki.other.controller).unwrap();
+    assert_ne!(trainer_key.0, other.fabric_key(&secrets));
+
+    let engine = EngineHandle::connect(EngineOptions {
+        job_token: Some(ENGINE_SECRET.into()),
+        tls: Some(pki.job.worker.clone()),
+        ..EngineOptions::new(&control, 0)
+    })
+    .unwrap();
+    let dst: Vec<_> = engine
+        .layout()
+        .into_iter()
+        .map(|t| {
+            let len = t.shape.iter().product::<u64>() as usize * t.dtype.size();
+            (t, Buffer::zeroed(len))
+        })
+        .collect();
+    engine
+        .register(
+            dst.iter()
+                .map(|(t, b)| DstTensor {
+                    name: t.name.clone(),
+                    dtype: t.dtype,
+                    shape: t.shape.clone(),
+                    memory: b.memory(),
+                })
+                .collect(),
+        )
+        .unwrap();
+    let trainer = TrainerHandle::connect(TrainerOptions {
+        job_token: Some(TRAINER_SECRET.into()),
+        tls: Some(pki.job.worker.clone()),
+        ..TrainerOptions::new(&control, 0)
+    })
+    .unwrap();
+    let src: Vec<_> = trainer
+        .layout()
+        .into_iter()
+        .map(|s| {
+            let n = s.shape.iter().product::<u64>() as usize;
+            let b = Buffer::zeroed(n * 2);
+            // bf16 bit patterns of small finite numbers, different for each tensor.
+            let seed = s.name.len() as u16;
+            let bytes: Vec<u8> = (0..n)
+                .flat_map(|i| (0x3c00u16 + ((i as u16).wrapping_add(seed) & 0xff)).to_le_bytes())
+                .collect();
+            b.fill(&bytes);
+            (s, b)
+        })
+        .collect();
+    trainer
+        .register(
+            src.iter()
+                .map(|(s, b)| SourceTensor {
+                    name: s.name.clone(),
+                    dtype: s.dtype,
+                    shape: s.shape.clone(),
+                    memory: b.memory(),
+                })
+                .collect(),
+        )
+        .unwrap();
+    let out = trainer
+        .push(1)
+        .unwrap()
+        .wait(Some(Duration::from_secs(20)))
+        .unwrap_or_else(|e| panic!("the push over TLS failed: {e}"));
+    assert_eq!(out.version, 1);
+    engine
+        .wait_for_version(1, Some(Duration::from_secs(20)))
+        .unwrap();
+    for (t, b) in &dst {
+        let (_, s) = src.iter().find(|(s, _)| s.name == t.name).unwrap();
+        assert!(b.read() == s.read(), "{} did not land over TLS", t.name);
+    }
+    drop(trainer);
+    drop(engine);
+    rt.block_on(ctl.stop());
+}

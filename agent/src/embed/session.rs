@@ -54,8 +54,6 @@ impl Reach {
                 .map_err(|e| refused(e.to_string()))?
                 .unwrap_or_else(|| Secret::from("")),
         };
-        let fabric_token =
-            crate::config::fabric_secret(&env, &token).map_err(|e| refused(e.to_string()))?;
         let tls = match tls {
             Some(files) => {
                 let name = env(weightsync_common::tls::SERVER_NAME_VAR).filter(|v| !v.is_empty());
@@ -64,6 +62,12 @@ impl Reach {
             None => TlsClient::from_env(&env),
         }
         .map_err(|e| refused(e.to_string()))?;
+        // With TLS the controller hands out the fabric key: no shared fabric token is needed.
+        let fabric_token = match crate::config::fabric_secret(&env, &token) {
+            Ok(t) => t,
+            Err(_) if tls.is_some() => token.clone(),
+            Err(e) => return Err(refused(e.to_string())),
+        };
         Ok(Reach {
             tls,
             controller: controller.to_string(),
@@ -113,18 +117,24 @@ pub(crate) fn start(reach: &Reach) -> Result<Started, EmbedError> {
         .enable_all()
         .build()
         .map_err(|e| reach.connect_error(format!("cannot start a runtime: {e}")))?;
-    let (world, model_config) = rt
+    let job = rt
         .block_on(fetch_job_over(
             &reach.controller,
             reach.tls.as_ref(),
             &reach.token,
-            reach.id.role,
+            reach.id,
             crate::AGENT_MAX_FRAME,
         ))
         .map_err(|e| reach.connect_error(e))?;
     crate::config::same_host_from_env().map_err(|e| reach.connect_error(e))?;
+    let mut fabric_config = reach.fabric_config();
+    if let Some(key) = &job.fabric_key {
+        // A controller with TLS hands every worker the fabric key over mutual TLS.
+        fabric_config.job_token = key.token();
+    }
+    let (world, model_config) = (job.world, job.model_config);
     let fabric = rt
-        .block_on(Fabric::start(&reach.fabric_config()))
+        .block_on(Fabric::start(&fabric_config))
         .map_err(|e| reach.connect_error(format!("cannot start the fabric: {e}")))?;
     Ok(Started {
         rt,

@@ -241,6 +241,28 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .build()
         .context("starting the async runtime")?;
     rt.block_on(async move {
+        let mut resolved = resolved;
+        let (agent, fabric) = match &mut resolved {
+            ResolvedWorker::Trainer(agent, cfg) => (&*agent, &mut cfg.fabric),
+            ResolvedWorker::Rollout(agent, cfg) => (&*agent, &mut cfg.fabric),
+        };
+        if agent.tls.is_some() {
+            // With TLS the controller hands out the fabric key: learn it before the fabric
+            // starts, so only peers that came through mutual TLS can open a lane to this one.
+            let job = weightsync_agent::learn_job(agent).await?;
+            if let Some(key) = job.fabric_key {
+                fabric.job_token = key.token();
+                tracing::info!(
+                    "{}: fabric lanes keyed by the controller over TLS (payload not encrypted)",
+                    agent.id
+                );
+            }
+        } else {
+            tracing::info!(
+                "{}: plain TCP to the controller, no TLS (for loopback and tests)",
+                agent.id
+            );
+        }
         match resolved {
             ResolvedWorker::Trainer(agent, cfg) => {
                 let id = agent.id;

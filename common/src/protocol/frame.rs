@@ -45,7 +45,9 @@ pub const MAGIC: [u8; 4] = *b"WSYC";
 /// and failures may be `superseded`, `stale` or `modified`.
 /// Also 9: one secret per role and mutual authentication: `Hello` names its role and carries a
 /// nonce of the worker's, `Job` carries the controller's answer to it.
-pub const PROTOCOL_VERSION: u16 = 9;
+/// 10: TLS binds the fabric: `Job` carries the fabric key a controller with TLS hands its workers
+/// (`FabricKey`), so that only a peer that came through mutual TLS can open a fabric lane.
+pub const PROTOCOL_VERSION: u16 = 10;
 /// Bytes in a frame header.
 pub const FRAME_HEADER_LEN: usize = 12;
 /// Default maximum body size: 256 MiB (a trainer's plan slice for a 1T-parameter model fits).
