@@ -438,6 +438,52 @@ mod tests {
         assert!(err.contains("at least 16"), "{err}");
     }
 
+    #[test]
+    fn tls_files_come_from_settings_or_env_all_three_or_none() {
+        let none = |_: &str| None;
+        assert!(
+            tls_client(&WorkerSettings::default(), &none)
+                .unwrap()
+                .is_none()
+        );
+        // The certificate from TOML, the CA from the environment, no key: named.
+        let partial = WorkerSettings {
+            tls_cert: Some("/etc/ws/worker.pem".into()),
+            ..Default::default()
+        };
+        let ca = |k: &str| (k == "WEIGHTSYNC_TLS_CA").then(|| "/etc/ws/ca.pem".to_string());
+        let err = tls_client(&partial, &ca).unwrap_err().to_string();
+        assert!(err.contains("WEIGHTSYNC_TLS_KEY"), "{err}");
+        // All three given: a missing file is named.
+        let all = WorkerSettings {
+            tls_key: Some("/etc/ws/worker-key.pem".into()),
+            ..partial
+        };
+        let err = tls_client(&all, &ca).unwrap_err().to_string();
+        assert!(err.contains("/etc/ws/"), "{err}");
+        // With TLS, per-role secrets need no fabric secret (the controller hands out the key).
+        let env = |k: &str| match k {
+            "WEIGHTSYNC_TRAINER_TOKEN" => Some("trainer-token-0123456789".to_string()),
+            _ => None,
+        };
+        let plain = resolve(
+            WorkerRole::Trainer,
+            WorkerSettings {
+                rank: Some(0),
+                ..flags()
+            },
+            None,
+            &env,
+            Some("trainer-token-0123456789".into()),
+        );
+        assert!(
+            plain
+                .unwrap_err()
+                .to_string()
+                .contains("WEIGHTSYNC_FABRIC_TOKEN")
+        );
+    }
+
     fn flags() -> WorkerSettings {
         WorkerSettings {
             controller: Some("127.0.0.1:7000".into()),

@@ -27,7 +27,7 @@ use weightsync_common::protocol::{
     write_frame,
 };
 use weightsync_common::secret::Secret;
-use weightsync_common::tls::{ControlStream, TlsClient, tls_failure};
+use weightsync_common::tls::{ByteStream, TlsClient, tls_failure};
 
 use crate::driver::{DriverInfo, Outcome, SyncDriver, SyncRef};
 use crate::driver_loop::{DriverCmd, drive};
@@ -295,7 +295,7 @@ async fn open(
     addr: &str,
     tls: Option<&TlsClient>,
     id: WorkerId,
-) -> Result<std::io::Result<ControlStream>, AgentError> {
+) -> Result<std::io::Result<ByteStream>, AgentError> {
     let tcp = match TcpStream::connect(addr).await {
         Ok(s) => s,
         Err(e) => return Ok(Err(e)),
@@ -330,7 +330,7 @@ fn tls_refusal(cfg: &AgentConfig, e: &ControlFrameError) -> Option<AgentError> {
     })
 }
 
-async fn connect(cfg: &AgentConfig, first: bool) -> Result<ControlStream, AgentError> {
+async fn connect(cfg: &AgentConfig, first: bool) -> Result<ByteStream, AgentError> {
     let deadline = Instant::now() + cfg.reconnect_for;
     let mut delay = Duration::from_millis(50);
     loop {
@@ -368,8 +368,8 @@ enum Next {
 async fn register(
     cfg: &AgentConfig,
     info: &DriverInfo,
-    rd: &mut ReadHalf<ControlStream>,
-    wr: &mut WriteHalf<ControlStream>,
+    rd: &mut ReadHalf<ByteStream>,
+    wr: &mut WriteHalf<ByteStream>,
 ) -> Result<Result<u64, SessionEnd>, AgentError> {
     let max = cfg.max_frame;
     let lost = |e: ControlFrameError| match tls_refusal(cfg, &e) {
@@ -533,7 +533,7 @@ pub struct LearnedJob {
 /// Challenge, proof, the job (checking the controller's answer), then the connection closes.
 async fn learn(
     controller: &str,
-    stream: ControlStream,
+    stream: ByteStream,
     job_token: &Secret,
     id: WorkerId,
     max_frame: u32,
@@ -608,7 +608,7 @@ async fn learn(
 
 /// Reads frames into a channel until the stream ends or fails (the last item says why).
 fn spawn_reader(
-    mut rd: ReadHalf<ControlStream>,
+    mut rd: ReadHalf<ByteStream>,
     max: u32,
 ) -> (ReaderTask, mpsc::Receiver<Result<ToWorker, String>>) {
     let (in_tx, in_rx) = mpsc::channel::<Result<ToWorker, String>>(256);
@@ -761,7 +761,7 @@ fn next_for(cfg: &AgentConfig, msg: ToWorker, current: &mut Option<SyncRef>, end
 async fn session(
     cfg: &AgentConfig,
     info: &DriverInfo,
-    stream: ControlStream,
+    stream: ByteStream,
     ends: &Ends<'_>,
     out_rx: &mut mpsc::Receiver<FromWorker>,
     leaving: &mut watch::Receiver<bool>,
@@ -844,7 +844,7 @@ async fn left(leaving: &mut watch::Receiver<bool>) {
 /// The embedding left: writes what is already queued (its last reports, the driver's last
 /// messages), then closes the write half so the controller reads every frame before the end.
 async fn leave(
-    wr: &mut WriteHalf<ControlStream>,
+    wr: &mut WriteHalf<ByteStream>,
     out_rx: &mut mpsc::Receiver<FromWorker>,
     max: u32,
 ) -> SessionEnd {

@@ -7,8 +7,8 @@
 //! The role secrets' challenge and proof still run inside the TLS stream: a certificate gets a
 //! peer onto the channel, the role secret decides what it may register as.
 //!
-//! [`ControlStream`] is the one stream type the control channel reads and writes, plain or TLS,
-//! so the handshake and the frame loop are written once.
+//! [`ByteStream`] is the one stream type the control channel and the HTTP server read and write,
+//! plain or TLS, so the handshake, the frame loop and the HTTP connection are written once.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -241,7 +241,7 @@ impl TlsServer {
     }
 
     /// Accepts a worker's TLS connection, requiring a client certificate that chains to the CA.
-    pub async fn accept_control(&self, tcp: TcpStream) -> std::io::Result<ControlStream> {
+    pub async fn accept_control(&self, tcp: TcpStream) -> std::io::Result<ByteStream> {
         Ok(Box::new(self.control.accept(tcp).await?))
     }
 
@@ -308,7 +308,7 @@ impl TlsClient {
     /// Runs the TLS handshake over `tcp`, connected to `addr` (`host:port`), checking the
     /// controller's certificate. The error names what failed (an unknown issuer, a name that
     /// does not match...).
-    pub async fn connect(&self, tcp: TcpStream, addr: &str) -> std::io::Result<ControlStream> {
+    pub async fn connect(&self, tcp: TcpStream, addr: &str) -> std::io::Result<ByteStream> {
         let name = match &self.server_name {
             Some(n) => n.clone(),
             None => parse_server_name(host_of(addr))
@@ -345,12 +345,12 @@ pub fn tls_failure(e: &std::io::Error) -> Option<String> {
         .map(|tls| tls.to_string())
 }
 
-/// Any byte stream the control channel runs over: plain TCP or TLS.
-pub trait ControlIo: AsyncRead + AsyncWrite + Send + Unpin {}
-impl<T: AsyncRead + AsyncWrite + Send + Unpin> ControlIo for T {}
+/// Any byte stream the control channel or the HTTP server runs over: plain TCP or TLS.
+pub trait ByteIo: AsyncRead + AsyncWrite + Send + Unpin {}
+impl<T: AsyncRead + AsyncWrite + Send + Unpin> ByteIo for T {}
 
-/// The control channel's stream, plain or TLS.
-pub type ControlStream = Box<dyn ControlIo>;
+/// A connection's stream, plain or TLS.
+pub type ByteStream = Box<dyn ByteIo>;
 
 #[cfg(test)]
 mod tests {

@@ -19,7 +19,7 @@ use weightsync_common::protocol::{
     ControlFrameError, DEFAULT_MAX_FRAME, FabricKey, FromWorker, PREAUTH_MAX_FRAME, Registration,
     ToWorker, WorkerRole, auth, read_frame, write_frame,
 };
-use weightsync_common::tls::ControlStream;
+use weightsync_common::tls::ByteStream;
 
 use crate::coordinator::{Effects, Now, Refused};
 use crate::service::{AppState, ControllerConfig, Outgoing};
@@ -172,7 +172,7 @@ async fn handle_connection(
     let deadline = tokio::time::Instant::now() + cfg.handshake_timeout;
     // TLS first (under the same deadline): a peer without a certificate the CA signed never
     // reaches the role secrets' handshake.
-    let stream: ControlStream = match &cfg.tls {
+    let stream: ByteStream = match &cfg.tls {
         None => Box::new(stream),
         Some(tls) => match tokio::time::timeout_at(deadline, tls.accept_control(stream)).await {
             Ok(Ok(s)) => s,
@@ -332,7 +332,7 @@ where
 }
 
 /// Tells the peer why it is refused (best effort) and hands the error back.
-async fn reject(wr: &mut WriteHalf<ControlStream>, e: ConnectionError) -> ConnectionError {
+async fn reject(wr: &mut WriteHalf<ByteStream>, e: ConnectionError) -> ConnectionError {
     let reason = e.to_string();
     let _ = write_frame(wr, &ToWorker::Rejected { reason }, PREAUTH_MAX_FRAME).await;
     e
@@ -346,7 +346,7 @@ const WRITE_WITHIN: Duration = Duration::from_secs(15);
 /// Writes the connection's outbox until it closes, `Shutdown` went out, or the stream fails or
 /// stalls for [`WRITE_WITHIN`].
 async fn write_outbox(
-    mut wr: WriteHalf<ControlStream>,
+    mut wr: WriteHalf<ByteStream>,
     mut outbox: mpsc::Receiver<Outgoing>,
     max: u32,
 ) {

@@ -22,7 +22,7 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
 use tokio::sync::{Semaphore, watch};
 use tower::ServiceExt;
-use weightsync_common::tls::{ControlStream, TlsServer};
+use weightsync_common::tls::{ByteStream, TlsServer};
 
 /// The bounds of the HTTP server.
 #[derive(Debug, Clone, Copy)]
@@ -87,7 +87,7 @@ pub async fn serve_http(
         tokio::spawn(async move {
             let _permit = permit;
             let _slot = IpSlot { per_ip, ip };
-            let stream: ControlStream = match tls {
+            let stream: ByteStream = match tls {
                 None => Box::new(stream),
                 Some(tls) => {
                     let accepted =
