@@ -16,6 +16,7 @@ use weightsync_common::DType;
 use weightsync_common::fabric::{FabricConfig, JobToken};
 use weightsync_common::protocol::{WorkerId, WorkerRole, WorldSpec};
 use weightsync_common::secret::Secret;
+use weightsync_common::tls::{TlsClient, TlsFiles};
 
 use crate::control::AgentConfig;
 use crate::rollout::RolloutDriverConfig;
@@ -80,6 +81,16 @@ pub struct WorkerSettings {
     pub reconnect_s: Option<u64>,
     /// Host name to report (default: $HOSTNAME).
     pub host: Option<String>,
+    /// TLS: this worker's client certificate (PEM); with `tls_key` and `tls_ca`, or none of
+    /// them (plain TCP). Default: `WEIGHTSYNC_TLS_CERT`.
+    pub tls_cert: Option<PathBuf>,
+    /// TLS: the key of `tls_cert`. Default: `WEIGHTSYNC_TLS_KEY`.
+    pub tls_key: Option<PathBuf>,
+    /// TLS: the CA the controller's certificate must chain to. Default: `WEIGHTSYNC_TLS_CA`.
+    pub tls_ca: Option<PathBuf>,
+    /// TLS: the name expected in the controller's certificate (default: the controller
+    /// address's host; `WEIGHTSYNC_TLS_SERVER_NAME`).
+    pub tls_server_name: Option<String>,
 }
 
 impl WorkerSettings {
@@ -101,6 +112,10 @@ impl WorkerSettings {
             land_timeout_s: self.land_timeout_s.or(other.land_timeout_s),
             reconnect_s: self.reconnect_s.or(other.reconnect_s),
             host: self.host.or(other.host),
+            tls_cert: self.tls_cert.or(other.tls_cert),
+            tls_key: self.tls_key.or(other.tls_key),
+            tls_ca: self.tls_ca.or(other.tls_ca),
+            tls_server_name: self.tls_server_name.or(other.tls_server_name),
         }
     }
 
@@ -164,6 +179,40 @@ pub fn fabric_secret(
         )));
     }
     Ok(control.clone())
+}
+
+/// The worker's TLS to the controller: the settings' `tls_*` files, each else its
+/// `WEIGHTSYNC_TLS_*` variable; `None` (plain TCP) when none is given; an error naming the one
+/// missing, or the file that cannot be used.
+pub fn tls_client(
+    s: &WorkerSettings,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<Option<TlsClient>, ConfigError> {
+    use weightsync_common::tls;
+    let var = |k: &str| env(k).filter(|v| !v.is_empty());
+    let err = |e: tls::TlsError| ConfigError(e.to_string());
+    let files = TlsFiles::from_parts(
+        s.tls_cert
+            .clone()
+            .or_else(|| var(tls::CERT_VAR).map(PathBuf::from)),
+        s.tls_key
+            .clone()
+            .or_else(|| var(tls::KEY_VAR).map(PathBuf::from)),
+        s.tls_ca
+            .clone()
+            .or_else(|| var(tls::CA_VAR).map(PathBuf::from)),
+    )
+    .map_err(err)?;
+    let Some(files) = files else {
+        return Ok(None);
+    };
+    let name = s
+        .tls_server_name
+        .clone()
+        .or_else(|| var(tls::SERVER_NAME_VAR));
+    TlsClient::new(&files, name.as_deref())
+        .map(Some)
+        .map_err(err)
 }
 
 /// The variable of the fabric's secret.
@@ -241,7 +290,14 @@ pub fn resolve_with_source(
             role_secret_variable(role)
         ))
     })?;
-    let fabric_token = fabric_secret(env, &job_token)?;
+    let tls = tls_client(&s, env)?;
+    // With TLS the controller hands out the fabric key ([`crate::learn_job`]): no shared fabric
+    // token is needed.
+    let fabric_token = match fabric_secret(env, &job_token) {
+        Ok(t) => t,
+        Err(_) if tls.is_some() => job_token.clone(),
+        Err(e) => return Err(e),
+    };
     let dtype: DType = s
         .dtype
         .as_deref()
@@ -298,6 +354,7 @@ pub fn resolve_with_source(
         world: world.clone(),
         reconnect_for: Duration::from_secs(s.reconnect_s.unwrap_or(60)),
         max_frame: crate::AGENT_MAX_FRAME,
+        tls,
     };
     fabric.job_token = JobToken(fabric_token.expose().to_string());
     Ok(match role {
@@ -379,6 +436,52 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("at least 16"), "{err}");
+    }
+
+    #[test]
+    fn tls_files_come_from_settings_or_env_all_three_or_none() {
+        let none = |_: &str| None;
+        assert!(
+            tls_client(&WorkerSettings::default(), &none)
+                .unwrap()
+                .is_none()
+        );
+        // The certificate from TOML, the CA from the environment, no key: named.
+        let partial = WorkerSettings {
+            tls_cert: Some("/etc/ws/worker.pem".into()),
+            ..Default::default()
+        };
+        let ca = |k: &str| (k == "WEIGHTSYNC_TLS_CA").then(|| "/etc/ws/ca.pem".to_string());
+        let err = tls_client(&partial, &ca).unwrap_err().to_string();
+        assert!(err.contains("WEIGHTSYNC_TLS_KEY"), "{err}");
+        // All three given: a missing file is named.
+        let all = WorkerSettings {
+            tls_key: Some("/etc/ws/worker-key.pem".into()),
+            ..partial
+        };
+        let err = tls_client(&all, &ca).unwrap_err().to_string();
+        assert!(err.contains("/etc/ws/"), "{err}");
+        // With TLS, per-role secrets need no fabric secret (the controller hands out the key).
+        let env = |k: &str| match k {
+            "WEIGHTSYNC_TRAINER_TOKEN" => Some("trainer-token-0123456789".to_string()),
+            _ => None,
+        };
+        let plain = resolve(
+            WorkerRole::Trainer,
+            WorkerSettings {
+                rank: Some(0),
+                ..flags()
+            },
+            None,
+            &env,
+            Some("trainer-token-0123456789".into()),
+        );
+        assert!(
+            plain
+                .unwrap_err()
+                .to_string()
+                .contains("WEIGHTSYNC_FABRIC_TOKEN")
+        );
     }
 
     fn flags() -> WorkerSettings {

@@ -18,15 +18,16 @@
 
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncWriteExt, ReadHalf, WriteHalf};
 use tokio::net::TcpStream;
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::{mpsc, watch};
 use weightsync_common::protocol::{
-    ControlFrameError, DEFAULT_MAX_FRAME, Failure, FailureKind, FromWorker, PREAUTH_MAX_FRAME,
-    Registration, ToWorker, WorkerId, WorkerRole, WorldSpec, auth, read_frame, write_frame,
+    ControlFrameError, DEFAULT_MAX_FRAME, FabricKey, Failure, FailureKind, FromWorker,
+    PREAUTH_MAX_FRAME, Registration, ToWorker, WorkerId, WorkerRole, WorldSpec, auth, read_frame,
+    write_frame,
 };
 use weightsync_common::secret::Secret;
+use weightsync_common::tls::{ByteStream, TlsClient, tls_failure};
 
 use crate::driver::{DriverInfo, Outcome, SyncDriver, SyncRef};
 use crate::driver_loop::{DriverCmd, drive};
@@ -49,6 +50,9 @@ pub struct AgentConfig {
     pub reconnect_for: Duration,
     /// Largest control frame accepted.
     pub max_frame: u32,
+    /// TLS to the controller (its certificate checked against the CA, this worker's client
+    /// certificate shown); `None`: plain TCP, for loopback and tests.
+    pub tls: Option<TlsClient>,
 }
 
 /// What an embedding (an in-process trainer or engine) exchanges with a running agent besides
@@ -134,6 +138,17 @@ pub enum AgentError {
     /// The control protocol was violated.
     #[error("control protocol: {0}")]
     Protocol(String),
+    /// TLS with the controller failed: its certificate did not check against this worker's CA,
+    /// or it refused this worker's certificate. Retrying does not help.
+    #[error("{id}: TLS with the controller at {addr} failed: {reason}")]
+    Tls {
+        /// This worker.
+        id: WorkerId,
+        /// The controller's address.
+        addr: String,
+        /// What failed, as rustls says it (an unknown issuer, an alert from the controller...).
+        reason: String,
+    },
     /// The controller runs another job than the one this worker was launched with.
     #[error("{id} states a different job than the controller's: {detail}")]
     OtherJob {
@@ -273,15 +288,54 @@ async fn run_linked<D: SyncDriver>(
     result
 }
 
-async fn connect(cfg: &AgentConfig, first: bool) -> Result<TcpStream, AgentError> {
+/// Opens the control stream to `addr`: TCP, then TLS when `tls` is set. A TLS failure (a
+/// certificate refused either way) is [`AgentError::Tls`]; other failures are I/O errors, worth
+/// retrying.
+async fn open(
+    addr: &str,
+    tls: Option<&TlsClient>,
+    id: WorkerId,
+) -> Result<std::io::Result<ByteStream>, AgentError> {
+    let tcp = match TcpStream::connect(addr).await {
+        Ok(s) => s,
+        Err(e) => return Ok(Err(e)),
+    };
+    let _ = tcp.set_nodelay(true);
+    let Some(tls) = tls else {
+        return Ok(Ok(Box::new(tcp)));
+    };
+    match tls.connect(tcp, addr).await {
+        Ok(s) => Ok(Ok(s)),
+        Err(e) => match tls_failure(&e) {
+            Some(reason) => Err(AgentError::Tls {
+                id,
+                addr: addr.to_string(),
+                reason,
+            }),
+            None => Ok(Err(e)),
+        },
+    }
+}
+
+/// [`AgentError::Tls`] when a control-channel error is a TLS failure (with TLS 1.3 the
+/// controller's refusal of this worker's certificate arrives as an alert on the first read).
+fn tls_refusal(cfg: &AgentConfig, e: &ControlFrameError) -> Option<AgentError> {
+    let ControlFrameError::Io(io) = e else {
+        return None;
+    };
+    tls_failure(io).map(|reason| AgentError::Tls {
+        id: cfg.id,
+        addr: cfg.controller.clone(),
+        reason,
+    })
+}
+
+async fn connect(cfg: &AgentConfig, first: bool) -> Result<ByteStream, AgentError> {
     let deadline = Instant::now() + cfg.reconnect_for;
     let mut delay = Duration::from_millis(50);
     loop {
-        match TcpStream::connect(&cfg.controller).await {
-            Ok(s) => {
-                let _ = s.set_nodelay(true);
-                return Ok(s);
-            }
+        match open(&cfg.controller, cfg.tls.as_ref(), cfg.id).await? {
+            Ok(s) => return Ok(s),
             Err(e) => {
                 if Instant::now() >= deadline {
                     return Err(AgentError::Unreachable {
@@ -314,11 +368,14 @@ enum Next {
 async fn register(
     cfg: &AgentConfig,
     info: &DriverInfo,
-    rd: &mut OwnedReadHalf,
-    wr: &mut OwnedWriteHalf,
+    rd: &mut ReadHalf<ByteStream>,
+    wr: &mut WriteHalf<ByteStream>,
 ) -> Result<Result<u64, SessionEnd>, AgentError> {
     let max = cfg.max_frame;
-    let lost = |e: ControlFrameError| Ok(Err(SessionEnd::Lost(e.to_string())));
+    let lost = |e: ControlFrameError| match tls_refusal(cfg, &e) {
+        Some(refused) => Err(refused),
+        None => Ok(Err(SessionEnd::Lost(e.to_string()))),
+    };
     let nonce = match read_frame::<_, ToWorker>(rd, PREAUTH_MAX_FRAME).await {
         Ok(Some(ToWorker::Challenge { nonce })) => nonce,
         Ok(Some(other)) => {
@@ -423,15 +480,81 @@ pub async fn fetch_job(
     role: WorkerRole,
     max_frame: u32,
 ) -> Result<(WorldSpec, Option<String>), AgentError> {
+    // Rank 0 of the role names the worker in an error: the job is not known yet.
+    let id = WorkerId { role, rank: 0 };
+    let job = fetch_job_over(controller, None, job_token, id, max_frame).await?;
+    Ok((job.world, job.model_config))
+}
+
+/// [`fetch_job`] over TLS when `tls` is set, with the fabric key a controller with TLS hands
+/// out.
+pub async fn fetch_job_over(
+    controller: &str,
+    tls: Option<&TlsClient>,
+    job_token: &Secret,
+    id: WorkerId,
+    max_frame: u32,
+) -> Result<LearnedJob, AgentError> {
+    let stream = open(controller, tls, id)
+        .await?
+        .map_err(|e| AgentError::Unreachable {
+            addr: controller.to_string(),
+            last: e.to_string(),
+        })?;
+    learn(controller, stream, job_token, id, max_frame).await
+}
+
+/// [`fetch_job_over`] for an agent about to run: it waits for the controller as the agent
+/// would (up to [`AgentConfig::reconnect_for`]). What a sidecar with TLS does first, to learn
+/// the fabric key before it starts its fabric.
+pub async fn learn_job(cfg: &AgentConfig) -> Result<LearnedJob, AgentError> {
+    let stream = connect(cfg, true).await?;
+    learn(
+        &cfg.controller,
+        stream,
+        &cfg.job_token,
+        cfg.id,
+        cfg.max_frame,
+    )
+    .await
+}
+
+/// The job as the controller says it before a worker registers.
+#[derive(Debug, Clone)]
+pub struct LearnedJob {
+    /// The job.
+    pub world: WorldSpec,
+    /// The model's `config.json` text, when the controller read one.
+    pub model_config: Option<String>,
+    /// The fabric key, from a controller with TLS (see [`FabricKey`]).
+    pub fabric_key: Option<FabricKey>,
+}
+
+/// Challenge, proof, the job (checking the controller's answer), then the connection closes.
+async fn learn(
+    controller: &str,
+    stream: ByteStream,
+    job_token: &Secret,
+    id: WorkerId,
+    max_frame: u32,
+) -> Result<LearnedJob, AgentError> {
+    let role = id.role;
     let unreachable = |e: &dyn std::fmt::Display| AgentError::Unreachable {
         addr: controller.to_string(),
         last: e.to_string(),
     };
-    let stream = TcpStream::connect(controller)
-        .await
-        .map_err(|e| unreachable(&e))?;
-    let _ = stream.set_nodelay(true);
-    let (mut rd, mut wr) = stream.into_split();
+    let (mut rd, mut wr) = tokio::io::split(stream);
+    let tls_or = |e: ControlFrameError| match &e {
+        ControlFrameError::Io(io) => match tls_failure(io) {
+            Some(reason) => AgentError::Tls {
+                id,
+                addr: controller.to_string(),
+                reason,
+            },
+            None => unreachable(&e),
+        },
+        _ => unreachable(&e),
+    };
     let nonce = match read_frame::<_, ToWorker>(&mut rd, PREAUTH_MAX_FRAME).await {
         Ok(Some(ToWorker::Challenge { nonce })) => nonce,
         Ok(other) => {
@@ -439,7 +562,7 @@ pub async fn fetch_job(
                 "expected a challenge, got {other:?}"
             )));
         }
-        Err(e) => return Err(unreachable(&e)),
+        Err(e) => return Err(tls_or(e)),
     };
     let mine = auth::nonce();
     let hello = FromWorker::Hello {
@@ -455,9 +578,14 @@ pub async fn fetch_job(
             world,
             model_config,
             proof,
+            fabric_key,
         })) => {
             if auth::check_answer(job_token.expose(), role, &mine, &nonce, &proof) {
-                Ok((world, model_config))
+                Ok(LearnedJob {
+                    world,
+                    model_config,
+                    fabric_key,
+                })
             } else {
                 Err(AgentError::Protocol(format!(
                     "the controller at {controller} did not prove it holds the {role} secret \
@@ -474,18 +602,15 @@ pub async fn fetch_job(
         Ok(Some(other)) => Err(AgentError::Protocol(format!(
             "expected the job, got {other:?}"
         ))),
-        Err(e) => Err(unreachable(&e)),
+        Err(e) => Err(tls_or(e)),
     }
 }
 
 /// Reads frames into a channel until the stream ends or fails (the last item says why).
 fn spawn_reader(
-    mut rd: OwnedReadHalf,
+    mut rd: ReadHalf<ByteStream>,
     max: u32,
-) -> (
-    tokio::task::JoinHandle<()>,
-    mpsc::Receiver<Result<ToWorker, String>>,
-) {
+) -> (ReaderTask, mpsc::Receiver<Result<ToWorker, String>>) {
     let (in_tx, in_rx) = mpsc::channel::<Result<ToWorker, String>>(256);
     let reader = tokio::spawn(async move {
         loop {
@@ -500,7 +625,18 @@ fn spawn_reader(
             }
         }
     });
-    (reader, in_rx)
+    (ReaderTask(reader), in_rx)
+}
+
+/// The reader task, aborted when its session ends or is dropped (an aborted agent): it holds
+/// the stream's read half, and the connection closes only once both halves are gone, so a
+/// reader left running would keep a dead agent's connection open.
+struct ReaderTask(tokio::task::JoinHandle<()>);
+
+impl Drop for ReaderTask {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 /// Where a session hands what it reads: the driver loop's commands, the abort signal that
@@ -630,14 +766,14 @@ fn next_for(cfg: &AgentConfig, msg: ToWorker, current: &mut Option<SyncRef>, end
 async fn session(
     cfg: &AgentConfig,
     info: &DriverInfo,
-    stream: TcpStream,
+    stream: ByteStream,
     ends: &Ends<'_>,
     out_rx: &mut mpsc::Receiver<FromWorker>,
     leaving: &mut watch::Receiver<bool>,
     current: &mut Option<SyncRef>,
 ) -> Result<SessionEnd, AgentError> {
     let max = cfg.max_frame;
-    let (mut rd, mut wr) = stream.into_split();
+    let (mut rd, mut wr) = tokio::io::split(stream);
     let heartbeat_ms = match register(cfg, info, &mut rd, &mut wr).await? {
         Ok(ms) => ms,
         Err(end) => return Ok(end),
@@ -697,7 +833,7 @@ async fn session(
             }
         }
     };
-    reader.abort();
+    drop(reader);
     Ok(end)
 }
 
@@ -713,7 +849,7 @@ async fn left(leaving: &mut watch::Receiver<bool>) {
 /// The embedding left: writes what is already queued (its last reports, the driver's last
 /// messages), then closes the write half so the controller reads every frame before the end.
 async fn leave(
-    wr: &mut OwnedWriteHalf,
+    wr: &mut WriteHalf<ByteStream>,
     out_rx: &mut mpsc::Receiver<FromWorker>,
     max: u32,
 ) -> SessionEnd {

@@ -44,8 +44,8 @@ mod source;
 pub mod trainer;
 
 pub use control::{
-    AGENT_MAX_FRAME, AgentConfig, AgentError, AgentEvent, AgentLink, fetch_job, run_agent,
-    run_agent_with,
+    AGENT_MAX_FRAME, AgentConfig, AgentError, AgentEvent, AgentLink, LearnedJob, fetch_job,
+    fetch_job_over, learn_job, run_agent, run_agent_with,
 };
 pub use driver::{Accepted, DriverError, DriverInfo, Outcome, SyncDriver, SyncRef};
 pub use weightsync_common::protocol::FailureKind;

@@ -10,6 +10,7 @@
 //! - [`protocol`]: the control-channel messages between workers and the controller, and their
 //!   length-prefixed bincode framing.
 //! - [`secret`]: the [`secret::Secret`] type (never printed) and reading secrets from env or file.
+//! - [`tls`]: mutual TLS (rustls) for the control channel and the HTTP API, from PEM files.
 //! - [`open_files`]: raising the open-file limit at start (every connection is a descriptor).
 #![deny(missing_docs)]
 
@@ -20,6 +21,7 @@ pub mod open_files;
 pub mod program;
 pub mod protocol;
 pub mod secret;
+pub mod tls;
 
 pub use dtype::DType;
 pub use fp8_recipe::Fp8Recipe;

@@ -8,9 +8,9 @@
 
 use weightsync_common::DType;
 use weightsync_common::protocol::{
-    Assignment, Blob, DEFAULT_MAX_FRAME, Failure, FailureKind, Fault, FromWorker, PeerInfo,
-    Registration, RunChecksum, Stage, TensorMeta, TimeSplit, TimelineEvent, ToWorker, WHOLE_SYNC,
-    WorkerId, WorkerReport, WorkerRole, WorldSpec, decode_frame, encode_frame,
+    Assignment, Blob, DEFAULT_MAX_FRAME, FabricKey, Failure, FailureKind, Fault, FromWorker,
+    PeerInfo, Registration, RunChecksum, Stage, TensorMeta, TimeSplit, TimelineEvent, ToWorker,
+    WHOLE_SYNC, WorkerId, WorkerReport, WorkerRole, WorldSpec, decode_frame, encode_frame,
 };
 
 fn world() -> WorldSpec {
@@ -275,6 +275,7 @@ fn to_worker() -> Vec<ToWorker> {
             world: world(),
             model_config: Some("{\"hidden_size\": 128}".into()),
             proof: [6; 32],
+            fabric_key: Some(FabricKey([7; 32])),
         },
         ToWorker::Verify {
             sync_id,

@@ -12,14 +12,14 @@ use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::io::{AsyncRead, AsyncWrite};
-use tokio::net::tcp::OwnedWriteHalf;
+use tokio::io::{AsyncRead, AsyncWrite, WriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, watch};
 use weightsync_common::protocol::{
-    ControlFrameError, DEFAULT_MAX_FRAME, FromWorker, PREAUTH_MAX_FRAME, Registration, ToWorker,
-    WorkerRole, auth, read_frame, write_frame,
+    ControlFrameError, DEFAULT_MAX_FRAME, FabricKey, FromWorker, PREAUTH_MAX_FRAME, Registration,
+    ToWorker, WorkerRole, auth, read_frame, write_frame,
 };
+use weightsync_common::tls::ByteStream;
 
 use crate::coordinator::{Effects, Now, Refused};
 use crate::service::{AppState, ControllerConfig, Outgoing};
@@ -72,8 +72,12 @@ pub async fn serve_control(
                 };
                 let state = state.clone();
                 tokio::spawn(async move {
-                    if let Err(e) = handle_connection(stream, state, (preauth, ip_slot)).await {
-                        tracing::info!(%peer, "control connection ended: {e}");
+                    match handle_connection(stream, state, (preauth, ip_slot)).await {
+                        Err(e @ ConnectionError::Tls(_)) => {
+                            tracing::warn!(%peer, "refused a control connection: {e}");
+                        }
+                        Err(e) => tracing::info!(%peer, "control connection ended: {e}"),
+                        Ok(()) => {}
                     }
                     drop(permit);
                 });
@@ -122,6 +126,9 @@ impl Drop for IpSlot {
 /// Why a control connection ended before or instead of joining the world.
 #[derive(Debug, thiserror::Error)]
 enum ConnectionError {
+    /// The TLS handshake failed: no client certificate, or one the CA did not sign.
+    #[error("TLS handshake refused: {0}")]
+    Tls(String),
     /// The stream failed or carried garbage.
     #[error(transparent)]
     Frame(#[from] ControlFrameError),
@@ -143,6 +150,7 @@ impl ConnectionError {
     /// The metric label of this refusal.
     fn reason(&self) -> &'static str {
         match self {
+            ConnectionError::Tls(_) => "tls",
             ConnectionError::Frame(_) | ConnectionError::Handshake(_) => "auth",
             ConnectionError::Role(_) => "role",
             ConnectionError::Refused(_) => "registration",
@@ -161,8 +169,25 @@ async fn handle_connection(
     let _ = stream.set_nodelay(true);
     let cfg = state.config().clone();
     let max = cfg.max_frame.min(DEFAULT_MAX_FRAME);
-    let (mut rd, mut wr) = stream.into_split();
-    let handshake = tokio::time::timeout(cfg.handshake_timeout, handshake(&mut rd, &mut wr, &cfg));
+    let deadline = tokio::time::Instant::now() + cfg.handshake_timeout;
+    // TLS first (under the same deadline): a peer without a certificate the CA signed never
+    // reaches the role secrets' handshake.
+    let stream: ByteStream = match &cfg.tls {
+        None => Box::new(stream),
+        Some(tls) => match tokio::time::timeout_at(deadline, tls.accept_control(stream)).await {
+            Ok(Ok(s)) => s,
+            Ok(Err(e)) => {
+                state.metrics().refused("tls");
+                return Err(ConnectionError::Tls(e.to_string()));
+            }
+            Err(_) => {
+                state.metrics().refused("timeout");
+                return Err(ConnectionError::Tls("handshake timed out".into()));
+            }
+        },
+    };
+    let (mut rd, mut wr) = tokio::io::split(stream);
+    let handshake = tokio::time::timeout_at(deadline, handshake(&mut rd, &mut wr, &cfg));
     let handshake = handshake.await;
     drop(preauth);
     let reg = match handshake {
@@ -267,6 +292,9 @@ where
             &worker_nonce,
             &nonce,
         ),
+        fabric_key: cfg.tls.as_ref().map(|tls| {
+            FabricKey(tls.fabric_key(&[cfg.secrets.trainer.expose(), cfg.secrets.rollout.expose()]))
+        }),
     };
     write_frame(wr, &job, max).await?;
     match read_frame::<_, FromWorker>(rd, max).await? {
@@ -304,7 +332,7 @@ where
 }
 
 /// Tells the peer why it is refused (best effort) and hands the error back.
-async fn reject(wr: &mut OwnedWriteHalf, e: ConnectionError) -> ConnectionError {
+async fn reject(wr: &mut WriteHalf<ByteStream>, e: ConnectionError) -> ConnectionError {
     let reason = e.to_string();
     let _ = write_frame(wr, &ToWorker::Rejected { reason }, PREAUTH_MAX_FRAME).await;
     e
@@ -317,7 +345,11 @@ const WRITE_WITHIN: Duration = Duration::from_secs(15);
 
 /// Writes the connection's outbox until it closes, `Shutdown` went out, or the stream fails or
 /// stalls for [`WRITE_WITHIN`].
-async fn write_outbox(mut wr: OwnedWriteHalf, mut outbox: mpsc::Receiver<Outgoing>, max: u32) {
+async fn write_outbox(
+    mut wr: WriteHalf<ByteStream>,
+    mut outbox: mpsc::Receiver<Outgoing>,
+    max: u32,
+) {
     while let Some(out) = outbox.recv().await {
         match out {
             Outgoing::Msg(m) => {

@@ -6,6 +6,10 @@
 //! [`HttpLimits::header_timeout`] (also the idle time allowed between keep-alive requests), and
 //! at most [`HttpLimits::max_connections`] are open at once, [`HttpLimits::max_per_ip`] from
 //! one address; a connection over a cap is closed at accept.
+//!
+//! With TLS ([`weightsync_common::tls::TlsServer`]) each connection first completes a TLS
+//! handshake (within the header timeout; no client certificate is asked for: the API's bearer
+//! tokens authenticate its callers); a client speaking plain HTTP to that port gets no answer.
 
 use std::collections::HashMap;
 use std::net::IpAddr;
@@ -18,6 +22,7 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
 use tokio::sync::{Semaphore, watch};
 use tower::ServiceExt;
+use weightsync_common::tls::{ByteStream, TlsServer};
 
 /// The bounds of the HTTP server.
 #[derive(Debug, Clone, Copy)]
@@ -46,6 +51,7 @@ pub async fn serve_http(
     listener: TcpListener,
     app: Router,
     limits: HttpLimits,
+    tls: Option<TlsServer>,
     mut stop: watch::Receiver<bool>,
 ) {
     let all = Arc::new(Semaphore::new(limits.max_connections.max(1)));
@@ -77,7 +83,28 @@ pub async fn serve_http(
             *n += 1;
         }
         let (app, per_ip, mut stop) = (app.clone(), per_ip.clone(), stop.clone());
+        let tls = tls.clone();
         tokio::spawn(async move {
+            let _permit = permit;
+            let _slot = IpSlot { per_ip, ip };
+            let stream: ByteStream = match tls {
+                None => Box::new(stream),
+                Some(tls) => {
+                    let accepted =
+                        tokio::time::timeout(limits.header_timeout, tls.accept_http(stream));
+                    match accepted.await {
+                        Ok(Ok(s)) => Box::new(s),
+                        Ok(Err(e)) => {
+                            tracing::debug!(%peer, "HTTP TLS handshake failed: {e}");
+                            return;
+                        }
+                        Err(_) => {
+                            tracing::debug!(%peer, "HTTP TLS handshake timed out");
+                            return;
+                        }
+                    }
+                }
+            };
             let service = hyper::service::service_fn(move |req: hyper::Request<Incoming>| {
                 app.clone().oneshot(req.map(axum::body::Body::new))
             });
@@ -98,14 +125,25 @@ pub async fn serve_http(
             if let Err(e) = ended {
                 tracing::debug!(%peer, "HTTP connection ended: {e}");
             }
-            drop(permit);
-            let mut m = per_ip.lock();
-            if let Some(n) = m.get_mut(&ip) {
-                *n -= 1;
-                if *n == 0 {
-                    m.remove(&ip);
-                }
-            }
         });
+    }
+}
+
+/// One connection's place in the per-address count, given back on drop (also when its TLS
+/// handshake fails).
+struct IpSlot {
+    per_ip: Arc<parking_lot::Mutex<HashMap<IpAddr, usize>>>,
+    ip: IpAddr,
+}
+
+impl Drop for IpSlot {
+    fn drop(&mut self) {
+        let mut m = self.per_ip.lock();
+        if let Some(n) = m.get_mut(&self.ip) {
+            *n -= 1;
+            if *n == 0 {
+                m.remove(&self.ip);
+            }
+        }
     }
 }

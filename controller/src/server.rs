@@ -21,6 +21,28 @@ pub async fn run(
     state: AppState,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
+    let tls = state.config().tls.clone();
+    match &tls {
+        Some(t) => tracing::info!(
+            "control channel and HTTP API over TLS: certificate {}, workers' client certificates \
+             checked against {}",
+            t.files().cert.display(),
+            t.files().ca.display()
+        ),
+        None => {
+            let loopback = control.local_addr().is_ok_and(|a| a.ip().is_loopback())
+                && http.local_addr().is_ok_and(|a| a.ip().is_loopback());
+            let note = "plain TCP, no TLS (for loopback and tests): the control channel and the \
+                        HTTP API's bearer tokens travel in clear";
+            if loopback {
+                tracing::info!("{note}");
+            } else {
+                tracing::warn!(
+                    "{note}, on a non-loopback address; give --tls-cert/--tls-key/--tls-ca"
+                );
+            }
+        }
+    }
     let (stop_tx, stop_rx) = watch::channel(false);
     let control_task = tokio::spawn(serve_control(control, state.clone(), stop_rx.clone()));
     let tick_task = tokio::spawn(tick(state.clone(), stop_rx.clone()));
@@ -29,6 +51,7 @@ pub async fn run(
         http,
         app,
         state.config().http_limits,
+        tls,
         stop_rx.clone(),
     ));
     shutdown.await;

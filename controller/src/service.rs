@@ -57,6 +57,9 @@ pub struct ControllerConfig {
     /// Where the controller keeps what must survive its own crash (run, last committed
     /// version, next sync id, incarnation); `None`: nothing survives a restart.
     pub state_file: Option<std::path::PathBuf>,
+    /// TLS on the control channel (client certificates required) and the HTTP API; `None`:
+    /// plain TCP, for loopback and tests (the controller says so at start).
+    pub tls: Option<weightsync_common::tls::TlsServer>,
 }
 
 impl ControllerConfig {
@@ -116,6 +119,7 @@ impl ControllerConfig {
             delta_syncs: false,
             model_config: None,
             state_file: None,
+            tls: None,
         }
     }
 }

@@ -19,6 +19,7 @@ use pyo3::prelude::*;
 use tokio::sync::oneshot;
 use weightsync_common::DType;
 use weightsync_common::protocol::WorldSpec;
+use weightsync_common::tls::{TlsFiles, TlsServer};
 use weightsync_controller::{AppState, ControllerConfig, ControllerSecrets, SchedulesPlanner};
 
 use crate::errors::raise;
@@ -33,6 +34,7 @@ pub(crate) struct ControllerCore {
     http: SocketAddr,
     trainers: u32,
     rollouts: u32,
+    tls: bool,
     running: Mutex<Option<Running>>,
 }
 
@@ -70,6 +72,7 @@ impl ControllerCore {
         model, train, infer, job_token, api_token, dtype = "bf16", http = "127.0.0.1:0",
         control = "127.0.0.1:0", verify = true, heartbeat_timeout = 5.0, sync_timeout = 300.0,
         history = 200, trainer_token = None, engine_token = None, read_token = None,
+        tls_cert = None, tls_key = None, tls_ca = None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -89,6 +92,9 @@ impl ControllerCore {
         trainer_token: Option<String>,
         engine_token: Option<String>,
         read_token: Option<String>,
+        tls_cert: Option<std::path::PathBuf>,
+        tls_key: Option<std::path::PathBuf>,
+        tls_ca: Option<std::path::PathBuf>,
     ) -> PyResult<Self> {
         let seconds = |name: &str, v: f64| {
             Duration::try_from_secs_f64(v)
@@ -142,6 +148,11 @@ impl ControllerCore {
             )
         })?;
         cfg.secrets = secrets;
+        // TLS on the control channel (workers' certificates checked against `tls_ca`) and HTTP.
+        cfg.tls = TlsFiles::from_parts(tls_cert, tls_key, tls_ca)
+            .and_then(|files| files.map(|f| TlsServer::new(&f)).transpose())
+            .map_err(|e| controller_error(py, e.to_string(), None))?;
+        let tls = cfg.tls.is_some();
         let control_listener = bind(py, "control", control)?;
         let http_listener = bind(py, "HTTP", http)?;
         let addr = |l: &TcpListener, what: &str, given: &str| {
@@ -182,6 +193,7 @@ impl ControllerCore {
             http: http_addr,
             trainers,
             rollouts,
+            tls,
             running: Mutex::new(Some(Running { stop, thread })),
         })
     }
@@ -196,6 +208,12 @@ impl ControllerCore {
     #[getter]
     fn http_address(&self) -> String {
         self.http.to_string()
+    }
+
+    /// Whether the control channel and the HTTP API are served over TLS.
+    #[getter]
+    fn tls(&self) -> bool {
+        self.tls
     }
 
     /// Training ranks the job expects.

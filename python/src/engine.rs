@@ -8,7 +8,7 @@ use weightsync_agent::embed::{
     DstTensor, EmbedError, EngineHandle, EngineOptions, EngineState, EngineStatus, Hook, Stage,
 };
 
-use crate::errors::embed_error;
+use crate::errors::{embed_error, tls_files};
 use crate::foreign_tensor::Access;
 use crate::records::{PlannedTensor, Registered, State};
 use crate::tensor_list::{self, Entry, Named};
@@ -120,7 +120,9 @@ impl EngineCore {
     #[new]
     #[pyo3(signature = (
         controller, rank, job_token = None, listen = None, worker_id = None, fabric_token = None,
+        tls_cert = None, tls_key = None, tls_ca = None,
     ))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         controller: String,
@@ -129,12 +131,17 @@ impl EngineCore {
         listen: Option<String>,
         worker_id: Option<String>,
         fabric_token: Option<String>,
+        tls_cert: Option<std::path::PathBuf>,
+        tls_key: Option<std::path::PathBuf>,
+        tls_ca: Option<std::path::PathBuf>,
     ) -> PyResult<Self> {
+        let tls = tls_files(tls_cert, tls_key, tls_ca)?;
         let opts = EngineOptions {
             job_token: job_token.map(Into::into),
             fabric_token: fabric_token.map(Into::into),
             listen,
             worker_id,
+            tls,
             ..EngineOptions::new(controller, rank)
         };
         let inner = py

@@ -132,3 +132,14 @@ pub(crate) fn embed_error(py: Python<'_>, e: EmbedError) -> PyErr {
         _ => raise(py, "SyncError", message, &[]),
     }
 }
+
+/// The TLS files of a worker's `tls_cert=`, `tls_key=`, `tls_ca=` (all three or none; none:
+/// the `WEIGHTSYNC_TLS_*` variables, else plain TCP); a `ValueError` names the one missing.
+pub(crate) fn tls_files(
+    cert: Option<std::path::PathBuf>,
+    key: Option<std::path::PathBuf>,
+    ca: Option<std::path::PathBuf>,
+) -> PyResult<Option<weightsync_common::tls::TlsFiles>> {
+    weightsync_common::tls::TlsFiles::from_parts(cert, key, ca)
+        .map_err(|e| PyValueError::new_err(e.to_string()))
+}

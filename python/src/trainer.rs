@@ -10,7 +10,7 @@ use weightsync_agent::embed::{
 };
 use weightsync_agent::trainer::WriteCheck;
 
-use crate::errors::embed_error;
+use crate::errors::{embed_error, tls_files};
 use crate::foreign_tensor::Access;
 use crate::records::{Outcome, Registered, Shard};
 use crate::tensor_list::{self, Entry};
@@ -28,6 +28,7 @@ impl TrainerCore {
     #[pyo3(signature = (
         controller, rank, job_token = None, listen = None, worker_id = None, run = 0,
         fabric_token = None,
+        tls_cert = None, tls_key = None, tls_ca = None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -39,13 +40,18 @@ impl TrainerCore {
         worker_id: Option<String>,
         run: u64,
         fabric_token: Option<String>,
+        tls_cert: Option<std::path::PathBuf>,
+        tls_key: Option<std::path::PathBuf>,
+        tls_ca: Option<std::path::PathBuf>,
     ) -> PyResult<Self> {
+        let tls = tls_files(tls_cert, tls_key, tls_ca)?;
         let opts = TrainerOptions {
             job_token: job_token.map(Into::into),
             fabric_token: fabric_token.map(Into::into),
             listen,
             worker_id,
             run,
+            tls,
             ..TrainerOptions::new(controller, rank)
         };
         let inner = py

@@ -1,5 +1,6 @@
 """Stubs of the native module (Rust, PyO3). Use the public classes of :mod:`weightsync`."""
 
+import os
 from collections.abc import Callable, Sequence
 
 POLL_SECONDS: float
@@ -115,6 +116,9 @@ class ControllerCore:
         trainer_token: str | None = None,
         engine_token: str | None = None,
         read_token: str | None = None,
+        tls_cert: str | os.PathLike[str] | None = None,
+        tls_key: str | os.PathLike[str] | None = None,
+        tls_ca: str | os.PathLike[str] | None = None,
     ) -> None: ...
     @property
     def control_address(self) -> str: ...
@@ -124,6 +128,8 @@ class ControllerCore:
     def trainers(self) -> int: ...
     @property
     def rollouts(self) -> int: ...
+    @property
+    def tls(self) -> bool: ...
     def is_running(self) -> bool: ...
     def close(self) -> None: ...
 
@@ -137,6 +143,9 @@ class TrainerCore:
         worker_id: str | None = None,
         run: int = 0,
         fabric_token: str | None = None,
+        tls_cert: str | os.PathLike[str] | None = None,
+        tls_key: str | os.PathLike[str] | None = None,
+        tls_ca: str | os.PathLike[str] | None = None,
     ) -> None: ...
     @property
     def worker_id(self) -> str: ...
@@ -168,6 +177,9 @@ class EngineCore:
         listen: str | None = None,
         worker_id: str | None = None,
         fabric_token: str | None = None,
+        tls_cert: str | os.PathLike[str] | None = None,
+        tls_key: str | os.PathLike[str] | None = None,
+        tls_ca: str | os.PathLike[str] | None = None,
     ) -> None: ...
     @property
     def worker_id(self) -> str: ...

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import ssl
 import time
 import urllib.error
 import urllib.request
@@ -78,14 +79,27 @@ class Client:
         url: the API's base URL, e.g. ``http://127.0.0.1:8080``.
         token: the API token (default ``$WEIGHTSYNC_API_TOKEN``); needed to trigger syncs.
         timeout: seconds a request may take (a waiting sync counts: default one hour).
+        ca: for an ``https://`` URL, the CA certificate (PEM path) the controller's certificate
+            must chain to (default ``$WEIGHTSYNC_TLS_CA``, else the system's CAs).
     """
 
-    def __init__(self, url: str, token: str | None = None, *, timeout: float = 3600.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        token: str | None = None,
+        *,
+        timeout: float = 3600.0,
+        ca: str | os.PathLike[str] | None = None,
+    ) -> None:
         self.url = url.rstrip("/")
         if "://" not in self.url:
             self.url = "http://" + self.url
         self.token = token if token is not None else os.environ.get("WEIGHTSYNC_API_TOKEN")
         self.timeout = timeout
+        self._tls: ssl.SSLContext | None = None
+        if self.url.startswith("https://"):
+            cafile = os.fspath(ca) if ca is not None else os.environ.get("WEIGHTSYNC_TLS_CA") or None
+            self._tls = ssl.create_default_context(cafile=cafile)
 
     def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
         data = None if body is None else json.dumps(body).encode()
@@ -95,7 +109,7 @@ class Client:
         if self.token:
             req.add_header("Authorization", f"Bearer {self.token}")
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+            with urllib.request.urlopen(req, timeout=self.timeout, context=self._tls) as resp:
                 return dict(json.loads(resp.read() or b"{}"))
         except urllib.error.HTTPError as e:
             try:

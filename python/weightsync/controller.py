@@ -56,6 +56,11 @@ class Controller:
         heartbeat_timeout: seconds a worker may stay silent before its sync fails.
         sync_timeout: seconds a sync may take before it fails.
         history: syncs kept in the controller's history.
+        tls_cert, tls_key, tls_ca: serve the control channel and the HTTP API over TLS (all
+            three or none; PEM paths): the controller's certificate and key, and the CA that
+            signs the workers' client certificates (a worker without one is refused before it
+            can prove a secret). The HTTP API is then ``https://`` (:meth:`client` trusts
+            ``tls_ca`` for it). None: plain TCP, for loopback and tests (see docs/security.md).
 
     Raises:
         ControllerError: it cannot start: an address is taken or invalid (``address`` names
@@ -95,6 +100,9 @@ class Controller:
         read_token: str | None = None,
         fabric_token: str | None = None,
         role_secrets: bool = False,
+        tls_cert: str | os.PathLike[str] | None = None,
+        tls_key: str | os.PathLike[str] | None = None,
+        tls_ca: str | os.PathLike[str] | None = None,
     ) -> None:
         self.model = os.fspath(model)
         self.train = train
@@ -134,7 +142,11 @@ class Controller:
             trainer_token=self.trainer_token,
             engine_token=self.engine_token,
             read_token=self.read_token,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
+            tls_ca=tls_ca,
         )
+        self.tls_ca = None if tls_ca is None else os.fspath(tls_ca)
 
     @property
     def control_address(self) -> str:
@@ -149,8 +161,9 @@ class Controller:
 
     @property
     def http_url(self) -> str:
-        """The HTTP API's base URL, e.g. ``http://127.0.0.1:41235`` (dashboard at ``/``)."""
-        return "http://" + self._core.http_address
+        """The HTTP API's base URL, e.g. ``http://127.0.0.1:41235`` (dashboard at ``/``;
+        ``https://`` with TLS)."""
+        return ("https://" if self._core.tls else "http://") + self._core.http_address
 
     @property
     def trainers(self) -> int:
@@ -169,7 +182,7 @@ class Controller:
 
     def client(self, *, timeout: float = 3600.0) -> Client:
         """A :class:`~weightsync.Client` of this controller's HTTP API, with its API token."""
-        return Client(self.http_url, self.api_token, timeout=timeout)
+        return Client(self.http_url, self.api_token, timeout=timeout, ca=self.tls_ca)
 
     def worker_env(self, role: str | None = None) -> dict[str, str]:
         """The environment a worker process started by the ``weightsync`` CLI needs, and a

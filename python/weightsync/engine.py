@@ -120,6 +120,10 @@ class Engine:
             ``WEIGHTSYNC_SAME_HOST=false`` keeps every byte on the sockets.
         worker_id: this worker's name (default ``rollout-{rank}``).
         before_landing, after_commit: hooks (see :meth:`set_hooks`).
+        tls_cert, tls_key, tls_ca: TLS to the controller (all three or none): this worker's
+            client certificate and key, and the CA the controller's certificate must chain to
+            (PEM paths; default ``$WEIGHTSYNC_TLS_CERT``, ``_KEY``, ``_CA``; none: plain TCP).
+            With TLS the controller also hands out the fabric's key (docs/security.md).
     """
 
     def __init__(
@@ -133,10 +137,14 @@ class Engine:
         before_landing: Hook | None = None,
         after_commit: Hook | None = None,
         fabric_token: str | None = None,
+        tls_cert: str | os.PathLike[str] | None = None,
+        tls_key: str | os.PathLike[str] | None = None,
+        tls_ca: str | os.PathLike[str] | None = None,
     ) -> None:
         self._core = _native.EngineCore(
             controller, _env_rank() if rank is None else rank, job_token, listen, worker_id,
             fabric_token,
+            tls_cert=tls_cert, tls_key=tls_key, tls_ca=tls_ca,
         )
         self._registered: dict[str, int] = {}
         self._origins: dict[str, Any] = {}

@@ -148,6 +148,10 @@ class Trainer:
             a checkpoint older than the last committed version declares a newer run (here or
             with :meth:`begin_run`), after which its versions may restart below the last
             committed one; without it, such pushes fail as ``stale``.
+        tls_cert, tls_key, tls_ca: TLS to the controller (all three or none): this worker's
+            client certificate and key, and the CA the controller's certificate must chain to
+            (PEM paths; default ``$WEIGHTSYNC_TLS_CERT``, ``_KEY``, ``_CA``; none: plain TCP).
+            With TLS the controller also hands out the fabric's key (docs/security.md).
     """
 
     def __init__(
@@ -160,10 +164,14 @@ class Trainer:
         worker_id: str | None = None,
         run: int = 0,
         fabric_token: str | None = None,
+        tls_cert: str | os.PathLike[str] | None = None,
+        tls_key: str | os.PathLike[str] | None = None,
+        tls_ca: str | os.PathLike[str] | None = None,
     ) -> None:
         self._core = _native.TrainerCore(
             controller, _env_rank() if rank is None else rank, job_token, listen, worker_id, run,
             fabric_token,
+            tls_cert=tls_cert, tls_key=tls_key, tls_ca=tls_ca,
         )
         self._registered: dict[str, int] = {}
         # The registered tensors by name, for the check that none was written during a sync.

@@ -304,6 +304,7 @@ pub fn agent_config(control: SocketAddr, id: WorkerId, verify: bool) -> AgentCon
         world: world(verify),
         reconnect_for: Duration::from_secs(5),
         max_frame: weightsync_agent::AGENT_MAX_FRAME,
+        tls: None,
     }
 }
 

@@ -174,6 +174,7 @@ async fn a_worker_refuses_a_controller_that_cannot_answer_its_nonce() {
             world: world(false),
             model_config: None,
             proof: [0; 32],
+            fabric_key: None,
         };
         write_frame(&mut s, &job, DEFAULT_MAX_FRAME).await.unwrap();
         // What the worker sends next (nothing: it must not register).

@@ -37,6 +37,9 @@ pub struct EngineOptions {
     pub listen: Option<String>,
     /// Worker id (default `rollout-{rank}`).
     pub worker_id: Option<String>,
+    /// TLS to the controller: this worker's certificate, key and the CA of the controller's
+    /// certificate (default: `WEIGHTSYNC_TLS_CERT`, `_KEY`, `_CA`; none: plain TCP).
+    pub tls: Option<weightsync_common::tls::TlsFiles>,
 }
 
 impl EngineOptions {
@@ -89,6 +92,7 @@ impl EngineHandle {
             opts.listen.as_deref(),
             WorkerId::rollout(opts.rank),
             opts.worker_id.as_deref(),
+            opts.tls.as_ref(),
         )?;
         let st = start(&reach)?;
         let declared = job::is_declared(&st.world, st.model_config.as_deref());

@@ -14,8 +14,9 @@ use weightsync_common::protocol::{Failure, FromWorker, WorkerId, WorldSpec};
 
 use super::EmbedError;
 use weightsync_common::secret::Secret;
+use weightsync_common::tls::{TlsClient, TlsFiles};
 
-use crate::control::{AgentConfig, AgentEvent, AgentLink, fetch_job, run_agent_with};
+use crate::control::{AgentConfig, AgentEvent, AgentLink, fetch_job_over, run_agent_with};
 use crate::driver::SyncDriver;
 
 /// How an embedded worker reaches its controller.
@@ -28,6 +29,8 @@ pub(crate) struct Reach {
     pub listen: Option<String>,
     pub id: WorkerId,
     pub name: String,
+    /// TLS to the controller; `None`: plain TCP.
+    pub tls: Option<TlsClient>,
 }
 
 impl Reach {
@@ -38,6 +41,7 @@ impl Reach {
         listen: Option<&str>,
         id: WorkerId,
         name: Option<&str>,
+        tls: Option<&TlsFiles>,
     ) -> Result<Reach, EmbedError> {
         let name = name.map_or_else(|| id.to_string(), str::to_string);
         let env = |k: &str| std::env::var(k).ok();
@@ -51,13 +55,25 @@ impl Reach {
                 .map_err(|e| refused(e.to_string()))?
                 .unwrap_or_else(|| Secret::from("")),
         };
+        let tls = match tls {
+            Some(files) => {
+                let name = env(weightsync_common::tls::SERVER_NAME_VAR).filter(|v| !v.is_empty());
+                TlsClient::new(files, name.as_deref()).map(Some)
+            }
+            None => TlsClient::from_env(&env),
+        }
+        .map_err(|e| refused(e.to_string()))?;
+        // With TLS the controller hands out the fabric key: no shared fabric token is needed.
         let fabric_token = match fabric_token {
             Some(t) => t.clone(),
-            None => {
-                crate::config::fabric_secret(&env, &token).map_err(|e| refused(e.to_string()))?
-            }
+            None => match crate::config::fabric_secret(&env, &token) {
+                Ok(t) => t,
+                Err(_) if tls.is_some() => token.clone(),
+                Err(e) => return Err(refused(e.to_string())),
+            },
         };
         Ok(Reach {
+            tls,
             controller: controller.to_string(),
             token,
             fabric_token,
@@ -105,17 +121,24 @@ pub(crate) fn start(reach: &Reach) -> Result<Started, EmbedError> {
         .enable_all()
         .build()
         .map_err(|e| reach.connect_error(format!("cannot start a runtime: {e}")))?;
-    let (world, model_config) = rt
-        .block_on(fetch_job(
+    let job = rt
+        .block_on(fetch_job_over(
             &reach.controller,
+            reach.tls.as_ref(),
             &reach.token,
-            reach.id.role,
+            reach.id,
             crate::AGENT_MAX_FRAME,
         ))
         .map_err(|e| reach.connect_error(e))?;
     crate::config::same_host_from_env().map_err(|e| reach.connect_error(e))?;
+    let mut fabric_config = reach.fabric_config();
+    if let Some(key) = &job.fabric_key {
+        // A controller with TLS hands every worker the fabric key over mutual TLS.
+        fabric_config.job_token = key.token();
+    }
+    let (world, model_config) = (job.world, job.model_config);
     let fabric = rt
-        .block_on(Fabric::start(&reach.fabric_config()))
+        .block_on(Fabric::start(&fabric_config))
         .map_err(|e| reach.connect_error(format!("cannot start the fabric: {e}")))?;
     Ok(Started {
         rt,
@@ -277,6 +300,7 @@ pub(crate) fn run_session<D: SyncDriver>(
         world,
         reconnect_for: Duration::from_secs(60),
         max_frame: crate::AGENT_MAX_FRAME,
+        tls: reach.tls.clone(),
     };
     let (out_tx, out_rx) = mpsc::channel(256);
     let (ev_tx, mut ev_rx) = mpsc::unbounded_channel();

@@ -40,6 +40,9 @@ pub struct TrainerOptions {
     /// --delta`: the trainer then keeps the bytes it last wrote and sends engines only what
     /// changed; see `weightsync_worker::delta`).
     pub full_syncs: bool,
+    /// TLS to the controller: this worker's certificate, key and the CA of the controller's
+    /// certificate (default: `WEIGHTSYNC_TLS_CERT`, `_KEY`, `_CA`; none: plain TCP).
+    pub tls: Option<weightsync_common::tls::TlsFiles>,
     /// The job's run its versions belong to (default 0; see [`TrainerHandle::begin_run`]).
     pub run: u64,
 }
@@ -182,6 +185,7 @@ impl TrainerHandle {
             opts.listen.as_deref(),
             id,
             opts.worker_id.as_deref(),
+            opts.tls.as_ref(),
         )?;
         let st = start(&reach)?;
         let declared = job::is_declared(&st.world, st.model_config.as_deref());

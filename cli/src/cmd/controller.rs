@@ -66,6 +66,17 @@ pub struct Settings {
     /// epochs never repeat and engines never go back. Written atomically [default: none].
     #[arg(long, env = "WEIGHTSYNC_STATE_FILE")]
     pub state_file: Option<PathBuf>,
+    /// TLS on the control channel and the HTTP API: the controller's certificate chain (PEM);
+    /// with --tls-key and --tls-ca, or none of the three (plain TCP, for loopback and tests).
+    #[arg(long, env = "WEIGHTSYNC_TLS_CERT")]
+    pub tls_cert: Option<PathBuf>,
+    /// TLS: the key of --tls-cert (PEM).
+    #[arg(long, env = "WEIGHTSYNC_TLS_KEY")]
+    pub tls_key: Option<PathBuf>,
+    /// TLS: the CA that signs the workers' client certificates (PEM); a worker without one is
+    /// refused before it can prove a secret.
+    #[arg(long, env = "WEIGHTSYNC_TLS_CA")]
+    pub tls_ca: Option<PathBuf>,
 }
 
 /// Arguments of `weightsync controller`.
@@ -129,6 +140,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let full_syncs = s.full_syncs.or(file.full_syncs).unwrap_or(false);
     cfg.delta_syncs = !full_syncs && s.delta.or(file.delta).unwrap_or(false);
     cfg.state_file = s.state_file.or(file.state_file);
+    let tls = weightsync_common::tls::TlsFiles::from_parts(
+        s.tls_cert.or(file.tls_cert),
+        s.tls_key.or(file.tls_key),
+        s.tls_ca.or(file.tls_ca),
+    )?;
+    cfg.tls = tls
+        .map(|files| weightsync_common::tls::TlsServer::new(&files))
+        .transpose()?;
     cfg.secrets = secrets;
     let http = s
         .http

@@ -110,6 +110,20 @@ pub struct WorkerFlags {
     /// Host name to report (default: $HOSTNAME).
     #[arg(long)]
     pub host: Option<String>,
+    /// TLS to the controller: this worker's client certificate (PEM); with --tls-key and
+    /// --tls-ca, or none of the three (plain TCP, for loopback and tests).
+    #[arg(long, env = "WEIGHTSYNC_TLS_CERT")]
+    pub tls_cert: Option<PathBuf>,
+    /// TLS: the key of --tls-cert (PEM).
+    #[arg(long, env = "WEIGHTSYNC_TLS_KEY")]
+    pub tls_key: Option<PathBuf>,
+    /// TLS: the CA the controller's certificate must chain to (PEM).
+    #[arg(long, env = "WEIGHTSYNC_TLS_CA")]
+    pub tls_ca: Option<PathBuf>,
+    /// TLS: the name expected in the controller's certificate (default: the host of
+    /// --controller).
+    #[arg(long, env = "WEIGHTSYNC_TLS_SERVER_NAME")]
+    pub tls_server_name: Option<String>,
 }
 
 impl From<WorkerFlags> for WorkerSettings {
@@ -130,6 +144,10 @@ impl From<WorkerFlags> for WorkerSettings {
             land_timeout_s: f.land_timeout_s,
             reconnect_s: f.reconnect_s,
             host: f.host,
+            tls_cert: f.tls_cert,
+            tls_key: f.tls_key,
+            tls_ca: f.tls_ca,
+            tls_server_name: f.tls_server_name,
         }
     }
 }
@@ -231,6 +249,28 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .build()
         .context("starting the async runtime")?;
     rt.block_on(async move {
+        let mut resolved = resolved;
+        let (agent, fabric) = match &mut resolved {
+            ResolvedWorker::Trainer(agent, cfg) => (&*agent, &mut cfg.fabric),
+            ResolvedWorker::Rollout(agent, cfg) => (&*agent, &mut cfg.fabric),
+        };
+        if agent.tls.is_some() {
+            // With TLS the controller hands out the fabric key: learn it before the fabric
+            // starts, so only peers that came through mutual TLS can open a lane to this one.
+            let job = weightsync_agent::learn_job(agent).await?;
+            if let Some(key) = job.fabric_key {
+                fabric.job_token = key.token();
+                tracing::info!(
+                    "{}: fabric lanes keyed by the controller over TLS (payload not encrypted)",
+                    agent.id
+                );
+            }
+        } else {
+            tracing::info!(
+                "{}: plain TCP to the controller, no TLS (for loopback and tests)",
+                agent.id
+            );
+        }
         match resolved {
             ResolvedWorker::Trainer(agent, cfg) => {
                 let id = agent.id;

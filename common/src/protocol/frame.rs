@@ -50,7 +50,9 @@ pub const MAGIC: [u8; 4] = *b"WSYC";
 /// report carries delta figures.
 /// 11: a declared engine tensor may say what it is made of (`TensorMeta::source`: boxes of the
 /// trainers' tensors concatenated along a dim), so fused and tensor-parallel engines declare.
-pub const PROTOCOL_VERSION: u16 = 11;
+/// 12: TLS binds the fabric: `Job` carries the fabric key a controller with TLS hands its workers
+/// (`FabricKey`), so that only a peer that came through mutual TLS can open a fabric lane.
+pub const PROTOCOL_VERSION: u16 = 12;
 /// Bytes in a frame header.
 pub const FRAME_HEADER_LEN: usize = 12;
 /// Default maximum body size: 256 MiB (a trainer's plan slice for a 1T-parameter model fits).

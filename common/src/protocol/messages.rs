@@ -374,6 +374,10 @@ pub enum ToWorker {
         /// The controller's proof that it holds the role's secret, over the worker's nonce
         /// ([`crate::protocol::auth::answer`]); the worker checks it before registering.
         proof: [u8; 32],
+        /// With TLS: the key every worker of the job proves on its fabric lanes, sent only over
+        /// the mutually authenticated channel (`None` in plain mode: the fabric token is the
+        /// workers' own, from their environment).
+        fabric_key: Option<FabricKey>,
     },
     /// Registration refused; the connection closes.
     Rejected {
@@ -631,5 +635,24 @@ mod tests {
             err.contains("\"pauses\"") && err.contains("resume"),
             "{err}"
         );
+    }
+}
+
+/// The fabric key a controller with TLS hands its workers in [`ToWorker::Job`]: the lanes'
+/// handshake proves it (as the token of [`crate::fabric::JobToken`]), so a fabric peer must have
+/// come through the TLS control channel. `Debug` never shows it.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FabricKey(pub [u8; 32]);
+
+impl std::fmt::Debug for FabricKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("FabricKey(<redacted>)")
+    }
+}
+
+impl FabricKey {
+    /// The key as the fabric's job token (hex).
+    pub fn token(&self) -> crate::fabric::JobToken {
+        crate::fabric::JobToken(self.0.iter().map(|b| format!("{b:02x}")).collect())
     }
 }

@@ -1,0 +1,354 @@
+//! TLS on the control channel and the HTTP API (issue 39), with certificates made by `rcgen`:
+//! a job runs over mutual TLS and is triggered over HTTPS; plain HTTP to the TLS port gets no
+//! answer; a worker whose certificate another CA signed is refused by name and registers
+//! nothing; a worker shown a controller certificate from another CA refuses it by name.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use weightsync_agent::{AgentError, run_agent};
+use weightsync_common::protocol::WorkerId;
+use weightsync_common::tls::{TlsClient, TlsFiles, TlsServer};
+use weightsync_controller::coordinator::Now;
+use weightsync_controller::planning::NullPlanner;
+use weightsync_controller::sync_record::SyncState;
+use weightsync_controller::{AppState, ControllerConfig};
+use weightsync_tests::controller_harness::*;
+use weightsync_tests::tls_certs::TestPki;
+
+async fn tls_controller(server: &TlsFiles) -> ServedController {
+    let mut cfg = ControllerConfig::new(
+        coordinator_config(1, 1, true),
+        JOB_TOKEN.into(),
+        API_TOKEN.into(),
+    );
+    cfg.tls = Some(TlsServer::new(server).expect("controller TLS"));
+    ServedController::start(AppState::new(cfg, Box::new(NullPlanner))).await
+}
+
+fn tls_agent(
+    ctl: &ServedController,
+    id: WorkerId,
+    files: &TlsFiles,
+) -> tokio::task::JoinHandle<Result<(), AgentError>> {
+    let mut cfg = agent_config(ctl.control, id, true);
+    cfg.tls = Some(TlsClient::new(files, None).expect("worker TLS"));
+    cfg.reconnect_for = Duration::from_secs(2);
+    tokio::spawn(run_agent(cfg, ScriptedDriver::new()))
+}
+
+fn registered(ctl: &ServedController) -> usize {
+    ctl.state.read(|c| c.workers(Now::wall()).len())
+}
+
+/// One HTTP/1.1 request over TLS (the controller's certificate checked against `ca`); the
+/// response's text.
+async fn https(addr: SocketAddr, ca: &std::path::Path, request: String) -> String {
+    let mut roots = rustls::RootCertStore::empty();
+    let pem = std::fs::read(ca).unwrap();
+    use rustls::pki_types::pem::PemObject;
+    for c in rustls::pki_types::CertificateDer::pem_slice_iter(&pem) {
+        roots.add(c.unwrap()).unwrap();
+    }
+    let config = rustls::ClientConfig::builder_with_provider(Arc::new(
+        #[allow(deprecated)]
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
+    let tcp = TcpStream::connect(addr).await.unwrap();
+    let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+    let mut s = connector.connect(name, tcp).await.expect("HTTPS handshake");
+    s.write_all(request.as_bytes()).await.unwrap();
+    let mut out = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut out)).await;
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+fn get(path: &str) -> String {
+    format!("GET {path} HTTP/1.1\r\nhost: localhost\r\nconnection: close\r\n\r\n")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_runs_over_mutual_tls_and_http_answers_only_over_tls() {
+    let pki = TestPki::new();
+    let ctl = tls_controller(&pki.job.controller).await;
+    let agents =
+        [WorkerId::trainer(0), WorkerId::rollout(0)].map(|id| tls_agent(&ctl, id, &pki.job.worker));
+    assert!(
+        eventually(Duration::from_secs(10), || ctl
+            .state
+            .read(|c| c.plan().is_some()))
+        .await,
+        "the world never completed over TLS: {:?}",
+        ctl.state.read(|c| c.log())
+    );
+
+    let health = https(ctl.http, &pki.job.ca, get("/healthz")).await;
+    assert!(health.starts_with("HTTP/1.1 200"), "{health}");
+
+    let body = r#"{"version":1}"#;
+    let trigger = format!(
+        "POST /v1/syncs?wait=true HTTP/1.1\r\nhost: localhost\r\nauthorization: Bearer {API_TOKEN}\r\n\
+         content-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let answer = https(ctl.http, &pki.job.ca, trigger).await;
+    assert!(answer.starts_with("HTTP/1.1 2"), "{answer}");
+    assert!(
+        eventually(Duration::from_secs(10), || ctl
+            .state
+            .read(
+                |c| c.last_sync().map(|(_, st)| st) == Some(SyncState::Committed)
+            ))
+        .await,
+        "the sync triggered over HTTPS did not commit: {answer}"
+    );
+
+    // Plain HTTP to the TLS port: the handshake fails and no HTTP answer comes back.
+    let mut plain = TcpStream::connect(ctl.http).await.unwrap();
+    plain.write_all(get("/healthz").as_bytes()).await.unwrap();
+    let mut out = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), plain.read_to_end(&mut out)).await;
+    let text = String::from_utf8_lossy(&out);
+    assert!(
+        !text.contains("HTTP/1.1 200"),
+        "plain HTTP was answered: {text}"
+    );
+
+    for a in agents {
+        a.abort();
+    }
+    ctl.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_whose_certificate_another_ca_signed_is_refused_by_name() {
+    let pki = TestPki::new();
+    let ctl = tls_controller(&pki.job.controller).await;
+    // It trusts the job's CA (so it accepts the controller) but shows a stranger's certificate.
+    let stranger = TlsFiles {
+        ca: pki.job.ca.clone(),
+        ..pki.other.worker.clone()
+    };
+    let ended = tokio::time::timeout(
+        Duration::from_secs(10),
+        tls_agent(&ctl, WorkerId::trainer(0), &stranger),
+    )
+    .await
+    .expect("a refused worker must stop, not retry")
+    .unwrap();
+    let err = ended.expect_err("a worker with a stranger's certificate registered");
+    let text = err.to_string();
+    assert!(matches!(err, AgentError::Tls { .. }), "{text}");
+    assert!(text.contains("trainer-0") && text.contains("TLS"), "{text}");
+    assert!(
+        text.contains("UnknownCA") || text.contains("certificate"),
+        "{text}"
+    );
+    assert_eq!(registered(&ctl), 0);
+    assert!(
+        eventually(Duration::from_secs(5), || ctl
+            .state
+            .metrics()
+            .refused_count("tls")
+            >= 1)
+        .await,
+        "the controller did not count the TLS refusal"
+    );
+    ctl.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_refuses_a_controller_whose_certificate_another_ca_signed() {
+    let pki = TestPki::new();
+    // A controller (an impostor, or another job's) whose certificate the job's CA did not sign.
+    let impostor = TlsFiles {
+        ca: pki.job.ca.clone(),
+        ..pki.other.controller.clone()
+    };
+    let ctl = tls_controller(&impostor).await;
+    let ended = tokio::time::timeout(
+        Duration::from_secs(10),
+        tls_agent(&ctl, WorkerId::rollout(0), &pki.job.worker),
+    )
+    .await
+    .expect("a worker that refused the controller must stop, not retry")
+    .unwrap();
+    let err = ended.expect_err("a worker trusted a stranger's controller");
+    let text = err.to_string();
+    assert!(matches!(err, AgentError::Tls { .. }), "{text}");
+    assert!(
+        text.contains("rollout-0") && text.contains("UnknownIssuer"),
+        "{text}"
+    );
+    assert_eq!(registered(&ctl), 0);
+    ctl.stop().await;
+}
+
+const TRAINER_SECRET: &str = "trainer-secret-0123456789";
+const ENGINE_SECRET: &str = "engine-secret-0123456789";
+
+/// A small dense Qwen3: one trainer, one engine.
+const CONFIG: &str = r#"{"model_type":"qwen3","hidden_size":128,"intermediate_size":256,
+ "num_hidden_layers":1,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":32,
+ "vocab_size":128}"#;
+
+/// A controller of a one-trainer, one-engine job with one secret per role and TLS, on a
+/// runtime of its own (the embedded workers block).
+fn serve_tls_job(
+    dir: &tempfile::TempDir,
+    tls: &TlsFiles,
+) -> (tokio::runtime::Runtime, ServedController) {
+    let path = dir.path().join("config.json");
+    std::fs::write(&path, CONFIG).unwrap();
+    let world = weightsync_common::protocol::WorldSpec {
+        model: path.to_string_lossy().into_owned(),
+        train: "fsdp=1".into(),
+        infer: "tp=1,dp=1,format=hf".into(),
+        dtype: weightsync_common::DType::BF16,
+        verify: true,
+    };
+    let mut cfg = ControllerConfig::for_job(
+        world,
+        TRAINER_SECRET.into(),
+        API_TOKEN.into(),
+        Duration::from_secs(3),
+        Duration::from_secs(30),
+        16,
+    )
+    .unwrap();
+    cfg.secrets.rollout = ENGINE_SECRET.into();
+    cfg.tls = Some(TlsServer::new(tls).unwrap());
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let ctl = rt.block_on(ServedController::start(AppState::new(
+        cfg,
+        Box::new(weightsync_controller::SchedulesPlanner),
+    )));
+    (rt, ctl)
+}
+
+/// The fabric is bound to TLS: trainer and engine hold different role secrets and no fabric
+/// secret (without TLS each would key its lanes with its own secret and no lane would open),
+/// learn the same fabric key over mutual TLS, and a version lands byte for byte. The key is the
+/// same for both roles and for a controller restarted from the same files, and differs for
+/// another controller key; a plain controller hands out none.
+#[test]
+fn the_fabric_key_comes_over_tls_and_a_version_lands_with_per_role_secrets() {
+    use weightsync_agent::embed::{
+        DstTensor, EngineHandle, EngineOptions, SourceTensor, TrainerHandle, TrainerOptions,
+    };
+    use weightsync_tests::embed_fixture::Buffer;
+    assert!(
+        std::env::var_os("WEIGHTSYNC_FABRIC_TOKEN").is_none(),
+        "this test needs no shared fabric secret in its environment"
+    );
+    let pki = TestPki::new();
+    let dir = tempfile::tempdir().unwrap();
+    let (rt, ctl) = serve_tls_job(&dir, &pki.job.controller);
+    let control = ctl.control.to_string();
+
+    // Both roles learn the same key, over TLS only.
+    let client = TlsClient::new(&pki.job.worker, None).unwrap();
+    let key_of = |secret: &str, id: WorkerId| {
+        rt.block_on(weightsync_agent::fetch_job_over(
+            &control,
+            Some(&client),
+            &secret.into(),
+            id,
+            weightsync_agent::AGENT_MAX_FRAME,
+        ))
+        .unwrap()
+        .fabric_key
+        .expect("a controller with TLS hands out the fabric key")
+    };
+    let trainer_key = key_of(TRAINER_SECRET, WorkerId::trainer(0));
+    assert_eq!(trainer_key, key_of(ENGINE_SECRET, WorkerId::rollout(0)));
+    let secrets = [TRAINER_SECRET, ENGINE_SECRET];
+    let restarted = TlsServer::new(&pki.job.controller).unwrap();
+    assert_eq!(trainer_key.0, restarted.fabric_key(&secrets));
+    let other = TlsServer::new(&pki.other.controller).unwrap();
+    assert_ne!(trainer_key.0, other.fabric_key(&secrets));
+
+    let engine = EngineHandle::connect(EngineOptions {
+        job_token: Some(ENGINE_SECRET.into()),
+        tls: Some(pki.job.worker.clone()),
+        ..EngineOptions::new(&control, 0)
+    })
+    .unwrap();
+    let dst: Vec<_> = engine
+        .layout()
+        .into_iter()
+        .map(|t| {
+            let len = t.shape.iter().product::<u64>() as usize * t.dtype.size();
+            (t, Buffer::zeroed(len))
+        })
+        .collect();
+    engine
+        .register(
+            dst.iter()
+                .map(|(t, b)| DstTensor {
+                    name: t.name.clone(),
+                    dtype: t.dtype,
+                    shape: t.shape.clone(),
+                    memory: b.memory(),
+                })
+                .collect(),
+        )
+        .unwrap();
+    let trainer = TrainerHandle::connect(TrainerOptions {
+        job_token: Some(TRAINER_SECRET.into()),
+        tls: Some(pki.job.worker.clone()),
+        ..TrainerOptions::new(&control, 0)
+    })
+    .unwrap();
+    let src: Vec<_> = trainer
+        .layout()
+        .into_iter()
+        .map(|s| {
+            let n = s.shape.iter().product::<u64>() as usize;
+            let b = Buffer::zeroed(n * 2);
+            // bf16 bit patterns of small finite numbers, different for each tensor.
+            let seed = s.name.len() as u16;
+            let bytes: Vec<u8> = (0..n)
+                .flat_map(|i| (0x3c00u16 + ((i as u16).wrapping_add(seed) & 0xff)).to_le_bytes())
+                .collect();
+            b.fill(&bytes);
+            (s, b)
+        })
+        .collect();
+    trainer
+        .register(
+            src.iter()
+                .map(|(s, b)| SourceTensor {
+                    name: s.name.clone(),
+                    dtype: s.dtype,
+                    shape: s.shape.clone(),
+                    memory: b.memory(),
+                })
+                .collect(),
+        )
+        .unwrap();
+    let out = trainer
+        .push(1)
+        .unwrap()
+        .wait(Some(Duration::from_secs(20)))
+        .unwrap_or_else(|e| panic!("the push over TLS failed: {e}"));
+    assert_eq!(out.version, 1);
+    engine
+        .wait_for_version(1, Some(Duration::from_secs(20)))
+        .unwrap();
+    for (t, b) in &dst {
+        let (_, s) = src.iter().find(|(s, _)| s.name == t.name).unwrap();
+        assert!(b.read() == s.read(), "{} did not land over TLS", t.name);
+    }
+    drop(trainer);
+    drop(engine);
+    rt.block_on(ctl.stop());
+}
