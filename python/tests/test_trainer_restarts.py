@@ -10,8 +10,8 @@ here, without the job. Twice the slow rank is SIGKILLed while half-updated, afte
 pushed that version; torchrun restarts the group, whose slow rank is then the other one, so the
 version the dead group left pushed by one rank is pushed again at once by the new fast rank
 while the new slow rank is mid-step. A controller that counted a dead rank's push would sync the
-half-updated tensors: a torn version. About 30-60 s on a quiet 2-core box (three torch start-ups
-per rank)."""
+half-updated tensors: a torn version. About 30 s on a quiet 2-core box, 70 s on a loaded one
+(three torch start-ups per rank)."""
 
 from __future__ import annotations
 

@@ -29,7 +29,6 @@ import argparse
 import hashlib
 import json
 import os
-import sys
 import time
 from typing import Any
 
@@ -146,4 +145,4 @@ def push(trainer: Any, version: int) -> Any:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
