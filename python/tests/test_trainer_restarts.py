@@ -12,8 +12,8 @@ version the dead group left pushed by one rank is pushed again at once by the ne
 while the new slow rank is mid-step. A controller that counted a dead rank's push would sync the
 half-updated tensors: a torn version (with the controller's two guards against that removed, the
 dead process's push dropped at its disconnect and a push counted only from the pusher's current
-connection, this test fails: version 3 committed with 13 of its tensors not version 3's). About 30 s on a quiet 2-core box, 70 s on a loaded one
-(three torch start-ups per rank)."""
+connection, this test fails: version 3 committed with 13 of its tensors not version 3's).
+About 30 s on a quiet 2-core box, 70 s on a loaded one (three torch start-ups per rank)."""
 
 from __future__ import annotations
 
