@@ -452,7 +452,8 @@ impl<F: FabricBackend> TrainerWorker<F> {
                 "run_sync before set_destinations".into(),
             ));
         }
-        self.read_source_and_run(sync, Some(delta.clone()), cancel).await
+        self.read_source_and_run(sync, Some(delta.clone()), cancel)
+            .await
     }
 
     /// The version this trainer's bases hold (`None`: no delta can be encoded until a sync
