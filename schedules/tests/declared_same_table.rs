@@ -45,21 +45,7 @@ fn dims(d: &[u32]) -> Vec<u64> {
 
 /// Every trainer's declarations of a planner-built training layout, as its workers send them.
 fn trainer_declarations(l: &JobLayouts) -> Vec<Vec<TensorMeta>> {
-    let mut out = vec![Vec::new(); l.train.ranks as usize];
-    for s in &l.train.shards {
-        let p = &l.model.params[s.param as usize];
-        let n = s.global.ndim as usize;
-        out[s.rank as usize].push(TensorMeta {
-            name: p.name.to_string(),
-            shape: dims(&s.global.len[..n]),
-            dtype: s.dtype,
-            bytes: s.global.numel() * s.dtype.size() as u64,
-            global_shape: dims(p.shape.dims()),
-            offset: dims(&s.global.start[..n]),
-            source: None,
-        });
-    }
-    out
+    declared::trainer_declarations(&l.model, &l.train)
 }
 
 /// Every engine's declarations (its tensors, whole) of a planner-built inference layout.
