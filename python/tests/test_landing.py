@@ -73,6 +73,51 @@ def test_staged_next_landing_waits_for_the_load_to_end() -> None:
     assert landed_at and landed_at[0] >= released
 
 
+class Failed(Exception):
+    """What the engine's ``wait_for_version`` raises for a failed sync, in these tests."""
+
+
+def test_staged_load_asked_for_an_older_version_waits_for_the_one_landing() -> None:
+    # Version 1 was whole when the engine asked; version 2 started landing before the load.
+    gate = LandingGate(direct=False)
+    gate.before_landing(1)
+    gate.after_commit(1)
+    gate.before_landing(2)
+    waited: list[int] = []
+
+    def wait_for_version(v: int, timeout: float) -> None:
+        waited.append(v)
+        time.sleep(0.05)
+        gate.after_commit(v)  # the sync of v commits (the hook runs on weightsync's thread)
+
+    with gate.committed(1, wait_landing=wait_for_version, deadline=time.monotonic() + 5) as v:
+        assert v == 2, "the engine loads the version that landed, and says so"
+    assert waited == [2]
+    # Without a way to wait it is refused, naming the version landing.
+    gate.before_landing(3)
+    with pytest.raises(ArenaNotCommitted, match="version 3 landing now"):
+        with gate.committed(1):
+            pass
+
+
+def test_staged_load_waiting_on_a_landing_that_fails_raises_its_failure() -> None:
+    gate = LandingGate(direct=False)
+    gate.before_landing(1)
+    gate.after_commit(1)
+    gate.before_landing(2)
+
+    def wait_for_version(v: int, timeout: float) -> None:
+        raise Failed(f"sync of version {v} failed")
+
+    with pytest.raises(Failed, match="version 2 failed"):
+        with gate.committed(1, wait_landing=wait_for_version, deadline=time.monotonic() + 5):
+            pass
+    # A landing older than what is asked for is not waited for.
+    with pytest.raises(ArenaNotCommitted):
+        with gate.committed(3, wait_landing=wait_for_version, deadline=time.monotonic() + 5):
+            pass
+
+
 def test_direct_landing_waits_until_the_engine_is_held() -> None:
     gate = LandingGate(direct=True, landing_wait_s=5)
     landed = threading.Event()

@@ -21,10 +21,15 @@ class Workers:
 
     where = "test engine"
 
-    def __init__(self, n: int, mode: str, ready_after: int | None = None) -> None:
+    def __init__(self, n: int, mode: str, ready_after: int | None = None,
+                 first_loads: list[int] | None = None) -> None:
         self.n, self.mode, self.ready_after = n, mode, ready_after
         self.flag = {"ready": False}
         self.log: list[tuple[str, Any]] = []
+        # What each worker loads on the first update (a newer version may have committed into
+        # some arenas meanwhile); later updates load the version asked for.
+        self.first_loads = first_loads
+        self.loaded: list[int | None] = [None] * n
 
     def ready(self, version: int, wait_s: float) -> list[dict[str, Any]]:
         self.log.append(("ready", wait_s))
@@ -37,6 +42,8 @@ class Workers:
 
     def update(self, version: int, timeout_s: float) -> None:
         self.log.append(("update", version))
+        first = self.first_loads if sum(1 for k, _ in self.log if k == "update") == 1 else None
+        self.loaded = [max(first[i] if first else version, v or 0) for i, v in enumerate(self.loaded)]
 
     def finish(self, version: int) -> None:
         self.log.append(("finish", version))
@@ -49,7 +56,7 @@ class Workers:
 
     def status(self) -> list[dict[str, Any]]:
         sync = {"pause_s": 0.01, "land_s": 0.02, "load_s": 0.01}
-        return [{"syncs": [sync]}] * self.n
+        return [{"syncs": [sync], "loaded_version": v} for v in self.loaded]
 
     def weight_version(self) -> str | None:
         return "0"
@@ -91,6 +98,21 @@ def test_the_workers_are_asked_once_before_and_once_after_the_controller(workers
     assert [a[1] for a in c.asked] == [until] * 3, c.asked
     assert all(0 < a[2] <= 30 for a in c.asked), c.asked
     assert [k for k, _ in w.log[2:]] == ["start", "update", "finish", "reset", "resumed"], w.log
+
+
+def test_workers_that_loaded_different_versions_are_brought_to_one_and_it_is_reported() -> None:
+    # Asked for 4, tensor-parallel worker 1 found 5 committed in its arena already: the engine
+    # would serve a mix. Worker 0 is updated again to 5, and the engine reports 5, not 4.
+    w = Workers(2, "staged", ready_after=0, first_loads=[4, 5])
+    out = drive(w, 4, timeout_s=60, reset_prefix_cache=False, poll_s=0.01)
+    assert [e for e in w.log if e[0] in ("update", "finish")] == [("update", 4), ("update", 5), ("finish", 5)]
+    assert out["loaded_version"] == 5 and out["updates"] == 2 and w.loaded == [5, 5]
+
+
+def test_an_engine_that_loaded_a_newer_version_reports_that_one() -> None:
+    w = Workers(1, "staged", ready_after=0, first_loads=[6])
+    out = drive(w, 4, timeout_s=60, reset_prefix_cache=False, poll_s=0.01)
+    assert ("finish", 6) in w.log and ("finish", 4) not in w.log and out["loaded_version"] == 6
 
 
 def test_ready_at_once_asks_the_controller_nothing() -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 __all__ = ["LandingGate", "ArenaNotCommitted", "EngineNotHeld"]
@@ -99,19 +99,34 @@ class LandingGate:
     # ---- the engine's thread --------------------------------------------------------------
 
     @contextmanager
-    def committed(self, version: int) -> Iterator[int]:
+    def committed(self, version: int, *, wait_landing: Callable[[int, float], object] | None = None,
+                  deadline: float = 0.0) -> Iterator[int]:
         """Staged: yields the arena's version (>= ``version``) and keeps writes out meanwhile.
 
+        With ``wait_landing`` (the engine's ``wait_for_version(v, timeout)``, which raises when
+        the sync of ``v`` fails), a version >= ``version`` landing now is waited for until
+        ``deadline`` (``time.monotonic()``) and then yielded: the trainers do not wait for an
+        engine that is behind, so the next version may start landing between the moment the
+        arena held ``version`` and the load.
+
         Raises:
-            ArenaNotCommitted: the arena holds no whole version >= ``version``.
+            ArenaNotCommitted: the arena holds no whole version >= ``version`` (and none such is
+                landing, or it did not commit by ``deadline``).
         """
-        with self._cv:
-            have = self._arena_version
-            if have is None or have < version:
-                raise ArenaNotCommitted(
-                    f"the arena holds no whole version >= {version} (holds "
-                    f"{'a version landing now' if have is None else have})")
-            self._reading = True
+        while True:
+            with self._cv:
+                have, landing = self._arena_version, self._landing
+                if have is not None and have >= version:
+                    self._reading = True
+                    break
+                left = deadline - time.monotonic()
+                if wait_landing is None or landing is None or landing < version or left <= 0:
+                    raise ArenaNotCommitted(
+                        f"the arena holds no whole version >= {version} (holds "
+                        f"{f'version {landing} landing now' if have is None else have})")
+            wait_landing(landing, left)
+            with self._cv:  # the commit hook may run a moment after the engine heard of it
+                self._cv.wait_for(lambda: self._landing != landing, max(0.0, min(1.0, deadline - time.monotonic())))
         try:
             yield have
         finally:

@@ -9,8 +9,10 @@ the same four phases over two transports.
    question to a worker is a message through the engine, which holds its loop (a waiting
    poll) or leaves the worker process spinning on its message queue (vLLM's workers
    busy-wait a second after every message). Without it, the workers are polled;
-2. ``start_weight_update`` -> ``update_weights`` (the worker's pause: the load, or the landing)
-   -> ``finish_weight_update(weight_version)``;
+2. ``start_weight_update`` -> ``update_weights`` (the worker's pause: the load, or the landing;
+   again for workers behind, until every worker holds the same version:
+   :func:`load_one_version`) -> ``finish_weight_update(weight_version)`` with the version the
+   engine now holds (``version`` or a newer one that committed meanwhile);
 3. reset the prefix cache (stale KV of the old weights would be served otherwise);
 4. ``weightsync_resumed`` (the resume span goes to the controller's timeline) and the timings.
 
@@ -84,6 +86,43 @@ def wait_on_controller(controller: VersionSource, version: int, first: list[dict
                 version=version)
 
 
+def load_one_version(calls: UpdateCalls, version: int, deadline: float) -> tuple[int, int]:
+    """Runs ``update_weights`` until every worker of the engine holds the same version (>=
+    ``version``); returns it and how many updates that took.
+
+    A worker loads the newest whole version its arena holds, so when the trainers commit the
+    next version while the engine loads (they do not wait for engines that are behind), one
+    tensor-parallel worker may load ``version`` and another the next one. The engine would then
+    serve a mix: the workers behind are updated again to the newest version any of them loaded
+    (it is in their arenas, or landing), until all agree. The version the engine then reports
+    (``finish_weight_update``) is the one it holds, never merely the one asked for.
+
+    Raises:
+        TimeoutError: the workers did not agree by ``deadline``.
+        SyncFailedError: (from ``calls.update``) a sync failed.
+    """
+    want, updates = version, 0
+    while True:
+        calls.update(want, max(1.0, deadline - time.monotonic()))
+        updates += 1
+        loaded = [s.get("loaded_version") for s in calls.status()]
+        if not loaded or any(v is None for v in loaded):
+            raise RuntimeError(f"{calls.where}: after update_weights({want}) a worker reports no loaded "
+                               f"version ({loaded})")
+        if len(set(loaded)) == 1:
+            held = int(loaded[0])
+            if held < version:
+                raise RuntimeError(f"{calls.where}: update_weights({want}) left the workers at version "
+                                   f"{held}, older than {version}")
+            return held, updates
+        want = max(int(v) for v in loaded)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{calls.where}: its workers hold different versions {loaded} and did not "
+                               f"agree on {want} in time", version=version)
+        log.info(json.dumps({"weightsync": "workers loaded different versions", "where": calls.where,
+                             "loaded": loaded, "updating_to": want}))
+
+
 def drive(calls: UpdateCalls, version: int, *, timeout_s: float, reset_prefix_cache: bool,
           poll_s: float, worker_wait_s: float = 0.0,
           controller: VersionSource | None = None) -> dict[str, Any]:
@@ -136,16 +175,17 @@ def drive(calls: UpdateCalls, version: int, *, timeout_s: float, reset_prefix_ca
     t0 = time.perf_counter()
     calls.start()
     t1 = time.perf_counter()
-    calls.update(version, max(1.0, deadline - time.monotonic()))
+    held, updates = load_one_version(calls, version, deadline)
     t2 = time.perf_counter()
-    calls.finish(version)
+    calls.finish(held)
     t3 = time.perf_counter()
     if reset_prefix_cache:
         calls.reset_prefix_cache(deadline)
     t4 = time.perf_counter()
     calls.resumed()
     workers = [s["syncs"][-1] for s in calls.status()]
-    out = {"version": version, "ready_wait_s": t0 - tw, "start_s": t1 - t0, "update_s": t2 - t1,
+    out = {"version": version, "loaded_version": held, "updates": updates, "ready_wait_s": t0 - tw,
+           "start_s": t1 - t0, "update_s": t2 - t1,
            "finish_s": t3 - t2, "reset_prefix_cache_s": t4 - t3, "resume_s": t4 - t2, "workers": workers,
            "ready_polls": polls,
            "pause_s": max(w["pause_s"] for w in workers),

@@ -142,12 +142,13 @@ class StagedSync:
             SyncFailedError: the sync failed (SGLang keeps its last loaded version) or SGLang
                 refused the load (then the engine was resumed; its weights are SGLang's to say).
         """
-        t = time.perf_counter()
+        t, deadline = time.perf_counter(), time.monotonic() + timeout_s
         self.ws.wait_for_version(version, timeout=timeout_s)
         wait_s = time.perf_counter() - t
         e = self.sglang
         try:
-            with self.gate.committed(version) as have:
+            # A newer version landing now (the trainers moved on) is waited for and loaded.
+            with self.gate.committed(version, wait_landing=self.ws.wait_for_version, deadline=deadline) as have:
                 self._check_arena_in_place()
                 t0 = time.perf_counter()
                 e.pause_generation(mode=self.pause_mode)

@@ -287,7 +287,7 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
                 t = time.perf_counter()
                 engine.wait_for_version(update_info.version, timeout=update_info.timeout_s)
                 sync.wait_s = time.perf_counter() - t
-                self._load_arena(sync, update_info.version)
+                self._load_arena(sync, update_info.version, time.monotonic() + update_info.timeout_s)
             else:
                 # This thread is vLLM's engine-core thread: while it waits here no forward pass
                 # runs, so the direct writes may land (the gate lets before_landing through).
@@ -366,7 +366,7 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
 
     # ---- staged ---------------------------------------------------------------------------
 
-    def _load_arena(self, sync: _Sync, version: int) -> None:
+    def _load_arena(self, sync: _Sync, version: int, deadline: float) -> None:
         from vllm.model_executor.model_loader.reload import (
             finalize_layerwise_reload,
             initialize_layerwise_reload,
@@ -374,8 +374,9 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
 
         engine = self._require_engine()
         try:
-            # Keeps the next version's writes out of the arena while vLLM reads it.
-            with self.gate.committed(version) as have:
+            # Keeps the next version's writes out of the arena while vLLM reads it; a newer
+            # version landing now is waited for and loaded instead.
+            with self.gate.committed(version, wait_landing=engine.wait_for_version, deadline=deadline) as have:
                 t0, n0 = time.perf_counter(), engine.now_ns()
                 initialize_layerwise_reload(self.model)
                 t1 = time.perf_counter()

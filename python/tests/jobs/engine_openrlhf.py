@@ -50,7 +50,8 @@ async def run(args: argparse.Namespace) -> None:
         digests = (await actor.weightsync_digests())[0]
         out = await actor.generate([3, 4, 5, 6], sp)  # OpenRLHF's own generation path
         rec = {"version": v, "weight_version": await actor.llm.get_weight_version(), "digests": digests,
-               "tokens": list(out.outputs[0].token_ids), "timings_keys": sorted(timings)}
+               "tokens": list(out.outputs[0].token_ids), "loaded_version": timings["loaded_version"],
+               "timings_keys": sorted(timings)}
         with open(os.path.join(args.out, f"orl_engine_v{v}.json"), "w") as f:
             json.dump(rec, f)
     actor.llm.shutdown()
