@@ -281,6 +281,18 @@ async fn a_revoked_certificate_is_refused_by_name_and_a_valid_one_registers() {
     );
     assert_eq!(registered(&ctl), 0);
 
+    // Fail closed: a controller whose CRL file covers another CA only cannot tell whether the
+    // job CA's certificates are revoked, and refuses them.
+    let uncovered = tls_controller(&TlsFiles {
+        crl: Some(pki.other.crl.clone()),
+        ..pki.job.controller.clone()
+    })
+    .await;
+    let err = refused_agent(&uncovered, WorkerId::trainer(0), &pki.job.worker).await;
+    assert!(matches!(err, AgentError::Tls { .. }), "{err}");
+    assert_eq!(registered(&uncovered), 0);
+    uncovered.stop().await;
+
     // A valid certificate of the same CA, with a CRL that lists only another certificate.
     let valid = TlsFiles {
         crl: Some(pki.job.crl.clone()),
