@@ -1,12 +1,14 @@
 //! A minimal client of the controller's HTTP API (HTTP/1.1, one request per connection), for
-//! the demo's training loop and for tests that talk to a served controller. The API is a few
-//! small JSON calls on a trusted network; a general HTTP client would add a dependency tree for
-//! nothing.
+//! the demo's training loop and for tests that talk to a served controller, plain or over TLS
+//! (`https://`: the same [`TlsClient`] the workers' control channel uses, so the same CA, CRL and
+//! client-certificate files). The API is a few small JSON calls; a general HTTP client would add
+//! a dependency tree for nothing.
 
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
+use weightsync_common::tls::{ByteStream, TlsClient, TlsError, tls_failure};
 
 /// A failed request.
 #[derive(Debug, thiserror::Error)]
@@ -19,6 +21,18 @@ pub enum ClientError {
         /// Cause.
         source: std::io::Error,
     },
+    /// The TLS handshake failed: the controller's certificate was refused here (an unknown
+    /// issuer, a revoked certificate, a name that does not match) or this client's by it.
+    #[error("HTTPS to {addr} refused: TLS handshake failed: {reason}")]
+    Tls {
+        /// Address.
+        addr: String,
+        /// rustls's reason, e.g. `invalid peer certificate: UnknownIssuer`.
+        reason: String,
+    },
+    /// The TLS files could not be used (unreadable, not PEM, a CA not named).
+    #[error("HTTPS client setup: {0}")]
+    TlsSetup(#[from] TlsError),
     /// No answer in time.
     #[error("HTTP request to {0} timed out")]
     Timeout(String),
@@ -123,13 +137,25 @@ pub async fn sync(
     wait: bool,
     timeout: Duration,
 ) -> Result<SyncResult, ClientError> {
+    sync_over(addr, None, token, version, wait, timeout).await
+}
+
+/// [`sync`] over `tls` (`None`: plain HTTP).
+pub async fn sync_over(
+    addr: &str,
+    tls: Option<&TlsClient>,
+    token: &str,
+    version: u64,
+    wait: bool,
+    timeout: Duration,
+) -> Result<SyncResult, ClientError> {
     let path = if wait {
         "/v1/syncs?wait=true"
     } else {
         "/v1/syncs"
     };
     let body = format!("{{\"version\": {version}}}");
-    let r = request(addr, "POST", path, Some(token), Some(&body), timeout).await?;
+    let r = request_over(addr, tls, "POST", path, Some(token), Some(&body), timeout).await?;
     let json = r.json();
     if !(200..300).contains(&r.status) {
         let message = json["error"]["message"]
@@ -160,7 +186,7 @@ impl Response {
     }
 }
 
-/// Sends one request to `addr` (host:port).
+/// Sends one request to `addr` (host:port), plain HTTP.
 pub async fn request(
     addr: &str,
     method: &str,
@@ -169,23 +195,48 @@ pub async fn request(
     body: Option<&str>,
     timeout: Duration,
 ) -> Result<Response, ClientError> {
-    tokio::time::timeout(timeout, request_inner(addr, method, path, token, body))
+    request_over(addr, None, method, path, token, body, timeout).await
+}
+
+/// Sends one request to `addr` (host:port) over `tls` (`None`: plain HTTP). A refused TLS
+/// handshake is [`ClientError::Tls`] with rustls's reason.
+pub async fn request_over(
+    addr: &str,
+    tls: Option<&TlsClient>,
+    method: &str,
+    path: &str,
+    token: Option<&str>,
+    body: Option<&str>,
+    timeout: Duration,
+) -> Result<Response, ClientError> {
+    tokio::time::timeout(timeout, request_inner(addr, tls, method, path, token, body))
         .await
         .map_err(|_| ClientError::Timeout(addr.to_string()))?
 }
 
 async fn request_inner(
     addr: &str,
+    tls: Option<&TlsClient>,
     method: &str,
     path: &str,
     token: Option<&str>,
     body: Option<&str>,
 ) -> Result<Response, ClientError> {
-    let io = |source| ClientError::Io {
-        addr: addr.to_string(),
-        source,
+    let io = |source: std::io::Error| match tls_failure(&source) {
+        Some(reason) => ClientError::Tls {
+            addr: addr.to_string(),
+            reason,
+        },
+        None => ClientError::Io {
+            addr: addr.to_string(),
+            source,
+        },
     };
-    let mut s = TcpStream::connect(addr).await.map_err(io)?;
+    let tcp = TcpStream::connect(addr).await.map_err(io)?;
+    let mut s: ByteStream = match tls {
+        Some(tls) => tls.connect(tcp, addr).await.map_err(io)?,
+        None => Box::new(tcp),
+    };
     let mut req = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
     if let Some(t) = token {
         req.push_str(&format!("Authorization: Bearer {t}\r\n"));

@@ -88,6 +88,9 @@ pub struct WorkerSettings {
     pub tls_key: Option<PathBuf>,
     /// TLS: the CA the controller's certificate must chain to. Default: `WEIGHTSYNC_TLS_CA`.
     pub tls_ca: Option<PathBuf>,
+    /// TLS: the CA's certificate revocation list(s): a controller certificate listed there is
+    /// refused. Default: `WEIGHTSYNC_TLS_CRL`, else none.
+    pub tls_crl: Option<PathBuf>,
     /// TLS: the name expected in the controller's certificate (default: the controller
     /// address's host; `WEIGHTSYNC_TLS_SERVER_NAME`).
     pub tls_server_name: Option<String>,
@@ -115,6 +118,7 @@ impl WorkerSettings {
             tls_cert: self.tls_cert.or(other.tls_cert),
             tls_key: self.tls_key.or(other.tls_key),
             tls_ca: self.tls_ca.or(other.tls_ca),
+            tls_crl: self.tls_crl.or(other.tls_crl),
             tls_server_name: self.tls_server_name.or(other.tls_server_name),
         }
     }
@@ -191,7 +195,7 @@ pub fn tls_client(
     use weightsync_common::tls;
     let var = |k: &str| env(k).filter(|v| !v.is_empty());
     let err = |e: tls::TlsError| ConfigError(e.to_string());
-    let files = TlsFiles::from_parts(
+    let files = TlsFiles::from_parts_with_crl(
         s.tls_cert
             .clone()
             .or_else(|| var(tls::CERT_VAR).map(PathBuf::from)),
@@ -201,6 +205,9 @@ pub fn tls_client(
         s.tls_ca
             .clone()
             .or_else(|| var(tls::CA_VAR).map(PathBuf::from)),
+        s.tls_crl
+            .clone()
+            .or_else(|| var(tls::CRL_VAR).map(PathBuf::from)),
     )
     .map_err(err)?;
     let Some(files) = files else {
@@ -461,6 +468,13 @@ mod tests {
         };
         let err = tls_client(&all, &ca).unwrap_err().to_string();
         assert!(err.contains("/etc/ws/"), "{err}");
+        // A CRL alone (from TOML) is refused naming it, not ignored.
+        let crl_only = WorkerSettings {
+            tls_crl: Some("/etc/ws/crl.pem".into()),
+            ..Default::default()
+        };
+        let err = tls_client(&crl_only, &none).unwrap_err().to_string();
+        assert!(err.contains("/etc/ws/crl.pem"), "{err}");
         // With TLS, per-role secrets need no fabric secret (the controller hands out the key).
         let env = |k: &str| match k {
             "WEIGHTSYNC_TRAINER_TOKEN" => Some("trainer-token-0123456789".to_string()),

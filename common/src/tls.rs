@@ -3,6 +3,8 @@
 //! each worker shows a client certificate that the controller checks against its CA
 //! (`WebPkiClientVerifier`). Both sides read PEM files that the operator names ([`TlsFiles`]:
 //! by flag, environment or TOML); none set means plain TCP, which every caller says in its log.
+//! An optional CRL file ([`TlsFiles::crl`]) lists revoked certificates: the controller refuses a
+//! worker's certificate it lists, a worker the controller's.
 //!
 //! The role secrets' challenge and proof still run inside the TLS stream: a certificate gets a
 //! peer onto the channel, the role secret decides what it may register as.
@@ -13,8 +15,9 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use rustls::client::WebPkiServerVerifier;
 use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+use rustls::pki_types::{CertificateDer, CertificateRevocationListDer, PrivateKeyDer, ServerName};
 use rustls::server::WebPkiClientVerifier;
 use rustls::{ClientConfig, RootCertStore, ServerConfig};
 use tokio::io::{AsyncRead, AsyncWrite};
@@ -27,6 +30,9 @@ pub const CERT_VAR: &str = "WEIGHTSYNC_TLS_CERT";
 pub const KEY_VAR: &str = "WEIGHTSYNC_TLS_KEY";
 /// The variable naming the CA certificate(s) the peer's certificate must chain to (PEM).
 pub const CA_VAR: &str = "WEIGHTSYNC_TLS_CA";
+/// The variable naming the certificate revocation list(s) (PEM `X509 CRL`) of the peer's CA:
+/// a peer certificate listed there is refused. Optional.
+pub const CRL_VAR: &str = "WEIGHTSYNC_TLS_CRL";
 /// The variable of the name a worker expects in the controller's certificate (default: the
 /// host of the controller's address).
 pub const SERVER_NAME_VAR: &str = "WEIGHTSYNC_TLS_SERVER_NAME";
@@ -66,6 +72,12 @@ pub enum TlsError {
     /// rustls refused the combination (a key that does not match the certificate...).
     #[error("TLS setup: {0}")]
     Config(String),
+    /// A CRL file is named but no certificate, key and CA: a CRL only narrows TLS.
+    #[error("a TLS CRL ({path}) is named but TLS is not set up (no certificate, key and CA)")]
+    CrlWithoutTls {
+        /// The CRL file.
+        path: PathBuf,
+    },
     /// The name the worker expects in the controller's certificate is not a valid DNS name or IP.
     #[error("{name:?} is not a valid TLS server name (a DNS name or an IP address)")]
     ServerName {
@@ -74,7 +86,8 @@ pub enum TlsError {
     },
 }
 
-/// The three PEM files of one side of a mutually authenticated connection.
+/// The PEM files of one side of a mutually authenticated connection: three, and a CRL when the
+/// operator revoked certificates.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TlsFiles {
     /// This side's certificate chain (leaf first).
@@ -83,6 +96,11 @@ pub struct TlsFiles {
     pub key: PathBuf,
     /// The CA certificate(s) the other side's certificate must chain to.
     pub ca: PathBuf,
+    /// Certificate revocation list(s) (PEM `X509 CRL` blocks) of the CA(s) in `ca`: a peer
+    /// certificate listed there is refused. Every certificate of the peer's chain below the
+    /// trust anchor is checked, and one whose issuer has no CRL in the file is refused too (a
+    /// CRL file must cover the chain it is used for).
+    pub crl: Option<PathBuf>,
 }
 
 impl TlsFiles {
@@ -95,7 +113,12 @@ impl TlsFiles {
     ) -> Result<Option<TlsFiles>, TlsError> {
         match (cert, key, ca) {
             (None, None, None) => Ok(None),
-            (Some(cert), Some(key), Some(ca)) => Ok(Some(TlsFiles { cert, key, ca })),
+            (Some(cert), Some(key), Some(ca)) => Ok(Some(TlsFiles {
+                cert,
+                key,
+                ca,
+                crl: None,
+            })),
             (None, _, _) => Err(TlsError::Incomplete {
                 missing: "the certificate (--tls-cert, WEIGHTSYNC_TLS_CERT)",
             }),
@@ -108,10 +131,26 @@ impl TlsFiles {
         }
     }
 
-    /// The files named by [`CERT_VAR`], [`KEY_VAR`] and [`CA_VAR`] (empty values count as unset).
+    /// [`TlsFiles::from_parts`] with a CRL file: a CRL without the three files is refused
+    /// naming it (it would otherwise be ignored, and the operator believe a certificate revoked).
+    pub fn from_parts_with_crl(
+        cert: Option<PathBuf>,
+        key: Option<PathBuf>,
+        ca: Option<PathBuf>,
+        crl: Option<PathBuf>,
+    ) -> Result<Option<TlsFiles>, TlsError> {
+        match (TlsFiles::from_parts(cert, key, ca)?, crl) {
+            (Some(files), crl) => Ok(Some(TlsFiles { crl, ..files })),
+            (None, Some(path)) => Err(TlsError::CrlWithoutTls { path }),
+            (None, None) => Ok(None),
+        }
+    }
+
+    /// The files named by [`CERT_VAR`], [`KEY_VAR`], [`CA_VAR`] and [`CRL_VAR`] (empty values
+    /// count as unset).
     pub fn from_env(env: &dyn Fn(&str) -> Option<String>) -> Result<Option<TlsFiles>, TlsError> {
         let var = |k: &str| env(k).filter(|v| !v.is_empty()).map(PathBuf::from);
-        TlsFiles::from_parts(var(CERT_VAR), var(KEY_VAR), var(CA_VAR))
+        TlsFiles::from_parts_with_crl(var(CERT_VAR), var(KEY_VAR), var(CA_VAR), var(CRL_VAR))
     }
 
     fn chain(&self) -> Result<Vec<CertificateDer<'static>>, TlsError> {
@@ -129,16 +168,49 @@ impl TlsFiles {
     }
 
     fn roots(&self) -> Result<RootCertStore, TlsError> {
-        let mut roots = RootCertStore::empty();
-        for cert in read_certs(&self.ca, "CA")? {
-            roots.add(cert).map_err(|e| TlsError::Pem {
-                what: "CA",
-                path: self.ca.clone(),
-                expected: "CA certificate",
-                detail: e.to_string(),
-            })?;
-        }
-        Ok(roots)
+        read_roots(&self.ca)
+    }
+}
+
+fn read_roots(ca: &Path) -> Result<RootCertStore, TlsError> {
+    let mut roots = RootCertStore::empty();
+    for cert in read_certs(ca, "CA")? {
+        roots.add(cert).map_err(|e| TlsError::Pem {
+            what: "CA",
+            path: ca.to_path_buf(),
+            expected: "CA certificate",
+            detail: e.to_string(),
+        })?;
+    }
+    Ok(roots)
+}
+
+/// The CRLs of `path` (none when no file is named); a named file without one is refused by name.
+fn read_crls(path: Option<&Path>) -> Result<Vec<CertificateRevocationListDer<'static>>, TlsError> {
+    let Some(path) = path else {
+        return Ok(Vec::new());
+    };
+    let bytes = read(path, "CRL")?;
+    let pem = |detail: String| TlsError::Pem {
+        what: "CRL",
+        path: path.to_path_buf(),
+        expected: "X509 CRL",
+        detail,
+    };
+    let crls = CertificateRevocationListDer::pem_slice_iter(&bytes)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| pem(e.to_string()))?;
+    if crls.is_empty() {
+        return Err(pem("no X509 CRL block".into()));
+    }
+    Ok(crls)
+}
+
+/// What a CRL the verifier could not use is refused with: naming the file.
+fn verifier_error(side: &str, crl: Option<&Path>, e: impl std::fmt::Display) -> TlsError {
+    match crl {
+        Some(p) => TlsError::Config(format!("{side} verifier (CRL {}): {e}", p.display())),
+        None => TlsError::Config(format!("{side} verifier: {e}")),
     }
 }
 
@@ -202,8 +274,9 @@ impl TlsServer {
         let key_digest = *blake3::hash(key.secret_der()).as_bytes();
         let verifier =
             WebPkiClientVerifier::builder_with_provider(Arc::new(files.roots()?), provider())
+                .with_crls(read_crls(files.crl.as_deref())?)
                 .build()
-                .map_err(|e| TlsError::Config(format!("client verifier: {e}")))?;
+                .map_err(|e| verifier_error("client", files.crl.as_deref(), e))?;
         let config = |client_auth: bool| -> Result<ServerConfig, TlsError> {
             let builder = ServerConfig::builder_with_provider(provider())
                 .with_safe_default_protocol_versions()
@@ -259,39 +332,81 @@ impl TlsServer {
     }
 }
 
-/// A worker's (or an HTTP client's) TLS: the CA the controller's certificate must chain to, and
-/// this side's client certificate.
+/// A worker's (or an HTTP client's) TLS: the CA (and CRL) the controller's certificate is
+/// checked against, and this side's client certificate (a worker's always; an HTTP client's
+/// when it has one: [`TlsClient::server_only`] shows none).
 #[derive(Clone)]
 pub struct TlsClient {
     connector: TlsConnector,
     server_name: Option<ServerName<'static>>,
-    files: TlsFiles,
+    ca: PathBuf,
+    cert: Option<PathBuf>,
+    crl: Option<PathBuf>,
 }
 
 impl std::fmt::Debug for TlsClient {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TlsClient")
-            .field("files", &self.files)
+            .field("ca", &self.ca)
+            .field("cert", &self.cert)
+            .field("crl", &self.crl)
             .field("server_name", &self.server_name)
             .finish_non_exhaustive()
     }
 }
 
 impl TlsClient {
-    /// Reads the files; `server_name` is the name expected in the controller's certificate
-    /// (`None`: the host of the address connected to).
+    /// Reads the files (mutual TLS: this side shows `files.cert`); `server_name` is the name
+    /// expected in the controller's certificate (`None`: the host of the address connected to).
     pub fn new(files: &TlsFiles, server_name: Option<&str>) -> Result<TlsClient, TlsError> {
+        let identity = (files.chain()?, files.private_key()?, files.cert.as_path());
+        TlsClient::build(&files.ca, files.crl.as_deref(), Some(identity), server_name)
+    }
+
+    /// A client that checks the server's certificate against `ca` (and `crl`) and shows none of
+    /// its own: what an HTTP API client needs (the API's bearer token authenticates it).
+    pub fn server_only(
+        ca: &Path,
+        crl: Option<&Path>,
+        server_name: Option<&str>,
+    ) -> Result<TlsClient, TlsError> {
+        TlsClient::build(ca, crl, None, server_name)
+    }
+
+    fn build(
+        ca: &Path,
+        crl: Option<&Path>,
+        identity: Option<(Vec<CertificateDer<'static>>, PrivateKeyDer<'static>, &Path)>,
+        server_name: Option<&str>,
+    ) -> Result<TlsClient, TlsError> {
         let server_name = server_name.map(parse_server_name).transpose()?;
-        let config = ClientConfig::builder_with_provider(provider())
+        let roots = Arc::new(read_roots(ca)?);
+        let builder = ClientConfig::builder_with_provider(provider())
             .with_safe_default_protocol_versions()
-            .map_err(|e| TlsError::Config(e.to_string()))?
-            .with_root_certificates(files.roots()?)
-            .with_client_auth_cert(files.chain()?, files.private_key()?)
-            .map_err(|e| TlsError::Config(format!("{}: {e}", files.cert.display())))?;
+            .map_err(|e| TlsError::Config(e.to_string()))?;
+        let crls = read_crls(crl)?;
+        let builder = if crls.is_empty() {
+            builder.with_root_certificates(roots)
+        } else {
+            let verifier = WebPkiServerVerifier::builder_with_provider(roots, provider())
+                .with_crls(crls)
+                .build()
+                .map_err(|e| verifier_error("server", crl, e))?;
+            builder.with_webpki_verifier(verifier)
+        };
+        let cert = identity.as_ref().map(|(_, _, path)| path.to_path_buf());
+        let config = match identity {
+            Some((chain, key, path)) => builder
+                .with_client_auth_cert(chain, key)
+                .map_err(|e| TlsError::Config(format!("{}: {e}", path.display())))?,
+            None => builder.with_no_client_auth(),
+        };
         Ok(TlsClient {
             connector: TlsConnector::from(Arc::new(config)),
             server_name,
-            files: files.clone(),
+            ca: ca.to_path_buf(),
+            cert,
+            crl: crl.map(Path::to_path_buf),
         })
     }
 
@@ -307,7 +422,7 @@ impl TlsClient {
 
     /// Runs the TLS handshake over `tcp`, connected to `addr` (`host:port`), checking the
     /// controller's certificate. The error names what failed (an unknown issuer, a name that
-    /// does not match...).
+    /// does not match, a revoked certificate...).
     pub async fn connect(&self, tcp: TcpStream, addr: &str) -> std::io::Result<ByteStream> {
         let name = match &self.server_name {
             Some(n) => n.clone(),
@@ -317,9 +432,14 @@ impl TlsClient {
         Ok(Box::new(self.connector.connect(name, tcp).await?))
     }
 
-    /// The files it was built from.
-    pub fn files(&self) -> &TlsFiles {
-        &self.files
+    /// The CA file the server's certificate is checked against.
+    pub fn ca(&self) -> &Path {
+        &self.ca
+    }
+
+    /// The client certificate it shows (`None`: [`TlsClient::server_only`]).
+    pub fn cert(&self) -> Option<&Path> {
+        self.cert.as_deref()
     }
 }
 
@@ -380,8 +500,44 @@ mod tests {
             cert: bad.clone(),
             key: bad.clone(),
             ca: bad,
+            crl: None,
         };
         let e = TlsServer::new(&files).unwrap_err().to_string();
         assert!(e.contains("cert.pem") && e.contains("certificate"), "{e}");
+    }
+
+    #[test]
+    fn a_crl_without_the_other_files_is_refused_by_name() {
+        let env = |k: &str| (k == CRL_VAR).then(|| "/etc/crl.pem".to_string());
+        let e = TlsFiles::from_env(&env).unwrap_err().to_string();
+        assert!(e.contains("/etc/crl.pem") && e.contains("CRL"), "{e}");
+    }
+
+    #[test]
+    fn a_crl_file_without_a_crl_is_refused_by_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let key = rcgen::KeyPair::generate().unwrap();
+        let cert = rcgen::CertificateParams::new(vec!["localhost".to_string()])
+            .unwrap()
+            .self_signed(&key)
+            .unwrap();
+        let write = |name: &str, text: String| {
+            let p = dir.path().join(name);
+            std::fs::write(&p, text).unwrap();
+            p
+        };
+        let cert = write("cert.pem", cert.pem());
+        let files = TlsFiles {
+            key: write("key.pem", key.serialize_pem()),
+            ca: cert.clone(),
+            crl: Some(cert.clone()),
+            cert,
+        };
+        for e in [
+            TlsServer::new(&files).unwrap_err().to_string(),
+            TlsClient::new(&files, None).unwrap_err().to_string(),
+        ] {
+            assert!(e.contains("CRL") && e.contains("cert.pem"), "{e}");
+        }
     }
 }

@@ -25,9 +25,13 @@ pub async fn run(
     match &tls {
         Some(t) => tracing::info!(
             "control channel and HTTP API over TLS: certificate {}, workers' client certificates \
-             checked against {}",
+             checked against {}{}",
             t.files().cert.display(),
-            t.files().ca.display()
+            t.files().ca.display(),
+            t.files()
+                .crl
+                .as_ref()
+                .map_or_else(String::new, |crl| format!(" and the CRL {}", crl.display()))
         ),
         None => {
             let loopback = control.local_addr().is_ok_and(|a| a.ip().is_loopback())

@@ -1,12 +1,15 @@
 //! Certificates for the TLS suites, made with `rcgen`: a job's CA, a controller certificate for
-//! `localhost` and `127.0.0.1`, a worker client certificate, and the same from a second,
-//! unrelated CA (what an attacker or a misconfigured host would hold). Written as PEM files to a
-//! temporary folder, as an operator would hand them over.
+//! `localhost` and `127.0.0.1`, a worker client certificate, a second worker certificate the CA
+//! revoked and CRLs, and the same from a second, unrelated CA (what an attacker or a
+//! misconfigured host would hold). Written as PEM files to a temporary folder, as an operator
+//! would hand them over.
 
 use std::path::{Path, PathBuf};
 
 use rcgen::{
-    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
+    BasicConstraints, CertificateParams, CertificateRevocationListParams, DnType,
+    ExtendedKeyUsagePurpose, IsCa, Issuer, KeyIdMethod, KeyPair, KeyUsagePurpose, RevocationReason,
+    RevokedCertParams, SerialNumber, date_time_ymd,
 };
 use weightsync_common::tls::TlsFiles;
 
@@ -19,7 +22,17 @@ pub struct TestCa {
     pub controller: TlsFiles,
     /// A worker's files (client certificate, key, this CA).
     pub worker: TlsFiles,
+    /// Another worker's files, whose certificate [`TestCa::crl`] revokes.
+    pub revoked_worker: TlsFiles,
+    /// This CA's CRL: it lists `revoked_worker`'s certificate (only).
+    pub crl: PathBuf,
+    /// A CRL of this CA that lists the controller's certificate (only).
+    pub controller_crl: PathBuf,
 }
+
+const CONTROLLER_SERIAL: u64 = 1;
+const WORKER_SERIAL: u64 = 2;
+const REVOKED_WORKER_SERIAL: u64 = 3;
 
 /// Two CAs in one folder: the job's and a stranger's.
 #[derive(Debug)]
@@ -55,6 +68,7 @@ fn make_ca(dir: &Path, name: &str) -> TestCa {
         .distinguished_name
         .push(DnType::CommonName, format!("weightsync test CA {name}"));
     ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca_params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
     let ca_cert = ca_params.self_signed(&ca_key).expect("CA certificate");
     let issuer = Issuer::new(ca_params, ca_key);
     let write = |file: &str, text: String| {
@@ -63,9 +77,10 @@ fn make_ca(dir: &Path, name: &str) -> TestCa {
         p
     };
     let ca = write("ca.pem", ca_cert.pem());
-    let leaf = |file: &str, sans: Vec<String>, purpose: ExtendedKeyUsagePurpose| {
+    let leaf = |file: &str, serial: u64, sans: Vec<String>, purpose: ExtendedKeyUsagePurpose| {
         let key = KeyPair::generate().expect("leaf key");
         let mut params = CertificateParams::new(sans).expect("leaf params");
+        params.serial_number = Some(SerialNumber::from(serial));
         params
             .distinguished_name
             .push(DnType::CommonName, format!("{name} {file}"));
@@ -75,21 +90,52 @@ fn make_ca(dir: &Path, name: &str) -> TestCa {
             cert: write(&format!("{file}.pem"), cert.pem()),
             key: write(&format!("{file}-key.pem"), key.serialize_pem()),
             ca: ca.clone(),
+            crl: None,
         }
     };
     let controller = leaf(
         "controller",
+        CONTROLLER_SERIAL,
         vec!["localhost".into(), "127.0.0.1".into()],
         ExtendedKeyUsagePurpose::ServerAuth,
     );
     let worker = leaf(
         "worker",
+        WORKER_SERIAL,
         vec!["worker.weightsync.test".into()],
         ExtendedKeyUsagePurpose::ClientAuth,
     );
+    let revoked_worker = leaf(
+        "revoked-worker",
+        REVOKED_WORKER_SERIAL,
+        vec!["revoked.weightsync.test".into()],
+        ExtendedKeyUsagePurpose::ClientAuth,
+    );
+    let crl = |number: u64, revoked: u64| {
+        CertificateRevocationListParams {
+            this_update: date_time_ymd(2024, 1, 1),
+            next_update: date_time_ymd(2099, 1, 1),
+            crl_number: SerialNumber::from(number),
+            issuing_distribution_point: None,
+            revoked_certs: vec![RevokedCertParams {
+                serial_number: SerialNumber::from(revoked),
+                revocation_time: date_time_ymd(2024, 1, 1),
+                reason_code: Some(RevocationReason::KeyCompromise),
+                invalidity_date: None,
+            }],
+            key_identifier_method: KeyIdMethod::Sha256,
+        }
+        .signed_by(&issuer)
+        .expect("CRL")
+        .pem()
+        .expect("CRL PEM")
+    };
     TestCa {
+        crl: write("crl.pem", crl(1, REVOKED_WORKER_SERIAL)),
+        controller_crl: write("controller-crl.pem", crl(2, CONTROLLER_SERIAL)),
         ca,
         controller,
         worker,
+        revoked_worker,
     }
 }

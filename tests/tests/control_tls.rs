@@ -1,7 +1,9 @@
 //! TLS on the control channel and the HTTP API (issue 39), with certificates made by `rcgen`:
-//! a job runs over mutual TLS and is triggered over HTTPS; plain HTTP to the TLS port gets no
-//! answer; a worker whose certificate another CA signed is refused by name and registers
-//! nothing; a worker shown a controller certificate from another CA refuses it by name.
+//! a job runs over mutual TLS and is triggered over HTTPS by the Rust API client; plain HTTP to
+//! the TLS port gets no answer; an API client that trusts another CA, or whose CRL lists the
+//! controller's certificate, is refused by name; a worker whose certificate another CA signed,
+//! or the controller's CRL lists, is refused by name and registers nothing; a worker shown a
+//! controller certificate from another CA, or one its CRL lists, refuses it by name.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -9,6 +11,8 @@ use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
+use weightsync_agent::api_client::ClientError;
+use weightsync_agent::embed::ApiClient;
 use weightsync_agent::{AgentError, run_agent};
 use weightsync_common::protocol::WorkerId;
 use weightsync_common::tls::{TlsClient, TlsFiles, TlsServer};
@@ -93,22 +97,54 @@ async fn a_job_runs_over_mutual_tls_and_http_answers_only_over_tls() {
     let health = https(ctl.http, &pki.job.ca, get("/healthz")).await;
     assert!(health.starts_with("HTTP/1.1 200"), "{health}");
 
-    let body = r#"{"version":1}"#;
-    let trigger = format!(
-        "POST /v1/syncs?wait=true HTTP/1.1\r\nhost: localhost\r\nauthorization: Bearer {API_TOKEN}\r\n\
-         content-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-        body.len()
+    // The Rust API client triggers the sync over HTTPS (the certificate's IP SAN checked).
+    let url = format!("https://{}", ctl.http);
+    let api = |tls: TlsClient| ApiClient::with_tls(&url, Some(API_TOKEN), Some(tls)).unwrap();
+    let trusted = api(TlsClient::server_only(&pki.job.ca, None, None).unwrap());
+    let r = tokio::task::spawn_blocking(move || trusted.sync(1, true, Duration::from_secs(20)))
+        .await
+        .unwrap()
+        .expect("the sync triggered over HTTPS");
+    assert_eq!(
+        (r.version, r.state.as_str(), &r.failure),
+        (1, "committed", &None)
     );
-    let answer = https(ctl.http, &pki.job.ca, trigger).await;
-    assert!(answer.starts_with("HTTP/1.1 2"), "{answer}");
-    assert!(
-        eventually(Duration::from_secs(10), || ctl
-            .state
-            .read(
-                |c| c.last_sync().map(|(_, st)| st) == Some(SyncState::Committed)
-            ))
-        .await,
-        "the sync triggered over HTTPS did not commit: {answer}"
+    let committed = ctl.state.read(|c| c.last_sync());
+    assert_eq!(committed.map(|(_, st)| st), Some(SyncState::Committed));
+    // A client with a worker's certificate (mutual TLS where asked) is answered too.
+    let mutual = api(TlsClient::new(&pki.job.worker, None).unwrap());
+    let again = tokio::task::spawn_blocking(move || mutual.sync(1, false, Duration::from_secs(10)))
+        .await
+        .unwrap()
+        .expect("the idempotent trigger over HTTPS with a client certificate");
+    assert_eq!((again.state.as_str(), again.created), ("committed", false));
+
+    // A client that trusts another CA, or whose CRL lists the controller's certificate, refuses
+    // the controller by name and sends nothing.
+    for (tls, cause) in [
+        (
+            TlsClient::server_only(&pki.other.ca, None, None).unwrap(),
+            "UnknownIssuer",
+        ),
+        (
+            TlsClient::server_only(&pki.job.ca, Some(&pki.job.controller_crl), None).unwrap(),
+            "Revoked",
+        ),
+    ] {
+        let client = api(tls);
+        let err =
+            tokio::task::spawn_blocking(move || client.sync(2, false, Duration::from_secs(10)))
+                .await
+                .unwrap()
+                .expect_err("an untrusted controller was talked to");
+        let text = err.to_string();
+        assert!(matches!(err, ClientError::Tls { .. }), "{text}");
+        assert!(text.contains("TLS") && text.contains(cause), "{text}");
+    }
+    assert_eq!(
+        ctl.state.read(|c| c.last_sync()),
+        committed,
+        "a refused client synced"
     );
 
     // Plain HTTP to the TLS port: the handshake fails and no HTTP answer comes back.
@@ -190,6 +226,118 @@ async fn a_worker_refuses_a_controller_whose_certificate_another_ca_signed() {
     );
     assert_eq!(registered(&ctl), 0);
     ctl.stop().await;
+}
+
+/// Runs `files`' worker against `ctl` until it stops; its error (it must be refused).
+async fn refused_agent(ctl: &ServedController, id: WorkerId, files: &TlsFiles) -> AgentError {
+    tokio::time::timeout(Duration::from_secs(10), tls_agent(ctl, id, files))
+        .await
+        .expect("a refused worker must stop, not retry")
+        .unwrap()
+        .expect_err("a worker with a revoked certificate got through")
+}
+
+/// The controller's CRL revokes one worker's certificate: that worker is refused by name and
+/// registers nothing, while a worker with a valid certificate of the same CA registers; a
+/// worker whose own CRL lists the controller's certificate refuses the controller by name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revoked_certificate_is_refused_by_name_and_a_valid_one_registers() {
+    let pki = TestPki::new();
+    let ctl = tls_controller(&TlsFiles {
+        crl: Some(pki.job.crl.clone()),
+        ..pki.job.controller.clone()
+    })
+    .await;
+
+    let err = refused_agent(&ctl, WorkerId::trainer(0), &pki.job.revoked_worker).await;
+    let text = err.to_string();
+    assert!(matches!(err, AgentError::Tls { .. }), "{text}");
+    assert!(
+        text.contains("trainer-0") && text.contains("CertificateRevoked"),
+        "{text}"
+    );
+    assert_eq!(registered(&ctl), 0);
+    assert!(
+        eventually(Duration::from_secs(5), || ctl
+            .state
+            .metrics()
+            .refused_count("tls")
+            >= 1)
+        .await,
+        "the controller did not count the refusal of a revoked certificate"
+    );
+
+    // The worker's side: a CRL that lists the controller's certificate.
+    let distrustful = TlsFiles {
+        crl: Some(pki.job.controller_crl.clone()),
+        ..pki.job.worker.clone()
+    };
+    let err = refused_agent(&ctl, WorkerId::rollout(0), &distrustful).await;
+    let text = err.to_string();
+    assert!(matches!(err, AgentError::Tls { .. }), "{text}");
+    assert!(
+        text.contains("rollout-0") && text.contains("Revoked"),
+        "{text}"
+    );
+    assert_eq!(registered(&ctl), 0);
+
+    // Fail closed: a controller whose CRL file covers another CA only cannot tell whether the
+    // job CA's certificates are revoked, and refuses them.
+    let uncovered = tls_controller(&TlsFiles {
+        crl: Some(pki.other.crl.clone()),
+        ..pki.job.controller.clone()
+    })
+    .await;
+    let err = refused_agent(&uncovered, WorkerId::trainer(0), &pki.job.worker).await;
+    assert!(matches!(err, AgentError::Tls { .. }), "{err}");
+    assert_eq!(registered(&uncovered), 0);
+    uncovered.stop().await;
+
+    // A valid certificate of the same CA, with a CRL that lists only another certificate.
+    let valid = TlsFiles {
+        crl: Some(pki.job.crl.clone()),
+        ..pki.job.worker.clone()
+    };
+    let agent = tls_agent(&ctl, WorkerId::trainer(0), &valid);
+    assert!(
+        eventually(Duration::from_secs(10), || registered(&ctl) == 1).await,
+        "a worker with a valid certificate did not register under a CRL"
+    );
+    agent.abort();
+    ctl.stop().await;
+}
+
+/// `weightsync demo --tls`: the real binaries (a served controller, worker processes started
+/// with `--tls-cert/--tls-key/--tls-ca`, the demo's https trigger) sync a tiny Qwen3 over mutual
+/// TLS with a CA made for the run. About 4 s.
+#[test]
+fn the_demo_syncs_over_mutual_tls_with_a_throwaway_ca() {
+    use weightsync_tests::processes::{ChildProcess, weightsync_binary};
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("tiny-qwen3.json");
+    std::fs::write(
+        &model,
+        r#"{"model_type": "qwen3", "hidden_size": 256, "intermediate_size": 768,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 128, "vocab_size": 1000, "tie_word_embeddings": true}"#,
+    )
+    .unwrap();
+    let mut cmd = std::process::Command::new(weightsync_binary());
+    cmd.args(["demo", "--tls", "--exit", "--model"])
+        .arg(&model)
+        .args(["--train", "fsdp=1", "--infer", "tp=1,dp=1", "--syncs", "1"])
+        .args(["--http", "127.0.0.1:0", "--watermark-mib", "4"]);
+    let mut demo = ChildProcess::spawn("demo-tls", cmd, dir.path()).unwrap();
+    let status = demo.wait_exit(Duration::from_secs(120));
+    let log = demo.log_text();
+    assert!(status.is_some_and(|s| s.success()), "{status:?}\n{log}");
+    for needle in [
+        "over mutual TLS, throwaway CA",
+        "dashboard: https://",
+        "1 of 1 syncs committed",
+    ] {
+        assert!(log.contains(needle), "no {needle:?} in:\n{log}");
+    }
 }
 
 const TRAINER_SECRET: &str = "trainer-secret-0123456789";

@@ -57,8 +57,15 @@ impl Reach {
         };
         let tls = match tls {
             Some(files) => {
-                let name = env(weightsync_common::tls::SERVER_NAME_VAR).filter(|v| !v.is_empty());
-                TlsClient::new(files, name.as_deref()).map(Some)
+                use weightsync_common::tls::{CRL_VAR, SERVER_NAME_VAR};
+                let var = |k: &str| env(k).filter(|v| !v.is_empty());
+                // Files given in code, the name and a CRL (when they name none) from the
+                // environment, as a worker started from its variables would read them.
+                let files = TlsFiles {
+                    crl: files.crl.clone().or_else(|| var(CRL_VAR).map(Into::into)),
+                    ..files.clone()
+                };
+                TlsClient::new(&files, var(SERVER_NAME_VAR).as_deref()).map(Some)
             }
             None => TlsClient::from_env(&env),
         }

@@ -77,6 +77,10 @@ pub struct Settings {
     /// refused before it can prove a secret.
     #[arg(long, env = "WEIGHTSYNC_TLS_CA")]
     pub tls_ca: Option<PathBuf>,
+    /// TLS: certificate revocation list(s) of that CA (PEM `X509 CRL`); a worker whose
+    /// certificate it lists is refused. Read at start [default: none].
+    #[arg(long, env = "WEIGHTSYNC_TLS_CRL")]
+    pub tls_crl: Option<PathBuf>,
 }
 
 /// Arguments of `weightsync controller`.
@@ -140,10 +144,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let full_syncs = s.full_syncs.or(file.full_syncs).unwrap_or(false);
     cfg.delta_syncs = !full_syncs && s.delta.or(file.delta).unwrap_or(false);
     cfg.state_file = s.state_file.or(file.state_file);
-    let tls = weightsync_common::tls::TlsFiles::from_parts(
+    let tls = weightsync_common::tls::TlsFiles::from_parts_with_crl(
         s.tls_cert.or(file.tls_cert),
         s.tls_key.or(file.tls_key),
         s.tls_ca.or(file.tls_ca),
+        s.tls_crl.or(file.tls_crl),
     )?;
     cfg.tls = tls
         .map(|files| weightsync_common::tls::TlsServer::new(&files))

@@ -120,6 +120,10 @@ pub struct WorkerFlags {
     /// TLS: the CA the controller's certificate must chain to (PEM).
     #[arg(long, env = "WEIGHTSYNC_TLS_CA")]
     pub tls_ca: Option<PathBuf>,
+    /// TLS: certificate revocation list(s) of that CA (PEM); refuses a controller whose
+    /// certificate it lists [default: none].
+    #[arg(long, env = "WEIGHTSYNC_TLS_CRL")]
+    pub tls_crl: Option<PathBuf>,
     /// TLS: the name expected in the controller's certificate (default: the host of
     /// --controller).
     #[arg(long, env = "WEIGHTSYNC_TLS_SERVER_NAME")]
@@ -147,6 +151,7 @@ impl From<WorkerFlags> for WorkerSettings {
             tls_cert: f.tls_cert,
             tls_key: f.tls_key,
             tls_ca: f.tls_ca,
+            tls_crl: f.tls_crl,
             tls_server_name: f.tls_server_name,
         }
     }

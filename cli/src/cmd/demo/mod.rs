@@ -22,12 +22,13 @@
 
 mod summary;
 mod syncs;
+mod throwaway_ca;
 mod workers;
 mod yardsticks;
 
 use std::time::Duration;
 
-use anyhow::bail;
+use anyhow::{Context, bail};
 use indicatif::{ProgressBar, ProgressStyle};
 use weightsync_common::DType;
 use weightsync_common::protocol::WorldSpec;
@@ -93,6 +94,10 @@ pub struct Args {
     /// commit, outside the sync); the trainers' checksums are verified either way.
     #[arg(long)]
     pub no_recompute: bool,
+    /// Run the control channel and the HTTP API over mutual TLS, with a CA made for this run
+    /// (its PEM files in the run's log folder; the dashboard is then https:// and signed by it).
+    #[arg(long)]
+    pub tls: bool,
 }
 
 fn random_token() -> String {
@@ -132,6 +137,8 @@ struct ServedDemo {
     api_token: String,
     http_addr: std::net::SocketAddr,
     control_addr: std::net::SocketAddr,
+    /// `--tls`: the throwaway CA's certificates.
+    tls: Option<throwaway_ca::DemoTls>,
     stop: tokio::sync::oneshot::Sender<()>,
     server: tokio::task::JoinHandle<std::io::Result<()>>,
 }
@@ -141,7 +148,8 @@ async fn demo(args: Args) -> anyhow::Result<()> {
     let progress = logs.join("progress");
     std::fs::create_dir_all(&progress)?;
     let ctl = start_controller(&args, &logs).await?;
-    let dashboard = format!("http://{}/", ctl.http_addr);
+    let scheme = if ctl.tls.is_some() { "https" } else { "http" };
+    let dashboard = format!("{scheme}://{}/", ctl.http_addr);
     let w = &ctl.world;
     eprintln!(
         "weightsync demo: {} ({} weights), {} trainers [{}] -> {} rollouts [{}]\n  dashboard: {dashboard}",
@@ -223,6 +231,18 @@ async fn start_controller(args: &Args, logs: &std::path::Path) -> anyhow::Result
         200,
     )?;
     cfg.shutdown_workers = true;
+    let tls = args
+        .tls
+        .then(|| throwaway_ca::make(logs))
+        .transpose()
+        .context("making the demo's throwaway CA")?;
+    if let Some(t) = &tls {
+        eprintln!(
+            "TLS: control channel and HTTP API over mutual TLS, throwaway CA {}",
+            t.worker.ca.display()
+        );
+        cfg.tls = Some(t.server.clone());
+    }
     let (trainers, rollouts) = (cfg.coordinator.trainers, cfg.coordinator.rollouts);
     let http = match tokio::net::TcpListener::bind(&args.http).await {
         Ok(l) => l,
@@ -252,6 +272,7 @@ async fn start_controller(args: &Args, logs: &std::path::Path) -> anyhow::Result
         api_token,
         http_addr,
         control_addr,
+        tls,
         stop,
         server,
     })

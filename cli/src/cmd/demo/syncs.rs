@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::bail;
 use serde_json::Value;
-use weightsync_agent::api_client::request;
+use weightsync_agent::api_client::request_over;
 use weightsync_controller::AppState;
 use weightsync_demo::progress::{DemoEvent, read_all};
 
@@ -133,9 +133,11 @@ pub(super) async fn run_syncs(
         let pb = spinner(format!("sync {version}/{}: triggering", args.syncs));
         let post = {
             let (addr, token) = (addr.clone(), ctl.api_token.clone());
+            let tls = ctl.tls.as_ref().map(|t| t.api.clone());
             tokio::spawn(async move {
-                request(
+                request_over(
                     &addr,
+                    tls.as_ref(),
                     "POST",
                     "/v1/syncs?wait=true",
                     Some(&token),

@@ -99,6 +99,14 @@ pub(super) fn spawn_workers(
                 .stdin(Stdio::null())
                 .stdout(out.try_clone()?)
                 .stderr(out);
+            if let Some(tls) = &ctl.tls {
+                cmd.arg("--tls-cert")
+                    .arg(&tls.worker.cert)
+                    .arg("--tls-key")
+                    .arg(&tls.worker.key)
+                    .arg("--tls-ca")
+                    .arg(&tls.worker.ca);
+            }
             if role == "trainer" {
                 cmd.args(["--source", &format!("demo:{}", args.seed)])
                     .args(["--watermark-mib", &args.watermark_mib.to_string()]);
