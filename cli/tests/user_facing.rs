@@ -79,3 +79,49 @@ fn a_usage_error_exits_2() {
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("--no-such-flag"), "{err}");
 }
+
+#[test]
+fn simulate_changed_predicts_a_delta_sync_beside_the_full_one() {
+    let args = [
+        "simulate",
+        "--model",
+        "qwen3-0.6b",
+        "--train",
+        "fsdp=4",
+        "--infer",
+        "tp=2,dp=2",
+        "--dtype",
+        "fp8",
+        "--json",
+    ];
+    let out = weightsync(&[&args[..], &["--changed", "0.02"]].concat());
+    assert!(out.status.success(), "{out:?}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let d = &v["delta"];
+    let f = |k: &str| d[k].as_f64().unwrap_or_else(|| panic!("no {k} in {d}"));
+    assert_eq!(f("changed"), 0.02);
+    assert_eq!(f("full_bound_s"), v["bound_s"].as_f64().unwrap());
+    assert_eq!(f("full_predicted_s"), v["predicted_s"].as_f64().unwrap());
+    assert!(
+        f("delta_bound_s") > 0.0 && f("delta_bound_s") < f("full_bound_s"),
+        "{d}"
+    );
+    assert!(f("predicted_s") >= f("delta_bound_s") && f("predicted_s") < f("full_predicted_s"));
+    assert!(
+        f("wire_bytes") < f("dense_bytes") && f("wire_fraction") < 1.0,
+        "{d}"
+    );
+    // The memory rate of the encode and apply defaults to --prep-gbs.
+    assert_eq!(f("scan_gbs"), 1000.0);
+    // Without --changed there is no delta sync; a changed fraction out of range is named.
+    let plain = weightsync(&args);
+    let v: serde_json::Value = serde_json::from_slice(&plain.stdout).unwrap();
+    assert!(v.get("delta").is_none());
+    let bad = weightsync(&[&args[..], &["--changed", "2"]].concat());
+    assert_eq!(bad.status.code(), Some(2), "{bad:?}");
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert!(
+        err.contains("--changed") && err.contains("fraction"),
+        "{err}"
+    );
+}

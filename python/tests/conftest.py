@@ -170,24 +170,27 @@ class Controller:
             return json.loads(r.read())
 
 
-def start_controller(procs: Procs, model: str, train: str, infer: str, dtype: str = "bf16") -> Controller:
-    """A controller on two free loopback ports, up and answering /healthz.
+def start_controller(procs: Procs, model: str, train: str, infer: str, dtype: str = "bf16",
+                     extra: list[str] | None = None) -> Controller:
+    """A controller on two free loopback ports, up and answering /healthz (``extra``: more
+    arguments, e.g. ``["--delta"]``).
 
     A port found free can be taken by another process before the controller binds it (the
     tests start many processes with outbound connections on ephemeral ports): a controller that
     exits saying so is started again on fresh ports, a few times, and any other exit fails."""
     for _ in range(5):
-        c = _start_controller_once(procs, model, train, infer, dtype)
+        c = _start_controller_once(procs, model, train, infer, dtype, extra or [])
         if c is not None:
             return c
     pytest.fail(f"controller could not bind free ports in 5 tries: {procs.procs[-1].tail()}")
 
 
-def _start_controller_once(procs: Procs, model: str, train: str, infer: str, dtype: str) -> Controller | None:
+def _start_controller_once(procs: Procs, model: str, train: str, infer: str, dtype: str,
+                           extra: list[str]) -> Controller | None:
     control, http = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     tokens = {"WEIGHTSYNC_JOB_TOKEN": "job-" + os.urandom(8).hex(), "WEIGHTSYNC_API_TOKEN": "api-" + os.urandom(8).hex()}
     argv = [weightsync_bin(), "controller", "--control", control, "--http", http, "--model", model,
-            "--train", train, "--infer", infer, "--dtype", dtype, "--sync-timeout-s", "120"]
+            "--train", train, "--infer", infer, "--dtype", dtype, "--sync-timeout-s", "120", *extra]
     log = procs.folder / "controller.log"
     log_start = log.stat().st_size if log.exists() else 0
     proc = procs.start("controller", argv, env={**tokens, "RUST_LOG": os.environ.get("RUST_LOG", "info")})

@@ -3,7 +3,9 @@ on CPU/gloo with ``weightsync.Trainer``, and two engine processes holding transf
 registered with ``weightsync.Engine`` in the Hugging Face layout. After each optimizer step every
 engine tensor must equal the trainer's gathered ``full_tensor()`` byte for byte (fp8: equal the
 independent torch reference of ``jobs/fp8_reference.py``, bit for bit) and greedy generation of
-16 tokens must be the same on the engines as on the trainer's model.
+16 tokens must be the same on the engines as on the trainer's model. The delta-sync test (issue
+40) runs the same loop at RL learning rates with a controller started with ``--delta`` and
+reports each sync's bytes on the wire against the full sync's.
 
 Each variant takes about a minute on a quiet 2-core box (torch start-up dominates)."""
 
@@ -131,14 +133,18 @@ def outcomes(out: Path, versions: list[int]) -> dict[str, Any]:
 
 def run_job(tmp_path: Path, procs: Procs, *, kind: str, train: str, nproc: int, infer: str, dtype: str = "bf16",
             engines: dict[int, tuple[int, int]], steps: int = 3, trigger: str = "push",
-            die: tuple[int, int] | None = None, master: str = "bf16") -> Path:
+            die: tuple[int, int] | None = None, master: str = "bf16", lrs: list[float] | None = None,
+            controller_args: list[str] | None = None, config: dict[str, Any] | None = None) -> Path:
     """Runs the job; `engines` maps inference rank -> (ep_rank, ep_size); `die` = (rank, version):
-    that engine kills itself when the version starts landing and is restarted."""
-    model = tiny.write_config(str(tmp_path / "model"), kind)
+    that engine kills itself when the version starts landing and is restarted. `lrs`: the
+    trainer's learning rate per step; `controller_args`: more controller arguments (then the
+    controller's sync history is kept as ``OUT/syncs.json``); `config`: overrides of the tiny
+    model's config keys."""
+    model = tiny.write_config(str(tmp_path / "model"), kind, **(config or {}))
     folder = str(Path(model).parent)
     out = tmp_path / "out"
     out.mkdir()
-    c = start_controller(procs, model, train, infer, dtype)
+    c = start_controller(procs, model, train, infer, dtype, extra=controller_args)
     versions = list(range(1, steps + 1))
     common = ["--model", folder, "--controller", c.control, "--out", str(out)]
     if dtype == "fp8":
@@ -153,6 +159,8 @@ def run_job(tmp_path: Path, procs: Procs, *, kind: str, train: str, nproc: int, 
              "--trigger", trigger, "--http", c.http, "--weights-dtype", master]
     if die:
         targs += ["--expect-failure-at", str(die[1])]
+    if lrs:
+        targs += ["--lrs", *map(str, lrs)]
     tr = torchrun(procs, nproc, targs, c.env())
     if die:
         r, v = die
@@ -165,6 +173,8 @@ def run_job(tmp_path: Path, procs: Procs, *, kind: str, train: str, nproc: int, 
         extra = ["--ep-rank", str(ep_rank), "--ep-size", str(ep_size), "--versions", *map(str, range(v + 1, steps + 1))]
         es[r] = engine(procs, r, common + extra, c.env(), name=f"engine{r}-restarted")
     wait_all(procs, [tr, *es.values()])
+    if controller_args:
+        (out / "syncs.json").write_text(json.dumps(c.get("/v1/syncs")))
     return out
 
 
@@ -233,3 +243,63 @@ def test_engine_killed_mid_sync(tmp_path: Path, procs: Procs) -> None:
     assert other["state"] == "invalid" and other["version"] == 1 and other["cause"], other
     assert not (out / "engine0_v2.pt").exists() and not (out / "engine1_v2.pt").exists()
     compare(out, [1, 3], {0: (0, 1), 1: (0, 1)}, fp8=False, tokens=True)
+
+
+# RL learning rates, one job: v1 is the first (full) sync; v2 and v3 follow AdamW steps at 1e-6,
+# v4 a step at 1e-5, each a delta on the version before.
+DELTA_LRS = [1e-6, 1e-6, 1e-6, 1e-5]
+# At lr 1e-6 a delta sync moves at most this fraction of the full sync's bytes (issue 40).
+DELTA_MAX_WIRE = {"bf16": 0.10, "fp8": 0.03}
+# The tiny Qwen3 at twice the width, so that every matrix's FSDP shards (fsdp=2 along dim 0) are
+# whole 128-row fp8 blocks: at width 128 every block straddles the cut and its f32 rows go
+# between the trainers each sync, more bytes than the engine's whole fp8 weights.
+DELTA_CONFIG = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=4, head_dim=64,
+                    intermediate_size=512)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_delta_syncs_at_rl_learning_rates(tmp_path: Path, procs: Procs, dtype: str) -> None:
+    # The real loop of issue 40: f32 master weights under FSDP2 mixed precision, AdamW at RL
+    # learning rates, a controller with --delta. After every step the engine holds exactly the
+    # trainer's weights (cast or quantised), and each sync after the first moves only what the
+    # step changed.
+    steps = len(DELTA_LRS)
+    versions = list(range(1, steps + 1))
+    out = run_job(tmp_path, procs, kind="dense", train="fsdp=2,dtype=f32", nproc=2,
+                  infer="tp=1,format=hf", dtype=dtype, engines={0: (0, 1)}, master="f32",
+                  steps=steps, lrs=DELTA_LRS, controller_args=["--delta"], config=DELTA_CONFIG)
+    compare(out, versions, {0: (0, 1)}, fp8=dtype == "fp8", tokens=False, master_f32=True)
+    syncs = {s["version"]: s for s in json.loads((out / "syncs.json").read_text())["syncs"]}
+    assert sorted(syncs) == versions and all(s["state"] == "committed" for s in syncs.values()), syncs
+    full = syncs[1]
+    assert full["delta"] is None, f"the first sync has no base to take deltas on: {full}"
+    assert syncs[2]["delta"] is not None, syncs[2]
+    # What a full sync writes to the engine; the rest of its bytes are the f32 rows of small
+    # tensors the trainers gather to one of them first (every sync, delta or not).
+    engine_full = syncs[2]["delta"]["dense_bytes"]
+    gathers = full["bytes"] - engine_full
+    # The trainers' own outcomes count what the controller counts.
+    assert outcomes(out, versions)["bytes_per_sync"] == [syncs[v]["bytes"] for v in versions]
+    rows = []
+    for v in versions[1:]:
+        d = syncs[v]["delta"]
+        assert d is not None and d["engines"] == 1 and d["base_version"] == v - 1, syncs[v]
+        assert d["dense_bytes"] == engine_full and syncs[v]["bytes"] == d["wire_bytes"] + gathers, syncs[v]
+        rows.append({"version": v, "lr": DELTA_LRS[v - 1], "engine_bytes": d["wire_bytes"],
+                     "engine_fraction": round(d["wire_fraction"], 5), "bytes": syncs[v]["bytes"],
+                     "fraction": round(syncs[v]["bytes"] / full["bytes"], 5),
+                     "changed_fraction": round(d["changed_fraction"], 5),
+                     "encode_ms": round(d["encode_ms"], 3), "apply_ms": round(d["apply_ms"], 3)})
+    fig = {"dtype": dtype, "full_bytes": full["bytes"], "engine_full_bytes": engine_full,
+           "gather_bytes": gathers, "syncs": rows}
+    FIGURES[f"delta fsdp=2 f32 master -> hf {dtype}, lr 1e-6 then 1e-5"] = fig
+    print(json.dumps(fig))
+    for r in rows:
+        if r["lr"] == 1e-6:
+            # Every byte the sync put on the wire (to the engine and between the trainers)
+            # against the full sync's.
+            assert 0 < r["engine_fraction"] <= r["fraction"] <= DELTA_MAX_WIRE[dtype], fig
+    # A ten times larger step changes more.
+    assert max(r["changed_fraction"] for r in rows if r["lr"] == 1e-6) < min(
+        r["changed_fraction"] for r in rows if r["lr"] == 1e-5), fig

@@ -7,6 +7,11 @@
 //! and what dominates it. `--trace out.json` writes the simulated timeline as the same Chrome
 //! trace the dashboard serves for a real sync.
 //!
+//! `--changed F` also predicts a delta sync (`weightsync_schedules::simulate::delta`): every
+//! engine holds the previous version and a fraction `F` of the elements changed; it prints the
+//! delta sync beside the full one, held against the full-transfer bound and the delta bound (the
+//! delta bytes over the links), with the encode and apply at `--delta-scan-gbs` per GPU.
+//!
 //! `--calibrate` checks the simulator against reality on this machine: it measures the loopback
 //! fabric, the preparation kernels and the per-sync and per-task fixed costs (from near-empty
 //! syncs), predicts several end-to-end loopback syncs with a host model built from those figures
@@ -20,7 +25,9 @@ use std::time::Instant;
 use anyhow::Context;
 use serde_json::json;
 use weightsync_schedules::baseline::{Baseline, BaselineOptions, simulate_baseline};
-use weightsync_schedules::simulate::{ClusterModel, SimReport, simulate};
+use weightsync_schedules::simulate::{
+    ClusterModel, DeltaModel, DeltaReport, SimReport, simulate, simulate_delta,
+};
 
 use super::plan;
 
@@ -88,6 +95,18 @@ pub struct Args {
     /// The goal the predicted time is checked against, seconds.
     #[arg(long, default_value_t = 0.8)]
     pub target_s: f64,
+    /// Also predict a delta sync where this fraction of the elements changed since the version
+    /// every engine holds (e.g. 0.02), beside the full sync.
+    #[arg(long, value_parser = parse_fraction)]
+    pub changed: Option<f64>,
+    /// Memory bandwidth of a delta sync's encode (trainer) and apply (engine), GB/s per GPU
+    /// (default: --prep-gbs, the GPU's memory-bound kernel rate; about 50 for a CPU's share of
+    /// a node's host memory).
+    #[arg(long)]
+    pub delta_scan_gbs: Option<f64>,
+    /// Each engine's delta inbox as a fraction of its weights' bytes (the worker's default).
+    #[arg(long, default_value_t = 0.25, value_parser = parse_fraction)]
+    pub delta_inbox_fraction: f64,
     /// Instead: calibrate the simulator against real loopback syncs on this machine.
     #[arg(long)]
     pub calibrate: bool,
@@ -97,7 +116,29 @@ pub struct Args {
     pub syncs: usize,
 }
 
+/// A fraction in [0, 1].
+fn parse_fraction(s: &str) -> Result<f64, String> {
+    let v: f64 = s
+        .parse()
+        .map_err(|_| format!("`{s}` is not a number (expected a fraction such as 0.02)"))?;
+    if (0.0..=1.0).contains(&v) {
+        Ok(v)
+    } else {
+        Err(format!(
+            "{v} is not a fraction in [0, 1] (e.g. 0.02 for 2%)"
+        ))
+    }
+}
+
 impl Args {
+    /// The delta sync `--changed` asks for.
+    fn delta_model(&self) -> Option<DeltaModel> {
+        self.changed.map(|f| DeltaModel {
+            inbox_fraction: self.delta_inbox_fraction,
+            ..DeltaModel::new(f, self.delta_scan_gbs.unwrap_or(self.prep_gbs) * 1e9)
+        })
+    }
+
     fn plan_args(&self, model: &str) -> plan::Args {
         plan::Args {
             model: model.to_string(),
@@ -156,6 +197,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let cluster = args.cluster(pargs.cost_model());
     let t1 = Instant::now();
     let ws = simulate(&planned.table, &cluster)?;
+    let delta = args
+        .delta_model()
+        .map(|m| simulate_delta(&planned.table, &cluster, &m))
+        .transpose()?;
     let simulate_s = t1.elapsed().as_secs_f64();
     let opts = BaselineOptions {
         bucket_bytes: args.bucket_mib << 20,
@@ -175,6 +220,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         plan_s,
         simulate_s,
         ws: &ws,
+        delta: delta.as_ref(),
         baselines: &baselines,
         cluster: &cluster,
         summary: &planned.summary,
@@ -193,6 +239,7 @@ struct Report<'a> {
     plan_s: f64,
     simulate_s: f64,
     ws: &'a SimReport,
+    delta: Option<&'a DeltaReport>,
     baselines: &'a [SimReport],
     cluster: &'a ClusterModel,
     summary: &'a weightsync_schedules::Summary,
@@ -251,7 +298,78 @@ impl Report<'_> {
             out[format!("{}_s", b.name())] = json!(r.predicted_s);
             out[format!("speedup_vs_{}", b.name())] = json!(self.speedup(r));
         }
+        if let Some(d) = self.delta {
+            out["delta"] = json!({
+                "changed": d.model.changed,
+                "predicted_s": d.sync.predicted_s,
+                "delta_bound_s": d.sync.bound_s,
+                "delta_bound_nic": d.sync.bound_nic,
+                "full_bound_s": ws.bound_s,
+                "full_predicted_s": ws.predicted_s,
+                "speedup_vs_full": ws.predicted_s / d.sync.predicted_s.max(f64::MIN_POSITIVE),
+                "meets_target": d.sync.predicted_s <= self.args.target_s,
+                "dense_bytes": d.dense_bytes,
+                "wire_bytes": d.wire_bytes,
+                "wire_fraction": d.wire_fraction,
+                "delta_writes": d.delta_writes,
+                "dense_writes": d.dense_writes,
+                "encode_bytes": d.encode_bytes,
+                "max_encode_s": d.max_encode_s,
+                "apply_bytes": d.apply_bytes,
+                "max_apply_s": d.max_apply_s,
+                "scan_gbs": d.model.scan_bytes_per_s / 1e9,
+                "inbox_fraction": d.model.inbox_fraction,
+                "max_fraction": d.model.max_fraction,
+                "dominated_by": d.sync.dominated_by,
+                "critical_breakdown": d.sync.critical_breakdown,
+                "network_bytes": d.sync.network_bytes,
+            });
+        }
         out
+    }
+
+    /// The delta sync's lines of the text report.
+    fn human_delta(&self, s: &mut String, d: &DeltaReport) {
+        use std::fmt::Write;
+        let ws = self.ws;
+        let _ = writeln!(
+            s,
+            "Delta sync, {:.1}% of elements changed (every engine holds the previous version)",
+            d.model.changed * 100.0
+        );
+        let _ = writeln!(
+            s,
+            "  predicted {:>8.4} s   delta bound {:.4} s ({})   full-transfer bound {:.3} s   \
+             {:.1}x faster than the full sync",
+            d.sync.predicted_s,
+            d.sync.bound_s,
+            d.sync.bound_nic,
+            ws.bound_s,
+            ws.predicted_s / d.sync.predicted_s.max(f64::MIN_POSITIVE)
+        );
+        let _ = writeln!(
+            s,
+            "  to engines {:.2} GB of {:.2} GB ({:.2}%); {} writes as deltas, {} dense",
+            d.wire_bytes as f64 / 1e9,
+            d.dense_bytes as f64 / 1e9,
+            d.wire_fraction * 100.0,
+            d.delta_writes,
+            d.dense_writes
+        );
+        let _ = writeln!(
+            s,
+            "  encode {:.1} ms on the busiest trainer, apply {:.1} ms on the busiest engine \
+             (memory at {:.0} GB/s per GPU{})",
+            d.max_encode_s * 1e3,
+            d.max_apply_s * 1e3,
+            d.model.scan_bytes_per_s / 1e9,
+            if self.args.delta_scan_gbs.is_some() {
+                ", --delta-scan-gbs"
+            } else {
+                ", as --prep-gbs"
+            }
+        );
+        let _ = writeln!(s, "  critical path: mostly {}", d.sync.dominated_by);
     }
 
     fn human(&self) -> String {
@@ -347,6 +465,9 @@ impl Report<'_> {
                 "Within the {:.2} s goal; the critical path is mostly {}",
                 self.args.target_s, ws.dominated_by
             );
+        }
+        if let Some(d) = self.delta {
+            self.human_delta(&mut s, d);
         }
         if let Some(p) = &self.args.trace {
             let _ = writeln!(s, "Trace written to {}", p.display());

@@ -13,6 +13,8 @@ the sync of V must fail (an engine is killed); the error is recorded and trainin
 (``MixedPrecisionPolicy(param_dtype=bf16)``), so the shards weightsync reads stay f32 (the job's
 training layout says ``dtype=f32``) and the engines, in bf16 or fp8, are cast or quantised from
 them.
+``--lrs 1e-6 1e-6 1e-5``: AdamW's learning rate of each step (the last one for the steps after;
+default 1e-2), e.g. RL learning rates for the delta-sync test.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ def main() -> None:
     ap.add_argument("--http", default=None)
     ap.add_argument("--expect-failure-at", type=int, default=None)
     ap.add_argument("--weights-dtype", choices=["bf16", "f32"], default="bf16")
+    ap.add_argument("--lrs", type=float, nargs="+", default=[1e-2])
     args = ap.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -75,7 +78,7 @@ def main() -> None:
     for block in tiny.blocks(model):  # decoder layers (and a vision tower's blocks)
         fully_shard(block, mesh=mesh, **shard)
     fully_shard(model, mesh=mesh, **shard)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lrs[0])
     g = torch.Generator().manual_seed(1234)  # the same tokens on every rank
     vocab = model.config.get_text_config().vocab_size
 
@@ -89,6 +92,8 @@ def main() -> None:
             batch = torch.randint(0, vocab, (2, 32), generator=g)
             inputs = dict(input_ids=batch, labels=batch)
         model(**inputs).loss.backward()
+        for group in optimizer.param_groups:
+            group["lr"] = args.lrs[min(step, len(args.lrs)) - 1]
         optimizer.step()
         optimizer.zero_grad()
         outcome = None

@@ -43,6 +43,8 @@ pub(crate) enum ResKind {
     H2d(u32),
     /// A GPU's preparation (kernels).
     Prep(u32),
+    /// A receiving GPU's memory, applying a delta sync's changes.
+    Apply(u32),
 }
 
 impl ResKind {
@@ -54,6 +56,7 @@ impl ResKind {
             ResKind::Host(n) => format!("node {n} host cpu"),
             ResKind::H2d(g) => format!("gpu {g} h2d"),
             ResKind::Prep(g) => format!("gpu {g} prepare"),
+            ResKind::Apply(g) => format!("gpu {g} delta apply"),
         }
     }
 
@@ -65,6 +68,7 @@ impl ResKind {
             ResKind::Host(_) => "host CPU",
             ResKind::H2d(_) => "H2D copy",
             ResKind::Prep(_) => "preparation",
+            ResKind::Apply(_) => "delta apply",
         }
     }
 }

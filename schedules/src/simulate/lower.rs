@@ -21,6 +21,15 @@
 //! that latency on the controller's lane comes before every trainer's first op (the stage drawn
 //! is `Arm`: the controller starting the sync), so both fixed costs add to the predicted time
 //! exactly when nothing else changes.
+//!
+//! A **delta sync** ([`DeltaModel`]) lowers the same pieces with three changes: each write to a
+//! rollout from a task that keeps a base carries its run's expected encoding (or the run, where
+//! it goes dense) instead of the run; the trainer's prepare op also scans what it compares and
+//! its piece takes the encodings' capacity from staging beside its bytes; and each rollout that
+//! takes deltas applies them in an op of its own (drawn as its `Verify` stage, where the worker
+//! applies them; on a resource of its own) once every write anywhere landed (the controller's
+//! `Verify` comes after the barrier's landing notices), before the sync ends. Everything else (gathers, work
+//! requests, fixed costs) is as in a full sync.
 
 use std::collections::{BTreeMap, VecDeque};
 
@@ -28,6 +37,7 @@ use weightsync_common::protocol::Stage;
 
 use crate::error::PlanError;
 use crate::simulate::cluster::ClusterModel;
+use crate::simulate::delta::{DeltaModel, element_size, keeps_base};
 use crate::simulate::engine::{Hop, NONE, OpId, ResId, ResKind, SimPlan};
 use crate::table::{RoutingTable, Task, TrainerPlan, Transform, WriteTarget};
 
@@ -60,6 +70,8 @@ struct SimPiece {
     /// place ([`TrainerPlan::in_place_input`], [`TrainerPlan::in_place_runs`]) has no H2D copy.
     h2d_bytes: f64,
     staging: f64,
+    /// Staging for the encodings beside the piece's bytes (delta syncs).
+    enc_staging: f64,
     prep_s: f64,
     host_prep_s: f64,
     /// Per receiving GPU: (gpu, bytes, writes), in first-write order.
@@ -93,6 +105,23 @@ pub(crate) struct Lowered {
     pub gather_bytes: u64,
     /// Writes (work requests) in the table.
     pub writes: u64,
+    /// What a delta sync came to (all zero for a full sync).
+    pub delta: DeltaTotals,
+}
+
+/// A delta sync's totals over the lowering (expected bytes: fractions of tasks add up).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct DeltaTotals {
+    /// Bytes written to rollouts: encodings, and the runs that go dense.
+    pub wire_bytes: f64,
+    /// Of the writes to rollouts, those sent as deltas and those sent dense.
+    pub delta_writes: f64,
+    /// Writes to rollouts sent dense.
+    pub dense_writes: f64,
+    /// Per trainer, the memory traffic of its encodes, bytes.
+    pub encode_bytes: Vec<f64>,
+    /// Per rollout, the memory traffic of its applies, bytes.
+    pub apply_bytes: Vec<f64>,
 }
 
 /// GPU index of an endpoint (trainers first, then rollouts).
@@ -103,10 +132,15 @@ fn gpu_of(dst: WriteTarget, trainers: u32) -> u32 {
     }
 }
 
-/// Lowers `table` on `cluster` into engine operations.
+/// Lowers `table` on `cluster` into engine operations: a full sync, or with `delta` a delta
+/// sync (see the module docs).
 /// Trainers' parts are expanded one at a time (only one explicit plan is held at once).
-pub(crate) fn lower(table: &RoutingTable, cluster: &ClusterModel) -> Result<Lowered, PlanError> {
-    let mut l = Lowering::new(table, cluster);
+pub(crate) fn lower(
+    table: &RoutingTable,
+    cluster: &ClusterModel,
+    delta: Option<&DeltaModel>,
+) -> Result<Lowered, PlanError> {
+    let mut l = Lowering::new(table, cluster, delta.copied());
     for t in 0..table.trainers.len() as u32 {
         l.trainer(t, &table.trainer_plan(t)?);
     }
@@ -116,6 +150,8 @@ pub(crate) fn lower(table: &RoutingTable, cluster: &ClusterModel) -> Result<Lowe
 /// One lowering in progress: the plan being built, and what links ops across trainers.
 struct Lowering<'c> {
     cluster: &'c ClusterModel,
+    /// A delta sync's model (`None`: a full sync).
+    delta: Option<DeltaModel>,
     /// Training ranks (GPU indices of rollouts start here).
     nt: u32,
     out: Lowered,
@@ -152,10 +188,16 @@ struct TrainerLane {
 
 impl<'c> Lowering<'c> {
     /// Lanes for every trainer, every rollout and the controller, in that order.
-    fn new(table: &RoutingTable, cluster: &'c ClusterModel) -> Lowering<'c> {
+    fn new(
+        table: &RoutingTable,
+        cluster: &'c ClusterModel,
+        delta: Option<DeltaModel>,
+    ) -> Lowering<'c> {
         let nt = table.trainers.len() as u32;
         let nr = table.rollouts.len() as u32;
         let mut out = Lowered::default();
+        out.delta.encode_bytes = vec![0.0; nt as usize];
+        out.delta.apply_bytes = vec![0.0; nr as usize];
         let p = &mut out.plan;
         out.trainer_lanes = (0..nt).map(|t| p.lane(format!("trainer-{t}"))).collect();
         out.rollout_lanes = (0..nr).map(|r| p.lane(format!("rollout-{r}"))).collect();
@@ -167,6 +209,7 @@ impl<'c> Lowering<'c> {
         };
         Lowering {
             cluster,
+            delta,
             nt,
             out,
             ctl,
@@ -259,6 +302,13 @@ impl<'c> Lowering<'c> {
     /// split into equal parts, consecutive smaller ones are merged.
     fn pieces(&mut self, plan: &TrainerPlan, lo: u32, hi: u32, budget: u64) -> Vec<SimPiece> {
         let (slots, nt, cluster) = (&mut self.slots, self.nt, self.cluster);
+        let mut on = AddCtx {
+            plan,
+            trainers: nt,
+            cluster,
+            delta: self.delta.as_ref(),
+            totals: &mut self.out.delta,
+        };
         let mut pieces: Vec<SimPiece> = Vec::new();
         let mut cur = SimPiece::default();
         for k in lo..hi {
@@ -270,7 +320,7 @@ impl<'c> Lowering<'c> {
             }
             let frac = 1.0 / parts as f64;
             for _ in 0..parts {
-                add_task(slots, &mut cur, plan, k, task, frac, nt, cluster);
+                add_task(slots, &mut cur, &mut on, k, task, frac);
                 if parts > 1 {
                     finish(slots, &mut pieces, &mut cur);
                 }
@@ -294,7 +344,7 @@ impl<'c> Lowering<'c> {
     /// A piece's three ops: H2D (taking its staging), prepare, and the WRITE or gather send
     /// (giving the staging back).
     fn piece_ops(&mut self, tr: &mut TrainerLane, phase: Phase, pc: &SimPiece) {
-        let staging = (pc.staging as u64).clamp(1, self.cluster.watermark_bytes);
+        let staging = ((pc.staging + pc.enc_staging) as u64).clamp(1, self.cluster.watermark_bytes);
         let h2d = self.h2d_op(tr, pc);
         let p = &mut self.out.plan;
         p.ops[h2d as usize].acquire = Some((tr.pool, staging));
@@ -446,8 +496,34 @@ impl<'c> Lowering<'c> {
         );
         // A table with no writes still pays the start.
         p.after(self.start, barrier);
-        for w in self.all_writes {
+        for &w in &self.all_writes {
             p.after(w, barrier);
+        }
+        if let Some(d) = self.delta {
+            // Each rollout applies its deltas when the controller tells it to verify: once every
+            // write anywhere landed (a join on the controller's lane), before the sync ends.
+            let written = p.op(self.ctl, Stage::Barrier, 0, 0, 0.0, 0.0, &[]);
+            p.after(self.start, written);
+            for &w in &self.all_writes {
+                p.after(w, written);
+            }
+            for (r, &bytes) in self.out.delta.apply_bytes.iter().enumerate() {
+                if bytes <= 0.0 {
+                    continue;
+                }
+                let res = p.resource(ResKind::Apply(self.nt + r as u32));
+                let apply = p.op(
+                    self.out.rollout_lanes[r],
+                    Stage::Verify,
+                    0,
+                    bytes as u64,
+                    0.0,
+                    bytes,
+                    &[(res, 1.0 / d.scan_bytes_per_s)],
+                );
+                p.after(written, apply);
+                p.after(apply, barrier);
+            }
         }
         self.out.barrier = barrier;
         self.out
@@ -472,18 +548,25 @@ fn task_staging(t: &Task) -> u64 {
     }
 }
 
+/// What [`add_task`] reads, and the delta totals it adds to.
+struct AddCtx<'a> {
+    plan: &'a TrainerPlan,
+    trainers: u32,
+    cluster: &'a ClusterModel,
+    delta: Option<&'a DeltaModel>,
+    totals: &'a mut DeltaTotals,
+}
+
 /// Adds `frac` of task `k` to the piece.
-#[allow(clippy::too_many_arguments)]
 fn add_task(
     slots: &mut [u32],
     pc: &mut SimPiece,
-    plan: &TrainerPlan,
+    on: &mut AddCtx<'_>,
     k: u32,
     task: &Task,
     frac: f64,
-    trainers: u32,
-    cluster: &ClusterModel,
 ) {
+    let (plan, cluster) = (on.plan, on.cluster);
     if pc.is_empty() {
         pc.first_task = k;
     }
@@ -514,15 +597,44 @@ fn add_task(
         // The overhead is host work too (scheduling, a thread hop).
         pc.host_prep_s += cluster.task_overhead_s * frac;
     }
+    let delta = on.delta.filter(|_| keeps_base(&task.transform));
+    let elem = element_size(&task.transform);
+    // Replicas of one run (the same prepared bytes to several rollouts) share one encoding.
+    let mut encoded: std::collections::BTreeSet<(u64, u32)> = Default::default();
+    let mut encode_bytes = 0.0;
     for w in plan.task_writes(task) {
-        let gpu = gpu_of(w.dst, trainers);
+        let gpu = gpu_of(w.dst, on.trainers);
+        let mut bytes = w.len as f64;
+        match (delta, w.dst) {
+            (Some(d), WriteTarget::Rollout(r)) => {
+                let run = d.run(w.len as u64, elem);
+                bytes = run.wire_bytes;
+                on.totals.wire_bytes += bytes * frac;
+                if run.kind.is_some() {
+                    on.totals.delta_writes += frac;
+                } else {
+                    on.totals.dense_writes += frac;
+                }
+                on.totals.apply_bytes[r as usize] += run.apply_bytes * frac;
+                if encoded.insert((w.src_offset, w.len)) {
+                    encode_bytes += run.encode_bytes * frac;
+                    pc.enc_staging += d.capacity(w.len as u64) * frac;
+                }
+            }
+            (None, WriteTarget::Rollout(_)) if on.delta.is_some() => {
+                // A copy keeps no base: dense.
+                on.totals.wire_bytes += bytes * frac;
+                on.totals.dense_writes += frac;
+            }
+            _ => {}
+        }
         let slot = &mut slots[gpu as usize];
         if *slot == u32::MAX {
             *slot = pc.dsts.len() as u32;
             pc.dsts.push((gpu, 0.0, 0.0));
         }
         let e = &mut pc.dsts[*slot as usize];
-        e.1 += w.len as f64 * frac;
+        e.1 += bytes * frac;
         e.2 += frac;
         if let WriteTarget::Trainer(to) = w.dst {
             let key = (to, w.unit);
@@ -530,5 +642,10 @@ fn add_task(
                 pc.gathers.push(key);
             }
         }
+    }
+    if let Some(d) = delta {
+        // The compare runs in the prepare stage, after the piece's bytes are prepared.
+        pc.prep_s += encode_bytes / d.scan_bytes_per_s;
+        on.totals.encode_bytes[plan.rank as usize] += encode_bytes;
     }
 }

@@ -15,9 +15,13 @@
 //!   topology, watermark, overheads, the per-sync [`FixedCosts`] and an optional shared host).
 //! - `engine`: operations, staging pools and max-min fair flows; the event loop.
 //! - `lower`: a routing table as pipeline pieces and operations.
-//! - [`report`]: [`SimReport`]: predicted time, bound, NIC utilisation, critical path, timeline.
+//! - [`report`]: [`SimReport`]: predicted time, bound, NIC utilisation, critical path, timeline;
+//!   [`DeltaReport`] for a delta sync.
+//! - [`delta`]: [`DeltaModel`]: what a delta sync's runs come to at a changed fraction (bytes on
+//!   the wire, the trainer's encode, the engine's apply), from the codec's encodings.
 
 pub mod cluster;
+pub mod delta;
 pub(crate) mod engine;
 mod lower;
 pub mod report;
@@ -25,8 +29,9 @@ pub mod report;
 use thiserror::Error;
 
 pub use cluster::{ClusterModel, FixedCosts, HostModel, Placement, PrepRates};
+pub use delta::DeltaModel;
 pub use report::{
-    CriticalShare, CriticalStep, NicUse, SideSummary, SimEvent, SimReport, StageTotal,
+    CriticalShare, CriticalStep, DeltaReport, NicUse, SideSummary, SimEvent, SimReport, StageTotal,
 };
 
 use crate::table::RoutingTable;
@@ -58,6 +63,41 @@ pub enum SimError {
 
 /// Simulates one sync of `table` on `cluster`.
 pub fn simulate(table: &RoutingTable, cluster: &ClusterModel) -> Result<SimReport, SimError> {
+    run(table, cluster, None).map(|(report, _)| report)
+}
+
+/// Simulates one delta sync of `table` on `cluster` (every engine holds the previous version;
+/// see [`delta`]): the sync's report, whose bound is the delta bytes over the links, and what
+/// its deltas came to. The full sync's prediction is [`simulate`]'s.
+pub fn simulate_delta(
+    table: &RoutingTable,
+    cluster: &ClusterModel,
+    model: &DeltaModel,
+) -> Result<DeltaReport, SimError> {
+    model.validate()?;
+    let (sync, low) = run(table, cluster, Some(model))?;
+    let d = &low.delta;
+    let max = |v: &[f64]| v.iter().copied().fold(0.0, f64::max);
+    Ok(DeltaReport {
+        model: *model,
+        dense_bytes: low.rollout_bytes,
+        wire_bytes: d.wire_bytes.round() as u64,
+        wire_fraction: d.wire_bytes / low.rollout_bytes.max(1) as f64,
+        delta_writes: d.delta_writes.round() as u64,
+        dense_writes: d.dense_writes.round() as u64,
+        encode_bytes: d.encode_bytes.iter().sum::<f64>().round() as u64,
+        max_encode_s: max(&d.encode_bytes) / model.scan_bytes_per_s,
+        apply_bytes: d.apply_bytes.iter().sum::<f64>().round() as u64,
+        max_apply_s: max(&d.apply_bytes) / model.scan_bytes_per_s,
+        sync,
+    })
+}
+
+fn run(
+    table: &RoutingTable,
+    cluster: &ClusterModel,
+    delta: Option<&DeltaModel>,
+) -> Result<(SimReport, lower::Lowered), SimError> {
     cluster.validate()?;
     if table.trainers.is_empty() {
         return Err(SimError::Empty("training ranks"));
@@ -65,9 +105,9 @@ pub fn simulate(table: &RoutingTable, cluster: &ClusterModel) -> Result<SimRepor
     if table.rollouts.is_empty() {
         return Err(SimError::Empty("inference ranks"));
     }
-    let low = lower::lower(table, cluster)?;
+    let low = lower::lower(table, cluster, delta)?;
     let out = engine::run(&low.plan)?;
-    Ok(report::build(
+    let report = report::build(
         "weightsync",
         &low.plan,
         &out,
@@ -76,7 +116,8 @@ pub fn simulate(table: &RoutingTable, cluster: &ClusterModel) -> Result<SimRepor
         table.rollouts.len() as u32,
         low.pieces,
         cluster.cost.nic_bytes_per_s,
-    ))
+    );
+    Ok((report, low))
 }
 
 #[cfg(test)]

@@ -5,6 +5,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use weightsync_common::protocol::Stage;
 
+use crate::simulate::delta::DeltaModel;
 use crate::simulate::engine::{NONE, OpId, Outcome, ResKind, SimPlan};
 
 /// One span of the simulated timeline: the fields of a worker's timeline event.
@@ -171,6 +172,36 @@ fn limit_of(plan: &SimPlan, out: &Outcome, o: OpId) -> (String, String) {
         _ => "latency",
     };
     (class.to_string(), class.to_string())
+}
+
+/// A simulated delta sync (`weightsync simulate --changed F`): the sync, and what its deltas
+/// came to. Its `sync.bound_s` is the *delta bound*: the most loaded NIC's bytes of this sync
+/// (encodings, dense runs, gathers) over its bandwidth; the full-transfer bound is the full
+/// sync's.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DeltaReport {
+    /// What it was simulated with.
+    pub model: DeltaModel,
+    /// The delta sync.
+    pub sync: SimReport,
+    /// Bytes a full sync writes to rollouts.
+    pub dense_bytes: u64,
+    /// Bytes this sync writes to rollouts: encodings, and the runs that go dense.
+    pub wire_bytes: u64,
+    /// `wire_bytes / dense_bytes`.
+    pub wire_fraction: f64,
+    /// Writes to rollouts sent as deltas.
+    pub delta_writes: u64,
+    /// Writes to rollouts sent dense (runs too dense, copies without a base).
+    pub dense_writes: u64,
+    /// Memory traffic of every trainer's encode, bytes.
+    pub encode_bytes: u64,
+    /// The busiest trainer's encode alone, seconds (it overlaps its writes).
+    pub max_encode_s: f64,
+    /// Memory traffic of every rollout's apply, bytes.
+    pub apply_bytes: u64,
+    /// The busiest rollout's apply, seconds (after its last write landed).
+    pub max_apply_s: f64,
 }
 
 /// Builds the report of a finished run. `last` is the op that ends the sync.

@@ -4,6 +4,7 @@ use weightsync_common::protocol::Stage;
 
 use super::*;
 use crate::cost::CostModel;
+use crate::simulate::delta::DeltaModel;
 use crate::table::Transform;
 use weightsync_common::DType;
 
@@ -372,7 +373,7 @@ fn kimi_k2_256_to_128() {
     }
     let c = ClusterModel::default();
     let t1 = std::time::Instant::now();
-    let low = super::lower::lower(&table, &c).unwrap();
+    let low = super::lower::lower(&table, &c, None).unwrap();
     let t2 = std::time::Instant::now();
     let out = super::engine::run(&low.plan).unwrap();
     eprintln!(
@@ -425,4 +426,159 @@ fn tasks_prepared_in_place_pay_no_h2d() {
     let b = simulate(&in_place, &serial).unwrap();
     assert!(close(a.predicted_s, 0.090, 1e-6), "{}", a.predicted_s);
     assert!(close(b.predicted_s, 0.060, 1e-6), "{}", b.predicted_s);
+}
+
+/// `copy_table`'s tasks as bf16 -> f16 casts: tasks that keep a delta base (2-byte elements).
+fn cast_table(
+    trainers: u32,
+    rollouts: u32,
+    tasks: u32,
+    dst: impl Fn(u32, u32) -> u32,
+) -> RoutingTable {
+    let mut table = copy_table(trainers, rollouts, tasks, 1_000_000, dst);
+    for trainer in &mut table.trainers {
+        for p in &mut trainer.routes.patterns {
+            p.transform = Transform::Cast {
+                from: DType::BF16,
+                to: DType::F16,
+            };
+        }
+    }
+    table
+}
+
+#[test]
+fn a_delta_sync_where_nothing_changed_costs_what_is_not_the_wire() {
+    // Nothing changed and a free scan: each write is one byte, so the delta sync takes what a
+    // full sync takes on NICs with no bandwidth limit (preparation, fixed costs), fixed costs
+    // adding exactly.
+    let table = cast_table(2, 2, 30, |t, _| t);
+    let free_scan = DeltaModel::new(0.0, 1e30);
+    for (start, after) in [(0.0, 0.0), (5e-3, 2e-3)] {
+        let mut c = balanced_cluster();
+        c.fixed.start_s = start;
+        c.fixed.after_landing_s = after;
+        let d = simulate_delta(&table, &c, &free_scan).unwrap();
+        let mut no_wire = c;
+        no_wire.cost.nic_bytes_per_s = 1e30;
+        let full = simulate(&table, &no_wire).unwrap();
+        // (Within the nanosecond each 1-byte write takes.)
+        assert!(
+            close(d.sync.predicted_s, full.predicted_s, 1e-6),
+            "{} vs {}",
+            d.sync.predicted_s,
+            full.predicted_s
+        );
+        // 30 casts of 1 ms each, one at a time: 30 ms of preparation, the start and the rest.
+        assert!(close(d.sync.predicted_s, 0.030 + start + after, 1e-6));
+        assert_eq!((d.wire_bytes, d.delta_writes, d.dense_writes), (60, 60, 0));
+        assert_eq!(d.dense_bytes, 60_000_000);
+        assert_eq!(d.apply_bytes, 0);
+    }
+}
+
+#[test]
+fn a_delta_sync_where_everything_changed_is_the_full_sync() {
+    let table = cast_table(2, 2, 30, |t, _| t);
+    let c = balanced_cluster();
+    let full = simulate(&table, &c).unwrap();
+    let d = simulate_delta(&table, &c, &DeltaModel::new(1.0, 1e30)).unwrap();
+    // Every run goes dense: the same bytes on the same links, in the same time.
+    assert_eq!((d.wire_bytes, d.dense_bytes), (60_000_000, 60_000_000));
+    assert_eq!((d.delta_writes, d.dense_writes, d.apply_bytes), (0, 60, 0));
+    assert!(close(d.sync.predicted_s, full.predicted_s, 1e-9));
+    assert!(close(d.sync.bound_s, full.bound_s, 1e-12));
+    // The dense runs' bases still take the new bytes: with a real memory rate, never faster.
+    let slow = simulate_delta(&table, &c, &DeltaModel::new(1.0, 1e9)).unwrap();
+    assert!(slow.sync.predicted_s > full.predicted_s * 1.5);
+    assert!(
+        slow.sync.dominated_by.starts_with("preparation"),
+        "{}",
+        slow.sync.dominated_by
+    );
+}
+
+#[test]
+fn a_sparse_delta_sync_moves_the_encodings_and_applies_them_before_the_barrier() {
+    // 4 trainers into one rollout: the receiving NIC bounds the full sync (120 ms).
+    let table = cast_table(4, 1, 30, |_, _| 0);
+    let c = balanced_cluster();
+    let m = DeltaModel::new(0.02, 1e10);
+    let full = simulate(&table, &c).unwrap();
+    let d = simulate_delta(&table, &c, &m).unwrap();
+    let run = m.run(1_000_000, 2);
+    assert!(run.kind.is_some());
+    let expect_wire = 120.0 * run.wire_bytes;
+    assert!(
+        close(d.wire_bytes as f64, expect_wire, 1e-6),
+        "{}",
+        d.wire_bytes
+    );
+    assert!(close(d.wire_fraction, run.wire_bytes / 1e6, 1e-6));
+    // The delta bound is the encodings over the one receiving NIC; the full bound the bytes.
+    assert!(close(full.bound_s, 0.120, 1e-9));
+    assert!(
+        close(d.sync.bound_s, expect_wire / 1e9, 1e-6),
+        "{}",
+        d.sync.bound_s
+    );
+    assert!(d.sync.predicted_s >= d.sync.bound_s);
+    // The rollout applies every change, after its last write, and the sync waits for it.
+    assert!(close(d.apply_bytes as f64, 120.0 * run.apply_bytes, 1e-6));
+    assert!(close(d.max_apply_s, 120.0 * run.apply_bytes / 1e10, 1e-6));
+    let apply = d
+        .sync
+        .timeline
+        .iter()
+        .find(|e| e.worker == "rollout-0" && e.stage == Stage::Verify)
+        .expect("an apply on the rollout");
+    let last_write = d
+        .sync
+        .timeline
+        .iter()
+        .filter(|e| e.stage == Stage::Write)
+        .map(|e| e.end_ns)
+        .max()
+        .unwrap();
+    assert!(apply.start_ns >= last_write);
+    assert!(d.sync.predicted_s >= apply.end_ns as f64 * 1e-9);
+    assert!(d.sync.predicted_s < full.predicted_s / 2.0);
+    assert!(
+        d.sync
+            .critical_breakdown
+            .iter()
+            .any(|s| s.class == "delta apply")
+    );
+}
+
+#[test]
+fn copies_keep_no_base_and_go_dense() {
+    let table = copy_table(2, 2, 10, 1_000_000, |t, _| t);
+    let c = balanced_cluster();
+    let d = simulate_delta(&table, &c, &DeltaModel::new(0.01, 1e30)).unwrap();
+    assert_eq!(d.wire_bytes, d.dense_bytes);
+    assert_eq!((d.delta_writes, d.encode_bytes, d.apply_bytes), (0, 0, 0));
+    assert!(close(
+        d.sync.predicted_s,
+        simulate(&table, &c).unwrap().predicted_s,
+        1e-9
+    ));
+    let e = simulate_delta(&table, &c, &DeltaModel::new(-0.1, 1e9)).unwrap_err();
+    assert!(e.to_string().contains("delta.changed"), "{e}");
+}
+
+#[test]
+fn planned_fp8_delta_sync_moves_a_few_percent() {
+    use crate::{InferenceLayout, Model, TrainingLayout, plan};
+    let model = Model::preset("qwen3-0.6b", crate::ExpertForm::PerExpert).unwrap();
+    let train = TrainingLayout::build(&model, &"fsdp=4".parse().unwrap()).unwrap();
+    let infer = InferenceLayout::build(&model, &"tp=2,dp=2,dtype=fp8".parse().unwrap()).unwrap();
+    let table = plan(&model, &train, &infer, &CostModel::default()).unwrap();
+    let c = ClusterModel::default();
+    let full = simulate(&table, &c).unwrap();
+    let d = simulate_delta(&table, &c, &DeltaModel::new(0.02, 1e12)).unwrap();
+    assert!(d.delta_writes > 0 && d.dense_writes > 0, "{d:?}");
+    assert!(d.wire_bytes < d.dense_bytes);
+    assert!(d.sync.bound_s < full.bound_s && d.sync.predicted_s < full.predicted_s);
+    assert!(d.sync.predicted_s >= d.sync.bound_s);
 }
