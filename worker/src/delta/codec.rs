@@ -15,19 +15,24 @@
 //! every run did before deltas. The scan stops as soon as both encodings are known too big, so
 //! a run that changed a lot costs a partial compare, not a full one.
 //!
-//! [`encode`] is one pass: it compares 64-byte blocks as eight words and skips equal ones whole
-//! (at RL learning rates most blocks of a bf16 run are equal to their base), writes the changes
-//! straight into the encoding it expects to be the smaller (the caller's guess from the
-//! previous sync), rewrites what it wrote as the other one if that turns out smaller or the
-//! guess outgrows the capacity, and brings the caller's base up to date as it goes (only the
-//! changed blocks are copied).
+//! [`encode`] makes two passes. The scan compares 64-byte blocks with their base a word at a
+//! time ([`super::lanes`]: equal blocks skipped whole, a changed block's per-element mask
+//! found without a branch per element), writes each block's mask into a bitmap (the bitmap
+//! encoding's, bit for bit), copies changed blocks into the base, and counts the changes, which
+//! gives the bitmap encoding's exact size; the scan stops as soon as both encodings are known
+//! too big. Then the set bits are walked (`trailing_zeros`, a few nanoseconds a change) to size
+//! the gaps encoding where it could be the smaller, and to write the chosen one.
 //!
 //! [`apply`] is the receiver's half. It trusts nothing: an encoding that runs past its end,
 //! names an element past the run or leaves trailing bytes is an error naming what was wrong,
 //! and nothing is written until the whole encoding was checked.
 
+use std::cell::RefCell;
+
 use thiserror::Error;
 use weightsync_common::protocol::DeltaKind;
+
+use super::lanes::{BLOCK, changed_mask};
 
 /// What [`encode`] made of one run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -134,102 +139,17 @@ fn get_varint(enc: &[u8], mut at: usize) -> Result<(u64, usize), DeltaError> {
     Err(DeltaError::Truncated { at, len: enc.len() })
 }
 
-/// Bytes compared at once: a block equal to its base is skipped whole.
-const BLOCK: usize = 64;
-
-/// The encoding being written, switched on the fly (see [`encode`]).
-struct Writer<'a> {
-    out: &'a mut [u8],
-    elem: usize,
-    kind: DeltaKind,
-    /// Bytes of the encoding written (gaps), or the end of the values (bitmap).
-    at: usize,
-    bitmap_bytes: usize,
-    /// The exact sizes both encodings would have so far.
-    gaps_len: usize,
-    changed: u64,
-    /// Index after the last change (gaps are counted from it).
-    next: u64,
+thread_local! {
+    /// The scan's bitmap, kept per thread between runs (one bit per element of the largest run
+    /// encoded on the thread).
+    static CHANGED: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
 }
 
-impl Writer<'_> {
-    fn bitmap_len(&self) -> usize {
-        self.bitmap_bytes + self.changed as usize * self.elem
-    }
-
-    fn start(&mut self, kind: DeltaKind) {
-        self.kind = kind;
-        self.at = 0;
-        if kind == DeltaKind::Bitmap {
-            self.out[..self.bitmap_bytes].fill(0);
-            self.at = self.bitmap_bytes;
-        }
-    }
-
-    /// Rewrites what was written so far as `kind` (both encodings list the same changes).
-    fn convert(&mut self, kind: DeltaKind, run_len: u64) {
-        let len = self.at;
-        let old: Vec<u8> = self.out[..len].to_vec();
-        let changes = decode(&old, self.kind, self.elem, run_len).expect("our own encoding");
-        self.start(kind);
-        let mut next = 0u64;
-        for (i, from) in changes {
-            self.put(i, &old[from..from + self.elem], &mut next);
-        }
-    }
-
-    /// Writes change `i` with its new bytes `v` (no size checks; `next` is the gaps cursor).
-    fn put(&mut self, i: u64, v: &[u8], next: &mut u64) {
-        match self.kind {
-            DeltaKind::Gaps => self.at = put_varint(self.out, self.at, i - *next),
-            DeltaKind::Bitmap => self.out[(i / 8) as usize] |= 1 << (i % 8),
-        }
-        self.out[self.at..self.at + self.elem].copy_from_slice(v);
-        self.at += self.elem;
-        *next = i + 1;
-    }
-
-    /// Records change `i`; `false` when neither encoding fits the capacity any more.
-    fn change(&mut self, i: u64, v: &[u8], run_len: u64) -> bool {
-        self.gaps_len += varint_len(i - self.next) + self.elem;
-        self.changed += 1;
-        let cap = self.out.len();
-        let fits = match self.kind {
-            DeltaKind::Gaps if self.gaps_len > cap => {
-                if self.bitmap_len() > cap {
-                    return false;
-                }
-                // The gaps outgrew the capacity: the bitmap still fits, carry on as one.
-                self.convert(DeltaKind::Bitmap, run_len);
-                true
-            }
-            DeltaKind::Gaps => true,
-            DeltaKind::Bitmap if self.bitmap_len() > cap => {
-                if self.gaps_len > cap {
-                    return false;
-                }
-                // Started as a bitmap on a guess, but the changes are sparse: gaps fit.
-                self.convert(DeltaKind::Gaps, run_len);
-                true
-            }
-            DeltaKind::Bitmap => true,
-        };
-        if !fits {
-            return false;
-        }
-        let mut next = self.next;
-        self.put(i, v, &mut next);
-        self.next = next;
-        true
-    }
-}
-
-/// Encodes the changes of `new` against `base` into `out` (its length is the capacity), starting
-/// as `start` (the encoding the caller expects to be the smaller: [`DeltaKind::Gaps`] for sparse
-/// runs), and brings `base` up to `new` on the way: one pass over both, 64-byte blocks equal to
-/// their base skipped whole, only changed blocks copied into the base. Of the two encodings the
-/// smaller is returned; when neither fits, the scan stops there and the rest of the base is
-/// copied (the run goes dense), and the error says how far it looked.
+/// Encodes the changes of `new` against `base` into `out` (its length is the capacity) and
+/// brings `base` up to `new` on the way (only changed blocks are copied). Of the two encodings
+/// the smaller is written (the gaps on a tie); when neither fits, the scan stops as soon as
+/// that is certain and the rest of the base is copied (the run goes dense), and the error says
+/// how far it looked.
 ///
 /// # Panics
 /// If `new` and `base` differ in length or `elem` does not divide it (callers pass runs of
@@ -239,200 +159,346 @@ pub fn encode(
     new: &[u8],
     elem: usize,
     out: &mut [u8],
-    start: DeltaKind,
 ) -> Result<Encoded, Overflow> {
     assert_eq!(base.len(), new.len(), "a delta compares runs of one length");
     check_elem(new.len(), elem).expect("runs of whole elements");
-    let run_len = new.len() as u64;
-    let elems = run_len / elem as u64;
-    let bitmap_bytes = elems.div_ceil(8) as usize;
-    let mut w = Writer {
-        out,
-        elem,
-        kind: DeltaKind::Gaps,
-        at: 0,
-        bitmap_bytes,
-        gaps_len: 0,
-        changed: 0,
-        next: 0,
-    };
-    let start = if start == DeltaKind::Bitmap && bitmap_bytes <= w.out.len() {
-        DeltaKind::Bitmap
+    CHANGED.with_borrow_mut(|bits| match elem {
+        1 => encode_as::<1>(base, new, out, bits),
+        2 => encode_as::<2>(base, new, out, bits),
+        4 => encode_as::<4>(base, new, out, bits),
+        _ => encode_as::<8>(base, new, out, bits),
+    })
+}
+
+fn encode_as<const E: usize>(
+    base: &mut [u8],
+    new: &[u8],
+    out: &mut [u8],
+    bits: &mut Vec<u8>,
+) -> Result<Encoded, Overflow> {
+    let elems = new.len() / E;
+    bits.clear();
+    bits.resize(elems.div_ceil(8), 0);
+    let changed = scan::<E>(base, new, bits, out.len())?;
+    let bitmap_len = bits.len() + changed as usize * E;
+    // A change costs the gaps encoding at least 1 + E bytes: past the bitmap's size, or the
+    // capacity when the bitmap does not fit, the gaps need not be counted.
+    let gaps_floor = changed as usize * (1 + E);
+    let gaps_len = if gaps_floor <= bitmap_len.max(out.len()) {
+        gaps_len::<E>(bits)
     } else {
-        DeltaKind::Gaps
+        usize::MAX
     };
-    w.start(start);
-    let per_word = 8 / elem;
-    let mask = if elem == 8 {
-        u64::MAX
+    let (kind, len) = if gaps_len <= bitmap_len {
+        (DeltaKind::Gaps, gaps_len)
     } else {
-        (1u64 << (elem * 8)) - 1
+        (DeltaKind::Bitmap, bitmap_len)
     };
-    let word = |s: &[u8], k: usize| u64::from_le_bytes(s[k * 8..k * 8 + 8].try_into().expect("8"));
+    if len > out.len() {
+        return Err(Overflow {
+            scanned: elems as u64,
+            changed,
+        });
+    }
+    let out = &mut out[..len];
+    match kind {
+        DeltaKind::Gaps => write_gaps::<E>(bits, new, out),
+        DeltaKind::Bitmap => {
+            let (map, values) = out.split_at_mut(bits.len());
+            map.copy_from_slice(bits);
+            write_values::<E>(bits, new, values);
+        }
+    }
+    Ok(Encoded { kind, len, changed })
+}
+
+/// The scan (see the module docs): fills `bits`, brings `base` up to date, and returns the
+/// number of changes, or stops once neither encoding can fit in `cap` bytes.
+fn scan<const E: usize>(
+    base: &mut [u8],
+    new: &[u8],
+    bits: &mut [u8],
+    cap: usize,
+) -> Result<u64, Overflow> {
+    let bitmap_bytes = bits.len();
+    // Bitmap bytes per block.
+    let per_block = BLOCK / E / 8;
+    let too_big = |changed: u64| {
+        let c = changed as usize;
+        (bitmap_bytes + c * E).min(c * (1 + E)) > cap
+    };
     let blocks = new.len() / BLOCK;
+    let mut changed = 0u64;
     for b in 0..blocks {
         let r = b * BLOCK..(b + 1) * BLOCK;
-        let (x, y) = (&base[r.clone()], &new[r.clone()]);
-        let mut any = 0u64;
-        for k in 0..BLOCK / 8 {
-            any |= word(x, k) ^ word(y, k);
-        }
-        if any == 0 {
+        let x: &mut [u8; BLOCK] = (&mut base[r.clone()]).try_into().expect("a block");
+        let y: &[u8; BLOCK] = new[r].try_into().expect("a block");
+        let mask = changed_mask::<E>(x, y);
+        if mask == 0 {
             continue;
         }
-        for k in 0..BLOCK / 8 {
-            let diff = word(x, k) ^ word(y, k);
-            if diff == 0 {
-                continue;
-            }
-            for e in 0..per_word {
-                if (diff >> (e * elem * 8)) & mask == 0 {
-                    continue;
-                }
-                let at = r.start + k * 8 + e * elem;
-                if !w.change((at / elem) as u64, &new[at..at + elem], run_len) {
-                    let scanned = (at / elem) as u64 + 1;
-                    base[r.start..].copy_from_slice(&new[r.start..]);
-                    return Err(Overflow {
-                        scanned,
-                        changed: w.changed,
-                    });
-                }
-            }
-        }
-        base[r.clone()].copy_from_slice(&new[r]);
-    }
-    let tail = blocks * BLOCK;
-    for at in (tail..new.len()).step_by(elem) {
-        if base[at..at + elem] != new[at..at + elem]
-            && !w.change((at / elem) as u64, &new[at..at + elem], run_len)
-        {
-            let scanned = (at / elem) as u64 + 1;
-            base[tail..].copy_from_slice(&new[tail..]);
+        bits[b * per_block..(b + 1) * per_block].copy_from_slice(&mask.to_le_bytes()[..per_block]);
+        *x = *y;
+        changed += u64::from(mask.count_ones());
+        if too_big(changed) {
+            let end = (b + 1) * BLOCK;
+            base[end..].copy_from_slice(&new[end..]);
             return Err(Overflow {
-                scanned,
-                changed: w.changed,
+                scanned: (end / E) as u64,
+                changed,
             });
         }
     }
-    base[tail..].copy_from_slice(&new[tail..]);
-    // The smaller of the two (both sizes are exact): switch if the other one is.
-    let cap = w.out.len();
-    let bitmap_len = w.bitmap_len();
-    match w.kind {
-        DeltaKind::Gaps if bitmap_len < w.gaps_len && bitmap_len <= cap => {
-            w.convert(DeltaKind::Bitmap, run_len);
+    for i in blocks * BLOCK / E..new.len() / E {
+        let r = i * E..(i + 1) * E;
+        if base[r.clone()] != new[r.clone()] {
+            bits[i / 8] |= 1 << (i % 8);
+            changed += 1;
+            base[r.clone()].copy_from_slice(&new[r]);
         }
-        DeltaKind::Bitmap if w.gaps_len <= bitmap_len => w.convert(DeltaKind::Gaps, run_len),
-        _ => {}
     }
-    debug_assert_eq!(w.at, w.gaps_len.min(bitmap_len));
-    Ok(Encoded {
-        kind: w.kind,
-        len: w.at,
-        changed: w.changed,
-    })
+    if too_big(changed) {
+        return Err(Overflow {
+            scanned: (new.len() / E) as u64,
+            changed,
+        });
+    }
+    Ok(changed)
+}
+
+/// Calls `f` with the index of every bit set in `bits` (little-endian: bit `i % 8` of byte
+/// `i / 8`), in order.
+#[inline(always)]
+fn for_each_set(bits: &[u8], mut f: impl FnMut(usize)) {
+    let words = bits.chunks_exact(8);
+    let tail = words.remainder();
+    let mut visit = |w: usize, mut word: u64| {
+        while word != 0 {
+            f(w * 64 + word.trailing_zeros() as usize);
+            word &= word - 1;
+        }
+    };
+    for (w, chunk) in words.enumerate() {
+        visit(w, u64::from_le_bytes(chunk.try_into().expect("8 bytes")));
+    }
+    if !tail.is_empty() {
+        let mut last = [0u8; 8];
+        last[..tail.len()].copy_from_slice(tail);
+        visit(bits.len() / 8, u64::from_le_bytes(last));
+    }
+}
+
+/// Bytes of the gaps encoding of the changes in `bits`.
+fn gaps_len<const E: usize>(bits: &[u8]) -> usize {
+    let (mut len, mut next) = (0usize, 0usize);
+    for_each_set(bits, |i| {
+        len += varint_len((i - next) as u64) + E;
+        next = i + 1;
+    });
+    len
+}
+
+/// Writes the gaps encoding of the changes in `bits`, their bytes from `new`, into `out`
+/// (exactly its size).
+fn write_gaps<const E: usize>(bits: &[u8], new: &[u8], out: &mut [u8]) {
+    let (mut at, mut next) = (0usize, 0usize);
+    for_each_set(bits, |i| {
+        let gap = (i - next) as u64;
+        at = if gap < 0x80 {
+            out[at] = gap as u8;
+            at + 1
+        } else {
+            put_varint(out, at, gap)
+        };
+        out[at..at + E].copy_from_slice(&new[i * E..(i + 1) * E]);
+        at += E;
+        next = i + 1;
+    });
+    debug_assert_eq!(at, out.len());
+}
+
+/// Writes the bytes from `new` of the changes in `bits`, in order, into `out` (exactly their
+/// size).
+fn write_values<const E: usize>(bits: &[u8], new: &[u8], out: &mut [u8]) {
+    let mut at = 0usize;
+    for_each_set(bits, |i| {
+        out[at..at + E].copy_from_slice(&new[i * E..(i + 1) * E]);
+        at += E;
+    });
+    debug_assert_eq!(at, out.len());
 }
 
 /// Counts the changed elements of every `stride`-th 64-byte block of `new` against `base`:
 /// `(elements compared, changed)`, an estimate of a run's changed fraction at `1 / stride` of
 /// a full compare's cost (a run that went dense still tells the next sync what to expect).
 pub fn sample_changes(base: &[u8], new: &[u8], elem: usize, stride: usize) -> (u64, u64) {
+    let count = match elem {
+        1 => sample_as::<1>,
+        2 => sample_as::<2>,
+        4 => sample_as::<4>,
+        _ => sample_as::<8>,
+    };
+    count(base, new, stride.max(1))
+}
+
+fn sample_as<const E: usize>(base: &[u8], new: &[u8], stride: usize) -> (u64, u64) {
     let (mut scanned, mut changed) = (0u64, 0u64);
-    for b in (0..new.len() / BLOCK).step_by(stride.max(1)) {
+    for b in (0..new.len() / BLOCK).step_by(stride) {
         let r = b * BLOCK..(b + 1) * BLOCK;
-        scanned += (BLOCK / elem) as u64;
-        if base[r.clone()] == new[r.clone()] {
-            continue;
-        }
-        changed += base[r.clone()]
-            .chunks_exact(elem)
-            .zip(new[r].chunks_exact(elem))
-            .filter(|(a, b)| a != b)
-            .count() as u64;
+        let x: &[u8; BLOCK] = base[r.clone()].try_into().expect("a block");
+        let y: &[u8; BLOCK] = new[r].try_into().expect("a block");
+        scanned += (BLOCK / E) as u64;
+        changed += u64::from(changed_mask::<E>(x, y).count_ones());
     }
     (scanned, changed)
 }
 
-/// Checks an encoding made by [`encode`] for a run of `run_len` bytes, returning each change
-/// as `(element index, where its bytes start in enc)`, in order.
-pub fn decode(
-    enc: &[u8],
+/// An encoding made by [`encode`], checked against the run it applies to: every change names
+/// an element of the run and carries its bytes, and nothing trails.
+#[derive(Debug, Clone, Copy)]
+pub struct Changes<'a> {
+    enc: &'a [u8],
     kind: DeltaKind,
     elem: usize,
-    run_len: u64,
-) -> Result<Vec<(u64, usize)>, DeltaError> {
-    check_elem(run_len as usize, elem)?;
-    let elems = run_len / elem as u64;
-    let mut changes: Vec<(u64, usize)> = Vec::new();
-    match kind {
-        DeltaKind::Gaps => {
-            let (mut at, mut next) = (0usize, 0u64);
-            while at < enc.len() {
-                let (gap, after) = get_varint(enc, at)?;
-                let index = next.saturating_add(gap);
-                if index >= elems {
-                    return Err(DeltaError::OutOfRange { index, elems });
+    count: u64,
+}
+
+impl<'a> Changes<'a> {
+    /// Checks `enc` (of `kind`) for a run of `run_len` bytes of `elem`-byte elements.
+    pub fn check(
+        enc: &'a [u8],
+        kind: DeltaKind,
+        elem: usize,
+        run_len: u64,
+    ) -> Result<Changes<'a>, DeltaError> {
+        check_elem(run_len as usize, elem)?;
+        let elems = run_len / elem as u64;
+        let count = match kind {
+            DeltaKind::Gaps => {
+                let (mut at, mut next, mut count) = (0usize, 0u64, 0u64);
+                while at < enc.len() {
+                    let (gap, after) = get_varint(enc, at)?;
+                    let index = next.saturating_add(gap);
+                    if index >= elems {
+                        return Err(DeltaError::OutOfRange { index, elems });
+                    }
+                    if after + elem > enc.len() {
+                        return Err(DeltaError::Truncated {
+                            at: enc.len(),
+                            len: enc.len(),
+                        });
+                    }
+                    at = after + elem;
+                    next = index + 1;
+                    count += 1;
                 }
-                if after + elem > enc.len() {
+                count
+            }
+            DeltaKind::Bitmap => {
+                let bitmap_bytes = elems.div_ceil(8) as usize;
+                if enc.len() < bitmap_bytes {
                     return Err(DeltaError::Truncated {
                         at: enc.len(),
                         len: enc.len(),
                     });
                 }
-                changes.push((index, after));
-                at = after + elem;
-                next = index + 1;
-            }
-        }
-        DeltaKind::Bitmap => {
-            let bitmap_bytes = elems.div_ceil(8) as usize;
-            if enc.len() < bitmap_bytes {
-                return Err(DeltaError::Truncated {
-                    at: enc.len(),
-                    len: enc.len(),
-                });
-            }
-            let set: u64 = enc[..bitmap_bytes]
-                .iter()
-                .map(|b| u64::from(b.count_ones()))
-                .sum();
-            let need = bitmap_bytes + set as usize * elem;
-            if need != enc.len() {
-                return Err(DeltaError::BitmapLength {
-                    set,
-                    need,
-                    len: enc.len(),
-                });
-            }
-            let mut at = bitmap_bytes;
-            for (byte_at, &byte) in enc[..bitmap_bytes].iter().enumerate() {
-                let mut bits = byte;
-                while bits != 0 {
-                    let bit = u64::from(bits.trailing_zeros());
-                    bits &= bits - 1;
-                    let index = byte_at as u64 * 8 + bit;
-                    if index >= elems {
-                        return Err(DeltaError::OutOfRange { index, elems });
-                    }
-                    changes.push((index, at));
-                    at += elem;
+                let map = &enc[..bitmap_bytes];
+                let set: u64 = map.iter().map(|b| u64::from(b.count_ones())).sum();
+                let need = bitmap_bytes + set as usize * elem;
+                if need != enc.len() {
+                    return Err(DeltaError::BitmapLength {
+                        set,
+                        need,
+                        len: enc.len(),
+                    });
                 }
+                // Bits past the run's last element (in the last byte's padding).
+                let pad = map.last().map_or(0, |&b| {
+                    let used = elems - (bitmap_bytes as u64 - 1) * 8;
+                    u64::from(b) >> used
+                });
+                if pad != 0 {
+                    let index = elems + u64::from(pad.trailing_zeros());
+                    return Err(DeltaError::OutOfRange { index, elems });
+                }
+                set
+            }
+        };
+        Ok(Changes {
+            enc,
+            kind,
+            elem,
+            count,
+        })
+    }
+
+    /// The number of changed elements.
+    pub fn len(&self) -> u64 {
+        self.count
+    }
+
+    /// Whether nothing changed.
+    pub fn is_empty(&self) -> bool {
+        self.count == 0
+    }
+
+    /// Calls `f` with every change's element index and new bytes, in order.
+    pub fn for_each(&self, mut f: impl FnMut(u64, &'a [u8])) {
+        let (enc, elem) = (self.enc, self.elem);
+        match self.kind {
+            DeltaKind::Gaps => {
+                let (mut at, mut next) = (0usize, 0u64);
+                while at < enc.len() {
+                    let (gap, after) = if enc[at] < 0x80 {
+                        (u64::from(enc[at]), at + 1)
+                    } else {
+                        get_varint(enc, at).expect("checked")
+                    };
+                    let index = next + gap;
+                    f(index, &enc[after..after + elem]);
+                    at = after + elem;
+                    next = index + 1;
+                }
+            }
+            DeltaKind::Bitmap => {
+                let map_len = self.enc.len() - self.count as usize * elem;
+                let (map, values) = enc.split_at(map_len);
+                let mut at = 0usize;
+                for_each_set(map, |i| {
+                    f(i as u64, &values[at..at + elem]);
+                    at += elem;
+                });
             }
         }
     }
-    Ok(changes)
+
+    /// Writes every change into `dst` (the run).
+    ///
+    /// # Panics
+    /// If `dst` is shorter than the run the encoding was checked against.
+    pub fn apply_to(&self, dst: &mut [u8]) {
+        match self.elem {
+            1 => self.apply_as::<1>(dst),
+            2 => self.apply_as::<2>(dst),
+            4 => self.apply_as::<4>(dst),
+            _ => self.apply_as::<8>(dst),
+        }
+    }
+
+    fn apply_as<const E: usize>(&self, dst: &mut [u8]) {
+        self.for_each(|index, v| {
+            let to = index as usize * E;
+            dst[to..to + E].copy_from_slice(&v[..E]);
+        });
+    }
 }
 
 /// Applies an encoding made by [`encode`] to `dst` (the run as the destination holds it),
 /// checking all of it before writing anything; returns the number of elements changed.
 pub fn apply(dst: &mut [u8], enc: &[u8], kind: DeltaKind, elem: usize) -> Result<u64, DeltaError> {
-    let changes = decode(enc, kind, elem, dst.len() as u64)?;
-    for &(index, at) in &changes {
-        let to = index as usize * elem;
-        dst[to..to + elem].copy_from_slice(&enc[at..at + elem]);
-    }
-    Ok(changes.len() as u64)
+    let changes = Changes::check(enc, kind, elem, dst.len() as u64)?;
+    changes.apply_to(dst);
+    Ok(changes.len())
 }
 
 #[cfg(test)]
@@ -496,7 +562,6 @@ mod tests {
         fn applying_an_encoding_to_the_base_gives_the_new_run(
             (base, new, elem) in runs(),
             cap_frac in prop::sample::select(vec![0.0f64, 0.05, 0.25, 0.5, 2.0]),
-            bitmap_first in any::<bool>(),
         ) {
             let elems = (new.len() / elem) as u64;
             let cap = (new.len() as f64 * cap_frac) as usize + 1;
@@ -505,9 +570,7 @@ mod tests {
                 .filter(|&e| base[e * elem..(e + 1) * elem] != new[e * elem..(e + 1) * elem])
                 .count() as u64;
             let mut kept = base.clone();
-            // Whichever it starts as (a guess), it ends as the smaller encoding that fits.
-            let start = if bitmap_first { DeltaKind::Bitmap } else { DeltaKind::Gaps };
-            let got = encode(&mut kept, &new, elem, &mut out, start);
+            let got = encode(&mut kept, &new, elem, &mut out);
             // Either way the base now holds the new run.
             prop_assert_eq!(&kept, &new);
             match got {
@@ -538,7 +601,7 @@ mod tests {
             cut in 1usize..8,
         ) {
             let mut out = vec![0u8; new.len() * 2 + 16];
-            let enc = encode(&mut base.clone(), &new, elem, &mut out, DeltaKind::Gaps).unwrap();
+            let enc = encode(&mut base.clone(), &new, elem, &mut out).unwrap();
             if enc.changed == 0 {
                 return Ok(());
             }
@@ -570,7 +633,7 @@ mod tests {
         sparse[2 * 100] = 1;
         sparse[2 * 3000 + 1] = 7;
         let mut out = vec![0u8; base.len() / 2];
-        let enc = encode(&mut base.clone(), &sparse, 2, &mut out, DeltaKind::Bitmap).unwrap();
+        let enc = encode(&mut base.clone(), &sparse, 2, &mut out).unwrap();
         assert_eq!((enc.kind, enc.changed), (DeltaKind::Gaps, 2));
         // gap 100 (1 byte) + 2, gap 2899 (2 bytes) + 2.
         assert_eq!(enc.len, 7);
@@ -578,14 +641,54 @@ mod tests {
         for e in (0..4096).step_by(3) {
             dense[2 * e] = 9;
         }
-        let enc = encode(&mut base.clone(), &dense, 2, &mut out, DeltaKind::Gaps).unwrap();
+        let enc = encode(&mut base.clone(), &dense, 2, &mut out).unwrap();
         assert_eq!(enc.kind, DeltaKind::Bitmap);
         assert_eq!(enc.len, 512 + 2 * 1366);
         // Everything changed: over half the dense bytes, refused.
         let mut kept = base.clone();
         let all = vec![1u8; base.len()];
-        assert!(encode(&mut kept, &all, 2, &mut out, DeltaKind::Gaps).is_err());
+        assert!(encode(&mut kept, &all, 2, &mut out).is_err());
         assert_eq!(kept, all, "a refused run still brings the base up to date");
+    }
+
+    #[test]
+    fn a_bitmap_naming_elements_past_the_run_is_refused() {
+        // 10 elements: two bitmap bytes, the second using 2 bits; bit 12 lies past the run.
+        let mut enc = vec![0u8, 1 << 4];
+        enc.extend_from_slice(&[7, 7]);
+        let mut dst = vec![0u8; 20];
+        assert_eq!(
+            apply(&mut dst, &enc, DeltaKind::Bitmap, 2),
+            Err(DeltaError::OutOfRange {
+                index: 12,
+                elems: 10
+            })
+        );
+        assert_eq!(dst, vec![0u8; 20]);
+        // The same change on the run's last element applies.
+        enc[1] = 1 << 1;
+        assert_eq!(apply(&mut dst, &enc, DeltaKind::Bitmap, 2), Ok(1));
+        assert_eq!(&dst[18..], &[7, 7]);
+    }
+
+    #[test]
+    fn long_gaps_take_multi_byte_varints_both_ways() {
+        // Changes 200_000 elements apart (3-byte varints) in a run with a partial last block.
+        let elems = 600_001usize;
+        let base = vec![3u8; elems];
+        let mut new = base.clone();
+        for i in [0, 200_000, 400_000, 600_000] {
+            new[i] = 4;
+        }
+        let mut out = vec![0u8; 64];
+        let mut kept = base.clone();
+        let enc = encode(&mut kept, &new, 1, &mut out).unwrap();
+        assert_eq!(kept, new);
+        assert_eq!((enc.kind, enc.changed), (DeltaKind::Gaps, 4));
+        assert_eq!(enc.len, 2 + 3 * (3 + 1));
+        let mut dst = base.clone();
+        assert_eq!(apply(&mut dst, &out[..enc.len], enc.kind, 1), Ok(4));
+        assert_eq!(dst, new);
     }
 
     #[test]

@@ -16,6 +16,7 @@
 //! encoding left in the inbox by an earlier sync is never read.
 
 pub mod codec;
+mod lanes;
 
 use weightsync_schedules::table::Transform;
 

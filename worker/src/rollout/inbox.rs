@@ -27,8 +27,9 @@ use weightsync_common::protocol::{DeltaFigures, DeltaRecord};
 
 use super::RolloutWorker;
 use super::early_check::RunKey;
-use crate::delta::codec::decode;
+use crate::delta::codec::Changes;
 use crate::error::{Result, WorkerError};
+use weightsync_common::fabric::{FabricError, Region};
 
 /// What the receiver knows of the versions it holds and this round's deltas.
 #[derive(Debug, Default)]
@@ -195,14 +196,11 @@ impl<F: FabricBackend> RolloutWorker<F> {
                 .map_err(|e| WorkerError::fabric("reading the delta inbox", e))?;
             let elem = usize::from(r.elem);
             let changes =
-                decode(&enc, r.kind, elem, r.len).map_err(|e| refuse(r, e.to_string()))?;
+                Changes::check(&enc, r.kind, elem, r.len).map_err(|e| refuse(r, e.to_string()))?;
             let region = &self.regions[r.mr as usize];
-            for &(index, at) in &changes {
-                region
-                    .write_at(r.offset + index * elem as u64, &enc[at..at + elem])
-                    .map_err(|e| WorkerError::fabric("applying a delta", e))?;
-            }
-            Ok((changes.len() as u64, r.len / elem as u64))
+            patch(region, r.offset, r.len, elem, &changes)
+                .map_err(|e| WorkerError::fabric("applying a delta", e))?;
+            Ok((changes.len(), r.len / elem as u64))
         });
         let counts: Vec<(u64, u64)> = applied.collect::<Result<_>>()?;
         let mut figures = DeltaFigures::default();
@@ -213,5 +211,128 @@ impl<F: FabricBackend> RolloutWorker<F> {
             figures.elements += elements;
         }
         Ok(figures)
+    }
+}
+
+/// Where [`patch`] reads and writes a run's bytes: a registered region (a plain buffer in tests).
+trait RunBytes {
+    fn read_at(&self, offset: u64, out: &mut [u8]) -> std::result::Result<(), FabricError>;
+    fn write_at(&self, offset: u64, data: &[u8]) -> std::result::Result<(), FabricError>;
+}
+
+impl RunBytes for Region {
+    fn read_at(&self, offset: u64, out: &mut [u8]) -> std::result::Result<(), FabricError> {
+        Region::read_at(self, offset, out)
+    }
+    fn write_at(&self, offset: u64, data: &[u8]) -> std::result::Result<(), FabricError> {
+        Region::write_at(self, offset, data)
+    }
+}
+
+/// Bytes of a run patched at once (see [`patch`]).
+const WINDOW: u64 = 1 << 16;
+
+/// Writes `changes` into the run of `len` bytes at `offset` of `region`. Sparse changes (fewer
+/// than one per [`SPARSE_BYTES`]) are written one by one; denser ones a window at a time (read
+/// out, patched, written back): each change's store would otherwise miss the cache on its own,
+/// while a window streams.
+fn patch(
+    region: &impl RunBytes,
+    offset: u64,
+    len: u64,
+    elem: usize,
+    changes: &Changes<'_>,
+) -> std::result::Result<(), FabricError> {
+    let mut failed = None;
+    if changes.len().saturating_mul(SPARSE_BYTES) < len {
+        changes.for_each(|index, v| {
+            if failed.is_none() {
+                failed = region.write_at(offset + index * elem as u64, v).err();
+            }
+        });
+        return failed.map_or(Ok(()), Err);
+    }
+    let mut buf = vec![0u8; WINDOW.min(len) as usize];
+    // The window read out: its start in the run and its length.
+    let mut window: Option<(u64, usize)> = None;
+    let flush = |window: Option<(u64, usize)>, buf: &[u8]| match window {
+        Some((lo, n)) => region.write_at(offset + lo, &buf[..n]),
+        None => Ok(()),
+    };
+    changes.for_each(|index, v| {
+        if failed.is_some() {
+            return;
+        }
+        let at = index * elem as u64;
+        if window.is_none_or(|(lo, n)| at >= lo + n as u64) {
+            let n = WINDOW.min(len - at) as usize;
+            let res = flush(window, &buf).and_then(|()| region.read_at(offset + at, &mut buf[..n]));
+            if let Err(e) = res {
+                failed = Some(e);
+                return;
+            }
+            window = Some((at, n));
+        }
+        let (lo, _) = window.expect("a window");
+        let from = (at - lo) as usize;
+        buf[from..from + elem].copy_from_slice(v);
+    });
+    if let Some(e) = failed {
+        return Err(e);
+    }
+    flush(window, &buf)
+}
+
+/// A run with fewer changes than one per this many bytes is patched change by change.
+const SPARSE_BYTES: u64 = 512;
+
+#[cfg(test)]
+mod tests {
+    use std::cell::RefCell;
+
+    use super::*;
+    use crate::delta::codec::encode;
+
+    impl RunBytes for RefCell<Vec<u8>> {
+        fn read_at(&self, offset: u64, out: &mut [u8]) -> std::result::Result<(), FabricError> {
+            let o = offset as usize;
+            out.copy_from_slice(&self.borrow()[o..o + out.len()]);
+            Ok(())
+        }
+        fn write_at(&self, offset: u64, data: &[u8]) -> std::result::Result<(), FabricError> {
+            let o = offset as usize;
+            self.borrow_mut()[o..o + data.len()].copy_from_slice(data);
+            Ok(())
+        }
+    }
+
+    /// Sparse runs patched change by change and dense ones window by window (over several
+    /// windows, the last one partial) both end as the new run, around it nothing moves.
+    #[test]
+    fn patching_a_run_at_any_density_gives_the_new_run() {
+        let elem = 2;
+        let len = 3 * WINDOW as usize + 2 * 1000;
+        let base: Vec<u8> = (0..len).map(|i| (i * 7 % 251) as u8).collect();
+        for every in [1usize, 3, 40, 300, 5000] {
+            let mut new = base.clone();
+            for e in (every / 2..len / elem).step_by(every) {
+                new[e * elem + e % 2] ^= 0x5a;
+            }
+            let mut out = vec![0u8; len * 2];
+            let enc = encode(&mut base.clone(), &new, elem, &mut out).unwrap();
+            let changes = Changes::check(&out[..enc.len], enc.kind, elem, len as u64).unwrap();
+            // The run at byte 6 of a larger region: the bytes around it stay as they were.
+            let mut region = vec![9u8; len + 12];
+            region[6..6 + len].copy_from_slice(&base);
+            let region = RefCell::new(region);
+            patch(&region, 6, len as u64, elem, &changes).unwrap();
+            let got = region.into_inner();
+            assert_eq!(
+                &got[6..6 + len],
+                &new[..],
+                "a change every {every} elements"
+            );
+            assert_eq!((&got[..6], &got[6 + len..]), (&[9u8; 6][..], &[9u8; 6][..]));
+        }
     }
 }

@@ -36,7 +36,6 @@ use super::WriteDst;
 use super::piece::TaskPiece;
 use crate::delta::codec::{Encoded, encode, sample_changes};
 use crate::delta::{InboxMap, element_size};
-use weightsync_common::protocol::DeltaKind;
 
 /// How a trainer does delta syncs.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -379,8 +378,7 @@ const SAMPLE_STRIDE: usize = 16;
 
 /// Encodes one run into `out` (its capacity) and brings `base` up to date, guided by the
 /// changed fraction its task showed last sync (`expected`): a run whose encoding would not fit
-/// at that fraction is not scanned (its base is copied, a sample of its blocks compared); one
-/// that would starts as the encoding expected to be the smaller.
+/// at that fraction is not scanned (its base is copied, a sample of its blocks compared).
 fn encode_run(
     base: &mut [u8],
     new: &[u8],
@@ -401,12 +399,7 @@ fn encode_run(
             changed,
         };
     }
-    let start = if bitmap < gaps {
-        DeltaKind::Bitmap
-    } else {
-        DeltaKind::Gaps
-    };
-    match encode(base, new, elem, out, start) {
+    match encode(base, new, elem, out) {
         Ok(enc) => RunEncoding {
             encoded: Some(enc),
             scanned: elems as u64,
