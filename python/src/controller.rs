@@ -72,7 +72,7 @@ impl ControllerCore {
         model, train, infer, job_token, api_token, dtype = "bf16", http = "127.0.0.1:0",
         control = "127.0.0.1:0", verify = true, heartbeat_timeout = 5.0, sync_timeout = 300.0,
         history = 200, trainer_token = None, engine_token = None, read_token = None,
-        tls_cert = None, tls_key = None, tls_ca = None,
+        tls_cert = None, tls_key = None, tls_ca = None, tls_crl = None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -95,6 +95,7 @@ impl ControllerCore {
         tls_cert: Option<std::path::PathBuf>,
         tls_key: Option<std::path::PathBuf>,
         tls_ca: Option<std::path::PathBuf>,
+        tls_crl: Option<std::path::PathBuf>,
     ) -> PyResult<Self> {
         let seconds = |name: &str, v: f64| {
             Duration::try_from_secs_f64(v)
@@ -148,8 +149,9 @@ impl ControllerCore {
             )
         })?;
         cfg.secrets = secrets;
-        // TLS on the control channel (workers' certificates checked against `tls_ca`) and HTTP.
-        cfg.tls = TlsFiles::from_parts(tls_cert, tls_key, tls_ca)
+        // TLS on the control channel (workers' certificates checked against `tls_ca`, and
+        // against `tls_crl` where given) and HTTP.
+        cfg.tls = TlsFiles::from_parts_with_crl(tls_cert, tls_key, tls_ca, tls_crl)
             .and_then(|files| files.map(|f| TlsServer::new(&f)).transpose())
             .map_err(|e| controller_error(py, e.to_string(), None))?;
         let tls = cfg.tls.is_some();

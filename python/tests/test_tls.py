@@ -1,10 +1,13 @@
 """TLS from Python (issue 39): a controller given its certificate, key and CA, and a trainer and
 an engine given theirs, sync a version over mutual TLS (their fabric keyed by the controller
 over TLS), the HTTP API answers over https and not over plain HTTP; a worker whose certificate
-another CA signed is refused by name. Certificates come from the openssl CLI. Seconds."""
+another CA signed is refused by name; a worker certificate the controller's CRL lists is refused
+and a valid one registers, and a client given a CRL that lists the controller's certificate
+refuses it. Certificates come from the openssl CLI, CRLs from ``cryptography``. Seconds."""
 
 from __future__ import annotations
 
+import datetime
 import http.client
 import json
 import shutil
@@ -107,3 +110,46 @@ def test_a_job_over_mutual_tls_and_a_stranger_refused_by_name(tmp_path: Path) ->
         finally:
             trainer.close()
             engine.close()
+
+
+def make_crl(d: Path, ca: dict[str, str], name: str, revoked: list[int]) -> str:
+    """A CRL of the CA of :func:`make_ca` (``d``, ``name``) listing the certificate serials
+    ``revoked`` (the controller's is 1, the worker's 2): its PEM path."""
+    x509 = pytest.importorskip("cryptography.x509")
+    from cryptography.hazmat.primitives import hashes, serialization
+
+    key = serialization.load_pem_private_key((d / f"{name}-ca.key").read_bytes(), password=None)
+    issuer = x509.load_pem_x509_certificate(Path(ca["ca"]).read_bytes())
+    now = datetime.datetime.now(datetime.timezone.utc)
+    b = (x509.CertificateRevocationListBuilder().issuer_name(issuer.subject)
+         .last_update(now - datetime.timedelta(minutes=5)).next_update(now + datetime.timedelta(days=1)))
+    for serial in revoked:
+        b = b.add_revoked_certificate(x509.RevokedCertificateBuilder().serial_number(serial)
+                                      .revocation_date(now - datetime.timedelta(minutes=1)).build())
+    path = d / f"{name}-{'-'.join(map(str, revoked)) or 'none'}.crl.pem"
+    path.write_bytes(b.sign(key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM))  # type: ignore[arg-type]
+    return str(path)
+
+
+def test_revoked_certificates_are_refused_by_name(tmp_path: Path) -> None:
+    job = make_ca(tmp_path, "job")
+    worker_revoked, controller_revoked = make_crl(tmp_path, job, "job", [2]), make_crl(tmp_path, job, "job", [1])
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(CONFIG))
+    tls = {"tls_cert": job["worker_cert"], "tls_key": job["worker_key"], "tls_ca": job["ca"]}
+    server = {"tls_cert": job["controller_cert"], "tls_key": job["controller_key"], "tls_ca": job["ca"]}
+    with weightsync.Controller(cfg, "fsdp=1", "tp=1,dp=1,format=hf", tls_crl=worker_revoked, **server) as c:
+        with pytest.raises(weightsync.ConnectError) as refused:
+            weightsync.Trainer(c.control_address, 0, job_token=c.job_token, **tls)
+        assert "TLS" in str(refused.value) and "trainer-0" in str(refused.value), refused.value
+        assert c.client(timeout=10)._request("GET", "/v1/workers")["workers"] == [], "a revoked worker registered"
+    # A CRL that lists no worker: the same certificate registers.
+    with weightsync.Controller(cfg, "fsdp=1", "tp=1,dp=1,format=hf", tls_crl=make_crl(tmp_path, job, "job", []),
+                               **server) as c:
+        weightsync.Trainer(c.control_address, 0, job_token=c.job_token, **tls).close()
+        # A client whose CRL lists the controller's certificate refuses it; without it, it talks.
+        with pytest.raises(weightsync.ClientError, match="revoked"):
+            weightsync.Client(c.http_url, c.api_token, ca=job["ca"], crl=controller_revoked, timeout=10).healthz()
+        assert weightsync.Client(c.http_url, c.api_token, ca=job["ca"], crl=worker_revoked, timeout=10).healthz()["status"] == "ok"
+    with pytest.raises(ValueError, match="not https"):
+        weightsync.Client("http://127.0.0.1:1", crl=worker_revoked)

@@ -119,6 +119,7 @@ class ControllerCore:
         tls_cert: str | os.PathLike[str] | None = None,
         tls_key: str | os.PathLike[str] | None = None,
         tls_ca: str | os.PathLike[str] | None = None,
+        tls_crl: str | os.PathLike[str] | None = None,
     ) -> None: ...
     @property
     def control_address(self) -> str: ...

@@ -81,6 +81,8 @@ class Client:
         timeout: seconds a request may take (a waiting sync counts: default one hour).
         ca: for an ``https://`` URL, the CA certificate (PEM path) the controller's certificate
             must chain to (default ``$WEIGHTSYNC_TLS_CA``, else the system's CAs).
+        crl: for an ``https://`` URL, a PEM file of revocation lists of that CA (default
+            ``$WEIGHTSYNC_TLS_CRL``): a controller certificate it lists is refused.
     """
 
     def __init__(
@@ -90,6 +92,7 @@ class Client:
         *,
         timeout: float = 3600.0,
         ca: str | os.PathLike[str] | None = None,
+        crl: str | os.PathLike[str] | None = None,
     ) -> None:
         self.url = url.rstrip("/")
         if "://" not in self.url:
@@ -100,6 +103,13 @@ class Client:
         if self.url.startswith("https://"):
             cafile = os.fspath(ca) if ca is not None else os.environ.get("WEIGHTSYNC_TLS_CA") or None
             self._tls = ssl.create_default_context(cafile=cafile)
+            crlfile = os.fspath(crl) if crl is not None else os.environ.get("WEIGHTSYNC_TLS_CRL") or None
+            if crlfile is not None:
+                # The controller's certificate is refused if the CRL lists it.
+                self._tls.load_verify_locations(cafile=crlfile)
+                self._tls.verify_flags |= ssl.VERIFY_CRL_CHECK_LEAF
+        elif crl is not None:
+            raise ValueError(f"crl={os.fspath(crl)!r} given for {self.url}, which is not https://")
 
     def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
         data = None if body is None else json.dumps(body).encode()

@@ -61,6 +61,10 @@ class Controller:
             signs the workers' client certificates (a worker without one is refused before it
             can prove a secret). The HTTP API is then ``https://`` (:meth:`client` trusts
             ``tls_ca`` for it). None: plain TCP, for loopback and tests (see docs/security.md).
+        tls_crl: with TLS, a PEM file of certificate revocation lists of ``tls_ca``: a worker
+            certificate it lists is refused in the handshake (every certificate of a worker's
+            chain below the CA is checked, and one whose issuer has no CRL in the file is
+            refused). Read once, at start.
 
     Raises:
         ControllerError: it cannot start: an address is taken or invalid (``address`` names
@@ -103,6 +107,7 @@ class Controller:
         tls_cert: str | os.PathLike[str] | None = None,
         tls_key: str | os.PathLike[str] | None = None,
         tls_ca: str | os.PathLike[str] | None = None,
+        tls_crl: str | os.PathLike[str] | None = None,
     ) -> None:
         self.model = os.fspath(model)
         self.train = train
@@ -145,6 +150,7 @@ class Controller:
             tls_cert=tls_cert,
             tls_key=tls_key,
             tls_ca=tls_ca,
+            tls_crl=tls_crl,
         )
         self.tls_ca = None if tls_ca is None else os.fspath(tls_ca)
 
