@@ -55,6 +55,8 @@
 //! - `session`: the runtime, learning the job, starting the agent, and the ends of syncs.
 //! - `trainer`: [`TrainerHandle`], [`PushHandle`].
 //! - `engine`: [`EngineHandle`] and its driver (hooks, state).
+//! - `declare`: what a declared model's engine declares (its tensors, skips and sources),
+//!   checked and laid out before it registers.
 //! - `engine_stages`: an engine's own stages (pause, load, resume), checked and put on the time
 //!   base of their sync before they go to the controller.
 //! - `client`: [`ApiClient`], the HTTP trigger as a blocking call.
@@ -63,6 +65,7 @@
 //!   copied to them once a version landed.
 
 mod client;
+mod declare;
 #[cfg(feature = "cuda")]
 mod device_regions;
 mod engine;
@@ -77,6 +80,7 @@ pub use weightsync_common::protocol::FailureKind;
 
 pub use crate::api_client::{ClientError, SyncFailure, SyncResult};
 pub use client::ApiClient;
+pub use declare::{EngineSources, box_source};
 pub use engine::{EngineHandle, EngineOptions, Hook};
 pub use trainer::{PushHandle, TrainerHandle, TrainerOptions};
 pub use weightsync_common::DType;
