@@ -47,6 +47,8 @@
 //! t.declare_and_register(vec![DeclaredShard { tensor, global_shape, offset }, ...])?;
 //! // every tensor the engine holds, whole (format=hf, tp=1), and what it takes nothing of
 //! e.declare_and_register(engine_tensors, vec!["model.rotary_emb.inv_freq".into()])?;
+//! // or, a fused or tensor-parallel engine: what some tensors are made of (by name)
+//! e.declare_and_register_sources(engine_tensors, skip, sources)?;  // box_source for a tp box
 //! t.wait_plan(None)?;   // or e.wait_plan: the plan's failure, naming the tensor and both ranks
 //! ```
 //!
