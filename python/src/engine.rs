@@ -5,8 +5,10 @@
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use weightsync_agent::embed::{
-    DstTensor, EmbedError, EngineHandle, EngineOptions, EngineState, EngineStatus, Hook, Stage,
+    DstTensor, EmbedError, EngineHandle, EngineOptions, EngineSources, EngineState, EngineStatus,
+    Hook, Stage,
 };
+use weightsync_common::protocol::{SourceBox, TensorSource};
 
 use crate::errors::{embed_error, tls_files};
 use crate::foreign_tensor::Access;
@@ -75,6 +77,34 @@ fn destinations(py: Python<'_>, worker: &str, named: Vec<Named>) -> PyResult<Des
         });
     }
     Ok(Destinations::Host(dsts))
+}
+
+/// What one tensor is made of, as Python passes it: `(name, dim, parts)`, each part `(trainer
+/// tensor, offset, shape)`.
+type SourceEntry = (String, u32, Vec<(String, Vec<u64>, Vec<u64>)>);
+
+/// The sources by tensor name; a tensor given two is refused (ValueError naming it).
+fn engine_sources(worker: &str, entries: Vec<SourceEntry>) -> PyResult<EngineSources> {
+    let mut out = EngineSources::new();
+    for (name, dim, parts) in entries {
+        let source = TensorSource {
+            dim,
+            parts: parts
+                .into_iter()
+                .map(|(tensor, offset, shape)| SourceBox {
+                    tensor,
+                    offset,
+                    shape,
+                })
+                .collect(),
+        };
+        if out.insert(name.clone(), source).is_some() {
+            return Err(PyValueError::new_err(format!(
+                "{worker}: tensor {name}: two sources declared for it"
+            )));
+        }
+    }
+    Ok(out)
 }
 
 /// One inference rank's connection to the controller.
@@ -202,16 +232,22 @@ impl EngineCore {
     }
 
     /// A declared model's destinations: `(name, tensor, dtype or None)` entries, every tensor
-    /// the engine holds, whole, and `skip`, the names it takes nothing of (a buffer no trainer
-    /// holds, a trainer tensor it does not hold). Registers them and declares them to the
-    /// controller; returns what was registered (skipped and empty tensors are not).
+    /// the engine holds, `skip`, the names it takes nothing of (a buffer no trainer holds, a
+    /// trainer tensor it does not hold), and `sources`, what some tensors are made of:
+    /// `(name, dim, [(trainer tensor, offset, shape), ...])`, the parts concatenated along
+    /// `dim` (a tensor without one is the trainers' tensor of its name, whole). Registers them
+    /// and declares them to the controller; returns what was registered (skipped and empty
+    /// tensors are not).
+    #[pyo3(signature = (tensors, skip, sources = Vec::new()))]
     fn declare_and_register(
         &self,
         py: Python<'_>,
         tensors: Vec<Entry<'_>>,
         skip: Vec<String>,
+        sources: Vec<SourceEntry>,
     ) -> PyResult<Vec<Registered>> {
         let worker = self.inner.worker_id().to_string();
+        let sources = engine_sources(&worker, sources)?;
         let named = tensor_list::read(py, &worker, tensors, Access::Write)?;
         let registered = named
             .iter()
@@ -219,10 +255,12 @@ impl EngineCore {
             .map(registered)
             .collect();
         let result = match destinations(py, &worker, named)? {
-            Destinations::Host(dsts) => py.detach(|| self.inner.declare_and_register(dsts, skip)),
+            Destinations::Host(dsts) => {
+                py.detach(|| self.inner.declare_and_register_sources(dsts, skip, sources))
+            }
             #[cfg(feature = "cuda")]
             Destinations::Device(dsts) => {
-                py.detach(|| self.inner.declare_and_register_device(dsts, skip))
+                py.detach(|| self.inner.declare_and_register_device(dsts, skip, sources))
             }
         };
         result.map_err(|e| embed_error(py, e))?;

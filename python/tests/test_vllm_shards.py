@@ -199,3 +199,83 @@ def test_loader_items_write_only_the_box() -> None:
             assert t.data_ptr() == arena[name].data_ptr(), f"{name}: a whole tensor goes as the arena's own view"
         seen.append(name)
     assert seen == list(arena) and spent[0] > 0
+
+
+def test_a_declared_tp_2_worker_declares_the_family_paths_boxes(tmp_path: Any) -> None:
+    # The layout a vLLM worker of a *declared* model declares at tp=2 (each checkpoint tensor as
+    # the box vLLM's loader reads of it on this worker, as its source), against what the planner
+    # lays out from the config for the same Qwen3 shapes (`tp=2,format=hf,embed=vocab`, fetched
+    # from a real controller): the same boxes, so the declared job plans each rank's part
+    # without knowing the family (the tables' equality is the agent crate's
+    # `tensor_parallel_boxes_declared_plan_the_config_paths_table`).
+    import json
+
+    import weightsync
+    from weightsync._checkpoint import CheckpointTensor
+    from weightsync._vllm_shards import declared_layout
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({
+        "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_size": H,
+        "num_attention_heads": HEADS, "num_key_value_heads": KV, "head_dim": D,
+        "intermediate_size": INTER, "num_hidden_layers": 1, "vocab_size": 1024,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16"}))
+    with weightsync.Controller(cfg, "fsdp=1", "tp=2,format=hf,embed=vocab") as c:
+        for rank in range(2):
+            with weightsync.Engine(c.control_address, rank, job_token=c.engine_token) as e:
+                planned = e.layout()
+            checkpoint = [CheckpointTensor(t.name, t.dtype, t.global_shape or t.shape) for t in planned]
+            declared = declared_layout(model(2, rank, 1024), checkpoint, 2)
+            assert declared == planned, rank
+            sharded = [t.name for t in declared if t.sharded]
+            assert "lm_head.weight" in sharded and "model.layers.0.mlp.down_proj.weight" in sharded
+            sources = {t.name: weightsync.Source.box_of(t.name, t.global_shape or (), t.offset or (), t.shape)
+                       for t in declared}
+            assert {n for n, s in sources.items() if s is not None} == set(sharded)
+    # At tp=1 every tensor is whole, whatever the layers.
+    assert all(not t.sharded for t in declared_layout(model(2, 0, 1024), checkpoint, 1))
+
+
+def test_a_declared_direct_worker_declares_fused_parameters_as_their_parts(tmp_path: Any) -> None:
+    # Direct mode of a declared model: vLLM's own parameters (the family path's `format=fused`
+    # layout at tp=2, fetched from a real controller, for the same Qwen3 shapes) each declared
+    # as what it is made of: qkv_proj of this rank's q, k and v rows, gate_up_proj of its gate
+    # and up rows, o_proj / down_proj their columns; each source fills its parameter exactly.
+    import json
+
+    import weightsync
+    from weightsync import Source, SourceBox
+    from weightsync._vllm_shards import declared_direct_sources
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({
+        "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_size": H,
+        "num_attention_heads": HEADS, "num_key_value_heads": KV, "head_dim": D,
+        "intermediate_size": INTER, "num_hidden_layers": 1, "vocab_size": 1024,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16"}))
+    checkpoint = {t.name: t.global_shape for t in layout(1, 0, 1024)}
+    pre = "model.layers.0."
+    with weightsync.Controller(cfg, "fsdp=1", "tp=2,format=fused") as c:
+        for rank in range(2):
+            with weightsync.Engine(c.control_address, rank, job_token=c.engine_token) as e:
+                params = {t.name: t.shape for t in e.layout() if t.name in checkpoint or "_proj" in t.name}
+            sources = declared_direct_sources(model(2, rank, 1024), params, checkpoint)
+            for name, shape in params.items():
+                src = sources[name]
+                if src is None:
+                    assert shape == checkpoint[name], name
+                    continue
+                rows = sum(p.shape[0] for p in src.parts) if src.dim == 0 else shape[0]
+                assert rows == shape[0] and all(p.shape[1:] == shape[1:] for p in src.parts), (name, src)
+            q, kv = HEADS * D // 2, KV * D // 2
+            assert sources[pre + "self_attn.qkv_proj.weight"] == Source(0, (
+                SourceBox(pre + "self_attn.q_proj.weight", (rank * q, 0), (q, H)),
+                SourceBox(pre + "self_attn.k_proj.weight", (rank * kv, 0), (kv, H)),
+                SourceBox(pre + "self_attn.v_proj.weight", (rank * kv, 0), (kv, H))))
+            assert sources[pre + "mlp.gate_up_proj.weight"] == Source(0, (
+                SourceBox(pre + "mlp.gate_proj.weight", (rank * INTER // 2, 0), (INTER // 2, H)),
+                SourceBox(pre + "mlp.up_proj.weight", (rank * INTER // 2, 0), (INTER // 2, H))))
+            assert sources[pre + "self_attn.o_proj.weight"] == Source(0, (
+                SourceBox(pre + "self_attn.o_proj.weight", (0, rank * q), (H, q)),))
+    with pytest.raises(LookupError, match="no checkpoint tensor"):
+        declared_direct_sources(model(2, 0, 1024), {"x.weight": (1,)}, checkpoint)

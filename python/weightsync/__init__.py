@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from .client import Client, Failure, SyncResult
 from .controller import Controller
-from .engine import Engine, EngineStage, EngineState, TensorInfo
+from .engine import Engine, EngineStage, EngineState, Source, SourceBox, TensorInfo
 from .errors import (
     ClientError,
     ClosedError,
@@ -58,6 +58,8 @@ __all__ = [
     "Engine",
     "EngineState",
     "EngineStage",
+    "Source",
+    "SourceBox",
     "TensorInfo",
     "Client",
     "SyncResult",

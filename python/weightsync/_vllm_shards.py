@@ -125,6 +125,68 @@ def vllm_box(model: Any, name: str, global_shape: tuple[int, ...]) -> Box:
                       "whose tensor-parallel narrowing is not known here")
 
 
+def declared_layout(model: Any, tensors: list[Any], tp: int) -> list[TensorInfo]:
+    """A declared model's arena on this worker at tensor parallelism ``tp``: each checkpoint
+    tensor (``name``, ``dtype``, whole ``shape``: a :class:`weightsync._checkpoint.CheckpointTensor`)
+    as the box vLLM's loader reads of it here (:func:`vllm_box`: q/k/v and gate/up rows, kv
+    heads replicated past their count, o_proj and down_proj columns, vocabulary rows), or whole
+    where the layer reads it whole or its narrowing is not known here (the loader then narrows
+    the whole tensor itself: correct, at the cost of the bytes it does not read). Each entry
+    places itself in its tensor (``global_shape``, ``offset``), which is what the engine
+    declares to the controller (a sharded tensor as a source of one part, its box:
+    :meth:`weightsync.Source.box_of`) and what :func:`loader_items` hands vLLM. With ``tp == 1``
+    every tensor is whole."""
+    out = []
+    for t in tensors:
+        whole = tuple(t.shape)
+        offset, shape = _whole(whole)
+        if tp > 1:
+            try:
+                offset, shape = vllm_box(model, t.name, whole)
+            except LookupError:
+                pass
+        out.append(TensorInfo(t.name, t.dtype, tuple(shape), whole, tuple(offset)))
+    return out
+
+
+def declared_direct_sources(model: Any, params: dict[str, tuple[int, ...]],
+                            checkpoint: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+    """What each of vLLM's parameters on this worker (``params``: name -> shape) is made of, in
+    a declared model's direct mode: a fused parameter (``qkv_proj``, ``gate_up_proj``: a key of
+    the model's ``packed_modules_mapping``) is the concatenation along dim 0 of the boxes
+    vLLM's loader reads of each of its Hugging Face parts (``q_proj``, ``k_proj``, ``v_proj``;
+    ``gate_proj``, ``up_proj``; whole shapes from ``checkpoint``: name -> shape); any other is
+    its box of the checkpoint tensor of its name (None: whole). Returns
+    :class:`weightsync.Source` (or None) by parameter name. A parameter whose parts vLLM's
+    loader does not narrow in a way known here raises ``LookupError`` naming it."""
+    from .engine import Source, SourceBox
+
+    packed = getattr(model, "packed_modules_mapping", None) or {}
+    out: dict[str, Any] = {}
+    for name in params:
+        path, _, pname = name.rpartition(".")
+        parent, _, leaf = path.rpartition(".")
+        if leaf in packed:
+            parts = []
+            for part in packed[leaf]:
+                hf = f"{parent}.{part}.{pname}" if parent else f"{part}.{pname}"
+                if hf not in checkpoint:
+                    raise LookupError(f"{name}: its part {hf} is not in the checkpoint")
+                offset, shape = vllm_box(model, hf, checkpoint[hf])
+                parts.append(SourceBox(hf, tuple(offset), tuple(shape)))
+            out[name] = Source(0, tuple(parts))
+            continue
+        whole = checkpoint.get(name)
+        if whole is None:
+            raise LookupError(f"{name}: no checkpoint tensor of its name")
+        try:
+            offset, shape = vllm_box(model, name, tuple(whole))
+        except LookupError:
+            offset, shape = _whole(tuple(whole))
+        out[name] = Source.box_of(name, whole, offset, shape)
+    return out
+
+
 def _inside(inner: Box, outer: Box) -> bool:
     return all(o <= i and i + n <= o + m for i, n, o, m in zip(*inner, *outer, strict=True))
 

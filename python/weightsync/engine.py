@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -26,7 +26,7 @@ from ._hooks import Hook
 from ._tensors import NameMap, TensorSource, current_ptr, named_tensors, shape_of, split_dtype
 from .errors import LayoutMismatchError, RegistrationError, StaleTensorError
 
-__all__ = ["Engine", "EngineState", "TensorInfo", "EngineStage"]
+__all__ = ["Engine", "EngineState", "TensorInfo", "EngineStage", "Source", "SourceBox"]
 
 State = Literal["idle", "landing", "committed", "invalid"]
 Format = Literal["hf", "fused"]
@@ -55,6 +55,77 @@ class TensorInfo:
     def sharded(self) -> bool:
         """Whether this rank holds only part of the parameter (a box smaller than the whole)."""
         return self.global_shape is not None and self.global_shape != self.shape
+
+
+@dataclass(frozen=True)
+class SourceBox:
+    """One part of a :class:`Source`: the box ``offset .. offset + shape`` of the trainers'
+    tensor ``tensor``, in that tensor's own dims (the control protocol's ``SourceBox``)."""
+
+    tensor: str
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Source:
+    """What an engine tensor of a declared model is made of (the control protocol's
+    ``TensorSource``): ``parts``, boxes of the trainers' tensors, concatenated along ``dim`` of
+    the engine tensor, in order.
+
+    A fused ``qkv_proj`` ``[q + 2 kv, H]`` is ``Source(0, [q box, k box, v box])``; a
+    tensor-parallel rank's slice of a tensor is one part, its box of the tensor of its name
+    (:meth:`box_of`). A part of fewer dims than the tensor leaves leading *stack* dims: the
+    parts fill the tensor along ``dim``, then the next index of the stack dims (per-expert gate
+    and up boxes filling a stacked ``[E, 2I, H]`` tensor, ``dim`` 1). In every other dim a part
+    spans the tensor whole. The engine checks that the parts fill the tensor exactly before it
+    registers; the controller checks each part against the trainers' tensors (a part of a
+    tensor no trainer holds, a box outside it, a dtype the sides disagree on) and names the
+    tensor and both sides before any byte moves (:meth:`Engine.wait_plan` raises it).
+    """
+
+    dim: int
+    parts: tuple[SourceBox, ...]
+
+    @staticmethod
+    def box_of(name: str, global_shape: Sequence[int], offset: Sequence[int],
+               shape: Sequence[int]) -> Source | None:
+        """The source of a tensor that is the box ``offset .. offset + shape`` of the trainers'
+        tensor of the same name (whole shape ``global_shape``): a tensor-parallel rank's
+        slice. None when the box is the whole tensor (declared without a source)."""
+        if tuple(shape) == tuple(global_shape) and not any(offset):
+            return None
+        return Source(0, (SourceBox(name, tuple(offset), tuple(shape)),))
+
+
+def _source_entries(worker: str, sources: Mapping[str, Source | None]
+                    ) -> list[tuple[str, int, list[tuple[str, list[int], list[int]]]]]:
+    """``sources`` as the native engine takes them, checked for types (ValueError naming the
+    tensor): a Source, a dim and every part's offset and shape of non-negative ints, as many
+    offsets as dims."""
+    out = []
+    for name, src in sources.items():
+        if src is None:
+            continue
+        bad = f"{worker}: tensor {name}: source {src!r}"
+        if not isinstance(src, Source):
+            raise ValueError(f"{bad} is not a weightsync.Source")
+        if not isinstance(src.dim, int) or src.dim < 0:
+            raise ValueError(f"{bad}: dim is not a non-negative int")
+        parts = []
+        for i, p in enumerate(src.parts):
+            if not isinstance(p, SourceBox):
+                raise ValueError(f"{bad}: part {i} is not a weightsync.SourceBox")
+            dims = [*p.offset, *p.shape]
+            if not all(isinstance(d, int) and d >= 0 for d in dims):
+                raise ValueError(f"{bad}: part {i} ({p.tensor}) has an offset or shape that is "
+                                 "not non-negative ints")
+            if len(p.offset) != len(p.shape):
+                raise ValueError(f"{bad}: part {i} ({p.tensor}) has an offset of {len(p.offset)} "
+                                 f"dims and a shape of {len(p.shape)}")
+            parts.append((p.tensor, list(p.offset), list(p.shape)))
+        out.append((name, src.dim, parts))
+    return out
 
 
 @dataclass(frozen=True)
@@ -235,13 +306,16 @@ class Engine:
         format: Format | None,
         skip: Iterable[str],
         name_map: NameMap | None,
+        sources: Mapping[str, Source | None],
     ) -> dict[str, int]:
         """:meth:`register` for a declared model: every parameter (and, of a module, every
-        buffer named ``*_scale_inv``: fp8 scales), whole, with ``skip``."""
-        if format not in (None, "hf"):
+        buffer named ``*_scale_inv``: fp8 scales), with ``skip`` and ``sources``."""
+        fused_declared = format == "fused" and any(s is not None for s in sources.values())
+        if format not in (None, "hf") and not fused_declared:
             raise LayoutMismatchError(
                 f"{self.worker_id}: the job's model is declared: its engines take transformers' "
-                f"tensors by name (format=hf), this engine registers format={format}",
+                f"tensors by name (format=hf), or declare what their fused tensors are made of "
+                f"(sources=), this engine registers format={format} without sources",
                 worker=self.worker_id, expected="hf", actual=str(format),
             )
         items = named_tensors(tensors, with_buffers=True, name_map=name_map)
@@ -250,7 +324,8 @@ class Engine:
             params = {n for n, _ in named_tensors(tensors, name_map=name_map)}
             items = [(n, t) for n, t in items if n in params or n.endswith("_scale_inv")]
         entries = [(name, *split_dtype(value)) for name, value in items]
-        registered = self._core.declare_and_register(entries, list(skip))
+        registered = self._core.declare_and_register(entries, list(skip),
+                                                     _source_entries(self.worker_id, sources))
         self._registered = {r.name: r.address for r in registered}
         self._origins = {name: obj for name, obj, _ in entries if name in self._registered}
         self._source = tensors if is_module else None
@@ -264,6 +339,7 @@ class Engine:
         format: Format | None = None,
         name_map: NameMap | None = None,
         skip: Iterable[str] = (),
+        sources: Mapping[str, Source | None] | None = None,
     ) -> dict[str, int]:
         """Registers the engine's own tensors as the destinations, once.
 
@@ -296,10 +372,19 @@ class Engine:
 
         For a declared model (:attr:`declared`) every tensor given is declared, whole, and the
         controller plans from the declarations; ``skip`` names tensors this engine takes
-        nothing of (a buffer no trainer holds, a trainer tensor it does not hold).
+        nothing of (a buffer no trainer holds, a trainer tensor it does not hold), and
+        ``sources`` (by the job's name) what a tensor is made of when it is not the trainers'
+        tensor of its name, whole (:class:`Source`): a fused tensor's parts, a
+        tensor-parallel rank's box (``tp=N`` jobs: every sharded tensor declares its box, see
+        :meth:`Source.box_of`). Sources are only for a declared model (ValueError otherwise:
+        the planner lays the job out itself).
         """
         if self._core.declared:
-            return self._register_declared(tensors, format, skip, name_map)
+            return self._register_declared(tensors, format, skip, name_map, sources or {})
+        if any(s is not None for s in (sources or {}).values()):
+            raise ValueError(
+                f"{self.worker_id}: sources are declared for a declared model only; this job's "
+                "model is one the planner lays out (register the tensors of layout())")
         layout = self.layout()
         names = {t.name for t in layout}
         items = named_tensors(tensors, with_buffers=True, name_map=name_map)

@@ -46,7 +46,14 @@ Two landing modes (``init_info["mode"]``):
   *declared* model (an architecture the planner has no family for: the controller plans from
   what the workers declare) the arena is the checkpoint's tensors, whole, by the names of the
   safetensors files vLLM loaded (``weightsync._checkpoint``), declared to the controller;
-  ``init_info["skip"]`` names checkpoint tensors no trainer holds.
+  ``init_info["skip"]`` names checkpoint tensors no trainer holds. With tensor parallelism
+  (job ``--infer tp=N,format=hf``) each worker's arena holds, of each tensor, the box vLLM's
+  loader reads on it (``weightsync._vllm_shards.declared_layout``), declared as that box of
+  the trainers' tensor, so the controller plans each rank's part without knowing the family.
+  In direct mode a declared model's parameters are declared as what they are made of
+  (``qkv_proj`` of its q, k and v boxes, ``gate_up_proj`` of its gate and up boxes, any other
+  its box of the tensor of its name: ``declared_direct_sources``); the job names
+  ``format=fused``.
 - ``direct`` (job ``format=fused``, vLLM's own parameter names): the writes go straight into
   vLLM's parameters. Only when those are what the kernels read: a parameter emptied by
   kernel packing (``numel() == 0``, e.g. the CPU backend's oneDNN handles on AVX-512 hosts) is
@@ -86,8 +93,8 @@ from ._checkpoint import CheckpointTensor, checkpoint_folder, checkpoint_tensors
 from ._landing import ArenaNotCommitted, LandingGate
 from ._update import drive
 from .client import Client
-from ._vllm_shards import check_boxes, loader_items
-from .engine import Engine, EngineStage, TensorInfo
+from ._vllm_shards import check_boxes, declared_direct_sources, declared_layout, loader_items
+from .engine import Engine, EngineStage, Source, TensorInfo
 from .errors import ClosedError, RegistrationError, SyncFailedError, TimeoutError
 
 __all__ = ["BACKEND", "WeightsyncInitInfo", "WeightsyncUpdateInfo", "WeightsyncTransferEngine",
@@ -211,12 +218,15 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
                         before_landing=self.gate.before_landing, after_commit=self.gate.after_commit)
         try:
             if self.mode == "staged" and engine.declared:
-                # No planned layout: declare the checkpoint's tensors, whole (vLLM's loader
-                # takes them by the checkpoint's names and cuts its own shards).
-                self.arena = {t.name: torch.empty(t.shape, dtype=torch_dtype(t.dtype))
-                              for t in self._checkpoint_layout()}
-                engine.register(self.arena, format="hf", skip=init_info.skip)
-                self.sharded = {}
+                # No planned layout: declare the checkpoint's tensors by the checkpoint's names,
+                # each as the box vLLM's loader reads of it on this worker (whole at tp=1),
+                # a sharded one as a source of one part: that box of the trainers' tensor.
+                layout = declared_layout(self.model, self._checkpoint_layout(), pc.tensor_parallel_size)
+                self.arena = {t.name: torch.empty(t.shape, dtype=torch_dtype(t.dtype)) for t in layout}
+                sources = {t.name: Source.box_of(t.name, t.global_shape or t.shape, t.offset or (), t.shape)
+                           for t in layout}
+                engine.register(self.arena, format="hf", skip=init_info.skip, sources=sources)
+                self.sharded = {t.name: t for t in layout if t.sharded}
             elif self.mode == "staged":
                 layout = engine.layout()
                 sharded = check_boxes(self.model, layout, engine.worker_id, pc.tensor_parallel_size)
@@ -224,6 +234,19 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
                 self.arena = staged_arena(layout)
                 engine.register(self.arena, format="hf")
                 self.sharded = {t.name: t for t in sharded}
+            elif engine.declared:
+                # vLLM's own parameters, each declared as what it is made of: a fused one as
+                # its Hugging Face parts' boxes, any other as its box of the tensor of its name.
+                params = self._direct_params(engine.worker_id)
+                checkpoint = {t.name: tuple(t.shape) for t in self._checkpoint_layout()}
+                try:
+                    sources = declared_direct_sources(
+                        self.model, {n: tuple(p.shape) for n, p in params.items()}, checkpoint)
+                except LookupError as e:
+                    raise RegistrationError(f"{engine.worker_id}: direct landing of a declared model "
+                                            f"refused: {e}", worker=engine.worker_id,
+                                            tensor=str(e).split(":")[0]) from None
+                engine.register(params, format="fused", skip=init_info.skip, sources=sources)
             else:
                 engine.register(self._direct_params(engine.worker_id), format="fused")
         except BaseException:

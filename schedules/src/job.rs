@@ -243,19 +243,24 @@ pub fn plan_declared_job(
 
 /// An engine's own tensors and region size in a declared job, from its declarations alone (no
 /// trainer's, no planning): what it registers before the controller plans, and what the table
-/// will give it ([`same_rollout_layout`]). Inference rank `rank` is engine `rank`, local rank 0.
+/// will give it ([`same_rollout_layout`]). Inference rank `rank` is engine `rank / n`, local
+/// rank `rank % n`, `n = max(tp, ep)` of the job's inference layout (as
+/// [`crate::declared::inference_layout`] numbers them): a tensor-parallel rank declares its
+/// boxes as sources ([`weightsync_common::protocol::TensorSource`]).
 pub fn declared_rollout_layout(
+    world: &WorldSpec,
     rank: u32,
     tensors: &[TensorMeta],
     skip: &[String],
 ) -> Result<RolloutPlan, JobError> {
+    let n = infer_spec(world)?.engine_ranks().max(1);
     let (tensors, bytes) =
         crate::declared::engine_tensors(rank, EngineDeclaration { tensors, skip })
             .map_err(|e| part("declarations")(e.into()))?;
     Ok(RolloutPlan {
         rank,
-        engine: rank,
-        local_rank: 0,
+        engine: rank / n,
+        local_rank: rank % n,
         mr_bytes: vec![bytes],
         tensors,
         expect: Vec::new(),

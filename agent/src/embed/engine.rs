@@ -13,6 +13,7 @@ use weightsync_schedules::layout_infer::ParamBox;
 use weightsync_schedules::table::RolloutPlan;
 use weightsync_worker::RolloutWorker;
 
+use super::declare::EngineSources;
 pub use super::engine_driver::Hook;
 use super::engine_driver::{EngineDriver, EngineShared};
 use super::engine_stages::sync_events;
@@ -105,7 +106,7 @@ impl EngineHandle {
                     opts.rank, st.world.infer
                 )));
             }
-            let empty = job::declared_rollout_layout(opts.rank, &[], &[])
+            let empty = job::declared_rollout_layout(&st.world, opts.rank, &[], &[])
                 .map_err(|e| reach.connect_error(e))?;
             (empty, Vec::new())
         } else {
@@ -189,7 +190,7 @@ impl EngineHandle {
                 ),
             });
         }
-        self.register_planned(&self.planned, tensors, Vec::new())
+        self.register_planned(&self.planned, tensors, Vec::new(), None)
     }
 
     /// Registers the engine's tensors in CUDA device memory of one GPU (once; feature `cuda`),
@@ -209,8 +210,9 @@ impl EngineHandle {
         &self,
         tensors: Vec<super::DeviceDstTensor>,
         skip: Vec<String>,
+        sources: EngineSources,
     ) -> Result<(), EmbedError> {
-        self.declare_and_register_any(Destinations::Device(tensors), skip)
+        self.declare_and_register_any(Destinations::Device(tensors), skip, sources)
     }
 
     /// Registers the engine's tensors of a declared model (once): every tensor it holds, whole
@@ -226,13 +228,31 @@ impl EngineHandle {
         tensors: Vec<DstTensor>,
         skip: Vec<String>,
     ) -> Result<(), EmbedError> {
-        self.declare_and_register_any(Destinations::Host(tensors), skip)
+        self.declare_and_register_any(Destinations::Host(tensors), skip, EngineSources::new())
+    }
+
+    /// [`declare_and_register`](Self::declare_and_register), with what some tensors are made
+    /// of (`sources`, by tensor name): a fused tensor (`qkv_proj` from the trainers' q, k and
+    /// v), a tensor-parallel rank's box of a tensor (a source of one part: that box of the
+    /// tensor of its name, as vLLM's loader narrows it), stacked experts. A tensor without a
+    /// source is the trainers' tensor of its name, whole. Refused by name before anything is
+    /// registered: a source for a tensor not given, or parts that cannot fill their tensor
+    /// (see [`weightsync_common::protocol::TensorSource`]); the rest (a part no trainer holds, a box outside its tensor, a
+    /// dtype the sides disagree on) the plan refuses by name ([`wait_plan`](Self::wait_plan)).
+    pub fn declare_and_register_sources(
+        &self,
+        tensors: Vec<DstTensor>,
+        skip: Vec<String>,
+        sources: EngineSources,
+    ) -> Result<(), EmbedError> {
+        self.declare_and_register_any(Destinations::Host(tensors), skip, sources)
     }
 
     fn declare_and_register_any(
         &self,
         tensors: Destinations,
         skip: Vec<String>,
+        sources: EngineSources,
     ) -> Result<(), EmbedError> {
         let name = &self.reach.name;
         if !self.declared {
@@ -246,18 +266,14 @@ impl EngineHandle {
                 ),
             });
         }
-        let decls: Vec<TensorMeta> = tensors
-            .metas()
-            .into_iter()
-            .map(|(name, shape, dtype)| TensorMeta::whole(name, shape, dtype))
-            .collect();
-        let planned = job::declared_rollout_layout(self.rank, &decls, &skip).map_err(|e| {
-            EmbedError::Registration {
-                worker: name.clone(),
-                tensor: None,
-                reason: e.to_string(),
-            }
-        })?;
+        let declared =
+            super::declare::declare(&self.world, self.rank, tensors.metas(), &skip, sources)
+                .map_err(|r| EmbedError::Registration {
+                    worker: name.clone(),
+                    tensor: r.tensor,
+                    reason: r.reason,
+                })?;
+        let planned = declared.planned;
         // What the layout holds, in its dims: skipped and empty tensors are not registered.
         let kept: std::collections::BTreeMap<&str, Vec<u64>> = planned
             .tensors
@@ -270,7 +286,7 @@ impl EngineHandle {
             })
             .collect();
         let tensors = tensors.keep(|name| kept.get(name).cloned());
-        self.register_planned(&planned, tensors, skip)
+        self.register_planned(&planned, tensors, skip, Some(declared.tensors))
     }
 
     /// Waits until the controller planned the world this engine registered in (every worker
@@ -294,6 +310,7 @@ impl EngineHandle {
         planned: &RolloutPlan,
         tensors: Destinations,
         skip: Vec<String>,
+        declared: Option<Vec<TensorMeta>>,
     ) -> Result<(), EmbedError> {
         let name = self.reach.name.clone();
         let rt_guard = self.rt.lock();
@@ -357,16 +374,7 @@ impl EngineHandle {
             name: name.clone(),
             abort_cause: None,
             hooked: None,
-            declared: self.declared.then(|| {
-                planned
-                    .tensors
-                    .iter()
-                    .map(|t| {
-                        let dims = t.shape.dims().iter().map(|&d| d as u64).collect();
-                        TensorMeta::whole(t.name.clone(), dims, t.dtype)
-                    })
-                    .collect()
-            }),
+            declared,
             skip,
         };
         let within = Duration::from_secs(60);

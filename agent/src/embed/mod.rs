@@ -47,6 +47,8 @@
 //! t.declare_and_register(vec![DeclaredShard { tensor, global_shape, offset }, ...])?;
 //! // every tensor the engine holds, whole (format=hf, tp=1), and what it takes nothing of
 //! e.declare_and_register(engine_tensors, vec!["model.rotary_emb.inv_freq".into()])?;
+//! // or, a fused or tensor-parallel engine: what some tensors are made of (by name)
+//! e.declare_and_register_sources(engine_tensors, skip, sources)?;  // box_source for a tp box
 //! t.wait_plan(None)?;   // or e.wait_plan: the plan's failure, naming the tensor and both ranks
 //! ```
 //!
@@ -55,6 +57,8 @@
 //! - `session`: the runtime, learning the job, starting the agent, and the ends of syncs.
 //! - `trainer`: [`TrainerHandle`], [`PushHandle`].
 //! - `engine`: [`EngineHandle`] and its driver (hooks, state).
+//! - `declare`: what a declared model's engine declares (its tensors, skips and sources),
+//!   checked and laid out before it registers.
 //! - `engine_stages`: an engine's own stages (pause, load, resume), checked and put on the time
 //!   base of their sync before they go to the controller.
 //! - `client`: [`ApiClient`], the HTTP trigger as a blocking call.
@@ -63,6 +67,7 @@
 //!   copied to them once a version landed.
 
 mod client;
+mod declare;
 #[cfg(feature = "cuda")]
 mod device_regions;
 mod engine;
@@ -77,6 +82,7 @@ pub use weightsync_common::protocol::FailureKind;
 
 pub use crate::api_client::{ClientError, SyncFailure, SyncResult};
 pub use client::ApiClient;
+pub use declare::{EngineSources, box_source};
 pub use engine::{EngineHandle, EngineOptions, Hook};
 pub use trainer::{PushHandle, TrainerHandle, TrainerOptions};
 pub use weightsync_common::DType;

@@ -298,3 +298,112 @@ pub(super) fn place(
     }
     Ok(out)
 }
+
+/// Checks, from the engine's side alone (no trainer's declaration needed), that the parts of
+/// `source` can fill tensor `name` of (table) shape `shape` on inference rank `rank`: each a
+/// well-formed, non-empty box of as many dims as the others, spanning the tensor whole in
+/// every dim but `source.dim`, and all of them filling it exactly, in order (see
+/// [`TensorSource`]). What an engine checks before it registers; the controller then checks
+/// each part against the trainers' tensors ([`place`]).
+pub(super) fn check_fill(
+    name: &str,
+    rank: u32,
+    shape: crate::table::Shape,
+    source: &TensorSource,
+) -> Result<(), DeclaredError> {
+    let malformed = |reason: String| DeclaredError::Malformed {
+        tensor: name.to_string(),
+        side: "inference",
+        rank,
+        reason,
+    };
+    if source.parts.is_empty() {
+        return Err(malformed(
+            "made of no parts (a source needs at least one)".into(),
+        ));
+    }
+    let n = shape.ndim as usize;
+    let dim = source.dim as usize;
+    let (mut k, mut lead, mut slots) = (None, 0usize, 0u64);
+    let (mut slot, mut pos) = (0u64, 0u64);
+    for (index, p) in source.parts.iter().enumerate() {
+        let what = format!("part {index}, {} {}", p.tensor, declared_box(p));
+        let bx = logical_box(p).map_err(|reason| malformed(format!("made of {what}: {reason}")))?;
+        if bx.is_empty() {
+            return Err(malformed(format!(
+                "made of {what}, which is empty (a part holds at least one element)"
+            )));
+        }
+        let pk = bx.ndim as usize;
+        match k {
+            None => {
+                if pk > n {
+                    return Err(malformed(format!(
+                        "of shape {shape} made of {what}, of {pk} dims, more than the tensor's {n}"
+                    )));
+                }
+                lead = n - pk;
+                if dim >= n || dim < lead {
+                    return Err(malformed(format!(
+                        "made of parts of {pk} dims concatenated along dim {dim}, which is not \
+                         one of the dims {lead}..{n} of its shape {shape} that they span"
+                    )));
+                }
+                slots = shape.dims[..lead].iter().map(|&d| u64::from(d)).product();
+                k = Some(pk);
+            }
+            Some(k) if k != pk => {
+                return Err(malformed(format!(
+                    "made of {what}, of {pk} dims where part 0 has {k} (every part has as many)"
+                )));
+            }
+            Some(_) => {}
+        }
+        for j in 0..pk {
+            let d = lead + j;
+            if d != dim && bx.len[j] != shape.dims[d] {
+                return Err(malformed(format!(
+                    "of shape {shape} made of {what}, which spans {} in dim {d} (a part spans \
+                     every dim but the concatenation's dim {dim} whole)",
+                    bx.len[j]
+                )));
+            }
+        }
+        let end = pos + u64::from(bx.len[dim - lead]);
+        if slot >= slots || end > u64::from(shape.dims[dim]) {
+            return Err(malformed(format!(
+                "of shape {shape} made of parts concatenated along dim {dim}: {what} runs past \
+                 the tensor's end (the parts before it fill {} of its {} along dim {dim}{})",
+                if slot >= slots {
+                    u64::from(shape.dims[dim])
+                } else {
+                    pos
+                },
+                shape.dims[dim],
+                if slots > 1 {
+                    ", in each stacked slice"
+                } else {
+                    ""
+                }
+            )));
+        }
+        pos = end;
+        if pos == u64::from(shape.dims[dim]) {
+            slot += 1;
+            pos = 0;
+        }
+    }
+    if slot < slots {
+        let filled = if slots > 1 {
+            format!("{slot} of its {slots} stacked slices and {pos} of the next's")
+        } else {
+            format!("{pos} of its")
+        };
+        return Err(malformed(format!(
+            "of shape {shape} made of {} parts concatenated along dim {dim}, which stop short              (a gap): they fill {filled} {} along dim {dim}",
+            source.parts.len(),
+            shape.dims[dim]
+        )));
+    }
+    Ok(())
+}

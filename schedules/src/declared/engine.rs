@@ -11,7 +11,7 @@ use weightsync_common::protocol::TensorMeta;
 #[cfg(doc)]
 use weightsync_common::protocol::TensorSource;
 
-use super::concat::{Names, Placed, place};
+use super::concat::{Names, Placed, check_fill, place};
 use super::{DeclaredError, MAX_DECLARED, logical_shape};
 use crate::error::PlanError;
 use crate::layout_infer::ScalePlace;
@@ -59,12 +59,20 @@ pub fn check_spec(spec: &InferSpec) -> Result<(), DeclaredError> {
 
 /// One engine's tensors, laid out from its own declarations: every declared tensor not on its
 /// skip list and holding bytes, in declaration order, each at the next 256-byte boundary of
-/// MR 0. Returns the tensors and the MR's size.
+/// MR 0. Returns the tensors and the MR's size. Each tensor's [`TensorSource`] is checked as
+/// far as the engine's side alone can be (its parts fill it exactly along its dim: see
+/// `concat::check_fill`), so an engine learns of a malformed source before it registers.
 pub fn engine_tensors(
     rank: u32,
     decl: EngineDeclaration<'_>,
 ) -> Result<(Vec<DstTensor>, u64), DeclaredError> {
-    lay_out(rank, decl).map(|(t, _, bytes)| (t, bytes))
+    let (tensors, from, bytes) = lay_out(rank, decl)?;
+    for (t, &i) in tensors.iter().zip(&from) {
+        if let Some(source) = &decl.tensors[i as usize].source {
+            check_fill(&t.name, rank, t.shape, source)?;
+        }
+    }
+    Ok((tensors, bytes))
 }
 
 /// [`engine_tensors`], with the index of each tensor's declaration.

@@ -120,7 +120,7 @@ fn odd_tensors_make_a_model_and_a_plan() {
     // Both engines are laid out alike: one layout stored.
     assert_eq!(job.table.rollout_layouts.len(), 1);
     // What an engine computes from its own declarations is what the table gives it.
-    let own = job::declared_rollout_layout(1, &engine(), &[]).unwrap();
+    let own = job::declared_rollout_layout(&w, 1, &engine(), &[]).unwrap();
     assert!(job::same_rollout_layout(
         &own,
         &job.table.rollout(1).unwrap()
