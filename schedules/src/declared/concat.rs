@@ -92,6 +92,110 @@ fn logical_box(p: &SourceBox) -> Result<TensorBox, String> {
     Ok(TensorBox::new(&start[..k], &len[..k]))
 }
 
+/// Where the parts of a source go, one after another: the geometry [`place`] and
+/// [`check_fill`] share (they differ only in what they know of the parts' trainers, and so in
+/// how they name a misfit).
+struct Fill {
+    shape: crate::table::Shape,
+    dim: usize,
+    /// Dims of every part (set by the first).
+    k: Option<usize>,
+    /// Leading dims the parts do not have (stacked over), and how many stacked slices they make.
+    lead: usize,
+    slots: u64,
+    /// Where the next part goes: the stack index (row-major over the leading dims) and the
+    /// position along `dim`.
+    slot: u64,
+    pos: u32,
+}
+
+/// Why a part does not go where [`Fill::next`] would put it.
+enum Misfit {
+    /// The part has more dims than the tensor.
+    TooManyDims { pk: usize },
+    /// `dim` is not one of the dims the parts span.
+    DimNotSpanned { pk: usize },
+    /// The part has another number of dims than part 0.
+    DimsDiffer { pk: usize, k: usize },
+    /// The part does not span the tensor's dim `d` whole (`d` is not `dim`).
+    NotWhole { d: usize, len: u32 },
+    /// The parts before it fill the tensor already (`start`: where it would go).
+    PastTheEnd { start: [u32; MAX_DIMS] },
+    /// It runs to `end` along `dim`, past the tensor's size there.
+    RunsPast { start: [u32; MAX_DIMS], end: u64 },
+}
+
+impl Fill {
+    fn new(shape: crate::table::Shape, dim: usize) -> Self {
+        Fill {
+            shape,
+            dim,
+            k: None,
+            lead: 0,
+            slots: 0,
+            slot: 0,
+            pos: 0,
+        }
+    }
+
+    /// Places the next part (its box `bx`): where its origin lands in the tensor.
+    fn next(&mut self, bx: &TensorBox) -> Result<[u32; MAX_DIMS], Misfit> {
+        let (n, dim, shape) = (self.shape.ndim as usize, self.dim, self.shape);
+        let pk = bx.ndim as usize;
+        match self.k {
+            None => {
+                if pk > n {
+                    return Err(Misfit::TooManyDims { pk });
+                }
+                self.lead = n - pk;
+                if dim >= n || dim < self.lead {
+                    return Err(Misfit::DimNotSpanned { pk });
+                }
+                self.slots = shape.dims[..self.lead]
+                    .iter()
+                    .map(|&d| u64::from(d))
+                    .product();
+                self.k = Some(pk);
+            }
+            Some(k) if k != pk => return Err(Misfit::DimsDiffer { pk, k }),
+            Some(_) => {}
+        }
+        let lead = self.lead;
+        if let Some(j) = (0..pk).find(|&j| lead + j != dim && bx.len[j] != shape.dims[lead + j]) {
+            return Err(Misfit::NotWhole {
+                d: lead + j,
+                len: bx.len[j],
+            });
+        }
+        let mut start = [0u32; MAX_DIMS];
+        let mut rest = self.slot;
+        for d in (0..lead).rev() {
+            let size = u64::from(shape.dims[d]);
+            start[d] = (rest % size) as u32;
+            rest /= size;
+        }
+        start[dim] = self.pos;
+        if self.slot >= self.slots {
+            return Err(Misfit::PastTheEnd { start });
+        }
+        let end = u64::from(self.pos) + u64::from(bx.len[dim - lead]);
+        if end > u64::from(shape.dims[dim]) {
+            return Err(Misfit::RunsPast { start, end });
+        }
+        self.pos = end as u32;
+        if self.pos == shape.dims[dim] {
+            self.slot += 1;
+            self.pos = 0;
+        }
+        Ok(start)
+    }
+
+    /// Whether the parts placed so far fill the tensor.
+    fn filled(&self) -> bool {
+        self.slot >= self.slots
+    }
+}
+
 /// Places the parts of `source` in `t` (inference rank `rank`'s tensor): each a box inside the
 /// trainers' tensor it names, as many dims as every other part, spanning `t` whole in every
 /// dim but `source.dim`, and all of them filling `t` exactly, in order.
@@ -116,12 +220,7 @@ pub(super) fn place(
     let dim = source.dim as usize;
     let shape = t.shape;
     let mut out = Vec::with_capacity(source.parts.len());
-    let mut k = None;
-    // Where the next part goes: the stack index (row-major over the leading dims) and the
-    // position along `dim`.
-    let (mut slot, mut pos) = (0u64, 0u32);
-    let mut slots = 0u64;
-    let mut lead = 0usize;
+    let mut fill = Fill::new(shape, dim);
     for (index, p) in source.parts.iter().enumerate() {
         let Some(&pid) = names.by_name.get(p.tensor.as_str()) else {
             return Err(DeclaredError::from(PartError::NoTrainerHoldsPart {
@@ -177,87 +276,58 @@ pub(super) fn place(
                 "is empty (a part holds at least one element)".into(),
             ));
         }
-        let pk = bx.ndim as usize;
-        match k {
-            None => {
-                if pk > n {
-                    return Err(misfit(format!("has {pk} dims, more than the tensor's {n}")));
-                }
-                lead = n - pk;
-                if dim >= n || dim < lead {
-                    return Err(malformed(format!(
-                        "made of parts of {pk} dims concatenated along dim {dim}, which is not \
-                         one of the dims {lead}..{n} of its shape {shape} that they span"
-                    )));
-                }
-                slots = shape.dims[..lead].iter().map(|&d| u64::from(d)).product();
-                k = Some(pk);
-            }
-            Some(k) if k != pk => {
-                return Err(misfit(format!(
-                    "has {pk} dims where part 0 has {k} (every part has as many)"
-                )));
-            }
-            Some(_) => {}
-        }
-        for j in 0..pk {
-            let d = lead + j;
-            if d != dim && bx.len[j] != shape.dims[d] {
-                return Err(misfit(format!(
-                    "spans {} in dim {d}, where the tensor is {} (a part spans every dim but \
-                     the concatenation's whole)",
-                    bx.len[j], shape.dims[d]
-                )));
-            }
-        }
-        let mut dst_start = [0u32; MAX_DIMS];
-        let mut rest = slot;
-        for d in (0..lead).rev() {
-            let size = u64::from(shape.dims[d]);
-            dst_start[d] = (rest % size) as u32;
-            rest /= size;
-        }
-        dst_start[dim] = pos;
-        let along = bx.len[dim - lead];
-        let overlap = |overlaps: String| {
+        let overlap = |start: [u32; MAX_DIMS], overlaps: String| {
             DeclaredError::from(PartError::PartOverlap {
                 tensor: t.name.clone(),
                 engine_rank: rank,
                 engine_shape: shape.to_string(),
                 dim: source.dim,
                 part: described(&bx.to_string()),
-                overlaps: format!("placed at {:?}, {overlaps}", &dst_start[..n]),
+                overlaps: format!("placed at {:?}, {overlaps}", &start[..n]),
             })
         };
-        if slot >= slots {
-            return Err(overlap(
+        let dst_start = fill.next(&bx).map_err(|m| match m {
+            Misfit::TooManyDims { pk } => {
+                misfit(format!("has {pk} dims, more than the tensor's {n}"))
+            }
+            Misfit::DimNotSpanned { pk } => malformed(format!(
+                "made of parts of {pk} dims concatenated along dim {dim}, which is not one of \
+                 the dims {}..{n} of its shape {shape} that they span",
+                n - pk
+            )),
+            Misfit::DimsDiffer { pk, k } => misfit(format!(
+                "has {pk} dims where part 0 has {k} (every part has as many)"
+            )),
+            Misfit::NotWhole { d, len } => misfit(format!(
+                "spans {len} in dim {d}, where the tensor is {} (a part spans every dim but \
+                 the concatenation's whole)",
+                shape.dims[d]
+            )),
+            Misfit::PastTheEnd { start } => overlap(
+                start,
                 "lies past the tensor's end: the parts before it fill it".into(),
-            ));
-        }
-        let end = u64::from(pos) + u64::from(along);
-        if end > u64::from(shape.dims[dim]) {
-            return Err(overlap(format!(
-                "runs to {end} along dim {dim}, past the tensor's {}: it overlaps {}",
-                shape.dims[dim],
-                if slot + 1 < slots {
-                    "the next stacked slice's place"
-                } else {
-                    "the tensor's end"
-                }
-            )));
-        }
+            ),
+            Misfit::RunsPast { start, end } => overlap(
+                start,
+                format!(
+                    "runs to {end} along dim {dim}, past the tensor's {}: it overlaps {}",
+                    shape.dims[dim],
+                    if fill.slot + 1 < fill.slots {
+                        "the next stacked slice's place"
+                    } else {
+                        "the tensor's end"
+                    }
+                ),
+            ),
+        })?;
         out.push(Placed {
             param: pid,
             src: bx,
             dst_start,
         });
-        pos = end as u32;
-        if pos == shape.dims[dim] {
-            slot += 1;
-            pos = 0;
-        }
     }
-    if slot < slots {
+    if !fill.filled() {
+        let (slot, pos, slots, lead) = (fill.slot, fill.pos, fill.slots, fill.lead);
         let last = source.parts.last().expect("at least one part");
         let pid = names.by_name[last.tensor.as_str()];
         let per_slot = shape.numel() / slots.max(1);
@@ -324,8 +394,7 @@ pub(super) fn check_fill(
     }
     let n = shape.ndim as usize;
     let dim = source.dim as usize;
-    let (mut k, mut lead, mut slots) = (None, 0usize, 0u64);
-    let (mut slot, mut pos) = (0u64, 0u64);
+    let mut fill = Fill::new(shape, dim);
     for (index, p) in source.parts.iter().enumerate() {
         let what = format!("part {index}, {} {}", p.tensor, declared_box(p));
         let bx = logical_box(p).map_err(|reason| malformed(format!("made of {what}: {reason}")))?;
@@ -334,76 +403,115 @@ pub(super) fn check_fill(
                 "made of {what}, which is empty (a part holds at least one element)"
             )));
         }
-        let pk = bx.ndim as usize;
-        match k {
-            None => {
-                if pk > n {
-                    return Err(malformed(format!(
-                        "of shape {shape} made of {what}, of {pk} dims, more than the tensor's {n}"
-                    )));
-                }
-                lead = n - pk;
-                if dim >= n || dim < lead {
-                    return Err(malformed(format!(
-                        "made of parts of {pk} dims concatenated along dim {dim}, which is not \
-                         one of the dims {lead}..{n} of its shape {shape} that they span"
-                    )));
-                }
-                slots = shape.dims[..lead].iter().map(|&d| u64::from(d)).product();
-                k = Some(pk);
-            }
-            Some(k) if k != pk => {
-                return Err(malformed(format!(
+        fill.next(&bx).map_err(|m| {
+            malformed(match m {
+                Misfit::TooManyDims { pk } => format!(
+                    "of shape {shape} made of {what}, of {pk} dims, more than the tensor's {n}"
+                ),
+                Misfit::DimNotSpanned { pk } => format!(
+                    "made of parts of {pk} dims concatenated along dim {dim}, which is not one \
+                     of the dims {}..{n} of its shape {shape} that they span",
+                    n - pk
+                ),
+                Misfit::DimsDiffer { pk, k } => format!(
                     "made of {what}, of {pk} dims where part 0 has {k} (every part has as many)"
-                )));
-            }
-            Some(_) => {}
-        }
-        for j in 0..pk {
-            let d = lead + j;
-            if d != dim && bx.len[j] != shape.dims[d] {
-                return Err(malformed(format!(
-                    "of shape {shape} made of {what}, which spans {} in dim {d} (a part spans \
-                     every dim but the concatenation's dim {dim} whole)",
-                    bx.len[j]
-                )));
-            }
-        }
-        let end = pos + u64::from(bx.len[dim - lead]);
-        if slot >= slots || end > u64::from(shape.dims[dim]) {
-            return Err(malformed(format!(
-                "of shape {shape} made of parts concatenated along dim {dim}: {what} runs past \
-                 the tensor's end (the parts before it fill {} of its {} along dim {dim}{})",
-                if slot >= slots {
-                    u64::from(shape.dims[dim])
-                } else {
-                    pos
-                },
-                shape.dims[dim],
-                if slots > 1 {
-                    ", in each stacked slice"
-                } else {
-                    ""
-                }
-            )));
-        }
-        pos = end;
-        if pos == u64::from(shape.dims[dim]) {
-            slot += 1;
-            pos = 0;
-        }
+                ),
+                Misfit::NotWhole { d, len } => format!(
+                    "of shape {shape} made of {what}, which spans {len} in dim {d} (a part spans \
+                     every dim but the concatenation's dim {dim} whole)"
+                ),
+                Misfit::PastTheEnd { .. } | Misfit::RunsPast { .. } => format!(
+                    "of shape {shape} made of parts concatenated along dim {dim}: {what} runs \
+                     past the tensor's end (the parts before it fill {} of its {} along dim \
+                     {dim}{})",
+                    if fill.filled() {
+                        shape.dims[dim]
+                    } else {
+                        fill.pos
+                    },
+                    shape.dims[dim],
+                    if fill.slots > 1 {
+                        ", in each stacked slice"
+                    } else {
+                        ""
+                    }
+                ),
+            })
+        })?;
     }
-    if slot < slots {
+    if !fill.filled() {
+        let (slot, pos, slots) = (fill.slot, fill.pos, fill.slots);
         let filled = if slots > 1 {
             format!("{slot} of its {slots} stacked slices and {pos} of the next's")
         } else {
             format!("{pos} of its")
         };
         return Err(malformed(format!(
-            "of shape {shape} made of {} parts concatenated along dim {dim}, which stop short              (a gap): they fill {filled} {} along dim {dim}",
+            "of shape {shape} made of {} parts concatenated along dim {dim}, which stop short \
+             (a gap): they fill {filled} {} along dim {dim}",
             source.parts.len(),
             shape.dims[dim]
         )));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    //! [`check_fill`], the engine's own check, names each way parts can misfit (what
+    //! [`place`] names with the trainers' side is covered by `tests/declared_fused.rs`).
+
+    use super::*;
+    use crate::table::Shape;
+
+    fn part(tensor: &str, shape: &[u64]) -> SourceBox {
+        SourceBox {
+            tensor: tensor.into(),
+            offset: vec![],
+            shape: shape.to_vec(),
+        }
+    }
+
+    fn check(shape: &[u32], dim: u32, parts: Vec<SourceBox>) -> Result<(), String> {
+        check_fill("qkv", 0, Shape::new(shape), &TensorSource { dim, parts })
+            .map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn parts_that_fill_pass_and_every_misfit_is_named() {
+        let q = || part("q", &[8, 4]);
+        let kv = || part("k", &[4, 4]);
+        assert_eq!(check(&[16, 4], 0, vec![q(), kv(), kv()]), Ok(()));
+        // Stacked: two [8, 4] parts per slice of a [2, 16, 4] tensor.
+        assert_eq!(check(&[2, 16, 4], 1, vec![q(), q(), q(), q()]), Ok(()));
+        let err = |shape: &[u32], dim, parts| check(shape, dim, parts).unwrap_err();
+        let gap = err(&[16, 4], 0, vec![q(), kv()]);
+        assert!(
+            gap.contains("stop short (a gap): they fill 12 of its 16"),
+            "{gap}"
+        );
+        let past = err(&[16, 4], 0, vec![q(), q(), kv()]);
+        assert!(
+            past.contains("part 2, k [0..4, 0..4] runs past the tensor's end"),
+            "{past}"
+        );
+        assert!(past.contains("fill 16 of its 16 along dim 0"), "{past}");
+        let over = err(&[16, 4], 0, vec![q(), part("k", &[12, 4])]);
+        assert!(over.contains("fill 8 of its 16"), "{over}");
+        let whole = err(&[16, 4], 0, vec![part("q", &[8, 2])]);
+        assert!(whole.contains("spans 2 in dim 1"), "{whole}");
+        let dims = err(&[16, 4], 0, vec![q(), part("k", &[4])]);
+        assert!(dims.contains("of 1 dims where part 0 has 2"), "{dims}");
+        let more = err(&[16], 0, vec![q()]);
+        assert!(
+            more.contains("of 2 dims, more than the tensor's 1"),
+            "{more}"
+        );
+        let along = err(&[2, 16, 4], 0, vec![q()]);
+        assert!(
+            along.contains("which is not one of the dims 1..3"),
+            "{along}"
+        );
+        assert!(err(&[16, 4], 0, vec![]).contains("made of no parts"));
+    }
 }
