@@ -201,18 +201,9 @@ def test_loader_items_write_only_the_box() -> None:
     assert seen == list(arena) and spent[0] > 0
 
 
-def test_a_declared_tp_2_worker_declares_the_family_paths_boxes(tmp_path: Any) -> None:
-    # The layout a vLLM worker of a *declared* model declares at tp=2 (each checkpoint tensor as
-    # the box vLLM's loader reads of it on this worker, as its source), against what the planner
-    # lays out from the config for the same Qwen3 shapes (`tp=2,format=hf,embed=vocab`, fetched
-    # from a real controller): the same boxes, so the declared job plans each rank's part
-    # without knowing the family (the tables' equality is the agent crate's
-    # `tensor_parallel_boxes_declared_plan_the_config_paths_table`).
+def qwen3_config(tmp_path: Any) -> Any:
+    """A config file of this module's Qwen3 shapes (one layer, vocab 1024) for a controller."""
     import json
-
-    import weightsync
-    from weightsync._checkpoint import CheckpointTensor
-    from weightsync._vllm_shards import declared_layout
 
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps({
@@ -220,6 +211,21 @@ def test_a_declared_tp_2_worker_declares_the_family_paths_boxes(tmp_path: Any) -
         "num_attention_heads": HEADS, "num_key_value_heads": KV, "head_dim": D,
         "intermediate_size": INTER, "num_hidden_layers": 1, "vocab_size": 1024,
         "tie_word_embeddings": False, "torch_dtype": "bfloat16"}))
+    return cfg
+
+
+def test_a_declared_tp_2_worker_declares_the_family_paths_boxes(tmp_path: Any) -> None:
+    # The layout a vLLM worker of a *declared* model declares at tp=2 (each checkpoint tensor as
+    # the box vLLM's loader reads of it on this worker, as its source), against what the planner
+    # lays out from the config for the same Qwen3 shapes (`tp=2,format=hf,embed=vocab`, fetched
+    # from a real controller): the same boxes, so the declared job plans each rank's part
+    # without knowing the family (the tables' equality is the agent crate's
+    # `tensor_parallel_boxes_declared_plan_the_config_paths_table`).
+    import weightsync
+    from weightsync._checkpoint import CheckpointTensor
+    from weightsync._vllm_shards import declared_layout
+
+    cfg = qwen3_config(tmp_path)
     with weightsync.Controller(cfg, "fsdp=1", "tp=2,format=hf,embed=vocab") as c:
         for rank in range(2):
             with weightsync.Engine(c.control_address, rank, job_token=c.engine_token) as e:
@@ -241,18 +247,11 @@ def test_a_declared_direct_worker_declares_fused_parameters_as_their_parts(tmp_p
     # layout at tp=2, fetched from a real controller, for the same Qwen3 shapes) each declared
     # as what it is made of: qkv_proj of this rank's q, k and v rows, gate_up_proj of its gate
     # and up rows, o_proj / down_proj their columns; each source fills its parameter exactly.
-    import json
-
     import weightsync
     from weightsync import Source, SourceBox
     from weightsync._vllm_shards import declared_direct_sources
 
-    cfg = tmp_path / "config.json"
-    cfg.write_text(json.dumps({
-        "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_size": H,
-        "num_attention_heads": HEADS, "num_key_value_heads": KV, "head_dim": D,
-        "intermediate_size": INTER, "num_hidden_layers": 1, "vocab_size": 1024,
-        "tie_word_embeddings": False, "torch_dtype": "bfloat16"}))
+    cfg = qwen3_config(tmp_path)
     checkpoint = {t.name: t.global_shape for t in layout(1, 0, 1024)}
     pre = "model.layers.0."
     with weightsync.Controller(cfg, "fsdp=1", "tp=2,format=fused") as c:
