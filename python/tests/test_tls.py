@@ -42,7 +42,7 @@ def make_ca(d: Path, name: str) -> dict[str, str]:
     ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
     openssl("req", "-x509", *ec, "-keyout", f"{name}-ca.key", "-out", f"{name}-ca.pem", "-days", "2",
             "-subj", f"/CN={name} test CA", "-addext", "basicConstraints=critical,CA:TRUE",
-            "-addext", "keyUsage=critical,keyCertSign", cwd=d)
+            "-addext", "keyUsage=critical,keyCertSign,cRLSign", cwd=d)
     out = {"ca": str(d / f"{name}-ca.pem")}
     leaves = {"controller": ("subjectAltName=DNS:localhost,IP:127.0.0.1", "serverAuth"),
               "worker": ("subjectAltName=DNS:worker.weightsync.test", "clientAuth")}
@@ -122,7 +122,8 @@ def make_crl(d: Path, ca: dict[str, str], name: str, revoked: list[int]) -> str:
     issuer = x509.load_pem_x509_certificate(Path(ca["ca"]).read_bytes())
     now = datetime.datetime.now(datetime.timezone.utc)
     b = (x509.CertificateRevocationListBuilder().issuer_name(issuer.subject)
-         .last_update(now - datetime.timedelta(minutes=5)).next_update(now + datetime.timedelta(days=1)))
+         .last_update(now - datetime.timedelta(minutes=5)).next_update(now + datetime.timedelta(days=1))
+         .add_extension(x509.CRLNumber(1), critical=False))  # webpki requires it (RFC 5280 5.2.3)
     for serial in revoked:
         b = b.add_revoked_certificate(x509.RevokedCertificateBuilder().serial_number(serial)
                                       .revocation_date(now - datetime.timedelta(minutes=1)).build())
