@@ -105,17 +105,18 @@ def load_one_version(calls: UpdateCalls, version: int, deadline: float) -> tuple
     while True:
         calls.update(want, max(1.0, deadline - time.monotonic()))
         updates += 1
-        loaded = [s.get("loaded_version") for s in calls.status()]
-        if not loaded or any(v is None for v in loaded):
+        reported = [s.get("loaded_version") for s in calls.status()]
+        loaded = [int(v) for v in reported if v is not None]
+        if not loaded or len(loaded) < len(reported):
             raise RuntimeError(f"{calls.where}: after update_weights({want}) a worker reports no loaded "
-                               f"version ({loaded})")
+                               f"version ({reported})")
         if len(set(loaded)) == 1:
-            held = int(loaded[0])
+            held = loaded[0]
             if held < version:
                 raise RuntimeError(f"{calls.where}: update_weights({want}) left the workers at version "
                                    f"{held}, older than {version}")
             return held, updates
-        want = max(int(v) for v in loaded)
+        want = max(loaded)
         if time.monotonic() > deadline:
             raise TimeoutError(f"{calls.where}: its workers hold different versions {loaded} and did not "
                                f"agree on {want} in time", version=version)
