@@ -147,7 +147,7 @@ pub fn run_table(
                 let (mut fs, mut ds, mut per) = (Vec::new(), Vec::new(), Vec::new());
                 for _ in 0..cfg.syncs {
                     seed += 1;
-                    delta.change(f, seed);
+                    delta.change(f, seed)?;
                     let d = delta.sync().await?;
                     let full_t = full.sync().await?;
                     fs.push(full_t.seconds);
