@@ -3,9 +3,10 @@
 //!
 //! Two loopback deployments of one table run side by side: the full one as `bench e2e` runs it
 //! (registered sources, same-dtype copies written straight from them), and one with deltas
-//! (trainers keep bases, engines register an inbox). Before each delta sync the bench changes
-//! the requested fraction of every trainer's bf16 weights (the lowest mantissa bit of elements
-//! drawn at random, each with that probability), then times a delta sync and a full sync,
+//! (sources registered too, trainers keep bases of every task, engines register an inbox): a
+//! task that went dense is written straight from its source there as in the full one. Before
+//! each delta sync the bench changes the requested fraction of every trainer's bf16 weights (the
+//! lowest mantissa bit of elements drawn at random, each with that probability), then times a delta sync and a full sync,
 //! alternating; the medians and their ratio are reported per fraction and per path, with what
 //! the deltas came to (bytes on the wire against a full sync's, the changed fraction the
 //! trainers measured, encode and apply time). A delta sync counts as landed once every engine
@@ -147,7 +148,7 @@ pub fn run_table(
                 let (mut fs, mut ds, mut per) = (Vec::new(), Vec::new(), Vec::new());
                 for _ in 0..cfg.syncs {
                     seed += 1;
-                    delta.change(f, seed);
+                    delta.change(f, seed)?;
                     let d = delta.sync().await?;
                     let full_t = full.sync().await?;
                     fs.push(full_t.seconds);

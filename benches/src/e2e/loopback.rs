@@ -148,7 +148,7 @@ pub struct LoopbackCluster {
     landed_bytes: u64,
     epoch: u64,
     /// With deltas: each trainer's weights, which [`LoopbackCluster::change`] edits.
-    delta_sources: Vec<Arc<parking_lot::RwLock<Vec<u8>>>>,
+    delta_sources: Vec<Arc<RegisteredSource>>,
     /// With deltas: the version every engine holds after the last successful sync.
     held: Option<u64>,
 }
@@ -226,7 +226,13 @@ impl LoopbackCluster {
             let bytes = weights(plan.source_arena_bytes, plan.rank as u64 + 1);
             let fabric = start_fabric(&config, &mut fabrics).await?;
             let source: Arc<dyn SourceView> = if opts.delta_inbox.is_some() {
-                let shared = Arc::new(parking_lot::RwLock::new(bytes));
+                // Registered as in the full cluster, so that a task gone dense is written
+                // straight from it as a full sync writes it.
+                let shared = Arc::new(if opts.registered_sources {
+                    RegisteredSource::register(&fabric, &plan, bytes)?
+                } else {
+                    RegisteredSource::unregistered(bytes)
+                });
                 delta_sources.push(shared.clone());
                 shared
             } else if opts.registered_sources {
@@ -240,6 +246,9 @@ impl LoopbackCluster {
             cfg.prepare_all_threads = opts.prepare_all_threads;
             cfg.mode = opts.mode;
             cfg.delta.keep_bases = opts.delta_inbox.is_some();
+            // Same-dtype copies too (the bench's weights are bf16 on both sides): staged while
+            // compared, written from the registered source again once they go dense.
+            cfg.delta.keep_direct = true;
             let w = TrainerWorker::new(fabric, source, plan, cfg)
                 .map_err(|e| E2eError::Setup(format!("trainer {rank}: {e}")))?;
             if let Some(d) = w.gather_descriptor() {
@@ -269,27 +278,29 @@ impl LoopbackCluster {
     /// Changes `fraction` of each trainer's bf16 weights (their lowest mantissa bit, at
     /// positions drawn from `seed`), as an optimizer step at a small learning rate does; only a
     /// cluster started with deltas has weights to change.
-    pub fn change(&self, fraction: f64, seed: u64) {
+    pub fn change(&self, fraction: f64, seed: u64) -> Result<(), E2eError> {
         let threshold = (fraction.clamp(0.0, 1.0) * (1u64 << 32) as f64) as u64;
         for (i, src) in self.delta_sources.iter().enumerate() {
-            let mut bytes = src.write();
-            bytes
-                .par_chunks_mut(1 << 16)
-                .enumerate()
-                .for_each(|(c, chunk)| {
-                    let mut x = (seed ^ (i as u64) << 48 ^ c as u64)
-                        .wrapping_mul(0x9E37_79B9_7F4A_7C15)
-                        | 1;
-                    for pair in chunk.chunks_exact_mut(2) {
-                        x ^= x >> 12;
-                        x ^= x << 25;
-                        x ^= x >> 27;
-                        if (x.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 32) < threshold {
-                            pair[0] ^= 1;
+            src.modify(|bytes| {
+                bytes
+                    .par_chunks_mut(1 << 16)
+                    .enumerate()
+                    .for_each(|(c, chunk)| {
+                        let mut x = (seed ^ (i as u64) << 48 ^ c as u64)
+                            .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+                            | 1;
+                        for pair in chunk.chunks_exact_mut(2) {
+                            x ^= x >> 12;
+                            x ^= x << 25;
+                            x ^= x >> 27;
+                            if (x.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 32) < threshold {
+                                pair[0] ^= 1;
+                            }
                         }
-                    }
-                });
+                    });
+            })?;
         }
+        Ok(())
     }
 
     /// Bytes each local address carried so far, summed over every worker's fabric, in the

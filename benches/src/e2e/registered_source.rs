@@ -14,9 +14,10 @@
 //!
 //! The pipeline reads what it prepares through [`SourceView::read`] (a Rust slice) and the
 //! fabric writes direct tasks from the registered buffer, so the weights are held twice, byte
-//! for byte the same and never changed after registration: reading a registered buffer as a
-//! slice would need `unsafe` outside the fabric's own module, and the bench's timing does not
-//! depend on which of two equal copies a byte comes from.
+//! for byte the same: reading a registered buffer as a slice would need `unsafe` outside the
+//! fabric's own module, and the bench's timing does not depend on which of two equal copies a
+//! byte comes from. The delta bench changes the weights between syncs
+//! ([`RegisteredSource::modify`]): both copies, before the sync it times.
 
 use weightsync_common::fabric::{Access, FabricBackend, Memory, PageAlignedBuffer, Region};
 use weightsync_schedules::table::TrainerPlan;
@@ -27,8 +28,9 @@ use super::E2eError;
 /// A trainer's arena of weights, also registered (see the module docs).
 #[derive(Debug)]
 pub(crate) struct RegisteredSource {
-    bytes: Vec<u8>,
-    /// The registered copy; `None` for an empty arena (nothing to register).
+    bytes: parking_lot::RwLock<Vec<u8>>,
+    /// The registered copy; `None` for an empty arena (nothing to register) or one left
+    /// unregistered ([`RegisteredSource::unregistered`]: `--staged-sources`).
     region: Option<Region>,
     /// Each shard's byte offset in the arena, by shard index.
     shard_offsets: Vec<u64>,
@@ -59,20 +61,41 @@ impl RegisteredSource {
             Some(region)
         };
         Ok(RegisteredSource {
-            bytes,
+            bytes: parking_lot::RwLock::new(bytes),
             region,
             shard_offsets: plan.shards.iter().map(|s| s.offset).collect(),
         })
+    }
+
+    /// The arena `bytes` as a source nobody registered: every task is staged.
+    pub(crate) fn unregistered(bytes: Vec<u8>) -> Self {
+        RegisteredSource {
+            bytes: parking_lot::RwLock::new(bytes),
+            region: None,
+            shard_offsets: Vec::new(),
+        }
+    }
+
+    /// Edits the weights with `f` (between syncs), then brings the registered copy up to date.
+    pub(crate) fn modify(&self, f: impl FnOnce(&mut [u8])) -> Result<(), E2eError> {
+        let mut bytes = self.bytes.write();
+        f(&mut bytes);
+        if let Some(region) = &self.region {
+            region
+                .write_at(0, &bytes)
+                .map_err(|e| E2eError::Setup(format!("updating a registered source: {e}")))?;
+        }
+        Ok(())
     }
 }
 
 impl SourceView for RegisteredSource {
     fn len(&self) -> u64 {
-        self.bytes.len() as u64
+        self.bytes.read().len() as u64
     }
 
     fn read(&self, f: &mut dyn FnMut(&[u8])) {
-        f(&self.bytes)
+        f(&self.bytes.read())
     }
 
     fn registered_shard(&self, shard: u32) -> Option<(Region, u64)> {

@@ -6,12 +6,25 @@
 //! for engines (its shard of the inference weights: a bf16 job's shard in bf16, an fp8 job's in
 //! fp8 plus scales), bounded by [`DeltaConfig::base_budget_bytes`]: tasks past the budget keep
 //! no base and always go dense. Tasks with a base are staged even when they could be written
-//! straight from registered source memory, since their bytes must be compared and kept.
+//! straight from registered source memory, since their bytes must be compared and kept, unless
+//! they went dense (below).
+//!
+//! **Dense tasks.** A task whose last compared sync found more changes than any encoding of it
+//! can hold ([`Bases::routes`], above [`dense_above`]) gains nothing from staging and comparing:
+//! its next syncs take the full sync's path ([`Route::Dense`]: written straight from registered
+//! source memory where the task can be, else prepared into staging; no compare, no base copy)
+//! and its base goes *stale*: it no longer holds what the engine holds, so no delta is encoded
+//! against it (the engine's own bytes are right: a dense write leaves them equal to the new
+//! version). To notice changes thinning out, every [`REFRESH_EVERY`]-th sync of a task that
+//! stays dense refreshes its base ([`Route::Refresh`]: staged, base copied, written dense) and the
+//! sync after compares again ([`Route::Compare`], sampled); a task found sparse there goes back
+//! to deltas.
 //!
 //! The bases hold version N only when sync N succeeded on this trainer
 //! ([`Bases::version`]); a sync that fails or is cancelled leaves them at no version, so the
 //! next sync is dense for every engine until one succeeds (the controller makes every engine
-//! of a failed sync take a full sync next anyway).
+//! of a failed sync take a full sync next anyway). A task that went dense keeps a stale base
+//! whatever the version says; no delta is encoded against it until it was refreshed (below).
 //!
 //! **Encoding.** In the prepare stage, once a piece's bytes are prepared (and hashed), every
 //! part written to an engine that takes deltas this sync ([`DeltaSync`]) is encoded against the
@@ -46,7 +59,8 @@ pub struct DeltaConfig {
     /// Most bytes of bases kept (tasks in plan order until the budget is spent); `None`: all.
     pub base_budget_bytes: Option<u64>,
     /// Keep bases also of tasks that could be written straight from registered source memory
-    /// (same-dtype copies of contiguous boxes), staging them. Off: those stay zero-copy and
+    /// (same-dtype copies of contiguous boxes), staging them while they are compared (a task
+    /// that went dense is written from the source again). Off: those stay zero-copy and
     /// always go dense; deltas pay where the trainer stages anyway (casts from f32 master
     /// weights, fp8 quantisation), which a real RL trainer's tasks are.
     #[serde(default)]
@@ -93,18 +107,59 @@ impl Inbox {
     }
 }
 
+/// Of every this many syncs of a task that stays dense, one refreshes its base and the next
+/// compares; the others are written as a full sync writes them (see the module docs). Higher:
+/// less staging while dense, slower to return to deltas when changes thin out.
+pub(crate) const REFRESH_EVERY: u32 = 8;
+
+/// How one task goes in one sync (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Route {
+    /// Staged, compared with its base (deltas where they fit), base brought up to date.
+    Compare,
+    /// Staged, its stale base overwritten with what it writes (no compare, no deltas).
+    Refresh,
+    /// As in a full sync: straight from registered source memory where it can be, no compare,
+    /// base left stale (also every task that keeps no base).
+    Dense,
+}
+
+/// Where a task's base stands between syncs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum BaseState {
+    /// It holds what the task last wrote (once that sync succeeded: [`Bases::version`]).
+    Current,
+    /// The task went dense `syncs` syncs in a row: the base holds older bytes.
+    Stale { syncs: u32 },
+    /// Refreshed by the last sync: the next compares.
+    Refreshed,
+}
+
+/// The changed fraction above which no encoding of `elem`-byte elements fits in `max_fraction`
+/// of their dense bytes: gaps cost `1 + elem` bytes per change, a bitmap `1/8` per element plus
+/// `elem` per change.
+pub(crate) fn dense_above(elem: usize, max_fraction: f64) -> f64 {
+    let (e, m) = (elem as f64, max_fraction.clamp(0.0, 1.0));
+    (m * e / (1.0 + e)).max(m - 1.0 / (8.0 * e))
+}
+
 /// The trainer's bases (see the module docs).
 #[derive(Debug, Default)]
 pub(crate) struct Bases {
     /// Per task, its prepared output as last written (`None`: no base kept).
     tasks: Vec<Option<Mutex<Vec<u8>>>>,
-    /// The version every base holds, when the last sync succeeded.
+    /// The version of the last sync, when it succeeded: every base that is not stale holds
+    /// what that sync wrote.
     version: Mutex<Option<u64>>,
     /// Bytes kept.
     bytes: u64,
     /// Per task, the changed fraction its runs showed last sync (`f32` bits): what the next
     /// sync's encoding expects (see [`encode_piece`]).
     fractions: Vec<AtomicU32>,
+    /// Per task, where its base stands (see [`Bases::routes`]).
+    states: Mutex<Vec<BaseState>>,
+    /// Per task, the changed fraction above which it goes dense ([`dense_above`]).
+    dense: Vec<f64>,
 }
 
 impl Bases {
@@ -144,6 +199,12 @@ impl Bases {
             .collect();
         Bases {
             fractions: (0..plan.tasks.len()).map(|_| AtomicU32::new(0)).collect(),
+            states: Mutex::new(vec![BaseState::Current; plan.tasks.len()]),
+            dense: plan
+                .tasks
+                .iter()
+                .map(|t| dense_above(element_size(&t.transform), config.max_fraction))
+                .collect(),
             tasks,
             version: Mutex::new(None),
             bytes,
@@ -168,6 +229,37 @@ impl Bases {
     /// A sync starts (`None`: the bases are being rewritten) or succeeded (`Some(version)`).
     pub(crate) fn set_version(&self, version: Option<u64>) {
         *self.version.lock() = version;
+    }
+
+    /// How each of the plan's `tasks` goes in the sync that starts now, and where its base will stand after it
+    /// (see the module docs). Called once per sync, before any piece runs. A sync that fails
+    /// leaves the bases at no version, so the next encodes no delta whatever the routes say
+    /// (and its compared tasks copy their bases whole).
+    pub(crate) fn routes(&self, tasks: usize) -> Vec<Route> {
+        let mut states = self.states.lock();
+        (0..tasks)
+            .map(|t| {
+                if !self.kept(t as u32) {
+                    return Route::Dense;
+                }
+                let state = &mut states[t];
+                let fraction = f64::from(f32::from_bits(self.fractions[t].load(Ordering::Relaxed)));
+                let (route, next) = match *state {
+                    BaseState::Current if fraction > self.dense[t] => {
+                        (Route::Dense, BaseState::Stale { syncs: 1 })
+                    }
+                    BaseState::Current | BaseState::Refreshed => {
+                        (Route::Compare, BaseState::Current)
+                    }
+                    BaseState::Stale { syncs } if syncs + 2 < REFRESH_EVERY => {
+                        (Route::Dense, BaseState::Stale { syncs: syncs + 1 })
+                    }
+                    BaseState::Stale { .. } => (Route::Refresh, BaseState::Refreshed),
+                };
+                *state = next;
+                route
+            })
+            .collect()
     }
 }
 
@@ -230,7 +322,8 @@ pub(crate) struct EncodeCtx<'a> {
     pub inboxes: &'a BTreeMap<u32, Inbox>,
     pub bases: &'a Bases,
     pub config: &'a DeltaConfig,
-    /// This sync's deltas, when the bases hold its base version.
+    /// This sync's deltas, when the bases hold its base version and the piece's task is
+    /// compared ([`Route::Compare`]; a refreshed task's base is stale: `None`).
     pub active: Option<&'a DeltaSync>,
 }
 

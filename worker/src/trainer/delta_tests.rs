@@ -212,3 +212,129 @@ async fn engines_outside_the_delta_set_get_dense_writes() {
     assert!(report.deltas.is_empty());
     assert_eq!(report.bytes_written, report.delta.dense_bytes);
 }
+
+/// A task that went dense is written as a full sync writes it (nothing compared, its base left
+/// stale) for `REFRESH_EVERY - 2` syncs, refreshes its base on the next, compares on the one
+/// after, and goes back to deltas once its changes thinned out; byte-exact throughout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dense_task_skips_its_base_refreshes_it_and_returns_to_deltas() {
+    use super::delta::REFRESH_EVERY;
+    let (trainer, rollout, source) = setup_delta(1 << 20);
+    round(&trainer, &rollout, &source, 0, None).await.unwrap();
+    nudge(&mut source.write(), 97, 1);
+    let report = round(&trainer, &rollout, &source, 1, Some(only(0, 0)))
+        .await
+        .unwrap();
+    assert!(!report.deltas.is_empty());
+    // Everything changes: compared, found dense.
+    *source.write() = source_bytes(100);
+    let report = round(&trainer, &rollout, &source, 2, Some(only(0, 1)))
+        .await
+        .unwrap();
+    assert!(
+        report.delta.changed * 2 > report.delta.elements,
+        "{:?}",
+        report.delta
+    );
+    let mut v = 3;
+    // Dense: nothing compared, nothing encoded, every byte written.
+    for _ in 0..REFRESH_EVERY - 2 {
+        *source.write() = source_bytes(100 + v as u32);
+        let report = round(&trainer, &rollout, &source, v, Some(only(0, v - 1)))
+            .await
+            .unwrap();
+        assert_eq!(report.delta.elements, 0, "version {v}: {:?}", report.delta);
+        assert!(report.deltas.is_empty());
+        assert_eq!(report.bytes_written, report.delta.dense_bytes);
+        v += 1;
+    }
+    // Changes thin out. The refresh: base copied, nothing compared, written dense.
+    nudge(&mut source.write(), 97, v as u32);
+    let report = round(&trainer, &rollout, &source, v, Some(only(0, v - 1)))
+        .await
+        .unwrap();
+    assert_eq!(report.delta.elements, 0, "refresh: {:?}", report.delta);
+    assert!(report.deltas.is_empty());
+    v += 1;
+    // The sync after compares against the refreshed base (a sample: it still expects dense).
+    nudge(&mut source.write(), 97, v as u32);
+    let report = round(&trainer, &rollout, &source, v, Some(only(0, v - 1)))
+        .await
+        .unwrap();
+    let d = report.delta;
+    assert!(
+        d.elements > 0 && d.changed * 10 < d.elements,
+        "probe: {d:?}"
+    );
+    v += 1;
+    // Found sparse: deltas again.
+    nudge(&mut source.write(), 97, v as u32);
+    let report = round(&trainer, &rollout, &source, v, Some(only(0, v - 1)))
+        .await
+        .unwrap();
+    let d = report.delta;
+    assert!(!report.deltas.is_empty(), "{d:?}");
+    assert!(d.wire_bytes() * 4 < d.dense_bytes, "{d:?}");
+}
+
+/// A stale base is never encoded against: while a task is dense the engine holds newer bytes
+/// than its base, and a source that returns to the base's bytes (a delta against that base
+/// would be empty) must still be written whole; the compare after the refresh is against the
+/// refreshed bytes, not older ones. Every sync is verified and compared byte for byte.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_base_is_never_used_for_a_delta() {
+    use super::delta::REFRESH_EVERY;
+    let (trainer, rollout, source) = setup_delta(1 << 20);
+    round(&trainer, &rollout, &source, 0, None).await.unwrap();
+    // Compared at 1 and found dense: the base holds 1's bytes, then goes stale.
+    let old = source_bytes(100);
+    *source.write() = old.clone();
+    round(&trainer, &rollout, &source, 1, Some(only(0, 0)))
+        .await
+        .unwrap();
+    // The dense syncs alternate between other bytes and the stale base's.
+    let mut v = 2;
+    while v < u64::from(REFRESH_EVERY) {
+        *source.write() = if v % 2 == 0 {
+            source_bytes(200)
+        } else {
+            old.clone()
+        };
+        let report = round(&trainer, &rollout, &source, v, Some(only(0, v - 1)))
+            .await
+            .unwrap();
+        assert!(report.deltas.is_empty(), "version {v}");
+        assert_eq!(report.delta.elements, 0, "version {v}");
+        v += 1;
+    }
+    // The refresh writes new bytes; the compare after it (same bytes) finds nothing changed
+    // against them (against the old base nearly everything would be).
+    *source.write() = source_bytes(300);
+    let refresh = round(&trainer, &rollout, &source, v, Some(only(0, v - 1)))
+        .await
+        .unwrap();
+    assert_eq!(refresh.delta.elements, 0, "{:?}", refresh.delta);
+    v += 1;
+    let probe = round(&trainer, &rollout, &source, v, Some(only(0, v - 1)))
+        .await
+        .unwrap();
+    let d = probe.delta;
+    assert!(d.elements > 0 && d.changed == 0, "{d:?}");
+    // Back to deltas: nothing changed, empty deltas; then the old base's bytes are a change.
+    v += 1;
+    let report = round(&trainer, &rollout, &source, v, Some(only(0, v - 1)))
+        .await
+        .unwrap();
+    assert!(!report.deltas.is_empty(), "{:?}", report.delta);
+    assert_eq!(report.delta.changed, 0, "{:?}", report.delta);
+    *source.write() = old;
+    v += 1;
+    let report = round(&trainer, &rollout, &source, v, Some(only(0, v - 1)))
+        .await
+        .unwrap();
+    assert!(
+        report.delta.changed * 2 > report.delta.elements,
+        "{:?}",
+        report.delta
+    );
+}

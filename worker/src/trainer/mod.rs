@@ -205,8 +205,10 @@ pub(crate) struct TrainerState {
     pub source: Arc<dyn SourceView>,
     /// Per write of the plan, where it goes (set by `set_destinations`).
     pub write_dst: Vec<WriteDst>,
-    /// Per task, when it is written straight from registered source memory (see
-    /// [`direct::direct_source`]): that registration and where the task's box lies in it.
+    /// Per task, when it can be written straight from registered source memory (see
+    /// [`direct::direct_source`]): that registration and where the task's box lies in it. A
+    /// task that keeps a base is written from there only in syncs it goes dense
+    /// ([`delta::Route::Dense`]).
     pub direct: Vec<Option<direct::DirectSource>>,
     /// Per task, when it is prepared reading its shard in place (no H2D copy, see
     /// [`TrainerPlan::in_place_input`], [`TrainerPlan::in_place_runs`]): where its box lies in
@@ -272,21 +274,16 @@ impl<F: FabricBackend> TrainerWorker<F> {
             None
         };
         let min_run = fabric.min_strided_run();
-        let mut direct: Vec<Option<direct::DirectSource>> = plan
+        let direct: Vec<Option<direct::DirectSource>> = plan
             .tasks
             .iter()
             .map(|t| direct::direct_source(&plan, t, source.as_ref(), gather.as_ref(), min_run))
             .collect();
         // A task written straight from the source keeps a base only if told to (it is then
-        // staged: its bytes are compared and kept every sync).
+        // staged while its bytes are compared and kept: see `delta::Route`).
         let bases = Bases::new(&plan, &config.delta, |t| {
             config.delta.keep_direct || direct[t as usize].is_none()
         });
-        for (t, d) in direct.iter_mut().enumerate() {
-            if bases.kept(t as u32) {
-                *d = None;
-            }
-        }
         let enc_need = pieces
             .iter()
             .map(|task_pieces: &Vec<TaskPiece>| {

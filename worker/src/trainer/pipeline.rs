@@ -44,7 +44,7 @@ use tokio::task::JoinSet;
 use weightsync_common::fabric::{FabricBackend, Region, RegionDescriptor, TransferPaths, WriteOp};
 use weightsync_schedules::table::{MeshGroup, Transform, WriteTarget};
 
-use super::delta::{DeltaSync, EncodeCtx, PartMode, encode_piece};
+use super::delta::{DeltaSync, EncodeCtx, PartMode, Route, encode_piece};
 use super::direct::DirectSource;
 use super::piece::TaskPiece;
 use super::split_meter::{Activity, SplitMeter};
@@ -79,6 +79,8 @@ struct SyncRun<F: FabricBackend> {
     meter: SplitMeter,
     /// This sync's deltas, when the bases hold the version they are encoded against.
     active: Option<DeltaSync>,
+    /// Per task, how it goes this sync ([`super::delta::Bases::routes`]).
+    routes: Vec<Route>,
     /// Per piece `(task, piece)` encoded, how each of its parts is written.
     modes: Mutex<HashMap<(u32, usize), Vec<PartMode>>>,
     /// The runs written as deltas.
@@ -95,6 +97,7 @@ impl<F: FabricBackend> SyncRun<F> {
         sync: SyncId,
         rec: TimelineRecorder,
         active: Option<DeltaSync>,
+        routes: Vec<Route>,
     ) -> Self {
         let gates = split_write_gates(&state);
         let paths_before = fabric.transfer_paths();
@@ -115,6 +118,7 @@ impl<F: FabricBackend> SyncRun<F> {
             direct_bytes: AtomicU64::new(0),
             meter: SplitMeter::start(),
             active,
+            routes,
             modes: Mutex::new(HashMap::new()),
             records: Mutex::new(Vec::new()),
             figures: Mutex::new(DeltaFigures::default()),
@@ -192,12 +196,14 @@ pub(crate) async fn run<F: FabricBackend>(
     // Deltas only on top of the version the bases hold; while the sync runs they hold none.
     let active = delta.filter(|d| state.bases.version() == Some(d.base_version));
     state.bases.set_version(None);
+    let routes = state.bases.routes(state.plan.tasks.len());
     let run = Arc::new(SyncRun::new(
         fabric,
         state.clone(),
         sync,
         rec.clone(),
         active,
+        routes,
     ));
     let serial = state.config.mode == PipelineMode::Serialised;
     let mut jobs = JoinSet::new();
@@ -219,10 +225,12 @@ pub(crate) async fn run<F: FabricBackend>(
                         break 'groups;
                     }
                     let mut need = state.pieces[t as usize][p].layout.total;
-                    if run.active.is_some() {
+                    let route = run.routes[t as usize];
+                    if run.active.is_some() && route == Route::Compare {
                         need += state.enc_need[t as usize][p];
                     }
-                    let lease = if state.direct[t as usize].is_some() {
+                    // A task keeping a base is staged unless it goes as a full sync would.
+                    let lease = if state.direct[t as usize].is_some() && route == Route::Dense {
                         None // written from the source: no staging
                     } else {
                         let _idle = run.meter.begin(Activity::Wait, 1);
@@ -372,7 +380,7 @@ async fn run_piece<F: FabricBackend>(
         run.state.plan.tasks[t as usize].transform,
         Transform::Copy { .. }
     ) && !run.state.config.verify
-        && !run.state.bases.kept(t);
+        && run.routes[t as usize] == Route::Dense;
     let lease = if nothing_to_prepare {
         lease
     } else {
@@ -576,14 +584,16 @@ async fn piece_prepare<F: FabricBackend>(
             if st.config.verify {
                 job.checksums.lock().extend(run_checksums(st, piece, buf));
             }
-            if st.bases.kept(t) {
+            let route = job.routes[t as usize];
+            if route != Route::Dense {
                 let ctx = EncodeCtx {
                     plan: &st.plan,
                     write_dst: &st.write_dst,
                     inboxes: &st.inboxes,
                     bases: &st.bases,
                     config: &st.config.delta,
-                    active: job.active.as_ref(),
+                    // A refreshed base is stale until this sync's bytes are copied into it.
+                    active: job.active.as_ref().filter(|_| route == Route::Compare),
                 };
                 let done = encode_piece(&ctx, piece, piece.layout.total, buf);
                 job.figures.lock().add(&done.figures);
