@@ -4,8 +4,8 @@
 # The Python side of the README's test command (and CI's): sets up its own environment from
 # nothing, builds and installs the package, runs the Python tests.
 #  1. a venv at $WEIGHTSYNC_TEST_VENV (default target/python-venv) with torch (CPU use),
-#     transformers, numpy, pytest, maturin, mypy and ray (test_ray.py's local cluster) at the
-#     pins below. Idempotent: a stamp in
+#     transformers, numpy, pytest, maturin, mypy, ray (test_ray.py's local cluster) and
+#     cryptography (test_tls.py's CRLs) at the pins below. Idempotent: a stamp in
 #     the venv records the pins; when it matches, this step takes under a second. A changed pin
 #     rebuilds the venv. uv installs it when uv can be had (about 0.6x pip's time here), else pip.
 #  2. the wheel, once: `maturin build --release` (one abi3 wheel, with its own target dir
@@ -29,7 +29,8 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 VENV=${WEIGHTSYNC_TEST_VENV:-$ROOT/target/python-venv}
 [[ "$VENV" == /* ]] || VENV="$PWD/$VENV"
 PYTHON=${PYTHON:-python3}
-PINS=(torch==2.13.0 transformers==5.19.0 numpy==2.3.5 pytest==9.2.0 maturin==1.16.0 mypy==2.4.1 ray==2.60.0)
+PINS=(torch==2.13.0 transformers==5.19.0 numpy==2.3.5 pytest==9.2.0 maturin==1.16.0 mypy==2.4.1 ray==2.60.0
+      cryptography==51.0.1)
 UV_PIN=uv==0.13.9
 T0=$SECONDS
 step() { echo "test.sh: [$((SECONDS - T0)) s] $*"; }
