@@ -9,7 +9,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use weightsync_agent::embed::HostMemory;
+use weightsync_agent::embed::{DstTensorInfo, HostMemory};
 use weightsync_common::DType;
 use weightsync_common::protocol::WorldSpec;
 use weightsync_controller::{AppState, ControllerConfig, SchedulesPlanner};
@@ -33,6 +33,18 @@ impl Buffer {
             at: 0,
             len,
         }
+    }
+
+    /// Zeroed memory of its own for every tensor of an engine's planned layout (what an
+    /// engine registers before its first version), paired with the layout's entry.
+    pub fn zeroed_layout(layout: Vec<DstTensorInfo>) -> Vec<(DstTensorInfo, Buffer)> {
+        layout
+            .into_iter()
+            .map(|t| {
+                let len = t.shape.iter().product::<u64>() as usize * t.dtype.size();
+                (t, Buffer::zeroed(len))
+            })
+            .collect()
     }
 
     /// Tensors of `lens` bytes back to back in one allocation, the last first (so where each

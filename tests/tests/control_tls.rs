@@ -421,14 +421,7 @@ fn the_fabric_key_comes_over_tls_and_a_version_lands_with_per_role_secrets() {
         ..EngineOptions::new(&control, 0)
     })
     .unwrap();
-    let dst: Vec<_> = engine
-        .layout()
-        .into_iter()
-        .map(|t| {
-            let len = t.shape.iter().product::<u64>() as usize * t.dtype.size();
-            (t, Buffer::zeroed(len))
-        })
-        .collect();
+    let dst = Buffer::zeroed_layout(engine.layout());
     engine
         .register(
             dst.iter()

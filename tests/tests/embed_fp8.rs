@@ -53,14 +53,7 @@ fn engine(control: &str, rank: u32) -> (EngineHandle, Buffers<DstTensorInfo>) {
         ..EngineOptions::new(control, rank)
     })
     .unwrap();
-    let bufs: Vec<_> = e
-        .layout()
-        .into_iter()
-        .map(|t| {
-            let len = t.shape.iter().product::<u64>() as usize * t.dtype.size();
-            (t, Buffer::zeroed(len))
-        })
-        .collect();
+    let bufs = Buffer::zeroed_layout(e.layout());
     let dst = bufs
         .iter()
         .map(|(t, b)| DstTensor {
