@@ -2,9 +2,13 @@
 //!
 //! It computes its own inference layout from the job at start-up, allocates and registers its
 //! tensors once, and registers with their descriptors. Per sync: `Prepare N` arms the immediate
-//! counters (before any trainer writes) and opens the fabric's write window, then it waits until
-//! every expected write landed and closes the window (a TCP receiver refuses and counts writes
-//! outside it, so bytes sent while the engine serves never reach its tensors), then `Verify`
+//! counters (before any trainer writes) and opens the fabric's write window (its answer goes out
+//! only once the window is in force), then it waits until every expected write landed and closes
+//! the window (a TCP receiver refuses and counts writes outside it, a verbs receiver's NIC
+//! refuses them, so bytes sent while the engine serves never reach its tensors; with verbs the
+//! close costs one firmware command per inbound queue pair, so it runs on the blocking pool while
+//! the landing report travels, and `Verify`, `Commit` and the next `Prepare` wait for it), then
+//! `Verify`
 //! applies the trainers' deltas (into the tensors, from the delta inbox it registered on its first
 //! assignment when the job sends deltas: see `weightsync_worker::delta`) and checks the trainers'
 //! checksums against what the tensors then hold. A program that wants more (the
@@ -49,6 +53,8 @@ pub struct RolloutDriver {
     bytes: u64,
     /// The inbox's share of the tensors' bytes (0: no inbox, never deltas).
     inbox_fraction: f64,
+    /// The write window's close after a landing, still running (see [`RolloutDriver::closed`]).
+    closing: Option<tokio::task::JoinHandle<()>>,
 }
 
 /// The share of an engine's bytes its delta inbox takes by default: a run whose encoding is
@@ -76,6 +82,7 @@ impl RolloutDriver {
             worker: Arc::new(worker),
             bytes,
             inbox_fraction: DEFAULT_INBOX_FRACTION,
+            closing: None,
         }
     }
 
@@ -107,6 +114,7 @@ impl RolloutDriver {
             worker: Arc::new(worker),
             bytes,
             inbox_fraction: DEFAULT_INBOX_FRACTION,
+            closing: None,
         })
     }
 
@@ -114,6 +122,27 @@ impl RolloutDriver {
     pub fn worker(&self) -> &RolloutWorker<Fabric> {
         &self.worker
     }
+
+    /// Waits until a close started after a landing is in force. Kept until it finished, so a
+    /// caller cancelled while waiting leaves it for the next one: a close never runs after the
+    /// next sync's arm.
+    async fn closed(&mut self) {
+        if let Some(closing) = self.closing.as_mut() {
+            if let Err(e) = closing.await {
+                tracing::warn!(error = %e, "closing the write window ended abnormally");
+            }
+            self.closing = None;
+        }
+    }
+}
+
+/// Sets `fabric`'s write window on the blocking pool (with verbs, one firmware command per
+/// inbound queue pair) and returns once it is in force.
+async fn set_window(fabric: &Fabric, window: WriteWindow) -> Result<(), DriverError> {
+    let fabric = fabric.clone();
+    tokio::task::spawn_blocking(move || fabric.set_write_window(window))
+        .await
+        .map_err(|e| DriverError::other(format!("setting the write window ended abnormally: {e}")))
 }
 
 impl SyncDriver for RolloutDriver {
@@ -172,16 +201,22 @@ impl SyncDriver for RolloutDriver {
 
     async fn prepare(&mut self, sync: SyncRef) -> Result<WorkerReport, DriverError> {
         let start = Instant::now();
+        self.closed().await;
         // A previous sync that was never finished (controller lost) must not stay armed.
         let _ = self.worker.abort();
         self.worker.arm(SyncId {
             version: sync.version,
             epoch: sync.sync_id,
         })?;
-        // Only this sync's frames (stamped with its id by the trainers) land until it ends.
-        self.fabric.set_write_window(WriteWindow::Armed {
-            epoch: sync.sync_id,
-        });
+        // Only this sync's frames (stamped with its id by the trainers) land until it ends; in
+        // force before `Prepared` goes out, so before any trainer is told to write.
+        set_window(
+            &self.fabric,
+            WriteWindow::Armed {
+                epoch: sync.sync_id,
+            },
+        )
+        .await?;
         Ok(WorkerReport {
             events: vec![TimelineEvent {
                 task: WHOLE_SYNC,
@@ -197,8 +232,14 @@ impl SyncDriver for RolloutDriver {
 
     async fn run(&mut self, sync: SyncRef) -> Result<(Option<bool>, WorkerReport), DriverError> {
         let landed = self.worker.await_landed(self.cfg.land_timeout).await;
-        // Landed or not, nothing more may be written until the next sync arms.
-        self.fabric.set_write_window(WriteWindow::Closed);
+        // Landed or not, nothing more may be written until the next sync arms. Every expected
+        // immediate was counted, so every byte of this sync landed: the close refuses only
+        // writes nobody waits for. It runs while the landing report travels; `verify` waits.
+        self.closed().await;
+        let fabric = self.fabric.clone();
+        self.closing = Some(tokio::task::spawn_blocking(move || {
+            fabric.set_write_window(WriteWindow::Closed)
+        }));
         let landed = landed?;
         let mut evs = landed.timeline.relative_to(sync.reference_unix_ns);
         for e in &mut evs {
@@ -228,6 +269,8 @@ impl SyncDriver for RolloutDriver {
         _sync: SyncRef,
         deltas: Vec<DeltaRecord>,
     ) -> Result<DeltaFigures, DriverError> {
+        // The inbox is read once nothing more can be written into it.
+        self.closed().await;
         let worker = self.worker.clone();
         tokio::task::spawn_blocking(move || worker.apply_deltas(&deltas))
             .await
@@ -240,6 +283,8 @@ impl SyncDriver for RolloutDriver {
         sync: SyncRef,
         checksums: Vec<RunChecksum>,
     ) -> Result<WorkerReport, DriverError> {
+        // The bytes checked are the bytes served: nothing can be written once the close is in.
+        self.closed().await;
         let start = Instant::now();
         let worker = self.worker.clone();
         let version = sync.version;
@@ -270,7 +315,10 @@ impl SyncDriver for RolloutDriver {
     }
 
     async fn finish(&mut self, _sync: SyncRef, outcome: Outcome) {
-        self.fabric.set_write_window(WriteWindow::Closed);
+        self.closed().await;
+        if let Err(e) = set_window(&self.fabric, WriteWindow::Closed).await {
+            tracing::warn!(error = %e, "closing the write window");
+        }
         if outcome == Outcome::Aborted {
             let _ = self.worker.abort();
         }

@@ -26,8 +26,8 @@ use std::time::Duration;
 use weightsync_common::fabric::verbs::verbs_memlock::{MemlockPolicy, memlock_limit};
 use weightsync_common::fabric::verbs::{ENV_DEVICE, VerbsFabric, device_names};
 use weightsync_common::fabric::{
-    Access, BackendKind, Endpoint, Fabric, FabricBackend, FabricConfig, FabricError, VerbsConfig,
-    WriteOp,
+    Access, BackendKind, Endpoint, Fabric, FabricBackend, FabricConfig, FabricError,
+    RemoteAccessKind, VerbsConfig, WriteOp, WriteWindow,
 };
 use weightsync_tests::conformance::{self, BackendFactory};
 
@@ -265,6 +265,84 @@ async fn small_receive_queue_and_a_stalled_receiver_meet_no_rnr() {
             .await
             .unwrap_or_else(|e| panic!("expect({imm:#x}, 2500): {e}"));
     }
+}
+
+/// Waits (bounded) until `b` counted `n` writes outside its window: the refusal's async event
+/// reaches the receiver's event thread a little after the writer's NAK.
+async fn outside_window_reaches(b: &VerbsFabric, n: u64) {
+    for _ in 0..200 {
+        if b.stats().outside_window >= n {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(b.stats().outside_window, n, "{:?}", b.stats());
+}
+
+/// Issue 39: a verbs receiver's write window, enforced by the NIC (`verbs_window`). A write into
+/// a receiver whose window is closed is refused (the queue pair has no remote write), counted as
+/// `outside_window` from the refusal's async event, and changes no byte and counts no
+/// immediate; inside the armed window writes land. Covers both ways a queue pair gets the
+/// window's access: connected while closed (INIT without remote write) and modified RTS -> RTS
+/// while connected (closing, and arming again without reconnecting).
+#[tokio::test]
+#[ignore = "requires an RDMA device: set WEIGHTSYNC_RDMA_DEVICE (e.g. rxe0)"]
+async fn a_closed_write_window_refuses_writes_in_the_nic() {
+    require_device();
+    let (a, b) = (verbs_with(1, 64).await, verbs_with(1, 64).await);
+    let len = 1 << 16;
+    let dst = b.alloc(len, Access::RECEIVE).unwrap();
+    dst.write_at(0, &vec![1u8; len]).unwrap();
+    let src = a.alloc(len, Access::SOURCE).unwrap();
+    let op = || WriteOp::new(&src, 0, dst.descriptor(), 0, len as u64).with_imm(0x39);
+    let refused = |e: &FabricError| {
+        e.remote_access_kind() == Some(RemoteAccessKind::OutsideWindow)
+            || e.to_string().contains("invalid request")
+    };
+    // 1. Closed before any lane exists: the queue pair comes up without remote write.
+    b.set_write_window(WriteWindow::Closed);
+    src.write_at(0, &vec![7u8; len]).unwrap();
+    let err = a
+        .write(op())
+        .await
+        .expect_err("a write into a closed window");
+    assert!(refused(&err), "refused for another reason: {err}");
+    outside_window_reaches(&b, 1).await;
+    assert_eq!(dst.to_vec().unwrap(), vec![1u8; len], "bytes changed");
+    assert_eq!(
+        b.imm_counter().unclaimed(0x39),
+        0,
+        "a refused write counted"
+    );
+
+    // 2. Armed: the writer reconnects (its lane broke) and the write lands.
+    b.set_write_window(WriteWindow::Armed { epoch: 1 });
+    a.write(op())
+        .await
+        .expect("a write inside the armed window");
+    assert_eq!(dst.to_vec().unwrap(), vec![7u8; len]);
+    b.imm_counter()
+        .expect_within(0x39, 1, Duration::from_secs(5))
+        .await
+        .unwrap();
+    assert!(b.stats().inbound_queue_pairs >= 1, "{:?}", b.stats());
+
+    // 3. Closed and armed again on the connected queue pair (RTS -> RTS both ways): it lands
+    //    through the same lane.
+    b.set_write_window(WriteWindow::Closed);
+    b.set_write_window(WriteWindow::Armed { epoch: 2 });
+    src.write_at(0, &vec![8u8; len]).unwrap();
+    a.write(op()).await.expect("a write after close and re-arm");
+    assert_eq!(dst.to_vec().unwrap(), vec![8u8; len]);
+    assert_eq!(b.stats().outside_window, 1, "no refusal while armed");
+
+    // 4. Closed on the connected queue pair: refused, counted, nothing lands.
+    b.set_write_window(WriteWindow::Closed);
+    src.write_at(0, &vec![9u8; len]).unwrap();
+    let err = a.write(op()).await.expect_err("a write after the close");
+    assert!(refused(&err), "refused for another reason: {err}");
+    outside_window_reaches(&b, 2).await;
+    assert_eq!(dst.to_vec().unwrap(), vec![8u8; len], "bytes changed");
 }
 
 // ---- No device needed --------------------------------------------------------------------------

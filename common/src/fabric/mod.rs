@@ -203,13 +203,26 @@ pub enum Fabric {
 
 impl Fabric {
     /// Sets when this process accepts writes into its regions (see [`WriteWindow`]). The TCP
-    /// backend enforces it on every frame; with verbs the NIC checks rkeys and bounds only, so
-    /// there it changes nothing.
+    /// backend checks it on every frame (window and epoch); the verbs backend withdraws remote
+    /// write from every inbound queue pair while it is closed, so the NIC refuses writes
+    /// (`verbs::verbs_window`; it cannot check epochs). Returns once the new window is in
+    /// force; with verbs that takes one firmware command per inbound queue pair, so async
+    /// callers run it on the blocking pool.
     pub fn set_write_window(&self, window: WriteWindow) {
         match self {
             Fabric::Tcp(t) => t.set_write_window(window),
             #[cfg(feature = "rdma")]
-            Fabric::Verbs(_) => {}
+            Fabric::Verbs(v) => v.set_write_window(window),
+        }
+    }
+
+    /// Writes refused because this receiver's write window was closed (with TCP also those of
+    /// another sync's epoch): `TcpStats::outside_window` or `VerbsStats::outside_window`.
+    pub fn writes_outside_window(&self) -> u64 {
+        match self {
+            Fabric::Tcp(t) => t.stats().outside_window,
+            #[cfg(feature = "rdma")]
+            Fabric::Verbs(v) => v.stats().outside_window,
         }
     }
 

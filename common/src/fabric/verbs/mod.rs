@@ -73,6 +73,11 @@
 //!   answer: packets still on the wire cannot land afterwards. The next write connects fresh
 //!   queue pairs. (Only the Soft-RoCE / ConnectX conformance run can confirm this on a device; it
 //!   is compiled and unit-tested here.)
+//! - **A write window in the NIC.** A receiver that guards its memory (the rollout driver closes
+//!   its window at start and arms it per sync, `Fabric::set_write_window`) withdraws remote
+//!   write from every inbound queue pair while no sync is armed (an RTS → RTS modify of the
+//!   access flags); the NIC then refuses any write with a NAK before a byte lands, and the
+//!   refusal's async event is counted as `outside_window` ([`verbs_window`]).
 //! - **All `unsafe` lives here**, in owning types whose `Drop` frees the verbs object
 //!   ([`verbs_device`], [`verbs_cq`], [`verbs_qp`], [`verbs_mr`]); each holds an `Arc` of its
 //!   parent so nothing outlives what it depends on. It uses the raw `ibverbs-sys` bindings: the
@@ -86,7 +91,7 @@
 //! family checks, endpoint serde, WR planning and chaining, signalling, the repost planner, the
 //! credit window (a seeded model of writer, NIC and a lagging receiver that must never meet RNR),
 //! the one-lock lane state, fair polling, the registry, memlock decisions, device limits, the
-//! bootstrap and lane messages. The conformance suite runs against this backend in
+//! bootstrap and lane messages, the write window (through a recording stand-in queue pair). The conformance suite runs against this backend in
 //! `tests/tests/fabric_verbs.rs` when `WEIGHTSYNC_RDMA_DEVICE` names a device (e.g. Soft-RoCE
 //! `rxe0`); `tests/verbs-device-check.sh` runs it with the device checks of the review.
 
@@ -114,11 +119,12 @@ pub mod verbs_qp_attr;
 pub mod verbs_registry;
 pub mod verbs_send_queue;
 pub mod verbs_settings;
+pub mod verbs_window;
 pub mod verbs_wr;
 
 pub use verbs_device::{PortInfo, device_names};
 pub use verbs_endpoint::QpEndpoint;
-pub use verbs_fabric::VerbsFabric;
+pub use verbs_fabric::{VerbsFabric, VerbsStats};
 pub use verbs_gid::{Addressing, Gid, LinkLayer};
 pub use verbs_settings::{
     ENV_DEVICE, ENV_GID_FAMILY, ENV_GID_INDEX, ENV_PORT, ENV_SERVICE_LEVEL, ENV_TRAFFIC_CLASS,

@@ -6,7 +6,9 @@
 //! reads the context's async events (its `async_fd` set non-blocking and polled with a timeout,
 //! so the thread notices the fabric's shutdown), logs each, breaks the lanes it concerns
 //! ([`event_effect`]) and acknowledges every event it read: `ibv_destroy_qp` / `ibv_destroy_cq`
-//! wait until all events reported for that object are acknowledged.
+//! wait until all events reported for that object are acknowledged. A responder error on a
+//! receiving queue pair while the write window is closed is a write the NIC refused outside the
+//! window: it is counted there (`verbs_window`) before the lane breaks as for any other error.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -17,6 +19,7 @@ use super::super::error::FabricError;
 use super::verbs_device::VerbsContext;
 use super::verbs_lane::{PolledSet, Role};
 use super::verbs_qp_attr::to_error;
+use super::verbs_window::InboundWindow;
 
 /// What an async event means for the lanes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -69,6 +72,7 @@ fn event_name(event_type: ffi::ibv_event_type) -> String {
 pub fn spawn(
     ctx: Arc<VerbsContext>,
     polled: Arc<PolledSet>,
+    window: Arc<InboundWindow>,
     shutdown: Arc<AtomicBool>,
 ) -> std::io::Result<std::thread::JoinHandle<()>> {
     // SAFETY: the context is open (we hold its Arc); async_fd is a plain int field.
@@ -109,12 +113,12 @@ pub fn spawn(
                 let seen = event;
                 // SAFETY: event came from ibv_get_async_event and is acknowledged exactly once.
                 unsafe { ffi::ibv_ack_async_event(&mut event) };
-                handle(&seen, &polled);
+                handle(&seen, &polled, &window);
             }
         })
 }
 
-fn handle(event: &ffi::ibv_async_event, polled: &PolledSet) {
+fn handle(event: &ffi::ibv_async_event, polled: &PolledSet, window: &InboundWindow) {
     let kind = event.event_type;
     let name = event_name(kind);
     let effect = event_effect(kind);
@@ -141,6 +145,14 @@ fn handle(event: &ffi::ibv_async_event, polled: &PolledSet) {
         }
         EventEffect::BreakAll | EventEffect::Warn | EventEffect::Note => set,
     };
+    if effect == EventEffect::BreakQp {
+        // SAFETY: for QP events the union holds the QP pointer (compared, never dereferenced).
+        let qp = unsafe { event.element.qp };
+        if window.on_queue_pair_error(kind, |inbound| inbound.raw_ptr() == qp) {
+            tracing::warn!(event = %name, "a write outside the write window was refused by the \
+                NIC (no sync armed); its lane is torn down");
+        }
+    }
     tracing::warn!(event = %name, lanes = affected.len(), "RDMA async event breaks lanes");
     for p in affected {
         if let Role::Writer(lane) = &p.role {

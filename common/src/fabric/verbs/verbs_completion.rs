@@ -184,8 +184,9 @@ pub fn status_error(
             peer,
             detail: format!(
                 "the peer's queue pair rejected a write of {} bytes at offset {} of rkey {:#x} as \
-                 an invalid request (a length over its limit, or an opcode it does not allow; \
-                 vendor syndrome {vendor_err:#x})",
+                 an invalid request (an opcode it does not allow: remote write is off while the \
+                 receiver's write window is closed, i.e. no sync is armed on it; or a length \
+                 over its limit; vendor syndrome {vendor_err:#x})",
                 target.len, target.offset, target.rkey
             ),
         },

@@ -13,7 +13,7 @@ mod tests {
     use crate::fabric::verbs::verbs_endpoint::{QpEndpoint, random_psn};
     use crate::fabric::verbs::verbs_mr::VerbsMr;
     use crate::fabric::verbs::verbs_qp::VerbsQp;
-    use crate::fabric::verbs::verbs_qp_attr::{to_error, to_init, to_rtr, to_rts};
+    use crate::fabric::verbs::verbs_qp_attr::{RemoteWrite, to_error, to_init, to_rtr, to_rts};
     use crate::fabric::verbs::verbs_settings::VerbsSettings;
     use crate::fabric::verbs::verbs_wr::{SendChain, WritePiece};
     use crate::fabric::{Access, Memory, VerbsConfig};
@@ -62,7 +62,8 @@ mod tests {
             VerbsQp::new(&pd, 1, 8, 1).unwrap(),
         );
         for qp in [&writer, &receiver] {
-            qp.modify(&to_init(ctx.port().port), "RESET->INIT").unwrap();
+            qp.modify(&to_init(ctx.port().port, RemoteWrite::On), "RESET->INIT")
+                .unwrap();
         }
         let (w, r) = (endpoint(&writer, &ctx, 1), endpoint(&receiver, &ctx, 8));
         connect(&writer, &w, &r, &ctx, &settings);

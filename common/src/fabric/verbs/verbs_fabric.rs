@@ -15,7 +15,7 @@ use tokio::sync::Notify;
 
 use super::super::{
     Access, Endpoint, FabricBackend, FabricConfig, FabricError, ImmCounter, Memory, PageSize,
-    Region, RegionDescriptor, RegisteredMemory, RemoteAccessKind, Result, WriteOp,
+    Region, RegionDescriptor, RegisteredMemory, RemoteAccessKind, Result, WriteOp, WriteWindow,
     merge_contiguous,
 };
 use super::verbs_async_events;
@@ -33,9 +33,10 @@ use super::verbs_listener::{Listener, set_keepalive};
 use super::verbs_mr::VerbsMr;
 use super::verbs_progress::Progress;
 use super::verbs_qp::VerbsQp;
-use super::verbs_qp_attr::{to_error, to_init, to_rtr, to_rts};
+use super::verbs_qp_attr::{RemoteWrite, to_error, to_init, to_rtr, to_rts};
 use super::verbs_registry::{RegistrationKey, Registry};
 use super::verbs_settings::VerbsSettings;
+use super::verbs_window::InboundWindow;
 use super::verbs_wr::{ResolvedOp, WrLimits, WritePiece, plan_pieces};
 
 /// The verbs fabric of one process (cheap to clone).
@@ -61,6 +62,8 @@ struct Inner {
     port: PortInfo,
     imm: ImmCounter,
     registry: Arc<Mutex<Registry>>,
+    /// When peers may write into this process's regions, enforced on the inbound queue pairs.
+    window: Arc<InboundWindow>,
     peers: Mutex<HashMap<Endpoint, Arc<PeerLanes>>>,
     polled: Arc<PolledSet>,
     batches: Arc<BatchTable>,
@@ -83,6 +86,18 @@ impl Drop for Inner {
         self.shutdown.store(true, Ordering::Release);
         self.listener_task.abort();
     }
+}
+
+/// A snapshot of a verbs fabric's counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct VerbsStats {
+    /// Writes the NIC refused because this receiver's write window was closed (counted from
+    /// the refusal's async event on the inbound queue pair; see `verbs_window`). The TCP
+    /// backend's counter of the same name also counts frames of another sync's epoch, which
+    /// a NIC cannot tell apart.
+    pub outside_window: u64,
+    /// Inbound queue pairs the window gates now.
+    pub inbound_queue_pairs: u64,
 }
 
 /// How many times pieces flushed by a failing queue pair are re-posted on a fresh one.
@@ -125,6 +140,7 @@ impl VerbsFabric {
         let imm = ImmCounter::new();
         let shutdown = Arc::new(AtomicBool::new(false));
         let registry: Arc<Mutex<Registry>> = Arc::default();
+        let window: Arc<InboundWindow> = Arc::default();
         let (closed_tx, closed_rx) = tokio::sync::watch::channel(());
         let stalled_until_ms = Arc::new(AtomicU64::new(0));
         let epoch = Instant::now();
@@ -138,8 +154,13 @@ impl VerbsFabric {
         }
         .spawn()
         .map_err(|e| FabricError::io("spawning the verbs progress thread", e))?;
-        verbs_async_events::spawn(ctx.clone(), polled.clone(), shutdown.clone())
-            .map_err(|e| FabricError::io("spawning the verbs async-event thread", e))?;
+        verbs_async_events::spawn(
+            ctx.clone(),
+            polled.clone(),
+            window.clone(),
+            shutdown.clone(),
+        )
+        .map_err(|e| FabricError::io("spawning the verbs async-event thread", e))?;
         let accept = Listener {
             pd: pd.clone(),
             port: port.clone(),
@@ -149,6 +170,7 @@ impl VerbsFabric {
             registry: registry.clone(),
             closed: closed_rx,
             handshake_timeout: config.connect_timeout(),
+            window: window.clone(),
         };
         let listener_task = tokio::spawn(accept.run(listener)).abort_handle();
         Ok(VerbsFabric {
@@ -161,6 +183,7 @@ impl VerbsFabric {
                 port,
                 imm,
                 registry,
+                window,
                 _closed: closed_tx,
                 peers: Mutex::default(),
                 polled,
@@ -184,6 +207,36 @@ impl VerbsFabric {
     /// The resolved settings.
     pub fn settings(&self) -> &VerbsSettings {
         &self.inner.settings
+    }
+
+    /// Sets when peers may write into this process's regions ([`WriteWindow`]): closing
+    /// withdraws remote write from every inbound queue pair, arming restores it (see
+    /// `verbs_window`). Blocks until every queue pair was modified (one firmware command each,
+    /// several at once), so a caller that reports "armed" afterwards is telling the truth; call
+    /// it off the async executor where queue pairs are many.
+    pub fn set_write_window(&self, window: WriteWindow) {
+        let start = Instant::now();
+        let change = self.inner.window.set(window);
+        if change.modified > 0 {
+            tracing::debug!(?window, queue_pairs = change.modified, took = ?start.elapsed(),
+                "write window changed on the inbound queue pairs");
+        }
+        if change.fenced > 0 {
+            tracing::warn!(
+                ?window,
+                fenced = change.fenced,
+                "inbound queue pairs that could not take the window's access were fenced; \
+                 their writers reconnect"
+            );
+        }
+    }
+
+    /// A snapshot of the counters.
+    pub fn stats(&self) -> VerbsStats {
+        VerbsStats {
+            outside_window: self.inner.window.outside_window(),
+            inbound_queue_pairs: self.inner.window.inbound() as u64,
+        }
     }
 
     /// Moves every queue pair of our lanes to `peer` into the error state, as a pulled cable or

@@ -29,6 +29,7 @@ use super::verbs_qp::VerbsQp;
 use super::verbs_qp_attr::{to_error, to_init, to_rtr, to_rts};
 use super::verbs_registry::Registry;
 use super::verbs_settings::VerbsSettings;
+use super::verbs_window::InboundWindow;
 
 /// Keepalive: first probe after this much silence.
 const KEEPALIVE_IDLE: Duration = Duration::from_secs(5);
@@ -65,6 +66,8 @@ pub struct Listener {
     pub closed: tokio::sync::watch::Receiver<()>,
     /// Longest a writer may take to authenticate and ask.
     pub handshake_timeout: Duration,
+    /// The write window: new queue pairs come up with its access and are listed in it.
+    pub window: Arc<InboundWindow>,
 }
 
 /// A receiving queue pair, polled while this lives.
@@ -72,6 +75,7 @@ struct ReceiverGuard {
     qp: Arc<VerbsQp>,
     credits: Arc<ReceiveCredits>,
     polled: Arc<PolledSet>,
+    window: Arc<InboundWindow>,
 }
 
 impl ReceiverGuard {
@@ -86,6 +90,7 @@ impl ReceiverGuard {
 impl Drop for ReceiverGuard {
     fn drop(&mut self) {
         self.polled.remove(self.qp.qp_num());
+        self.window.remove(self.qp.qp_num());
     }
 }
 
@@ -153,48 +158,55 @@ impl Listener {
         }
     }
 
+    /// Brings up a receiving queue pair towards `writer`, granting remote write only if the
+    /// write window is open (the window cannot change until it is in RTS and listed).
     fn accept_qp(
         &self,
         lane: u32,
         writer: QpEndpoint,
     ) -> Result<(QpEndpoint, ReceiverGuard), String> {
         let s = &self.settings;
-        let qp = VerbsQp::new(&self.pd, 1, s.recv_depth, 1).map_err(|e| e.to_string())?;
-        qp.modify(&to_init(self.port.port), "RESET->INIT")
-            .map_err(|e| e.to_string())?;
-        qp.post_recvs(s.recv_depth as usize)
-            .map_err(|e| e.to_string())?;
-        let ours = QpEndpoint {
-            qp_num: qp.qp_num(),
-            psn: random_psn(),
-            lid: self.port.lid,
-            gid: self.port.gid,
-            mtu: self.port.active_mtu,
-            recv_depth: s.recv_depth,
-            max_msg_size: self.port.max_msg_size,
-            gid_type: self.port.gid_type,
-        };
-        let rtr = to_rtr(&ours, &writer, self.port.addressing, self.port.port, s)?;
-        qp.modify(&rtr, "INIT->RTR").map_err(|e| e.to_string())?;
-        qp.modify(&to_rts(ours.psn, s), "RTR->RTS")
-            .map_err(|e| e.to_string())?;
-        tracing::debug!(
-            lane,
-            writer_qp = writer.qp_num,
-            qp = ours.qp_num,
-            "accepted a lane"
-        );
-        let credits = Arc::new(ReceiveCredits::default());
-        self.polled.add(Polled {
-            qp: qp.clone(),
-            role: Role::Receiver(credits.clone()),
-        });
+        let (qp, (ours, credits)) = self.window.admit(|remote_write| {
+            let qp = VerbsQp::new(&self.pd, 1, s.recv_depth, 1).map_err(|e| e.to_string())?;
+            qp.modify(&to_init(self.port.port, remote_write), "RESET->INIT")
+                .map_err(|e| e.to_string())?;
+            qp.post_recvs(s.recv_depth as usize)
+                .map_err(|e| e.to_string())?;
+            let ours = QpEndpoint {
+                qp_num: qp.qp_num(),
+                psn: random_psn(),
+                lid: self.port.lid,
+                gid: self.port.gid,
+                mtu: self.port.active_mtu,
+                recv_depth: s.recv_depth,
+                max_msg_size: self.port.max_msg_size,
+                gid_type: self.port.gid_type,
+            };
+            let rtr = to_rtr(&ours, &writer, self.port.addressing, self.port.port, s)?;
+            qp.modify(&rtr, "INIT->RTR").map_err(|e| e.to_string())?;
+            qp.modify(&to_rts(ours.psn, s), "RTR->RTS")
+                .map_err(|e| e.to_string())?;
+            tracing::debug!(
+                lane,
+                writer_qp = writer.qp_num,
+                qp = ours.qp_num,
+                ?remote_write,
+                "accepted a lane"
+            );
+            let credits = Arc::new(ReceiveCredits::default());
+            self.polled.add(Polled {
+                qp: qp.clone(),
+                role: Role::Receiver(credits.clone()),
+            });
+            Ok::<_, String>((qp, (ours, credits)))
+        })?;
         Ok((
             ours,
             ReceiverGuard {
                 qp,
                 credits,
                 polled: self.polled.clone(),
+                window: self.window.clone(),
             },
         ))
     }

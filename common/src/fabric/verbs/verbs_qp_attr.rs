@@ -11,6 +11,16 @@
 //! | RESET → INIT | STATE, PKEY_INDEX, PORT, ACCESS_FLAGS |
 //! | INIT → RTR | STATE, AV, PATH_MTU, DEST_QPN, RQ_PSN, MAX_DEST_RD_ATOMIC, MIN_RNR_TIMER |
 //! | RTR → RTS | STATE, SQ_PSN, TIMEOUT, RETRY_CNT, RNR_RETRY, MAX_QP_RD_ATOMIC |
+//! | RTS → RTS | (none; ACCESS_FLAGS is optional) |
+//!
+//! The RTS → RTS modify ([`set_remote_write`]) is how a receiver opens and closes its write
+//! window in the NIC (`verbs_window`): it carries `IBV_QP_ACCESS_FLAGS` alone, so nothing else
+//! of the connected queue pair changes. The kernel's table of valid transitions lists
+//! `IB_QP_ACCESS_FLAGS` among the optional attributes of RTS → RTS for RC (Linux
+//! `drivers/infiniband/core/verbs.c`, `qp_state_table[IB_QPS_RTS][IB_QPS_RTS].opt_param
+//! [IB_QPT_RC]`, which `ib_modify_qp_is_ok` checks every user modify against; the IBA spec's
+//! "QP state transition properties" table has the same optional set), and without
+//! `IBV_QP_STATE` in the mask the driver keeps the current state.
 
 use ffi::ibv_qp_attr_mask as mask;
 use ibverbs_sys as ffi;
@@ -37,19 +47,36 @@ impl std::fmt::Debug for QpTransition {
     }
 }
 
-/// Access our queue pairs grant to incoming requests: peers may RDMA WRITE (with immediate) into
-/// memory registered for remote write. No remote read or atomics: weightsync only pushes.
-pub fn qp_access_flags() -> ffi::ibv_access_flags {
-    ffi::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE | ffi::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE
+/// Whether a queue pair lets its peer RDMA WRITE through it (the queue pair's own access flags,
+/// checked by the NIC before the memory region's).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RemoteWrite {
+    /// Peers may write (with immediate) into memory registered for remote write.
+    On,
+    /// Every incoming write is refused by the NIC (NAK), whatever rkey it names.
+    Off,
 }
 
-/// RESET → INIT on `port`.
-pub fn to_init(port: u8) -> QpTransition {
+/// Access our queue pairs grant to incoming requests: with [`RemoteWrite::On`] peers may RDMA
+/// WRITE (with immediate) into memory registered for remote write. Never remote read or atomics:
+/// weightsync only pushes.
+pub fn qp_access_flags(remote_write: RemoteWrite) -> ffi::ibv_access_flags {
+    match remote_write {
+        RemoteWrite::On => {
+            ffi::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE
+                | ffi::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE
+        }
+        RemoteWrite::Off => ffi::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE,
+    }
+}
+
+/// RESET → INIT on `port`, granting `remote_write` to the peer.
+pub fn to_init(port: u8, remote_write: RemoteWrite) -> QpTransition {
     let attr = ffi::ibv_qp_attr {
         qp_state: ffi::ibv_qp_state::IBV_QPS_INIT,
         pkey_index: 0,
         port_num: port,
-        qp_access_flags: qp_access_flags().0,
+        qp_access_flags: qp_access_flags(remote_write).0,
         ..Default::default()
     };
     QpTransition {
@@ -149,6 +176,21 @@ pub fn to_rts(local_psn: u32, settings: &VerbsSettings) -> QpTransition {
     }
 }
 
+/// RTS → RTS changing only what the peer may do through the queue pair: `IBV_QP_ACCESS_FLAGS`
+/// alone in the mask (no state, so the queue pair stays in RTS, its path, PSNs and timers as
+/// they are). How a receiver opens ([`RemoteWrite::On`]) and closes ([`RemoteWrite::Off`]) its
+/// write window; one firmware command per queue pair.
+pub fn set_remote_write(remote_write: RemoteWrite) -> QpTransition {
+    let attr = ffi::ibv_qp_attr {
+        qp_access_flags: qp_access_flags(remote_write).0,
+        ..Default::default()
+    };
+    QpTransition {
+        attr,
+        mask: mask::IBV_QP_ACCESS_FLAGS,
+    }
+}
+
 /// Any state → ERR: flushes every outstanding WR with `IBV_WC_WR_FLUSH_ERR` (a queue-pair
 /// reset as a pulled cable or a NIC error would cause; used by fault tests).
 pub fn to_error() -> QpTransition {
@@ -200,7 +242,7 @@ mod tests {
 
     #[test]
     fn init_sets_exactly_the_required_attributes() {
-        let t = to_init(2);
+        let t = to_init(2, RemoteWrite::On);
         assert_eq!(
             t.mask.0,
             bits(&[
@@ -221,6 +263,52 @@ mod tests {
             (access & ffi::ibv_access_flags::IBV_ACCESS_REMOTE_READ).0,
             0
         );
+    }
+
+    /// A queue pair brought up while the receiver's window is closed grants no remote write
+    /// from its first packet on; local write stays (receives need it).
+    #[test]
+    fn init_without_remote_write_grants_only_local_write() {
+        let t = to_init(1, RemoteWrite::Off);
+        assert_eq!(t.mask.0, to_init(1, RemoteWrite::On).mask.0);
+        let access = ffi::ibv_access_flags(t.attr.qp_access_flags);
+        assert_eq!(
+            access.0,
+            ffi::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0,
+            "no remote write, read or atomics"
+        );
+    }
+
+    /// The window toggle is an RTS -> RTS modify of the access flags alone: no state in the
+    /// mask (the queue pair stays in RTS), and nothing of its path, PSNs or timers.
+    #[test]
+    fn toggling_remote_write_modifies_only_the_access_flags() {
+        for (toggle, remote) in [(RemoteWrite::On, true), (RemoteWrite::Off, false)] {
+            let t = set_remote_write(toggle);
+            assert_eq!(t.mask.0, mask::IBV_QP_ACCESS_FLAGS.0, "{toggle:?}");
+            let access = ffi::ibv_access_flags(t.attr.qp_access_flags);
+            let write = (access & ffi::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE).0 != 0;
+            assert_eq!(write, remote, "{toggle:?}");
+            assert_ne!(
+                (access & ffi::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE).0,
+                0,
+                "local write stays"
+            );
+            assert_eq!(
+                (access
+                    & (ffi::ibv_access_flags::IBV_ACCESS_REMOTE_READ
+                        | ffi::ibv_access_flags::IBV_ACCESS_REMOTE_ATOMIC))
+                    .0,
+                0
+            );
+            // Arming restores exactly what a queue pair connected while armed has.
+            if toggle == RemoteWrite::On {
+                assert_eq!(
+                    t.attr.qp_access_flags,
+                    to_init(1, RemoteWrite::On).attr.qp_access_flags
+                );
+            }
+        }
     }
 
     #[test]

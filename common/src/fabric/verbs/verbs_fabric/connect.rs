@@ -49,7 +49,7 @@ impl Inner {
     async fn connect_lane(&self, peer: &Endpoint, index: usize) -> Result<(Arc<Lane>, u64)> {
         let s = &self.settings;
         let qp = VerbsQp::new(&self.pd, s.send_depth, 1, self.port.limits.send_sge())?;
-        qp.modify(&to_init(self.port.port), "RESET->INIT")?;
+        qp.modify(&to_init(self.port.port, RemoteWrite::On), "RESET->INIT")?;
         let ours = QpEndpoint {
             qp_num: qp.qp_num(),
             psn: random_psn(),

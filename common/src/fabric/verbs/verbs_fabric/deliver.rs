@@ -133,6 +133,10 @@ impl Inner {
         };
         let kind = match tokio::time::timeout(self.config.connect_timeout(), ask).await {
             Ok(Some(Reply::Diagnosis { kind: Some(k) })) => k.into(),
+            // Nothing wrong with the rkey, the range or the region's permission: the NIC
+            // refused the write because the queue pair had no remote write, i.e. the peer's
+            // write window was closed (`verbs_window`).
+            Ok(Some(Reply::Diagnosis { kind: None })) => RemoteAccessKind::OutsideWindow,
             _ => kind,
         };
         FabricError::RemoteAccess {
