@@ -68,7 +68,7 @@ rnr_counters() {
 }
 
 # ---- 3. The conformance suite and the at-most-once check (checks 4 and 8 of the review) -------
-note "conformance suite, at most once under random cuts (1, 2, 4 lanes x 20 bursts)"
+note "conformance suite, at most once under random cuts (1, 2, 4 lanes x 20 bursts), write window (issue 39)"
 run --skip registration_above_the_memlock_limit_when_exempt \
     --skip small_receive_queue_and_a_stalled_receiver_meet_no_rnr || fail "conformance suite"
 

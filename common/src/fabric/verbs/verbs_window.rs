@@ -56,13 +56,15 @@
 //! One firmware command (`ibv_modify_qp`) per inbound queue pair per arm and per close: a
 //! receiver has `lanes_per_peer` queue pairs per writer that writes to it in the plan (a
 //! rollout fed by 8 trainer ranks over 4 lanes: 32 queue pairs, 64 commands per sync). A
-//! ConnectX modify takes some tens of microseconds of firmware time; the queue pairs are
-//! modified from up to [`MAX_PARALLEL_MODIFIES`] threads at once (the firmware takes several
-//! commands in flight), so 32 cost about the time of 4 in a row: well under a millisecond per
-//! arm on the sync's critical path, and the close runs while the landing report travels to the
-//! controller. A window changed between two armed syncs (Armed → Armed) modifies nothing.
-//! None of this has run on an RDMA device here: the figures are the expected order, not
-//! measured.
+//! modify is a system call into the driver and a command to the NIC's firmware: tens to a few
+//! hundred microseconds each (an estimate, not measured here). The queue pairs are modified
+//! from up to [`MAX_PARALLEL_MODIFIES`] threads at once (drivers keep several firmware
+//! commands in flight), so 32 cost about as much as 4 in a row, roughly 0.1-1 ms per arm on the
+//! sync's critical path (before `Prepared`); the close runs on the blocking pool while the
+//! landing report travels to the controller, off the critical path unless `Verify` arrives
+//! first. A window changed between two armed syncs (Armed → Armed) modifies nothing. None of
+//! this has run on an RDMA device here: `tracing` logs each change's queue pairs and duration
+//! at debug level, which is where a device run reads the real figure.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
