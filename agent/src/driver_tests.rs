@@ -137,3 +137,72 @@ async fn a_rollout_lays_out_what_the_table_does_and_takes_only_its_expectations(
     d.assign(assign(planned)).await.unwrap();
     assert_eq!(d.worker().plan(), planned);
 }
+
+/// Issue 39: a rollout's regions take writes only between its `Prepare` and its landing, and
+/// the close that follows a landing never lands after the next sync's arm (the next `Prepare`
+/// may come at once; with verbs the close runs on the blocking pool, see `rollout.rs`).
+#[tokio::test]
+async fn a_rollout_takes_writes_only_between_its_prepare_and_its_landing() {
+    use std::time::Instant;
+    use weightsync_common::fabric::{Access, Fabric, FabricBackend, RemoteAccessKind, WriteOp};
+
+    use crate::driver::{Outcome, SyncRef};
+
+    let dir = tempfile::tempdir().unwrap();
+    let (world, job) = job(dir.path());
+    let mut d = RolloutDriver::new(RolloutDriverConfig {
+        world,
+        rank: 2,
+        fabric: FabricConfig::loopback("driver-tests", 1),
+        land_timeout: Duration::from_millis(200),
+    })
+    .await
+    .unwrap();
+    let planned = job.table.rollout(2).unwrap();
+    d.assign(Assignment::Rollout {
+        plan_id: 1,
+        expected: blob(&planned),
+        expected_writes: 0,
+        expected_bytes: 0,
+        delta: false,
+    })
+    .await
+    .unwrap();
+    let writer = Fabric::start(&FabricConfig::loopback("driver-tests", 1))
+        .await
+        .unwrap();
+    let dst = d.worker().descriptors()[0].clone();
+    let len = dst.len.min(4096);
+    let src = writer.alloc(len as usize, Access::SOURCE).unwrap();
+    let write = || writer.write(WriteOp::new(&src, 0, &dst, 0, len));
+    let refused = |r: weightsync_common::fabric::Result<()>, when: &str| match r {
+        Err(e) => assert_eq!(
+            e.remote_access_kind(),
+            Some(RemoteAccessKind::OutsideWindow),
+            "{when}: {e}"
+        ),
+        Ok(()) => panic!("{when}: a write landed outside the window"),
+    };
+    let sync = |id: u64| SyncRef {
+        sync_id: id,
+        version: id,
+        run: 1,
+        reference: Instant::now(),
+        reference_unix_ns: 0,
+    };
+
+    refused(write().await, "before any Prepare");
+    d.prepare(sync(1)).await.unwrap();
+    writer.set_send_epoch(1);
+    write().await.expect("inside the armed window");
+    // Nobody writes the rest: the landing times out, and the window closes all the same.
+    assert!(d.run(sync(1)).await.is_err(), "the landing cannot complete");
+    // The next sync arms at once; the first one's close must not undo that.
+    d.prepare(sync(2)).await.unwrap();
+    writer.set_send_epoch(2);
+    write().await.expect("inside the second sync's window");
+    assert!(d.run(sync(2)).await.is_err());
+    // The close started by the landing is in force once the sync ends (and before `Verify`).
+    d.finish(sync(2), Outcome::Aborted).await;
+    refused(write().await, "after the sync ended");
+}
