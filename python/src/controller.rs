@@ -37,6 +37,7 @@ pub(crate) struct ControllerCore {
     trainers: u32,
     rollouts: u32,
     tls: bool,
+    delta: DeltaMode,
     running: Mutex<Option<Running>>,
 }
 
@@ -203,6 +204,7 @@ impl ControllerCore {
             trainers,
             rollouts,
             tls,
+            delta,
             running: Mutex::new(Some(Running { stop, thread })),
         })
     }
@@ -217,6 +219,12 @@ impl ControllerCore {
     #[getter]
     fn http_address(&self) -> String {
         self.http.to_string()
+    }
+
+    /// The job's delta mode: `auto`, `on` or `off`.
+    #[getter]
+    fn delta(&self) -> String {
+        self.delta.to_string()
     }
 
     /// Whether the control channel and the HTTP API are served over TLS.

@@ -89,6 +89,8 @@ class Controller:
     """The fabric's secret, for every worker (``fabric_token=`` of ``Trainer`` / ``Engine``)."""
     read_token: str | None
     """The read-only views' secret, or None when they are open."""
+    delta: str
+    """The delta mode it was started with: ``auto``, ``on`` or ``off``."""
 
     def __init__(
         self,
@@ -160,7 +162,7 @@ class Controller:
             tls_crl=tls_crl,
             delta=delta,
         )
-        self.delta = delta
+        self.delta = self._core.delta
         self.tls_ca = None if tls_ca is None else os.fspath(tls_ca)
 
     @property
@@ -248,5 +250,6 @@ class Controller:
         state = "running" if self.running else "closed"
         return (
             f"Controller(model={self.model!r}, train={self.train!r}, infer={self.infer!r}, "
-            f"dtype={self.dtype!r}, control={self.control_address!r}, http={self.http_url!r}, {state})"
+            f"dtype={self.dtype!r}, delta={self.delta!r}, control={self.control_address!r}, "
+            f"http={self.http_url!r}, {state})"
         )
