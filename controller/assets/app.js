@@ -132,6 +132,11 @@ function renderDetail(s) {
     ["verify", fmtMs(s.stages.verify_ms)], ["bytes", fmtBytes(s.bytes)],
     ["GB/s", fmtGbps(s.gbps)], ["verified", s.verified === null ? "–" : String(s.verified)],
   ];
+  if (s.delta_policy != null) facts.push(["delta policy", s.delta_policy]);
+  if (s.delta) {
+    facts.push(["delta wire / full", `${(s.delta.wire_fraction * 100).toFixed(1)}% ` +
+      `(${(s.delta.changed_fraction * 100).toFixed(2)}% changed)`]);
+  }
   if (s.waiting_for_drain_of != null) facts.push(["queued behind", `drain of sync ${s.waiting_for_drain_of}`]);
   if (s.drain_wait_ms != null) facts.push(["drain wait", fmtMs(s.drain_wait_ms)]);
   if (s.waiting_on.length) facts.push(["waiting on", s.waiting_on.join(", ")]);

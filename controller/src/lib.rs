@@ -51,6 +51,7 @@ pub mod service;
 pub mod state_file;
 pub mod sync_record;
 
+pub use coordinator::DeltaMode;
 pub use http::app;
 pub use schedules_planner::SchedulesPlanner;
 pub use secrets::ControllerSecrets;

@@ -27,6 +27,14 @@ pub struct OutcomeLabels {
     pub outcome: String,
 }
 
+/// Labels of the delta policy's decisions.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DecisionLabels {
+    /// `off`, `on`, `unavailable`, `measure`, `probe`, `delta_pays` or `full_pays` (see
+    /// `coordinator`'s `delta_policy`).
+    pub decision: String,
+}
+
 /// Labels of refused connections.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RefusedLabels {
@@ -62,6 +70,8 @@ struct DeltaSeries {
     changed_fraction: Gauge<f64, AtomicU64>,
     encode_seconds: Gauge<f64, AtomicU64>,
     apply_seconds: Gauge<f64, AtomicU64>,
+    /// Ended syncs by the delta policy's decision at their start.
+    decisions: Family<DecisionLabels, Counter>,
 }
 
 impl DeltaSeries {
@@ -96,6 +106,21 @@ impl DeltaSeries {
             "The slowest engine's apply, last delta sync",
             self.apply_seconds.clone(),
         );
+        registry.register(
+            "delta_decisions",
+            "Ended syncs by whether the delta policy offered deltas and why",
+            self.decisions.clone(),
+        );
+    }
+
+    fn record_decision(&self, s: &SyncRecord) {
+        if let Some((kind, _)) = &s.delta_policy {
+            self.decisions
+                .get_or_create(&DecisionLabels {
+                    decision: kind.label().into(),
+                })
+                .inc();
+        }
     }
 
     fn record(&self, s: &SyncRecord) {
@@ -188,6 +213,7 @@ impl Metrics {
                 .observe(ns as f64 / 1e9);
         }
         self.syncs.get_or_create(&outcome).inc();
+        self.delta.record_decision(s);
         if s.state == SyncState::Committed {
             self.delta.record(s);
             self.bytes.inc_by(s.bytes_written());

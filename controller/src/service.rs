@@ -20,7 +20,9 @@ use parking_lot::Mutex;
 use tokio::sync::{mpsc, watch};
 use weightsync_common::protocol::{DEFAULT_MAX_FRAME, ToWorker, WorldSpec};
 
-use crate::coordinator::{ConnId, Coordinator, CoordinatorConfig, Effects, Now, PlanRequest};
+use crate::coordinator::{
+    ConnId, Coordinator, CoordinatorConfig, DeltaMode, Effects, Now, PlanRequest,
+};
 use crate::metrics::Metrics;
 use crate::planning::{AssignmentError, Planner};
 use crate::secrets::ControllerSecrets;
@@ -49,8 +51,9 @@ pub struct ControllerConfig {
     /// Whether workers are told to exit when the controller shuts down (the demo does this).
     pub shutdown_workers: bool,
     /// Send engines deltas (only what changed since the version they hold) where they hold a
-    /// base; off (the default): every sync writes every byte. See `coordinator`'s `delta`.
-    pub delta_syncs: bool,
+    /// base: `auto` (the default: where measurements say they pay), `on`, or `off` (every sync
+    /// writes every byte). See `coordinator`'s `delta` and `delta_policy`.
+    pub delta: DeltaMode,
     /// The text of the model's `config.json` when the job's model names a file (read once at
     /// start): sent to every worker with the job, so an in-process worker need not read it.
     pub model_config: Option<String>,
@@ -116,7 +119,7 @@ impl ControllerConfig {
             tick: Duration::from_millis(100),
             handshake_timeout: Duration::from_secs(10),
             shutdown_workers: false,
-            delta_syncs: false,
+            delta: DeltaMode::Auto,
             model_config: None,
             state_file: None,
             tls: None,
@@ -224,7 +227,7 @@ impl AppState {
         state_file: Option<StateFile>,
     ) -> Self {
         let mut coord = coordinator(cfg.coordinator.clone());
-        coord.allow_delta_syncs(cfg.delta_syncs);
+        coord.set_delta_mode(cfg.delta);
         let (changed, _) = watch::channel(0);
         AppState(Arc::new(Shared {
             cfg,

@@ -9,6 +9,8 @@
 use serde::Serialize;
 use std::collections::{BTreeMap, BTreeSet};
 
+use crate::coordinator::delta_policy::DecisionKind;
+
 use weightsync_common::protocol::{
     DeltaBase, DeltaFigures, DeltaRecord, Failure, FailureKind, RunChecksum, Stage, TimeSplit,
     TimeSplitSeconds, TimelineEvent, WorkerId, WorkerReport,
@@ -161,6 +163,9 @@ pub struct SyncRecord {
     pub delta: DeltaFigures,
     /// The slowest engine's apply of its deltas, ns.
     pub delta_apply_ns: u64,
+    /// Whether the sync offered deltas, and why (decided at `Start`; see `coordinator`'s
+    /// `delta_policy`).
+    pub delta_policy: Option<(DecisionKind, String)>,
     /// Whether verification ran and passed (`None`: off or not yet).
     pub verified: Option<bool>,
     /// Why it failed.
@@ -439,6 +444,7 @@ impl SyncRecord {
             time_split: self.time_split(),
             gbps: self.gbps(),
             delta: self.delta_view(),
+            delta_policy: self.delta_policy.as_ref().map(|(_, why)| why.clone()),
             verified: self.verified,
             failure: self.failure.as_ref().map(|f| FailureView {
                 worker: f.worker.to_string(),
@@ -548,6 +554,10 @@ pub struct SyncView {
     pub gbps: Option<f64>,
     /// What the sync's deltas came to (`None`: a full sync, no engine was offered deltas).
     pub delta: Option<DeltaView>,
+    /// Whether it offered deltas and why, decided when trainers were told to start, e.g.
+    /// `off`, `on`, `auto: probe (full 480.0 ms)`, `auto: delta pays (120.0 ms vs full 480.0
+    /// ms)`, `auto: full pays (...)` (`None`: it never started).
+    pub delta_policy: Option<String>,
     /// Verification result.
     pub verified: Option<bool>,
     /// Cause of failure.

@@ -20,7 +20,9 @@ use tokio::sync::oneshot;
 use weightsync_common::DType;
 use weightsync_common::protocol::WorldSpec;
 use weightsync_common::tls::{TlsFiles, TlsServer};
-use weightsync_controller::{AppState, ControllerConfig, ControllerSecrets, SchedulesPlanner};
+use weightsync_controller::{
+    AppState, ControllerConfig, ControllerSecrets, DeltaMode, SchedulesPlanner,
+};
 
 use crate::errors::raise;
 
@@ -35,6 +37,7 @@ pub(crate) struct ControllerCore {
     trainers: u32,
     rollouts: u32,
     tls: bool,
+    delta: DeltaMode,
     running: Mutex<Option<Running>>,
 }
 
@@ -72,7 +75,7 @@ impl ControllerCore {
         model, train, infer, job_token, api_token, dtype = "bf16", http = "127.0.0.1:0",
         control = "127.0.0.1:0", verify = true, heartbeat_timeout = 5.0, sync_timeout = 300.0,
         history = 200, trainer_token = None, engine_token = None, read_token = None,
-        tls_cert = None, tls_key = None, tls_ca = None, tls_crl = None,
+        tls_cert = None, tls_key = None, tls_ca = None, tls_crl = None, delta = "auto",
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -96,6 +99,7 @@ impl ControllerCore {
         tls_key: Option<std::path::PathBuf>,
         tls_ca: Option<std::path::PathBuf>,
         tls_crl: Option<std::path::PathBuf>,
+        delta: &str,
     ) -> PyResult<Self> {
         let seconds = |name: &str, v: f64| {
             Duration::try_from_secs_f64(v)
@@ -107,6 +111,9 @@ impl ControllerCore {
                     ))
                 })
         };
+        let delta = delta
+            .parse::<DeltaMode>()
+            .map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))?;
         let heartbeat_timeout = seconds("heartbeat_timeout", heartbeat_timeout)?;
         let sync_timeout = seconds("sync_timeout", sync_timeout)?;
         if job_token.is_empty() || api_token.is_empty() {
@@ -149,6 +156,7 @@ impl ControllerCore {
             )
         })?;
         cfg.secrets = secrets;
+        cfg.delta = delta;
         // TLS on the control channel (workers' certificates checked against `tls_ca`, and
         // against `tls_crl` where given) and HTTP.
         cfg.tls = TlsFiles::from_parts_with_crl(tls_cert, tls_key, tls_ca, tls_crl)
@@ -196,6 +204,7 @@ impl ControllerCore {
             trainers,
             rollouts,
             tls,
+            delta,
             running: Mutex::new(Some(Running { stop, thread })),
         })
     }
@@ -210,6 +219,12 @@ impl ControllerCore {
     #[getter]
     fn http_address(&self) -> String {
         self.http.to_string()
+    }
+
+    /// The job's delta mode: `auto`, `on` or `off`.
+    #[getter]
+    fn delta(&self) -> String {
+        self.delta.to_string()
     }
 
     /// Whether the control channel and the HTTP API are served over TLS.

@@ -90,6 +90,12 @@ def test_a_bad_layout_names_it(config: str) -> None:
         weightsync.Controller(config, "fsdp=2", "tp=3")
 
 
+def test_a_bad_delta_mode_names_it(config: str) -> None:
+    with pytest.raises(ValueError, match="sometimes") as e:
+        weightsync.Controller(config, "fsdp=2", "tp=1,dp=2,format=hf", delta="sometimes")
+    assert "auto, on or off" in str(e.value), e.value
+
+
 def test_an_unknown_model_names_it() -> None:
     with pytest.raises(weightsync.ControllerError, match="no-such-model"):
         weightsync.Controller("no-such-model", "fsdp=2", "tp=1")

@@ -12,8 +12,10 @@ import sys
 import textwrap
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -133,6 +135,37 @@ def test_two_trainers_two_engines_numpy(tmp_path: Path, procs: Procs) -> None:
             assert mine == [("before", 1), ("after", 1), ("before", 2), ("after", 2), ("before", 3), ("after", 3)]
     finally:
         job.close()
+
+
+@pytest.mark.parametrize("delta", [None, "off"])
+def test_the_in_process_controller_syncs_under_its_default_delta_mode_and_off(
+        tmp_path: Path, delta: str | None) -> None:
+    """``weightsync.Controller`` by default (``auto``: the first sync full, the second a probe)
+    and with ``delta="off"`` (every sync full): byte-exact either way, each sync saying why."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(CONFIG))
+    kw = {} if delta is None else {"delta": delta}
+    with weightsync.Controller(str(cfg), "fsdp=2", "tp=1,dp=2,format=hf", **kw) as c:
+        assert c.delta == (delta or "auto")
+        job = Job(SimpleNamespace(control=c.control_address, job_token=c.job_token))  # type: ignore[arg-type]
+        try:
+            for v in (1, 2):
+                full = job.step(v)
+                job.push(v)
+                for e, dst in zip(job.engines, job.dst):
+                    assert e.wait_for_version(v, timeout=30).version == v
+                    for name, a in dst.items():
+                        assert np.array_equal(a, full[name]), f"{e.worker_id} v{v}: {name} differs"
+        finally:
+            job.close()
+        with urllib.request.urlopen(c.http_url + "/v1/syncs", timeout=10) as r:
+            syncs = {s["version"]: s for s in json.loads(r.read())["syncs"]}
+        why = [syncs[v]["delta_policy"] for v in (1, 2)]
+    if delta == "off":
+        assert why == ["off", "off"], why
+    else:
+        assert why[0] == "auto: full (nothing committed in this run yet)", why
+        assert why[1].startswith("auto: probe (full "), why
 
 
 def settled(e: weightsync.Engine, timeout: float = 10) -> weightsync.EngineState:

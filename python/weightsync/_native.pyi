@@ -120,7 +120,10 @@ class ControllerCore:
         tls_key: str | os.PathLike[str] | None = None,
         tls_ca: str | os.PathLike[str] | None = None,
         tls_crl: str | os.PathLike[str] | None = None,
+        delta: str = "auto",
     ) -> None: ...
+    @property
+    def delta(self) -> str: ...
     @property
     def control_address(self) -> str: ...
     @property

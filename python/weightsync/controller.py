@@ -65,8 +65,14 @@ class Controller:
             certificate it lists is refused in the handshake (every certificate of a worker's
             chain below the CA is checked, and one whose issuer has no CRL in the file is
             refused). Read once, at start.
+        delta: delta syncs (engines get only what changed since the version they hold):
+            ``"auto"`` (offered while a measured delta sync beats the last full one, probed
+            again every 16 full syncs), ``"on"`` (always, where an engine can take one) or
+            ``"off"`` (every sync full: trainers keep no bases, engines register no inbox).
+            See docs/delta.md for what each costs.
 
     Raises:
+        ValueError: ``delta`` is none of ``auto``, ``on``, ``off`` (the message names it).
         ControllerError: it cannot start: an address is taken or invalid (``address`` names
             it), the model is unknown, a layout is malformed or does not fit the model.
     """
@@ -83,6 +89,8 @@ class Controller:
     """The fabric's secret, for every worker (``fabric_token=`` of ``Trainer`` / ``Engine``)."""
     read_token: str | None
     """The read-only views' secret, or None when they are open."""
+    delta: str
+    """The delta mode it was started with: ``auto``, ``on`` or ``off``."""
 
     def __init__(
         self,
@@ -108,6 +116,7 @@ class Controller:
         tls_key: str | os.PathLike[str] | None = None,
         tls_ca: str | os.PathLike[str] | None = None,
         tls_crl: str | os.PathLike[str] | None = None,
+        delta: str = "auto",
     ) -> None:
         self.model = os.fspath(model)
         self.train = train
@@ -151,7 +160,9 @@ class Controller:
             tls_key=tls_key,
             tls_ca=tls_ca,
             tls_crl=tls_crl,
+            delta=delta,
         )
+        self.delta = self._core.delta
         self.tls_ca = None if tls_ca is None else os.fspath(tls_ca)
 
     @property
@@ -239,5 +250,6 @@ class Controller:
         state = "running" if self.running else "closed"
         return (
             f"Controller(model={self.model!r}, train={self.train!r}, infer={self.infer!r}, "
-            f"dtype={self.dtype!r}, control={self.control_address!r}, http={self.http_url!r}, {state})"
+            f"dtype={self.dtype!r}, delta={self.delta!r}, control={self.control_address!r}, "
+            f"http={self.http_url!r}, {state})"
         )

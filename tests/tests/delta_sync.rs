@@ -7,7 +7,9 @@
 //! first sync is full, later ones send deltas to both engines and move a small fraction of the
 //! full bytes (the sync's `delta` figures in the controller's JSON and `/metrics`); an engine
 //! that restarted gets a full sync while the other gets deltas, then deltas again; a failed sync
-//! makes the next one full for its engines; a job that did not opt in (`--delta`) syncs in full.
+//! makes the next one full for its engines; a job that turned deltas off (`--delta=off`) syncs
+//! in full; a job that left the default (`auto`) probes a delta after its first full sync and
+//! keeps whichever kind measured faster, saying why in each sync's `delta_policy`.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -20,7 +22,7 @@ use weightsync_agent::embed::{
 };
 use weightsync_common::DType;
 use weightsync_common::protocol::WorldSpec;
-use weightsync_controller::{AppState, ControllerConfig, SchedulesPlanner};
+use weightsync_controller::{AppState, ControllerConfig, DeltaMode, SchedulesPlanner};
 use weightsync_tests::controller_harness::{API_TOKEN, JOB_TOKEN, ServedController};
 use weightsync_tests::http_raw;
 
@@ -191,9 +193,10 @@ impl Engine {
     }
 }
 
+/// A controller of the job; `delta`: its delta mode (`None`: the default).
 fn controller(
     dir: &tempfile::TempDir,
-    delta_syncs: bool,
+    delta: Option<DeltaMode>,
 ) -> (tokio::runtime::Runtime, ServedController) {
     let path = dir.path().join("config.json");
     std::fs::write(&path, CONFIG).unwrap();
@@ -213,7 +216,9 @@ fn controller(
         64,
     )
     .unwrap();
-    cfg.delta_syncs = delta_syncs;
+    if let Some(mode) = delta {
+        cfg.delta = mode;
+    }
     let rt = tokio::runtime::Runtime::new().unwrap();
     let ctl = rt.block_on(ServedController::start(AppState::new(
         cfg,
@@ -243,8 +248,8 @@ fn get(ctl: &ServedController, path: &str) -> http_raw::RawResponse {
     r
 }
 
-/// The `delta` figures of the last sync of `version` (`Null`: a full sync).
-fn delta_of(ctl: &ServedController, version: u64) -> Value {
+/// The JSON of the last sync of `version`.
+fn sync_of(ctl: &ServedController, version: u64) -> Value {
     let list: Value = get(ctl, "/v1/syncs").json().unwrap();
     list["syncs"]
         .as_array()
@@ -252,8 +257,13 @@ fn delta_of(ctl: &ServedController, version: u64) -> Value {
         .iter()
         .rev()
         .find(|s| s["version"] == version)
-        .map(|s| s["delta"].clone())
+        .cloned()
         .unwrap_or_else(|| panic!("no sync of version {version}: {list}"))
+}
+
+/// The `delta` figures of the last sync of `version` (`Null`: a full sync).
+fn delta_of(ctl: &ServedController, version: u64) -> Value {
+    sync_of(ctl, version)["delta"].clone()
 }
 
 /// A delta sync to `engines` of the 2 engines: those move under a fifth of their full bytes,
@@ -271,7 +281,7 @@ fn assert_delta(d: &Value, engines: u64) {
 #[test]
 fn deltas_land_byte_exact_and_restarts_and_failures_get_a_full_sync_first() {
     let dir = tempfile::tempdir().unwrap();
-    let (_rt, ctl) = controller(&dir, true);
+    let (_rt, ctl) = controller(&dir, Some(DeltaMode::On));
     let control = ctl.control.to_string();
     let refuse = Arc::new(AtomicBool::new(false));
     let e0 = Engine::join(&control, 0, None);
@@ -324,9 +334,9 @@ fn deltas_land_byte_exact_and_restarts_and_failures_get_a_full_sync_first() {
 }
 
 #[test]
-fn syncs_are_full_unless_the_job_opts_in() {
+fn syncs_are_full_when_the_job_turns_deltas_off() {
     let dir = tempfile::tempdir().unwrap();
-    let (_rt, ctl) = controller(&dir, false);
+    let (_rt, ctl) = controller(&dir, Some(DeltaMode::Off));
     let control = ctl.control.to_string();
     let engines: Vec<Engine> = (0..2).map(|r| Engine::join(&control, r, None)).collect();
     let trainers: Vec<Trainer> = (0..2).map(|r| Trainer::join(&control, r)).collect();
@@ -336,5 +346,74 @@ fn syncs_are_full_unless_the_job_opts_in() {
             e.check(v);
         }
         assert!(delta_of(&ctl, v).is_null());
+        assert_eq!(sync_of(&ctl, v)["delta_policy"], "off");
+    }
+}
+
+/// A sync's `Start` to commit, ms, as its JSON shows it (what the auto policy compares), to the
+/// reasons' precision.
+fn start_to_commit(s: &Value) -> String {
+    let total = s["stages"]["total_ms"].as_f64().unwrap();
+    let prepare = s["stages"]["prepare_ms"].as_f64().unwrap();
+    format!("{:.1} ms", total - prepare)
+}
+
+#[test]
+fn a_default_controller_probes_deltas_and_keeps_the_kind_that_measured_faster() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_rt, ctl) = controller(&dir, None);
+    let control = ctl.control.to_string();
+    let engines: Vec<Engine> = (0..2).map(|r| Engine::join(&control, r, None)).collect();
+    let trainers: Vec<Trainer> = (0..2).map(|r| Trainer::join(&control, r)).collect();
+    for v in 1..=3 {
+        push(&trainers, v).unwrap();
+        for e in &engines {
+            e.check(v);
+        }
+    }
+    let s: Vec<Value> = (1..=3).map(|v| sync_of(&ctl, v)).collect();
+    // Nothing to take deltas on: full, and measured.
+    assert_eq!(
+        s[0]["delta_policy"],
+        "auto: full (nothing committed in this run yet)"
+    );
+    assert!(s[0]["delta"].is_null());
+    // Both engines hold version 1: a probe, sent as deltas.
+    let full_1 = start_to_commit(&s[0]);
+    assert_eq!(s[1]["delta_policy"], format!("auto: probe (full {full_1})"));
+    assert_delta(&s[1]["delta"], 2);
+    // From then on, whichever kind was faster, with the measurements it compared.
+    let mut last_full = full_1;
+    let mut last_delta = start_to_commit(&s[1]);
+    for (i, sync) in s.iter().enumerate().skip(2) {
+        let why = sync["delta_policy"].as_str().unwrap();
+        if sync["delta"].is_null() {
+            assert!(
+                why.starts_with(&format!(
+                    "auto: full pays (delta {last_delta} vs full {last_full}; probe again in"
+                )),
+                "version {}: {why}",
+                i + 1
+            );
+            last_full = start_to_commit(sync);
+        } else {
+            assert_eq!(
+                why,
+                format!("auto: delta pays ({last_delta} vs full {last_full})"),
+                "version {}",
+                i + 1
+            );
+            assert_delta(&sync["delta"], 2);
+            last_delta = start_to_commit(sync);
+        }
+    }
+    let metrics = get(&ctl, "/metrics").text();
+    for decision in ["unavailable", "probe"] {
+        assert!(
+            metrics.contains(&format!(
+                "weightsync_delta_decisions_total{{decision=\"{decision}\"}} 1"
+            )),
+            "{metrics}"
+        );
     }
 }

@@ -17,7 +17,25 @@ use serde::Deserialize;
 use weightsync_common::DType;
 use weightsync_common::protocol::WorldSpec;
 
-use weightsync_controller::{AppState, ControllerConfig, ControllerSecrets, SchedulesPlanner};
+use weightsync_controller::{
+    AppState, ControllerConfig, ControllerSecrets, DeltaMode, SchedulesPlanner,
+};
+
+/// `delta` in the TOML file: `"auto"`, `"on"`, `"off"`, or `true` / `false` (what it took
+/// before it had modes).
+fn delta_mode<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<DeltaMode>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Given {
+        Flag(bool),
+        Mode(String),
+    }
+    Ok(Some(match Given::deserialize(d)? {
+        Given::Flag(true) => DeltaMode::On,
+        Given::Flag(false) => DeltaMode::Off,
+        Given::Mode(m) => m.parse().map_err(serde::de::Error::custom)?,
+    }))
+}
 
 /// Arguments of `weightsync controller` (the TOML file takes the same keys).
 #[derive(Debug, Clone, Default, Deserialize, clap::Args)]
@@ -53,12 +71,23 @@ pub struct Settings {
     /// Syncs kept in history [default: 200].
     #[arg(long)]
     pub history: Option<usize>,
-    /// Send engines deltas: only what changed since the version they hold (trainers keep the
-    /// bytes they last wrote, rollouts register an inbox; needs verification on). Pays where
-    /// few elements change per step [default: false].
-    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
-    pub delta: Option<bool>,
-    /// Force full syncs, whatever `delta` says (e.g. over a config file) [default: false].
+    /// Delta syncs: send engines only what changed since the version they hold. `auto` offers
+    /// deltas while a measured delta sync beats the last full one (probing again every 16 full
+    /// syncs), `on` always, `off` never; `--delta` alone means `on`. Under auto and on, trainers
+    /// keep the bytes they last wrote (host memory: their share of the inference weights) and
+    /// engines register an inbox (a quarter of their weights' bytes); needs verification on
+    /// (see docs/delta.md) [default: auto].
+    #[arg(
+        long,
+        env = "WEIGHTSYNC_DELTA",
+        num_args = 0..=1,
+        default_missing_value = "on",
+        value_name = "auto|on|off"
+    )]
+    #[serde(default, deserialize_with = "delta_mode")]
+    pub delta: Option<DeltaMode>,
+    /// Force full syncs, whatever `delta` says (e.g. over a config file): like `--delta=off`
+    /// [default: false].
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub full_syncs: Option<bool>,
     /// File that keeps what must survive the controller's own crash (the run, the last
@@ -142,7 +171,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         s.history.or(file.history).unwrap_or(200),
     )?;
     let full_syncs = s.full_syncs.or(file.full_syncs).unwrap_or(false);
-    cfg.delta_syncs = !full_syncs && s.delta.or(file.delta).unwrap_or(false);
+    cfg.delta = if full_syncs {
+        DeltaMode::Off
+    } else {
+        s.delta.or(file.delta).unwrap_or_default()
+    };
+    tracing::info!("delta syncs: {}", cfg.delta);
     cfg.state_file = s.state_file.or(file.state_file);
     let tls = weightsync_common::tls::TlsFiles::from_parts_with_crl(
         s.tls_cert.or(file.tls_cert),

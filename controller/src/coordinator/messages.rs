@@ -114,9 +114,11 @@ impl Coordinator {
             .copied()
             .filter(|w| w.role == WorkerRole::Trainer)
             .collect();
-        let delta = self.delta_base(run, &members);
+        let (delta, decision) = self.delta_offer(run, &members);
+        tracing::info!(sync_id = sid, version, "delta policy: {}", decision.reason);
         if let Some(s) = self.syncs.get_mut(&sync_id) {
             s.delta_base = delta.clone();
+            s.delta_policy = Some((decision.kind, decision.reason));
         }
         self.send_to(&mut fx, trainers, |_| ToWorker::Start {
             sync_id: sid,

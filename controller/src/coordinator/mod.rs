@@ -49,6 +49,8 @@
 //!   lane of a sync, also after the sync ended.
 //! - [`version`]: triggers, commit and failure of a sync.
 //! - [`delta`]: which engines take deltas (the version each holds, as this controller knows).
+//! - [`delta_policy`]: whether a sync offers deltas (`auto`, `on`, `off`; under `auto`, from
+//!   what syncs measured).
 //! - `push`: versions pushed by in-process trainers (`Push N`), started once every trainer did;
 //!   runs (a job restarted from a checkpoint declares a new one).
 //! - [`durable`]: what survives a controller restart (run, last committed version, the next
@@ -71,6 +73,7 @@
 //! - a superseded or failed sync never commits; at most one sync is active.
 
 mod delta;
+pub mod delta_policy;
 mod drain;
 pub mod durable;
 mod engine_stages;
@@ -97,6 +100,9 @@ mod model_tests;
 #[cfg(test)]
 mod push_tests;
 
+#[cfg(test)]
+mod delta_policy_tests;
+
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -104,6 +110,7 @@ use weightsync_common::protocol::{Registration, ToWorker, WorkerId, WorkerRole, 
 
 use crate::sync_record::SyncRecord;
 
+pub use delta_policy::{BadDeltaMode, DeltaMode, REPROBE_EVERY};
 pub use engine_stages::EngineStagesRefused;
 pub use membership::Refused;
 pub use plan_round::{PlanRecord, PlanRequest};
@@ -244,8 +251,8 @@ pub struct Coordinator {
     by_conn: HashMap<ConnId, WorkerId>,
     /// Per engine, the `(run, version)` committed on it that it still holds (see [`delta`]).
     engine_bases: BTreeMap<WorkerId, (u64, u64)>,
-    /// The job sends deltas (see [`Coordinator::allow_delta_syncs`]); off by default.
-    delta_syncs: bool,
+    /// Whether syncs offer deltas (see [`Coordinator::set_delta_mode`]); `auto` by default.
+    delta_policy: delta_policy::DeltaPolicy,
 }
 
 impl Coordinator {
@@ -278,7 +285,7 @@ impl Coordinator {
             pushed: BTreeMap::new(),
             by_conn: HashMap::new(),
             engine_bases: BTreeMap::new(),
-            delta_syncs: false,
+            delta_policy: delta_policy::DeltaPolicy::default(),
         }
     }
 

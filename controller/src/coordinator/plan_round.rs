@@ -135,7 +135,7 @@ impl Coordinator {
         let mut assignments = out.assignments;
         for (w, m) in &self.members {
             if let Some(mut a) = assignments.remove(w) {
-                a.set_delta(self.delta_syncs && self.cfg.world.verify);
+                a.set_delta(self.prepares_deltas());
                 fx.send.push((m.conn, ToWorker::Assign(a)));
             }
         }

@@ -9,7 +9,7 @@ use super::*;
 use crate::planning::{NullPlanner, Planner};
 use crate::sync_record::SyncState;
 
-fn world(verify: bool) -> WorldSpec {
+pub(super) fn world(verify: bool) -> WorldSpec {
     WorldSpec {
         model: "m".into(),
         train: "fsdp=1".into(),
@@ -19,7 +19,7 @@ fn world(verify: bool) -> WorldSpec {
     }
 }
 
-fn config(trainers: u32, grace_ms: u64) -> CoordinatorConfig {
+pub(super) fn config(trainers: u32, grace_ms: u64) -> CoordinatorConfig {
     CoordinatorConfig {
         world: world(false),
         trainers,
@@ -76,7 +76,7 @@ pub(super) fn plan_round(c: &mut Coordinator, fx: Effects, now: Now) -> Effects 
     last
 }
 
-fn ready(plan_id: u64, regions: Vec<Blob>) -> FromWorker {
+pub(super) fn ready(plan_id: u64, regions: Vec<Blob>) -> FromWorker {
     FromWorker::Ready {
         plan_id,
         regions,

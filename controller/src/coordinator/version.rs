@@ -150,6 +150,7 @@ impl Coordinator {
             sent_deltas: Vec::new(),
             delta: Default::default(),
             delta_apply_ns: 0,
+            delta_policy: None,
             verified: None,
             failure: None,
             reported: None,
@@ -219,6 +220,8 @@ impl Coordinator {
         // What only verification needed, and the spans of old syncs, need not stay.
         s.sent_checksums = Vec::new();
         let (version, run, members) = (s.version, s.run, s.members.clone());
+        let sample = Coordinator::delta_sample(s);
+        self.delta_measured(sample);
         let committed = (run, version);
         self.latest_committed = Some(
             self.latest_committed
