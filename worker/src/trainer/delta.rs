@@ -47,7 +47,7 @@ use weightsync_schedules::table::{TrainerPlan, WriteTarget};
 
 use super::WriteDst;
 use super::piece::TaskPiece;
-use crate::delta::codec::{Encoded, encode, sample_changes};
+use crate::delta::codec::{Encoded, encode_hashed, refresh_hashed, sample_changes};
 use crate::delta::{InboxMap, element_size};
 
 /// How a trainer does delta syncs.
@@ -311,6 +311,9 @@ pub(crate) enum PartMode {
 pub(crate) struct PieceDelta {
     /// Per part of the piece, in order.
     pub modes: Vec<PartMode>,
+    /// Per part of the piece, in order: the xxh3 of its prepared bytes, for every part written
+    /// to a rollout (taken in the pass that compared them or copied them into the base).
+    pub hashes: Vec<Option<u64>>,
     pub records: Vec<DeltaRecord>,
     pub figures: DeltaFigures,
 }
@@ -337,6 +340,7 @@ pub(crate) fn encode_piece(
 ) -> PieceDelta {
     let mut out = PieceDelta {
         modes: vec![PartMode::Dense; piece.parts.len()],
+        hashes: vec![None; piece.parts.len()],
         ..PieceDelta::default()
     };
     let Some(Some(base)) = ctx.bases.tasks.get(piece.task as usize) else {
@@ -352,6 +356,8 @@ pub(crate) fn encode_piece(
     // Per distinct run of the task's output whose base is up to date: where its encoding is
     // (`None`: it goes dense).
     let mut encoded: Vec<(Run, Option<(u64, Encoded)>)> = Vec::new();
+    // Per distinct run compared or copied into the base: the hash of its prepared bytes.
+    let mut hashed: Vec<(Run, u64)> = Vec::new();
     let mut cursor = 0usize;
     for (i, part) in piece.parts.iter().enumerate() {
         let w = ctx.plan.writes[part.write as usize];
@@ -393,6 +399,7 @@ pub(crate) fn encode_piece(
                 );
                 scanned += got.scanned;
                 changed += got.changed;
+                hashed.push((run, got.hash));
                 let entry = got.encoded.map(|enc| {
                     let at = cursor;
                     cursor += enc.len.next_multiple_of(8);
@@ -437,17 +444,26 @@ pub(crate) fn encode_piece(
             Ordering::Relaxed,
         );
     }
-    // The base takes what this sync wrote (the runs compared above are up to date already).
-    for part in &piece.parts {
+    // The base takes what this sync wrote (the runs compared above are up to date already),
+    // hashed in the same pass.
+    for (i, part) in piece.parts.iter().enumerate() {
         let w = ctx.plan.writes[part.write as usize];
         if matches!(w.dst, WriteTarget::Rollout(_)) {
             let po = w.src_offset + (part.dst_offset - w.dst_offset);
-            if encoded.iter().any(|e| e.0 == (po, part.len)) {
-                continue;
-            }
-            let (po, from) = (po as usize, part.staging_offset as usize);
-            base[po..po + part.len as usize]
-                .copy_from_slice(&prepared[from..from + part.len as usize]);
+            let run = (po, part.len);
+            let hash = match hashed.iter().find(|h| h.0 == run) {
+                Some(&(_, h)) => h,
+                None => {
+                    let (po, from) = (po as usize, part.staging_offset as usize);
+                    let h = refresh_hashed(
+                        &mut base[po..po + part.len as usize],
+                        &prepared[from..from + part.len as usize],
+                    );
+                    hashed.push((run, h));
+                    h
+                }
+            };
+            out.hashes[i] = Some(hash);
         }
     }
     out.figures.codec_ns += start.elapsed().as_nanos() as u64;
@@ -460,6 +476,8 @@ type Run = (u64, u64);
 /// What encoding one run came to.
 struct RunEncoding {
     encoded: Option<Encoded>,
+    /// The xxh3 of the run's new bytes.
+    hash: u64,
     /// Elements compared, and of those changed (all of them, a prefix, or a sample).
     scanned: u64,
     changed: u64,
@@ -485,21 +503,24 @@ fn encode_run(
     let bitmap = elems / 8.0 + changes * elem as f64;
     if gaps.min(bitmap) > out.len() as f64 {
         let (scanned, changed) = sample_changes(base, new, elem, SAMPLE_STRIDE);
-        base.copy_from_slice(new);
+        let hash = refresh_hashed(base, new);
         return RunEncoding {
             encoded: None,
+            hash,
             scanned,
             changed,
         };
     }
-    match encode(base, new, elem, out) {
-        Ok(enc) => RunEncoding {
+    match encode_hashed(base, new, elem, out) {
+        (Ok(enc), hash) => RunEncoding {
             encoded: Some(enc),
+            hash,
             scanned: elems as u64,
             changed: enc.changed,
         },
-        Err(over) => RunEncoding {
+        (Err(over), hash) => RunEncoding {
             encoded: None,
+            hash,
             scanned: over.scanned,
             changed: over.changed,
         },

@@ -581,10 +581,10 @@ async fn piece_prepare<F: FabricBackend>(
                 }
                 None => prepare_piece(&st.plan, shape, piece, buf, st.config.threads())?,
             }
-            if st.config.verify {
+            let route = job.routes[t as usize];
+            if route == Route::Dense && st.config.verify {
                 job.checksums.lock().extend(run_checksums(st, piece, buf));
             }
-            let route = job.routes[t as usize];
             if route != Route::Dense {
                 let ctx = EncodeCtx {
                     plan: &st.plan,
@@ -595,7 +595,17 @@ async fn piece_prepare<F: FabricBackend>(
                     // A refreshed base is stale until this sync's bytes are copied into it.
                     active: job.active.as_ref().filter(|_| route == Route::Compare),
                 };
+                // The run hashes come from the pass that compared the runs with their bases.
                 let done = encode_piece(&ctx, piece, piece.layout.total, buf);
+                if st.config.verify {
+                    let sums = part_checksums(st, piece, |i, part| {
+                        done.hashes[i].unwrap_or_else(|| {
+                            let a = part.staging_offset as usize;
+                            xxh3(&buf[a..a + part.len as usize])
+                        })
+                    });
+                    job.checksums.lock().extend(sums);
+                }
                 job.figures.lock().add(&done.figures);
                 job.records.lock().extend(done.records);
                 job.modes.lock().insert((t, p), done.modes);
@@ -615,22 +625,35 @@ async fn piece_prepare<F: FabricBackend>(
 
 /// The xxh3 of every run a prepared piece writes to a rollout.
 fn run_checksums(st: &TrainerState, piece: &TaskPiece, buf: &[u8]) -> Vec<RunChecksum> {
+    part_checksums(st, piece, |_, part| {
+        let a = part.staging_offset as usize;
+        xxh3(&buf[a..a + part.len as usize])
+    })
+}
+
+/// The checksum record of every part of a piece written to a rollout, its hash from
+/// `hash(index of the part, part)`.
+fn part_checksums(
+    st: &TrainerState,
+    piece: &TaskPiece,
+    hash: impl Fn(usize, &super::piece::Part) -> u64,
+) -> Vec<RunChecksum> {
     piece
         .parts
         .iter()
-        .filter_map(|part| {
+        .enumerate()
+        .filter_map(|(i, part)| {
             let w = st.plan.writes[part.write as usize];
             let WriteTarget::Rollout(rollout) = w.dst else {
                 return None;
             };
-            let a = part.staging_offset as usize;
             let dst = &st.write_dst[part.write as usize];
             Some(RunChecksum {
                 rollout,
                 mr: dst.mr,
                 offset: dst.offset + (part.dst_offset - w.dst_offset),
                 len: part.len,
-                xxh3: xxh3(&buf[a..a + part.len as usize]),
+                xxh3: hash(i, part),
             })
         })
         .collect()
