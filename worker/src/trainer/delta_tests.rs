@@ -17,8 +17,22 @@ fn setup_delta(
     RolloutWorker<MemFabric>,
     SharedSource,
 ) {
+    let (trainer, rollout, source, _) = setup_delta_with_peer(watermark);
+    (trainer, rollout, source)
+}
+
+/// [`setup_delta`], and one more peer on the fabric (a stray writer).
+fn setup_delta_with_peer(
+    watermark: u64,
+) -> (
+    TrainerWorker<MemFabric>,
+    RolloutWorker<MemFabric>,
+    SharedSource,
+    MemFabric,
+) {
     let (tp, rp) = plans();
     let fab = MemFabric::new_switch("trainer-0");
+    let stray = fab.peer("stray");
     let mut rollout = RolloutWorker::new(fab.peer("rollout-0"), "rollout-0", rp.clone()).unwrap();
     let total: u64 = rp.mr_bytes.iter().sum();
     rollout
@@ -32,7 +46,7 @@ fn setup_delta(
     dsts.rollouts.insert(0, rollout.descriptors());
     dsts.inboxes.insert(0, rollout.inbox_descriptor().unwrap());
     trainer.set_destinations(&dsts).unwrap();
-    (trainer, rollout, source)
+    (trainer, rollout, source, stray)
 }
 
 /// Nudges every `every`-th element of w (bf16) and of b (f32) by a step's worth; only w's small
@@ -337,4 +351,46 @@ async fn a_stale_base_is_never_used_for_a_delta() {
         "{:?}",
         report.delta
     );
+}
+
+/// The apply's hash of a run it rewrote stands in for reading the run again only while no frame
+/// touched it since: a stray write landing in an applied run after the apply is caught, and
+/// once the right bytes are back the run is read again and passes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_landing_in_an_applied_run_after_the_apply_is_caught() {
+    use weightsync_common::fabric::{Access, FabricBackend, WriteOp};
+    let (trainer, rollout, source, stray) = setup_delta_with_peer(200 << 10);
+    round(&trainer, &rollout, &source, 0, None).await.unwrap();
+    nudge(&mut source.write(), 97, 1);
+    rollout.arm(sync(1)).unwrap();
+    let report = trainer
+        .run_delta_sync_until(sync(1), &only(0, 0), std::future::pending())
+        .await
+        .unwrap();
+    rollout.await_landed(Duration::from_secs(10)).await.unwrap();
+    rollout.apply_deltas(&report.deltas).unwrap();
+    // A stray write (no immediate: nothing counts it) over the start of an applied run.
+    let run = report.deltas[0];
+    let region = rollout.region(run.mr).unwrap();
+    let good = region.copy_to_vec(run.offset, 64).unwrap();
+    let mut bad = good.clone();
+    bad[0] ^= 0x40;
+    let src = stray.alloc(64, Access::SOURCE).unwrap();
+    let dst = rollout.descriptors()[run.mr as usize].clone();
+    for bytes in [&bad, &good] {
+        src.write_at(0, bytes).unwrap();
+        stray
+            .write(WriteOp::new(&src, 0, &dst, run.offset, 64))
+            .await
+            .unwrap();
+        let res = rollout.verify(&report.checksums);
+        if bytes == &bad {
+            let err = res.unwrap_err();
+            assert!(matches!(err, WorkerError::ChecksumMismatch { .. }), "{err}");
+            assert_eq!(rollout.held_version(), None);
+        } else {
+            res.unwrap();
+        }
+    }
+    assert_eq!(region.to_vec().unwrap(), expected(&source.read()));
 }
