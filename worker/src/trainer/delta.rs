@@ -7,7 +7,10 @@
 //! fp8 plus scales), bounded by [`DeltaConfig::base_budget_bytes`]: tasks past the budget keep
 //! no base and always go dense. Tasks with a base are staged even when they could be written
 //! straight from registered source memory, since their bytes must be compared and kept, unless
-//! they went dense (below).
+//! they went dense (below), or unless they are same-dtype copies of a contiguous box of a
+//! registered shard: those are compared with the base where the source holds them (no copy
+//! into staging, only their encodings go there), and their runs that go dense are written
+//! straight from the source as a full sync writes them.
 //!
 //! **Dense tasks.** A task whose last compared sync found more changes than any encoding of it
 //! can hold ([`Bases::routes`], above [`dense_above`]) gains nothing from staging and comparing:
@@ -330,13 +333,15 @@ pub(crate) struct EncodeCtx<'a> {
     pub active: Option<&'a DeltaSync>,
 }
 
-/// Encodes the parts of piece `piece` (prepared in `lease[..total]`, encodings going to
-/// `lease[total..]`) and refreshes the task's base (see the module docs).
+/// Encodes the parts of piece `piece` (its prepared bytes `prepared`, in staging or where the
+/// source holds them; encodings going to `enc_area`, which lies at `enc_at` of the piece's
+/// lease) and refreshes the task's base (see the module docs).
 pub(crate) fn encode_piece(
     ctx: &EncodeCtx<'_>,
     piece: &TaskPiece,
-    total: u64,
-    lease: &mut [u8],
+    prepared: &[u8],
+    enc_area: &mut [u8],
+    enc_at: u64,
 ) -> PieceDelta {
     let mut out = PieceDelta {
         modes: vec![PartMode::Dense; piece.parts.len()],
@@ -348,7 +353,7 @@ pub(crate) fn encode_piece(
     };
     let start = Instant::now();
     let elem = element_size(&ctx.plan.tasks[piece.task as usize].transform);
-    let (prepared, enc_area) = lease.split_at_mut(total as usize);
+    let total = enc_at;
     let mut base = base.lock();
     let fraction = &ctx.bases.fractions[piece.task as usize];
     let expected = f64::from(f32::from_bits(fraction.load(Ordering::Relaxed)));

@@ -394,3 +394,87 @@ async fn a_write_landing_in_an_applied_run_after_the_apply_is_caught() {
     }
     assert_eq!(region.to_vec().unwrap(), expected(&source.read()));
 }
+
+/// A same-dtype copy of a registered tensor keeping a base is compared where the tensor lies:
+/// nothing of it is staged (only its encoding is), its delta lands byte-exact and verifies, and
+/// when everything changed its run goes dense straight from the tensor.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registered_copy_is_compared_in_place_and_goes_dense_from_the_source() {
+    use weightsync_schedules::table::TensorBox;
+    let (tp, rp) = super::tests::copy_plans(TensorBox::new(&[0, 0], &[16, 8]));
+    let fab = MemFabric::new_switch("trainer-0");
+    let mut rollout = RolloutWorker::new(fab.peer("rollout-0"), "rollout-0", rp).unwrap();
+    rollout
+        .enable_delta_inbox(crate::delta::inbox_bytes(256, 0.25))
+        .unwrap();
+    // The training job's tensor: written between syncs only, while nothing reads it.
+    let tensor = Arc::new(parking_lot::Mutex::new(
+        (0..256u32)
+            .map(|i| (i * 7 % 251) as u8)
+            .collect::<Vec<u8>>(),
+    ));
+    let ptr = tensor.lock().as_mut_ptr();
+    // SAFETY: the vector (never resized) is kept alive by the owner passed along; the test
+    // writes it only between syncs, when no write reads it.
+    let memory = unsafe { crate::HostMemory::from_raw(ptr, 256, Box::new(tensor.clone())) };
+    let set = Arc::new(
+        crate::TensorSet::register(
+            &fab,
+            vec![crate::SourceTensor {
+                name: "w".into(),
+                dtype: weightsync_common::DType::BF16,
+                shape: vec![16, 8],
+                memory,
+            }],
+        )
+        .unwrap(),
+    );
+    let source = Arc::new(set.for_plan(&tp).unwrap());
+    let mut cfg = TrainerConfig::new("trainer-0", 4096);
+    cfg.delta.keep_bases = true;
+    cfg.delta.keep_direct = true;
+    let mut trainer = TrainerWorker::new(fab.clone(), source, tp, cfg).unwrap();
+    let mut dsts = Destinations::default();
+    dsts.rollouts.insert(0, rollout.descriptors());
+    dsts.inboxes.insert(0, rollout.inbox_descriptor().unwrap());
+    trainer.set_destinations(&dsts).unwrap();
+    for v in 0..3u64 {
+        match v {
+            1 => {
+                let mut t = tensor.lock();
+                t[10] ^= 1;
+                t[201] ^= 0x80;
+            }
+            2 => tensor
+                .lock()
+                .iter_mut()
+                .for_each(|b| *b = b.wrapping_add(1)),
+            _ => {}
+        }
+        rollout.arm(sync(v)).unwrap();
+        let report = match v {
+            0 => trainer.run_sync(sync(v)).await.unwrap(),
+            _ => trainer
+                .run_delta_sync_until(sync(v), &only(0, v - 1), std::future::pending())
+                .await
+                .unwrap(),
+        };
+        rollout.await_landed(Duration::from_secs(10)).await.unwrap();
+        rollout.apply_deltas(&report.deltas).unwrap();
+        rollout.verify(&report.checksums).unwrap();
+        assert_eq!(rollout.read_tensor("w").unwrap(), *tensor.lock(), "v{v}");
+        assert_eq!((report.staged_bytes, report.direct_bytes), (0, 256), "v{v}");
+        match v {
+            1 => {
+                assert_eq!(report.delta.changed, 2, "{:?}", report.delta);
+                assert_eq!(report.deltas.len(), 1);
+                assert!(report.bytes_written < 16, "{report:?}");
+            }
+            2 => {
+                assert!(report.deltas.is_empty());
+                assert_eq!(report.bytes_written, 256);
+            }
+            _ => {}
+        }
+    }
+}

@@ -224,8 +224,13 @@ pub(crate) async fn run<F: FabricBackend>(
                     if run.failed() {
                         break 'groups;
                     }
-                    let mut need = state.pieces[t as usize][p].layout.total;
                     let route = run.routes[t as usize];
+                    // A piece compared where its source holds it stages only its encodings.
+                    let mut need = if route != Route::Dense && compared_in_place(&state, t) {
+                        0
+                    } else {
+                        state.pieces[t as usize][p].layout.total
+                    };
                     if run.active.is_some() && route == Route::Compare {
                         need += state.enc_need[t as usize][p];
                     }
@@ -364,6 +369,9 @@ async fn run_piece<F: FabricBackend>(
     let Some(lease) = lease else {
         return piece_direct(&run, t, p).await;
     };
+    if run.routes[t as usize] != Route::Dense && compared_in_place(&run.state, t) {
+        return piece_in_place(&run, t, p, lease).await;
+    }
     // A piece prepared reading its source in place has nothing to copy first.
     let lease = if run.state.in_place[t as usize].is_some() {
         lease
@@ -581,34 +589,14 @@ async fn piece_prepare<F: FabricBackend>(
                 }
                 None => prepare_piece(&st.plan, shape, piece, buf, st.config.threads())?,
             }
-            let route = job.routes[t as usize];
-            if route == Route::Dense && st.config.verify {
-                job.checksums.lock().extend(run_checksums(st, piece, buf));
-            }
-            if route != Route::Dense {
-                let ctx = EncodeCtx {
-                    plan: &st.plan,
-                    write_dst: &st.write_dst,
-                    inboxes: &st.inboxes,
-                    bases: &st.bases,
-                    config: &st.config.delta,
-                    // A refreshed base is stale until this sync's bytes are copied into it.
-                    active: job.active.as_ref().filter(|_| route == Route::Compare),
-                };
-                // The run hashes come from the pass that compared the runs with their bases.
-                let done = encode_piece(&ctx, piece, piece.layout.total, buf);
+            if job.routes[t as usize] == Route::Dense {
                 if st.config.verify {
-                    let sums = part_checksums(st, piece, |i, part| {
-                        done.hashes[i].unwrap_or_else(|| {
-                            let a = part.staging_offset as usize;
-                            xxh3(&buf[a..a + part.len as usize])
-                        })
-                    });
-                    job.checksums.lock().extend(sums);
+                    job.checksums.lock().extend(run_checksums(st, piece, buf));
                 }
-                job.figures.lock().add(&done.figures);
-                job.records.lock().extend(done.records);
-                job.modes.lock().insert((t, p), done.modes);
+            } else {
+                let total = piece.layout.total;
+                let (prepared, enc_area) = buf.split_at_mut(total as usize);
+                encode_and_record(job, t, p, prepared, enc_area, total);
             }
             Ok(())
         },
@@ -621,6 +609,122 @@ async fn piece_prepare<F: FabricBackend>(
     run.rec
         .record(t, p as u32, Stage::Prepare, start, lay.values + lay.scales);
     Ok(Some(lease))
+}
+
+/// Encodes piece `p` of task `t` (its prepared bytes `prepared`, encodings into `enc_area`
+/// at `enc_at` of its lease; see [`encode_piece`]) and records what came of it: checksums
+/// (taken in the pass that compared the runs with their bases), delta records and figures, and
+/// how each part is written.
+fn encode_and_record<F: FabricBackend>(
+    job: &SyncRun<F>,
+    t: u32,
+    p: usize,
+    prepared: &[u8],
+    enc_area: &mut [u8],
+    enc_at: u64,
+) {
+    let st = &job.state;
+    let piece = &st.pieces[t as usize][p];
+    let route = job.routes[t as usize];
+    let ctx = EncodeCtx {
+        plan: &st.plan,
+        write_dst: &st.write_dst,
+        inboxes: &st.inboxes,
+        bases: &st.bases,
+        config: &st.config.delta,
+        // A refreshed base is stale until this sync's bytes are copied into it.
+        active: job.active.as_ref().filter(|_| route == Route::Compare),
+    };
+    let done = encode_piece(&ctx, piece, prepared, enc_area, enc_at);
+    if st.config.verify {
+        let sums = part_checksums(st, piece, |i, part| {
+            done.hashes[i].unwrap_or_else(|| {
+                let a = part.staging_offset as usize;
+                xxh3(&prepared[a..a + part.len as usize])
+            })
+        });
+        job.checksums.lock().extend(sums);
+    }
+    job.figures.lock().add(&done.figures);
+    job.records.lock().extend(done.records);
+    job.modes.lock().insert((t, p), done.modes);
+}
+
+/// Whether task `t`, when it keeps a base and does not go dense, is compared where its source
+/// holds it: a same-dtype copy of a contiguous box of a registered shard the host can read
+/// (see `super::delta`'s module docs).
+fn compared_in_place(st: &TrainerState, t: u32) -> bool {
+    st.device.is_none()
+        && matches!(
+            st.plan.tasks[t as usize].source,
+            weightsync_schedules::table::Source::Shard { .. }
+        )
+        && st.direct[t as usize]
+            .as_ref()
+            .is_some_and(|d| d.runs.is_none())
+}
+
+/// A piece compared where its source holds it ([`compared_in_place`]): its runs are compared
+/// with the base (and hashed) in the source, its encodings go to its lease, and its writes go
+/// from the lease (encodings) or straight from the source (runs that go dense).
+async fn piece_in_place<F: FabricBackend>(
+    run: &Arc<SyncRun<F>>,
+    t: u32,
+    p: usize,
+    lease: Lease,
+) -> Result<()> {
+    let compared = in_staging(run, &run.prepare, "prepare", lease, move |job, _, buf| {
+        let st = &job.state;
+        let piece = &st.pieces[t as usize][p];
+        let shape = &st.shapes[t as usize];
+        let from = shape.grain.elems_before(piece.u0) * shape.out_size;
+        let missing = || WorkerError::InvalidPlan(format!("task {t} has no registered source"));
+        let direct = st.direct[t as usize].as_ref().ok_or_else(missing)?;
+        let weightsync_schedules::table::Source::Shard { shard } = st.plan.tasks[t as usize].source
+        else {
+            return Err(missing());
+        };
+        let (_, shard_at) = st.source.registered_shard(shard).ok_or_else(missing)?;
+        let start = (direct.at(from).0 - shard_at) as usize;
+        let len = piece.layout.input as usize;
+        st.source.read_shard(&st.plan, shard, &mut |bytes: &[u8]| {
+            let mine =
+                bytes
+                    .get(start..start + len)
+                    .ok_or_else(|| WorkerError::SourceTooShort {
+                        what: format!("task {t}'s box in its shard"),
+                        need: (start + len) as u64,
+                        have: bytes.len() as u64,
+                    })?;
+            encode_and_record(job, t, p, mine, buf, 0);
+            Ok(())
+        })
+    })
+    .await?;
+    let Some((lease, start)) = compared else {
+        return Ok(());
+    };
+    let st = &run.state;
+    let piece = &st.pieces[t as usize][p];
+    run.rec
+        .record(t, p as u32, Stage::Prepare, start, piece.layout.input);
+    if run.failed() {
+        return Ok(());
+    }
+    let Some(direct) = st.direct[t as usize].clone() else {
+        return Ok(());
+    };
+    let shape = &st.shapes[t as usize];
+    let source = PieceSource::Encodings {
+        region: st.staging.region().clone(),
+        at: lease.offset(),
+        direct,
+        from: shape.grain.elems_before(piece.u0) * shape.out_size,
+    };
+    piece_write(run, t, p, &source).await?;
+    run.direct_bytes
+        .fetch_add(piece.layout.input, Ordering::Relaxed);
+    Ok(())
 }
 
 /// The xxh3 of every run a prepared piece writes to a rollout.
@@ -665,6 +769,13 @@ enum PieceSource {
     Staged { region: Region, at: u64 },
     /// In registered source memory, starting at byte `from` of the task's output.
     Direct { direct: DirectSource, from: u64 },
+    /// As `Direct`, its encodings in a staging lease at `at` ([`piece_in_place`]).
+    Encodings {
+        region: Region,
+        at: u64,
+        direct: DirectSource,
+        from: u64,
+    },
 }
 
 impl PieceSource {
@@ -675,7 +786,7 @@ impl PieceSource {
             PieceSource::Staged { region, at } => {
                 WriteOp::new(region, at + offset, dst, dst_offset, len)
             }
-            PieceSource::Direct { direct, from } => {
+            PieceSource::Direct { direct, from } | PieceSource::Encodings { direct, from, .. } => {
                 let (at, stride) = direct.at(from + offset);
                 let op = WriteOp::new(&direct.region, at, dst, dst_offset, len);
                 match stride {
@@ -710,7 +821,7 @@ async fn piece_write<F: FabricBackend>(
                     enc_len,
                     inbox_at,
                 },
-                PieceSource::Staged { region, at },
+                PieceSource::Staged { region, at } | PieceSource::Encodings { region, at, .. },
                 WriteTarget::Rollout(r),
             ) => {
                 let inbox = st.inboxes.get(&r).ok_or_else(|| {
