@@ -7,10 +7,11 @@
 //! fp8 plus scales), bounded by [`DeltaConfig::base_budget_bytes`]: tasks past the budget keep
 //! no base and always go dense. Tasks with a base are staged even when they could be written
 //! straight from registered source memory, since their bytes must be compared and kept, unless
-//! they went dense (below), or unless they are same-dtype copies of a contiguous box of a
-//! registered shard: those are compared with the base where the source holds them (no copy
-//! into staging, only their encodings go there), and their runs that go dense are written
-//! straight from the source as a full sync writes them.
+//! they went dense (below), or unless they are same-dtype copies of a contiguous box of a shard
+//! the host reads: those are compared with the base where the source holds them (no copy into
+//! staging but their encodings), and their runs that go dense are written straight from the
+//! source as a full sync writes them where it is registered, else copied into staging (only
+//! they) and written from there.
 //!
 //! **Dense tasks.** A task whose last compared sync found more changes than any encoding of it
 //! can hold ([`Bases::routes`], above [`dense_above`]) gains nothing from staging and comparing:

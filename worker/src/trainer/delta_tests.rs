@@ -478,3 +478,65 @@ async fn a_registered_copy_is_compared_in_place_and_goes_dense_from_the_source()
         }
     }
 }
+
+/// A same-dtype copy of a contiguous box of a plain (unregistered) source keeping a base is
+/// compared where the source holds it too: only its runs that go dense are copied into
+/// staging (none for a delta, all when everything changed), byte-exact and verified each time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unregistered_copy_is_compared_in_place_and_stages_only_dense_runs() {
+    use weightsync_schedules::table::TensorBox;
+    let (tp, rp) = super::tests::copy_plans(TensorBox::new(&[0, 0], &[16, 8]));
+    let fab = MemFabric::new_switch("trainer-0");
+    let mut rollout = RolloutWorker::new(fab.peer("rollout-0"), "rollout-0", rp).unwrap();
+    rollout
+        .enable_delta_inbox(crate::delta::inbox_bytes(256, 0.25))
+        .unwrap();
+    let source: SharedSource = Arc::new(parking_lot::RwLock::new(
+        (0..256u32).map(|i| (i * 7 % 251) as u8).collect(),
+    ));
+    let mut cfg = TrainerConfig::new("trainer-0", 4096);
+    cfg.delta.keep_bases = true;
+    let mut trainer = TrainerWorker::new(fab.clone(), source.clone(), tp, cfg).unwrap();
+    let mut dsts = Destinations::default();
+    dsts.rollouts.insert(0, rollout.descriptors());
+    dsts.inboxes.insert(0, rollout.inbox_descriptor().unwrap());
+    trainer.set_destinations(&dsts).unwrap();
+    for v in 0..3u64 {
+        match v {
+            1 => {
+                let mut s = source.write();
+                s[10] ^= 1;
+                s[201] ^= 0x80;
+            }
+            2 => source
+                .write()
+                .iter_mut()
+                .for_each(|b| *b = b.wrapping_add(1)),
+            _ => {}
+        }
+        rollout.arm(sync(v)).unwrap();
+        let report = match v {
+            0 => trainer.run_sync(sync(v)).await.unwrap(),
+            _ => trainer
+                .run_delta_sync_until(sync(v), &only(0, v - 1), std::future::pending())
+                .await
+                .unwrap(),
+        };
+        rollout.await_landed(Duration::from_secs(10)).await.unwrap();
+        rollout.apply_deltas(&report.deltas).unwrap();
+        rollout.verify(&report.checksums).unwrap();
+        assert_eq!(rollout.read_tensor("w").unwrap(), *source.read(), "v{v}");
+        assert_eq!(report.direct_bytes, 0, "v{v}");
+        match v {
+            1 => {
+                assert_eq!((report.delta.changed, report.deltas.len()), (2, 1));
+                assert_eq!(report.staged_bytes, 0, "{report:?}");
+            }
+            2 => {
+                assert!(report.deltas.is_empty());
+                assert_eq!((report.staged_bytes, report.bytes_written), (256, 256));
+            }
+            _ => {}
+        }
+    }
+}
