@@ -59,6 +59,12 @@ pub struct DeltaRow {
     pub full_h2d_s: f64,
     /// See `full_h2d_s`.
     pub full_prepare_s: f64,
+    /// The slowest trainer's part of a delta sync (its writes acknowledged), seconds; the rest
+    /// of `delta_s` is the engines' apply and verification.
+    pub trainer_s: f64,
+    /// Source bytes the trainers copied into staging in a delta sync (tasks that are not
+    /// compared where their source holds them, and runs that went dense from a plain source).
+    pub staged_bytes: u64,
     /// Every timed full sync, seconds.
     pub all_full_s: Vec<f64>,
     /// Every timed delta sync, seconds.
@@ -267,6 +273,8 @@ pub fn run_table(
                 };
                 let ((h2d_s, prepare_s), (full_h2d_s, full_prepare_s)) =
                     (busy(mid), busy(mid_full));
+                let trainer_s = mid.trainers.iter().map(|t| t.wall_s).fold(0.0, f64::max);
+                let staged_bytes = mid.trainers.iter().map(|t| t.staged_bytes).sum();
                 let fig = mid.delta;
                 let (full_s, delta_s) = (median(fs.clone()), median(ds.clone()));
                 out.push(DeltaRow {
@@ -287,6 +295,8 @@ pub fn run_table(
                     prepare_s,
                     full_h2d_s,
                     full_prepare_s,
+                    trainer_s,
+                    staged_bytes,
                     all_full_s: fs,
                     all_delta_s: ds,
                 });
