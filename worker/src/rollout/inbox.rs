@@ -292,9 +292,7 @@ fn patch_hashed(
     };
     if len > 0 {
         window.n = chunk.min(len) as usize;
-        if let Err(e) = region.read_at(offset, &mut scratch[..window.n]) {
-            return Err(e);
-        }
+        region.read_at(offset, &mut scratch[..window.n])?;
     }
     changes.for_each(|index, v| {
         if failed.is_some() {
