@@ -59,9 +59,13 @@ pub struct DeltaRow {
     pub full_h2d_s: f64,
     /// See `full_h2d_s`.
     pub full_prepare_s: f64,
-    /// The slowest trainer's part of a delta sync (its writes acknowledged), seconds; the rest
-    /// of `delta_s` is the engines' apply and verification.
+    /// The slowest trainer's part of a delta sync (its writes acknowledged), seconds.
     pub trainer_s: f64,
+    /// From the start of a delta sync until every trainer finished and every engine landed,
+    /// seconds; the rest of `delta_s` is the engines' apply and verification.
+    pub landed_s: f64,
+    /// The same for a full sync.
+    pub full_landed_s: f64,
     /// Source bytes the trainers copied into staging in a delta sync (tasks that are not
     /// compared where their source holds them, and runs that went dense from a plain source).
     pub staged_bytes: u64,
@@ -296,6 +300,8 @@ pub fn run_table(
                     full_h2d_s,
                     full_prepare_s,
                     trainer_s,
+                    landed_s: mid.landed_s,
+                    full_landed_s: mid_full.landed_s,
                     staged_bytes,
                     all_full_s: fs,
                     all_delta_s: ds,

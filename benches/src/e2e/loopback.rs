@@ -173,6 +173,9 @@ pub struct SyncTime {
     /// The slowest rollout's verification (after landing and applying; 0: not verifying),
     /// nanoseconds.
     pub rollout_verify_ns: u64,
+    /// From starting the trainers until every trainer finished and every rollout landed (before
+    /// any apply or verification), seconds.
+    pub landed_s: f64,
 }
 
 /// Bytes every sync lands in rollouts: what the trainers' writes to rollouts carry, counted on
@@ -393,6 +396,7 @@ impl LoopbackCluster {
                 checksums.extend(sums);
             }
         }
+        let landed_s = t0.elapsed().as_secs_f64();
         // A version counts as landed once every engine applied its deltas.
         let records = Arc::new(records);
         let applies: Vec<u64> = self
@@ -427,6 +431,7 @@ impl LoopbackCluster {
             delta: figures,
             rollout_apply_ns: applies.into_iter().max().unwrap_or(0),
             rollout_verify_ns: verifies.into_iter().max().unwrap_or(0),
+            landed_s,
         })
     }
 }
