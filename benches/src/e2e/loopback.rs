@@ -151,6 +151,9 @@ pub struct LoopbackCluster {
     delta_sources: Vec<Arc<RegisteredSource>>,
     /// With deltas: the version every engine holds after the last successful sync.
     held: Option<u64>,
+    /// Whether [`sync`](Self::sync) has every engine verify the trainers' checksums before
+    /// the sync counts (when the trainers send them), timed with it.
+    pub verify_engines: bool,
 }
 
 /// One measured sync.
@@ -167,6 +170,12 @@ pub struct SyncTime {
     pub delta: DeltaFigures,
     /// The slowest rollout's apply, nanoseconds.
     pub rollout_apply_ns: u64,
+    /// The slowest rollout's verification (after landing and applying; 0: not verifying),
+    /// nanoseconds.
+    pub rollout_verify_ns: u64,
+    /// From starting the trainers until every trainer finished and every rollout landed (before
+    /// any apply or verification), seconds.
+    pub landed_s: f64,
 }
 
 /// Bytes every sync lands in rollouts: what the trainers' writes to rollouts carry, counted on
@@ -272,6 +281,7 @@ impl LoopbackCluster {
             epoch: 0,
             delta_sources,
             held: None,
+            verify_engines: false,
         })
     }
 
@@ -359,7 +369,12 @@ impl LoopbackCluster {
                     }
                     None => t.run_sync(sync).await?,
                 };
-                Ok(Some((TrainerSplit::of(rank as u32, &r), r.deltas, r.delta)))
+                Ok(Some((
+                    TrainerSplit::of(rank as u32, &r),
+                    r.deltas,
+                    r.delta,
+                    r.checksums,
+                )))
             });
         }
         for r in &self.rollouts {
@@ -369,16 +384,19 @@ impl LoopbackCluster {
         let mut trainers = Vec::with_capacity(self.trainers.len());
         let mut records: Vec<DeltaRecord> = Vec::new();
         let mut figures = DeltaFigures::default();
+        let mut checksums = Vec::new();
         while let Some(j) = jobs.join_next().await {
             let done = j
                 .map_err(|e| E2eError::Sync(format!("a worker task panicked: {e}")))?
                 .map_err(|e: weightsync_worker::WorkerError| E2eError::Sync(e.to_string()))?;
-            if let Some((split, deltas, f)) = done {
+            if let Some((split, deltas, f, sums)) = done {
                 trainers.push(split);
                 records.extend(deltas);
                 figures.add(&f);
+                checksums.extend(sums);
             }
         }
+        let landed_s = t0.elapsed().as_secs_f64();
         // A version counts as landed once every engine applied its deltas.
         let records = Arc::new(records);
         let applies: Vec<u64> = self
@@ -387,6 +405,20 @@ impl LoopbackCluster {
             .map(|r| r.apply_deltas(&records).map(|f| f.codec_ns))
             .collect::<Result<_, _>>()
             .map_err(|e| E2eError::Sync(format!("applying deltas: {e}")))?;
+        // Verifying engines, a version counts once every engine verified it (full and delta
+        // syncs alike: what a deployment waits for before it serves the weights).
+        let verifies: Vec<u64> = if checksums.is_empty() || !self.verify_engines {
+            Vec::new()
+        } else {
+            self.rollouts
+                .par_iter()
+                .map(|r| {
+                    let t = Instant::now();
+                    r.verify(&checksums).map(|_| t.elapsed().as_nanos() as u64)
+                })
+                .collect::<Result<_, _>>()
+                .map_err(|e| E2eError::Sync(format!("verifying: {e}")))?
+        };
         let seconds = t0.elapsed().as_secs_f64();
         if !self.delta_sources.is_empty() {
             self.held = Some(sync.version);
@@ -398,6 +430,8 @@ impl LoopbackCluster {
             trainers,
             delta: figures,
             rollout_apply_ns: applies.into_iter().max().unwrap_or(0),
+            rollout_verify_ns: verifies.into_iter().max().unwrap_or(0),
+            landed_s,
         })
     }
 }

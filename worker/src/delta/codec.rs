@@ -31,6 +31,7 @@ use std::cell::RefCell;
 
 use thiserror::Error;
 use weightsync_common::protocol::DeltaKind;
+use xxhash_rust::xxh3::Xxh3;
 
 use super::lanes::{BLOCK, changed_mask};
 
@@ -160,13 +161,77 @@ pub fn encode(
     elem: usize,
     out: &mut [u8],
 ) -> Result<Encoded, Overflow> {
+    encode_into(base, new, elem, out, None)
+}
+
+/// [`encode`] and the [`xxh3`](crate::checksum::xxh3) of `new` in one pass: each
+/// [`HASH_SPAN`] of `new` is hashed right after it was compared (or copied into the base),
+/// while it is still in the core's cache, instead of in a second pass over the whole run.
+/// Gives exactly what [`encode`] gives, and the hash `xxh3(new)` gives.
+///
+/// # Panics
+/// As [`encode`].
+pub fn encode_hashed(
+    base: &mut [u8],
+    new: &[u8],
+    elem: usize,
+    out: &mut [u8],
+) -> (Result<Encoded, Overflow>, u64) {
+    let mut hasher = Xxh3::new();
+    let got = encode_into(base, new, elem, out, Some(&mut hasher));
+    (got, hasher.digest())
+}
+
+/// Brings `base` up to `new` (copying only the 64-byte blocks that differ: a base mostly equal
+/// to `new` is read, not rewritten) and returns `xxh3(new)`, in one pass of [`HASH_SPAN`]s.
+pub fn refresh_hashed(base: &mut [u8], new: &[u8]) -> u64 {
+    assert_eq!(
+        base.len(),
+        new.len(),
+        "a base is refreshed from a run of its length"
+    );
+    let mut hasher = Xxh3::new();
+    for (b, n) in base.chunks_mut(HASH_SPAN).zip(new.chunks(HASH_SPAN)) {
+        copy_changed_blocks(b, n);
+        hasher.update(n);
+    }
+    hasher.digest()
+}
+
+/// Copies the blocks of `new` that differ from `base` into it (the tail past the last whole
+/// block too, when it differs).
+fn copy_changed_blocks(base: &mut [u8], new: &[u8]) {
+    let mut bs = base.chunks_exact_mut(BLOCK);
+    let mut ns = new.chunks_exact(BLOCK);
+    for (b, n) in (&mut bs).zip(&mut ns) {
+        if b != n {
+            b.copy_from_slice(n);
+        }
+    }
+    let (b, n) = (bs.into_remainder(), ns.remainder());
+    if b != n {
+        b.copy_from_slice(n);
+    }
+}
+
+/// Bytes of a run compared (or copied) before they are hashed in [`encode_hashed`]: with the
+/// base's span, a core's L1 cache.
+pub const HASH_SPAN: usize = 16 << 10;
+
+fn encode_into(
+    base: &mut [u8],
+    new: &[u8],
+    elem: usize,
+    out: &mut [u8],
+    hasher: Option<&mut Xxh3>,
+) -> Result<Encoded, Overflow> {
     assert_eq!(base.len(), new.len(), "a delta compares runs of one length");
     check_elem(new.len(), elem).expect("runs of whole elements");
     CHANGED.with_borrow_mut(|bits| match elem {
-        1 => encode_as::<1>(base, new, out, bits),
-        2 => encode_as::<2>(base, new, out, bits),
-        4 => encode_as::<4>(base, new, out, bits),
-        _ => encode_as::<8>(base, new, out, bits),
+        1 => encode_as::<1>(base, new, out, bits, hasher),
+        2 => encode_as::<2>(base, new, out, bits, hasher),
+        4 => encode_as::<4>(base, new, out, bits, hasher),
+        _ => encode_as::<8>(base, new, out, bits, hasher),
     })
 }
 
@@ -175,11 +240,12 @@ fn encode_as<const E: usize>(
     new: &[u8],
     out: &mut [u8],
     bits: &mut Vec<u8>,
+    hasher: Option<&mut Xxh3>,
 ) -> Result<Encoded, Overflow> {
     let elems = new.len() / E;
     bits.clear();
     bits.resize(elems.div_ceil(8), 0);
-    let changed = scan::<E>(base, new, bits, out.len())?;
+    let changed = scan::<E>(base, new, bits, out.len(), hasher)?;
     let bitmap_len = bits.len() + changed as usize * E;
     // A change costs the gaps encoding at least 1 + E bytes: past the bitmap's size, or the
     // capacity when the bitmap does not fit, the gaps need not be counted.
@@ -213,12 +279,15 @@ fn encode_as<const E: usize>(
 }
 
 /// The scan (see the module docs): fills `bits`, brings `base` up to date, and returns the
-/// number of changes, or stops once neither encoding can fit in `cap` bytes.
+/// number of changes, or stops once neither encoding can fit in `cap` bytes (the rest of the
+/// base copied). With a `hasher`, every [`HASH_SPAN`] of `new` is fed to it once compared or
+/// copied, so it ends holding all of `new` whichever way the scan ends.
 fn scan<const E: usize>(
     base: &mut [u8],
     new: &[u8],
     bits: &mut [u8],
     cap: usize,
+    mut hasher: Option<&mut Xxh3>,
 ) -> Result<u64, Overflow> {
     let bitmap_bytes = bits.len();
     // Bitmap bytes per block.
@@ -228,26 +297,56 @@ fn scan<const E: usize>(
         (bitmap_bytes + c * E).min(c * (1 + E)) > cap
     };
     let blocks = new.len() / BLOCK;
+    let span_blocks = HASH_SPAN / BLOCK;
     let mut changed = 0u64;
-    for b in 0..blocks {
-        let r = b * BLOCK..(b + 1) * BLOCK;
-        let x: &mut [u8; BLOCK] = (&mut base[r.clone()]).try_into().expect("a block");
-        let y: &[u8; BLOCK] = new[r].try_into().expect("a block");
-        let mask = changed_mask::<E>(x, y);
-        if mask == 0 {
-            continue;
+    let mut overflow = None;
+    let mut span_start = 0usize;
+    while span_start < blocks && overflow.is_none() {
+        let span_end = (span_start + span_blocks).min(blocks);
+        for b in span_start..span_end {
+            let r = b * BLOCK..(b + 1) * BLOCK;
+            let x: &mut [u8; BLOCK] = (&mut base[r.clone()]).try_into().expect("a block");
+            let y: &[u8; BLOCK] = new[r].try_into().expect("a block");
+            let mask = changed_mask::<E>(x, y);
+            if mask == 0 {
+                continue;
+            }
+            bits[b * per_block..(b + 1) * per_block]
+                .copy_from_slice(&mask.to_le_bytes()[..per_block]);
+            *x = *y;
+            changed += u64::from(mask.count_ones());
+            if too_big(changed) {
+                let end = (b + 1) * BLOCK;
+                overflow = Some(Overflow {
+                    scanned: (end / E) as u64,
+                    changed,
+                });
+                break;
+            }
         }
-        bits[b * per_block..(b + 1) * per_block].copy_from_slice(&mask.to_le_bytes()[..per_block]);
-        *x = *y;
-        changed += u64::from(mask.count_ones());
-        if too_big(changed) {
-            let end = (b + 1) * BLOCK;
-            base[end..].copy_from_slice(&new[end..]);
-            return Err(Overflow {
-                scanned: (end / E) as u64,
-                changed,
-            });
+        if let Some(h) = hasher.as_deref_mut() {
+            h.update(&new[span_start * BLOCK..span_end * BLOCK]);
         }
+        span_start = span_end;
+    }
+    if let Some(over) = overflow {
+        // The rest goes dense: the base takes it (and the hash, a span at a time).
+        let end = over.scanned as usize * E;
+        let hashed = span_start * BLOCK;
+        base[end..hashed].copy_from_slice(&new[end..hashed]);
+        match hasher {
+            Some(h) => {
+                for (b, n) in base[hashed..]
+                    .chunks_mut(HASH_SPAN)
+                    .zip(new[hashed..].chunks(HASH_SPAN))
+                {
+                    b.copy_from_slice(n);
+                    h.update(n);
+                }
+            }
+            None => base[hashed..].copy_from_slice(&new[hashed..]),
+        }
+        return Err(over);
     }
     for i in blocks * BLOCK / E..new.len() / E {
         let r = i * E..(i + 1) * E;
@@ -256,6 +355,9 @@ fn scan<const E: usize>(
             changed += 1;
             base[r.clone()].copy_from_slice(&new[r]);
         }
+    }
+    if let Some(h) = hasher {
+        h.update(&new[blocks * BLOCK..]);
     }
     if too_big(changed) {
         return Err(Overflow {
@@ -623,6 +725,76 @@ mod tests {
             let before = shorter.clone();
             prop_assert!(apply(&mut shorter, &out[..enc.len], enc.kind, elem).is_err());
             prop_assert_eq!(shorter, before);
+        }
+    }
+
+    /// Runs longer than several hash spans (with a partial last span and block), element sizes
+    /// 1, 2 and 4, changes from none to every element, clustered or spread.
+    fn long_runs() -> impl Strategy<Value = (Vec<u8>, Vec<u8>, usize)> {
+        (
+            prop::sample::select(vec![1usize, 2, 4]),
+            0usize..(3 * HASH_SPAN + 3 * BLOCK + 5),
+            any::<u64>(),
+            prop::sample::select(vec![0.0f64, 0.001, 0.01, 0.1, 0.6, 1.0]),
+            0usize..4,
+        )
+            .prop_map(|(elem, bytes, seed, p, clustered)| {
+                let elems = bytes / elem;
+                let mut s = seed | 1;
+                let mut next = move || {
+                    s ^= s << 13;
+                    s ^= s >> 7;
+                    s ^= s << 17;
+                    s
+                };
+                let base: Vec<u8> = (0..elems * elem).map(|_| next() as u8).collect();
+                let mut new = base.clone();
+                // Clustered: changes only in one stretch of the run (a span's worth).
+                let (lo, hi) = if clustered == 0 && elems > 0 {
+                    let lo = next() as usize % elems;
+                    (lo, (lo + HASH_SPAN / elem).min(elems))
+                } else {
+                    (0, elems)
+                };
+                for e in lo..hi {
+                    let r = next();
+                    if (r % 10_000) as f64 / 10_000.0 < p {
+                        let b = e * elem + (r >> 32) as usize % elem;
+                        new[b] = new[b].wrapping_add(1 + (r >> 40) as u8 % 255);
+                    }
+                }
+                (base, new, elem)
+            })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(96))]
+
+        /// The fused pass (compare, encode, base update and hash at once) gives byte for byte
+        /// what the separate passes give: the same encoding or the same refusal, the same base,
+        /// and the hash of the whole new run, whatever the capacity.
+        #[test]
+        fn the_fused_pass_equals_encoding_then_hashing(
+            (base, new, elem) in long_runs(),
+            cap_frac in prop::sample::select(vec![0.0f64, 0.01, 0.1, 0.5]),
+        ) {
+            let cap = (new.len() as f64 * cap_frac) as usize + 1;
+            let (mut out_ref, mut out_fused) = (vec![0x55u8; cap], vec![0x55u8; cap]);
+            let (mut base_ref, mut base_fused) = (base.clone(), base.clone());
+            let want = encode(&mut base_ref, &new, elem, &mut out_ref);
+            let want_hash = crate::checksum::xxh3(&new);
+            let (got, hash) = encode_hashed(&mut base_fused, &new, elem, &mut out_fused);
+            prop_assert_eq!(got, want);
+            prop_assert_eq!(hash, want_hash);
+            prop_assert_eq!(&base_fused, &base_ref);
+            prop_assert_eq!(&base_fused, &new);
+            if let Ok(enc) = got {
+                prop_assert_eq!(&out_fused[..enc.len], &out_ref[..enc.len]);
+            }
+            // A refresh (no encoding) leaves the same base and the same hash.
+            let mut refreshed = base.clone();
+            prop_assert_eq!(refresh_hashed(&mut refreshed, &new), want_hash);
+            prop_assert_eq!(&refreshed, &new);
         }
     }
 

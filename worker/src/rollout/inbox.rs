@@ -15,10 +15,16 @@
 //! engine holding nothing, so only a full sync can follow. The controller decides the same
 //! from its side; this guard makes a mistake there a failed sync, never silently wrong weights.
 //!
-//! Runs rewritten by an apply are hashed again by `verify` even if the round's early check
-//! hashed them (it follows the fabric's frames, and an apply writes none).
+//! The apply hashes each run it rewrites in the pass that patches it (one read of the run; see
+//! [`patch_hashed`]), and `verify` compares that hash with the trainer's checksum on the same
+//! terms as a hash the round's early check took while the run landed: only if the landing log
+//! shows that no frame touched the run since the apply read it; otherwise (or with no log) the
+//! run is read and hashed again. An early hash taken of such a run before the apply is never
+//! used (it follows the fabric's frames, and an apply writes none). Either way every byte of
+//! every run is compared with the trainer's prepared bytes.
 
-use std::collections::BTreeSet;
+use std::cell::RefCell;
+use std::collections::BTreeMap;
 use std::time::Instant;
 
 use rayon::prelude::*;
@@ -27,9 +33,11 @@ use weightsync_common::protocol::{DeltaFigures, DeltaRecord};
 
 use super::RolloutWorker;
 use super::early_check::RunKey;
+use crate::checksum::HASH_CHUNK;
 use crate::delta::codec::Changes;
 use crate::error::{Result, WorkerError};
 use weightsync_common::fabric::{FabricError, Region};
+use xxhash_rust::xxh3::Xxh3;
 
 /// What the receiver knows of the versions it holds and this round's deltas.
 #[derive(Debug, Default)]
@@ -40,8 +48,10 @@ pub(super) struct DeltaState {
     pub base: Option<u64>,
     /// The version armed (or landed, until applied and verified).
     pub round: Option<u64>,
-    /// Runs rewritten by this round's apply (their early hashes are stale).
-    pub applied: BTreeSet<RunKey>,
+    /// Runs rewritten by this round's apply (their early hashes are stale): the hash the apply
+    /// took of each, and the landing log's sequence number read before it read the run (`None`:
+    /// no log, the run is hashed again when verified).
+    pub applied: BTreeMap<RunKey, (u64, Option<u64>)>,
 }
 
 impl<F: FabricBackend> RolloutWorker<F> {
@@ -107,9 +117,10 @@ impl<F: FabricBackend> RolloutWorker<F> {
         d.held = d.round;
     }
 
-    /// Whether `run` was rewritten by this round's apply.
-    pub(super) fn delta_applied(&self, run: &RunKey) -> bool {
-        self.delta.lock().applied.contains(run)
+    /// Whether `run` was rewritten by this round's apply: then the hash the apply took of it
+    /// and the landing log's sequence number it was taken after.
+    pub(super) fn delta_applied(&self, run: &RunKey) -> Option<(u64, Option<u64>)> {
+        self.delta.lock().applied.get(run).copied()
     }
 
     /// Applies this round's deltas (records for other ranks are ignored) into the destination,
@@ -120,11 +131,17 @@ impl<F: FabricBackend> RolloutWorker<F> {
         let rank = self.plan.rank;
         let start = Instant::now();
         let mine: Vec<&DeltaRecord> = records.iter().filter(|r| r.rollout == rank).collect();
+        // Read before any run is: a frame that ended by now is wholly in memory.
+        let seq = self.landing.as_ref().map(|l| l.seq());
         let res = self.apply_mine(&mine);
         match res {
-            Ok(mut figures) => {
+            Ok((mut figures, hashes)) => {
                 let mut d = self.delta.lock();
-                d.applied = mine.iter().map(|r| (r.mr, r.offset, r.len)).collect();
+                d.applied = mine
+                    .iter()
+                    .zip(hashes)
+                    .map(|(r, h)| ((r.mr, r.offset, r.len), (h, seq)))
+                    .collect();
                 d.held = d.round;
                 figures.codec_ns = start.elapsed().as_nanos() as u64;
                 Ok(figures)
@@ -136,11 +153,13 @@ impl<F: FabricBackend> RolloutWorker<F> {
         }
     }
 
-    fn apply_mine(&self, mine: &[&DeltaRecord]) -> Result<DeltaFigures> {
+    /// Checks and applies `mine`: the figures, and per record the hash of its run after the
+    /// apply.
+    fn apply_mine(&self, mine: &[&DeltaRecord]) -> Result<(DeltaFigures, Vec<u64>)> {
         let rank = self.plan.rank;
         let base = self.delta.lock().base;
         if mine.is_empty() {
-            return Ok(DeltaFigures::default());
+            return Ok((DeltaFigures::default(), Vec::new()));
         }
         let refuse = |r: &DeltaRecord, detail: String| WorkerError::Delta {
             rank,
@@ -190,7 +209,10 @@ impl<F: FabricBackend> RolloutWorker<F> {
                 ));
             }
         }
-        let applied = mine.par_iter().map(|r| -> Result<(u64, u64)> {
+        thread_local! {
+            static SCRATCH: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+        }
+        let applied = mine.par_iter().map(|r| -> Result<(u64, u64, u64)> {
             let enc = inbox
                 .copy_to_vec(r.inbox_offset, r.enc_len as usize)
                 .map_err(|e| WorkerError::fabric("reading the delta inbox", e))?;
@@ -198,19 +220,24 @@ impl<F: FabricBackend> RolloutWorker<F> {
             let changes =
                 Changes::check(&enc, r.kind, elem, r.len).map_err(|e| refuse(r, e.to_string()))?;
             let region = &self.regions[r.mr as usize];
-            patch(region, r.offset, r.len, elem, &changes)
+            let hash = SCRATCH
+                .with_borrow_mut(|scratch| {
+                    patch_hashed(region, r.offset, r.len, elem, &changes, scratch)
+                })
                 .map_err(|e| WorkerError::fabric("applying a delta", e))?;
-            Ok((changes.len(), r.len / elem as u64))
+            Ok((changes.len(), r.len / elem as u64, hash))
         });
-        let counts: Vec<(u64, u64)> = applied.collect::<Result<_>>()?;
+        let counts: Vec<(u64, u64, u64)> = applied.collect::<Result<_>>()?;
         let mut figures = DeltaFigures::default();
-        for (r, (changed, elements)) in mine.iter().zip(counts) {
+        let mut hashes = Vec::with_capacity(counts.len());
+        for (r, (changed, elements, hash)) in mine.iter().zip(counts) {
             figures.delta_bytes += r.enc_len;
             figures.delta_run_bytes += r.len;
             figures.changed += changed;
             figures.elements += elements;
+            hashes.push(hash);
         }
-        Ok(figures)
+        Ok((figures, hashes))
     }
 }
 
@@ -229,62 +256,108 @@ impl RunBytes for Region {
     }
 }
 
-/// Bytes of a run patched at once (see [`patch`]).
-const WINDOW: u64 = 1 << 16;
-
-/// Writes `changes` into the run of `len` bytes at `offset` of `region`. Sparse changes (fewer
-/// than one per [`SPARSE_BYTES`]) are written one by one; denser ones a window at a time (read
-/// out, patched, written back): each change's store would otherwise miss the cache on its own,
-/// while a window streams.
-fn patch(
+/// Writes `changes` into the run of `len` bytes at `offset` of `region` and returns the
+/// [`xxh3`](crate::checksum::xxh3) of the whole run as it then is, in one pass: the run is read
+/// a window of `scratch` ([`HASH_CHUNK`] bytes) at a time, the window's changes are written into
+/// the copy, the 64-byte blocks they touched are written back (neighbours coalesced), and the
+/// copy, still in the cache, is hashed. The apply and the verification's hash of a delta run
+/// thus cost one read of it instead of a read and write (the apply) and another read (verify).
+fn patch_hashed(
     region: &impl RunBytes,
     offset: u64,
     len: u64,
     elem: usize,
     changes: &Changes<'_>,
-) -> std::result::Result<(), FabricError> {
-    let mut failed = None;
-    if changes.len().saturating_mul(SPARSE_BYTES) < len {
-        changes.for_each(|index, v| {
-            if failed.is_none() {
-                failed = region.write_at(offset + index * elem as u64, v).err();
-            }
-        });
-        return failed.map_or(Ok(()), Err);
+    scratch: &mut Vec<u8>,
+) -> std::result::Result<u64, FabricError> {
+    if scratch.len() < HASH_CHUNK {
+        scratch.resize(HASH_CHUNK, 0);
     }
-    let mut buf = vec![0u8; WINDOW.min(len) as usize];
-    // The window read out: its start in the run and its length.
-    let mut window: Option<(u64, usize)> = None;
-    let flush = |window: Option<(u64, usize)>, buf: &[u8]| match window {
-        Some((lo, n)) => region.write_at(offset + lo, &buf[..n]),
-        None => Ok(()),
+    let chunk = HASH_CHUNK as u64;
+    let mut window = Window {
+        lo: 0,
+        n: 0,
+        dirty: [0u64; HASH_CHUNK / BLOCK / 64],
     };
+    let mut hasher = Xxh3::new();
+    let mut failed = None;
+    // Hashes and writes back the loaded window, then loads the next one.
+    let mut next_window = |w: &mut Window, scratch: &mut [u8]| {
+        let buf = &scratch[..w.n];
+        hasher.update(buf);
+        w.flush(region, offset, buf)?;
+        w.lo += w.n as u64;
+        w.n = chunk.min(len - w.lo) as usize;
+        region.read_at(offset + w.lo, &mut scratch[..w.n])
+    };
+    if len > 0 {
+        window.n = chunk.min(len) as usize;
+        region.read_at(offset, &mut scratch[..window.n])?;
+    }
     changes.for_each(|index, v| {
         if failed.is_some() {
             return;
         }
         let at = index * elem as u64;
-        if window.is_none_or(|(lo, n)| at >= lo + n as u64) {
-            let n = WINDOW.min(len - at) as usize;
-            let res = flush(window, &buf).and_then(|()| region.read_at(offset + at, &mut buf[..n]));
-            if let Err(e) = res {
+        // Elements never straddle a window: `elem` divides the chunk.
+        while at >= window.lo + window.n as u64 {
+            if let Err(e) = next_window(&mut window, scratch) {
                 failed = Some(e);
                 return;
             }
-            window = Some((at, n));
         }
-        let (lo, _) = window.expect("a window");
-        let from = (at - lo) as usize;
-        buf[from..from + elem].copy_from_slice(v);
+        let from = (at - window.lo) as usize;
+        scratch[from..from + elem].copy_from_slice(v);
+        let block = from / BLOCK;
+        window.dirty[block / 64] |= 1 << (block % 64);
     });
     if let Some(e) = failed {
         return Err(e);
     }
-    flush(window, &buf)
+    while window.n > 0 {
+        next_window(&mut window, scratch)?;
+    }
+    Ok(hasher.digest())
 }
 
-/// A run with fewer changes than one per this many bytes is patched change by change.
-const SPARSE_BYTES: u64 = 512;
+/// Bytes compared as one unit by [`Window::flush`]: a cache line.
+const BLOCK: usize = 64;
+
+/// The window of a run [`patch_hashed`] holds: its start in the run, its length, and which of its
+/// 64-byte blocks were patched.
+struct Window {
+    lo: u64,
+    n: usize,
+    dirty: [u64; HASH_CHUNK / BLOCK / 64],
+}
+
+impl Window {
+    /// Writes the patched blocks of `buf` (the window) back to the run at `offset` of `region`,
+    /// each stretch of adjacent patched blocks in one write, and clears the marks.
+    fn flush(
+        &mut self,
+        region: &impl RunBytes,
+        offset: u64,
+        buf: &[u8],
+    ) -> std::result::Result<(), FabricError> {
+        let blocks = buf.len().div_ceil(BLOCK);
+        let mut b = 0usize;
+        while b < blocks {
+            if self.dirty[b / 64] & (1 << (b % 64)) == 0 {
+                b += 1;
+                continue;
+            }
+            let first = b;
+            while b < blocks && self.dirty[b / 64] & (1 << (b % 64)) != 0 {
+                b += 1;
+            }
+            let range = first * BLOCK..(b * BLOCK).min(buf.len());
+            region.write_at(offset + self.lo + range.start as u64, &buf[range])?;
+        }
+        self.dirty = [0u64; HASH_CHUNK / BLOCK / 64];
+        Ok(())
+    }
+}
 
 #[cfg(test)]
 mod tests {
@@ -306,12 +379,12 @@ mod tests {
         }
     }
 
-    /// Sparse runs patched change by change and dense ones window by window (over several
-    /// windows, the last one partial) both end as the new run, around it nothing moves.
+    /// Runs patched at any density (over several windows, the last one partial) end as the new
+    /// run, the hash taken on the way is the new run's, and around the run nothing moves.
     #[test]
     fn patching_a_run_at_any_density_gives_the_new_run() {
         let elem = 2;
-        let len = 3 * WINDOW as usize + 2 * 1000;
+        let len = 3 * HASH_CHUNK + 2 * 1000;
         let base: Vec<u8> = (0..len).map(|i| (i * 7 % 251) as u8).collect();
         for every in [1usize, 3, 40, 300, 5000] {
             let mut new = base.clone();
@@ -325,7 +398,13 @@ mod tests {
             let mut region = vec![9u8; len + 12];
             region[6..6 + len].copy_from_slice(&base);
             let region = RefCell::new(region);
-            patch(&region, 6, len as u64, elem, &changes).unwrap();
+            let mut scratch = Vec::new();
+            let hash = patch_hashed(&region, 6, len as u64, elem, &changes, &mut scratch).unwrap();
+            assert_eq!(
+                hash,
+                crate::checksum::xxh3(&new),
+                "a change every {every} elements"
+            );
             let got = region.into_inner();
             assert_eq!(
                 &got[6..6 + len],

@@ -535,8 +535,13 @@ impl<F: FabricBackend> RolloutWorker<F> {
         let early = self.early_hashes();
         let log = self.landing.as_ref().map(|l| l.snapshot());
         let early_hash = |c: &RunChecksum| {
-            if self.delta_applied(&(c.mr, c.offset, c.len)) {
-                return None;
+            // A run the apply rewrote counts with the hash the apply took of it, on the same
+            // terms as an early hash: no frame touched it since.
+            if let Some((h, seq)) = self.delta_applied(&(c.mr, c.offset, c.len)) {
+                return log
+                    .as_ref()?
+                    .unchanged_since(c.mr, c.offset, c.len, seq?)
+                    .then_some(h);
             }
             let (h, seq) = *early.as_ref()?.get(&(c.mr, c.offset, c.len))?;
             log.as_ref()?

@@ -7,7 +7,11 @@
 //! fp8 plus scales), bounded by [`DeltaConfig::base_budget_bytes`]: tasks past the budget keep
 //! no base and always go dense. Tasks with a base are staged even when they could be written
 //! straight from registered source memory, since their bytes must be compared and kept, unless
-//! they went dense (below).
+//! they went dense (below), or unless they are same-dtype copies of a contiguous box of a shard
+//! the host reads: those are compared with the base where the source holds them (no copy into
+//! staging but their encodings), and their runs that go dense are written straight from the
+//! source as a full sync writes them where it is registered, else copied into staging (only
+//! they) and written from there.
 //!
 //! **Dense tasks.** A task whose last compared sync found more changes than any encoding of it
 //! can hold ([`Bases::routes`], above [`dense_above`]) gains nothing from staging and comparing:
@@ -47,7 +51,7 @@ use weightsync_schedules::table::{TrainerPlan, WriteTarget};
 
 use super::WriteDst;
 use super::piece::TaskPiece;
-use crate::delta::codec::{Encoded, encode, sample_changes};
+use crate::delta::codec::{Encoded, encode_hashed, refresh_hashed, sample_changes};
 use crate::delta::{InboxMap, element_size};
 
 /// How a trainer does delta syncs.
@@ -311,6 +315,9 @@ pub(crate) enum PartMode {
 pub(crate) struct PieceDelta {
     /// Per part of the piece, in order.
     pub modes: Vec<PartMode>,
+    /// Per part of the piece, in order: the xxh3 of its prepared bytes, for every part written
+    /// to a rollout (taken in the pass that compared them or copied them into the base).
+    pub hashes: Vec<Option<u64>>,
     pub records: Vec<DeltaRecord>,
     pub figures: DeltaFigures,
 }
@@ -327,16 +334,19 @@ pub(crate) struct EncodeCtx<'a> {
     pub active: Option<&'a DeltaSync>,
 }
 
-/// Encodes the parts of piece `piece` (prepared in `lease[..total]`, encodings going to
-/// `lease[total..]`) and refreshes the task's base (see the module docs).
+/// Encodes the parts of piece `piece` (its prepared bytes `prepared`, in staging or where the
+/// source holds them; encodings going to `enc_area`, which lies at `enc_at` of the piece's
+/// lease) and refreshes the task's base (see the module docs).
 pub(crate) fn encode_piece(
     ctx: &EncodeCtx<'_>,
     piece: &TaskPiece,
-    total: u64,
-    lease: &mut [u8],
+    prepared: &[u8],
+    enc_area: &mut [u8],
+    enc_at: u64,
 ) -> PieceDelta {
     let mut out = PieceDelta {
         modes: vec![PartMode::Dense; piece.parts.len()],
+        hashes: vec![None; piece.parts.len()],
         ..PieceDelta::default()
     };
     let Some(Some(base)) = ctx.bases.tasks.get(piece.task as usize) else {
@@ -344,7 +354,7 @@ pub(crate) fn encode_piece(
     };
     let start = Instant::now();
     let elem = element_size(&ctx.plan.tasks[piece.task as usize].transform);
-    let (prepared, enc_area) = lease.split_at_mut(total as usize);
+    let total = enc_at;
     let mut base = base.lock();
     let fraction = &ctx.bases.fractions[piece.task as usize];
     let expected = f64::from(f32::from_bits(fraction.load(Ordering::Relaxed)));
@@ -352,6 +362,8 @@ pub(crate) fn encode_piece(
     // Per distinct run of the task's output whose base is up to date: where its encoding is
     // (`None`: it goes dense).
     let mut encoded: Vec<(Run, Option<(u64, Encoded)>)> = Vec::new();
+    // Per distinct run compared or copied into the base: the hash of its prepared bytes.
+    let mut hashed: Vec<(Run, u64)> = Vec::new();
     let mut cursor = 0usize;
     for (i, part) in piece.parts.iter().enumerate() {
         let w = ctx.plan.writes[part.write as usize];
@@ -393,6 +405,7 @@ pub(crate) fn encode_piece(
                 );
                 scanned += got.scanned;
                 changed += got.changed;
+                hashed.push((run, got.hash));
                 let entry = got.encoded.map(|enc| {
                     let at = cursor;
                     cursor += enc.len.next_multiple_of(8);
@@ -437,17 +450,26 @@ pub(crate) fn encode_piece(
             Ordering::Relaxed,
         );
     }
-    // The base takes what this sync wrote (the runs compared above are up to date already).
-    for part in &piece.parts {
+    // The base takes what this sync wrote (the runs compared above are up to date already),
+    // hashed in the same pass.
+    for (i, part) in piece.parts.iter().enumerate() {
         let w = ctx.plan.writes[part.write as usize];
         if matches!(w.dst, WriteTarget::Rollout(_)) {
             let po = w.src_offset + (part.dst_offset - w.dst_offset);
-            if encoded.iter().any(|e| e.0 == (po, part.len)) {
-                continue;
-            }
-            let (po, from) = (po as usize, part.staging_offset as usize);
-            base[po..po + part.len as usize]
-                .copy_from_slice(&prepared[from..from + part.len as usize]);
+            let run = (po, part.len);
+            let hash = match hashed.iter().find(|h| h.0 == run) {
+                Some(&(_, h)) => h,
+                None => {
+                    let (po, from) = (po as usize, part.staging_offset as usize);
+                    let h = refresh_hashed(
+                        &mut base[po..po + part.len as usize],
+                        &prepared[from..from + part.len as usize],
+                    );
+                    hashed.push((run, h));
+                    h
+                }
+            };
+            out.hashes[i] = Some(hash);
         }
     }
     out.figures.codec_ns += start.elapsed().as_nanos() as u64;
@@ -460,6 +482,8 @@ type Run = (u64, u64);
 /// What encoding one run came to.
 struct RunEncoding {
     encoded: Option<Encoded>,
+    /// The xxh3 of the run's new bytes.
+    hash: u64,
     /// Elements compared, and of those changed (all of them, a prefix, or a sample).
     scanned: u64,
     changed: u64,
@@ -485,21 +509,24 @@ fn encode_run(
     let bitmap = elems / 8.0 + changes * elem as f64;
     if gaps.min(bitmap) > out.len() as f64 {
         let (scanned, changed) = sample_changes(base, new, elem, SAMPLE_STRIDE);
-        base.copy_from_slice(new);
+        let hash = refresh_hashed(base, new);
         return RunEncoding {
             encoded: None,
+            hash,
             scanned,
             changed,
         };
     }
-    match encode(base, new, elem, out) {
-        Ok(enc) => RunEncoding {
+    match encode_hashed(base, new, elem, out) {
+        (Ok(enc), hash) => RunEncoding {
             encoded: Some(enc),
+            hash,
             scanned: elems as u64,
             changed: enc.changed,
         },
-        Err(over) => RunEncoding {
+        (Err(over), hash) => RunEncoding {
             encoded: None,
+            hash,
             scanned: over.scanned,
             changed: over.changed,
         },

@@ -17,8 +17,22 @@ fn setup_delta(
     RolloutWorker<MemFabric>,
     SharedSource,
 ) {
+    let (trainer, rollout, source, _) = setup_delta_with_peer(watermark);
+    (trainer, rollout, source)
+}
+
+/// [`setup_delta`], and one more peer on the fabric (a stray writer).
+fn setup_delta_with_peer(
+    watermark: u64,
+) -> (
+    TrainerWorker<MemFabric>,
+    RolloutWorker<MemFabric>,
+    SharedSource,
+    MemFabric,
+) {
     let (tp, rp) = plans();
     let fab = MemFabric::new_switch("trainer-0");
+    let stray = fab.peer("stray");
     let mut rollout = RolloutWorker::new(fab.peer("rollout-0"), "rollout-0", rp.clone()).unwrap();
     let total: u64 = rp.mr_bytes.iter().sum();
     rollout
@@ -32,7 +46,7 @@ fn setup_delta(
     dsts.rollouts.insert(0, rollout.descriptors());
     dsts.inboxes.insert(0, rollout.inbox_descriptor().unwrap());
     trainer.set_destinations(&dsts).unwrap();
-    (trainer, rollout, source)
+    (trainer, rollout, source, stray)
 }
 
 /// Nudges every `every`-th element of w (bf16) and of b (f32) by a step's worth; only w's small
@@ -337,4 +351,192 @@ async fn a_stale_base_is_never_used_for_a_delta() {
         "{:?}",
         report.delta
     );
+}
+
+/// The apply's hash of a run it rewrote stands in for reading the run again only while no frame
+/// touched it since: a stray write landing in an applied run after the apply is caught, and
+/// once the right bytes are back the run is read again and passes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_landing_in_an_applied_run_after_the_apply_is_caught() {
+    use weightsync_common::fabric::{Access, FabricBackend, WriteOp};
+    let (trainer, rollout, source, stray) = setup_delta_with_peer(200 << 10);
+    round(&trainer, &rollout, &source, 0, None).await.unwrap();
+    nudge(&mut source.write(), 97, 1);
+    rollout.arm(sync(1)).unwrap();
+    let report = trainer
+        .run_delta_sync_until(sync(1), &only(0, 0), std::future::pending())
+        .await
+        .unwrap();
+    rollout.await_landed(Duration::from_secs(10)).await.unwrap();
+    rollout.apply_deltas(&report.deltas).unwrap();
+    // A stray write (no immediate: nothing counts it) over the start of an applied run.
+    let run = report.deltas[0];
+    let region = rollout.region(run.mr).unwrap();
+    let good = region.copy_to_vec(run.offset, 64).unwrap();
+    let mut bad = good.clone();
+    bad[0] ^= 0x40;
+    let src = stray.alloc(64, Access::SOURCE).unwrap();
+    let dst = rollout.descriptors()[run.mr as usize].clone();
+    for bytes in [&bad, &good] {
+        src.write_at(0, bytes).unwrap();
+        stray
+            .write(WriteOp::new(&src, 0, &dst, run.offset, 64))
+            .await
+            .unwrap();
+        let res = rollout.verify(&report.checksums);
+        if bytes == &bad {
+            let err = res.unwrap_err();
+            assert!(matches!(err, WorkerError::ChecksumMismatch { .. }), "{err}");
+            assert_eq!(rollout.held_version(), None);
+        } else {
+            res.unwrap();
+        }
+    }
+    assert_eq!(region.to_vec().unwrap(), expected(&source.read()));
+}
+
+/// A same-dtype copy of a registered tensor keeping a base is compared where the tensor lies:
+/// nothing of it is staged (only its encoding is), its delta lands byte-exact and verifies, and
+/// when everything changed its run goes dense straight from the tensor.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registered_copy_is_compared_in_place_and_goes_dense_from_the_source() {
+    use weightsync_schedules::table::TensorBox;
+    let (tp, rp) = super::tests::copy_plans(TensorBox::new(&[0, 0], &[16, 8]));
+    let fab = MemFabric::new_switch("trainer-0");
+    let mut rollout = RolloutWorker::new(fab.peer("rollout-0"), "rollout-0", rp).unwrap();
+    rollout
+        .enable_delta_inbox(crate::delta::inbox_bytes(256, 0.25))
+        .unwrap();
+    // The training job's tensor: written between syncs only, while nothing reads it.
+    let tensor = Arc::new(parking_lot::Mutex::new(
+        (0..256u32)
+            .map(|i| (i * 7 % 251) as u8)
+            .collect::<Vec<u8>>(),
+    ));
+    let ptr = tensor.lock().as_mut_ptr();
+    // SAFETY: the vector (never resized) is kept alive by the owner passed along; the test
+    // writes it only between syncs, when no write reads it.
+    let memory = unsafe { crate::HostMemory::from_raw(ptr, 256, Box::new(tensor.clone())) };
+    let set = Arc::new(
+        crate::TensorSet::register(
+            &fab,
+            vec![crate::SourceTensor {
+                name: "w".into(),
+                dtype: weightsync_common::DType::BF16,
+                shape: vec![16, 8],
+                memory,
+            }],
+        )
+        .unwrap(),
+    );
+    let source = Arc::new(set.for_plan(&tp).unwrap());
+    let mut cfg = TrainerConfig::new("trainer-0", 4096);
+    cfg.delta.keep_bases = true;
+    cfg.delta.keep_direct = true;
+    let mut trainer = TrainerWorker::new(fab.clone(), source, tp, cfg).unwrap();
+    let mut dsts = Destinations::default();
+    dsts.rollouts.insert(0, rollout.descriptors());
+    dsts.inboxes.insert(0, rollout.inbox_descriptor().unwrap());
+    trainer.set_destinations(&dsts).unwrap();
+    for v in 0..3u64 {
+        match v {
+            1 => {
+                let mut t = tensor.lock();
+                t[10] ^= 1;
+                t[201] ^= 0x80;
+            }
+            2 => tensor
+                .lock()
+                .iter_mut()
+                .for_each(|b| *b = b.wrapping_add(1)),
+            _ => {}
+        }
+        rollout.arm(sync(v)).unwrap();
+        let report = match v {
+            0 => trainer.run_sync(sync(v)).await.unwrap(),
+            _ => trainer
+                .run_delta_sync_until(sync(v), &only(0, v - 1), std::future::pending())
+                .await
+                .unwrap(),
+        };
+        rollout.await_landed(Duration::from_secs(10)).await.unwrap();
+        rollout.apply_deltas(&report.deltas).unwrap();
+        rollout.verify(&report.checksums).unwrap();
+        assert_eq!(rollout.read_tensor("w").unwrap(), *tensor.lock(), "v{v}");
+        assert_eq!((report.staged_bytes, report.direct_bytes), (0, 256), "v{v}");
+        match v {
+            1 => {
+                assert_eq!(report.delta.changed, 2, "{:?}", report.delta);
+                assert_eq!(report.deltas.len(), 1);
+                assert!(report.bytes_written < 16, "{report:?}");
+            }
+            2 => {
+                assert!(report.deltas.is_empty());
+                assert_eq!(report.bytes_written, 256);
+            }
+            _ => {}
+        }
+    }
+}
+
+/// A same-dtype copy of a contiguous box of a plain (unregistered) source keeping a base is
+/// compared where the source holds it too: only its runs that go dense are copied into
+/// staging (none for a delta, all when everything changed), byte-exact and verified each time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unregistered_copy_is_compared_in_place_and_stages_only_dense_runs() {
+    use weightsync_schedules::table::TensorBox;
+    let (tp, rp) = super::tests::copy_plans(TensorBox::new(&[0, 0], &[16, 8]));
+    let fab = MemFabric::new_switch("trainer-0");
+    let mut rollout = RolloutWorker::new(fab.peer("rollout-0"), "rollout-0", rp).unwrap();
+    rollout
+        .enable_delta_inbox(crate::delta::inbox_bytes(256, 0.25))
+        .unwrap();
+    let source: SharedSource = Arc::new(parking_lot::RwLock::new(
+        (0..256u32).map(|i| (i * 7 % 251) as u8).collect(),
+    ));
+    let mut cfg = TrainerConfig::new("trainer-0", 4096);
+    cfg.delta.keep_bases = true;
+    let mut trainer = TrainerWorker::new(fab.clone(), source.clone(), tp, cfg).unwrap();
+    let mut dsts = Destinations::default();
+    dsts.rollouts.insert(0, rollout.descriptors());
+    dsts.inboxes.insert(0, rollout.inbox_descriptor().unwrap());
+    trainer.set_destinations(&dsts).unwrap();
+    for v in 0..3u64 {
+        match v {
+            1 => {
+                let mut s = source.write();
+                s[10] ^= 1;
+                s[201] ^= 0x80;
+            }
+            2 => source
+                .write()
+                .iter_mut()
+                .for_each(|b| *b = b.wrapping_add(1)),
+            _ => {}
+        }
+        rollout.arm(sync(v)).unwrap();
+        let report = match v {
+            0 => trainer.run_sync(sync(v)).await.unwrap(),
+            _ => trainer
+                .run_delta_sync_until(sync(v), &only(0, v - 1), std::future::pending())
+                .await
+                .unwrap(),
+        };
+        rollout.await_landed(Duration::from_secs(10)).await.unwrap();
+        rollout.apply_deltas(&report.deltas).unwrap();
+        rollout.verify(&report.checksums).unwrap();
+        assert_eq!(rollout.read_tensor("w").unwrap(), *source.read(), "v{v}");
+        assert_eq!(report.direct_bytes, 0, "v{v}");
+        match v {
+            1 => {
+                assert_eq!((report.delta.changed, report.deltas.len()), (2, 1));
+                assert_eq!(report.staged_bytes, 0, "{report:?}");
+            }
+            2 => {
+                assert!(report.deltas.is_empty());
+                assert_eq!((report.staged_bytes, report.bytes_written), (256, 256));
+            }
+            _ => {}
+        }
+    }
 }

@@ -27,7 +27,9 @@ mod direct;
 #[cfg(test)]
 mod early_check_tests;
 mod piece;
+mod piece_source;
 mod pipeline;
+mod run_checksums;
 mod split_meter;
 mod stages;
 mod staging;

@@ -41,12 +41,13 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use parking_lot::Mutex;
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
-use weightsync_common::fabric::{FabricBackend, Region, RegionDescriptor, TransferPaths, WriteOp};
-use weightsync_schedules::table::{MeshGroup, Transform, WriteTarget};
+use weightsync_common::fabric::{FabricBackend, TransferPaths, WriteOp};
+use weightsync_schedules::table::{MeshGroup, Source, Transform, WriteTarget};
 
 use super::delta::{DeltaSync, EncodeCtx, PartMode, Route, encode_piece};
 use super::direct::DirectSource;
-use super::piece::TaskPiece;
+use super::piece_source::PieceSource;
+use super::run_checksums::{part_checksums, run_checksums};
 use super::split_meter::{Activity, SplitMeter};
 use super::stages::{prepare_from_source, prepare_piece, stage_input};
 use super::{PipelineMode, SyncReport, TrainerState};
@@ -224,8 +225,12 @@ pub(crate) async fn run<F: FabricBackend>(
                     if run.failed() {
                         break 'groups;
                     }
-                    let mut need = state.pieces[t as usize][p].layout.total;
                     let route = run.routes[t as usize];
+                    // A piece compared where its source holds it stages only its encodings.
+                    let mut need = match compared_in_place(&state, t) {
+                        Some(c) if route != Route::Dense && c.direct.is_some() => 0,
+                        _ => state.pieces[t as usize][p].layout.total,
+                    };
                     if run.active.is_some() && route == Route::Compare {
                         need += state.enc_need[t as usize][p];
                     }
@@ -364,6 +369,11 @@ async fn run_piece<F: FabricBackend>(
     let Some(lease) = lease else {
         return piece_direct(&run, t, p).await;
     };
+    if run.routes[t as usize] != Route::Dense
+        && let Some(at) = compared_in_place(&run.state, t)
+    {
+        return piece_in_place(&run, t, p, lease, at).await;
+    }
     // A piece prepared reading its source in place has nothing to copy first.
     let lease = if run.state.in_place[t as usize].is_some() {
         lease
@@ -581,24 +591,14 @@ async fn piece_prepare<F: FabricBackend>(
                 }
                 None => prepare_piece(&st.plan, shape, piece, buf, st.config.threads())?,
             }
-            if st.config.verify {
-                job.checksums.lock().extend(run_checksums(st, piece, buf));
-            }
-            let route = job.routes[t as usize];
-            if route != Route::Dense {
-                let ctx = EncodeCtx {
-                    plan: &st.plan,
-                    write_dst: &st.write_dst,
-                    inboxes: &st.inboxes,
-                    bases: &st.bases,
-                    config: &st.config.delta,
-                    // A refreshed base is stale until this sync's bytes are copied into it.
-                    active: job.active.as_ref().filter(|_| route == Route::Compare),
-                };
-                let done = encode_piece(&ctx, piece, piece.layout.total, buf);
-                job.figures.lock().add(&done.figures);
-                job.records.lock().extend(done.records);
-                job.modes.lock().insert((t, p), done.modes);
+            if job.routes[t as usize] == Route::Dense {
+                if st.config.verify {
+                    job.checksums.lock().extend(run_checksums(st, piece, buf));
+                }
+            } else {
+                let total = piece.layout.total;
+                let (prepared, enc_area) = buf.split_at_mut(total as usize);
+                encode_and_record(job, t, p, prepared, enc_area, total);
             }
             Ok(())
         },
@@ -613,55 +613,153 @@ async fn piece_prepare<F: FabricBackend>(
     Ok(Some(lease))
 }
 
-/// The xxh3 of every run a prepared piece writes to a rollout.
-fn run_checksums(st: &TrainerState, piece: &TaskPiece, buf: &[u8]) -> Vec<RunChecksum> {
-    piece
-        .parts
-        .iter()
-        .filter_map(|part| {
-            let w = st.plan.writes[part.write as usize];
-            let WriteTarget::Rollout(rollout) = w.dst else {
-                return None;
-            };
-            let a = part.staging_offset as usize;
-            let dst = &st.write_dst[part.write as usize];
-            Some(RunChecksum {
-                rollout,
-                mr: dst.mr,
-                offset: dst.offset + (part.dst_offset - w.dst_offset),
-                len: part.len,
-                xxh3: xxh3(&buf[a..a + part.len as usize]),
+/// Encodes piece `p` of task `t` (its prepared bytes `prepared`, encodings into `enc_area`
+/// at `enc_at` of its lease; see [`encode_piece`]) and records what came of it: checksums
+/// (taken in the pass that compared the runs with their bases), delta records and figures, and
+/// how each part is written.
+fn encode_and_record<F: FabricBackend>(
+    job: &SyncRun<F>,
+    t: u32,
+    p: usize,
+    prepared: &[u8],
+    enc_area: &mut [u8],
+    enc_at: u64,
+) {
+    let st = &job.state;
+    let piece = &st.pieces[t as usize][p];
+    let route = job.routes[t as usize];
+    let ctx = EncodeCtx {
+        plan: &st.plan,
+        write_dst: &st.write_dst,
+        inboxes: &st.inboxes,
+        bases: &st.bases,
+        config: &st.config.delta,
+        // A refreshed base is stale until this sync's bytes are copied into it.
+        active: job.active.as_ref().filter(|_| route == Route::Compare),
+    };
+    let done = encode_piece(&ctx, piece, prepared, enc_area, enc_at);
+    if st.config.verify {
+        let sums = part_checksums(st, piece, |i, part| {
+            done.hashes[i].unwrap_or_else(|| {
+                let a = part.staging_offset as usize;
+                xxh3(&prepared[a..a + part.len as usize])
             })
-        })
-        .collect()
+        });
+        job.checksums.lock().extend(sums);
+    }
+    job.figures.lock().add(&done.figures);
+    job.records.lock().extend(done.records);
+    job.modes.lock().insert((t, p), done.modes);
 }
 
-/// Where a piece's prepared bytes are when it is written.
-enum PieceSource {
-    /// In a staging lease, dense from `at`.
-    Staged { region: Region, at: u64 },
-    /// In registered source memory, starting at byte `from` of the task's output.
-    Direct { direct: DirectSource, from: u64 },
+/// Where a task that keeps a base and does not go dense is compared where its source holds it
+/// (see `super::delta`'s module docs): a same-dtype copy of a contiguous box of a shard the
+/// host reads.
+struct InPlaceCompare {
+    /// The shard, and the byte offset of the task's box in it.
+    shard: u32,
+    box_at: u64,
+    /// The box in registered memory: its dense runs are written from there, and only the
+    /// encodings are staged (else the runs that go dense are copied into the lease).
+    direct: Option<DirectSource>,
 }
 
-impl PieceSource {
-    /// A write of `len` bytes at `offset` into the piece's prepared bytes, to `dst` at
-    /// `dst_offset`.
-    fn op(&self, offset: u64, dst: &RegionDescriptor, dst_offset: u64, len: u64) -> WriteOp {
-        match self {
-            PieceSource::Staged { region, at } => {
-                WriteOp::new(region, at + offset, dst, dst_offset, len)
+fn compared_in_place(st: &TrainerState, t: u32) -> Option<InPlaceCompare> {
+    let task = &st.plan.tasks[t as usize];
+    let (Transform::Copy { dtype }, Source::Shard { shard }) = (task.transform, task.source) else {
+        return None;
+    };
+    let s = st.plan.shards.get(shard as usize)?;
+    let sub = st.plan.source_box(task)?;
+    let dims = s.global.shape();
+    if st.device.is_some() || s.dtype != dtype || !sub.is_contiguous_in(dims.dims()) {
+        return None;
+    }
+    let direct = st.direct[t as usize].clone().filter(|d| d.runs.is_none());
+    Some(InPlaceCompare {
+        shard,
+        box_at: sub.first_element_in(dims.dims()) * dtype.size() as u64,
+        direct,
+    })
+}
+
+/// A piece compared where its source holds it ([`compared_in_place`]): its runs are compared
+/// with the base (and hashed) in the source and its encodings go to its lease; its runs that go
+/// dense are written straight from registered source memory, or copied into the lease (only
+/// they) and written from there.
+async fn piece_in_place<F: FabricBackend>(
+    run: &Arc<SyncRun<F>>,
+    t: u32,
+    p: usize,
+    lease: Lease,
+    at: InPlaceCompare,
+) -> Result<()> {
+    let st = &run.state;
+    let piece = &st.pieces[t as usize][p];
+    let shape = &st.shapes[t as usize];
+    let from = shape.grain.elems_before(piece.u0) * shape.out_size;
+    let (shard, registered) = (at.shard, at.direct.is_some());
+    let start = (at.box_at + from) as usize;
+    let compared = in_staging(run, &run.prepare, "prepare", lease, move |job, _, buf| {
+        let st = &job.state;
+        let piece = &st.pieces[t as usize][p];
+        let len = piece.layout.input as usize;
+        st.source.read_shard(&st.plan, shard, &mut |bytes: &[u8]| {
+            let mine =
+                bytes
+                    .get(start..start + len)
+                    .ok_or_else(|| WorkerError::SourceTooShort {
+                        what: format!("task {t}'s box in its shard"),
+                        need: (start + len) as u64,
+                        have: bytes.len() as u64,
+                    })?;
+            if registered {
+                encode_and_record(job, t, p, mine, buf, 0);
+                return Ok(());
             }
-            PieceSource::Direct { direct, from } => {
-                let (at, stride) = direct.at(from + offset);
-                let op = WriteOp::new(&direct.region, at, dst, dst_offset, len);
-                match stride {
-                    Some(s) => op.with_stride(s),
-                    None => op,
+            let total = piece.layout.total;
+            let (staged, enc_area) = buf.split_at_mut(total as usize);
+            encode_and_record(job, t, p, mine, enc_area, total);
+            let modes = job.modes.lock();
+            let modes = modes.get(&(t, p)).map_or(&[][..], Vec::as_slice);
+            for (i, part) in piece.parts.iter().enumerate() {
+                if modes.get(i).is_none_or(|m| *m == PartMode::Dense) {
+                    let r = part.staging_offset as usize..(part.staging_offset + part.len) as usize;
+                    staged[r.clone()].copy_from_slice(&mine[r]);
+                    job.staged_bytes.fetch_add(part.len, Ordering::Relaxed);
                 }
             }
-        }
+            Ok(())
+        })
+    })
+    .await?;
+    let Some((lease, began)) = compared else {
+        return Ok(());
+    };
+    run.rec
+        .record(t, p as u32, Stage::Prepare, began, piece.layout.input);
+    if run.failed() {
+        return Ok(());
     }
+    let staged = PieceSource::Staged {
+        region: st.staging.region().clone(),
+        at: lease.offset(),
+    };
+    let source = match at.direct {
+        Some(direct) => PieceSource::Encodings {
+            region: st.staging.region().clone(),
+            at: lease.offset(),
+            direct,
+            from,
+        },
+        None => staged,
+    };
+    piece_write(run, t, p, &source).await?;
+    if registered {
+        run.direct_bytes
+            .fetch_add(piece.layout.input, Ordering::Relaxed);
+    }
+    Ok(())
 }
 
 /// WRITE: every part of the piece, each until acknowledged. The last part of a write split over
@@ -687,7 +785,7 @@ async fn piece_write<F: FabricBackend>(
                     enc_len,
                     inbox_at,
                 },
-                PieceSource::Staged { region, at },
+                PieceSource::Staged { region, at } | PieceSource::Encodings { region, at, .. },
                 WriteTarget::Rollout(r),
             ) => {
                 let inbox = st.inboxes.get(&r).ok_or_else(|| {

@@ -761,7 +761,7 @@ pub(super) fn one_copy_plans() -> (TrainerPlan, RolloutPlan) {
 }
 
 /// Trainer 0 copies `region` of its [16, 8] bf16 `w` to rollout 0's `w` (the region's shape).
-fn copy_plans(region: TensorBox) -> (TrainerPlan, RolloutPlan) {
+pub(super) fn copy_plans(region: TensorBox) -> (TrainerPlan, RolloutPlan) {
     let shape = Shape::new(&[16, 8]);
     let len = region.numel() * 2;
     let trainer_plan = TrainerPlan {
