@@ -438,45 +438,21 @@ async fn a_registered_copy_is_compared_in_place_and_goes_dense_from_the_source()
     dsts.rollouts.insert(0, rollout.descriptors());
     dsts.inboxes.insert(0, rollout.inbox_descriptor().unwrap());
     trainer.set_destinations(&dsts).unwrap();
-    for v in 0..3u64 {
-        match v {
-            1 => {
-                let mut t = tensor.lock();
-                t[10] ^= 1;
-                t[201] ^= 0x80;
-            }
-            2 => tensor
-                .lock()
-                .iter_mut()
-                .for_each(|b| *b = b.wrapping_add(1)),
-            _ => {}
-        }
-        rollout.arm(sync(v)).unwrap();
-        let report = match v {
-            0 => trainer.run_sync(sync(v)).await.unwrap(),
-            _ => trainer
-                .run_delta_sync_until(sync(v), &only(0, v - 1), std::future::pending())
-                .await
-                .unwrap(),
-        };
-        rollout.await_landed(Duration::from_secs(10)).await.unwrap();
-        rollout.apply_deltas(&report.deltas).unwrap();
-        rollout.verify(&report.checksums).unwrap();
-        assert_eq!(rollout.read_tensor("w").unwrap(), *tensor.lock(), "v{v}");
+    let reports = three_in_place_syncs(
+        &trainer,
+        &mut rollout,
+        |v| change(v, &mut tensor.lock()),
+        || tensor.lock().clone(),
+    )
+    .await;
+    for (v, report) in reports.iter().enumerate() {
         assert_eq!((report.staged_bytes, report.direct_bytes), (0, 256), "v{v}");
-        match v {
-            1 => {
-                assert_eq!(report.delta.changed, 2, "{:?}", report.delta);
-                assert_eq!(report.deltas.len(), 1);
-                assert!(report.bytes_written < 16, "{report:?}");
-            }
-            2 => {
-                assert!(report.deltas.is_empty());
-                assert_eq!(report.bytes_written, 256);
-            }
-            _ => {}
-        }
     }
+    assert_eq!(reports[1].delta.changed, 2, "{:?}", reports[1].delta);
+    assert_eq!(reports[1].deltas.len(), 1);
+    assert!(reports[1].bytes_written < 16, "{:?}", reports[1]);
+    assert!(reports[2].deltas.is_empty());
+    assert_eq!(reports[2].bytes_written, 256);
 }
 
 /// A same-dtype copy of a contiguous box of a plain (unregistered) source keeping a base is
@@ -501,19 +477,49 @@ async fn an_unregistered_copy_is_compared_in_place_and_stages_only_dense_runs() 
     dsts.rollouts.insert(0, rollout.descriptors());
     dsts.inboxes.insert(0, rollout.inbox_descriptor().unwrap());
     trainer.set_destinations(&dsts).unwrap();
-    for v in 0..3u64 {
-        match v {
-            1 => {
-                let mut s = source.write();
-                s[10] ^= 1;
-                s[201] ^= 0x80;
-            }
-            2 => source
-                .write()
-                .iter_mut()
-                .for_each(|b| *b = b.wrapping_add(1)),
-            _ => {}
+    let reports = three_in_place_syncs(
+        &trainer,
+        &mut rollout,
+        |v| change(v, &mut source.write()),
+        || source.read().clone(),
+    )
+    .await;
+    for (v, report) in reports.iter().enumerate() {
+        assert_eq!(report.direct_bytes, 0, "v{v}");
+    }
+    assert_eq!((reports[1].delta.changed, reports[1].deltas.len()), (2, 1));
+    assert_eq!(reports[1].staged_bytes, 0, "{:?}", reports[1]);
+    assert!(reports[2].deltas.is_empty());
+    assert_eq!(
+        (reports[2].staged_bytes, reports[2].bytes_written),
+        (256, 256)
+    );
+}
+
+/// What the in-place tests change before sync `v`: nothing, then two bytes, then every byte.
+fn change(v: u64, bytes: &mut [u8]) {
+    match v {
+        1 => {
+            bytes[10] ^= 1;
+            bytes[201] ^= 0x80;
         }
+        2 => bytes.iter_mut().for_each(|b| *b = b.wrapping_add(1)),
+        _ => {}
+    }
+}
+
+/// Syncs 0, 1 and 2 of `trainer` into `rollout` (the first full, then deltas against the one
+/// before), `change(v)` applied to the source before each: each lands, applies and verifies,
+/// and the engine then holds what `held()` reads of the source. Returns the trainer's reports.
+async fn three_in_place_syncs(
+    trainer: &TrainerWorker<MemFabric>,
+    rollout: &mut RolloutWorker<MemFabric>,
+    mut change: impl FnMut(u64),
+    held: impl Fn() -> Vec<u8>,
+) -> Vec<SyncReport> {
+    let mut reports = Vec::new();
+    for v in 0..3u64 {
+        change(v);
         rollout.arm(sync(v)).unwrap();
         let report = match v {
             0 => trainer.run_sync(sync(v)).await.unwrap(),
@@ -525,18 +531,8 @@ async fn an_unregistered_copy_is_compared_in_place_and_stages_only_dense_runs() 
         rollout.await_landed(Duration::from_secs(10)).await.unwrap();
         rollout.apply_deltas(&report.deltas).unwrap();
         rollout.verify(&report.checksums).unwrap();
-        assert_eq!(rollout.read_tensor("w").unwrap(), *source.read(), "v{v}");
-        assert_eq!(report.direct_bytes, 0, "v{v}");
-        match v {
-            1 => {
-                assert_eq!((report.delta.changed, report.deltas.len()), (2, 1));
-                assert_eq!(report.staged_bytes, 0, "{report:?}");
-            }
-            2 => {
-                assert!(report.deltas.is_empty());
-                assert_eq!((report.staged_bytes, report.bytes_written), (256, 256));
-            }
-            _ => {}
-        }
+        assert_eq!(rollout.read_tensor("w").unwrap(), held(), "v{v}");
+        reports.push(report);
     }
+    reports
 }
