@@ -14,6 +14,7 @@ use std::sync::Arc;
 use ibverbs_sys as ffi;
 
 use super::super::error::FabricError;
+use super::verbs_endpoint::{QpEndpoint, random_psn};
 use super::verbs_gid::{
     Addressing, Gid, GidType, LinkLayer, choose_addressing, choose_gid, read_gid_table,
 };
@@ -48,6 +49,23 @@ pub struct PortInfo {
     pub addressing: Addressing,
     /// The device's limits.
     pub limits: DeviceLimits,
+}
+
+impl PortInfo {
+    /// What a queue pair numbered `qp_num` on this port, posting `recv_depth` receives, tells
+    /// its peer, starting at a fresh random PSN.
+    pub fn endpoint(&self, qp_num: u32, recv_depth: u32) -> QpEndpoint {
+        QpEndpoint {
+            qp_num,
+            psn: random_psn(),
+            lid: self.lid,
+            gid: self.gid,
+            mtu: self.active_mtu,
+            recv_depth,
+            max_msg_size: self.max_msg_size,
+            gid_type: self.gid_type,
+        }
+    }
 }
 
 /// What opening a device's port found.

@@ -10,7 +10,7 @@ mod tests {
 
     use crate::fabric::region::RegisteredMemory;
     use crate::fabric::verbs::verbs_device::{VerbsContext, VerbsPd};
-    use crate::fabric::verbs::verbs_endpoint::{QpEndpoint, random_psn};
+    use crate::fabric::verbs::verbs_endpoint::QpEndpoint;
     use crate::fabric::verbs::verbs_mr::VerbsMr;
     use crate::fabric::verbs::verbs_qp::VerbsQp;
     use crate::fabric::verbs::verbs_qp_attr::{RemoteWrite, to_error, to_init, to_rtr, to_rts};
@@ -19,17 +19,7 @@ mod tests {
     use crate::fabric::{Access, Memory, VerbsConfig};
 
     fn endpoint(qp: &VerbsQp, ctx: &VerbsContext, recv_depth: u32) -> QpEndpoint {
-        let port = ctx.port();
-        QpEndpoint {
-            qp_num: qp.qp_num(),
-            psn: random_psn(),
-            lid: port.lid,
-            gid: port.gid,
-            mtu: port.active_mtu,
-            recv_depth,
-            max_msg_size: port.max_msg_size,
-            gid_type: port.gid_type,
-        }
+        ctx.port().endpoint(qp.qp_num(), recv_depth)
     }
 
     fn connect(

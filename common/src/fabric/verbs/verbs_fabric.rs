@@ -25,7 +25,7 @@ use super::verbs_bootstrap::{
 };
 use super::verbs_completion::{MAX_PIECES_PER_TOKEN, PieceTarget};
 use super::verbs_device::{PortInfo, VerbsContext, VerbsPd};
-use super::verbs_endpoint::{QpEndpoint, agreed_max_msg, random_psn};
+use super::verbs_endpoint::agreed_max_msg;
 use super::verbs_lane::{Lane, Polled, PolledSet, Role};
 use super::verbs_lane_session::{ReaderEnd, read_writer_lane};
 use super::verbs_lane_state::{Blocked, LaneState};

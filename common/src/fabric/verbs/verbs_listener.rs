@@ -22,7 +22,7 @@ use parking_lot::Mutex;
 use super::verbs_bootstrap::{HandshakeKey, Reply, Request, receiver_exchange};
 use super::verbs_credits::ReceiveCredits;
 use super::verbs_device::{PortInfo, VerbsPd};
-use super::verbs_endpoint::{QpEndpoint, random_psn};
+use super::verbs_endpoint::QpEndpoint;
 use super::verbs_lane::{Polled, PolledSet, Role};
 use super::verbs_lane_session::serve_receiver_lane;
 use super::verbs_qp::VerbsQp;
@@ -172,16 +172,7 @@ impl Listener {
                 .map_err(|e| e.to_string())?;
             qp.post_recvs(s.recv_depth as usize)
                 .map_err(|e| e.to_string())?;
-            let ours = QpEndpoint {
-                qp_num: qp.qp_num(),
-                psn: random_psn(),
-                lid: self.port.lid,
-                gid: self.port.gid,
-                mtu: self.port.active_mtu,
-                recv_depth: s.recv_depth,
-                max_msg_size: self.port.max_msg_size,
-                gid_type: self.port.gid_type,
-            };
+            let ours = self.port.endpoint(qp.qp_num(), s.recv_depth);
             let rtr = to_rtr(&ours, &writer, self.port.addressing, self.port.port, s)?;
             qp.modify(&rtr, "INIT->RTR").map_err(|e| e.to_string())?;
             qp.modify(&to_rts(ours.psn, s), "RTR->RTS")

@@ -50,16 +50,7 @@ impl Inner {
         let s = &self.settings;
         let qp = VerbsQp::new(&self.pd, s.send_depth, 1, self.port.limits.send_sge())?;
         qp.modify(&to_init(self.port.port, RemoteWrite::On), "RESET->INIT")?;
-        let ours = QpEndpoint {
-            qp_num: qp.qp_num(),
-            psn: random_psn(),
-            lid: self.port.lid,
-            gid: self.port.gid,
-            mtu: self.port.active_mtu,
-            recv_depth: 1,
-            max_msg_size: self.port.max_msg_size,
-            gid_type: self.port.gid_type,
-        };
+        let ours = self.port.endpoint(qp.qp_num(), 1);
         let timeout = self.config.connect_timeout();
         let unreachable = |source: std::io::Error| FabricError::PeerUnreachable {
             peer: peer.clone(),
