@@ -109,14 +109,7 @@ async fn a_trainer_executes_the_slice_it_is_sent_and_refuses_another_ranks() {
 async fn a_rollout_lays_out_what_the_table_does_and_takes_only_its_expectations() {
     let dir = tempfile::tempdir().unwrap();
     let (world, job) = job(dir.path());
-    let mut d = RolloutDriver::new(RolloutDriverConfig {
-        world,
-        rank: 2,
-        fabric: FabricConfig::loopback("driver-tests", 1),
-        land_timeout: Duration::from_secs(5),
-    })
-    .await
-    .unwrap();
+    let mut d = rank_2_rollout(world, Duration::from_secs(5)).await;
     let planned = &job.table.rollout(2).unwrap();
     assert!(d.worker().plan().expect.is_empty(), "no table yet");
     assert_eq!(d.worker().layout(), &planned.tensors[..]);
@@ -150,14 +143,7 @@ async fn a_rollout_takes_writes_only_between_its_prepare_and_its_landing() {
 
     let dir = tempfile::tempdir().unwrap();
     let (world, job) = job(dir.path());
-    let mut d = RolloutDriver::new(RolloutDriverConfig {
-        world,
-        rank: 2,
-        fabric: FabricConfig::loopback("driver-tests", 1),
-        land_timeout: Duration::from_millis(200),
-    })
-    .await
-    .unwrap();
+    let mut d = rank_2_rollout(world, Duration::from_millis(200)).await;
     let planned = job.table.rollout(2).unwrap();
     d.assign(Assignment::Rollout {
         plan_id: 1,
@@ -205,4 +191,17 @@ async fn a_rollout_takes_writes_only_between_its_prepare_and_its_landing() {
     // The close started by the landing is in force once the sync ends (and before `Verify`).
     d.finish(sync(2), Outcome::Aborted).await;
     refused(write().await, "after the sync ended");
+}
+
+/// The driver of rollout rank 2 of `world` on a loopback fabric, waiting `land_timeout` for a
+/// landing.
+async fn rank_2_rollout(world: WorldSpec, land_timeout: Duration) -> RolloutDriver {
+    RolloutDriver::new(RolloutDriverConfig {
+        world,
+        rank: 2,
+        fabric: FabricConfig::loopback("driver-tests", 1),
+        land_timeout,
+    })
+    .await
+    .unwrap()
 }
