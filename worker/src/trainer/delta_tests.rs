@@ -35,18 +35,28 @@ fn setup_delta_with_peer(
     let stray = fab.peer("stray");
     let mut rollout = RolloutWorker::new(fab.peer("rollout-0"), "rollout-0", rp.clone()).unwrap();
     let total: u64 = rp.mr_bytes.iter().sum();
-    rollout
-        .enable_delta_inbox(crate::delta::inbox_bytes(total, 0.25))
-        .unwrap();
     let source: SharedSource = Arc::new(parking_lot::RwLock::new(source_bytes(0)));
     let mut cfg = TrainerConfig::new("trainer-0", watermark);
     cfg.delta.keep_bases = true;
     let mut trainer = TrainerWorker::new(fab, source.clone(), tp, cfg).unwrap();
+    with_inbox(&mut trainer, &mut rollout, total);
+    (trainer, rollout, source, stray)
+}
+
+/// Gives `rollout` (of `bytes` bytes) its delta inbox, a quarter of them, and points `trainer`
+/// at its regions and inbox.
+fn with_inbox(
+    trainer: &mut TrainerWorker<MemFabric>,
+    rollout: &mut RolloutWorker<MemFabric>,
+    bytes: u64,
+) {
+    rollout
+        .enable_delta_inbox(crate::delta::inbox_bytes(bytes, 0.25))
+        .unwrap();
     let mut dsts = Destinations::default();
     dsts.rollouts.insert(0, rollout.descriptors());
     dsts.inboxes.insert(0, rollout.inbox_descriptor().unwrap());
     trainer.set_destinations(&dsts).unwrap();
-    (trainer, rollout, source, stray)
 }
 
 /// Nudges every `every`-th element of w (bf16) and of b (f32) by a step's worth; only w's small
@@ -404,9 +414,6 @@ async fn a_registered_copy_is_compared_in_place_and_goes_dense_from_the_source()
     let (tp, rp) = super::tests::copy_plans(TensorBox::new(&[0, 0], &[16, 8]));
     let fab = MemFabric::new_switch("trainer-0");
     let mut rollout = RolloutWorker::new(fab.peer("rollout-0"), "rollout-0", rp).unwrap();
-    rollout
-        .enable_delta_inbox(crate::delta::inbox_bytes(256, 0.25))
-        .unwrap();
     // The training job's tensor: written between syncs only, while nothing reads it.
     let tensor = Arc::new(parking_lot::Mutex::new(
         (0..256u32)
@@ -434,10 +441,7 @@ async fn a_registered_copy_is_compared_in_place_and_goes_dense_from_the_source()
     cfg.delta.keep_bases = true;
     cfg.delta.keep_direct = true;
     let mut trainer = TrainerWorker::new(fab.clone(), source, tp, cfg).unwrap();
-    let mut dsts = Destinations::default();
-    dsts.rollouts.insert(0, rollout.descriptors());
-    dsts.inboxes.insert(0, rollout.inbox_descriptor().unwrap());
-    trainer.set_destinations(&dsts).unwrap();
+    with_inbox(&mut trainer, &mut rollout, 256);
     let reports = three_in_place_syncs(
         &trainer,
         &mut rollout,
@@ -464,19 +468,13 @@ async fn an_unregistered_copy_is_compared_in_place_and_stages_only_dense_runs() 
     let (tp, rp) = super::tests::copy_plans(TensorBox::new(&[0, 0], &[16, 8]));
     let fab = MemFabric::new_switch("trainer-0");
     let mut rollout = RolloutWorker::new(fab.peer("rollout-0"), "rollout-0", rp).unwrap();
-    rollout
-        .enable_delta_inbox(crate::delta::inbox_bytes(256, 0.25))
-        .unwrap();
     let source: SharedSource = Arc::new(parking_lot::RwLock::new(
         (0..256u32).map(|i| (i * 7 % 251) as u8).collect(),
     ));
     let mut cfg = TrainerConfig::new("trainer-0", 4096);
     cfg.delta.keep_bases = true;
     let mut trainer = TrainerWorker::new(fab.clone(), source.clone(), tp, cfg).unwrap();
-    let mut dsts = Destinations::default();
-    dsts.rollouts.insert(0, rollout.descriptors());
-    dsts.inboxes.insert(0, rollout.inbox_descriptor().unwrap());
-    trainer.set_destinations(&dsts).unwrap();
+    with_inbox(&mut trainer, &mut rollout, 256);
     let reports = three_in_place_syncs(
         &trainer,
         &mut rollout,
