@@ -132,17 +132,29 @@ pub fn read_arena_shard<V: SourceView + ?Sized>(
     })?;
     let mut result = Ok(());
     view.read(&mut |bytes: &[u8]| {
-        let lo = s.offset as usize;
-        result = match bytes.get(lo..lo + s.bytes() as usize) {
-            Some(tensor) => f(tensor),
-            None => Err(WorkerError::SourceTooShort {
-                what: format!("shard of {}", param_name(plan, s.param)),
-                need: s.offset + s.bytes(),
-                have: bytes.len() as u64,
-            }),
-        };
+        result = source_range(bytes, s.offset as usize, s.bytes() as usize, || {
+            format!("shard of {}", param_name(plan, s.param))
+        })
+        .and_then(&mut *f);
     });
     result
+}
+
+/// `bytes[start..start + len]` of a source, or [`WorkerError::SourceTooShort`] naming `what()`
+/// needed them.
+pub(crate) fn source_range(
+    bytes: &[u8],
+    start: usize,
+    len: usize,
+    what: impl FnOnce() -> String,
+) -> Result<&[u8]> {
+    bytes
+        .get(start..start + len)
+        .ok_or_else(|| WorkerError::SourceTooShort {
+            what: what(),
+            need: (start + len) as u64,
+            have: bytes.len() as u64,
+        })
 }
 
 /// Whether an arena of `have` bytes holds every shard the plan reads. A decoded plan is not

@@ -54,6 +54,7 @@ use super::{PipelineMode, SyncReport, TrainerState};
 use crate::checksum::{RunChecksum, xxh3};
 use crate::error::{Result, WorkerError};
 use crate::imm_tag::imm_for;
+use crate::source::view::source_range;
 use crate::sync::SyncId;
 use crate::timeline::TimelineRecorder;
 use crate::watermark::{Lease, Watermark};
@@ -705,14 +706,7 @@ async fn piece_in_place<F: FabricBackend>(
         let piece = &st.pieces[t as usize][p];
         let len = piece.layout.input as usize;
         st.source.read_shard(&st.plan, shard, &mut |bytes: &[u8]| {
-            let mine =
-                bytes
-                    .get(start..start + len)
-                    .ok_or_else(|| WorkerError::SourceTooShort {
-                        what: format!("task {t}'s box in its shard"),
-                        need: (start + len) as u64,
-                        have: bytes.len() as u64,
-                    })?;
+            let mine = source_range(bytes, start, len, || format!("task {t}'s box in its shard"))?;
             if registered {
                 encode_and_record(job, t, p, mine, buf, 0);
                 return Ok(());

@@ -22,7 +22,7 @@ use crate::prepare::{
 use crate::source::device_stages::{
     DeviceStages, Fp8Strips, PrepareJob, PrepareKind, StridedCopy, strided_copies,
 };
-use crate::source::view::{SourceView, param_name};
+use crate::source::view::{SourceView, param_name, source_range};
 
 /// Units of one matrix covered by a piece: `(matrix, first strip, end strip, first unit)`.
 fn matrices(grain: &Grain, u0: u64, u1: u64) -> Vec<(u64, u64, u64, u64)> {
@@ -322,13 +322,7 @@ pub(crate) fn prepare_from_source(
     let out = &mut buf[values_at as usize..];
     let (lo, span) = (lo as usize, span as usize);
     source.read_shard(plan, shard, &mut |bytes: &[u8]| {
-        let input = bytes
-            .get(lo..lo + span)
-            .ok_or_else(|| WorkerError::SourceTooShort {
-                what: format!("shard of task {t}"),
-                need: (lo + span) as u64,
-                have: bytes.len() as u64,
-            })?;
+        let input = source_range(bytes, lo, span, || format!("shard of task {t}"))?;
         run_job(plan, t, &job, input, at.runs, out, values_at, threads)
     })
 }
